@@ -1,0 +1,1 @@
+"""pdscope collector (see ARCHITECTURE in README)."""

@@ -1,0 +1,1 @@
+"""pdscope controller (see ARCHITECTURE in README)."""

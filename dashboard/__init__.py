@@ -1,0 +1,1 @@
+"""pdscope dashboard (see ARCHITECTURE in README)."""

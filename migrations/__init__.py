@@ -1,0 +1,1 @@
+"""Alembic migrations for pdscope's store (run with ``pdscope db upgrade``)."""

@@ -1,0 +1,61 @@
+"""Span names and attribute keys that pdscope's proxy emits and its collector reads.
+
+vLLM's own ``llm_request`` span and its ``gen_ai.*`` attributes are listed too, as
+vLLM 0.32/0.33 emit them (see the real captures under ``tests/fixtures``).
+
+A request's trace, as the proxy writes it::
+
+    pdscope.request (SERVER, root; proxy_in .. done)
+    ├── pdscope.admission   proxy_in .. admitted (or rejected)
+    ├── pdscope.prefill     p_sent .. p_done     (one per attempt; vLLM P's llm_request is its child)
+    ├── pdscope.handoff     p_done .. first token (D queue incl. the NIXL pull)
+    └── pdscope.decode      d_sent .. done, event "first_token"  (D's llm_request is its child)
+"""
+
+from __future__ import annotations
+
+SERVICE_PROXY = "pdscope-proxy"
+
+SPAN_REQUEST = "pdscope.request"
+SPAN_ADMISSION = "pdscope.admission"
+SPAN_PREFILL = "pdscope.prefill"
+SPAN_HANDOFF = "pdscope.handoff"
+SPAN_DECODE = "pdscope.decode"
+EVENT_FIRST_TOKEN = "first_token"
+
+# attributes on the root span (some repeated on children)
+REQUEST_ID = "pdscope.request_id"          # the X-Request-Id sent to both P and D
+ENDPOINT = "pdscope.endpoint"              # "/v1/completions" | "/v1/chat/completions"
+STREAM = "pdscope.stream"
+P_INSTANCE = "pdscope.p_instance"
+D_INSTANCE = "pdscope.d_instance"
+P_POOL = "pdscope.p_pool"
+D_POOL = "pdscope.d_pool"
+OUTCOME = "pdscope.outcome"                # see OUTCOMES
+RETRIES = "pdscope.retries"
+KV_BLOCKS = "pdscope.kv_blocks"            # len of remote_block_ids (all groups)
+KV_BYTES = "pdscope.kv_bytes"              # prompt tokens * kv_bytes_per_token
+REJECT_REASON = "pdscope.reject_reason"
+ATTEMPT = "pdscope.attempt"                # on prefill/decode spans, 0-based
+INSTANCE = "pdscope.instance"              # on prefill/decode spans
+REMOTE_ENGINE_ID = "pdscope.remote_engine_id"
+HTTP_STATUS = "http.response.status_code"
+ERROR_TYPE = "error.type"
+
+OUTCOMES = ("ok", "error", "rejected", "client_disconnect", "timeout")
+
+# vLLM's per-request span and attributes
+VLLM_SPAN = "llm_request"
+GEN_AI_REQUEST_ID = "gen_ai.request.id"
+GEN_AI_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+GEN_AI_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+GEN_AI_TTFT = "gen_ai.latency.time_to_first_token"
+GEN_AI_E2E = "gen_ai.latency.e2e"
+GEN_AI_QUEUE = "gen_ai.latency.time_in_queue"
+GEN_AI_PREFILL = "gen_ai.latency.time_in_model_prefill"
+GEN_AI_DECODE = "gen_ai.latency.time_in_model_decode"
+GEN_AI_INFERENCE = "gen_ai.latency.time_in_model_inference"
+GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_TOP_P = "gen_ai.request.top_p"
+GEN_AI_N = "gen_ai.request.n"

@@ -1,0 +1,1 @@
+"""pdscope proxy (see ARCHITECTURE in README)."""

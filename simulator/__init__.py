@@ -1,0 +1,1 @@
+"""pdscope simulator (see ARCHITECTURE in README)."""

@@ -1,0 +1,292 @@
+"""The tables pdscope keeps: typed SQLAlchemy 2.0 models.
+
+Every time is a float of Unix seconds (UTC); it compares and indexes the same way on
+SQLite and PostgreSQL. Instances are referred to by name (names are unique in the
+config), so rows stay readable and survive an instance being re-added.
+
+This module holds no queries and no engine; see ``store.db`` and ``store.queries``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+Json = dict[str, Any]
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {Json: JSON, list[Any]: JSON}
+
+
+class InstanceRow(Base):
+    """A known P or D instance, as configured (upserted by the collector)."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    pool: Mapped[str] = mapped_column(String(128), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    url: Mapped[str] = mapped_column(String(512))
+    metrics_url: Mapped[str | None] = mapped_column(String(512))
+    labels: Mapped[Json] = mapped_column(default=dict)
+    # P's kv_transfer_config.engine_id, learnt from kv_transfer_params (remote_engine_id).
+    engine_id: Mapped[str | None] = mapped_column(String(128))
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+
+
+class Snapshot(Base):
+    """One scrape of one instance's /metrics: typed columns for the signals pdscope uses.
+
+    Counters are stored as scraped (cumulative, summed over ``engine`` labels); rates
+    come from differences between snapshots, with resets detected there. Gauges are
+    summed over engines except ``kv_cache_usage`` (the mean). ``histograms`` keeps each
+    histogram family's cumulative buckets: ``{family: {"le": [finite bounds], "counts":
+    [one per bound, then the +Inf bucket], "sum": s, "count": n}}`` (JSON has no
+    Infinity, so +Inf is implied by the extra count).
+    """
+
+    __tablename__ = "snapshots"
+    __table_args__ = (
+        Index("ix_snapshots_instance_ts", "instance", "ts"),
+        Index("ix_snapshots_pool_ts", "pool", "ts"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(String(128))
+    pool: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    up: Mapped[bool] = mapped_column(Boolean)
+    scrape_duration_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    engines: Mapped[int | None] = mapped_column(Integer)
+    process_start_ts: Mapped[float | None] = mapped_column(Float)
+
+    # gauges
+    kv_cache_usage: Mapped[float | None] = mapped_column(Float)
+    num_running: Mapped[float | None] = mapped_column(Float)
+    num_waiting: Mapped[float | None] = mapped_column(Float)
+    waiting_capacity: Mapped[float | None] = mapped_column(Float)
+    waiting_deferred: Mapped[float | None] = mapped_column(Float)
+    kv_fetch_waiting_to_start: Mapped[float | None] = mapped_column(Float)
+    kv_fetch_in_progress: Mapped[float | None] = mapped_column(Float)
+    kv_fetch_completed_waiting: Mapped[float | None] = mapped_column(Float)
+
+    # token and cache counters
+    prompt_tokens: Mapped[float | None] = mapped_column(Float)
+    generation_tokens: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens_local_compute: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens_local_cache_hit: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens_external_kv_transfer: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens_cached: Mapped[float | None] = mapped_column(Float)
+    prefix_cache_queries: Mapped[float | None] = mapped_column(Float)
+    prefix_cache_hits: Mapped[float | None] = mapped_column(Float)
+    external_prefix_cache_queries: Mapped[float | None] = mapped_column(Float)
+    external_prefix_cache_hits: Mapped[float | None] = mapped_column(Float)
+    preemptions: Mapped[float | None] = mapped_column(Float)
+
+    # request outcomes (vllm:request_success_total by finished_reason)
+    requests_stop: Mapped[float | None] = mapped_column(Float)
+    requests_length: Mapped[float | None] = mapped_column(Float)
+    requests_abort: Mapped[float | None] = mapped_column(Float)
+    requests_error: Mapped[float | None] = mapped_column(Float)
+    requests_repetition: Mapped[float | None] = mapped_column(Float)
+    admission_rejections_reqs: Mapped[float | None] = mapped_column(Float)
+    admission_rejections_tokens: Mapped[float | None] = mapped_column(Float)
+
+    # latency histogram sums and counts (buckets are in ``histograms``)
+    ttft_sum: Mapped[float | None] = mapped_column(Float)
+    ttft_count: Mapped[float | None] = mapped_column(Float)
+    itl_sum: Mapped[float | None] = mapped_column(Float)
+    itl_count: Mapped[float | None] = mapped_column(Float)
+    e2e_sum: Mapped[float | None] = mapped_column(Float)
+    e2e_count: Mapped[float | None] = mapped_column(Float)
+    queue_sum: Mapped[float | None] = mapped_column(Float)
+    queue_count: Mapped[float | None] = mapped_column(Float)
+
+    # NIXL (vllm:nixl_*), histograms as sum/count, counters as scraped
+    nixl_xfer_time_sum: Mapped[float | None] = mapped_column(Float)
+    nixl_xfer_time_count: Mapped[float | None] = mapped_column(Float)
+    nixl_post_time_sum: Mapped[float | None] = mapped_column(Float)
+    nixl_post_time_count: Mapped[float | None] = mapped_column(Float)
+    nixl_bytes_sum: Mapped[float | None] = mapped_column(Float)
+    nixl_bytes_count: Mapped[float | None] = mapped_column(Float)
+    nixl_descriptors_sum: Mapped[float | None] = mapped_column(Float)
+    nixl_descriptors_count: Mapped[float | None] = mapped_column(Float)
+    nixl_failed_transfers: Mapped[float | None] = mapped_column(Float)
+    nixl_failed_notifications: Mapped[float | None] = mapped_column(Float)
+    nixl_kv_expired_reqs: Mapped[float | None] = mapped_column(Float)
+    nixl_notifications_after_expiry: Mapped[float | None] = mapped_column(Float)
+
+    histograms: Mapped[Json] = mapped_column(default=dict)
+
+
+class SpanRow(Base):
+    """One OpenTelemetry span, from the proxy, from vLLM or from any OTLP sender."""
+
+    __tablename__ = "spans"
+    __table_args__ = (Index("ix_spans_trace_span", "trace_id", "span_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[str] = mapped_column(String(32))
+    span_id: Mapped[str] = mapped_column(String(16))
+    parent_span_id: Mapped[str | None] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(256))
+    service: Mapped[str | None] = mapped_column(String(256))
+    kind: Mapped[int | None] = mapped_column(Integer)
+    start_ts: Mapped[float] = mapped_column(Float, index=True)
+    end_ts: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    attributes: Mapped[Json] = mapped_column(default=dict)
+    received_ts: Mapped[float] = mapped_column(Float, index=True)
+
+
+class RequestRecord(Base):
+    """One client request, assembled from its trace: stages, instances, outcome, SLOs.
+
+    Stage timestamps (Unix seconds): ``proxy_in`` → ``p_sent`` → ``p_done`` →
+    ``d_sent`` → ``first_token`` → ``done``. Durations measured inside vLLM (its
+    ``llm_request`` span attributes) are kept as ``p_queue_s`` etc. when present.
+    """
+
+    __tablename__ = "request_records"
+    __table_args__ = (
+        Index("ix_request_records_d_instance_ts", "d_instance", "proxy_in"),
+        Index("ix_request_records_p_instance_ts", "p_instance", "proxy_in"),
+        Index("ix_request_records_status_ts", "status", "proxy_in"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    trace_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    endpoint: Mapped[str | None] = mapped_column(String(64))
+    stream: Mapped[bool | None] = mapped_column(Boolean)
+    p_instance: Mapped[str | None] = mapped_column(String(128))
+    d_instance: Mapped[str | None] = mapped_column(String(128))
+    p_pool: Mapped[str | None] = mapped_column(String(128))
+    d_pool: Mapped[str | None] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(32))
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    retries: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    kv_blocks: Mapped[int | None] = mapped_column(Integer)
+    kv_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+    proxy_in: Mapped[float] = mapped_column(Float, index=True)
+    p_sent: Mapped[float | None] = mapped_column(Float)
+    p_done: Mapped[float | None] = mapped_column(Float)
+    d_sent: Mapped[float | None] = mapped_column(Float)
+    first_token: Mapped[float | None] = mapped_column(Float)
+    done: Mapped[float | None] = mapped_column(Float)
+
+    p_queue_s: Mapped[float | None] = mapped_column(Float)
+    p_prefill_s: Mapped[float | None] = mapped_column(Float)
+    d_queue_s: Mapped[float | None] = mapped_column(Float)
+    d_prefill_s: Mapped[float | None] = mapped_column(Float)
+    d_decode_s: Mapped[float | None] = mapped_column(Float)
+
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    tpot_s: Mapped[float | None] = mapped_column(Float)
+    e2e_s: Mapped[float | None] = mapped_column(Float)
+    slo_ttft_met: Mapped[bool | None] = mapped_column(Boolean)
+    slo_tpot_met: Mapped[bool | None] = mapped_column(Boolean)
+    slo_met: Mapped[bool | None] = mapped_column(Boolean)
+    lease_expiry_suspect: Mapped[bool] = mapped_column(Boolean, default=False)
+    attributes: Mapped[Json] = mapped_column(default=dict)
+
+
+class Decision(Base):
+    """One controller decision about one subject (an instance or a pool) in one tick.
+
+    It carries what it saw (``inputs``), the per-signal ``scores``, the ``arithmetic``
+    as an equation a person can check, a CamelCase ``reason`` and a ``message``.
+    """
+
+    __tablename__ = "decisions"
+    __table_args__ = (Index("ix_decisions_subject_ts", "subject", "ts"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    tick: Mapped[int] = mapped_column(Integer)
+    mode: Mapped[str] = mapped_column(String(16))
+    subject_kind: Mapped[str] = mapped_column(String(16))
+    subject: Mapped[str] = mapped_column(String(128))
+    field: Mapped[str] = mapped_column(String(64))
+    old_value: Mapped[float | None] = mapped_column(Float)
+    new_value: Mapped[float | None] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)
+    arithmetic: Mapped[str | None] = mapped_column(Text)
+    inputs: Mapped[Json] = mapped_column(default=dict)
+    scores: Mapped[Json] = mapped_column(default=dict)
+    routing_version: Mapped[int | None] = mapped_column(Integer)
+
+
+class WeightOverride(Base):
+    """A manual weight or drain on an instance or a pool; wins until ``expires`` or cleared."""
+
+    __tablename__ = "weight_overrides"
+    __table_args__ = (Index("ix_weight_overrides_subject_active", "subject", "cleared"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    subject_kind: Mapped[str] = mapped_column(String(16))
+    subject: Mapped[str] = mapped_column(String(128))
+    weight: Mapped[float | None] = mapped_column(Float)
+    drained: Mapped[bool] = mapped_column(Boolean, default=False)
+    reason: Mapped[str] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(128))
+    created: Mapped[float] = mapped_column(Float)
+    expires: Mapped[float | None] = mapped_column(Float)
+    cleared: Mapped[float | None] = mapped_column(Float)
+
+
+class Alert(Base):
+    """One alert instance (a rule and a label set) through pending → firing → resolved."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_rule_fingerprint", "rule", "fingerprint"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    rule: Mapped[str] = mapped_column(String(128))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    severity: Mapped[str] = mapped_column(String(16))
+    labels: Mapped[Json] = mapped_column(default=dict)
+    annotations: Mapped[Json] = mapped_column(default=dict)
+    value: Mapped[float | None] = mapped_column(Float)
+    active_since: Mapped[float] = mapped_column(Float)
+    fired_at: Mapped[float | None] = mapped_column(Float)
+    resolved_at: Mapped[float | None] = mapped_column(Float)
+    last_eval: Mapped[float] = mapped_column(Float)
+
+
+class AuditEvent(Base):
+    """Who changed what through the controller API: before, after and why."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    subject: Mapped[str] = mapped_column(String(128))
+    before: Mapped[Json | None] = mapped_column(JSON)
+    after: Mapped[Json | None] = mapped_column(JSON)
+    reason: Mapped[str | None] = mapped_column(Text)
+    override_id: Mapped[int | None] = mapped_column(ForeignKey("weight_overrides.id"))

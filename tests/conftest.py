@@ -1,0 +1,138 @@
+"""Shared fixtures and the test-tier bookkeeping.
+
+Tiers are pytest markers (``pg``, ``real_vllm``, ``promtool``, ``browser``). At the end
+of a run each tier's passed/failed/skipped counts are printed and written to
+``.test-tiers.json``. With ``CI=true``, a tier named in ``$PDSCOPE_REQUIRED_TIERS``
+that skipped anything, or passed nothing, fails the run: CI must never skip them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TIERS = ("pg", "real_vllm", "promtool", "browser")
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+_counts: dict[str, dict[str, int]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
+_skip_reasons: dict[str, set[str]] = defaultdict(set)
+
+
+def _tier_of(item: pytest.Item) -> str:
+    for tier in TIERS:
+        if item.get_closest_marker(tier) is not None:
+            return tier
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.user_properties.append(("tier", _tier_of(item)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier = dict(report.user_properties).get("tier", "unit")
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        if report.skipped:
+            _counts[tier]["skipped"] += 1
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            _skip_reasons[tier].add(reason)
+        elif report.failed:
+            _counts[tier]["failed"] += 1
+        elif report.when == "call":
+            _counts[tier]["passed"] += 1
+
+
+def _required_tiers() -> list[str]:
+    raw = os.environ.get("PDSCOPE_REQUIRED_TIERS", "")
+    return [t.strip() for t in raw.split(",") if t.strip()]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    (REPO / ".test-tiers.json").write_text(json.dumps(_counts, indent=2, sort_keys=True))
+    if os.environ.get("CI", "").lower() != "true":
+        return
+    for tier in _required_tiers():
+        c = _counts.get(tier, {"passed": 0, "failed": 0, "skipped": 0})
+        if c["skipped"] or not c["passed"]:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tr = terminalreporter
+    tr.section("pdscope test tiers")
+    for tier in ("unit", *TIERS):
+        c = _counts.get(tier)
+        if c is None:
+            tr.write_line(f"{tier:>10}: no tests collected")
+            continue
+        tr.write_line(f"{tier:>10}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+        for reason in sorted(_skip_reasons.get(tier, ())):
+            tr.write_line(f"{'':>12}SKIPPED TIER {tier.upper()}: {reason}", yellow=True, bold=True)
+    if os.environ.get("CI", "").lower() == "true":
+        for tier in _required_tiers():
+            c = _counts.get(tier, {"passed": 0, "failed": 0, "skipped": 0})
+            if c["skipped"] or not c["passed"]:
+                tr.write_line(
+                    f"REQUIRED TIER {tier!r} DID NOT RUN IN FULL IN CI "
+                    f"({c['passed']} passed, {c['skipped']} skipped): failing the run",
+                    red=True,
+                    bold=True,
+                )
+
+
+# -- stores ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    url = os.environ.get("PDSCOPE_TEST_PG_URL")
+    if not url:
+        pytest.skip(
+            "PostgreSQL tier skipped: PDSCOPE_TEST_PG_URL is not set "
+            "(run `make test`, which starts one with scripts/pg-test.sh)"
+        )
+    return url
+
+
+@pytest.fixture(scope="session")
+def pg_database(pg_admin_url: str) -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    import psycopg
+
+    name = f"pdscope_test_{uuid.uuid4().hex[:10]}"
+    dsn = pg_admin_url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PDSCOPE_TEST_PG_URL is set but PostgreSQL is unreachable: {exc}")
+    base = dsn.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _reset_pg(url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.pg)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty store: a SQLite file, or a clean PostgreSQL database (the ``pg`` tier)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    url: str = request.getfixturevalue("pg_database")
+    _reset_pg(url)
+    return url

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pdscope.cli import COMMANDS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pdscope(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdscope.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_lists_every_subcommand() -> None:
+    out = pdscope("--help")
+    assert out.returncode == 0
+    for name in ("demo", "sim", "load", "proxy", "collect", "control", "dashboard", "db", "config"):
+        assert name in COMMANDS
+        assert f"    {name} " in out.stdout, name
+
+
+def test_config_check_ok_and_failing(tmp_path: Path) -> None:
+    ok = pdscope("config", "check", "examples/pdscope.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "ok" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "model: {name: t, kv_bytes_per_token: 1}\n"
+        "pools: {p: {role: prefill, instances: [{name: p0, url: 'http://h'}]}}\n"
+        "controller: {interval_s: fast}\n"
+        "colector: {}\n"
+    )
+    out = pdscope("config", "check", str(bad))
+    assert out.returncode == 1
+    problems = [ln for ln in out.stderr.splitlines() if ln.startswith(str(bad) + ":") and "problem(s)" not in ln]
+    assert len(problems) == 3, out.stderr
+
+
+def test_db_upgrade_and_check_through_the_cli(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    up = pdscope("--config", "examples/pdscope.yaml", "db", "--url", url, "upgrade")
+    assert up.returncode == 0, up.stderr
+    chk = pdscope("--config", "examples/pdscope.yaml", "db", "--url", url, "check")
+    assert chk.returncode == 0, chk.stderr
+    bad = pdscope("db", "--url", "nosuchdriver://x", "upgrade")
+    assert bad.returncode == 1
+    assert "invalid store URL" in bad.stderr or "pdscope db upgrade" in bad.stderr
