@@ -1,0 +1,108 @@
+"""Load for the proxy benchmark: closed loop (fixed concurrency) or open loop (Poisson rate).
+
+Bounded in count and time. Uses pdscope's lean upstream client so the load generator
+is cheap. Prints one JSON line: ok, errors, wall_s and e2e/TTFT percentiles in ms.
+
+Run: ``python -m bench.proxy.loadgen --url URL --mode closed --concurrency 32 --duration 5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+from proxy.upstream import Upstream, UpstreamError
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
+
+
+async def main(a: argparse.Namespace) -> dict[str, object]:
+    up = Upstream(connect_timeout=5)
+    body = json.dumps({"model": "bench", "prompt": "lorem ipsum dolor sit amet " * 24,
+                       "max_tokens": a.tokens, "stream": a.stream, "temperature": 0}).encode()
+    e2e: list[float] = []
+    ttft: list[float] = []
+    errors = 0
+    sent = 0
+
+    async def one() -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(a.request_timeout):
+                resp = await up.post(a.url, a.path, body, within_s=a.request_timeout)
+                async with resp:
+                    first = await resp.next_chunk()
+                    t1 = time.perf_counter()
+                    while await resp.next_chunk() is not None:
+                        pass
+                    if resp.status != 200 or first is None:
+                        errors += 1
+                        return
+        except (UpstreamError, TimeoutError):
+            errors += 1
+            return
+        t2 = time.perf_counter()
+        ttft.append((t1 - t0) * 1000)
+        e2e.append((t2 - t0) * 1000)
+
+    start = time.perf_counter()
+    end = start + a.duration
+    if a.mode == "closed":
+        async def worker() -> None:
+            nonlocal sent
+            while time.perf_counter() < end and sent < a.max_requests:
+                sent += 1
+                await one()
+
+        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+    else:
+        rng = random.Random(a.seed)
+        tasks = []
+        next_at = start
+        while sent < a.max_requests and next_at < end:
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+            sent += 1
+            next_at += rng.expovariate(a.rate)
+        await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    await up.aclose()
+    return {
+        "ok": len(e2e), "errors": errors, "wall_s": wall,
+        "e2e_ms": {"p50": _pct(e2e, 50), "p90": _pct(e2e, 90), "p99": _pct(e2e, 99)},
+        "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--path", default="/v1/completions")
+    ap.add_argument("--mode", choices=["closed", "open"], default="closed")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--duration", type=float, default=5.0, help="upper bound on the run, seconds")
+    ap.add_argument("--max-requests", type=int, default=100_000)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--request-timeout", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    try:
+        import uvloop
+
+        result = uvloop.run(main(args))
+    except ImportError:
+        result = asyncio.run(main(args))
+    print(json.dumps(result), flush=True)

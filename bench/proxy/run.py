@@ -1,0 +1,303 @@
+"""Proxy benchmark: direct to D vs a toy-equivalent proxy vs pdscope's proxy, in one run.
+
+Layout on a 2-core machine: each proxy is pinned to core 0 (``taskset -c 0``); the
+zero-latency fleet (``bench/proxy/fleet.py``: P, D, OTLP sink, routing table) and the load
+generator share core 1. pdscope's proxy runs as ``pdscope proxy`` with tracing on
+(spans exported over OTLP/HTTP to the sink) and polling the fleet's routing table.
+
+Two measurements per contender and round, every loop bounded:
+- **ceiling** (requests/s one core can carry): a closed loop at ``--concurrency`` for
+  ``--duration`` s; the proxy's own CPU seconds are read from ``/proc/<pid>/stat`` before
+  and after, and ``ceiling_rps = completed / proxy CPU seconds``. Measured on CPU time, not
+  wall time, because the load generator and fleet share the other core and cannot drive a
+  fast proxy to 100% of its core (``achieved_rps`` and ``proxy_cpu_util`` are reported too).
+- **added latency**: ``--count`` requests one at a time (or an open Poisson loop with
+  ``--rate``), the same against D directly; overhead = contender percentile - direct
+  percentile (same round). One at a time by default because on a shared machine an open
+  loop at any fixed rate can exceed a slow contender's share of its core, and then it
+  measures a queue, not the proxy.
+
+Rounds alternate the order of the contenders; the figures are medians over rounds.
+Writes ``bench/results/proxy.json`` and prints a table.
+
+Run: ``.venv/bin/python -m bench.proxy.run`` (about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pin(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if os.cpu_count() and os.cpu_count() > 1 else []  # type: ignore[operator]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime, all threads
+
+
+def _wait_http(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not come up in {timeout_s}s")
+
+
+def loadgen(url: str, path: str, *, mode: str, core: int, timeout_s: float, **kw: Any) -> dict[str, Any]:
+    cmd = [*_pin(core), PY, "-m", "bench.proxy.loadgen", "--url", url, "--path", path, "--mode", mode]
+    for key, value in kw.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+class Contender:
+    def __init__(self, name: str, url: str, proc: subprocess.Popen[bytes] | None) -> None:
+        self.name, self.url, self.proc = name, url, proc
+
+
+def start_toy(fleet: dict[str, Any], log: Path) -> Contender:
+    port = _free_port()
+    cmd = [*_pin(0), PY, "-m", "bench.proxy.toy_proxy", "--port", str(port),
+           "--prefill", *fleet["prefill"], "--decode", *fleet["decode"]]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/healthcheck")
+    return Contender("toy", url, proc)
+
+
+def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "lean") -> Contender:
+    port = _free_port()
+    config = {
+        "model": {"name": "bench", "kv_bytes_per_token": 327680},
+        "pools": {
+            "prefill": {"role": "prefill", "instances": [
+                {"name": f"prefill-{i}", "url": u} for i, u in enumerate(fleet["prefill"])]},
+            "decode": {"role": "decode", "instances": [
+                {"name": f"decode-{i}", "url": u} for i, u in enumerate(fleet["decode"])]},
+        },
+        "proxy": {"port": port, "controller_url": fleet["controller"], "tracing": True,
+                  "otlp_endpoint": fleet["otlp"] + "/v1/traces"},
+    }
+    path = tmp / f"pdscope-{client}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    pdscope = str(Path(PY).with_name("pdscope"))
+    cmd = [*_pin(0), pdscope, "--config", str(path), "--log-level", "WARNING", "proxy", "--upstream-client", client]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/healthz")
+    return Contender("pdscope" if client == "lean" else f"pdscope-{client}", url, proc)
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="pdscope-bench-"))
+    fleet_proc = subprocess.Popen([*_pin(1), PY, "-m", "bench.proxy.fleet", "--prefill", "2", "--decode", "2",
+                                   "--chunks", str(a.tokens)], cwd=REPO, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen[Any]] = [fleet_proc]
+    try:
+        assert fleet_proc.stdout is not None
+        fleet = json.loads(fleet_proc.stdout.readline())
+        toy = start_toy(fleet, tmp / "toy.log")
+        procs.append(toy.proc)  # type: ignore[arg-type]
+        pds = start_pdscope(fleet, tmp / "pdscope.log", tmp)
+        procs.append(pds.proc)  # type: ignore[arg-type]
+        contenders = [toy, pds]
+        if a.with_httpx:
+            pdx = start_pdscope(fleet, tmp / "pdscope-httpx.log", tmp, client="httpx")
+            procs.append(pdx.proc)  # type: ignore[arg-type]
+            contenders.append(pdx)
+        common = {"tokens": a.tokens, "request_timeout": 10}
+
+        def latency(url: str, seed: int) -> dict[str, Any]:
+            if a.rate > 0:  # open loop, Poisson arrivals
+                return loadgen(url, a.path, mode="open", core=1, timeout_s=a.count / a.rate * 3 + 60, rate=a.rate,
+                               max_requests=a.count, duration=a.count / a.rate * 2, seed=seed, **common)
+            # one request at a time: what a request sees with no queue in front of it
+            return loadgen(url, a.path, mode="closed", core=1, timeout_s=180, concurrency=1,
+                           max_requests=a.count, duration=120, **common)
+        for c in contenders:  # warm-up: connections, caches, lazy imports
+            loadgen(c.url, a.path, mode="closed", core=1, timeout_s=60, concurrency=8, duration=1.5, **common)
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for r in range(a.rounds):
+            res: dict[str, dict[str, Any]] = {}
+            res["direct"] = {"latency": latency(fleet["decode"][0], r)}
+            for c in (contenders if r % 2 == 0 else contenders[::-1]):
+                assert c.proc is not None
+                cpu0 = cpu_seconds(c.proc.pid)
+                closed = loadgen(c.url, a.path, mode="closed", core=1, timeout_s=a.duration + 60,
+                                 concurrency=a.concurrency, duration=a.duration, **common)
+                cpu = cpu_seconds(c.proc.pid) - cpu0
+                # httpx as pdscope's client is only there to price the client: ceiling only
+                lat = latency(c.url, r) if c.name != "pdscope-httpx" else None
+                res[c.name] = {
+                    "ceiling_rps": closed["ok"] / cpu if cpu > 0 else None,
+                    "achieved_rps": closed["ok"] / closed["wall_s"],
+                    "proxy_cpu_util": cpu / closed["wall_s"],
+                    "errors": closed["errors"],
+                    "latency": lat,
+                }
+            rounds.append(res)
+            print(f"round {r + 1}/{a.rounds}: " + ", ".join(
+                f"{k} ceiling {v['ceiling_rps']:.0f} rps" for k, v in res.items() if "ceiling_rps" in v),
+                file=sys.stderr, flush=True)
+        spans_dropped = _metric(pds.url, "pdscope_proxy_spans_dropped_total")
+        spans_exported = _metric(pds.url, "pdscope_proxy_spans_exported_total")
+    finally:
+        for p in reversed(procs):
+            if p is fleet_proc:
+                assert fleet_proc.stdin is not None
+                fleet_proc.stdin.close()
+            else:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    sink = {}
+    if fleet_proc.stdout is not None:
+        tail = fleet_proc.stdout.read().strip().splitlines()
+        sink = json.loads(tail[-1]) if tail else {}
+    return summarize(a, rounds, {"spans_exported": spans_exported, "spans_dropped": spans_dropped, **sink})
+
+
+def _med(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tracing: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in rounds[0]:
+        per = [r[name] for r in rounds]
+        have = [p["latency"] is not None for p in per]
+        lat = {m: {q: _med([p["latency"][m][q] for p, h in zip(per, have, strict=True) if h])
+                   for q in ("p50", "p99")} for m in ("e2e_ms", "ttft_ms")}
+        over = {}
+        for m in ("e2e_ms", "ttft_ms"):
+            for q in ("p50", "p99"):
+                diffs = [p["latency"][m][q] - r["direct"]["latency"][m][q] for p, r in zip(per, rounds, strict=True)
+                         if p["latency"] is not None and p["latency"][m][q] is not None
+                         and r["direct"]["latency"][m][q] is not None]
+                over[f"{m[:-3]}_{q}_overhead_ms"] = _med(diffs)  # type: ignore[arg-type]
+        out[name] = {
+            "ceiling_rps": _med([p.get("ceiling_rps") for p in per]),
+            "achieved_rps": _med([p.get("achieved_rps") for p in per]),
+            "proxy_cpu_util": _med([p.get("proxy_cpu_util") for p in per]),
+            "p50_overhead_ms": over["e2e_p50_overhead_ms"],
+            "p99_overhead_ms": over["e2e_p99_overhead_ms"],
+            **over,
+            "latency_ms": lat,
+            "errors": sum(p.get("errors", 0) + (p["latency"]["errors"] if p["latency"] else 0) for p in per),
+            "rounds": [{k: v for k, v in p.items() if k != "latency"} for p in per],
+        }
+    out["direct"]["ceiling_rps"] = None  # no proxy: nothing to pin
+    out["direct"]["achieved_rps"] = out["direct"]["proxy_cpu_util"] = None
+    toy, pds = out["toy"], out["pdscope"]
+    ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
+    return {
+        "benchmark": "proxy",
+        "setup": {"proxy_core": 0, "fleet_and_load_core": 1, "fleet": "bench/proxy/fleet.py, 2 P + 2 D, zero latency",
+                  "request": f"{a.path}, stream, {a.tokens} output chunks", "concurrency": a.concurrency,
+                  "duration_s": a.duration,
+                  "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
+                  "latency_requests": a.count,
+                  "rounds": a.rounds, "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled"},
+        "contenders": out,
+        "ceiling_ratio_vs_toy": ratio,
+        "p99_overhead_vs_toy_ms": (pds["p99_overhead_ms"] - toy["p99_overhead_ms"])
+        if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None else None,
+        "target": {"ceiling_ratio_vs_toy": ">= 1.5", "p99_overhead": "<= toy's"},
+        "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
+        "tracing": tracing,
+        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3]},
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    def f(v: float | None, d: int = 1) -> str:
+        return "-" if v is None else f"{v:.{d}f}"
+
+    rows = ["| contender | ceiling on 1 core (req/s) | vs toy | achieved (req/s) | proxy CPU | e2e p50 / p99 (ms) "
+            "| added p50 / p99 (ms) | added TTFT p99 (ms) |",
+            "|---|---|---|---|---|---|---|---|"]
+    toy = result["contenders"]["toy"]["ceiling_rps"]
+    for name, c in result["contenders"].items():
+        lat = c["latency_ms"]["e2e_ms"]
+        vs = f(c["ceiling_rps"] / toy, 2) + "x" if c["ceiling_rps"] and toy else "-"
+        rows.append(f"| {name} | {f(c['ceiling_rps'], 0)} | {vs} | {f(c['achieved_rps'], 0)} | "
+                    f"{f(c['proxy_cpu_util'] * 100 if c['proxy_cpu_util'] is not None else None, 0)}% | "
+                    f"{f(lat['p50'])} / {f(lat['p99'])} | {f(c['p50_overhead_ms'])} / {f(c['p99_overhead_ms'])} | "
+                    f"{f(c['ttft_p99_overhead_ms'])} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="latency runs: open-loop Poisson rate; 0 (default) sends one request at a time")
+    ap.add_argument("--count", type=int, default=600, help="requests per latency run")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--path", default="/v1/completions")
+    ap.add_argument("--with-httpx", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run pdscope's proxy with httpx as its upstream client")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
+    a = ap.parse_args()
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
+    result = run(a)
+    result["machine"]["loadavg_at_start"] = load_start
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    ratio = result["ceiling_ratio_vs_toy"]
+    tracing = result["tracing"]
+    print(f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
+          f"target met: {result['target_met']}; spans exported {tracing.get('spans_exported')}, "
+          f"dropped {tracing.get('spans_dropped')}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Per-pool backpressure: in-flight requests and in-flight handoff KV bytes.
+
+A request is admitted into one P pool and one D pool together (the pair is picked
+jointly). It holds a request slot in both until it ends (the P slot is given up when
+prefill is done). Once P has answered, its handoff KV bytes (prompt tokens x
+``kv_bytes_per_token``) are charged to both pools -- pinned on P, incoming on D --
+until D's first token (or failure). A pool has room when both counts are under the
+limits of the current routing view (the controller's, or the config's defaults).
+
+When no pool of a role has room, the request waits (bounded by ``queue_timeout_s``)
+for any release, then is rejected with a reason. The number of waiters is bounded too.
+One event loop, no locks; :meth:`Admission.wait` is the only thing that blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass
+
+from proxy.routing import PoolLimits
+
+REASON_REQUESTS = "inflight_requests"
+REASON_KV_BYTES = "inflight_kv_bytes"
+REASON_QUEUE_FULL = "queue_full"
+REASON_NO_INSTANCES = "no_instances"
+REASONS = (REASON_REQUESTS, REASON_KV_BYTES, REASON_QUEUE_FULL, REASON_NO_INSTANCES)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str
+    pool: str
+
+
+class Admission:
+    def __init__(self, max_waiters: int = 1024) -> None:
+        self.requests: Counter[str] = Counter()
+        self.kv_bytes: Counter[str] = Counter()
+        self.max_waiters = max_waiters
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def blocked(self, pool: str, limits: PoolLimits) -> str | None:
+        """Why ``pool`` cannot take one more request now, or None when it can."""
+        if self.requests[pool] >= limits.max_inflight_requests:
+            return REASON_REQUESTS
+        if self.kv_bytes[pool] >= limits.max_inflight_kv_bytes:
+            return REASON_KV_BYTES
+        return None
+
+    # -- holding ----------------------------------------------------------------------
+
+    def enter(self, pool: str) -> None:
+        self.requests[pool] += 1
+
+    def leave(self, pool: str) -> None:
+        self.requests[pool] -= 1
+        self._notify()
+
+    def add_bytes(self, pool: str, n: int) -> None:
+        self.kv_bytes[pool] += n
+
+    def remove_bytes(self, pool: str, n: int) -> None:
+        self.kv_bytes[pool] -= n
+        self._notify()
+
+    # -- waiting ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def can_wait(self) -> bool:
+        return len(self._waiters) < self.max_waiters
+
+    async def wait(self, within_s: float) -> bool:
+        """Wait until something is released or ``within_s`` passes; True if woken."""
+        if within_s <= 0:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, within_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+
+    def _notify(self) -> None:
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)

@@ -1,0 +1,232 @@
+"""The proxy's ASGI application (pure ASGI: this is the hot path) and its assembly.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the P/D flow),
+``GET /healthz`` (always 200 while the process serves; says which routing state is in
+force), ``GET /metrics`` (Prometheus text). Lifespan starts the routing poller and
+closes the shared upstream client and the span exporter.
+
+While a request runs, a small watcher task waits for ``http.disconnect``; if the
+client goes away before the answer is complete it cancels the request task, whose
+clean-up closes the upstream streams at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from pdscope.config import Settings
+from proxy import protocol
+from proxy.admission import Admission
+from proxy.flow import Flow
+from proxy.metrics import ProxyMetrics
+from proxy.request import FlowSettings, Gone
+from proxy.routing import RoutingState, poll_forever
+from proxy.selection import Policy, RetryBudget, Selector
+from proxy.tracing import BoundedSpanProcessor, make_provider, otlp_endpoint, otlp_exporter
+from proxy.upstream import Upstream, UpstreamClient
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MAX_BODY_BYTES = 32 * 2**20
+_WANTED_HEADERS = (b"traceparent", b"authorization")
+
+
+class _Reply:
+    __slots__ = ("finished", "send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+        self.finished = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def body(self, data: bytes, more: bool) -> None:
+        if not more:
+            self.finished = True
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+async def _simple(send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@dataclass
+class Parts:
+    """Everything one proxy process holds; tests reach in through ``app.parts``."""
+
+    settings: Settings
+    flow: Flow
+    routing: RoutingState
+    selector: Selector
+    admission: Admission
+    budget: RetryBudget
+    metrics: ProxyMetrics
+    upstream: UpstreamClient
+    provider: TracerProvider | None
+    spans: BoundedSpanProcessor | None
+    clock: Callable[[], float]
+
+
+class ProxyApp:
+    def __init__(self, parts: Parts, poll: bool = True) -> None:
+        self.parts = parts
+        self.poll = poll
+        self._poller: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- lifespan -----------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        p = self.parts
+        if self.poll and self._poller is None:
+            self._poller = asyncio.create_task(
+                poll_forever(p.routing, p.settings.controller_url, p.settings.proxy.routing_poll_s, p.clock)
+            )
+
+    async def shutdown(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+            self._poller = None
+        await self.parts.upstream.aclose()
+        if self.parts.provider is not None:
+            await asyncio.to_thread(self.parts.provider.shutdown)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- http ---------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in protocol.ENDPOINTS:
+            if method != "POST":
+                await _simple(send, 405, protocol.error_body("use POST", "invalid_request_error"))
+                return
+            await self._proxy(path, scope, receive, send)
+        elif path == "/healthz" and method == "GET":
+            r = self.parts.routing
+            body = json.dumps({"status": "ok", "routing": r.state, "version": r.view.version}).encode()
+            await _simple(send, 200, body)
+        elif path == "/metrics" and method == "GET":
+            await _simple(send, 200, self.parts.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        else:
+            await _simple(send, 404, protocol.error_body(f"no route {method} {path}", "not_found_error"))
+
+    async def _proxy(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            data = msg.get("body", b"")
+            size += len(data)
+            if size > MAX_BODY_BYTES:
+                await _simple(send, 413, protocol.error_body("request body too large", "invalid_request_error"))
+                return
+            chunks.append(data)
+            if not msg.get("more_body", False):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        headers = {k: v for k, v in scope["headers"] if k in _WANTED_HEADERS}
+        reply = _Reply(send)
+        gone = Gone()
+        task = asyncio.current_task()
+        assert task is not None
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not reply.finished:
+                gone.disconnected = True
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.parts.flow.handle(path, raw, headers, reply, gone)
+        except asyncio.CancelledError:
+            if gone.disconnected and task.uncancel() == 0:
+                return  # our own cancel: the client left, the flow has cleaned up
+            raise
+        finally:
+            watcher.cancel()
+
+
+def build(
+    settings: Settings,
+    *,
+    exporter: SpanExporter | None = None,
+    policy: Policy | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+    poll: bool = True,
+    upstream_client: str = "lean",
+) -> ProxyApp:
+    """Assemble a proxy from the config. ``exporter`` replaces the OTLP/HTTP one (tests);
+    ``upstream_client="httpx"`` swaps the lean upstream client for httpx (benchmarks)."""
+    ps = settings.proxy
+    metrics = ProxyMetrics()
+    routing = RoutingState(settings, clock())
+    selector = Selector(policy or ps.policy, ps.failure_cooldown_s, rng)
+    admission = Admission()
+    budget = RetryBudget(ps.retry_budget)
+    upstream: UpstreamClient
+    if upstream_client == "httpx":
+        from proxy.httpx_upstream import HttpxUpstream
+
+        upstream = HttpxUpstream(connect_timeout=ps.timeouts.connect_s)
+    else:
+        upstream = Upstream(connect_timeout=ps.timeouts.connect_s)
+    provider: TracerProvider | None = None
+    spans: BoundedSpanProcessor | None = None
+    tracer: trace.Tracer
+    if ps.tracing:
+        exporter = exporter or otlp_exporter(otlp_endpoint(ps.otlp_endpoint, settings.collector_url))
+        provider, spans = make_provider(exporter)
+        tracer = provider.get_tracer("pdscope.proxy")
+    else:
+        tracer = trace.NoOpTracer()
+    flow = Flow(FlowSettings.from_settings(settings), upstream, routing, selector, admission, budget, metrics,
+                tracer, clock)
+    metrics.watch(routing, admission, selector, budget, spans, clock)
+    parts = Parts(settings, flow, routing, selector, admission, budget, metrics, upstream, provider, spans, clock)
+    return ProxyApp(parts, poll=poll)

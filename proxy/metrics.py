@@ -1,0 +1,154 @@
+"""The proxy's own Prometheus metrics (``GET /metrics``), in a registry of its own.
+
+Counters are bumped on the request path (pre-bound children where the labels are
+fixed); gauges that mirror live state (in-flight per pool and instance, routing state,
+span queue) are read from that state at scrape time by :class:`_LiveCollector`, so the
+request path never updates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proxy.routing import STATES
+
+if TYPE_CHECKING:
+    from proxy.admission import Admission
+    from proxy.routing import RoutingState
+    from proxy.selection import RetryBudget, Selector
+    from proxy.tracing import BoundedSpanProcessor
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdscope_proxy_requests", "Client requests by endpoint and outcome.", ["endpoint", "outcome"], registry=r
+        )
+        self.rejections = Counter(
+            "pdscope_proxy_rejections", "Requests rejected by admission (429), by pool and reason.",
+            ["pool", "reason"], registry=r,
+        )
+        self.retries = Counter(
+            "pdscope_proxy_retries", "Retries by stage: prefill (another P), decode (another D, same "
+            "KV), full (new prefill and another D).", ["stage"], registry=r,
+        )
+        self.retries_refused = Counter(
+            "pdscope_proxy_retries_refused", "Retries not made because the retry budget was spent.",
+            ["stage"], registry=r,
+        )
+        self.upstream_failures = Counter(
+            "pdscope_proxy_upstream_failures", "Failed upstream calls by instance, stage and kind.",
+            ["instance", "stage", "kind"], registry=r,
+        )
+        self.client_disconnects = Counter(
+            "pdscope_proxy_client_disconnects", "Clients that went away; upstream streams were closed.",
+            ["stage"], registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "pdscope_proxy_prefill_seconds", "Proxy-observed prefill call time.", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "pdscope_proxy_time_to_first_token_seconds", "Proxy arrival to D's first byte.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        inc = self._outcome_children.get((endpoint, outcome))
+        if inc is None:
+            inc = self.requests.labels(endpoint, outcome).inc
+            self._outcome_children[(endpoint, outcome)] = inc
+        inc()
+
+    def watch(
+        self,
+        routing: RoutingState,
+        admission: Admission,
+        selector: Selector,
+        budget: RetryBudget,
+        spans: BoundedSpanProcessor | None,
+        now: Callable[[], float],
+    ) -> None:
+        self.registry.register(_LiveCollector(routing, admission, selector, budget, spans, now))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    def __init__(
+        self,
+        routing: RoutingState,
+        admission: Admission,
+        selector: Selector,
+        budget: RetryBudget,
+        spans: BoundedSpanProcessor | None,
+        now: Callable[[], float],
+    ) -> None:
+        self.routing, self.admission, self.selector = routing, admission, selector
+        self.budget, self.spans, self.now = budget, spans, now
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        state = GaugeMetricFamily(
+            "pdscope_proxy_routing_state",
+            "1 for the routing state in force: fresh (controller's table), static (last table kept, "
+            "controller unreachable), fallback (equal weights), default (no table yet), advisory.",
+            labels=["state"],
+        )
+        for s in STATES:
+            state.add_metric([s], 1.0 if self.routing.state == s else 0.0)
+        yield state
+        version = GaugeMetricFamily("pdscope_proxy_routing_table_version", "Version of the table in force (-1: none).")
+        v = self.routing.view.version
+        version.add_metric([], float(-1 if v is None else v))
+        yield version
+        age = GaugeMetricFamily(
+            "pdscope_proxy_routing_table_age_seconds", "Seconds since the last good poll (-1: never)."
+        )
+        a = self.routing.age(self.now())
+        age.add_metric([], -1.0 if a is None else a)
+        yield age
+        polls = CounterMetricFamily("pdscope_proxy_routing_poll_failures", "Failed polls of the routing table.")
+        polls.add_metric([], float(self.routing.poll_failures))
+        yield polls
+        req = GaugeMetricFamily("pdscope_proxy_pool_inflight_requests", "Admitted requests per pool.", labels=["pool"])
+        for pool, n in sorted(self.admission.requests.items()):
+            req.add_metric([pool], float(n))
+        yield req
+        kvb = GaugeMetricFamily(
+            "pdscope_proxy_pool_inflight_kv_bytes", "Handoff KV bytes in flight per pool.", labels=["pool"]
+        )
+        for pool, n in sorted(self.admission.kv_bytes.items()):
+            kvb.add_metric([pool], float(n))
+        yield kvb
+        waiting = GaugeMetricFamily("pdscope_proxy_admission_waiting", "Requests waiting for admission.")
+        waiting.add_metric([], float(self.admission.waiting))
+        yield waiting
+        inst = GaugeMetricFamily(
+            "pdscope_proxy_instance_inflight", "In-flight upstream calls per instance.", labels=["instance"]
+        )
+        for name, n in sorted(self.selector.inflight.items()):
+            inst.add_metric([name], float(n))
+        yield inst
+        bal = GaugeMetricFamily("pdscope_proxy_retry_budget_balance", "Retries the budget allows now.")
+        bal.add_metric([], self.budget.balance)
+        yield bal
+        if self.spans is not None:
+            for name, value, doc in (
+                ("pdscope_proxy_spans_dropped", self.spans.dropped, "Spans dropped because the queue was full."),
+                ("pdscope_proxy_spans_exported", self.spans.exported, "Spans the collector accepted."),
+                ("pdscope_proxy_spans_export_failed", self.spans.failed, "Spans in failed export batches."),
+            ):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], float(value))
+                yield c

@@ -1,0 +1,127 @@
+"""vLLM's NIXL pull protocol, as pure functions on request and answer bodies.
+
+1. Prefill: the client body with ``max_tokens=1`` (and ``max_completion_tokens=1`` when
+   the client sent it), ``stream=false``, ``stream_options`` removed, ``min_tokens`` /
+   ``min_completion_tokens`` removed (P must stop after one token), and
+   ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false, remote_*: null}``.
+2. P answers with ``kv_transfer_params`` (engine id, block ids, host, port, ...).
+3. Decode: the client body unchanged except ``kv_transfer_params``, replaced by P's dict
+   verbatim. The same ``X-Request-Id`` goes to P and D.
+
+No I/O here; :class:`ProtocolError` when P's answer is not what the protocol needs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+class ProtocolError(Exception):
+    """A body that the P/D protocol cannot use (the client's or an upstream's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    kv_transfer_params: dict[str, Any] | None
+    prompt_tokens: int
+    kv_blocks: int
+    remote_engine_id: str | None
+
+
+def parse_client_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object. Raises ProtocolError for anything else."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object")
+    return body
+
+
+def prefill_body(request: dict[str, Any]) -> dict[str, Any]:
+    """What P gets: the client body with the prefill overrides (a new dict)."""
+    body = dict(request)
+    body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    body.pop("min_tokens", None)
+    body.pop("min_completion_tokens", None)
+    return body
+
+
+def decode_body(request: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """What D gets: the client body with P's ``kv_transfer_params`` (verbatim) when P sent any."""
+    body = dict(request)
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
+
+
+def count_blocks(block_ids: Any) -> int:
+    """Number of KV blocks in ``remote_block_ids``: one list per KV-cache group, or a flat list."""
+    if not isinstance(block_ids, list):
+        return 0
+    total = 0
+    for item in block_ids:
+        total += len(item) if isinstance(item, list) else 1
+    return total
+
+
+def parse_prefill_answer(raw: bytes) -> PrefillAnswer:
+    """Read what D needs (and what admission and tracing use) from P's JSON answer."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"prefill answer is not valid JSON: {exc}") from exc
+    if not isinstance(answer, dict):
+        raise ProtocolError("prefill answer is not a JSON object")
+    params = answer.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise ProtocolError("prefill answer's kv_transfer_params is not an object")
+    usage = answer.get("usage")
+    prompt_tokens = 0
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        prompt_tokens = usage["prompt_tokens"]
+    blocks = count_blocks(params.get("remote_block_ids")) if params else 0
+    engine = params.get("remote_engine_id") if params else None
+    return PrefillAnswer(
+        kv_transfer_params=params,
+        prompt_tokens=prompt_tokens,
+        kv_blocks=blocks,
+        remote_engine_id=str(engine) if engine is not None else None,
+    )
+
+
+def completion_tokens(raw: bytes) -> int | None:
+    """``usage.completion_tokens`` of a non-streamed answer, if it has one."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) else None
+
+
+def error_body(message: str, err_type: str, code: str | None = None) -> bytes:
+    """An OpenAI-style error object."""
+    return json.dumps(
+        {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    ).encode()

@@ -1,0 +1,124 @@
+"""One request's values as it moves through the proxy, and the errors that end it.
+
+:class:`RequestState` is the mutable record the flow fills in (chosen instances, the pool
+slots and handoff KV bytes it holds, stage, outcome); :class:`ClientError` is an answer
+that ends the request; :class:`NeedsPrefill` says a retry must start from a new prefill.
+No I/O here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdscope.config import Settings
+from proxy import protocol
+from proxy.protocol import PrefillAnswer
+from proxy.routing import PoolLimits, Target
+
+JSON = b"application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    prefill_s: float
+    decode_first_token_s: float
+    decode_total_s: float
+    kv_bytes_per_token: int
+    queue_timeout_s: float
+    retry_after_s: int
+    default_limits: PoolLimits
+    max_prefill_attempts: int = 3
+    max_decode_attempts: int = 3
+    max_full_retries: int = 1
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> FlowSettings:
+        t, a = s.proxy.timeouts, s.proxy.admission
+        return cls(
+            prefill_s=t.prefill_s,
+            decode_first_token_s=t.decode_first_token_s,
+            decode_total_s=t.decode_total_s,
+            kv_bytes_per_token=s.model.kv_bytes_per_token,
+            queue_timeout_s=a.queue_timeout_s,
+            retry_after_s=a.retry_after_s,
+            default_limits=PoolLimits(a.max_inflight_requests, a.max_inflight_kv_bytes),
+        )
+
+
+class Reply(Protocol):
+    """Where the answer goes (the ASGI app's ``send``)."""
+
+    started: bool
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    async def body(self, data: bytes, more: bool) -> None: ...
+
+
+class ClientError(Exception):
+    """Ends the request with this answer (when nothing was sent yet)."""
+
+    def __init__(
+        self, status: int, body: bytes, outcome: str, headers: list[tuple[bytes, bytes]] | None = None,
+        content_type: bytes = JSON,
+    ) -> None:
+        super().__init__(body[:200].decode("utf-8", "replace"))
+        self.status = status
+        self.body = body
+        self.outcome = outcome
+        self.headers = headers or []
+        self.content_type = content_type
+
+
+class NeedsPrefill(Exception):
+    """D failed after it may have read P's blocks: only a new prefill can retry."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class DecodeRefused(Exception):
+    """D refused the request before scheduling it (HTTP 503): P's blocks are still unread."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Gone:
+    """Set by the app when the client disconnects, before it cancels the request task."""
+
+    __slots__ = ("disconnected",)
+
+    def __init__(self) -> None:
+        self.disconnected = False
+
+
+class RequestState:
+    __slots__ = (
+        "completion_tokens", "d", "d_slot", "endpoint", "kv_held", "outcome", "p", "p_slot", "prefill",
+        "retries", "rid", "stage", "started", "stream",
+    )
+
+    def __init__(self, endpoint: str, rid: str) -> None:
+        self.endpoint = endpoint
+        self.rid = rid
+        self.stream = False
+        self.stage = "admission"
+        self.outcome = "error"
+        self.p: Target | None = None
+        self.d: Target | None = None
+        self.p_slot: str | None = None
+        self.d_slot: str | None = None
+        self.kv_held: tuple[str, str, int] | None = None
+        self.retries = 0
+        self.prefill: PrefillAnswer | None = None
+        self.completion_tokens: int | None = None
+        self.started = 0.0
+
+
+def client_error(status: int, message: str, err_type: str, outcome: str, code: str | None = None,
+         headers: list[tuple[bytes, bytes]] | None = None) -> ClientError:
+    return ClientError(status, protocol.error_body(message, err_type, code), outcome, headers)

@@ -1,0 +1,221 @@
+"""The routing view the proxy follows, and the poller that keeps it current.
+
+The controller serves a :class:`pdscope.routing.RoutingTable` at ``GET /v1/routing`` with
+an ETag. :class:`RoutingState` turns the latest table into a :class:`RoutingView`
+(per-instance effective weights, drained instances removed, pool admission limits) and
+decides what to do when the controller cannot be reached:
+
+    default ──table──► fresh ──poll fails──► static ──fail_static_s──► fallback
+       ▲                  ▲                     │                          │
+       └── (start)        └────── table or 304 ─┴──────────────────────────┘
+
+``static`` keeps the last table; ``fallback`` and ``default`` use the config's pools with
+equal instance weights and the config's admission defaults. An ``advisory`` table is
+recorded but not applied. The proxy never stops serving because of the controller.
+
+:class:`RoutingState` is pure (clock passed in); :func:`poll_forever` does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+import httpx
+from pydantic import ValidationError
+
+from pdscope.config import Settings
+from pdscope.routing import RoutingTable
+
+log = logging.getLogger(__name__)
+
+State = Literal["default", "fresh", "static", "fallback", "advisory"]
+STATES: tuple[State, ...] = ("default", "fresh", "static", "fallback", "advisory")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One instance the proxy may send work to."""
+
+    name: str
+    pool: str
+    url: str
+    weight: float  # effective: instance weight x pool weight, > 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLimits:
+    max_inflight_requests: int
+    max_inflight_kv_bytes: int
+
+
+@dataclass(frozen=True)
+class RoutingView:
+    """What selection and admission read on every request (immutable; swapped whole)."""
+
+    state: State
+    version: int | None
+    prefill: tuple[Target, ...]
+    decode: tuple[Target, ...]
+    limits: dict[str, PoolLimits] = field(default_factory=dict)
+
+    def limits_for(self, pool: str, default: PoolLimits) -> PoolLimits:
+        return self.limits.get(pool, default)
+
+    @cached_property
+    def prefill_pools(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.pool for t in self.prefill))
+
+    @cached_property
+    def decode_pools(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.pool for t in self.decode))
+
+
+def config_view(settings: Settings, state: State, version: int | None = None) -> RoutingView:
+    """Equal instance weights (times the config's pool weight) and the config's limits."""
+    adm = settings.proxy.admission
+    targets: dict[str, list[Target]] = {"prefill": [], "decode": []}
+    limits = {}
+    for pool_name, pool in settings.pools.items():
+        limits[pool_name] = PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes)
+        if pool.weight <= 0:
+            continue
+        for inst in pool.instances:
+            targets[pool.role].append(Target(inst.name, pool_name, inst.url, pool.weight))
+    return RoutingView(state, version, tuple(targets["prefill"]), tuple(targets["decode"]), limits)
+
+
+def table_view(table: RoutingTable, settings: Settings) -> RoutingView:
+    """The controller's table applied: drained and zero-weight instances get no new work."""
+    adm = settings.proxy.admission
+    pool_weight = {p.name: p.weight for p in table.pools}
+    limits = {name: PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes) for name in settings.pools}
+    for p in table.pools:
+        limits[p.name] = PoolLimits(
+            p.max_inflight_requests if p.max_inflight_requests is not None else adm.max_inflight_requests,
+            p.max_inflight_kv_bytes if p.max_inflight_kv_bytes is not None else adm.max_inflight_kv_bytes,
+        )
+    targets: dict[str, list[Target]] = {"prefill": [], "decode": []}
+    for inst in table.instances:
+        weight = inst.weight * pool_weight.get(inst.pool, 1.0)
+        if inst.drained or weight <= 0:
+            continue
+        targets[inst.role].append(Target(inst.name, inst.pool, inst.url.rstrip("/"), weight))
+    return RoutingView("fresh", table.version, tuple(targets["prefill"]), tuple(targets["decode"]), limits)
+
+
+class RoutingState:
+    """Holds the current view; fed poll results and the time. Not thread-safe (one loop)."""
+
+    def __init__(self, settings: Settings, now: float) -> None:
+        self.settings = settings
+        self.fail_static_s = settings.proxy.fail_static_s
+        self.view = config_view(settings, "default")
+        self.etag: str | None = None
+        self.table: RoutingTable | None = None
+        self.last_ok: float | None = None
+        self.started = now
+        self.poll_failures = 0
+
+    @property
+    def state(self) -> State:
+        return self.view.state
+
+    def _set(self, view: RoutingView) -> None:
+        old = self.view.state
+        self.view = view
+        if view.state != old:
+            if view.state in ("static", "fallback"):
+                log.warning(
+                    "routing: controller unreachable, now %s (%s); version %s",
+                    view.state,
+                    "keeping the last table" if view.state == "static" else "equal weights",
+                    view.version,
+                )
+            else:
+                log.info("routing: now %s, table version %s", view.state, view.version)
+
+    def on_table(self, table: RoutingTable, etag: str | None, now: float) -> None:
+        self.table = table
+        self.etag = etag
+        self.last_ok = now
+        if table.enforce:
+            self._set(table_view(table, self.settings))
+        else:
+            self._set(config_view(self.settings, "advisory", table.version))
+
+    def on_not_modified(self, now: float) -> None:
+        self.last_ok = now
+        if self.table is not None and self.view.state in ("static", "fallback"):
+            self.on_table(self.table, self.etag, now)
+
+    def on_failure(self, now: float) -> None:
+        self.poll_failures += 1
+        if self.view.state == "fresh":
+            self._set(_restate(self.view, "static"))
+        self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """Fall back to equal weights once the last good poll is older than ``fail_static_s``."""
+        if self.view.state not in ("fresh", "static", "advisory") or self.last_ok is None:
+            return
+        if now - self.last_ok > self.fail_static_s:
+            self._set(config_view(self.settings, "fallback", self.view.version))
+            self.etag = None  # the next good answer must be a full table
+
+    def age(self, now: float) -> float | None:
+        return None if self.last_ok is None else now - self.last_ok
+
+
+def _restate(view: RoutingView, state: State) -> RoutingView:
+    return RoutingView(state, view.version, view.prefill, view.decode, view.limits)
+
+
+async def poll_once(state: RoutingState, client: httpx.AsyncClient, url: str, now: Callable[[], float]) -> None:
+    """One ``GET /v1/routing``; every outcome is fed to ``state`` (never raises httpx errors)."""
+    headers = {"If-None-Match": state.etag} if state.etag else {}
+    try:
+        resp = await client.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        log.debug("routing poll failed: %s", exc)
+        state.on_failure(now())
+        return
+    if resp.status_code == 304:
+        state.on_not_modified(now())
+        return
+    if resp.status_code != 200:
+        log.debug("routing poll: HTTP %s", resp.status_code)
+        state.on_failure(now())
+        return
+    try:
+        table = RoutingTable.model_validate_json(resp.content)
+    except ValidationError as exc:
+        log.warning("routing: controller sent an invalid table: %s", exc.errors()[:1])
+        state.on_failure(now())
+        return
+    state.on_table(table, resp.headers.get("etag"), now())
+
+
+async def poll_forever(
+    state: RoutingState,
+    controller_url: str,
+    interval_s: float,
+    now: Callable[[], float] = time.monotonic,
+) -> None:
+    """Poll until cancelled. Each request is bounded by a timeout below the interval."""
+    url = controller_url.rstrip("/") + "/v1/routing"
+    timeout = httpx.Timeout(max(0.2, min(2.0, interval_s)))
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        while True:
+            try:
+                await poll_once(state, client, url, now)
+            except Exception:  # a bug here must not stop routing updates, nor traffic
+                log.exception("routing poll raised; counted as a failed poll")
+                state.on_failure(now())
+            await asyncio.sleep(interval_s)
+            state.tick(now())

@@ -1,0 +1,96 @@
+"""Fixtures for the proxy tests: a fake fleet, settings for it, a running proxy."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdscope.config import Settings, parse_config
+from proxy.app import ProxyApp, build
+from tests.proxy.fakes import FakeVLLM, closed_port_url, serve
+
+
+@dataclass
+class Fleet:
+    prefill: list[FakeVLLM]
+    decode: list[FakeVLLM]
+
+
+@asynccontextmanager
+async def fake_fleet(n_prefill: int, n_decode: int, **decode_kw: Any) -> AsyncIterator[Fleet]:
+    fleet = Fleet([FakeVLLM(f"p{i}", "prefill") for i in range(n_prefill)],
+                  [FakeVLLM(f"d{i}", "decode", **decode_kw) for i in range(n_decode)])
+    async with AsyncExitStack() as stack:
+        for inst in (*fleet.prefill, *fleet.decode):
+            inst.url = await stack.enter_async_context(serve(inst.app()))
+        yield fleet
+
+
+def make_settings(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    proxy: dict[str, Any] | None = None,
+    kv_bytes_per_token: int = 1000,
+) -> Settings:
+    doc = {
+        "model": {"name": "fake", "kv_bytes_per_token": kv_bytes_per_token},
+        "pools": {
+            "prefill": {"role": "prefill", "instances": [
+                {"name": f"p{i}", "url": u} for i, u in enumerate(prefill_urls)]},
+            "decode": {"role": "decode", "instances": [
+                {"name": f"d{i}", "url": u} for i, u in enumerate(decode_urls)]},
+        },
+        "proxy": {"controller_url": closed_port_url(), "routing_poll_s": 0.05,
+                  "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 5, "decode_total_s": 10},
+                  **(proxy or {})},
+    }
+    return parse_config(yaml.safe_dump(doc), "<test>")
+
+
+@asynccontextmanager
+async def running_proxy(
+    settings: Settings, exporter: InMemorySpanExporter | None = None, **kw: Any
+) -> AsyncIterator[tuple[str, ProxyApp]]:
+    app = build(settings, exporter=exporter or InMemorySpanExporter(), **kw)
+    async with serve_proxy(app) as url:
+        yield url, app
+
+
+@asynccontextmanager
+async def serve_proxy(app: ProxyApp) -> AsyncIterator[str]:
+    import asyncio
+
+    import uvicorn
+
+    from tests.proxy.fakes import free_socket
+
+    sock = free_socket()
+    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http="httptools",
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(task, 10)
+        except TimeoutError:
+            task.cancel()
+        sock.close()
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    return InMemorySpanExporter()

@@ -1,0 +1,193 @@
+"""The proxy following the controller's table, failing static, and pushing back (429)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
+from tests.proxy.fakes import FakeController, serve, table
+
+COMPLETION = {"model": "fake", "prompt": "a b c d e f g h i j", "max_tokens": 4}
+
+
+async def _wait_for(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def _p_counts(fleet) -> Counter[str]:  # type: ignore[no-untyped-def]
+    return Counter({p.name: len(p.calls) for p in fleet.prefill})
+
+
+async def test_weights_and_drains_from_the_table_are_honoured() -> None:
+    async with fake_fleet(3, 2) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table([
+            ("p0", "prefill", "prefill", p[0].url, 3.0, False),
+            ("p1", "prefill", "prefill", p[1].url, 1.0, False),
+            ("p2", "prefill", "prefill", p[2].url, 5.0, True),     # drained: no new work
+            ("d0", "decode", "decode", d[0].url, 1.0, False),
+            ("d1", "decode", "decode", d[1].url, 0.0, False),      # weight 0: no new work
+        ]))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                for _ in range(200):
+                    assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+                health = (await client.get(url + "/healthz")).json()
+                await _wait_for(lambda: ctl.not_modified > 0)  # polls use the ETag
+        counts = _p_counts(fleet)
+        assert counts["p2"] == 0 and len(d[1].calls) == 0
+        assert 0.65 <= counts["p0"] / 200 <= 0.85, counts
+        assert health == {"status": "ok", "routing": "fresh", "version": 1}
+
+
+async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_weights() -> None:
+    async with fake_fleet(2, 1) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table([
+            ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+            ("p1", "prefill", "prefill", p[1].url, 1.0, True),
+            ("d0", "decode", "decode", d[0].url, 1.0, False),
+        ], version=7))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([x.url for x in p], [x.url for x in d],
+                                     proxy={"controller_url": ctl_url, "fail_static_s": 3.0})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                routing = app.parts.routing
+                await _wait_for(lambda: routing.state == "fresh")
+                ctl.down = True
+                await _wait_for(lambda: routing.state == "static", within_s=2)
+                for _ in range(10):  # the last table still applies: p1 stays drained
+                    assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+                assert routing.state == "static", "test too slow for fail_static_s"
+                assert len(p[1].calls) == 0
+                metrics = (await client.get(url + "/metrics")).text
+                assert 'pdscope_proxy_routing_state{state="static"} 1.0' in metrics
+                await _wait_for(lambda: routing.state == "fallback", within_s=6)
+                for _ in range(40):  # equal weights from the config: p1 gets work again
+                    assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+                assert len(p[1].calls) > 5
+                metrics = (await client.get(url + "/metrics")).text
+                assert 'pdscope_proxy_routing_state{state="fallback"} 1.0' in metrics
+                assert "pdscope_proxy_routing_poll_failures_total" in metrics
+                ctl.down = False  # the controller is back: its table applies again
+                await _wait_for(lambda: routing.state == "fresh", within_s=6)
+                assert routing.view.version == 7
+
+
+async def test_no_controller_at_all_serves_with_equal_weights() -> None:
+    async with fake_fleet(2, 1) as fleet:
+        settings = make_settings([x.url for x in fleet.prefill], [fleet.decode[0].url])
+        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+            for _ in range(30):
+                assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+            assert app.parts.routing.state == "default" and app.parts.routing.poll_failures > 0
+        assert min(_p_counts(fleet).values()) > 3
+
+
+async def test_advisory_table_is_not_applied() -> None:
+    async with fake_fleet(2, 1) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table([
+            ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+            ("p1", "prefill", "prefill", p[1].url, 1.0, True),
+            ("d0", "decode", "decode", d[0].url, 1.0, False),
+        ], enforce=False))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await _wait_for(lambda: app.parts.routing.state == "advisory")
+                for _ in range(30):
+                    assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+        assert len(p[1].calls) > 3  # the drain was advisory
+
+
+async def test_admission_rejects_with_retry_after_when_the_pool_is_full() -> None:
+    async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table(
+            [("p0", "prefill", "prefill", p[0].url, 1.0, False), ("d0", "decode", "decode", d[0].url, 1.0, False)],
+            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1}],
+        ))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([p[0].url], [d[0].url], proxy={
+                "controller_url": ctl_url, "admission": {"queue_timeout_s": 0.2, "retry_after_s": 3}})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
+                await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
+                t0 = time.monotonic()
+                rejected = await client.post(url + "/v1/completions", json=COMPLETION)
+                waited = time.monotonic() - t0
+                assert (await slow).status_code == 200
+                metrics = (await client.get(url + "/metrics")).text
+        assert rejected.status_code == 429
+        assert rejected.headers["retry-after"] == "3"
+        err = rejected.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "inflight_requests"
+        assert waited >= 0.2  # the bounded wait happened first
+        assert 'pdscope_proxy_rejections_total{pool="decode",reason="inflight_requests"} 1.0' in metrics
+        assert len(p[0].calls) == 1  # the rejected request never reached P
+
+
+async def test_a_waiting_request_is_admitted_when_a_slot_frees() -> None:
+    async with fake_fleet(1, 1, n_chunks=3, chunk_delay=0.1) as fleet:
+        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
+            "admission": {"max_inflight_requests": 1, "queue_timeout_s": 5}})
+        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+            first = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
+            await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
+            second = await client.post(url + "/v1/completions", json=COMPLETION)
+            assert (await first).status_code == 200
+        assert second.status_code == 200
+
+
+async def test_admission_counts_handoff_kv_bytes() -> None:
+    async with fake_fleet(1, 1) as fleet:
+        fleet.decode[0].mode = "hang"  # KV stays "in handoff": P answered, D has no first token
+        # 10 prompt tokens x 1000 bytes = 10 kB per request; the limit is 5 kB
+        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
+            "admission": {"max_inflight_kv_bytes": 5000, "queue_timeout_s": 0.1},
+            "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 3, "decode_total_s": 10}})
+        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+            stuck = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
+            await _wait_for(lambda: app.parts.admission.kv_bytes["decode"] == 10_000)
+            assert app.parts.admission.kv_bytes["prefill"] == 10_000  # pinned on P too
+            rejected = await client.post(url + "/v1/completions", json=COMPLETION)
+            stuck.cancel()
+        assert rejected.status_code == 429
+        assert rejected.json()["error"]["code"] == "inflight_kv_bytes"
+
+
+async def test_round_robin_policy_cycles_like_the_toy_proxy() -> None:
+    async with fake_fleet(2, 2) as fleet:
+        settings = make_settings([x.url for x in fleet.prefill], [x.url for x in fleet.decode],
+                                 proxy={"policy": "round-robin"})
+        async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
+            for _ in range(6):
+                assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
+        assert [len(x.calls) for x in fleet.prefill] == [3, 3]
+        assert [len(x.calls) for x in fleet.decode] == [3, 3]
+
+
+async def test_all_drained_is_a_503_with_retry_after() -> None:
+    async with fake_fleet(1, 1) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table([("p0", "prefill", "prefill", p[0].url, 1.0, True),
+                                    ("d0", "decode", "decode", d[0].url, 1.0, False)]))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                resp = await client.post(url + "/v1/completions", json=COMPLETION)
+        assert resp.status_code == 503 and "retry-after" in resp.headers
+        assert p[0].calls == []

@@ -1,0 +1,209 @@
+"""Pure parts of the proxy: protocol bodies, selection, retry budget, routing state, span queue."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import yaml
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from pdscope.config import parse_config
+from pdscope.routing import RoutingTable
+from proxy import protocol
+from proxy.routing import RoutingState, Target
+from proxy.selection import RetryBudget, Selector
+from proxy.tracing import make_provider, parse_traceparent, traceparent
+
+# -- protocol ----------------------------------------------------------------------------
+
+
+def test_prefill_body_overrides_and_leaves_the_client_body_alone() -> None:
+    client = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50,
+              "min_tokens": 3, "min_completion_tokens": 2, "max_completion_tokens": 50, "temperature": 0.5}
+    body = protocol.prefill_body(client)
+    assert body == {"prompt": "x", "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+                    "temperature": 0.5, "kv_transfer_params": protocol.PREFILL_KV_PARAMS}
+    assert client["stream"] is True and "stream_options" in client  # a copy, not a mutation
+    assert "max_completion_tokens" not in protocol.prefill_body({"prompt": "x"})
+
+
+def test_decode_body_carries_p_params_verbatim() -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2], [3]], "x-new-field": 7}
+    body = protocol.decode_body({"prompt": "x", "stream": True, "kv_transfer_params": {"old": 1}}, params)
+    assert body == {"prompt": "x", "stream": True, "kv_transfer_params": params}
+    assert protocol.decode_body({"prompt": "x"}, None) == {"prompt": "x"}
+
+
+def test_parse_prefill_answer() -> None:
+    raw = b'{"usage": {"prompt_tokens": 40}, "kv_transfer_params": {"remote_block_ids": [[1,2,3],[4]], "remote_engine_id": "e"}}'
+    answer = protocol.parse_prefill_answer(raw)
+    assert (answer.prompt_tokens, answer.kv_blocks, answer.remote_engine_id) == (40, 4, "e")
+    assert protocol.parse_prefill_answer(b'{"kv_transfer_params": null}').kv_transfer_params is None
+    for bad in (b"nope", b"[1]", b'{"kv_transfer_params": 3}'):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.parse_prefill_answer(bad)
+
+
+# -- selection -----------------------------------------------------------------------------
+
+T = [Target("a", "pool", "http://a", 3.0), Target("b", "pool", "http://b", 1.0)]
+
+
+def test_weighted_pick_follows_weights_when_idle() -> None:
+    sel = Selector("weighted", 5.0, random.Random(1))
+    counts = Counter(sel.pick("prefill", T, 0.0).name for _ in range(4000))  # type: ignore[union-attr]
+    assert 0.72 < counts["a"] / 4000 < 0.78
+
+
+def test_power_of_two_choices_avoids_the_loaded_instance() -> None:
+    sel = Selector("weighted", 5.0, random.Random(1))
+    for _ in range(10):
+        sel.acquire("a")
+    counts = Counter(sel.pick("prefill", T, 0.0).name for _ in range(100))  # type: ignore[union-attr]
+    assert counts["b"] == 100  # 10/3 > 0/1: b is always the less loaded of the two
+
+
+def test_failed_instance_is_skipped_until_its_cooldown_ends() -> None:
+    sel = Selector("weighted", 5.0, random.Random(1))
+    sel.mark_failed("a", now=100.0)
+    assert {sel.pick("prefill", T, 101.0).name for _ in range(50)} == {"b"}  # type: ignore[union-attr]
+    assert "a" in {sel.pick("prefill", T, 106.0).name for _ in range(50)}  # type: ignore[union-attr]
+    sel.mark_failed("a", now=200.0)
+    sel.mark_failed("b", now=200.0)  # everything failed: still serve
+    assert sel.pick("prefill", T, 201.0) is not None
+
+
+def test_pick_honours_exclusions_and_pools() -> None:
+    sel = Selector("weighted", 5.0, random.Random(1))
+    assert sel.pick("prefill", T, 0.0, exclude=["a", "b"]) is None
+    assert sel.pick("prefill", T, 0.0, pools=["other"]) is None
+    assert sel.pick("prefill", T, 0.0, exclude=["a"]).name == "b"  # type: ignore[union-attr]
+
+
+def test_round_robin_cycles_and_ignores_weights() -> None:
+    sel = Selector("round-robin", 5.0)
+    assert [sel.pick("decode", T, 0.0).name for _ in range(4)] == ["a", "b", "a", "b"]  # type: ignore[union-attr]
+
+
+def test_retry_budget_is_a_bounded_share_of_requests() -> None:
+    budget = RetryBudget(0.2, reserve=5.0, window=100)
+    allowed = 0
+    for _ in range(1000):
+        budget.on_request()
+        allowed += budget.try_spend()  # a failing pool: every request wants a retry
+    assert allowed <= 5 + 0.2 * 1000
+    assert allowed >= 0.2 * 1000 - 1
+    assert budget.refused == 1000 - allowed
+
+
+# -- routing state ---------------------------------------------------------------------------
+
+CONFIG = yaml.safe_dump({
+    "model": {"name": "m", "kv_bytes_per_token": 10},
+    "pools": {"pa": {"role": "prefill", "instances": [{"name": "p0", "url": "http://p0"}, {"name": "p1", "url": "http://p1"}]},
+              "da": {"role": "decode", "instances": [{"name": "d0", "url": "http://d0"}]}},
+    "proxy": {"fail_static_s": 10, "admission": {"max_inflight_requests": 9}},
+})
+
+
+def _table(version: int = 1, enforce: bool = True) -> RoutingTable:
+    return RoutingTable.model_validate({
+        "version": version, "generated_at": 0, "mode": "enforce" if enforce else "advisory", "enforce": enforce,
+        "instances": [
+            {"name": "p0", "pool": "pa", "role": "prefill", "url": "http://p0", "weight": 2.0},
+            {"name": "p1", "pool": "pa", "role": "prefill", "url": "http://p1", "weight": 1.0, "drained": True},
+            {"name": "d0", "pool": "da", "role": "decode", "url": "http://d0", "weight": 1.0},
+        ],
+        "pools": [{"name": "pa", "role": "prefill", "weight": 0.5, "max_inflight_requests": 3}],
+    })
+
+
+def test_routing_state_machine_fail_static_then_fallback() -> None:
+    state = RoutingState(parse_config(CONFIG), now=0.0)
+    assert state.state == "default" and [t.name for t in state.view.prefill] == ["p0", "p1"]
+    state.on_table(_table(), '"1"', now=1.0)
+    assert state.state == "fresh"
+    assert [(t.name, t.weight) for t in state.view.prefill] == [("p0", 1.0)]  # drained gone, x pool weight
+    assert state.view.limits["pa"].max_inflight_requests == 3
+    assert state.view.limits["da"].max_inflight_requests == 9  # config default
+    state.on_failure(now=2.0)
+    assert state.state == "static" and [t.name for t in state.view.prefill] == ["p0"]
+    state.tick(now=10.9)
+    assert state.state == "static"
+    state.tick(now=11.1)
+    assert state.state == "fallback" and [t.name for t in state.view.prefill] == ["p0", "p1"]
+    assert state.etag is None  # ask for the full table next time
+    state.on_table(_table(2), '"2"', now=12.0)
+    assert state.state == "fresh" and state.view.version == 2
+
+
+def test_not_modified_refreshes_a_static_table() -> None:
+    state = RoutingState(parse_config(CONFIG), now=0.0)
+    state.on_table(_table(), '"1"', now=1.0)
+    state.on_failure(now=2.0)
+    state.on_not_modified(now=3.0)
+    assert state.state == "fresh" and state.age(4.0) == 1.0
+
+
+def test_advisory_table_is_recorded_not_applied() -> None:
+    state = RoutingState(parse_config(CONFIG), now=0.0)
+    state.on_table(_table(enforce=False), None, now=1.0)
+    assert state.state == "advisory" and state.view.version == 1
+    assert [t.name for t in state.view.prefill] == ["p0", "p1"]
+
+
+# -- tracing -------------------------------------------------------------------------------------
+
+
+class _SlowExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def export(self, spans):  # type: ignore[no-untyped-def]
+        self.batches.append(len(spans))
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_span_queue_is_bounded_and_counts_drops_and_failures() -> None:
+    exporter = _SlowExporter()
+    provider, proc = make_provider(exporter, max_queue=10, max_batch=1000, interval_s=60.0)
+    tracer = provider.get_tracer("t")
+    for _ in range(25):
+        tracer.start_span("s").end()
+    assert proc.dropped == 15
+    proc.force_flush()
+    assert exporter.batches == [10] and proc.failed == 10 and proc.exported == 0
+    provider.shutdown()
+
+
+def test_traceparent_round_trip() -> None:
+    provider, _ = make_provider(_SlowExporter(), interval_s=60.0)
+    span = provider.get_tracer("t").start_span("s")
+    tp = traceparent(span)
+    assert tp is not None and tp.startswith("00-") and tp[-3:] in ("-01", "-03") and len(tp) == 55
+    ctx = parse_traceparent(tp)
+    child = provider.get_tracer("t").start_span("c", context=ctx)
+    assert child.get_span_context().trace_id == span.get_span_context().trace_id
+    assert parse_traceparent("00-" + "0" * 32 + "-" + "1" * 16 + "-01") is None
+    assert parse_traceparent("garbage") is None
+    provider.shutdown()
+
+
+def test_a_down_collector_is_logged_once_a_minute_not_per_batch() -> None:
+    import logging
+
+    from proxy.tracing import _EXPORTER_LOGGER, _OncePer, otlp_exporter
+
+    otlp_exporter("http://127.0.0.1:9/v1/traces")
+    otlp_exporter("http://127.0.0.1:9/v1/traces")  # idempotent: one filter
+    assert sum(isinstance(f, _OncePer) for f in logging.getLogger(_EXPORTER_LOGGER).filters) == 1
+    once = _OncePer(60.0)
+    records = [logging.LogRecord(_EXPORTER_LOGGER, logging.WARNING, "f", 1, "down", None, None) for _ in range(3)]
+    records[1].created = records[0].created + 1
+    records[2].created = records[0].created + 61
+    assert [once.filter(r) for r in records] == [True, False, True]

@@ -1,0 +1,135 @@
+"""pdscope's proxy in front of the real CPU vLLM P/D pair: same outputs, one joined trace."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdscope import semconv as sc
+from tests.real_vllm import pd_client as pc
+from tests.real_vllm.conftest import RealPD
+from tests.real_vllm.prompts import unique_prompt
+
+pytestmark = pytest.mark.real_vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``pdscope proxy`` for the pair, exporting its spans to the pair's OTLP sink."""
+    tmp = tmp_path_factory.mktemp("proxy_real")
+    port = _free_port()
+    config = real_pd.write_config(tmp / "pdscope.yaml", proxy={
+        "port": port, "otlp_endpoint": real_pd.otlp.url, "tracing": True,
+        "controller_url": f"http://127.0.0.1:{_free_port()}",  # no controller: equal weights
+        "timeouts": {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120},
+    })
+    log = (tmp / "proxy.log").open("wb")
+    pdscope = str(Path(sys.executable).with_name("pdscope"))
+    proc = subprocess.Popen([pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp / "proxy.log").read_text()
+            assert time.monotonic() < deadline, "pdscope proxy did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _body(kind: pc.Kind, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _text(kind: pc.Kind, resp: httpx.Response, stream: bool) -> str:
+    if not stream:
+        return pc.response_text(kind, resp.json())
+    parts = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices") or []:
+                piece = choice.get("delta", {}).get("content") if kind == "chat" else choice.get("text")
+                parts.append(piece or "")
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_proxy_output_equals_the_protocol_run_directly(
+    real_pd: RealPD, proxy_url: str, kind: pc.Kind, stream: bool
+) -> None:
+    body = _body(kind, unique_prompt(80, f"proxy-{kind}-{stream}"), max_tokens=12, stream=stream)
+    with httpx.Client(timeout=120) as client:
+        _, by_hand = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, kind, body)
+        assert by_hand.status == 200, by_hand.raw[:500]
+        before = pc.scrape(client, real_pd.decode_url)
+        resp = client.post(proxy_url + pc.PATHS[kind], json=body)
+        assert resp.status_code == 200, resp.text[:500]
+        assert _text(kind, resp, stream) == by_hand.text
+        # the answer really came through a NIXL pull, not a local prefill on D
+        after = pc.wait_until(
+            lambda: pc.scrape(client, real_pd.decode_url),
+            lambda m: m.value("vllm:nixl_xfer_time_seconds_count")
+            > before.value("vllm:nixl_xfer_time_seconds_count"),
+            timeout_s=20.0,
+        )
+        assert after.value("vllm:prompt_tokens_by_source_total", source="local_compute") == before.value(
+            "vllm:prompt_tokens_by_source_total", source="local_compute")
+
+
+def test_traceparent_reaches_vllm_llm_request_spans(real_pd: RealPD, proxy_url: str) -> None:
+    tp = pc.make_traceparent()
+    body = _body("completions", unique_prompt(40, "proxy-trace"), max_tokens=6, stream=True)
+    with httpx.Client(timeout=120) as client:
+        resp = client.post(proxy_url + "/v1/completions", json=body, headers={"traceparent": tp.header})
+    assert resp.status_code == 200
+    rid = resp.headers["x-request-id"]
+    spans = real_pd.otlp.wait_for_spans(lambda s: s.trace_id == tp.trace_id, count=7, timeout_s=30.0)
+    ours = {s.name: s for s in spans if s.service_name == sc.SERVICE_PROXY}
+    assert set(ours) == {sc.SPAN_REQUEST, sc.SPAN_ADMISSION, sc.SPAN_PREFILL, sc.SPAN_HANDOFF, sc.SPAN_DECODE}
+    root = ours[sc.SPAN_REQUEST]
+    assert root.parent_span_id == tp.span_id  # the client's trace continues through the proxy
+    assert root.attributes[sc.REQUEST_ID] == rid and root.attributes[sc.OUTCOME] == "ok"
+    assert root.attributes[sc.P_INSTANCE] == real_pd.prefill_name
+    assert root.attributes[sc.D_INSTANCE] == real_pd.decode_name
+    assert root.attributes[sc.KV_BLOCKS] >= 1
+    vllm = {s.service_name: s for s in spans if s.name == sc.VLLM_SPAN}
+    assert set(vllm) == {real_pd.prefill_name, real_pd.decode_name}
+    # P's llm_request hangs under our prefill span, D's under our decode span
+    assert vllm[real_pd.prefill_name].parent_span_id == ours[sc.SPAN_PREFILL].span_id
+    assert vllm[real_pd.decode_name].parent_span_id == ours[sc.SPAN_DECODE].span_id
+    for s in vllm.values():
+        assert s.attributes[sc.GEN_AI_REQUEST_ID] == f"cmpl-{rid}-0"
+    assert vllm[real_pd.prefill_name].attributes[sc.GEN_AI_PROMPT_TOKENS] == root.attributes[sc.PROMPT_TOKENS]
