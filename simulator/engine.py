@@ -1,0 +1,431 @@
+"""One simulated vLLM engine: continuous batching, KV blocks, NIXL pulls and P-side leases.
+
+The engine is a state machine driven from outside with an explicit clock: ``submit``,
+``advance(now)`` (finished transfers, expired leases, heartbeats), ``begin_step(now) ->
+duration`` and ``end_step(now)``. It does no I/O and never reads a clock, so unit tests
+drive it with a virtual clock (see ``drive``) and the asyncio runner (``runner.py``)
+drives it in real time. It talks to other engines only through the ``KVFabric`` seam and
+reports what happened only through the ``EngineObserver`` seam (metrics); it must not
+know about HTTP, Prometheus or asyncio.
+
+Model, following vLLM V1's scheduler: FIFO waiting queue; a step schedules running
+requests first (1 token per decoding sequence, prefill chunks within a token budget)
+then admits waiting requests while KV blocks are free. A request that reaches the end of
+its prompt samples a token in that step. Step time = overhead + prefill tokens / rate +
+per-sequence cost * batch, times the latency scale and any "slow" fault. A decode (D)
+request that carries valid ``kv_transfer_params`` allocates its blocks, pulls the KV
+from P through the fabric (stage in_progress), then recomputes one token. P keeps the
+blocks of a ``do_remote_decode`` request under a lease until D's pull completes or the
+lease expires; D heartbeats every ``heartbeat_s`` while it waits, extending the lease.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from simulator.config import SimulatorConfig
+from simulator.model import (
+    EngineObserver,
+    FaultView,
+    KVFabric,
+    NoFaults,
+    NullObserver,
+    SimRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Lease:
+    blocks: list[int]
+    expiry: float
+
+
+class Engine:
+    """A simulated vLLM engine. Not thread-safe; one event loop (or one test) drives it."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        cfg: SimulatorConfig,
+        *,
+        engine_id: str,
+        kv_bytes_per_token: int,
+        fabric: KVFabric | None = None,
+        faults: FaultView | None = None,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.fabric = fabric
+        self.faults: FaultView = faults or NoFaults()
+        self.observer: EngineObserver = observer or NullObserver()
+        self.waiting: deque[SimRequest] = deque()
+        self.ready: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.loading: dict[str, SimRequest] = {}
+        self._transfers: list[tuple[float, int, SimRequest]] = []
+        self._pending_remote: dict[str, SimRequest] = {}
+        self._next_heartbeat: float | None = None
+        self.leases: dict[str, _Lease] = {}
+        self._lease_heap: list[tuple[float, str]] = []
+        self._free: deque[int] = deque(range(cfg.kv_capacity_blocks))
+        self._seq = itertools.count()
+        self._plan: list[tuple[SimRequest, int]] = []
+        self.steps = 0
+        self.on_free: Callable[[], None] | None = None
+
+    # -- capacity ------------------------------------------------------------------
+
+    @property
+    def capacity_blocks(self) -> int:
+        return max(0, min(self.cfg.kv_capacity_blocks, self.faults.kv_capacity(self.name, self.cfg.kv_capacity_blocks)))
+
+    @property
+    def used_blocks(self) -> int:
+        return self.cfg.kv_capacity_blocks - len(self._free)
+
+    @property
+    def kv_usage(self) -> float:
+        cap = self.capacity_blocks
+        return min(1.0, self.used_blocks / cap) if cap else 1.0
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(max(0, tokens) / self.cfg.block_size)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        if self.used_blocks + n > self.capacity_blocks:
+            return None
+        return [self._free.popleft() for _ in range(n)]
+
+    def _release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+        blocks.clear()
+        if self.on_free is not None and self.waiting:
+            self.on_free()  # a blocked admission may fit now (e.g. D's pull freed a P lease)
+
+    # -- requests ------------------------------------------------------------------
+
+    def submit(self, req: SimRequest, now: float) -> None:
+        req.queued_ts = now
+        if req.remote is not None:
+            req.kv_stage = "waiting_to_start"
+            self._pending_remote[req.internal_id] = req
+            if self._next_heartbeat is None:
+                self._next_heartbeat = now  # heartbeats start as soon as D has the request
+        self.waiting.append(req)
+
+    def abort(self, req: SimRequest, now: float) -> None:
+        """Client went away: drop the request wherever it is and free its blocks."""
+        if req.finished:
+            return
+        self._finish(req, "abort", now)
+
+    def crash(self, now: float) -> None:
+        """The instance died: every request ends (no metrics: the process is gone)."""
+        for req in [*self.waiting, *self.ready, *self.running, *self.loading.values()]:
+            if not req.finished:
+                req.finish_reason = "abort"
+                req.finished_ts = now
+                if req.notify is not None:
+                    req.notify(req)
+        self.waiting.clear()
+        self.ready.clear()
+        self.running.clear()
+        self.loading.clear()
+
+    # -- timers --------------------------------------------------------------------
+
+    def advance(self, now: float) -> None:
+        """Apply everything due by ``now``: finished pulls, expired leases, heartbeats."""
+        while self._transfers and self._transfers[0][0] <= now:
+            _, _, req = heapq.heappop(self._transfers)
+            self._transfer_finished(req, now)
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, rid = heapq.heappop(self._lease_heap)
+            lease = self.leases.get(rid)
+            if lease is None:
+                continue
+            if lease.expiry > now:
+                heapq.heappush(self._lease_heap, (lease.expiry, rid))
+                continue
+            del self.leases[rid]
+            logger.warning(
+                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) "
+                "before lease expired.",
+                rid,
+                0,
+            )
+            self._release(lease.blocks)
+            self.observer.kv_expired()
+        if self._next_heartbeat is not None and now >= self._next_heartbeat:
+            if not self._pending_remote:
+                self._next_heartbeat = None
+            else:
+                if self.fabric is not None and not self.faults.stops_pulling(self.name):
+                    self.fabric.heartbeat([r.remote for r in self._pending_remote.values() if r.remote], now)
+                self._next_heartbeat = now + self.cfg.heartbeat_s
+
+    def next_timer(self) -> float | None:
+        times = []
+        if self._transfers:
+            times.append(self._transfers[0][0])
+        if self._lease_heap:
+            times.append(self._lease_heap[0][0])
+        if self._next_heartbeat is not None:
+            times.append(self._next_heartbeat)
+        return min(times) if times else None
+
+    def _transfer_finished(self, req: SimRequest, now: float) -> None:
+        self.loading.pop(req.internal_id, None)
+        self._pending_remote.pop(req.internal_id, None)
+        t = req.transfer
+        if req.finished or t is None or req.remote is None:
+            return
+        if not t.ok:
+            logger.error(
+                "NIXL transfer failure: %s | Context: request_id=%s remote_engine_id=%s remote_request_id=%s",
+                t.reason or "transfer_failed",
+                req.internal_id,
+                req.remote.engine_id,
+                req.remote.request_id,
+            )
+            self.observer.transfer_failed()
+            self._finish(req, "error", now)
+            return
+        self.observer.transfer_done(t)
+        if self.fabric is not None:
+            self.fabric.finish_pull(req.remote, now)
+        req.external_tokens = req.prompt_tokens
+        req.computed = max(0, req.prompt_tokens - 1)  # the last prompt token is recomputed
+        req.kv_stage = "completed_waiting"
+        self.ready.append(req)
+
+    # -- P side: leases ------------------------------------------------------------
+
+    def lease_heartbeat(self, internal_id: str, now: float) -> None:
+        lease = self.leases.get(internal_id)
+        if lease is not None:
+            lease.expiry = max(lease.expiry, now + self.cfg.heartbeat_extend_s)
+
+    def lease_release(self, internal_id: str, now: float) -> None:
+        lease = self.leases.pop(internal_id, None)
+        if lease is None:
+            logger.error(
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. "
+                "They may have expired.",
+                internal_id,
+            )
+            self.observer.notification_after_expiry()
+            return
+        self._release(lease.blocks)
+
+    # -- stepping ------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.ready or self._admissible_head())
+
+    def _admissible_head(self) -> bool:
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        if head.remote is not None and head.kv_stage == "waiting_to_start" and self.faults.stops_pulling(self.name):
+            return False
+        need = self.blocks_for(head.prompt_tokens if head.remote is not None else head.target)
+        return self.used_blocks + need <= self.capacity_blocks and len(self.running) < self.cfg.max_num_seqs
+
+    def begin_step(self, now: float) -> float | None:
+        """Schedule one step at ``now``; returns its duration, or None when nothing can run."""
+        cfg = self.cfg
+        while self.ready and len(self.running) < cfg.max_num_seqs:
+            req = self.ready.popleft()
+            req.kv_stage = None
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+            self.running.append(req)
+        budget = cfg.max_num_batched_tokens
+        plan: list[tuple[SimRequest, int]] = []
+        prefill_tokens = 0
+        preempted: set[int] = set()
+        for req in list(self.running):
+            if id(req) in preempted:
+                continue
+            if req.computed >= req.target:  # decoding: one token, maybe one more block
+                if budget <= 0:
+                    break
+                if self.blocks_for(req.computed + 1) > len(req.blocks) and not self._grow(req, preempted):
+                    continue
+                plan.append((req, 1))
+                budget -= 1
+        for req in self.running:
+            if req.computed < req.target and budget > 0:
+                chunk = min(req.target - req.computed, budget)
+                plan.append((req, chunk))
+                budget -= chunk
+                prefill_tokens += chunk
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.remote is not None and req.kv_stage == "waiting_to_start":
+                if self.faults.stops_pulling(self.name) or self.fabric is None:
+                    break
+                blocks = self._allocate(self.blocks_for(req.prompt_tokens))
+                if blocks is None:
+                    break
+                self.waiting.popleft()
+                req.blocks = blocks
+                self.observer.admitted(req)
+                n_blocks = len(blocks) if not req.remote.block_ids else min(len(blocks), len(req.remote.block_ids))
+                req.transfer = self.fabric.start_pull(self.name, req.remote, n_blocks, now)
+                req.kv_stage = "in_progress"
+                self.loading[req.internal_id] = req
+                heapq.heappush(self._transfers, (req.transfer.done_at, next(self._seq), req))
+                continue
+            blocks = self._allocate(self.blocks_for(req.target) - len(req.blocks))
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.blocks.extend(blocks)
+            if req.scheduled_ts is None:
+                req.scheduled_ts = now
+                self.observer.admitted(req)
+            self.running.append(req)
+            chunk = min(req.target - req.computed, budget)
+            plan.append((req, chunk))
+            budget -= chunk
+            prefill_tokens += chunk
+        if preempted:
+            plan = [(r, n) for r, n in plan if id(r) not in preempted]
+        if not plan:
+            self._plan = []
+            return None
+        self._plan = plan
+        n_seqs = len(plan)
+        duration = cfg.step_overhead_s + prefill_tokens / cfg.prefill_tokens_per_s + cfg.decode_per_seq_s * n_seqs
+        return duration * cfg.latency_scale * self.faults.compute_factor(self.name)
+
+    def _grow(self, req: SimRequest, preempted: set[int]) -> bool:
+        """One more block for a decoding request, preempting the newest other request if needed."""
+        while True:
+            blocks = self._allocate(1)
+            if blocks is not None:
+                req.blocks.extend(blocks)
+                return True
+            victims = [r for r in self.running if r is not req]
+            victim = victims[-1] if victims else req
+            self.running.remove(victim)
+            self._release(victim.blocks)
+            victim.target = victim.prompt_tokens + victim.generated
+            victim.computed = 0
+            victim.num_preemptions += 1
+            preempted.add(id(victim))
+            self.waiting.appendleft(victim)
+            self.observer.preempted()
+            if victim is req:
+                return False
+
+    def end_step(self, now: float) -> None:
+        """Apply the step planned by ``begin_step``: KV computed, tokens sampled, requests done."""
+        plan, self._plan = self._plan, []
+        self.steps += 1
+        prompt_computed = 0
+        sampled = 0
+        for req, n in plan:
+            if req.finished:
+                continue
+            if req.computed < req.target and not req.external_tokens:
+                prompt_computed += n  # vLLM counts computed prompt tokens, not the recomputed one
+            req.computed += n
+            if req.computed < req.target:
+                continue
+            req.generated += 1
+            sampled += 1
+            if req.first_token_ts is None:
+                req.first_token_ts = now
+                self.observer.first_token(req, now)
+            elif req.last_token_ts is not None:
+                self.observer.inter_token(now - req.last_token_ts)
+            req.last_token_ts = now
+            if req.generated >= req.max_tokens:
+                self._finish(req, "stop" if req.stop_at_max else "length", now)
+            elif req.notify is not None:
+                req.notify(req)
+        self.observer.step(prompt_computed + sampled, sampled)
+
+    def _finish(self, req: SimRequest, reason: str, now: float) -> None:
+        req.finish_reason = reason
+        req.finished_ts = now
+        if req in self.running:
+            self.running.remove(req)
+        elif req.kv_stage == "waiting_to_start" and req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.ready:
+            self.ready.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.loading.pop(req.internal_id, None)
+        self._pending_remote.pop(req.internal_id, None)
+        if reason in ("length", "stop") and req.do_remote_decode and req.blocks:
+            lease = _Lease(blocks=req.blocks, expiry=now + self.cfg.lease_duration_s)
+            req.leased_block_ids = tuple(req.blocks)
+            req.blocks = []
+            self.leases[req.internal_id] = lease
+            heapq.heappush(self._lease_heap, (lease.expiry, req.internal_id))
+        elif req.blocks:
+            self._release(req.blocks)
+        self.observer.finished(req, now)
+        if req.notify is not None:
+            req.notify(req)
+
+    def queued(self) -> tuple[int, int]:
+        """(requests not yet running, prompt tokens of requests still in prefill), for admission limits."""
+        queued = len(self.waiting) + len(self.loading) + len(self.ready)
+        tokens = sum(r.prompt_tokens for r in (*self.waiting, *self.loading.values(), *self.ready))
+        tokens += sum(r.prompt_tokens for r in self.running if r.first_token_ts is None)
+        return queued, tokens
+
+    # -- gauges --------------------------------------------------------------------
+
+    def gauges(self) -> dict[str, float]:
+        stalled = sum(1 for r in self.waiting if r.kv_stage == "waiting_to_start")
+        deferred = len(self.loading) + len(self.ready)
+        return {
+            "running": float(len(self.running)),
+            "waiting_capacity": float(len(self.waiting) - stalled),
+            "waiting_deferred": float(deferred + stalled),
+            "waiting_to_start": float(stalled),
+            "in_progress": float(len(self.loading)),
+            "completed_waiting": float(len(self.ready)),
+            "kv_usage": self.kv_usage,
+        }
+
+
+def drive(engine: Engine, until: float, now: float = 0.0, max_steps: int = 1_000_000) -> float:
+    """Run ``engine`` on a virtual clock from ``now`` to ``until``; returns the final time."""
+    for _ in range(max_steps):
+        engine.advance(now)
+        if now >= until:
+            return now
+        if engine.has_work():
+            duration = engine.begin_step(now)
+            if duration is not None:
+                now += duration
+                engine.end_step(now)
+                continue
+        nxt = engine.next_timer()
+        if nxt is None or nxt > until:
+            return until
+        now = max(now, nxt)
+    return now

@@ -1,0 +1,136 @@
+"""One simulated vLLM instance: engine + runner + metrics registry (+ span emitter).
+
+``SimInstance`` is what the HTTP app serves. ``restart()`` models a process restart
+after the instance was down: a new engine id, empty KV cache and fresh counters, as a
+restarted vLLM has. It knows nothing about sockets (fleet.py) or HTTP (server.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from typing import Any
+
+from simulator.config import SimulatorConfig
+from simulator.engine import Engine
+from simulator.fabric import Fabric
+from simulator.faults import FaultSet
+from simulator.metrics import VllmMetrics
+from simulator.runner import EngineRunner
+from simulator.tracing import SpanEmitter
+
+
+class SimInstance:
+    def __init__(
+        self,
+        *,
+        name: str,
+        role: str,
+        index: int,
+        model_name: str,
+        cfg: SimulatorConfig,
+        kv_bytes_per_token: int,
+        fabric: Fabric,
+        faults: FaultSet,
+        seed: int,
+        otlp_endpoint: str | None = None,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.index = index
+        self.model_name = model_name
+        self.cfg = cfg
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.fabric = fabric
+        self.faults = faults
+        self.rng = random.Random(f"{seed}:{name}")
+        self.side_channel_port = cfg.side_channel_port + index
+        self.emitter: SpanEmitter | None = None
+        if cfg.tracing:
+            self.emitter = SpanEmitter(name, otlp_endpoint)
+        self.generation = 0
+        self._build()
+
+    def _build(self) -> None:
+        self.created = int(time.time())
+        self.engine_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        self.metrics = VllmMetrics(self.model_name, self.cfg, self.kv_bytes_per_token)
+        self.engine = Engine(
+            self.name,
+            self.role,
+            self.cfg,
+            engine_id=self.engine_id,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            fabric=self.fabric,
+            faults=self.faults,
+            observer=self.metrics,
+        )
+        self.runner = EngineRunner(self.engine)
+        # maps the runner's monotonic clock to epoch seconds, for spans and "created"
+        self.wall_offset = time.time() - time.monotonic()
+        if self.role == "prefill":
+            self.fabric.register(self.engine)
+
+    def start(self) -> None:
+        self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+        self.engine.crash(self.runner.clock())
+        self.fabric.unregister(self.engine)
+
+    async def restart(self) -> None:
+        """Come back after being down: a fresh engine, KV cache and registry."""
+        await self.stop()
+        self.generation += 1
+        self._build()
+        self.start()
+
+    def shutdown_tracing(self) -> None:
+        if self.emitter is not None:
+            self.emitter.shutdown()
+
+    def next_hex(self) -> str:
+        return f"{self.rng.getrandbits(32):08x}"
+
+    @property
+    def system_fingerprint(self) -> str:
+        return f"vllm-{self.cfg.vllm_version}-{self.engine_id[:8]}"
+
+    def kv_transfer_params(self, internal_id: str, blocks: list[int], num_tokens: int) -> dict[str, Any]:
+        """What real P (NixlPullConnector, pull mode) returns to the proxy: vLLM 0.32.0's keys as
+        captured in tests/fixtures/vllm-0.32.0-cpu, or 0.33.0's as read from its source."""
+        if self.cfg.vllm_version == "0.32.0":
+            return {
+                "dcp_size": 1,
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "pp_size": 1,
+                "remote_block_ids": [list(blocks)],
+                "remote_blocks_expiry_time": None,
+                "remote_engine_id": self.engine_id,
+                "remote_host": self.cfg.side_channel_host,
+                "remote_num_tokens": num_tokens,
+                "remote_port": self.side_channel_port,
+                "remote_prefill_cached_tokens": 0,
+                "remote_request_id": internal_id,
+                "tp_size": self.cfg.tp_size,
+                "transfer_mode": "pull",
+            }
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(blocks)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": internal_id,
+            "remote_host": self.cfg.side_channel_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.cfg.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
+        }

@@ -1,0 +1,188 @@
+"""A simulated fleet for other components' tests: ``running_fleet``.
+
+Usage::
+
+    from simulator.testing import running_fleet
+
+    with running_fleet(n_prefill=1, n_decode=2, seed=0, latency_scale=0.0) as fleet:
+        fleet.prefill_urls          # ["http://127.0.0.1:41234"]
+        fleet.decode_urls           # ["http://127.0.0.1:41235", "http://127.0.0.1:41236"]
+        fleet.instances             # [("prefill", "prefill-0", url), ("decode", "decode-0", url), ...]
+        fleet.admin_url             # the admin API (see simulator/admin.py)
+        fid = fleet.inject({"kind": "slow_link", "prefill": "prefill-0", "decode": "decode-1", "factor": 50})
+        fleet.remove_fault(fid); fleet.clear_faults()
+        fleet.stats()               # event-loop lag of the simulator: {"trustworthy": True, ...}
+        text = fleet.config_yaml(proxy={"port": 0})   # a valid pdscope.yaml for this fleet
+
+Contract: the fleet runs in a background thread with its own event loop, on free ports
+of 127.0.0.1, with instance names ``prefill-<i>`` / ``decode-<i>`` in pools ``prefill`` /
+``decode``. ``**params`` are keys of the ``simulator:`` config section (see
+simulator/config.py), e.g. ``latency_scale=0`` (zero latency), ``lease_duration_s=1``,
+``kv_capacity_blocks=64``. ``inject`` takes a fault spec (dict or FaultSpec; see
+simulator/faults.py), returns its id, and raises ValueError/ConfigError if it is invalid.
+Leaving the block stops every instance; starting or stopping takes at most ``timeout_s``
+(TimeoutError otherwise). Nothing here blocks for longer than ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import yaml
+
+from simulator.config import LLAMA3_70B_KV_BYTES_PER_TOKEN, parse_simulator_config
+from simulator.faults import FaultSpec, parse_fault
+from simulator.fleet import Fleet, InstanceSpec
+from simulator.runtime import loop_factory
+
+T = TypeVar("T")
+DEFAULT_MODEL = "sim-llama-70b"
+
+
+class RunningFleet:
+    """Handle on a fleet running in a background thread (see module docstring)."""
+
+    def __init__(self, fleet: Fleet, loop: asyncio.AbstractEventLoop, params: dict[str, Any],
+                 kv_bytes_per_token: int, timeout_s: float) -> None:
+        self.fleet = fleet
+        self.loop = loop
+        self.params = params
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.timeout_s = timeout_s
+        self.instances: list[tuple[str, str, str]] = fleet.describe()
+        self.prefill_urls = [url for role, _, url in self.instances if role == "prefill"]
+        self.decode_urls = [url for role, _, url in self.instances if role == "decode"]
+        self.admin_url = fleet.admin_url
+        self.model_name = fleet.model_name
+
+    def url_of(self, name: str) -> str:
+        return self.fleet.url_of(name)
+
+    def call(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``fn()`` on the fleet's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(fn(), self.loop).result(self.timeout_s)
+
+    def inject(self, fault_spec: dict[str, Any] | FaultSpec) -> int:
+        spec = fault_spec if isinstance(fault_spec, FaultSpec) else parse_fault(fault_spec)
+
+        async def go() -> int:
+            return self.fleet.inject(spec)
+
+        return self.call(go)
+
+    def remove_fault(self, fid: int) -> bool:
+        async def go() -> bool:
+            return self.fleet.remove_fault(fid)
+
+        return self.call(go)
+
+    def clear_faults(self) -> int:
+        async def go() -> int:
+            return self.fleet.clear_faults()
+
+        return self.call(go)
+
+    def stats(self) -> dict[str, Any]:
+        async def go() -> dict[str, Any]:
+            return self.fleet.lag.stats()
+
+        return self.call(go)
+
+    def config_dict(self, **overrides: Any) -> dict[str, Any]:
+        pools: dict[str, Any] = {
+            "prefill": {"role": "prefill", "instances": []},
+            "decode": {"role": "decode", "instances": []},
+        }
+        for role, name, url in self.instances:
+            pools[role]["instances"].append({"name": name, "url": url})
+        data: dict[str, Any] = {
+            "model": {"name": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token},
+            "pools": pools,
+            "simulator": dict(self.params),
+        }
+        return _merge(data, overrides)
+
+    def config_yaml(self, **overrides: Any) -> str:
+        """A valid pdscope.yaml for this fleet; ``overrides`` are merged into the top level."""
+        return yaml.safe_dump(self.config_dict(**overrides), sort_keys=False)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@contextlib.contextmanager
+def running_fleet(
+    n_prefill: int = 1,
+    n_decode: int = 1,
+    seed: int = 0,
+    *,
+    model_name: str = DEFAULT_MODEL,
+    kv_bytes_per_token: int = LLAMA3_70B_KV_BYTES_PER_TOKEN,
+    scenario: list[FaultSpec] | None = None,
+    timeout_s: float = 15.0,
+    **params: Any,
+) -> Iterator[RunningFleet]:
+    """Start ``n_prefill`` + ``n_decode`` simulated vLLM instances; yield a RunningFleet."""
+    params = {"seed": seed, **params}
+    cfg = parse_simulator_config(params)
+    specs = [InstanceSpec("prefill", f"prefill-{i}") for i in range(n_prefill)]
+    specs += [InstanceSpec("decode", f"decode-{i}") for i in range(n_decode)]
+    loop = loop_factory()()
+    fleet = Fleet(specs, model_name=model_name, kv_bytes_per_token=kv_bytes_per_token, cfg=cfg)
+    ready = threading.Event()
+    failure: list[BaseException] = []
+    stop_future: list[asyncio.Future[None]] = []
+
+    async def main() -> None:
+        stop_future.append(loop.create_future())
+        try:
+            await fleet.start(scenario)
+        except BaseException as exc:
+            failure.append(exc)
+            ready.set()
+            await fleet.stop()
+            return
+        ready.set()
+        try:
+            await stop_future[0]
+        finally:
+            await fleet.stop()
+
+    def thread_main() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    thread = threading.Thread(target=thread_main, name="sim-fleet", daemon=True)
+    thread.start()
+    if not ready.wait(timeout_s):
+        raise TimeoutError("the simulated fleet did not start in time")
+    if failure:
+        thread.join(timeout_s)
+        raise failure[0]
+    try:
+        yield RunningFleet(fleet, loop, params, kv_bytes_per_token, timeout_s)
+    finally:
+        loop.call_soon_threadsafe(_resolve, stop_future[0])
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError("the simulated fleet did not stop in time")
