@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Launch ONE real vLLM instance (prefill or decode) with NixlConnector on a CPU-only machine.
+#
+#   deploy/vllm/launch-cpu.sh --role prefill|decode --port HTTP_PORT --side-port NIXL_PORT
+#                             [--core N] [--name INSTANCE] [--otlp URL] [--lease SECONDS]
+#                             [--env DIR] [--model DIR] [--served-name NAME]
+#                             [--nixl-progress delay|busy|off] [--progress-delay-us N]
+#
+# The script execs vLLM's OpenAI server, so its PID is the server's PID; the engine core and
+# worker are its children (stop the process group). It binds 127.0.0.1 only and keeps NIXL's
+# side channel and UCX on loopback.
+#
+#   --role        prefill -> kv_producer, decode -> kv_consumer
+#   --port        HTTP port of the OpenAI server (/v1/*, /health, /metrics)
+#   --side-port   NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT); P returns it as remote_port
+#   --core        CPU core for the model's OpenMP threads (P on 0, D on 1 on a 2-core box)
+#   --name        instance name; becomes OTEL_SERVICE_NAME of its spans (default: role)
+#   --otlp        OTLP/HTTP traces endpoint, e.g. http://127.0.0.1:4318/v1/traces (default: off)
+#   --lease       kv_lease_duration in seconds: how long P keeps blocks for an absent D (vLLM: 30)
+#   --env         the CPU vLLM venv made by setup-cpu-env.sh (default: .vllm-cpu)
+#   --model       model directory (default: ENV/tiny-llama); --served-name (default: tiny)
+#   --nixl-progress     NIXL's progress thread: delay (default: waits up to --progress-delay-us,
+#                       1000, between polls and wakes on UCX events), busy (NIXL as shipped: spins
+#                       a core at 100 %), off (no thread: transfers can stall; see README.md)
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROLE="" PORT="" SIDE_PORT="" CORE=0 NAME="" OTLP="" LEASE="" ENV_DIR=.vllm-cpu MODEL="" SERVED=tiny
+NIXL_PROGRESS=delay PROGRESS_DELAY_US=1000
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --role) ROLE=$2; shift 2 ;;
+    --port) PORT=$2; shift 2 ;;
+    --side-port) SIDE_PORT=$2; shift 2 ;;
+    --core) CORE=$2; shift 2 ;;
+    --name) NAME=$2; shift 2 ;;
+    --otlp) OTLP=$2; shift 2 ;;
+    --lease) LEASE=$2; shift 2 ;;
+    --env) ENV_DIR=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --served-name) SERVED=$2; shift 2 ;;
+    --nixl-progress) NIXL_PROGRESS=$2; shift 2 ;;
+    --progress-delay-us) PROGRESS_DELAY_US=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "launch-cpu.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+case "$ROLE" in
+  prefill) KV_ROLE=kv_producer ;;
+  decode) KV_ROLE=kv_consumer ;;
+  *) echo "launch-cpu.sh: --role must be prefill or decode" >&2; exit 2 ;;
+esac
+[ -n "$PORT" ] && [ -n "$SIDE_PORT" ] || { echo "launch-cpu.sh: --port and --side-port are required" >&2; exit 2; }
+PY="$ENV_DIR/bin/python"
+[ -x "$PY" ] || { echo "launch-cpu.sh: no CPU vLLM env at $ENV_DIR (run make vllm-cpu)" >&2; exit 2; }
+MODEL=${MODEL:-$ENV_DIR/tiny-llama}
+NAME=${NAME:-$ROLE}
+
+EXTRA="{}"
+[ -n "$LEASE" ] && EXTRA="{\"kv_lease_duration\": $LEASE}"
+KV_CONFIG="{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"$KV_ROLE\", \"kv_buffer_device\": \"cpu\", \"kv_connector_extra_config\": $EXTRA}"
+
+# Offline, no telemetry home-calls, everything on loopback.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export VLLM_HOST_IP=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=$SIDE_PORT
+export UCX_NET_DEVICES=lo
+# vLLM's CPU backend pins its OpenMP threads; "auto" would reserve cores for itself.
+export VLLM_CPU_OMP_THREADS_BIND=$CORE
+export OTEL_SERVICE_NAME=$NAME
+# NIXL's progress thread busy-polls (pthrDelay=0); nixl-progress/sitecustomize.py changes that.
+case "$NIXL_PROGRESS" in
+  delay) export PDSCOPE_NIXL_PROGRESS_DELAY_US=$PROGRESS_DELAY_US ;;
+  off) export PDSCOPE_NIXL_NO_PROGRESS_THREAD=1 ;;
+  busy) ;;
+  *) echo "launch-cpu.sh: --nixl-progress must be delay, busy or off" >&2; exit 2 ;;
+esac
+[ "$NIXL_PROGRESS" = busy ] || export PYTHONPATH="$HERE/nixl-progress${PYTHONPATH:+:$PYTHONPATH}"
+
+ARGS=(-m vllm.entrypoints.openai.api_server
+  --model "$MODEL" --served-model-name "$SERVED"
+  --host 127.0.0.1 --port "$PORT"
+  --dtype bfloat16 --max-model-len 512 --max-num-seqs 8
+  --enforce-eager --kv-cache-memory-bytes 67108864
+  --kv-transfer-config "$KV_CONFIG")
+if [ -n "$OTLP" ]; then
+  export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf
+  ARGS+=(--otlp-traces-endpoint "$OTLP")
+fi
+echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS"
+exec "$PY" "${ARGS[@]}"
