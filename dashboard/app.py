@@ -1,0 +1,46 @@
+"""The Streamlit entrypoint: loads the config, draws the sidebar (time range, live
+refresh) and routes to the pages with ``st.navigation``.
+
+Run it with ``pdscope dashboard`` (or ``streamlit run dashboard/app.py -- --config
+pdscope.yaml``). It reads the store and never writes it; changes go through the
+controller API from the Controller page.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard import context
+from pdscope.config import ConfigError
+
+VIEWS = Path(__file__).parent / "views"
+
+st.set_page_config(page_title="pdscope", page_icon=":material/monitoring:", layout="wide")
+
+try:
+    config_path, settings = context.load_settings(sys.argv[1:])
+except ConfigError as exc:
+    st.error("**pdscope cannot load its configuration.**\n\n" + "\n".join(f"- {p}" for p in exc.problems))
+    st.stop()
+
+st.sidebar.markdown("### pdscope")
+view = context.sidebar(config_path, settings)
+
+nav = st.navigation({
+    "Health": [
+        st.Page(VIEWS / "fleet.py", title="Fleet", icon=":material/dns:", url_path="fleet", default=True),
+        st.Page(VIEWS / "slos.py", title="SLOs & alerts", icon=":material/notifications:", url_path="slos"),
+    ],
+    "Investigate": [
+        st.Page(VIEWS / "requests.py", title="Requests", icon=":material/timeline:", url_path="requests"),
+        st.Page(VIEWS / "kv_transfer.py", title="KV transfer", icon=":material/swap_horiz:", url_path="kv"),
+    ],
+    "Steer": [
+        st.Page(VIEWS / "controller.py", title="Controller", icon=":material/tune:", url_path="controller"),
+        st.Page(VIEWS / "capacity.py", title="Capacity", icon=":material/speed:", url_path="capacity"),
+    ],
+})
+nav.run()

@@ -1,0 +1,167 @@
+"""Cached reads for the pages: each function takes the store URL and a window (plain,
+hashable values), gets the shared read-only engine and calls one query module.
+
+Results are cached with ``st.cache_data(ttl=CACHE_TTL_S)``; windows are rounded to the
+refresh step (``View.window``), so concurrent viewers and reruns hit the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import summaries
+from dashboard.api import ControllerClient, ControllerError
+from dashboard.context import engine_for
+from dashboard.queries import common, control, fleet, records
+from dashboard.queries import requests as rq
+
+CACHE_TTL_S = 5.0
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def presence(url: str) -> common.Presence:
+    return common.presence(engine_for(url))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def latest_ts(url: str) -> float | None:
+    return common.latest_ts(engine_for(url))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def snapshot_series(url: str, start: float, end: float) -> pd.DataFrame:
+    return fleet.snapshot_series(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def fleet_health(url: str, start: float, end: float) -> pd.DataFrame:
+    """Per-instance health over the window (see ``summaries.instance_health``)."""
+    engine, window = engine_for(url), common.Window(start, end)
+    latest = fleet.latest_snapshots(engine, end)
+    if latest.empty:
+        return pd.DataFrame()
+    edges = fleet.histogram_edges(engine, window, list(latest["instance"]))
+    series = snapshot_series(url, start, end)
+    return summaries.instance_health(series, latest, edges, fleet.current_weights(engine, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def pool_limits(url: str, end: float) -> pd.DataFrame:
+    return fleet.pool_limits(engine_for(url), end)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def active_overrides(url: str, now: float) -> pd.DataFrame:
+    return fleet.active_overrides(engine_for(url), now)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def nixl_per_instance(url: str, start: float, end: float) -> pd.DataFrame:
+    engine, window = engine_for(url), common.Window(start, end)
+    series = snapshot_series(url, start, end)
+    names = sorted(series["instance"].unique()) if not series.empty else []
+    return summaries.nixl_per_instance(series, fleet.histogram_edges(engine, window, names))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def handoff(url: str, start: float, end: float, by: str) -> pd.DataFrame:
+    """Handoff percentiles per pair / D / P, in ms (see ``summaries.handoff_by``)."""
+    sample, _ = request_sample(url, start, end)
+    return summaries.handoff_by(sample, by)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def slo_summary(url: str, start: float, end: float) -> dict[str, Any] | None:
+    """The window's SLO headline (same definitions as ``store.queries.slo_summary``, computed
+    from bounded reads so a million-row window stays under a second)."""
+    width = common.Window(start, end).bucket_s(60)
+    sample, _ = request_sample(url, start, end)
+    return summaries.slo_figures(sample, slo_buckets(url, start, end, width), end - start)
+
+
+# Above this many requests in a range, per-bucket counts are estimated from the sample.
+EXACT_BUCKETS_MAX_ROWS = 250_000
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def slo_buckets(url: str, start: float, end: float, width_s: float) -> pd.DataFrame:
+    """Per-bucket request counts: exact, or scaled from the sample for very large ranges
+    (then every row has ``estimated`` True)."""
+    sample, step = request_sample(url, start, end)
+    if step * len(sample) > EXACT_BUCKETS_MAX_ROWS:
+        return summaries.buckets_from_sample(sample, step, start, width_s).assign(estimated=True)
+    return records.slo_buckets(engine_for(url), common.Window(start, end), width_s).assign(estimated=False)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_sample(url: str, start: float, end: float, max_rows: int = 20_000) -> tuple[pd.DataFrame, int]:
+    return records.sample(engine_for(url), common.Window(start, end), max_rows)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def search_requests(url: str, start: float, end: float, request_id: str, status: str, instance: str,
+                    slo_miss: bool, lease_expiry: bool, limit: int = 200) -> pd.DataFrame:
+    flt = rq.RequestFilter(request_id, status, instance, slo_miss, lease_expiry, limit)
+    return rq.search(engine_for(url), common.Window(start, end), flt)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def status_counts(url: str, start: float, end: float) -> pd.DataFrame:
+    return rq.status_counts(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=60.0, show_spinner=False)
+def get_request(url: str, request_id: str) -> dict[str, Any] | None:
+    return rq.get_request(engine_for(url), request_id)
+
+
+@st.cache_data(ttl=60.0, show_spinner=False)
+def nixl_around(url: str, instance: str, start: float, end: float) -> pd.DataFrame:
+    return rq.nixl_around(engine_for(url), instance, start, end)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def decisions(url: str, start: float, end: float) -> pd.DataFrame:
+    return control.decisions(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def weight_history(url: str, start: float, end: float) -> pd.DataFrame:
+    return control.weight_history(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def latest_mode(url: str) -> str | None:
+    return control.latest_mode(engine_for(url))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def firing_alerts(url: str) -> pd.DataFrame:
+    return control.firing_alerts(engine_for(url))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def recent_alerts(url: str, start: float, end: float) -> pd.DataFrame:
+    return control.recent_alerts(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def audit_trail(url: str, start: float, end: float) -> pd.DataFrame:
+    return control.audit_trail(engine_for(url), common.Window(start, end))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def routing_table(controller_url: str) -> dict[str, Any] | None:
+    """The controller's current routing table (served weights, drains, mode), or None when
+    it does not answer within 1.5 s."""
+    try:
+        return ControllerClient(controller_url, None, timeout_s=1.5).routing()
+    except ControllerError:
+        return None
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1000.0

@@ -1,0 +1,197 @@
+"""Pure arithmetic the dashboard pages share: counter increases, histogram quantiles,
+a request's waterfall and the P:D capacity ratio.
+
+No I/O, no Streamlit, no clock: every function takes plain values and returns plain
+values, so the pages stay thin and these are tested with tables of cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from store.queries import bucket_quantile
+from store.queries import counter_increase as store_counter_increase
+
+# A snapshot's ``histograms`` column keys its families by the scraped name; older or
+# hand-written stores may use the bare name or a short alias. First match wins.
+HISTOGRAM_ALIASES: dict[str, tuple[str, ...]] = {
+    "ttft": ("vllm:time_to_first_token_seconds", "time_to_first_token_seconds", "ttft"),
+    "itl": ("vllm:inter_token_latency_seconds", "inter_token_latency_seconds", "itl"),
+    "e2e": ("vllm:e2e_request_latency_seconds", "e2e_request_latency_seconds", "e2e"),
+    "queue": ("vllm:request_queue_time_seconds", "request_queue_time_seconds", "queue"),
+    "nixl_xfer_time": ("vllm:nixl_xfer_time_seconds", "nixl_xfer_time_seconds", "nixl_xfer_time"),
+    "nixl_post_time": ("vllm:nixl_post_time_seconds", "nixl_post_time_seconds", "nixl_post_time"),
+    "nixl_bytes": ("vllm:nixl_bytes_transferred", "nixl_bytes_transferred", "nixl_bytes"),
+    "nixl_descriptors": ("vllm:nixl_num_descriptors", "nixl_num_descriptors", "nixl_descriptors"),
+}
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative buckets: ``counts[i]`` observations ≤ ``le[i]``; ``counts[-1]`` is +Inf."""
+
+    le: tuple[float, ...]
+    counts: tuple[float, ...]
+    sum: float
+    count: float
+
+
+def find_histogram(histograms: Mapping[str, Any] | None, family: str) -> Histogram | None:
+    """The histogram ``family`` (a key of HISTOGRAM_ALIASES) from a snapshot, or None."""
+    if not histograms:
+        return None
+    for key in HISTOGRAM_ALIASES.get(family, (family,)):
+        raw = histograms.get(key)
+        if isinstance(raw, Mapping) and "le" in raw and "counts" in raw:
+            le = tuple(float(x) for x in raw["le"])
+            counts = tuple(float(x) for x in raw["counts"])
+            if len(counts) != len(le) + 1:
+                return None
+            return Histogram(le, counts, float(raw.get("sum") or 0.0), float(raw.get("count") or counts[-1]))
+    return None
+
+
+def histogram_increase(first: Histogram | None, last: Histogram | None) -> Histogram | None:
+    """What was observed between two scrapes; a reset (count went down) keeps ``last`` whole."""
+    if last is None:
+        return None
+    if first is None or first.le != last.le or last.count < first.count:
+        return last
+    counts = tuple(max(b - a, 0.0) for a, b in zip(first.counts, last.counts, strict=True))
+    return Histogram(last.le, counts, max(last.sum - first.sum, 0.0), max(last.count - first.count, 0.0))
+
+
+def histogram_quantile(q: float, hist: Histogram | None) -> float | None:
+    """Prometheus-style quantile (``store.queries.bucket_quantile``); None when empty."""
+    if hist is None:
+        return None
+    return bucket_quantile(q, hist.le, hist.counts)
+
+
+def counter_increase(values: Sequence[float | None]) -> float | None:
+    """Increase of a cumulative counter (``store.queries.counter_increase``: a drop is a
+    restart); None with fewer than two samples."""
+    return store_counter_increase(values)
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num/den, or None when the denominator is missing or zero."""
+    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
+        return None
+    return num / den
+
+
+# -- a request's waterfall ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One bar of a request's waterfall, in milliseconds from ``proxy_in``."""
+
+    name: str
+    start_ms: float
+    end_ms: float
+    note: str = ""
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+STAGE_ORDER = ("proxy", "P queue", "P prefill", "handoff (D queue incl. KV pull)", "first token", "decode")
+
+
+def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
+    """The stages of one request record, in order; stages without timestamps are left out.
+
+    proxy = proxy_in→p_sent; P queue and P prefill split p_sent→p_done using vLLM's own
+    ``p_queue_s`` (the rest is prefill) when known; handoff = p_done→first_token (D's queue
+    and the NIXL pull); first token is a marker; decode = first_token→done.
+    """
+    t0 = rec.get("proxy_in")
+    if t0 is None:
+        return []
+
+    def ms(ts: Any) -> float | None:
+        return None if ts is None else (float(ts) - float(t0)) * 1000.0
+
+    p_sent, p_done = ms(rec.get("p_sent")), ms(rec.get("p_done"))
+    d_sent, first, done = ms(rec.get("d_sent")), ms(rec.get("first_token")), ms(rec.get("done"))
+    stages: list[Stage] = []
+    if p_sent is not None:
+        stages.append(Stage("proxy", 0.0, p_sent, "admission and routing"))
+    if p_sent is not None and p_done is not None:
+        queue = rec.get("p_queue_s")
+        if queue is not None and 0 <= queue * 1000.0 <= p_done - p_sent:
+            split = p_sent + float(queue) * 1000.0
+            stages.append(Stage("P queue", p_sent, split, "vLLM time_in_queue on P"))
+            stages.append(Stage("P prefill", split, p_done, "prefill and response to the proxy"))
+        else:
+            stages.append(Stage("P prefill", p_sent, p_done, "queue and prefill (no split recorded)"))
+    handoff_start = p_done if p_done is not None else d_sent
+    if handoff_start is not None and first is not None:
+        note = "D queue incl. NIXL KV pull"
+        if d_sent is not None and p_done is not None:
+            note += f"; sent to D after {d_sent - p_done:.1f} ms"
+        stages.append(Stage("handoff (D queue incl. KV pull)", handoff_start, first, note))
+    if first is not None:
+        stages.append(Stage("first token", first, first, "TTFT"))
+    if first is not None and done is not None:
+        stages.append(Stage("decode", first, done, "streamed tokens"))
+    return stages
+
+
+# -- capacity ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Instances needed for a load, from per-instance capacities (tokens/s at saturation)."""
+
+    rate_per_s: float
+    mean_prompt: float
+    mean_output: float
+    c_prefill: float
+    c_decode: float
+    utilization: float
+    n_prefill: int
+    n_decode: int
+    pd_ratio: float
+
+
+def pd_ratio(c_prefill: float, c_decode: float, mean_prompt: float, mean_output: float) -> float:
+    """n_P / n_D ≈ (C_D / C_P) · (E[prompt] / E[output]), a starting point only."""
+    if c_prefill <= 0 or mean_output <= 0:
+        raise ValueError("C_P and E[output] must be positive")
+    return (c_decode / c_prefill) * (mean_prompt / mean_output)
+
+
+def capacity_plan(
+    rate_per_s: float,
+    mean_prompt: float,
+    mean_output: float,
+    c_prefill: float,
+    c_decode: float,
+    utilization: float = 0.8,
+) -> CapacityPlan:
+    """P needs rate·E[prompt]/C_P instances, D needs rate·E[output]/C_D, at ``utilization``."""
+    if not 0 < utilization <= 1:
+        raise ValueError("utilization must be in (0, 1]")
+    if c_prefill <= 0 or c_decode <= 0:
+        raise ValueError("per-instance capacities must be positive")
+    n_p = math.ceil(rate_per_s * mean_prompt / (c_prefill * utilization) - 1e-9) if rate_per_s > 0 else 0
+    n_d = math.ceil(rate_per_s * mean_output / (c_decode * utilization) - 1e-9) if rate_per_s > 0 else 0
+    return CapacityPlan(
+        rate_per_s=rate_per_s,
+        mean_prompt=mean_prompt,
+        mean_output=mean_output,
+        c_prefill=c_prefill,
+        c_decode=c_decode,
+        utilization=utilization,
+        n_prefill=max(n_p, 1 if rate_per_s > 0 else 0),
+        n_decode=max(n_d, 1 if rate_per_s > 0 else 0),
+        pd_ratio=pd_ratio(c_prefill, c_decode, mean_prompt, mean_output) if mean_output > 0 else math.inf,
+    )

@@ -1,0 +1,137 @@
+"""Fleet-level reads: instances, snapshots over a window, the latest snapshot and the
+histogram edges per instance, and what the controller last set (weights, limits,
+overrides). Every query is bounded by the window and served by an index on ``ts``
+or ``(instance, ts)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, and_, func, or_, select
+
+from dashboard.queries.common import Window, fast_frame, frame
+from store.models import Decision, InstanceRow, Snapshot, WeightOverride
+
+# Columns the pages plot or difference; histograms are fetched only at the window edges.
+SERIES_COLUMNS = (
+    "ts", "instance", "pool", "role", "up", "kv_cache_usage", "num_running", "num_waiting",
+    "kv_fetch_in_progress", "prompt_tokens", "generation_tokens", "ttft_sum", "ttft_count",
+    "itl_sum", "itl_count", "nixl_xfer_time_sum", "nixl_xfer_time_count", "nixl_post_time_sum",
+    "nixl_post_time_count", "nixl_bytes_sum", "nixl_bytes_count", "nixl_descriptors_sum",
+    "nixl_descriptors_count", "nixl_failed_transfers", "nixl_kv_expired_reqs",
+    "requests_stop", "requests_length", "requests_abort", "requests_error",
+)
+
+# Decision fields the controller writes (see controller/): per instance and per pool.
+WEIGHT_FIELD = "weight"
+LIMIT_FIELDS = ("max_inflight_requests", "max_inflight_kv_bytes")
+
+
+def instances(engine: Engine) -> pd.DataFrame:
+    """Every instance the collector has seen (name, pool, role, url, last_seen)."""
+    stmt = select(InstanceRow.name, InstanceRow.pool, InstanceRow.role, InstanceRow.url,
+                  InstanceRow.last_seen).order_by(InstanceRow.role.desc(), InstanceRow.name)
+    return frame(engine, stmt)
+
+
+def snapshot_series(engine: Engine, window: Window, columns: tuple[str, ...] = SERIES_COLUMNS,
+                    max_points: int = 360) -> pd.DataFrame:
+    """Snapshots in the window, oldest first, with the named columns; at most about
+    ``max_points`` per instance: a long range keeps every k-th scrape of each instance,
+    always including its newest. Counter differences stay exact between kept scrapes
+    (only a restart between two kept scrapes loses the counts before it).
+    """
+    in_window = (Snapshot.ts >= window.start, Snapshot.ts < window.end)
+    with engine.connect() as conn:
+        rows = conn.execute(select(func.count()).select_from(Snapshot).where(*in_window)).scalar() or 0
+        n_inst = conn.execute(select(func.count()).select_from(InstanceRow)).scalar() or 0
+        if not n_inst and rows:
+            n_inst = conn.execute(select(func.count(func.distinct(Snapshot.instance))).where(*in_window)).scalar() or 1
+    step = max(1, math.ceil(rows / max(n_inst, 1) / max(max_points, 1)))
+    cols = [getattr(Snapshot, c) for c in columns]
+    if step == 1:
+        return fast_frame(engine, select(*cols).where(*in_window).order_by(Snapshot.ts), ("up",))
+    rn = func.row_number().over(partition_by=Snapshot.instance, order_by=Snapshot.ts.desc()).label("rn")
+    inner = select(*cols, rn).where(*in_window).subquery()
+    stmt = (select(*[inner.c[c] for c in columns]).where((inner.c.rn - 1) % step == 0)
+            .order_by(inner.c.ts))
+    return fast_frame(engine, stmt, ("up",))
+
+
+def latest_snapshots(engine: Engine, end: float, lookback_s: float = 900.0) -> pd.DataFrame:
+    """The newest snapshot of each instance at or before ``end`` (within ``lookback_s``)."""
+    newest = (
+        select(Snapshot.instance, func.max(Snapshot.ts).label("ts"))
+        .where(Snapshot.ts <= end, Snapshot.ts > end - lookback_s)
+        .group_by(Snapshot.instance)
+        .subquery()
+    )
+    cols = [getattr(Snapshot, c) for c in SERIES_COLUMNS if c not in ("ts", "instance")]
+    stmt = (
+        select(Snapshot.instance, Snapshot.ts, Snapshot.error, Snapshot.engines, *cols)
+        .join(newest, and_(Snapshot.instance == newest.c.instance, Snapshot.ts == newest.c.ts))
+        .order_by(Snapshot.role.desc(), Snapshot.instance)
+    )
+    df = frame(engine, stmt)
+    return df.drop_duplicates("instance", keep="last") if not df.empty else df
+
+
+def histogram_edges(engine: Engine, window: Window, names: list[str]) -> dict[str, tuple[Any, Any]]:
+    """For each instance, the ``histograms`` of its first and last snapshot in the window."""
+    edges: dict[str, tuple[Any, Any]] = {}
+    with engine.connect() as conn:
+        for name in names:
+            base = select(Snapshot.histograms).where(
+                Snapshot.instance == name, Snapshot.ts >= window.start, Snapshot.ts < window.end
+            )
+            first = conn.execute(base.order_by(Snapshot.ts).limit(1)).scalar()
+            last = conn.execute(base.order_by(Snapshot.ts.desc()).limit(1)).scalar()
+            if last is not None:
+                edges[name] = (first, last)
+    return edges
+
+
+def latest_decisions(engine: Engine, end: float, subject_kind: str, fields: tuple[str, ...]) -> pd.DataFrame:
+    """The newest decision per (subject, field) at or before ``end``."""
+    newest = (
+        select(func.max(Decision.id).label("id"))
+        .where(Decision.ts <= end, Decision.subject_kind == subject_kind, Decision.field.in_(fields))
+        .group_by(Decision.subject, Decision.field)
+        .subquery()
+    )
+    stmt = select(Decision.subject, Decision.field, Decision.new_value, Decision.reason, Decision.ts,
+                  Decision.mode).join(newest, Decision.id == newest.c.id)
+    return frame(engine, stmt)
+
+
+def current_weights(engine: Engine, end: float) -> pd.DataFrame:
+    """Latest weight the controller set per instance: subject, weight, reason, ts."""
+    df = latest_decisions(engine, end, "instance", (WEIGHT_FIELD,))
+    return df.rename(columns={"new_value": "weight"}).drop(columns=["field"])
+
+
+def pool_limits(engine: Engine, end: float) -> pd.DataFrame:
+    """Latest admission limits and weight per pool, one row per pool."""
+    df = latest_decisions(engine, end, "pool", (WEIGHT_FIELD, *LIMIT_FIELDS))
+    if df.empty:
+        return pd.DataFrame(columns=["pool", WEIGHT_FIELD, *LIMIT_FIELDS])
+    wide = df.pivot_table(index="subject", columns="field", values="new_value", aggfunc="last")
+    wide = wide.reset_index().rename(columns={"subject": "pool"})
+    wide.columns.name = None
+    return wide
+
+
+def active_overrides(engine: Engine, now: float) -> pd.DataFrame:
+    """Manual weights and drains that still win: not cleared and not expired at ``now``."""
+    stmt = (
+        select(WeightOverride.id, WeightOverride.subject_kind, WeightOverride.subject, WeightOverride.weight,
+               WeightOverride.drained, WeightOverride.reason, WeightOverride.actor, WeightOverride.created,
+               WeightOverride.expires)
+        .where(WeightOverride.cleared.is_(None), WeightOverride.created <= now,
+               or_(WeightOverride.expires.is_(None), WeightOverride.expires > now))
+        .order_by(WeightOverride.created.desc())
+    )
+    return frame(engine, stmt)

@@ -1,0 +1,94 @@
+"""Window-wide reads over request records: a bounded sample of per-request figures, SLO
+counts per time bucket, and handoff time per (P, D) pair.
+
+Large windows are sampled by primary key (every k-th row) so a page never pulls more
+than ``max_rows`` rows into Python; counts per bucket are always exact (SQL GROUP BY).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, case, func, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from dashboard.queries.common import Window, bucket_index, fast_frame, frame
+from store.models import RequestRecord
+
+SAMPLE_COLUMNS = ("proxy_in", "status", "ttft_s", "tpot_s", "e2e_s", "prompt_tokens", "completion_tokens",
+                  "slo_met", "p_instance", "d_instance", "p_done", "first_token", "lease_expiry_suspect")
+
+
+def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+    return (RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
+
+
+def count(engine: Engine, window: Window) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(RequestRecord).where(*_in_window(window)))
+                   .scalar() or 0)
+
+
+def sample(engine: Engine, window: Window, max_rows: int = 20_000) -> tuple[pd.DataFrame, int]:
+    """Per-request figures in the window, every k-th row when there are more than ``max_rows``.
+
+    Returns the frame and k (1 = every row), so callers can scale counts back up.
+    """
+    total = count(engine, window)
+    step = max(1, math.ceil(total / max_rows)) if max_rows > 0 else 1
+    cols = [getattr(RequestRecord, c) for c in SAMPLE_COLUMNS]
+    stmt = select(*cols).where(*_in_window(window))
+    if step > 1:
+        stmt = stmt.where(RequestRecord.id % step == 0)
+    return fast_frame(engine, stmt, ("slo_met", "lease_expiry_suspect")), step
+
+
+def slo_buckets(engine: Engine, window: Window, width_s: float) -> pd.DataFrame:
+    """Per time bucket: arrivals, completed (status ok), met every SLO, TTFT and TPOT misses.
+
+    Columns: t (bucket start, Unix s), arrivals, completed, met, ttft_miss, tpot_miss,
+    errors, rejected.
+    """
+    b = bucket_index(engine, RequestRecord.__table__.c.proxy_in, window.start, width_s).label("b")
+
+    def n_if(cond: ColumnElement[bool]) -> ColumnElement[Any]:
+        return func.sum(case((cond, 1), else_=0))
+
+    stmt = (
+        select(
+            b,
+            func.count().label("arrivals"),
+            n_if(RequestRecord.status == "ok").label("completed"),
+            n_if(RequestRecord.slo_met.is_(True)).label("met"),
+            n_if(RequestRecord.slo_ttft_met.is_(False)).label("ttft_miss"),
+            n_if(RequestRecord.slo_tpot_met.is_(False)).label("tpot_miss"),
+            n_if(RequestRecord.status.in_(("error", "timeout"))).label("errors"),
+            n_if(RequestRecord.status == "rejected").label("rejected"),
+        )
+        .where(*_in_window(window))
+        .group_by(b)
+        .order_by(b)
+    )
+    df = frame(engine, stmt)
+    if df.empty:
+        return df
+    df["t"] = window.start + df["b"].astype(float) * width_s
+    for col in ("arrivals", "completed", "met", "ttft_miss", "tpot_miss", "errors", "rejected"):
+        df[col] = df[col].fillna(0).astype(int)
+    return df.drop(columns=["b"])
+
+
+def pair_handoff(engine: Engine, window: Window) -> pd.DataFrame:
+    """Handoff time (P done → D first token) per (P, D) pair: requests, mean and max in ms."""
+    handoff = (RequestRecord.first_token - RequestRecord.p_done) * 1000.0
+    stmt = (
+        select(RequestRecord.p_instance, RequestRecord.d_instance, func.count().label("requests"),
+               func.avg(handoff).label("mean_ms"), func.max(handoff).label("max_ms"),
+               func.sum(case((RequestRecord.lease_expiry_suspect.is_(True), 1), else_=0)).label("lease_expiry"))
+        .where(*_in_window(window), RequestRecord.first_token.is_not(None), RequestRecord.p_done.is_not(None),
+               RequestRecord.p_instance.is_not(None), RequestRecord.d_instance.is_not(None))
+        .group_by(RequestRecord.p_instance, RequestRecord.d_instance)
+    )
+    return frame(engine, stmt)

@@ -1,0 +1,95 @@
+"""Request-record reads: search (newest first, bounded), one request by id, the NIXL
+figures of a decode instance around a moment, and lease-expiry suspects.
+
+Searches always carry the window and a LIMIT and order by ``proxy_in``, so SQLite
+and PostgreSQL walk ``ix_request_records_*_ts`` backwards and stop early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, func, or_, select
+
+from dashboard.queries.common import Window, frame
+from store.models import RequestRecord, Snapshot
+
+LIST_COLUMNS = (
+    "request_id", "proxy_in", "status", "http_status", "p_instance", "d_instance", "prompt_tokens",
+    "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "slo_met", "lease_expiry_suspect", "retries",
+)
+
+NIXL_COLUMNS = (
+    "ts", "up", "kv_cache_usage", "num_running", "num_waiting", "kv_fetch_in_progress",
+    "nixl_xfer_time_sum", "nixl_xfer_time_count", "nixl_post_time_sum", "nixl_post_time_count",
+    "nixl_bytes_sum", "nixl_bytes_count", "nixl_descriptors_sum", "nixl_descriptors_count",
+    "nixl_failed_transfers", "nixl_kv_expired_reqs",
+)
+
+
+@dataclass(frozen=True)
+class RequestFilter:
+    """What the SRE typed: all fields optional; empty means "any"."""
+
+    request_id: str = ""
+    status: str = ""
+    instance: str = ""
+    slo_miss: bool = False
+    lease_expiry: bool = False
+    limit: int = 200
+
+
+def search(engine: Engine, window: Window, flt: RequestFilter) -> pd.DataFrame:
+    """Matching requests, newest first, at most ``flt.limit``.
+
+    A request id (or its prefix) searches the whole store, not only the window.
+    """
+    cols = [getattr(RequestRecord, c) for c in LIST_COLUMNS]
+    stmt = select(*cols)
+    if flt.request_id:
+        stmt = stmt.where(or_(RequestRecord.request_id == flt.request_id,
+                              RequestRecord.trace_id == flt.request_id,
+                              RequestRecord.request_id.startswith(flt.request_id, autoescape=True)))
+    else:
+        stmt = stmt.where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
+    if flt.status:
+        stmt = stmt.where(RequestRecord.status == flt.status)
+    if flt.instance:
+        stmt = stmt.where(or_(RequestRecord.p_instance == flt.instance, RequestRecord.d_instance == flt.instance))
+    if flt.slo_miss:
+        stmt = stmt.where(RequestRecord.slo_met.is_(False))
+    if flt.lease_expiry:
+        stmt = stmt.where(RequestRecord.lease_expiry_suspect.is_(True))
+    stmt = stmt.order_by(RequestRecord.proxy_in.desc()).limit(flt.limit)
+    return frame(engine, stmt)
+
+
+def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
+    """Requests per status in the window (for the filter and a summary)."""
+    stmt = (select(RequestRecord.status, func.count().label("requests"))
+            .where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
+            .group_by(RequestRecord.status).order_by(func.count().desc()))
+    return frame(engine, stmt)
+
+
+def get_request(engine: Engine, request_id: str) -> dict[str, Any] | None:
+    """Every column of one request record, or None."""
+    with engine.connect() as conn:
+        table = RequestRecord.__table__
+        row = conn.execute(select(table).where(table.c.request_id == request_id)).first()
+    return None if row is None else dict(row._mapping)
+
+
+def nixl_around(engine: Engine, instance: str, start: float, end: float, pad_s: float = 30.0) -> pd.DataFrame:
+    """The instance's snapshots from ``pad_s`` before ``start`` to ``pad_s`` after ``end``."""
+    cols = [getattr(Snapshot, c) for c in NIXL_COLUMNS]
+    stmt = (select(*cols).where(Snapshot.instance == instance, Snapshot.ts >= start - pad_s,
+                                Snapshot.ts <= end + pad_s).order_by(Snapshot.ts))
+    return frame(engine, stmt)
+
+
+def lease_expiry_suspects(engine: Engine, window: Window, limit: int = 50) -> pd.DataFrame:
+    """Requests the collector flagged as likely KV-lease expiries, newest first."""
+    return search(engine, window, RequestFilter(lease_expiry=True, limit=limit))

@@ -1,0 +1,239 @@
+"""Frames the pages show, computed from query results: per-instance health, NIXL figures
+per decode instance, and counter rates between consecutive scrapes.
+
+Pure pandas over already-fetched frames (no I/O, no Streamlit), so tests feed them
+small hand-made frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from dashboard.derive import counter_increase, find_histogram, histogram_increase, histogram_quantile, ratio
+
+
+def _increase(df: pd.DataFrame, column: str) -> float:
+    if column not in df or df[column].isna().all():
+        return float("nan")
+    inc = counter_increase([None if pd.isna(v) else float(v) for v in df[column]])
+    return float("nan") if inc is None else inc
+
+
+def _quantiles_ms(edges: tuple[Any, Any] | None, family: str, qs: tuple[float, ...]) -> list[float | None]:
+    if edges is None:
+        return [None for _ in qs]
+    inc = histogram_increase(find_histogram(edges[0], family), find_histogram(edges[1], family))
+    out: list[float | None] = []
+    for q in qs:
+        v = histogram_quantile(q, inc)
+        out.append(None if v is None else v * 1000.0)
+    return out
+
+
+def instance_health(
+    series: pd.DataFrame,
+    latest: pd.DataFrame,
+    edges: Mapping[str, tuple[Any, Any]],
+    weights: pd.DataFrame,
+) -> pd.DataFrame:
+    """One row per instance: up, weight, KV usage, running/waiting now, TTFT/ITL p50/p99 over
+    the window (from vLLM's histograms), NIXL mean transfer time, failures and expired leases.
+    """
+    weight_of = dict(zip(weights["subject"], weights["weight"], strict=False)) if not weights.empty else {}
+    rows = []
+    for _, snap in latest.iterrows():
+        name = snap["instance"]
+        mine = series[series["instance"] == name] if not series.empty else series
+        ttft50, ttft99 = _quantiles_ms(edges.get(name), "ttft", (0.5, 0.99))
+        itl50, itl99 = _quantiles_ms(edges.get(name), "itl", (0.5, 0.99))
+        xfer = ratio(_increase(mine, "nixl_xfer_time_sum"), _increase(mine, "nixl_xfer_time_count"))
+        rows.append({
+            "instance": name,
+            "pool": snap["pool"],
+            "role": snap["role"],
+            "up": bool(snap["up"]),
+            "weight": weight_of.get(name),
+            "kv_usage_pct": None if pd.isna(snap["kv_cache_usage"]) else 100.0 * float(snap["kv_cache_usage"]),
+            "running": snap["num_running"],
+            "waiting": snap["num_waiting"],
+            "ttft_p50_ms": ttft50,
+            "ttft_p99_ms": ttft99,
+            "itl_p50_ms": itl50,
+            "itl_p99_ms": itl99,
+            "nixl_xfer_mean_ms": None if xfer is None or np.isnan(xfer) else xfer * 1000.0,
+            "nixl_failed": _increase(mine, "nixl_failed_transfers"),
+            "expired_leases": _increase(mine, "nixl_kv_expired_reqs"),
+            "last_scrape": snap["ts"],
+        })
+    return pd.DataFrame(rows)
+
+
+def pool_totals(health: pd.DataFrame) -> pd.DataFrame:
+    """Per pool: instances up/total, running, waiting, mean KV usage."""
+    if health.empty:
+        return pd.DataFrame(columns=["pool", "role", "up", "instances", "running", "waiting", "kv_usage_pct"])
+    grouped = health.groupby(["pool", "role"], as_index=False).agg(
+        up=("up", "sum"), instances=("instance", "count"), running=("running", "sum"),
+        waiting=("waiting", "sum"), kv_usage_pct=("kv_usage_pct", "mean"),
+    )
+    return grouped
+
+
+def nixl_per_instance(series: pd.DataFrame, edges: Mapping[str, tuple[Any, Any]]) -> pd.DataFrame:
+    """NIXL figures over the window per instance that transferred or expired anything.
+
+    In pull mode D records transfers and failures; P records expired leases. MB/s is bytes
+    moved per second of transfer time (the link's effective rate while busy).
+    """
+    rows = []
+    if series.empty:
+        return pd.DataFrame()
+    for (name, role), mine in series.groupby(["instance", "role"], sort=True):
+        transfers = _increase(mine, "nixl_xfer_time_count")
+        xfer_s = _increase(mine, "nixl_xfer_time_sum")
+        post_s = _increase(mine, "nixl_post_time_sum")
+        posts = _increase(mine, "nixl_post_time_count")
+        nbytes = _increase(mine, "nixl_bytes_sum")
+        descs = _increase(mine, "nixl_descriptors_sum")
+        failed = _increase(mine, "nixl_failed_transfers")
+        expired = _increase(mine, "nixl_kv_expired_reqs")
+        if not any(v > 0 for v in (transfers, failed, expired) if not np.isnan(v)):
+            continue
+        x50, x90, x99 = _quantiles_ms(edges.get(name), "nixl_xfer_time", (0.5, 0.9, 0.99))
+        p50, p99 = _quantiles_ms(edges.get(name), "nixl_post_time", (0.5, 0.99))
+        mean_xfer = ratio(xfer_s, transfers)
+        mean_post = ratio(post_s, posts)
+        per_xfer_bytes = ratio(nbytes, transfers)
+        rate = ratio(nbytes, xfer_s)
+        rows.append({
+            "instance": name, "role": role, "transfers": transfers,
+            "xfer_mean_ms": None if mean_xfer is None else mean_xfer * 1000.0,
+            "xfer_p50_ms": x50, "xfer_p90_ms": x90, "xfer_p99_ms": x99,
+            "post_mean_ms": None if mean_post is None else mean_post * 1000.0,
+            "post_p50_ms": p50, "post_p99_ms": p99,
+            "MB_per_s": None if rate is None else rate / 1e6,
+            "MB_per_transfer": None if per_xfer_bytes is None else per_xfer_bytes / 1e6,
+            "descriptors_per_transfer": ratio(descs, transfers),
+            "failed_transfers": failed, "expired_leases": expired,
+        })
+    return pd.DataFrame(rows)
+
+
+def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
+    """Per instance and scrape: each counter's rate per second since the previous scrape.
+
+    A counter that went down (a restart) counts from zero; the first scrape has no rate.
+    """
+    if series.empty:
+        return pd.DataFrame(columns=["ts", "instance", "role", *counters])
+    parts = []
+    for _, mine in series.groupby("instance", sort=False):
+        mine = mine.sort_values("ts")
+        dt = mine["ts"].diff()
+        out = mine[["ts", "instance", "role"]].copy()
+        for col in counters:
+            values = mine[col].astype(float)
+            delta = values.diff()
+            delta = delta.where(delta >= 0, values)  # reset: the new value is the increase
+            out[col] = delta / dt
+        parts.append(out.iloc[1:])
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: float = 1.0) -> pd.DataFrame:
+    """Per instance and scrape: Δsum/Δcount since the previous scrape (e.g. mean xfer time)."""
+    if series.empty:
+        return pd.DataFrame(columns=["ts", "instance", "value"])
+    parts = []
+    for _, mine in series.groupby("instance", sort=False):
+        mine = mine.sort_values("ts")
+        ds = mine[sum_col].astype(float).diff()
+        dc = mine[count_col].astype(float).diff()
+        value = (ds / dc.where(dc > 0)) * scale
+        parts.append(pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna())
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def percentiles_ms(values: pd.Series, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float | None]:
+    """Empirical percentiles of a seconds series, in ms, keyed "p50", "p90", ..."""
+    clean = values.dropna().astype(float)
+    out: dict[str, float | None] = {}
+    for q in qs:
+        key = f"p{round(q * 100, 1):g}"
+        out[key] = None if clean.empty else float(np.quantile(clean.to_numpy(), q)) * 1000.0
+    return out
+
+
+def slo_figures(sample: pd.DataFrame, buckets: pd.DataFrame, seconds: float) -> dict[str, Any] | None:
+    """The window's SLO headline, with ``store.queries.slo_summary``'s definitions:
+    attainment = met every SLO / completed (status ok); goodput = met / window seconds.
+
+    Counts come from the exact per-bucket counts; percentiles from the (maybe sampled)
+    per-request frame. None when the window holds no request.
+    """
+    if buckets.empty or int(buckets["arrivals"].sum()) == 0:
+        return None
+    completed = int(buckets["completed"].sum())
+    met = int(buckets["met"].sum())
+    ok = sample[sample["status"] == "ok"] if not sample.empty else sample
+
+    def q(col: str, p: float) -> float | None:
+        vals = ok[col].dropna() if not ok.empty else pd.Series(dtype=float)
+        return None if vals.empty else float(np.quantile(vals.to_numpy(dtype=float), p))
+
+    return {
+        "requests": int(buckets["arrivals"].sum()), "completed": completed, "slo_met": met,
+        "attainment": met / completed if completed else None, "goodput_per_s": met / max(seconds, 1e-9),
+        "ttft_p50_s": q("ttft_s", 0.5), "ttft_p99_s": q("ttft_s", 0.99), "tpot_p99_s": q("tpot_s", 0.99),
+        "e2e_p99_s": q("e2e_s", 0.99),
+    }
+
+
+def handoff_by(sample: pd.DataFrame, by: str = "pair") -> pd.DataFrame:
+    """Handoff time (P done → D first token) per (P, D) pair, per D or per P, in ms:
+    requests, p50, p90, p99, mean and lease-expiry suspects (as ``store.queries.handoff_stats``)."""
+    cols = ["key", "p_instance", "d_instance", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "lease_suspects"]
+    if sample.empty:
+        return pd.DataFrame(columns=cols)
+    df = sample.dropna(subset=["p_done", "first_token"]).copy()
+    if df.empty:
+        return pd.DataFrame(columns=cols)
+    df["handoff_ms"] = (df["first_token"] - df["p_done"]).clip(lower=0.0) * 1000.0
+    df["suspect"] = df["lease_expiry_suspect"].fillna(False).astype(bool).astype(int)
+    keys = {"pair": ["p_instance", "d_instance"], "d_instance": ["d_instance"], "p_instance": ["p_instance"]}[by]
+    g = df.groupby(keys, dropna=False)["handoff_ms"]
+    out = pd.DataFrame({
+        "requests": g.size(), "p50_ms": g.quantile(0.5), "p90_ms": g.quantile(0.9), "p99_ms": g.quantile(0.99),
+        "mean_ms": g.mean(), "lease_suspects": df.groupby(keys, dropna=False)["suspect"].sum(),
+    }).reset_index()
+    for k in ("p_instance", "d_instance"):
+        if k not in out:
+            out[k] = ""
+    out["key"] = out["p_instance"].astype(str) + "->" + out["d_instance"].astype(str) if by == "pair" else \
+        out[keys[0]].astype(str)
+    return out[cols]
+
+
+def buckets_from_sample(sample: pd.DataFrame, step: int, start: float, width_s: float) -> pd.DataFrame:
+    """``records.slo_buckets`` estimated from every ``step``-th request (counts scaled by
+    ``step``), for ranges too large to count row by row within a second. (No per-SLO
+    miss counts: the sample does not carry them.)"""
+    cols = ["arrivals", "completed", "met", "errors", "rejected"]
+    if sample.empty:
+        return pd.DataFrame(columns=[*cols, "t"])
+    b = ((sample["proxy_in"] - start) // width_s).astype(int)
+    status = sample["status"]
+    flags = pd.DataFrame({
+        "arrivals": 1,
+        "completed": (status == "ok").astype(int),
+        "met": sample["slo_met"].fillna(False).astype(bool).astype(int),
+        "errors": status.isin(("error", "timeout")).astype(int),
+        "rejected": (status == "rejected").astype(int),
+    })
+    out = (flags.groupby(b).sum() * step).reset_index(names="b")
+    out["t"] = start + out["b"].astype(float) * width_s
+    return out.drop(columns=["b"])

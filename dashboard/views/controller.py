@@ -1,0 +1,173 @@
+"""Controller: what the controller decided and why (timeline with reasons, weights over
+time), whether it enforces or only advises, the audit trail, and forms that override a
+weight, clear it, drain or undrain an instance, or set a pool's weight — all through
+the controller API with the token from the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, context, data, ui
+from dashboard.api import ApiResult, ControllerClient, ControllerError
+
+view = context.current()
+url = view.store_url
+settings = view.settings
+TOKEN_ENV = settings.controller.api_token_env
+
+
+def _client(actor: str = "dashboard") -> ControllerClient:
+    return ControllerClient(settings.controller_url, settings.api_token(), timeout_s=5.0,
+                            actor=(actor.strip() or "dashboard")[:64])
+
+
+def _mode_banner(routing: dict[str, Any] | None) -> None:
+    if routing is not None:
+        mode, enforce = routing.get("mode", "?"), bool(routing.get("enforce"))
+        source = f"controller at {settings.controller_url}, routing table v{routing.get('version')}"
+    else:
+        mode = data.latest_mode(url) or settings.controller.mode
+        enforce = mode == "enforce"
+        source = f"controller unreachable at {settings.controller_url}; mode from the last stored decision or config"
+    if enforce:
+        st.success(f"**Enforcing**: the proxy applies these weights and limits. ({source})",
+                   icon=":material/gavel:")
+    else:
+        st.warning(f"**Advisory ({mode})**: decisions are computed and shown; the proxy does not apply them. "
+                   f"({source})", icon=":material/visibility:")
+
+
+def _report(action: str, call: Any) -> None:
+    try:
+        result: ApiResult = call()
+    except ControllerError as exc:
+        hint = " — retry when the controller is back" if exc.retryable else ""
+        st.error(f"{action} failed: {exc}{hint}", icon=":material/error:")
+        return
+    body = result.body
+    audit = body.get("audit_id")
+    served = body.get("weight")
+    st.success(f"{action}: done (HTTP {result.status}"
+               + (f", served weight now {served:.2f}" if isinstance(served, int | float) else "")
+               + (f", audit #{audit}" if audit is not None else "") + ").", icon=":material/check:")
+    st.cache_data.clear()
+
+
+def _forms() -> None:
+    names = [inst.name for _, inst in settings.instances()]
+    if settings.api_token() is None:
+        st.info(f"Set `${TOKEN_ENV}` in the dashboard's environment to enable these actions "
+                "(the controller refuses changes without its token).", icon=":material/key:")
+    who = st.text_input("Your name (stored in the audit trail)", value="dashboard", key="actor")
+    weight_tab, drain_tab, pool_tab = st.tabs(["Instance weight", "Drain / undrain", "Pool weight"])
+    with weight_tab, st.form("weight_form"):
+        inst = st.selectbox("Instance", names, key="w_instance")
+        weight = st.number_input("Weight", min_value=0.0, max_value=100.0, value=0.5, step=0.05, key="w_weight")
+        ttl_min = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="w_ttl")
+        reason = st.text_input("Reason", key="w_reason", placeholder="why (required)")
+        a, b = st.columns(2)
+        set_clicked = a.form_submit_button("Set override", type="primary")
+        clear_clicked = b.form_submit_button("Clear override")
+    if set_clicked or clear_clicked:
+        if not reason.strip():
+            st.error("A reason is required; it goes into the audit trail.")
+        elif set_clicked:
+            _report(f"Weight {weight:g} on {inst}",
+                    lambda: _client(who).set_instance_weight(str(inst), float(weight), ttl_min * 60.0, reason.strip()))
+        else:
+            _report(f"Clear override on {inst}", lambda: _client(who).clear_instance_weight(str(inst), reason.strip()))
+    with drain_tab, st.form("drain_form"):
+        inst_d = st.selectbox("Instance", names, key="d_instance")
+        ttl_d = st.number_input("Drain for (minutes, 0 = until undrained)", min_value=0, max_value=7 * 24 * 60,
+                                value=0, key="d_ttl")
+        reason_d = st.text_input("Reason", key="d_reason", placeholder="why (required)")
+        a, b = st.columns(2)
+        drain_clicked = a.form_submit_button("Drain", type="primary")
+        undrain_clicked = b.form_submit_button("Undrain")
+    if drain_clicked or undrain_clicked:
+        if not reason_d.strip():
+            st.error("A reason is required; it goes into the audit trail.")
+        elif drain_clicked:
+            _report(f"Drain {inst_d}", lambda: _client(who).drain(str(inst_d), reason_d.strip(),
+                                                                    ttl_d * 60.0 if ttl_d else None))
+        else:
+            _report(f"Undrain {inst_d}", lambda: _client(who).undrain(str(inst_d), reason_d.strip()))
+    with pool_tab, st.form("pool_form"):
+        pool = st.selectbox("Pool", list(settings.pools), key="p_pool")
+        pweight = st.number_input("Weight (relative to pools of the same role)", min_value=0.0, max_value=100.0,
+                                  value=1.0, step=0.1, key="p_weight")
+        pttl = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="p_ttl")
+        preason = st.text_input("Reason", key="p_reason", placeholder="why (required)")
+        pool_clicked = st.form_submit_button("Set pool weight", type="primary")
+    if pool_clicked:
+        if not preason.strip():
+            st.error("A reason is required; it goes into the audit trail.")
+        else:
+            _report(f"Pool {pool} weight {pweight:g}",
+                    lambda: _client(who).set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()))
+
+
+def _history() -> None:
+    presence = data.presence(url)
+    latest = data.latest_ts(url)
+    window = view.window(context.now(), latest)
+    if not presence.schema:
+        ui.no_store(view)
+        return
+    st.subheader("Decisions")
+    decisions = data.decisions(url, window.start, window.end)
+    if decisions.empty:
+        if presence.decisions:
+            ui.no_data(view, "decisions", latest)
+        else:
+            st.info(f"**No decisions yet.** Start the controller: `pdscope --config {view.config_path} control` "
+                    f"(it needs snapshots from `pdscope collect`).", icon=":material/hourglass_empty:")
+    else:
+        tl = ui.to_time(decisions.rename(columns={"ts": "time"}), "time")
+        st.altair_chart(charts.timeline(tl), width="stretch")
+        with st.expander(f"{len(decisions)} decisions with their reasons and arithmetic", expanded=True):
+            st.dataframe(ui.to_time(decisions.drop(columns=["id"]), "ts"), hide_index=True, width="stretch",
+                         height=240)
+        weights = data.weight_history(url, window.start, window.end)
+        if not weights.empty:
+            w = ui.to_time(weights.rename(columns={"ts": "time"}), "time")
+            st.altair_chart(charts.lines(w, "weight", "subject", "Policy weights over time", "weight", step=True),
+                            width="stretch")
+
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Overrides in force")
+        overrides = data.active_overrides(url, window.end)
+        if overrides.empty:
+            st.caption("None.")
+        else:
+            st.dataframe(ui.to_time(overrides, "created", "expires"), hide_index=True, width="stretch")
+    with right:
+        st.subheader("Audit trail")
+        audit = data.audit_trail(url, window.start, window.end)
+        if audit.empty:
+            st.caption("No change was made through the API in this time range.")
+        else:
+            st.dataframe(ui.to_time(audit, "ts"), hide_index=True, width="stretch", height=240)
+
+
+def render() -> None:
+    window = view.window(context.now(), data.latest_ts(url))
+    ui.header("Controller", view, window, "decisions, weights, overrides and audit")
+    routing = data.routing_table(settings.controller_url)
+    _mode_banner(routing)
+    if routing is not None and routing.get("instances"):
+        served = pd.DataFrame(routing["instances"])
+        keep = [c for c in ("name", "pool", "role", "weight", "drained", "reason") if c in served]
+        st.dataframe(served[keep], hide_index=True, width="stretch")
+    _history()
+
+
+st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+with st.container(border=True):
+    st.subheader("Change routing")
+    _forms()

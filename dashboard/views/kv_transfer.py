@@ -1,0 +1,78 @@
+"""KV transfer: NIXL transfer and post time percentiles, MB/s, bytes and descriptors
+per transfer, failed transfers and expired leases per instance, and handoff time per
+(P, D) pair as a heatmap.
+
+In NIXL pull mode D records transfers and failures, P records expired leases, so both
+roles appear in the table.
+"""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import charts, context, data, summaries, ui
+
+view = context.current()
+url = view.store_url
+
+
+def render() -> None:
+    presence = data.presence(url)
+    latest = data.latest_ts(url)
+    window = view.window(context.now(), latest)
+    ui.header("KV transfer", view, window, "NIXL figures from vLLM's vllm:nixl_* metrics")
+    if not ui.need(presence, view, "snapshots", presence.snapshots, latest):
+        return
+    nixl = data.nixl_per_instance(url, window.start, window.end)
+    if nixl.empty:
+        ui.no_data(view, "NIXL transfers", latest)
+    else:
+        decode = nixl[nixl["transfers"].fillna(0) > 0]
+        cols = st.columns(4)
+        cols[0].metric("transfers", f"{decode['transfers'].sum():,.0f}")
+        cols[1].metric("failed transfers", f"{nixl['failed_transfers'].sum():,.0f}")
+        cols[2].metric("expired leases (P)", f"{nixl['expired_leases'].sum():,.0f}")
+        worst = decode.sort_values("xfer_p99_ms", ascending=False).head(1)
+        cols[3].metric("slowest D (xfer p99)", "—" if worst.empty else str(worst.iloc[0]["instance"]),
+                       None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
+                       delta_color="off")
+        fmt = {c: st.column_config.NumberColumn(format="%.1f") for c in nixl.columns if c.endswith("_ms")}
+        fmt |= {"MB_per_s": st.column_config.NumberColumn("MB/s", format="%.0f"),
+                "MB_per_transfer": st.column_config.NumberColumn("MB / transfer", format="%.1f"),
+                "descriptors_per_transfer": st.column_config.NumberColumn("descriptors / transfer", format="%.0f"),
+                "transfers": st.column_config.NumberColumn(format="%d"),
+                "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
+                "expired_leases": st.column_config.NumberColumn("expired leases", format="%d")}
+        st.dataframe(nixl, hide_index=True, width="stretch", column_config=fmt)
+
+    series = data.snapshot_series(url, window.start, window.end)
+    decode_series = series[series["role"] == "decode"] if not series.empty else series
+    left, right = st.columns(2)
+    with left:
+        xfer = summaries.interval_means(decode_series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
+        if not xfer.empty:
+            df = ui.to_time(xfer.rename(columns={"ts": "time", "value": "xfer_ms"}), "time")
+            st.altair_chart(charts.lines(df, "xfer_ms", "instance", "Mean NIXL xfer time per scrape", "ms"),
+                            width="stretch")
+    with right:
+        rates = summaries.interval_rates(series, ("nixl_failed_transfers", "nixl_kv_expired_reqs"))
+        if not rates.empty:
+            rates = rates.assign(per_min=(rates["nixl_failed_transfers"].fillna(0)
+                                          + rates["nixl_kv_expired_reqs"].fillna(0)) * 60.0)
+            df = ui.to_time(rates.rename(columns={"ts": "time"}), "time")
+            st.altair_chart(charts.lines(df, "per_min", "instance", "Failed transfers + expired leases", "per minute"),
+                            width="stretch")
+
+    st.subheader("Handoff time per (P, D) pair")
+    st.caption("P done → D first token: D's queue and the NIXL pull. From request records.")
+    pairs = data.handoff(url, window.start, window.end, "pair")
+    if pairs.empty:
+        ui.no_data(view, "handoffs (request records)", latest)
+        return
+    stat = st.segmented_control("Statistic", ["p50_ms", "p99_ms", "mean_ms"], default="p99_ms", key="kv_stat",
+                                format_func=lambda s: s.replace("_ms", ""))
+    st.altair_chart(charts.heatmap(pairs, str(stat or "p99_ms"), f"handoff {str(stat or 'p99_ms')[:-3]} (ms)"),
+                    width="stretch")
+
+
+st.fragment(run_every=view.refresh_s if view.live else None)(render)()

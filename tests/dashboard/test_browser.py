@@ -1,0 +1,110 @@
+"""A real headless Chromium loads every page of a running ``pdscope dashboard`` (seeded
+store, free port) and checks each screenshot is not blank and shows no Streamlit error.
+
+With PDSCOPE_SAVE_SCREENSHOTS=1 the screenshots are written to docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageStat
+
+from .browser import Browser, chromium_path
+from .conftest import Seeded
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = {"fleet": "Fleet", "requests": "Requests", "kv": "KV transfer", "slos": "SLOs & alerts",
+         "controller": "Controller", "capacity": "Capacity"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``pdscope dashboard`` on a free port against the seeded store; yields its base URL."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("dash") / "dashboard.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdscope.cli", "--config", str(seeded.config), "dashboard", "--port", str(port)],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
+                    if resp.read().strip() == b"ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"dashboard did not become healthy:\n{log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    if chromium_path() is None:
+        pytest.skip("browser tier skipped: no chromium on PATH (apt-get install chromium)")
+    with Browser(tmp_path_factory.mktemp("chromium-profile")) as b:
+        yield b
+
+
+def _not_blank(png: bytes) -> tuple[float, float]:
+    """(grey-level standard deviation, share of pixels that are not the page background)."""
+    img = Image.open(io.BytesIO(png)).convert("L")
+    std = ImageStat.Stat(img).stddev[0]
+    hist = img.histogram()
+    background = max(hist)
+    return std, 1.0 - background / sum(hist)
+
+
+@pytest.mark.parametrize("path", list(PAGES))
+def test_page_renders_in_chromium(path: str, dashboard: str, browser: Browser, seeded: Seeded, tmp_path: Path) -> None:
+    # live=0: no fragment reruns, so "the script finished" is a stable state to wait for.
+    url = f"{dashboard}/{'' if path == 'fleet' else path}?range=1h&live=0"
+    if path == "requests":  # open the slowest request (on the degraded decode instance)
+        url += f"&request={seeded.summary.slow_request_id}"
+    shot = browser.shoot(url, timeout_s=180)
+    probe = shot.probe
+    name = "kv_transfer" if path == "kv" else path
+    out = tmp_path / f"{name}.png"
+    out.write_bytes(shot.png)
+    if os.environ.get("PDSCOPE_SAVE_SCREENSHOTS") == "1":
+        dest = REPO / "docs" / "screenshots"
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, dest / f"{name}.png")
+    assert probe["state"] == "notRunning", probe
+    assert probe["title"] == PAGES[path], probe
+    assert probe["exceptions"] == 0, probe["text"]
+    bad = [e for e in probe["errors"] if "Traceback" in e or "cannot load" in e or "Error:" in e]
+    assert not bad, bad
+    std, ink = _not_blank(shot.png)
+    assert std > 8.0 and ink > 0.03, (std, ink, out)
+    assert probe["charts"] >= (0 if path == "controller" else 1), probe

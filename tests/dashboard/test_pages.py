@@ -1,0 +1,227 @@
+"""Every page under streamlit.testing.v1.AppTest against a seeded store, the empty
+states on an empty one, and the Controller forms against a stand-in controller."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard.seed import SeedSpec, fleet_config_yaml
+from store.migrate import upgrade
+
+from .conftest import APP, TOKEN, FakeController, Seeded, make_seeded
+
+TIMEOUT = 60
+
+PAGES = {
+    "fleet": ("Fleet", ["Instances", "Admission limits", "Manual overrides in force"]),
+    "slos": ("SLOs & alerts", ["Firing now", "Recent alerts"]),
+    "requests": ("Requests", ["Decode side at that time", "Flagged lease-expiry requests"]),
+    "kv_transfer": ("KV transfer", ["Handoff time per (P, D) pair"]),
+    "controller": ("Controller", ["Decisions", "Overrides in force", "Audit trail", "Change routing"]),
+    "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
+}
+
+
+def open_page(config: Path, page: str, monkeypatch: pytest.MonkeyPatch, token: str | None = None) -> AppTest:
+    monkeypatch.setenv("PDSCOPE_CONFIG", str(config))
+    if token is None:
+        monkeypatch.delenv("PDSCOPE_API_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("PDSCOPE_API_TOKEN", token)
+    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, at.exception
+    if page != "fleet":  # the default page lives at the root URL
+        at.switch_page(f"views/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def texts(at: AppTest) -> str:
+    parts = [m.value for m in (*at.markdown, *at.caption, *at.info, *at.warning, *at.error, *at.success)]
+    return "\n".join(str(p) for p in parts)
+
+
+def charts(at: AppTest) -> int:
+    return len(at.get("vega_lite_chart"))
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_each_page_renders_the_seeded_fleet(page: str, seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    title, subheaders = PAGES[page]
+    at = open_page(seeded.config, page, monkeypatch)
+    assert [t.value for t in at.title] == [title]
+    got = {s.value for s in at.subheader} | {s.value for s in at.header}
+    for sub in subheaders:
+        assert any(g.startswith(sub) for g in got), (sub, got)
+    assert not [e for e in at.error if "failed" in str(e.value)]
+
+
+def test_fleet_shows_pools_instances_and_small_multiples(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "fleet", monkeypatch)
+    labels = [m.label for m in at.metric]
+    assert labels.count("up") == 2  # one card per pool
+    assert {m.value for m in at.metric if m.label == "up"} == {"2/2", "3/3"}
+    table = at.dataframe[0].value
+    assert sorted(table["instance"]) == ["decode-0", "decode-1", "decode-2", "prefill-0", "prefill-1"]
+    assert table.set_index("instance").loc["decode-2", "weight"] == pytest.approx(0.25)
+    assert charts(at) >= 1
+
+
+def test_requests_page_searches_by_id_and_draws_the_waterfall(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "requests", monkeypatch)
+    at.text_input(key="q_id").input(seeded.summary.slow_request_id).run()
+    assert not at.exception
+    assert list(at.dataframe[0].value["request_id"]) == [seeded.summary.slow_request_id]
+    assert at.selectbox(key="inspect").value == seeded.summary.slow_request_id
+    stages = at.dataframe[1].value
+    assert list(stages["stage"])[:1] == ["proxy"] and "decode" in set(stages["stage"])
+    assert {m.label for m in at.metric} >= {"NIXL xfer mean", "MB/s while transferring", "failed transfers"}
+    at.text_input(key="q_id").input("no-such-id").run()
+    assert "No request with id" in texts(at)
+
+
+def test_requests_page_filters_slo_misses_and_flags_lease_expiry(seeded: Seeded,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "requests", monkeypatch)
+    at.checkbox(key="q_slo_miss").check().run()
+    found = at.dataframe[0].value
+    assert len(found) > 0 and not found["slo_met"].any()
+    at.checkbox(key="q_slo_miss").uncheck()
+    at.checkbox(key="q_lease").check().run()
+    found = at.dataframe[0].value
+    assert len(found) > 0 and found["lease_expiry_suspect"].all()
+    assert "likely KV-lease expiry" in texts(at)
+
+
+def test_slo_page_compares_with_targets_and_lists_firing_alerts(seeded: Seeded,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "slos", monkeypatch)
+    labels = {m.label for m in at.metric}
+    assert {"TTFT p99", "TPOT p99", "SLO attainment", "goodput"} <= labels
+    firing = " ".join(str(e.value) for e in (*at.error, *at.warning))
+    assert "TTFTSLOBurn" in firing and "NixlTransferSlow" in firing
+    assert charts(at) >= 3
+
+
+def test_kv_page_has_the_pair_heatmap_and_per_instance_table(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "kv_transfer", monkeypatch)
+    table = at.dataframe[0].value.set_index("instance")
+    assert table.loc["decode-2", "xfer_p99_ms"] > table.loc["decode-0", "xfer_p99_ms"]
+    assert "slowest D (xfer p99)" in {m.label for m in at.metric}
+    assert str(next(m.value for m in at.metric if m.label.startswith("slowest"))).startswith("decode-2")
+    assert charts(at) >= 3
+
+
+def test_capacity_what_if_scales_the_needed_fleet(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "capacity", monkeypatch)
+    needed = {m.label: m.value for m in at.metric}
+    assert needed["fleet now"] == "2 P : 3 D"
+    base = needed["needed at what-if"]
+    at.slider(key="load_factor").set_value(4.0).run()
+    assert not at.exception
+    after = {m.label: m.value for m in at.metric}["needed at what-if"]
+    n_p = lambda s: int(s.split(" P")[0])  # noqa: E731
+    assert n_p(after) >= n_p(base) and after != base
+    assert len(at.get("latex")) == 1
+
+
+def test_controller_form_calls_the_api_with_token(tmp_path: Path, fake_controller: FakeController,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
+    at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
+    assert "Advisory" in texts(at)  # the fake controller says mode=advisory
+    at.text_input(key="actor").input("carol")
+    at.selectbox(key="w_instance").select("decode-1")
+    at.number_input(key="w_weight").set_value(0.3)
+    at.number_input(key="w_ttl").set_value(10)
+    at.text_input(key="w_reason").input("NIC flapping")
+    at.button[0].click().run()  # "Set override"
+    assert not at.exception
+    calls = fake_controller.mutations()
+    assert len(calls) == 1
+    call = calls[0]
+    assert (call.method, call.path) == ("PUT", "/v1/instances/decode-1/weight")
+    assert call.body == {"weight": 0.3, "ttl_s": 600.0, "reason": "NIC flapping"}
+    assert call.headers["authorization"] == f"Bearer {TOKEN}"
+    assert call.headers["x-actor"] == "carol"
+    assert "audit #7" in texts(at)
+
+
+def test_controller_drain_form_and_reason_required(tmp_path: Path, fake_controller: FakeController,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
+    at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
+    drain = next(b for b in at.button if b.label == "Drain")
+    drain.click().run()
+    assert "A reason is required" in texts(at)
+    assert fake_controller.mutations() == []
+    at.selectbox(key="d_instance").select("prefill-1")
+    at.text_input(key="d_reason").input("kernel upgrade")
+    next(b for b in at.button if b.label == "Drain").click().run()
+    calls = fake_controller.mutations()
+    assert [(c.method, c.path, c.body) for c in calls] == [
+        ("POST", "/v1/instances/prefill-1/drain", {"reason": "kernel upgrade"})]
+
+
+def test_controller_errors_are_shown_not_raised(tmp_path: Path, fake_controller: FakeController,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_controller.status = 401
+    seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
+    at = open_page(seeded.config, "controller", monkeypatch, token="wrong")
+    at.selectbox(key="p_pool").select("decode")
+    at.text_input(key="p_reason").input("shift load")
+    next(b for b in at.button if b.label == "Set pool weight").click().run()
+    assert not at.exception
+    assert "HTTP 401" in texts(at) and "invalid token" in texts(at)
+
+
+def test_controller_page_without_token_or_controller(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "controller", monkeypatch)
+    body = texts(at)
+    assert "PDSCOPE_API_TOKEN" in body  # says how to enable the forms
+    assert "Enforcing" in body and "unreachable" in body  # mode from the stored decisions
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_empty_store_pages_say_how_to_start(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    upgrade(url)
+    config = tmp_path / "pdscope.yaml"
+    config.write_text(fleet_config_yaml(SeedSpec(end=0.0), url))
+    at = open_page(config, page, monkeypatch)
+    body = texts(at)
+    assert "collect" in body or "control" in body, body
+
+
+def test_missing_schema_and_bad_config_are_explained(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "pdscope.yaml"
+    config.write_text(fleet_config_yaml(SeedSpec(end=0.0), f"sqlite:///{tmp_path / 'none.db'}"))
+    at = open_page(config, "fleet", monkeypatch)
+    assert "db upgrade" in texts(at)
+    config.write_text("model: {name: x}\n")
+    monkeypatch.setenv("PDSCOPE_CONFIG", str(config))
+    bad = AppTest.from_file(str(APP), default_timeout=TIMEOUT).run()
+    assert not bad.exception
+    assert "cannot load its configuration" in str(bad.error[0].value)
+
+
+def test_custom_time_range(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime as dt
+
+    at = open_page(seeded.config, "kv_transfer", monkeypatch)
+    at.sidebar.selectbox(key="range").select("Custom…").run()
+    start = dt.datetime.fromtimestamp(seeded.spec.end - 600, tz=dt.UTC).replace(tzinfo=None, second=0, microsecond=0)
+    at.sidebar.datetime_input(key="custom_start").set_value(start)
+    at.sidebar.datetime_input(key="custom_end").set_value(start + dt.timedelta(minutes=10)).run()
+    assert not at.exception
+    assert "paused" in at.caption[0].value and start.strftime("%H:%M") in at.caption[0].value
+    assert len(at.dataframe) >= 1  # the last 10 minutes of the seeded history
+    # a range before the history: the page explains instead of drawing empty charts
+    at.sidebar.datetime_input(key="custom_start").set_value(start - dt.timedelta(days=2))
+    at.sidebar.datetime_input(key="custom_end").set_value(start - dt.timedelta(days=1)).run()
+    assert not at.exception
+    assert "in this time range" in texts(at)

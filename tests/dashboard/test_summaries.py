@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from dashboard.summaries import (
+    handoff_by,
+    instance_health,
+    interval_means,
+    interval_rates,
+    nixl_per_instance,
+    percentiles_ms,
+    pool_totals,
+    slo_figures,
+)
+
+
+def _hist(counts: list[float], total_sum: float) -> dict[str, object]:
+    return {"le": [0.01, 0.1, 1.0], "counts": counts, "sum": total_sum, "count": counts[-1]}
+
+
+def test_interval_rates_handle_a_restart() -> None:
+    series = pd.DataFrame({"ts": [0.0, 5.0, 10.0, 15.0], "instance": ["d"] * 4, "role": ["decode"] * 4,
+                           "generation_tokens": [100.0, 150.0, 20.0, 70.0]})
+    rates = interval_rates(series, ("generation_tokens",))
+    assert list(rates["generation_tokens"]) == [10.0, 4.0, 10.0]  # the drop counts 20 from zero
+
+
+def test_interval_means_skip_idle_intervals() -> None:
+    series = pd.DataFrame({"ts": [0.0, 5.0, 10.0], "instance": ["d"] * 3,
+                           "s": [1.0, 1.5, 1.5], "c": [10.0, 20.0, 20.0]})
+    out = interval_means(series, "s", "c", 1000.0)
+    assert list(out["value"]) == [pytest.approx(50.0)]
+
+
+def test_nixl_per_instance_from_counters_and_histograms() -> None:
+    series = pd.DataFrame({
+        "ts": [0.0, 10.0, 0.0, 10.0], "instance": ["d0", "d0", "p0", "p0"], "role": ["decode", "decode", "prefill", "prefill"],
+        "nixl_xfer_time_count": [0.0, 100.0, 0.0, 0.0], "nixl_xfer_time_sum": [0.0, 2.0, 0.0, 0.0],
+        "nixl_post_time_count": [0.0, 100.0, 0.0, 0.0], "nixl_post_time_sum": [0.0, 0.1, 0.0, 0.0],
+        "nixl_bytes_sum": [0.0, 4e9, 0.0, 0.0], "nixl_descriptors_sum": [0.0, 5000.0, 0.0, 0.0],
+        "nixl_failed_transfers": [1.0, 3.0, 0.0, 0.0], "nixl_kv_expired_reqs": [0.0, 0.0, 5.0, 7.0],
+    })
+    edges = {"d0": ({"vllm:nixl_xfer_time_seconds": _hist([0, 0, 0, 0], 0)},
+                    {"vllm:nixl_xfer_time_seconds": _hist([10, 90, 100, 100], 2.0)})}
+    out = nixl_per_instance(series, edges).set_index("instance")
+    d0 = out.loc["d0"]
+    assert d0["transfers"] == 100 and d0["xfer_mean_ms"] == pytest.approx(20.0)
+    assert d0["MB_per_s"] == pytest.approx(2000.0)  # 4 GB over 2 s of transfer time
+    assert d0["MB_per_transfer"] == pytest.approx(40.0) and d0["descriptors_per_transfer"] == 50
+    assert d0["failed_transfers"] == 2
+    assert d0["xfer_p50_ms"] == pytest.approx(10 + 90 * (50 - 10) / 80)
+    assert out.loc["p0", "expired_leases"] == 2
+
+
+def test_instance_health_and_pool_totals() -> None:
+    latest = pd.DataFrame([
+        {"instance": "d0", "pool": "dec", "role": "decode", "up": True, "kv_cache_usage": 0.5, "num_running": 4.0,
+         "num_waiting": 1.0, "ts": 10.0},
+        {"instance": "d1", "pool": "dec", "role": "decode", "up": False, "kv_cache_usage": None,
+         "num_running": 0.0, "num_waiting": 0.0, "ts": 10.0},
+    ])
+    series = pd.DataFrame({"ts": [0.0, 10.0], "instance": ["d0", "d0"], "nixl_xfer_time_sum": [0.0, 1.0],
+                           "nixl_xfer_time_count": [0.0, 50.0], "nixl_failed_transfers": [0.0, 0.0],
+                           "nixl_kv_expired_reqs": [0.0, 0.0]})
+    edges = {"d0": ({"vllm:time_to_first_token_seconds": _hist([0, 0, 0, 0], 0)},
+                    {"vllm:time_to_first_token_seconds": _hist([0, 50, 100, 100], 5.0)})}
+    weights = pd.DataFrame({"subject": ["d0"], "weight": [0.75]})
+    health = instance_health(series, latest, edges, weights).set_index("instance")
+    assert health.loc["d0", "weight"] == 0.75 and pd.isna(health.loc["d1", "weight"])
+    assert health.loc["d0", "kv_usage_pct"] == 50.0
+    assert health.loc["d0", "ttft_p50_ms"] == pytest.approx(100.0)
+    assert health.loc["d0", "nixl_xfer_mean_ms"] == pytest.approx(20.0)
+    totals = pool_totals(health.reset_index())
+    assert totals.iloc[0][["up", "instances", "running"]].tolist() == [1, 2, 4.0]
+
+
+def test_slo_figures_and_handoff_by_on_empty_input() -> None:
+    assert slo_figures(pd.DataFrame(), pd.DataFrame(), 60.0) is None
+    assert handoff_by(pd.DataFrame()).empty
+    assert percentiles_ms(pd.Series([], dtype=float)) == {"p50": None, "p90": None, "p99": None}
+    assert percentiles_ms(pd.Series([0.1, 0.2, 0.3]))["p50"] == pytest.approx(200.0)
