@@ -11,7 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -133,6 +145,53 @@ class Snapshot(Base):
     nixl_notifications_after_expiry: Mapped[float | None] = mapped_column(Float)
 
     histograms: Mapped[Json] = mapped_column(default=dict)
+    # other vllm:nixl_* series a newer vLLM adds: {series: value summed over engines}
+    extra: Mapped[Json] = mapped_column(default=dict)
+
+
+class SnapshotRollup(Base):
+    """One instance's scrapes over one minute, kept after the raw snapshots are deleted.
+
+    ``increases`` holds each counter column's increase over the minute (resets handled),
+    ``gauges`` each gauge column's ``{"avg", "max"}``, ``histograms`` each stored
+    histogram's bucket increases in the ``Snapshot.histograms`` shape.
+    """
+
+    __tablename__ = "snapshot_rollups"
+    __table_args__ = (UniqueConstraint("instance", "minute"), Index("ix_snapshot_rollups_pool_minute", "pool", "minute"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    instance: Mapped[str] = mapped_column(String(128))
+    pool: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    minute: Mapped[float] = mapped_column(Float, index=True)
+    scrapes: Mapped[int] = mapped_column(Integer)
+    up_scrapes: Mapped[int] = mapped_column(Integer)
+    gauges: Mapped[Json] = mapped_column(default=dict)
+    increases: Mapped[Json] = mapped_column(default=dict)
+    histograms: Mapped[Json] = mapped_column(default=dict)
+
+
+class RequestRollup(Base):
+    """Request records of one minute and one (P, D) pair, kept after the raw records go."""
+
+    __tablename__ = "request_rollups"
+    __table_args__ = (UniqueConstraint("minute", "p_instance", "d_instance"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    minute: Mapped[float] = mapped_column(Float, index=True)
+    p_instance: Mapped[str] = mapped_column(String(128))  # "" when none was chosen
+    d_instance: Mapped[str] = mapped_column(String(128))
+    requests: Mapped[int] = mapped_column(Integer)
+    ok: Mapped[int] = mapped_column(Integer)
+    slo_met: Mapped[int] = mapped_column(Integer)
+    lease_suspects: Mapped[int] = mapped_column(Integer)
+    ttft_sum_s: Mapped[float] = mapped_column(Float)
+    ttft_max_s: Mapped[float | None] = mapped_column(Float)
+    handoff_sum_s: Mapped[float] = mapped_column(Float)
+    handoff_count: Mapped[int] = mapped_column(Integer)
+    handoff_max_s: Mapped[float | None] = mapped_column(Float)
+    e2e_sum_s: Mapped[float] = mapped_column(Float)
 
 
 class SpanRow(Base):

@@ -1,0 +1,71 @@
+"""``pdscope collect``: run the scraper, the OTLP receiver and retention in one process.
+
+Import-light on purpose: the service (httpx, uvicorn, SQLAlchemy) is imported in ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="receiver address (default: collector.host)")
+    parser.add_argument("--port", type=int, help="receiver port, 0 for any free one (default: collector.port)")
+    parser.add_argument("--store-url", help="store URL (default: store.url)")
+    parser.add_argument(
+        "--no-migrate", action="store_true", help="do not apply the store's migrations at start (default: apply them)"
+    )
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: run until Ctrl-C)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+    import sys
+    import time
+
+    from collector.service import CollectorService
+    from pdscope.cli import load_settings
+    from store import migrate
+    from store.db import StoreError
+
+    log = logging.getLogger("collector")
+    settings = load_settings(args)
+    if args.host is not None:
+        settings = settings.model_copy(update={"collector": settings.collector.model_copy(update={"host": args.host})})
+    if args.store_url:
+        settings = settings.model_copy(update={"store": settings.store.model_copy(update={"url": args.store_url})})
+    if not args.no_migrate:
+        # Another service (the controller) may be migrating the same store at this moment:
+        # a second try finds it at head.
+        for attempt in range(3):
+            try:
+                migrate.upgrade(settings.store.url)
+                break
+            except StoreError as exc:
+                if attempt == 2:
+                    print(f"pdscope collect: cannot prepare the store: {exc}", file=sys.stderr)
+                    return 1
+                time.sleep(1.0)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+        if args.duration is not None:
+            loop.call_later(args.duration, stop.set)
+        service = CollectorService(settings, port=args.port)
+        log.info("pdscope collect: receiver on http://%s:%d", settings.collector.host, service.port)
+        await service.run(stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"pdscope collect: {exc}", file=sys.stderr)
+        return 1
+    return 0

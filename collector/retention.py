@@ -1,0 +1,203 @@
+"""Per-minute rollups and deletion of old rows, so the store stays bounded under load.
+
+Each complete minute (older than ``lag_s``, so late spans and the scrape after the minute
+are in) is rolled up once: per instance, counters become their increase over the minute
+(baseline: the last snapshot before it; resets handled as in ``store.queries``), gauges
+their average and maximum, histograms their bucket increases; per (P, D) pair, request
+records become counts and sums. Then raw snapshots, spans and request records older than
+``retention_raw_s`` and rollups older than ``retention_rollup_s`` are deleted.
+
+``Retention.run`` blocks (run it in a thread) and raises ``store.db.StoreError``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from collector.signals import COUNTER_COLUMNS
+from store.db import transaction
+from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow
+from store.queries import counter_increase
+
+log = logging.getLogger(__name__)
+
+GAUGE_COLUMNS = (
+    "kv_cache_usage",
+    "num_running",
+    "num_waiting",
+    "waiting_capacity",
+    "waiting_deferred",
+    "kv_fetch_waiting_to_start",
+    "kv_fetch_in_progress",
+    "kv_fetch_completed_waiting",
+)
+MAX_MINUTES_PER_RUN = 60  # catching up after downtime happens over several runs
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    minutes_rolled: int
+    snapshots_deleted: int
+    spans_deleted: int
+    records_deleted: int
+    rollups_deleted: int
+
+
+def _hist_increase(base: dict[str, Any] | None, rows: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    shapes: list[dict[str, Any]] = [h for h in [base, *rows] if h]
+    if len(shapes) < 2:
+        return None
+    le = shapes[-1]["le"]
+    counts = [0.0] * (len(le) + 1)
+    total = {"sum": 0.0, "count": 0.0}
+    for prev, cur in itertools.pairwise(shapes):
+        if prev["le"] != le or cur["le"] != le:
+            continue
+        reset = cur["count"] < prev["count"]
+        for i, (a, b) in enumerate(zip(prev["counts"], cur["counts"], strict=True)):
+            counts[i] += b if reset else b - a
+        for k in ("sum", "count"):
+            total[k] += cur[k] if reset else cur[k] - prev[k]
+    return {"le": le, "counts": counts, **total}
+
+
+def rollup_snapshots(base: Snapshot | None, rows: Sequence[Snapshot], minute: float) -> dict[str, Any]:
+    """One SnapshotRollup's values from an instance's snapshots in one minute."""
+    up = [r for r in rows if r.up]
+    chain = ([base] if base is not None and base.up else []) + up
+    increases: dict[str, float] = {}
+    for col in COUNTER_COLUMNS:
+        inc = counter_increase(getattr(r, col) for r in chain)
+        if inc is not None:
+            increases[col] = inc
+    gauges: dict[str, dict[str, float]] = {}
+    for col in GAUGE_COLUMNS:
+        vals = [v for v in (getattr(r, col) for r in up) if v is not None and math.isfinite(v)]
+        if vals:
+            gauges[col] = {"avg": sum(vals) / len(vals), "max": max(vals)}
+    histograms: dict[str, Any] = {}
+    families = set().union(*(r.histograms.keys() for r in up)) if up else set()
+    for fam in sorted(families):
+        h = _hist_increase(base.histograms.get(fam) if base is not None and base.up else None, [r.histograms.get(fam) for r in up])
+        if h is not None:
+            histograms[fam] = h
+    last = rows[-1]
+    return {
+        "instance": last.instance,
+        "pool": last.pool,
+        "role": last.role,
+        "minute": minute,
+        "scrapes": len(rows),
+        "up_scrapes": len(up),
+        "gauges": gauges,
+        "increases": increases,
+        "histograms": histograms,
+    }
+
+
+def rollup_requests(records: Sequence[RequestRecord], minute: float) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[RequestRecord]] = defaultdict(list)
+    for r in records:
+        groups[(r.p_instance or "", r.d_instance or "")].append(r)
+    out = []
+    for (p, d), recs in groups.items():
+        ttfts = [r.ttft_s for r in recs if r.ttft_s is not None]
+        handoffs = [r.first_token - r.p_done for r in recs if r.first_token is not None and r.p_done is not None]
+        out.append(
+            {
+                "minute": minute,
+                "p_instance": p,
+                "d_instance": d,
+                "requests": len(recs),
+                "ok": sum(1 for r in recs if r.status == "ok"),
+                "slo_met": sum(1 for r in recs if r.slo_met),
+                "lease_suspects": sum(1 for r in recs if r.lease_expiry_suspect),
+                "ttft_sum_s": sum(ttfts),
+                "ttft_max_s": max(ttfts) if ttfts else None,
+                "handoff_sum_s": sum(handoffs),
+                "handoff_count": len(handoffs),
+                "handoff_max_s": max(handoffs) if handoffs else None,
+                "e2e_sum_s": sum(r.e2e_s for r in recs if r.e2e_s is not None),
+            }
+        )
+    return out
+
+
+class Retention:
+    def __init__(self, factory: sessionmaker[Session], raw_s: float, rollup_s: float, lag_s: float = 120.0) -> None:
+        self.factory = factory
+        self.raw_s = raw_s
+        self.rollup_s = rollup_s
+        self.lag_s = lag_s
+        self._next_minute: float | None = None
+
+    def _start_minute(self, session: Session) -> float | None:
+        last = session.scalar(select(func.max(SnapshotRollup.minute)))
+        last_req = session.scalar(select(func.max(RequestRollup.minute)))
+        done = max((m for m in (last, last_req) if m is not None), default=None)
+        if done is not None:
+            return float(done) + 60.0
+        first = session.scalar(select(func.min(Snapshot.ts)))
+        first_req = session.scalar(select(func.min(RequestRecord.proxy_in)))
+        start = min((m for m in (first, first_req) if m is not None), default=None)
+        return None if start is None else math.floor(start / 60.0) * 60.0
+
+    def _roll_minute(self, session: Session, minute: float) -> None:
+        snaps = session.scalars(
+            select(Snapshot).where(Snapshot.ts >= minute - 60.0, Snapshot.ts < minute + 60.0).order_by(Snapshot.ts)
+        )
+        before: dict[str, Snapshot] = {}
+        inside: dict[str, list[Snapshot]] = defaultdict(list)
+        for s in snaps:
+            if s.ts < minute:
+                if s.up:
+                    before[s.instance] = s
+            else:
+                inside[s.instance].append(s)
+        rows = [rollup_snapshots(before.get(inst), rs, minute) for inst, rs in inside.items()]
+        if rows:
+            session.execute(insert(SnapshotRollup), rows)
+        recs = list(
+            session.scalars(select(RequestRecord).where(RequestRecord.proxy_in >= minute, RequestRecord.proxy_in < minute + 60.0))
+        )
+        req_rows = rollup_requests(recs, minute)
+        if req_rows:
+            session.execute(insert(RequestRollup), req_rows)
+
+    def run(self, now: float) -> RetentionResult:
+        rolled = 0
+        with transaction(self.factory) as session:
+            if self._next_minute is None:
+                self._next_minute = self._start_minute(session)
+            while (
+                self._next_minute is not None
+                and self._next_minute + 60.0 <= now - self.lag_s
+                and rolled < MAX_MINUTES_PER_RUN
+            ):
+                self._roll_minute(session, self._next_minute)
+                self._next_minute += 60.0
+                rolled += 1
+        cutoff = now - self.raw_s
+        # Never delete raw rows that are not rolled up yet.
+        if self._next_minute is not None:
+            cutoff = min(cutoff, self._next_minute)
+        with transaction(self.factory) as session:
+            snaps = session.execute(delete(Snapshot).where(Snapshot.ts < cutoff)).rowcount  # type: ignore[attr-defined]
+            spans = session.execute(delete(SpanRow).where(SpanRow.received_ts < cutoff)).rowcount  # type: ignore[attr-defined]
+            recs = session.execute(delete(RequestRecord).where(RequestRecord.proxy_in < cutoff)).rowcount  # type: ignore[attr-defined]
+            roll_cut = now - self.rollup_s
+            rollups = session.execute(delete(SnapshotRollup).where(SnapshotRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]
+            rollups += session.execute(delete(RequestRollup).where(RequestRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]
+        result = RetentionResult(rolled, snaps or 0, spans or 0, recs or 0, rollups or 0)
+        if rolled or snaps or spans or recs:
+            log.info("retention: %s", result)
+        return result

@@ -1,0 +1,190 @@
+"""Scrape every target's ``/metrics`` concurrently, on an interval, with hard limits.
+
+One shared ``httpx.AsyncClient`` serves every target. Each scrape runs under its own
+deadline (``scrape_timeout_s``, shorter than the interval) that covers connecting, the
+headers *and* the body, read as a stream: a target that answers one byte a second is cut
+at the deadline, and a body past ``max_body_bytes`` is cut as soon as it crosses the cap.
+All targets of a round start together (each after a small random jitter, so a thousand
+scrapes do not land in the same millisecond), so one slow or dead target never delays
+another. A scrape never raises: the outcome is a ``ScrapeResult`` with either the page's
+signals or an error string.
+
+The loop in ``Scraper.run`` hands each round's results to a callback (the store writer
+and the self-metrics); it must not block the event loop, so storing runs in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from collector.fastparse import extract_signals
+from collector.signals import Signals
+from collector.targets import Target
+
+log = logging.getLogger(__name__)
+
+ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class PerOriginTransport(httpx.AsyncBaseTransport):
+    """One small connection pool per target origin, behind the one shared client.
+
+    httpcore's pool scans every pooled connection for each request, so one pool holding
+    a keep-alive connection to each of a thousand targets costs O(targets) per request,
+    O(targets²) per round. Keyed by origin, each pool holds the one or two connections
+    of its target and the lookup is a dict hit.
+    """
+
+    def __init__(self, per_origin: int = 2) -> None:
+        self._limits = httpx.Limits(max_connections=per_origin, max_keepalive_connections=per_origin)
+        self._pools: dict[tuple[bytes, bytes, int | None], httpx.AsyncHTTPTransport] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        key = (url.raw_scheme, url.raw_host, url.port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = httpx.AsyncHTTPTransport(limits=self._limits)
+        return await pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    target: Target
+    ts: float  # wall clock when the scrape started
+    duration_s: float
+    signals: Signals | None
+    error: str | None
+    body_bytes: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.signals is not None
+
+
+async def _read_capped(response: httpx.Response, cap: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > cap:
+            raise BodyTooLarge(f"body larger than {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def scrape_one(
+    client: httpx.AsyncClient,
+    target: Target,
+    timeout_s: float,
+    max_body_bytes: int,
+    clock: Callable[[], float] = time.time,
+) -> ScrapeResult:
+    """Fetch and parse one page within ``timeout_s`` (everything included). Never raises."""
+    ts = clock()
+    start = time.perf_counter()
+    body = b""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("GET", target.metrics_url, headers={"Accept": ACCEPT}) as response:
+                if response.status_code != 200:
+                    raise httpx.HTTPStatusError(
+                        f"HTTP {response.status_code}", request=response.request, response=response
+                    )
+                body = await _read_capped(response, max_body_bytes)
+    except TimeoutError:
+        error = f"timeout after {timeout_s:g}s"
+    except BodyTooLarge as exc:
+        error = str(exc)
+    except httpx.HTTPStatusError as exc:
+        error = str(exc)
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    else:
+        signals = extract_signals(body)
+        duration = time.perf_counter() - start
+        if not signals.values and not signals.histograms:
+            detail = f": {signals.errors[0]}" if signals.errors else ""
+            return ScrapeResult(target, ts, duration, None, f"no vLLM metrics on the page{detail}", len(body))
+        return ScrapeResult(target, ts, duration, signals, None, len(body))
+    duration = time.perf_counter() - start
+    return ScrapeResult(target, ts, duration, None, error[:500], len(body))
+
+
+class Scraper:
+    """Scrapes all targets every ``interval_s``; ``on_round`` receives each round's results."""
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        max_body_bytes: int,
+        on_round: Callable[[list[ScrapeResult]], Coroutine[Any, Any, None]],
+        jitter_s: float | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if timeout_s >= interval_s:
+            raise ValueError("scrape timeout must be shorter than the interval")
+        self.targets = list(targets)
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.on_round = on_round
+        # Jitter spreads a round's starts; it is taken from the slack the timeout leaves.
+        self.jitter_s = min(0.1 * interval_s, interval_s - timeout_s) if jitter_s is None else jitter_s
+        self.rng = rng or random.Random()
+        self.rounds = 0
+
+    async def _jittered(self, target: Target) -> ScrapeResult:
+        if self.jitter_s > 0:
+            await asyncio.sleep(self.rng.uniform(0, self.jitter_s))
+        return await scrape_one(self.client, target, self.timeout_s, self.max_body_bytes)
+
+    async def scrape_round(self) -> list[ScrapeResult]:
+        return list(await asyncio.gather(*(self._jittered(t) for t in self.targets)))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scrape on a fixed cadence until ``stop`` is set; a slow store never skews it."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        pending: set[asyncio.Task[None]] = set()
+        while not stop.is_set():
+            results = await self.scrape_round()
+            self.rounds += 1
+            down = [r.target.name for r in results if not r.up]
+            log.info("scrape round %d: %d targets, %d down %s", self.rounds, len(results), len(down), down[:5])
+            task = asyncio.create_task(self.on_round(results))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            next_at += self.interval_s
+            delay = next_at - loop.time()
+            if delay < 0:  # fell behind (a huge fleet): skip the missed slots
+                next_at = loop.time()
+                delay = 0
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,64 @@
+"""The collector's own Prometheus metrics: per-target up, last error, scrape duration, span flow.
+
+One ``CollectorMetrics`` per collector process, on its own ``CollectorRegistry`` (never
+the global one), served at ``/metrics`` by the receiver app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from collector.scraper import ScrapeResult
+
+
+class CollectorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.up = Gauge("pdscope_collector_target_up", "1 if the last scrape of the target succeeded", ["instance", "pool", "role"], registry=r)
+        self.duration = Gauge(
+            "pdscope_collector_scrape_duration_seconds", "Duration of the last scrape of the target", ["instance"], registry=r
+        )
+        self.last_error = Gauge(
+            "pdscope_collector_target_last_error",
+            "1 with the last scrape error of the target as a label; absent when the last scrape succeeded",
+            ["instance", "error"],
+            registry=r,
+        )
+        self.scrapes = Counter("pdscope_collector_scrapes", "Scrapes by result", ["instance", "result"], registry=r)
+        self.body_bytes = Gauge("pdscope_collector_scrape_body_bytes", "Size of the last page", ["instance"], registry=r)
+        self.parse_errors = Counter(
+            "pdscope_collector_parse_errors", "Malformed lines or values reported by the parser", ["instance"], registry=r
+        )
+        self.resets = Counter("pdscope_collector_counter_resets", "Instance restarts seen as counter resets", ["instance"], registry=r)
+        self.store_errors = Counter("pdscope_collector_store_errors", "Failed writes to the store", ["what"], registry=r)
+        self.snapshots = Counter("pdscope_collector_snapshots_written", "Snapshot rows written", registry=r)
+        self.otlp_requests = Counter("pdscope_collector_otlp_requests", "OTLP export requests by result", ["result"], registry=r)
+        self.spans_received = Counter("pdscope_collector_spans_received", "Spans accepted into the queue", registry=r)
+        self.spans_dropped = Counter("pdscope_collector_spans_dropped", "Spans dropped", ["reason"], registry=r)
+        self.spans_written = Counter("pdscope_collector_spans_written", "Spans written to the store", registry=r)
+        self.records = Counter("pdscope_collector_records_assembled", "Request records created or updated", registry=r)
+        self.queue = Gauge("pdscope_collector_span_queue", "Spans waiting to be written", registry=r)
+        self._errors: dict[str, str] = {}
+
+    def observe_round(self, results: Sequence[ScrapeResult]) -> None:
+        for res in results:
+            t = res.target
+            self.up.labels(t.name, t.pool, t.role).set(1.0 if res.up else 0.0)
+            self.duration.labels(t.name).set(res.duration_s)
+            self.body_bytes.labels(t.name).set(res.body_bytes)
+            self.scrapes.labels(t.name, "ok" if res.up else "error").inc()
+            if res.signals is not None and res.signals.errors:
+                self.parse_errors.labels(t.name).inc(len(res.signals.errors))
+            old = self._errors.pop(t.name, None)
+            if old is not None:
+                self.last_error.remove(t.name, old)
+            if res.error is not None:
+                err = res.error[:200]
+                self._errors[t.name] = err
+                self.last_error.labels(t.name, err).set(1.0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

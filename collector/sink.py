@@ -1,0 +1,198 @@
+"""Where received spans go: the ``Sink`` seam and the store-backed sink.
+
+``Sink.write(batch) -> WriteResult`` is the one method the receiver calls, from a worker
+thread, with a batch of decoded spans. A sink reports failure in the result; it does
+not raise into the receiver (the receiver counts the failed spans as dropped).
+
+``StoreSink`` inserts the spans, then (re)assembles the request record of every trace
+the batch touched whose proxy root span is in the store: a record is created when the
+root arrives and updated when vLLM's spans arrive later, in another export.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from collector.assemble import EVENTS_KEY, assemble
+from collector.bulk import RawJSON, insert_rows
+from collector.otlp import SpanData
+from pdscope import semconv as sc
+from pdscope.config import SLOSettings
+from store.db import StoreError, transaction
+from store.models import RequestRecord, SpanRow
+
+log = logging.getLogger(__name__)
+
+# Core tables: a multi-row INSERT without the ORM's per-row bookkeeping.
+_SPANS = SpanRow.metadata.tables["spans"]
+_RECORDS = RequestRecord.metadata.tables["request_records"]
+MAX_ATTR_CHARS = 2048  # one long prompt in an attribute must not bloat the store
+_dumps = functools.partial(json.dumps, allow_nan=False, separators=(",", ":"))
+_PRESERVED = ("lease_expiry_suspect",)  # set by forensics, not by assembly
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    written: int
+    failed: int = 0
+    records: int = 0
+    error: str | None = None
+
+
+class Sink(Protocol):
+    def write(self, batch: Sequence[SpanData]) -> WriteResult: ...
+
+
+def _clip(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_ATTR_CHARS:
+        return value[:MAX_ATTR_CHARS]
+    if isinstance(value, float) and value != value:  # NaN: JSON in the store refuses it
+        return None
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return None
+    if isinstance(value, list):
+        return [_clip(v) for v in value[:64]]
+    if isinstance(value, dict):
+        return {k: _clip(v) for k, v in list(value.items())[:64]}
+    return value
+
+
+def _attributes_json(span: SpanData) -> RawJSON:
+    attrs: dict[str, Any] = span.attributes
+    if span.events:
+        attrs = {**attrs, EVENTS_KEY: [{"name": n, "ts": ts} for n, ts, _ in span.events]}
+    try:
+        text = orjson.dumps(attrs).decode()  # NaN and Infinity become null, as the store needs
+    except orjson.JSONEncodeError:  # e.g. an integer past 64 bits
+        text = ""
+    if not text or len(text) > MAX_ATTR_CHARS:  # rare: clip each value, then serialise again
+        text = _dumps({k: _clip(v) for k, v in attrs.items()})
+    return RawJSON(text)
+
+
+def span_row(span: SpanData, received: float) -> dict[str, Any]:
+    return {
+        "trace_id": span.trace_id,
+        "span_id": span.span_id,
+        "parent_span_id": span.parent_span_id,
+        "name": span.name[:256],
+        "service": span.service[:256] if span.service else None,
+        "kind": span.kind,
+        "start_ts": span.start_ts,
+        "end_ts": span.end_ts,
+        "status_code": span.status_code,
+        "attributes": _attributes_json(span),
+        "received_ts": received,
+    }
+
+
+class StoreSink:
+    """Spans into ``spans``; assembled records into ``request_records``."""
+
+    def __init__(self, factory: sessionmaker[Session], slo: SLOSettings, clock: Any = None) -> None:
+        import time
+
+        self.factory = factory
+        self.slo = slo
+        self.clock = clock or time.time
+        self.started_at = self.clock() - 60.0  # spans older than this may predate this sink
+        self.max_seen = 200_000
+        self._seen: dict[str, None] = {}  # insertion-ordered: the oldest trace ids go first
+
+    def write(self, batch: Sequence[SpanData]) -> WriteResult:
+        if not batch:
+            return WriteResult(0)
+        now = self.clock()
+        try:
+            with transaction(self.factory) as session:
+                # Spans of these traces stored by earlier exports (usually none), read before
+                # the insert so that this batch's spans are not read back.
+                stored = self._stored_spans(session, self._may_have_stored(batch))
+                insert_rows(session, _SPANS, [span_row(s, now) for s in batch])
+                records = self._assemble(session, batch, stored)
+        except StoreError as exc:
+            log.warning("span batch of %d not stored: %s", len(batch), exc)
+            return WriteResult(0, failed=len(batch), error=str(exc))
+        for s in batch:
+            self._seen[s.trace_id] = None
+        while len(self._seen) > self.max_seen:
+            del self._seen[next(iter(self._seen))]
+        return WriteResult(len(batch), records=records)
+
+    def _may_have_stored(self, batch: Sequence[SpanData]) -> set[str]:
+        """Traces of the batch that may have spans in the store already.
+
+        A trace this sink wrote spans of (remembered for the last ``max_seen`` traces), or one
+        whose spans started before this sink did (written by an earlier collector process).
+        Everything else is new, which saves one query per batch in the common case.
+        """
+        horizon = self.started_at
+        return {s.trace_id for s in batch if s.trace_id in self._seen or s.start_ts < horizon}
+
+    def _stored_spans(self, session: Session, traces: set[str]) -> dict[str, list[SpanData]]:
+        out: dict[str, list[SpanData]] = {}
+        cols = (
+            SpanRow.trace_id,
+            SpanRow.span_id,
+            SpanRow.parent_span_id,
+            SpanRow.name,
+            SpanRow.service,
+            SpanRow.kind,
+            SpanRow.start_ts,
+            SpanRow.end_ts,
+            SpanRow.status_code,
+            SpanRow.attributes,
+        )
+        if not traces:
+            return out
+        ids = sorted(traces)
+        for i in range(0, len(ids), 500):
+            for row in session.execute(select(*cols).where(SpanRow.trace_id.in_(ids[i : i + 500]))):
+                out.setdefault(row[0], []).append(SpanData(*row))
+        return out
+
+    def _assemble(self, session: Session, batch: Sequence[SpanData], stored: dict[str, list[SpanData]]) -> int:
+        spans: dict[str, list[SpanData]] = {}
+        for s in batch:
+            spans.setdefault(s.trace_id, []).append(s)
+        for trace, old in stored.items():
+            spans.setdefault(trace, []).extend(old)
+        with_root = [v for v in spans.values() if any(s.name == sc.SPAN_REQUEST for s in v)]
+        assembled = [a for a in (assemble(v, self.slo) for v in with_root) if a is not None]
+        if not assembled:
+            return 0
+        # Only traces with spans from earlier exports can have a record already; new ones
+        # are inserted with ON CONFLICT DO NOTHING (a reused X-Request-Id keeps its first record).
+        ids = [a.request_id for a in assembled if a.values["trace_id"] in stored]
+        existing: dict[str, RequestRecord] = {}
+        for i in range(0, len(ids), 500):
+            for r in session.scalars(select(RequestRecord).where(RequestRecord.request_id.in_(ids[i : i + 500]))):
+                existing[r.request_id] = r
+        new_rows: list[dict[str, Any]] = []
+        inserted: set[str] = set()
+        for a in assembled:
+            rec = existing.get(a.request_id)
+            if rec is None:
+                if a.request_id not in inserted:  # one id in two traces of a batch: keep the first
+                    inserted.add(a.request_id)
+                    new_rows.append({**a.values, "lease_expiry_suspect": False})
+                continue
+            for key, value in a.values.items():
+                if key == "attributes":
+                    merged = {**(rec.attributes or {}), **value}
+                    if merged != rec.attributes:
+                        rec.attributes = merged
+                elif key not in _PRESERVED and getattr(rec, key) != value:  # unchanged: no UPDATE
+                    setattr(rec, key, value)
+        if new_rows:
+            insert_rows(session, _RECORDS, new_rows, ignore_conflicts=True)
+        return len(assembled)

@@ -1,0 +1,520 @@
+"""Derived signals: the store queries the collector, the controller and the dashboard share.
+
+Every function takes a ``Session`` and a window ``[since, until]`` (Unix seconds) and
+returns frozen values; none writes. Counters are stored cumulative, as scraped, so rates
+come from differences between snapshots: ``counter_increase`` is Prometheus's
+``increase()`` without extrapolation: a drop means the instance restarted, and the
+value after the drop counts from zero. Histogram quantiles interpolate linearly inside
+the bucket, as ``histogram_quantile()`` does, over the buckets' increase in the window.
+
+"MB" is 10**6 bytes. A window needs two snapshots of an instance to give it a rate;
+an instance with fewer gives ``None`` rates, never zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from store.models import RequestRecord, Snapshot
+
+# Histogram families kept in Snapshot.histograms (the vLLM names).
+HIST_TTFT = "vllm:time_to_first_token_seconds"
+HIST_ITL = "vllm:inter_token_latency_seconds"
+HIST_TPOT = "vllm:request_time_per_output_token_seconds"
+HIST_E2E = "vllm:e2e_request_latency_seconds"
+HIST_QUEUE = "vllm:request_queue_time_seconds"
+HIST_PREFILL = "vllm:request_prefill_time_seconds"
+HIST_DECODE = "vllm:request_decode_time_seconds"
+HIST_INFERENCE = "vllm:request_inference_time_seconds"
+HIST_NIXL_XFER = "vllm:nixl_xfer_time_seconds"
+HIST_NIXL_POST = "vllm:nixl_post_time_seconds"
+HIST_NIXL_BYTES = "vllm:nixl_bytes_transferred"
+HIST_NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"
+
+COUNTERS: tuple[str, ...] = (
+    "prompt_tokens",
+    "generation_tokens",
+    "prompt_tokens_external_kv_transfer",
+    "preemptions",
+    "requests_stop",
+    "requests_length",
+    "requests_abort",
+    "requests_error",
+    "requests_repetition",
+    "admission_rejections_reqs",
+    "admission_rejections_tokens",
+    "nixl_xfer_time_sum",
+    "nixl_xfer_time_count",
+    "nixl_bytes_sum",
+    "nixl_failed_transfers",
+    "nixl_kv_expired_reqs",
+    "ttft_sum",
+    "ttft_count",
+)
+GAUGES: tuple[str, ...] = ("kv_cache_usage", "num_running", "num_waiting", "waiting_deferred", "kv_fetch_in_progress")
+
+
+def counter_increase(values: Iterable[float | None]) -> float | None:
+    """Increase of a cumulative counter over consecutive samples; a drop is a reset.
+
+    ``None`` samples (a failed scrape, a metric the instance lacks) are skipped. Fewer than
+    two samples give ``None``.
+    """
+    total = 0.0
+    prev: float | None = None
+    seen = 0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            continue
+        seen += 1
+        if prev is not None:
+            total += v - prev if v >= prev else v
+        prev = v
+    return total if seen >= 2 else None
+
+
+@dataclass(frozen=True)
+class InstanceSignals:
+    """One instance over a window: rates (per second unless named per minute) and latest gauges."""
+
+    instance: str
+    pool: str
+    role: str
+    seconds: float | None
+    scrapes: int
+    up_ratio: float
+    up: bool
+    last_ts: float
+    last_error: str | None
+    increases: dict[str, float]
+    latest: dict[str, float]
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+    requests_per_s: float | None = None
+    errors_per_s: float | None = None
+    transfers_per_s: float | None = None
+    kv_mb_per_s: float | None = None
+    failed_transfers_per_min: float | None = None
+    expired_leases_per_min: float | None = None
+    admission_rejections_per_s: float | None = None
+    mean_nixl_xfer_s: float | None = None
+    mean_ttft_s: float | None = None
+    kv_cache_usage: float | None = None
+    kv_headroom: float | None = None
+    num_running: float | None = None
+    num_waiting: float | None = None
+
+
+def _rate(inc: float | None, seconds: float | None, per: float = 1.0) -> float | None:
+    if inc is None or not seconds:
+        return None
+    return inc / seconds * per
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or not den:
+        return None
+    return num / den
+
+
+def _snapshot_rows(
+    session: Session, since: float, until: float, instance: str | None = None, pool: str | None = None
+) -> dict[str, list[Snapshot]]:
+    stmt = select(Snapshot).where(Snapshot.ts >= since, Snapshot.ts <= until).order_by(Snapshot.ts)
+    if instance is not None:
+        stmt = stmt.where(Snapshot.instance == instance)
+    if pool is not None:
+        stmt = stmt.where(Snapshot.pool == pool)
+    out: dict[str, list[Snapshot]] = defaultdict(list)
+    for snap in session.scalars(stmt):
+        out[snap.instance].append(snap)
+    return out
+
+
+def _signals_of(name: str, rows: Sequence[Snapshot]) -> InstanceSignals:
+    last = rows[-1]
+    up_rows = [r for r in rows if r.up]
+    seconds = (up_rows[-1].ts - up_rows[0].ts) if len(up_rows) >= 2 else None
+    incs: dict[str, float] = {}
+    for col in COUNTERS:
+        inc = counter_increase(getattr(r, col) for r in up_rows)
+        if inc is not None:
+            incs[col] = inc
+    latest: dict[str, float] = {}
+    for col in GAUGES:
+        for r in reversed(up_rows):
+            v = getattr(r, col)
+            if v is not None:
+                latest[col] = v
+                break
+    finished = [incs[c] for c in ("requests_stop", "requests_length", "requests_abort", "requests_error", "requests_repetition") if c in incs]
+    requests = sum(finished) if finished else None
+    rejections = [incs[c] for c in ("admission_rejections_reqs", "admission_rejections_tokens") if c in incs]
+    usage = latest.get("kv_cache_usage")
+    bytes_inc = incs.get("nixl_bytes_sum")
+    return InstanceSignals(
+        instance=name,
+        pool=last.pool,
+        role=last.role,
+        seconds=seconds,
+        scrapes=len(rows),
+        up_ratio=len(up_rows) / len(rows),
+        up=last.up,
+        last_ts=last.ts,
+        last_error=last.error,
+        increases=incs,
+        latest=latest,
+        prompt_tokens_per_s=_rate(incs.get("prompt_tokens"), seconds),
+        generation_tokens_per_s=_rate(incs.get("generation_tokens"), seconds),
+        requests_per_s=_rate(requests, seconds),
+        errors_per_s=_rate(incs.get("requests_error"), seconds),
+        transfers_per_s=_rate(incs.get("nixl_xfer_time_count"), seconds),
+        kv_mb_per_s=_rate(None if bytes_inc is None else bytes_inc / 1e6, seconds),
+        failed_transfers_per_min=_rate(incs.get("nixl_failed_transfers"), seconds, 60.0),
+        expired_leases_per_min=_rate(incs.get("nixl_kv_expired_reqs"), seconds, 60.0),
+        admission_rejections_per_s=_rate(sum(rejections) if rejections else None, seconds),
+        mean_nixl_xfer_s=_ratio(incs.get("nixl_xfer_time_sum"), incs.get("nixl_xfer_time_count")),
+        mean_ttft_s=_ratio(incs.get("ttft_sum"), incs.get("ttft_count")),
+        kv_cache_usage=usage,
+        kv_headroom=None if usage is None else max(0.0, 1.0 - usage),
+        num_running=latest.get("num_running"),
+        num_waiting=latest.get("num_waiting"),
+    )
+
+
+def instance_signals(
+    session: Session, since: float, until: float, *, pool: str | None = None
+) -> dict[str, InstanceSignals]:
+    """Per instance: rates over the window and the latest gauges, for every instance scraped in it."""
+    return {name: _signals_of(name, rows) for name, rows in _snapshot_rows(session, since, until, pool=pool).items()}
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    pool: str
+    role: str
+    instances: int
+    up: int
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+    requests_per_s: float | None
+    transfers_per_s: float | None
+    kv_mb_per_s: float | None
+    failed_transfers_per_min: float | None
+    expired_leases_per_min: float | None
+    kv_cache_usage: float | None  # mean over the pool's up instances
+    kv_headroom: float | None
+    num_waiting: float | None
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return sum(got) if got else None
+
+
+def pool_signals(session: Session, since: float, until: float) -> dict[str, PoolSignals]:
+    """Per pool: instance rates summed, KV usage averaged over up instances."""
+    by_pool: dict[str, list[InstanceSignals]] = defaultdict(list)
+    for sig in instance_signals(session, since, until).values():
+        by_pool[sig.pool].append(sig)
+    out: dict[str, PoolSignals] = {}
+    for pool, sigs in by_pool.items():
+        usages = [s.kv_cache_usage for s in sigs if s.up and s.kv_cache_usage is not None]
+        usage = sum(usages) / len(usages) if usages else None
+        out[pool] = PoolSignals(
+            pool=pool,
+            role=sigs[0].role,
+            instances=len(sigs),
+            up=sum(1 for s in sigs if s.up),
+            prompt_tokens_per_s=_sum(s.prompt_tokens_per_s for s in sigs),
+            generation_tokens_per_s=_sum(s.generation_tokens_per_s for s in sigs),
+            requests_per_s=_sum(s.requests_per_s for s in sigs),
+            transfers_per_s=_sum(s.transfers_per_s for s in sigs),
+            kv_mb_per_s=_sum(s.kv_mb_per_s for s in sigs),
+            failed_transfers_per_min=_sum(s.failed_transfers_per_min for s in sigs),
+            expired_leases_per_min=_sum(s.expired_leases_per_min for s in sigs),
+            kv_cache_usage=usage,
+            kv_headroom=None if usage is None else max(0.0, 1.0 - usage),
+            num_waiting=_sum(s.num_waiting for s in sigs),
+        )
+    return out
+
+
+# -- histograms -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HistogramDelta:
+    """A histogram's increase over a window: cumulative counts per finite bound, then +Inf."""
+
+    le: tuple[float, ...]
+    counts: tuple[float, ...]
+    sum: float
+    count: float
+
+    def quantile(self, q: float) -> float | None:
+        return bucket_quantile(q, self.le, self.counts)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+
+def bucket_quantile(q: float, le: Sequence[float], counts: Sequence[float]) -> float | None:
+    """Prometheus ``histogram_quantile``: ``counts`` are cumulative, one more than ``le`` (+Inf)."""
+    if not counts or counts[-1] <= 0 or not 0.0 <= q <= 1.0:
+        return None
+    rank = q * counts[-1]
+    for i, c in enumerate(counts):
+        if c >= rank:
+            if i == len(le):  # in the +Inf bucket: the highest finite bound is the answer
+                return le[-1] if le else None
+            lower = le[i - 1] if i > 0 else 0.0
+            below = counts[i - 1] if i > 0 else 0.0
+            upper = le[i]
+            if c == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (c - below)
+    return le[-1] if le else None
+
+
+def _hist_increase(rows: Sequence[Snapshot], family: str) -> HistogramDelta | None:
+    shapes: list[dict[str, Any]] = [h for h in (r.histograms.get(family) for r in rows if r.up) if h]
+    if len(shapes) < 2:
+        return None
+    le = tuple(shapes[-1]["le"])
+    counts = [0.0] * (len(le) + 1)
+    total_sum = 0.0
+    total_count = 0.0
+    prev: dict[str, Any] | None = None
+    for shape in shapes:
+        if prev is not None and tuple(prev["le"]) == le and tuple(shape["le"]) == le:
+            reset = shape["count"] < prev["count"]
+            for i, (a, b) in enumerate(zip(prev["counts"], shape["counts"], strict=True)):
+                counts[i] += b if reset else b - a
+            total_sum += shape["sum"] if reset else shape["sum"] - prev["sum"]
+            total_count += shape["count"] if reset else shape["count"] - prev["count"]
+        prev = shape
+    return HistogramDelta(le, tuple(counts), total_sum, total_count)
+
+
+def _merge(deltas: Iterable[HistogramDelta]) -> HistogramDelta | None:
+    merged: HistogramDelta | None = None
+    for d in deltas:
+        if merged is None:
+            merged = d
+        elif merged.le == d.le:
+            merged = HistogramDelta(
+                merged.le,
+                tuple(a + b for a, b in zip(merged.counts, d.counts, strict=True)),
+                merged.sum + d.sum,
+                merged.count + d.count,
+            )
+    return merged
+
+
+def histogram_window(
+    session: Session,
+    family: str,
+    since: float,
+    until: float,
+    *,
+    instance: str | None = None,
+    pool: str | None = None,
+) -> HistogramDelta | None:
+    """One histogram's increase over the window, over one instance, one pool, or everything."""
+    rows = _snapshot_rows(session, since, until, instance=instance, pool=pool)
+    return _merge(d for d in (_hist_increase(r, family) for r in rows.values()) if d is not None)
+
+
+def histogram_quantiles(
+    session: Session,
+    family: str,
+    qs: Sequence[float],
+    since: float,
+    until: float,
+    *,
+    by: Literal["instance", "pool"] = "instance",
+) -> dict[str, dict[float, float | None]]:
+    """Quantiles ``qs`` of one histogram per instance or per pool over the window."""
+    rows = _snapshot_rows(session, since, until)
+    groups: dict[str, list[HistogramDelta]] = defaultdict(list)
+    for name, snaps in rows.items():
+        d = _hist_increase(snaps, family)
+        if d is not None:
+            groups[name if by == "instance" else snaps[-1].pool].append(d)
+    out: dict[str, dict[float, float | None]] = {}
+    for key, deltas in groups.items():
+        merged = _merge(deltas)
+        if merged is not None:
+            out[key] = {q: merged.quantile(q) for q in qs}
+    return out
+
+
+# -- request records ----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank-interpolated percentile (``q`` in 0..100) of raw values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class HandoffStats:
+    """Handoff time (P done → D first token, i.e. D's queue incl. the KV pull) of a group."""
+
+    key: str
+    requests: int
+    p50_s: float | None
+    p90_s: float | None
+    p99_s: float | None
+    mean_s: float | None
+    lease_suspects: int
+
+
+def handoff_stats(
+    session: Session, since: float, until: float, *, by: Literal["d_instance", "p_instance", "pair"] = "pair"
+) -> dict[str, HandoffStats]:
+    """Handoff percentiles per D, per P or per ``"P->D"`` pair, from request records."""
+    stmt = select(
+        RequestRecord.p_instance,
+        RequestRecord.d_instance,
+        RequestRecord.p_done,
+        RequestRecord.first_token,
+        RequestRecord.lease_expiry_suspect,
+    ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    groups: dict[str, list[float]] = defaultdict(list)
+    suspects: dict[str, int] = defaultdict(int)
+    for p, d, p_done, first, suspect in session.execute(stmt):
+        if p_done is None or first is None:
+            continue
+        key = {"d_instance": d, "p_instance": p, "pair": f"{p}->{d}"}[by] or ""
+        groups[key].append(max(0.0, first - p_done))
+        suspects[key] += int(bool(suspect))
+    return {
+        key: HandoffStats(
+            key,
+            len(vals),
+            percentile(vals, 50),
+            percentile(vals, 90),
+            percentile(vals, 99),
+            sum(vals) / len(vals),
+            suspects[key],
+        )
+        for key, vals in groups.items()
+    }
+
+
+@dataclass(frozen=True)
+class SLOSummary:
+    """SLO attainment = requests meeting every SLO / completed; goodput = those per second."""
+
+    key: str
+    requests: int
+    completed: int
+    slo_met: int
+    attainment: float | None
+    goodput_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    e2e_p99_s: float | None
+    statuses: dict[str, int] = field(default_factory=dict)
+
+
+def slo_summary(
+    session: Session,
+    since: float,
+    until: float,
+    *,
+    by: Literal["all", "d_instance", "p_instance", "d_pool", "p_pool"] = "all",
+) -> dict[str, SLOSummary]:
+    """SLO attainment and goodput over the window, overall (key ``"all"``) or per group."""
+    stmt = select(
+        RequestRecord.status,
+        RequestRecord.slo_met,
+        RequestRecord.ttft_s,
+        RequestRecord.tpot_s,
+        RequestRecord.e2e_s,
+        RequestRecord.d_instance,
+        RequestRecord.p_instance,
+        RequestRecord.d_pool,
+        RequestRecord.p_pool,
+    ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    rows: dict[str, list[Any]] = defaultdict(list)
+    for row in session.execute(stmt):
+        key = {"all": "all", "d_instance": row[5], "p_instance": row[6], "d_pool": row[7], "p_pool": row[8]}[by]
+        rows[key or ""].append(row)
+    span = max(until - since, 1e-9)
+    out: dict[str, SLOSummary] = {}
+    for key, group in rows.items():
+        statuses: dict[str, int] = defaultdict(int)
+        for r in group:
+            statuses[r[0]] += 1
+        completed = [r for r in group if r[0] == "ok"]
+        met = sum(1 for r in completed if r[1])
+        ttfts = [r[2] for r in completed if r[2] is not None]
+        tpots = [r[3] for r in completed if r[3] is not None]
+        e2es = [r[4] for r in completed if r[4] is not None]
+        out[key] = SLOSummary(
+            key=key,
+            requests=len(group),
+            completed=len(completed),
+            slo_met=met,
+            attainment=met / len(completed) if completed else None,
+            goodput_per_s=met / span,
+            ttft_p50_s=percentile(ttfts, 50),
+            ttft_p99_s=percentile(ttfts, 99),
+            tpot_p99_s=percentile(tpots, 99),
+            e2e_p99_s=percentile(e2es, 99),
+            statuses=dict(statuses),
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class CounterStep:
+    """A counter's increase between two consecutive up snapshots of one instance."""
+
+    instance: str
+    start_ts: float
+    end_ts: float
+    increase: float
+
+
+def counter_steps(
+    session: Session, column: str, since: float, until: float, *, role: str | None = None
+) -> list[CounterStep]:
+    """Every positive step of a counter column (e.g. ``nixl_kv_expired_reqs``) in the window."""
+    col = getattr(Snapshot, column)
+    stmt = (
+        select(Snapshot.instance, Snapshot.ts, col)
+        .where(Snapshot.ts >= since, Snapshot.ts <= until, Snapshot.up.is_(True))
+        .order_by(Snapshot.instance, Snapshot.ts)
+    )
+    if role is not None:
+        stmt = stmt.where(Snapshot.role == role)
+    steps: list[CounterStep] = []
+    prev: tuple[str, float, float] | None = None
+    for inst, ts, value in session.execute(stmt):
+        if value is None:
+            continue
+        if prev is not None and prev[0] == inst:
+            inc = value - prev[2] if value >= prev[2] else value
+            if inc > 0:
+                steps.append(CounterStep(inst, prev[1], ts, inc))
+        prev = (inst, ts, value)
+    return steps

@@ -1,0 +1,141 @@
+"""Request records from traces: the pure assembly and the store sink (pieces over several exports)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from sqlalchemy import func, select
+
+from collector.assemble import assemble
+from collector.sink import StoreSink
+from pdscope import semconv as sc
+from pdscope.config import LatencySLO, SLOSettings
+from store.db import make_engine, session_factory
+from store.migrate import upgrade
+from store.models import RequestRecord, SpanRow
+from tests.collector.traces import request_spans
+
+T0 = 1_800_000_000.0
+SLO = SLOSettings(ttft=LatencySLO(target_ms=600), tpot=LatencySLO(target_ms=150))
+
+
+def test_all_stages_from_proxy_and_vllm_spans() -> None:
+    rec = assemble(request_spans(t0=T0, request_id="r1"), SLO)
+    assert rec is not None
+    v = rec.values
+    assert v["request_id"] == "r1"
+    assert (v["p_instance"], v["d_instance"], v["p_pool"], v["d_pool"]) == ("p0", "d0", "prefill", "decode")
+    assert v["proxy_in"] == T0
+    assert v["p_sent"] == pytest.approx(T0 + 0.01)
+    assert v["p_done"] == pytest.approx(T0 + 0.21)
+    assert v["d_sent"] == pytest.approx(T0 + 0.22)
+    assert v["first_token"] == pytest.approx(T0 + 0.51)
+    assert v["done"] == pytest.approx(T0 + 1.52)
+    assert v["p_queue_s"] == 0.03 and v["p_prefill_s"] == 0.12
+    assert v["d_queue_s"] == 0.25 and v["d_prefill_s"] == 0.01 and v["d_decode_s"] == 0.99
+    assert v["prompt_tokens"] == 100 and v["completion_tokens"] == 11
+    assert v["ttft_s"] == pytest.approx(0.51)
+    assert v["tpot_s"] == pytest.approx((1.52 - 0.51) / 10)
+    assert v["e2e_s"] == pytest.approx(1.52)
+    assert v["slo_ttft_met"] and v["slo_tpot_met"] and v["slo_met"]
+    assert v["status"] == "ok" and v["kv_blocks"] == 4 and v["kv_bytes"] == 123456
+    assert v["attributes"]["d_vllm_request_id"] == "cmpl-r1-0"
+
+
+def test_slo_misses_and_outcomes() -> None:
+    tight = SLOSettings(ttft=LatencySLO(target_ms=100), tpot=LatencySLO(target_ms=150))
+    v = assemble(request_spans(t0=T0), tight).values  # type: ignore[union-attr]
+    assert v["slo_ttft_met"] is False and v["slo_met"] is False
+    v = assemble(request_spans(t0=T0, outcome="error"), SLO).values  # type: ignore[union-attr]
+    assert v["status"] == "error" and v["slo_met"] is False
+
+
+def test_no_root_no_record_and_order_does_not_matter() -> None:
+    spans = request_spans(t0=T0, request_id="r2")
+    assert assemble([s for s in spans if s.name != sc.SPAN_REQUEST], SLO) is None
+    shuffled = spans[:]
+    random.Random(4).shuffle(shuffled)
+    assert assemble(shuffled, SLO) == assemble(spans, SLO)
+
+
+def test_vllm_spans_found_without_parenting() -> None:
+    """A proxy that does not parent vLLM's spans under its prefill/decode spans: service names decide."""
+    v = assemble(request_spans(t0=T0, parent_vllm=False), SLO).values  # type: ignore[union-attr]
+    assert v["p_queue_s"] == 0.03 and v["d_queue_s"] == 0.25
+    # and without service names either: the max_tokens=1 span is P's
+    spans = [dataclasses.replace(s, service=None) if s.name == sc.VLLM_SPAN else s
+             for s in request_spans(t0=T0, parent_vllm=False)]
+    v = assemble(spans, SLO).values  # type: ignore[union-attr]
+    assert v["p_queue_s"] == 0.03 and v["d_queue_s"] == 0.25
+
+
+def test_first_token_from_vllm_when_the_proxy_has_no_event() -> None:
+    spans = [dataclasses.replace(s, events=()) if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0)]
+    spans = [s for s in spans if s.name != sc.SPAN_HANDOFF]
+    v = assemble(spans, SLO).values  # type: ignore[union-attr]
+    assert v["first_token"] == pytest.approx(T0 + 0.23 + 0.28)
+
+
+def _sink(url: str) -> StoreSink:
+    upgrade(url)
+    return StoreSink(session_factory(make_engine(url)), SLO, clock=lambda: T0 + 10)
+
+
+def test_sink_builds_a_record_when_the_root_arrives_and_updates_it_later(store_url: str) -> None:
+    sink = _sink(store_url)
+    spans = request_spans(t0=T0, request_id="r3")
+    proxy = [s for s in spans if s.name != sc.VLLM_SPAN]
+    vllm = [s for s in spans if s.name == sc.VLLM_SPAN]
+    assert sink.write(vllm[:1]).records == 0  # P's span first: no root yet, kept
+    res = sink.write(proxy)
+    assert res.written == len(proxy) and res.records == 1
+    with sink.factory() as s:
+        rec = s.scalars(select(RequestRecord)).one()
+        assert rec.p_queue_s == 0.03 and rec.d_queue_s is None
+    assert sink.write(vllm[1:]).records == 1  # D's span later: the record is updated
+    with sink.factory() as s:
+        rec = s.scalars(select(RequestRecord)).one()
+        assert rec.d_queue_s == 0.25 and rec.completion_tokens == 11
+        assert s.scalar(select(func.count()).select_from(SpanRow)) == len(spans)
+        first_token = next(r for r in s.scalars(select(SpanRow).where(SpanRow.name == sc.SPAN_DECODE)))
+        assert first_token.attributes["otel.events"][0]["name"] == "first_token"
+
+
+def test_sink_many_traces_in_one_batch(store_url: str) -> None:
+    sink = _sink(store_url)
+    batch = [s for i in range(50) for s in request_spans(t0=T0 + i, request_id=f"m{i}")]
+    res = sink.write(batch)
+    assert res.written == 350 and res.records == 50
+    with sink.factory() as s:
+        assert s.scalar(select(func.count()).select_from(RequestRecord)) == 50
+        assert s.scalar(select(func.count()).select_from(RequestRecord).where(RequestRecord.slo_met.is_(True))) == 50
+
+
+def test_sink_reports_store_failure(tmp_path: object) -> None:
+    sink = StoreSink(session_factory(make_engine("sqlite:////nonexistent-dir/x.db")), SLO)
+    res = sink.write(request_spans())
+    assert res.written == 0 and res.failed == 7 and res.error
+
+
+def test_tokens_from_the_proxy_when_vllm_sent_no_spans() -> None:
+    spans = request_spans(t0=T0, with_vllm=False)
+    root = spans[0]
+    spans[0] = dataclasses.replace(root, attributes={**root.attributes, sc.PROMPT_TOKENS: 42, sc.COMPLETION_TOKENS: 11})
+    v = assemble(spans, SLO).values  # type: ignore[union-attr]
+    assert v["prompt_tokens"] == 42 and v["completion_tokens"] == 11
+    assert v["p_queue_s"] is None and v["d_queue_s"] is None
+    assert v["first_token"] == pytest.approx(T0 + 0.51)  # from the proxy's first_token event
+    assert v["tpot_s"] == pytest.approx((1.52 - 0.51) / 10)
+
+
+def test_kv_size_from_the_handoff_span() -> None:
+    spans = request_spans(t0=T0)
+    root = spans[0]
+    attrs = {k: v for k, v in root.attributes.items() if k not in (sc.KV_BLOCKS, sc.KV_BYTES)}
+    spans[0] = dataclasses.replace(root, attributes=attrs)
+    spans = [dataclasses.replace(s, attributes={sc.KV_BLOCKS: 7, sc.KV_BYTES: 999}) if s.name == sc.SPAN_HANDOFF else s
+             for s in spans]
+    v = assemble(spans, SLO).values  # type: ignore[union-attr]
+    assert v["kv_blocks"] == 7 and v["kv_bytes"] == 999

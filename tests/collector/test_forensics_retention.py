@@ -1,0 +1,126 @@
+"""Lease-expiry forensics (counter steps joined to handoffs) and retention with rollups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from collector import forensics
+from collector.forensics import overlaps
+from collector.retention import Retention
+from store.db import make_engine, session_factory
+from store.migrate import upgrade
+from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow
+from store.queries import CounterStep
+
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture
+def factory(store_url: str) -> sessionmaker[Session]:
+    upgrade(store_url)
+    return session_factory(make_engine(store_url))
+
+
+def _snap(instance: str, role: str, ts: float, **values: Any) -> Snapshot:
+    s = Snapshot(instance=instance, pool=role[:3], role=role, ts=ts, up=True, histograms=values.pop("histograms", {}), extra={})
+    for k, v in values.items():
+        setattr(s, k, v)
+    return s
+
+
+def _rec(rid: str, p_done: float, first_token: float | None, *, p: str = "p0", d: str = "d0", done: float | None = None) -> RequestRecord:
+    return RequestRecord(
+        request_id=rid, p_instance=p, d_instance=d, status="ok", retries=0, proxy_in=p_done - 0.2,
+        p_done=p_done, first_token=first_token, done=done if done is not None else (first_token or p_done) + 1,
+        ttft_s=None if first_token is None else first_token - p_done + 0.2, e2e_s=1.0, slo_met=True,
+        lease_expiry_suspect=False, attributes={},
+    )
+
+
+def test_overlap_rule() -> None:
+    step = CounterStep("p0", 100.0, 105.0, 1.0)
+    assert overlaps(step, 99.0, 101.0)
+    assert overlaps(step, 104.0, 130.0)
+    assert overlaps(step, 90.0, None)  # handoff never ended
+    assert not overlaps(step, 90.0, 100.0)  # ended at the step's start (exclusive)
+    assert not overlaps(step, 105.5, 107.0)
+
+
+def test_expired_lease_flags_only_overlapping_requests_on_that_p(factory: sessionmaker[Session]) -> None:
+    t = NOW - 100
+    with factory.begin() as s:
+        for i, ts in enumerate([t, t + 5, t + 10, t + 15]):
+            s.add(_snap("p0", "prefill", ts, nixl_kv_expired_reqs=[0.0, 0.0, 1.0, 1.0][i], nixl_failed_transfers=0.0,
+                        nixl_notifications_after_expiry=[0.0, 0.0, 0.0, 1.0][i]))
+            s.add(_snap("p1", "prefill", ts, nixl_kv_expired_reqs=0.0))
+            s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=[0.0, 1.0, 1.0, 3.0][i],
+                        nixl_xfer_time_sum=[0.0, 0.01, 0.01, 0.05][i], nixl_bytes_sum=[0.0, 1e6, 1e6, 3e6][i],
+                        nixl_failed_transfers=0.0))
+        s.add(_rec("hit", t + 4, t + 12))  # handoff spans the expiry step (t+5, t+10]
+        s.add(_rec("before", t + 1, t + 3))  # done before the step
+        s.add(_rec("other-p", t + 4, t + 12, p="p1"))  # on another P
+        s.add(_rec("stuck", t + 8, None, done=t + 9))  # never got a first token, overlapped
+    with factory.begin() as s:
+        result = forensics.run_pass(s, NOW - 300, NOW)
+    assert result.suspects == 2
+    with factory() as s:
+        recs = {r.request_id: r for r in s.scalars(select(RequestRecord))}
+    assert recs["hit"].lease_expiry_suspect and recs["stuck"].lease_expiry_suspect
+    assert not recs["before"].lease_expiry_suspect and not recs["other-p"].lease_expiry_suspect
+    assert recs["hit"].attributes["lease_expiry"][0]["expired"] == 1.0
+    # the NIXL figures of D over the scrape window covering the handoff [t+4, t+12]: snapshots t .. t+15
+    nixl = recs["hit"].attributes["nixl"]
+    assert nixl["d"]["from_ts"] == t and nixl["d"]["to_ts"] == t + 15
+    assert nixl["d"]["nixl_xfer_time_count"] == 3.0 and nixl["d"]["nixl_bytes_sum"] == 3e6
+    assert nixl["p"]["nixl_kv_expired_reqs"] == 1.0
+    assert recs["before"].attributes["nixl"]["d"]["nixl_xfer_time_count"] == 1.0
+    # idempotent
+    with factory.begin() as s:
+        again = forensics.run_pass(s, NOW - 300, NOW)
+    assert again.suspects == 2 and again.linked == 0
+
+
+def test_retention_rolls_up_then_deletes_and_stays_bounded(factory: sessionmaker[Session]) -> None:
+    raw_s, rollup_s = 600.0, 3600.0
+    start = (NOW // 60) * 60 - 1200  # 20 minutes of history
+    hist = lambda n: {"vllm:nixl_xfer_time_seconds": {"le": [0.1], "counts": [n, n], "sum": n / 100, "count": n}}  # noqa: E731
+    with factory.begin() as s:
+        for k in range(0, 240):  # a scrape every 5 s for 20 minutes
+            ts = start + 5 * k
+            count = float(k if k < 120 else k - 120)  # restart at minute 10
+            s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=count, generation_tokens=count * 10,
+                        kv_cache_usage=0.5, histograms=hist(count)))
+            s.add(SpanRow(trace_id="t" * 32, span_id=f"{k:016x}", name="x", start_ts=ts, end_ts=ts, attributes={},
+                          received_ts=ts))
+        for k in range(20):
+            s.add(_rec(f"r{k}", start + 60 * k + 1, start + 60 * k + 2))
+    retention = Retention(factory, raw_s=raw_s, rollup_s=rollup_s, lag_s=60.0)
+    result = retention.run(NOW)
+    assert result.minutes_rolled >= 18
+    with factory() as s:
+        rollups = {r.minute: r for r in s.scalars(select(SnapshotRollup))}
+        req_rollups = list(s.scalars(select(RequestRollup)))
+        oldest_snap = s.scalar(select(func.min(Snapshot.ts)))
+        spans = s.scalar(select(func.count()).select_from(SpanRow))
+        recs = s.scalar(select(func.count()).select_from(RequestRecord))
+    first = rollups[start]
+    assert first.scrapes == 12
+    assert first.increases["nixl_xfer_time_count"] == 11.0  # no baseline before the first minute
+    second = rollups[start + 60]
+    assert second.increases["nixl_xfer_time_count"] == 12.0  # baseline: the last snapshot of minute 1
+    assert second.increases["generation_tokens"] == 120.0
+    assert second.histograms["vllm:nixl_xfer_time_seconds"]["count"] == 12.0
+    assert second.gauges["kv_cache_usage"] == {"avg": 0.5, "max": 0.5}
+    restart = rollups[start + 600]
+    assert restart.increases["nixl_xfer_time_count"] == 11.0  # 0 after 119 is a reset: counts from 0
+    assert sum(r.requests for r in req_rollups) >= 18
+    assert oldest_snap is not None and oldest_snap >= NOW - raw_s
+    assert spans is not None and spans < 240 and recs is not None and recs < 20
+    # a second run rolls nothing twice; rollups older than retention_rollup_s go
+    assert retention.run(NOW).minutes_rolled == 0
+    later = Retention(factory, raw_s=raw_s, rollup_s=60.0, lag_s=60.0).run(NOW + 3600)
+    assert later.rollups_deleted > 0

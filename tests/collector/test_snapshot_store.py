@@ -1,0 +1,54 @@
+"""Snapshot rows in the store: one per instance per round, down rows, restarts noticed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+
+from collector.fastparse import extract_signals
+from collector.scraper import ScrapeResult
+from collector.snapshot_store import SnapshotStore, counter_reset
+from collector.targets import Target
+from store.db import make_engine, session_factory
+from store.migrate import upgrade
+from store.models import InstanceRow, Snapshot
+
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+DECODE = (FIXTURES / "decode_metrics.txt").read_text()
+D0 = Target("d0", "decode", "decode", "http://d0", "http://d0/metrics")
+P0 = Target("p0", "prefill", "prefill", "http://p0", "http://p0/metrics")
+
+
+def test_counter_reset_rule() -> None:
+    prev = {"up": True, "process_start_ts": 100.0, "requests_length": 10.0}
+    assert not counter_reset(None, prev)
+    assert not counter_reset(prev, {"up": True, "process_start_ts": 100.0, "requests_length": 12.0})
+    assert counter_reset(prev, {"up": True, "process_start_ts": 100.0, "requests_length": 3.0})
+    assert counter_reset(prev, {"up": True, "process_start_ts": 500.0, "requests_length": 30.0})
+    assert not counter_reset(prev, {"up": False})
+
+
+def test_write_rounds(store_url: str) -> None:
+    upgrade(store_url)
+    store = SnapshotStore(session_factory(make_engine(store_url)))
+    store.ensure_instances([D0, P0], 1.0)
+    store.ensure_instances([D0, P0], 2.0)  # idempotent
+    page = extract_signals(DECODE)
+    restarted = extract_signals(
+        DECODE.replace('finished_reason="length",model_name="tiny"} 23.0', 'finished_reason="length",model_name="tiny"} 2.0')
+        .replace("process_start_time_seconds 1.79594402402e+09", "process_start_time_seconds 1.79594500000e+09")
+    )
+    assert store.write_round([ScrapeResult(D0, 10.0, 0.01, page, None), ScrapeResult(P0, 10.0, 3.0, None, "timeout after 3s")]) == 2
+    assert store.write_round([ScrapeResult(D0, 15.0, 0.01, restarted, None)]) == 1
+    assert store.resets == {"d0": 1}
+    with store.factory() as s:
+        snaps = list(s.scalars(select(Snapshot).order_by(Snapshot.ts, Snapshot.instance)))
+        inst = {i.name: i for i in s.scalars(select(InstanceRow))}
+    d_first, p_down, d_second = snaps
+    assert d_first.up and d_first.nixl_xfer_time_count == 23.0 and d_first.engines == 1
+    assert d_first.histograms["vllm:nixl_xfer_time_seconds"]["counts"][-1] == 23.0
+    assert d_first.extra == {}
+    assert not p_down.up and p_down.error == "timeout after 3s" and p_down.requests_length is None
+    assert d_second.requests_length == 2.0
+    assert inst["d0"].last_seen == 15.0 and inst["p0"].last_seen == 1.0 and inst["p0"].role == "prefill"

@@ -1,0 +1,103 @@
+"""Simulated fleet + the real ``pdscope proxy`` + the collector: proxy traces become request records."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from collector.service import CollectorService
+from pdscope.config import parse_config
+from store.db import make_engine, session_factory
+from store.migrate import upgrade
+from store.models import RequestRecord
+
+running_fleet = pytest.importorskip("simulator.testing").running_fleet
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port: int = s.getsockname()[1]
+    s.close()
+    return port
+
+
+async def test_proxy_traces_become_records(tmp_path: Path) -> None:
+    with running_fleet(n_prefill=1, n_decode=2, seed=3, latency_scale=0.05) as fleet:
+        store_url = f"sqlite:///{tmp_path / 'e2e.db'}"
+        upgrade(store_url)
+        proxy_port, ctl_port = _free_port(), _free_port()
+        cfg_text = fleet.config_yaml(
+            store={"url": store_url},
+            collector={"scrape_interval_s": 0.5, "scrape_timeout_s": 0.4},
+            proxy={"port": proxy_port, "controller_url": f"http://127.0.0.1:{ctl_port}"},
+        )
+        settings = parse_config(cfg_text)
+        service = CollectorService(settings, port=0)
+        cfg = tmp_path / "pdscope.yaml"
+        cfg.write_text(cfg_text)
+        stop = asyncio.Event()
+        task = asyncio.create_task(service.run(stop))
+        await asyncio.wait_for(service.started.wait(), 10)
+        env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        log_path = tmp_path / "proxy.log"
+        log_file = log_path.open("wb")
+        proxy = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "proxy",
+            "--otlp-endpoint", f"http://127.0.0.1:{service.port}/v1/traces",
+            env=env, stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+        )
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}", timeout=30) as client:
+                for _ in range(100):
+                    try:
+                        if (await client.get("/healthz")).status_code < 500:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.1)
+                n = 6
+                for i in range(n):
+                    r = await client.post("/v1/completions", json={
+                        "model": fleet.model_name, "prompt": f"request {i} " + "word " * 30,
+                        "max_tokens": 5, "stream": i % 2 == 0,
+                    })
+                    assert r.status_code == 200, r.text
+            factory = session_factory(make_engine(store_url))
+            records: list[RequestRecord] = []
+            for _ in range(100):
+                with factory() as s:
+                    records = list(s.scalars(select(RequestRecord)))
+                if len(records) >= n:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            proxy.terminate()
+            try:
+                await asyncio.wait_for(proxy.wait(), timeout=10)
+            except TimeoutError:
+                proxy.kill()
+                await proxy.wait()
+            log_file.close()
+            proxy_log = log_path.read_text(errors="replace")[-2000:]
+            stop.set()
+            await asyncio.wait_for(task, timeout=15)
+    assert len(records) == n, proxy_log
+    for rec in records:
+        assert rec.status == "ok"
+        assert rec.p_instance == "prefill-0" and rec.d_instance in ("decode-0", "decode-1")
+        assert rec.p_sent is not None and rec.p_done is not None and rec.d_sent is not None
+        assert rec.first_token is not None and rec.done is not None
+        assert rec.proxy_in <= rec.p_sent <= rec.p_done <= rec.first_token <= rec.done
+        assert rec.ttft_s is not None and rec.e2e_s is not None and rec.slo_met is not None
+        assert rec.prompt_tokens is not None and rec.prompt_tokens > 0
+    # D reports usage on whole responses; a stream carries it only when the client asks
+    assert {r.completion_tokens for r in records if not r.stream} == {5}

@@ -1,0 +1,159 @@
+"""Test support: build one P/D request's spans as the proxy and vLLM would, and encode them as OTLP."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+
+from collector.otlp import SpanData
+from pdscope import semconv as sc
+
+
+def new_id(n: int) -> str:
+    return os.urandom(n).hex()
+
+
+def request_spans(
+    *,
+    t0: float = 1_800_000_000.0,
+    request_id: str | None = None,
+    p: str = "p0",
+    d: str = "d0",
+    outcome: str = "ok",
+    tokens: int = 11,
+    with_vllm: bool = True,
+    parent_vllm: bool = True,
+) -> list[SpanData]:
+    """proxy root + admission + prefill + handoff + decode (+ P's and D's llm_request spans).
+
+    Timeline (s after t0): prefill 0.01-0.21, handoff 0.21-0.51, decode 0.22-1.51, first token 0.51.
+    """
+    trace = new_id(16)
+    rid = request_id or new_id(8)
+    root, adm, pre, hand, dec = (new_id(8) for _ in range(5))
+    attrs = {
+        sc.REQUEST_ID: rid,
+        sc.ENDPOINT: "/v1/completions",
+        sc.STREAM: True,
+        sc.P_INSTANCE: p,
+        sc.D_INSTANCE: d,
+        sc.P_POOL: "prefill",
+        sc.D_POOL: "decode",
+        sc.OUTCOME: outcome,
+        sc.RETRIES: 0,
+        sc.KV_BLOCKS: 4,
+        sc.KV_BYTES: 123456,
+        sc.HTTP_STATUS: 200,
+    }
+
+    def span(sid: str, parent: str | None, name: str, a: float, b: float, service: str = sc.SERVICE_PROXY,
+             attributes: dict[str, Any] | None = None, events: tuple[tuple[str, float, dict[str, Any]], ...] = ()) -> SpanData:
+        return SpanData(trace, sid, parent, name, service, 2 if parent is None else 1, t0 + a, t0 + b, 0,
+                        attributes or {}, events)
+
+    spans = [
+        span(root, None, sc.SPAN_REQUEST, 0.0, 1.52, attributes=attrs),
+        span(adm, root, sc.SPAN_ADMISSION, 0.0, 0.005),
+        span(pre, root, sc.SPAN_PREFILL, 0.01, 0.21, attributes={sc.INSTANCE: p, sc.ATTEMPT: 0}),
+        span(hand, root, sc.SPAN_HANDOFF, 0.21, 0.51),
+        span(dec, root, sc.SPAN_DECODE, 0.22, 1.51, attributes={sc.INSTANCE: d, sc.ATTEMPT: 0},
+             events=((sc.EVENT_FIRST_TOKEN, t0 + 0.51, {}),)),
+    ]
+    if with_vllm:
+        spans.append(span(new_id(8), pre if parent_vllm else root, sc.VLLM_SPAN, 0.02, 0.20, service=p, attributes={
+            sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0", sc.GEN_AI_PROMPT_TOKENS: 100, sc.GEN_AI_COMPLETION_TOKENS: 1,
+            sc.GEN_AI_MAX_TOKENS: 1, sc.GEN_AI_QUEUE: 0.03, sc.GEN_AI_PREFILL: 0.12, sc.GEN_AI_TTFT: 0.16,
+        }))
+        spans.append(span(new_id(8), dec if parent_vllm else root, sc.VLLM_SPAN, 0.23, 1.50, service=d, attributes={
+            sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0", sc.GEN_AI_PROMPT_TOKENS: 100, sc.GEN_AI_COMPLETION_TOKENS: tokens,
+            sc.GEN_AI_MAX_TOKENS: tokens, sc.GEN_AI_QUEUE: 0.25, sc.GEN_AI_PREFILL: 0.01, sc.GEN_AI_DECODE: 0.99,
+            sc.GEN_AI_TTFT: 0.28,
+        }))
+    return spans
+
+
+def _any(v: Any) -> AnyValue:
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    return AnyValue(string_value=str(v))
+
+
+def _by_service(spans: Sequence[SpanData]) -> dict[str | None, list[SpanData]]:
+    out: dict[str | None, list[SpanData]] = {}
+    for s in spans:
+        out.setdefault(s.service, []).append(s)
+    return out
+
+
+def to_proto(spans: Sequence[SpanData]) -> bytes:
+    req = ExportTraceServiceRequest()
+    for service, group in _by_service(spans).items():
+        rs = ResourceSpans()
+        if service:
+            rs.resource.attributes.append(KeyValue(key="service.name", value=AnyValue(string_value=service)))
+        ss = ScopeSpans()
+        for s in group:
+            ps = Span(
+                trace_id=bytes.fromhex(s.trace_id),
+                span_id=bytes.fromhex(s.span_id),
+                parent_span_id=bytes.fromhex(s.parent_span_id) if s.parent_span_id else b"",
+                name=s.name,
+                kind=s.kind or 0,
+                start_time_unix_nano=round(s.start_ts * 1e9),
+                end_time_unix_nano=round(s.end_ts * 1e9),
+                status=Status(code=s.status_code or 0),
+            )
+            for k, v in s.attributes.items():
+                ps.attributes.append(KeyValue(key=k, value=_any(v)))
+            for name, ts, _ in s.events:
+                ev = ps.events.add()
+                ev.name = name
+                ev.time_unix_nano = round(ts * 1e9)
+            ss.spans.append(ps)
+        rs.scope_spans.append(ss)
+        req.resource_spans.append(rs)
+    return req.SerializeToString()
+
+
+def _json_any(v: Any) -> dict[str, Any]:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    return {"stringValue": str(v)}
+
+
+def to_json(spans: Sequence[SpanData]) -> bytes:
+    resource_spans = []
+    for service, group in _by_service(spans).items():
+        resource_spans.append({
+            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}] if service else []},
+            "scopeSpans": [{"scope": {"name": "test"}, "spans": [
+                {
+                    "traceId": s.trace_id,
+                    "spanId": s.span_id,
+                    **({"parentSpanId": s.parent_span_id} if s.parent_span_id else {}),
+                    "name": s.name,
+                    "kind": s.kind,
+                    "startTimeUnixNano": str(round(s.start_ts * 1e9)),
+                    "endTimeUnixNano": str(round(s.end_ts * 1e9)),
+                    "attributes": [{"key": k, "value": _json_any(v)} for k, v in s.attributes.items()],
+                    "events": [{"name": n, "timeUnixNano": str(round(ts * 1e9))} for n, ts, _ in s.events],
+                    "status": {"code": s.status_code or 0},
+                }
+                for s in group
+            ]}],
+        })
+    return json.dumps({"resourceSpans": resource_spans}).encode()
