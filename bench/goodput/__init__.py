@@ -1,0 +1,1 @@
+"""Goodput benchmark: round robin vs static weights vs the controller vs an oracle."""

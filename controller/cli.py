@@ -1,0 +1,103 @@
+"""``pdscope control``: the controller's command line (argparse and config only here).
+
+Serves the control API on ``controller.host:port`` and runs the reconcile loop inside
+the same process. Refuses to listen on a non-loopback address without an API token.
+Heavy imports (FastAPI, SQLAlchemy, uvicorn) happen inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+
+from pdscope.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="API address (default: controller.host)")
+    parser.add_argument("--port", type=int, help="API port (default: controller.port)")
+    parser.add_argument("--mode", choices=("advisory", "enforce"), help="override controller.mode")
+    parser.add_argument("--store", help="store URL (default: store.url)")
+    parser.add_argument("--no-migrate", action="store_true",
+                        help="do not apply the store's migrations at start (default: apply them)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(host: str, token: str | None, env_name: str) -> str | None:
+    """A reason to refuse to start, or None."""
+    if not is_loopback(host) and not token:
+        return (f"refusing to listen on {host} (not loopback) without an API token: set ${env_name} "
+                f"or bind 127.0.0.1")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdscope.cli import load_settings
+
+    settings: Settings = load_settings(args)
+    c = settings.controller
+    host = args.host or c.host
+    port = args.port or c.port
+    updates: dict[str, object] = {"host": host, "port": port}
+    if args.mode:
+        updates["mode"] = args.mode
+    store_update = {"url": args.store} if args.store else {}
+    settings = settings.model_copy(update={
+        "controller": c.model_copy(update=updates),
+        "store": settings.store.model_copy(update=store_update),
+    })
+    token = settings.api_token()
+    refusal = check_listen(host, token, c.api_token_env)
+    if refusal:
+        print(f"pdscope control: {refusal}", file=sys.stderr)
+        return 1
+    return serve(settings, token, migrate=not args.no_migrate)
+
+
+def serve(settings: Settings, token: str | None, *, migrate: bool = True) -> int:
+    import time
+
+    import uvicorn
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from controller.api import create_app
+    from controller.loop import Reconciler
+    from controller.notify import NullNotifier, WebhookNotifier
+    from store.db import StoreError, make_engine, session_factory
+    from store.migrate import upgrade
+
+    c = settings.controller
+    if migrate:
+        for attempt in range(3):  # another service may be migrating the same store right now
+            try:
+                upgrade(settings.store.url)
+                break
+            except (StoreError, SQLAlchemyError) as exc:  # e.g. "table already exists" mid-race
+                if attempt == 2:
+                    print(f"pdscope control: cannot migrate the store: {exc}", file=sys.stderr)
+                    return 1
+                time.sleep(1.0)
+    engine = make_engine(settings.store.url)
+    external = f"http://{c.host}:{c.port}"
+    notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
+    reconciler = Reconciler(settings, session_factory(engine), notifier=notifier)
+    app = create_app(reconciler, token=token, notifier=notifier, run_loop=True)
+    log.info("controller on %s (mode %s, every %ss, window %ss, token %s)", external, reconciler.mode,
+             c.interval_s, c.window_s, "set" if token else "not set: mutations disabled")
+    try:
+        uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)
+    finally:
+        engine.dispose()
+    return 0

@@ -1,0 +1,108 @@
+"""The controller's own Prometheus metrics, read from the reconciler at scrape time.
+
+A custom collector on a per-app registry (no global registry): every scrape reports the
+current values, so an alert that resolved or an instance that left leaves no stale
+series behind. Alerts are exported the way Prometheus exports its own,
+``pdscope_alerts{alertname, alertstate, severity, ...labels} 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controller.loop import Reconciler
+from controller.notify import Notifier
+
+
+class ControllerCollector(Collector):
+    def __init__(self, reconciler: Reconciler, notifier: Notifier) -> None:
+        self.reconciler = reconciler
+        self.notifier = notifier
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.reconciler.view()
+        yield CounterMetricFamily("pdscope_controller_ticks", "Reconcile ticks attempted.", value=v.ticks)
+        yield CounterMetricFamily("pdscope_controller_tick_failures", "Reconcile ticks that failed.",
+                                  value=v.failed_ticks)
+        yield GaugeMetricFamily("pdscope_controller_last_success_timestamp_seconds",
+                                "Unix time of the last successful tick (0 if none).", value=v.last_ok or 0.0)
+        yield GaugeMetricFamily("pdscope_controller_tick_duration_seconds", "Duration of the last successful tick.",
+                                value=v.tick_seconds or 0.0)
+        yield GaugeMetricFamily("pdscope_controller_enforce", "1 in enforce mode, 0 in advisory mode.",
+                                value=1.0 if v.table.enforce else 0.0)
+        yield GaugeMetricFamily("pdscope_routing_version", "Version of the served routing table.",
+                                value=v.table.version)
+
+        served = GaugeMetricFamily("pdscope_instance_weight", "Served routing weight per instance.",
+                                   labels=["instance", "pool", "role", "source"])
+        policy = GaugeMetricFamily("pdscope_instance_policy_weight", "The policy's weight per instance.",
+                                   labels=["instance", "pool", "role"])
+        drained = GaugeMetricFamily("pdscope_instance_drained", "1 if the instance is drained.",
+                                    labels=["instance", "pool", "role"])
+        by_name = {r.name: r for r in v.table.instances}
+        for name, s in v.served.items():
+            r = by_name.get(name)
+            if r is None:
+                continue
+            served.add_metric([name, r.pool, r.role, s.source], s.weight)
+            policy.add_metric([name, r.pool, r.role], s.policy_weight)
+            drained.add_metric([name, r.pool, r.role], 1.0 if s.drained else 0.0)
+        yield served
+        yield policy
+        yield drained
+
+        reqs = GaugeMetricFamily("pdscope_pool_max_inflight_requests", "Admission limit: in-flight requests.",
+                                 labels=["pool", "role"])
+        kvb = GaugeMetricFamily("pdscope_pool_max_inflight_kv_bytes", "Admission limit: handoff KV bytes.",
+                                labels=["pool", "role"])
+        pw = GaugeMetricFamily("pdscope_pool_weight", "Served pool weight.", labels=["pool", "role"])
+        for p in v.table.pools:
+            pw.add_metric([p.name, p.role], p.weight)
+            if p.max_inflight_requests is not None:
+                reqs.add_metric([p.name, p.role], p.max_inflight_requests)
+            if p.max_inflight_kv_bytes is not None:
+                kvb.add_metric([p.name, p.role], p.max_inflight_kv_bytes)
+        yield pw
+        yield reqs
+        yield kvb
+
+        active = v.last.alerts.active if v.last is not None else ()
+        keys = sorted({k for a in active for k in a.labels})
+        alerts = GaugeMetricFamily("pdscope_alerts", "Active alerts (pending or firing), like Prometheus' ALERTS.",
+                                   labels=["alertname", "alertstate", "severity", *keys])
+        for a in active:
+            alerts.add_metric([a.rule, a.state, a.severity, *(a.labels.get(k, "") for k in keys)], 1.0)
+        yield alerts
+        firing = GaugeMetricFamily("pdscope_alerts_firing", "Firing alerts per rule.", labels=["alertname"])
+        counts: dict[str, int] = {}
+        for a in active:
+            if a.state == "firing":
+                counts[a.rule] = counts.get(a.rule, 0) + 1
+        for rule in self.reconciler.rules:
+            firing.add_metric([rule.name], counts.get(rule.name, 0))
+        yield firing
+
+        if v.obs is not None:
+            slo = v.obs.slo
+            g = GaugeMetricFamily("pdscope_slo_attainment", "Share of completed requests meeting every SLO.")
+            if slo.attainment is not None:
+                g.add_metric([], slo.attainment)
+            yield g
+            yield GaugeMetricFamily("pdscope_goodput_requests_per_second", "Requests meeting every SLO per second.",
+                                    value=slo.goodput_rps)
+
+        n = self.notifier
+        yield CounterMetricFamily("pdscope_alert_webhook_sent", "Webhook batches delivered.", value=n.sent)
+        yield CounterMetricFamily("pdscope_alert_webhook_failed", "Webhook batches that failed.", value=n.failed)
+        yield CounterMetricFamily("pdscope_alert_webhook_dropped", "Webhook batches dropped (queue full).",
+                                  value=n.dropped)
+
+
+def make_registry(reconciler: Reconciler, notifier: Notifier) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ControllerCollector(reconciler, notifier))
+    return registry

@@ -1,0 +1,241 @@
+"""Read a recent window from the store into one frozen :class:`Observation`.
+
+This is the controller's only reader of snapshots and request records. It uses the
+shared derived-signal queries in ``store.queries`` (counter increases with resets,
+handoff percentiles, SLO summaries) and keeps here only what is specific to the
+controller: per-instance stage contributions, pool residence times (Little's law), the
+KV-fetch backlog gauges and the SLO percentiles at the configured percentile.
+
+It reads; it never writes and never decides. Errors from the database surface as
+``store.StoreError`` through ``store.transaction`` in the caller.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from statistics import median
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controller.policy.signals import InstanceSignals, Observation, PairSignals, PoolSignals, Role, SLOFigures
+from pdscope.config import Settings
+from store import queries as q
+from store.models import RequestRecord, Snapshot
+
+# An instance's TTFT percentile needs this many requests in the window to count.
+MIN_TTFT_SAMPLES = 10
+# A pool's completion rate (and so its backlog in seconds) needs this many requests.
+MIN_POOL_REQUESTS = 20
+
+
+@dataclass(frozen=True)
+class _Latest:
+    backlog: float | None
+    queue_mean_s: float | None
+    down_for_s: float | None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _latest_gauges(session: Session, since: float, until: float) -> dict[str, _Latest]:
+    """Per instance: the latest KV-fetch gauges and the mean queue time over the window."""
+    stmt = (
+        select(Snapshot.instance, Snapshot.up, Snapshot.ts, Snapshot.kv_fetch_waiting_to_start,
+               Snapshot.kv_fetch_in_progress, Snapshot.kv_fetch_completed_waiting, Snapshot.queue_sum,
+               Snapshot.queue_count)
+        .where(Snapshot.ts >= since, Snapshot.ts <= until)
+        .order_by(Snapshot.ts)
+    )
+    rows: dict[str, list[tuple[float | None, ...]]] = defaultdict(list)
+    down_since: dict[str, float | None] = {}
+    for inst, up, ts, a, b, c, qs, qc in session.execute(stmt):
+        if up:
+            rows[inst].append((a, b, c, qs, qc))
+            down_since[inst] = None
+        elif down_since.get(inst) is None:
+            down_since[inst] = ts
+    out: dict[str, _Latest] = {}
+    for inst in set(rows) | set(down_since):
+        since_ts = down_since.get(inst)
+        rs = rows.get(inst)
+        # No up scrape in the whole window: down at least since the window began.
+        down_for = None if since_ts is None else max(0.0, until - (since if not rs else since_ts))
+        if not rs:
+            out[inst] = _Latest(None, None, down_for)
+            continue
+        a, b, c = rs[-1][0], rs[-1][1], rs[-1][2]
+        parts = [v for v in (a, b, c) if v is not None]
+        backlog = sum(parts) if parts else None
+        qsum = q.counter_increase(r[3] for r in rs)
+        qcnt = q.counter_increase(r[4] for r in rs)
+        out[inst] = _Latest(backlog, qsum / qcnt if qsum is not None and qcnt else None, down_for)
+    return out
+
+
+@dataclass
+class _RecordAgg:
+    contribution: list[float]
+    requests: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _PoolAgg:
+    role: Role
+    residence: list[float]
+    kv_bytes: list[float]
+    done: int = 0
+
+
+def _records(session: Session, since: float, until: float) -> Iterable[tuple[object, ...]]:
+    stmt = select(
+        RequestRecord.p_instance, RequestRecord.d_instance, RequestRecord.p_pool, RequestRecord.d_pool,
+        RequestRecord.status, RequestRecord.proxy_in, RequestRecord.p_sent, RequestRecord.p_done,
+        RequestRecord.d_sent, RequestRecord.first_token, RequestRecord.done, RequestRecord.ttft_s,
+        RequestRecord.kv_bytes,
+    ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    return session.execute(stmt)  # rows unpack like tuples
+
+
+def _slo(session: Session, settings: Settings, now: float) -> SLOFigures:
+    window = settings.slo.window_s
+    since = now - window
+    summary = q.slo_summary(session, since, now).get("all")
+    stmt = select(RequestRecord.ttft_s, RequestRecord.tpot_s).where(
+        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= now, RequestRecord.status == "ok"
+    )
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    for ttft, tpot in session.execute(stmt):
+        if ttft is not None:
+            ttfts.append(ttft)
+        if tpot is not None:
+            tpots.append(tpot)
+    if summary is None:
+        return SLOFigures(window_s=window)
+    return SLOFigures(
+        window_s=window,
+        completed=summary.completed,
+        met=summary.slo_met,
+        rejected=summary.statuses.get("rejected", 0),
+        ttft_p_s=q.percentile(ttfts, settings.slo.ttft.percentile),
+        tpot_p_s=q.percentile(tpots, settings.slo.tpot.percentile),
+        goodput_rps=summary.goodput_per_s,
+    )
+
+
+def observe(session: Session, settings: Settings, now: float, window_s: float | None = None) -> Observation:
+    """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``)."""
+    window = window_s if window_s is not None else settings.controller.window_s
+    since = now - window
+    sigs = q.instance_signals(session, since, now)
+    latest = _latest_gauges(session, since, now)
+    by_d = q.handoff_stats(session, since, now, by="d_instance")
+    by_p = q.handoff_stats(session, since, now, by="p_instance")
+    pairs = q.handoff_stats(session, since, now, by="pair")
+
+    per_inst: dict[str, _RecordAgg] = defaultdict(lambda: _RecordAgg([]))
+    pools: dict[str, _PoolAgg] = {name: _PoolAgg(p.role, [], []) for name, p in settings.pools.items()}
+    ttft_by_inst: dict[str, list[float]] = defaultdict(list)
+    handoffs: list[float] = []
+    for p_inst, d_inst, p_pool, d_pool, status, t_in, p_sent, p_done, d_sent, first, done, ttft, kvb in _records(
+        session, since, now
+    ):
+        ok = status == "ok"
+        for inst in (p_inst, d_inst):
+            if isinstance(inst, str):
+                per_inst[inst].requests += 1
+                per_inst[inst].failed += 0 if ok or status == "rejected" else 1
+                if ok and isinstance(ttft, float):
+                    ttft_by_inst[inst].append(ttft)
+        if isinstance(p_inst, str) and isinstance(p_sent, float) and isinstance(p_done, float):
+            per_inst[p_inst].contribution.append(max(0.0, p_done - p_sent))
+        if isinstance(d_inst, str) and isinstance(d_sent, float) and isinstance(first, float):
+            per_inst[d_inst].contribution.append(max(0.0, first - d_sent))
+        if isinstance(p_done, float) and isinstance(first, float):
+            handoffs.append(max(0.0, first - p_done))
+        if not isinstance(t_in, float):
+            continue
+        for pool_name, end in ((p_pool, p_done), (d_pool, done)):
+            agg = pools.get(pool_name) if isinstance(pool_name, str) else None
+            if agg is None or not isinstance(end, float):
+                continue
+            agg.done += 1
+            agg.residence.append(max(0.0, end - t_in))
+            if isinstance(kvb, int):
+                agg.kv_bytes.append(float(kvb))
+
+    instances: list[InstanceSignals] = []
+    newest: float | None = None
+    for pool_name, inst in settings.instances():
+        role = settings.pools[pool_name].role
+        s = sigs.get(inst.name)
+        lt = latest.get(inst.name)
+        rec = per_inst.get(inst.name)
+        hs = (by_d if role == "decode" else by_p).get(inst.name)
+        if s is not None:
+            newest = s.last_ts if newest is None else max(newest, s.last_ts)
+        instances.append(InstanceSignals(
+            name=inst.name, pool=pool_name, role=role,
+            up=None if s is None else s.up,
+            last_seen=None if s is None else s.last_ts,
+            down_for_s=None if lt is None else lt.down_for_s,
+            kv_usage=None if s is None else s.kv_cache_usage,
+            num_running=None if s is None else s.num_running,
+            num_waiting=None if s is None else s.num_waiting,
+            handoff_backlog=None if lt is None or role != "decode" else lt.backlog,
+            ttft_mean_s=None if s is None else s.mean_ttft_s,
+            queue_mean_s=None if lt is None else lt.queue_mean_s,
+            nixl_xfer_mean_s=None if s is None else s.mean_nixl_xfer_s,
+            nixl_transfers=0.0 if s is None else s.increases.get("nixl_xfer_time_count", 0.0),
+            failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
+            expired_leases_per_min=(s.expired_leases_per_min or 0.0) if s is not None else 0.0,
+            contribution_s=None if rec is None else _mean(rec.contribution),
+            handoff_p50_s=None if hs is None else hs.p50_s,
+            handoff_p99_s=None if hs is None else hs.p99_s,
+            requests=0 if rec is None else rec.requests,
+            failed_requests=0 if rec is None else rec.failed,
+            lease_expiry_suspects=hs.lease_suspects if hs is not None and role == "decode" else 0,
+        ))
+    if newest is None:
+        newest = session.scalar(select(func.max(Snapshot.ts)))
+
+    pool_sigs: list[PoolSignals] = []
+    for name, agg in pools.items():
+        members = [i for i in instances if i.pool == name]
+        usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
+        backlog = [i.handoff_backlog for i in members if i.up and i.handoff_backlog is not None]
+        rate = agg.done / window if agg.done >= MIN_POOL_REQUESTS else None
+        mean_res = _mean(agg.residence)
+        pct = settings.slo.ttft.percentile
+        # The pool's TTFT: the median over its up instances of each one's TTFT percentile, so one
+        # degraded instance (the weights' job) does not read as the whole pool being overloaded.
+        per = [q.percentile(ttft_by_inst[i.name], pct) for i in members
+               if i.up and len(ttft_by_inst[i.name]) >= MIN_TTFT_SAMPLES]
+        per_ok = sorted(v for v in per if v is not None)
+        pool_sigs.append(PoolSignals(
+            name=name, role=agg.role,
+            inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
+            completed_per_s=rate,
+            ttft_p_s=median(per_ok) if per_ok else None,
+            kv_usage=_mean([u for u in usages if u is not None]),
+            handoff_backlog_requests=sum(b for b in backlog if b is not None) if backlog else None,
+            mean_kv_bytes_per_request=_mean(agg.kv_bytes),
+        ))
+
+    pair_sigs = tuple(
+        PairSignals(p, d, hs.requests, hs.p50_s or 0.0, hs.p99_s or 0.0)
+        for key, hs in sorted(pairs.items())
+        for p, _, d in [key.partition("->")]
+        if hs.requests
+    )
+    slo = _slo(session, settings, now)
+    slo = SLOFigures(slo.window_s, slo.completed, slo.met, slo.rejected, slo.ttft_p_s, slo.tpot_p_s,
+                     q.percentile(handoffs, 99), slo.goodput_rps)
+    return Observation(now=now, window_s=window, instances=tuple(instances), pools=tuple(pool_sigs),
+                       pairs=pair_sigs, slo=slo, newest_data=newest)

@@ -1,0 +1,162 @@
+"""The controller's writes and the state it reloads: decisions, alerts, overrides.
+
+* :func:`load_overrides` reads the active manual overrides (the API writes them).
+* :func:`load_state` rebuilds the policy's carried state after a restart from the newest
+  stored decisions and the alerts still pending or firing.
+* :func:`persist_tick` stores one tick: a ``Decision`` row for every value that changed
+  (policy weight, served weight when an override starts or ends, pool limits), each with
+  its inputs, scores, arithmetic, reason and message; and every alert state change.
+
+Functions take an open ``Session``; the caller owns the transaction (``store.transaction``),
+so one tick is stored whole or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from controller.policy import (
+    AlertState,
+    LimitState,
+    Override,
+    PolicyState,
+    ServedInstance,
+    TickOutput,
+    WeightState,
+)
+from store.models import Alert, Decision, WeightOverride
+
+
+def to_override(row: WeightOverride) -> Override:
+    kind: Literal["instance", "pool"] = "pool" if row.subject_kind == "pool" else "instance"
+    return Override(row.id, kind, row.subject, row.weight, row.drained, row.reason, row.actor, row.created,
+                    row.expires)
+
+
+def load_overrides(session: Session, now: float) -> tuple[Override, ...]:
+    """Overrides not cleared and not expired at ``now``."""
+    stmt = select(WeightOverride).where(
+        WeightOverride.cleared.is_(None),
+        (WeightOverride.expires.is_(None)) | (WeightOverride.expires > now),
+    )
+    return tuple(to_override(r) for r in session.scalars(stmt))
+
+
+def _latest_decisions(session: Session, field: str) -> dict[str, Decision]:
+    newest = (
+        select(Decision.subject, func.max(Decision.id).label("id"))
+        .where(Decision.field == field)
+        .group_by(Decision.subject)
+        .subquery()
+    )
+    rows = session.scalars(select(Decision).join(newest, Decision.id == newest.c.id))
+    return {d.subject: d for d in rows}
+
+
+def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
+    """``(state, alert row ids by fingerprint, last routing version)`` from what is stored."""
+    weights: dict[str, WeightState] = {}
+    for name, d in _latest_decisions(session, "weight").items():
+        if d.new_value is not None:
+            smoothed = float(d.scores.get("_smoothed", d.new_value)) if isinstance(d.scores, dict) else d.new_value
+            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason)
+    reqs = _latest_decisions(session, "max_inflight_requests")
+    kvs = _latest_decisions(session, "max_inflight_kv_bytes")
+    limits: dict[str, LimitState] = {}
+    for pool, d in reqs.items():
+        kv = kvs.get(pool)
+        if d.new_value is not None and kv is not None and kv.new_value is not None:
+            limits[pool] = LimitState(int(d.new_value), int(kv.new_value))
+    alerts: dict[str, AlertState] = {}
+    ids: dict[str, int] = {}
+    for a in session.scalars(select(Alert).where(Alert.state.in_(("pending", "firing")))):
+        ann = a.annotations or {}
+        alerts[a.fingerprint] = AlertState(
+            rule=a.rule, fingerprint=a.fingerprint, labels=dict(a.labels or {}), severity=a.severity,
+            state="firing" if a.state == "firing" else "pending", value=a.value or 0.0,
+            description=str(ann.get("description", "")), summary=str(ann.get("summary", "")),
+            active_since=a.active_since, last_eval=a.last_eval, fired_at=a.fired_at,
+        )
+        ids[a.fingerprint] = a.id
+    version = session.scalar(select(func.max(Decision.routing_version))) or 0
+    return PolicyState(0, weights, limits, alerts, None), ids, int(version)
+
+
+def _decision(out: TickOutput, mode: str, kind: str, subject: str, field: str, old: float | None,
+              new: float | None, reason: str, message: str, arithmetic: str, inputs: Mapping[str, Any],
+              scores: Mapping[str, Any]) -> Decision:
+    return Decision(ts=out.table.generated_at, tick=out.tick, mode=mode, subject_kind=kind, subject=subject,
+                    field=field, old_value=old, new_value=new, reason=reason, message=message,
+                    arithmetic=arithmetic, inputs=dict(inputs), scores=dict(scores),
+                    routing_version=out.table.version)
+
+
+def persist_tick(
+    session: Session,
+    out: TickOutput,
+    prev_served: Mapping[str, ServedInstance],
+    alert_ids: dict[str, int],
+) -> list[Decision]:
+    """Store one tick's changes; ``alert_ids`` (fingerprint -> row id) is updated in place."""
+    mode = out.table.mode
+    rows: list[Decision] = []
+    for d in out.weights:
+        if d.changed:
+            scores = dict(d.scores) | {"_target": d.target, "_smoothed": d.smoothed}
+            rows.append(_decision(out, mode, "instance", d.instance, "weight", d.old_weight, d.weight, d.reason,
+                                  d.message, d.arithmetic, d.inputs, scores))
+    for name, s in out.served.items():
+        before = prev_served.get(name)
+        if before is None or (abs(before.weight - s.weight) < 1e-9 and before.source == s.source):
+            continue
+        if s.source == "policy" and before.source == "policy":
+            continue  # the policy's own change is recorded above
+        if s.source == "policy":
+            reason, msg = "OverrideEnded", (f"{name}: {before.source} override ended; policy weight "
+                                            f"{s.weight:.2f} applies")
+        else:
+            ov = s.override
+            who = f" by {ov.actor}: {ov.reason}" if ov is not None else ""
+            reason, msg = s.reason, f"{name}: {s.source}{who}; served weight {before.weight:.2f} -> {s.weight:.2f}"
+        rows.append(_decision(out, mode, "instance", name, "served_weight", before.weight, s.weight, reason, msg,
+                              f"served = {s.source} {s.weight:.2f} (policy {s.policy_weight:.2f})",
+                              {"override_id": None if s.override is None else s.override.id,
+                               "policy_weight": s.policy_weight}, {}))
+    for p in out.pools:
+        for field in ("max_inflight_requests", "max_inflight_kv_bytes"):
+            if p.changed(field):
+                old = None if p.old is None else getattr(p.old, field)
+                rows.append(_decision(out, mode, "pool", p.pool, field, old, getattr(p.new, field), p.reason,
+                                      p.message, p.arithmetic, p.inputs, p.scores))
+    session.add_all(rows)
+    for st in out.alerts.changed:
+        _store_alert(session, st, alert_ids)
+    changed = {a.fingerprint for a in out.alerts.changed}
+    for st in out.alerts.active:
+        if st.fingerprint not in changed and st.fingerprint in alert_ids:
+            row = session.get(Alert, alert_ids[st.fingerprint])
+            if row is not None:
+                row.last_eval, row.value = st.last_eval, st.value
+    return rows
+
+
+def _store_alert(session: Session, st: AlertState, ids: dict[str, int]) -> None:
+    row = session.get(Alert, ids[st.fingerprint]) if st.fingerprint in ids else None
+    ann = {"summary": st.summary, "description": st.description}
+    if row is None:
+        row = Alert(rule=st.rule, fingerprint=st.fingerprint, labels=dict(st.labels), annotations=ann,
+                    severity=st.severity, state=st.state, value=st.value, active_since=st.active_since,
+                    fired_at=st.fired_at, resolved_at=st.resolved_at, last_eval=st.last_eval)
+        session.add(row)
+        session.flush()
+    else:
+        row.state, row.value, row.annotations = st.state, st.value, ann
+        row.fired_at, row.resolved_at, row.last_eval = st.fired_at, st.resolved_at, st.last_eval
+    if st.state in ("pending", "firing"):
+        ids[st.fingerprint] = row.id
+    else:
+        ids.pop(st.fingerprint, None)

@@ -1,0 +1,250 @@
+"""Alert rules and their state machine: inactive -> pending -> firing -> resolved.
+
+A rule looks at one :class:`Observation` and returns the label sets for which its
+condition holds now (Prometheus' "result vector"), or ``None`` when it cannot be judged
+(the collector is behind, too few requests): then every alert of that rule keeps its
+state instead of resolving on missing data. An alert becomes ``pending`` when its
+condition first holds, ``firing`` once it has held for the rule's ``for_s``, and
+``resolved`` when it stops holding after firing (a pending alert that clears simply
+goes back to ``inactive``). Thresholds come from the SLO settings and ``AlertConfig``.
+
+Pure: no I/O; ``now`` comes from the observation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from controller.policy.config import PolicyConfig
+from controller.policy.signals import Observation
+
+State = Literal["inactive", "pending", "firing", "resolved"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: Mapping[str, str]
+    value: float
+    description: str
+
+
+Evaluator = Callable[[Observation, PolicyConfig, "AlertConfig"], "list[Sample] | None"]
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    name: str
+    severity: Literal["info", "warning", "critical"]
+    for_s: float
+    summary: str
+    evaluate: Evaluator
+
+
+@dataclass(frozen=True)
+class AlertConfig:
+    """Alert thresholds and ``for`` durations (seconds) per rule; defaults below."""
+
+    for_s: Mapping[str, float] = field(default_factory=dict)
+    kv_full: float = 0.95
+    min_requests: int = 10  # fewer completed requests in the SLO window: SLO rules abstain
+    resend_s: float = 60.0  # re-notify a firing alert this often
+
+    def for_of(self, rule: str, default: float) -> float:
+        return self.for_s.get(rule, default)
+
+
+@dataclass(frozen=True)
+class AlertState:
+    rule: str
+    fingerprint: str
+    labels: Mapping[str, str]
+    severity: str
+    state: State
+    value: float
+    description: str
+    summary: str
+    active_since: float
+    last_eval: float
+    fired_at: float | None = None
+    resolved_at: float | None = None
+    last_notified: float | None = None
+
+
+@dataclass(frozen=True)
+class AlertStep:
+    """One evaluation: the alerts still active, every state change, and what to notify."""
+
+    active: tuple[AlertState, ...]
+    changed: tuple[AlertState, ...]
+    notify: tuple[AlertState, ...]
+
+
+def fingerprint(rule: str, labels: Mapping[str, str]) -> str:
+    raw = json.dumps({"alertname": rule, **labels}, sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _stale(obs: Observation, cfg: PolicyConfig) -> bool:
+    age = obs.data_age_s
+    return age is None or age > cfg.stale_after_s
+
+
+# -- rules --------------------------------------------------------------------------------
+
+
+def _ttft(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    s = obs.slo
+    if s.completed < ac.min_requests or s.ttft_p_s is None:
+        return None
+    if s.ttft_p_s <= cfg.ttft_target_s:
+        return []
+    return [Sample({}, s.ttft_p_s, f"TTFT p{cfg.ttft_percentile:g} {s.ttft_p_s * 1000:.0f} ms > target "
+                   f"{cfg.ttft_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
+
+
+def _tpot(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    s = obs.slo
+    if s.completed < ac.min_requests or s.tpot_p_s is None:
+        return None
+    if s.tpot_p_s <= cfg.tpot_target_s:
+        return []
+    return [Sample({}, s.tpot_p_s, f"TPOT p{cfg.tpot_percentile:g} {s.tpot_p_s * 1000:.0f} ms > target "
+                   f"{cfg.tpot_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
+
+
+def _goodput(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    s = obs.slo
+    att = s.attainment
+    if s.completed < ac.min_requests or att is None:
+        return None
+    if att >= cfg.goodput_attainment:
+        return []
+    return [Sample({}, att, f"SLO attainment {100 * att:.1f}% < {100 * cfg.goodput_attainment:.0f}% "
+                   f"({s.met}/{s.completed} requests met every SLO over {s.window_s:.0f}s)")]
+
+
+def _handoff(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    p99 = obs.slo.handoff_p99_s
+    if _stale(obs, cfg) or p99 is None:
+        return None
+    if p99 <= cfg.handoff_budget_s:
+        return []
+    return [Sample({}, p99, f"handoff p99 {p99 * 1000:.0f} ms > budget {cfg.handoff_budget_s * 1000:.0f} ms")]
+
+
+def _per_instance(
+    test: Callable[[Observation, PolicyConfig, AlertConfig], list[Sample]],
+) -> Evaluator:
+    def evaluate(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+        return None if _stale(obs, cfg) else test(obs, cfg, ac)
+
+    return evaluate
+
+
+def _labels(name: str, pool: str, role: str) -> dict[str, str]:
+    return {"instance": name, "pool": pool, "role": role}
+
+
+def _failed(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    return [Sample(_labels(i.name, i.pool, i.role), i.failed_transfers_per_min,
+                   f"{i.name}: {i.failed_transfers_per_min:.1f} failed NIXL transfers per minute")
+            for i in obs.instances if i.failed_transfers_per_min > 0]
+
+
+def _expired(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    return [Sample(_labels(i.name, i.pool, i.role), i.expired_leases_per_min,
+                   f"{i.name}: {i.expired_leases_per_min:.1f} KV leases expired per minute (D did not pull in time)")
+            for i in obs.instances if i.expired_leases_per_min > 0]
+
+
+def _kv_full(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    return [Sample(_labels(i.name, i.pool, i.role), i.kv_usage, f"{i.name}: KV cache {100 * i.kv_usage:.0f}% used")
+            for i in obs.instances if i.up and i.kv_usage is not None and i.kv_usage > ac.kv_full]
+
+
+def _down(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    return [Sample(_labels(i.name, i.pool, i.role), 0.0, f"{i.name}: scrape failed (up = 0)")
+            for i in obs.instances if i.up is False]
+
+
+def _collector_behind(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    age = obs.data_age_s
+    if age is None:
+        return [Sample({}, -1.0, "no snapshots in the store at all")]
+    if age > cfg.stale_after_s:
+        return [Sample({}, age, f"newest snapshot is {age:.0f}s old (limit {cfg.stale_after_s:.0f}s)")]
+    return []
+
+
+def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
+    """The built-in rules; ``for_s`` of each can be changed through ``AlertConfig.for_s``."""
+    spec: Sequence[tuple[str, Literal["info", "warning", "critical"], float, str, Evaluator]] = (
+        ("TTFTOverTarget", "warning", 60.0, "TTFT percentile over its SLO target", _ttft),
+        ("TPOTOverTarget", "warning", 60.0, "TPOT percentile over its SLO target", _tpot),
+        ("GoodputAttainmentLow", "critical", 60.0, "SLO attainment under target", _goodput),
+        ("NixlTransferFailures", "warning", 0.0, "NIXL KV transfers are failing", _per_instance(_failed)),
+        ("KVLeaseExpired", "warning", 0.0, "KV leases expired before D pulled them", _per_instance(_expired)),
+        ("KVCacheNearlyFull", "warning", 30.0, "KV cache usage above the limit", _per_instance(_kv_full)),
+        ("InstanceDown", "critical", 10.0, "an instance's /metrics cannot be scraped", _per_instance(_down)),
+        ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
+        ("CollectorBehind", "critical", 10.0, "stored data is stale: the collector is behind", _collector_behind),
+    )
+    return tuple(AlertRule(n, sev, ac.for_of(n, f), summ, ev) for n, sev, f, summ, ev in spec)
+
+
+# -- state machine ------------------------------------------------------------------------
+
+
+def step_alerts(
+    rules: Sequence[AlertRule],
+    obs: Observation,
+    cfg: PolicyConfig,
+    ac: AlertConfig,
+    prev: Mapping[str, AlertState],
+) -> AlertStep:
+    """Advance every alert by one evaluation at ``obs.now``. ``prev`` maps fingerprint -> state."""
+    now = obs.now
+    active: list[AlertState] = []
+    changed: list[AlertState] = []
+    notify: list[AlertState] = []
+    for rule in rules:
+        mine = {fp: st for fp, st in prev.items() if st.rule == rule.name}
+        samples = rule.evaluate(obs, cfg, ac)
+        if samples is None:  # cannot judge: hold, but record the evaluation time
+            active.extend(replace(st, last_eval=now) for st in mine.values())
+            continue
+        seen: set[str] = set()
+        for sm in samples:
+            fp = fingerprint(rule.name, sm.labels)
+            seen.add(fp)
+            old = mine.get(fp)
+            if old is None:
+                st = AlertState(rule.name, fp, dict(sm.labels), rule.severity, "pending", sm.value, sm.description,
+                                rule.summary, active_since=now, last_eval=now)
+                changed.append(st)
+            else:
+                st = replace(old, value=sm.value, description=sm.description, last_eval=now)
+            if st.state == "pending" and now - st.active_since >= rule.for_s:
+                st = replace(st, state="firing", fired_at=now)
+                if old is not None:
+                    changed.append(st)
+                else:
+                    changed[-1] = st
+            if st.state == "firing" and (st.last_notified is None or now - st.last_notified >= ac.resend_s):
+                st = replace(st, last_notified=now)
+                notify.append(st)
+            active.append(st)
+        for fp, old in mine.items():
+            if fp in seen:
+                continue
+            if old.state == "firing":
+                gone = replace(old, state="resolved", resolved_at=now, last_eval=now, last_notified=now)
+                changed.append(gone)
+                notify.append(gone)
+            else:
+                changed.append(replace(old, state="inactive", last_eval=now))
+    return AlertStep(tuple(active), tuple(changed), tuple(notify))

@@ -1,0 +1,70 @@
+"""The policy's knobs: one frozen value, built once from the validated settings.
+
+Guardrails (``max_weight_step``, ``min_weight``) and SLO targets come from the config
+file; the remaining constants are defaults chosen here and documented next to each
+field. Nothing here reads files or the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdscope.config import Settings
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    interval_s: float = 2.0
+    max_weight_step: float = 0.25  # most a weight may move in one tick
+    min_weight: float = 0.05  # floor for an up, undrained instance
+    smoothing: float = 0.5  # EWMA factor on the target: s = a*target + (1-a)*s_prev
+    band_down: float = 0.05  # smoothed must sit this far below the weight to lower it
+    band_up: float = 0.10  # ... and this far above it to raise it
+    recover_ticks: int = 3  # consecutive healthy ticks before a weight may rise
+    degrade_ticks: int = 2  # consecutive degraded ticks before a mild degradation lowers a weight
+    severe_target: float = 0.5  # a target under this lowers the weight on the first tick
+    latency_tolerance: float = 1.5  # slower than 1.5x the peers' median costs weight
+    error_rate_ref_per_min: float = 1.0  # failures+expiries per minute that halve the error score
+    kv_soft: float = 0.85  # KV usage above which the kv score falls ...
+    kv_floor_score: float = 0.2  # ... to this at 100%
+    stale_after_s: float = 15.0  # newest snapshot older than this: hold everything
+    down_after_s: float = 10.0  # failed scrapes for this long before an instance counts as down
+    # admission
+    ttft_target_s: float = 2.0
+    ttft_percentile: float = 99.0
+    tpot_target_s: float = 0.1
+    tpot_percentile: float = 99.0
+    goodput_attainment: float = 0.9
+    handoff_budget_s: float = 1.0  # handoff p99 budget (default: half the TTFT target)
+    kv_admit_full: float = 0.80  # D pool KV usage at which admission starts to shrink ...
+    kv_admit_zero: float = 0.95  # ... reaching the floor here
+    default_max_inflight_requests: int = 256
+    default_max_inflight_kv_bytes: int = 64 * 2**30
+    min_inflight_requests: int = 4
+    cut_below: float = 0.8  # pressure under this cuts the request limit ...
+    grow_above: float = 0.95  # ... over this grows it; in between it holds
+    min_kv_bytes_fraction: float = 0.05  # never cut the KV-bytes budget below this share
+    limit_cut_floor: float = 0.5  # one cut takes at most half away
+    limit_increase: float = 0.1  # additive increase: +10% (at least +1) per calm tick
+    limit_cut_cooldown_ticks: int = 3  # wait for a cut to show in the window before cutting again
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PolicyConfig:
+        c = settings.controller
+        a = settings.proxy.admission
+        ttft_s = settings.slo.ttft.target_ms / 1000.0
+        return cls(
+            interval_s=c.interval_s,
+            max_weight_step=c.max_weight_step,
+            min_weight=c.min_weight,
+            stale_after_s=max(15.0, 3.0 * settings.collector.scrape_interval_s, 3.0 * c.interval_s),
+            down_after_s=min(c.window_s, max(10.0, 3.0 * settings.collector.scrape_interval_s)),
+            ttft_target_s=ttft_s,
+            ttft_percentile=settings.slo.ttft.percentile,
+            tpot_target_s=settings.slo.tpot.target_ms / 1000.0,
+            tpot_percentile=settings.slo.tpot.percentile,
+            goodput_attainment=settings.slo.goodput_attainment,
+            handoff_budget_s=ttft_s / 2.0,
+            default_max_inflight_requests=a.max_inflight_requests,
+            default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
+        )

@@ -1,0 +1,112 @@
+"""The values the policy reads: one frozen ``Observation`` per tick.
+
+``controller.observe`` builds an :class:`Observation` from the store; tests build one by
+hand. Nothing here does I/O or knows about the store, HTTP or the clock: every time is
+passed in as a float of Unix seconds (``Observation.now``).
+
+A ``None`` signal means "not observed in the window" and never means zero: the policy
+holds its previous output for a signal it cannot see rather than acting on a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class InstanceSignals:
+    """What one P or D instance looked like over the observed window."""
+
+    name: str
+    pool: str
+    role: Role
+    up: bool | None = None  # latest scrape; None = never scraped in the window
+    last_seen: float | None = None  # ts of the latest snapshot
+    down_for_s: float | None = None  # while down: since the first failed scrape of this streak
+    kv_usage: float | None = None  # 0..1, latest
+    num_running: float | None = None
+    num_waiting: float | None = None
+    handoff_backlog: float | None = None  # D: requests in a KV-fetch stage (latest gauges)
+    # From vLLM's histograms (differences over the window), seconds per request:
+    ttft_mean_s: float | None = None
+    queue_mean_s: float | None = None
+    nixl_xfer_mean_s: float | None = None
+    nixl_transfers: float = 0.0
+    failed_transfers_per_min: float = 0.0
+    expired_leases_per_min: float = 0.0
+    # From request records (seconds): P = p_sent..p_done, D = d_sent..first_token.
+    contribution_s: float | None = None
+    handoff_p50_s: float | None = None  # p_done..first_token over requests through it
+    handoff_p99_s: float | None = None
+    requests: int = 0
+    failed_requests: int = 0
+    lease_expiry_suspects: int = 0  # requests through it flagged by the collector
+
+
+@dataclass(frozen=True)
+class PairSignals:
+    """The handoff between one P and one D over the window."""
+
+    p_instance: str
+    d_instance: str
+    requests: int
+    handoff_p50_s: float
+    handoff_p99_s: float
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """Pool-level load: what admission limits are computed from."""
+
+    name: str
+    role: Role
+    inflight_requests: float | None = None  # Little's law: completions/s * mean time in the pool
+    completed_per_s: float | None = None
+    ttft_p_s: float | None = None  # the SLO percentile of TTFT over requests through this pool
+    kv_usage: float | None = None  # mean over up instances
+    handoff_backlog_requests: float | None = None  # D pools: sum of KV-fetch gauges
+    mean_kv_bytes_per_request: float | None = None
+
+
+@dataclass(frozen=True)
+class SLOFigures:
+    """Fleet SLO figures over ``slo.window_s``."""
+
+    window_s: float
+    completed: int = 0
+    met: int = 0
+    rejected: int = 0
+    ttft_p_s: float | None = None
+    tpot_p_s: float | None = None
+    handoff_p99_s: float | None = None
+    goodput_rps: float = 0.0
+
+    @property
+    def attainment(self) -> float | None:
+        return self.met / self.completed if self.completed else None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything one tick sees. ``newest_data`` is the newest snapshot's time (staleness)."""
+
+    now: float
+    window_s: float
+    instances: tuple[InstanceSignals, ...]
+    pools: tuple[PoolSignals, ...] = ()
+    pairs: tuple[PairSignals, ...] = ()
+    slo: SLOFigures = field(default_factory=lambda: SLOFigures(window_s=300.0))
+    newest_data: float | None = None
+
+    def instance(self, name: str) -> InstanceSignals | None:
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        return None
+
+    @property
+    def data_age_s(self) -> float | None:
+        return None if self.newest_data is None else max(0.0, self.now - self.newest_data)

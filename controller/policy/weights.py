@@ -1,0 +1,220 @@
+"""Instance weights: scores -> target -> smoothed -> guarded step, with hysteresis.
+
+Per tick and instance::
+
+    target   = max(min_weight, min(latency scores) × errors × kv)   (0 if the instance is down)
+    smoothed = a * target + (1 - a) * smoothed_prev
+    weight   moves towards smoothed by at most max_weight_step, and only
+             - down, when smoothed < weight - band_down (at once if target < severe_target,
+               else after degrade_ticks ticks in a row, so one noisy window moves nothing), or
+             - up,   when smoothed > weight + band_up for recover_ticks ticks in a row,
+             so noise inside the bands never changes a weight (no flapping), and a
+             degraded instance regains traffic only after it has looked healthy for a while.
+
+Stale data (the collector is behind) or an instance never scraped in the window holds
+the weight: the policy does not act on what it cannot see. An instance whose scrapes fail
+is held for ``down_after_s`` (one slow scrape is not an outage), then goes to 0 at once;
+when every instance of a role fails at once the weights are held (the observer is the
+likelier fault, and all-zero weights would route nothing). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.policy.config import PolicyConfig
+from controller.policy.scores import Score, reason_for, score_instance, worst
+from controller.policy.signals import InstanceSignals, Observation, Role
+
+EPS = 1e-9
+LATENCY = ("ttft", "handoff", "nixl")  # views of one thing (how slow): the worst counts, not their product
+SNAP = 0.01
+
+
+@dataclass(frozen=True)
+class WeightState:
+    """What the policy carries from one tick to the next for one instance."""
+
+    weight: float = 1.0
+    smoothed: float = 1.0
+    healthy_streak: int = 0
+    reason: str = "Initial"
+    degraded_streak: int = 0
+
+
+@dataclass(frozen=True)
+class WeightDecision:
+    instance: str
+    pool: str
+    role: Role
+    old_weight: float
+    weight: float
+    target: float | None
+    smoothed: float
+    reason: str
+    message: str
+    arithmetic: str
+    scores: Mapping[str, float] = field(default_factory=dict)
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    state: WeightState = WeightState()
+
+    @property
+    def changed(self) -> bool:
+        return abs(self.weight - self.old_weight) > EPS
+
+
+def _r(x: float) -> float:
+    return round(x, 4)
+
+
+def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "up": inst.up,
+        "kv_usage": inst.kv_usage,
+        "num_waiting": inst.num_waiting,
+        "requests": inst.requests,
+        "failed_transfers_per_min": _r(inst.failed_transfers_per_min),
+        "expired_leases_per_min": _r(inst.expired_leases_per_min),
+        "lease_expiry_suspects": inst.lease_expiry_suspects,
+    }
+    for s in scores:
+        out[f"{s.name}_observed"] = None if s.observed is None else _r(s.observed)
+        out[f"{s.name}_reference"] = None if s.reference is None else _r(s.reference)
+    return out
+
+
+def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -> WeightDecision:
+    return WeightDecision(
+        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=prev.weight,
+        target=None, smoothed=prev.smoothed, reason=reason, message=message,
+        arithmetic=f"weight = {prev.weight:.2f} (held)", inputs={"up": inst.up, "last_seen": inst.last_seen},
+        state=WeightState(prev.weight, prev.smoothed, 0, reason),
+    )
+
+
+def step_instance(
+    inst: InstanceSignals, peers: list[InstanceSignals], prev: WeightState, cfg: PolicyConfig, window_s: float
+) -> WeightDecision:
+    """One tick for one instance whose data is fresh."""
+    if inst.up is None:
+        return _hold(inst, prev, "NoData", f"{inst.name}: not scraped in the window; weight held at "
+                     f"{prev.weight:.2f}")
+    if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
+        return _hold(inst, prev, "ScrapeFailing", f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s "
+                     f"(down after {cfg.down_after_s:.0f}s); weight held at {prev.weight:.2f}")
+    if inst.up is False:
+        st = WeightState(0.0, 0.0, 0, "InstanceDown")
+        return WeightDecision(
+            instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
+            target=0.0, smoothed=0.0, reason="InstanceDown",
+            message=f"{inst.name}: down at the latest scrape; no new work", arithmetic="weight = 0 (up = 0)",
+            scores={"up": 0.0}, inputs={"up": False, "last_seen": inst.last_seen}, state=st,
+        )
+
+    scores = score_instance(inst, peers, cfg, window_s)
+    latency = [s for s in scores if s.name in LATENCY]
+    other = [s for s in scores if s.name not in LATENCY]
+    product = min((s.value for s in latency), default=1.0)
+    for s in other:
+        product *= s.value
+    target = max(cfg.min_weight, product)
+    a = cfg.smoothing
+    smoothed = a * target + (1.0 - a) * prev.smoothed
+    if abs(smoothed - target) < SNAP:  # an EWMA never arrives; close enough is there
+        smoothed = target
+    w = prev.weight
+    lat_terms = ", ".join(f"{s.name} {s.value:.2f}" for s in latency)
+    terms = " × ".join([f"min({lat_terms})"] + [f"{s.name} {s.value:.2f}" for s in other])
+    arith = [
+        f"target = max({cfg.min_weight:.2f}, {terms}) = {target:.2f}",
+        f"smoothed = {a:.2f}×{target:.2f} + {1 - a:.2f}×{prev.smoothed:.2f} = {smoothed:.2f}",
+    ]
+    band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
+    band_up = min(cfg.band_up, max(0.0, 1.0 - w) - EPS)
+    low = worst(scores)
+    streak = 0
+    degraded = 0
+    if w < cfg.min_weight:  # back from down or drained: start at the floor
+        new = cfg.min_weight
+        arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {w:.2f}, instance is up)")
+        reason, what = "InstanceUp", "up again; starts at the floor"
+    elif smoothed < w - band_down and band_down > 0 and target < w - band_down:
+        degraded = prev.degraded_streak + 1
+        reason = reason_for(low, inst) if low is not None else "Degraded"
+        what = _describe(low) if low is not None else "smoothed target below the weight"
+        if target < cfg.severe_target or degraded >= cfg.degrade_ticks:
+            new = max(smoothed, w - cfg.max_weight_step, cfg.min_weight)
+            arith.append(f"weight = max({smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
+                         f"{cfg.min_weight:.2f}) = {new:.2f}")
+        else:
+            new = w
+            arith.append(f"weight = {w:.2f} (mild: confirming, {degraded}/{cfg.degrade_ticks} ticks)")
+            what = f"{what} (confirming {degraded}/{cfg.degrade_ticks})"
+    elif smoothed > w + band_up and band_up > 0:
+        streak = prev.healthy_streak + 1
+        if streak >= cfg.recover_ticks:
+            new = min(smoothed, w + cfg.max_weight_step, 1.0)
+            arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1) = {new:.2f}"
+                         f" after {streak} healthy ticks")
+            reason, what = "Recovering", f"healthy for {streak} ticks"
+        else:
+            new = w
+            arith.append(f"weight = {w:.2f} (healthy {streak}/{cfg.recover_ticks} ticks before raising)")
+            reason, what = "HoldingForHysteresis", f"healthy {streak}/{cfg.recover_ticks} ticks"
+    else:
+        new = w
+        arith.append(f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})")
+        if low is not None and w < 1.0 - EPS:
+            reason, what = reason_for(low, inst), _describe(low)
+        elif w < 1.0 - EPS:
+            reason, what = "Steady", "inside the hysteresis bands"
+        else:
+            reason, what = "Healthy", "every signal healthy"
+    new = _r(min(1.0, max(cfg.min_weight, new)))
+    msg = f"{inst.name}: {what}; weight {w:.2f} -> {new:.2f}" if abs(new - w) > EPS else (
+        f"{inst.name}: {what}; weight stays {w:.2f}")
+    return WeightDecision(
+        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=w, weight=new, target=_r(target),
+        smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
+        scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
+        state=WeightState(new, smoothed, streak, reason, degraded),
+    )
+
+
+def _describe(s: Score) -> str:
+    if s.reference is not None and s.observed is not None and s.name in ("ttft", "handoff", "nixl"):
+        ratio = s.observed / s.reference if s.reference else float("inf")
+        return f"{s.name} {s.observed:.3f}s is {ratio:.1f}x its peers' median {s.reference:.3f}s"
+    if s.name == "errors":
+        return f"{s.observed or 0:.1f} failed transfers/expired leases per min"
+    if s.name == "kv":
+        return f"KV usage {100 * (s.observed or 0):.0f}%"
+    return f"{s.name} score {s.value:.2f}"
+
+
+def decide_weights(
+    obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig
+) -> tuple[WeightDecision, ...]:
+    """Weights for every observed instance. Stale data holds every weight."""
+    age = obs.data_age_s
+    stale = age is None or age > cfg.stale_after_s
+    out: list[WeightDecision] = []
+    for inst in obs.instances:
+        p = prev.get(inst.name, WeightState())
+        if stale:
+            what = "no snapshots at all" if age is None else f"newest snapshot {age:.0f}s old"
+            out.append(_hold(inst, p, "StaleData", f"{inst.name}: {what} (collector behind); weight held "
+                             f"at {p.weight:.2f}"))
+            continue
+        role = [o for o in obs.instances if o.role == inst.role]
+        if inst.up is False and all(o.up is False for o in role):
+            # Every instance of a role failing its scrapes at once is far more often the collector or
+            # its network than the fleet; all-zero weights would also route nothing. Hold them.
+            out.append(_hold(inst, p, "RoleUnobservable", f"{inst.name}: every {inst.role} instance fails its "
+                             f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
+            continue
+        peers = [o for o in role if o.name != inst.name and o.up]
+        out.append(step_instance(inst, peers, p, cfg, obs.window_s))
+    return tuple(out)

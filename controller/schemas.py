@@ -1,0 +1,143 @@
+"""Request and response bodies of the control API (published in its OpenAPI document).
+
+Request bodies forbid unknown fields and non-finite numbers, so a typo is a 422 that
+names the field instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TTL_S = 7 * 86400.0
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WeightIn(_Body):
+    weight: float = Field(ge=0.0, le=100.0, allow_inf_nan=False,
+                          description="relative share within the role (pool) or of the pool; 0 = no new work")
+    ttl_s: float = Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, description="the override ends after this")
+    reason: str = Field(min_length=1, max_length=500, description="why; stored in the audit trail")
+
+
+class DrainIn(_Body):
+    reason: str = Field(min_length=1, max_length=500)
+    ttl_s: float | None = Field(default=None, gt=0.0, le=MAX_TTL_S, allow_inf_nan=False,
+                                description="end the drain automatically after this; default: until undrain")
+
+
+class UndrainIn(_Body):
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class ClearIn(_Body):
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class OverrideOut(BaseModel):
+    id: int
+    subject_kind: Literal["instance", "pool"]
+    subject: str
+    weight: float | None
+    drained: bool
+    reason: str
+    actor: str
+    created: float
+    expires: float | None
+
+
+class InstanceWeightOut(BaseModel):
+    name: str
+    pool: str
+    role: Literal["prefill", "decode"]
+    weight: float = Field(description="served weight")
+    policy_weight: float = Field(description="what the policy computed (overrides win over it)")
+    drained: bool
+    source: Literal["policy", "override", "drain"]
+    reason: str
+    override: OverrideOut | None = None
+    drain: OverrideOut | None = None
+    decision: dict[str, Any] | None = Field(default=None, description="the policy's latest step: scores, "
+                                            "arithmetic, reason, message, inputs")
+    audit_id: int | None = Field(default=None, description="the audit event a mutation wrote")
+
+
+class PoolOut(BaseModel):
+    name: str
+    role: Literal["prefill", "decode"]
+    configured_weight: float
+    weight: float
+    reason: str
+    max_inflight_requests: int | None
+    max_inflight_kv_bytes: int | None
+    override: OverrideOut | None = None
+    decision: dict[str, Any] | None = None
+    instances: list[InstanceWeightOut]
+    audit_id: int | None = None
+
+
+class DecisionOut(BaseModel):
+    id: int
+    ts: float
+    tick: int
+    mode: str
+    subject_kind: str
+    subject: str
+    field: str
+    old_value: float | None
+    new_value: float | None
+    reason: str
+    message: str
+    arithmetic: str | None
+    inputs: dict[str, Any]
+    scores: dict[str, Any]
+    routing_version: int | None
+
+
+class AlertOut(BaseModel):
+    id: int
+    rule: str
+    state: str
+    severity: str
+    labels: dict[str, Any]
+    annotations: dict[str, Any]
+    value: float | None
+    active_since: float
+    fired_at: float | None
+    resolved_at: float | None
+    last_eval: float
+
+
+class SLOOut(BaseModel):
+    window_s: float
+    ttft_target_ms: float
+    ttft_percentile: float
+    ttft_observed_ms: float | None
+    tpot_target_ms: float
+    tpot_percentile: float
+    tpot_observed_ms: float | None
+    goodput_attainment_target: float
+    attainment: float | None
+    goodput_rps: float
+    completed: int
+    met: int
+    rejected: int
+    handoff_p99_ms: float | None
+    handoff_budget_ms: float
+    ok: bool | None = Field(description="every SLO met over the window; null when there is too little data")
+    evaluated_at: float | None
+
+
+class HealthOut(BaseModel):
+    status: Literal["ok", "starting", "degraded"]
+    mode: Literal["advisory", "enforce"]
+    ticks: int
+    failed_ticks: int
+    last_success: float | None
+    last_success_age_s: float | None
+    last_error: str | None
+    routing_version: int

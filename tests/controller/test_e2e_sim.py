@@ -1,0 +1,208 @@
+"""End to end on a simulated fleet: simulator -> proxy -> collector -> store -> controller -> proxy.
+
+A 2P+3D simulated fleet serves traffic through pdscope's proxy, which follows the
+controller's routing table; the collector scrapes the fleet and assembles request
+records from the proxy's spans. One D's NIC becomes 10x slower: the controller lowers its
+weight within a few ticks. Then a D stops pulling KV: P's leases expire, the
+``KVLeaseExpired`` alert fires, and it resolves once the fault is cleared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from pdscope.config import Settings, parse_config
+
+pytestmark = pytest.mark.slow
+log = logging.getLogger(__name__)
+
+
+def _socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, sock: socket.socket) -> AsyncIterator[None]:
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "server did not start"
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=15)
+
+
+async def wait_for(what: str, check: Callable[[], Any], within: float, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(every)
+    raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
+
+
+async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    body = {"model": "sim-llama-70b", "prompt": "hello world " * 300, "max_tokens": 6}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            try:
+                r = await client.post(f"{url}/v1/completions", json=body)
+                key = str(r.status_code)
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+                await asyncio.sleep(0.1)
+            counts[key] = counts.get(key, 0) + 1
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        await asyncio.gather(*(worker(client) for _ in range(workers)))
+    return counts
+
+
+class CollectorThread:
+    """The collector on its own event loop in a thread, so a busy test loop cannot starve its scrapes."""
+
+    def __init__(self, settings: Settings) -> None:
+        from collector.service import CollectorService
+
+        self.service = CollectorService(settings, port=0)
+        self.port = self.service.port
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self._main, name="collector", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.service.run(self.stop))
+        self.loop.close()
+
+    def __enter__(self) -> CollectorThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(20)
+
+
+async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(tmp_path: Path) -> None:
+    from controller.api import create_app
+    from controller.loop import Reconciler
+    from controller.policy import AlertConfig
+    from proxy.app import build as build_proxy
+    from simulator.testing import running_fleet
+    from store.db import make_engine, session_factory
+    from store.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'e2e.db'}"
+    upgrade(url)
+    ctl_sock, proxy_sock = _socket(), _socket()
+    ctl_url = f"http://127.0.0.1:{ctl_sock.getsockname()[1]}"
+    proxy_url = f"http://127.0.0.1:{proxy_sock.getsockname()[1]}"
+    with running_fleet(n_prefill=2, n_decode=3, seed=1, lease_duration_s=2.0) as fleet:
+        base = dict(
+            store={"url": url},
+            slo={"window_s": 20},
+            collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
+            controller={"interval_s": 1.0, "window_s": 6, "port": ctl_sock.getsockname()[1]},
+        )
+        settings: Settings = parse_config(fleet.config_yaml(**base), "e2e.yaml")
+        collector = CollectorThread(settings)
+        proxy_settings = parse_config(fleet.config_yaml(**base, proxy={
+            "controller_url": ctl_url, "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
+            "routing_poll_s": 0.25, "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
+        }), "e2e-proxy.yaml")
+        engine = make_engine(url)
+        reconciler = Reconciler(settings, session_factory(engine),
+                                alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}))
+        stop_traffic = asyncio.Event()
+        collector.__enter__()
+        load: asyncio.Task[dict[str, int]] | None = None
+        try:
+            async with serve(create_app(reconciler, token="t", run_loop=True), ctl_sock), \
+                    serve(build_proxy(proxy_settings), proxy_sock), httpx.AsyncClient(timeout=5.0) as http:
+                load = asyncio.create_task(traffic(proxy_url, stop_traffic))
+
+                async def weights() -> dict[str, float]:
+                    table = (await http.get(f"{ctl_url}/v1/routing")).json()
+                    return {i["name"]: i["weight"] for i in table["instances"]}
+
+                # healthy fleet: records flow, every weight stays 1
+                async def records() -> bool:
+                    slo = (await http.get(f"{ctl_url}/v1/slo")).json()
+                    return slo["completed"] >= 10
+
+                await wait_for("request records from the proxy's spans", records, 90)
+
+                async def all_healthy() -> bool:
+                    return set((await weights()).values()) == {1.0}
+
+                # On a loaded test machine a scrape can time out; the fleet must settle at equal weights.
+                await wait_for("every weight at 1.0 on the healthy fleet", all_healthy, 60)
+
+                # (a) decode-2's NIC 10x slower: it loses weight
+                fid = fleet.inject({"kind": "slow_nic", "decode": "decode-2", "factor": 10})
+
+                async def degraded() -> dict[str, float] | None:
+                    w = await weights()
+                    return w if w["decode-2"] <= 0.5 else None
+
+                w = await wait_for("decode-2 to lose weight", degraded, 60)
+                assert w["decode-0"] == 1.0 and w["decode-1"] == 1.0, w
+                decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-2"})).json()
+                slow = [d for d in decisions if d["reason"] in ("SlowHandoff", "SlowKVTransfer")]
+                assert slow and slow[0]["arithmetic"].startswith("target = max("), decisions[:3]
+                assert slow[0]["new_value"] < slow[0]["old_value"]
+                fleet.remove_fault(fid)
+
+                # (b) decode-1 stops pulling: P's leases expire -> KVLeaseExpired fires, then resolves
+                fid = fleet.inject({"kind": "stop_pulling", "decode": "decode-1"})
+
+                async def firing() -> list[dict[str, Any]]:
+                    alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "firing"})).json()
+                    return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
+
+                fired = await wait_for("KVLeaseExpired to fire", firing, 60)
+                assert fired[0]["labels"]["role"] == "prefill"
+                fleet.remove_fault(fid)
+
+                async def resolved() -> list[dict[str, Any]]:
+                    alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "resolved"})).json()
+                    return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
+
+                done = await wait_for("KVLeaseExpired to resolve", resolved, 60)
+                assert done[0]["resolved_at"] > done[0]["fired_at"]
+                metrics = (await http.get(f"{ctl_url}/metrics")).text
+                assert "pdscope_controller_ticks_total" in metrics
+                health = (await http.get(f"{ctl_url}/healthz")).json()
+                assert health["status"] == "ok", health
+        finally:
+            stop_traffic.set()
+            if load is not None:
+                counts = await asyncio.wait_for(load, timeout=20)
+                log.info("traffic outcomes: %s", counts)
+            await asyncio.to_thread(collector.__exit__)
+            engine.dispose()

@@ -1,0 +1,151 @@
+"""The reconcile loop over a seeded store: observe -> policy -> persist -> serve."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from controller.loop import Reconciler
+from store.db import StoreError, transaction
+from store.models import Alert, Decision, WeightOverride
+from tests.controller.conftest import World
+
+
+def test_degraded_decode_loses_weight_and_decisions_are_stored(world: World) -> None:
+    for _ in range(5):
+        world.step()
+    assert {i.weight for i in world.reconciler.table.instances} == {1.0}
+    v0 = world.reconciler.table.version
+    slow = {"decode-2": 0.5}
+    weights = []
+    for _ in range(6):
+        world.step(handoff_s=slow, scrape={"decode_2": {"xfer_s": 0.1}})
+        weights.append(world.weight("decode-2"))
+    assert weights[2] <= 0.5, weights
+    assert weights[-1] < 0.3
+    assert world.weight("decode-0") == 1.0
+    assert world.reconciler.table.version > v0
+    with transaction(world.factory) as s:
+        rows = s.scalars(select(Decision).where(Decision.subject == "decode-2", Decision.field == "weight")
+                         .order_by(Decision.id)).all()
+        assert rows, "every weight change is a stored decision"
+        first = rows[0]
+        assert first.reason in ("SlowHandoff", "SlowKVTransfer")
+        assert first.old_value == 1.0 and first.new_value is not None and first.new_value < 1.0
+        assert "target = max(" in (first.arithmetic or "")
+        signal = {"SlowHandoff": "handoff", "SlowKVTransfer": "nixl"}[first.reason]
+        assert first.scores[signal] < 0.5
+        assert first.inputs[f"{signal}_observed"] > 3 * first.inputs[f"{signal}_reference"]
+        assert any(r.reason == "SlowHandoff" and r.inputs["handoff_observed"] >= 0.4 for r in rows)
+        assert first.routing_version is not None and first.mode == "enforce"
+        assert "decode-2" in first.message
+        # only changes are stored, not every tick
+        assert s.scalar(select(func.count()).select_from(Decision).where(Decision.subject == "decode-0")) == 0
+
+
+def test_expired_lease_alert_fires_is_notified_and_resolves(world: World) -> None:
+    for _ in range(3):
+        world.step()
+    world.step(scrape={"prefill_1": {"expired": 2.0}})
+    with transaction(world.factory) as s:
+        a = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
+        assert a.state == "firing" and a.labels["instance"] == "prefill-1" and a.fired_at is not None
+    assert any(x.rule == "KVLeaseExpired" and x.state == "firing" for b in world.notifier.batches for x in b)
+    for _ in range(7):  # the 10 s window slides past the expiry
+        world.step()
+    with transaction(world.factory) as s:
+        a = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
+        assert a.state == "resolved" and a.resolved_at is not None
+    assert any(x.rule == "KVLeaseExpired" and x.state == "resolved" for b in world.notifier.batches for x in b)
+
+
+def test_instance_down_goes_to_zero_and_alerts(world: World) -> None:
+    for _ in range(3):
+        world.step()
+    weights = []
+    for _ in range(6):  # down_after_s = min(window, max(10 s, 3 scrape intervals)) = 10 s
+        world.step(scrape={"decode_1": {"up": False}})
+        weights.append(world.weight("decode-1"))
+    assert weights[:4] == [1.0] * 4, "a few failed scrapes are not an outage"
+    assert weights[4:] == [0.0, 0.0], "failing for the whole 10 s window is"
+    with transaction(world.factory) as s:
+        a = s.scalars(select(Alert).where(Alert.rule == "InstanceDown")).one()
+        assert a.state == "firing" and a.labels["instance"] == "decode-1"
+
+
+def test_a_failing_tick_is_counted_and_the_next_starts_fresh(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.step()
+    table = world.reconciler.table
+    import controller.observe as observe_mod
+
+    real = observe_mod.observe
+
+    def broken(*a: object, **k: object) -> object:
+        raise StoreError("database is down")
+
+    monkeypatch.setattr(observe_mod, "observe", broken)
+    with pytest.raises(StoreError):
+        world.step()
+    assert world.reconciler.tick_safe() is None
+    v = world.reconciler.view()
+    assert v.failed_ticks == 2 and "database is down" in (v.last_error or "")
+    assert world.reconciler.table == table, "the served table is unchanged by a failed tick"
+    monkeypatch.setattr(observe_mod, "observe", real)
+    out = world.step()
+    assert out is not None and world.reconciler.view().last_error is None
+
+
+def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
+    for _ in range(2):
+        world.step()
+    for _ in range(5):
+        world.step(handoff_s={"decode-2": 0.5}, scrape={"prefill_0": {"expired": 1.0}})
+    w = world.weight("decode-2")
+    version = world.reconciler.table.version
+    fresh = Reconciler(world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config)
+    out = fresh.tick()
+    assert next(d for d in out.weights if d.instance == "decode-2").old_weight == w
+    assert fresh.table.version >= version
+    assert any(a.rule == "KVLeaseExpired" for a in out.alerts.active)
+    with transaction(world.factory) as s:
+        assert s.scalar(select(func.count()).select_from(Alert).where(Alert.rule == "KVLeaseExpired")) == 1
+
+
+def test_override_expiry_is_a_stored_decision(world: World) -> None:
+    world.step()
+    now = world.clock()
+    with transaction(world.factory) as s:
+        s.add(WeightOverride(subject_kind="instance", subject="decode-0", weight=0.2, drained=False, reason="test",
+                             actor="sre", created=now, expires=now + 3.0))
+    world.step()
+    assert world.weight("decode-0") == 0.2
+    world.step()
+    assert world.weight("decode-0") == 1.0
+    with transaction(world.factory) as s:
+        rows = s.scalars(select(Decision).where(Decision.field == "served_weight")).all()
+        assert [r.reason for r in rows] == ["ManualOverride", "OverrideEnded"]
+
+
+def test_advisory_mode_decides_but_says_so(world: World) -> None:
+    rec = Reconciler(world.settings, world.factory, clock=world.clock, mode="advisory")
+    world.step(tick=False)
+    out = rec.tick()
+    assert out.table.mode == "advisory" and out.table.enforce is False
+
+
+def test_stale_store_holds_weights_and_raises_collector_behind(world: World) -> None:
+    for _ in range(3):
+        world.step(handoff_s={"decode-2": 0.5})
+    assert world.weight("decode-2") < 1.0
+    for _ in range(8):  # nothing new is written: the collector stopped; 16 s later the data is stale
+        world.clock.advance(2.0)
+        world.reconciler.tick()
+    w = world.weight("decode-2")
+    for _ in range(6):
+        world.clock.advance(2.0)
+        out = world.reconciler.tick()
+        assert {d.reason for d in out.weights} == {"StaleData"}
+    assert world.weight("decode-2") == w
+    with transaction(world.factory) as s:
+        a = s.scalars(select(Alert).where(Alert.rule == "CollectorBehind")).one()
+        assert a.state == "firing"

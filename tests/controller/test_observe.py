@@ -1,0 +1,64 @@
+"""observe(): the store window, read into one Observation."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.observe import observe
+from store.db import transaction
+from tests.controller.conftest import World
+from tests.controller.seed import all_pairs
+
+
+def test_observation_from_a_seeded_store(world: World) -> None:
+    for i in range(5):
+        now = world.clock.advance(2.0)
+        world.seeder.scrape(now - 0.5, decode_2={"xfer_s": 0.1, "failed": 3.0, "kv_cache_usage": 0.9,
+                                                 "kv_fetch_in_progress": 4.0},
+                            prefill_1={"expired": 1.0}, decode_3={"up": i < 4})
+        world.seeder.requests(now - 1.9, all_pairs(), handoff_s={"decode-2": 0.5}, prefill_s={"prefill-0": 0.6},
+                              suspect={"decode-2"})
+    now = world.clock()
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, now)
+    assert obs.now == now and obs.window_s == 10.0
+    assert obs.newest_data == pytest.approx(now - 0.5)
+    d2 = obs.instance("decode-2")
+    assert d2 is not None and d2.up is True
+    assert d2.nixl_xfer_mean_s == pytest.approx(0.1)
+    assert d2.failed_transfers_per_min == pytest.approx(3.0 * 4 / 8.0 * 60.0)  # 4 increments over 8 s
+    assert d2.kv_usage == 0.9 and d2.handoff_backlog == 4.0
+    assert d2.handoff_p50_s == pytest.approx(0.5) and d2.lease_expiry_suspects == 10
+    assert d2.contribution_s == pytest.approx(0.499)  # d_sent .. first token
+    p0 = obs.instance("prefill-0")
+    assert p0 is not None and p0.contribution_s == pytest.approx(0.6)
+    assert p0.handoff_p50_s is not None and p0.lease_expiry_suspects == 0
+    p1 = obs.instance("prefill-1")
+    assert p1 is not None and p1.expired_leases_per_min == pytest.approx(1.0 * 4 / 8.0 * 60.0)
+    assert obs.instance("decode-3").up is False  # type: ignore[union-attr]
+    d0 = obs.instance("decode-0")
+    assert d0 is not None and d0.nixl_xfer_mean_s == pytest.approx(0.01) and d0.failed_transfers_per_min == 0
+    assert d0.requests == 10 and d0.failed_requests == 0
+
+    pools = {p.name: p for p in obs.pools}
+    dec = pools["decode"]
+    assert dec.completed_per_s == pytest.approx(40 / 10.0)
+    assert dec.inflight_requests is not None and dec.inflight_requests > 0
+    assert dec.handoff_backlog_requests == pytest.approx(4.0 + 2 * 1.0)  # decode-3 is down: not counted
+    assert dec.mean_kv_bytes_per_request == 1_000_000
+    assert pools["prefill"].handoff_backlog_requests is None
+
+    assert {(p.p_instance, p.d_instance) for p in obs.pairs} == set(all_pairs())
+    slow_pair = next(p for p in obs.pairs if p.d_instance == "decode-2")
+    assert slow_pair.handoff_p50_s == pytest.approx(0.5)
+    assert obs.slo.completed == 40 and obs.slo.met == 40 and obs.slo.attainment == 1.0
+    assert obs.slo.handoff_p99_s == pytest.approx(0.5)
+    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 0.5
+
+
+def test_empty_store_observes_unknowns(world: World) -> None:
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, world.clock())
+    assert obs.newest_data is None and obs.data_age_s is None
+    assert all(i.up is None for i in obs.instances)
+    assert len(obs.instances) == 6 and obs.slo.completed == 0

@@ -1,0 +1,134 @@
+"""Alert rules and the inactive -> pending -> firing -> resolved state machine, on a virtual clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from controller.policy import AlertConfig, Observation, PolicyConfig, SLOFigures
+from controller.policy.alerts import AlertState, default_rules, fingerprint, step_alerts
+from tests.controller.replay import T0, fleet
+
+CFG = PolicyConfig(ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0,
+                   stale_after_s=15.0)
+GOOD_SLO = SLOFigures(window_s=300, completed=100, met=99, ttft_p_s=0.5, tpot_p_s=0.05, handoff_p99_s=0.2,
+                      goodput_rps=0.33)
+
+
+def obs(t: float, *, slo: SLOFigures = GOOD_SLO, newest: float | None = -1.0, **inst: dict[str, object]) -> Observation:
+    insts = tuple(replace(i, **inst.get(i.name.replace("-", "_"), {})) for i in fleet())
+    return Observation(now=T0 + t, window_s=30, instances=insts, slo=slo,
+                       newest_data=None if newest is None else T0 + t + newest)
+
+
+def run(timeline: list[tuple[float, Observation]], ac: AlertConfig) -> list[dict[str, str]]:
+    """Per step: {alertname[/instance]: state} of every alert that changed or is active."""
+    rules = default_rules(ac)
+    prev: dict[str, AlertState] = {}
+    history = []
+    for _, o in timeline:
+        step = step_alerts(rules, o, CFG, ac, prev)
+        prev = {a.fingerprint: a for a in step.active}
+        states = {}
+        for a in (*step.active, *step.changed):
+            key = a.rule + ("/" + a.labels["instance"] if "instance" in a.labels else "")
+            states[key] = a.state
+        history.append(states)
+    return history
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    steps: list[tuple[float, Observation]]
+    key: str
+    expect: list[str | None]  # state of ``key`` per step (None = not present)
+    for_s: dict[str, float] | None = None
+
+
+def every(seconds: float, n: int, make) -> list[tuple[float, Observation]]:  # type: ignore[no-untyped-def]
+    return [(i * seconds, make(i * seconds, i)) for i in range(n)]
+
+
+def ttft(i: int) -> SLOFigures:
+    return replace(GOOD_SLO, ttft_p_s=3.0)
+
+
+CASES = [
+    Case("TTFT over target: pending, firing after `for`, resolved when it clears",
+         every(10, 10, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0 if 1 <= i <= 7 else 0.5))),
+         "TTFTOverTarget", [None, "pending", "pending", "pending", "firing", "firing", "firing", "firing",
+                            "resolved", None], {"TTFTOverTarget": 30.0}),
+    Case("pending that clears before `for` goes inactive, never fires",
+         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0 if i in (1, 2) else 0.5))),
+         "TTFTOverTarget", [None, "pending", "pending", "inactive", None], {"TTFTOverTarget": 30.0}),
+    Case("too few requests: the SLO rule abstains and holds its state",
+         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0, completed=100 if i < 2 else 3))),
+         "TTFTOverTarget", ["firing", "firing", "firing", "firing", "firing"], {"TTFTOverTarget": 0.0}),
+    Case("goodput attainment under target",
+         every(10, 3, lambda t, i: obs(t, slo=replace(GOOD_SLO, met=50))),
+         "GoodputAttainmentLow", ["pending", "pending", "firing"], {"GoodputAttainmentLow": 20.0}),
+    Case("TPOT over target", every(10, 2, lambda t, i: obs(t, slo=replace(GOOD_SLO, tpot_p_s=0.3))),
+         "TPOTOverTarget", ["firing", "firing"], {"TPOTOverTarget": 0.0}),
+    Case("expired leases fire at once and resolve when the window is clean",
+         every(2, 4, lambda t, i: obs(t, prefill_1={"expired_leases_per_min": 2.0 if i < 2 else 0.0})),
+         "KVLeaseExpired/prefill-1", ["firing", "firing", "resolved", None]),
+    Case("failed NIXL transfers", every(2, 2, lambda t, i: obs(t, decode_0={"failed_transfers_per_min": 1.0})),
+         "NixlTransferFailures/decode-0", ["firing", "firing"]),
+    Case("KV usage above 95% for 30 s", every(10, 5, lambda t, i: obs(t, decode_3={"kv_usage": 0.97})),
+         "KVCacheNearlyFull/decode-3", ["pending", "pending", "pending", "firing", "firing"]),
+    Case("KV usage at 95% exactly is fine", every(10, 2, lambda t, i: obs(t, decode_3={"kv_usage": 0.95})),
+         "KVCacheNearlyFull/decode-3", [None, None]),
+    Case("instance down", every(5, 4, lambda t, i: obs(t, decode_1={"up": False})),
+         "InstanceDown/decode-1", ["pending", "pending", "firing", "firing"]),
+    Case("handoff p99 over budget", every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, handoff_p99_s=1.5))),
+         "HandoffP99OverBudget", ["pending", "pending", "pending", "firing", "firing"]),
+    Case("stale data: collector behind fires; instance alerts hold",
+         every(10, 4, lambda t, i: obs(t, newest=-1.0 if i == 0 else -(10.0 + 10 * i),
+                                        decode_1={"up": False})),
+         "CollectorBehind", [None, "pending", "firing", "firing"]),
+    Case("stale data holds an instance alert instead of resolving it",
+         every(10, 4, lambda t, i: obs(t, newest=-1.0 if i < 2 else -100.0,
+                                        decode_1={"up": i != 1})),  # "up" again, but seen only in stale data
+         "InstanceDown/decode-1", [None, "firing", "firing", "firing"], {"InstanceDown": 0.0}),
+    Case("no snapshots at all is stale", every(10, 2, lambda t, i: obs(t, newest=None)),
+         "CollectorBehind", ["firing", "firing"], {"CollectorBehind": 0.0}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_alert_state_machine(case: Case) -> None:
+    ac = AlertConfig(for_s=case.for_s or {})
+    history = run(case.steps, ac)
+    assert [h.get(case.key) for h in history] == case.expect
+
+
+def test_notifications_fire_resend_and_resolve() -> None:
+    ac = AlertConfig(for_s={"InstanceDown": 0.0}, resend_s=60.0)
+    rules = default_rules(ac)
+    prev: dict[str, AlertState] = {}
+    sent: list[tuple[float, str]] = []
+    for i in range(40):
+        t = i * 5.0
+        o = obs(t, decode_1={"up": not (i < 30)})
+        step = step_alerts(rules, o, CFG, ac, prev)
+        prev = {a.fingerprint: a for a in step.active}
+        sent.extend((t, a.state) for a in step.notify)
+    assert sent[0] == (0.0, "firing")
+    assert (60.0, "firing") in sent and (120.0, "firing") in sent, "re-sent every resend_s while firing"
+    assert sent[-1] == (150.0, "resolved")
+    assert len(sent) == 4
+
+
+def test_fingerprint_is_stable_and_label_sensitive() -> None:
+    a = fingerprint("InstanceDown", {"instance": "decode-1", "pool": "decode"})
+    assert a == fingerprint("InstanceDown", {"pool": "decode", "instance": "decode-1"})
+    assert a != fingerprint("InstanceDown", {"instance": "decode-2", "pool": "decode"})
+
+
+def test_alert_description_names_the_numbers() -> None:
+    ac = AlertConfig(for_s={"TTFTOverTarget": 0.0})
+    step = step_alerts(default_rules(ac), obs(0, slo=replace(GOOD_SLO, ttft_p_s=3.0)), CFG, ac, {})
+    a = next(a for a in step.active if a.rule == "TTFTOverTarget")
+    assert "3000 ms > target 2000 ms" in a.description and a.severity == "warning"

@@ -1,0 +1,227 @@
+"""Policy weight behaviour as a table of cases replayed on a virtual clock."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from controller.policy import PolicyConfig
+from tests.controller.replay import Changes, Replay, Timeline, replay
+
+CFG = PolicyConfig()
+
+
+def slow_d(factor: float, start: int = 1, end: int | None = None, name: str = "decode-2") -> Timeline:
+    def tl(tick: int) -> Changes:
+        if tick >= start and (end is None or tick < end):
+            return {name: {"handoff_p50_s": 0.05 * factor, "contribution_s": 0.06 * factor,
+                           "nixl_xfer_mean_s": 0.01 * factor}}
+        return {}
+
+    return tl
+
+
+def noisy(seed: int, spread: float) -> Timeline:
+    rng = random.Random(seed)
+
+    def tl(tick: int) -> Changes:
+        out: dict[str, dict[str, float]] = {}
+        for i in range(4):
+            f = 1.0 + rng.uniform(-spread, spread)
+            out[f"decode-{i}"] = {"handoff_p50_s": 0.05 * f, "nixl_xfer_mean_s": 0.01 * f}
+        for i in range(2):
+            f = 1.0 + rng.uniform(-spread, spread)
+            out[f"prefill-{i}"] = {"contribution_s": 0.2 * f}
+        return out
+
+    return tl
+
+
+def combine(*tls: Timeline) -> Timeline:
+    def tl(tick: int) -> Changes:
+        out: dict[str, dict[str, object]] = {}
+        for t in tls:
+            for k, v in t(tick).items():
+                out.setdefault(k, {}).update(v)
+        return out
+
+    return tl
+
+
+def at(ticks: range, name: str, **changes: object) -> Timeline:
+    return lambda tick: {name: changes} if tick in ticks else {}
+
+
+def steps_within_max(r: Replay) -> bool:
+    for o in r.outputs:
+        for d in o.weights:
+            if d.reason != "InstanceDown" and abs(d.weight - d.old_weight) > CFG.max_weight_step + 1e-9:
+                return False
+    return True
+
+
+def changes(ws: list[float]) -> int:
+    return sum(1 for a, b in itertools.pairwise(ws) if abs(a - b) > 1e-9)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    timeline: Timeline
+    ticks: int
+    check: Callable[[Replay], None]
+
+
+def _degraded(r: Replay) -> None:
+    w = r.weights("decode-2")
+    assert w[0] < 1.0, "the first tick that sees the slow handoff lowers the weight"
+    assert w[2] <= 0.5, f"within 3 ticks the weight is at most half: {w[:3]}"
+    assert min(w) >= CFG.min_weight
+    assert r.reasons("decode-2")[0] in ("SlowHandoff", "SlowKVTransfer")
+    for other in ("decode-0", "decode-1", "decode-3", "prefill-0", "prefill-1"):
+        assert set(r.weights(other)) == {1.0}, other
+    assert steps_within_max(r)
+    d = r.decision(1, "decode-2")
+    assert "target = max(" in d.arithmetic and "smoothed =" in d.arithmetic and "weight =" in d.arithmetic
+    assert d.scores["handoff"] < 0.2 and d.inputs["handoff_observed"] == pytest.approx(0.5)
+
+
+def _recovers(r: Replay) -> None:
+    w = r.weights("decode-2")
+    low = w[9]  # degraded for ticks 1..10
+    assert low <= 0.2
+    # healthy from tick 11: no raise before recover_ticks healthy ticks in a row
+    assert w[10] == low and w[11] == low, w[9:14]
+    assert "HoldingForHysteresis" in r.reasons("decode-2")[10:13]
+    assert w[-1] == 1.0
+    rises = [b - a for a, b in itertools.pairwise(w[10:]) if b > a]
+    assert rises and max(rises) <= CFG.max_weight_step + 1e-9
+    assert steps_within_max(r)
+
+
+def _no_flap(r: Replay) -> None:
+    for n in ("decode-0", "decode-1", "decode-2", "decode-3", "prefill-0", "prefill-1"):
+        assert changes(r.weights(n)) == 0, (n, r.weights(n))
+
+
+def _floor(r: Replay) -> None:
+    w = r.weights("decode-2")
+    assert min(w) == pytest.approx(CFG.min_weight)
+    assert w[-1] == pytest.approx(CFG.min_weight)
+    assert all(x >= CFG.min_weight - 1e-9 for x in w)
+
+
+def _down(r: Replay) -> None:
+    w = r.weights("decode-1")
+    assert w[2] == 0.0 and r.reasons("decode-1")[2] == "InstanceDown", "down -> 0 at once, not by max step"
+    assert w[3] == 0.0
+    assert w[5] == pytest.approx(CFG.min_weight) and r.reasons("decode-1")[5] == "InstanceUp"
+    assert w[-1] == 1.0, w
+    assert all(b - a <= CFG.max_weight_step + 1e-9 for a, b in itertools.pairwise(w[5:]))
+
+
+def _scrape_blip(r: Replay) -> None:
+    assert set(r.weights("decode-1")) == {1.0}
+    assert r.reasons("decode-1")[2:4] == ["ScrapeFailing", "ScrapeFailing"]
+
+
+def _too_few(r: Replay) -> None:
+    assert set(r.weights("decode-2")) == {1.0}
+
+
+def _slow_p(r: Replay) -> None:
+    w = r.weights("prefill-1")
+    assert w[-1] < 0.6 and w[-1] >= CFG.min_weight, w
+    assert r.reasons("prefill-1")[0] == "SlowPrefill"
+    assert set(r.weights("prefill-0")) == {1.0}
+
+
+def _uniform(r: Replay) -> None:
+    for n in ("decode-0", "decode-1", "decode-2", "decode-3"):
+        assert set(r.weights(n)) == {1.0}, "a uniformly slow pool keeps equal weights"
+
+
+def _kv(r: Replay) -> None:
+    w = r.weights("decode-0")
+    assert w[-1] < 0.5 and r.reasons("decode-0")[0] == "KVCachePressure"
+
+
+def _leases(r: Replay) -> None:
+    assert r.reasons("decode-3")[0] == "LeaseExpiries"
+    assert r.weights("decode-3")[-1] < 0.6
+
+
+def _failures(r: Replay) -> None:
+    assert r.reasons("decode-0")[0] == "TransferFailures"
+    assert r.weights("decode-0")[-1] < 0.6
+
+
+def _all_down(r: Replay) -> None:
+    for i in range(4):
+        assert set(r.weights(f"decode-{i}")) == {1.0}
+        assert set(r.reasons(f"decode-{i}")[1:8]) == {"RoleUnobservable"}
+
+
+def _no_data(r: Replay) -> None:
+    assert set(r.weights("decode-2")) == {1.0}
+    assert set(r.reasons("decode-2")) == {"NoData"}
+
+
+CASES = [
+    Case("degraded D loses weight within 3 ticks", slow_d(10.0), 8, _degraded),
+    Case("recovers only after healthy ticks (hysteresis)", slow_d(10.0, 1, 11), 30, _recovers),
+    Case("±25% noise never changes a weight", noisy(7, 0.25), 150, _no_flap),
+    Case("±25% noise, another seed", noisy(11, 0.25), 150, _no_flap),
+    Case("one 2.5x spike in one window moves nothing", slow_d(2.5, 5, 6), 20, _no_flap),
+    Case("a hopeless D stays at the floor", combine(slow_d(1000.0), at(range(1, 99), "decode-2",
+                                                                         failed_transfers_per_min=50.0)), 20, _floor),
+    Case("down -> 0 at once; back -> floor, then ramps", at(range(3, 6), "decode-1", up=False, down_for_s=60.0),
+         30, _down),
+    Case("a scrape failing for less than down_after_s holds the weight",
+         at(range(3, 5), "decode-1", up=False, down_for_s=4.0), 8, _scrape_blip),
+    Case("too few requests to compare: handoff is ignored",
+         at(range(1, 99), "decode-2", handoff_p50_s=5.0, requests=3, queue_mean_s=None), 8, _too_few),
+    Case("a 3x slower P loses weight", at(range(1, 99), "prefill-1", contribution_s=0.6), 15, _slow_p),
+    Case("a uniformly slow D pool keeps equal weights",
+         combine(*(slow_d(5.0, name=f"decode-{i}") for i in range(4))), 10, _uniform),
+    Case("KV usage near 100% costs weight", at(range(1, 99), "decode-0", kv_usage=0.99), 10, _kv),
+    Case("expired leases attributed to a D", at(range(1, 99), "decode-3", lease_expiry_suspects=10), 10, _leases),
+    Case("failed NIXL transfers cost weight", at(range(1, 99), "decode-0", failed_transfers_per_min=4.0), 10,
+         _failures),
+    Case("an instance never scraped keeps its weight", at(range(1, 99), "decode-2", up=None), 5, _no_data),
+    Case("every D failing its scrapes at once holds the weights",
+         combine(*(at(range(2, 9), f"decode-{i}", up=False, down_for_s=60.0) for i in range(4))), 10, _all_down),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_weight_policy(case: Case) -> None:
+    case.check(replay(case.timeline, case.ticks, cfg=CFG))
+
+
+def test_stale_data_holds_every_weight() -> None:
+    r = replay(slow_d(10.0), 6, stale=lambda tick: tick >= 3)
+    w = r.weights("decode-2")
+    assert w[1] < 1.0
+    assert w[2:] == [w[1]] * 4
+    assert set(r.reasons("decode-2")[2:]) == {"StaleData"}
+
+
+def test_replay_is_deterministic() -> None:
+    a = replay(noisy(3, 0.8), 40)
+    b = replay(noisy(3, 0.8), 40)
+    assert [o.table for o in a.outputs] == [o.table for o in b.outputs]
+
+
+def test_routing_version_moves_only_when_the_table_changes() -> None:
+    r = replay(slow_d(10.0, 3), 12)
+    versions = [o.table.version for o in r.outputs]
+    assert versions[0] == 1 and versions[1] == 1, "no change, no new version"
+    assert versions[2] == 2
+    for o in r.outputs:
+        assert o.table_changed == (o is r.outputs[0] or o.table.version != r.outputs[r.outputs.index(o) - 1]
+                                   .table.version)

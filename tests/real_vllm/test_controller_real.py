@@ -1,0 +1,128 @@
+"""The controller on a real CPU vLLM P/D pair: a real lease expiry raises ``KVLeaseExpired``.
+
+The collector scrapes the real P and D into a store; the controller reconciles over that
+store. A prefill whose decode never comes pins its KV blocks on P for the pair's short
+lease; when the lease runs out P counts ``vllm:nixl_num_kv_expired_reqs_total``. The
+controller sees the counter rise in its window and fires ``KVLeaseExpired`` for P; once the
+window no longer holds the expiry the alert resolves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from sqlalchemy import select
+
+from collector.service import CollectorService
+from controller.loop import Reconciler
+from controller.policy import AlertConfig
+from pdscope.config import Settings, parse_config
+from store.db import make_engine, session_factory, transaction
+from store.migrate import upgrade
+from store.models import Alert, Snapshot
+from tests.real_vllm import pd_client as pc
+from tests.real_vllm.conftest import RealPD
+from tests.real_vllm.prompts import unique_prompt
+
+pytestmark = pytest.mark.real_vllm
+
+WINDOW_S = 8
+
+
+class CollectorThread:
+    """The collector service on its own event loop in a thread (the test drives ticks)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.service = CollectorService(settings, port=0)
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self._main, name="collector", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.service.run(self.stop))
+        self.loop.close()
+
+    def __enter__(self) -> CollectorThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(20)
+
+
+def tick_until(rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        out = rec.tick()
+        got = pred(out)
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {within}s")
+
+
+@pytest.fixture
+def controlled(real_pd: RealPD, tmp_path: Path) -> Iterator[tuple[Reconciler, Any]]:
+    url = f"sqlite:///{tmp_path / 'real.db'}"
+    upgrade(url)
+    cfg = real_pd.config_dict(
+        store={"url": url},
+        collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
+        controller={"interval_s": 1.0, "window_s": WINDOW_S},
+    )
+    settings = parse_config(yaml.safe_dump(cfg), "real.yaml")
+    engine = make_engine(url)
+    factory = session_factory(engine)
+    rec = Reconciler(settings, factory, alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}))
+    with CollectorThread(settings):
+        yield rec, factory
+    engine.dispose()
+
+
+def _lease_alerts(out: Any) -> list[Any]:
+    return [a for a in out.alerts.active if a.rule == "KVLeaseExpired"]
+
+
+def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, controlled: Any) -> None:
+    rec, factory = controlled
+
+    def scraped(out: Any) -> bool:
+        with transaction(factory) as s:
+            names = set(s.scalars(select(Snapshot.instance).where(Snapshot.up.is_(True))))
+        return {real_pd.prefill_name, real_pd.decode_name} <= names
+
+    tick_until(rec, scraped, 30)
+    for _ in range(WINDOW_S + 2):  # earlier tests' expiries leave the window first
+        out = rec.tick()
+        time.sleep(1.0)
+    assert not [a for a in _lease_alerts(out) if a.state == "firing"], "no expiry yet"
+
+    with httpx.Client(timeout=60.0) as client:
+        body = {"model": real_pd.model, "prompt": unique_prompt(50, "ctl-lease"), "max_tokens": 4}
+        pr = pc.prefill(client, real_pd.prefill_url, "completions", body)
+        assert pr.status == 200 and pr.kv_transfer_params, pr.body
+    # Nobody decodes: after the lease P releases the blocks and counts the expiry.
+    fired = tick_until(rec, lambda out: [a for a in _lease_alerts(out) if a.state == "firing"],
+                       real_pd.lease_s + 30)
+    alert = fired[0]
+    assert alert.labels["instance"] == real_pd.prefill_name and alert.labels["role"] == "prefill"
+    assert alert.value > 0 and "expired" in alert.description
+    with transaction(factory) as s:
+        row = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
+        assert row.state == "firing" and row.fired_at is not None
+
+    # The window slides past the expiry: the alert resolves and the resolution is stored.
+    tick_until(rec, lambda out: not _lease_alerts(out), WINDOW_S + 20)
+    with transaction(factory) as s:
+        row = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
+        assert row.state == "resolved" and row.resolved_at is not None and row.resolved_at > (row.fired_at or 0)
