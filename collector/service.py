@@ -2,7 +2,8 @@
 
 ``CollectorService.run(stop)`` serves the receiver app with uvicorn on a socket it binds
 itself (so ``port: 0`` works and ``.port`` tells which), scrapes on the configured
-interval, drains the span queue into the store, and every scrape interval runs the
+interval (or, with ``collector.prometheus_url``, reads the same signals from Prometheus:
+``collector.promsource``), drains the span queue into the store, and every scrape interval runs the
 lease-expiry forensics over recent records and the retention pass. Store work runs in
 worker threads; a store error is logged and counted, and the loops go on. It stops when
 ``stop`` is set, flushing the queued spans first.
@@ -21,6 +22,7 @@ import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 
 from collector import forensics
+from collector.promsource import PromSource
 from collector.receiver import SpanBatcher, SpanQueue, build_app
 from collector.retention import Retention
 from collector.scraper import PerOriginTransport, Scraper, ScrapeResult
@@ -71,6 +73,21 @@ class CollectorService:
             max_body_bytes=cs.max_body_bytes,
             on_round=self.store_round,
         )
+        # collector.prometheus_url: rounds come from Prometheus instead (collector.promsource)
+        self.promsource: PromSource | None = None
+        if cs.prometheus_url:
+            self.promsource = PromSource(
+                self.targets,
+                cs.prometheus_url,
+                interval_s=cs.scrape_interval_s,
+                timeout_s=cs.scrape_timeout_s,
+                max_body_bytes=8 * cs.max_body_bytes,  # one answer covers the whole fleet
+                on_round=self.store_round,
+                instance_label=cs.prometheus_instance_label,
+                selector=cs.prometheus_selector,
+                registry=self.metrics.registry,
+                clock=clock,
+            )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((cs.host, cs.port if port is None else port))  # port 0: any free one
@@ -119,7 +136,7 @@ class CollectorService:
         server = uvicorn.Server(config)
         server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
         tasks = [
-            asyncio.create_task(self.scraper.run(stop)),
+            asyncio.create_task((self.promsource or self.scraper).run(stop)),
             asyncio.create_task(self.batcher.run(stop)),
             asyncio.create_task(self._maintenance_loop(stop)),
         ]
@@ -127,11 +144,12 @@ class CollectorService:
             await asyncio.sleep(0.01)
         self.started.set()
         log.info(
-            "collector up on %s:%d: %d targets every %gs",
+            "collector up on %s:%d: %d targets every %gs from %s",
             self.settings.collector.host,
             self.port,
             len(self.targets),
             self.settings.collector.scrape_interval_s,
+            self.promsource.url if self.promsource else "their /metrics",
         )
         try:
             await stop.wait()

@@ -149,6 +149,14 @@ class CollectorSettings(_Frozen):
     scrape_timeout_s: float = Field(default=3.0, gt=0)
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)
     prometheus_url: str | None = Field(default=None, description="read from Prometheus instead of scraping")
+    prometheus_instance_label: str = Field(
+        default="instance",
+        min_length=1,
+        description="Prometheus label holding the pdscope instance name or the metrics URL's host:port",
+    )
+    prometheus_selector: str = Field(
+        default="", description='label matchers added to every Prometheus query, e.g. job="vllm"'
+    )
 
     @model_validator(mode="after")
     def _timeout_below_interval(self) -> CollectorSettings:
