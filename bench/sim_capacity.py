@@ -71,6 +71,7 @@ def start_sim(latency_scale: float, threshold: float) -> tuple[subprocess.Popen[
             break
         time.sleep(0.1)
     proc.kill()
+    proc.wait(5)
     raise SystemExit(f"simulator did not start: {lines}")
 
 
@@ -138,6 +139,7 @@ def main() -> int:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(5)
     best = max((r["offered_rps"] for r in rows if r["sustained"]), default=0.0)
     best_excess = max((r["offered_rps"] for r in rows if r["sustained_excess_lag"]), default=0.0)
     print(f"simulator: 2 P + 4 D in one process, latency_scale={args.latency_scale}, "

@@ -84,7 +84,10 @@ class Child:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self.proc.wait(timeout=5)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # say so, and let the stack stop the others
+                print(f"{self.name} (pid {self.proc.pid}) still runs after SIGKILL", file=sys.stderr, flush=True)
 
     def tail(self, n: int = 20) -> str:
         try:

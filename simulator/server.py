@@ -36,6 +36,7 @@ _VOCAB = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", 
           "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had",
           "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there")
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
+_KEPT_HEADERS = frozenset((b"x-request-id", *_TRACE_HEADERS))  # read from each request
 # prometheus-fastapi-instrumentator as vLLM configures it: these handlers are not metered,
 # and a path that matches no route is grouped under handler "none"
 _UNMETERED = ("/metrics", "/health", "/ping", "/version", "/load")
@@ -162,7 +163,7 @@ class InstanceApp:
         model = data.get("model", inst.model_name)
         if model != inst.model_name:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
-        headers = {k: v for k, v in scope["headers"] if k in (b"x-request-id", *_TRACE_HEADERS)}
+        headers = {k: v for k, v in scope["headers"] if k in _KEPT_HEADERS}
         raw_id = headers.get(b"x-request-id")
         base_id = raw_id.decode("latin-1") if raw_id else uuid.UUID(int=inst.rng.getrandbits(128)).hex
         if chat:

@@ -192,7 +192,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    sink = {}
+                p.wait(timeout=5)
+    sink: dict[str, Any] = {}
     if fleet_proc.stdout is not None:
         tail = fleet_proc.stdout.read().strip().splitlines()
         sink = json.loads(tail[-1]) if tail else {}

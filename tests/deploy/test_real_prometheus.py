@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.ports import free_port, free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "pdscope-dashboard.json"
@@ -42,13 +43,6 @@ DASHBOARD = REPO / "deploy" / "grafana" / "pdscope-dashboard.json"
 pytestmark = [pytest.mark.promtool, pytest.mark.slow]
 
 T = TypeVar("T")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_for(what: str, probe: Callable[[], T | None], timeout_s: float, every_s: float = 0.5) -> T:
@@ -155,7 +149,7 @@ class Stack:
 
     def __init__(self, root: Path, fleet: Any) -> None:
         self.root = root
-        self.ports = {"collect": _free_port(), "control": _free_port(), "proxy": _free_port()}
+        self.ports = dict(zip(("collect", "control", "proxy"), free_ports(3), strict=True))
         self.config = root / "pdscope.yaml"
         self.config.write_text(fleet.config_yaml(
             store={"url": f"sqlite:///{root / 'store.db'}"},
@@ -215,7 +209,7 @@ def stack(fleet: Any, tmp_path: Path) -> Iterator[Stack]:
 @contextlib.contextmanager
 def running_prometheus(binary: str, root: Path, config: Path) -> Iterator[Prometheus]:
     """Prometheus on a free loopback port with storage under ``root``; stopped by PID."""
-    port = _free_port()
+    port = free_port()
     log = (root / "prometheus.log").open("wb")
     proc = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
@@ -265,11 +259,11 @@ def test_relabelling_takes_pool_and_role_from_target_files(prometheus_binary: st
     targets.mkdir()
     # nothing listens on these ports: the targets are down, their labels are what is checked
     files = {
-        "vllm-prefill.yml": [{"targets": [f"127.0.0.1:{_free_port()}"], "labels": {"instance": "p0"}}],
-        "vllm-decode-fast.yml": [{"targets": [f"127.0.0.1:{_free_port()}"], "labels": {"instance": "d0"}}],
-        "vllm-decode-slow.yml": [{"targets": [f"127.0.0.1:{_free_port()}"],
+        "vllm-prefill.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "p0"}}],
+        "vllm-decode-fast.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "d0"}}],
+        "vllm-decode-slow.yml": [{"targets": [f"127.0.0.1:{free_port()}"],
                                   "labels": {"instance": "d1", "pool": "h200", "role": "decode"}}],
-        "vllm-misc.yml": [{"targets": [f"127.0.0.1:{_free_port()}"], "labels": {"instance": "x0"}}],
+        "vllm-misc.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "x0"}}],
     }
     for name, groups in files.items():
         (targets / name).write_text(yaml.safe_dump(groups))

@@ -64,31 +64,9 @@ async def running_proxy(
 
 @asynccontextmanager
 async def serve_proxy(app: ProxyApp) -> AsyncIterator[str]:
-    import asyncio
-
-    import uvicorn
-
-    from tests.proxy.fakes import free_socket
-
-    sock = free_socket()
-    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http="httptools",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        try:
-            await asyncio.wait_for(task, 10)
-        except TimeoutError:
-            task.cancel()
-        sock.close()
+    """The proxy on a free port (:func:`tests.proxy.fakes.serve`, with more time to drain)."""
+    async with serve(app, stop_timeout_s=10) as url:
+        yield url
 
 
 @pytest.fixture

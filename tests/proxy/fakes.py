@@ -22,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.ports import free_port
+
 
 def free_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
@@ -32,14 +34,11 @@ def free_socket() -> socket.socket:
 
 def closed_port_url() -> str:
     """A URL nothing listens on (connection refused)."""
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
+async def serve(app: Any, stop_timeout_s: float = 5) -> AsyncIterator[str]:
     """Run an ASGI app on a free port in this loop; yields its base URL."""
     sock = free_socket()
     port = sock.getsockname()[1]
@@ -57,7 +56,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         try:
-            await asyncio.wait_for(task, 5)
+            await asyncio.wait_for(task, stop_timeout_s)
         except TimeoutError:
             task.cancel()
         sock.close()

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from proxy.upstream import ConnectFailed, Upstream, UpstreamClosed, UpstreamTimeout
+from tests.proxy.fakes import closed_port_url
 
 
 class RawServer:
@@ -107,10 +108,7 @@ async def test_errors_are_translated() -> None:
     up = Upstream(connect_timeout=1)
     with pytest.raises(UpstreamTimeout):
         await up.post(url, "/x", b"{}", within_s=0.2)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()
+    dead = closed_port_url()
     with pytest.raises(ConnectFailed) as exc_info:
         await up.post(dead, "/x", b"{}", within_s=1)
     assert exc_info.value.retry_safe

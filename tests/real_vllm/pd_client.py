@@ -73,6 +73,16 @@ def _headers(request_id: str, traceparent: str | None) -> dict[str, str]:
     return h
 
 
+def request_body(kind: Kind, prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    """A greedy client body for the pair's model ("tiny"): ``prompt`` or one user message."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if kind == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
 def response_text(kind: Kind, body: Mapping[str, Any]) -> str:
     choice = body["choices"][0]
     if kind == "chat":

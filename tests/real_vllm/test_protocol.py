@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.real_vllm
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=60.0) as c:
         yield c
-
-
-def _body(kind: pc.Kind, prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    if kind == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    return body
 
 
 def test_pair_shape_and_config(real_pd: RealPD, client: httpx.Client, tmp_path: Path) -> None:
@@ -58,7 +48,7 @@ def test_pair_shape_and_config(real_pd: RealPD, client: httpx.Client, tmp_path: 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_two_step_equals_direct_run(real_pd: RealPD, client: httpx.Client, kind: pc.Kind, stream: bool) -> None:
-    body = _body(kind, unique_prompt(90, f"{kind}-{stream}"), max_tokens=12, stream=stream)
+    body = pc.request_body(kind, unique_prompt(90, f"{kind}-{stream}"), max_tokens=12, stream=stream)
     expected = pc.direct(client, real_pd.prefill_url, kind, body)
 
     p, d = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, kind, body)
@@ -89,7 +79,7 @@ def test_decode_metrics_count_the_pulled_kv(real_pd: RealPD, client: httpx.Clien
     before = pc.scrape(client, real_pd.decode_url)
     tokens = blocks = 0
     for words in (8, 60, 150):
-        body = _body("completions", unique_prompt(words, "metrics"), max_tokens=4)
+        body = pc.request_body("completions", unique_prompt(words, "metrics"), max_tokens=4)
         p, d = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, "completions", body)
         assert d.status == 200, d.raw[:500]
         tokens += p.body["usage"]["prompt_tokens"]
@@ -117,7 +107,7 @@ def test_decode_metrics_count_the_pulled_kv(real_pd: RealPD, client: httpx.Clien
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_llm_request_spans_join_our_trace(real_pd: RealPD, client: httpx.Client, kind: pc.Kind) -> None:
     tp = pc.make_traceparent()
-    body = _body(kind, unique_prompt(30, "trace"), max_tokens=6)
+    body = pc.request_body(kind, unique_prompt(30, "trace"), max_tokens=6)
     p, d = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, kind, body, traceparent=tp.header)
     assert d.status == 200 and d.body is not None
 

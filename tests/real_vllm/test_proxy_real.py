@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from pdscope import semconv as sc
+from tests.ports import free_port
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
@@ -22,20 +21,14 @@ from tests.real_vllm.prompts import unique_prompt
 pytestmark = pytest.mark.real_vllm
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``pdscope proxy`` for the pair, exporting its spans to the pair's OTLP sink."""
     tmp = tmp_path_factory.mktemp("proxy_real")
-    port = _free_port()
+    port = free_port()
     config = real_pd.write_config(tmp / "pdscope.yaml", proxy={
         "port": port, "otlp_endpoint": real_pd.otlp.url, "tracing": True,
-        "controller_url": f"http://127.0.0.1:{_free_port()}",  # no controller: equal weights
+        "controller_url": f"http://127.0.0.1:{free_port()}",  # no controller: equal weights
         "timeouts": {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120},
     })
     log = (tmp / "proxy.log").open("wb")
@@ -61,16 +54,8 @@ def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iter
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=5)
         log.close()
-
-
-def _body(kind: pc.Kind, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    if kind == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    return body
 
 
 def _text(kind: pc.Kind, resp: httpx.Response, stream: bool) -> str:
@@ -90,7 +75,7 @@ def _text(kind: pc.Kind, resp: httpx.Response, stream: bool) -> str:
 def test_proxy_output_equals_the_protocol_run_directly(
     real_pd: RealPD, proxy_url: str, kind: pc.Kind, stream: bool
 ) -> None:
-    body = _body(kind, unique_prompt(80, f"proxy-{kind}-{stream}"), max_tokens=12, stream=stream)
+    body = pc.request_body(kind, unique_prompt(80, f"proxy-{kind}-{stream}"), max_tokens=12, stream=stream)
     with httpx.Client(timeout=120) as client:
         _, by_hand = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, kind, body)
         assert by_hand.status == 200, by_hand.raw[:500]
@@ -111,7 +96,7 @@ def test_proxy_output_equals_the_protocol_run_directly(
 
 def test_traceparent_reaches_vllm_llm_request_spans(real_pd: RealPD, proxy_url: str) -> None:
     tp = pc.make_traceparent()
-    body = _body("completions", unique_prompt(40, "proxy-trace"), max_tokens=6, stream=True)
+    body = pc.request_body("completions", unique_prompt(40, "proxy-trace"), max_tokens=6, stream=True)
     with httpx.Client(timeout=120) as client:
         resp = client.post(proxy_url + "/v1/completions", json=body, headers={"traceparent": tp.header})
     assert resp.status_code == 200

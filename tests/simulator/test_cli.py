@@ -7,7 +7,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,15 +19,10 @@ import pytest
 import yaml
 
 from pdscope.cli import main
+from tests.ports import free_port, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 PDSCOPE = [sys.executable, "-m", "pdscope.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SimProcess:
@@ -113,7 +107,7 @@ def test_sim_from_flags_with_scenario_and_live_faults(tmp_path: Path, sims: list
 
 @pytest.mark.slow
 def test_sim_from_config_binds_the_pool_urls(tmp_path: Path, sims: list[SimProcess]) -> None:
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cfg = {
         "model": {"name": "m-test", "kv_bytes_per_token": 1024},
         "pools": {

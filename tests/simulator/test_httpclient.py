@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from simulator.httpclient import HttpClientError, Pool
 from simulator.testing import running_fleet
+from tests.ports import free_port
 
 
 def test_json_and_sse_bodies_and_connection_reuse() -> None:
@@ -34,9 +34,7 @@ def test_json_and_sse_bodies_and_connection_reuse() -> None:
 
 
 def test_refused_connection_is_a_client_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     async def go() -> None:
         async with Pool().post(f"http://127.0.0.1:{port}/v1/completions", {}):
