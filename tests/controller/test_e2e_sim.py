@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 import uvicorn
 
 from pdscope.config import Settings, parse_config
+from tests.collector_thread import CollectorThread
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
@@ -80,32 +80,6 @@ async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, 
     async with httpx.AsyncClient(timeout=10.0) as client:
         await asyncio.gather(*(worker(client) for _ in range(workers)))
     return counts
-
-
-class CollectorThread:
-    """The collector on its own event loop in a thread, so a busy test loop cannot starve its scrapes."""
-
-    def __init__(self, settings: Settings) -> None:
-        from collector.service import CollectorService
-
-        self.service = CollectorService(settings, port=0)
-        self.port = self.service.port
-        self.loop = asyncio.new_event_loop()
-        self.stop = asyncio.Event()
-        self.thread = threading.Thread(target=self._main, name="collector", daemon=True)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.service.run(self.stop))
-        self.loop.close()
-
-    def __enter__(self) -> CollectorThread:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(20)
 
 
 async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(tmp_path: Path) -> None:

@@ -9,8 +9,6 @@ window no longer holds the expiry the alert resolves.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,13 +19,13 @@ import pytest
 import yaml
 from sqlalchemy import select
 
-from collector.service import CollectorService
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
-from pdscope.config import Settings, parse_config
+from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
 from store.models import Alert, Snapshot
+from tests.collector_thread import CollectorThread
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
@@ -35,29 +33,6 @@ from tests.real_vllm.prompts import unique_prompt
 pytestmark = pytest.mark.real_vllm
 
 WINDOW_S = 8
-
-
-class CollectorThread:
-    """The collector service on its own event loop in a thread (the test drives ticks)."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.service = CollectorService(settings, port=0)
-        self.loop = asyncio.new_event_loop()
-        self.stop = asyncio.Event()
-        self.thread = threading.Thread(target=self._main, name="collector", daemon=True)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.service.run(self.stop))
-        self.loop.close()
-
-    def __enter__(self) -> CollectorThread:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.thread.join(20)
 
 
 def tick_until(rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0) -> Any:

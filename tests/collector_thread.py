@@ -1,0 +1,35 @@
+"""The collector service on its own event loop in a thread, for end-to-end tests.
+
+A busy test loop cannot starve its scrapes; leaving the ``with`` block stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from pdscope.config import Settings
+
+
+class CollectorThread:
+    def __init__(self, settings: Settings) -> None:
+        from collector.service import CollectorService
+
+        self.service = CollectorService(settings, port=0)
+        self.port = self.service.port
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self._main, name="collector", daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.service.run(self.stop))
+        self.loop.close()
+
+    def __enter__(self) -> CollectorThread:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(20)
