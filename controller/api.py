@@ -34,6 +34,7 @@ from controller.policy import Override, ServedInstance
 from controller.policy.routes import active_overrides, serve_instance
 from controller.schemas import (
     AlertOut,
+    AlertRuleOut,
     ClearIn,
     DecisionOut,
     DrainIn,
@@ -302,6 +303,11 @@ def create_app(
             stmt = stmt.where(Alert.state == state)
         with transaction(reconciler.factory) as session:
             return [AlertOut.model_validate(a, from_attributes=True) for a in session.scalars(stmt)]
+
+    @app.get("/v1/alerts/rules", response_model=list[AlertRuleOut], tags=["alerts"])
+    def get_alert_rules() -> list[AlertRuleOut]:
+        return [AlertRuleOut(name=r.name, severity=r.severity, for_s=r.for_s, enabled=r.enabled, summary=r.summary)
+                for r in reconciler.rules]
 
     @app.get("/v1/slo", response_model=SLOOut, tags=["alerts"])
     def get_slo() -> SLOOut:

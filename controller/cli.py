@@ -75,6 +75,7 @@ def serve(settings: Settings, token: str | None, *, migrate: bool = True) -> int
     from controller.api import create_app
     from controller.loop import Reconciler
     from controller.notify import NullNotifier, WebhookNotifier
+    from controller.policy import AlertConfig
     from store.db import StoreError, make_engine, session_factory
     from store.migrate import upgrade
 
@@ -92,7 +93,8 @@ def serve(settings: Settings, token: str | None, *, migrate: bool = True) -> int
     engine = make_engine(settings.store.url)
     external = f"http://{c.host}:{c.port}"
     notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
-    reconciler = Reconciler(settings, session_factory(engine), notifier=notifier)
+    reconciler = Reconciler(settings, session_factory(engine), notifier=notifier,
+                            alert_config=AlertConfig.from_settings(settings))
     app = create_app(reconciler, token=token, notifier=notifier, run_loop=True)
     log.info("controller on %s (mode %s, every %ss, window %ss, token %s)", external, reconciler.mode,
              c.interval_s, c.window_s, "set" if token else "not set: mutations disabled")

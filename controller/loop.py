@@ -93,7 +93,7 @@ class Reconciler:
         self.clock = clock
         self.notifier: Notifier = notifier or NullNotifier()
         self.cfg = PolicyConfig.from_settings(settings)
-        self.alert_config = alert_config or AlertConfig()
+        self.alert_config = alert_config or AlertConfig.from_settings(settings)
         self.rules = default_rules(self.alert_config)
         self.mode: Literal["advisory", "enforce"] = mode or settings.controller.mode
         self.instances = tuple(

@@ -112,6 +112,16 @@ class AlertOut(BaseModel):
     last_eval: float
 
 
+class AlertRuleOut(BaseModel):
+    """One built-in rule as configured: defaults with the ``alerts.rules`` overrides applied."""
+
+    name: str
+    severity: Literal["info", "warning", "critical"]
+    for_s: float
+    enabled: bool
+    summary: str
+
+
 class SLOOut(BaseModel):
     window_s: float
     ttft_target_ms: float

@@ -14,10 +14,18 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
 
@@ -93,6 +101,63 @@ class SLOSettings(_Frozen):
         default=0.9, gt=0, le=1, description="share of completed requests that must meet every SLO"
     )
     window_s: float = Field(default=300.0, gt=0, description="window the SLOs are evaluated over")
+    handoff_budget_ms: float | None = Field(
+        default=None, gt=0, description="P->D handoff p99 budget; default: half of ttft.target_ms"
+    )
+
+
+# -- alerts -----------------------------------------------------------------------------
+
+# The controller's built-in alert rules, in the order it evaluates them. The one list of
+# names: ``controller.policy.alerts`` builds exactly these (a unit test checks both agree).
+ALERT_RULE_NAMES: tuple[str, ...] = (
+    "TTFTOverTarget",
+    "TPOTOverTarget",
+    "GoodputAttainmentLow",
+    "NixlTransferFailures",
+    "KVLeaseExpired",
+    "KVCacheNearlyFull",
+    "InstanceDown",
+    "HandoffP99OverBudget",
+    "CollectorBehind",
+)
+
+Severity = Literal["info", "warning", "critical"]
+
+
+def _known_rule(name: str) -> str:
+    if name not in ALERT_RULE_NAMES:
+        raise ValueError(f"unknown alert rule {name!r}; known rules: {', '.join(ALERT_RULE_NAMES)}")
+    return name
+
+
+AlertRuleName = Annotated[str, AfterValidator(_known_rule)]
+
+
+class AlertRuleSettings(_Frozen):
+    """Overrides for one built-in rule; an unset field keeps the rule's default."""
+
+    for_s: float | None = Field(default=None, ge=0, description="how long the condition must hold before firing")
+    severity: Severity | None = None
+    enabled: bool = True
+
+
+class AlertSettings(_Frozen):
+    """The top-level ``alerts`` section: when and how loudly the controller alerts.
+
+    It is not part of ``slo`` on purpose: ``slo`` holds what the service promises (targets
+    agreed with its users), ``alerts`` holds the paging policy, which also covers fleet
+    health that no SLO names (KV cache full, an instance down, a stale collector) -- the
+    same split as SLO targets versus alerting rules in Prometheus. SLO rules take their
+    thresholds from ``slo``; here they only get ``for`` durations, severities and switches.
+    """
+
+    resend_s: float = Field(default=60.0, gt=0, description="re-notify a firing alert this often")
+    min_requests: int = Field(
+        default=10, ge=1, description="fewer completed requests in the SLO window: SLO rules abstain"
+    )
+    kv_full: float = Field(default=0.95, gt=0, le=1, description="KVCacheNearlyFull fires above this usage")
+    rules: dict[AlertRuleName, AlertRuleSettings] = Field(default_factory=dict)
 
 
 class StoreSettings(_Frozen):
@@ -176,6 +241,7 @@ class Settings(_Frozen):
     model: ModelSettings
     pools: dict[str, Pool]
     slo: SLOSettings = SLOSettings()
+    alerts: AlertSettings = AlertSettings()
     store: StoreSettings = StoreSettings()
     controller: ControllerSettings = ControllerSettings()
     proxy: ProxySettings = ProxySettings()
@@ -291,6 +357,9 @@ def _locate(node: yaml.Node | None) -> _Located:
 
 def _format_error(source: str, located: _Located, err: Mapping[str, Any]) -> str:
     loc = tuple(err["loc"])
+    bad_key = bool(loc) and loc[-1] == "[key]"
+    if bad_key:  # a bad mapping key: name the key itself (its line), not pydantic's marker
+        loc = loc[:-1]
     field = ".".join(str(p) for p in loc) or "(top level)"
     line = located.line_of(loc)
     where = f"{source}:{line}" if line else source
@@ -301,7 +370,7 @@ def _format_error(source: str, located: _Located, err: Mapping[str, Any]) -> str
         msg = "unknown key (not a pdscope setting; check its spelling and indentation)"
     elif err["type"] == "missing":
         msg = "required field is missing"
-    elif "input" in err and err["type"] not in ("model_type", "dict_type", "list_type"):
+    elif "input" in err and not bad_key and err["type"] not in ("model_type", "dict_type", "list_type"):
         shown = repr(err["input"])
         if len(shown) <= 60:
             msg = f"{msg} (got {shown})"

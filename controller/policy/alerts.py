@@ -6,7 +6,12 @@ condition holds now (Prometheus' "result vector"), or ``None`` when it cannot be
 state instead of resolving on missing data. An alert becomes ``pending`` when its
 condition first holds, ``firing`` once it has held for the rule's ``for_s``, and
 ``resolved`` when it stops holding after firing (a pending alert that clears simply
-goes back to ``inactive``). Thresholds come from the SLO settings and ``AlertConfig``.
+goes back to ``inactive``). Thresholds come from the SLO settings and ``AlertConfig``,
+which also carries the config file's per-rule ``for``, severity and on/off overrides. A
+disabled rule is still listed (so the API can show it) but its condition never holds:
+its alerts resolve or go inactive instead of being dropped without a trace.
+
+The rule names are ``pdscope.config.ALERT_RULE_NAMES``; this module builds exactly those.
 
 Pure: no I/O; ``now`` comes from the observation.
 """
@@ -21,6 +26,7 @@ from typing import Literal
 
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import Observation
+from pdscope.config import ALERT_RULE_NAMES, Settings, Severity
 
 State = Literal["inactive", "pending", "firing", "resolved"]
 
@@ -38,23 +44,51 @@ Evaluator = Callable[[Observation, PolicyConfig, "AlertConfig"], "list[Sample] |
 @dataclass(frozen=True)
 class AlertRule:
     name: str
-    severity: Literal["info", "warning", "critical"]
+    severity: Severity
     for_s: float
     summary: str
     evaluate: Evaluator
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
 class AlertConfig:
-    """Alert thresholds and ``for`` durations (seconds) per rule; defaults below."""
+    """Alert thresholds and per-rule overrides; a rule not named keeps its default.
+
+    ``for_s`` and ``severity`` map rule names to overrides, ``disabled`` names rules that
+    never fire. Unknown rule names raise ``ValueError`` (a typo would otherwise be ignored).
+    """
 
     for_s: Mapping[str, float] = field(default_factory=dict)
     kv_full: float = 0.95
     min_requests: int = 10  # fewer completed requests in the SLO window: SLO rules abstain
     resend_s: float = 60.0  # re-notify a firing alert this often
+    severity: Mapping[str, Severity] = field(default_factory=dict)
+    disabled: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = sorted((set(self.for_s) | set(self.severity) | set(self.disabled)) - set(ALERT_RULE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown alert rule(s) {', '.join(unknown)}; known: {', '.join(ALERT_RULE_NAMES)}")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AlertConfig:
+        """The ``alerts`` section of the validated config file as an ``AlertConfig``."""
+        a = settings.alerts
+        return cls(
+            for_s={n: r.for_s for n, r in a.rules.items() if r.for_s is not None},
+            kv_full=a.kv_full,
+            min_requests=a.min_requests,
+            resend_s=a.resend_s,
+            severity={n: r.severity for n, r in a.rules.items() if r.severity is not None},
+            disabled=frozenset(n for n, r in a.rules.items() if not r.enabled),
+        )
 
     def for_of(self, rule: str, default: float) -> float:
         return self.for_s.get(rule, default)
+
+    def severity_of(self, rule: str, default: Severity) -> Severity:
+        return self.severity.get(rule, default)
 
 
 @dataclass(frozen=True)
@@ -181,8 +215,12 @@ def _collector_behind(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> l
 
 
 def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
-    """The built-in rules; ``for_s`` of each can be changed through ``AlertConfig.for_s``."""
-    spec: Sequence[tuple[str, Literal["info", "warning", "critical"], float, str, Evaluator]] = (
+    """Every built-in rule, in ``ALERT_RULE_NAMES`` order, with ``ac``'s overrides applied.
+
+    Disabled rules are included with ``enabled=False``; :func:`step_alerts` treats them
+    as never holding.
+    """
+    spec: Sequence[tuple[str, Severity, float, str, Evaluator]] = (
         ("TTFTOverTarget", "warning", 60.0, "TTFT percentile over its SLO target", _ttft),
         ("TPOTOverTarget", "warning", 60.0, "TPOT percentile over its SLO target", _tpot),
         ("GoodputAttainmentLow", "critical", 60.0, "SLO attainment under target", _goodput),
@@ -193,7 +231,10 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
         ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
         ("CollectorBehind", "critical", 10.0, "stored data is stale: the collector is behind", _collector_behind),
     )
-    return tuple(AlertRule(n, sev, ac.for_of(n, f), summ, ev) for n, sev, f, summ, ev in spec)
+    return tuple(
+        AlertRule(n, ac.severity_of(n, sev), ac.for_of(n, f), summ, ev, enabled=n not in ac.disabled)
+        for n, sev, f, summ, ev in spec
+    )
 
 
 # -- state machine ------------------------------------------------------------------------
@@ -213,7 +254,7 @@ def step_alerts(
     notify: list[AlertState] = []
     for rule in rules:
         mine = {fp: st for fp, st in prev.items() if st.rule == rule.name}
-        samples = rule.evaluate(obs, cfg, ac)
+        samples = rule.evaluate(obs, cfg, ac) if rule.enabled else []
         if samples is None:  # cannot judge: hold, but record the evaluation time
             active.extend(replace(st, last_eval=now) for st in mine.values())
             continue
@@ -227,7 +268,8 @@ def step_alerts(
                                 rule.summary, active_since=now, last_eval=now)
                 changed.append(st)
             else:
-                st = replace(old, value=sm.value, description=sm.description, last_eval=now)
+                st = replace(old, severity=rule.severity, value=sm.value, description=sm.description,
+                             last_eval=now)
             if st.state == "pending" and now - st.active_since >= rule.for_s:
                 st = replace(st, state="firing", fired_at=now)
                 if old is not None:

@@ -64,7 +64,8 @@ class PolicyConfig:
             tpot_target_s=settings.slo.tpot.target_ms / 1000.0,
             tpot_percentile=settings.slo.tpot.percentile,
             goodput_attainment=settings.slo.goodput_attainment,
-            handoff_budget_s=ttft_s / 2.0,
+            handoff_budget_s=(settings.slo.handoff_budget_ms / 1000.0 if settings.slo.handoff_budget_ms is not None
+                              else ttft_s / 2.0),
             default_max_inflight_requests=a.max_inflight_requests,
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
         )

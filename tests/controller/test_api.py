@@ -247,8 +247,8 @@ def test_healthz_degrades_when_ticks_stop(client: TestClient, world: World) -> N
 def test_openapi_lists_every_route(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     for p in ("/v1/routing", "/v1/pools", "/v1/instances/{name}/weight", "/v1/instances/{name}/drain",
-              "/v1/instances/{name}/undrain", "/v1/pools/{pool}/weight", "/v1/decisions", "/v1/alerts", "/v1/slo",
-              "/healthz", "/metrics"):
+              "/v1/instances/{name}/undrain", "/v1/pools/{pool}/weight", "/v1/decisions", "/v1/alerts",
+              "/v1/alerts/rules", "/v1/slo", "/healthz", "/metrics"):
         assert p in paths, p
     assert "put" in paths["/v1/instances/{name}/weight"] and "get" in paths["/v1/instances/{name}/weight"]
 

@@ -132,3 +132,71 @@ def test_alert_description_names_the_numbers() -> None:
     step = step_alerts(default_rules(ac), obs(0, slo=replace(GOOD_SLO, ttft_p_s=3.0)), CFG, ac, {})
     a = next(a for a in step.active if a.rule == "TTFTOverTarget")
     assert "3000 ms > target 2000 ms" in a.description and a.severity == "warning"
+
+
+# -- overrides from the config file -------------------------------------------------------
+
+
+def test_rule_names_agree_with_the_config_list() -> None:
+    from pdscope.config import ALERT_RULE_NAMES
+
+    assert tuple(r.name for r in default_rules(AlertConfig())) == ALERT_RULE_NAMES
+
+
+def test_unknown_rule_names_in_code_built_config_are_refused() -> None:
+    with pytest.raises(ValueError, match="TTFTOverTraget"):
+        AlertConfig(for_s={"TTFTOverTraget": 0.0})
+    with pytest.raises(ValueError, match="Nope"):
+        AlertConfig(disabled=frozenset({"Nope"}))
+
+
+def test_from_settings_carries_the_alerts_section() -> None:
+    from pdscope.config import parse_config
+    from tests.pdscope.test_config_alerts import OVERRIDES
+
+    ac = AlertConfig.from_settings(parse_config(OVERRIDES))
+    assert (ac.resend_s, ac.min_requests, ac.kv_full) == (30.0, 5, 0.9)
+    assert ac.for_s == {"KVLeaseExpired": 0.0, "TTFTOverTarget": 120.0}
+    assert ac.severity == {"TTFTOverTarget": "critical"}
+    assert ac.disabled == frozenset({"HandoffP99OverBudget"})
+    rules = {r.name: r for r in default_rules(ac)}
+    assert (rules["TTFTOverTarget"].severity, rules["TTFTOverTarget"].for_s) == ("critical", 120.0)
+    assert rules["HandoffP99OverBudget"].enabled is False
+    # rules not named keep their defaults
+    assert (rules["InstanceDown"].severity, rules["InstanceDown"].for_s, rules["InstanceDown"].enabled) == (
+        "critical", 10.0, True)
+    assert AlertConfig.from_settings(parse_config(OVERRIDES.split("slo:")[0])) == AlertConfig()
+
+
+def test_severity_and_for_overrides_change_when_and_how_loud() -> None:
+    timeline = every(10, 8, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0)))
+    default = run(timeline, AlertConfig())
+    longer = run(timeline, AlertConfig(for_s={"TTFTOverTarget": 30.0}, severity={"TTFTOverTarget": "critical"}))
+    assert [h.get("TTFTOverTarget") for h in default] == ["pending"] * 6 + ["firing"] * 2  # default for: 60 s
+    assert [h.get("TTFTOverTarget") for h in longer] == ["pending"] * 3 + ["firing"] * 5
+    ac = AlertConfig(for_s={"TTFTOverTarget": 0.0}, severity={"TTFTOverTarget": "info"})
+    step = step_alerts(default_rules(ac), timeline[0][1], CFG, ac, {})
+    assert [(a.rule, a.severity, a.state) for a in step.notify] == [("TTFTOverTarget", "info", "firing")]
+
+
+def test_a_disabled_rule_never_fires() -> None:
+    timeline = every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, handoff_p99_s=1.5)))
+    on = run(timeline, AlertConfig(for_s={"HandoffP99OverBudget": 0.0}))
+    off = run(timeline, AlertConfig(for_s={"HandoffP99OverBudget": 0.0}, disabled=frozenset({"HandoffP99OverBudget"})))
+    assert [h.get("HandoffP99OverBudget") for h in on] == ["firing"] * 5
+    assert [h.get("HandoffP99OverBudget") for h in off] == [None] * 5
+
+
+def test_disabling_a_rule_resolves_its_firing_alert_and_a_new_severity_applies() -> None:
+    """State carried over a restart with a changed config: no alert is left firing forever."""
+    before = AlertConfig(for_s={"InstanceDown": 0.0, "KVCacheNearlyFull": 0.0})
+    o = obs(0, decode_1={"up": False}, decode_3={"kv_usage": 0.99})
+    prev = {a.fingerprint: a for a in step_alerts(default_rules(before), o, CFG, before, {}).active}
+    assert {(a.rule, a.state, a.severity) for a in prev.values()} == {
+        ("InstanceDown", "firing", "critical"), ("KVCacheNearlyFull", "firing", "warning")}
+    after = AlertConfig(for_s={"KVCacheNearlyFull": 0.0}, disabled=frozenset({"InstanceDown"}),
+                        severity={"KVCacheNearlyFull": "critical"})
+    step = step_alerts(default_rules(after), obs(10, decode_1={"up": False}, decode_3={"kv_usage": 0.99}),
+                       CFG, after, prev)
+    assert [(a.rule, a.state) for a in step.notify if a.rule == "InstanceDown"] == [("InstanceDown", "resolved")]
+    assert [(a.rule, a.severity) for a in step.active] == [("KVCacheNearlyFull", "critical")]
