@@ -29,7 +29,7 @@ from pdscope.config import Settings
 from proxy import protocol
 from proxy.admission import Admission
 from proxy.flow import Flow
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import LiveSources, ProxyMetrics
 from proxy.request import FlowSettings, Gone
 from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
@@ -227,6 +227,6 @@ def build(
         tracer = trace.NoOpTracer()
     flow = Flow(FlowSettings.from_settings(settings), upstream, routing, selector, admission, budget, metrics,
                 tracer, clock)
-    metrics.watch(routing, admission, selector, budget, spans, clock)
+    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock))
     parts = Parts(settings, flow, routing, selector, admission, budget, metrics, upstream, provider, spans, clock)
     return ProxyApp(parts, poll=poll)

@@ -2,13 +2,14 @@
 
 Counters are bumped on the request path (pre-bound children where the labels are
 fixed); gauges that mirror live state (in-flight per pool and instance, routing state,
-span queue) are read from that state at scrape time by :class:`_LiveCollector`, so the
-request path never updates them.
+span queue) are read from that state, named once in :class:`LiveSources`, at scrape
+time by :class:`_LiveCollector`, so the request path never updates them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
     from proxy.tracing import BoundedSpanProcessor
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class LiveSources:
+    """The live proxy state the scrape-time gauges and counters are read from."""
+
+    routing: RoutingState
+    admission: Admission
+    selector: Selector
+    budget: RetryBudget
+    spans: BoundedSpanProcessor | None
+    now: Callable[[], float]
 
 
 class ProxyMetrics:
@@ -70,35 +83,19 @@ class ProxyMetrics:
             self._outcome_children[(endpoint, outcome)] = inc
         inc()
 
-    def watch(
-        self,
-        routing: RoutingState,
-        admission: Admission,
-        selector: Selector,
-        budget: RetryBudget,
-        spans: BoundedSpanProcessor | None,
-        now: Callable[[], float],
-    ) -> None:
-        self.registry.register(_LiveCollector(routing, admission, selector, budget, spans, now))
+    def watch(self, sources: LiveSources) -> None:
+        self.registry.register(_LiveCollector(sources))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _LiveCollector(Collector):
-    def __init__(
-        self,
-        routing: RoutingState,
-        admission: Admission,
-        selector: Selector,
-        budget: RetryBudget,
-        spans: BoundedSpanProcessor | None,
-        now: Callable[[], float],
-    ) -> None:
-        self.routing, self.admission, self.selector = routing, admission, selector
-        self.budget, self.spans, self.now = budget, spans, now
+    def __init__(self, sources: LiveSources) -> None:
+        self.sources = sources
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        routing, admission, spans = self.sources.routing, self.sources.admission, self.sources.spans
         state = GaugeMetricFamily(
             "pdscope_proxy_routing_state",
             "1 for the routing state in force: fresh (controller's table), static (last table kept, "
@@ -106,48 +103,48 @@ class _LiveCollector(Collector):
             labels=["state"],
         )
         for s in STATES:
-            state.add_metric([s], 1.0 if self.routing.state == s else 0.0)
+            state.add_metric([s], 1.0 if routing.state == s else 0.0)
         yield state
         version = GaugeMetricFamily("pdscope_proxy_routing_table_version", "Version of the table in force (-1: none).")
-        v = self.routing.view.version
+        v = routing.view.version
         version.add_metric([], float(-1 if v is None else v))
         yield version
         age = GaugeMetricFamily(
             "pdscope_proxy_routing_table_age_seconds", "Seconds since the last good poll (-1: never)."
         )
-        a = self.routing.age(self.now())
+        a = routing.age(self.sources.now())
         age.add_metric([], -1.0 if a is None else a)
         yield age
         polls = CounterMetricFamily("pdscope_proxy_routing_poll_failures", "Failed polls of the routing table.")
-        polls.add_metric([], float(self.routing.poll_failures))
+        polls.add_metric([], float(routing.poll_failures))
         yield polls
         req = GaugeMetricFamily("pdscope_proxy_pool_inflight_requests", "Admitted requests per pool.", labels=["pool"])
-        for pool, n in sorted(self.admission.requests.items()):
+        for pool, n in sorted(admission.requests.items()):
             req.add_metric([pool], float(n))
         yield req
         kvb = GaugeMetricFamily(
             "pdscope_proxy_pool_inflight_kv_bytes", "Handoff KV bytes in flight per pool.", labels=["pool"]
         )
-        for pool, n in sorted(self.admission.kv_bytes.items()):
+        for pool, n in sorted(admission.kv_bytes.items()):
             kvb.add_metric([pool], float(n))
         yield kvb
         waiting = GaugeMetricFamily("pdscope_proxy_admission_waiting", "Requests waiting for admission.")
-        waiting.add_metric([], float(self.admission.waiting))
+        waiting.add_metric([], float(admission.waiting))
         yield waiting
         inst = GaugeMetricFamily(
             "pdscope_proxy_instance_inflight", "In-flight upstream calls per instance.", labels=["instance"]
         )
-        for name, n in sorted(self.selector.inflight.items()):
+        for name, n in sorted(self.sources.selector.inflight.items()):
             inst.add_metric([name], float(n))
         yield inst
         bal = GaugeMetricFamily("pdscope_proxy_retry_budget_balance", "Retries the budget allows now.")
-        bal.add_metric([], self.budget.balance)
+        bal.add_metric([], self.sources.budget.balance)
         yield bal
-        if self.spans is not None:
+        if spans is not None:
             for name, value, doc in (
-                ("pdscope_proxy_spans_dropped", self.spans.dropped, "Spans dropped because the queue was full."),
-                ("pdscope_proxy_spans_exported", self.spans.exported, "Spans the collector accepted."),
-                ("pdscope_proxy_spans_export_failed", self.spans.failed, "Spans in failed export batches."),
+                ("pdscope_proxy_spans_dropped", spans.dropped, "Spans dropped because the queue was full."),
+                ("pdscope_proxy_spans_exported", spans.exported, "Spans the collector accepted."),
+                ("pdscope_proxy_spans_export_failed", spans.failed, "Spans in failed export batches."),
             ):
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(value))

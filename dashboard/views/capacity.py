@@ -14,6 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, derive, summaries, ui
+from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
@@ -39,12 +40,10 @@ def _observed_capacity(rates: pd.DataFrame, role: str, column: str) -> tuple[flo
 
 
 def render() -> None:
-    presence = data.presence(url)
-    latest = data.latest_ts(url)
-    window = view.window(context.now(), latest)
-    ui.header("Capacity", view, window, "recorded load and the P:D ratio it implies")
-    if not ui.need(presence, view, "request records", presence.requests, latest):
+    opened = open_page(view, "Capacity", "recorded load and the P:D ratio it implies", "request records")
+    if opened is None:
         return
+    latest, window = opened.latest, opened.window
     sample, step = data.request_sample(url, window.start, window.end)
     if sample.empty:
         ui.no_data(view, "requests", latest)

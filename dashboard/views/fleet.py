@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
@@ -33,12 +34,10 @@ def _limits_frame(limits: pd.DataFrame) -> pd.DataFrame:
 
 
 def render() -> None:
-    presence = data.presence(url)
-    latest = data.latest_ts(url)
-    window = view.window(context.now(), latest)
-    ui.header("Fleet", view, window, "P and D instances")
-    if not ui.need(presence, view, "snapshots", presence.snapshots, latest):
+    opened = open_page(view, "Fleet", "P and D instances", "snapshots")
+    if opened is None:
         return
+    latest, window = opened.latest, opened.window
     health = data.fleet_health(url, window.start, window.end)
     if health.empty:
         ui.no_data(view, "snapshots", latest)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
 
 
 def render() -> None:
-    presence = data.presence(url)
-    latest = data.latest_ts(url)
-    window = view.window(context.now(), latest)
-    ui.header("KV transfer", view, window, "NIXL figures from vLLM's vllm:nixl_* metrics")
-    if not ui.need(presence, view, "snapshots", presence.snapshots, latest):
+    opened = open_page(view, "KV transfer", "NIXL figures from vLLM's vllm:nixl_* metrics", "snapshots")
+    if opened is None:
         return
+    latest, window = opened.latest, opened.window
     nixl = data.nixl_per_instance(url, window.start, window.end)
     if nixl.empty:
         ui.no_data(view, "NIXL transfers", latest)

@@ -11,6 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, derive, summaries, ui
+from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
@@ -77,12 +78,10 @@ def _nixl_panel(rec: dict[str, Any]) -> None:
 
 
 def render() -> None:
-    presence = data.presence(url)
-    latest = data.latest_ts(url)
-    window = view.window(context.now(), latest)
-    ui.header("Requests", view, window, "request records")
-    if not ui.need(presence, view, "request records", presence.requests, latest):
+    opened = open_page(view, "Requests", "request records", "request records")
+    if opened is None:
         return
+    latest, window = opened.latest, opened.window
     flt = _filters()
     found = data.search_requests(url, window.start, window.end, **flt)  # type: ignore[arg-type]
     counts = data.status_counts(url, window.start, window.end)

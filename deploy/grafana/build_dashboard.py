@@ -11,11 +11,12 @@ tests/deploy/test_real_prometheus.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from pdscope.generated import write_or_check
 
 OUT = Path(__file__).with_name("pdscope-dashboard.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -279,17 +280,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the JSON on disk is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python {Path(__file__).relative_to(Path.cwd())}", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    return 0
+    return write_or_check(argv, __doc__, OUT, render, "deploy/grafana/build_dashboard.py")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ is stale. It only reads and writes files.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from pdscope.generated import write_or_check
 
 K8S = Path(__file__).resolve().parent
 DEPLOY = K8S.parent
@@ -75,17 +76,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the rendered file is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python deploy/k8s/render_configmaps.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    return 0
+    return write_or_check(argv, __doc__, OUT, render, "deploy/k8s/render_configmaps.py")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import Snapshot
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
@@ -145,11 +145,7 @@ async def fake_prom() -> AsyncIterator[FakePrometheus]:
 
 
 def _dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 D0 = Target("d0", "decode", "decode", "http://10.0.0.7:8200", "http://10.0.0.7:8200/metrics")

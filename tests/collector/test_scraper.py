@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from collector.scraper import Scraper, ScrapeResult, scrape_one
 from collector.selfmetrics import CollectorMetrics
 from collector.targets import Target
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 DECODE = (FIXTURES / "decode_metrics.txt").read_bytes()
@@ -109,14 +109,6 @@ async def server() -> AsyncIterator[str]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _dead_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _target(name: str, url: str) -> Target:
     return Target(name, "pool", "decode", url, url)
 
@@ -163,7 +155,7 @@ async def test_non_utf8_page_is_up_and_reported(server: str) -> None:
 
 
 async def test_dead_port() -> None:
-    url = f"http://127.0.0.1:{_dead_port()}/metrics"
+    url = f"http://127.0.0.1:{free_port()}/metrics"
     async with httpx.AsyncClient() as client:
         r = await scrape_one(client, _target("dead", url), 2.0, 2**20)
     assert not r.up and r.error is not None and "ConnectError" in r.error
@@ -173,7 +165,7 @@ async def test_one_bad_target_never_delays_the_others(server: str) -> None:
     """A round with every bad kind: the good targets finish as fast as alone; the round is bounded."""
     kinds = ["drip", "silent", "huge", "500", "garbage", "nonutf8", "ok", "ok"]
     targets = [_target(f"{k}-{i}", f"{server}/{k}/metrics") for i, k in enumerate(kinds)]
-    targets.append(_target("dead", f"http://127.0.0.1:{_dead_port()}/metrics"))
+    targets.append(_target("dead", f"http://127.0.0.1:{free_port()}/metrics"))
     rounds: list[list[ScrapeResult]] = []
 
     async def on_round(results: list[ScrapeResult]) -> None:

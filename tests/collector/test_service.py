@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import InstanceRow, RequestRecord, Snapshot
 from tests.collector.traces import request_spans, to_proto
+from tests.ports import free_port
 
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
 
@@ -49,11 +49,7 @@ async def fake_vllm() -> AsyncIterator[dict[str, str]]:
 
 
 def _dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 async def test_collector_end_to_end(fake_vllm: dict[str, str], tmp_path: Path) -> None:

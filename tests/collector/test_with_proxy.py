@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,24 +16,17 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import RequestRecord
+from tests.ports import free_ports
 
 running_fleet = pytest.importorskip("simulator.testing").running_fleet
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
 
 
 async def test_proxy_traces_become_records(tmp_path: Path) -> None:
     with running_fleet(n_prefill=1, n_decode=2, seed=3, latency_scale=0.05) as fleet:
         store_url = f"sqlite:///{tmp_path / 'e2e.db'}"
         upgrade(store_url)
-        proxy_port, ctl_port = _free_port(), _free_port()
+        proxy_port, ctl_port = free_ports(2)
         cfg_text = fleet.config_yaml(
             store={"url": store_url},
             collector={"scrape_interval_s": 0.5, "scrape_timeout_s": 0.4},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,18 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
 def test_pdscope_control_serves_and_reconciles(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "pdscope.yaml"
     cfg.write_text(f"""
 model: {{name: m, kv_bytes_per_token: 1}}

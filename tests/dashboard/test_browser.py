@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from PIL import Image, ImageStat
+
+from tests.ports import free_port
 
 from .browser import Browser, chromium_path
 from .conftest import Seeded
@@ -30,16 +31,10 @@ PAGES = {"fleet": "Fleet", "requests": "Requests", "kv": "KV transfer", "slos": 
          "controller": "Controller", "capacity": "Capacity"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``pdscope dashboard`` on a free port against the seeded store; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("dash") / "dashboard.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
