@@ -262,7 +262,7 @@ def create_app(
             out.append(PoolOut(
                 name=p.name, role=p.role, configured_weight=spec.weight, weight=p.weight, reason=p.reason,
                 max_inflight_requests=p.max_inflight_requests, max_inflight_kv_bytes=p.max_inflight_kv_bytes,
-                override=_override_out(ov),
+                max_queue_wait_s=p.max_queue_wait_s, override=_override_out(ov),
                 decision=None if d is None else {"reason": d.reason, "message": d.message, "arithmetic": d.arithmetic,
                                                  "scores": dict(d.scores), "inputs": dict(d.inputs)},
                 instances=[instance_out(view, r.name) for r in view.table.instances if r.pool == p.name],

@@ -59,6 +59,8 @@ class ControllerCollector(Collector):
                                  labels=["pool", "role"])
         kvb = GaugeMetricFamily("pdscope_pool_max_inflight_kv_bytes", "Admission limit: handoff KV bytes.",
                                 labels=["pool", "role"])
+        wait = GaugeMetricFamily("pdscope_pool_max_queue_wait_seconds",
+                                 "Longest wait for an admission slot (the TTFT budget left).", labels=["pool", "role"])
         pw = GaugeMetricFamily("pdscope_pool_weight", "Served pool weight.", labels=["pool", "role"])
         for p in v.table.pools:
             pw.add_metric([p.name, p.role], p.weight)
@@ -66,9 +68,12 @@ class ControllerCollector(Collector):
                 reqs.add_metric([p.name, p.role], p.max_inflight_requests)
             if p.max_inflight_kv_bytes is not None:
                 kvb.add_metric([p.name, p.role], p.max_inflight_kv_bytes)
+            if p.max_queue_wait_s is not None:
+                wait.add_metric([p.name, p.role], p.max_queue_wait_s)
         yield pw
         yield reqs
         yield kvb
+        yield wait
 
         active = v.last.alerts.active if v.last is not None else ()
         keys = sorted({k for a in active for k in a.labels})

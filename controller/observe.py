@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from statistics import median
+from statistics import median, median_low
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -25,10 +25,12 @@ from pdscope.config import Settings
 from store import queries as q
 from store.models import RequestRecord, Snapshot
 
-# An instance's TTFT percentile needs this many requests in the window to count.
+# A P x D pair's TTFT percentile needs this many requests in the window to count.
 MIN_TTFT_SAMPLES = 10
 # A pool's completion rate (and so its backlog in seconds) needs this many requests.
 MIN_POOL_REQUESTS = 20
+# When rates are taken over the span the window's records cover, never a shorter one than this.
+MIN_RATE_SPAN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,44 @@ class _Latest:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _hold_time(load: float | None, r: q.InstanceSignals | None, role: Role, span_s: float) -> float | None:
+    """Little's law: requests held now ÷ finished per second over the span the scrapes cover (else
+    ``span_s``), counting TTFTs at P and NIXL transfers at D.
+
+    Nothing finished while something is held counts as half a completion: a stuck instance
+    reads as very slow, not as unknown.
+    """
+    if load is None or r is None:
+        return None
+    if load <= 0:
+        return 0.0
+    done = r.increases.get("ttft_count" if role == "prefill" else "nixl_xfer_time_count")
+    if done is None:
+        return None
+    return load / (max(done, 0.5) / (r.seconds or span_s))
+
+
+def _load_now(role: Role, s: q.InstanceSignals | None, lt: _Latest | None) -> float | None:
+    """P: running + waiting at the latest scrape; D: the KV-fetch backlog at the latest scrape."""
+    if role == "decode":
+        return None if lt is None else lt.backlog
+    if s is None or s.num_running is None or s.num_waiting is None:
+        return None
+    return s.num_running + s.num_waiting
+
+
+def _typical_times_members(members: list[InstanceSignals], attr: str) -> float | None:
+    """The lower median over the up members of a gauge, times their number."""
+    values = [float(v) for i in members if i.up and (v := getattr(i, attr)) is not None]
+    return median_low(values) * len(values) if values else None
+
+
+def _sum_up(members: list[InstanceSignals], attr: str) -> float | None:
+    """A gauge summed over the up members at their latest scrape."""
+    values = [float(v) for i in members if i.up and (v := getattr(i, attr)) is not None]
+    return sum(values) if values else None
 
 
 def _latest_gauges(session: Session, since: float, until: float) -> dict[str, _Latest]:
@@ -89,6 +129,7 @@ class _PoolAgg:
     role: Role
     residence: list[float]
     kv_bytes: list[float]
+    service_ttft: list[float]
     done: int = 0
 
 
@@ -134,15 +175,18 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
     sigs = q.instance_signals(session, since, now)
+    recent_s = max(3.0, 3.0 * settings.collector.scrape_interval_s)  # the last three scrapes
+    recent = q.instance_signals(session, now - recent_s, now)
     latest = _latest_gauges(session, since, now)
     by_d = q.handoff_stats(session, since, now, by="d_instance")
     by_p = q.handoff_stats(session, since, now, by="p_instance")
     pairs = q.handoff_stats(session, since, now, by="pair")
 
     per_inst: dict[str, _RecordAgg] = defaultdict(lambda: _RecordAgg([]))
-    pools: dict[str, _PoolAgg] = {name: _PoolAgg(p.role, [], []) for name, p in settings.pools.items()}
-    ttft_by_inst: dict[str, list[float]] = defaultdict(list)
+    pools: dict[str, _PoolAgg] = {name: _PoolAgg(p.role, [], [], []) for name, p in settings.pools.items()}
+    ttft_by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
     handoffs: list[float] = []
+    first_in = now
     for p_inst, d_inst, p_pool, d_pool, status, t_in, p_sent, p_done, d_sent, first, done, ttft, kvb in _records(
         session, since, now
     ):
@@ -151,8 +195,8 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             if isinstance(inst, str):
                 per_inst[inst].requests += 1
                 per_inst[inst].failed += 0 if ok or status == "rejected" else 1
-                if ok and isinstance(ttft, float):
-                    ttft_by_inst[inst].append(ttft)
+        if ok and isinstance(ttft, float) and isinstance(p_inst, str) and isinstance(d_inst, str):
+            ttft_by_pair[(p_inst, d_inst)].append(ttft)
         if isinstance(p_inst, str) and isinstance(p_sent, float) and isinstance(p_done, float):
             per_inst[p_inst].contribution.append(max(0.0, p_done - p_sent))
         if isinstance(d_inst, str) and isinstance(d_sent, float) and isinstance(first, float):
@@ -161,8 +205,14 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             handoffs.append(max(0.0, first - p_done))
         if not isinstance(t_in, float):
             continue
+        first_in = min(first_in, t_in)
+        # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
+        service = ttft - max(0.0, p_sent - t_in) if ok and isinstance(ttft, float) and isinstance(
+            p_sent, float) else None
         for pool_name, end in ((p_pool, p_done), (d_pool, done)):
             agg = pools.get(pool_name) if isinstance(pool_name, str) else None
+            if agg is not None and service is not None:
+                agg.service_ttft.append(service)
             if agg is None or not isinstance(end, float):
                 continue
             agg.done += 1
@@ -176,6 +226,7 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         role = settings.pools[pool_name].role
         s = sigs.get(inst.name)
         lt = latest.get(inst.name)
+        r = recent.get(inst.name)
         rec = per_inst.get(inst.name)
         hs = (by_d if role == "decode" else by_p).get(inst.name)
         if s is not None:
@@ -189,10 +240,16 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             num_running=None if s is None else s.num_running,
             num_waiting=None if s is None else s.num_waiting,
             handoff_backlog=None if lt is None or role != "decode" else lt.backlog,
+            load_now=_load_now(role, s, lt),
+            hold_time_now_s=_hold_time(_load_now(role, s, lt), r, role, recent_s),
             ttft_mean_s=None if s is None else s.mean_ttft_s,
             queue_mean_s=None if lt is None else lt.queue_mean_s,
             nixl_xfer_mean_s=None if s is None else s.mean_nixl_xfer_s,
             nixl_transfers=0.0 if s is None else s.increases.get("nixl_xfer_time_count", 0.0),
+            ttft_recent_s=None if r is None else r.mean_ttft_s,
+            ttft_recent_count=0.0 if r is None else r.increases.get("ttft_count", 0.0),
+            nixl_recent_s=None if r is None else r.mean_nixl_xfer_s,
+            nixl_recent_count=0.0 if r is None else r.increases.get("nixl_xfer_time_count", 0.0),
             failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
             expired_leases_per_min=(s.expired_leases_per_min or 0.0) if s is not None else 0.0,
             contribution_s=None if rec is None else _mean(rec.contribution),
@@ -205,27 +262,41 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     if newest is None:
         newest = session.scalar(select(func.max(Snapshot.ts)))
 
+    # Right after a start the window is not full yet: when its earliest record is more than a
+    # quarter of the way in, rates are taken over the span the records cover, not the window.
+    covered = window if first_in - since <= window / 4 else max(now - first_in, MIN_RATE_SPAN_S)
     pool_sigs: list[PoolSignals] = []
     for name, agg in pools.items():
         members = [i for i in instances if i.pool == name]
         usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
         backlog = [i.handoff_backlog for i in members if i.up and i.handoff_backlog is not None]
-        rate = agg.done / window if agg.done >= MIN_POOL_REQUESTS else None
+        rate = agg.done / covered if agg.done >= MIN_POOL_REQUESTS else None
         mean_res = _mean(agg.residence)
         pct = settings.slo.ttft.percentile
-        # The pool's TTFT: the median over its up instances of each one's TTFT percentile, so one
-        # degraded instance (the weights' job) does not read as the whole pool being overloaded.
-        per = [q.percentile(ttft_by_inst[i.name], pct) for i in members
-               if i.up and len(ttft_by_inst[i.name]) >= MIN_TTFT_SAMPLES]
+        # The pool's TTFT: the lower median over the P x D pairs through its up members of each
+        # pair's TTFT percentile. One slow P or D (the weights' job) slows at most half the pairs,
+        # so it does not read as the whole pool being overloaded; overload slows every pair.
+        side = 0 if agg.role == "prefill" else 1
+        up_members = {i.name for i in members if i.up}
+        per = [q.percentile(v, pct) for pair, v in ttft_by_pair.items()
+               if pair[side] in up_members and len(v) >= MIN_TTFT_SAMPLES]
         per_ok = sorted(v for v in per if v is not None)
         pool_sigs.append(PoolSignals(
             name=name, role=agg.role,
             inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
             completed_per_s=rate,
-            ttft_p_s=median(per_ok) if per_ok else None,
+            ttft_p_s=median_low(per_ok) if per_ok else None,
             kv_usage=_mean([u for u in usages if u is not None]),
-            handoff_backlog_requests=sum(b for b in backlog if b is not None) if backlog else None,
+            # The typical member's backlog times the members: one D that does not pull (the weights'
+            # job) does not read as the whole pool being behind.
+            handoff_backlog_requests=median(b for b in backlog if b is not None) * len(backlog) if backlog else None,
             mean_kv_bytes_per_request=_mean(agg.kv_bytes),
+            # The typical member's queue times the members, like the backlog: one slow P's queue is the
+            # weights' business (its peers take its share), a queue on every P is the pool's.
+            waiting_now=_typical_times_members(members, "num_waiting") if agg.role == "prefill" else None,
+            running_now=_sum_up(members, "num_running") if agg.role == "prefill" else None,
+            service_ttft_p_s=(q.percentile(agg.service_ttft, pct)
+                              if len(agg.service_ttft) >= MIN_TTFT_SAMPLES else None),
         ))
 
     pair_sigs = tuple(

@@ -66,11 +66,13 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
             weights[name] = WeightState(d.new_value, smoothed, 0, d.reason)
     reqs = _latest_decisions(session, "max_inflight_requests")
     kvs = _latest_decisions(session, "max_inflight_kv_bytes")
+    waits = _latest_decisions(session, "max_queue_wait_s")
     limits: dict[str, LimitState] = {}
     for pool, d in reqs.items():
         kv = kvs.get(pool)
         if d.new_value is not None and kv is not None and kv.new_value is not None:
-            limits[pool] = LimitState(int(d.new_value), int(kv.new_value))
+            w = waits.get(pool)
+            limits[pool] = LimitState(int(d.new_value), int(kv.new_value), 0, None if w is None else w.new_value)
     alerts: dict[str, AlertState] = {}
     ids: dict[str, int] = {}
     for a in session.scalars(select(Alert).where(Alert.state.in_(("pending", "firing")))):
@@ -127,7 +129,7 @@ def persist_tick(
                               {"override_id": None if s.override is None else s.override.id,
                                "policy_weight": s.policy_weight}, {}))
     for p in out.pools:
-        for field in ("max_inflight_requests", "max_inflight_kv_bytes"):
+        for field in ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s"):
             if p.changed(field):
                 old = None if p.old is None else getattr(p.old, field)
                 rows.append(_decision(out, mode, "pool", p.pool, field, old, getattr(p.new, field), p.reason,

@@ -74,6 +74,7 @@ class PoolOut(BaseModel):
     reason: str
     max_inflight_requests: int | None
     max_inflight_kv_bytes: int | None
+    max_queue_wait_s: float | None = None
     override: OverrideOut | None = None
     decision: dict[str, Any] | None = None
     instances: list[InstanceWeightOut]

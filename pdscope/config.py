@@ -175,7 +175,10 @@ class ControllerSettings(_Frozen):
     api_token_env: str = Field(default="PDSCOPE_API_TOKEN", min_length=1)
     alert_webhook_url: str | None = None
     max_weight_step: float = Field(default=0.25, gt=0, le=1, description="max weight change per tick")
-    min_weight: float = Field(default=0.05, ge=0, le=1, description="floor for an up, undrained instance")
+    min_weight: float = Field(
+        default=0.02, ge=0, le=1,
+        description="floor for an up, undrained instance (a trickle; recovery is probed, see README)",
+    )
 
 
 class AdmissionDefaults(_Frozen):

@@ -7,8 +7,9 @@ prefill is done). Once P has answered, its handoff KV bytes (prompt tokens x
 until D's first token (or failure). A pool has room when both counts are under the
 limits of the current routing view (the controller's, or the config's defaults).
 
-When no pool of a role has room, the request waits (bounded by ``queue_timeout_s``)
-for any release, then is rejected with a reason. The number of waiters is bounded too.
+When no pool of a role has room, the request waits for any release (bounded by
+``queue_timeout_s``, or the shorter ``max_queue_wait_s`` the controller sets from the
+TTFT budget left), then is rejected with a reason. The number of waiters is bounded too.
 One event loop, no locks; :meth:`Admission.wait` is the only thing that blocks.
 """
 

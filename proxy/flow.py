@@ -140,7 +140,7 @@ class Flow:
     async def _admit(self, req: RequestState, root: trace.Span, ctx: object) -> None:
         span = self.tracer.start_span(sc.SPAN_ADMISSION, context=ctx)  # type: ignore[arg-type]
         try:
-            deadline = self.clock() + self.fs.queue_timeout_s
+            deadline = self.clock() + self.routing.view.queue_wait_s(self.fs.queue_timeout_s)
             while True:
                 rejection = self._try_admit(req, self.routing.view, self.clock())
                 if rejection is None:

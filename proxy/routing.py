@@ -52,6 +52,7 @@ class Target:
 class PoolLimits:
     max_inflight_requests: int
     max_inflight_kv_bytes: int
+    max_queue_wait_s: float | None = None  # None: the proxy's configured queue timeout
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class RoutingView:
 
     def limits_for(self, pool: str, default: PoolLimits) -> PoolLimits:
         return self.limits.get(pool, default)
+
+    def queue_wait_s(self, default: float) -> float:
+        """How long a request may wait for admission: the configured timeout, or less where a pool says so."""
+        waits = [lim.max_queue_wait_s for lim in self.limits.values() if lim.max_queue_wait_s is not None]
+        return min([default, *waits])
 
     @cached_property
     def prefill_pools(self) -> tuple[str, ...]:
@@ -99,6 +105,7 @@ def table_view(table: RoutingTable, settings: Settings) -> RoutingView:
         limits[p.name] = PoolLimits(
             p.max_inflight_requests if p.max_inflight_requests is not None else adm.max_inflight_requests,
             p.max_inflight_kv_bytes if p.max_inflight_kv_bytes is not None else adm.max_inflight_kv_bytes,
+            p.max_queue_wait_s,
         )
     targets: dict[str, list[Target]] = {"prefill": [], "decode": []}
     for inst in table.instances:

@@ -60,12 +60,14 @@ class StaticTable:
 
 
 def oracle_table(instances: list[tuple[str, str, str, str]], weights: dict[str, float],
-                 limits: dict[str, int | None]) -> dict[str, Any]:
-    """``instances``: (name, pool, role, url); ``limits``: pool -> max in-flight requests."""
+                 limits: dict[str, int | None], wait_s: float | None = None) -> dict[str, Any]:
+    """``instances``: (name, pool, role, url); ``limits``: pool -> max in-flight requests;
+    ``wait_s``: the longest wait for an admission slot where a pool has a limit."""
     return {
         "version": 1, "generated_at": 0.0, "mode": "enforce", "enforce": True,
         "instances": [{"name": n, "pool": p, "role": r, "url": u, "weight": weights.get(n, 1.0),
                        "drained": False, "reason": "Oracle"} for n, p, r, u in instances],
         "pools": [{"name": pool, "role": pool, "weight": 1.0, "max_inflight_requests": lim,
-                   "max_inflight_kv_bytes": None, "reason": "Oracle"} for pool, lim in limits.items()],
+                   "max_inflight_kv_bytes": None, "max_queue_wait_s": None if lim is None else wait_s,
+                   "reason": "Oracle"} for pool, lim in limits.items()],
     }

@@ -16,7 +16,7 @@ Scenarios, fault at ``--warm`` seconds: (a) ``degraded_decode_link``: decode-3's
 slower. Figures come from the client over the measured phase: goodput (requests meeting TTFT and
 TPOT SLOs per second), SLO attainment, p99 TTFT of served requests, rejections, and expired
 leases from P's metrics; ``reaction_ticks`` is the controller's time from fault onset to its
-first weight (or, for the burst, limit) change, in ticks. Ratios are against round robin and the
+first cut of the faulty instance's weight (for the burst: of a pool's request limit), in ticks. Ratios are against round robin and the
 oracle measured in the same run. Writes ``bench/results/goodput.json`` and prints a table.
 
     .venv/bin/python -m bench.goodput.run [--measure 60] [--warm 10] [--scenarios a,b,c]
@@ -114,7 +114,8 @@ class Run:
                     "window_s": 30},
             "store": {"url": f"sqlite:///{tmp / 'store.db'}"},
             "simulator": {**SIM, "admin_port": self.ports["admin"]},
-            "collector": {"port": self.ports["collector"], "scrape_interval_s": 2.0, "scrape_timeout_s": 1.5},
+            "collector": {"port": self.ports["collector"], "scrape_interval_s": INTERVAL_S,
+                          "scrape_timeout_s": 0.8 * INTERVAL_S},
             "controller": {"port": self.ports["controller"], "interval_s": INTERVAL_S, "window_s": 10,
                            "mode": "enforce"},
             "proxy": {
@@ -182,8 +183,15 @@ def fault_for(scenario: str) -> dict[str, Any] | None:
             "slow_prefill": {"kind": "slow", "instance": "prefill-1", "factor": 3}}.get(scenario)
 
 
+REACTION = {"degraded_decode_link": ("weight", "decode-3"), "slow_prefill": ("weight", "prefill-1")}
+
+
+ORACLE_WAIT_S = 0.5  # hand-set: the TTFT target (2 s) minus the healthy fleet's p99 TTFT at capacity (~1.5 s)
+
+
 def oracle_for(scenario: str, capacity: float) -> tuple[dict[str, float], dict[str, int | None]]:
-    """Hand-set for the fault: no work to the broken D; P weights by speed; P in-flight = 1 s of capacity."""
+    """Hand-set for the fault: no work to the broken D; P weights by speed; P in-flight = 1 s of capacity
+    (and where a pool has a limit, a request waits at most ``ORACLE_WAIT_S`` for a slot)."""
     if scenario == "degraded_decode_link":
         return {"decode-3": 0.0}, {"prefill": None, "decode": None}
     if scenario == "slow_prefill":
@@ -210,7 +218,7 @@ async def one_run(contender: str, scenario: str, capacity: float, a: argparse.Na
     run = Run(contender, tmp, None if static is None else static.url, admission)
     if static is not None:
         weights, limits = oracle_for(scenario, capacity)
-        static.set(oracle_table(run.inst, weights, limits))
+        static.set(oracle_table(run.inst, weights, limits, ORACLE_WAIT_S))
         static.__enter__()
     onset: list[float] = []
     try:
@@ -231,9 +239,13 @@ async def one_run(contender: str, scenario: str, capacity: float, a: argparse.Na
             out = measure(results, a.warm, a.measure)
             out["expired_leases"] = run.expired_leases() - expired0
             if contender == "controller" and onset:
-                field = "max_inflight_requests" if scenario == "burst" else "weight"
-                decisions = http_json(f"{run.controller_url}/v1/decisions?field={field}&since={onset[0]}&limit=1000")
-                first = min((d["ts"] for d in decisions), default=None)
+                # The first change that answers the fault: the faulty instance's weight going down, or for
+                # the burst a pool's request limit being cut (a limit still growing back is not a reaction).
+                field, subject = REACTION.get(scenario, ("max_inflight_requests", None))
+                query = f"field={field}&since={onset[0]}&limit=1000" + (f"&subject={subject}" if subject else "")
+                decisions = http_json(f"{run.controller_url}/v1/decisions?{query}")
+                first = min((d["ts"] for d in decisions if d["old_value"] is not None and d["new_value"] is not None
+                             and d["new_value"] < d["old_value"]), default=None)
                 out["reaction_s"] = None if first is None else first - onset[0]
                 out["reaction_ticks"] = None if first is None else math.ceil((first - onset[0]) / INTERVAL_S)
     finally:
@@ -275,7 +287,7 @@ async def capacity(a: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
-    cap, steps = await capacity(a)
+    cap, steps = (a.capacity, []) if a.capacity else await capacity(a)
     if cap <= 0:
         raise SystemExit("the healthy fleet sustained none of the capacity steps")
     print(f"capacity {cap} req/s; workload at {0.8 * cap:.1f} req/s", file=sys.stderr)
@@ -287,12 +299,14 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     }
     for key in a.scenarios:
         scenario = SCENARIOS[key]
-        res = {c: await one_run(c, scenario, cap, a) for c in CONTENDERS}
-        rr, orc = res["round_robin"]["goodput_rps"], res["oracle"]["goodput_rps"]
+        res = {c: await one_run(c, scenario, cap, a) for c in a.contenders}
+        rr = res["round_robin"]["goodput_rps"] if "round_robin" in res else None
+        orc = res["oracle"]["goodput_rps"] if "oracle" in res else None
         for r in res.values():
             r["goodput_ratio_vs_round_robin"] = r["goodput_rps"] / rr if rr else None
             r["goodput_ratio_vs_oracle"] = r["goodput_rps"] / orc if orc else None
-        out["scenarios"][scenario] = {"contenders": res, "reaction_ticks": res["controller"].get("reaction_ticks")}
+        out["scenarios"][scenario] = {"contenders": res,
+                                      "reaction_ticks": res.get("controller", {}).get("reaction_ticks")}
     return out
 
 
@@ -320,11 +334,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--capacity-s", type=float, default=15.0, help="seconds per capacity step")
     ap.add_argument("--rates", default="8,10,12,14,16", help="capacity steps, req/s")
     ap.add_argument("--scenarios", default="a,b,c")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="a subset, for tuning runs")
+    ap.add_argument("--capacity", type=float, default=0.0,
+                    help="skip the capacity steps and use this rate (req/s); for tuning runs only")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "goodput.json"))
     a = ap.parse_args(argv)
     a.rates = [float(x) for x in a.rates.split(",")]
     a.scenarios = [x.strip() for x in a.scenarios.split(",") if x.strip()]
+    a.contenders = [x.strip() for x in a.contenders.split(",") if x.strip() in CONTENDERS]
     return a
 
 

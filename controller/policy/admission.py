@@ -7,14 +7,34 @@ here they are computed from three pressures, each a factor in [0, 1]:
               ``kv_admit_full``, 0 at ``kv_admit_zero``.
 * ``backlog`` D pools: requests between P done and D first token (the KV-fetch gauges),
               as seconds of work at the pool's completion rate, against the handoff budget.
-* ``ttft``    the SLO percentile of TTFT through the pool against the target.
+* ``ttft``    P pools (where requests enter; a D pool is not cut for a slow P): the SLO
+              percentile of TTFT through the pool against the target.
+* ``queue``   P pools: the wait in P's own queues now (the lower median member's requests
+              waiting at the latest scrape x members ÷ the pool's completion rate) against the TTFT budget the fleet leaves (target
+              minus the SLO percentile of TTFT without the admission wait, at least 10 % of
+              the target). The fastest of the four: the gauges are a scrape old, where TTFT
+              needs requests to finish first.
 
-``pressure = min(factors)``. Under ``cut_below`` the request limit is cut to what is in
-flight now times the pressure, plus sqrt of it as burst headroom (never by more than half
-per cut, then a cooldown so a cut can show in the window before the next); above
-``grow_above`` it grows additively back to the configured default (AIMD); in between it
+``pressure = min(factors)``. Under ``cut_below`` (at once when at most ``limit_cut_floor``,
+else on the second tick in a row, so one noisy scrape cuts nothing) the request limit is cut
+to what is in flight now times the pressure, plus twice its square root as headroom for
+Poisson bursts (never by more than half per cut, then a cooldown so a cut can show in the
+window before the next). In flight is the larger of Little's law over the window and, for P
+pools, what P's gauges hold now (running + waiting). When P's queue is the worst pressure the
+cut is a level, not a ratio: the limit becomes what is in flight minus the part of P's queue
+that does not fit the TTFT budget left (``waiting - budget x completion rate``), with no
+cooldown, because the gauges show its effect at the next scrape. Above
+``grow_above`` for ``recover_ticks`` ticks in a row it grows additively back to the
+configured default (AIMD); in between it
 holds (a band, so mild noise moves nothing). The KV-bytes limit of a pool is the configured budget
-scaled by the ``kv`` factor (never below ``min_kv_bytes_fraction`` of it). Pure: no I/O, no clock.
+scaled by the ``kv`` factor (never below ``min_kv_bytes_fraction`` of it).
+
+A request that finds its pools full waits in the proxy for a slot, and that wait is part of
+its TTFT. So each pool also gets ``max_queue_wait_s``: the TTFT target minus the SLO
+percentile of what the fleet itself takes (TTFT without the admission wait), never more
+than the proxy's configured queue timeout. When the fleet alone uses the whole budget, a
+request that cannot be admitted at once is rejected at once rather than served late.
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -27,7 +47,10 @@ from typing import Any
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import Observation, PoolSignals, Role
 
-PRESSURE_REASONS = {"kv": "KVHeadroomLow", "backlog": "HandoffBacklog", "ttft": "TTFTOverBudget"}
+PRESSURE_REASONS = {"kv": "KVHeadroomLow", "backlog": "HandoffBacklog", "ttft": "TTFTOverBudget",
+                    "queue": "PrefillQueueing"}
+QUEUE_BUDGET_FLOOR = 0.1  # the queue factor's budget is never less than this share of the TTFT target
+WAIT_STEP_S = 0.05  # the wait budget is published in steps of this, so noise does not churn the table
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,9 @@ class LimitState:
     max_inflight_requests: int
     max_inflight_kv_bytes: int
     cooldown: int = 0
+    max_queue_wait_s: float | None = None  # None: the proxy's configured queue timeout
+    pressured: int = 0  # consecutive ticks of mild pressure (a mild one cuts on the second)
+    calm: int = 0  # consecutive ticks without pressure (a cut limit grows back after recover_ticks)
 
 
 @dataclass(frozen=True)
@@ -62,9 +88,58 @@ def pressure_factors(pool: PoolSignals, cfg: PolicyConfig) -> dict[str, float]:
     if pool.role == "decode" and pool.handoff_backlog_requests and pool.completed_per_s:
         wait_s = pool.handoff_backlog_requests / pool.completed_per_s
         f["backlog"] = min(1.0, cfg.handoff_budget_s / wait_s) if wait_s > 0 else 1.0
-    if pool.ttft_p_s is not None and pool.ttft_p_s > 0:
+    if pool.role == "prefill" and pool.ttft_p_s is not None and pool.ttft_p_s > 0:
         f["ttft"] = min(1.0, cfg.ttft_target_s / pool.ttft_p_s)
+    queue_s = prefill_queue_s(pool)
+    if queue_s is not None and queue_s > 0:
+        f["queue"] = min(1.0, ttft_left_s(pool, cfg) / queue_s)
     return f
+
+
+def prefill_queue_s(pool: PoolSignals) -> float | None:
+    """P pools: how long a request joining P's queues now waits there (waiting ÷ completion rate)."""
+    if pool.role != "prefill" or pool.waiting_now is None or not pool.completed_per_s:
+        return None
+    return pool.waiting_now / pool.completed_per_s
+
+
+def ttft_left_s(pool: PoolSignals, cfg: PolicyConfig) -> float:
+    """The TTFT budget the fleet leaves for queueing: target minus what it takes (at least 10% of it)."""
+    taken = pool.service_ttft_p_s if pool.service_ttft_p_s is not None else 0.0
+    return max(QUEUE_BUDGET_FLOOR * cfg.ttft_target_s, cfg.ttft_target_s - taken)
+
+
+def _drain_queue(pool: PoolSignals, req: int, inflight: float | None, cfg: PolicyConfig) -> tuple[int, str]:
+    """The limit that keeps P's queue within the TTFT budget left: in flight minus the excess queue."""
+    waiting = pool.waiting_now or 0.0
+    rate = pool.completed_per_s or 0.0
+    fits = ttft_left_s(pool, cfg) * rate
+    held = inflight if inflight is not None else float(req)
+    new_req = max(cfg.min_inflight_requests, math.floor(held - max(0.0, waiting - fits)))
+    return new_req, (f"requests = max({cfg.min_inflight_requests}, floor(in flight {held:.1f} - (waiting {waiting:.1f}"
+                     f" - budget left {ttft_left_s(pool, cfg):.2f}s × {rate:.1f}/s))) = {new_req}")
+
+
+def _inflight(pool: PoolSignals) -> float | None:
+    """Requests the pool holds: Little's law over the window, or P's gauges now if more."""
+    gauges = None
+    if pool.role == "prefill" and pool.running_now is not None:
+        gauges = pool.running_now + (pool.waiting_now or 0.0)
+    values = [v for v in (pool.inflight_requests, gauges) if v is not None]
+    return max(values) if values else None
+
+
+def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tuple[float | None, str]:
+    """``(max_queue_wait_s, arithmetic)``: the TTFT budget a request has left to wait for a slot."""
+    if pool.service_ttft_p_s is None:
+        return prev, f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)"
+    left = cfg.ttft_target_s - pool.service_ttft_p_s
+    wait = max(0.0, math.floor(left / WAIT_STEP_S) * WAIT_STEP_S)
+    arith = (f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
+             f"{pool.service_ttft_p_s:.2f}s) = {wait:.2f}s")
+    if wait >= cfg.default_queue_wait_s:  # the proxy's own timeout is the shorter: leave it to the proxy
+        return None, f"{arith} >= queue_timeout_s {cfg.default_queue_wait_s:g}s: the proxy's default"
+    return round(wait, 3), arith
 
 
 def decide_pool(
@@ -76,25 +151,37 @@ def decide_pool(
     if stale:
         return PoolDecision(pool.name, pool.role, prev, base, "StaleData",
                             f"{pool.name}: collector behind; limits held", "limits held")
+    wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
     factors = pressure_factors(pool, cfg)
     pressure = min(factors.values(), default=1.0)
     cooldown = max(0, base.cooldown - 1)
-    inflight = pool.inflight_requests
+    inflight = _inflight(pool)
     arith: list[str] = []
     req = base.max_inflight_requests
+    pressured = base.pressured + 1 if pressure < cfg.cut_below else 0
+    calm = 0
     if pressure < cfg.cut_below:
         worst = min(factors, key=lambda k: factors[k])
         reason = PRESSURE_REASONS[worst]
-        if cooldown > 0:
+        if worst == "queue" and (pressure <= cfg.limit_cut_floor or pressured >= 2):
+            new_req, text = _drain_queue(pool, req, inflight, cfg)
+            arith.append(text)
+            req = min(req, new_req)
+            message = f"{pool.name}: P queue over the TTFT budget left; request limit {base.max_inflight_requests}" \
+                      f" -> {req}"
+        elif cooldown > 0:
             arith.append(f"requests = {req} (cooldown {cooldown} ticks after the last cut)")
             message = f"{pool.name}: {worst} pressure {pressure:.2f}; waiting for the last cut to show"
+        elif pressure > cfg.limit_cut_floor and pressured < 2:
+            arith.append(f"requests = {req} (pressure {pressure:.2f}: confirming, {pressured}/2 ticks)")
+            message = f"{pool.name}: {worst} pressure {pressure:.2f}; confirming before a cut"
         else:
             cut = max(cfg.limit_cut_floor, pressure)
             basis = min(req, math.ceil(inflight)) if inflight is not None else req
-            # gradient: what is in flight, scaled by the pressure, plus sqrt(basis) of headroom for bursts
-            new_req = max(cfg.min_inflight_requests, math.floor(basis * cut + math.sqrt(basis)))
+            # gradient: what is in flight, scaled by the pressure, plus 2 sqrt(basis) of headroom for bursts
+            new_req = max(cfg.min_inflight_requests, math.floor(basis * cut + 2 * math.sqrt(basis)))
             arith.append(f"requests = max({cfg.min_inflight_requests}, floor(b × max({cfg.limit_cut_floor}, "
-                         f"{pressure:.2f}) + sqrt(b))) = {new_req} with b = min(limit {req}, in flight "
+                         f"{pressure:.2f}) + 2 sqrt(b))) = {new_req} with b = min(limit {req}, in flight "
                          f"{'?' if inflight is None else math.ceil(inflight)})")
             if new_req < req:
                 cooldown = cfg.limit_cut_cooldown_ticks
@@ -106,7 +193,11 @@ def decide_pool(
         worst = min(factors, key=lambda k: factors[k])
         reason, message = "Holding", f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}"
     else:
-        if req < default_req:
+        calm = base.calm + 1
+        if req < default_req and calm < cfg.recover_ticks:
+            arith.append(f"requests = {req} (calm {calm}/{cfg.recover_ticks} ticks before growing)")
+            reason, message = "HoldingForHysteresis", f"{pool.name}: no pressure for {calm} ticks; limit held at {req}"
+        elif req < default_req:
             step = max(1, math.ceil(cfg.limit_increase * req))
             new_req = min(default_req, req + step)
             arith.append(f"requests = min({default_req}, {req} + {step}) = {new_req}")
@@ -118,13 +209,19 @@ def decide_pool(
     kvf = factors.get("kv", 1.0)
     kv_limit = round(default_kv * max(cfg.min_kv_bytes_fraction, kvf))
     arith.append(f"kv_bytes = {default_kv} × max({cfg.min_kv_bytes_fraction}, kv {kvf:.2f}) = {kv_limit}")
+    arith.append(wait_arith)
+    if wait != base.max_queue_wait_s and wait is not None:
+        message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
     inputs: dict[str, Any] = {
         "inflight_requests": inflight, "completed_per_s": pool.completed_per_s, "ttft_p_s": pool.ttft_p_s,
         "kv_usage": pool.kv_usage, "handoff_backlog_requests": pool.handoff_backlog_requests,
+        "waiting_now": pool.waiting_now, "running_now": pool.running_now,
+        "service_ttft_p_s": pool.service_ttft_p_s,
         "ttft_target_s": cfg.ttft_target_s, "handoff_budget_s": cfg.handoff_budget_s,
     }
     return PoolDecision(
-        pool=pool.name, role=pool.role, old=prev, new=LimitState(req, kv_limit, cooldown), reason=reason,
+        pool=pool.name, role=pool.role, old=prev, new=LimitState(req, kv_limit, cooldown, wait, pressured, calm),
+        reason=reason,
         message=message, arithmetic="; ".join(arith),
         scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)}, inputs=inputs,
     )

@@ -16,14 +16,19 @@ from pdscope.config import Settings
 class PolicyConfig:
     interval_s: float = 2.0
     max_weight_step: float = 0.25  # most a weight may move in one tick
-    min_weight: float = 0.05  # floor for an up, undrained instance
+    # Floor for an up, undrained instance: a trickle, not a sample. At any floor a bad instance gets
+    # too few requests to show it is well again, so recovery is probed (probe_after_s), and every
+    # request the floor sends to a bad instance misses its SLO: keep it small.
+    min_weight: float = 0.02
     smoothing: float = 0.5  # EWMA factor on the target: s = a*target + (1-a)*s_prev
     band_down: float = 0.05  # smoothed must sit this far below the weight to lower it
     band_up: float = 0.10  # ... and this far above it to raise it
     recover_ticks: int = 3  # consecutive healthy ticks before a weight may rise
+    probe_after_s: float = 30.0  # with too few requests to judge, a lowered weight may rise after this long
     degrade_ticks: int = 2  # consecutive degraded ticks before a mild degradation lowers a weight
     severe_target: float = 0.5  # a target under this lowers the weight on the first tick
     latency_tolerance: float = 1.5  # slower than 1.5x the peers' median costs weight
+    load_tolerance: float = 2.0  # more than 2x the peers' in-flight work per unit weight costs weight
     error_rate_ref_per_min: float = 1.0  # failures+expiries per minute that halve the error score
     kv_soft: float = 0.85  # KV usage above which the kv score falls ...
     kv_floor_score: float = 0.2  # ... to this at 100%
@@ -41,6 +46,7 @@ class PolicyConfig:
     default_max_inflight_requests: int = 256
     default_max_inflight_kv_bytes: int = 64 * 2**30
     min_inflight_requests: int = 4
+    default_queue_wait_s: float = 1.0  # the proxy's queue timeout: the most the wait budget may be
     cut_below: float = 0.8  # pressure under this cuts the request limit ...
     grow_above: float = 0.95  # ... over this grows it; in between it holds
     min_kv_bytes_fraction: float = 0.05  # never cut the KV-bytes budget below this share
@@ -68,4 +74,5 @@ class PolicyConfig:
                               else ttft_s / 2.0),
             default_max_inflight_requests=a.max_inflight_requests,
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
+            default_queue_wait_s=a.queue_timeout_s,
         )

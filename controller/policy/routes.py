@@ -120,6 +120,7 @@ def build_table(
             name=p.name, role=p.role, weight=weight,
             max_inflight_requests=None if lim is None else lim.max_inflight_requests,
             max_inflight_kv_bytes=None if lim is None else lim.max_inflight_kv_bytes,
+            max_queue_wait_s=None if lim is None else lim.max_queue_wait_s,
             reason=reason,
         ))
     table = RoutingTable(version=version, generated_at=now, mode=mode, enforce=mode == "enforce",

@@ -8,12 +8,29 @@ and KV usage are scored on absolute scales.
 
 Which signals count, per role:
 
-* prefill: ``ttft`` (its queue + prefill time), ``handoff`` (how fast D pulls its KV),
-  ``errors`` (failed NIXL transfers it records), ``kv`` (includes leased blocks).
+* prefill: ``ttft`` (its queue + prefill time), ``ttft_now``, ``handoff`` (how fast D
+  pulls its KV), ``load``, ``errors`` (failed NIXL transfers it records), ``kv``
+  (includes leased blocks).
 * decode: ``handoff`` (P done -> first token, which includes D's queue and the NIXL
-  pull), ``nixl`` (transfer time per transfer), ``errors`` (failed transfers plus the
-  expired leases the collector attributed to requests sent to it: P counts expiries,
-  but a D that does not pull in time causes them), ``kv``.
+  pull), ``nixl`` (transfer time per transfer), ``nixl_now``, ``load``, ``errors`` (failed
+  transfers plus the expired leases the collector attributed to requests sent to it: P
+  counts expiries, but a D that does not pull in time causes them), ``kv``.
+
+``ttft``, ``handoff`` and ``nixl`` are measured over the window's finished requests and
+transfers, so they lag a fault by the time a slow request takes to finish, and then by
+the window's older samples. The fast ones use the last three scrapes only (noisier, so
+``load_tolerance`` x the peers' median): ``ttft_now`` / ``nixl_now`` are vLLM's own TTFT
+and NIXL-transfer histograms, and ``load`` is Little's law on the gauges: the requests the
+instance holds at the latest scrape (P: running + waiting; D: in a KV-fetch stage) ÷ the
+ones it finished per second over the last three scrapes, i.e. how long a request spends
+there now. A stuck instance finishes nothing and shows at once; and since the proxy
+balances in-flight load across instances, a slow one holds no more requests than its
+peers, only for longer, which only a time shows.
+
+A ``handoff`` whose typical value alone is over the TTFT target, while the peers' is
+well within it, scores 0: every request sent there misses the SLO, so proportional
+sharing would only spread failures. The weight goes to the floor (a trickle that shows
+when the instance is well again).
 
 Pure: no I/O, no clock.
 """
@@ -29,11 +46,17 @@ from controller.policy.signals import InstanceSignals
 
 # Below this many seconds, latency differences are noise, not a signal.
 NOISE_FLOOR_S = 0.005
+# Below this many seconds, differences in the time a request spends at an instance now are noise:
+# it is a ratio of small counts over three scrapes (3 held / 5 finished in 3 s is 1.8 s).
+LOAD_FLOOR_S = 1.0
 
 SIGNAL_REASONS = {
     "ttft": "SlowPrefill",
     "handoff": "SlowHandoff",
     "nixl": "SlowKVTransfer",
+    "ttft_now": "SlowPrefill",
+    "nixl_now": "SlowKVTransfer",
+    "load": "Backlog",
     "errors": "TransferFailures",
     "kv": "KVCachePressure",
 }
@@ -50,12 +73,14 @@ class Score:
     note: str
 
 
-def relative_score(value: float | None, peers: Sequence[float], tolerance: float) -> tuple[float, float | None]:
+def relative_score(
+    value: float | None, peers: Sequence[float], tolerance: float, floor: float = NOISE_FLOOR_S
+) -> tuple[float, float | None]:
     """``(score, reference)``: 1 within ``tolerance`` x the peers' median, else ref*tol/value."""
     if value is None or not peers:
         return 1.0, None
-    ref = max(median(peers), NOISE_FLOOR_S)
-    if value <= max(ref * tolerance, NOISE_FLOOR_S):
+    ref = max(median(peers), floor)
+    if value <= ref * tolerance:
         return 1.0, ref
     return min(1.0, ref * tolerance / value), ref
 
@@ -90,8 +115,20 @@ def _handoff(inst: InstanceSignals) -> float | None:
     return inst.queue_mean_s if inst.role == "decode" else None
 
 
+def _load(inst: InstanceSignals) -> float | None:
+    return inst.hold_time_now_s
+
+
 def _nixl(inst: InstanceSignals) -> float | None:
     return inst.nixl_xfer_mean_s if inst.nixl_transfers >= MIN_SAMPLES else None
+
+
+def _ttft_now(inst: InstanceSignals) -> float | None:
+    return inst.ttft_recent_s if inst.ttft_recent_count >= MIN_SAMPLES else None
+
+
+def _nixl_now(inst: InstanceSignals) -> float | None:
+    return inst.nixl_recent_s if inst.nixl_recent_count >= MIN_SAMPLES else None
 
 
 def _error_rate(inst: InstanceSignals, window_s: float) -> float:
@@ -120,13 +157,26 @@ def score_instance(
         lat = _latency(inst)
         s, ref = relative_score(lat, _values(peers, _latency), tol)
         scores.append(Score("ttft", s, lat, ref, "queue+prefill s vs peers' median"))
+        now_s = _ttft_now(inst)
+        s, ref = relative_score(now_s, _values(peers, _ttft_now), cfg.load_tolerance)
+        scores.append(Score("ttft_now", s, now_s, ref, "vLLM TTFT s over the last 3 scrapes vs peers' median"))
     hand = _handoff(inst)
     s, ref = relative_score(hand, _values(peers, _handoff), tol)
-    scores.append(Score("handoff", s, hand, ref, "handoff p50 s vs peers' median"))
+    if hand is not None and ref is not None and hand > cfg.ttft_target_s and ref * tol <= cfg.ttft_target_s:
+        scores.append(Score("handoff", 0.0, hand, ref, "handoff p50 s alone over the TTFT target; peers within it"))
+    else:
+        scores.append(Score("handoff", s, hand, ref, "handoff p50 s vs peers' median"))
+    load = _load(inst)
+    s, ref = relative_score(load, _values(peers, _load), cfg.load_tolerance, LOAD_FLOOR_S)
+    what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
+    scores.append(Score("load", s, load, ref, f"s: requests {what} ÷ finished per s, vs peers' median"))
     if inst.role == "decode":
         x = _nixl(inst)
         s, ref = relative_score(x, _values(peers, _nixl), tol)
         scores.append(Score("nixl", s, x, ref, "NIXL xfer s per transfer vs peers' median"))
+        x = _nixl_now(inst)
+        s, ref = relative_score(x, _values(peers, _nixl_now), cfg.load_tolerance)
+        scores.append(Score("nixl_now", s, x, ref, "NIXL xfer s over the last 3 scrapes vs peers' median"))
     rate = _error_rate(inst, window_s)
     scores.append(
         Score("errors", error_score(rate, cfg.error_rate_ref_per_min), rate, cfg.error_rate_ref_per_min,

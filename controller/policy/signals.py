@@ -30,11 +30,22 @@ class InstanceSignals:
     num_running: float | None = None
     num_waiting: float | None = None
     handoff_backlog: float | None = None  # D: requests in a KV-fetch stage (latest gauges)
+    # The fastest load signal (one scrape old): P: requests running + waiting; D: the KV-fetch backlog.
+    load_now: float | None = None
+    # Little's law on it: load_now ÷ requests (P) or transfers (D) finished per second over the last
+    # three scrapes = how long a request spends there now.
+    hold_time_now_s: float | None = None
     # From vLLM's histograms (differences over the window), seconds per request:
     ttft_mean_s: float | None = None
     queue_mean_s: float | None = None
     nixl_xfer_mean_s: float | None = None
     nixl_transfers: float = 0.0
+    # The same two means over the last three scrapes only, and how many requests/transfers they cover:
+    # a fault shows here within seconds, where the window's mean is still mostly from before it.
+    ttft_recent_s: float | None = None
+    ttft_recent_count: float = 0.0
+    nixl_recent_s: float | None = None
+    nixl_recent_count: float = 0.0
     failed_transfers_per_min: float = 0.0
     expired_leases_per_min: float = 0.0
     # From request records (seconds): P = p_sent..p_done, D = d_sent..first_token.
@@ -65,10 +76,17 @@ class PoolSignals:
     role: Role
     inflight_requests: float | None = None  # Little's law: completions/s * mean time in the pool
     completed_per_s: float | None = None
-    ttft_p_s: float | None = None  # the SLO percentile of TTFT over requests through this pool
+    ttft_p_s: float | None = None  # SLO percentile of TTFT: lower median over the P x D pairs through it
     kv_usage: float | None = None  # mean over up instances
-    handoff_backlog_requests: float | None = None  # D pools: sum of KV-fetch gauges
+    handoff_backlog_requests: float | None = None  # D pools: KV-fetch gauges, median member x members
     mean_kv_bytes_per_request: float | None = None
+    # P pools, latest scrape: requests waiting in P's queues (the lower median member's x members) and
+    # running there (the sum over up members).
+    waiting_now: float | None = None
+    running_now: float | None = None
+    # The SLO percentile of TTFT minus the time spent waiting for admission in the proxy: what the
+    # fleet itself takes; the TTFT target minus this is what a request can afford to wait for a slot.
+    service_ttft_p_s: float | None = None
 
 
 @dataclass(frozen=True)

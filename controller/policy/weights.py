@@ -5,8 +5,10 @@ Per tick and instance::
     target   = max(min_weight, min(latency scores) × errors × kv)   (0 if the instance is down)
     smoothed = a * target + (1 - a) * smoothed_prev
     weight   moves towards smoothed by at most max_weight_step, and only
-             - down, when smoothed < weight - band_down (at once if target < severe_target,
-               else after degrade_ticks ticks in a row, so one noisy window moves nothing), or
+             - down, when smoothed < weight - band_down (at once and unsmoothed if target <
+               severe_target, else after degrade_ticks ticks in a row, so one noisy window
+               moves nothing; a reading from the last-three-scrapes signals alone waits for
+               the second tick unless it is extreme), or
              - up,   when smoothed > weight + band_up for recover_ticks ticks in a row,
              so noise inside the bands never changes a weight (no flapping), and a
              degraded instance regains traffic only after it has looked healthy for a while.
@@ -25,11 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.policy.config import PolicyConfig
-from controller.policy.scores import Score, reason_for, score_instance, worst
+from controller.policy.scores import MIN_SAMPLES, Score, reason_for, score_instance, worst
 from controller.policy.signals import InstanceSignals, Observation, Role
 
 EPS = 1e-9
-LATENCY = ("ttft", "handoff", "nixl")  # views of one thing (how slow): the worst counts, not their product
+LATENCY = ("ttft", "ttft_now", "handoff", "nixl", "nixl_now", "load")
+# Measured over the last three scrapes only: noisy, so even a severe reading waits for a second tick,
+# unless it is extreme (score under this: over 6x the peers' median, e.g. a stuck instance).
+FAST = ("ttft_now", "nixl_now", "load")
+EXTREME = 1 / 3  # views of one thing (how slow): the worst counts, not their product
 SNAP = 0.01
 
 
@@ -42,6 +48,7 @@ class WeightState:
     healthy_streak: int = 0
     reason: str = "Initial"
     degraded_streak: int = 0
+    lowered_at: float | None = None  # when a signal last lowered the weight (gates recovery without evidence)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,12 @@ def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -
 
 
 def step_instance(
-    inst: InstanceSignals, peers: list[InstanceSignals], prev: WeightState, cfg: PolicyConfig, window_s: float
+    inst: InstanceSignals,
+    peers: list[InstanceSignals],
+    prev: WeightState,
+    cfg: PolicyConfig,
+    window_s: float,
+    now: float = 0.0,
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh."""
     if inst.up is None:
@@ -144,7 +156,14 @@ def step_instance(
         degraded = prev.degraded_streak + 1
         reason = reason_for(low, inst) if low is not None else "Degraded"
         what = _describe(low) if low is not None else "smoothed target below the weight"
-        if target < cfg.severe_target or degraded >= cfg.degrade_ticks:
+        unconfirmed = low is not None and low.name in FAST and low.value >= EXTREME
+        if target < cfg.severe_target and (not unconfirmed or degraded >= cfg.degrade_ticks):
+            # Severe: act on the target itself; the EWMA would take ticks to get there.
+            smoothed = target
+            new = max(target, w - cfg.max_weight_step, cfg.min_weight)
+            arith.append(f"weight = max(target {target:.2f} (severe, under {cfg.severe_target:.2f}: not smoothed), "
+                         f"{w:.2f} - {cfg.max_weight_step:.2f}, {cfg.min_weight:.2f}) = {new:.2f}")
+        elif degraded >= cfg.degrade_ticks:
             new = max(smoothed, w - cfg.max_weight_step, cfg.min_weight)
             arith.append(f"weight = max({smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
                          f"{cfg.min_weight:.2f}) = {new:.2f}")
@@ -152,6 +171,13 @@ def step_instance(
             new = w
             arith.append(f"weight = {w:.2f} (mild: confirming, {degraded}/{cfg.degrade_ticks} ticks)")
             what = f"{what} (confirming {degraded}/{cfg.degrade_ticks})"
+    elif smoothed > w + band_up and band_up > 0 and not _may_judge(inst, prev, cfg, now):
+        # Looks healthy only because too few requests reach it to show anything: no evidence.
+        new = w
+        wait = cfg.probe_after_s - (now - (prev.lowered_at or now))
+        arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the window: "
+                     f"too few to judge; a probe raise after {cfg.probe_after_s:.0f}s at the low weight)")
+        reason, what = "AwaitingEvidence", f"too few requests at weight {w:.2f} to judge; probing in {wait:.0f}s"
     elif smoothed > w + band_up and band_up > 0:
         streak = prev.healthy_streak + 1
         if streak >= cfg.recover_ticks:
@@ -179,12 +205,25 @@ def step_instance(
         instance=inst.name, pool=inst.pool, role=inst.role, old_weight=w, weight=new, target=_r(target),
         smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
         scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
-        state=WeightState(new, smoothed, streak, reason, degraded),
+        state=WeightState(new, smoothed, streak, reason, degraded,
+                          now if new < w - EPS else prev.lowered_at),
     )
 
 
+def _may_judge(inst: InstanceSignals, prev: WeightState, cfg: PolicyConfig, now: float) -> bool:
+    """Whether a healthy-looking tick counts towards a raise: enough samples, or time for a probe."""
+    if inst.requests >= MIN_SAMPLES or inst.nixl_transfers >= MIN_SAMPLES:
+        return True
+    return prev.lowered_at is None or now - prev.lowered_at >= cfg.probe_after_s
+
+
 def _describe(s: Score) -> str:
-    if s.reference is not None and s.observed is not None and s.name in ("ttft", "handoff", "nixl"):
+    if s.name == "handoff" and s.value == 0.0 and s.observed is not None:
+        return f"handoff {s.observed:.3f}s alone is over the TTFT target (peers' median {s.reference or 0:.3f}s)"
+    if s.name == "load" and s.reference is not None and s.observed is not None:
+        return f"a request spends {s.observed:.2f}s there now (held ÷ finished per s) vs peers' median " \
+               f"{s.reference:.2f}s"
+    if s.reference is not None and s.observed is not None and s.name in LATENCY:
         ratio = s.observed / s.reference if s.reference else float("inf")
         return f"{s.name} {s.observed:.3f}s is {ratio:.1f}x its peers' median {s.reference:.3f}s"
     if s.name == "errors":
@@ -216,5 +255,5 @@ def decide_weights(
                              f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
             continue
         peers = [o for o in role if o.name != inst.name and o.up]
-        out.append(step_instance(inst, peers, p, cfg, obs.window_s))
+        out.append(step_instance(inst, peers, p, cfg, obs.window_s, obs.now))
     return tuple(out)

@@ -27,7 +27,7 @@ SERIES_COLUMNS = (
 
 # Decision fields the controller writes (see controller/): per instance and per pool.
 WEIGHT_FIELD = "weight"
-LIMIT_FIELDS = ("max_inflight_requests", "max_inflight_kv_bytes")
+LIMIT_FIELDS = ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s")
 
 
 def instances(engine: Engine) -> pd.DataFrame:

@@ -29,6 +29,7 @@ def _limits_frame(limits: pd.DataFrame) -> pd.DataFrame:
         rows.append({"pool": name, "role": pool.role, "weight": pick("weight", pool.weight),
                      "max in-flight requests": int(pick("max_inflight_requests", adm.max_inflight_requests)),
                      "max handoff KV (GiB)": pick("max_inflight_kv_bytes", adm.max_inflight_kv_bytes) / 2**30,
+                     "max wait for a slot (s)": pick("max_queue_wait_s", adm.queue_timeout_s),
                      "source": "controller" if first is not None else "config default"})
     return pd.DataFrame(rows)
 

@@ -47,10 +47,12 @@ def healthy(name: str, role: str, pool: str | None = None) -> InstanceSignals:
     base: dict[str, Any] = dict(name=name, pool=pool, role=role, up=True, kv_usage=0.4, num_running=4.0,
                                 num_waiting=0.0, requests=40)
     if role == "prefill":
-        base.update(contribution_s=0.20, ttft_mean_s=0.2, handoff_p50_s=0.05, handoff_p99_s=0.08)
+        base.update(contribution_s=0.20, ttft_mean_s=0.2, handoff_p50_s=0.05, handoff_p99_s=0.08, load_now=4.0,
+                    ttft_recent_s=0.2, ttft_recent_count=15.0, hold_time_now_s=0.8)
     else:
         base.update(contribution_s=0.06, handoff_p50_s=0.05, handoff_p99_s=0.08, nixl_xfer_mean_s=0.01,
-                    queue_mean_s=0.05, handoff_backlog=0.0, nixl_transfers=40.0)
+                    queue_mean_s=0.05, handoff_backlog=0.0, nixl_transfers=40.0, load_now=0.0, nixl_recent_s=0.01,
+                    nixl_recent_count=10.0, hold_time_now_s=0.0)
     return InstanceSignals(**base)
 
 

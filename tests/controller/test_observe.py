@@ -15,7 +15,7 @@ def test_observation_from_a_seeded_store(world: World) -> None:
         now = world.clock.advance(2.0)
         world.seeder.scrape(now - 0.5, decode_2={"xfer_s": 0.1, "failed": 3.0, "kv_cache_usage": 0.9,
                                                  "kv_fetch_in_progress": 4.0},
-                            prefill_1={"expired": 1.0}, decode_3={"up": i < 4})
+                            prefill_1={"expired": 1.0, "num_waiting": float(i)}, decode_3={"up": i < 4})
         world.seeder.requests(now - 1.9, all_pairs(), handoff_s={"decode-2": 0.5}, prefill_s={"prefill-0": 0.6},
                               suspect={"decode-2"})
     now = world.clock()
@@ -44,9 +44,20 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     dec = pools["decode"]
     assert dec.completed_per_s == pytest.approx(40 / 10.0)
     assert dec.inflight_requests is not None and dec.inflight_requests > 0
-    assert dec.handoff_backlog_requests == pytest.approx(4.0 + 2 * 1.0)  # decode-3 is down: not counted
+    # median(4, 1, 1) x 3 members: decode-2's own backlog is its weight's business; decode-3 is down
+    assert dec.handoff_backlog_requests == pytest.approx(1.0 * 3)
     assert dec.mean_kv_bytes_per_request == 1_000_000
     assert pools["prefill"].handoff_backlog_requests is None
+    # P queue gauges at the latest scrape: prefill-1 has 4 waiting, prefill-0 none; the lower median x 2
+    # members is 0 (one P's queue is the weights' business)
+    assert pools["prefill"].waiting_now == pytest.approx(0.0)
+    assert pools["prefill"].running_now == pytest.approx(4.0 + 4.0)
+    assert dec.waiting_now is None
+    # TTFT without the 1 ms between proxy in and P sent (the seeder's admission wait)
+    svc = pools["prefill"].service_ttft_p_s
+    assert svc is not None and obs.slo.ttft_p_s is not None and svc == pytest.approx(obs.slo.ttft_p_s - 0.001)
+    # the fast load signal: running + waiting at P's latest scrape, the KV-fetch backlog at D's
+    assert p1.load_now == 4.0 + 4 and d2.load_now == 4.0 and d0.load_now == 1.0
 
     assert {(p.p_instance, p.d_instance) for p in obs.pairs} == set(all_pairs())
     slow_pair = next(p for p in obs.pairs if p.d_instance == "decode-2")
@@ -62,3 +73,42 @@ def test_empty_store_observes_unknowns(world: World) -> None:
     assert obs.newest_data is None and obs.data_age_s is None
     assert all(i.up is None for i in obs.instances)
     assert len(obs.instances) == 6 and obs.slo.completed == 0
+
+
+def test_hold_time_is_littles_law_on_the_gauges() -> None:
+    from controller.observe import _hold_time
+    from store.queries import InstanceSignals as Q
+
+    def done(n: float, key: str = "ttft_count", seconds: float | None = None) -> Q:
+        return Q(instance="x", pool="p", role="prefill", seconds=seconds, scrapes=3, up_ratio=1.0, up=True,
+                 last_ts=0.0, last_error=None, increases={key: n}, latest={})
+
+    assert _hold_time(6.0, done(12.0), "prefill", 3.0) == pytest.approx(1.5)  # 6 held / 4 per s
+    assert _hold_time(6.0, done(12.0, seconds=2.0), "prefill", 3.0) == pytest.approx(1.0)  # the span scraped
+    assert _hold_time(4.0, done(2.0, "nixl_xfer_time_count"), "decode", 3.0) == pytest.approx(6.0)
+    assert _hold_time(3.0, done(0.0), "prefill", 3.0) == pytest.approx(18.0)  # stuck: half a completion
+    assert _hold_time(0.0, done(0.0), "prefill", 3.0) == 0.0
+    assert _hold_time(None, done(5.0), "prefill", 3.0) is None
+    assert _hold_time(2.0, None, "prefill", 3.0) is None
+
+
+@pytest.mark.parametrize(("handoff", "prefill", "overloaded"), [
+    ({"decode-2": 3.0}, None, False),  # one slow D: 2 of 8 pairs
+    (None, {"prefill-0": 3.0}, False),  # one slow P: 4 of 8 pairs
+    ({f"decode-{i}": 3.0 for i in range(4)}, None, True),  # every pair slow: overload
+])
+def test_pool_ttft_is_the_lower_median_of_pairs_so_one_slow_instance_is_not_overload(
+    world: World, handoff: dict[str, float] | None, prefill: dict[str, float] | None, overloaded: bool
+) -> None:
+    for _ in range(6):  # two requests per P x D pair every 2 s: 10+ per pair in the 10 s window
+        now = world.clock.advance(2.0)
+        world.seeder.scrape(now - 0.5)
+        for k in (1.9, 0.9):
+            world.seeder.requests(now - k, all_pairs(), handoff_s=handoff, prefill_s=prefill)
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, world.clock())
+    pools = {p.name: p for p in obs.pools}
+    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 3.0  # the fleet's p99 does see them
+    for pool in ("prefill", "decode"):
+        ttft = pools[pool].ttft_p_s
+        assert ttft is not None and (ttft > 3.0 if overloaded else ttft < 1.0), (pool, ttft)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,17 +26,20 @@ def slow_d(factor: float, start: int = 1, end: int | None = None, name: str = "d
     return tl
 
 
-def noisy(seed: int, spread: float) -> Timeline:
+def noisy(seed: int, spread: float, recent_spread: float = 0.3) -> Timeline:
+    """Window means within ±spread; the 3-scrape means (fewer samples) within ±recent_spread."""
     rng = random.Random(seed)
 
     def tl(tick: int) -> Changes:
         out: dict[str, dict[str, float]] = {}
         for i in range(4):
             f = 1.0 + rng.uniform(-spread, spread)
-            out[f"decode-{i}"] = {"handoff_p50_s": 0.05 * f, "nixl_xfer_mean_s": 0.01 * f}
+            g = 1.0 + rng.uniform(-recent_spread, recent_spread)
+            out[f"decode-{i}"] = {"handoff_p50_s": 0.05 * f, "nixl_xfer_mean_s": 0.01 * f, "nixl_recent_s": 0.01 * g}
         for i in range(2):
             f = 1.0 + rng.uniform(-spread, spread)
-            out[f"prefill-{i}"] = {"contribution_s": 0.2 * f}
+            g = 1.0 + rng.uniform(-recent_spread, recent_spread)
+            out[f"prefill-{i}"] = {"contribution_s": 0.2 * f, "ttft_recent_s": 0.2 * g}
         return out
 
     return tl
@@ -160,6 +164,54 @@ def _failures(r: Replay) -> None:
     assert r.weights("decode-0")[-1] < 0.6
 
 
+def _backlog_first(r: Replay) -> None:
+    w = r.weights("decode-2")
+    assert r.reasons("decode-2")[0] == "Backlog", r.reasons("decode-2")[:3]
+    assert w[0] == 1.0 and w[1] < 1.0, "a fast signal alone: confirmed on the second tick, then lowered"
+    assert w[2] <= 0.5, w[:4]
+    d = r.decision(1, "decode-2")
+    assert d.scores["load"] == pytest.approx(0.4) and d.scores["handoff"] == 1.0  # before any slow request finished
+    assert "spends 5.00s there now" in d.message
+    for other in ("decode-0", "decode-1", "decode-3"):
+        assert set(r.weights(other)) == {1.0}, other
+
+
+def _cut_at_once(r: Replay, name: str, reason: str = "Backlog") -> None:
+    w, why = r.weights(name), r.reasons(name)
+    assert w[0] < 1.0 and why[0] == reason, (w, why)
+
+
+def _cut_on_second_tick(r: Replay, name: str, reason: str = "Backlog") -> None:
+    """A fast (last three scrapes) signal alone: the first tick confirms, the second cuts."""
+    w, why = r.weights(name), r.reasons(name)
+    assert w[0] == 1.0 and why[0] == reason and "confirming" in r.decision(1, name).message, (w, why)
+    assert w[1] < 1.0 and why[1] == reason, (w, why)
+
+
+def _load_noise(r: Replay) -> None:
+    for n in ("decode-0", "decode-1", "decode-2", "decode-3", "prefill-0", "prefill-1"):
+        assert changes(r.weights(n)) == 0, (n, r.weights(n))
+
+
+def _breaks_slo(r: Replay) -> None:
+    w = r.weights("decode-2")
+    assert w[-1] == pytest.approx(CFG.min_weight), w
+    d = r.decision(1, "decode-2")
+    assert d.scores["handoff"] == 0.0 and "over the TTFT target" in d.message
+
+
+def _awaits_evidence(r: Replay) -> None:
+    # slow ticks 1..5 floor it; from tick 6 it looks healthy, but with 2 requests a window that is
+    # no evidence: it stays at the floor until probe_after_s (30 s = 15 ticks) after the last cut.
+    w, why = r.weights("decode-2"), r.reasons("decode-2")
+    last_cut = max(i for i in range(1, len(w)) if w[i] < w[i - 1])
+    assert w[last_cut] == pytest.approx(CFG.min_weight)
+    probe = last_cut + int(CFG.probe_after_s / CFG.interval_s)
+    assert set(w[last_cut:probe]) == {CFG.min_weight}, w
+    assert "AwaitingEvidence" in why[last_cut + 1:probe]
+    assert w[-1] > CFG.min_weight, "after the probe time it may rise again"
+
+
 def _all_down(r: Replay) -> None:
     for i in range(4):
         assert set(r.weights(f"decode-{i}")) == {1.0}
@@ -169,6 +221,32 @@ def _all_down(r: Replay) -> None:
 def _no_data(r: Replay) -> None:
     assert set(r.weights("decode-2")) == {1.0}
     assert set(r.reasons("decode-2")) == {"NoData"}
+
+
+def poisson(rng: random.Random, mean: float) -> float:
+    """A Poisson draw (Knuth): how many requests an instance holds at a random instant."""
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return float(k)
+
+
+def load_noise(seed: int, d_mean: float, p_mean: float, d_done: float = 10.0, p_done: float = 15.0) -> Timeline:
+    """Poisson requests held now and Poisson completions over 3 s, as ``controller.observe`` turns them
+    into a hold time (held ÷ finished per second)."""
+    rng = random.Random(seed)
+
+    def hold(mean_held: float, mean_done: float) -> dict[str, float]:
+        held = poisson(rng, mean_held)
+        return {"load_now": held, "hold_time_now_s": held / (max(poisson(rng, mean_done), 0.5) / 3.0)}
+
+    def tl(tick: int) -> Changes:
+        out: dict[str, dict[str, float]] = {f"decode-{i}": hold(d_mean, d_done) for i in range(4)}
+        out.update({f"prefill-{i}": hold(p_mean, p_done) for i in range(2)})
+        return out
+
+    return tl
 
 
 CASES = [
@@ -193,6 +271,29 @@ CASES = [
     Case("failed NIXL transfers cost weight", at(range(1, 99), "decode-0", failed_transfers_per_min=4.0), 10,
          _failures),
     Case("an instance never scraped keeps its weight", at(range(1, 99), "decode-2", up=None), 5, _no_data),
+    # 5 held, 3 transfers finished in 3 s: 5 s per request against 2 x its peers' (floor: 1 s)
+    Case("a D holding KV fetches it does not finish loses weight before any slow request finishes",
+         at(range(1, 99), "decode-2", load_now=5.0, hold_time_now_s=5.0), 6, _backlog_first),
+    Case("a P 4.5x slower in vLLM's last-3-scrapes TTFT loses weight before the window's mean moves (2nd tick)",
+         at(range(1, 99), "prefill-1", ttft_recent_s=0.9), 3, lambda r: _cut_on_second_tick(r, "prefill-1", "SlowPrefill")),
+    Case("a D's NIXL transfers 5x slower over the last 3 scrapes cost weight before the window's mean moves",
+         at(range(1, 99), "decode-1", nixl_recent_s=0.05), 3,
+         lambda r: _cut_on_second_tick(r, "decode-1", "SlowKVTransfer")),
+    Case("a P the proxy balances (as many requests held as its peer) but finishing fewer loses weight",
+         at(range(1, 99), "prefill-1", hold_time_now_s=4.0), 3, lambda r: _cut_on_second_tick(r, "prefill-1")),
+    Case("a stuck P (holding requests, finishing none: 18 s a request) loses weight at once",
+         at(range(1, 99), "prefill-1", hold_time_now_s=18.0), 3,
+         lambda r: _cut_at_once(r, "prefill-1")),
+    Case("a D holding 1.5x its peers' time per request (under the 2x tolerance) keeps its weight",
+         combine(*(at(range(1, 99), f"decode-{i}", hold_time_now_s=1.4) for i in range(4)),
+                 at(range(1, 99), "decode-2", hold_time_now_s=2.1)), 10, _load_noise),
+    Case("Poisson in-flight counts (mean 1 at D, 2.5 at P) never change a weight", load_noise(3, 1.0, 2.5), 300,
+         _load_noise),
+    Case("the same, another seed", load_noise(5, 1.0, 2.5), 300, _load_noise),
+    Case("a D whose handoff alone is over the TTFT target goes to the floor", slow_d(60.0), 12, _breaks_slo),
+    Case("a floored D with too few requests to judge waits for the probe time",
+         combine(slow_d(60.0, 1, 6), at(range(6, 99), "decode-2", requests=2, nixl_transfers=1.0)), 30,
+         _awaits_evidence),
     Case("every D failing its scrapes at once holds the weights",
          combine(*(at(range(2, 9), f"decode-{i}", up=False, down_for_s=60.0) for i in range(4))), 10, _all_down),
 ]

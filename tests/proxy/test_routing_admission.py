@@ -139,6 +139,28 @@ async def test_admission_rejects_with_retry_after_when_the_pool_is_full() -> Non
         assert len(p[0].calls) == 1  # the rejected request never reached P
 
 
+async def test_a_zero_wait_budget_from_the_controller_rejects_at_once() -> None:
+    async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table(
+            [("p0", "prefill", "prefill", p[0].url, 1.0, False), ("d0", "decode", "decode", d[0].url, 1.0, False)],
+            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1, "max_queue_wait_s": 0.0}],
+        ))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([p[0].url], [d[0].url], proxy={
+                "controller_url": ctl_url, "admission": {"queue_timeout_s": 30}})
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
+                await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
+                rejected = await client.post(url + "/v1/completions", json=COMPLETION)
+                still_running = not slow.done()
+                assert (await slow).status_code == 200
+        # Rejected while the first request still held the slot: it did not wait out the 30 s timeout.
+        assert rejected.status_code == 429 and still_running
+        assert rejected.json()["error"]["code"] == "inflight_requests"
+
+
 async def test_a_waiting_request_is_admitted_when_a_slot_frees() -> None:
     async with fake_fleet(1, 1, n_chunks=3, chunk_delay=0.1) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={

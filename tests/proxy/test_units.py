@@ -10,7 +10,7 @@ import yaml
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from pdscope.config import parse_config
-from pdscope.routing import RoutingTable
+from pdscope.routing import PoolRoute, RoutingTable
 from proxy import protocol
 from proxy.routing import RoutingState, Target
 from proxy.selection import RetryBudget, Selector
@@ -120,6 +120,17 @@ def _table(version: int = 1, enforce: bool = True) -> RoutingTable:
     })
 
 
+def test_a_pool_wait_budget_shortens_the_configured_queue_timeout_never_lengthens_it() -> None:
+    state = RoutingState(parse_config(CONFIG), now=0.0)
+    table = _table()
+    pools = [{"name": "pa", "role": "prefill", "max_queue_wait_s": 0.3},
+             {"name": "da", "role": "decode", "max_queue_wait_s": 5.0}]
+    state.on_table(table.model_copy(update={"pools": [PoolRoute.model_validate(p) for p in pools]}), '"1"', now=1.0)
+    assert state.view.limits["pa"].max_queue_wait_s == 0.3
+    assert state.view.queue_wait_s(1.0) == 0.3
+    assert state.view.queue_wait_s(0.1) == 0.1
+
+
 def test_routing_state_machine_fail_static_then_fallback() -> None:
     state = RoutingState(parse_config(CONFIG), now=0.0)
     assert state.state == "default" and [t.name for t in state.view.prefill] == ["p0", "p1"]
@@ -128,6 +139,7 @@ def test_routing_state_machine_fail_static_then_fallback() -> None:
     assert [(t.name, t.weight) for t in state.view.prefill] == [("p0", 1.0)]  # drained gone, x pool weight
     assert state.view.limits["pa"].max_inflight_requests == 3
     assert state.view.limits["da"].max_inflight_requests == 9  # config default
+    assert state.view.queue_wait_s(1.0) == 1.0  # no pool shortens the configured wait
     state.on_failure(now=2.0)
     assert state.state == "static" and [t.name for t in state.view.prefill] == ["p0"]
     state.tick(now=10.9)
