@@ -227,6 +227,7 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         s = sigs.get(inst.name)
         lt = latest.get(inst.name)
         r = recent.get(inst.name)
+        held = _load_now(role, s, lt)
         rec = per_inst.get(inst.name)
         hs = (by_d if role == "decode" else by_p).get(inst.name)
         if s is not None:
@@ -240,8 +241,8 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             num_running=None if s is None else s.num_running,
             num_waiting=None if s is None else s.num_waiting,
             handoff_backlog=None if lt is None or role != "decode" else lt.backlog,
-            load_now=_load_now(role, s, lt),
-            hold_time_now_s=_hold_time(_load_now(role, s, lt), r, role, recent_s),
+            load_now=held,
+            hold_time_now_s=_hold_time(held, r, role, recent_s),
             ttft_mean_s=None if s is None else s.mean_ttft_s,
             queue_mean_s=None if lt is None else lt.queue_mean_s,
             nixl_xfer_mean_s=None if s is None else s.mean_nixl_xfer_s,

@@ -70,8 +70,14 @@ class RoutingView:
 
     def queue_wait_s(self, default: float) -> float:
         """How long a request may wait for admission: the configured timeout, or less where a pool says so."""
+        pools = self._pool_wait_s
+        return default if pools is None else min(default, pools)
+
+    @cached_property
+    def _pool_wait_s(self) -> float | None:
+        # Once per table, not per request: the view is immutable and swapped whole.
         waits = [lim.max_queue_wait_s for lim in self.limits.values() if lim.max_queue_wait_s is not None]
-        return min([default, *waits])
+        return min(waits) if waits else None
 
     @cached_property
     def prefill_pools(self) -> tuple[str, ...]:

@@ -113,11 +113,11 @@ def _drain_queue(pool: PoolSignals, req: int, inflight: float | None, cfg: Polic
     """The limit that keeps P's queue within the TTFT budget left: in flight minus the excess queue."""
     waiting = pool.waiting_now or 0.0
     rate = pool.completed_per_s or 0.0
-    fits = ttft_left_s(pool, cfg) * rate
+    left = ttft_left_s(pool, cfg)
     held = inflight if inflight is not None else float(req)
-    new_req = max(cfg.min_inflight_requests, math.floor(held - max(0.0, waiting - fits)))
+    new_req = max(cfg.min_inflight_requests, math.floor(held - max(0.0, waiting - left * rate)))
     return new_req, (f"requests = max({cfg.min_inflight_requests}, floor(in flight {held:.1f} - (waiting {waiting:.1f}"
-                     f" - budget left {ttft_left_s(pool, cfg):.2f}s × {rate:.1f}/s))) = {new_req}")
+                     f" - budget left {left:.2f}s × {rate:.1f}/s))) = {new_req}")
 
 
 def _inflight(pool: PoolSignals) -> float | None:

@@ -38,7 +38,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 from controller.policy.config import PolicyConfig
@@ -151,32 +151,28 @@ def score_instance(
     inst: InstanceSignals, peers: Sequence[InstanceSignals], cfg: PolicyConfig, window_s: float
 ) -> tuple[Score, ...]:
     """Score one up instance against ``peers`` (the *other* up instances of its role)."""
-    tol = cfg.latency_tolerance
+    tol, fast = cfg.latency_tolerance, cfg.load_tolerance
+
+    def relative(name: str, pick: Callable[[InstanceSignals], float | None], tolerance: float, note: str,
+                 floor: float = NOISE_FLOOR_S) -> Score:
+        value = pick(inst)
+        s, ref = relative_score(value, _values(peers, pick), tolerance, floor)
+        return Score(name, s, value, ref, f"{note} vs peers' median")
+
     scores: list[Score] = []
     if inst.role == "prefill":
-        lat = _latency(inst)
-        s, ref = relative_score(lat, _values(peers, _latency), tol)
-        scores.append(Score("ttft", s, lat, ref, "queue+prefill s vs peers' median"))
-        now_s = _ttft_now(inst)
-        s, ref = relative_score(now_s, _values(peers, _ttft_now), cfg.load_tolerance)
-        scores.append(Score("ttft_now", s, now_s, ref, "vLLM TTFT s over the last 3 scrapes vs peers' median"))
-    hand = _handoff(inst)
-    s, ref = relative_score(hand, _values(peers, _handoff), tol)
-    if hand is not None and ref is not None and hand > cfg.ttft_target_s and ref * tol <= cfg.ttft_target_s:
-        scores.append(Score("handoff", 0.0, hand, ref, "handoff p50 s alone over the TTFT target; peers within it"))
-    else:
-        scores.append(Score("handoff", s, hand, ref, "handoff p50 s vs peers' median"))
-    load = _load(inst)
-    s, ref = relative_score(load, _values(peers, _load), cfg.load_tolerance, LOAD_FLOOR_S)
+        scores.append(relative("ttft", _latency, tol, "queue+prefill s"))
+        scores.append(relative("ttft_now", _ttft_now, fast, "vLLM TTFT s over the last 3 scrapes"))
+    hand = relative("handoff", _handoff, tol, "handoff p50 s")
+    if (hand.observed is not None and hand.reference is not None and hand.observed > cfg.ttft_target_s
+            and hand.reference * tol <= cfg.ttft_target_s):
+        hand = replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
+    scores.append(hand)
     what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
-    scores.append(Score("load", s, load, ref, f"s: requests {what} ÷ finished per s, vs peers' median"))
+    scores.append(relative("load", _load, fast, f"s: requests {what} ÷ finished per s,", LOAD_FLOOR_S))
     if inst.role == "decode":
-        x = _nixl(inst)
-        s, ref = relative_score(x, _values(peers, _nixl), tol)
-        scores.append(Score("nixl", s, x, ref, "NIXL xfer s per transfer vs peers' median"))
-        x = _nixl_now(inst)
-        s, ref = relative_score(x, _values(peers, _nixl_now), cfg.load_tolerance)
-        scores.append(Score("nixl_now", s, x, ref, "NIXL xfer s over the last 3 scrapes vs peers' median"))
+        scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
+        scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
     rate = _error_rate(inst, window_s)
     scores.append(
         Score("errors", error_score(rate, cfg.error_rate_ref_per_min), rate, cfg.error_rate_ref_per_min,

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -111,54 +112,57 @@ async def test_advisory_table_is_not_applied() -> None:
         assert len(p[1].calls) > 3  # the drain was advisory
 
 
-async def test_admission_rejects_with_retry_after_when_the_pool_is_full() -> None:
+@dataclass
+class SecondRequest:
+    """A request sent while a streaming one holds the decode pool's only slot."""
+
+    response: httpx.Response
+    waited_s: float
+    first_still_running: bool
+    metrics: str
+    p_calls: int
+
+
+async def _while_the_only_slot_is_held(decode_pool: dict[str, object], admission: dict[str, object]) -> SecondRequest:
     async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
         p, d = fleet.prefill, fleet.decode
         ctl = FakeController(table(
             [("p0", "prefill", "prefill", p[0].url, 1.0, False), ("d0", "decode", "decode", d[0].url, 1.0, False)],
-            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1}],
+            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1, **decode_pool}],
         ))
         async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([p[0].url], [d[0].url], proxy={
-                "controller_url": ctl_url, "admission": {"queue_timeout_s": 0.2, "retry_after_s": 3}})
+            settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url, "admission": admission})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 await _wait_for(lambda: app.parts.routing.state == "fresh")
                 slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
                 await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
                 t0 = time.monotonic()
-                rejected = await client.post(url + "/v1/completions", json=COMPLETION)
+                second = await client.post(url + "/v1/completions", json=COMPLETION)
                 waited = time.monotonic() - t0
+                still_running = not slow.done()
                 assert (await slow).status_code == 200
                 metrics = (await client.get(url + "/metrics")).text
-        assert rejected.status_code == 429
-        assert rejected.headers["retry-after"] == "3"
-        err = rejected.json()["error"]
-        assert err["type"] == "rate_limit_error" and err["code"] == "inflight_requests"
-        assert waited >= 0.2  # the bounded wait happened first
-        assert 'pdscope_proxy_rejections_total{pool="decode",reason="inflight_requests"} 1.0' in metrics
-        assert len(p[0].calls) == 1  # the rejected request never reached P
+        return SecondRequest(second, waited, still_running, metrics, len(p[0].calls))
+
+
+async def test_admission_rejects_with_retry_after_when_the_pool_is_full() -> None:
+    got = await _while_the_only_slot_is_held({}, {"queue_timeout_s": 0.2, "retry_after_s": 3})
+    rejected, waited, metrics = got.response, got.waited_s, got.metrics
+    assert rejected.status_code == 429
+    assert rejected.headers["retry-after"] == "3"
+    err = rejected.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "inflight_requests"
+    assert waited >= 0.2  # the bounded wait happened first
+    assert 'pdscope_proxy_rejections_total{pool="decode",reason="inflight_requests"} 1.0' in metrics
+    assert got.p_calls == 1  # the rejected request never reached P
 
 
 async def test_a_zero_wait_budget_from_the_controller_rejects_at_once() -> None:
-    async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
-        p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table(
-            [("p0", "prefill", "prefill", p[0].url, 1.0, False), ("d0", "decode", "decode", d[0].url, 1.0, False)],
-            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1, "max_queue_wait_s": 0.0}],
-        ))
-        async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([p[0].url], [d[0].url], proxy={
-                "controller_url": ctl_url, "admission": {"queue_timeout_s": 30}})
-            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await _wait_for(lambda: app.parts.routing.state == "fresh")
-                slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-                await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
-                rejected = await client.post(url + "/v1/completions", json=COMPLETION)
-                still_running = not slow.done()
-                assert (await slow).status_code == 200
-        # Rejected while the first request still held the slot: it did not wait out the 30 s timeout.
-        assert rejected.status_code == 429 and still_running
-        assert rejected.json()["error"]["code"] == "inflight_requests"
+    got = await _while_the_only_slot_is_held({"max_queue_wait_s": 0.0}, {"queue_timeout_s": 30})
+    rejected = got.response
+    # Rejected while the first request still held the slot: it did not wait out the 30 s timeout.
+    assert rejected.status_code == 429 and got.first_still_running
+    assert rejected.json()["error"]["code"] == "inflight_requests"
 
 
 async def test_a_waiting_request_is_admitted_when_a_slot_frees() -> None:
