@@ -50,7 +50,7 @@ from store.db import make_engine, session_factory, transaction  # noqa: E402
 from store.migrate import upgrade  # noqa: E402
 from store.models import SpanRow  # noqa: E402
 
-FIXTURES = REPO.parent / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = REPO / "tests" / "fixtures" / "vllm-0.32-cpu"  # the pages tests/captures.py names
 INTERVAL_S = 5.0
 
 SERVER = r"""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -19,7 +20,25 @@ import pytest
 
 TIERS = ("pg", "real_vllm", "promtool", "browser")
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+_OUTSIDE = str(REPO.parent) + os.sep
+_INSIDE = str(REPO) + os.sep
+
+
+def _refuse_reads_beside_the_repository(event: str, args: tuple[object, ...]) -> None:
+    """The repository stands alone: no test opens a file beside it (e.g. ``../shared``).
+
+    An audit hook on ``open``: a path under the repository's parent folder but outside the
+    repository itself raises, so such a test fails here and not only on a clone with
+    nothing beside it (``.ci/run`` runs from one of those too).
+    """
+    if event != "open" or not args or not isinstance(args[0], str | bytes):
+        return
+    path = os.path.abspath(os.fsdecode(args[0]))
+    if path.startswith(_OUTSIDE) and not (path + os.sep).startswith(_INSIDE):
+        raise PermissionError(f"test read {path}: outside the repository (it must stand alone)")
+
+
+sys.addaudithook(_refuse_reads_beside_the_repository)
 
 _counts: dict[str, dict[str, int]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
 _skip_reasons: dict[str, set[str]] = defaultdict(set)

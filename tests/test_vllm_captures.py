@@ -8,16 +8,16 @@ fail here, in the unit tier, without vLLM installed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.captures import REAL_CAPTURES
 from tests.real_vllm.otlp_sink import body_to_json, decode_spans
 from tests.real_vllm.pd_client import Metrics, parse_metrics
 
 VERSION = "vllm-0.32.0"
-DIR = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0-cpu"
+DIR = REAL_CAPTURES
 
 CORE_FAMILIES = [
     "vllm:num_requests_running",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +11,9 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from collector.parse import Family, Sample, parse_float, parse_text
+from tests.captures import SCRAPE_PAGES
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 CAPTURES = sorted(FIXTURES.glob("*.txt"))
 
 

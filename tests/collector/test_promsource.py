@@ -34,9 +34,10 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import Snapshot
+from tests.captures import SCRAPE_PAGES
 from tests.ports import free_port
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
 PREFILL = (FIXTURES / "prefill_metrics.txt").read_text()
 _MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')

@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,9 +13,10 @@ import pytest
 from collector.scraper import Scraper, ScrapeResult, scrape_one
 from collector.selfmetrics import CollectorMetrics
 from collector.targets import Target
+from tests.captures import SCRAPE_PAGES
 from tests.ports import free_port
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_bytes()
 
 Handler = Callable[[asyncio.StreamWriter], Awaitable[None]]

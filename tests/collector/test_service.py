@@ -15,10 +15,11 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import InstanceRow, RequestRecord, Snapshot
+from tests.captures import SCRAPE_PAGES
 from tests.collector.traces import request_spans, to_proto
 from tests.ports import free_port
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 
 
 @pytest.fixture

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 
 from collector.fastparse import extract_signals
 from collector.signals import Signals, from_text
+from tests.captures import SCRAPE_PAGES
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
 PREFILL = (FIXTURES / "prefill_metrics.txt").read_text()
 

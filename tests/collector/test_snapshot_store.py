@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from sqlalchemy import select
 
 from collector.fastparse import extract_signals
@@ -13,8 +11,9 @@ from collector.targets import Target
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import InstanceRow, Snapshot
+from tests.captures import SCRAPE_PAGES
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "vllm-0.32-cpu"
+FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
 D0 = Target("d0", "decode", "decode", "http://d0", "http://d0/metrics")
 P0 = Target("p0", "prefill", "prefill", "http://p0", "http://p0/metrics")

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pdscope.config import SLOSettings
+from tests.captures import SCRAPE_PAGES
 
 REPO = Path(__file__).resolve().parents[2]
 PROM = REPO / "deploy" / "prometheus"
@@ -192,10 +193,7 @@ def test_slo_targets_match_pdscope_defaults() -> None:
 
 def test_rules_use_only_vllm_metric_names_from_the_real_capture() -> None:
     """Every vllm:* series a rule reads exists on a real vLLM P or D /metrics page."""
-    fixtures = REPO.parent / "shared" / "fixtures" / "vllm-0.32-cpu"
-    pages = [fixtures / "prefill_metrics.txt", fixtures / "decode_metrics.txt"]
-    if not all(p.exists() for p in pages):
-        pytest.skip(f"real vLLM captures not found under {fixtures}")
+    pages = [SCRAPE_PAGES / "prefill_metrics.txt", SCRAPE_PAGES / "decode_metrics.txt"]
     exposed = set()
     for page in pages:
         for line in page.read_text().splitlines():

@@ -18,9 +18,10 @@ import pytest
 from collector.parse import Family, ParsedPage, parse_text
 from simulator.metrics import build_1_2_5_buckets
 from simulator.testing import RunningFleet, running_fleet
+from tests.captures import REAL_CAPTURES, SCRAPE_PAGES
 
 REPO = Path(__file__).resolve().parents[2]
-CAPTURE_DIRS = [REPO.parent / "shared" / "fixtures" / "vllm-0.32-cpu", REPO / "tests" / "fixtures" / "vllm-0.32.0-cpu"]
+CAPTURE_DIRS = [SCRAPE_PAGES, REAL_CAPTURES]
 RUNTIME = ("python_", "process_")  # the process's own collectors: same names, values of this process
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from collector.parse import parse_text
 from simulator.testing import RunningFleet, running_fleet
+from tests.captures import REAL_CAPTURES
 
 REPO = Path(__file__).resolve().parents[2]
-OWN_FIXTURES = REPO / "tests" / "fixtures" / "vllm-0.32.0-cpu"
+OWN_FIXTURES = REAL_CAPTURES
 # the keys real vLLM 0.33 P returns in pull mode (NixlPullConnectorScheduler.request_finished)
 REAL_P_KEYS = {
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",

@@ -6,7 +6,6 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,8 +13,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from pdscope import semconv
 from simulator.testing import running_fleet
+from tests.captures import REAL_CAPTURES
 
-REAL_TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu" / "otlp-traces.vllm-0.32.0.json"
+REAL_TRACES = REAL_CAPTURES / "otlp-traces.vllm-0.32.0.json"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
