@@ -11,10 +11,16 @@ span; failing that (a proxy that does not parent them), its ``service.name`` is 
 instance's name; failing that, the one with one completion token (P runs ``max_tokens=1``)
 is P's. A record needs the proxy's root span (``pdscope.request``); without it
 ``assemble`` returns ``None`` and the trace waits for the rest of its spans.
+
+Every value is coerced to its column's type: a number must be finite (NaN, ±Infinity,
+``"inf"`` and ``"nan"`` count as absent), an integer must fit its column (32 or 64 bits),
+a string column takes a string (or a number, spelled out) cut to the column's length,
+anything else (a map, a list) counts as absent. A malformed attribute costs only itself.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -60,19 +66,38 @@ class Assembled:
 EVENTS_KEY = "otel.events"  # where span events are kept in a stored span's attributes
 
 
+_INT32 = 2**31
+_INT64 = 2**63
+
+
 def _num(attrs: dict[str, Any], key: str) -> float | None:
+    """A finite number, or None (absent, not a number, NaN or infinite)."""
     v = attrs.get(key)
-    if isinstance(v, bool) or v is None:
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
         return None
     try:
-        return float(v)
-    except (TypeError, ValueError):
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return f if math.isfinite(f) else None
 
 
-def _int(attrs: dict[str, Any], key: str) -> int | None:
+def _int(attrs: dict[str, Any], key: str, bound: int = _INT32) -> int | None:
+    """An integer that fits a column of ``bound`` (2**31 or 2**63), or None."""
     v = _num(attrs, key)
-    return None if v is None else int(v)
+    if v is None:
+        return None
+    n = int(v)
+    return n if -bound <= n < bound else None
+
+
+def _str(value: Any, length: int) -> str | None:
+    """A value for a String(length) column: a string (or a number spelled out), cut; else None."""
+    if isinstance(value, str):
+        return value[:length] if value else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)[:length]
+    return None
 
 
 def _last_attempt(spans: Sequence[SpanLike]) -> SpanLike | None:
@@ -84,12 +109,14 @@ def _last_attempt(spans: Sequence[SpanLike]) -> SpanLike | None:
 def _event_ts(span: SpanLike | None, name: str) -> float | None:
     if span is None:
         return None
-    for ev in span.attributes.get(EVENTS_KEY) or []:
-        if isinstance(ev, dict) and ev.get("name") == name and isinstance(ev.get("ts"), int | float):
-            return float(ev["ts"])
+    stored = span.attributes.get(EVENTS_KEY)
+    for ev in stored if isinstance(stored, list) else []:
+        ts = ev.get("ts") if isinstance(ev, dict) and ev.get("name") == name else None
+        if isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
+            return float(ts)
     events = getattr(span, "events", ())
     for ev_name, ts, _attrs in events:
-        if ev_name == name:
+        if ev_name == name and isinstance(ts, int | float) and math.isfinite(ts):
             return float(ts)
     return None
 
@@ -133,14 +160,14 @@ def assemble(spans: Iterable[SpanLike], slo: SLOSettings) -> Assembled | None:
         return None
     root = min(roots, key=lambda s: s.start_ts)
     ra = root.attributes
-    request_id = ra.get(sc.REQUEST_ID) or root.trace_id
+    request_id = _str(ra.get(sc.REQUEST_ID), 128) or root.trace_id
     prefills = by_name.get(sc.SPAN_PREFILL, [])
     decodes = by_name.get(sc.SPAN_DECODE, [])
     prefill = _last_attempt(prefills)
     decode = _last_attempt(decodes)
     handoff = _last_attempt(by_name.get(sc.SPAN_HANDOFF, []))
-    p_instance = ra.get(sc.P_INSTANCE) or (prefill.attributes.get(sc.INSTANCE) if prefill else None)
-    d_instance = ra.get(sc.D_INSTANCE) or (decode.attributes.get(sc.INSTANCE) if decode else None)
+    p_instance = _str(ra.get(sc.P_INSTANCE), 128) or (_str(prefill.attributes.get(sc.INSTANCE), 128) if prefill else None)
+    d_instance = _str(ra.get(sc.D_INSTANCE), 128) or (_str(decode.attributes.get(sc.INSTANCE), 128) if decode else None)
     p_llm, d_llm = _split_vllm(
         by_name.get(sc.VLLM_SPAN, []),
         {s.span_id for s in prefills},
@@ -150,6 +177,8 @@ def assemble(spans: Iterable[SpanLike], slo: SLOSettings) -> Assembled | None:
     )
 
     proxy_in = root.start_ts
+    if not math.isfinite(proxy_in):
+        return None
     done = root.end_ts if root.end_ts >= root.start_ts else None
     p_sent = prefill.start_ts if prefill else None
     p_done = prefill.end_ts if prefill else None
@@ -163,7 +192,7 @@ def assemble(spans: Iterable[SpanLike], slo: SLOSettings) -> Assembled | None:
         p_done = handoff.start_ts
 
     outcome = ra.get(sc.OUTCOME)
-    if outcome not in sc.OUTCOMES:
+    if not isinstance(outcome, str) or outcome not in sc.OUTCOMES:
         outcome = "error" if root.status_code == STATUS_ERROR else "ok"
     prompt_tokens = _int(d_llm.attributes, sc.GEN_AI_PROMPT_TOKENS) if d_llm else None
     if prompt_tokens is None and p_llm is not None:
@@ -189,32 +218,33 @@ def assemble(spans: Iterable[SpanLike], slo: SLOSettings) -> Assembled | None:
 
     attributes: dict[str, Any] = {"spans": sum(len(v) for v in by_name.values())}
     if p_llm is not None:
-        attributes["p_vllm_request_id"] = p_llm.attributes.get(sc.GEN_AI_REQUEST_ID)
+        attributes["p_vllm_request_id"] = _str(p_llm.attributes.get(sc.GEN_AI_REQUEST_ID), 256)
     if d_llm is not None:
-        attributes["d_vllm_request_id"] = d_llm.attributes.get(sc.GEN_AI_REQUEST_ID)
+        attributes["d_vllm_request_id"] = _str(d_llm.attributes.get(sc.GEN_AI_REQUEST_ID), 256)
         attributes["d_ttft_s"] = _num(d_llm.attributes, sc.GEN_AI_TTFT)
-    if ra.get(sc.REJECT_REASON):
-        attributes["reject_reason"] = ra.get(sc.REJECT_REASON)
-    if ra.get(sc.REMOTE_ENGINE_ID):
-        attributes["remote_engine_id"] = ra.get(sc.REMOTE_ENGINE_ID)
+    if _str(ra.get(sc.REJECT_REASON), 256):
+        attributes["reject_reason"] = _str(ra.get(sc.REJECT_REASON), 256)
+    if _str(ra.get(sc.REMOTE_ENGINE_ID), 256):
+        attributes["remote_engine_id"] = _str(ra.get(sc.REMOTE_ENGINE_ID), 256)
 
     values: dict[str, Any] = {
         "request_id": str(request_id)[:128],
         "trace_id": root.trace_id,
-        "endpoint": ra.get(sc.ENDPOINT),
+        "endpoint": _str(ra.get(sc.ENDPOINT), 64),
         "stream": ra.get(sc.STREAM) if isinstance(ra.get(sc.STREAM), bool) else None,
         "p_instance": p_instance,
         "d_instance": d_instance,
-        "p_pool": ra.get(sc.P_POOL) or (prefill.attributes.get(sc.P_POOL) if prefill else None),
-        "d_pool": ra.get(sc.D_POOL) or (decode.attributes.get(sc.D_POOL) if decode else None),
+        "p_pool": _str(ra.get(sc.P_POOL), 128) or (_str(prefill.attributes.get(sc.P_POOL), 128) if prefill else None),
+        "d_pool": _str(ra.get(sc.D_POOL), 128) or (_str(decode.attributes.get(sc.D_POOL), 128) if decode else None),
         "status": outcome,
         "http_status": _int(ra, sc.HTTP_STATUS),
-        "error": ra.get(sc.ERROR_TYPE),
+        "error": _str(ra.get(sc.ERROR_TYPE), 1024),
         "retries": _int(ra, sc.RETRIES) or 0,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "kv_blocks": _int(ra, sc.KV_BLOCKS) if sc.KV_BLOCKS in ra else (_int(handoff.attributes, sc.KV_BLOCKS) if handoff else None),
-        "kv_bytes": _int(ra, sc.KV_BYTES) if sc.KV_BYTES in ra else (_int(handoff.attributes, sc.KV_BYTES) if handoff else None),
+        "kv_bytes": (_int(ra, sc.KV_BYTES, _INT64) if sc.KV_BYTES in ra
+                     else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)),
         "proxy_in": proxy_in,
         "p_sent": p_sent,
         "p_done": p_done,
@@ -233,5 +263,6 @@ def assemble(spans: Iterable[SpanLike], slo: SLOSettings) -> Assembled | None:
         "slo_tpot_met": tpot_met,
         "slo_met": slo_met,
         "attributes": attributes,
+        "sender": getattr(root, "sender", None),
     }
     return Assembled(values)

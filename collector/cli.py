@@ -1,5 +1,8 @@
 """``pdscope collect``: run the scraper, the OTLP receiver and retention in one process.
 
+Refuses to start on a non-loopback ``collector.host`` without OTLP tokens
+(``collector.otlp_tokens_env``), before touching the store.
+
 Import-light on purpose: the service (httpx, uvicorn, SQLAlchemy) is imported in ``run``.
 """
 
@@ -29,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from collector.service import CollectorService
+    from collector.service import CollectorService, InsecureBind, check_bind
     from pdscope.cli import load_settings
+    from pdscope.config import ConfigError
     from store import migrate
     from store.db import StoreError
 
@@ -43,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"collector": collector})
     if args.store_url:
         settings = settings.model_copy(update={"store": settings.store.model_copy(update={"url": args.store_url})})
+    try:
+        tokens = settings.collector.otlp_tokens()
+        check_bind(settings.collector.host, tokens, settings.collector.otlp_tokens_env)
+    except (ConfigError, InsecureBind) as exc:
+        print(f"pdscope collect: {exc}", file=sys.stderr)
+        return 1
     if not args.no_migrate:
         # Another service (the controller) may be migrating the same store at this moment:
         # a second try finds it at head.
@@ -66,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                 pass
         if args.duration is not None:
             loop.call_later(args.duration, stop.set)
-        service = CollectorService(settings, port=args.port)
+        service = CollectorService(settings, port=args.port, otlp_tokens=tokens)
         log.info("pdscope collect: receiver on http://%s:%d", settings.collector.host, service.port)
         await service.run(stop)
 

@@ -10,7 +10,10 @@ matters (``le``, ``finished_reason``, ``stage``...) and the value.
 It relies on what every Prometheus client emits: a family's samples follow its
 ``# TYPE`` line together. Pages it cannot handle that way (no ``# TYPE`` lines at all)
 go to the general parser, so the result is the same either way; the tests hold the two
-paths to the same output on the real captures and on variants. It never raises.
+paths to the same output on the real captures and on variants. A series that appears
+twice on a page (same name, same labels in any order) is kept once, the first, and the
+repeat is reported in ``Signals.errors``, as Prometheus does; it is never summed (which
+would double a counter and fake a reset on the next page). It never raises.
 """
 
 from __future__ import annotations
@@ -103,7 +106,32 @@ def extract_signals(data: str | bytes) -> Signals:
     return finish(signals, scalars, hists)
 
 
-_HIST_RE = re.compile(r"^[^\s{#]*_(bucket|sum|count)(\{[^\n]*\})?[ \t]+([^\s#]+)", re.M)
+def _series_key(name: str, labels: str) -> tuple[str, str | tuple[str, ...]]:
+    """A key equal for the same series however its labels are ordered or spaced."""
+    inner = labels.strip()[1:-1] if labels else ""
+    if "," not in inner:
+        return name, inner.strip().rstrip('"')
+    parts = (p.strip().rstrip('"') for p in inner.split('",'))
+    return name, tuple(sorted(p for p in parts if p))
+
+
+def _first_of_each(
+    rows: list[tuple[str, str, str]], family: str, signals: Signals
+) -> list[tuple[str, str, str]]:
+    """The rows with each series' first sample only; each repeat reported."""
+    seen: set[tuple[str, str | tuple[str, ...]]] = set()
+    out: list[tuple[str, str, str]] = []
+    for row in rows:
+        key = _series_key(row[0], row[1])
+        if key in seen:
+            signals.errors.append(f"{family}: duplicate series {row[0]}{row[1]}: kept the first")
+            continue
+        seen.add(key)
+        out.append(row)
+    return out
+
+
+_HIST_RE = re.compile(r"^([^\s{#]*_(bucket|sum|count))(\{[^\n]*\})?[ \t]+([^\s#]+)", re.M)
 _SAMPLE_RE = re.compile(r"^([^\s{#]+)(\{[^\n]*\})?[ \t]+([^\s#]+)", re.M)
 _ENGINE_RE = re.compile(r'[{,]engine="([^"]*)"')
 
@@ -130,7 +158,9 @@ def _block(
     if spec.kind == "histogram":
         acc = hists.setdefault(family, HistogramAcc())
         buckets = acc.buckets
-        for kind, labels, value in _HIST_RE.findall(text, start, end):
+        rows = [(name, labels, value) for name, _kind, labels, value in _HIST_RE.findall(text, start, end)]
+        for name, labels, value in _first_of_each(rows, family, signals):
+            kind = name[name.rfind("_") + 1 :]
             if kind == "bucket":
                 i = labels.find('le="')
                 while i > 0 and labels[i - 1] not in "{,":
@@ -147,7 +177,11 @@ def _block(
             else:
                 acc.add_count(float(value))
         return
-    samples = [(name, labels, value) for name, labels, value in _SAMPLE_RE.findall(text, start, end) if not name.endswith("_created")]
+    samples = _first_of_each(
+        [(name, labels, value) for name, labels, value in _SAMPLE_RE.findall(text, start, end) if not name.endswith("_created")],
+        family,
+        signals,
+    )
     if spec.kind == "labelled":
         key = f'{spec.label}="'
         columns = dict(spec.columns)

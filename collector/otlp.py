@@ -3,26 +3,41 @@
 Accepts what the OpenTelemetry SDKs and the OpenTelemetry Collector send to
 ``POST /v1/traces``: ``application/x-protobuf`` (an ``ExportTraceServiceRequest``) or
 ``application/json`` (the OTLP/JSON mapping: camelCase keys, hex ``traceId``/``spanId``,
-64-bit integers as strings or numbers). Anything else raises ``OTLPDecodeError`` with a
-reason fit for a 400 response. No I/O, no store.
+64-bit integers as strings or numbers). A body that is not an export at all raises
+``OTLPDecodeError`` with a reason fit for a 400 response; one malformed span inside an
+export costs only itself: ``decode_export`` returns the good spans and the count of the
+dropped ones by reason. ``inflate`` decompresses incrementally under a cap on the
+inflated size (``BodyTooLarge``) and, optionally, a shared byte budget (``OverBudget``).
+No I/O, no store.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import zlib
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 MAX_DECOMPRESSED = 64 * 2**20
+INFLATE_CHUNK = 256 * 2**10
+MAX_VALUE_DEPTH = 4  # arrays/maps nested deeper than this become null
 
 
 class OTLPDecodeError(ValueError):
     """The body is not an OTLP trace export; ``str()`` is the reason (retrying will not help)."""
+
+
+class BodyTooLarge(OTLPDecodeError):
+    """The body inflates past the cap (a 413, not a 400)."""
+
+
+class OverBudget(Exception):
+    """The shared in-flight byte budget has no room for this body now (a 429: retry later)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,32 +53,86 @@ class SpanData:
     status_code: int | None
     attributes: dict[str, Any]
     events: tuple[tuple[str, float, dict[str, Any]], ...] = ()
+    sender: str | None = None  # the name of the OTLP token it came with; None: no auth
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
+@dataclass
+class Decoded:
+    """The spans of one export and the spans dropped while decoding it, by reason."""
+
+    spans: list[SpanData] = field(default_factory=list)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+
+def inflate(
+    body: bytes | bytearray,
+    encoding: str | None,
+    max_bytes: int = MAX_DECOMPRESSED,
+    reserve: Callable[[int], bool] | None = None,
+) -> bytes | bytearray:
+    """The body decompressed per ``Content-Encoding``, chunk by chunk, never past ``max_bytes``.
+
+    ``reserve(n)`` is asked before each inflated chunk is kept; False raises OverBudget.
+    Raises BodyTooLarge past the cap and OTLPDecodeError for a bad or unknown encoding.
+    """
     enc = (encoding or "").strip().lower()
     if enc in ("", "identity"):
         return body
     if enc not in ("gzip", "deflate"):
         raise OTLPDecodeError(f"unsupported Content-Encoding {enc!r} (gzip, deflate or none)")
+    wbits = 31 if enc == "gzip" else 15
+    out = bytearray()
+    data: bytes = bytes(body)
+    d = zlib.decompressobj(wbits)
+    # Each turn keeps up to one chunk or consumes input: bounded by both sizes.
+    for _ in range(max_bytes // INFLATE_CHUNK + len(data) + 8):
+        try:
+            chunk = d.decompress(data, INFLATE_CHUNK)
+        except zlib.error as exc:
+            raise OTLPDecodeError(f"body is not valid {enc}: {exc}") from exc
+        if len(out) + len(chunk) > max_bytes:
+            raise BodyTooLarge(f"decompressed body larger than {max_bytes} bytes")
+        if chunk and reserve is not None and not reserve(len(chunk)):
+            raise OverBudget("in-flight byte budget exhausted while inflating")
+        out.extend(chunk)
+        data = d.unconsumed_tail
+        if d.eof:
+            rest = d.unused_data
+            if enc == "gzip" and rest.strip(b"\x00"):  # another gzip member follows
+                d, data = zlib.decompressobj(wbits), rest
+                continue
+            return out
+        if not data and not chunk:
+            raise OTLPDecodeError(f"body is not valid {enc}: truncated stream")
+    raise OTLPDecodeError(f"body is not valid {enc}: does not end")
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    return bytes(inflate(body, encoding))
+
+
+def decode_export(
+    raw: bytes | bytearray, content_type: str | None, sender: str | None = None
+) -> Decoded:
+    """Spans of one (already inflated) export, and what was dropped. Raises OTLPDecodeError."""
+    ctype = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
     try:
-        out = gzip.decompress(body) if enc == "gzip" else zlib.decompress(body)
-    except (OSError, EOFError, zlib.error) as exc:
-        raise OTLPDecodeError(f"body is not valid {enc}: {exc}") from exc
-    if len(out) > MAX_DECOMPRESSED:
-        raise OTLPDecodeError(f"decompressed body larger than {MAX_DECOMPRESSED} bytes")
-    return out
+        if ctype == "application/json":
+            return _decode_json(raw, sender)
+        if ctype in ("application/x-protobuf", "application/protobuf", "application/octet-stream"):
+            return _decode_proto(raw, sender)
+    except RecursionError as exc:
+        raise OTLPDecodeError("body nested too deeply") from exc
+    raise OTLPDecodeError(f"unsupported Content-Type {ctype!r} (application/x-protobuf or application/json)")
 
 
 def decode(body: bytes, content_type: str | None, encoding: str | None = None) -> list[SpanData]:
-    """Spans of one export request. Raises OTLPDecodeError."""
-    raw = decompress(body, encoding)
-    ctype = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
-    if ctype == "application/json":
-        return _decode_json(raw)
-    if ctype in ("application/x-protobuf", "application/protobuf", "application/octet-stream"):
-        return _decode_proto(raw)
-    raise OTLPDecodeError(f"unsupported Content-Type {ctype!r} (application/x-protobuf or application/json)")
+    """Spans of one export request (malformed spans left out). Raises OTLPDecodeError."""
+    return decode_export(inflate(body, encoding), content_type).spans
+
+
+def _str_or_none(v: Any) -> str | None:
+    return v if isinstance(v, str) and v else None
 
 
 # -- protobuf ------------------------------------------------------------------------------
@@ -72,28 +141,29 @@ def decode(body: bytes, content_type: str | None, encoding: str | None = None) -
 _SCALARS = frozenset({"string_value", "int_value", "double_value", "bool_value"})
 
 
-def _any_value(v: Any) -> Any:
+def _any_value(v: Any, depth: int = 0) -> Any:
     which = v.WhichOneof("value")
     if which in _SCALARS:
         return getattr(v, which)
-    if which is None:
+    if which is None or depth >= MAX_VALUE_DEPTH:
         return None
     if which == "array_value":
-        return [_any_value(x) for x in v.array_value.values]
+        return [_any_value(x, depth + 1) for x in v.array_value.values]
     if which == "kvlist_value":
-        return {kv.key: _any_value(kv.value) for kv in v.kvlist_value.values}
+        return {kv.key: _any_value(kv.value, depth + 1) for kv in v.kvlist_value.values}
     if which == "bytes_value":
         return v.bytes_value.hex()
-    return getattr(v, which)
+    return None
 
 
-def _decode_proto(raw: bytes) -> list[SpanData]:
+def _decode_proto(raw: bytes | bytearray, sender: str | None) -> Decoded:
     req = ExportTraceServiceRequest()
     try:
         req.ParseFromString(raw)
     except DecodeError as exc:
         raise OTLPDecodeError(f"body is not an OTLP protobuf ExportTraceServiceRequest: {exc}") from exc
-    out: list[SpanData] = []
+    result = Decoded()
+    out = result.spans
     for rs in req.resource_spans:
         service = None
         for kv in rs.resource.attributes:
@@ -102,8 +172,16 @@ def _decode_proto(raw: bytes) -> list[SpanData]:
         for ss in rs.scope_spans:
             for s in ss.spans:
                 trace_id, span_id = s.trace_id, s.span_id
-                if len(trace_id) != 16 or len(span_id) != 8:
-                    raise OTLPDecodeError("span with a trace_id that is not 16 bytes or a span_id that is not 8")
+                if len(trace_id) != 16:
+                    result.dropped["invalid_trace_id"] += 1
+                    continue
+                if len(span_id) != 8:
+                    result.dropped["invalid_span_id"] += 1
+                    continue
+                parent = s.parent_span_id
+                if parent and len(parent) != 8:
+                    result.dropped["invalid_parent_span_id"] += 1
+                    continue
                 attrs: dict[str, Any] = {}
                 for kv in s.attributes:
                     v = kv.value
@@ -122,7 +200,7 @@ def _decode_proto(raw: bytes) -> list[SpanData]:
                     SpanData(
                         trace_id.hex(),
                         span_id.hex(),
-                        s.parent_span_id.hex() or None,
+                        parent.hex() or None,
                         s.name,
                         service,
                         s.kind,
@@ -131,15 +209,16 @@ def _decode_proto(raw: bytes) -> list[SpanData]:
                         status,
                         attrs,
                         events,
+                        sender,
                     )
                 )
-    return out
+    return result
 
 
 # -- JSON ------------------------------------------------------------------------------------
 
 
-def _json_value(v: Any) -> Any:
+def _json_value(v: Any, depth: int = 0) -> Any:
     if not isinstance(v, dict) or not v:
         return None
     key, val = next(iter(v.items()))
@@ -147,17 +226,37 @@ def _json_value(v: Any) -> Any:
         return int(val)
     if key == "doubleValue":
         return float(val)
+    if key in ("stringValue", "bytesValue"):
+        return val if isinstance(val, str) else None
+    if key == "boolValue":
+        return val if isinstance(val, bool) else None
+    if depth >= MAX_VALUE_DEPTH:
+        return None
     if key == "arrayValue":
-        return [_json_value(x) for x in (val or {}).get("values", [])]
+        return [_json_value(x, depth + 1) for x in _values(val)]
     if key == "kvlistValue":
-        return {kv["key"]: _json_value(kv.get("value")) for kv in (val or {}).get("values", [])}
-    return val
+        return {_key(kv): _json_value(kv.get("value"), depth + 1) for kv in _values(val)}
+    return None
+
+
+def _values(val: Any) -> list[Any]:
+    items = val.get("values", []) if isinstance(val, dict) else []
+    return items if isinstance(items, list) else []
+
+
+def _key(kv: Any) -> str:
+    key = kv["key"]
+    if not isinstance(key, str):
+        raise TypeError("attribute key is not a string")
+    return key
 
 
 def _json_attrs(items: Any) -> dict[str, Any]:
     if not items:
         return {}
-    return {kv["key"]: _json_value(kv.get("value")) for kv in items}
+    if not isinstance(items, list):
+        raise TypeError("attributes is not a list")
+    return {_key(kv): _json_value(kv.get("value")) for kv in items}
 
 
 _KINDS = {"SPAN_KIND_UNSPECIFIED": 0, "SPAN_KIND_INTERNAL": 1, "SPAN_KIND_SERVER": 2, "SPAN_KIND_CLIENT": 3,
@@ -168,54 +267,101 @@ _STATUS = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
 def _enum(value: Any, names: dict[str, int]) -> int:
     if isinstance(value, str) and value in names:
         return names[value]
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError("enum is not a name or an integer")
+    n = int(value)
+    if not 0 <= n < 2**31:
+        raise ValueError("enum out of range")
+    return n
 
 
-def _hex_id(value: Any, length: int, what: str) -> str:
+def _nanos(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError("timestamp is not an integer")
+    return int(value) / 1e9
+
+
+class _BadId(ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _hex_id(value: Any, length: int, reason: str) -> str:
     if not isinstance(value, str) or len(value) != length:
-        raise OTLPDecodeError(f"{what} must be {length} hex characters")
+        raise _BadId(reason)
     try:
         bytes.fromhex(value)
     except ValueError as exc:
-        raise OTLPDecodeError(f"{what} is not hex") from exc
+        raise _BadId(reason) from exc
     return value.lower()
 
 
-def _decode_json(raw: bytes) -> list[SpanData]:
+def _json_span(s: Any, service: str | None, sender: str | None) -> SpanData:
+    if not isinstance(s, dict):
+        raise TypeError("span is not an object")
+    parent = s.get("parentSpanId") or None
+    status = s.get("status") or {}
+    if not isinstance(status, dict):
+        raise TypeError("status is not an object")
+    name = s.get("name", "")
+    if not isinstance(name, str):
+        raise TypeError("name is not a string")
+    events = s.get("events") or []
+    if not isinstance(events, list):
+        raise TypeError("events is not a list")
+    return SpanData(
+        trace_id=_hex_id(s.get("traceId"), 32, "invalid_trace_id"),
+        span_id=_hex_id(s.get("spanId"), 16, "invalid_span_id"),
+        parent_span_id=_hex_id(parent, 16, "invalid_parent_span_id") if parent else None,
+        name=name,
+        service=service,
+        kind=_enum(s.get("kind", 0), _KINDS),
+        start_ts=_nanos(s.get("startTimeUnixNano", 0)),
+        end_ts=_nanos(s.get("endTimeUnixNano", 0)),
+        status_code=_enum(status.get("code", 0), _STATUS) if status else None,
+        attributes=_json_attrs(s.get("attributes")),
+        events=tuple(_json_event(e) for e in events),
+        sender=sender,
+    )
+
+
+def _json_event(e: Any) -> tuple[str, float, dict[str, Any]]:
+    if not isinstance(e, dict):
+        raise TypeError("event is not an object")
+    name = e.get("name", "")
+    return (name if isinstance(name, str) else str(name), _nanos(e.get("timeUnixNano", 0)), _json_attrs(e.get("attributes")))
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _decode_json(raw: bytes | bytearray, sender: str | None) -> Decoded:
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OTLPDecodeError(f"body is not JSON: {exc}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans", []), list):
         raise OTLPDecodeError("JSON body has no resourceSpans list")
-    out: list[SpanData] = []
-    try:
-        for rs in doc.get("resourceSpans", []):
-            service = _json_attrs((rs.get("resource") or {}).get("attributes")).get("service.name")
-            for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
-                for s in ss.get("spans", []):
-                    parent = s.get("parentSpanId") or None
-                    status = s.get("status") or {}
-                    out.append(
-                        SpanData(
-                            trace_id=_hex_id(s.get("traceId"), 32, "traceId"),
-                            span_id=_hex_id(s.get("spanId"), 16, "spanId"),
-                            parent_span_id=_hex_id(parent, 16, "parentSpanId") if parent else None,
-                            name=str(s.get("name", "")),
-                            service=service,
-                            kind=_enum(s.get("kind", 0), _KINDS),
-                            start_ts=int(s.get("startTimeUnixNano", 0)) / 1e9,
-                            end_ts=int(s.get("endTimeUnixNano", 0)) / 1e9,
-                            status_code=_enum(status.get("code", 0), _STATUS) if status else None,
-                            attributes=_json_attrs(s.get("attributes")),
-                            events=tuple(
-                                (str(e.get("name", "")), int(e.get("timeUnixNano", 0)) / 1e9, _json_attrs(e.get("attributes")))
-                                for e in s.get("events") or []
-                            ),
-                        )
-                    )
-    except OTLPDecodeError:
-        raise
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise OTLPDecodeError(f"JSON body is not an OTLP trace export: {type(exc).__name__}: {exc}") from exc
-    return out
+    result = Decoded()
+    for rs in doc.get("resourceSpans", []):
+        if not isinstance(rs, dict):
+            result.dropped["malformed"] += 1
+            continue
+        resource = rs.get("resource") or {}
+        try:
+            rattrs = _json_attrs(resource.get("attributes") if isinstance(resource, dict) else None)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            rattrs = {}
+        service = _str_or_none(rattrs.get("service.name"))
+        for ss in _list(rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans")):
+            spans = _list(ss.get("spans")) if isinstance(ss, dict) else []
+            for s in spans:
+                try:
+                    result.spans.append(_json_span(s, service, sender))
+                except _BadId as exc:
+                    result.dropped[exc.reason] += 1
+                except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
+                    result.dropped["malformed"] += 1
+    return result

@@ -222,11 +222,12 @@ class PromSource(Scraper):
         registry: CollectorRegistry | None = None,
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.time,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False)
         super().__init__(
             targets, client, interval_s=interval_s, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
-            on_round=on_round, jitter_s=0.0,
+            on_round=on_round, jitter_s=0.0, on_tick=on_tick,
         )
         self.url = prometheus_url.rstrip("/")
         self.instance_label = instance_label

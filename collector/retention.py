@@ -7,6 +7,10 @@ their average and maximum, histograms their bucket increases; per (P, D) pair, r
 records become counts and sums. Then raw snapshots, spans and request records older than
 ``retention_raw_s`` and rollups older than ``retention_rollup_s`` are deleted.
 
+The walk over minutes never starts before the rollup horizon (``now - retention_rollup_s``:
+nothing older would be kept) nor after the newest complete minute, and it jumps over
+minutes without data, so one row dated 0 (or 2554) cannot stall it.
+
 ``Retention.run`` blocks (run it in a thread) and raises ``store.db.StoreError``.
 """
 
@@ -140,14 +144,28 @@ class Retention:
         self.lag_s = lag_s
         self._next_minute: float | None = None
 
-    def _start_minute(self, session: Session) -> float | None:
-        last = session.scalar(select(func.max(SnapshotRollup.minute)))
-        last_req = session.scalar(select(func.max(RequestRollup.minute)))
+    def _frontier(self, now: float) -> float:
+        """The first minute that is not complete yet (not to be rolled up now)."""
+        return math.floor((now - self.lag_s) / 60.0) * 60.0
+
+    def _clamp(self, minute: float, now: float) -> float:
+        horizon = math.floor((now - self.rollup_s) / 60.0) * 60.0
+        return min(max(minute, horizon), self._frontier(now))
+
+    def _start_minute(self, session: Session, now: float) -> float | None:
+        frontier = self._frontier(now)  # a rollup dated in the future (a bad clock) is not "done"
+        last = session.scalar(select(func.max(SnapshotRollup.minute)).where(SnapshotRollup.minute < frontier))
+        last_req = session.scalar(select(func.max(RequestRollup.minute)).where(RequestRollup.minute < frontier))
         done = max((m for m in (last, last_req) if m is not None), default=None)
         if done is not None:
-            return float(done) + 60.0
-        first = session.scalar(select(func.min(Snapshot.ts)))
-        first_req = session.scalar(select(func.min(RequestRecord.proxy_in)))
+            return self._clamp(float(done) + 60.0, now)
+        start = self._next_data(session, self._clamp(-math.inf, now))
+        return None if start is None else self._clamp(start, now)
+
+    def _next_data(self, session: Session, minute: float) -> float | None:
+        """The start of the first minute at or after ``minute`` holding a snapshot or a record."""
+        first = session.scalar(select(func.min(Snapshot.ts)).where(Snapshot.ts >= minute))
+        first_req = session.scalar(select(func.min(RequestRecord.proxy_in)).where(RequestRecord.proxy_in >= minute))
         start = min((m for m in (first, first_req) if m is not None), default=None)
         return None if start is None else math.floor(start / 60.0) * 60.0
 
@@ -177,12 +195,16 @@ class Retention:
         rolled = 0
         with transaction(self.factory) as session:
             if self._next_minute is None:
-                self._next_minute = self._start_minute(session)
-            while (
-                self._next_minute is not None
-                and self._next_minute + 60.0 <= now - self.lag_s
-                and rolled < MAX_MINUTES_PER_RUN
-            ):
+                self._next_minute = self._start_minute(session, now)
+            elif self._next_minute < self._clamp(self._next_minute, now):  # fell behind the horizon
+                self._next_minute = self._clamp(self._next_minute, now)
+            frontier = self._frontier(now)
+            while self._next_minute is not None and self._next_minute < frontier and rolled < MAX_MINUTES_PER_RUN:
+                nxt = self._next_data(session, self._next_minute)
+                if nxt is None or nxt >= frontier:  # nothing to roll up before the frontier
+                    self._next_minute = frontier
+                    break
+                self._next_minute = nxt  # skip empty minutes (they roll up to nothing)
                 self._roll_minute(session, self._next_minute)
                 self._next_minute += 60.0
                 rolled += 1

@@ -11,6 +11,9 @@ signals or an error string.
 
 The loop in ``Scraper.run`` hands each round's results to a callback (the store writer
 and the self-metrics); it must not block the event loop, so storing runs in a thread.
+A round that raises anyway is logged (rate-limited), counted in ``round_errors`` and the
+loop goes on; ``on_tick`` is called every turn (the liveness heartbeat). Logging stays
+quiet at INFO: a line when the set of down targets changes, each round at DEBUG.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import httpx
 
 from collector.fastparse import extract_signals
+from collector.health import RateLimitedLog
 from collector.signals import Signals
 from collector.targets import Target
 
@@ -142,6 +146,7 @@ class Scraper:
         on_round: Callable[[list[ScrapeResult]], Coroutine[Any, Any, None]],
         jitter_s: float | None = None,
         rng: random.Random | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         if timeout_s >= interval_s:
             raise ValueError("scrape timeout must be shorter than the interval")
@@ -155,6 +160,10 @@ class Scraper:
         self.jitter_s = min(0.1 * interval_s, interval_s - timeout_s) if jitter_s is None else jitter_s
         self.rng = rng or random.Random()
         self.rounds = 0
+        self.round_errors = 0
+        self.on_tick = on_tick
+        self._down: frozenset[str] = frozenset()
+        self._warn = RateLimitedLog(log)
 
     async def _jittered(self, target: Target) -> ScrapeResult:
         if self.jitter_s > 0:
@@ -170,13 +179,20 @@ class Scraper:
         next_at = loop.time()
         pending: set[asyncio.Task[None]] = set()
         while not stop.is_set():
-            results = await self.scrape_round()
-            self.rounds += 1
-            down = [r.target.name for r in results if not r.up]
-            log.info("scrape round %d: %d targets, %d down %s", self.rounds, len(results), len(down), down[:5])
-            task = asyncio.create_task(self.on_round(results))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
+            if self.on_tick is not None:
+                self.on_tick()
+            try:
+                results = await self.scrape_round()
+            except Exception as exc:  # scrape_one never raises; a bug here must not end scraping
+                self.round_errors += 1
+                self._warn.warning("round", "scrape round failed: %r", exc, exc_info=exc)
+                results = None
+            if results is not None:
+                self.rounds += 1
+                self._log_round(results)
+                task = asyncio.create_task(self.on_round(results))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
             next_at += self.interval_s
             delay = next_at - loop.time()
             if delay < 0:  # fell behind (a huge fleet): skip the missed slots
@@ -188,3 +204,12 @@ class Scraper:
                 pass
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+    def _log_round(self, results: Sequence[ScrapeResult]) -> None:
+        down = frozenset(r.target.name for r in results if not r.up)
+        log.debug("scrape round %d: %d targets, %d down", self.rounds, len(results), len(down))
+        if down != self._down:
+            went, back = sorted(down - self._down), sorted(self._down - down)
+            log.info("scrape: %d of %d targets down (newly down %s, back up %s)",
+                     len(down), len(results), went[:10], back[:10])
+            self._down = down

@@ -41,6 +41,19 @@ class CollectorMetrics:
         self.spans_written = Counter("pdscope_collector_spans_written", "Spans written to the store", registry=r)
         self.records = Counter("pdscope_collector_records_assembled", "Request records created or updated", registry=r)
         self.queue = Gauge("pdscope_collector_span_queue", "Spans waiting to be written", registry=r)
+        self.spans_truncated = Counter(
+            "pdscope_collector_spans_truncated", "Spans kept with attributes or events cut to the limits", registry=r
+        )
+        self.records_failed = Counter(
+            "pdscope_collector_records_failed", "Traces whose request record could not be assembled", ["reason"], registry=r
+        )
+        self.task_errors = Counter(
+            "pdscope_collector_task_errors", "Failed turns of a background task (caught; the task goes on)",
+            ["task", "reason"], registry=r,
+        )
+        self.inflight_bytes = Gauge(
+            "pdscope_collector_otlp_inflight_bytes", "OTLP body bytes (as sent and inflated) held by requests now", registry=r
+        )
         self._errors: dict[str, str] = {}
 
     def observe_round(self, results: Sequence[ScrapeResult]) -> None:

@@ -5,25 +5,36 @@ itself (so ``port: 0`` works and ``.port`` tells which), scrapes on the configur
 interval (or, with ``collector.prometheus_url``, reads the same signals from Prometheus:
 ``collector.promsource``), drains the span queue into the store, and every scrape interval runs the
 lease-expiry forensics over recent records and the retention pass. Store work runs in
-worker threads; a store error is logged and counted, and the loops go on. It stops when
-``stop`` is set, flushing the queued spans first.
+worker threads. Every background task catches what a turn raises, counts it
+(``pdscope_collector_task_errors_total{task,reason}``), logs it (rate-limited) and goes
+on; each beats ``TaskHealth``, and ``/healthz`` answers 503 for a task that is dead or
+has not beaten within its bound. At most ``MAX_PENDING_ROUNDS`` scrape rounds wait for
+the store at once; a round past that is not stored (counted). It stops when ``stop`` is
+set, flushing the queued spans first.
+
+With ``collector.otlp_tokens_env`` unset or empty, OTLP is unauthenticated and the
+service refuses to bind a non-loopback ``collector.host`` (``InsecureBind``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
 
 import httpx
 import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
 
 from collector import forensics
+from collector.health import RateLimitedLog, TaskHealth
+from collector.ingest import SpanLimits
 from collector.promsource import PromSource
-from collector.receiver import SpanBatcher, SpanQueue, build_app
+from collector.receiver import ReceiverConfig, SpanBatcher, SpanQueue, build_app
 from collector.retention import Retention
 from collector.scraper import PerOriginTransport, Scraper, ScrapeResult
 from collector.selfmetrics import CollectorMetrics
@@ -36,6 +47,48 @@ from store.db import StoreError, make_engine, session_factory, transaction
 log = logging.getLogger(__name__)
 
 FORENSICS_WINDOW_S = 300.0
+MAX_PENDING_ROUNDS = 2
+SCRAPER, SNAPSHOTS, MAINTENANCE = "scraper", "snapshot_writer", "maintenance"
+
+
+class InsecureBind(ValueError):
+    """Refusing to serve unauthenticated OTLP on a non-loopback address."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, tokens: Mapping[str, str], env_name: str) -> None:
+    """Raise InsecureBind for a non-loopback host without OTLP tokens."""
+    if not tokens and not is_loopback(host):
+        raise InsecureBind(
+            f"refusing to receive OTLP on {host} (not loopback) without authentication: set ${env_name} "
+            "to sender:token[,sender:token...] or bind 127.0.0.1"
+        )
+
+
+def receiver_config(settings: Settings, tokens: Mapping[str, str]) -> ReceiverConfig:
+    cs = settings.collector
+    return ReceiverConfig(
+        max_body_bytes=cs.otlp_max_body_bytes,
+        max_inflated_bytes=cs.otlp_max_inflated_bytes,
+        inflight_bytes=cs.otlp_inflight_bytes,
+        retry_after_s=cs.otlp_retry_after_s,
+        limits=SpanLimits(
+            max_attributes=cs.span_max_attributes,
+            max_value_chars=cs.span_max_value_chars,
+            max_attribute_chars=cs.span_max_attribute_chars,
+            max_future_s=cs.span_max_future_s,
+            max_age_s=settings.store.retention_raw_s,
+        ),
+        tokens=dict(tokens),
+    )
 
 
 class CollectorService:
@@ -46,22 +99,35 @@ class CollectorService:
         factory: sessionmaker[Session] | None = None,
         targets: Sequence[Target] | None = None,
         sink: Sink | None = None,
-        queue_spans: int = 200_000,
+        queue_spans: int | None = None,
         port: int | None = None,
         clock: Callable[[], float] = time.time,
+        otlp_tokens: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = settings
         cs = settings.collector
+        tokens = cs.otlp_tokens() if otlp_tokens is None else otlp_tokens  # raises ConfigError
+        check_bind(cs.host, tokens, cs.otlp_tokens_env)
+        self.health = TaskHealth()
+        httpx_log = logging.getLogger("httpx")
+        if httpx_log.level == logging.NOTSET:  # httpx logs every request at INFO: one line per target per scrape
+            httpx_log.setLevel(logging.WARNING)
+        self._warn = RateLimitedLog(log)
+        self._storing = 0
         self.factory = factory or session_factory(make_engine(settings.store.url))
         self.targets = list(targets if targets is not None else targets_from_settings(settings))
         self.metrics = CollectorMetrics()
         self.snapshots = SnapshotStore(self.factory)
-        self.queue = SpanQueue(queue_spans)
+        self.queue = SpanQueue(cs.span_queue_spans if queue_spans is None else queue_spans)
         self.sink = sink or StoreSink(self.factory, settings.slo, clock)
-        self.batcher = SpanBatcher(self.queue, self.sink, self.metrics)
+        self.batcher = SpanBatcher(self.queue, self.sink, self.metrics, health=self.health)
         self.retention = Retention(self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s)
         self.clock = clock
-        self.app = build_app(self.queue, self.metrics)
+        self.app = build_app(self.queue, self.metrics, receiver_config(settings, tokens), health=self.health, clock=clock)
+        interval = cs.scrape_interval_s
+        self.health.register(SCRAPER, 3 * interval + cs.scrape_timeout_s + 30.0)
+        self.health.register(SNAPSHOTS, max(120.0, 6 * interval))
+        self.health.register(MAINTENANCE, max(600.0, 5 * interval))
         self.client = httpx.AsyncClient(
             transport=PerOriginTransport(), timeout=httpx.Timeout(cs.scrape_timeout_s), follow_redirects=False
         )
@@ -72,6 +138,7 @@ class CollectorService:
             timeout_s=cs.scrape_timeout_s,
             max_body_bytes=cs.max_body_bytes,
             on_round=self.store_round,
+            on_tick=lambda: self.health.beat(SCRAPER),
         )
         # collector.prometheus_url: rounds come from Prometheus instead (collector.promsource)
         self.promsource: PromSource | None = None
@@ -87,6 +154,7 @@ class CollectorService:
                 selector=cs.prometheus_selector,
                 registry=self.metrics.registry,
                 clock=clock,
+                on_tick=lambda: self.health.beat(SCRAPER),
             )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -94,18 +162,38 @@ class CollectorService:
         self.port: int = self.sock.getsockname()[1]
         self.started = asyncio.Event()
 
+    def _task_error(self, task: str, exc: BaseException) -> None:
+        self.metrics.task_errors.labels(task, type(exc).__name__).inc()
+        self.health.error(task, exc)
+        self._warn.warning(task, "%s: turn failed: %r", task, exc, exc_info=exc)
+
     async def store_round(self, results: list[ScrapeResult]) -> None:
-        self.metrics.observe_round(results)
-        before = dict(self.snapshots.resets)
+        """Self-metrics and snapshots of one round; never raises."""
         try:
+            self.metrics.observe_round(results)
+        except Exception as exc:
+            self._task_error(SNAPSHOTS, exc)
+        if self._storing >= MAX_PENDING_ROUNDS:  # the store is slower than the scrapes: skip, do not pile up
+            self.metrics.store_errors.labels("snapshots_skipped").inc()
+            self._warn.warning("snapshots_skipped", "snapshot round not stored: %d rounds still waiting for the store",
+                               self._storing)
+            return
+        self._storing += 1
+        try:
+            before = dict(self.snapshots.resets)
             n = await asyncio.to_thread(self.snapshots.write_round, results)
             self.metrics.snapshots.inc(n)
+            for inst, count in self.snapshots.resets.items():
+                if count > before.get(inst, 0):
+                    self.metrics.resets.labels(inst).inc(count - before.get(inst, 0))
         except StoreError as exc:
             self.metrics.store_errors.labels("snapshots").inc()
-            log.warning("snapshot round not stored: %s", exc)
-        for inst, count in self.snapshots.resets.items():
-            if count > before.get(inst, 0):
-                self.metrics.resets.labels(inst).inc(count - before.get(inst, 0))
+            self._warn.warning("snapshots_store", "snapshot round not stored: %s", exc)
+        except Exception as exc:
+            self._task_error(SNAPSHOTS, exc)
+        finally:
+            self._storing -= 1
+            self.health.beat(SNAPSHOTS)
 
     def maintenance(self) -> None:
         """Forensics over recent records, then retention. Blocking; raises StoreError."""
@@ -117,6 +205,7 @@ class CollectorService:
     async def _maintenance_loop(self, stop: asyncio.Event) -> None:
         interval = self.settings.collector.scrape_interval_s
         while not stop.is_set():
+            self.health.beat(MAINTENANCE)
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:
@@ -125,7 +214,26 @@ class CollectorService:
                 await asyncio.to_thread(self.maintenance)
             except StoreError as exc:
                 self.metrics.store_errors.labels("maintenance").inc()
-                log.warning("forensics/retention pass failed: %s", exc)
+                self._warn.warning("maintenance_store", "forensics/retention pass failed: %s", exc)
+            except Exception as exc:
+                self._task_error(MAINTENANCE, exc)
+            self.health.beat(MAINTENANCE)
+
+    def _supervise(self, name: str, coro: Coroutine[Any, Any, None], stop: asyncio.Event) -> asyncio.Task[None]:
+        """Run a background task; one that ends while the collector runs is marked dead."""
+        task = asyncio.create_task(coro, name=f"collector-{name}")
+
+        def done(t: asyncio.Task[None]) -> None:
+            if stop.is_set():
+                return
+            exc = None if t.cancelled() else t.exception()
+            why = "cancelled" if t.cancelled() else (f"{type(exc).__name__}: {exc}" if exc else "returned")
+            self.health.died(name, why)
+            self.metrics.task_errors.labels(name, "died").inc()
+            log.error("collector task %s ended while running: %s", name, why, exc_info=exc)
+
+        task.add_done_callback(done)
+        return task
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -135,10 +243,12 @@ class CollectorService:
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         server = uvicorn.Server(config)
         server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
+        for name in (SCRAPER, SNAPSHOTS, MAINTENANCE, "span_writer"):
+            self.health.beat(name)  # bounds count from now, not from construction
         tasks = [
-            asyncio.create_task((self.promsource or self.scraper).run(stop)),
-            asyncio.create_task(self.batcher.run(stop)),
-            asyncio.create_task(self._maintenance_loop(stop)),
+            self._supervise(SCRAPER, (self.promsource or self.scraper).run(stop), stop),
+            self._supervise("span_writer", self.batcher.run(stop), stop),
+            self._supervise(MAINTENANCE, self._maintenance_loop(stop), stop),
         ]
         while not server.started and not server_task.done():  # noqa: ASYNC110 (uvicorn offers no event)
             await asyncio.sleep(0.01)

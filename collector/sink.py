@@ -7,6 +7,11 @@ not raise into the receiver (the receiver counts the failed spans as dropped).
 ``StoreSink`` inserts the spans, then (re)assembles the request record of every trace
 the batch touched whose proxy root span is in the store: a record is created when the
 root arrives and updated when vLLM's spans arrive later, in another export.
+
+A bad item costs only itself: a trace whose record cannot be assembled is counted
+(``WriteResult.assemble_errors``) and its spans are still stored; a batch the database
+refuses for its data (not for being down) is retried one trace at a time, so only the
+traces the database refuses are lost (``failed``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Any, Protocol
 
 import orjson
 from sqlalchemy import select
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from collector.assemble import EVENTS_KEY, assemble
+from collector.assemble import EVENTS_KEY, Assembled, assemble
 from collector.bulk import RawJSON, insert_rows
 from collector.otlp import SpanData
 from pdscope import semconv as sc
@@ -46,6 +52,7 @@ class WriteResult:
     failed: int = 0
     records: int = 0
     error: str | None = None
+    assemble_errors: int = 0
 
 
 class Sink(Protocol):
@@ -92,6 +99,7 @@ def span_row(span: SpanData, received: float) -> dict[str, Any]:
         "status_code": span.status_code,
         "attributes": _attributes_json(span),
         "received_ts": received,
+        "sender": span.sender,
     }
 
 
@@ -111,22 +119,57 @@ class StoreSink:
     def write(self, batch: Sequence[SpanData]) -> WriteResult:
         if not batch:
             return WriteResult(0)
-        now = self.clock()
         try:
-            with transaction(self.factory) as session:
-                # Spans of these traces stored by earlier exports (usually none), read before
-                # the insert so that this batch's spans are not read back.
-                stored = self._stored_spans(session, self._may_have_stored(batch))
-                insert_rows(session, _SPANS, [span_row(s, now) for s in batch])
-                records = self._assemble(session, batch, stored)
-        except StoreError as exc:
-            log.warning("span batch of %d not stored: %s", len(batch), exc)
-            return WriteResult(0, failed=len(batch), error=str(exc))
+            result = self._write(batch)
+        except Exception as exc:  # StoreError, or a value the driver cannot bind (OverflowError...)
+            if not _refused_data(exc) or len({s.trace_id for s in batch}) < 2:
+                log.warning("span batch of %d not stored: %r", len(batch), exc)
+                return WriteResult(0, failed=len(batch), error=str(exc))
+            return self._write_each_trace(batch)
+        self._remember(batch)
+        return result
+
+    def _write(self, batch: Sequence[SpanData]) -> WriteResult:
+        """One transaction for the batch. Raises StoreError."""
+        now = self.clock()
+        with transaction(self.factory) as session:
+            # Spans of these traces stored by earlier exports (usually none), read before
+            # the insert so that this batch's spans are not read back.
+            stored = self._stored_spans(session, self._may_have_stored(batch))
+            insert_rows(session, _SPANS, [span_row(s, now) for s in batch])
+            records, errors = self._assemble(session, batch, stored)
+        return WriteResult(len(batch), records=records, assemble_errors=errors)
+
+    def _write_each_trace(self, batch: Sequence[SpanData]) -> WriteResult:
+        """The database refused the batch's data: find the traces it refuses, keep the rest."""
+        traces: dict[str, list[SpanData]] = {}
+        for s in batch:
+            traces.setdefault(s.trace_id, []).append(s)
+        written = failed = records = errors = 0
+        last_error: str | None = None
+        for spans in traces.values():
+            try:
+                r = self._write(spans)
+            except Exception as exc:
+                failed += len(spans)
+                last_error = str(exc)
+                if not _refused_data(exc):  # the store went down meanwhile: stop trying
+                    failed = len(batch) - written
+                    break
+                continue
+            self._remember(spans)
+            written += r.written
+            records += r.records
+            errors += r.assemble_errors
+        if failed:
+            log.warning("%d of %d spans refused by the store (one trace at a time): %s", failed, len(batch), last_error)
+        return WriteResult(written, failed=failed, records=records, error=last_error, assemble_errors=errors)
+
+    def _remember(self, batch: Sequence[SpanData]) -> None:
         for s in batch:
             self._seen[s.trace_id] = None
         while len(self._seen) > self.max_seen:
             del self._seen[next(iter(self._seen))]
-        return WriteResult(len(batch), records=records)
 
     def _may_have_stored(self, batch: Sequence[SpanData]) -> set[str]:
         """Traces of the batch that may have spans in the store already.
@@ -151,25 +194,39 @@ class StoreSink:
             SpanRow.end_ts,
             SpanRow.status_code,
             SpanRow.attributes,
+            SpanRow.sender,
         )
         if not traces:
             return out
         ids = sorted(traces)
         for i in range(0, len(ids), 500):
             for row in session.execute(select(*cols).where(SpanRow.trace_id.in_(ids[i : i + 500]))):
-                out.setdefault(row[0], []).append(SpanData(*row))
+                out.setdefault(row[0], []).append(SpanData(*row[:10], sender=row[10]))
         return out
 
-    def _assemble(self, session: Session, batch: Sequence[SpanData], stored: dict[str, list[SpanData]]) -> int:
+    def _assemble(
+        self, session: Session, batch: Sequence[SpanData], stored: dict[str, list[SpanData]]
+    ) -> tuple[int, int]:
+        """(records created or updated, traces whose record could not be assembled)."""
         spans: dict[str, list[SpanData]] = {}
         for s in batch:
             spans.setdefault(s.trace_id, []).append(s)
         for trace, old in stored.items():
             spans.setdefault(trace, []).extend(old)
         with_root = [v for v in spans.values() if any(s.name == sc.SPAN_REQUEST for s in v)]
-        assembled = [a for a in (assemble(v, self.slo) for v in with_root) if a is not None]
+        assembled: list[Assembled] = []
+        errors = 0
+        for trace_spans in with_root:
+            try:
+                a = assemble(trace_spans, self.slo)
+            except Exception as exc:  # a bug or a value assembly cannot take: this trace only
+                errors += 1
+                log.debug("record of trace %s not assembled: %r", trace_spans[0].trace_id, exc)
+                continue
+            if a is not None:
+                assembled.append(a)
         if not assembled:
-            return 0
+            return 0, errors
         # Only traces with spans from earlier exports can have a record already; new ones
         # are inserted with ON CONFLICT DO NOTHING (a reused X-Request-Id keeps its first record).
         ids = [a.request_id for a in assembled if a.values["trace_id"] in stored]
@@ -195,4 +252,11 @@ class StoreSink:
                     setattr(rec, key, value)
         if new_rows:
             insert_rows(session, _RECORDS, new_rows, ignore_conflicts=True)
-        return len(assembled)
+        return len(assembled), errors
+
+
+def _refused_data(exc: Exception) -> bool:
+    """The database (or its driver) refused the values (not: is down, locked or unreachable)."""
+    if not isinstance(exc, StoreError):
+        return True
+    return isinstance(exc.__cause__, DataError | IntegrityError | ProgrammingError)

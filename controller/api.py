@@ -1,8 +1,14 @@
 """The control API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
 Reads are open (the proxy polls ``GET /v1/routing``); every mutation needs
-``Authorization: Bearer <token>`` and writes the override and its ``AuditEvent`` (who,
-before, after, reason) in one transaction, then recomposes the served table at once.
+``Authorization: Bearer <token>``, checked by :class:`controller.guard.RequestGuard` before
+any of the body is read (which also bounds the body's size and nesting). The audit actor is
+the token's identity (``identity:X-Actor`` when that header is sent; see
+``controller.auth``). A mutation of one subject (an instance or a pool) is serialised: an
+in-process lock per subject and, in the same transaction, the store's lock for it
+(:func:`controller.persist.lock_subject`); the override, the replaced one's ``cleared`` and
+the ``AuditEvent`` (who, before, after, reason) are written in that one transaction, the
+audit log line only after it commits, and then the served table is recomposed at once.
 Bad input is a 4xx naming the field and the reason, and nothing is written.
 
 Errors: ``store.StoreError`` becomes 503 (a retry may help); unknown names 404.
@@ -12,11 +18,11 @@ This module does no policy: it reads the reconciler's view and writes overrides.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -27,9 +33,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from controller.auth import API_IDENTITY, Authenticator, AuthError, audit_actor
+from controller.guard import RequestGuard
 from controller.loop import Reconciler, View
 from controller.notify import Notifier, NullNotifier
-from controller.persist import load_overrides, to_override
+from controller.persist import load_overrides, lock_subject, to_override
 from controller.policy import Override, ServedInstance
 from controller.policy.routes import active_overrides, serve_instance
 from controller.schemas import (
@@ -45,15 +53,17 @@ from controller.schemas import (
     SLOOut,
     UndrainIn,
     WeightIn,
+    WhoAmIOut,
 )
-from pdscope.routing import RoutingTable
+from pdscope.routing import RoutingTable, routing_etag
 from store.db import StoreError, transaction
 from store.models import Alert, AuditEvent, Decision, WeightOverride
 
 log = logging.getLogger(__name__)
 audit_log = logging.getLogger("controller.audit")
 
-XActor = Annotated[str | None, Header(description="who is making the change (stored in the audit trail)")]
+XActor = Annotated[str | None, Header(description="on whose behalf (UTF-8, at most 64 characters); recorded "
+                                                 "as identity:X-Actor in the audit trail")]
 
 AUDIT_ACTIONS = ("weight.set", "weight.clear", "drain", "undrain", "pool_weight.set", "pool_weight.clear")
 
@@ -69,12 +79,19 @@ def create_app(
     reconciler: Reconciler,
     *,
     token: str | None,
+    tokens: Mapping[str, str] | None = None,
     registry: CollectorRegistry | None = None,
     notifier: Notifier | None = None,
     run_loop: bool = False,
 ) -> FastAPI:
-    """The app. With ``run_loop`` the reconcile loop runs for the app's lifetime."""
+    """The app. ``token`` is identity ``"api"``'s; ``tokens`` maps more identities to theirs.
+    With ``run_loop`` the reconcile loop runs for the app's lifetime."""
     settings = reconciler.settings
+    ids = dict(tokens or {})
+    if token:
+        ids[API_IDENTITY] = token
+    authn = Authenticator(ids, disabled_detail=f"mutations are disabled: no API token is configured "
+                          f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})")
     notif = notifier or NullNotifier()
     if registry is None:
         from controller.metrics import make_registry
@@ -100,12 +117,15 @@ def create_app(
         "alerts, SLO status. Mutations need `Authorization: Bearer <token>`.",
         lifespan=lifespan,
     )
+    app.add_middleware(RequestGuard, auth=authn, max_body_bytes=settings.controller.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = []
         for e in exc.errors():
             loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "header")]
+            if e.get("type") == "json_invalid":  # loc is a character position, not a field
+                loc = []
             problems.append({"field": ".".join(loc) or "body", "reason": e.get("msg", "invalid"),
                              "loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")})
         return JSONResponse(status_code=422, content=jsonable_encoder({"detail": problems}))
@@ -116,23 +136,28 @@ def create_app(
         return JSONResponse(status_code=503, content={"detail": f"store unavailable: {exc}"},
                             headers={"Retry-After": "2"})
 
-    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
-        if token is None:
-            raise HTTPException(403, detail=f"mutations are disabled: no API token is configured "
-                                f"(set ${settings.controller.api_token_env})")
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise HTTPException(401, detail="missing 'Authorization: Bearer <token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, detail="invalid token", headers={"WWW-Authenticate": "Bearer"})
+    def caller(request: Request) -> str:
+        """The audit actor of a mutation: the guard authenticated it before the body was read."""
+        identity = request.scope.get("state", {}).get("identity")
+        if not isinstance(identity, str):  # the guard runs first; this only guards against misuse
+            raise HTTPException(401, detail="not authenticated", headers={"WWW-Authenticate": "Bearer"})
+        return audit_actor(identity, request.scope["state"].get("x_actor"))
 
-    def actor_of(request: Request, x_actor: str | None) -> str:
-        who = (x_actor or "api").strip()[:64] or "api"
-        host = request.client.host if request.client else "?"
-        return f"{who}@{host}"[:128]
+    def _documents_x_actor(x_actor: XActor = None) -> None:
+        """Lists X-Actor in the OpenAPI document; the guard reads and sanitises the raw header."""
 
-    auth = [Depends(require_token)]
+    auth = [Depends(_documents_x_actor)]
+
+    locks = {(kind, name): threading.Lock() for kind, names in
+             (("instance", [i.name for i in reconciler.instances]), ("pool", [p.name for p in reconciler.pools]))
+             for name in names}
+
+    @contextmanager
+    def serialised(kind: str, subject: str) -> Iterator[tuple[Session, float]]:
+        """One mutation of one subject at a time, in one transaction, with ``now`` read inside it."""
+        with locks[(kind, subject)], transaction(reconciler.factory) as session:
+            lock_subject(session, kind, subject)
+            yield session, reconciler.clock()
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -174,15 +199,15 @@ def create_app(
                 "override_id": None if s.override is None else s.override.id}
 
     def audit(session: Session, *, now: float, actor: str, action: str, subject: str, before: dict[str, Any],
-              after: dict[str, Any], reason: str, override_id: int | None) -> int:
+              after: dict[str, Any], reason: str, override_id: int | None) -> tuple[int, str]:
+        """Add the audit row; returns its id and the log line to write once the transaction commits."""
         ev = AuditEvent(ts=now, actor=actor, action=action, subject=subject, before=before, after=after,
                         reason=reason, override_id=override_id)
         session.add(ev)
         session.flush()
-        audit_log.info(json.dumps({"event": action, "audit_id": ev.id, "override_id": override_id,
-                                   "subject": subject, "actor": actor, "reason": reason, "before": before,
-                                   "after": after}, sort_keys=True))
-        return ev.id
+        return ev.id, json.dumps({"event": action, "audit_id": ev.id, "override_id": override_id,
+                                  "subject": subject, "actor": actor, "reason": reason, "before": before,
+                                  "after": after}, sort_keys=True)
 
     def clear(session: Session, kind: str, subject: str, drained: bool, now: float) -> int:
         rows = session.scalars(select(WeightOverride).where(
@@ -196,14 +221,12 @@ def create_app(
         return n
 
     def mutate_instance(name: str, actor: str, action: str, reason: str,
-                        new: WeightOverride | None, slot: Literal["drain", "weight"]) -> InstanceWeightOut:
-        """Clear the matching slot (drain or weight), add ``new``, audit, commit, then serve."""
+                        new: Callable[[float], WeightOverride] | None,
+                        slot: Literal["drain", "weight"]) -> InstanceWeightOut:
+        """Clear the matching slot (drain or weight), add ``new(now)``, audit, commit, log, then serve."""
         instance_or_404(name)
-        now = reconciler.clock()
-        view = reconciler.view()
-        policy_weight = view.served[name].policy_weight if name in view.served else 1.0
-        policy_reason = view.served[name].reason if name in view.served else "NoDecisionYet"
-        with transaction(reconciler.factory) as session:
+        policy_weight, policy_reason = reconciler.policy_of(name)
+        with serialised("instance", name) as (session, now):
             acts = active_overrides(load_overrides(session, now), now)
             before = serve_instance(name, policy_weight, policy_reason, acts.get(("instance", name, "drain")),
                                     acts.get(("instance", name, "weight")))
@@ -211,17 +234,48 @@ def create_app(
             if new is None and cleared == 0:
                 what = "drain" if slot == "drain" else "weight override"
                 raise HTTPException(409, detail=f"instance {name!r} has no active {what}")
-            if new is not None:
-                session.add(new)
+            row = None if new is None else new(now)
+            if row is not None:
+                session.add(row)
             session.flush()
             acts = active_overrides(load_overrides(session, now), now)
             after = serve_instance(name, policy_weight, policy_reason, acts.get(("instance", name, "drain")),
                                    acts.get(("instance", name, "weight")))
-            audit_id = audit(session, now=now, actor=actor, action=action, subject=name,
-                             before=state_dict(before), after=state_dict(after), reason=reason,
-                             override_id=None if new is None else new.id)
+            audit_id, line = audit(session, now=now, actor=actor, action=action, subject=name,
+                                   before=state_dict(before), after=state_dict(after), reason=reason,
+                                   override_id=None if row is None else row.id)
+        audit_log.info(line)  # committed
         refresh()
         out = instance_out(reconciler.view(), name, acts, after)
+        out.audit_id = audit_id
+        return out
+
+    def mutate_pool(pool: str, actor: str, action: str, reason: str,
+                    new: Callable[[float], WeightOverride] | None) -> PoolOut:
+        if pool not in pools:
+            raise HTTPException(404, detail=f"pool {pool!r} is not in the config")
+        spec = pools[pool]
+        with serialised("pool", pool) as (session, now):
+            acts = active_overrides(load_overrides(session, now), now)
+            old = acts.get(("pool", pool, "weight"))
+            before = {"weight": spec.weight if old is None else old.weight,
+                      "override_id": None if old is None else old.id}
+            cleared = clear(session, "pool", pool, False, now)
+            if new is None and cleared == 0:
+                raise HTTPException(409, detail=f"pool {pool!r} has no active weight override")
+            row = None if new is None else new(now)
+            if row is not None:
+                session.add(row)
+            session.flush()
+            after = {"weight": spec.weight if row is None else row.weight,
+                     "override_id": None if row is None else row.id}
+            audit_id, line = audit(session, now=now, actor=actor, action=action, subject=pool, before=before,
+                                   after=after, reason=reason, override_id=None if row is None else row.id)
+            ov = None if row is None else to_override(row)
+        audit_log.info(line)  # committed
+        refresh()
+        out = next(p for p in get_pools() if p.name == pool)
+        out.override = _override_out(ov)
         out.audit_id = audit_id
         return out
 
@@ -237,7 +291,7 @@ def create_app(
              summary="The routing table proxies apply (ETag = version; If-None-Match -> 304)")
     def get_routing(request: Request, response: Response) -> Any:
         table = reconciler.table
-        etag = f'"{table.version}"'
+        etag = routing_etag(reconciler.epoch, table.version)
         inm = request.headers.get("if-none-match")
         if inm is not None:
             tags = {t.strip().removeprefix("W/") for t in inm.split(",")}
@@ -350,70 +404,58 @@ def create_app(
             response.status_code = 503
         return HealthOut(status=status, mode=reconciler.mode, ticks=view.ticks, failed_ticks=view.failed_ticks,
                          last_success=view.last_ok, last_success_age_s=age, last_error=view.last_error,
-                         routing_version=view.table.version)
+                         routing_version=view.table.version, routing_epoch=reconciler.epoch)
+
+    @app.get("/v1/whoami", response_model=WhoAmIOut, tags=["ops"],
+             summary="The identity of the bearer token sent (401 without a valid one)")
+    def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmIOut:
+        try:
+            return WhoAmIOut(identity=authn.identify(authorization, missing_status=401))
+        except AuthError as exc:
+            raise HTTPException(exc.status, detail=exc.detail, headers={"WWW-Authenticate": "Bearer"}) from None
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    # -- mutations ----------------------------------------------------------------------
+    # -- mutations (the guard has authenticated them) ----------------------------------------
 
     @app.put("/v1/instances/{name}/weight", dependencies=auth, response_model=InstanceWeightOut, tags=["instances"],
              summary="Override an instance's weight until ttl_s passes")
-    def put_weight(name: str, body: WeightIn, request: Request, x_actor: XActor = None) -> InstanceWeightOut:
-        instance_or_404(name)
-        now = reconciler.clock()
-        actor = actor_of(request, x_actor)
-        row = WeightOverride(subject_kind="instance", subject=name, weight=body.weight, drained=False,
-                             reason=body.reason, actor=actor, created=now, expires=now + body.ttl_s)
+    def put_weight(name: str, body: WeightIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        def row(now: float) -> WeightOverride:
+            return WeightOverride(subject_kind="instance", subject=name, weight=body.weight, drained=False,
+                                  reason=body.reason, actor=actor, created=now, expires=now + body.ttl_s)
         return mutate_instance(name, actor, "weight.set", body.reason, row, slot="weight")
 
     @app.delete("/v1/instances/{name}/weight", dependencies=auth, response_model=InstanceWeightOut, tags=["instances"],
                 summary="End an instance's weight override now")
-    def delete_weight(name: str, body: ClearIn, request: Request,
-                      x_actor: XActor = None) -> InstanceWeightOut:
-        return mutate_instance(name, actor_of(request, x_actor), "weight.clear", body.reason, None, slot="weight")
+    def delete_weight(name: str, body: ClearIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return mutate_instance(name, actor, "weight.clear", body.reason, None, slot="weight")
 
     @app.post("/v1/instances/{name}/drain", dependencies=auth, response_model=InstanceWeightOut, tags=["instances"],
               summary="Send no new work to an instance (weight 0) until undrained or ttl_s passes")
-    def drain(name: str, body: DrainIn, request: Request, x_actor: XActor = None) -> InstanceWeightOut:
-        instance_or_404(name)
-        now = reconciler.clock()
-        actor = actor_of(request, x_actor)
-        row = WeightOverride(subject_kind="instance", subject=name, weight=0.0, drained=True, reason=body.reason,
-                             actor=actor, created=now, expires=None if body.ttl_s is None else now + body.ttl_s)
+    def drain(name: str, body: DrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        def row(now: float) -> WeightOverride:
+            return WeightOverride(subject_kind="instance", subject=name, weight=0.0, drained=True, reason=body.reason,
+                                  actor=actor, created=now, expires=None if body.ttl_s is None else now + body.ttl_s)
         return mutate_instance(name, actor, "drain", body.reason, row, slot="drain")
 
     @app.post("/v1/instances/{name}/undrain", dependencies=auth, response_model=InstanceWeightOut, tags=["instances"])
-    def undrain(name: str, body: UndrainIn, request: Request, x_actor: XActor = None) -> InstanceWeightOut:
-        return mutate_instance(name, actor_of(request, x_actor), "undrain", body.reason, None, slot="drain")
+    def undrain(name: str, body: UndrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return mutate_instance(name, actor, "undrain", body.reason, None, slot="drain")
 
     @app.put("/v1/pools/{pool}/weight", dependencies=auth, response_model=PoolOut, tags=["routing"],
              summary="Override a pool's weight (relative to pools of the same role) until ttl_s passes")
-    def put_pool_weight(pool: str, body: WeightIn, request: Request, x_actor: XActor = None) -> PoolOut:
-        if pool not in pools:
-            raise HTTPException(404, detail=f"pool {pool!r} is not in the config")
-        now = reconciler.clock()
-        actor = actor_of(request, x_actor)
-        spec = pools[pool]
-        with transaction(reconciler.factory) as session:
-            acts = active_overrides(load_overrides(session, now), now)
-            old = acts.get(("pool", pool, "weight"))
-            before = {"weight": spec.weight if old is None else old.weight,
-                      "override_id": None if old is None else old.id}
-            clear(session, "pool", pool, False, now)
-            row = WeightOverride(subject_kind="pool", subject=pool, weight=body.weight, drained=False,
-                                 reason=body.reason, actor=actor, created=now, expires=now + body.ttl_s)
-            session.add(row)
-            session.flush()
-            after = {"weight": body.weight, "override_id": row.id}
-            audit_id = audit(session, now=now, actor=actor, action="pool_weight.set", subject=pool, before=before,
-                             after=after, reason=body.reason, override_id=row.id)
-            ov = to_override(row)
-        refresh()
-        out = next(p for p in get_pools() if p.name == pool)
-        out.override = _override_out(ov)
-        out.audit_id = audit_id
-        return out
+    def put_pool_weight(pool: str, body: WeightIn, actor: str = Depends(caller)) -> PoolOut:
+        def row(now: float) -> WeightOverride:
+            return WeightOverride(subject_kind="pool", subject=pool, weight=body.weight, drained=False,
+                                  reason=body.reason, actor=actor, created=now, expires=now + body.ttl_s)
+        return mutate_pool(pool, actor, "pool_weight.set", body.reason, row)
+
+    @app.delete("/v1/pools/{pool}/weight", dependencies=auth, response_model=PoolOut, tags=["routing"],
+                summary="End a pool's weight override now (the configured weight applies again)")
+    def delete_pool_weight(pool: str, body: ClearIn, actor: str = Depends(caller)) -> PoolOut:
+        return mutate_pool(pool, actor, "pool_weight.clear", body.reason, None)
 
     return app

@@ -1,7 +1,9 @@
 """``pdscope control``: the controller's command line (argparse and config only here).
 
 Serves the control API on ``controller.host:port`` and runs the reconcile loop inside
-the same process. Refuses to listen on a non-loopback address without an API token.
+the same process. Refuses to listen on a non-loopback address without an API token
+(``$PDSCOPE_API_TOKEN`` or a named one in ``$PDSCOPE_API_TOKENS``), and to start when a
+token variable is malformed.
 Heavy imports (FastAPI, SQLAlchemy, uvicorn) happen inside :func:`run`.
 """
 
@@ -58,15 +60,23 @@ def run(args: argparse.Namespace) -> int:
         "controller": c.model_copy(update=updates),
         "store": settings.store.model_copy(update=store_update),
     })
-    token = settings.api_token()
-    refusal = check_listen(host, token, c.api_token_env)
+    from controller.auth import API_IDENTITY, IdentityConfigError, load_tokens
+
+    try:
+        tokens = load_tokens(settings)
+    except IdentityConfigError as exc:
+        print(f"pdscope control: {exc}", file=sys.stderr)
+        return 1
+    token = tokens.pop(API_IDENTITY, None)
+    refusal = check_listen(host, token or ("named" if tokens else None), f"{c.api_token_env} or ${c.api_tokens_env}")
     if refusal:
         print(f"pdscope control: {refusal}", file=sys.stderr)
         return 1
-    return serve(settings, token, migrate=not args.no_migrate)
+    return serve(settings, token, migrate=not args.no_migrate, tokens=tokens)
 
 
-def serve(settings: Settings, token: str | None, *, migrate: bool = True) -> int:
+def serve(settings: Settings, token: str | None, *, migrate: bool = True,
+          tokens: dict[str, str] | None = None) -> int:
     import time
 
     import uvicorn
@@ -95,9 +105,10 @@ def serve(settings: Settings, token: str | None, *, migrate: bool = True) -> int
     notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
     reconciler = Reconciler(settings, session_factory(engine), notifier=notifier,
                             alert_config=AlertConfig.from_settings(settings))
-    app = create_app(reconciler, token=token, notifier=notifier, run_loop=True)
-    log.info("controller on %s (mode %s, every %ss, window %ss, token %s)", external, reconciler.mode,
-             c.interval_s, c.window_s, "set" if token else "not set: mutations disabled")
+    app = create_app(reconciler, token=token, tokens=tokens, notifier=notifier, run_loop=True)
+    names = sorted({*(tokens or {}), *(["api"] if token else [])})
+    log.info("controller on %s (mode %s, every %ss, window %ss, identities %s)", external, reconciler.mode,
+             c.interval_s, c.window_s, ", ".join(names) or "none: mutations disabled")
     try:
         uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,9 @@ class Reconciler:
             InstanceSpec(i.name, p, settings.pools[p].role, i.url) for p, i in settings.instances()
         )
         self.pools = tuple(PoolSpec(n, p.role, p.weight) for n, p in settings.pools.items())
+        # Names this process in the routing ETag: a restarted controller may reach a version number
+        # an earlier process already served with other content, and the ETag must still differ.
+        self.epoch = secrets.token_hex(8)
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._state = PolicyState()
@@ -206,6 +210,16 @@ class Reconciler:
     def table(self) -> RoutingTable:
         with self._lock:
             return self._table
+
+    def policy_of(self, name: str) -> tuple[float, str]:
+        """The policy's own weight and reason for an instance now (what applies without overrides)."""
+        with self._lock:
+            if self._last is not None:
+                for d in self._last.weights:
+                    if d.instance == name:
+                        return d.weight, d.reason
+            ws = self._state.weights.get(name)
+            return (ws.weight, ws.reason) if ws is not None else (1.0, "NoDecisionYet")
 
 
     # -- the driver -------------------------------------------------------------------

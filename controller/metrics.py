@@ -36,6 +36,10 @@ class ControllerCollector(Collector):
                                 value=1.0 if v.table.enforce else 0.0)
         yield GaugeMetricFamily("pdscope_routing_version", "Version of the served routing table.",
                                 value=v.table.version)
+        yield GaugeMetricFamily("pdscope_controller_untrusted_records",
+                                "Request records in the last tick's window left out of the observation: their "
+                                "sender is not in controller.trusted_span_senders.",
+                                value=0 if v.obs is None else v.obs.untrusted_records)
 
         served = GaugeMetricFamily("pdscope_instance_weight", "Served routing weight per instance.",
                                    labels=["instance", "pool", "role", "source"])

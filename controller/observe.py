@@ -6,6 +6,13 @@ handoff percentiles, SLO summaries) and keeps here only what is specific to the
 controller: per-instance stage contributions, pool residence times (Little's law), the
 KV-fetch backlog gauges and the SLO percentiles at the configured percentile.
 
+What it believes: with ``controller.trusted_span_senders`` set, only request records whose
+``sender`` is in that list (the rest are counted, ``Observation.untrusted_records``). A
+request refused as invalid (a 4xx other than 429: ``store.queries.is_client_error``) is
+charged to no instance: it is left out of every per-instance, per-pair and per-pool figure
+(handoffs, lease-expiry suspects, failures, residence) and only counted as
+``refused_requests``.
+
 It reads; it never writes and never decides. Errors from the database surface as
 ``store.StoreError`` through ``store.transaction`` in the caller.
 """
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median, median_low
 
 from sqlalchemy import func, select
@@ -122,6 +129,7 @@ class _RecordAgg:
     contribution: list[float]
     requests: int = 0
     failed: int = 0
+    refused: int = 0
 
 
 @dataclass
@@ -133,23 +141,29 @@ class _PoolAgg:
     done: int = 0
 
 
-def _records(session: Session, since: float, until: float) -> Iterable[tuple[object, ...]]:
+def _records(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[tuple[object, ...]]:
     stmt = select(
         RequestRecord.p_instance, RequestRecord.d_instance, RequestRecord.p_pool, RequestRecord.d_pool,
-        RequestRecord.status, RequestRecord.proxy_in, RequestRecord.p_sent, RequestRecord.p_done,
-        RequestRecord.d_sent, RequestRecord.first_token, RequestRecord.done, RequestRecord.ttft_s,
-        RequestRecord.kv_bytes,
+        RequestRecord.status, RequestRecord.http_status, RequestRecord.proxy_in, RequestRecord.p_sent,
+        RequestRecord.p_done, RequestRecord.d_sent, RequestRecord.first_token, RequestRecord.done,
+        RequestRecord.ttft_s, RequestRecord.kv_bytes,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
-    return session.execute(stmt)  # rows unpack like tuples
+    return session.execute(only.apply(stmt))  # rows unpack like tuples
 
 
-def _slo(session: Session, settings: Settings, now: float) -> SLOFigures:
+def trusted_filter(settings: Settings) -> q.RecordFilter:
+    """The records the controller believes (``controller.trusted_span_senders``)."""
+    senders = settings.controller.trusted_span_senders
+    return q.RecordFilter(None if senders is None else frozenset(senders))
+
+
+def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter) -> SLOFigures:
     window = settings.slo.window_s
     since = now - window
-    summary = q.slo_summary(session, since, now).get("all")
-    stmt = select(RequestRecord.ttft_s, RequestRecord.tpot_s).where(
+    summary = q.slo_summary(session, since, now, only=only).get("all")
+    stmt = only.apply(select(RequestRecord.ttft_s, RequestRecord.tpot_s).where(
         RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= now, RequestRecord.status == "ok"
-    )
+    ))
     ttfts: list[float] = []
     tpots: list[float] = []
     for ttft, tpot in session.execute(stmt):
@@ -178,18 +192,24 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     recent_s = max(3.0, 3.0 * settings.collector.scrape_interval_s)  # the last three scrapes
     recent = q.instance_signals(session, now - recent_s, now)
     latest = _latest_gauges(session, since, now)
-    by_d = q.handoff_stats(session, since, now, by="d_instance")
-    by_p = q.handoff_stats(session, since, now, by="p_instance")
-    pairs = q.handoff_stats(session, since, now, by="pair")
+    trusted = trusted_filter(settings)
+    charged = replace(trusted, charged_only=True)
+    by_d = q.handoff_stats(session, since, now, by="d_instance", only=charged)
+    by_p = q.handoff_stats(session, since, now, by="p_instance", only=charged)
+    pairs = q.handoff_stats(session, since, now, by="pair", only=charged)
 
     per_inst: dict[str, _RecordAgg] = defaultdict(lambda: _RecordAgg([]))
     pools: dict[str, _PoolAgg] = {name: _PoolAgg(p.role, [], [], []) for name, p in settings.pools.items()}
     ttft_by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
     handoffs: list[float] = []
     first_in = now
-    for p_inst, d_inst, p_pool, d_pool, status, t_in, p_sent, p_done, d_sent, first, done, ttft, kvb in _records(
-        session, since, now
-    ):
+    for (p_inst, d_inst, p_pool, d_pool, status, http, t_in, p_sent, p_done, d_sent, first, done, ttft,
+         kvb) in _records(session, since, now, trusted):
+        if q.is_client_error(status if isinstance(status, str) else None, http if isinstance(http, int) else None):
+            for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
+                if isinstance(inst, str):
+                    per_inst[inst].refused += 1
+            continue
         ok = status == "ok"
         for inst in (p_inst, d_inst):
             if isinstance(inst, str):
@@ -258,6 +278,7 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             handoff_p99_s=None if hs is None else hs.p99_s,
             requests=0 if rec is None else rec.requests,
             failed_requests=0 if rec is None else rec.failed,
+            refused_requests=0 if rec is None else rec.refused,
             lease_expiry_suspects=hs.lease_suspects if hs is not None and role == "decode" else 0,
         ))
     if newest is None:
@@ -306,8 +327,9 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         for p, _, d in [key.partition("->")]
         if hs.requests
     )
-    slo = _slo(session, settings, now)
+    slo = _slo(session, settings, now, trusted)
     slo = SLOFigures(slo.window_s, slo.completed, slo.met, slo.rejected, slo.ttft_p_s, slo.tpot_p_s,
                      q.percentile(handoffs, 99), slo.goodput_rps)
     return Observation(now=now, window_s=window, instances=tuple(instances), pools=tuple(pool_sigs),
-                       pairs=pair_sigs, slo=slo, newest_data=newest)
+                       pairs=pair_sigs, slo=slo, newest_data=newest,
+                       untrusted_records=q.untrusted_records(session, since, now, trusted.senders))

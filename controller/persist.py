@@ -1,6 +1,8 @@
 """The controller's writes and the state it reloads: decisions, alerts, overrides.
 
 * :func:`load_overrides` reads the active manual overrides (the API writes them).
+* :func:`lock_subject` takes the store's lock for one subject's overrides until the
+  transaction ends, so two mutations of it never interleave, on SQLite or PostgreSQL.
 * :func:`load_state` rebuilds the policy's carried state after a restart from the newest
   stored decisions and the alerts still pending or firing.
 * :func:`persist_tick` stores one tick: a ``Decision`` row for every value that changed
@@ -13,10 +15,11 @@ so one tick is stored whole or not at all.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from controller.policy import (
@@ -35,6 +38,21 @@ def to_override(row: WeightOverride) -> Override:
     kind: Literal["instance", "pool"] = "pool" if row.subject_kind == "pool" else "instance"
     return Override(row.id, kind, row.subject, row.weight, row.drained, row.reason, row.actor, row.created,
                     row.expires)
+
+
+def lock_subject(session: Session, kind: str, subject: str) -> None:
+    """Hold the store's write lock for ``kind``/``subject`` until ``session``'s transaction ends.
+
+    Call it first in the transaction, before reading. PostgreSQL: a transaction-scoped advisory
+    lock keyed by the subject (other subjects go on). SQLite: ``BEGIN IMMEDIATE``, the
+    database's one write lock, taken before the reads, so what is read is what is replaced.
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        digest = hashlib.blake2b(f"pdscope.override:{kind}:{subject}".encode(), digest_size=8).digest()
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": int.from_bytes(digest, "big", signed=True)})
+    elif dialect == "sqlite":
+        session.execute(text("BEGIN IMMEDIATE"))
 
 
 def load_overrides(session: Session, now: float) -> tuple[Override, ...]:

@@ -1,16 +1,33 @@
 """Request and response bodies of the control API (published in its OpenAPI document).
 
 Request bodies forbid unknown fields and non-finite numbers, so a typo is a 422 that
-names the field instead of a silently ignored setting.
+names the field instead of a silently ignored setting. Types are strict: a number must be a
+JSON number (not ``"0.5"``, not ``true``), and a reason must have visible text (surrounding
+whitespace is dropped) without control characters, at most 500 characters.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_TTL_S = 7 * 86400.0
+MAX_REASON_CHARS = 500
+
+
+def _no_control(text: str) -> str:
+    if any((ord(c) < 0x20 and c not in "\t\n") or 0x7F <= ord(c) < 0xA0 for c in text):
+        raise ValueError("control characters are not allowed")
+    return text
+
+
+Reason = Annotated[
+    str,
+    StringConstraints(strict=True, strip_whitespace=True, min_length=1, max_length=MAX_REASON_CHARS),
+    AfterValidator(_no_control),
+    Field(description="why; stored in the audit trail"),
+]
 
 
 class _Body(BaseModel):
@@ -18,24 +35,29 @@ class _Body(BaseModel):
 
 
 class WeightIn(_Body):
-    weight: float = Field(ge=0.0, le=100.0, allow_inf_nan=False,
+    weight: float = Field(ge=0.0, le=100.0, allow_inf_nan=False, strict=True,
                           description="relative share within the role (pool) or of the pool; 0 = no new work")
-    ttl_s: float = Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, description="the override ends after this")
-    reason: str = Field(min_length=1, max_length=500, description="why; stored in the audit trail")
+    ttl_s: float = Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, strict=True,
+                         description="the override ends after this")
+    reason: Reason
 
 
 class DrainIn(_Body):
-    reason: str = Field(min_length=1, max_length=500)
-    ttl_s: float | None = Field(default=None, gt=0.0, le=MAX_TTL_S, allow_inf_nan=False,
+    reason: Reason
+    ttl_s: float | None = Field(default=None, gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, strict=True,
                                 description="end the drain automatically after this; default: until undrain")
 
 
 class UndrainIn(_Body):
-    reason: str = Field(min_length=1, max_length=500)
+    reason: Reason
 
 
 class ClearIn(_Body):
-    reason: str = Field(min_length=1, max_length=500)
+    reason: Reason
+
+
+class WhoAmIOut(BaseModel):
+    identity: str = Field(description="the name of the bearer token's identity (\"api\" for the single token)")
 
 
 class OverrideOut(BaseModel):
@@ -152,3 +174,4 @@ class HealthOut(BaseModel):
     last_success_age_s: float | None
     last_error: str | None
     routing_version: int
+    routing_epoch: str = Field(description="this controller process's epoch (part of the routing ETag)")

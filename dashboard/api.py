@@ -1,7 +1,8 @@
 """The dashboard's only way to change anything: the controller's HTTP API.
 
 ``ControllerClient`` wraps the few calls the Controller page makes (routing table,
-weight overrides, drain/undrain, pool weights) with a Bearer token. httpx errors and
+weight overrides, drain/undrain, pool weights, whoami) with a Bearer token and, on behalf of
+a user identified by an auth proxy, an ``X-Actor`` header. httpx errors and
 non-2xx answers are translated here into :class:`ControllerError`, whose ``retryable``
 says whether trying again may help (controller down or busy) or not (bad token, bad
 input). Calls block for at most ``timeout_s``.
@@ -39,7 +40,7 @@ class ControllerClient:
     """A small blocking client for the controller API. Cheap to build; one per action."""
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 5.0,
-                 transport: httpx.BaseTransport | None = None, actor: str = "dashboard") -> None:
+                 transport: httpx.BaseTransport | None = None, actor: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._token = token
         self._timeout = timeout_s
@@ -47,9 +48,13 @@ class ControllerClient:
         self._actor = actor
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> ApiResult:
-        headers = {"X-Actor": self._actor}
+        # X-Actor only on behalf of someone (header mode); the controller prefixes it with the
+        # token's identity. Header values go as UTF-8 bytes (a non-ASCII name stays intact).
+        headers: dict[bytes, bytes] = {}
+        if self._actor:
+            headers[b"X-Actor"] = self._actor.encode("utf-8")
         if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+            headers[b"Authorization"] = f"Bearer {self._token}".encode()
         try:
             with httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as client:
                 resp = client.request(method, path, json=body, headers=headers)
@@ -66,10 +71,8 @@ class ControllerClient:
             payload = {"value": payload}
         if resp.status_code >= 400:
             detail = payload.get("detail") or payload.get("error") or payload.get("text") or resp.reason_phrase
-            hint = " (set the API token in the environment variable named by controller.api_token_env)" \
-                if resp.status_code in (401, 403) else ""
             log.warning("controller %s %s -> %s", method, path, resp.status_code)
-            raise ControllerError(f"{method} {path}: HTTP {resp.status_code}: {detail}{hint}",
+            raise ControllerError(f"{method} {path}: HTTP {resp.status_code}: {detail}",
                                   status=resp.status_code, retryable=resp.status_code >= 500 or resp.status_code == 429)
         log.info("controller %s %s -> %s", method, path, resp.status_code)
         return ApiResult(resp.status_code, payload)
@@ -79,6 +82,13 @@ class ControllerClient:
     def routing(self) -> dict[str, Any]:
         """The current routing table (``GET /v1/routing``)."""
         return self._request("GET", "/v1/routing").body
+
+    def whoami(self) -> str:
+        """The identity the controller gives this client's token (``GET /v1/whoami``)."""
+        identity = self._request("GET", "/v1/whoami").body.get("identity")
+        if not isinstance(identity, str):
+            raise ControllerError("GET /v1/whoami: the answer names no identity", status=200)
+        return identity
 
     def pools(self) -> list[dict[str, Any]]:
         """Pools with their served instance weights and sources (``GET /v1/pools``)."""

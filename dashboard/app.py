@@ -3,7 +3,7 @@ refresh) and routes to the pages with ``st.navigation``.
 
 Run it with ``pdscope dashboard`` (or ``streamlit run dashboard/app.py -- --config
 pdscope.yaml``). It reads the store and never writes it; changes go through the
-controller API from the Controller page.
+controller API from the Controller page, as the signed-in user (``dashboard.auth``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard import context
+from dashboard import auth, context
 from pdscope.config import ConfigError
 
 VIEWS = Path(__file__).parent / "views"
@@ -27,6 +27,7 @@ except ConfigError as exc:
     st.stop()
 
 st.sidebar.markdown("### pdscope")
+auth.sidebar(settings)  # sign-in (dashboard.auth: login) or the proxy's identity (header)
 view = context.sidebar(config_path, settings)
 
 nav = st.navigation({

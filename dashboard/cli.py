@@ -2,7 +2,8 @@
 
 It runs ``python -m streamlit run dashboard/app.py -- --config <path>`` as a child
 process and waits for it; Ctrl-C or SIGTERM stops the child. The config is validated here first
-so a bad file fails fast with the usual one-line-per-problem message.
+so a bad file fails fast with the usual one-line-per-problem message. Like the controller, it
+refuses a non-loopback address unless ``dashboard.auth`` identifies users (login or header).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdscope.config import resolve_config_path
+from pdscope.config import is_loopback, resolve_config_path
 
 log = logging.getLogger(__name__)
 APP = Path(__file__).resolve().parent / "app.py"
@@ -38,6 +39,15 @@ def streamlit_command(config_path: Path, host: str, port: int, python: str = sys
     ]
 
 
+def check_listen(host: str, auth: str) -> str | None:
+    """A reason to refuse to start, or None: off loopback, every user must be identified."""
+    if not is_loopback(host) and auth not in ("login", "header"):
+        return (f"refusing to listen on {host} (not loopback) with dashboard.auth: {auth}: set dashboard.auth "
+                "to login (each user signs in with their controller API token) or header (behind an auth "
+                "proxy that sets dashboard.identity_header), or bind 127.0.0.1")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pdscope.cli import load_settings
 
@@ -45,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     config_path = resolve_config_path(args.config).resolve()
     host = args.host or settings.dashboard.host
     port = args.port or settings.dashboard.port
+    refusal = check_listen(host, settings.dashboard.auth)
+    if refusal:
+        print(f"pdscope dashboard: {refusal}", file=sys.stderr)
+        return 1
     cmd = streamlit_command(config_path, host, port)
     log.info("dashboard on http://%s:%s (config %s)", host, port, config_path)
     proc = subprocess.Popen(cmd)

@@ -10,6 +10,7 @@ naming the file, the line where YAML knows it, the dotted field and the reason.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
 
@@ -44,7 +46,9 @@ class ConfigError(Exception):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: every float in the file must be finite (``.inf``, ``.nan`` and
+    # ``1e400`` are refused for intervals, weights and targets alike). One rule, every section.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSettings(_Frozen):
@@ -160,10 +164,29 @@ class AlertSettings(_Frozen):
     rules: dict[AlertRuleName, AlertRuleSettings] = Field(default_factory=dict)
 
 
+STORE_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql", "postgres", "postgresql+psycopg")
+
+
 class StoreSettings(_Frozen):
-    url: str = "sqlite:///pdscope.db"
+    url: str = Field(default="sqlite:///pdscope.db",
+                     description="SQLAlchemy URL: sqlite:///FILE or postgresql[+psycopg]://USER@HOST/DB")
     retention_raw_s: float = Field(default=6 * 3600.0, gt=0, description="raw snapshots and spans")
     retention_rollup_s: float = Field(default=30 * 86400.0, gt=0, description="per-minute rollups")
+
+    @field_validator("url")
+    @classmethod
+    def _supported_url(cls, value: str) -> str:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            driver = make_url(value).drivername
+        except (ArgumentError, ValueError) as exc:
+            raise ValueError("not a database URL; use sqlite:///FILE or postgresql://USER@HOST/DB") from exc
+        if driver not in STORE_DRIVERS:
+            raise ValueError(f"unsupported database {driver!r}; use sqlite:///FILE or postgresql://USER@HOST/DB "
+                             "(driver psycopg)")
+        return value
 
 
 class ControllerSettings(_Frozen):
@@ -173,6 +196,17 @@ class ControllerSettings(_Frozen):
     window_s: float = Field(default=30.0, gt=0, description="recent window each tick observes")
     mode: Literal["advisory", "enforce"] = "enforce"
     api_token_env: str = Field(default="PDSCOPE_API_TOKEN", min_length=1)
+    api_tokens_env: str = Field(
+        default="PDSCOPE_API_TOKENS", min_length=1,
+        description="the NAME of an env variable holding name:token[,name:token...] (named API identities)",
+    )
+    trusted_span_senders: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None,
+        description="None: every stored request record counts; a list: only records whose sender "
+                    "(OTLP token name) is in it feed the controller's observation",
+    )
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 2**20,
+                                description="largest API request body; larger ones get 413")
     alert_webhook_url: str | None = None
     max_weight_step: float = Field(default=0.25, gt=0, le=1, description="max weight change per tick")
     min_weight: float = Field(
@@ -207,7 +241,27 @@ class ProxySettings(_Frozen):
     admission: AdmissionDefaults = AdmissionDefaults()
     timeouts: ProxyTimeouts = ProxyTimeouts()
     otlp_endpoint: str | None = Field(default=None, description="defaults to the collector's receiver")
+    otlp_token_env: str = Field(
+        default="PDSCOPE_OTLP_TOKEN", min_length=1,
+        description="env variable whose value the span exporter sends as Authorization: Bearer <value>",
+    )
     tracing: bool = True
+    span_queue_max: int = Field(
+        default=32768, ge=1, le=2**22,
+        description="spans held for export (a down collector costs nothing until this fills; then counted drops)",
+    )
+    span_retry_max_s: float = Field(
+        default=5.0, gt=0, le=300, description="longest pause between tries of a failed span batch",
+    )
+    client_read_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="time a client has to send a request's headers and body; then the connection is closed",
+    )
+    max_request_bytes: int = Field(default=32 * 2**20, gt=0, le=2**30, description="largest client body (413)")
+    max_model_len: int | None = Field(
+        default=None, gt=1,
+        description="the model's context length; when set, max_tokens that cannot fit is a 400 before prefill",
+    )
 
 
 class CollectorSettings(_Frozen):
@@ -225,17 +279,98 @@ class CollectorSettings(_Frozen):
     prometheus_selector: str = Field(
         default="", description='label matchers added to every Prometheus query, e.g. job="vllm"'
     )
+    otlp_tokens_env: str = Field(
+        default="PDSCOPE_OTLP_TOKENS",
+        min_length=1,
+        description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces",
+    )
+    otlp_max_body_bytes: int = Field(default=16 * 2**20, gt=0, description="largest OTLP body as sent")
+    otlp_max_inflated_bytes: int = Field(
+        default=64 * 2**20, gt=0, description="largest OTLP body after gzip/deflate decompression"
+    )
+    otlp_inflight_bytes: int = Field(
+        default=128 * 2**20, gt=0,
+        description="OTLP bytes (as sent plus inflated) held by all requests at once; past it: 429",
+    )
+    otlp_retry_after_s: int = Field(default=1, ge=1, le=3600, description="Retry-After of a 429/503")
+    span_queue_spans: int = Field(
+        default=200_000, gt=0, description="spans waiting for the store; a full queue answers 503"
+    )
+    span_max_attributes: int = Field(default=128, gt=0, le=10_000, description="attribute keys kept per span")
+    span_max_value_chars: int = Field(default=2048, gt=0, description="longest attribute string kept")
+    span_max_attribute_chars: int = Field(
+        default=32 * 1024, gt=0, description="all of a span's attributes together, serialised"
+    )
+    span_max_future_s: float = Field(
+        default=300.0, ge=0, allow_inf_nan=False,
+        description="spans starting further ahead of the collector's clock are refused",
+    )
 
     @model_validator(mode="after")
     def _timeout_below_interval(self) -> CollectorSettings:
         if self.scrape_timeout_s >= self.scrape_interval_s:
             raise ValueError("scrape_timeout_s must be shorter than scrape_interval_s")
+        if self.otlp_max_inflated_bytes < self.otlp_max_body_bytes:
+            raise ValueError("otlp_max_inflated_bytes must be at least otlp_max_body_bytes")
+        if self.otlp_inflight_bytes < self.otlp_max_body_bytes + self.otlp_max_inflated_bytes:
+            raise ValueError("otlp_inflight_bytes must hold one largest request: otlp_max_body_bytes + otlp_max_inflated_bytes")
         return self
+
+    def otlp_tokens(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """token -> sender, from ``$otlp_tokens_env``; empty when unset (no authentication).
+
+        Raises ConfigError naming the variable when an entry is not ``sender:token``.
+        """
+        raw = (os.environ if environ is None else environ).get(self.otlp_tokens_env, "")
+        out: dict[str, str] = {}
+        for i, entry in enumerate(e.strip() for e in raw.split(",")):
+            if not entry:
+                continue
+            sender, sep, token = entry.partition(":")
+            sender, token = sender.strip(), token.strip()
+            valid = 0 < len(sender) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in sender)
+            if not sep or not token or not valid:
+                raise ConfigError([
+                    f"${self.otlp_tokens_env}: entry {i + 1} is not sender:token "
+                    "(sender: 1-64 of A-Z a-z 0-9 . _ -; token non-empty)"
+                ])
+            if token in out and out[token] != sender:
+                raise ConfigError([f"${self.otlp_tokens_env}: one token given to two senders"])
+            out[token] = sender
+        return out
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only accepts local connections (127.x, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class DashboardSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8501, ge=1, le=65535)
+    auth: Literal["login", "header", "none"] = Field(
+        default="login",
+        description="login: each user signs in with their own controller API token (checked with "
+        "GET /v1/whoami) and changes are made with it; header: the identity comes from "
+        "identity_header, set by a trusted auth proxy, and changes use the server's token with "
+        "X-Actor; none: read-only (forms disabled). A non-loopback host needs login or header.",
+    )
+    identity_header: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
+        description="request header carrying the user set by the auth proxy (auth: header), "
+        "e.g. X-Forwarded-User; trusted only in header mode",
+    )
+
+    @model_validator(mode="after")
+    def _header_mode_names_its_header(self) -> DashboardSettings:
+        if self.auth == "header" and self.identity_header is None:
+            raise ValueError("auth: header needs identity_header (e.g. X-Forwarded-User, set by your auth proxy)")
+        return self
 
 
 class Settings(_Frozen):
@@ -260,15 +395,22 @@ class Settings(_Frozen):
         missing = [role for role in ("prefill", "decode") if role not in roles]
         if missing:
             raise ValueError(f"no {' or '.join(missing)} pool: a P/D fleet needs at least one of each")
-        seen: dict[str, str] = {}
+        seen: dict[str, tuple[str, int]] = {}
         for pool_name, pool in pools.items():
-            for inst in pool.instances:
+            for i, inst in enumerate(pool.instances):
                 if inst.name in seen:
-                    raise ValueError(
-                        f"instance name {inst.name!r} is in pools {seen[inst.name]!r} and {pool_name!r}; "
-                        "instance names must be unique"
+                    first_pool, first_i = seen[inst.name]
+                    where = "also" if first_pool == pool_name else f"also in pool {first_pool!r},"
+                    # ctx "loc"/"first": the formatter reports this at the duplicate's own line.
+                    message = (f"duplicate instance name {inst.name!r} in pool {pool_name!r}: {where} at "
+                               f"pools.{first_pool}.instances.{first_i}; instance names must be unique")
+                    raise PydanticCustomError(
+                        "duplicate_instance", "{message}",
+                        {"message": message,
+                         "loc": ("pools", pool_name, "instances", i, "name"),
+                         "first": ("pools", first_pool, "instances", first_i, "name")},
                     )
-                seen[inst.name] = pool_name
+                seen[inst.name] = (pool_name, i)
         return pools
 
     # -- lookups used by every service -------------------------------------------------
@@ -359,7 +501,9 @@ def _locate(node: yaml.Node | None) -> _Located:
 
 
 def _format_error(source: str, located: _Located, err: Mapping[str, Any]) -> str:
-    loc = tuple(err["loc"])
+    ctx = err.get("ctx") or {}
+    # A validator that knows better (a duplicate instance) names the exact field in ctx["loc"].
+    loc = tuple(ctx["loc"]) if isinstance(ctx.get("loc"), tuple) else tuple(err["loc"])
     bad_key = bool(loc) and loc[-1] == "[key]"
     if bad_key:  # a bad mapping key: name the key itself (its line), not pydantic's marker
         loc = loc[:-1]
@@ -369,27 +513,78 @@ def _format_error(source: str, located: _Located, err: Mapping[str, Any]) -> str
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    first = ctx.get("first")
+    if isinstance(first, tuple) and (first_line := located.line_of(first)):
+        first_field = ".".join(str(p) for p in first[:-1])
+        msg = msg.replace(f"at {first_field}", f"at {first_field} (line {first_line})", 1)
     if err["type"] == "extra_forbidden":
         msg = "unknown key (not a pdscope setting; check its spelling and indentation)"
     elif err["type"] == "missing":
         msg = "required field is missing"
-    elif "input" in err and not bad_key and err["type"] not in ("model_type", "dict_type", "list_type"):
+    elif "input" in err and not bad_key and "loc" not in ctx and err["type"] not in ("model_type", "dict_type", "list_type"):
         shown = repr(err["input"])
         if len(shown) <= 60:
             msg = f"{msg} (got {shown})"
     return f"{where}: {field}: {msg}"
 
 
-def parse_config(text: str, source: str = "<config>") -> Settings:
-    """Parse and validate YAML text. Raises :class:`ConfigError` with one line per problem."""
+# Bounds on what a config file may cost to read: its size, and the number of values after
+# YAML aliases are expanded (an alias bomb -- "billion laughs" -- is a few hundred bytes
+# that expand to billions of values). Both are far above any real fleet's file.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 200_000
+
+
+def _expanded_size_over(node: yaml.Node, limit: int) -> bool:
+    """Whether ``node`` expands to more than ``limit`` values, counting every alias use.
+
+    Aliases share node objects, so the count follows each reference; it stops at ``limit``,
+    which also ends a recursive alias (a node that contains itself).
+    """
+    count = 0
+    stack: list[yaml.Node] = [node]
+    while stack:
+        n = stack.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                stack.append(k)
+                stack.append(v)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+    return False
+
+
+def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    """Compose (bounded), then construct, the one YAML document in ``text``."""
+    size = len(text.encode("utf-8", errors="replace"))
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{source}: the file is {size} bytes; a config may be at most {MAX_CONFIG_BYTES} bytes"])
+    loader = _UniqueKeyLoader(text)
     try:
-        node = yaml.compose(text, Loader=_UniqueKeyLoader)
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        if _expanded_size_over(node, MAX_CONFIG_VALUES):
+            raise ConfigError([f"{source}: more than {MAX_CONFIG_VALUES} values once YAML aliases (*name) are "
+                               "expanded; refusing to read it (an alias bomb?)"])
+        return node, loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([f"{where}: not valid YAML: {problem}"]) from exc
+    except RecursionError as exc:
+        raise ConfigError([f"{source}: not valid YAML: nested too deeply"]) from exc
+    finally:
+        loader.dispose()
+
+
+def parse_config(text: str, source: str = "<config>") -> Settings:
+    """Parse and validate YAML text. Raises :class:`ConfigError` with one line per problem."""
+    node, data = _compose(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -405,7 +600,11 @@ def load_config(path: str | os.PathLike[str]) -> Settings:
     """Read and validate a config file. Raises :class:`ConfigError`."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # never more than the limit, whatever the file's size
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{p}: larger than {MAX_CONFIG_BYTES} bytes; a config may be at most that"])
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise ConfigError([f"{p}: cannot read: {exc.strerror or exc}"]) from exc
     except UnicodeDecodeError as exc:

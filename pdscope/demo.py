@@ -9,7 +9,12 @@ controller makes, so the reaction is visible in the terminal as well as the dash
 
 Every child runs in its own process group and is stopped by PID (TERM, then KILL) on
 Ctrl-C, on SIGTERM, when ``--duration`` ends or when a child dies; nothing is left
-behind. This module only orchestrates: it imports no service package.
+behind. A child that dies -- the load generator included -- stops the demo with its exit
+status and the end of its log: the demo never reports load that is not running. Each run
+starts on a fresh store: an earlier run's store, logs and results move to
+``<workdir>/previous/``. ``--real-vllm --prefill-url URL --decode-url URL`` attaches to a
+pair that is already running (the demo neither starts nor stops it; point its OTLP exporter
+at the demo's collector). This module only orchestrates: it imports no service package.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop everything after this many seconds (default 3600)")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     parser.add_argument("--vllm-env", default=".vllm-cpu", help="CPU vLLM environment for --real-vllm")
+    parser.add_argument("--prefill-url", help="with --real-vllm: use this running prefill vLLM instead of starting one")
+    parser.add_argument("--decode-url", help="with --real-vllm: use this running decode vLLM instead of starting one")
 
 
 @dataclass
@@ -69,6 +77,9 @@ class Child:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -122,15 +133,47 @@ def _http_json(url: str, timeout_s: float = 2.0) -> Any:
         return None
 
 
-def _wait_healthy(child: Child, timeout_s: float) -> None:
+def _wait_healthy(child: Child, timeout_s: float, stopping: dict[str, bool] | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stopping is not None and stopping.get("signal"):
+            return  # Ctrl-C during start-up: the caller stops what it started
         if not child.alive():
             raise RuntimeError(f"{child.name} exited during start-up:\n{child.tail()}")
         if child.health_url is None or _http_ok(child.health_url):
             return
         time.sleep(0.5)
     raise RuntimeError(f"{child.name} not healthy at {child.health_url} after {timeout_s:.0f}s:\n{child.tail()}")
+
+
+# What one run leaves in its work folder; the next run moves it to ``previous/``.
+_RUN_FILES = ("pdscope.db", "pdscope.db-wal", "pdscope.db-shm", "pdscope.db-journal", "logs",
+              "load-results.json", "fault.json")
+
+
+def fresh_workdir(workdir: Path) -> Path | None:
+    """Move an earlier run's store, logs and results to ``workdir/previous`` (replacing the one
+    kept there), so this run's history is its own. Returns that folder, or None on a first run."""
+    found = [workdir / name for name in _RUN_FILES if (workdir / name).exists()]
+    if not found:
+        return None
+    previous = workdir / "previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    previous.mkdir(parents=True)
+    for path in found:
+        path.rename(previous / path.name)
+    return previous
+
+
+def load_argv(cfg_path: Path, proxy_url: str, rate: float, duration_s: float, workdir: Path,
+              real_vllm: bool) -> list[str]:
+    """The ``pdscope load`` command line the demo runs (length syntax: simulator.workload)."""
+    argv = [sys.executable, "-m", "pdscope.cli", "--config", str(cfg_path), "load", "--url", proxy_url,
+            "--rate", str(rate), "--duration", str(duration_s), "-n", str(int(rate * duration_s) + 1),
+            "--no-progress", "--output", str(workdir / "load-results.json")]
+    if real_vllm:  # short requests: the tiny CPU model answers each within the SLOs
+        argv += ["--prompt-len", "uniform:16,200", "--output-len", "fixed:16"]
+    return argv
 
 
 def demo_config(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -140,17 +183,23 @@ def demo_config(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
     return cfg
 
 
-def real_vllm_config(workdir: Path, ports: dict[str, int]) -> dict[str, Any]:
-    """A config for the real CPU pair (tiny Llama: 2 layers x 2 KV heads x 32 dims x K,V x bf16)."""
-    return {
+def real_vllm_config(workdir: Path, prefill_url: str, decode_url: str,
+                     base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A config for the real CPU pair (tiny Llama: 2 layers x 2 KV heads x 32 dims x K,V x bf16).
+
+    ``base`` (the user's ``--config``) may set the services' sections (ports, intervals); its
+    model, pools and store are replaced. Instance names are the pair's OTEL_SERVICE_NAMEs."""
+    cfg = {k: v for k, v in (base or {}).items() if k not in ("model", "pools", "store", "simulator")}
+    cfg.update({
         "model": {"name": "tiny", "kv_bytes_per_token": 2 * 2 * 32 * 2 * 2},
         "pools": {
-            "prefill": {"role": "prefill", "instances": [{"name": "real-p0", "url": f"http://127.0.0.1:{ports['p']}"}]},
-            "decode": {"role": "decode", "instances": [{"name": "real-d0", "url": f"http://127.0.0.1:{ports['d']}"}]},
+            "prefill": {"role": "prefill", "instances": [{"name": "real-p0", "url": prefill_url}]},
+            "decode": {"role": "decode", "instances": [{"name": "real-d0", "url": decode_url}]},
         },
-        "slo": {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 200}},
         "store": {"url": f"sqlite:///{(workdir / 'pdscope.db').resolve()}"},
-    }
+    })
+    cfg.setdefault("slo", {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 200}})
+    return cfg
 
 
 def _services(settings: Settings, cfg_path: Path, workdir: Path, args: argparse.Namespace,
@@ -159,11 +208,11 @@ def _services(settings: Settings, cfg_path: Path, workdir: Path, args: argparse.
     base = [py, "-m", "pdscope.cli", "--config", str(cfg_path)]
     logs = workdir / "logs"
     children: list[Child] = []
-    if vllm_ports is None:
+    if not args.real_vllm:
         admin_port = int(settings.simulator.get("admin_port", 8399))
         children.append(Child("simulator", [*base, "sim", "--admin-port", str(admin_port)],
                               f"http://127.0.0.1:{admin_port}/instances", logs / "simulator.log"))
-    else:
+    elif vllm_ports is not None:  # else: attached to a pair someone else runs
         launch = str(REPO / "deploy" / "vllm" / "launch-cpu.sh")
         otlp = f"{settings.collector_url}/v1/traces"
         for role, key, side, core, name in (("prefill", "p", "ps", 0, "real-p0"), ("decode", "d", "ds", 1, "real-d0")):
@@ -183,6 +232,16 @@ def _services(settings: Settings, cfg_path: Path, workdir: Path, args: argparse.
     return children
 
 
+def _dead_child(stack: Stack, load_done: bool) -> Child | None:
+    """The first child that is no longer running (a load generator that finished is not news twice)."""
+    for child in stack.children:
+        if child.name == "load" and load_done:
+            continue
+        if not child.alive():
+            return child
+    return None
+
+
 def _weights(controller_url: str) -> dict[str, tuple[float, str]]:
     table = _http_json(f"{controller_url}/v1/routing")
     if not isinstance(table, dict):
@@ -194,18 +253,33 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     vllm_ports: dict[str, int] | None = None
+    attach = bool(args.prefill_url or args.decode_url)
+    if attach and not (args.real_vllm and args.prefill_url and args.decode_url):
+        print("pdscope demo: --prefill-url and --decode-url go together, with --real-vllm", file=sys.stderr)
+        return 2
     if args.real_vllm:
-        env_python = Path(args.vllm_env) / "bin" / "python"
-        if not env_python.exists():
-            print(f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; run `make vllm-cpu` first",
-                  file=sys.stderr)
-            return 1
-        vllm_ports = {"p": 8100, "d": 8200, "ps": 5600, "ds": 5601}
-        cfg = real_vllm_config(workdir, vllm_ports)
+        base: dict[str, Any] | None = None
+        if args.config:  # the services' sections (ports, intervals) from the user's file
+            load_config(args.config)
+            base = yaml.safe_load(Path(args.config).read_text())
+        if attach:
+            cfg = real_vllm_config(workdir, args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), base)
+        else:
+            env_python = Path(args.vllm_env) / "bin" / "python"
+            if not env_python.exists():
+                print(f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; "
+                      "run `make vllm-cpu` first", file=sys.stderr)
+                return 1
+            vllm_ports = {"p": 8100, "d": 8200, "ps": 5600, "ds": 5601}
+            cfg = real_vllm_config(workdir, f"http://127.0.0.1:{vllm_ports['p']}",
+                                   f"http://127.0.0.1:{vllm_ports['d']}", base)
     else:
         src = resolve_config_path(args.config or str(REPO / "examples" / "pdscope.yaml"))
         load_config(src)  # validate the user's file first: its errors name its lines
         cfg = demo_config(yaml.safe_load(src.read_text()), workdir)
+    previous = fresh_workdir(workdir)
+    if previous is not None:
+        print(f"fresh store: the previous run's store and logs are now in {previous}", flush=True)
     cfg_path = workdir / "pdscope.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     settings = parse_config(cfg_path.read_text(), str(cfg_path))
@@ -234,18 +308,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting {child.name:<11} (log: {child.log_path})", flush=True)
             child.start(env)
             stack.children.append(child)
-            _wait_healthy(child, 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0)
+            _wait_healthy(child, 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0, stopping)
             if stopping["signal"]:
                 return 130
+        if attach:
+            for role, url in (("prefill", args.prefill_url), ("decode", args.decode_url)):
+                if not _http_ok(f"{url.rstrip('/')}/health"):
+                    raise RuntimeError(f"the running {role} vLLM at {url} does not answer /health")
         proxy_url = f"http://{settings.proxy.host}:{settings.proxy.port}"
         rate = args.rate if args.rate is not None else (1.0 if args.real_vllm else 4.0)
         remaining = max(1.0, args.duration - (time.monotonic() - t0))
-        load_argv = [sys.executable, "-m", "pdscope.cli", "--config", str(cfg_path), "load", "--url", proxy_url,
-                     "--rate", str(rate), "--duration", str(remaining), "-n", str(int(rate * remaining) + 1),
-                     "--no-progress", "--output", str(workdir / "load-results.json")]
-        if args.real_vllm:
-            load_argv += ["--prompt-len", "uniform:16:200", "--output-len", "fixed:16"]
-        load = Child("load", load_argv, None, workdir / "logs" / "load.log")
+        load = Child("load", load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm), None,
+                     workdir / "logs" / "load.log")
         load.start(env)
         stack.children.append(load)
 
@@ -259,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         for pool_name, inst in settings.instances():
             print(f"  {pool_name + ' / ' + inst.name:<28} {inst.url}", flush=True)
         print(f"  API token ({token_var})      {env[token_var]}", flush=True)
+        if not args.no_dashboard and settings.dashboard.auth == "login":
+            print("  (paste the API token into the dashboard's sidebar to sign in and change routing)", flush=True)
         fault_at = t0 + args.fault_after if args.fault_after >= 0 else None
         print(f"load: {rate:g} req/s through the proxy; "
               + (f"fault in {args.fault_after:.0f}s; " if fault_at else "")
@@ -266,11 +342,20 @@ def run(args: argparse.Namespace) -> int:
 
         last: dict[str, tuple[float, str]] = {}
         injected = False
+        load_done = False
         while not stopping["signal"] and time.monotonic() - t0 < args.duration:
             time.sleep(1.0)
-            dead = [c for c in stack.children if c.name != "load" and not c.alive()]
-            if dead:
-                print(f"{dead[0].name} exited unexpectedly:\n{dead[0].tail()}", file=sys.stderr, flush=True)
+            if stopping["signal"]:
+                break
+            dead = _dead_child(stack, load_done)
+            if dead is not None:
+                if dead.name == "load" and dead.returncode() == 0:
+                    load_done = True  # it sent all it planned; the stack keeps running until --duration
+                    print(f"[{time.monotonic() - t0:6.1f}s] load generator finished its run "
+                          f"(results: {workdir / 'load-results.json'}); no more load is sent", flush=True)
+                    continue
+                print(f"\n*** pdscope demo: {dead.name} DIED (exit status {dead.returncode()}); stopping the "
+                      f"demo. Last lines of {dead.log_path}:\n{dead.tail()}\n", file=sys.stderr, flush=True)
                 return 1
             if fault_at is not None and not injected and time.monotonic() >= fault_at:
                 injected = _inject_fault(settings, cfg_path, env, args, workdir)

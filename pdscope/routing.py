@@ -1,7 +1,14 @@
 """The routing table: the wire contract between the controller and the proxy.
 
-The controller serves it at ``GET /v1/routing`` (with an ETag of ``version``); the
+The controller serves it at ``GET /v1/routing`` with an ETag (:func:`routing_etag`); the
 proxy polls it and applies it. Neither imports the other: both import this module.
+
+The ETag is opaque: a client sends it back in ``If-None-Match`` and gets 304 while the
+table is the same, and never compares it or ``version`` with anything else. It carries the
+serving process's epoch as well as the version, because a restarted controller may count
+versions again from what it stored and so reach a number an earlier process served with
+other content; the epoch keeps that from answering 304 to a proxy holding the old table.
+``version`` orders the tables of one controller process only.
 """
 
 from __future__ import annotations
@@ -50,3 +57,8 @@ class RoutingTable(BaseModel):
     enforce: bool
     instances: list[InstanceRoute]
     pools: list[PoolRoute]
+
+
+def routing_etag(epoch: str, version: int) -> str:
+    """The strong ETag of table ``version`` served by the controller process ``epoch``."""
+    return f'"{epoch}-{version}"'

@@ -44,7 +44,10 @@ REMOTE_ENGINE_ID = "pdscope.remote_engine_id"
 HTTP_STATUS = "http.response.status_code"
 ERROR_TYPE = "error.type"
 
-OUTCOMES = ("ok", "error", "rejected", "client_disconnect", "timeout")
+# "client_error": the request was the client's mistake (the proxy's 400 before any prefill, or
+# a 4xx that P or D answered); not a failure of any instance, and not a served request.
+OUTCOME_CLIENT_ERROR = "client_error"
+OUTCOMES = ("ok", "error", "rejected", "client_disconnect", "timeout", OUTCOME_CLIENT_ERROR)
 
 # vLLM's per-request span and attributes
 VLLM_SPAN = "llm_request"

@@ -43,20 +43,21 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MAX_BODY_BYTES = 32 * 2**20
 _WANTED_HEADERS = (b"traceparent", b"authorization")
 
 
 class _Reply:
-    __slots__ = ("finished", "send", "started")
+    __slots__ = ("finished", "send", "started", "status")
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.started = False
         self.finished = False
+        self.status: int | None = None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
+        self.status = status
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool) -> None:
@@ -65,9 +66,12 @@ class _Reply:
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-async def _simple(send: Send, status: int, body: bytes, ctype: bytes = b"application/json") -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]})
+async def _simple(send: Send, status: int, body: bytes, ctype: bytes = b"application/json",
+                  close: bool = False) -> None:
+    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+    if close:  # the rest of the request is not read: the connection cannot carry another
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -152,16 +156,22 @@ class ProxyApp:
             await _simple(send, 404, protocol.error_body(f"no route {method} {path}", "not_found_error"))
 
     async def _proxy(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        # The time to receive the body is bounded by the server protocol (proxy.server), which
+        # closes a connection whose request does not arrive in time: receive() then disconnects.
         chunks: list[bytes] = []
         size = 0
+        limit = self.parts.settings.proxy.max_request_bytes
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
             data = msg.get("body", b"")
             size += len(data)
-            if size > MAX_BODY_BYTES:
-                await _simple(send, 413, protocol.error_body("request body too large", "invalid_request_error"))
+            if size > limit:
+                self.parts.metrics.request_too_large.inc()
+                await _simple(send, 413, protocol.error_body(
+                    f"request body over {limit} bytes (proxy.max_request_bytes)", "invalid_request_error",
+                    "request_too_large"), close=True)
                 return
             chunks.append(data)
             if not msg.get("more_body", False):
@@ -220,8 +230,9 @@ def build(
     spans: BoundedSpanProcessor | None = None
     tracer: trace.Tracer
     if ps.tracing:
-        exporter = exporter or otlp_exporter(otlp_endpoint(ps.otlp_endpoint, settings.collector_url))
-        provider, spans = make_provider(exporter)
+        exporter = exporter or otlp_exporter(otlp_endpoint(ps.otlp_endpoint, settings.collector_url),
+                                             token_env=ps.otlp_token_env)
+        provider, spans = make_provider(exporter, max_queue=ps.span_queue_max, retry_max_s=ps.span_retry_max_s)
         tracer = provider.get_tracer("pdscope.proxy")
     else:
         tracer = trace.NoOpTracer()

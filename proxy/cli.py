@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdscope.cli import load_settings
     from proxy.app import build
+    from proxy.server import uvicorn_config
 
     settings = apply_overrides(load_settings(args), args)
     if settings.proxy.tracing:
@@ -63,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
         loop = "uvloop"
     except ImportError:  # uvloop is not built for every platform
         loop = "asyncio"
-    config = uvicorn.Config(
-        app, host=settings.proxy.host, port=settings.proxy.port, loop=loop, http="httptools",
-        access_log=False, log_level="warning", lifespan="on", timeout_keep_alive=30,
+    config = uvicorn_config(
+        app, settings.proxy.host, settings.proxy.port, loop=loop,
+        read_timeout_s=settings.proxy.client_read_timeout_s,
+        on_read_timeout=lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc(),
+        log_level="warning", timeout_keep_alive=30,
         timeout_graceful_shutdown=10,  # open streams get this long at shutdown, then are closed
     )
     uvicorn.Server(config).run()

@@ -8,9 +8,17 @@ Failure rules (why: P's pinned KV blocks are meant to be read once, by one D):
 - D accepted the request and then failed or timed out before its first token: it may
   have started (or finished) the NIXL read, and P's blocks may be freed, so a retry
   needs a new prefill: one full retry (new prefill, another D) within the budget.
+- D answers 200 and its stream's first event is its own ``data: {"error": ...}`` (a failed
+  NIXL read, say), or the stream ends before any event: a decode failure before the first
+  token, with the rule above (new prefill, another D, cooldown and a counted failure).
 - After the first byte went to the client: no retry; a streamed answer ends with an
-  OpenAI-style ``data: {"error": ...}`` event.
-- A 4xx from P or D is the client's problem: passed through unchanged, never retried.
+  OpenAI-style ``data: {"error": ...}`` event (D's own in-band error is forwarded as it
+  is), and so does a stream that ends without ``[DONE]``; the outcome is ``error``
+  (``timeout`` past ``decode_total_s``) and the failure is counted against D.
+- The body is checked before anything is spent (``proxy.validate``): what D would refuse
+  is a 400 naming the field, and P is never called. A 4xx that P or D still answers is the
+  client's problem: passed through unchanged, never retried, never counted against the
+  instance (no cooldown, no failure metric); the outcome is ``client_error``.
 - The client goes away: the app cancels this task; every open upstream answer is closed
   at once (vLLM aborts the request) and the disconnect is counted by stage.
 
@@ -34,7 +42,7 @@ from pdscope import semconv as sc
 from proxy import protocol
 from proxy.admission import REASON_NO_INSTANCES, REASON_QUEUE_FULL, Admission, Rejection
 from proxy.metrics import ProxyMetrics
-from proxy.protocol import PrefillAnswer, ProtocolError
+from proxy.protocol import PrefillAnswer, ProtocolError, SseWatch
 from proxy.request import (
     JSON,
     ClientError,
@@ -50,6 +58,10 @@ from proxy.routing import RoutingState, RoutingView, Target
 from proxy.selection import RetryBudget, Selector
 from proxy.tracing import parse_traceparent, traceparent
 from proxy.upstream import ConnectFailed, UpstreamClient, UpstreamError, UpstreamResponse, UpstreamTimeout
+from proxy.validate import InvalidRequest, check_body
+
+CLIENT_ERROR = sc.OUTCOME_CLIENT_ERROR
+_FIRST_EVENT_MAX = 1 << 20  # bytes read while waiting for D's first complete event
 
 
 class Flow:
@@ -91,9 +103,13 @@ class Flow:
         try:
             try:
                 body = protocol.parse_client_body(raw)
+                check_body(endpoint, body, self.fs.max_model_len)
             except ProtocolError as exc:
-                raise client_error(400, str(exc), "invalid_request_error", "error") from exc
-            req.stream = bool(body.get("stream"))
+                raise client_error(400, str(exc), "invalid_request_error", CLIENT_ERROR) from exc
+            except InvalidRequest as exc:
+                raise client_error(400, exc.message, "invalid_request_error", CLIENT_ERROR,
+                                   "invalid_value", param=exc.param) from exc
+            req.stream = body.get("stream") is True
             await self._admit(req, root, ctx)
             await self._run(req, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -109,15 +125,17 @@ class Flow:
             raise
         finally:
             self._release(req)
-            self._finish_root(root, req)
+            self._finish_root(root, req, reply.status)
             self.metrics.count_request(endpoint, req.outcome)
 
-    def _finish_root(self, root: trace.Span, req: RequestState) -> None:
+    def _finish_root(self, root: trace.Span, req: RequestState, http_status: int | None) -> None:
         if root.is_recording():
             attrs: dict[str, str | int | bool] = {
                 sc.REQUEST_ID: req.rid, sc.ENDPOINT: req.endpoint, sc.STREAM: req.stream,
                 sc.OUTCOME: req.outcome, sc.RETRIES: req.retries,
             }
+            if http_status is not None:  # what the client got (200 also for a stream that failed later)
+                attrs[sc.HTTP_STATUS] = http_status
             if req.p is not None:
                 attrs[sc.P_INSTANCE], attrs[sc.P_POOL] = req.p.name, req.p.pool
             if req.d is not None:
@@ -131,7 +149,7 @@ class Flow:
             if req.completion_tokens is not None:
                 attrs[sc.COMPLETION_TOKENS] = req.completion_tokens
             root.set_attributes(attrs)
-            if req.outcome != "ok":
+            if req.outcome not in ("ok", CLIENT_ERROR):  # a client's 4xx is not a server error
                 root.set_status(Status(StatusCode.ERROR, req.outcome))
         root.end()
 
@@ -246,6 +264,9 @@ class Flow:
                 req.d = nxt
                 req.d_slot = self._move_slot(req.d_slot, nxt.pool)
                 assert req.p is not None
+                # Another P when there is one: the failed handoff may be this P's (or this pair's).
+                req.p = self.selector.pick("prefill", self.routing.view.prefill, self.clock(),
+                                           exclude=(req.p.name,)) or req.p
                 req.p_slot = self._move_slot(req.p_slot, req.p.pool)
 
     def _spend(self, stage: str) -> bool:
@@ -293,7 +314,7 @@ class Flow:
                     span.end()
                     return answer
                 if 400 <= status < 500:
-                    raise ClientError(status, raw, "error", content_type=ctype)  # the span ends below
+                    raise ClientError(status, raw, CLIENT_ERROR, content_type=ctype)  # the span ends below
                 kind = f"status_{status}"
             except (UpstreamTimeout, TimeoutError):
                 kind = "timeout"
@@ -392,6 +413,27 @@ class Flow:
             if handoff.is_recording():  # not ended yet: no first token
                 handoff.end()
 
+    async def _first_event(self, resp: UpstreamResponse, watch: SseWatch) -> bytes:
+        """Read D's stream up to its first complete event: what the client gets first.
+
+        D's own error event first, or an end before any event, is a failure before the
+        first token (:class:`NeedsPrefill`); the caller bounds the wait."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await resp.next_chunk()
+            if chunk is None:
+                if watch.done:
+                    return b"".join(parts)
+                raise NeedsPrefill("no_done")
+            parts.append(chunk)
+            size += len(chunk)
+            watch.feed(chunk)
+            if watch.error is not None and watch.events == 0:
+                raise NeedsPrefill("stream_error")
+            if watch.events or watch.done or size > _FIRST_EVENT_MAX:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def _decode_failed(self, d: Target, span: trace.Span, kind: str) -> None:
         span.set_attribute(sc.ERROR_TYPE, kind)
         self.metrics.upstream_failures.labels(d.name, "decode", kind).inc()
@@ -417,13 +459,14 @@ class Flow:
                 async with asyncio.timeout_at(first_deadline):
                     if resp.status != 200:
                         raw = await resp.read()
-                        if 400 <= resp.status < 500:
-                            raise ClientError(resp.status, raw, "error",
+                        if 400 <= resp.status < 500:  # D refused the request: not D's failure
+                            raise ClientError(resp.status, raw, CLIENT_ERROR,
                                               content_type=resp.header(b"content-type") or JSON)
                         if resp.status == 503:
                             raise DecodeRefused("status_503")
                         raise NeedsPrefill(f"status_{resp.status}")
-                    first = await resp.next_chunk() if req.stream else await resp.read()
+                    watch = SseWatch()
+                    first = await self._first_event(resp, watch) if req.stream else await resp.read()
             except (ConnectFailed, DecodeRefused):
                 raise
             except (UpstreamTimeout, TimeoutError) as exc:
@@ -451,21 +494,30 @@ class Flow:
             await reply.start(200, out_headers)
             if first:
                 await reply.body(first, True)
+            kind: str | None = None
             try:
                 async with asyncio.timeout_at(total_deadline):
-                    while (chunk := await resp.next_chunk()) is not None:
+                    while watch.error is None and (chunk := await resp.next_chunk()) is not None:
+                        watch.feed(chunk)
                         await reply.body(chunk, True)
             except (UpstreamError, TimeoutError) as exc:
                 kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
-                span.set_attribute(sc.ERROR_TYPE, kind)
-                self.metrics.upstream_failures.labels(d.name, "decode", kind).inc()
-                req.outcome = "timeout" if kind == "timeout" else "error"
-                err = protocol.error_body(f"decode {kind} after the first token", "upstream_error",
-                                          "upstream_" + kind)
-                await reply.body(b"data: " + err + b"\n\n", False)
+            if kind is None and watch.error is not None:
+                kind = "stream_error"  # D's own error event, already forwarded
+            elif kind is None and not watch.done:
+                kind = "no_done"  # D ended the stream without [DONE]: the answer may be cut
+            if kind is None:
+                await reply.body(b"", False)
+                req.outcome = "ok"
                 return
-            await reply.body(b"", False)
-            req.outcome = "ok"
+            self._decode_failed(d, span, kind)
+            req.outcome = "timeout" if kind == "timeout" else "error"
+            if kind == "stream_error":
+                await reply.body(b"", False)
+                return
+            err = protocol.error_body(f"decode {kind} after the first token", "upstream_error",
+                                      "upstream_" + kind)
+            await reply.body(b"data: " + err + b"\n\n", False)
         finally:
             self.selector.release(d.name)
             if resp is not None:

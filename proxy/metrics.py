@@ -74,6 +74,13 @@ class ProxyMetrics:
             "pdscope_proxy_time_to_first_token_seconds", "Proxy arrival to D's first byte.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.client_read_timeouts = Counter(
+            "pdscope_proxy_client_read_timeouts", "Client connections closed because the request's headers "
+            "or body did not arrive within proxy.client_read_timeout_s.", ["phase"], registry=r,
+        )
+        self.request_too_large = Counter(
+            "pdscope_proxy_request_too_large", "Client bodies over proxy.max_request_bytes (413).", registry=r,
+        )
         self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
 
     def count_request(self, endpoint: str, outcome: str) -> None:
@@ -99,7 +106,8 @@ class _LiveCollector(Collector):
         state = GaugeMetricFamily(
             "pdscope_proxy_routing_state",
             "1 for the routing state in force: fresh (controller's table), static (last table kept, "
-            "controller unreachable), fallback (equal weights), default (no table yet), advisory.",
+            "controller unreachable), fallback (equal weights), default (no table yet, no poll failed), "
+            "never_reached (no controller answered since start: equal weights), advisory.",
             labels=["state"],
         )
         for s in STATES:
@@ -142,10 +150,18 @@ class _LiveCollector(Collector):
         yield bal
         if spans is not None:
             for name, value, doc in (
-                ("pdscope_proxy_spans_dropped", spans.dropped, "Spans dropped because the queue was full."),
+                ("pdscope_proxy_spans_dropped", spans.dropped,
+                 "Spans lost because the queue was full (or still queued at shutdown)."),
                 ("pdscope_proxy_spans_exported", spans.exported, "Spans the collector accepted."),
-                ("pdscope_proxy_spans_export_failed", spans.failed, "Spans in failed export batches."),
+                ("pdscope_proxy_spans_export_failed", spans.failed,
+                 "Spans in failed export tries (a batch retried n times counts n times)."),
+                ("pdscope_proxy_spans_rejected", spans.rejected,
+                 "Spans in batches the collector refused for good (4xx other than 408/429): lost."),
+                ("pdscope_proxy_spans_export_retries", spans.retries, "Retried tries of a held span batch."),
             ):
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(value))
                 yield c
+            q = GaugeMetricFamily("pdscope_proxy_spans_queued", "Spans waiting to be exported.")
+            q.add_metric([], float(spans.queued))
+            yield q

@@ -41,12 +41,19 @@ class PrefillAnswer:
     remote_engine_id: str | None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_client_body(raw: bytes) -> dict[str, Any]:
-    """The client's JSON object. Raises ProtocolError for anything else."""
+    """The client's JSON object. Raises ProtocolError for anything else (``NaN``/``Infinity``
+    literals and nesting too deep to parse included)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ProtocolError("request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
     return body
@@ -120,8 +127,92 @@ def completion_tokens(raw: bytes) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def error_body(message: str, err_type: str, code: str | None = None) -> bytes:
+def error_body(message: str, err_type: str, code: str | None = None, param: str | None = None) -> bytes:
     """An OpenAI-style error object."""
     return json.dumps(
-        {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+        {"error": {"message": message, "type": err_type, "param": param, "code": code}}
     ).encode()
+
+
+def is_error_event(data: bytes) -> bool:
+    """Whether one SSE ``data:`` payload is an in-band error: vLLM sends
+    ``{"error": {...}}`` (older versions: ``{"object": "error", ...}``)."""
+    if b'"error"' not in data:  # the cheap test first: most events are tokens
+        return False
+    try:
+        event = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(event, dict) and ("error" in event or event.get("object") == "error")
+
+
+_PREAMBLE_DELTA_KEYS = frozenset(("role", "content", "reasoning_content", "reasoning"))
+
+
+def is_preamble_event(data: bytes) -> bool:
+    """Whether one SSE ``data:`` payload is vLLM's chat preamble, not a token: the chunk with
+    the assistant ``role`` and empty content that vLLM sends with the first engine output --
+    also when that output is an error (then the error event follows it)."""
+    if b'"role"' not in data:
+        return False
+    try:
+        event = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or "role" not in delta or not set(delta) <= _PREAMBLE_DELTA_KEYS:
+            return False
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")) or choice.get("finish_reason"):
+            return False
+    return True
+
+
+class SseWatch:
+    """Follows a streamed answer's server-sent events as its chunks go by (the bytes are
+    forwarded unchanged; this only looks): token events seen, an in-band error, ``[DONE]``.
+    vLLM's chat preamble (the role chunk) is not a token (:func:`is_preamble_event`).
+
+    A line longer than ``max_line`` is not inspected (memory stays bounded); it still
+    counts as a data event when it completes.
+    """
+
+    __slots__ = ("_carry", "_skipping", "done", "error", "events", "max_line")
+
+    def __init__(self, max_line: int = 1 << 20) -> None:
+        self.max_line = max_line
+        self._carry = b""
+        self._skipping = False
+        self.events = 0          # data events that are neither an error, [DONE] nor the preamble
+        self.error: bytes | None = None  # the first in-band error's payload
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._carry + chunk if self._carry else chunk
+        lines = data.split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            if self._skipping:  # the end of an over-long line
+                self._skipping = False
+                self.events += 1
+                continue
+            self._line(line.rstrip(b"\r"))
+        if len(tail) > self.max_line:
+            self._skipping, self._carry = True, b""
+        elif not self._skipping:
+            self._carry = tail
+
+    def _line(self, line: bytes) -> None:
+        if not line.startswith(b"data:"):
+            return  # blank separators, comments, event:/id: fields
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+        elif is_error_event(payload):
+            if self.error is None:
+                self.error = payload
+        elif not (self.events == 0 and is_preamble_event(payload)):
+            self.events += 1

@@ -31,6 +31,7 @@ class FlowSettings:
     max_prefill_attempts: int = 3
     max_decode_attempts: int = 3
     max_full_retries: int = 1
+    max_model_len: int | None = None
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -43,6 +44,7 @@ class FlowSettings:
             queue_timeout_s=a.queue_timeout_s,
             retry_after_s=a.retry_after_s,
             default_limits=PoolLimits(a.max_inflight_requests, a.max_inflight_kv_bytes),
+            max_model_len=s.proxy.max_model_len,
         )
 
 
@@ -50,6 +52,7 @@ class Reply(Protocol):
     """Where the answer goes (the ASGI app's ``send``)."""
 
     started: bool
+    status: int | None  # what start() sent, None before
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
 
@@ -120,5 +123,5 @@ class RequestState:
 
 
 def client_error(status: int, message: str, err_type: str, outcome: str, code: str | None = None,
-         headers: list[tuple[bytes, bytes]] | None = None) -> ClientError:
-    return ClientError(status, protocol.error_body(message, err_type, code), outcome, headers)
+                 headers: list[tuple[bytes, bytes]] | None = None, param: str | None = None) -> ClientError:
+    return ClientError(status, protocol.error_body(message, err_type, code, param), outcome, headers)

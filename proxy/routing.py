@@ -6,12 +6,16 @@ an ETag. :class:`RoutingState` turns the latest table into a :class:`RoutingView
 decides what to do when the controller cannot be reached:
 
     default ──table──► fresh ──poll fails──► static ──fail_static_s──► fallback
-       ▲                  ▲                     │                          │
-       └── (start)        └────── table or 304 ─┴──────────────────────────┘
+     │  ▲               ▲  ▲                    │                          │
+     │  └── (start)     │  └───── table or 304 ─┴──────────────────────────┘
+     └─poll fails─► never_reached ──table──┘
 
-``static`` keeps the last table; ``fallback`` and ``default`` use the config's pools with
-equal instance weights and the config's admission defaults. An ``advisory`` table is
-recorded but not applied. The proxy never stops serving because of the controller.
+``static`` keeps the last table; ``fallback``, ``default`` and ``never_reached`` use the
+config's pools with equal instance weights and the config's admission defaults
+(``never_reached``: no controller has answered since this proxy started -- a WARNING
+says so once). An ``advisory`` table is recorded but not applied. The proxy never stops
+serving because of the controller. State changes are logged (WARNING into a degraded
+state, INFO out of it); a poll that changes nothing logs nothing above DEBUG.
 
 :class:`RoutingState` is pure (clock passed in); :func:`poll_forever` does the I/O.
 """
@@ -34,8 +38,8 @@ from pdscope.routing import RoutingTable
 
 log = logging.getLogger(__name__)
 
-State = Literal["default", "fresh", "static", "fallback", "advisory"]
-STATES: tuple[State, ...] = ("default", "fresh", "static", "fallback", "advisory")
+State = Literal["default", "never_reached", "fresh", "static", "fallback", "advisory"]
+STATES: tuple[State, ...] = ("default", "never_reached", "fresh", "static", "fallback", "advisory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +144,15 @@ class RoutingState:
         return self.view.state
 
     def _set(self, view: RoutingView) -> None:
-        old = self.view.state
+        old, old_version = self.view.state, self.view.version
         self.view = view
         if view.state != old:
-            if view.state in ("static", "fallback"):
+            if view.state == "never_reached":
+                log.warning(
+                    "routing: no controller reached at %s yet; serving with the config's equal weights "
+                    "until one answers", self.settings.controller_url,
+                )
+            elif view.state in ("static", "fallback"):
                 log.warning(
                     "routing: controller unreachable, now %s (%s); version %s",
                     view.state,
@@ -152,6 +161,8 @@ class RoutingState:
                 )
             else:
                 log.info("routing: now %s, table version %s", view.state, view.version)
+        elif view.version != old_version:
+            log.debug("routing: table version %s", view.version)
 
     def on_table(self, table: RoutingTable, etag: str | None, now: float) -> None:
         self.table = table
@@ -169,7 +180,9 @@ class RoutingState:
 
     def on_failure(self, now: float) -> None:
         self.poll_failures += 1
-        if self.view.state == "fresh":
+        if self.view.state == "default" and self.last_ok is None:
+            self._set(_restate(self.view, "never_reached"))
+        elif self.view.state == "fresh":
             self._set(_restate(self.view, "static"))
         self.tick(now)
 
@@ -214,6 +227,14 @@ async def poll_once(state: RoutingState, client: httpx.AsyncClient, url: str, no
     state.on_table(table, resp.headers.get("etag"), now())
 
 
+def quiet_httpx() -> None:
+    """httpx logs every request at INFO: one line per poll. Unless someone set its level,
+    keep it to warnings (the poller logs what changes itself)."""
+    httpx_log = logging.getLogger("httpx")
+    if httpx_log.level == logging.NOTSET:
+        httpx_log.setLevel(logging.WARNING)
+
+
 async def poll_forever(
     state: RoutingState,
     controller_url: str,
@@ -222,6 +243,7 @@ async def poll_forever(
 ) -> None:
     """Poll until cancelled. Each request is bounded by a timeout below the interval."""
     url = controller_url.rstrip("/") + "/v1/routing"
+    quiet_httpx()
     timeout = httpx.Timeout(max(0.2, min(2.0, interval_s)))
     async with httpx.AsyncClient(timeout=timeout) as client:
         while True:

@@ -1,9 +1,14 @@
 """OpenTelemetry for the proxy: a tracer, a bounded batching exporter, and ``traceparent``.
 
 Spans end on the event loop and go into a bounded deque (the oldest is dropped and
-counted when it is full); a daemon thread exports batches with an OTLP/HTTP exporter
-every ``interval_s`` or when a batch is full. Nothing here blocks a request: a down or
-slow collector only costs dropped spans, counted in :attr:`BoundedSpanProcessor.dropped`.
+counted when it is full); a daemon thread exports batches every ``interval_s`` or when a
+batch is full. A batch that fails for a reason worth retrying (collector down, 429/503,
+5xx) is held and tried again with a bounded, jittered exponential backoff (at least the
+collector's ``Retry-After``), while new spans keep queueing behind it: a collector
+restart or deploy loses nothing short of the queue filling up. What is lost is counted:
+:attr:`BoundedSpanProcessor.dropped` (queue full, or still queued at shutdown) and
+:attr:`~BoundedSpanProcessor.rejected` (batches the collector refused for good, e.g. 400
+or 401). A failing collector is logged when it starts failing and when it recovers.
 
 Must not: log per span, raise into the request path, or wait on the network from the
 event loop.
@@ -13,8 +18,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -24,12 +32,50 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from pdscope import semconv
+from proxy.spanexport import OtlpHttpExporter, Sent
 
 log = logging.getLogger(__name__)
 
+_SHUTDOWN_DRAIN_S = 5.0  # at shutdown, queued spans get this long to leave
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``base * 2**n`` capped at ``cap``, then a random
+    share in [50%, 100%] of it (so many proxies do not retry in step)."""
+
+    def __init__(self, base_s: float, cap_s: float, rng: random.Random | None = None) -> None:
+        self.base_s = min(base_s, cap_s)
+        self.cap_s = cap_s
+        self.rng = rng or random.Random()
+        self.failures = 0
+
+    def next_delay(self, at_least: float | None = None) -> float:
+        raw = min(self.cap_s, self.base_s * 2 ** min(self.failures, 30))
+        self.failures += 1
+        delay = raw * (0.5 + 0.5 * self.rng.random())
+        return float(max(delay, at_least)) if at_least is not None else float(delay)
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def _send(exporter: SpanExporter, batch: Sequence[ReadableSpan]) -> Sent:
+    """Our exporter says whether to retry; any other (tests, SDK exporters) is retried on failure."""
+    try:
+        if isinstance(exporter, OtlpHttpExporter):
+            return exporter.send(batch)
+        result = exporter.export(batch)
+    except Exception:  # an exporter must not raise; if it does, count it and try again later
+        log.debug("span export raised", exc_info=True)
+        return Sent(ok=False, retry=True)
+    return Sent(ok=True) if result == SpanExportResult.SUCCESS else Sent(ok=False, retry=True)
+
 
 class BoundedSpanProcessor(SpanProcessor):
-    """Batch spans for ``exporter`` in a background thread; bounded, drops counted."""
+    """Batch spans for ``exporter`` in a background thread; bounded, retried, losses counted.
+
+    Memory holds at most ``max_queue`` queued spans plus the one batch being retried.
+    """
 
     def __init__(
         self,
@@ -38,20 +84,35 @@ class BoundedSpanProcessor(SpanProcessor):
         max_queue: int = 8192,
         max_batch: int = 512,
         interval_s: float = 1.0,
+        retry_base_s: float = 0.2,
+        retry_max_s: float = 5.0,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], bool] | None = None,
     ) -> None:
         self.exporter = exporter
         self.max_batch = max_batch
         self.interval_s = interval_s
         self._queue: collections.deque[ReadableSpan] = collections.deque(maxlen=max_queue)
         self._max_queue = max_queue
+        self._held: list[ReadableSpan] = []  # the batch being retried (export thread only)
+        self.backoff = Backoff(retry_base_s, retry_max_s, rng)
         self.dropped = 0
         self.exported = 0
-        self.failed = 0
+        self.failed = 0      # spans in failed tries (a span retried twice counts twice)
+        self.rejected = 0    # spans in batches the collector refused for good
+        self.retries = 0     # tries of a held batch
+        self.failing = False
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._sleep = sleep or self._stop.wait  # returns True when stopping
         self._export_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="pdscope-span-export", daemon=True)
         self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Spans waiting to leave (the queue and the batch being retried)."""
+        return len(self._queue) + len(self._held)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         return None
@@ -65,39 +126,75 @@ class BoundedSpanProcessor(SpanProcessor):
             self._wake.set()
 
     def _run(self) -> None:
+        delay: float | None = None
         while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            self._drain()
+            if delay is None:  # after a backoff pause, try again at once
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+            try:
+                delay = self._drain(retry=True)
+            except Exception:  # never let the export thread die: log, count, go on
+                log.exception("span export loop raised; continuing")
+                delay = self.backoff.next_delay()
+            if delay is not None and self._sleep(delay):
+                return
 
-    def _drain(self) -> None:
+    def _next_batch(self) -> list[ReadableSpan]:
+        if self._held:
+            return self._held
+        batch: list[ReadableSpan] = []
+        while self._queue and len(batch) < self.max_batch:
+            batch.append(self._queue.popleft())
+        return batch
+
+    def _drain(self, retry: bool) -> float | None:
+        """Export until the queue is empty; on a retryable failure keep the batch and return
+        how long to wait (``retry``) or stop (force flush, shutdown). None when all went."""
         with self._export_lock:
-            while self._queue:
-                batch: list[ReadableSpan] = []
-                while self._queue and len(batch) < self.max_batch:
-                    batch.append(self._queue.popleft())
-                self._export(batch)
-
-    def _export(self, batch: Sequence[ReadableSpan]) -> None:
-        try:
-            result = self.exporter.export(batch)
-        except Exception:  # an exporter must not raise; if it does, count and go on
-            log.debug("span export raised", exc_info=True)
-            result = SpanExportResult.FAILURE
-        if result == SpanExportResult.SUCCESS:
-            self.exported += len(batch)
-        else:
-            self.failed += len(batch)
+            while True:
+                batch = self._next_batch()
+                if not batch:
+                    return None
+                if batch is self._held:
+                    self.retries += 1
+                sent = _send(self.exporter, batch)
+                if sent.ok:
+                    self._held = []
+                    self.exported += len(batch)
+                    if self.failing:
+                        self.failing = False
+                        log.warning("span export recovered; %d spans still queued", self.queued)
+                    self.backoff.reset()
+                    continue
+                self.failed += len(batch)
+                if not sent.retry:
+                    self._held = []
+                    self.rejected += len(batch)
+                    log.warning("collector refused a span batch (HTTP %s); %d spans lost", sent.status, len(batch))
+                    continue
+                self._held = batch
+                if not self.failing:
+                    self.failing = True
+                    log.warning("span export failing (%s); retrying with backoff, spans held in the queue",
+                                f"HTTP {sent.status}" if sent.status else "collector unreachable")
+                delay = self.backoff.next_delay(sent.retry_after_s)
+                return delay if retry else 0.0
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        self._drain()
-        return True
+        """One try for each queued batch; False if some are still held for a retry."""
+        return self._drain(retry=False) is None
 
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5.0)
-        self._drain()  # once more at shutdown
+        deadline = time.monotonic() + _SHUTDOWN_DRAIN_S
+        while self.queued and time.monotonic() < deadline:  # bounded: one try per batch, then stop
+            if self._drain(retry=False) is not None:
+                break
+        self.dropped += self.queued  # still here at exit: lost, and counted
+        self._queue.clear()
+        self._held = []
         self.exporter.shutdown()
 
 
@@ -114,31 +211,10 @@ def make_provider(exporter: SpanExporter, **kwargs: float | int) -> tuple[Tracer
     return provider, processor
 
 
-class _OncePer(logging.Filter):
-    """Let one record through per ``interval_s``: a down collector is news once, not every batch."""
-
-    def __init__(self, interval_s: float) -> None:
-        super().__init__()
-        self.interval_s = interval_s
-        self._last = float("-inf")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.created - self._last >= self.interval_s:
-            self._last = record.created
-            return True
-        return False
-
-
-_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
-
-
-def otlp_exporter(endpoint: str, timeout_s: float = 2.0) -> SpanExporter:
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    exporter_log = logging.getLogger(_EXPORTER_LOGGER)
-    if not any(isinstance(f, _OncePer) for f in exporter_log.filters):
-        exporter_log.addFilter(_OncePer(60.0))  # failures are counted in our metrics anyway
-    return OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+def otlp_exporter(endpoint: str, timeout_s: float = 2.0, token_env: str | None = None) -> SpanExporter:
+    """The OTLP/HTTP exporter; with ``token_env`` set in the environment it authenticates."""
+    token = os.environ.get(token_env, "").strip() if token_env else ""
+    return OtlpHttpExporter(endpoint, timeout_s=timeout_s, token=token or None)
 
 
 def traceparent(span: trace.Span) -> str | None:

@@ -212,6 +212,8 @@ class SpanRow(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     attributes: Mapped[Json] = mapped_column(default=dict)
     received_ts: Mapped[float] = mapped_column(Float, index=True)
+    # who sent it: the sender name of its OTLP bearer token; null when sent without auth
+    sender: Mapped[str | None] = mapped_column(String(64))
 
 
 class RequestRecord(Base):
@@ -268,6 +270,8 @@ class RequestRecord(Base):
     slo_met: Mapped[bool | None] = mapped_column(Boolean)
     lease_expiry_suspect: Mapped[bool] = mapped_column(Boolean, default=False)
     attributes: Mapped[Json] = mapped_column(default=dict)
+    # sender of the proxy root span (its OTLP token's name); null: sent without auth
+    sender: Mapped[str | None] = mapped_column(String(64))
 
 
 class Decision(Base):

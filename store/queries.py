@@ -17,9 +17,9 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from store.models import RequestRecord, Snapshot
@@ -360,6 +360,61 @@ def histogram_quantiles(
 
 # -- request records ----------------------------------------------------------------------
 
+# A request the client got a 4xx for (other than 429, which is an overload answer) was
+# refused as invalid: the instance that refused it did its job. An outcome of this name,
+# if a sender uses it, means the same.
+CLIENT_ERROR_OUTCOME = "client_error"
+
+
+def is_client_error(status: str | None, http_status: int | None) -> bool:
+    """Was this request refused as invalid (the client's fault, not any instance's)?"""
+    if status == CLIENT_ERROR_OUTCOME:
+        return True
+    return http_status is not None and 400 <= http_status < 500 and http_status != 429
+
+
+def _charged() -> ColumnElement[bool]:
+    """SQL for ``not is_client_error(status, http_status)`` (a null status code is not a 4xx)."""
+    h = RequestRecord.http_status
+    return and_(RequestRecord.status != CLIENT_ERROR_OUTCOME,
+                or_(h.is_(None), h < 400, h >= 500, h == 429))
+
+
+_Stmt = TypeVar("_Stmt", bound="Select[*tuple[Any, ...]]")
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    """Which request records a reader believes.
+
+    ``senders``: only records whose ``sender`` (the OTLP token name of the proxy root span)
+    is one of these; ``None`` = every record, a null sender (sent without auth) never matches
+    a list. ``charged_only``: leave out requests refused as invalid (:func:`is_client_error`).
+    """
+
+    senders: frozenset[str] | None = None
+    charged_only: bool = False
+
+    def apply(self, stmt: _Stmt) -> _Stmt:
+        if self.senders is not None:
+            stmt = stmt.where(RequestRecord.sender.in_(sorted(self.senders)))
+        if self.charged_only:
+            stmt = stmt.where(_charged())
+        return stmt
+
+
+EVERY_RECORD = RecordFilter()
+
+
+def untrusted_records(session: Session, since: float, until: float, senders: frozenset[str] | None) -> int:
+    """Records in the window whose sender is not one of ``senders`` (0 when ``senders`` is None)."""
+    if senders is None:
+        return 0
+    stmt = select(func.count()).select_from(RequestRecord).where(
+        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until,
+        or_(RequestRecord.sender.is_(None), RequestRecord.sender.not_in(sorted(senders))))
+    return int(session.scalar(stmt) or 0)
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank-interpolated percentile (``q`` in 0..100) of raw values."""
@@ -386,9 +441,10 @@ class HandoffStats:
 
 
 def handoff_stats(
-    session: Session, since: float, until: float, *, by: Literal["d_instance", "p_instance", "pair"] = "pair"
+    session: Session, since: float, until: float, *, by: Literal["d_instance", "p_instance", "pair"] = "pair",
+    only: RecordFilter = EVERY_RECORD,
 ) -> dict[str, HandoffStats]:
-    """Handoff percentiles per D, per P or per ``"P->D"`` pair, from request records."""
+    """Handoff percentiles per D, per P or per ``"P->D"`` pair, from request records (``only`` those)."""
     stmt = select(
         RequestRecord.p_instance,
         RequestRecord.d_instance,
@@ -396,6 +452,7 @@ def handoff_stats(
         RequestRecord.first_token,
         RequestRecord.lease_expiry_suspect,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    stmt = only.apply(stmt)
     groups: dict[str, list[float]] = defaultdict(list)
     suspects: dict[str, int] = defaultdict(int)
     for p, d, p_done, first, suspect in session.execute(stmt):
@@ -441,8 +498,9 @@ def slo_summary(
     until: float,
     *,
     by: Literal["all", "d_instance", "p_instance", "d_pool", "p_pool"] = "all",
+    only: RecordFilter = EVERY_RECORD,
 ) -> dict[str, SLOSummary]:
-    """SLO attainment and goodput over the window, overall (key ``"all"``) or per group."""
+    """SLO attainment and goodput over the window, overall (key ``"all"``) or per group (``only`` those)."""
     stmt = select(
         RequestRecord.status,
         RequestRecord.slo_met,
@@ -454,6 +512,7 @@ def slo_summary(
         RequestRecord.d_pool,
         RequestRecord.p_pool,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    stmt = only.apply(stmt)
     rows: dict[str, list[Any]] = defaultdict(list)
     for row in session.execute(stmt):
         key = {"all": "all", "d_instance": row[5], "p_instance": row[6], "d_pool": row[7], "p_pool": row[8]}[by]

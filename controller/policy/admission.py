@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
@@ -232,4 +232,5 @@ def decide_pools(
 ) -> tuple[PoolDecision, ...]:
     age = obs.data_age_s
     stale = age is None or age > cfg.stale_after_s
-    return tuple(decide_pool(p, prev.get(p.name), cfg, stale) for p in obs.pools)
+    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records})
+                 for d in (decide_pool(p, prev.get(p.name), cfg, stale) for p in obs.pools))

@@ -54,6 +54,7 @@ class InstanceSignals:
     handoff_p99_s: float | None = None
     requests: int = 0
     failed_requests: int = 0
+    refused_requests: int = 0  # refused as invalid (a 4xx): counted, never charged to it
     lease_expiry_suspects: int = 0  # requests through it flagged by the collector
 
 
@@ -118,6 +119,8 @@ class Observation:
     pairs: tuple[PairSignals, ...] = ()
     slo: SLOFigures = field(default_factory=lambda: SLOFigures(window_s=300.0))
     newest_data: float | None = None
+    # records in the window left out because their sender is not in controller.trusted_span_senders
+    untrusted_records: int = 0
 
     def instance(self, name: str) -> InstanceSignals | None:
         for inst in self.instances:

@@ -23,7 +23,7 @@ likelier fault, and all-zero weights would route nothing). Pure: no I/O, no cloc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
@@ -82,6 +82,7 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
         "kv_usage": inst.kv_usage,
         "num_waiting": inst.num_waiting,
         "requests": inst.requests,
+        "refused_requests": inst.refused_requests,
         "failed_transfers_per_min": _r(inst.failed_transfers_per_min),
         "expired_leases_per_min": _r(inst.expired_leases_per_min),
         "lease_expiry_suspects": inst.lease_expiry_suspects,
@@ -256,4 +257,5 @@ def decide_weights(
             continue
         peers = [o for o in role if o.name != inst.name and o.up]
         out.append(step_instance(inst, peers, p, cfg, obs.window_s, obs.now))
-    return tuple(out)
+    # what the observation left out, on every decision it shaped
+    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records}) for d in out)

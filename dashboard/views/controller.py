@@ -1,7 +1,9 @@
 """Controller: what the controller decided and why (timeline with reasons, weights over
 time), whether it enforces or only advises, the audit trail, and forms that override a
 weight, clear it, drain or undrain an instance, or set a pool's weight — all through
-the controller API with the token from the environment.
+the controller API, as the signed-in user (``dashboard.auth``; see ``dashboard.auth``):
+with their own token (login) or the server's token on their behalf (header). Without an
+identity the forms are shown disabled.
 """
 
 from __future__ import annotations
@@ -11,18 +13,13 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, data, ui
-from dashboard.api import ApiResult, ControllerClient, ControllerError
+from dashboard import auth, charts, context, data, ui
+from dashboard.api import ApiResult, ControllerError
 
 view = context.current()
 url = view.store_url
 settings = view.settings
-TOKEN_ENV = settings.controller.api_token_env
-
-
-def _client(actor: str = "dashboard") -> ControllerClient:
-    return ControllerClient(settings.controller_url, settings.api_token(), timeout_s=5.0,
-                            actor=(actor.strip() or "dashboard")[:64])
+identity = auth.current(settings)
 
 
 def _mode_banner(routing: dict[str, Any] | None) -> None:
@@ -46,6 +43,12 @@ def _report(action: str, call: Any) -> None:
         result: ApiResult = call()
     except ControllerError as exc:
         hint = " — retry when the controller is back" if exc.retryable else ""
+        if exc.status in (401, 403):
+            if settings.dashboard.auth == "login":
+                auth.sign_out()  # a revoked or expired token: ask for a fresh sign-in
+                hint = " — the controller no longer accepts your token; sign in again"
+            else:
+                hint = f" — check the server's token in ${settings.controller.api_token_env}"
         st.error(f"{action} failed: {exc}{hint}", icon=":material/error:")
         return
     body = result.body
@@ -59,10 +62,13 @@ def _report(action: str, call: Any) -> None:
 
 def _forms() -> None:
     names = [inst.name for _, inst in settings.instances()]
-    if settings.api_token() is None:
-        st.info(f"Set `${TOKEN_ENV}` in the dashboard's environment to enable these actions "
-                "(the controller refuses changes without its token).", icon=":material/key:")
-    who = st.text_input("Your name (stored in the audit trail)", value="dashboard", key="actor")
+    why_not = auth.read_only_reason(settings, identity)
+    off = why_not is not None
+    if why_not is not None:
+        st.info(why_not, icon=":material/key:")
+    elif identity is not None:
+        st.caption(f"Changes are made and audited as **{identity.name}**.")
+    client = None if off or identity is None else identity.client(settings)
     weight_tab, drain_tab, pool_tab = st.tabs(["Instance weight", "Drain / undrain", "Pool weight"])
     with weight_tab, st.form("weight_form"):
         inst = st.selectbox("Instance", names, key="w_instance")
@@ -70,45 +76,47 @@ def _forms() -> None:
         ttl_min = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="w_ttl")
         reason = st.text_input("Reason", key="w_reason", placeholder="why (required)")
         a, b = st.columns(2)
-        set_clicked = a.form_submit_button("Set override", type="primary")
-        clear_clicked = b.form_submit_button("Clear override")
-    if set_clicked or clear_clicked:
+        set_clicked = a.form_submit_button("Set override", type="primary", disabled=off)
+        clear_clicked = b.form_submit_button("Clear override", disabled=off)
+    if (set_clicked or clear_clicked) and client is not None:
         if not reason.strip():
             st.error("A reason is required; it goes into the audit trail.")
         elif set_clicked:
             _report(f"Weight {weight:g} on {inst}",
-                    lambda: _client(who).set_instance_weight(str(inst), float(weight), ttl_min * 60.0, reason.strip()))
+                    lambda: client.set_instance_weight(str(inst), float(weight), ttl_min * 60.0,
+                                                       reason.strip()))
         else:
-            _report(f"Clear override on {inst}", lambda: _client(who).clear_instance_weight(str(inst), reason.strip()))
+            _report(f"Clear override on {inst}",
+                    lambda: client.clear_instance_weight(str(inst), reason.strip()))
     with drain_tab, st.form("drain_form"):
         inst_d = st.selectbox("Instance", names, key="d_instance")
         ttl_d = st.number_input("Drain for (minutes, 0 = until undrained)", min_value=0, max_value=7 * 24 * 60,
                                 value=0, key="d_ttl")
         reason_d = st.text_input("Reason", key="d_reason", placeholder="why (required)")
         a, b = st.columns(2)
-        drain_clicked = a.form_submit_button("Drain", type="primary")
-        undrain_clicked = b.form_submit_button("Undrain")
-    if drain_clicked or undrain_clicked:
+        drain_clicked = a.form_submit_button("Drain", type="primary", disabled=off)
+        undrain_clicked = b.form_submit_button("Undrain", disabled=off)
+    if (drain_clicked or undrain_clicked) and client is not None:
         if not reason_d.strip():
             st.error("A reason is required; it goes into the audit trail.")
         elif drain_clicked:
-            _report(f"Drain {inst_d}", lambda: _client(who).drain(str(inst_d), reason_d.strip(),
-                                                                    ttl_d * 60.0 if ttl_d else None))
+            _report(f"Drain {inst_d}",
+                    lambda: client.drain(str(inst_d), reason_d.strip(), ttl_d * 60.0 if ttl_d else None))
         else:
-            _report(f"Undrain {inst_d}", lambda: _client(who).undrain(str(inst_d), reason_d.strip()))
+            _report(f"Undrain {inst_d}", lambda: client.undrain(str(inst_d), reason_d.strip()))
     with pool_tab, st.form("pool_form"):
         pool = st.selectbox("Pool", list(settings.pools), key="p_pool")
         pweight = st.number_input("Weight (relative to pools of the same role)", min_value=0.0, max_value=100.0,
                                   value=1.0, step=0.1, key="p_weight")
         pttl = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="p_ttl")
         preason = st.text_input("Reason", key="p_reason", placeholder="why (required)")
-        pool_clicked = st.form_submit_button("Set pool weight", type="primary")
-    if pool_clicked:
+        pool_clicked = st.form_submit_button("Set pool weight", type="primary", disabled=off)
+    if pool_clicked and client is not None:
         if not preason.strip():
             st.error("A reason is required; it goes into the audit trail.")
         else:
             _report(f"Pool {pool} weight {pweight:g}",
-                    lambda: _client(who).set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()))
+                    lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()))
 
 
 def _history() -> None:

@@ -15,7 +15,7 @@ from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
-STATUSES = ["", "ok", "error", "timeout", "rejected", "client_disconnect"]
+STATUSES = ["", "ok", "error", "timeout", "rejected", "client_error", "client_disconnect"]
 
 
 def _filters() -> dict[str, object]:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.otlp import OTLPDecodeError, SpanData, decode
+from collector.otlp import SpanData, decode
 from collector.receiver import SpanBatcher, SpanQueue, build_app
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import WriteResult
@@ -62,8 +63,6 @@ async def test_accepts_protobuf_and_json_plain_and_gzip(encoding: str, gz: bool)
         (b"\xff\x00garbage", {"content-type": PROTO}, "not an OTLP protobuf"),
         (b"{not json", {"content-type": "application/json"}, "not JSON"),
         (b'{"resourceSpans": 5}', {"content-type": "application/json"}, "no resourceSpans"),
-        (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "xyz", "spanId": "00"}]}]}]}',
-         {"content-type": "application/json"}, "traceId"),
         (b"plain text", {"content-type": PROTO, "content-encoding": "gzip"}, "not valid gzip"),
         (b"x", {"content-type": PROTO, "content-encoding": "br"}, "unsupported Content-Encoding"),
         (b"x", {"content-type": "text/plain"}, "unsupported Content-Type"),
@@ -79,30 +78,46 @@ async def test_garbage_gets_400_with_a_reason(body: bytes, headers: dict[str, st
     assert 'pdscope_collector_otlp_requests_total{result="bad_request"} 1.0' in metrics.exposition().decode()
 
 
-def test_short_ids_in_protobuf_are_refused() -> None:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+def test_short_ids_in_protobuf_cost_only_their_span() -> None:
+    # was: the whole export refused (OTLPDecodeError); now the bad span is dropped, counted by reason
+    from collector.otlp import decode_export
 
     req = ExportTraceServiceRequest()
-    span = req.resource_spans.add().scope_spans.add().spans.add()
-    span.trace_id = b"\x01\x02"
-    span.span_id = b"\x01" * 8
-    with pytest.raises(OTLPDecodeError):
-        decode(req.SerializeToString(), PROTO)
+    spans = req.resource_spans.add().scope_spans.add().spans
+    bad = spans.add()
+    bad.trace_id = b"\x01\x02"
+    bad.span_id = b"\x01" * 8
+    good = spans.add()
+    good.trace_id = b"\x01" * 16
+    good.span_id = b"\x02" * 8
+    out = decode_export(req.SerializeToString(), PROTO)
+    assert [s.span_id for s in out.spans] == ["02" * 8]
+    assert out.dropped == {"invalid_trace_id": 1}
 
 
-async def test_full_queue_drops_oldest_and_counts() -> None:
+async def test_full_queue_answers_503_with_retry_after_and_keeps_what_it_has() -> None:
+    # was: 200 and the oldest queued spans dropped; now the sender is told to retry (OTLP: 503 is retryable)
     queue, metrics = SpanQueue(10), CollectorMetrics()
     first, second = request_spans(), request_spans()  # 7 spans each
     async with _client(queue, metrics) as client:
-        for spans in (first, second):
-            resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": PROTO})
-            assert resp.status_code == 200
-    assert queue.dropped == 4
-    kept = queue.take(100)
-    assert [s.span_id for s in kept] == [s.span_id for s in (first + second)[4:]]
+        resp = await client.post("/v1/traces", content=to_proto(first), headers={"content-type": PROTO})
+        assert resp.status_code == 200
+        resp = await client.post("/v1/traces", content=to_proto(second), headers={"content-type": PROTO})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert [s.span_id for s in queue.take(100)] == [s.span_id for s in first]
     text = metrics.exposition().decode()
-    assert 'pdscope_collector_spans_dropped_total{reason="queue_full"} 4.0' in text
-    assert "pdscope_collector_spans_received_total 14.0" in text
+    assert 'pdscope_collector_otlp_requests_total{result="queue_full"} 1.0' in text
+    assert "pdscope_collector_spans_received_total 7.0" in text
+
+
+async def test_export_larger_than_the_whole_queue_keeps_the_newest_and_counts() -> None:
+    queue, metrics = SpanQueue(5), CollectorMetrics()
+    spans = request_spans()  # 7 spans
+    async with _client(queue, metrics) as client:
+        resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": PROTO})
+    assert resp.status_code == 200
+    assert [s.span_id for s in queue.take(100)] == [s.span_id for s in spans[2:]]
+    assert 'pdscope_collector_spans_dropped_total{reason="queue_full"} 2.0' in metrics.exposition().decode()
 
 
 async def test_batcher_writes_in_batches_and_flushes_at_stop() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ def new_id(n: int) -> str:
 
 def request_spans(
     *,
-    t0: float = 1_800_000_000.0,
+    t0: float | None = None,
     request_id: str | None = None,
     p: str = "p0",
     d: str = "d0",
@@ -33,7 +34,10 @@ def request_spans(
     """proxy root + admission + prefill + handoff + decode (+ P's and D's llm_request spans).
 
     Timeline (s after t0): prefill 0.01-0.21, handoff 0.21-0.51, decode 0.22-1.51, first token 0.51.
+    ``t0`` defaults to a minute ago (whole seconds), a time the receiver finds plausible.
     """
+    if t0 is None:
+        t0 = float(int(time.time()) - 60)
     trace = new_id(16)
     rid = request_id or new_id(8)
     root, adm, pre, hand, dec = (new_id(8) for _ in range(5))

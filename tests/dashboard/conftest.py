@@ -18,6 +18,7 @@ from dashboard.seed import SeedSpec, SeedSummary, fleet_config_yaml, seed_store
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 TOKEN = "test-token-123"
+USER_TOKEN = "carol-token-456"  # a user's own controller API token (identity "carol")
 
 
 @dataclass
@@ -58,6 +59,8 @@ class FakeController:
     requests: list[Recorded] = field(default_factory=list)
     status: int = 200
     mode: str = "advisory"
+    # bearer token -> identity, for GET /v1/whoami (as the controller's api_tokens_env)
+    identities: dict[str, str] = field(default_factory=lambda: {TOKEN: "api", USER_TOKEN: "carol"})
 
     def mutations(self) -> list[Recorded]:
         return [r for r in self.requests if r.method != "GET"]
@@ -84,6 +87,10 @@ def fake_controller() -> Iterator[FakeController]:
                                                       "url": "http://x", "weight": 0.25, "drained": False,
                                                       "reason": "NixlSlowTransfers"}]}
                 code = 200
+            elif self.path == "/v1/whoami":
+                given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+                who = state.identities.get(given)
+                out, code = ({"identity": who}, 200) if who else ({"detail": "invalid token"}, 401)
             elif state.status >= 400:
                 out, code = {"detail": "invalid token"}, state.status
             else:

@@ -83,3 +83,25 @@ def test_no_token_sends_no_authorization_header() -> None:
 
     assert _client(handler, token=None).routing() == {"version": 1}
     assert "authorization" not in seen[0].headers
+
+
+def test_no_actor_sends_no_x_actor_and_non_ascii_goes_as_utf8() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"identity": "carol"})
+
+    assert ControllerClient("http://ctl", "tok", transport=httpx.MockTransport(handler)).whoami() == "carol"
+    assert (seen[0].method, seen[0].url.path) == ("GET", "/v1/whoami")
+    assert "x-actor" not in seen[0].headers
+    ControllerClient("http://ctl", "tok", transport=httpx.MockTransport(handler), actor="José").routing()
+    assert (b"X-Actor", "José".encode()) in seen[1].headers.raw
+
+
+def test_whoami_without_an_identity_is_an_error() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"who": "?"})
+
+    with pytest.raises(ControllerError, match="names no identity"):
+        ControllerClient("http://ctl", "tok", transport=httpx.MockTransport(handler)).whoami()

@@ -17,10 +17,11 @@ from dashboard.queries.common import Window
 from pdscope.config import load_config
 from store.db import make_engine, session_factory
 
-from .conftest import TOKEN, make_seeded
+from .conftest import TOKEN, USER_TOKEN, make_seeded
 
 
 def test_every_form_action_is_accepted_and_audited(tmp_path: Path) -> None:
+    """Header mode's calls: the server token on behalf of the proxy's user (X-Actor)."""
     seeded = make_seeded(tmp_path, duration_s=300.0)
     engine = make_engine(seeded.url)
     reconciler = Reconciler(load_config(seeded.config), session_factory(engine))
@@ -43,8 +44,28 @@ def test_every_form_action_is_accepted_and_audited(tmp_path: Path) -> None:
     now = reconciler.clock() + 1.0
     audit = control.audit_trail(engine, Window(now - 60.0, now))
     assert list(audit["action"])[::-1] == ["weight.set", "drain", "undrain", "weight.clear", "pool_weight.set"]
-    assert all(a.startswith("carol") for a in audit["actor"])
+    assert set(audit["actor"]) == {"api:carol"}  # the token's identity, on behalf of carol
     active = fleet.active_overrides(engine, now)
-    assert [(r.subject_kind, r.subject, r.weight) for r in active.itertuples() if r.actor.startswith("carol")] == [
+    assert [(r.subject_kind, r.subject, r.weight) for r in active.itertuples() if r.actor == "api:carol"] == [
         ("pool", "decode", 2.0)]
+    engine.dispose()
+
+
+def test_login_mode_whoami_and_the_users_own_token(tmp_path: Path) -> None:
+    """Login mode against the real controller: whoami names the token's identity, and a change made
+    with it is audited as that identity alone (no X-Actor is sent)."""
+    seeded = make_seeded(tmp_path, duration_s=300.0)
+    engine = make_engine(seeded.url)
+    reconciler = Reconciler(load_config(seeded.config), session_factory(engine))
+    with TestClient(create_app(reconciler, token=TOKEN, tokens={"carol": USER_TOKEN})) as tc:
+        client = ControllerClient("http://testserver", USER_TOKEN, transport=tc._transport)
+        assert client.whoami() == "carol"
+        assert ControllerClient("http://testserver", TOKEN, transport=tc._transport).whoami() == "api"
+        with pytest.raises(ControllerError) as err:
+            ControllerClient("http://testserver", "wrong", transport=tc._transport).whoami()
+        assert err.value.status == 401
+        client.drain("prefill-1", "kernel upgrade")
+    now = reconciler.clock() + 1.0
+    audit = control.audit_trail(engine, Window(now - 60.0, now))
+    assert list(audit["actor"]) == ["carol"]
     engine.dispose()

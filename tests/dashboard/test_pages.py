@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from streamlit.testing.v1 import AppTest
 
 from dashboard.seed import SeedSpec, fleet_config_yaml
 from store.migrate import upgrade
 
-from .conftest import APP, TOKEN, FakeController, Seeded, make_seeded
+from .conftest import APP, TOKEN, USER_TOKEN, FakeController, Seeded, make_seeded
 
 TIMEOUT = 60
 
@@ -23,6 +24,21 @@ PAGES = {
     "controller": ("Controller", ["Decisions", "Overrides in force", "Audit trail", "Change routing"]),
     "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
 }
+
+
+def with_dashboard(config: Path, **dashboard: object) -> Path:
+    """Rewrite ``config`` with a ``dashboard`` section (auth mode, identity header)."""
+    data = yaml.safe_load(config.read_text())
+    data["dashboard"] = dashboard
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    return config
+
+
+def sign_in(at: AppTest, token: str) -> AppTest:
+    at.sidebar.text_input(key="login_token").input(token)
+    next(b for b in at.sidebar.button if b.label == "Sign in").click().run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
 
 
 def open_page(config: Path, page: str, monkeypatch: pytest.MonkeyPatch, token: str | None = None) -> AppTest:
@@ -129,12 +145,15 @@ def test_capacity_what_if_scales_the_needed_fleet(seeded: Seeded, monkeypatch: p
     assert len(at.get("latex")) == 1
 
 
-def test_controller_form_calls_the_api_with_token(tmp_path: Path, fake_controller: FakeController,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_controller_form_calls_the_api_with_the_users_own_token(tmp_path: Path, fake_controller: FakeController,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
+    # the server's token is in the environment, but login mode never uses it for changes
     at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
     assert "Advisory" in texts(at)  # the fake controller says mode=advisory
-    at.text_input(key="actor").input("carol")
+    assert not [w for w in at.text_input if w.key == "actor"]  # no free-text actor any more
+    sign_in(at, USER_TOKEN)
+    assert "Signed in as **carol**" in texts(at)
     at.selectbox(key="w_instance").select("decode-1")
     at.number_input(key="w_weight").set_value(0.3)
     at.number_input(key="w_ttl").set_value(10)
@@ -146,15 +165,17 @@ def test_controller_form_calls_the_api_with_token(tmp_path: Path, fake_controlle
     call = calls[0]
     assert (call.method, call.path) == ("PUT", "/v1/instances/decode-1/weight")
     assert call.body == {"weight": 0.3, "ttl_s": 600.0, "reason": "NIC flapping"}
-    assert call.headers["authorization"] == f"Bearer {TOKEN}"
-    assert call.headers["x-actor"] == "carol"
+    assert call.headers["authorization"] == f"Bearer {USER_TOKEN}"
+    assert "x-actor" not in call.headers  # the controller takes the actor from the token's identity
     assert "audit #7" in texts(at)
+    whoami = [r for r in fake_controller.requests if r.path == "/v1/whoami"]
+    assert [r.headers["authorization"] for r in whoami] == [f"Bearer {USER_TOKEN}"]
 
 
 def test_controller_drain_form_and_reason_required(tmp_path: Path, fake_controller: FakeController,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
-    at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
+    at = sign_in(open_page(seeded.config, "controller", monkeypatch), USER_TOKEN)
     drain = next(b for b in at.button if b.label == "Drain")
     drain.click().run()
     assert "A reason is required" in texts(at)
@@ -169,21 +190,28 @@ def test_controller_drain_form_and_reason_required(tmp_path: Path, fake_controll
 
 def test_controller_errors_are_shown_not_raised(tmp_path: Path, fake_controller: FakeController,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_controller.status = 401
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
-    at = open_page(seeded.config, "controller", monkeypatch, token="wrong")
+    at = sign_in(open_page(seeded.config, "controller", monkeypatch), USER_TOKEN)
+    fake_controller.status = 401  # the token is revoked after sign-in
     at.selectbox(key="p_pool").select("decode")
     at.text_input(key="p_reason").input("shift load")
     next(b for b in at.button if b.label == "Set pool weight").click().run()
     assert not at.exception
-    assert "HTTP 401" in texts(at) and "invalid token" in texts(at)
+    assert "HTTP 401" in texts(at) and "invalid token" in texts(at) and "sign in again" in texts(at)
+    at.run()  # the session was signed out: the forms are disabled again
+    assert all(b.disabled for b in at.button if b.label in ("Drain", "Set pool weight"))
 
 
-def test_controller_page_without_token_or_controller(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
-    at = open_page(seeded.config, "controller", monkeypatch)
+def test_controller_page_without_sign_in_or_controller(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
     body = texts(at)
-    assert "PDSCOPE_API_TOKEN" in body  # says how to enable the forms
+    assert "Sign in (sidebar)" in body  # says how to enable the forms
     assert "Enforcing" in body and "unreachable" in body  # mode from the stored decisions
+    form_buttons = [b for b in at.button if b.label in FORM_BUTTONS]
+    assert len(form_buttons) == len(FORM_BUTTONS) and all(b.disabled for b in form_buttons)
+
+
+FORM_BUTTONS = ("Set override", "Clear override", "Drain", "Undrain", "Set pool weight")
 
 
 @pytest.mark.parametrize("page", list(PAGES))

@@ -35,7 +35,7 @@ K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose"
 K8S_VERSION = "1.30.0"
 # Secrets the operator creates (documented in deploy/k8s/pdscope.yaml); never committed.
-EXTERNAL_SECRETS = {"pdscope-secrets": {"api-token", "db-password", "hf-token"}}
+EXTERNAL_SECRETS = {"pdscope-secrets": {"api-token", "db-password", "hf-token", "otlp-proxy-token", "otlp-vllm-token"}}
 WORKLOADS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
 
 

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdscope.config import Settings, parse_config
 from proxy.app import ProxyApp, build
+from proxy.server import read_timeout_protocol
 from tests.proxy.fakes import FakeVLLM, closed_port_url, serve
 
 
@@ -64,8 +65,12 @@ async def running_proxy(
 
 @asynccontextmanager
 async def serve_proxy(app: ProxyApp) -> AsyncIterator[str]:
-    """The proxy on a free port (:func:`tests.proxy.fakes.serve`, with more time to drain)."""
-    async with serve(app, stop_timeout_s=10) as url:
+    """The proxy on a free port (:func:`tests.proxy.fakes.serve`, with more time to drain), with the
+    same bounded-read server protocol ``pdscope proxy`` runs (``proxy.server``)."""
+    ps = app.parts.settings.proxy
+    http = read_timeout_protocol(ps.client_read_timeout_s,
+                                 lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc())
+    async with serve(app, stop_timeout_s=10, http=http) as url:
         yield url
 
 

@@ -38,11 +38,14 @@ def closed_port_url() -> str:
 
 
 @asynccontextmanager
-async def serve(app: Any, stop_timeout_s: float = 5) -> AsyncIterator[str]:
-    """Run an ASGI app on a free port in this loop; yields its base URL."""
-    sock = free_socket()
+async def serve(
+    app: Any, stop_timeout_s: float = 5, http: Any = "httptools", sock: socket.socket | None = None
+) -> AsyncIterator[str]:
+    """Run an ASGI app on a free port (or on ``sock``, bound and not yet listening) in this loop;
+    yields its base URL."""
+    sock = sock or free_socket()
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http="httptools",
+    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -72,7 +75,11 @@ def completion_text(body: dict[str, Any]) -> str:
 
 @dataclass
 class FakeVLLM:
-    """One fake vLLM instance. ``mode``: ok, error500, error503, error400, hang."""
+    """One fake vLLM instance. ``mode``: ok, error500, error503, error400, hang.
+
+    Streams (decode): ``stream_error`` ``"first"`` sends vLLM's in-band error event
+    (``data: {"error": {...}}``, then ``[DONE]``) instead of any token, ``"mid"`` sends it after
+    the first token, ``"empty"`` ends the stream before any event; ``no_done`` ends the stream cleanly without ``data: [DONE]``."""
 
     name: str
     role: str
@@ -80,6 +87,8 @@ class FakeVLLM:
     chunk_delay: float = 0.0
     n_chunks: int = 4
     hang_after_first: bool = False
+    stream_error: str = ""
+    no_done: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
     aborted: int = 0
     finished: int = 0
@@ -140,16 +149,33 @@ class FakeVLLM:
         size = max(1, -(-len(text) // n))
         pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
+        error_event = b"data: " + json.dumps({"error": {
+            "message": "KV transfer failed", "type": "InternalServerError", "param": None, "code": 500,
+        }}).encode() + b"\n\n"
+
         async def gen() -> AsyncIterator[bytes]:
             try:
+                if chat:  # vLLM's chat preamble, sent with the first engine output (an error too)
+                    yield b"data: " + json.dumps({"id": rid, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode() \
+                        + b"\n\n"
+                if self.stream_error == "first":
+                    yield error_event + b"data: [DONE]\n\n"
+                    return
+                if self.stream_error == "empty":  # a 200 and no event at all
+                    return
                 for i, piece in enumerate(pieces):
                     delta = {"delta": {"content": piece}} if chat else {"text": piece}
                     yield b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
                     if self.hang_after_first and i == 0:
                         await asyncio.sleep(3600)
+                    if self.stream_error == "mid" and i == 0:
+                        yield error_event + b"data: [DONE]\n\n"
+                        return
                     if self.chunk_delay:
                         await asyncio.sleep(self.chunk_delay)
-                yield b"data: [DONE]\n\n"
+                if not self.no_done:
+                    yield b"data: [DONE]\n\n"
                 self.finished += 1
             except BaseException:
                 self.aborted += 1

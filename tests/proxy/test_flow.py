@@ -246,7 +246,7 @@ async def test_bad_json_is_a_400() -> None:
             resp = await client.post(url + "/v1/completions", content=b"{not json")
             health = await client.get(url + "/healthz")
         assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
-        assert health.status_code == 200 and health.json()["routing"] == "default"
+        assert health.status_code == 200 and health.json()["routing"] in ("default", "never_reached")
         assert fleet.prefill[0].calls == []
 
 
@@ -297,7 +297,9 @@ async def test_spans_leave_over_otlp_http_and_a_down_collector_costs_nothing() -
                 if expect_spans:
                     assert spans.exported == 15 and spans.failed == 0
                 else:
-                    assert spans.exported == 0 and spans.failed == 15 and spans.dropped == 0
+                    # held for a retry, not lost (a try may have been made before the flush too)
+                    assert spans.exported == 0 and spans.failed >= 15 and spans.queued == 15
+                    assert spans.dropped == 0
     names = []
     for body in bodies:
         req = ExportTraceServiceRequest.FromString(body)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import pytest
 
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.proxy.fakes import FakeController, serve, table
@@ -85,14 +87,41 @@ async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_wei
                 assert routing.view.version == 7
 
 
-async def test_no_controller_at_all_serves_with_equal_weights() -> None:
+async def test_no_controller_at_all_serves_with_equal_weights_and_says_never_reached(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.routing")
     async with fake_fleet(2, 1) as fleet:
         settings = make_settings([x.url for x in fleet.prefill], [fleet.decode[0].url])
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             for _ in range(30):
                 assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
-            assert app.parts.routing.state == "default" and app.parts.routing.poll_failures > 0
+            await _wait_for(lambda: app.parts.routing.poll_failures > 2)
+            assert app.parts.routing.state == "never_reached"
+            metrics = (await client.get(url + "/metrics")).text
+            health = (await client.get(url + "/healthz")).json()
+        assert 'pdscope_proxy_routing_state{state="never_reached"} 1.0' in metrics
+        assert 'pdscope_proxy_routing_state{state="default"} 0.0' in metrics
+        assert health["routing"] == "never_reached"
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "no controller reached" in r.message]
+        assert len(warnings) == 1  # once, not per failed poll
         assert min(_p_counts(fleet).values()) > 3
+
+
+async def test_polls_that_change_nothing_log_nothing_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with fake_fleet(1, 1) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        ctl = FakeController(table([("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                                    ("d0", "decode", "decode", d[0].url, 1.0, False)]))
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
+            async with running_proxy(settings) as (_url, app):
+                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                await _wait_for(lambda: ctl.gets >= 10)
+    polls = [r for r in caplog.records if r.levelno >= logging.INFO
+             and r.name in ("httpx", "proxy.routing")]
+    assert [r.getMessage() for r in polls] == ["routing: now fresh, table version 1"], polls
 
 
 async def test_advisory_table_is_not_applied() -> None:

@@ -188,9 +188,11 @@ def test_span_queue_is_bounded_and_counts_drops_and_failures() -> None:
     for _ in range(25):
         tracer.start_span("s").end()
     assert proc.dropped == 15
-    proc.force_flush()
+    assert not proc.force_flush()  # the batch failed: held for a retry, not dropped
     assert exporter.batches == [10] and proc.failed == 10 and proc.exported == 0
+    assert proc.queued == 10 and proc.dropped == 15
     provider.shutdown()
+    assert proc.dropped == 25  # still undelivered at shutdown: counted as lost
 
 
 def test_traceparent_round_trip() -> None:
@@ -206,16 +208,32 @@ def test_traceparent_round_trip() -> None:
     provider.shutdown()
 
 
-def test_a_down_collector_is_logged_once_a_minute_not_per_batch() -> None:
-    import logging
+# -- streamed answers ----------------------------------------------------------------------
 
-    from proxy.tracing import _EXPORTER_LOGGER, _OncePer, otlp_exporter
 
-    otlp_exporter("http://127.0.0.1:9/v1/traces")
-    otlp_exporter("http://127.0.0.1:9/v1/traces")  # idempotent: one filter
-    assert sum(isinstance(f, _OncePer) for f in logging.getLogger(_EXPORTER_LOGGER).filters) == 1
-    once = _OncePer(60.0)
-    records = [logging.LogRecord(_EXPORTER_LOGGER, logging.WARNING, "f", 1, "down", None, None) for _ in range(3)]
-    records[1].created = records[0].created + 1
-    records[2].created = records[0].created + 61
-    assert [once.filter(r) for r in records] == [True, False, True]
+def test_sse_watch_sees_tokens_errors_and_done_across_chunk_boundaries() -> None:
+    w = protocol.SseWatch()
+    stream = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+              b'data: {"choices":[{"text":"error"}]}\n\n'  # a token whose text is "error"
+              b'data: {"error": {"message": "boom"}}\r\n\r\n'
+              b"data: [DONE]\n\n")
+    for i in range(0, len(stream), 7):  # split mid-line everywhere
+        w.feed(stream[i:i + 7])
+    assert w.events == 1 and w.error == b'{"error": {"message": "boom"}}' and w.done
+
+
+def test_sse_watch_older_vllm_error_shape_and_bounded_lines() -> None:
+    w = protocol.SseWatch(max_line=64)
+    w.feed(b'data: {"object": "error", "message": "x"}\n\n')
+    assert w.error is not None and w.events == 0
+    w = protocol.SseWatch(max_line=64)
+    w.feed(b"data: " + b"x" * 100)  # over the bound: not kept
+    w.feed(b"y" * 100)
+    w.feed(b"\n\ndata: [DONE]\n\n")
+    assert w.events == 1 and w.done and w.error is None
+
+
+def test_the_role_preamble_is_not_a_token_but_a_role_chunk_with_content_is() -> None:
+    assert protocol.is_preamble_event(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}')
+    assert not protocol.is_preamble_event(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}')
+    assert not protocol.is_preamble_event(b'{"choices":[{"text":"role"}]}')

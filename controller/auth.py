@@ -1,0 +1,134 @@
+"""Who is calling the control API: bearer tokens, their identities, and ``X-Actor``.
+
+* ``controller.api_token_env`` names a variable holding one token; its identity is ``"api"``.
+* ``controller.api_tokens_env`` names a variable holding ``name:token[,name:token...]``;
+  each token's identity is its name.
+
+The audit actor is the authenticated identity; a valid ``X-Actor`` header is recorded as
+``"<identity>:<x-actor>"`` (on behalf of), never alone. ``X-Actor`` is decoded from its
+raw bytes as UTF-8 (anything else is refused, not turned into mojibake), NFC-normalised,
+stripped of every non-printable character and cut to 64 characters, never inside a
+combining sequence. Pure: no I/O, no framework.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdscope.config import Settings
+
+API_IDENTITY = "api"
+MAX_ACTOR_CHARS = 64
+# identity + ":" + X-Actor fits the audit table's 128-character actor column
+MAX_IDENTITY_CHARS = 63
+
+
+class IdentityConfigError(ValueError):
+    """A token variable is malformed; the message names the variable."""
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+def _valid_name(name: str) -> bool:
+    return 0 < len(name) <= MAX_IDENTITY_CHARS and all(
+        c.isascii() and (c.isalnum() or c in "-_.@") for c in name)
+
+
+def parse_named_tokens(raw: str, env_name: str) -> dict[str, str]:
+    """``name:token[,name:token...]`` -> {name: token}; a malformed entry is an error naming the variable."""
+    out: dict[str, str] = {}
+    for i, entry in enumerate(p.strip() for p in raw.split(",")):
+        if not entry:
+            continue
+        name, sep, token = entry.partition(":")
+        name, token = name.strip(), token.strip()
+        where = f"${env_name} entry {i + 1}"
+        if not sep or not token:
+            raise IdentityConfigError(f"{where}: expected name:token")
+        if not _valid_name(name):
+            raise IdentityConfigError(f"{where}: identity {name!r} must be 1-{MAX_IDENTITY_CHARS} characters "
+                                      "of letters, digits, '-', '_', '.', '@'")
+        if name in out:
+            raise IdentityConfigError(f"{where}: identity {name!r} appears twice")
+        out[name] = token
+    return out
+
+
+def load_tokens(settings: Settings, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{identity: token} from both variables (the single token is identity ``"api"``)."""
+    env = os.environ if environ is None else environ
+    c = settings.controller
+    named = parse_named_tokens(env.get(c.api_tokens_env, ""), c.api_tokens_env)
+    single = env.get(c.api_token_env) or None
+    if single is not None:
+        if API_IDENTITY in named and named[API_IDENTITY] != single:
+            raise IdentityConfigError(f"${c.api_tokens_env}: identity 'api' is ${c.api_token_env}'s; "
+                                      "name the other token differently")
+        named[API_IDENTITY] = single
+    tokens = list(named.values())
+    if len(set(tokens)) != len(tokens):
+        raise IdentityConfigError(f"${c.api_tokens_env}: two identities share one token")
+    return named
+
+
+@dataclass(frozen=True)
+class Authenticator:
+    """Bearer token -> identity (constant-time comparisons against every configured token)."""
+
+    tokens: Mapping[str, str]  # identity -> token
+    disabled_detail: str = "mutations are disabled: no API token is configured"
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.tokens)
+
+    def identify(self, authorization: str | None, *, missing_status: int = 403) -> str:
+        """The caller's identity; :class:`AuthError` (401, or ``missing_status`` with no tokens) otherwise."""
+        if not self.tokens:
+            raise AuthError(missing_status, self.disabled_detail)
+        scheme, _, given = (authorization or "").partition(" ")
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            raise AuthError(401, "missing 'Authorization: Bearer <token>'")
+        found: str | None = None
+        raw = given.encode("utf-8", "surrogateescape")
+        for identity, token in self.tokens.items():
+            if hmac.compare_digest(raw, token.encode("utf-8", "surrogateescape")) and found is None:
+                found = identity
+        if found is None:
+            raise AuthError(401, "invalid token")
+        return found
+
+
+def sanitise_actor(raw: bytes | None) -> str | None:
+    """The ``X-Actor`` header as text, or None when absent or empty after cleaning.
+
+    Raises ``ValueError`` when the bytes are not UTF-8 (a client sending Latin-1 or a cut
+    multi-byte character must fix it; guessing would record mojibake)."""
+    if raw is None:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError("X-Actor must be UTF-8") from exc
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(c for c in text if c.isprintable()).strip()
+    if len(text) > MAX_ACTOR_CHARS:
+        cut = MAX_ACTOR_CHARS
+        while cut > 0 and unicodedata.combining(text[cut]):  # never keep a base without its marks
+            cut -= 1
+        text = text[:cut].rstrip()
+    return text or None
+
+
+def audit_actor(identity: str, x_actor: str | None) -> str:
+    return identity if not x_actor else f"{identity}:{x_actor}"
