@@ -19,7 +19,6 @@ service refuses to bind a non-loopback ``collector.host`` (``InsecureBind``).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import time
@@ -41,7 +40,7 @@ from collector.selfmetrics import CollectorMetrics
 from collector.sink import Sink, StoreSink
 from collector.snapshot_store import SnapshotStore
 from collector.targets import Target, targets_from_settings
-from pdscope.config import Settings
+from pdscope.config import Settings, is_loopback
 from store.db import StoreError, make_engine, session_factory, transaction
 
 log = logging.getLogger(__name__)
@@ -53,15 +52,6 @@ SCRAPER, SNAPSHOTS, MAINTENANCE = "scraper", "snapshot_writer", "maintenance"
 
 class InsecureBind(ValueError):
     """Refusing to serve unauthenticated OTLP on a non-loopback address."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(host: str, tokens: Mapping[str, str], env_name: str) -> None:

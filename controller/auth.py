@@ -19,12 +19,12 @@ import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdscope.config import Settings
+from pdscope.config import MAX_TOKEN_NAME_CHARS, Settings, parse_named_tokens
 
 API_IDENTITY = "api"
 MAX_ACTOR_CHARS = 64
 # identity + ":" + X-Actor fits the audit table's 128-character actor column
-MAX_IDENTITY_CHARS = 63
+MAX_IDENTITY_CHARS = MAX_TOKEN_NAME_CHARS
 
 
 class IdentityConfigError(ValueError):
@@ -38,36 +38,14 @@ class AuthError(Exception):
         self.detail = detail
 
 
-def _valid_name(name: str) -> bool:
-    return 0 < len(name) <= MAX_IDENTITY_CHARS and all(
-        c.isascii() and (c.isalnum() or c in "-_.@") for c in name)
-
-
-def parse_named_tokens(raw: str, env_name: str) -> dict[str, str]:
-    """``name:token[,name:token...]`` -> {name: token}; a malformed entry is an error naming the variable."""
-    out: dict[str, str] = {}
-    for i, entry in enumerate(p.strip() for p in raw.split(",")):
-        if not entry:
-            continue
-        name, sep, token = entry.partition(":")
-        name, token = name.strip(), token.strip()
-        where = f"${env_name} entry {i + 1}"
-        if not sep or not token:
-            raise IdentityConfigError(f"{where}: expected name:token")
-        if not _valid_name(name):
-            raise IdentityConfigError(f"{where}: identity {name!r} must be 1-{MAX_IDENTITY_CHARS} characters "
-                                      "of letters, digits, '-', '_', '.', '@'")
-        if name in out:
-            raise IdentityConfigError(f"{where}: identity {name!r} appears twice")
-        out[name] = token
-    return out
-
-
 def load_tokens(settings: Settings, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """{identity: token} from both variables (the single token is identity ``"api"``)."""
     env = os.environ if environ is None else environ
     c = settings.controller
-    named = parse_named_tokens(env.get(c.api_tokens_env, ""), c.api_tokens_env)
+    try:
+        named = parse_named_tokens(env.get(c.api_tokens_env, ""), c.api_tokens_env)
+    except ValueError as exc:
+        raise IdentityConfigError(str(exc)) from exc
     single = env.get(c.api_token_env) or None
     if single is not None:
         if API_IDENTITY in named and named[API_IDENTITY] != single:

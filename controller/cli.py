@@ -10,11 +10,10 @@ Heavy imports (FastAPI, SQLAlchemy, uvicorn) happen inside :func:`run`.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import sys
 
-from pdscope.config import Settings
+from pdscope.config import Settings, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", help="store URL (default: store.url)")
     parser.add_argument("--no-migrate", action="store_true",
                         help="do not apply the store's migrations at start (default: apply them)")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_listen(host: str, token: str | None, env_name: str) -> str | None:

@@ -322,22 +322,44 @@ class CollectorSettings(_Frozen):
         Raises ConfigError naming the variable when an entry is not ``sender:token``.
         """
         raw = (os.environ if environ is None else environ).get(self.otlp_tokens_env, "")
-        out: dict[str, str] = {}
-        for i, entry in enumerate(e.strip() for e in raw.split(",")):
-            if not entry:
-                continue
-            sender, sep, token = entry.partition(":")
-            sender, token = sender.strip(), token.strip()
-            valid = 0 < len(sender) <= 64 and all(c.isascii() and (c.isalnum() or c in "._-") for c in sender)
-            if not sep or not token or not valid:
-                raise ConfigError([
-                    f"${self.otlp_tokens_env}: entry {i + 1} is not sender:token "
-                    "(sender: 1-64 of A-Z a-z 0-9 . _ -; token non-empty)"
-                ])
-            if token in out and out[token] != sender:
-                raise ConfigError([f"${self.otlp_tokens_env}: one token given to two senders"])
-            out[token] = sender
-        return out
+        try:
+            by_sender = parse_named_tokens(raw, self.otlp_tokens_env)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from exc
+        return {token: sender for sender, token in by_sender.items()}
+
+
+# Names of token holders (API identities, span senders): they end up in audit rows and in
+# request records, so they are short and plain.
+MAX_TOKEN_NAME_CHARS = 63
+
+
+def parse_named_tokens(raw: str, env_name: str) -> dict[str, str]:
+    """``name:token[,name:token...]`` (the value of ``$env_name``) -> {name: token}.
+
+    The one parser of named-token variables (controller API identities, OTLP senders).
+    Raises ``ValueError`` naming the variable and the entry: not ``name:token``, a name that is
+    not 1-63 of letters, digits, ``-_.@``, a name given twice, or one token given two names.
+    """
+    out: dict[str, str] = {}
+    for i, entry in enumerate(p.strip() for p in raw.split(",")):
+        if not entry:
+            continue
+        name, sep, token = entry.partition(":")
+        name, token = name.strip(), token.strip()
+        where = f"${env_name} entry {i + 1}"
+        if not sep or not token:
+            raise ValueError(f"{where}: expected name:token")
+        if not (0 < len(name) <= MAX_TOKEN_NAME_CHARS
+                and all(c.isascii() and (c.isalnum() or c in "-_.@") for c in name)):
+            raise ValueError(f"{where}: name {name!r} must be 1-{MAX_TOKEN_NAME_CHARS} characters "
+                             "of letters, digits, '-', '_', '.', '@'")
+        if name in out:
+            raise ValueError(f"{where}: name {name!r} appears twice")
+        if token in out.values():
+            raise ValueError(f"${env_name}: two names share one token")
+        out[name] = token
+    return out
 
 
 def is_loopback(host: str) -> bool:

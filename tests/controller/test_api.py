@@ -9,7 +9,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from controller.api import create_app
-from controller.cli import check_listen, is_loopback
+from controller.cli import check_listen
+from pdscope.config import is_loopback
 from store.db import transaction
 from store.models import AuditEvent, WeightOverride
 from tests.controller.conftest import World
