@@ -1,0 +1,164 @@
+"""What one controller tick costs, by fleet size, on a seeded SQLite store.
+
+For each fleet size it seeds a store with ``dashboard/seed.py`` (a third of the instances
+prefill, the rest decode; ``--history-s`` of history at ``--rate`` requests per second per
+instance, scraped every ``--scrape-s``), then runs the controller's real tick
+(``controller.loop.Reconciler.tick``: observe the window, decide, persist) ``--ticks`` times
+with the clock advancing one interval per tick, and reports the median CPU seconds per tick.
+
+Baseline, measured in the same run on the same store: one plain read of the rows the window
+covers (every snapshot and request-record column of the window, fetched into Python), the
+floor of any design that rereads the window each tick. Figures: tick CPU, tick CPU per
+instance, tick CPU as a share of ``controller.interval_s`` (target: under 20% at 1,000
+instances), the ratio to the baseline, and the growth exponent between sizes
+(log(cost ratio) / log(size ratio); 1.0 is linear).
+
+    .venv/bin/python bench/controller_cost.py [--sizes 12,100,300,1000] [--ticks 5]
+
+Writes bench/results/controller_cost.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sqlalchemy import select  # noqa: E402
+
+from controller.loop import Reconciler  # noqa: E402
+from dashboard.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
+from pdscope.config import parse_config  # noqa: E402
+from store.db import make_engine, session_factory  # noqa: E402
+from store.models import RequestRecord, Snapshot  # noqa: E402
+
+
+def fleet(n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    n_p = max(1, n // 3)
+    return tuple(f"prefill-{i}" for i in range(n_p)), tuple(f"decode-{i}" for i in range(n - n_p))
+
+
+def window_scan(factory: Any, since: float, until: float) -> int:
+    """Read every snapshot and record column of the window once (the baseline)."""
+    with factory() as session:
+        snaps = session.execute(select(*Snapshot.__table__.columns).where(Snapshot.ts >= since, Snapshot.ts <= until)).all()
+        recs = session.execute(
+            select(*RequestRecord.__table__.columns).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+        ).all()
+    return len(snaps) + len(recs)
+
+
+def cpu(fn: Any) -> tuple[float, Any]:
+    t0 = time.process_time()
+    out = fn()
+    return time.process_time() - t0, out
+
+
+def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    prefill, decode = fleet(n)
+    end = time.time()
+    url = f"sqlite:///{workdir / f'cost-{n}.db'}"
+    spec = SeedSpec(
+        end=end, duration_s=args.history_s, rate_per_s=args.rate * n, scrape_interval_s=args.scrape_s,
+        prefill=prefill, decode=decode, degraded=decode[-1], seed=11,
+    )
+    t0 = time.monotonic()
+    summary = seed_store(url, spec)
+    seed_s = time.monotonic() - t0
+    settings = parse_config(fleet_config_yaml(spec, url))
+    interval = settings.controller.interval_s
+    window = settings.controller.window_s
+    engine = make_engine(url)
+    factory = session_factory(engine)
+    # the clock starts one window before the end and advances an interval per tick
+    start = end - args.ticks * interval
+    clock_now = [start]
+    rec = Reconciler(settings, factory, clock=lambda: clock_now[0])
+    ticks: list[float] = []
+    for i in range(args.ticks + 1):  # the first tick also loads the stored state: not counted
+        clock_now[0] = start + i * interval
+        spent, _ = cpu(rec.tick)
+        if i:
+            ticks.append(spent)
+    scans = []
+    for i in range(args.ticks):
+        now = start + (i + 1) * interval
+        spent, rows = cpu(lambda now=now: window_scan(factory, now - window, now))
+        scans.append(spent)
+    engine.dispose()
+    tick = statistics.median(ticks)
+    scan = statistics.median(scans)
+    out = {
+        "instances": n, "prefill": len(prefill), "decode": len(decode),
+        "requests_seeded": summary.requests, "snapshots_seeded": summary.snapshots, "seed_s": round(seed_s, 1),
+        "window_rows": rows, "interval_s": interval, "window_s": window,
+        "tick_cpu_s": tick, "tick_cpu_s_all": ticks, "tick_cpu_ms_per_instance": 1000 * tick / n,
+        "tick_share_of_interval": tick / interval,
+        "baseline_scan_cpu_s": scan, "tick_vs_scan": tick / scan if scan > 0 else None,
+    }
+    print(f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
+          f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="12,100,300,1000", help="fleet sizes (instances), comma-separated")
+    ap.add_argument("--ticks", type=int, default=5, help="measured ticks per size (median)")
+    ap.add_argument("--history-s", type=float, default=180.0, help="seeded history per store")
+    ap.add_argument("--rate", type=float, default=0.5, help="requests per second per instance")
+    ap.add_argument("--scrape-s", type=float, default=5.0, help="seeded scrape interval")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "controller_cost.json"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    print(f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
+          f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
+        for n in sizes:
+            rows.append(measure(n, args, Path(tmp)))
+    for a, b in itertools.pairwise(rows):
+        b["growth_exponent_vs_previous"] = (
+            math.log(b["tick_cpu_s"] / a["tick_cpu_s"]) / math.log(b["instances"] / a["instances"])
+            if a["tick_cpu_s"] > 0 else None
+        )
+    print()
+    print("| instances | tick CPU (ms) | per instance (ms) | share of interval | window scan (ms) | tick / scan | growth exponent |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        g = r.get("growth_exponent_vs_previous")
+        print(f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
+              f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
+              f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} |")
+    big = max(rows, key=lambda r: r["instances"])
+    verdict = "MET" if big["tick_share_of_interval"] < 0.2 else "MISSED"
+    print(f"\ntarget: a tick under 20% of the interval at {big['instances']:,} instances: "
+          f"{big['tick_share_of_interval']:.1%} ({verdict})")
+    result = {
+        "benchmark": "controller_cost", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "loadavg_start": list(os.getloadavg())},
+        "args": vars(args), "sizes": rows, "target_share_of_interval": 0.2, "target_met": verdict == "MET",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
