@@ -189,7 +189,7 @@ class CollectorService:
         """Forensics over recent records, then retention. Blocking; raises StoreError."""
         now = self.clock()
         with transaction(self.factory) as session:
-            forensics.run_pass(session, now - FORENSICS_WINDOW_S, now)
+            forensics.run_pass(session, now - FORENSICS_WINDOW_S, now, lease_s=self.settings.controller.kv_lease_s)
         self.retention.run(now)
 
     async def _maintenance_loop(self, stop: asyncio.Event) -> None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
-from statistics import median, median_low
+from dataclasses import dataclass, field, replace
+from statistics import median, median_low, pstdev
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -38,6 +38,11 @@ MIN_TTFT_SAMPLES = 10
 MIN_POOL_REQUESTS = 20
 # When rates are taken over the span the window's records cover, never a shorter one than this.
 MIN_RATE_SPAN_S = 2.0
+# Failed request outcomes charged to the instance that failed them (a 503 refusal is overload, like a 429).
+FAILED = frozenset({"error", "timeout"})
+NOT_CHARGED_ERRORS = frozenset({"upstream_status_503"})
+# An expired lease is counted a lease after the request came in: suspects are looked for this many leases back.
+LEASE_LOOKBACK = 4.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,13 @@ def _hold_time(load: float | None, r: q.InstanceSignals | None, role: Role, span
     if done is None:
         return None
     return load / (max(done, 0.5) / (r.seconds or span_s))
+
+
+def _done_recent(r: q.InstanceSignals | None, role: Role) -> float | None:
+    """Requests (P: TTFTs) or NIXL transfers (D) finished over the last three scrapes."""
+    if r is None:
+        return None
+    return r.increases.get("ttft_count" if role == "prefill" else "nixl_xfer_time_count")
 
 
 def _load_now(role: Role, s: q.InstanceSignals | None, lt: _Latest | None) -> float | None:
@@ -127,9 +139,12 @@ def _latest_gauges(session: Session, since: float, until: float) -> dict[str, _L
 @dataclass
 class _RecordAgg:
     contribution: list[float]
+    handoff: list[float] = field(default_factory=list)
     requests: int = 0
     failed: int = 0
     refused: int = 0
+    lease_charged: int = 0
+    lease_on_p: int = 0  # P: expired leases of this P the collector attributed to a waiting handoff
 
 
 @dataclass
@@ -146,9 +161,55 @@ def _records(session: Session, since: float, until: float, only: q.RecordFilter)
         RequestRecord.p_instance, RequestRecord.d_instance, RequestRecord.p_pool, RequestRecord.d_pool,
         RequestRecord.status, RequestRecord.http_status, RequestRecord.proxy_in, RequestRecord.p_sent,
         RequestRecord.p_done, RequestRecord.d_sent, RequestRecord.first_token, RequestRecord.done,
-        RequestRecord.ttft_s, RequestRecord.kv_bytes,
+        RequestRecord.ttft_s, RequestRecord.kv_bytes, RequestRecord.error,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
     return session.execute(only.apply(stmt))  # rows unpack like tuples
+
+
+def _charge_attempts(session: Session, since: float, until: float, only: q.RecordFilter,
+                     per_inst: dict[str, _RecordAgg]) -> None:
+    """Failed attempts a retried record does not show itself (the collector reads them from the spans):
+    each is charged to the P or D that failed it."""
+    stmt = select(RequestRecord.attributes).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until,
+                                                  RequestRecord.retries > 0)
+    for (attrs,) in session.execute(only.apply(stmt)):
+        for a in (attrs or {}).get("failed_attempts") or [] if isinstance(attrs, dict) else []:
+            inst, kind = (a.get("instance"), a.get("kind")) if isinstance(a, dict) else (None, None)
+            if isinstance(inst, str) and f"upstream_{kind}" not in NOT_CHARGED_ERRORS:
+                per_inst[inst].failed += 1
+
+
+def _charge_leases(session: Session, since: float, until: float, lease_s: float, only: q.RecordFilter,
+                   per_inst: dict[str, _RecordAgg]) -> None:
+    """Expired leases the collector attributed (``attributes["lease_expiry"]``) and counted in the window:
+    each charged to the D its handoff was sent to, and counted on the P whose lease it was. A suspect
+    without that detail is charged to its record's D when the record ended in the window."""
+    stmt = select(RequestRecord.d_instance, RequestRecord.done, RequestRecord.proxy_in, RequestRecord.attributes).where(
+        RequestRecord.proxy_in >= since - LEASE_LOOKBACK * lease_s, RequestRecord.proxy_in <= until,
+        RequestRecord.lease_expiry_suspect.is_(True))
+    for d_inst, done, t_in, attrs in session.execute(only.apply(stmt)):
+        entries = attrs.get("lease_expiry") if isinstance(attrs, dict) else None
+        if not entries:
+            at = done if isinstance(done, float) else t_in
+            if isinstance(d_inst, str) and since <= at <= until:
+                per_inst[d_inst].lease_charged += 1
+            continue
+        for e in entries if isinstance(entries, list) else []:
+            ts = e.get("to_ts") if isinstance(e, dict) else None
+            if not isinstance(ts, int | float) or not since <= ts <= until:
+                continue
+            if isinstance(e.get("d_instance"), str):
+                per_inst[e["d_instance"]].lease_charged += 1
+            if isinstance(e.get("p_instance"), str):
+                per_inst[e["p_instance"]].lease_on_p += 1
+
+
+def _rse(values: list[float]) -> float | None:
+    """Relative standard error of the mean of ``values`` (None for fewer than two)."""
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return pstdev(values) / (m * len(values) ** 0.5) if m > 0 else None
 
 
 def trusted_filter(settings: Settings) -> q.RecordFilter:
@@ -204,17 +265,23 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     handoffs: list[float] = []
     first_in = now
     for (p_inst, d_inst, p_pool, d_pool, status, http, t_in, p_sent, p_done, d_sent, first, done, ttft,
-         kvb) in _records(session, since, now, trusted):
+         kvb, error) in _records(session, since, now, trusted):
         if q.is_client_error(status if isinstance(status, str) else None, http if isinstance(http, int) else None):
             for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
                 if isinstance(inst, str):
                     per_inst[inst].refused += 1
             continue
         ok = status == "ok"
+        failed = status in FAILED and error not in NOT_CHARGED_ERRORS
+        decoded = d_sent is not None
         for inst in (p_inst, d_inst):
             if isinstance(inst, str):
                 per_inst[inst].requests += 1
-                per_inst[inst].failed += 0 if ok or status == "rejected" else 1
+        # A failure is its stage's: D's once the decode stage began, else P's.
+        if failed and isinstance(d_inst, str) and decoded:
+            per_inst[d_inst].failed += 1
+        elif failed and isinstance(p_inst, str) and not decoded:
+            per_inst[p_inst].failed += 1
         if ok and isinstance(ttft, float) and isinstance(p_inst, str) and isinstance(d_inst, str):
             ttft_by_pair[(p_inst, d_inst)].append(ttft)
         if isinstance(p_inst, str) and isinstance(p_sent, float) and isinstance(p_done, float):
@@ -223,6 +290,9 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             per_inst[d_inst].contribution.append(max(0.0, first - d_sent))
         if isinstance(p_done, float) and isinstance(first, float):
             handoffs.append(max(0.0, first - p_done))
+            for inst in (p_inst, d_inst):
+                if isinstance(inst, str):
+                    per_inst[inst].handoff.append(max(0.0, first - p_done))
         if not isinstance(t_in, float):
             continue
         first_in = min(first_in, t_in)
@@ -240,8 +310,12 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             if isinstance(kvb, int):
                 agg.kv_bytes.append(float(kvb))
 
+    _charge_attempts(session, since, now, charged, per_inst)
+    _charge_leases(session, since, now, settings.controller.kv_lease_s, charged, per_inst)
+
     instances: list[InstanceSignals] = []
     newest: float | None = None
+    unattributed = 0
     for pool_name, inst in settings.instances():
         role = settings.pools[pool_name].role
         s = sigs.get(inst.name)
@@ -252,6 +326,9 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         hs = (by_d if role == "decode" else by_p).get(inst.name)
         if s is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
+        expired = round(s.increases.get("nixl_kv_expired_reqs", 0.0)) if s is not None and role == "prefill" else 0
+        unexplained = max(0, expired - (0 if rec is None else rec.lease_on_p))
+        unattributed += unexplained
         instances.append(InstanceSignals(
             name=inst.name, pool=pool_name, role=role,
             up=None if s is None else s.up,
@@ -279,7 +356,11 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             requests=0 if rec is None else rec.requests,
             failed_requests=0 if rec is None else rec.failed,
             refused_requests=0 if rec is None else rec.refused,
-            lease_expiry_suspects=hs.lease_suspects if hs is not None and role == "decode" else 0,
+            lease_expiry_suspects=rec.lease_charged if rec is not None and role == "decode" else 0,
+            unattributed_lease_expiries=unexplained,
+            contribution_rse=None if rec is None else _rse(rec.contribution),
+            handoff_rse=None if rec is None else _rse(rec.handoff),
+            load_done=_done_recent(r, role),
         ))
     if newest is None:
         newest = session.scalar(select(func.max(Snapshot.ts)))
@@ -287,6 +368,10 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     # Right after a start the window is not full yet: when its earliest record is more than a
     # quarter of the way in, rates are taken over the span the records cover, not the window.
     covered = window if first_in - since <= window / 4 else max(now - first_in, MIN_RATE_SPAN_S)
+    # How long the store has watched the fleet: since its first snapshot (retention keeps the newest; by
+    # then the start-up is long over). A window that holds any of the start-up is a start-up window.
+    first_ever = session.scalar(select(func.min(Snapshot.ts)))
+    history = max(0.0, now - first_ever) if first_ever is not None else 0.0
     pool_sigs: list[PoolSignals] = []
     for name, agg in pools.items():
         members = [i for i in instances if i.pool == name]
@@ -332,4 +417,5 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
                      q.percentile(handoffs, 99), slo.goodput_rps)
     return Observation(now=now, window_s=window, instances=tuple(instances), pools=tuple(pool_sigs),
                        pairs=pair_sigs, slo=slo, newest_data=newest,
-                       untrusted_records=q.untrusted_records(session, since, now, trusted.senders))
+                       untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
+                       history_s=history, unattributed_lease_expiries=unattributed)

@@ -81,7 +81,9 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
     for name, d in _latest_decisions(session, "weight").items():
         if d.new_value is not None:
             smoothed = float(d.scores.get("_smoothed", d.new_value)) if isinstance(d.scores, dict) else d.new_value
-            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason)
+            # A weight last lowered keeps when: recovery from it is probed and judged by evidence.
+            lowered = d.ts if d.old_value is not None and d.new_value < d.old_value else None
+            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason, 0, lowered)
     reqs = _latest_decisions(session, "max_inflight_requests")
     kvs = _latest_decisions(session, "max_inflight_kv_bytes")
     waits = _latest_decisions(session, "max_queue_wait_s")

@@ -189,6 +189,34 @@ class StoreSettings(_Frozen):
         return value
 
 
+class ProbeSettings(_Frozen):
+    """How an instance at the floor is tried again (a probe, not a ramp)."""
+
+    after_s: float = Field(default=30.0, gt=0, le=3600,
+                           description="at a lowered weight with too few requests to judge, probe after this long")
+    weight: float = Field(default=0.1, gt=0, le=1, description="the most a probe raises a weight to")
+    hold_s: float = Field(default=20.0, gt=0, le=3600,
+                          description="a probe is judged within this long; healthy by then, it ramps normally")
+
+
+class NoiseSettings(_Frozen):
+    """What a cut needs to be evidence rather than noise (quiet when healthy)."""
+
+    min_samples: int = Field(default=5, ge=1, le=10_000,
+                             description="requests or NIXL transfers in the window before a latency score may cut")
+    z: float = Field(default=2.0, ge=0, le=10,
+                     description="margin in standard errors added to each tolerance (noise of small samples)")
+    startup_s: float | None = Field(default=None, gt=0, le=3600,
+                                    description="no latency/load/limit cuts until the store has watched the fleet "
+                                                "this long: its warm-up and one window for it to leave the "
+                                                "window (default: 2 x controller.window_s)")
+    min_error_events: int = Field(default=3, ge=1, le=10_000,
+                                  description="failures or attributed lease expiries in the window before errors "
+                                              "score")
+    queue_confirm_ticks: int = Field(default=2, ge=1, le=100,
+                                     description="ticks in a row a P-queue pressure must hold before a limit cut")
+
+
 class ControllerSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8300, ge=1, le=65535)
@@ -213,6 +241,13 @@ class ControllerSettings(_Frozen):
         default=0.02, ge=0, le=1,
         description="floor for an up, undrained instance (a trickle; recovery is probed, see README)",
     )
+    kv_lease_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="the fleet's KV lease (vLLM kv_connector_extra_config.kv_lease_duration, default 30 s): "
+                    "an expired lease is joined with the handoffs still waiting a lease after P finished",
+    )
+    probe: ProbeSettings = ProbeSettings()
+    noise: NoiseSettings = NoiseSettings()
 
 
 class AdmissionDefaults(_Frozen):
@@ -229,6 +264,47 @@ class ProxyTimeouts(_Frozen):
     decode_total_s: float = Field(default=600.0, gt=0)
 
 
+class OutlierSettings(_Frozen):
+    """Outlier detection in the proxy (``proxy/outlier.py``): the one home of an instance's recent failures."""
+
+    consecutive_failures: int = Field(default=5, ge=1, le=10_000, description="this many failures in a row eject")
+    failure_ratio: float = Field(
+        default=0.2, gt=0, le=1, description="failed share of the last window_s that ejects (with min_requests)",
+    )
+    min_requests: int = Field(default=20, ge=1, le=1_000_000, description="results in the window before the ratio counts")
+    window_s: float = Field(default=10.0, gt=0, le=3600, description="window of the failure ratio")
+    base_ejection_s: float = Field(default=5.0, gt=0, le=3600, description="first ejection; doubles per successive one")
+    max_ejection_s: float = Field(default=60.0, gt=0, le=86400, description="cap on one ejection")
+    max_ejected_share: float = Field(
+        default=0.5, ge=0, le=1,
+        description="share of a pool that may be ejected at once (at least one, never the last; 0: never eject)",
+    )
+    failure_penalty: float = Field(
+        default=2.0, ge=0, le=10,
+        description="exponent k: selection weighs an instance by (1 - recent failure ratio)^k (0: failures ignored)",
+    )
+
+    @model_validator(mode="after")
+    def _ejection_bounds(self) -> OutlierSettings:
+        if self.max_ejection_s < self.base_ejection_s:
+            raise ValueError("max_ejection_s must be at least base_ejection_s")
+        return self
+
+
+class AdaptiveLimitSettings(_Frozen):
+    """The proxy's local adaptive concurrency limit per pool (``proxy/concurrency.py``), AIMD on its own TTFT."""
+
+    enabled: bool = True
+    min_limit: int = Field(default=1, ge=1, le=1_000_000, description="floor of a pool's adaptive limit")
+    increase: int = Field(default=2, ge=1, le=1_000_000, description="added per window comfortably under target")
+    decrease_factor: float = Field(default=0.75, gt=0, lt=1, description="limit multiplied by this per window over target")
+    window_s: float = Field(default=1.0, gt=0, le=600, description="one decision per window (once min_samples arrived)")
+    min_samples: int = Field(default=10, ge=1, le=1_000_000, description="samples a decision needs")
+    headroom: float = Field(
+        default=0.8, gt=0, le=1, description="'comfortably under': the SLO percentile under headroom x target",
+    )
+
+
 class ProxySettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -237,7 +313,8 @@ class ProxySettings(_Frozen):
     fail_static_s: float = Field(default=60.0, ge=0, description="keep the last table this long")
     policy: Literal["weighted", "round-robin"] = "weighted"
     retry_budget: float = Field(default=0.2, ge=0, le=1, description="retries as a share of requests")
-    failure_cooldown_s: float = Field(default=5.0, ge=0)
+    outlier: OutlierSettings = OutlierSettings()
+    adaptive_limit: AdaptiveLimitSettings = AdaptiveLimitSettings()
     admission: AdmissionDefaults = AdmissionDefaults()
     timeouts: ProxyTimeouts = ProxyTimeouts()
     otlp_endpoint: str | None = Field(default=None, description="defaults to the collector's receiver")
@@ -262,6 +339,16 @@ class ProxySettings(_Frozen):
         default=None, gt=1,
         description="the model's context length; when set, max_tokens that cannot fit is a 400 before prefill",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_cooldown(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "failure_cooldown_s" in data:
+            raise ValueError(
+                "failure_cooldown_s was replaced by proxy.outlier (consecutive_failures, failure_ratio, "
+                "base_ejection_s, ...): see the README's Proxy section"
+            )
+        return data
 
 
 class CollectorSettings(_Frozen):

@@ -5,7 +5,9 @@ jointly). It holds a request slot in both until it ends (the P slot is given up 
 prefill is done). Once P has answered, its handoff KV bytes (prompt tokens x
 ``kv_bytes_per_token``) are charged to both pools -- pinned on P, incoming on D --
 until D's first token (or failure). A pool has room when both counts are under the
-limits of the current routing view (the controller's, or the config's defaults).
+limits of the current routing view (the controller's, or the config's defaults) and,
+when it is on, under the pool's adaptive limit (``proxy.concurrency``), which is never
+above the view's.
 
 When no pool of a role has room, the request waits for any release (bounded by
 ``queue_timeout_s``, or the shorter ``max_queue_wait_s`` the controller sets from the
@@ -19,13 +21,15 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
+from proxy.concurrency import AdaptiveLimits
 from proxy.routing import PoolLimits
 
 REASON_REQUESTS = "inflight_requests"
 REASON_KV_BYTES = "inflight_kv_bytes"
 REASON_QUEUE_FULL = "queue_full"
 REASON_NO_INSTANCES = "no_instances"
-REASONS = (REASON_REQUESTS, REASON_KV_BYTES, REASON_QUEUE_FULL, REASON_NO_INSTANCES)
+REASON_ADAPTIVE = "adaptive_limit"
+REASONS = (REASON_REQUESTS, REASON_KV_BYTES, REASON_QUEUE_FULL, REASON_NO_INSTANCES, REASON_ADAPTIVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +39,8 @@ class Rejection:
 
 
 class Admission:
-    def __init__(self, max_waiters: int = 1024) -> None:
+    def __init__(self, max_waiters: int = 1024, adaptive: AdaptiveLimits | None = None) -> None:
+        self.adaptive = adaptive
         self.requests: Counter[str] = Counter()
         self.kv_bytes: Counter[str] = Counter()
         self.max_waiters = max_waiters
@@ -43,8 +48,13 @@ class Admission:
 
     def blocked(self, pool: str, limits: PoolLimits) -> str | None:
         """Why ``pool`` cannot take one more request now, or None when it can."""
-        if self.requests[pool] >= limits.max_inflight_requests:
+        n = self.requests[pool]
+        if n >= limits.max_inflight_requests:
             return REASON_REQUESTS
+        if self.adaptive is not None:
+            reduced = self.adaptive.reduced.get(pool)  # only pools held below their ceiling
+            if reduced is not None and n >= reduced:
+                return REASON_ADAPTIVE
         if self.kv_bytes[pool] >= limits.max_inflight_kv_bytes:
             return REASON_KV_BYTES
         return None

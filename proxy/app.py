@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the P/D flow),
 ``GET /healthz`` (always 200 while the process serves; says which routing state is in
-force), ``GET /metrics`` (Prometheus text). Lifespan starts the routing poller and
+force, which instances outlier detection has ejected, and each pool's limit in force with
+its adaptive part), ``GET /metrics`` (Prometheus text). Lifespan starts the routing poller and
 closes the shared upstream client and the span exporter.
 
 While a request runs, a small watcher task waits for ``http.disconnect``; if the
@@ -28,8 +29,10 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from pdscope.config import Settings
 from proxy import protocol
 from proxy.admission import Admission
+from proxy.concurrency import AdaptiveLimits
 from proxy.flow import Flow
 from proxy.metrics import LiveSources, ProxyMetrics
+from proxy.outlier import OutlierDetector
 from proxy.request import FlowSettings, Gone
 from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
@@ -147,13 +150,28 @@ class ProxyApp:
                 return
             await self._proxy(path, scope, receive, send)
         elif path == "/healthz" and method == "GET":
-            r = self.parts.routing
-            body = json.dumps({"status": "ok", "routing": r.state, "version": r.view.version}).encode()
-            await _simple(send, 200, body)
+            await _simple(send, 200, json.dumps(self.health()).encode())
         elif path == "/metrics" and method == "GET":
             await _simple(send, 200, self.parts.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
         else:
             await _simple(send, 404, protocol.error_body(f"no route {method} {path}", "not_found_error"))
+
+    def health(self) -> dict[str, object]:
+        """``/healthz``: the routing state, the ejected instances, each pool's request limit in force."""
+        p = self.parts
+        r, now = p.routing, p.clock()
+        ejected = {e.instance: {"pool": e.pool, "reason": e.reason, "remaining_s": e.remaining_s,
+                                "ejections": e.ejections}
+                   for e in p.selector.outliers.ejected(now)}
+        default = p.flow.fs.default_limits
+        adaptive = p.admission.adaptive
+        limits: dict[str, dict[str, int | None]] = {}
+        for pool in sorted(r.view.limits):
+            ceiling = r.view.limits_for(pool, default).max_inflight_requests
+            limits[pool] = {"max_inflight_requests": ceiling,
+                            "adaptive_limit": None if adaptive is None else adaptive.limit(pool, ceiling)}
+        return {"status": "ok", "routing": r.state, "version": r.view.version, "ejected": ejected,
+                "pool_limits": limits}
 
     async def _proxy(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         # The time to receive the body is bounded by the server protocol (proxy.server), which
@@ -216,8 +234,16 @@ def build(
     ps = settings.proxy
     metrics = ProxyMetrics()
     routing = RoutingState(settings, clock())
-    selector = Selector(policy or ps.policy, ps.failure_cooldown_s, rng)
-    admission = Admission()
+    policy = policy or ps.policy
+    outliers = OutlierDetector(ps.outlier, {name: [i.name for i in pool.instances]
+                                            for name, pool in settings.pools.items()})
+    selector = Selector(policy, outliers, rng)
+    # The adaptive limit protects the weighted proxy; round-robin stays the toy proxy's baseline.
+    adaptive = None
+    if ps.adaptive_limit.enabled and policy == "weighted":
+        ttft = settings.slo.ttft
+        adaptive = AdaptiveLimits(ps.adaptive_limit, ttft.target_ms / 1000.0, ttft.percentile)
+    admission = Admission(adaptive=adaptive)
     budget = RetryBudget(ps.retry_budget)
     upstream: UpstreamClient
     if upstream_client == "httpx":

@@ -1,7 +1,9 @@
 """One client request through the proxy: admission -> prefill -> KV handoff -> decode.
 
 Failure rules (why: P's pinned KV blocks are meant to be read once, by one D):
-- P fails or times out: mark it, retry on another P if the retry budget allows.
+- P fails or times out: count it against P (``proxy.outlier``: consecutive and windowed
+  failures eject an instance for a while, and weigh it down in selection), retry on
+  another P if the retry budget allows.
 - D cannot be connected to, or answers 503 (vLLM refuses before scheduling: queue
   limits, engine dead): it never started the NIXL read, so P's blocks are unread and
   another D may pull them -- retry on another D with the same ``kv_transfer_params``.
@@ -10,7 +12,7 @@ Failure rules (why: P's pinned KV blocks are meant to be read once, by one D):
   needs a new prefill: one full retry (new prefill, another D) within the budget.
 - D answers 200 and its stream's first event is its own ``data: {"error": ...}`` (a failed
   NIXL read, say), or the stream ends before any event: a decode failure before the first
-  token, with the rule above (new prefill, another D, cooldown and a counted failure).
+  token, with the rule above (new prefill, another D, a counted failure).
 - After the first byte went to the client: no retry; a streamed answer ends with an
   OpenAI-style ``data: {"error": ...}`` event (D's own in-band error is forwarded as it
   is), and so does a stream that ends without ``[DONE]``; the outcome is ``error``
@@ -18,7 +20,11 @@ Failure rules (why: P's pinned KV blocks are meant to be read once, by one D):
 - The body is checked before anything is spent (``proxy.validate``): what D would refuse
   is a 400 naming the field, and P is never called. A 4xx that P or D still answers is the
   client's problem: passed through unchanged, never retried, never counted against the
-  instance (no cooldown, no failure metric); the outcome is ``client_error``.
+  instance (not an outlier failure, no failure metric); the outcome is ``client_error``.
+- Successes count too (P answered; D's answer complete), so the outlier window holds a
+  failure *ratio*. Each success's latency (P: the prefill call; D: admission to first
+  token) is a sample for the pool's adaptive limit (``proxy.concurrency``), and so is a
+  timeout.
 - The client goes away: the app cancels this task; every open upstream answer is closed
   at once (vLLM aborts the request) and the disconnect is counted by stage.
 
@@ -82,6 +88,7 @@ class Flow:
             admission, budget, metrics, tracer, clock,
         )
         self._rng = random.Random()
+        self.outliers = selector.outliers
 
     # -- entry ------------------------------------------------------------------------
 
@@ -199,6 +206,7 @@ class Flow:
         d = self.selector.pick("decode", view.decode, now, pools=d_pools)
         assert p is not None and d is not None
         req.p, req.d = p, d
+        req.admitted = now
         self.admission.enter(p.pool)
         req.p_slot = p.pool
         self.admission.enter(d.pool)
@@ -269,6 +277,13 @@ class Flow:
                                            exclude=(req.p.name,)) or req.p
                 req.p_slot = self._move_slot(req.p_slot, req.p.pool)
 
+    def _sample(self, pool: str, seconds: float, now: float) -> None:
+        """A latency sample for ``pool``'s adaptive limit (when it is on)."""
+        adaptive = self.admission.adaptive
+        if adaptive is not None:
+            ceiling = self.routing.view.limits_for(pool, self.fs.default_limits).max_inflight_requests
+            adaptive.observe(pool, seconds, self.admission.requests[pool], ceiling, now)
+
     def _spend(self, stage: str) -> bool:
         if self.budget.try_spend():
             self.metrics.retries.labels(stage).inc()
@@ -307,7 +322,10 @@ class Flow:
                 span.set_attribute(sc.HTTP_STATUS, status)
                 if status == 200:
                     answer = protocol.parse_prefill_answer(raw)
-                    self.metrics.prefill_seconds.observe(self.clock() - t0)
+                    now = self.clock()
+                    self.metrics.prefill_seconds.observe(now - t0)
+                    self.outliers.success(p.name, p.pool, now)
+                    self._sample(p.pool, now - t0, now)
                     req.prefill = answer
                     if answer.kv_blocks:
                         span.set_attribute(sc.KV_BLOCKS, answer.kv_blocks)
@@ -318,6 +336,7 @@ class Flow:
                 kind = f"status_{status}"
             except (UpstreamTimeout, TimeoutError):
                 kind = "timeout"
+                self._sample(p.pool, self.clock() - t0, self.clock())
             except ConnectFailed:
                 kind = "connect"
             except UpstreamError:
@@ -333,7 +352,7 @@ class Flow:
             span.end()
             self.metrics.upstream_failures.labels(p.name, "prefill", kind).inc()
             now = self.clock()
-            self.selector.mark_failed(p.name, now)
+            self.outliers.failure(p.name, p.pool, now)
             tried.append(p.name)
             attempt += 1
             nxt = None
@@ -437,7 +456,7 @@ class Flow:
     def _decode_failed(self, d: Target, span: trace.Span, kind: str) -> None:
         span.set_attribute(sc.ERROR_TYPE, kind)
         self.metrics.upstream_failures.labels(d.name, "decode", kind).inc()
-        self.selector.mark_failed(d.name, self.clock())
+        self.outliers.failure(d.name, d.pool, self.clock())
 
     async def _decode_once(
         self, req: RequestState, d: Target, d_body: bytes, headers: list[tuple[str, str]], span: trace.Span,
@@ -470,6 +489,8 @@ class Flow:
             except (ConnectFailed, DecodeRefused):
                 raise
             except (UpstreamTimeout, TimeoutError) as exc:
+                now = self.clock()
+                self._sample(d.pool, now - req.admitted, now)
                 raise NeedsPrefill("timeout") from exc
             except UpstreamError as exc:
                 raise NeedsPrefill("closed") from exc
@@ -479,7 +500,9 @@ class Flow:
             t_first = time.time_ns()
             span.add_event(sc.EVENT_FIRST_TOKEN, timestamp=t_first)
             handoff.end(end_time=t_first)
-            self.metrics.ttft_seconds.observe(self.clock() - req.started)
+            now = self.clock()
+            self.metrics.ttft_seconds.observe(now - req.started)
+            self._sample(d.pool, now - req.admitted, now)
             ctype = resp.header(b"content-type") or (b"text/event-stream" if req.stream else JSON)
             out_headers = [(b"content-type", ctype), (b"x-request-id", req.rid.encode())]
             if not req.stream:
@@ -490,6 +513,7 @@ class Flow:
                 await reply.start(200, out_headers)
                 await reply.body(first or b"", False)
                 req.outcome = "ok"
+                self.outliers.success(d.name, d.pool, self.clock())
                 return
             await reply.start(200, out_headers)
             if first:
@@ -509,6 +533,7 @@ class Flow:
             if kind is None:
                 await reply.body(b"", False)
                 req.outcome = "ok"
+                self.outliers.success(d.name, d.pool, self.clock())
                 return
             self._decode_failed(d, span, kind)
             req.outcome = "timeout" if kind == "timeout" else "error"

@@ -145,6 +145,31 @@ class _LiveCollector(Collector):
         for name, n in sorted(self.sources.selector.inflight.items()):
             inst.add_metric([name], float(n))
         yield inst
+        now = self.sources.now()
+        outliers = self.sources.selector.outliers
+        ej = CounterMetricFamily(
+            "pdscope_proxy_outlier_ejections", "Outlier ejections by instance and reason (consecutive_failures, "
+            "failure_ratio, probation: the first failure after a return).", labels=["instance", "reason"],
+        )
+        for (name, reason), n in sorted(outliers.ejections.items()):
+            ej.add_metric([name, reason], float(n))
+        yield ej
+        out = GaugeMetricFamily(
+            "pdscope_proxy_instance_ejected", "1 while outlier detection keeps the instance out of selection.",
+            labels=["instance"],
+        )
+        for name in outliers.instances():
+            out.add_metric([name], 1.0 if outliers.is_ejected(name, now) else 0.0)
+        yield out
+        adaptive = admission.adaptive
+        if adaptive is not None:
+            lim = GaugeMetricFamily(
+                "pdscope_proxy_pool_adaptive_limit", "Requests a pool admits now: its adaptive limit (AIMD on the "
+                "proxy's own TTFT), never above the limit in force.", labels=["pool"],
+            )
+            for pool, limits in sorted(routing.view.limits.items()):
+                lim.add_metric([pool], float(adaptive.limit(pool, limits.max_inflight_requests)))
+            yield lim
         bal = GaugeMetricFamily("pdscope_proxy_retry_budget_balance", "Retries the budget allows now.")
         bal.add_metric([], self.sources.budget.balance)
         yield bal

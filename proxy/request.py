@@ -101,8 +101,8 @@ class Gone:
 
 class RequestState:
     __slots__ = (
-        "completion_tokens", "d", "d_slot", "endpoint", "kv_held", "outcome", "p", "p_slot", "prefill",
-        "retries", "rid", "stage", "started", "stream",
+        "admitted", "completion_tokens", "d", "d_slot", "endpoint", "kv_held", "outcome", "p", "p_slot",
+        "prefill", "retries", "rid", "stage", "started", "stream",
     )
 
     def __init__(self, endpoint: str, rid: str) -> None:
@@ -120,6 +120,7 @@ class RequestState:
         self.prefill: PrefillAnswer | None = None
         self.completion_tokens: int | None = None
         self.started = 0.0
+        self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
 
 
 def client_error(status: int, message: str, err_type: str, outcome: str, code: str | None = None,

@@ -1,10 +1,15 @@
 """Choosing an instance: weighted power-of-two-choices on local in-flight load, or round-robin.
 
 ``weighted`` draws two distinct candidates in proportion to their routing weight and
-keeps the one with the lower ``in_flight / weight`` (the first drawn on a tie); instances that failed within
-``failure_cooldown_s`` are skipped unless nothing else is left (never stop serving).
+keeps the one with the lower ``in_flight / weight`` (the first drawn on a tie). An
+instance with failures in the outlier window is weighed by its factor from
+:meth:`proxy.outlier.OutlierDetector.penalties` in both the draw and the comparison
+(``in_flight / (weight x factor)``), so failing fast, which keeps its in-flight count low,
+does not win it traffic. Ejected instances (``proxy.outlier``) are skipped unless nothing
+else is left (never stop serving).
 ``round-robin`` cycles through the instances in order, like vLLM's toy proxy, and
-ignores weights and load (it still honours drains and exclusions), for baselines.
+ignores weights, load and failure penalties (it still honours drains, exclusions and
+ejections), for baselines.
 
 Pure apart from the injected random source; the clock is passed in. The proxy picks P
 and D jointly by calling :meth:`Selector.pick` for each role with the pools admission
@@ -17,41 +22,31 @@ import random
 from collections.abc import Collection, Sequence
 from typing import Literal
 
+from pdscope.config import OutlierSettings
+from proxy.outlier import OutlierDetector
 from proxy.routing import Target
 
 Policy = Literal["weighted", "round-robin"]
 
 
 class Selector:
-    """Per-instance in-flight counts and failure marks, and the pick itself."""
+    """Per-instance in-flight counts, and the pick itself; failures live in :attr:`outliers`."""
 
-    def __init__(self, policy: Policy, cooldown_s: float, rng: random.Random | None = None) -> None:
+    def __init__(self, policy: Policy, outliers: OutlierDetector | None = None,
+                 rng: random.Random | None = None) -> None:
         self.policy = policy
-        self.cooldown_s = cooldown_s
+        self.outliers = outliers or OutlierDetector(OutlierSettings())
         self.rng = rng or random.Random()
         self.inflight: dict[str, int] = {}
-        self.failed_until: dict[str, float] = {}
         self._rr: dict[str, int] = {}
 
-    # -- load and health bookkeeping --------------------------------------------------
+    # -- load bookkeeping -------------------------------------------------------------
 
     def acquire(self, name: str) -> None:
         self.inflight[name] = self.inflight.get(name, 0) + 1
 
     def release(self, name: str) -> None:
         self.inflight[name] = self.inflight.get(name, 1) - 1
-
-    def mark_failed(self, name: str, now: float) -> None:
-        self.failed_until[name] = now + self.cooldown_s
-
-    def cooling(self, name: str, now: float) -> bool:
-        until = self.failed_until.get(name)
-        if until is None:
-            return False
-        if now >= until:
-            del self.failed_until[name]
-            return False
-        return True
 
     # -- the pick ---------------------------------------------------------------------
 
@@ -64,17 +59,23 @@ class Selector:
         pools: Collection[str] | None = None,
     ) -> Target | None:
         """One target of ``role`` not in ``exclude`` and (when given) in ``pools``, or None."""
-        allowed = [
+        candidates = [
             t for t in targets if t.name not in exclude and (pools is None or t.pool in pools)
         ]
-        if not allowed:
+        if not candidates:
             return None
-        healthy = [t for t in allowed if not self.cooling(t.name, now)]
-        candidates = healthy or allowed
+        out = self.outliers
+        if out.any_ejected:
+            healthy = [t for t in candidates if not out.is_ejected(t.name, now)]
+            if healthy:
+                candidates = healthy
         if self.policy == "round-robin":
             return self._round_robin(role, targets, candidates)
         if len(candidates) == 1:
             return candidates[0]
+        penalty = out.penalties(now)
+        if penalty:
+            return self._pick_penalized(candidates, penalty)
         first, second = self._two_by_weight(candidates)
         load = self.inflight
         # Strictly less: when both are equally loaded (e.g. idle) the weighted draw decides,
@@ -82,6 +83,30 @@ class Selector:
         if load.get(second.name, 0) / second.weight < load.get(first.name, 0) / first.weight:
             return second
         return first
+
+    def _pick_penalized(self, candidates: list[Target], penalty: dict[str, float]) -> Target:
+        # Only while some instance has failures in the window: weights scaled by their factor.
+        weights = [t.weight * penalty.get(t.name, 1.0) for t in candidates]
+        total = sum(weights)
+        i = self._draw_weights(weights, total, -1)
+        j = self._draw_weights(weights, total - weights[i], i)
+        load = self.inflight
+        first, second = candidates[i], candidates[j]
+        if load.get(second.name, 0) / weights[j] < load.get(first.name, 0) / weights[i]:
+            return second
+        return first
+
+    def _draw_weights(self, weights: list[float], total: float, skip: int) -> int:
+        x = self.rng.random() * total
+        last = -1
+        for i, w in enumerate(weights):
+            if i == skip:
+                continue
+            last = i
+            x -= w
+            if x < 0:
+                return i
+        return last
 
     def _two_by_weight(self, candidates: list[Target]) -> tuple[Target, Target]:
         total = 0.0

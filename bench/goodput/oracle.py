@@ -1,7 +1,9 @@
 """A fixed routing table served like the controller's ``GET /v1/routing`` (the oracle contender).
 
 The oracle is what a perfect controller could reach: weights and admission limits set by
-hand for the fault from its first second. It runs in a thread of the benchmark process.
+hand for the fault from its first second. It runs in a thread of the benchmark's worker
+process. ``oracle_schedule`` holds the hand-set table of every fault (one entry per change:
+the table from the start, and for a fault that ends, the table once it has ended).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from bench.goodput.catalogue import HEALTHY, FaultPlan, FleetShape
 
 
 class StaticTable:
@@ -60,14 +64,47 @@ class StaticTable:
 
 
 def oracle_table(instances: list[tuple[str, str, str, str]], weights: dict[str, float],
-                 limits: dict[str, int | None], wait_s: float | None = None) -> dict[str, Any]:
+                 limits: dict[str, int | None], wait_s: float | None = None, version: int = 1) -> dict[str, Any]:
     """``instances``: (name, pool, role, url); ``limits``: pool -> max in-flight requests;
     ``wait_s``: the longest wait for an admission slot where a pool has a limit."""
     return {
-        "version": 1, "generated_at": 0.0, "mode": "enforce", "enforce": True,
+        "version": version, "generated_at": 0.0, "mode": "enforce", "enforce": True,
         "instances": [{"name": n, "pool": p, "role": r, "url": u, "weight": weights.get(n, 1.0),
                        "drained": False, "reason": "Oracle"} for n, p, r, u in instances],
         "pools": [{"name": pool, "role": pool, "weight": 1.0, "max_inflight_requests": lim,
                    "max_inflight_kv_bytes": None, "max_queue_wait_s": None if lim is None else wait_s,
                    "reason": "Oracle"} for pool, lim in limits.items()],
     }
+
+
+ORACLE_WAIT_S = 0.5  # hand-set: the TTFT target (2 s) minus the healthy fleet's p99 TTFT at capacity (~1.5 s)
+
+Weights = dict[str, float]
+Limits = dict[str, int | None]
+
+
+def oracle_schedule(plan: FaultPlan, fleet: FleetShape, capacity_rps: float) -> list[tuple[float | None, Weights, Limits]]:
+    """The hand-set tables for ``plan``: ``(at, weights, limits)``, ``at`` in seconds after the fault's
+    onset (None: from the start of the run). Decode has slack on these fleets (prefill is the
+    bottleneck), so a D that is broken in any way gets no work; a slow P gets work by its speed and the
+    prefill pool one second of the degraded fleet's capacity in flight; a burst meets a prefill limit of
+    one second of capacity. ``capacity_rps`` is the healthy fleet's, measured in the same run."""
+    none: Limits = {"prefill": None, "decode": None}
+    d = fleet.bad_d
+    if plan.name in ("degraded_decode_link", "transfer_failures", "stuck_decode", "kv_capacity"):
+        # kv_capacity: at 10 % the D still holds ~12 of these sequences, but a D at the edge of its
+        # blocks preempts; the other Ds have room for its share.
+        return [(None, {d: 0.0}, none)]
+    if plan.name == "bad_pair":
+        return [(None, {d: 0.0}, none)]  # the pair's D: cheaper to lose than its P (decode has slack)
+    if plan.name == "decode_down":
+        return [(None, {d: 0.0}, none), (plan.ends_after_s, {}, none)]
+    if plan.name == "slow_prefill":
+        speed = 1 / 3
+        share = (fleet.n_p - 1 + speed) / fleet.n_p
+        return [(None, {fleet.bad_p: speed}, {"prefill": max(2, round(capacity_rps * share)), "decode": None})]
+    if plan.name == "burst":
+        return [(None, {}, {"prefill": max(2, round(capacity_rps)), "decode": None})]
+    if plan.name == HEALTHY:
+        return [(None, {}, none)]
+    raise ValueError(f"no oracle table for fault {plan.name!r}")

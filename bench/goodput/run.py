@@ -1,354 +1,408 @@
-"""Goodput under faults: four contenders, three scenarios, one simulated 2P+4D fleet per run.
+"""Goodput under faults: five contenders per cell, cells = fleet x load x fault, all in one run.
 
-Contenders (each gets a fresh fleet, proxy and store per scenario):
+Contenders (each gets a fresh simulated fleet, proxy and store per cell):
 - ``round_robin``  pdscope's proxy with ``policy: round-robin`` and no admission limit (the toy
                    proxy's behaviour), no controller;
-- ``static``       pdscope's proxy, weighted policy, static equal weights, config admission defaults;
+- ``static``       pdscope's proxy, weighted policy, no controller (it never reaches one: equal
+                   weights, config admission defaults, its own outlier detection and limits);
 - ``controller``   pdscope's proxy following ``pdscope control`` (enforce, 1 s ticks, 10 s window)
                    over ``pdscope collect`` (1 s scrapes, spans from the proxy);
-- ``oracle``       pdscope's proxy following a fixed table: weights and limits set by hand for the
-                   fault from its first second.
+- ``oracle``       pdscope's proxy following a hand-set table per fault (``oracle.py``);
+- ``killed``       as ``controller``, but the controller process is SIGKILLed at the fault's onset:
+                   the proxy runs on alone (fail-static for ``--fail-static-s``, then fallback).
 
-Workload: one seeded open-loop Poisson schedule at 80% of the healthy fleet's capacity, measured
-in the same run (the highest offered rate at which the static proxy kept SLO attainment >= 90%).
-Scenarios, fault at ``--warm`` seconds: (a) ``degraded_decode_link``: decode-3's NIC 10x slower
-(its leases expire); (b) ``burst``: 1.5x capacity for 30 s; (c) ``slow_prefill``: prefill-1 3x
-slower. Figures come from the client over the measured phase: goodput (requests meeting TTFT and
-TPOT SLOs per second), SLO attainment, p99 TTFT of served requests, rejections, and expired
-leases from P's metrics; ``reaction_ticks`` is the controller's time from fault onset to its
-first cut of the faulty instance's weight (for the burst: of a pool's request limit), in ticks. Ratios are against round robin and the
-oracle measured in the same run. Writes ``bench/results/goodput.json`` and prints a table.
+Fleets 2P+4D and 3P+6D; loads 75% and 90% of the fleet's capacity, measured in the same run (the
+highest step at which the static proxy kept SLO attainment >= 90% on a healthy fleet); faults
+(``catalogue.py``), at ``--warm`` seconds: a D's NIC 10x slower, a P 3x slower, 30% failed transfers
+on a D, a D that stops pulling, one P x D link 10x slower, a D down and back, a D's KV capacity cut to
+10%, a 1.5x capacity burst. Figures come from the client over the measured phase; the controller's
+reaction and cuts of healthy instances from its stored decisions (``decisions.py``); ratios and
+PASS/MISS per target (``report.py``). Each contender runs in its own worker process
+(``worker.py``), ``--jobs`` at a time. Writes ``bench/results/goodput.json`` and prints a table.
 
-    .venv/bin/python -m bench.goodput.run [--measure 60] [--warm 10] [--scenarios a,b,c]
+``--healthy``: the false-positive rate instead: the controller contender alone on healthy fleets,
+``--healthy-duration`` seconds per run, both loads, two seeds, both fleets; counts weight cuts below
+0.9 and limit cuts; ``--save-decisions DIR`` keeps every run's decisions as JSON.
+
+    .venv/bin/python -m bench.goodput.run                              # the whole matrix
+    .venv/bin/python -m bench.goodput.run --cells 2p4d:75:slow_prefill,3p6d:90:burst
+    .venv/bin/python -m bench.goodput.run --fleets 2p4d --faults 'stuck*,bad_pair' --contenders static,controller
+    .venv/bin/python -m bench.goodput.run --healthy --save-decisions bench/results/healthy-decisions
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-from bench.goodput.oracle import StaticTable, oracle_table  # noqa: E402
-from simulator.loadgen import Target, run_load  # noqa: E402
-from simulator.workload import LengthDist, Planned, plan, summarize  # noqa: E402
+from bench.goodput.catalogue import (  # noqa: E402
+    FLEETS,
+    HEALTHY,
+    RUN_ORDER,
+    Cell,
+    fault_plan,
+    select_cells,
+    select_contenders,
+)
+from bench.goodput.report import (  # noqa: E402
+    budget_s,
+    cell_targets,
+    contender_line,
+    healthy_table,
+    run_seconds,
+    summary,
+    table,
+)
+from bench.goodput.stack import CONTROLLER_WINDOW_S, INTERVAL_S, OUTPUT, PROMPT, SIM, SLO_TPOT_S, SLO_TTFT_S  # noqa: E402
 
-PDSCOPE = str(Path(sys.executable).with_name("pdscope"))
-N_P, N_D = 2, 4
-SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1
-PROMPT, OUTPUT = "fixed:2048", "fixed:32"
-MODEL = "sim-llama-70b"
-SIM = {"link_bandwidth_bytes_per_s": 2.5e9, "lease_duration_s": 3.0, "seed": 7}
-INTERVAL_S = 1.0
-CONTENDERS = ("round_robin", "static", "controller", "oracle")
-SCENARIOS = {"a": "degraded_decode_link", "b": "burst", "c": "slow_prefill"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_json(url: str, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
+CAPACITY_WARM_S = 2.0
 
 
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+@dataclass
+class Job:
+    key: str
+    spec: dict[str, Any]
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+class Progress:
+    """One line per finished job: what it measured, how long it took, elapsed and ETA."""
+
+    def __init__(self, total: int, jobs: int, est_each: list[float]) -> None:
+        self.total, self.jobs = total, jobs
+        self.done = 0
+        self.left_s = sum(est_each)
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+
+    def finished(self, line: str, took_s: float, est_s: float) -> None:
+        with self.lock:
+            self.done += 1
+            self.left_s -= est_s
+            elapsed = time.monotonic() - self.t0
+            eta = self.left_s / max(1, self.jobs)
+            print(f"[{self.done:3d}/{self.total}] {line}  | {took_s:4.0f} s, elapsed {_mmss(elapsed)}, "
+                  f"ETA {_mmss(eta)}", file=sys.stderr, flush=True)
+
+
+def _mmss(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def run_job(job: Job, work: Path) -> dict[str, Any]:
+    spec_path, out_path, log_path = (work / f"{job.key}.{x}" for x in ("spec.json", "out.json", "log"))
+    spec_path.write_text(json.dumps(job.spec))
+    limit = float(job.spec["warm_s"]) + float(job.spec["measure_s"]) + float(job.spec["client_timeout_s"]) + 180
+    with log_path.open("wb") as log:
         try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status < 500:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {timeout_s}s")
+            proc = subprocess.run([sys.executable, "-m", "bench.goodput.worker", str(spec_path), str(out_path)],
+                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {limit:.0f} s"
+    if rc == 0 and out_path.exists():
+        return dict(json.loads(out_path.read_text()))
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
+    print(f"  {job.key} failed ({rc}); log {log_path}:\n    " + "\n    ".join(tail), file=sys.stderr, flush=True)
+    return {"error": f"worker exit {rc}: {tail[-1] if tail else ''}", "log": str(log_path)}
 
 
-def metric_sum(url: str, name: str) -> float:
-    total = 0.0
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+def run_all(jobs: list[Job], parallel: int, work: Path, describe: Any, retry_starved: int = 0) -> None:
+    """Run ``jobs``, ``parallel`` at a time; then rerun the starved ones (``worker.starved``) one at a
+    time, up to ``retry_starved`` rounds, keeping the least starved attempt."""
+    est = [run_seconds(j.spec["contender"], j.spec["warm_s"], j.spec["measure_s"]) for j in jobs]
+    progress = Progress(len(jobs), parallel, est)
+
+    def one(i: int) -> None:
+        t0 = time.monotonic()
+        jobs[i].result = run_job(jobs[i], work)
+        progress.finished(describe(jobs[i]), time.monotonic() - t0, est[i])
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(one, range(len(jobs))))
+    for round_ in range(retry_starved):
+        again = [j for j in jobs if j.result.get("starved")]
+        if not again:
+            return
+        print(f"rerunning {len(again)} starved run(s) one at a time (round {round_ + 1})", file=sys.stderr, flush=True)
+        progress = Progress(len(again), 1, [run_seconds(j.spec["contender"], j.spec["warm_s"], j.spec["measure_s"])
+                                            for j in again])
+        for j in again:
+            t0 = time.monotonic()
+            first = j.result
+            r = run_job(j, work)
+            if "error" in r or _lag(r) >= _lag(first):
+                first.setdefault("retries", []).append({k: r.get(k) for k in ("goodput_rps", "sim_lag", "client_lag",
+                                                                              "error")})
+            else:
+                r["retries"] = [*first.get("retries", []), {k: first.get(k) for k in
+                                                             ("goodput_rps", "sim_lag", "client_lag")}]
+                j.result = r
+            progress.finished(describe(j), time.monotonic() - t0, run_seconds(j.spec["contender"], j.spec["warm_s"],
+                                                                               j.spec["measure_s"]))
 
 
-class Run:
-    """One fleet + one contender's services, all subprocesses, stopped on exit."""
-
-    def __init__(self, contender: str, tmp: Path, oracle_url: str | None, admission: int) -> None:
-        self.contender = contender
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.ports = {k: free_port() for k in ("proxy", "collector", "controller", "admin")}
-        self.inst = [(f"prefill-{i}", "prefill", "prefill", f"http://127.0.0.1:{free_port()}") for i in range(N_P)]
-        self.inst += [(f"decode-{i}", "decode", "decode", f"http://127.0.0.1:{free_port()}") for i in range(N_D)]
-        dead = f"http://127.0.0.1:{free_port()}"
-        controller_url = {"controller": f"http://127.0.0.1:{self.ports['controller']}", "oracle": oracle_url}.get(
-            contender) or dead
-        cfg = {
-            "model": {"name": MODEL, "kv_bytes_per_token": 327680},
-            "pools": {pool: {"role": pool, "instances": [{"name": n, "url": u} for n, p, _, u in self.inst
-                                                          if p == pool]} for pool in ("prefill", "decode")},
-            "slo": {"ttft": {"target_ms": SLO_TTFT_S * 1000}, "tpot": {"target_ms": SLO_TPOT_S * 1000},
-                    "window_s": 30},
-            "store": {"url": f"sqlite:///{tmp / 'store.db'}"},
-            "simulator": {**SIM, "admin_port": self.ports["admin"]},
-            "collector": {"port": self.ports["collector"], "scrape_interval_s": INTERVAL_S,
-                          "scrape_timeout_s": 0.8 * INTERVAL_S},
-            "controller": {"port": self.ports["controller"], "interval_s": INTERVAL_S, "window_s": 10,
-                           "mode": "enforce"},
-            "proxy": {
-                "port": self.ports["proxy"], "policy": "round-robin" if contender == "round_robin" else "weighted",
-                "controller_url": controller_url, "routing_poll_s": 0.5, "tracing": contender == "controller",
-                "otlp_endpoint": f"http://127.0.0.1:{self.ports['collector']}/v1/traces",
-                "admission": {"max_inflight_requests": admission, "queue_timeout_s": 1.0},
-                "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
-            },
-        }
-        self.config = tmp / "pdscope.yaml"
-        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
-        self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
-        self.controller_url = f"http://127.0.0.1:{self.ports['controller']}"
-
-    def _start(self, name: str, *args: str) -> None:
-        log = (self.tmp / f"{name}.log").open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.procs.append(subprocess.Popen([PDSCOPE, "--config", str(self.config), "--log-level", "WARNING",
-                                            *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env))
-
-    def __enter__(self) -> Run:
-        from store.migrate import upgrade
-
-        upgrade(f"sqlite:///{self.tmp / 'store.db'}")  # once, before the services that share the store
-        self._start("sim", "sim")
-        wait_http(self.admin_url + "/instances")
-        if self.contender == "controller":
-            self._start("collect", "collect")
-            self._start("control", "control")
-            wait_http(self.controller_url + "/healthz")
-        self._start("proxy", "proxy")
-        wait_http(self.proxy_url + "/healthz")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in reversed(self.procs):
-            p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-
-    def inject(self, fault: dict[str, Any]) -> None:
-        http_json(self.admin_url + "/faults", "POST", fault)
-
-    def expired_leases(self) -> float:
-        return sum(metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total") for n, _, r, u in self.inst if r == "prefill")
+def _lag(r: dict[str, Any]) -> float:
+    return max(float((r.get("sim_lag") or {}).get("loop_lag_p99_s") or 0.0),
+               float((r.get("client_lag") or {}).get("loop_lag_p99_s") or 0.0))
 
 
-def workload(scenario: str, capacity: float, duration: float, warm: float, seed: int) -> list[Planned]:
-    p, o = LengthDist.parse(PROMPT), LengthDist.parse(OUTPUT)
-    base = plan("poisson", 0.8 * capacity, 10**6, duration, p, o, seed)
-    if scenario != "burst":
-        return base
-    extra = plan("poisson", 0.7 * capacity, 10**6, 30.0, p, o, seed + 1)  # 0.8 + 0.7 = 1.5x for 30 s
-    return sorted(base + [Planned(x.at + warm, x.prompt_tokens, x.output_tokens) for x in extra], key=lambda x: x.at)
+def base_spec(a: argparse.Namespace, fleet: str, contender: str, fault: str, rate: float, capacity: float,
+              warm: float, measure: float, seed: int, sim_seed: int) -> dict[str, Any]:
+    return {"fleet": fleet, "contender": contender, "fault": fault, "rate_rps": rate, "capacity_rps": capacity,
+            "warm_s": warm, "measure_s": measure, "seed": seed, "sim_seed": sim_seed,
+            "client_timeout_s": a.client_timeout, "fail_static_s": a.fail_static_s, "keep_tmp": a.keep_tmp}
 
 
-def fault_for(scenario: str) -> dict[str, Any] | None:
-    return {"degraded_decode_link": {"kind": "slow_nic", "decode": "decode-3", "factor": 10},
-            "slow_prefill": {"kind": "slow", "instance": "prefill-1", "factor": 3}}.get(scenario)
+def measure_capacity(a: argparse.Namespace, fleets: list[str], work: Path) -> dict[str, dict[str, Any]]:
+    """Per fleet: the highest offered rate (``--rates-per-p`` x P count) at which the static proxy keeps
+    >= 90% SLO attainment and completes >= 90% of a healthy fleet's requests. Fleets run side by side
+    when ``--jobs`` allows; each fleet's steps in order, stopping at the first it does not sustain."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in fleets:
+        if f in a.capacity:
+            out[f] = {"capacity_rps": a.capacity[f], "capacity_steps": [], "given": True}
+
+    def one_fleet(f: str) -> None:
+        steps: list[dict[str, Any]] = []
+        best = 0.0
+        for per_p in a.rates_per_p:
+            rate = round(per_p * FLEETS[f].n_p, 2)
+            job = Job(f"capacity-{f}-{rate:g}", base_spec(a, f, "static", HEALTHY, rate, rate, CAPACITY_WARM_S,
+                                                             a.capacity_s, a.seed, a.sim_seed))
+            r = run_job(job, work)
+            if "error" in r:
+                raise SystemExit(f"capacity step {f} {rate:g} req/s failed: {r['error']}")
+            planned = r["requests"]
+            ok = r["slo_attainment"] >= 0.9 and r["completed"] >= 0.9 * planned
+            steps.append({"offered_rps": rate, "goodput_rps": r["goodput_rps"], "slo_attainment": r["slo_attainment"],
+                          "ttft_p99_s": r["ttft_p99_s"], "sustained": ok, "sim_lag": r.get("sim_lag")})
+            print(f"  capacity {f} {rate:5.1f} req/s: attainment {r['slo_attainment'] * 100:5.1f}%  p99 TTFT "
+                  f"{r['ttft_p99_s'] or 0:5.2f}s  {'ok' if ok else 'over'}", file=sys.stderr, flush=True)
+            if not ok:
+                break
+            best = rate
+        if best <= 0:
+            raise SystemExit(f"{f}: the healthy fleet sustained none of the capacity steps {a.rates_per_p} per P")
+        if steps[-1]["sustained"]:
+            print(f"  capacity {f}: the last step was sustained too; the capacity may be higher (--rates-per-p)",
+                  file=sys.stderr, flush=True)
+        out[f] = {"capacity_rps": best, "capacity_steps": steps, "given": False,
+                  "at_last_step": bool(steps[-1]["sustained"])}
+
+    todo = [f for f in fleets if f not in out]
+    with ThreadPoolExecutor(max_workers=max(1, min(a.jobs, len(todo) or 1))) as pool:
+        list(pool.map(one_fleet, todo))
+    return {f: out[f] for f in fleets}
 
 
-REACTION = {"degraded_decode_link": ("weight", "decode-3"), "slow_prefill": ("weight", "prefill-1")}
+def capacity_estimate_s(a: argparse.Namespace, fleets: list[str]) -> float:
+    todo = [f for f in fleets if f not in a.capacity]
+    if not todo:
+        return 0.0
+    # the steps stop at the first the fleet does not sustain: about six of the default eight here
+    steps = min(len(a.rates_per_p), 6)
+    per_fleet = steps * run_seconds("static", CAPACITY_WARM_S, float(a.capacity_s))
+    return float(per_fleet * len(todo) / max(1, min(int(a.jobs), len(todo))))
 
 
-ORACLE_WAIT_S = 0.5  # hand-set: the TTFT target (2 s) minus the healthy fleet's p99 TTFT at capacity (~1.5 s)
+def header(a: argparse.Namespace) -> dict[str, Any]:
+    return {"bench": "goodput", "format": 2, "generated_at": time.time(), "argv": sys.argv[1:],
+            "simulator": {**SIM, "seed": a.sim_seed}, "prompt": PROMPT, "output": OUTPUT,
+            "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S}, "warm_s": a.warm, "seed": a.seed,
+            "controller_interval_s": INTERVAL_S, "controller_window_s": CONTROLLER_WINDOW_S,
+            "client_timeout_s": a.client_timeout, "fail_static_s": a.fail_static_s, "jobs": a.jobs}
 
 
-def oracle_for(scenario: str, capacity: float) -> tuple[dict[str, float], dict[str, int | None]]:
-    """Hand-set for the fault: no work to the broken D; P weights by speed; P in-flight = 1 s of capacity
-    (and where a pool has a limit, a request waits at most ``ORACLE_WAIT_S`` for a slot)."""
-    if scenario == "degraded_decode_link":
-        return {"decode-3": 0.0}, {"prefill": None, "decode": None}
-    if scenario == "slow_prefill":
-        return {"prefill-1": 1 / 3}, {"prefill": max(2, round(capacity * (1 + 1 / 3) / 2 * 1.0)), "decode": None}
-    return {}, {"prefill": max(2, round(capacity * 1.0)), "decode": None}
-
-
-def measure(results: list[Any], warm: float, measured_s: float) -> dict[str, Any]:
-    phase = [r for r in results if r.scheduled_s >= warm]
-    s = summarize(phase, measured_s, SLO_TTFT_S, SLO_TPOT_S)
-    rejected = sum(1 for r in phase if r.status in (429, 503))
-    return {"requests": s["requests"], "completed": s["completed"], "goodput_rps": s["goodput_rps"],
-            "slo_attainment": s["slo_attainment"], "ttft_p99_s": s["ttft_s"]["p99"], "rejections": rejected,
-            "failed_other": s["failed"] - rejected, "errors": s["errors"]}
-
-
-async def one_run(contender: str, scenario: str, capacity: float, a: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{scenario}-{contender}-"))
-    duration = a.warm + a.measure
-    planned = workload(scenario, capacity, duration, a.warm, a.seed)
-    fault = fault_for(scenario)
-    admission = 10**6 if contender == "round_robin" else 256
-    static = StaticTable() if contender == "oracle" else None
-    run = Run(contender, tmp, None if static is None else static.url, admission)
-    if static is not None:
-        weights, limits = oracle_for(scenario, capacity)
-        static.set(oracle_table(run.inst, weights, limits, ORACLE_WAIT_S))
-        static.__enter__()
-    onset: list[float] = []
-    try:
-        with run:
-            expired0 = 0.0
-            loop = asyncio.get_running_loop()
-
-            def inject() -> None:
-                nonlocal expired0
-                expired0 = run.expired_leases()
-                onset.append(time.time())
-                if fault is not None:
-                    run.inject(fault)
-
-            loop.call_later(a.warm, inject)
-            results, _ = await run_load(Target(url=run.proxy_url, model=MODEL), planned, timeout_s=30.0,
-                                        max_inflight=2048, seed=a.seed)
-            out = measure(results, a.warm, a.measure)
-            out["expired_leases"] = run.expired_leases() - expired0
-            if contender == "controller" and onset:
-                # The first change that answers the fault: the faulty instance's weight going down, or for
-                # the burst a pool's request limit being cut (a limit still growing back is not a reaction).
-                field, subject = REACTION.get(scenario, ("max_inflight_requests", None))
-                query = f"field={field}&since={onset[0]}&limit=1000" + (f"&subject={subject}" if subject else "")
-                decisions = http_json(f"{run.controller_url}/v1/decisions?{query}")
-                first = min((d["ts"] for d in decisions if d["old_value"] is not None and d["new_value"] is not None
-                             and d["new_value"] < d["old_value"]), default=None)
-                out["reaction_s"] = None if first is None else first - onset[0]
-                out["reaction_ticks"] = None if first is None else math.ceil((first - onset[0]) / INTERVAL_S)
-    finally:
-        if static is not None:
-            static.__exit__()
-    print(f"  {scenario:22s} {contender:12s} goodput {out['goodput_rps']:6.2f}/s  attainment "
-          f"{out['slo_attainment'] * 100:5.1f}%  p99 TTFT {fmt_s(out['ttft_p99_s'])}  rejected {out['rejections']:4d}"
-          f"  expired {out['expired_leases']:.0f}" + (f"  reaction {out.get('reaction_ticks')} ticks"
-                                                       if contender == "controller" else ""), file=sys.stderr,
-          flush=True)
-    return out
-
-
-def fmt_s(v: float | None) -> str:
-    return "    -" if v is None else f"{v:5.2f}s"
-
-
-async def capacity(a: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
-    """Highest offered rate at which the static proxy keeps >= 90% SLO attainment on a healthy fleet."""
-    steps = []
-    best = 0.0
-    for rate in a.rates:
-        tmp = Path(tempfile.mkdtemp(prefix=f"goodput-capacity-{rate}-"))
-        p, o = LengthDist.parse(PROMPT), LengthDist.parse(OUTPUT)
-        planned = plan("poisson", rate, 10**6, a.capacity_s, p, o, a.seed)
-        with Run("static", tmp, None, 256) as run:
-            results, _ = await run_load(Target(url=run.proxy_url, model=MODEL), planned, timeout_s=30.0,
-                                           max_inflight=2048, seed=a.seed)
-        s = summarize(results, a.capacity_s, SLO_TTFT_S, SLO_TPOT_S)
-        ok = s["slo_attainment"] >= 0.9 and s["completed"] >= 0.9 * len(planned)
-        steps.append({"offered_rps": rate, "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
-                      "ttft_p99_s": s["ttft_s"]["p99"], "sustained": ok})
-        print(f"  capacity step {rate:5.1f} req/s: attainment {s['slo_attainment'] * 100:5.1f}%  p99 TTFT "
-              f"{fmt_s(s['ttft_s']['p99'])}  {'ok' if ok else 'over'}", file=sys.stderr, flush=True)
-        if not ok:
-            break
-        best = rate
-    return best, steps
-
-
-async def main(a: argparse.Namespace) -> dict[str, Any]:
-    cap, steps = (a.capacity, []) if a.capacity else await capacity(a)
-    if cap <= 0:
-        raise SystemExit("the healthy fleet sustained none of the capacity steps")
-    print(f"capacity {cap} req/s; workload at {0.8 * cap:.1f} req/s", file=sys.stderr)
-    out: dict[str, Any] = {
-        "fleet": f"{N_P}P+{N_D}D simulated", "simulator": SIM, "prompt": PROMPT, "output": OUTPUT,
-        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S}, "capacity_rps": cap, "capacity_steps": steps,
-        "offered_rps": 0.8 * cap, "warm_s": a.warm, "measured_s": a.measure, "seed": a.seed,
-        "controller_interval_s": INTERVAL_S, "scenarios": {},
-    }
-    for key in a.scenarios:
-        scenario = SCENARIOS[key]
-        res = {c: await one_run(c, scenario, cap, a) for c in a.contenders}
-        rr = res["round_robin"]["goodput_rps"] if "round_robin" in res else None
-        orc = res["oracle"]["goodput_rps"] if "oracle" in res else None
+def matrix(a: argparse.Namespace) -> dict[str, Any]:
+    cells = select_cells(a.cells, a.fleets, a.loads, a.faults)
+    contenders = select_contenders(a.contenders)
+    fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
+    runs = [(c, a.warm, a.measure) for _ in cells for c in contenders]
+    est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
+    print(f"{len(cells)} cells x {len(contenders)} contenders = {len(runs)} runs of {a.warm:g} + {a.measure:g} s, "
+          f"{a.jobs} at a time: about {est / 60:.0f} min", file=sys.stderr, flush=True)
+    if a.dry_run:
+        print("\n".join(c.name for c in cells))
+        raise SystemExit(0)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="goodput-bench-") as tmp:
+        work = Path(tmp)
+        caps = measure_capacity(a, fleets, work)
+        for f, v in caps.items():
+            print(f"capacity {f}: {v['capacity_rps']:g} req/s", file=sys.stderr, flush=True)
+        jobs: list[Job] = []
+        for cell in cells:
+            cap = caps[cell.fleet]["capacity_rps"]
+            for c in sorted(contenders, key=RUN_ORDER.index):
+                spec = base_spec(a, cell.fleet, c, cell.fault, round(cap * cell.load / 100, 3), cap, a.warm,
+                                 a.measure, a.seed, a.sim_seed)
+                spec["cell"] = cell.name
+                if a.save_decisions and c in ("controller", "killed"):
+                    spec["save_decisions"] = str(Path(a.save_decisions) / f"{cell.name.replace(':', '-')}-{c}.json")
+                jobs.append(Job(f"{cell.name.replace(':', '-')}-{c}", spec))
+        run_all(jobs, a.jobs, work, lambda j: contender_line(j.spec["cell"], j.spec["contender"], j.result),
+                a.retry_starved)
+    out = header(a) | {"measured_s": a.measure, "fleets": {}, "cells": {}}
+    for f, v in caps.items():
+        out["fleets"][f] = {"fleet": f"{FLEETS[f].label} simulated", **v}
+    by_cell: dict[str, list[Job]] = {}
+    for j in jobs:
+        by_cell.setdefault(j.spec["cell"], []).append(j)
+    for cell in cells:
+        res = {j.spec["contender"]: j.result for j in sorted(by_cell[cell.name],
+                                                             key=lambda j: contenders.index(j.spec["contender"]))}
+        rr = res.get("round_robin", {}).get("goodput_rps")
+        orc = res.get("oracle", {}).get("goodput_rps")
         for r in res.values():
-            r["goodput_ratio_vs_round_robin"] = r["goodput_rps"] / rr if rr else None
-            r["goodput_ratio_vs_oracle"] = r["goodput_rps"] / orc if orc else None
-        out["scenarios"][scenario] = {"contenders": res,
-                                      "reaction_ticks": res.get("controller", {}).get("reaction_ticks")}
+            if "goodput_rps" in r:
+                r["goodput_ratio_vs_round_robin"] = r["goodput_rps"] / rr if rr else None
+                r["goodput_ratio_vs_oracle"] = r["goodput_rps"] / orc if orc else None
+        ratios, targets = cell_targets(cell.fault, res, SLO_TTFT_S)
+        plan = fault_plan(cell.fault, FLEETS[cell.fleet], a.measure)
+        first = next(iter(by_cell[cell.name]))
+        out["cells"][cell.name] = {
+            "fleet": cell.fleet, "load_pct": cell.load, "fault": cell.fault, "about": plan.about,
+            "injections": list(plan.injections), "faulty": sorted(plan.faulty),
+            "offered_rps": first.spec["rate_rps"], "contenders": res, "ratios": ratios, "targets": targets,
+            "reaction_ticks": res.get("controller", {}).get("reaction_ticks"),
+        }
+    out["summary"] = summary(out["cells"])
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["estimated_s"] = round(est, 1)
     return out
 
 
-def table(out: dict[str, Any]) -> str:
-    lines = [f"capacity {out['capacity_rps']} req/s, offered {out['offered_rps']:.1f} req/s; SLO TTFT "
-             f"{out['slo']['ttft_s']} s, TPOT {out['slo']['tpot_s']} s",
-             f"{'scenario':22s} {'contender':12s} {'goodput/s':>9s} {'vs RR':>6s} {'vs oracle':>9s} {'SLO %':>6s} "
-             f"{'p99 TTFT':>9s} {'rejected':>8s} {'expired':>7s}"]
-    for scenario, s in out["scenarios"].items():
-        for c, r in s["contenders"].items():
-            ratio_rr = r["goodput_ratio_vs_round_robin"]
-            ratio_or = r["goodput_ratio_vs_oracle"]
-            lines.append(f"{scenario:22s} {c:12s} {r['goodput_rps']:9.2f} "
-                         f"{'-' if ratio_rr is None else f'{ratio_rr:.2f}':>6s} "
-                         f"{'-' if ratio_or is None else f'{ratio_or:.2f}':>9s} {r['slo_attainment'] * 100:6.1f} "
-                         f"{fmt_s(r['ttft_p99_s']):>9s} {r['rejections']:8d} {r['expired_leases']:7.0f}")
-        lines.append(f"{scenario:22s} controller reaction: {s['reaction_ticks']} ticks")
-    return "\n".join(lines)
+def healthy(a: argparse.Namespace) -> dict[str, Any]:
+    cells = [Cell(c.fleet, c.load, HEALTHY) for c in select_cells(None, a.fleets, a.loads, "burst")]
+    fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
+    runs = [("controller", a.warm, a.healthy_duration) for _ in cells for _ in a.seeds]
+    est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
+    print(f"{len(runs)} healthy runs of {a.warm:g} + {a.healthy_duration:g} s, {a.jobs} at a time: about "
+          f"{est / 60:.0f} min", file=sys.stderr, flush=True)
+    if a.dry_run:
+        raise SystemExit(0)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="goodput-healthy-") as tmp:
+        work = Path(tmp)
+        caps = measure_capacity(a, fleets, work)
+        jobs = []
+        for cell in cells:
+            cap = caps[cell.fleet]["capacity_rps"]
+            for i, seed in enumerate(a.seeds):
+                name = f"{cell.fleet}-{cell.load}-s{seed}"
+                spec = base_spec(a, cell.fleet, "controller", HEALTHY, round(cap * cell.load / 100, 3), cap, a.warm,
+                                 a.healthy_duration, seed, a.sim_seed + i)
+                spec["cell"] = name
+                if a.save_decisions:
+                    spec["save_decisions"] = str(Path(a.save_decisions) / f"healthy-{name}.json")
+                jobs.append(Job(name, spec))
+        run_all(jobs, a.jobs, work, lambda j: contender_line(j.spec["cell"], "controller", j.result),
+                a.retry_starved)
+    out = header(a) | {"mode": "healthy", "measured_s": a.healthy_duration, "seeds": a.seeds,
+                       "fleets": {f: {"fleet": f"{FLEETS[f].label} simulated", **v} for f, v in caps.items()},
+                       "runs": {j.key: {**j.result, "fleet": j.spec["fleet"], "load_pct": round(
+                           100 * j.spec["rate_rps"] / j.spec["capacity_rps"]), "seed": j.spec["seed"],
+                                        "sim_seed": j.spec["sim_seed"], "offered_rps": j.spec["rate_rps"]}
+                                for j in jobs}}
+    ok = [r for r in out["runs"].values() if "error" not in r]
+    out["summary"] = {"pass": sum(1 for r in ok if r["healthy_cuts"] == 0),
+                      "miss": sum(1 for r in ok if r["healthy_cuts"] != 0),
+                      "failed": len(out["runs"]) - len(ok),
+                      "weight_cuts": sum(r["healthy_weight_cuts"] for r in ok),
+                      "limit_cuts": sum(r["unexpected_limit_cuts"] for r in ok),
+                      "startup_cuts": sum(r.get("startup_cuts", 0) for r in ok),
+                      "starved": sum(1 for r in ok if r.get("starved"))}
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["estimated_s"] = round(est, 1)
+    return out
+
+
+def _capacities(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        name, sep, value = item.partition("=")
+        if not sep or name not in FLEETS:
+            raise argparse.ArgumentTypeError(f"--capacity: {item!r} is not FLEET=REQ_PER_S ({', '.join(FLEETS)})")
+        out[name] = float(value)
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--measure", type=float, default=60.0, help="measured seconds after the fault")
-    ap.add_argument("--warm", type=float, default=10.0, help="seconds before the fault")
-    ap.add_argument("--capacity-s", type=float, default=15.0, help="seconds per capacity step")
-    ap.add_argument("--rates", default="8,10,12,14,16", help="capacity steps, req/s")
-    ap.add_argument("--scenarios", default="a,b,c")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="a subset, for tuning runs")
-    ap.add_argument("--capacity", type=float, default=0.0,
-                    help="skip the capacity steps and use this rate (req/s); for tuning runs only")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "goodput.json"))
+    ap.add_argument("--cells", help="FLEET:LOAD:FAULT patterns, globs allowed (2p4d:75:slow_prefill,*:90:burst)")
+    ap.add_argument("--fleets", help="2p4d, 3p6d (default both)")
+    ap.add_argument("--loads", help="75, 90 (default both; percent of the measured capacity)")
+    ap.add_argument("--faults", help="names or globs (default all eight); a, b, c = the old scenarios")
+    ap.add_argument("--contenders", help="round_robin, static, controller, oracle, killed (default all)")
+    ap.add_argument("--warm", type=float, default=8.0, help="seconds before the fault (default 8)")
+    ap.add_argument("--measure", type=float, default=20.0, help="measured seconds from the fault (default 20)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; see README)")
+    ap.add_argument("--retry-starved", type=int, default=1,
+                    help="rounds of rerunning, one at a time, the runs starved of CPU (default 1; 0: none)")
+    ap.add_argument("--capacity-s", type=float, default=10.0, help="seconds per capacity step (default 10)")
+    ap.add_argument("--rates-per-p", default="6,6.5,7,7.5,8,8.5,9,9.5",
+                    help="capacity steps, req/s per prefill instance, tried in order up to the first the fleet "
+                         "does not sustain (default 6,6.5,7,7.5,8,8.5,9,9.5)")
+    ap.add_argument("--capacity", type=_capacities, default={},
+                    help="skip the capacity steps for these fleets: 2p4d=14,3p6d=21 (tuning runs only)")
+    ap.add_argument("--client-timeout", type=float, default=10.0,
+                    help="client timeout per request, seconds (default 10; 5x the TTFT SLO)")
+    ap.add_argument("--fail-static-s", type=float, default=None,
+                    help="proxy.fail_static_s of every contender (default a third of --measure, so that the "
+                         "killed contender runs fail-static, then fallback, within the measured phase)")
+    ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+    ap.add_argument("--sim-seed", type=int, default=7, help="simulator seed (default 7)")
+    ap.add_argument("--healthy", action="store_true", help="the quiet-when-healthy runs instead of the matrix")
+    ap.add_argument("--healthy-duration", type=float, default=600.0, help="seconds per healthy run (default 600)")
+    ap.add_argument("--seeds", default="1,2", help="--healthy: workload seeds (default 1,2; the simulator's "
+                                                   "seed is --sim-seed + the seed's index)")
+    ap.add_argument("--save-decisions", help="directory: write each controlled run's decisions there as JSON")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep each run's logs and store (paths in the JSON)")
+    ap.add_argument("--dry-run", action="store_true", help="print the cells and the time estimate, run nothing")
+    ap.add_argument("--out", help="default bench/results/goodput.json (--healthy: goodput-healthy.json)")
     a = ap.parse_args(argv)
-    a.rates = [float(x) for x in a.rates.split(",")]
-    a.scenarios = [x.strip() for x in a.scenarios.split(",") if x.strip()]
-    a.contenders = [x.strip() for x in a.contenders.split(",") if x.strip() in CONTENDERS]
+    try:
+        a.rates_per_p = [float(x) for x in a.rates_per_p.split(",") if x.strip()]
+        a.seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        select_cells(a.cells, a.fleets, a.loads, a.faults)
+        select_contenders(a.contenders)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if a.jobs is None:
+        a.jobs = 2 if a.healthy else 3
+    if a.jobs < 1 or a.warm < 0 or a.measure <= 0 or a.healthy_duration <= 0 or not a.rates_per_p or not a.seeds:
+        ap.error("--jobs >= 1, --warm >= 0, --measure/--healthy-duration > 0, --rates-per-p and --seeds non-empty")
+    if a.fail_static_s is None:
+        a.fail_static_s = round(a.measure / 3, 1)
+    name = "goodput-healthy.json" if a.healthy else "goodput.json"
+    a.out = a.out or str(REPO / "bench" / "results" / name)
     return a
 
 
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    result = healthy(a) if a.healthy else matrix(a)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(healthy_table(result) if a.healthy else table(result))
+    print(f"wrote {a.out} ({result['wall_s'] / 60:.1f} min)", file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":
-    args = parse()
-    result = asyncio.run(main(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
+    raise SystemExit(main())

@@ -143,7 +143,7 @@ def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tupl
 
 
 def decide_pool(
-    pool: PoolSignals, prev: LimitState | None, cfg: PolicyConfig, stale: bool
+    pool: PoolSignals, prev: LimitState | None, cfg: PolicyConfig, stale: bool, warming: bool = False
 ) -> PoolDecision:
     default_req = cfg.default_max_inflight_requests
     default_kv = cfg.default_max_inflight_kv_bytes
@@ -160,10 +160,20 @@ def decide_pool(
     req = base.max_inflight_requests
     pressured = base.pressured + 1 if pressure < cfg.cut_below else 0
     calm = 0
-    if pressure < cfg.cut_below:
+    if pressure < cfg.cut_below and warming and min(factors, key=lambda k: factors[k]) != "kv":
+        worst = min(factors, key=lambda k: factors[k])
+        arith.append(f"requests = {req} (start-up window: {worst} pressure {pressure:.2f} not acted on)")
+        reason, message = "WarmingUp", f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on"
+        pressured = 0
+    elif pressure < cfg.cut_below:
         worst = min(factors, key=lambda k: factors[k])
         reason = PRESSURE_REASONS[worst]
-        if worst == "queue" and (pressure <= cfg.limit_cut_floor or pressured >= 2):
+        if worst == "queue" and pressured < cfg.queue_confirm_ticks:
+            # One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks.
+            arith.append(f"requests = {req} (P queue pressure {pressure:.2f}: confirming, {pressured}/"
+                         f"{cfg.queue_confirm_ticks} ticks)")
+            message = f"{pool.name}: queue pressure {pressure:.2f}; confirming before a cut"
+        elif worst == "queue":
             new_req, text = _drain_queue(pool, req, inflight, cfg)
             arith.append(text)
             req = min(req, new_req)
@@ -232,5 +242,7 @@ def decide_pools(
 ) -> tuple[PoolDecision, ...]:
     age = obs.data_age_s
     stale = age is None or age > cfg.stale_after_s
-    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records})
-                 for d in (decide_pool(p, prev.get(p.name), cfg, stale) for p in obs.pools))
+    warming = obs.history_s is not None and obs.history_s < cfg.startup_s
+    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records,
+                                    "history_s": obs.history_s})
+                 for d in (decide_pool(p, prev.get(p.name), cfg, stale, warming) for p in obs.pools))

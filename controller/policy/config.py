@@ -25,6 +25,16 @@ class PolicyConfig:
     band_up: float = 0.10  # ... and this far above it to raise it
     recover_ticks: int = 3  # consecutive healthy ticks before a weight may rise
     probe_after_s: float = 30.0  # with too few requests to judge, a lowered weight may rise after this long
+    probe_weight: float = 0.1  # ... but only to this (a probe); higher needs evidence
+    probe_hold_s: float = 20.0  # a probe's first failures within this long cut it back to the floor at once
+    probe_min_requests: int = 3  # requests (or transfers) that judge a probe (at or under probe_weight)
+    # significance: what a cut needs to be evidence, not noise
+    min_samples: int = 5  # requests or NIXL transfers in the window before a latency score may cut
+    noise_z: float = 2.0  # each tolerance gets a margin of z relative standard errors (own and peers')
+    startup_s: float = 60.0  # no latency/load/limit cuts until the store has watched the fleet this long
+    min_error_events: int = 3  # failures or attributed expiries in the window before they score
+    failure_ref_fraction: float = 0.05  # own failed requests: this share (its lower bound) halves the score
+    queue_confirm_ticks: int = 2  # ticks in a row a P-queue pressure must hold before a limit cut
     degrade_ticks: int = 2  # consecutive degraded ticks before a mild degradation lowers a weight
     severe_target: float = 0.5  # a target under this lowers the weight on the first tick
     latency_tolerance: float = 1.5  # slower than 1.5x the peers' median costs weight
@@ -63,6 +73,14 @@ class PolicyConfig:
             interval_s=c.interval_s,
             max_weight_step=c.max_weight_step,
             min_weight=c.min_weight,
+            probe_after_s=c.probe.after_s,
+            probe_weight=max(c.probe.weight, c.min_weight),
+            probe_hold_s=c.probe.hold_s,
+            min_samples=c.noise.min_samples,
+            noise_z=c.noise.z,
+            startup_s=c.noise.startup_s if c.noise.startup_s is not None else 2.0 * c.window_s,
+            min_error_events=c.noise.min_error_events,
+            queue_confirm_ticks=c.noise.queue_confirm_ticks,
             stale_after_s=max(15.0, 3.0 * settings.collector.scrape_interval_s, 3.0 * c.interval_s),
             down_after_s=min(c.window_s, max(10.0, 3.0 * settings.collector.scrape_interval_s)),
             ttft_target_s=ttft_s,

@@ -13,8 +13,15 @@ Which signals count, per role:
   (includes leased blocks).
 * decode: ``handoff`` (P done -> first token, which includes D's queue and the NIXL
   pull), ``nixl`` (transfer time per transfer), ``nixl_now``, ``load``, ``errors`` (failed
-  transfers plus the expired leases the collector attributed to requests sent to it: P
-  counts expiries, but a D that does not pull in time causes them), ``kv``.
+  transfers plus the expired leases the collector attributed to handoffs sent to it that were
+  still waiting when the lease ran out: P counts expiries, but a D that does not pull in time
+  causes them), ``kv``.
+* both: ``failures``, the instance's own failed requests (the lower confidence bound of their
+  share, from ``min_error_events`` failures on).
+
+Significance: every relative tolerance is widened by ``noise_z`` combined relative standard
+errors (the value's and its peers' median's), and error counts score only from
+``min_error_events`` in the window, so small samples and one or two peers do not cut.
 
 ``ttft``, ``handoff`` and ``nixl`` are measured over the window's finished requests and
 transfers, so they lag a fault by the time a slow request takes to finish, and then by
@@ -37,6 +44,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
@@ -58,6 +66,7 @@ SIGNAL_REASONS = {
     "nixl_now": "SlowKVTransfer",
     "load": "Backlog",
     "errors": "TransferFailures",
+    "failures": "RequestFailures",
     "kv": "KVCachePressure",
 }
 
@@ -74,20 +83,48 @@ class Score:
 
 
 def relative_score(
-    value: float | None, peers: Sequence[float], tolerance: float, floor: float = NOISE_FLOOR_S
+    value: float | None, peers: Sequence[float], tolerance: float, floor: float = NOISE_FLOOR_S,
+    margin: float = 1.0,
 ) -> tuple[float, float | None]:
-    """``(score, reference)``: 1 within ``tolerance`` x the peers' median, else ref*tol/value."""
+    """``(score, reference)``: 1 within ``tolerance`` x ``margin`` x the peers' median, else that over value.
+
+    ``margin`` (at least 1) widens the tolerance by the sample noise of the value and its reference."""
     if value is None or not peers:
         return 1.0, None
     ref = max(median(peers), floor)
-    if value <= ref * tolerance:
+    limit = ref * tolerance * max(1.0, margin)
+    if value <= limit:
         return 1.0, ref
-    return min(1.0, ref * tolerance / value), ref
+    return min(1.0, limit / value), ref
+
+
+def noise_margin(own_rse: float | None, peer_rses: Sequence[float], z: float) -> float:
+    """1 + z x the combined relative standard error of a value and of its peers' median.
+
+    The median of k peers is taken as noisy as one of them over sqrt(k): with one or two peers the
+    reference is itself a small sample, and the margin says so."""
+    own = own_rse or 0.0
+    ref = median(peer_rses) / math.sqrt(len(peer_rses)) if peer_rses else 0.0
+    return 1.0 + z * math.sqrt(own * own + ref * ref)
+
+
+def count_rse(n: float | None) -> float | None:
+    """The relative standard error of a mean over ``n`` samples whose spread is unknown (taken as cv 1)."""
+    return None if n is None or n <= 0 else 1.0 / math.sqrt(n)
 
 
 def error_score(rate_per_min: float, ref_per_min: float) -> float:
     """1 with no errors, 0.5 at ``ref_per_min``, towards 0 as errors grow."""
     return 1.0 / (1.0 + max(0.0, rate_per_min) / ref_per_min)
+
+
+def failure_fraction_low(failed: int, requests: int, z: float) -> float:
+    """The lower confidence bound (z standard errors) of the share of requests that failed."""
+    n = max(requests, failed)
+    if n <= 0 or failed <= 0:
+        return 0.0
+    f = failed / n
+    return max(0.0, f - z * math.sqrt(f * (1.0 - f) / n))
 
 
 def kv_score(usage: float | None, cfg: PolicyConfig) -> float:
@@ -98,74 +135,101 @@ def kv_score(usage: float | None, cfg: PolicyConfig) -> float:
     return 1.0 - frac * (1.0 - cfg.kv_floor_score)
 
 
-# Fewer requests (or NIXL transfers) than this in the window: too few to compare.
+# The default of PolicyConfig.min_samples (kept for readers of this module's constant).
 MIN_SAMPLES = 5
+# The fast signals need this many samples over the last three scrapes (noisier; their margin grows too).
+MIN_RECENT_SAMPLES = 5
+
+Pick = Callable[[InstanceSignals], float | None]
 
 
-def _latency(inst: InstanceSignals) -> float | None:
-    if inst.contribution_s is not None and inst.requests >= MIN_SAMPLES:
-        return inst.contribution_s
-    return inst.ttft_mean_s
+def _latency(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    if inst.contribution_s is not None and inst.requests >= n:
+        return inst.contribution_s, inst.contribution_rse or count_rse(inst.requests)
+    return None, None
 
 
-def _handoff(inst: InstanceSignals) -> float | None:
-    if inst.handoff_p50_s is not None and inst.requests >= MIN_SAMPLES:
-        return inst.handoff_p50_s
-    # D's queue time includes the KV pull (see vllm-pd-facts 4.5): a fallback without records.
-    return inst.queue_mean_s if inst.role == "decode" else None
+def _handoff(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    if inst.handoff_p50_s is not None and inst.requests >= n:
+        # the standard error of a median is about 1.25 that of a mean
+        return inst.handoff_p50_s, 1.25 * (inst.handoff_rse or count_rse(inst.requests) or 0.0)
+    if inst.role == "decode" and inst.queue_mean_s is not None and inst.nixl_transfers >= n:
+        # D's queue time includes the KV pull (see vllm-pd-facts 4.5): a fallback without records.
+        return inst.queue_mean_s, count_rse(inst.nixl_transfers)
+    return None, None
 
 
-def _load(inst: InstanceSignals) -> float | None:
-    return inst.hold_time_now_s
+def _load(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    """Little's law on counts: held / (done / s); the completions over three scrapes are a Poisson count
+    (rse 1/sqrt(done)), the held ones a fact at the scrape."""
+    if inst.hold_time_now_s is None:
+        return None, None
+    done = max(inst.load_done if inst.load_done is not None else float(n), 0.5)
+    return inst.hold_time_now_s, 1.0 / math.sqrt(done)
 
 
-def _nixl(inst: InstanceSignals) -> float | None:
-    return inst.nixl_xfer_mean_s if inst.nixl_transfers >= MIN_SAMPLES else None
+def _nixl(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    if inst.nixl_xfer_mean_s is not None and inst.nixl_transfers >= n:
+        return inst.nixl_xfer_mean_s, count_rse(inst.nixl_transfers)
+    return None, None
 
 
-def _ttft_now(inst: InstanceSignals) -> float | None:
-    return inst.ttft_recent_s if inst.ttft_recent_count >= MIN_SAMPLES else None
+def _ttft_now(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    if inst.ttft_recent_s is not None and inst.ttft_recent_count >= MIN_RECENT_SAMPLES:
+        return inst.ttft_recent_s, count_rse(inst.ttft_recent_count)
+    return None, None
 
 
-def _nixl_now(inst: InstanceSignals) -> float | None:
-    return inst.nixl_recent_s if inst.nixl_recent_count >= MIN_SAMPLES else None
+def _nixl_now(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    if inst.nixl_recent_s is not None and inst.nixl_recent_count >= MIN_RECENT_SAMPLES:
+        return inst.nixl_recent_s, count_rse(inst.nixl_recent_count)
+    return None, None
 
 
-def _error_rate(inst: InstanceSignals, window_s: float) -> float:
-    rate = inst.failed_transfers_per_min
+def error_events(inst: InstanceSignals, window_s: float) -> float:
+    """Failed NIXL transfers (its own counter) plus, for D, the expired leases attributed to it, in the window."""
+    events = inst.failed_transfers_per_min * window_s / 60.0
     if inst.role == "decode":
-        rate += inst.lease_expiry_suspects / max(window_s / 60.0, 1e-9)
-    return rate
+        events += inst.lease_expiry_suspects
+    return events
 
 
-def _values(peers: Sequence[InstanceSignals], pick: Callable[[InstanceSignals], float | None]) -> list[float]:
-    out: list[float] = []
+Measure = Callable[[InstanceSignals, int], tuple[float | None, float | None]]
+
+
+def _values(peers: Sequence[InstanceSignals], pick: Measure, n: int) -> tuple[list[float], list[float]]:
+    values: list[float] = []
+    rses: list[float] = []
     for p in peers:
-        v = pick(p)
+        v, rse = pick(p, n)
         if v is not None:
-            out.append(float(v))
-    return out
+            values.append(float(v))
+            rses.append(rse or 0.0)
+    return values, rses
 
 
 def score_instance(
     inst: InstanceSignals, peers: Sequence[InstanceSignals], cfg: PolicyConfig, window_s: float
 ) -> tuple[Score, ...]:
     """Score one up instance against ``peers`` (the *other* up instances of its role)."""
-    tol, fast = cfg.latency_tolerance, cfg.load_tolerance
+    tol, fast, n = cfg.latency_tolerance, cfg.load_tolerance, cfg.min_samples
 
-    def relative(name: str, pick: Callable[[InstanceSignals], float | None], tolerance: float, note: str,
-                 floor: float = NOISE_FLOOR_S) -> Score:
-        value = pick(inst)
-        s, ref = relative_score(value, _values(peers, pick), tolerance, floor)
-        return Score(name, s, value, ref, f"{note} vs peers' median")
+    def relative(name: str, pick: Measure, tolerance: float, note: str, floor: float = NOISE_FLOOR_S) -> Score:
+        value, rse = pick(inst, n)
+        values, rses = _values(peers, pick, n)
+        if values and median(values) < floor:  # the reference is the noise floor itself, not a sample
+            rses = []
+        margin = noise_margin(rse, rses, cfg.noise_z)
+        s, ref = relative_score(value, values, tolerance, floor, margin)
+        return Score(name, s, value, ref, f"{note} vs peers' median (noise margin x{margin:.2f})")
 
     scores: list[Score] = []
     if inst.role == "prefill":
         scores.append(relative("ttft", _latency, tol, "queue+prefill s"))
         scores.append(relative("ttft_now", _ttft_now, fast, "vLLM TTFT s over the last 3 scrapes"))
     hand = relative("handoff", _handoff, tol, "handoff p50 s")
-    if (hand.observed is not None and hand.reference is not None and hand.observed > cfg.ttft_target_s
-            and hand.reference * tol <= cfg.ttft_target_s):
+    if (hand.value < 1.0 and hand.observed is not None and hand.reference is not None
+            and hand.observed > cfg.ttft_target_s and hand.reference * tol <= cfg.ttft_target_s):
         hand = replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
     scores.append(hand)
     what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
@@ -173,10 +237,19 @@ def score_instance(
     if inst.role == "decode":
         scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
         scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
-    rate = _error_rate(inst, window_s)
+    events = error_events(inst, window_s)
+    rate = events / max(window_s / 60.0, 1e-9)
+    counted = rate if events >= cfg.min_error_events - 1e-9 else 0.0
     scores.append(
-        Score("errors", error_score(rate, cfg.error_rate_ref_per_min), rate, cfg.error_rate_ref_per_min,
-              "failed transfers + attributed lease expiries per min")
+        Score("errors", error_score(counted, cfg.error_rate_ref_per_min), rate, cfg.error_rate_ref_per_min,
+              f"failed transfers + attributed lease expiries per min ({events:.0f} in the window; they count "
+              f"from {cfg.min_error_events})")
+    )
+    low = (failure_fraction_low(inst.failed_requests, inst.requests, cfg.noise_z)
+           if inst.failed_requests >= cfg.min_error_events else 0.0)
+    scores.append(
+        Score("failures", 1.0 / (1.0 + low / cfg.failure_ref_fraction), low, cfg.failure_ref_fraction,
+              f"its own failed requests: {inst.failed_requests} of {inst.requests} (lower bound of the share)")
     )
     scores.append(Score("kv", kv_score(inst.kv_usage, cfg), inst.kv_usage, cfg.kv_soft, "KV usage"))
     return tuple(scores)

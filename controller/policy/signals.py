@@ -53,9 +53,17 @@ class InstanceSignals:
     handoff_p50_s: float | None = None  # p_done..first_token over requests through it
     handoff_p99_s: float | None = None
     requests: int = 0
-    failed_requests: int = 0
+    failed_requests: int = 0  # its own: failed in its stage (D: once decode began), incl. retried attempts
     refused_requests: int = 0  # refused as invalid (a 4xx): counted, never charged to it
-    lease_expiry_suspects: int = 0  # requests through it flagged by the collector
+    # D: expired leases (counted in the window) the collector attributed to handoffs sent to it
+    lease_expiry_suspects: int = 0
+    # P: expired leases of its own in the window that no waiting handoff explains (charged to no one)
+    unattributed_lease_expiries: int = 0
+    # Relative standard errors of contribution_s and the handoff times (sample noise; None: too few)
+    contribution_rse: float | None = None
+    handoff_rse: float | None = None
+    # Requests (P) or NIXL transfers (D) finished over the last three scrapes (hold_time_now_s's divisor)
+    load_done: float | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,11 @@ class Observation:
     newest_data: float | None = None
     # records in the window left out because their sender is not in controller.trusted_span_senders
     untrusted_records: int = 0
+    # how long the store has watched the fleet (now - its first snapshot); None: unknown (then the policy
+    # does not treat the window as a start-up one)
+    history_s: float | None = None
+    # expired leases in the window that the evidence could not attribute to any instance
+    unattributed_lease_expiries: int = 0
 
     def instance(self, name: str) -> InstanceSignals | None:
         for inst in self.instances:

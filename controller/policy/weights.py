@@ -27,11 +27,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
-from controller.policy.scores import MIN_SAMPLES, Score, reason_for, score_instance, worst
+from controller.policy.scores import Score, error_events, reason_for, score_instance, worst
 from controller.policy.signals import InstanceSignals, Observation, Role
 
 EPS = 1e-9
 LATENCY = ("ttft", "ttft_now", "handoff", "nixl", "nixl_now", "load")
+EVIDENCE = ("errors", "failures", "kv")  # facts, not comparisons: they may cut in a start-up window
 # Measured over the last three scrapes only: noisy, so even a severe reading waits for a second tick,
 # unless it is extreme (score under this: over 6x the peers' median, e.g. a stuck instance).
 FAST = ("ttft_now", "nixl_now", "load")
@@ -48,7 +49,8 @@ class WeightState:
     healthy_streak: int = 0
     reason: str = "Initial"
     degraded_streak: int = 0
-    lowered_at: float | None = None  # when a signal last lowered the weight (gates recovery without evidence)
+    lowered_at: float | None = None  # when a signal (or an outage) last lowered the weight: gates probes
+    probe_at: float | None = None  # when the last probe raise was given (its first failures cut it back)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
         "failed_transfers_per_min": _r(inst.failed_transfers_per_min),
         "expired_leases_per_min": _r(inst.expired_leases_per_min),
         "lease_expiry_suspects": inst.lease_expiry_suspects,
+        "failed_requests": inst.failed_requests,
+        "unattributed_lease_expiries": inst.unattributed_lease_expiries,
     }
     for s in scores:
         out[f"{s.name}_observed"] = None if s.observed is None else _r(s.observed)
@@ -98,7 +102,7 @@ def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -
         instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=prev.weight,
         target=None, smoothed=prev.smoothed, reason=reason, message=message,
         arithmetic=f"weight = {prev.weight:.2f} (held)", inputs={"up": inst.up, "last_seen": inst.last_seen},
-        state=WeightState(prev.weight, prev.smoothed, 0, reason),
+        state=WeightState(prev.weight, prev.smoothed, 0, reason, 0, prev.lowered_at, prev.probe_at),
     )
 
 
@@ -109,6 +113,7 @@ def step_instance(
     cfg: PolicyConfig,
     window_s: float,
     now: float = 0.0,
+    history_s: float | None = None,
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh."""
     if inst.up is None:
@@ -118,7 +123,8 @@ def step_instance(
         return _hold(inst, prev, "ScrapeFailing", f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s "
                      f"(down after {cfg.down_after_s:.0f}s); weight held at {prev.weight:.2f}")
     if inst.up is False:
-        st = WeightState(0.0, 0.0, 0, "InstanceDown")
+        # Down is a cut like any other: the way back is a probe, judged by evidence.
+        st = WeightState(0.0, 0.0, 0, "InstanceDown", 0, now if prev.weight > 0 else prev.lowered_at)
         return WeightDecision(
             instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
             target=0.0, smoothed=0.0, reason="InstanceDown",
@@ -127,6 +133,11 @@ def step_instance(
         )
 
     scores = score_instance(inst, peers, cfg, window_s)
+    warming = history_s is not None and history_s < cfg.startup_s
+    if warming:  # a start-up window: too little history to compare against, only facts may cut
+        scores = tuple(s if s.name in EVIDENCE or s.value >= 1.0 else
+                       replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} in a start-up window: not acted on")
+                       for s in scores)
     latency = [s for s in scores if s.name in LATENCY]
     other = [s for s in scores if s.name not in LATENCY]
     product = min((s.value for s in latency), default=1.0)
@@ -149,10 +160,24 @@ def step_instance(
     low = worst(scores)
     streak = 0
     degraded = 0
-    if w < cfg.min_weight:  # back from down or drained: start at the floor
+    probing = prev.probe_at is not None and now - prev.probe_at <= cfg.probe_hold_s and w <= cfg.probe_weight + EPS
+    probe_at = prev.probe_at if probing else None
+    lowered_at = prev.lowered_at
+    failing = inst.failed_requests > 0 or error_events(inst, window_s) > 0
+    if w < cfg.min_weight:  # back from down or drained: start at the floor; the way up is a probe
         new = cfg.min_weight
         arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {w:.2f}, instance is up)")
-        reason, what = "InstanceUp", "up again; starts at the floor"
+        reason, what = "InstanceUp", "up again; starts at the floor (a probe, then evidence, raises it)"
+        # Its outage is over: it may be probed at once (not after probe_after_s at the floor).
+        lowered_at = now - cfg.probe_after_s
+    elif probing and failing:
+        # A probe is a probe: its first failures end it, back to the floor at once, and the wait starts again.
+        new = cfg.min_weight
+        smoothed = min(smoothed, target)
+        arith.append(f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
+                     f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)")
+        reason, what = "ProbeFailed", "failed while probed; back to the floor"
+        probe_at, lowered_at = None, now
     elif smoothed < w - band_down and band_down > 0 and target < w - band_down:
         degraded = prev.degraded_streak + 1
         reason = reason_for(low, inst) if low is not None else "Degraded"
@@ -172,16 +197,33 @@ def step_instance(
             new = w
             arith.append(f"weight = {w:.2f} (mild: confirming, {degraded}/{cfg.degrade_ticks} ticks)")
             what = f"{what} (confirming {degraded}/{cfg.degrade_ticks})"
-    elif smoothed > w + band_up and band_up > 0 and not _may_judge(inst, prev, cfg, now):
-        # Looks healthy only because too few requests reach it to show anything: no evidence.
-        new = w
-        wait = cfg.probe_after_s - (now - (prev.lowered_at or now))
-        arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the window: "
-                     f"too few to judge; a probe raise after {cfg.probe_after_s:.0f}s at the low weight)")
-        reason, what = "AwaitingEvidence", f"too few requests at weight {w:.2f} to judge; probing in {wait:.0f}s"
+    elif smoothed > w + band_up and band_up > 0 and not _has_evidence(inst, w, cfg):
+        # Looks healthy only because too few requests reach it to show anything: no evidence. Once it has
+        # waited probe_after_s at the low weight it gets a probe: a small, bounded share, never a ramp.
+        since = now - (lowered_at if lowered_at is not None else now - cfg.probe_after_s)
+        if w < cfg.probe_weight - EPS and since >= cfg.probe_after_s:
+            new = min(cfg.probe_weight, w + cfg.max_weight_step)
+            arith.append(f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
+                         f"{new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)")
+            reason, what = "Probing", f"too few requests to judge; probed with weight {new:.2f}"
+            probe_at = now
+        else:
+            new = w
+            wait = max(0.0, cfg.probe_after_s - since)
+            arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
+                         f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)")
+            reason, what = "AwaitingEvidence", (f"too few requests at weight {w:.2f} to judge" +
+                                                (f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else ""))
     elif smoothed > w + band_up and band_up > 0:
         streak = prev.healthy_streak + 1
-        if streak >= cfg.recover_ticks:
+        if streak >= cfg.recover_ticks and w < cfg.probe_weight - EPS:
+            # From under the probe weight the first step is a probe, whatever the evidence so far.
+            new = min(smoothed, cfg.probe_weight)
+            arith.append(f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {new:.2f} after {streak} "
+                         "healthy ticks (a probe first)")
+            reason, what = "Probing", f"healthy for {streak} ticks; probed with weight {new:.2f}"
+            probe_at = now
+        elif streak >= cfg.recover_ticks:
             new = min(smoothed, w + cfg.max_weight_step, 1.0)
             arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1) = {new:.2f}"
                          f" after {streak} healthy ticks")
@@ -197,6 +239,12 @@ def step_instance(
             reason, what = reason_for(low, inst), _describe(low)
         elif w < 1.0 - EPS:
             reason, what = "Steady", "inside the hysteresis bands"
+        elif inst.unattributed_lease_expiries:
+            reason, what = "UnattributedLeaseExpiries", (
+                f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain them; "
+                "no instance is charged")
+        elif warming:
+            reason, what = "WarmingUp", f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
         else:
             reason, what = "Healthy", "every signal healthy"
     new = _r(min(1.0, max(cfg.min_weight, new)))
@@ -207,15 +255,16 @@ def step_instance(
         smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
         scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
         state=WeightState(new, smoothed, streak, reason, degraded,
-                          now if new < w - EPS else prev.lowered_at),
+                          now if new < w - EPS and reason != "ProbeFailed" else lowered_at, probe_at),
     )
 
 
-def _may_judge(inst: InstanceSignals, prev: WeightState, cfg: PolicyConfig, now: float) -> bool:
-    """Whether a healthy-looking tick counts towards a raise: enough samples, or time for a probe."""
-    if inst.requests >= MIN_SAMPLES or inst.nixl_transfers >= MIN_SAMPLES:
-        return True
-    return prev.lowered_at is None or now - prev.lowered_at >= cfg.probe_after_s
+def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig) -> bool:
+    """Whether a healthy-looking tick counts towards a raise: enough requests (or transfers) to judge.
+
+    At or under the probe weight, fewer judge (a probe's share is small): ``probe_min_requests``."""
+    need = cfg.min_samples if w > cfg.probe_weight + EPS else min(cfg.min_samples, cfg.probe_min_requests)
+    return inst.requests >= need or inst.nixl_transfers >= need
 
 
 def _describe(s: Score) -> str:
@@ -256,6 +305,8 @@ def decide_weights(
                              f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
             continue
         peers = [o for o in role if o.name != inst.name and o.up]
-        out.append(step_instance(inst, peers, p, cfg, obs.window_s, obs.now))
-    # what the observation left out, on every decision it shaped
-    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records}) for d in out)
+        out.append(step_instance(inst, peers, p, cfg, obs.window_s, obs.now, obs.history_s))
+    # what the observation left out or could not attribute, on every decision it shaped
+    extra = {"untrusted_records": obs.untrusted_records,
+             "unattributed_lease_expiries": obs.unattributed_lease_expiries}
+    return tuple(replace(d, inputs={**d.inputs, **extra}) for d in out)

@@ -50,38 +50,121 @@ def test_overlap_rule() -> None:
     assert not overlaps(step, 105.5, 107.0)
 
 
-def test_expired_lease_flags_only_overlapping_requests_on_that_p(factory: sessionmaker[Session]) -> None:
+def test_nixl_figures_are_linked_over_the_handoffs_scrape_window(factory: sessionmaker[Session]) -> None:
     t = NOW - 100
     with factory.begin() as s:
         for i, ts in enumerate([t, t + 5, t + 10, t + 15]):
-            s.add(_snap("p0", "prefill", ts, nixl_kv_expired_reqs=[0.0, 0.0, 1.0, 1.0][i], nixl_failed_transfers=0.0,
+            s.add(_snap("p0", "prefill", ts, nixl_kv_expired_reqs=0.0, nixl_failed_transfers=0.0,
                         nixl_notifications_after_expiry=[0.0, 0.0, 0.0, 1.0][i]))
-            s.add(_snap("p1", "prefill", ts, nixl_kv_expired_reqs=0.0))
             s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=[0.0, 1.0, 1.0, 3.0][i],
                         nixl_xfer_time_sum=[0.0, 0.01, 0.01, 0.05][i], nixl_bytes_sum=[0.0, 1e6, 1e6, 3e6][i],
                         nixl_failed_transfers=0.0))
-        s.add(_rec("hit", t + 4, t + 12))  # handoff spans the expiry step (t+5, t+10]
-        s.add(_rec("before", t + 1, t + 3))  # done before the step
-        s.add(_rec("other-p", t + 4, t + 12, p="p1"))  # on another P
-        s.add(_rec("stuck", t + 8, None, done=t + 9))  # never got a first token, overlapped
+        s.add(_rec("hit", t + 4, t + 12))
+        s.add(_rec("before", t + 1, t + 3))
     with factory.begin() as s:
         result = forensics.run_pass(s, NOW - 300, NOW)
-    assert result.suspects == 2
+    assert result.linked == 2 and result.suspects == 0
     with factory() as s:
         recs = {r.request_id: r for r in s.scalars(select(RequestRecord))}
-    assert recs["hit"].lease_expiry_suspect and recs["stuck"].lease_expiry_suspect
-    assert not recs["before"].lease_expiry_suspect and not recs["other-p"].lease_expiry_suspect
-    assert recs["hit"].attributes["lease_expiry"][0]["expired"] == 1.0
     # the NIXL figures of D over the scrape window covering the handoff [t+4, t+12]: snapshots t .. t+15
     nixl = recs["hit"].attributes["nixl"]
     assert nixl["d"]["from_ts"] == t and nixl["d"]["to_ts"] == t + 15
     assert nixl["d"]["nixl_xfer_time_count"] == 3.0 and nixl["d"]["nixl_bytes_sum"] == 3e6
-    assert nixl["p"]["nixl_kv_expired_reqs"] == 1.0
+    assert nixl["p"]["nixl_notifications_after_expiry"] == 1.0
     assert recs["before"].attributes["nixl"]["d"]["nixl_xfer_time_count"] == 1.0
-    # idempotent
     with factory.begin() as s:
-        again = forensics.run_pass(s, NOW - 300, NOW)
-    assert again.suspects == 2 and again.linked == 0
+        assert forensics.run_pass(s, NOW - 300, NOW).linked == 0  # idempotent
+
+
+def _expiry_world(s: Session, t: float, expired: list[float]) -> None:
+    """p0's expired-lease counter over scrapes every 5 s from t; p1's stays 0."""
+    for i, v in enumerate(expired):
+        s.add(_snap("p0", "prefill", t + 5 * i, nixl_kv_expired_reqs=v))
+        s.add(_snap("p1", "prefill", t + 5 * i, nixl_kv_expired_reqs=0.0))
+
+
+def test_an_expired_lease_is_charged_to_the_waiting_handoff_not_to_what_finished_in_the_window(
+        factory: sessionmaker[Session]) -> None:
+    """Finding 2: one D stops pulling; P's lease for the request sent there expires a lease (30 s) later,
+    in a scrape step in which healthy handoffs to other Ds finish. Only the waiting one is charged."""
+    t = NOW - 200
+    with factory.begin() as s:
+        _expiry_world(s, t, [0.0] * 7 + [1.0] * 4)  # one expiry counted in (t+30, t+35]
+        s.add(_rec("stuck", t + 3, None, d="d-stuck", done=t + 8))  # the proxy timed out; P's lease ran on
+        for k in range(6):  # healthy handoffs from the same P finishing inside the expiry step and around it
+            s.add(_rec(f"in-step-{k}", t + 30 + k * 0.8, t + 30.2 + k * 0.8, d=f"d{k % 3}"))
+            s.add(_rec(f"early-{k}", t + 2 + k, t + 2.1 + k, d=f"d{k % 3}"))
+        s.add(_rec("other-p", t + 3, None, p="p1", d="d-other", done=t + 8))  # waiting, but on another P
+    with factory.begin() as s:
+        result = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
+    assert result.suspects == 1 and result.unattributed == 0
+    with factory() as s:
+        recs = {r.request_id: r for r in s.scalars(select(RequestRecord))}
+    assert [n for n, r in recs.items() if r.lease_expiry_suspect] == ["stuck"]
+    entry = recs["stuck"].attributes["lease_expiry"][0]
+    assert entry["d_instance"] == "d-stuck" and entry["p_instance"] == "p0" and entry["to_ts"] == t + 35
+    with factory.begin() as s:  # idempotent: the step's expiry is assigned already
+        again = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
+    assert again.suspects == 1 and again.unattributed == 0
+    with factory() as s:
+        assert len(s.scalars(select(RequestRecord).where(RequestRecord.request_id == "stuck")).one()
+                   .attributes["lease_expiry"]) == 1
+
+
+def test_a_first_token_after_the_lease_counts_as_waiting(factory: sessionmaker[Session]) -> None:
+    t = NOW - 200
+    with factory.begin() as s:
+        _expiry_world(s, t, [0.0] * 7 + [1.0] * 4)
+        s.add(_rec("late", t + 3, t + 40, d="d-slow"))  # first token 37 s after P done: past the lease
+        s.add(_rec("in-time", t + 3, t + 19, d="d0"))  # 16 s: within two thirds of the lease
+    with factory.begin() as s:
+        forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
+    with factory() as s:
+        recs = {r.request_id: r for r in s.scalars(select(RequestRecord))}
+    assert recs["late"].lease_expiry_suspect and not recs["in-time"].lease_expiry_suspect
+
+
+def test_expiries_no_waiting_handoff_explains_stay_unattributed(factory: sessionmaker[Session]) -> None:
+    t = NOW - 200
+    with factory.begin() as s:
+        _expiry_world(s, t, [0.0] * 7 + [3.0] * 4)  # three expiries, one candidate
+        s.add(_rec("stuck", t + 3, None, d="d-stuck", done=t + 8))
+        s.add(_rec("healthy", t + 31, t + 31.1, d="d0"))
+    with factory.begin() as s:
+        result = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
+    assert result.suspects == 1 and result.unattributed == 2
+
+
+def _span(trace: str, sid: str, name: str, start: float, end: float, **attrs: Any) -> SpanRow:
+    return SpanRow(trace_id=trace, span_id=sid, name=name, start_ts=start, end_ts=end, attributes=attrs,
+                   received_ts=end)
+
+
+def test_a_retried_attempt_is_read_back_from_the_spans_and_its_d_charged(factory: sessionmaker[Session]) -> None:
+    """The proxy timed the first D out and retried with a new prefill on p1 and d0 (the record shows only
+    those): p0's lease for the first attempt expires a lease later and is charged to the first D."""
+    t = NOW - 200
+    tr = "a" * 32
+    with factory.begin() as s:
+        _expiry_world(s, t, [0.0] * 7 + [1.0] * 4)
+        rec = _rec("retried", t + 9, t + 9.5, p="p1", d="d0")
+        rec.retries, rec.trace_id = 1, tr
+        s.add(rec)
+        s.add_all([
+            _span(tr, "1" * 16, "pdscope.prefill", t + 2.5, t + 3, **{"pdscope.instance": "p0", "pdscope.attempt": 0}),
+            _span(tr, "2" * 16, "pdscope.decode", t + 3, t + 7, **{"pdscope.instance": "d-stuck", "pdscope.attempt": 0,
+                                                                   "error.type": "timeout"}),
+            _span(tr, "3" * 16, "pdscope.prefill", t + 7, t + 9, **{"pdscope.instance": "p1", "pdscope.attempt": 0}),
+            _span(tr, "4" * 16, "pdscope.decode", t + 9, t + 10, **{"pdscope.instance": "d0", "pdscope.attempt": 0}),
+        ])
+    with factory.begin() as s:
+        result = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
+    assert result.attempts == 1 and result.suspects == 1
+    with factory() as s:
+        r = s.scalars(select(RequestRecord)).one()
+    assert r.attributes["failed_attempts"] == [{"stage": "decode", "instance": "d-stuck", "kind": "timeout",
+                                                "start": t + 3, "end": t + 7, "p_instance": "p0", "p_done": t + 3}]
+    assert r.attributes["lease_expiry"][0]["d_instance"] == "d-stuck"
 
 
 def test_retention_rolls_up_then_deletes_and_stays_bounded(factory: sessionmaker[Session]) -> None:

@@ -45,7 +45,7 @@ class VirtualClock:
 def healthy(name: str, role: str, pool: str | None = None) -> InstanceSignals:
     pool = pool or role
     base: dict[str, Any] = dict(name=name, pool=pool, role=role, up=True, kv_usage=0.4, num_running=4.0,
-                                num_waiting=0.0, requests=40)
+                                num_waiting=0.0, requests=40, contribution_rse=0.03, handoff_rse=0.03)
     if role == "prefill":
         base.update(contribution_s=0.20, ttft_mean_s=0.2, handoff_p50_s=0.05, handoff_p99_s=0.08, load_now=4.0,
                     ttft_recent_s=0.2, ttft_recent_count=15.0, hold_time_now_s=0.8)

@@ -20,7 +20,9 @@ from store.models import RequestRecord, Snapshot
 _ids = itertools.count(1)
 
 
-def settings_yaml(store_url: str, n_p: int = 2, n_d: int = 4, extra: str = "") -> Settings:
+def settings_yaml(store_url: str, n_p: int = 2, n_d: int = 4, extra: str = "", startup_s: float = 0.1) -> Settings:
+    """A seeded fleet's config. ``startup_s`` is short by default: tests of other behaviour act from the
+    first tick; the start-up hold has its own tests (pass the window, 10, for the real default)."""
     p = "\n".join(f"      - {{name: prefill-{i}, url: 'http://127.0.0.1:{9100 + i}'}}" for i in range(n_p))
     d = "\n".join(f"      - {{name: decode-{i}, url: 'http://127.0.0.1:{9200 + i}'}}" for i in range(n_d))
     text = f"""
@@ -39,7 +41,7 @@ slo:
   tpot: {{target_ms: 100, percentile: 99}}
   window_s: 60
 store: {{url: '{store_url}'}}
-controller: {{interval_s: 2, window_s: 10}}
+controller: {{interval_s: 2, window_s: 10, noise: {{startup_s: {startup_s}}}}}
 collector: {{scrape_interval_s: 2, scrape_timeout_s: 1}}
 {extra}
 """

@@ -101,7 +101,7 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
             store={"url": url},
             slo={"window_s": 20},
             collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
-            controller={"interval_s": 1.0, "window_s": 6, "port": ctl_sock.getsockname()[1]},
+            controller={"interval_s": 1.0, "window_s": 6, "port": ctl_sock.getsockname()[1], "kv_lease_s": 2.0},
         )
         settings: Settings = parse_config(fleet.config_yaml(**base), "e2e.yaml")
         collector = CollectorThread(settings)

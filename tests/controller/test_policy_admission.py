@@ -64,16 +64,20 @@ CASES = [
          [replace(CALM_P, ttft_p_s=4.0, inflight_requests=None, running_now=None, waiting_now=None)],
          LimitState(60, 1000), [45]),
     # 20 waiting at 20/s = 1 s of queue against the 0.5 s left (pressure 0.5): 10 of them fit the budget,
-    # so the limit is what is in flight (40) minus the other 10
+    # so the limit is what is in flight (40) minus the other 10 -- on the second tick in a row: one scrape's
+    # queue is a sample of a bursty process (queue_confirm_ticks)
     Case("P's queue worth twice the TTFT budget left cuts the excess before TTFT moves",
-         [replace(Q, waiting_now=20.0)], None, [30]),
+         [replace(Q, waiting_now=20.0)] * 2, None, [100, 30]),
+    Case("one scrape's long P queue cuts nothing", [replace(Q, waiting_now=20.0), Q, replace(Q, waiting_now=20.0)],
+         None, [100, 100, 100]),
     Case("a short P queue (within the budget left) holds nothing", [replace(Q, waiting_now=5.0)] * 2, None,
          [100, 100]),
     # Little's law says 10, P holds 30 running + 30 waiting now: 60 - (30 - 10 that fit the budget) = 40
     Case("in flight is what P holds now when Little's law lags a queue",
-         [replace(Q, inflight_requests=10.0, running_now=30.0, waiting_now=30.0)], None, [40]),
+         [replace(Q, inflight_requests=10.0, running_now=30.0, waiting_now=30.0)] * 2, None, [100, 40]),
     Case("a queue cut needs no cooldown: the gauges show it at the next scrape",
-         [replace(Q, waiting_now=20.0), replace(Q, waiting_now=20.0, inflight_requests=30.0)], None, [30, 20]),
+         [replace(Q, waiting_now=20.0)] * 2 + [replace(Q, waiting_now=20.0, inflight_requests=30.0)], None,
+         [100, 30, 20]),
 ]
 
 

@@ -75,7 +75,7 @@ def completion_text(body: dict[str, Any]) -> str:
 
 @dataclass
 class FakeVLLM:
-    """One fake vLLM instance. ``mode``: ok, error500, error503, error400, hang.
+    """One fake vLLM instance. ``mode``: ok, error500, error503, error400, error429, hang.
 
     Streams (decode): ``stream_error`` ``"first"`` sends vLLM's in-band error event
     (``data: {"error": {...}}``, then ``[DONE]``) instead of any token, ``"mid"`` sends it after
@@ -107,6 +107,9 @@ class FakeVLLM:
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "error503":
             return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
+        if self.mode == "error429":
+            return JSONResponse({"error": {"message": "too many requests", "type": "RateLimitError"}},
+                                status_code=429)
         if self.mode == "error400":
             return JSONResponse({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status_code=400)
         if self.mode == "hang":

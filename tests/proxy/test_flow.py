@@ -126,7 +126,7 @@ async def test_prefill_down_retries_another_prefill() -> None:
         assert len(fleet.prefill[0].calls) == 1
         assert 'pdscope_proxy_retries_total{stage="prefill"} 1.0' in metrics
         assert 'pdscope_proxy_upstream_failures_total{instance="p0",kind="connect",stage="prefill"} 1.0' in metrics
-        assert app.parts.selector.cooling("p0", app.parts.clock())
+        assert app.parts.selector.outliers.recent("p0", app.parts.clock()) == (1, 1)  # counted against p0
 
 
 async def test_prefill_500_retries_within_budget_then_fails_cleanly() -> None:

@@ -50,7 +50,8 @@ async def test_weights_and_drains_from_the_table_are_honoured() -> None:
         counts = _p_counts(fleet)
         assert counts["p2"] == 0 and len(d[1].calls) == 0
         assert 0.65 <= counts["p0"] / 200 <= 0.85, counts
-        assert health == {"status": "ok", "routing": "fresh", "version": 1}
+        assert {k: health[k] for k in ("status", "routing", "version", "ejected")} == {
+            "status": "ok", "routing": "fresh", "version": 1, "ejected": {}}
 
 
 async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_weights() -> None:

@@ -57,13 +57,17 @@ async def test_streams_and_whole_answers_through_the_simulated_fleet() -> None:
 async def test_prefill_down_in_the_simulator_is_retried_on_the_other_prefill() -> None:
     with running_fleet(2, 1, latency_scale=0.0) as fleet:
         fleet.inject({"kind": "down", "instance": "prefill-0"})
-        async with running_proxy(_settings(fleet)) as (url, _app), httpx.AsyncClient(timeout=20) as client:
+        settings = _settings(fleet, outlier={"consecutive_failures": 2})
+        async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=20) as client:
             codes = [(await client.post(url + "/v1/completions", json=BODY)).status_code for _ in range(6)]
             metrics = (await client.get(url + "/metrics")).text
     assert codes == [200] * 6
-    # prefill-0 failed once, then sat out its cooldown
-    assert _metric(metrics, "pdscope_proxy_upstream_failures_total", instance="prefill-0", stage="prefill") == 1
-    assert _metric(metrics, "pdscope_proxy_retries_total", stage="prefill") == 1
+    # round robin sent prefill-0 two requests (each retried), then outlier detection ejected it
+    assert _metric(metrics, "pdscope_proxy_upstream_failures_total", instance="prefill-0", stage="prefill") == 2
+    assert _metric(metrics, "pdscope_proxy_retries_total", stage="prefill") == 2
+    assert _metric(metrics, "pdscope_proxy_outlier_ejections_total", instance="prefill-0",
+                   reason="consecutive_failures") == 1
+    assert _metric(metrics, "pdscope_proxy_instance_ejected", instance="prefill-0") == 1
 
 
 async def test_decode_down_in_the_simulator_is_retried_with_the_same_kv() -> None:

@@ -45,7 +45,7 @@ async def test_an_error_event_before_the_first_token_is_a_decode_failure_retried
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
-            cooling = app.parts.selector.cooling("d0", app.parts.clock())
+            recent = app.parts.selector.outliers.recent("d0", app.parts.clock())
         assert resp.status_code == 200
         assert _text(resp.text) == completion_text(COMPLETION)
         assert "error" not in resp.text  # the client never saw d0's error
@@ -54,7 +54,7 @@ async def test_an_error_event_before_the_first_token_is_a_decode_failure_retried
         assert len(fleet.prefill[0].calls) == 1 and len(fleet.prefill[1].calls) == 1
     assert 'pdscope_proxy_upstream_failures_total{instance="d0",kind="stream_error",stage="decode"} 1.0' in metrics
     assert 'pdscope_proxy_retries_total{stage="full"} 1.0' in metrics
-    assert cooling  # d0 is skipped for failure_cooldown_s
+    assert recent == (1, 1)  # one result of d0 in the outlier window, a failure (it weighs d0 down)
     root = _root(spans)
     assert root.attributes[sc.OUTCOME] == "ok" and root.attributes[sc.RETRIES] == 1
     assert root.attributes[sc.D_INSTANCE] == "d1"
@@ -111,7 +111,7 @@ async def test_an_error_event_after_the_first_token_ends_the_stream_with_outcome
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
-            cooling = app.parts.selector.cooling("d0", app.parts.clock())
+            recent = app.parts.selector.outliers.recent("d0", app.parts.clock())
     assert resp.status_code == 200
     events = _events(resp.text)
     assert "choices" in json.loads(events[0])  # the first token went out
@@ -121,7 +121,7 @@ async def test_an_error_event_after_the_first_token_ends_the_stream_with_outcome
     assert _root(spans).attributes[sc.OUTCOME] == "error"
     assert 'pdscope_proxy_requests_total{endpoint="/v1/completions",outcome="error"} 1.0' in metrics
     assert 'pdscope_proxy_upstream_failures_total{instance="d0",kind="stream_error",stage="decode"} 1.0' in metrics
-    assert cooling
+    assert recent == (1, 1)
 
 
 async def test_a_stream_that_ends_without_done_is_not_ok() -> None:

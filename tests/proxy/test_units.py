@@ -9,9 +9,10 @@ import pytest
 import yaml
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from pdscope.config import parse_config
+from pdscope.config import OutlierSettings, parse_config
 from pdscope.routing import PoolRoute, RoutingTable
 from proxy import protocol
+from proxy.outlier import OutlierDetector
 from proxy.routing import RoutingState, Target
 from proxy.selection import RetryBudget, Selector
 from proxy.tracing import make_provider, parse_traceparent, traceparent
@@ -52,38 +53,41 @@ T = [Target("a", "pool", "http://a", 3.0), Target("b", "pool", "http://b", 1.0)]
 
 
 def test_weighted_pick_follows_weights_when_idle() -> None:
-    sel = Selector("weighted", 5.0, random.Random(1))
+    sel = Selector("weighted", rng=random.Random(1))
     counts = Counter(sel.pick("prefill", T, 0.0).name for _ in range(4000))  # type: ignore[union-attr]
     assert 0.72 < counts["a"] / 4000 < 0.78
 
 
 def test_power_of_two_choices_avoids_the_loaded_instance() -> None:
-    sel = Selector("weighted", 5.0, random.Random(1))
+    sel = Selector("weighted", rng=random.Random(1))
     for _ in range(10):
         sel.acquire("a")
     counts = Counter(sel.pick("prefill", T, 0.0).name for _ in range(100))  # type: ignore[union-attr]
     assert counts["b"] == 100  # 10/3 > 0/1: b is always the less loaded of the two
 
 
-def test_failed_instance_is_skipped_until_its_cooldown_ends() -> None:
-    sel = Selector("weighted", 5.0, random.Random(1))
-    sel.mark_failed("a", now=100.0)
+def test_an_ejected_instance_is_skipped_until_its_ejection_ends() -> None:
+    # (was: skipped for failure_cooldown_s after one failure; outlier detection is that home now)
+    out = OutlierDetector(OutlierSettings(consecutive_failures=1, base_ejection_s=5, max_ejected_share=1.0),
+                          {"pool": ["a", "b"]})
+    sel = Selector("weighted", out, random.Random(1))
+    assert out.failure("a", "pool", now=100.0) == "consecutive_failures"
     assert {sel.pick("prefill", T, 101.0).name for _ in range(50)} == {"b"}  # type: ignore[union-attr]
     assert "a" in {sel.pick("prefill", T, 106.0).name for _ in range(50)}  # type: ignore[union-attr]
-    sel.mark_failed("a", now=200.0)
-    sel.mark_failed("b", now=200.0)  # everything failed: still serve
+    assert out.failure("b", "pool", now=200.0) == "consecutive_failures"
+    assert out.failure("a", "pool", now=200.0) is None  # the last one in its pool is never ejected
     assert sel.pick("prefill", T, 201.0) is not None
 
 
 def test_pick_honours_exclusions_and_pools() -> None:
-    sel = Selector("weighted", 5.0, random.Random(1))
+    sel = Selector("weighted", rng=random.Random(1))
     assert sel.pick("prefill", T, 0.0, exclude=["a", "b"]) is None
     assert sel.pick("prefill", T, 0.0, pools=["other"]) is None
     assert sel.pick("prefill", T, 0.0, exclude=["a"]).name == "b"  # type: ignore[union-attr]
 
 
 def test_round_robin_cycles_and_ignores_weights() -> None:
-    sel = Selector("round-robin", 5.0)
+    sel = Selector("round-robin")
     assert [sel.pick("decode", T, 0.0).name for _ in range(4)] == ["a", "b", "a", "b"]  # type: ignore[union-attr]
 
 

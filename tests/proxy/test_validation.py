@@ -129,10 +129,10 @@ async def test_a_4xx_from_decode_after_a_prefill_is_the_clients_error_not_decode
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
             now = app.parts.clock()
-            cooling = [d.name for d in fleet.decode if app.parts.selector.cooling(d.name, now)]
+            failed = [d.name for d in fleet.decode if app.parts.selector.outliers.recent(d.name, now)[1]]
     assert resp.status_code == 400 and resp.json()["error"]["message"] == "bad prompt"  # passed through
     assert len(fleet.decode[0].calls) + len(fleet.decode[1].calls) == 1  # never retried
-    assert cooling == []  # no cooldown on a D that refused a bad request
+    assert failed == []  # not an outlier failure of a D that refused a bad request
     assert "pdscope_proxy_upstream_failures_total{" not in metrics
     root = next(s for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST)
     assert root.attributes[sc.OUTCOME] == sc.OUTCOME_CLIENT_ERROR
@@ -151,8 +151,8 @@ async def test_a_4xx_from_prefill_is_the_clients_error() -> None:
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
-            cooling = app.parts.selector.cooling("p0", app.parts.clock())
-    assert resp.status_code == 400 and not cooling
+            recent = app.parts.selector.outliers.recent("p0", app.parts.clock())
+    assert resp.status_code == 400 and recent == (0, 0)  # neither a failure nor a success of p0
     assert "pdscope_proxy_upstream_failures_total{" not in metrics
     root = next(s for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST)
     assert root.attributes[sc.OUTCOME] == sc.OUTCOME_CLIENT_ERROR

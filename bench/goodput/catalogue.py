@@ -1,0 +1,174 @@
+"""What the goodput bench can run: fleet shapes, loads, faults, contenders, and cell names.
+
+Pure values and functions (no I/O, no clock). A *cell* is one fleet x one load x one fault,
+named ``FLEET:LOAD:FAULT`` (``2p4d:75:slow_prefill``); every contender runs once per cell on
+a fresh fleet. ``fault_plan`` turns a fault name into the simulator fault specs to inject at
+onset, the instances the fault is about (a cut of any other instance's weight is a cut of a
+healthy one), and the pools whose limit cuts are an expected answer to it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+CONTENDERS = ("round_robin", "static", "controller", "oracle", "killed")
+# the order of a cell's runs in the job queue: the two heavy (controlled) runs apart, so that three
+# runs at a time hold at most two of them
+RUN_ORDER = ("controller", "round_robin", "static", "killed", "oracle")
+CONTROLLED = ("controller", "killed")  # contenders that run pdscope collect + control
+LOADS = (75, 90)
+FAULTS = ("degraded_decode_link", "slow_prefill", "transfer_failures", "stuck_decode", "bad_pair",
+          "decode_down", "kv_capacity", "burst")
+# the old bench's scenario letters, still accepted by --faults
+LETTERS = {"a": "degraded_decode_link", "b": "burst", "c": "slow_prefill"}
+HEALTHY = "healthy"  # the fault name of a --healthy run: nothing is injected
+
+
+@dataclass(frozen=True)
+class FleetShape:
+    name: str
+    n_p: int
+    n_d: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.n_p}P+{self.n_d}D"
+
+    def prefills(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.n_p)]
+
+    def decodes(self) -> list[str]:
+        return [f"decode-{i}" for i in range(self.n_d)]
+
+    @property
+    def bad_p(self) -> str:
+        """The P a P fault hits: the last one."""
+        return f"prefill-{self.n_p - 1}"
+
+    @property
+    def bad_d(self) -> str:
+        """The D a D fault hits: the last one."""
+        return f"decode-{self.n_d - 1}"
+
+
+FLEETS = {"2p4d": FleetShape("2p4d", 2, 4), "3p6d": FleetShape("3p6d", 3, 6)}
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """``injections``: simulator fault specs POSTed at onset (``duration`` where the fault ends);
+    ``faulty``: the instances the fault is about; ``limit_pools``: pools whose limit cuts answer it;
+    ``burst``: (total offered load as a multiple of capacity, seconds) added at onset, or None."""
+
+    name: str
+    injections: tuple[dict[str, Any], ...] = ()
+    faulty: frozenset[str] = frozenset()
+    limit_pools: frozenset[str] = frozenset()
+    burst: tuple[float, float] | None = None
+    ends_after_s: float | None = None  # the fault is cleared this long after onset (decode_down)
+    about: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+BURST_MULTIPLE = 1.5  # total offered load during the burst, times the measured capacity
+BURST_SHARE = 0.5  # of the measured phase
+DOWN_SHARE = 0.4  # of the measured phase the D is down before it comes back
+BAD_PAIR_FACTOR = 10.0
+SLOW_LINK_FACTOR = 10.0
+SLOW_PREFILL_FACTOR = 3.0
+TRANSFER_FAILURE_RATE = 0.3
+KV_FRACTION = 0.1
+
+
+def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
+    d, p = fleet.bad_d, fleet.bad_p
+    if fault == HEALTHY:
+        return FaultPlan(HEALTHY, about="no fault")
+    if fault == "degraded_decode_link":
+        return FaultPlan(fault, ({"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},), frozenset({d}),
+                         about=f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)")
+    if fault == "slow_prefill":
+        return FaultPlan(fault, ({"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},), frozenset({p}),
+                         limit_pools=frozenset({"prefill"}), about=f"{p} {SLOW_PREFILL_FACTOR:g}x slower")
+    if fault == "transfer_failures":
+        return FaultPlan(fault, ({"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},),
+                         frozenset({d}), about=f"{TRANSFER_FAILURE_RATE:.0%} of {d}'s KV transfers fail")
+    if fault == "stuck_decode":
+        return FaultPlan(fault, ({"kind": "stop_pulling", "decode": d},), frozenset({d}),
+                         about=f"{d} stops pulling (P's leases for its requests expire)")
+    if fault == "bad_pair":
+        p0 = fleet.prefills()[0]
+        return FaultPlan(fault, ({"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},),
+                         frozenset({p0, d}), about=f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower")
+    if fault == "decode_down":
+        down_s = round(max(2.0, DOWN_SHARE * measure_s), 1)
+        return FaultPlan(fault, ({"kind": "down", "instance": d, "duration": down_s},), frozenset({d}),
+                         ends_after_s=down_s, about=f"{d} down for {down_s:g} s, then back")
+    if fault == "kv_capacity":
+        return FaultPlan(fault, ({"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},), frozenset({d}),
+                         about=f"{d}'s KV capacity cut to {KV_FRACTION:.0%}")
+    if fault == "burst":
+        burst_s = round(max(2.0, BURST_SHARE * measure_s), 1)
+        return FaultPlan(fault, (), frozenset(), limit_pools=frozenset({"prefill", "decode"}),
+                         burst=(BURST_MULTIPLE, burst_s), about=f"{BURST_MULTIPLE:g}x capacity for {burst_s:g} s")
+    raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    fleet: str
+    load: int
+    fault: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.fleet}:{self.load}:{self.fault}"
+
+
+def _split(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def _pick(patterns: list[str], universe: tuple[str, ...], what: str) -> list[str]:
+    """Names in ``universe`` matching any pattern (exact name or glob), in universe order."""
+    if not patterns:
+        return list(universe)
+    out = []
+    for pat in patterns:
+        hits = [u for u in universe if fnmatch.fnmatchcase(u, pat)]
+        if not hits:
+            raise ValueError(f"--{what}: {pat!r} matches none of {', '.join(universe)}")
+        out += [h for h in hits if h not in out]
+    return [u for u in universe if u in out]
+
+
+def select_cells(cells: str | None = None, fleets: str | None = None, loads: str | None = None,
+                 faults: str | None = None) -> list[Cell]:
+    """The cells to run. ``cells``: comma-separated ``FLEET:LOAD:FAULT`` patterns (globs per part,
+    e.g. ``2p4d:*:burst``, ``*:90:*``); ``fleets``/``loads``/``faults`` narrow further (names or globs;
+    ``faults`` also takes the old letters a, b, c)."""
+    fleet_names = _pick(_split(fleets), tuple(FLEETS), "fleets")
+    load_names = _pick(_split(loads), tuple(str(x) for x in LOADS), "loads")
+    fault_names = _pick([LETTERS.get(f, f) for f in _split(faults)], FAULTS, "faults")
+    every = [Cell(f, int(ld), x) for f in fleet_names for ld in load_names for x in fault_names]
+    pats = _split(cells)
+    if not pats:
+        return every
+    chosen: list[Cell] = []
+    for pat in pats:
+        parts = pat.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"--cells: {pat!r} is not FLEET:LOAD:FAULT (globs allowed, e.g. 2p4d:*:burst)")
+        parts[2] = LETTERS.get(parts[2], parts[2])
+        hits = [c for c in every if all(fnmatch.fnmatchcase(v, q) for v, q in
+                                        zip((c.fleet, str(c.load), c.fault), parts, strict=True))]
+        if not hits:
+            raise ValueError(f"--cells: {pat!r} matches no cell of the chosen fleets, loads and faults")
+        chosen += [h for h in hits if h not in chosen]
+    return sorted(chosen, key=every.index)
+
+
+def select_contenders(text: str | None) -> list[str]:
+    return _pick(_split(text), CONTENDERS, "contenders")

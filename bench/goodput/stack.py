@@ -1,0 +1,200 @@
+"""One contender's services for one run: a simulated fleet, pdscope's proxy, and for the controlled
+contenders ``pdscope collect`` + ``pdscope control``; all subprocesses of the worker, driven through
+their CLIs and one generated pdscope.yaml, stopped on exit (SIGTERM, then SIGKILL after 15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.goodput.catalogue import CONTROLLED, FleetShape
+
+REPO = Path(__file__).resolve().parents[2]
+PDSCOPE = str(Path(sys.executable).with_name("pdscope"))
+SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1
+PROMPT, OUTPUT = "fixed:2048", "fixed:32"
+MODEL = "sim-llama-70b"
+SIM = {"link_bandwidth_bytes_per_s": 2.5e9, "lease_duration_s": 3.0}
+INTERVAL_S = 1.0
+CONTROLLER_WINDOW_S = 10.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {timeout_s}s")
+
+
+def metric_sum(url: str, name: str) -> float:
+    total = 0.0
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live (or not yet reaped) process, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    fleet: FleetShape
+    contender: str
+    sim_seed: int
+    fail_static_s: float
+    oracle_url: str | None = None
+
+
+class Stack:
+    """``with Stack(spec, tmp) as s:`` starts everything and waits until it answers."""
+
+    def __init__(self, spec: StackSpec, tmp: Path) -> None:
+        self.spec = spec
+        self.contender = spec.contender
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.cpu_at_kill: dict[str, float | None] = {}
+        self.ports = {k: free_port() for k in ("proxy", "collector", "controller", "admin")}
+        self.inst = [(n, "prefill", "prefill", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.prefills()]
+        self.inst += [(n, "decode", "decode", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.decodes()]
+        self.store_url = f"sqlite:///{tmp / 'store.db'}"
+        controlled = spec.contender in CONTROLLED
+        dead = f"http://127.0.0.1:{free_port()}"  # no controller: the proxy never reaches one
+        controller_url = (f"http://127.0.0.1:{self.ports['controller']}" if controlled
+                          else spec.oracle_url if spec.contender == "oracle" else dead)
+        round_robin = spec.contender == "round_robin"
+        cfg = {
+            "model": {"name": MODEL, "kv_bytes_per_token": 327680},
+            "pools": {pool: {"role": pool, "instances": [{"name": n, "url": u} for n, p, _, u in self.inst
+                                                          if p == pool]} for pool in ("prefill", "decode")},
+            "slo": {"ttft": {"target_ms": SLO_TTFT_S * 1000}, "tpot": {"target_ms": SLO_TPOT_S * 1000},
+                    "window_s": 30},
+            "store": {"url": self.store_url},
+            "simulator": {**SIM, "seed": spec.sim_seed, "admin_port": self.ports["admin"]},
+            "collector": {"port": self.ports["collector"], "scrape_interval_s": INTERVAL_S,
+                          "scrape_timeout_s": 0.8 * INTERVAL_S},
+            "controller": {"port": self.ports["controller"], "interval_s": INTERVAL_S,
+                           "window_s": CONTROLLER_WINDOW_S, "mode": "enforce",
+                           "kv_lease_s": SIM["lease_duration_s"]},  # the simulated fleet's lease
+            "proxy": {
+                "port": self.ports["proxy"], "policy": "round-robin" if round_robin else "weighted",
+                "controller_url": controller_url, "routing_poll_s": 0.5, "tracing": controlled,
+                "fail_static_s": spec.fail_static_s,
+                "otlp_endpoint": f"http://127.0.0.1:{self.ports['collector']}/v1/traces",
+                # round robin: the toy proxy's behaviour, no admission limit; the others: config defaults
+                "admission": {"max_inflight_requests": 10**6 if round_robin else 256, "queue_timeout_s": 1.0},
+                "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
+            },
+        }
+        self.config = tmp / "pdscope.yaml"
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
+        self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
+        self.controller_url = f"http://127.0.0.1:{self.ports['controller']}"
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"{name}.log").open("wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([PDSCOPE, "--config", str(self.config), "--log-level", "WARNING", *args], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def __enter__(self) -> Stack:
+        from store.migrate import upgrade
+
+        try:
+            upgrade(self.store_url)  # once, before the services that share the store
+            wait_http(self.admin_url + "/instances", proc=self._start("sim", "sim"))
+            if self.contender in CONTROLLED:
+                self._start("collect", "collect")
+                wait_http(self.controller_url + "/healthz", proc=self._start("control", "control"))
+            wait_http(self.proxy_url + "/healthz", proc=self._start("proxy", "proxy"))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(list(self.procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+    def inject(self, fault: dict[str, Any]) -> None:
+        http_json(self.admin_url + "/faults", "POST", fault)
+
+    def kill_controller(self) -> None:
+        """SIGKILL ``pdscope control``: no clean shutdown, the proxy finds out by its polls failing."""
+        proc = self.procs["control"]
+        self.cpu_at_kill["control"] = cpu_seconds(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+
+    def expired_leases(self) -> float:
+        return sum(metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total") for _, _, r, u in self.inst if r == "prefill")
+
+    def cpu(self) -> dict[str, float | None]:
+        """CPU seconds each service has used so far (the killed controller: up to its kill)."""
+        return {name: self.cpu_at_kill.get(name) if name in self.cpu_at_kill else cpu_seconds(p.pid)
+                for name, p in self.procs.items()}
+
+    def proxy_state(self) -> str | None:
+        try:
+            return str(http_json(self.proxy_url + "/healthz", timeout=2).get("routing"))
+        except (OSError, ValueError):
+            return None
+
+    def sim_lag(self) -> dict[str, Any] | None:
+        try:
+            return dict(http_json(self.admin_url + "/stats", timeout=2))
+        except (OSError, ValueError):
+            return None
+
+    def reset_sim_lag(self) -> None:
+        http_json(self.admin_url + "/stats/reset", "POST", {})

@@ -1,0 +1,189 @@
+"""The goodput bench's pure parts: cell selection, fault plans, oracle tables, decision analysis,
+targets and the time budget (the runs themselves are the bench, not a test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.goodput.catalogue import (
+    CONTENDERS,
+    FAULTS,
+    FLEETS,
+    HEALTHY,
+    Cell,
+    fault_plan,
+    select_cells,
+    select_contenders,
+)
+from bench.goodput.decisions import analyse, is_limit_cut
+from bench.goodput.oracle import oracle_schedule, oracle_table
+from bench.goodput.report import budget_s, cell_targets, summary
+from bench.goodput.worker import workload
+from simulator.faults import parse_fault
+
+
+def test_the_full_matrix_is_two_fleets_two_loads_eight_faults() -> None:
+    cells = select_cells()
+    assert len(cells) == 32
+    assert cells[0] == Cell("2p4d", 75, "degraded_decode_link")
+    assert {c.fleet for c in cells} == {"2p4d", "3p6d"} and {c.load for c in cells} == {75, 90}
+
+
+def test_cells_take_names_globs_and_old_letters_in_matrix_order() -> None:
+    got = select_cells("3p6d:90:burst,2p4d:75:slow_prefill")
+    assert [c.name for c in got] == ["2p4d:75:slow_prefill", "3p6d:90:burst"]
+    assert [c.name for c in select_cells("*:90:b", fleets="2p4d")] == ["2p4d:90:burst"]
+    assert len(select_cells(faults="stuck*,bad_pair")) == 8
+    assert [c.fault for c in select_cells(fleets="3p6d", loads="75", faults="a,c")] == [
+        "degraded_decode_link", "slow_prefill"]
+
+
+@pytest.mark.parametrize("bad", ["2p4d:75", "9p9d:75:burst", "2p4d:75:nope"])
+def test_a_cell_pattern_that_matches_nothing_is_an_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="--cells"):
+        select_cells(bad)
+
+
+def test_contenders_default_to_all_five_and_reject_unknown_names() -> None:
+    assert select_contenders(None) == list(CONTENDERS)
+    assert select_contenders("killed,controller") == ["controller", "killed"]
+    with pytest.raises(ValueError, match="--contenders"):
+        select_contenders("nobody")
+
+
+@pytest.mark.parametrize("fleet", list(FLEETS))
+@pytest.mark.parametrize("fault", [*FAULTS, HEALTHY])
+def test_every_fault_is_a_valid_simulator_fault_on_instances_of_the_fleet(fleet: str, fault: str) -> None:
+    shape = FLEETS[fleet]
+    plan = fault_plan(fault, shape, 20.0)
+    names = set(shape.prefills()) | set(shape.decodes())
+    for spec in plan.injections:
+        assert parse_fault(spec).instances() <= names
+    assert plan.faulty <= names
+    assert plan.limit_pools <= {"prefill", "decode"}
+    assert (plan.burst is not None) == (fault == "burst")
+
+
+@pytest.mark.parametrize("fleet", list(FLEETS))
+@pytest.mark.parametrize("fault", [*FAULTS, HEALTHY])
+def test_every_fault_has_an_oracle_table_naming_only_fleet_instances(fleet: str, fault: str) -> None:
+    shape = FLEETS[fleet]
+    plan = fault_plan(fault, shape, 20.0)
+    schedule = oracle_schedule(plan, shape, 14.0)
+    assert schedule[0][0] is None  # a table from the start
+    inst = [(n, "prefill", "prefill", "http://x") for n in shape.prefills()]
+    inst += [(n, "decode", "decode", "http://y") for n in shape.decodes()]
+    for _, weights, limits in schedule:
+        assert set(weights) <= {n for n, *_ in inst}
+        table = oracle_table(inst, weights, limits, 0.5, version=3)
+        assert table["version"] == 3 and len(table["instances"]) == shape.n_p + shape.n_d
+    if fault == "decode_down":
+        assert schedule[1] == (plan.ends_after_s, {}, {"prefill": None, "decode": None})
+
+
+def test_the_slow_prefill_oracle_weighs_the_p_by_speed_and_limits_to_a_second_of_capacity() -> None:
+    shape = FLEETS["3p6d"]
+    [(_, weights, limits)] = oracle_schedule(fault_plan("slow_prefill", shape, 20), shape, 21.0)
+    assert weights == {"prefill-2": pytest.approx(1 / 3)}
+    assert limits["prefill"] == round(21 * (2 + 1 / 3) / 3)
+
+
+def test_the_burst_adds_load_up_to_one_and_a_half_capacity_from_onset() -> None:
+    plan = fault_plan("burst", FLEETS["2p4d"], 20.0)
+    base = workload(10.0, 14.0, 28.0, 8.0, 1, fault_plan(HEALTHY, FLEETS["2p4d"], 20.0))
+    burst = workload(10.0, 14.0, 28.0, 8.0, 1, plan)
+    extra = len(burst) - len(base)
+    assert [x.at for x in burst] == sorted(x.at for x in burst)
+    assert 55 < extra < 176  # about (1.5 x 14 - 10) req/s x 10 s = 110
+    assert not [x for x in burst if x not in base and not 8.0 <= x.at <= 18.0]
+
+
+def _d(ts: float, subject: str, field: str, old: float | None, new: float | None, reason: str = "R") -> dict:
+    return {"ts": ts, "tick": int(ts), "subject": subject, "field": field, "old_value": old, "new_value": new,
+            "reason": reason}
+
+
+def test_reaction_is_the_first_cut_of_the_faulty_instance_after_onset() -> None:
+    plan = fault_plan("stuck_decode", FLEETS["2p4d"], 20)
+    decisions = [_d(99.0, "decode-3", "weight", 1.0, 0.95),  # before onset: a healthy cut, but above 0.9
+                 _d(102.5, "decode-0", "weight", 1.0, 0.5),  # a healthy instance after onset
+                 _d(103.2, "decode-3", "weight", 1.0, 0.75),
+                 _d(104.0, "decode-3", "weight", 0.75, 0.5)]
+    got = analyse(decisions, plan, 100.0, 1.0)
+    assert got["reaction_ticks"] == 4 and got["reaction_s"] == pytest.approx(3.2)
+    assert got["healthy_weight_cuts"] == 1 and got["healthy_cut_detail"][0]["subject"] == "decode-0"
+    assert got["min_weight"] == {"decode-0": 0.5, "decode-3": 0.5}
+
+
+def test_a_first_limit_decision_is_a_cut_only_below_the_configured_default() -> None:
+    assert not is_limit_cut(_d(1, "prefill", "max_inflight_requests", None, 256))
+    assert is_limit_cut(_d(1, "prefill", "max_inflight_requests", None, 18))
+    assert is_limit_cut(_d(1, "prefill", "max_inflight_requests", 256, 128))
+    assert not is_limit_cut(_d(1, "prefill", "max_inflight_requests", 128, 256))
+    assert not is_limit_cut(_d(1, "prefill", "max_queue_wait_s", 1.0, 0.5))
+
+
+def test_limit_cuts_count_as_healthy_cuts_unless_the_fault_calls_for_that_pool() -> None:
+    cut = [_d(105, "prefill", "max_inflight_requests", 256, 20)]
+    assert analyse(cut, fault_plan("burst", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 0
+    assert analyse(cut, fault_plan("slow_prefill", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 0
+    assert analyse(cut, fault_plan("stuck_decode", FLEETS["2p4d"], 20), 100.0, 1.0)["unexpected_limit_cuts"] == 1
+    early = [_d(95, "prefill", "max_inflight_requests", 256, 20)]
+    assert analyse(early, fault_plan("burst", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 1
+
+
+def test_in_a_healthy_run_every_cut_below_the_floor_is_counted() -> None:
+    decisions = [_d(5, "decode-1", "weight", 1.0, 0.92), _d(6, "decode-1", "weight", 0.92, 0.8),
+                 _d(7, "decode", "max_inflight_requests", 256, 64)]
+    got = analyse(decisions, fault_plan(HEALTHY, FLEETS["3p6d"], 600), None, 1.0)
+    assert (got["healthy_weight_cuts"], got["unexpected_limit_cuts"]) == (1, 1)
+    assert "reaction_ticks" not in got
+
+
+def _res(**goodput: float) -> dict[str, dict]:
+    return {c: {"goodput_rps": g, "ttft_p99_s": 1.5, "healthy_cuts": 0} for c, g in goodput.items()}
+
+
+def test_targets_pass_miss_and_not_applicable() -> None:
+    ratios, t = cell_targets("slow_prefill", _res(round_robin=5, static=2, controller=9, oracle=10, killed=6), 2.0)
+    assert ratios["controller_vs_static"] == 4.5 and ratios["captured_share"] == pytest.approx(7 / 8)
+    assert {k: v["status"] for k, v in t.items()} == {
+        "do_no_harm": "PASS", "near_oracle": "PASS", "captures_gain": "PASS", "alone_vs_rr": "PASS",
+        "no_healthy_cuts": "PASS", "burst_p99": "-"}
+    _, t = cell_targets("kv_capacity", _res(round_robin=11, static=11, controller=10.7, oracle=11.2, killed=10), 2.0)
+    assert t["do_no_harm"]["status"] == "MISS" and t["alone_vs_rr"]["status"] == "MISS"
+    assert t["captures_gain"]["status"] == "-"  # the oracle's gain is under 10 %
+
+
+def test_a_missing_or_failed_contender_makes_its_targets_not_applicable() -> None:
+    res = _res(static=2, controller=3)
+    res["oracle"] = {"error": "worker exit 1"}
+    _, t = cell_targets("burst", res, 2.0)
+    assert t["do_no_harm"]["status"] == "PASS"
+    assert t["near_oracle"]["status"] == t["captures_gain"]["status"] == t["alone_vs_rr"]["status"] == "-"
+    assert t["burst_p99"]["status"] == "PASS"
+    cells = {"a": {"targets": t}, "b": {"targets": cell_targets("burst", _res(static=2, controller=1), 2.0)[1]}}
+    assert summary(cells)["do_no_harm"] == {"target": "controller / static >= 0.98", "pass": 1, "miss": 1,
+                                            "missed_cells": ["b"]}
+
+
+def test_a_static_at_zero_goodput_gives_an_infinite_gain() -> None:
+    ratios, t = cell_targets("burst", _res(static=0, controller=8, oracle=10), 2.0)
+    assert math.isinf(ratios["oracle_gain_over_static"]) and t["captures_gain"]["status"] == "PASS"
+
+
+def test_the_budget_lays_the_runs_on_the_parallel_slots() -> None:
+    runs = [("static", 8.0, 20.0), ("controller", 8.0, 20.0)]
+    assert budget_s(runs, 2, 30.0) == pytest.approx(30 + 38)
+    assert budget_s(runs, 1) == pytest.approx(35 + 38)
+    assert budget_s([("controller", 8.0, 600.0)] * 8, 3) == pytest.approx(3 * 618)
+
+
+def test_cuts_before_the_first_request_are_startup_cuts_not_healthy_cuts() -> None:
+    decisions = [_d(1, "decode-0", "weight", 1.0, 0.0, "InstanceDown"), _d(2, "decode-0", "weight", 0.0, 0.02),
+                 _d(30, "decode-1", "weight", 1.0, 0.5)]
+    got = analyse(decisions, fault_plan(HEALTHY, FLEETS["2p4d"], 60), None, 1.0, load_from=10.0)
+    assert (got["startup_cuts"], got["healthy_weight_cuts"], got["decisions"]) == (1, 1, 3)
+    assert got["startup_cut_detail"][0]["reason"] == "InstanceDown"
