@@ -44,6 +44,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -89,9 +90,15 @@ def relative_score(
     """``(score, reference)``: 1 within ``tolerance`` x ``margin`` x the peers' median, else that over value.
 
     ``margin`` (at least 1) widens the tolerance by the sample noise of the value and its reference."""
-    if value is None or not peers:
+    return _score_against(value, median(peers) if peers else None, tolerance, floor, margin)
+
+
+def _score_against(
+    value: float | None, peers_median: float | None, tolerance: float, floor: float, margin: float
+) -> tuple[float, float | None]:
+    if value is None or peers_median is None:
         return 1.0, None
-    ref = max(median(peers), floor)
+    ref = max(peers_median, floor)
     limit = ref * tolerance * max(1.0, margin)
     if value <= limit:
         return 1.0, ref
@@ -103,8 +110,12 @@ def noise_margin(own_rse: float | None, peer_rses: Sequence[float], z: float) ->
 
     The median of k peers is taken as noisy as one of them over sqrt(k): with one or two peers the
     reference is itself a small sample, and the margin says so."""
+    return _margin(own_rse, median(peer_rses) if peer_rses else None, len(peer_rses), z)
+
+
+def _margin(own_rse: float | None, peers_rse_median: float | None, k: int, z: float) -> float:
     own = own_rse or 0.0
-    ref = median(peer_rses) / math.sqrt(len(peer_rses)) if peer_rses else 0.0
+    ref = peers_rse_median / math.sqrt(k) if peers_rse_median is not None and k else 0.0
     return 1.0 + z * math.sqrt(own * own + ref * ref)
 
 
@@ -197,30 +208,75 @@ def error_events(inst: InstanceSignals, window_s: float) -> float:
 Measure = Callable[[InstanceSignals, int], tuple[float | None, float | None]]
 
 
-def _values(peers: Sequence[InstanceSignals], pick: Measure, n: int) -> tuple[list[float], list[float]]:
-    values: list[float] = []
-    rses: list[float] = []
-    for p in peers:
-        v, rse = pick(p, n)
-        if v is not None:
-            values.append(float(v))
-            rses.append(rse or 0.0)
-    return values, rses
+def _median_without(ordered: list[float], drop: float | None) -> float | None:
+    """The median of ``ordered`` (sorted) with one copy of ``drop`` taken out (None: nothing taken)."""
+    if drop is None:
+        return median(ordered) if ordered else None
+    n = len(ordered) - 1
+    if n <= 0:
+        return None
+    cut = bisect.bisect_left(ordered, drop)
+
+    def at(j: int) -> float:  # the j-th value once ``drop`` is out
+        return ordered[j] if j < cut else ordered[j + 1]
+
+    mid = n // 2
+    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2.0
+
+
+class PeerIndex:
+    """The up instances of one role, each measure's values and noise sorted once.
+
+    Every instance is scored against the median of the *others*; this gives that median (and the
+    median of their noise) without one instance in O(log n), where rebuilding the peers' values
+    per instance made a tick O(n²) in the fleet's size."""
+
+    def __init__(self, members: Sequence[InstanceSignals], min_samples: int) -> None:
+        self._members = members
+        self._n = min_samples
+        self._by_measure: dict[Measure, tuple[list[float], list[float], dict[str, tuple[float, float]]]] = {}
+
+    def _sorted(self, pick: Measure) -> tuple[list[float], list[float], dict[str, tuple[float, float]]]:
+        got = self._by_measure.get(pick)
+        if got is None:
+            values: list[float] = []
+            rses: list[float] = []
+            own: dict[str, tuple[float, float]] = {}
+            for m in self._members:
+                v, rse = pick(m, self._n)
+                if v is not None:
+                    values.append(float(v))
+                    rses.append(rse or 0.0)
+                    own[m.name] = (float(v), rse or 0.0)
+            values.sort()
+            rses.sort()
+            got = self._by_measure[pick] = (values, rses, own)
+        return got
+
+    def others(self, pick: Measure, name: str) -> tuple[float | None, float | None, int]:
+        """``(median value, median noise, count)`` of the members other than ``name`` that have a value."""
+        values, rses, own = self._sorted(pick)
+        mine = own.get(name)
+        if mine is None:
+            return _median_without(values, None), _median_without(rses, None), len(values)
+        return _median_without(values, mine[0]), _median_without(rses, mine[1]), len(values) - 1
 
 
 def score_instance(
-    inst: InstanceSignals, peers: Sequence[InstanceSignals], cfg: PolicyConfig, window_s: float
+    inst: InstanceSignals, peers: Sequence[InstanceSignals] | PeerIndex, cfg: PolicyConfig, window_s: float
 ) -> tuple[Score, ...]:
-    """Score one up instance against ``peers`` (the *other* up instances of its role)."""
+    """Score one up instance against its peers: the *other* up instances of its role, given as a
+    list or as the :class:`PeerIndex` of all of them (``inst`` itself is left out by name)."""
     tol, fast, n = cfg.latency_tolerance, cfg.load_tolerance, cfg.min_samples
+    index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, n)
 
     def relative(name: str, pick: Measure, tolerance: float, note: str, floor: float = NOISE_FLOOR_S) -> Score:
         value, rse = pick(inst, n)
-        values, rses = _values(peers, pick, n)
-        if values and median(values) < floor:  # the reference is the noise floor itself, not a sample
-            rses = []
-        margin = noise_margin(rse, rses, cfg.noise_z)
-        s, ref = relative_score(value, values, tolerance, floor, margin)
+        ref_median, rse_median, k = index.others(pick, inst.name)
+        if ref_median is not None and ref_median < floor:  # the reference is the noise floor, not a sample
+            rse_median, k = None, 0
+        margin = _margin(rse, rse_median, k, cfg.noise_z)
+        s, ref = _score_against(value, ref_median, tolerance, floor, margin)
         return Score(name, s, value, ref, f"{note} vs peers' median (noise margin x{margin:.2f})")
 
     scores: list[Score] = []

@@ -22,12 +22,12 @@ likelier fault, and all-zero weights would route nothing). Pure: no I/O, no cloc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
-from controller.policy.scores import Score, error_events, reason_for, score_instance, worst
+from controller.policy.scores import PeerIndex, Score, error_events, reason_for, score_instance, worst
 from controller.policy.signals import InstanceSignals, Observation, Role
 
 EPS = 1e-9
@@ -108,7 +108,7 @@ def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -
 
 def step_instance(
     inst: InstanceSignals,
-    peers: list[InstanceSignals],
+    peers: Sequence[InstanceSignals] | PeerIndex,
     prev: WeightState,
     cfg: PolicyConfig,
     window_s: float,
@@ -290,6 +290,12 @@ def decide_weights(
     age = obs.data_age_s
     stale = age is None or age > cfg.stale_after_s
     out: list[WeightDecision] = []
+    by_role: dict[str, list[InstanceSignals]] = {}
+    for o in obs.instances:
+        by_role.setdefault(o.role, []).append(o)
+    unobservable = {r for r, members in by_role.items() if all(o.up is False for o in members)}
+    # each role's up instances, indexed once: every instance is scored against the others
+    peers = {r: PeerIndex([o for o in members if o.up], cfg.min_samples) for r, members in by_role.items()}
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         if stale:
@@ -297,15 +303,13 @@ def decide_weights(
             out.append(_hold(inst, p, "StaleData", f"{inst.name}: {what} (collector behind); weight held "
                              f"at {p.weight:.2f}"))
             continue
-        role = [o for o in obs.instances if o.role == inst.role]
-        if inst.up is False and all(o.up is False for o in role):
+        if inst.up is False and inst.role in unobservable:
             # Every instance of a role failing its scrapes at once is far more often the collector or
             # its network than the fleet; all-zero weights would also route nothing. Hold them.
             out.append(_hold(inst, p, "RoleUnobservable", f"{inst.name}: every {inst.role} instance fails its "
                              f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
             continue
-        peers = [o for o in role if o.name != inst.name and o.up]
-        out.append(step_instance(inst, peers, p, cfg, obs.window_s, obs.now, obs.history_s))
+        out.append(step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s))
     # what the observation left out or could not attribute, on every decision it shaped
     extra = {"untrusted_records": obs.untrusted_records,
              "unattributed_lease_expiries": obs.unattributed_lease_expiries}
