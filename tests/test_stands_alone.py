@@ -8,7 +8,7 @@ from tests.conftest import REPO
 
 
 def test_a_read_beside_the_repository_fails_the_test() -> None:
-    beside = REPO.parent / "shared" / "ARCHITECTURE.md"
+    beside = REPO.parent.joinpath("shared", "ARCHITECTURE.md")  # what the guard exists to refuse
     with pytest.raises(PermissionError, match="outside the repository"):
         beside.read_text()
 
