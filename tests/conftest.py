@@ -29,7 +29,7 @@ _OUTSIDE = (str(REPO.parent.joinpath("shared")) if REPO.parent in (Path(tempfile
 
 
 def _refuse_reads_beside_the_repository(event: str, args: tuple[object, ...]) -> None:
-    """The repository stands alone: no test opens a file beside it (e.g. ``../shared``).
+    """The repository stands alone: no test opens a file beside it (a sibling folder of the checkout).
 
     An audit hook on ``open``: a path under the repository's parent folder but outside the
     repository itself raises, so such a test fails here and not only on a clone with
