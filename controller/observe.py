@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from statistics import median, median_low
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -102,37 +103,27 @@ def _sum_up(members: list[InstanceSignals], attr: str) -> float | None:
     return sum(values) if values else None
 
 
-def _latest_gauges(session: Session, since: float, until: float) -> dict[str, _Latest]:
-    """Per instance: the latest KV-fetch gauges and the mean queue time over the window."""
-    stmt = (
-        select(Snapshot.instance, Snapshot.up, Snapshot.ts, Snapshot.kv_fetch_waiting_to_start,
-               Snapshot.kv_fetch_in_progress, Snapshot.kv_fetch_completed_waiting, Snapshot.queue_sum,
-               Snapshot.queue_count)
-        .where(Snapshot.ts >= since, Snapshot.ts <= until)
-        .order_by(Snapshot.ts)
-    )
-    rows: dict[str, list[tuple[float | None, ...]]] = defaultdict(list)
-    down_since: dict[str, float | None] = {}
-    for inst, up, ts, a, b, c, qs, qc in session.execute(stmt):
-        if up:
-            rows[inst].append((a, b, c, qs, qc))
-            down_since[inst] = None
-        elif down_since.get(inst) is None:
-            down_since[inst] = ts
+def _latest_gauges(rows_by_instance: dict[str, list[Any]], since: float, until: float) -> dict[str, _Latest]:
+    """Per instance: the latest KV-fetch gauges and the mean queue time over the window's rows."""
     out: dict[str, _Latest] = {}
-    for inst in set(rows) | set(down_since):
-        since_ts = down_since.get(inst)
-        rs = rows.get(inst)
+    for inst, rows in rows_by_instance.items():
+        up_rows = [r for r in rows if r.up]
+        down_since: float | None = None
+        for r in reversed(rows):  # the first of the trailing run of down scrapes
+            if r.up:
+                break
+            down_since = r.ts
         # No up scrape in the whole window: down at least since the window began.
-        down_for = None if since_ts is None else max(0.0, until - (since if not rs else since_ts))
-        if not rs:
+        down_for = None if down_since is None else max(0.0, until - (since if not up_rows else down_since))
+        if not up_rows:
             out[inst] = _Latest(None, None, down_for)
             continue
-        a, b, c = rs[-1][0], rs[-1][1], rs[-1][2]
-        parts = [v for v in (a, b, c) if v is not None]
+        last = up_rows[-1]
+        parts = [v for v in (last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress,
+                             last.kv_fetch_completed_waiting) if v is not None]
         backlog = sum(parts) if parts else None
-        qsum = q.counter_increase(r[3] for r in rs)
-        qcnt = q.counter_increase(r[4] for r in rs)
+        qsum = q.counter_increase(r.queue_sum for r in up_rows)
+        qcnt = q.counter_increase(r.queue_count for r in up_rows)
         out[inst] = _Latest(backlog, qsum / qcnt if qsum is not None and qcnt else None, down_for)
     return out
 
@@ -154,6 +145,7 @@ class _PoolAgg:
     residence: list[float]
     kv_bytes: list[float]
     service_ttft: list[float]
+    unqueued_ttft: list[float] = field(default_factory=list)
     done: int = 0
 
 
@@ -162,9 +154,10 @@ def _records(session: Session, since: float, until: float, only: q.RecordFilter)
         RequestRecord.p_instance, RequestRecord.d_instance, RequestRecord.p_pool, RequestRecord.d_pool,
         RequestRecord.status, RequestRecord.http_status, RequestRecord.proxy_in, RequestRecord.p_sent,
         RequestRecord.p_done, RequestRecord.d_sent, RequestRecord.first_token, RequestRecord.done,
-        RequestRecord.ttft_s, RequestRecord.kv_bytes, RequestRecord.error,
+        RequestRecord.ttft_s, RequestRecord.kv_bytes, RequestRecord.error, RequestRecord.lease_expiry_suspect,
+        RequestRecord.p_queue_s,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
-    return session.execute(only.apply(stmt))  # rows unpack like tuples
+    return session.connection().execute(only.apply(stmt))  # Core rows, unpacked like tuples
 
 
 def _charge_attempts(session: Session, since: float, until: float, only: q.RecordFilter,
@@ -203,6 +196,22 @@ def _charge_leases(session: Session, since: float, until: float, lease_s: float,
                 per_inst[e["d_instance"]].lease_charged += 1
             if isinstance(e.get("p_instance"), str):
                 per_inst[e["p_instance"]].lease_on_p += 1
+
+
+def _pairs_percentile(by_pair: dict[tuple[str, str], list[float]], side: int, members: set[str], pct: float,
+                      pooled: list[float] | None = None) -> float | None:
+    """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
+    (``side`` 0: P, 1: D), of each pair's percentile. One slow P or D (the weights' job) slows at most
+    half the pairs, so it does not read as the whole pool being slow; overload slows every pair. Where
+    no pair has enough samples yet (a large fleet, a short window), the ``pooled`` percentile if given."""
+    per = sorted(v for pair, vals in by_pair.items()
+                 if pair[side] in members and len(vals) >= MIN_TTFT_SAMPLES
+                 and (v := q.percentile(vals, pct)) is not None)
+    if per:
+        return median_low(per)
+    if pooled is not None and len(pooled) >= MIN_TTFT_SAMPLES:
+        return q.percentile(pooled, pct)
+    return None
 
 
 def _rse(values: list[float]) -> float | None:
@@ -248,27 +257,30 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``)."""
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
-    sigs = q.instance_signals(session, since, now)
+    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
+    sigs = q.signals_of_rows(snaps)
     recent_s = max(3.0, 3.0 * settings.collector.scrape_interval_s)  # the last three scrapes
-    recent = q.instance_signals(session, now - recent_s, now)
-    latest = _latest_gauges(session, since, now)
+    recent = q.signals_of_rows(snaps, since=now - recent_s)
+    latest = _latest_gauges(snaps, since, now)
     trusted = trusted_filter(settings)
     charged = replace(trusted, charged_only=True)
-    hand = q.handoff_stats_by(session, since, now, ("d_instance", "p_instance", "pair"), only=charged)
-    by_d, by_p, pairs = hand["d_instance"], hand["p_instance"], hand["pair"]
 
     per_inst: dict[str, _RecordAgg] = defaultdict(lambda: _RecordAgg([]))
     pools: dict[str, _PoolAgg] = {name: _PoolAgg(p.role, [], [], []) for name, p in settings.pools.items()}
     ttft_by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
+    service_by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
+    unqueued_by_pair: dict[tuple[str, str], list[float]] = defaultdict(list)
     handoffs: list[float] = []
     first_in = now
+    charged_handoffs: list[tuple[object, ...]] = []  # the rows q.handoff_stats_of reads
     for (p_inst, d_inst, p_pool, d_pool, status, http, t_in, p_sent, p_done, d_sent, first, done, ttft,
-         kvb, error) in _records(session, since, now, trusted):
+         kvb, error, suspect, p_queue) in _records(session, since, now, trusted):
         if q.is_client_error(status if isinstance(status, str) else None, http if isinstance(http, int) else None):
             for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
                 if isinstance(inst, str):
                     per_inst[inst].refused += 1
             continue
+        charged_handoffs.append((p_inst, d_inst, p_done, first, suspect))
         ok = status == "ok"
         failed = status in FAILED and error not in NOT_CHARGED_ERRORS
         decoded = d_sent is not None
@@ -297,10 +309,18 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
         service = ttft - max(0.0, p_sent - t_in) if ok and isinstance(ttft, float) and isinstance(
             p_sent, float) else None
+        unqueued = max(0.0, service - p_queue) if service is not None and isinstance(p_queue, float) else None
+        pair = (p_inst, d_inst) if isinstance(p_inst, str) and isinstance(d_inst, str) else None
+        if pair is not None and service is not None:
+            service_by_pair[pair].append(service)
+        if pair is not None and unqueued is not None:
+            unqueued_by_pair[pair].append(unqueued)
         for pool_name, end in ((p_pool, p_done), (d_pool, done)):
             agg = pools.get(pool_name) if isinstance(pool_name, str) else None
             if agg is not None and service is not None:
                 agg.service_ttft.append(service)
+            if agg is not None and unqueued is not None:
+                agg.unqueued_ttft.append(unqueued)
             if agg is None or not isinstance(end, float):
                 continue
             agg.done += 1
@@ -308,6 +328,8 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             if isinstance(kvb, int):
                 agg.kv_bytes.append(float(kvb))
 
+    hand = q.handoff_stats_of(charged_handoffs, ("d_instance", "p_instance", "pair"))
+    by_d, by_p, pairs = hand["d_instance"], hand["p_instance"], hand["pair"]
     _charge_attempts(session, since, now, charged, per_inst)
     _charge_leases(session, since, now, settings.controller.kv_lease_s, charged, per_inst)
 
@@ -378,19 +400,13 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         rate = agg.done / covered if agg.done >= MIN_POOL_REQUESTS else None
         mean_res = _mean(agg.residence)
         pct = settings.slo.ttft.percentile
-        # The pool's TTFT: the lower median over the P x D pairs through its up members of each
-        # pair's TTFT percentile. One slow P or D (the weights' job) slows at most half the pairs,
-        # so it does not read as the whole pool being overloaded; overload slows every pair.
         side = 0 if agg.role == "prefill" else 1
         up_members = {i.name for i in members if i.up}
-        per = [q.percentile(v, pct) for pair, v in ttft_by_pair.items()
-               if pair[side] in up_members and len(v) >= MIN_TTFT_SAMPLES]
-        per_ok = sorted(v for v in per if v is not None)
         pool_sigs.append(PoolSignals(
             name=name, role=agg.role,
             inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
             completed_per_s=rate,
-            ttft_p_s=median_low(per_ok) if per_ok else None,
+            ttft_p_s=_pairs_percentile(ttft_by_pair, side, up_members, pct),
             kv_usage=_mean([u for u in usages if u is not None]),
             # The typical member's backlog times the members: one D that does not pull (the weights'
             # job) does not read as the whole pool being behind.
@@ -400,8 +416,8 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             # weights' business (its peers take its share), a queue on every P is the pool's.
             waiting_now=_typical_times_members(members, "num_waiting") if agg.role == "prefill" else None,
             running_now=_sum_up(members, "num_running") if agg.role == "prefill" else None,
-            service_ttft_p_s=(q.percentile(agg.service_ttft, pct)
-                              if len(agg.service_ttft) >= MIN_TTFT_SAMPLES else None),
+            service_ttft_p_s=_pairs_percentile(service_by_pair, side, up_members, pct, agg.service_ttft),
+            unqueued_ttft_p_s=_pairs_percentile(unqueued_by_pair, side, up_members, pct, agg.unqueued_ttft),
         ))
 
     pair_sigs = tuple(

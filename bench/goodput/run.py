@@ -66,7 +66,16 @@ from bench.goodput.report import (  # noqa: E402
     summary,
     table,
 )
-from bench.goodput.stack import CONTROLLER_WINDOW_S, INTERVAL_S, OUTPUT, PROMPT, SIM, SLO_TPOT_S, SLO_TTFT_S  # noqa: E402
+from bench.goodput.stack import (  # noqa: E402
+    CONTROLLER_WINDOW_S,
+    INTERVAL_S,
+    OUTPUT,
+    PROMPT,
+    SIM,
+    SLO_TPOT_S,
+    SLO_TTFT_S,
+    STARTUP_HOLD_S,
+)
 
 CAPACITY_WARM_S = 2.0
 
@@ -348,7 +357,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loads", help="75, 90 (default both; percent of the measured capacity)")
     ap.add_argument("--faults", help="names or globs (default all eight); a, b, c = the old scenarios")
     ap.add_argument("--contenders", help="round_robin, static, controller, oracle, killed (default all)")
-    ap.add_argument("--warm", type=float, default=8.0, help="seconds before the fault (default 8)")
+    ap.add_argument("--warm", type=float, default=None,
+                    help="seconds before the fault (default: the controller's start-up hold, 2 windows, + 2 s = "
+                         f"{STARTUP_HOLD_S + 2:g}; --warm 8 puts the fault inside it, as on a first deployment)")
     ap.add_argument("--measure", type=float, default=20.0, help="measured seconds from the fault (default 20)")
     ap.add_argument("--jobs", type=int, default=None,
                     help="runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; see README)")
@@ -385,6 +396,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(exc))
     if a.jobs is None:
         a.jobs = 2 if a.healthy else 3
+    if a.warm is None:
+        # A fleet meets the controller's start-up hold (controller.noise.startup_s) only when pdscope is
+        # first deployed; faults on a running fleet come after it.
+        a.warm = STARTUP_HOLD_S + 2.0
     if a.jobs < 1 or a.warm < 0 or a.measure <= 0 or a.healthy_duration <= 0 or not a.rates_per_p or not a.seeds:
         ap.error("--jobs >= 1, --warm >= 0, --measure/--healthy-duration > 0, --rates-per-p and --seeds non-empty")
     if a.fail_static_s is None:

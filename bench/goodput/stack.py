@@ -29,6 +29,7 @@ MODEL = "sim-llama-70b"
 SIM = {"link_bandwidth_bytes_per_s": 2.5e9, "lease_duration_s": 3.0}
 INTERVAL_S = 1.0
 CONTROLLER_WINDOW_S = 10.0
+STARTUP_HOLD_S = 2 * CONTROLLER_WINDOW_S  # controller.noise.startup_s's default: no latency cuts before it
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

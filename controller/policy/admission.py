@@ -104,8 +104,10 @@ def prefill_queue_s(pool: PoolSignals) -> float | None:
 
 
 def ttft_left_s(pool: PoolSignals, cfg: PolicyConfig) -> float:
-    """The TTFT budget the fleet leaves for queueing: target minus what it takes (at least 10% of it)."""
-    taken = pool.service_ttft_p_s if pool.service_ttft_p_s is not None else 0.0
+    """The TTFT budget the fleet leaves for P's queue: target minus what a request takes besides that
+    queue (at least 10% of the target). Where P's spans carry no queue time, minus the whole service
+    TTFT, which counts the window's queue against the queue of now as well (stricter)."""
+    taken = next((v for v in (pool.unqueued_ttft_p_s, pool.service_ttft_p_s) if v is not None), 0.0)
     return max(QUEUE_BUDGET_FLOOR * cfg.ttft_target_s, cfg.ttft_target_s - taken)
 
 
@@ -226,7 +228,7 @@ def decide_pool(
         "inflight_requests": inflight, "completed_per_s": pool.completed_per_s, "ttft_p_s": pool.ttft_p_s,
         "kv_usage": pool.kv_usage, "handoff_backlog_requests": pool.handoff_backlog_requests,
         "waiting_now": pool.waiting_now, "running_now": pool.running_now,
-        "service_ttft_p_s": pool.service_ttft_p_s,
+        "service_ttft_p_s": pool.service_ttft_p_s, "unqueued_ttft_p_s": pool.unqueued_ttft_p_s,
         "ttft_target_s": cfg.ttft_target_s, "handoff_budget_s": cfg.handoff_budget_s,
     }
     return PoolDecision(

@@ -96,6 +96,10 @@ class PoolSignals:
     # The SLO percentile of TTFT minus the time spent waiting for admission in the proxy: what the
     # fleet itself takes; the TTFT target minus this is what a request can afford to wait for a slot.
     service_ttft_p_s: float | None = None
+    # The same without the time spent in P's queue (vLLM's queued span): what a request that found P's
+    # queue empty would take. P's queue factor adds the queue of now to this, so the queue of the window
+    # is not counted twice. None where P's spans do not carry their queue time.
+    unqueued_ttft_p_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,10 @@ class Seeder:
     def requests(self, ts: float, pairs: list[tuple[str, str]], *, handoff_s: dict[str, float] | None = None,
                  prefill_s: dict[str, float] | None = None, status: str = "ok", suspect: set[str] | None = None,
                  tpot_s: float = 0.02, kv_bytes: int = 1_000_000, http_status: int | None = None,
-                 sender: str | None = None) -> None:
+                 sender: str | None = None, queue_s: dict[str, float] | None = None) -> None:
         """One record per (P, D) pair, arriving at ``ts``; handoff/prefill times per instance name;
-        ``sender`` the OTLP sender the collector stored (None: sent without auth)."""
+        ``queue_s`` per P: the part of its prefill time spent in its queue (the span's time in queue; not
+        recorded when absent); ``sender`` the OTLP sender the collector stored (None: sent without auth)."""
         handoff_s = handoff_s or {}
         prefill_s = prefill_s or {}
         rows = []
@@ -117,7 +118,7 @@ class Seeder:
                 tpot_s=tpot_s if ok else None, e2e_s=done - ts, slo_ttft_met=ok and ttft <= 2.0,
                 slo_tpot_met=ok and tpot_s <= 0.1, slo_met=met, kv_bytes=kv_bytes, prompt_tokens=1000,
                 completion_tokens=26, lease_expiry_suspect=bool(suspect and d in suspect),
-                http_status=http_status, sender=sender,
+                http_status=http_status, sender=sender, p_queue_s=(queue_s or {}).get(p),
             ))
         with transaction(self.factory) as s:
             s.add_all(rows)

@@ -67,6 +67,25 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 0.5
 
 
+def test_pool_service_ttft_is_not_one_slow_instance(world: World) -> None:
+    """One slow D (the weights' business) slows a quarter of the pairs: the pool's service TTFT is the
+    lower median over the pairs, not the pooled p99 that those requests alone make; the unqueued
+    TTFT takes P's queue time out of it."""
+    for _ in range(12):
+        now = world.clock.advance(1.0)
+        world.seeder.scrape(now - 0.2)
+        world.seeder.requests(now - 0.5, all_pairs(), handoff_s={"decode-2": 3.0},
+                              queue_s={"prefill-0": 0.1, "prefill-1": 0.1})
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, world.clock())
+    pools = {p.name: p for p in obs.pools}
+    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 3.0  # the pooled percentile: decode-2's
+    for name in ("prefill", "decode"):
+        # 0.001 admission + 0.2 prefill + 0.05 handoff, less the admission wait
+        assert pools[name].service_ttft_p_s == pytest.approx(0.25)
+        assert pools[name].unqueued_ttft_p_s == pytest.approx(0.15)  # less P's 0.1 s in its queue
+
+
 def test_empty_store_observes_unknowns(world: World) -> None:
     with transaction(world.factory) as s:
         obs = observe(s, world.settings, world.clock())

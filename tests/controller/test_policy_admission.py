@@ -75,6 +75,14 @@ CASES = [
     # Little's law says 10, P holds 30 running + 30 waiting now: 60 - (30 - 10 that fit the budget) = 40
     Case("in flight is what P holds now when Little's law lags a queue",
          [replace(Q, inflight_requests=10.0, running_now=30.0, waiting_now=30.0)] * 2, None, [100, 40]),
+    # The service TTFT of 1.5 s holds the window's own queue: with 0.9 s of it P's queue, a request that
+    # found the queue empty takes 0.6 s, so 1.4 s of the target is left for the queue of now. 20 waiting at
+    # 20/s (1 s) fits it: counting the window's queue again would have cut to 30 (the healthy-at-90% cut).
+    Case("the queue of now is weighed against what a request takes besides P's queue, not counted twice",
+         [replace(Q, waiting_now=20.0, unqueued_ttft_p_s=0.6)] * 3, None, [100, 100, 100]),
+    # 40 waiting, 28 of them fit 1.4 s at 20/s: in flight (8 running + 40 waiting) minus the other 12
+    Case("a queue longer than that budget still cuts the excess",
+         [replace(Q, waiting_now=40.0, unqueued_ttft_p_s=0.6)] * 2, None, [100, 36]),
     Case("a queue cut needs no cooldown: the gauges show it at the next scrape",
          [replace(Q, waiting_now=20.0)] * 2 + [replace(Q, waiting_now=20.0, inflight_requests=30.0)], None,
          [100, 30, 20]),

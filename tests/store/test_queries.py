@@ -21,7 +21,9 @@ from store.queries import (
     instance_signals,
     percentile,
     pool_signals,
+    signals_of_rows,
     slo_summary,
+    snapshot_window,
 )
 
 LE = [0.1, 0.5, 1.0]
@@ -97,6 +99,14 @@ def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) 
     assert dec.generation_tokens_per_s == pytest.approx(30.0 + 10.0)
     assert dec.kv_cache_usage == pytest.approx(0.6)
     assert set(only_dec) == {"d0", "d1"}
+    # one read, several windows (the controller's window and its tail): the same as reading each
+    with factory() as s:
+        rows = snapshot_window(s, 90.0, 130.0)
+        tail = instance_signals(s, 105.0, 130.0)
+    assert signals_of_rows(rows) == inst
+    assert signals_of_rows(rows, since=105.0) == tail
+    assert tail["d0"].seconds == 10.0 and tail["d0"].generation_tokens_per_s == pytest.approx(100 / 10)
+    assert signals_of_rows(rows, since=125.0) == {}
 
 
 def test_histogram_window_and_quantiles(factory: sessionmaker[Session]) -> None:
