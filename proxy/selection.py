@@ -74,29 +74,26 @@ class Selector:
         if len(candidates) == 1:
             return candidates[0]
         penalty = out.penalties(now)
-        if penalty:
-            return self._pick_penalized(candidates, penalty)
-        first, second = self._two_by_weight(candidates)
-        load = self.inflight
-        # Strictly less: when both are equally loaded (e.g. idle) the weighted draw decides,
-        # so traffic shares follow the weights at low load and load evens out at high load.
-        if load.get(second.name, 0) / second.weight < load.get(first.name, 0) / first.weight:
-            return second
-        return first
+        # While some instance has failures in the window, weights are scaled by their factor.
+        weights = [t.weight * penalty.get(t.name, 1.0) for t in candidates] if penalty else \
+            [t.weight for t in candidates]
+        return self._two_choices(candidates, weights)
 
-    def _pick_penalized(self, candidates: list[Target], penalty: dict[str, float]) -> Target:
-        # Only while some instance has failures in the window: weights scaled by their factor.
-        weights = [t.weight * penalty.get(t.name, 1.0) for t in candidates]
+    def _two_choices(self, candidates: list[Target], weights: list[float]) -> Target:
+        """Power of two choices: two distinct draws by weight, the one with less in flight per weight."""
         total = sum(weights)
-        i = self._draw_weights(weights, total, -1)
-        j = self._draw_weights(weights, total - weights[i], i)
+        i = self._draw(weights, total, -1)
+        j = self._draw(weights, total - weights[i], i)
         load = self.inflight
         first, second = candidates[i], candidates[j]
+        # Strictly less: when both are equally loaded (e.g. idle) the weighted draw decides,
+        # so traffic shares follow the weights at low load and load evens out at high load.
         if load.get(second.name, 0) / weights[j] < load.get(first.name, 0) / weights[i]:
             return second
         return first
 
-    def _draw_weights(self, weights: list[float], total: float, skip: int) -> int:
+    def _draw(self, weights: list[float], total: float, skip: int) -> int:
+        """An index drawn with probability proportional to its weight, ``skip`` left out."""
         x = self.rng.random() * total
         last = -1
         for i, w in enumerate(weights):
@@ -104,26 +101,6 @@ class Selector:
                 continue
             last = i
             x -= w
-            if x < 0:
-                return i
-        return last
-
-    def _two_by_weight(self, candidates: list[Target]) -> tuple[Target, Target]:
-        total = 0.0
-        for t in candidates:
-            total += t.weight
-        first_i = self._draw(candidates, total, -1)
-        second_i = self._draw(candidates, total - candidates[first_i].weight, first_i)
-        return candidates[first_i], candidates[second_i]
-
-    def _draw(self, candidates: list[Target], total: float, skip: int) -> int:
-        x = self.rng.random() * total
-        last = -1
-        for i, t in enumerate(candidates):
-            if i == skip:
-                continue
-            last = i
-            x -= t.weight
             if x < 0:
                 return i
         return last

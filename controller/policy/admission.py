@@ -10,10 +10,13 @@ here they are computed from three pressures, each a factor in [0, 1]:
 * ``ttft``    P pools (where requests enter; a D pool is not cut for a slow P): the SLO
               percentile of TTFT through the pool against the target.
 * ``queue``   P pools: the wait in P's own queues now (the lower median member's requests
-              waiting at the latest scrape x members ÷ the pool's completion rate) against the TTFT budget the fleet leaves (target
-              minus the SLO percentile of TTFT without the admission wait, at least 10 % of
-              the target). The fastest of the four: the gauges are a scrape old, where TTFT
-              needs requests to finish first.
+              waiting at the latest scrape x members ÷ the pool's completion rate) against the
+              TTFT budget the fleet leaves for that queue: target minus the SLO percentile of
+              TTFT without the admission wait and without the request's time in P's queue (so
+              the window's queue is not counted twice against the queue of now; where P's spans
+              carry no queue time, without the admission wait only), at least 10 % of the
+              target. The fastest of the four: the gauges are a scrape old, where TTFT needs
+              requests to finish first.
 
 ``pressure = min(factors)``. Under ``cut_below`` (at once when at most ``limit_cut_floor``,
 else on the second tick in a row, so one noisy scrape cuts nothing) the request limit is cut

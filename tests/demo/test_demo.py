@@ -17,23 +17,10 @@ import pytest
 import yaml
 
 from tests.ports import free_ports
+from tests.processes import processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def _processes_mentioning(needle: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if needle in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 def _weight_fell(line: str, instance: str) -> bool:
@@ -105,5 +92,5 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
         reader.join(timeout=5)
     assert "stopped." in "\n".join(lines)
     time.sleep(1)
-    assert _processes_mentioning(str(cfg)) == [], "processes left behind after the demo stopped"
-    assert _processes_mentioning(str(workdir)) == [], "processes left behind after the demo stopped"
+    assert processes_mentioning(str(cfg)) == [], "processes left behind after the demo stopped"
+    assert processes_mentioning(str(workdir)) == [], "processes left behind after the demo stopped"

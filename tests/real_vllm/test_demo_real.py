@@ -24,25 +24,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from store.db import make_engine, session_factory
 from store.models import RequestRecord
 from tests.ports import free_ports
+from tests.processes import processes_mentioning
 from tests.real_vllm.conftest import RealPD
 
 pytestmark = pytest.mark.real_vllm
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _processes_mentioning(needle: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if needle in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 def _joined_records(store_url: str, p_name: str, d_name: str) -> list[RequestRecord]:
@@ -124,7 +111,7 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
     leftovers: list[int] = []
     deadline = time.monotonic() + 15  # children were reaped by the demo; /proc may lag a moment
     while time.monotonic() < deadline:
-        leftovers = _processes_mentioning(str(workdir))
+        leftovers = processes_mentioning(str(workdir))
         if not leftovers:
             break
         time.sleep(0.5)
