@@ -112,7 +112,9 @@ class Stack:
             "slo": {"ttft": {"target_ms": SLO_TTFT_S * 1000}, "tpot": {"target_ms": SLO_TPOT_S * 1000},
                     "window_s": 30},
             "store": {"url": self.store_url},
-            "simulator": {**SIM, "seed": spec.sim_seed, "admin_port": self.ports["admin"]},
+            # Controlled runs: the simulated vLLMs send their request spans to the collector, as vLLM does
+            # with --otlp-traces-endpoint (P's queue time is in them); the others have no collector.
+            "simulator": {**SIM, "seed": spec.sim_seed, "admin_port": self.ports["admin"], "tracing": controlled},
             "collector": {"port": self.ports["collector"], "scrape_interval_s": INTERVAL_S,
                           "scrape_timeout_s": 0.8 * INTERVAL_S},
             "controller": {"port": self.ports["controller"], "interval_s": INTERVAL_S,

@@ -64,6 +64,7 @@ SIGNAL_REASONS = {
     "handoff": "SlowHandoff",
     "nixl": "SlowKVTransfer",
     "ttft_now": "SlowPrefill",
+    "speed": "SlowPrefill",
     "nixl_now": "SlowKVTransfer",
     "load": "Backlog",
     "errors": "TransferFailures",
@@ -185,6 +186,15 @@ def _nixl(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
     return None, None
 
 
+def _prefill_work(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+    """P's own time per request without its queue: vLLM's mean TTFT less its mean queue time over the
+    window (a P request is one token, so its TTFT is queue + prefill). How fast it works, not how busy it is."""
+    if (inst.role == "prefill" and inst.ttft_mean_s is not None and inst.queue_mean_s is not None
+            and inst.requests >= n):
+        return max(0.0, inst.ttft_mean_s - inst.queue_mean_s), count_rse(inst.requests)
+    return None, None
+
+
 def _ttft_now(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
     if inst.ttft_recent_s is not None and inst.ttft_recent_count >= MIN_RECENT_SAMPLES:
         return inst.ttft_recent_s, count_rse(inst.ttft_recent_count)
@@ -279,10 +289,26 @@ def score_instance(
         s, ref = _score_against(value, ref_median, tolerance, floor, margin)
         return Score(name, s, value, ref, f"{note} vs peers' median (noise margin x{margin:.2f})")
 
+    def speed() -> Score:
+        # Clearly slower per request than its peers (past the tolerance and the noise): its share follows
+        # its speed, peers' time ÷ its own, whatever its queue. The latency scores shrink as a cut empties
+        # its queue, and a P that works at a third of its peers' speed read healthy again at 0.4 and was
+        # raised back into its queue; its speed does not change with the share it gets.
+        value, rse = _prefill_work(inst, n)
+        ref, rse_ref, k = index.others(_prefill_work, inst.name)
+        margin = _margin(rse, rse_ref, k, cfg.noise_z)
+        note = f"prefill s per request (TTFT less queue) vs peers' median (noise margin x{margin:.2f})"
+        if value is None or ref is None or ref < NOISE_FLOOR_S:
+            return Score("speed", 1.0, value, ref, note)
+        if value <= ref * tol * max(1.0, margin):
+            return Score("speed", 1.0, value, ref, note)
+        return Score("speed", min(1.0, ref / value), value, ref, note + ": its share follows its speed")
+
     scores: list[Score] = []
     if inst.role == "prefill":
         scores.append(relative("ttft", _latency, tol, "queue+prefill s"))
         scores.append(relative("ttft_now", _ttft_now, fast, "vLLM TTFT s over the last 3 scrapes"))
+        scores.append(speed())
     hand = relative("handoff", _handoff, tol, "handoff p50 s")
     if (hand.value < 1.0 and hand.observed is not None and hand.reference is not None
             and hand.observed > cfg.ttft_target_s and hand.reference * tol <= cfg.ttft_target_s):

@@ -31,7 +31,7 @@ from controller.policy.scores import PeerIndex, Score, error_events, reason_for,
 from controller.policy.signals import InstanceSignals, Observation, Role
 
 EPS = 1e-9
-LATENCY = ("ttft", "ttft_now", "handoff", "nixl", "nixl_now", "load")
+LATENCY = ("ttft", "ttft_now", "speed", "handoff", "nixl", "nixl_now", "load")
 EVIDENCE = ("errors", "failures", "kv")  # facts, not comparisons: they may cut in a start-up window
 # Measured over the last three scrapes only: noisy, so even a severe reading waits for a second tick,
 # unless it is extreme (score under this: over 6x the peers' median, e.g. a stuck instance).

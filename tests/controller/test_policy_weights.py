@@ -144,6 +144,18 @@ def _slow_p(r: Replay) -> None:
     assert set(r.weights("prefill-0")) == {1.0}
 
 
+def _slow_p_stays_at_its_speed(r: Replay) -> None:
+    w = r.weights("prefill-1")
+    # 3x slower per request: its share goes to about a third, and stays there once the cut has emptied its
+    # queue and its latency reads within tolerance again (it used to be raised back into its queue)
+    assert 0.3 <= w[-1] <= 0.4, w
+    assert "Recovering" not in r.reasons("prefill-1")[6:], r.reasons("prefill-1")
+    assert max(w[8:]) - min(w[8:]) < 0.05, w
+    d = r.decision(len(w) - 1, "prefill-1")
+    assert d.scores["speed"] == pytest.approx(0.2 / 0.6, abs=1e-3) and d.scores["ttft"] == 1.0
+    assert set(r.weights("prefill-0")) == {1.0}
+
+
 def _uniform(r: Replay) -> None:
     for n in ("decode-0", "decode-1", "decode-2", "decode-3"):
         assert set(r.weights(n)) == {1.0}, "a uniformly slow pool keeps equal weights"
@@ -264,6 +276,11 @@ CASES = [
     Case("too few requests to compare: handoff is ignored",
          at(range(1, 99), "decode-2", handoff_p50_s=5.0, requests=3, queue_mean_s=None), 8, _too_few),
     Case("a 3x slower P loses weight", at(range(1, 99), "prefill-1", contribution_s=0.6), 15, _slow_p),
+    Case("a 3x slower P keeps a share that follows its speed when its queue empties",
+         combine(at(range(0, 99), "prefill-0", queue_mean_s=0.0),
+                 at(range(1, 6), "prefill-1", contribution_s=0.6, ttft_mean_s=0.6, queue_mean_s=0.0),
+                 at(range(6, 99), "prefill-1", contribution_s=0.24, ttft_recent_s=0.24, ttft_mean_s=0.6,
+                    queue_mean_s=0.0)), 25, _slow_p_stays_at_its_speed),
     Case("a uniformly slow D pool keeps equal weights",
          combine(*(slow_d(5.0, name=f"decode-{i}") for i in range(4))), 10, _uniform),
     Case("KV usage near 100% costs weight", at(range(1, 99), "decode-0", kv_usage=0.99), 10, _kv),
