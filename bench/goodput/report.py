@@ -167,6 +167,55 @@ def healthy_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(out: dict[str, Any]) -> str:
+    """The matrix as the Markdown table of ``docs/goodput.md`` (goodput in requests/s; ✗ a missed
+    target, – one that does not apply)."""
+    cols = ("round_robin", "static", "controller", "oracle", "killed")
+    lines = ["| cell | RR | static | **controller** | oracle | killed | ctl/static | ctl/oracle | gain captured "
+             "| killed/RR | reaction | healthy cuts | ctl p99 TTFT |", "|" + "---|" * 13]
+
+    def mark(t: dict[str, Any] | None, text: str) -> str:
+        if t is None or t.get("status") == "-":
+            return "–"
+        return text + (" ✗" if t.get("status") == "MISS" else "")
+
+    for cell, c in out["cells"].items():
+        got = c["contenders"]
+        t = c["targets"]
+        gp = [f"{got[k]['goodput_rps']:.2f}" if got.get(k, {}).get("goodput_rps") is not None else "–" for k in cols]
+        ctl = got.get("controller", {})
+        gain = t.get("captures_gain", {})
+        lines.append("| " + " | ".join([
+            cell, gp[0], gp[1], f"**{gp[2]}**", gp[3], gp[4],
+            mark(t.get("do_no_harm"), fmt_x(t.get("do_no_harm", {}).get("value"))),
+            mark(t.get("near_oracle"), fmt_x(t.get("near_oracle", {}).get("value"))),
+            mark(gain, f"{gain['value'] * 100:.0f}%" if gain.get("value") is not None else "–"),
+            mark(t.get("alone_vs_rr"), fmt_x(t.get("alone_vs_rr", {}).get("value"))),
+            f"{c['reaction_ticks']}t" if c.get("reaction_ticks") is not None else "–",
+            mark(t.get("no_healthy_cuts"), str(t.get("no_healthy_cuts", {}).get("value"))),
+            fmt_s(ctl.get("ttft_p99_s")) + (" ✗" if t.get("burst_p99", {}).get("status") == "MISS" else ""),
+        ]) + " |")
+    lines.append("")
+    for name, sm in out["summary"].items():
+        lines.append(f"- `{name}`: {sm['pass']} pass, {sm['miss']} miss")
+    return "\n".join(lines)
+
+
+def healthy_markdown(out: dict[str, Any]) -> str:
+    """The healthy runs as a Markdown table."""
+    lines = ["| run | goodput/s | SLO attainment | p99 TTFT | weight cuts < 0.9 | limit cuts | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in out["runs"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {str(r['error'])[:60]} | | | | | MISS |")
+            continue
+        reasons = ", ".join(f"`{k}` ×{v}" for k, v in sorted(r["cut_reasons"].items()))
+        lines.append(f"| {name} | {r['goodput_rps']:.2f} | {r['slo_attainment'] * 100:.1f} % | {fmt_s(r['ttft_p99_s'])} "
+                     f"| {r['healthy_weight_cuts']} | {r['unexpected_limit_cuts']}{f' ({reasons})' if reasons else ''} "
+                     f"| {'PASS' if r['healthy_cuts'] == 0 else 'MISS'}{' (starved)' if r.get('starved') else ''} |")
+    return "\n".join(lines)
+
+
 # -- time budget ---------------------------------------------------------------------------------
 # Measured overhead of one run beyond warm + measure on the 2-core machine (start the services,
 # drain the last requests, stop): see the smoke figures in the README.
@@ -187,3 +236,20 @@ def budget_s(runs: list[tuple[str, float, float]], jobs: int, capacity_s: float 
         i = slots.index(min(slots))
         slots[i] += run_seconds(c, w, m)
     return capacity_s + max(slots)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.goodput.report RESULT.json``: print a result file as the Markdown of ``docs/goodput.md``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("result", help="a bench/goodput JSON (the matrix or --healthy)")
+    out = json.loads(Path(ap.parse_args(argv).result).read_text())
+    print(healthy_markdown(out) if "runs" in out else markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

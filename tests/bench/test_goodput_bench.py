@@ -19,7 +19,7 @@ from bench.goodput.catalogue import (
 )
 from bench.goodput.decisions import analyse, is_limit_cut
 from bench.goodput.oracle import oracle_schedule, oracle_table
-from bench.goodput.report import budget_s, cell_targets, summary
+from bench.goodput.report import budget_s, cell_targets, markdown, summary
 from bench.goodput.worker import workload
 from simulator.faults import parse_fault
 
@@ -167,6 +167,19 @@ def test_a_missing_or_failed_contender_makes_its_targets_not_applicable() -> Non
     cells = {"a": {"targets": t}, "b": {"targets": cell_targets("burst", _res(static=2, controller=1), 2.0)[1]}}
     assert summary(cells)["do_no_harm"] == {"target": "controller / static >= 0.98", "pass": 1, "miss": 1,
                                             "missed_cells": ["b"]}
+
+
+def test_the_docs_table_marks_misses_and_what_does_not_apply() -> None:
+    res = _res(round_robin=5, static=8, controller=7, oracle=10, killed=6)
+    ratios, t = cell_targets("burst", res, 2.0)
+    cells = {"2p4d:90:burst": {"contenders": res, "targets": t, "ratios": ratios, "reaction_ticks": 4}}
+    md = markdown({"cells": cells, "summary": summary(cells)}).splitlines()
+    assert md[2] == ("| 2p4d:90:burst | 5.00 | 8.00 | **7.00** | 10.00 | 6.00 | 0.88 ✗ | 0.70 ✗ | -50% ✗ | 1.20 | "
+                     "4t | 0 | 1.50s |")
+    assert "- `do_no_harm`: 0 pass, 1 miss" in md
+    _, t = cell_targets("kv_capacity", res, 2.0)  # no burst: its p99 target does not apply, no mark
+    assert markdown({"cells": {"c": {"contenders": res, "targets": t}}, "summary": {}}).splitlines()[2].endswith(
+        "| – | 0 | 1.50s |")
 
 
 def test_a_static_at_zero_goodput_gives_an_infinite_gain() -> None:
