@@ -157,7 +157,7 @@ def _records(session: Session, since: float, until: float, only: q.RecordFilter)
         RequestRecord.ttft_s, RequestRecord.kv_bytes, RequestRecord.error, RequestRecord.lease_expiry_suspect,
         RequestRecord.p_queue_s,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
-    return session.connection().execute(only.apply(stmt))  # Core rows, unpacked like tuples
+    return session.connection().execute(only.apply(stmt)).all()  # Core rows at once, unpacked like tuples
 
 
 def _charge_attempts(session: Session, since: float, until: float, only: q.RecordFilter,

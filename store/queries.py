@@ -151,27 +151,34 @@ def _snapshot_rows(
             out[snap.instance].append(snap)
         return out
     cols = [getattr(Snapshot, c) for c in dict.fromkeys(_LIGHT_COLUMNS)]
-    for row in session.connection().execute(select(*cols).where(*where).order_by(Snapshot.ts)):
+    for row in session.connection().execute(select(*cols).where(*where).order_by(Snapshot.ts)).all():
         out[row.instance].append(row)
     return out
+
+
+def _by_column(rows: Sequence[Any]) -> dict[str, Sequence[Any]]:
+    """The counter and gauge columns of ``rows`` (plain rows or ``Snapshot`` objects), each in row order."""
+    fields = getattr(rows[0], "_fields", None) if rows else None
+    if fields is not None:  # plain rows: transposed in one pass
+        return dict(zip(fields, zip(*rows, strict=True), strict=True))
+    return {col: [getattr(r, col) for r in rows] for col in (*COUNTERS, *GAUGES)}
 
 
 def _signals_of(name: str, rows: Sequence[Any]) -> InstanceSignals:
     last = rows[-1]
     up_rows = [r for r in rows if r.up]
     seconds = (up_rows[-1].ts - up_rows[0].ts) if len(up_rows) >= 2 else None
+    columns = _by_column(up_rows)
     incs: dict[str, float] = {}
     for col in COUNTERS:
-        inc = counter_increase(getattr(r, col) for r in up_rows)
+        inc = counter_increase(columns[col])
         if inc is not None:
             incs[col] = inc
     latest: dict[str, float] = {}
     for col in GAUGES:
-        for r in reversed(up_rows):
-            v = getattr(r, col)
-            if v is not None:
-                latest[col] = v
-                break
+        v = next((x for x in reversed(columns[col]) if x is not None), None)
+        if v is not None:
+            latest[col] = v
     finished = [incs[c] for c in ("requests_stop", "requests_length", "requests_abort", "requests_error", "requests_repetition") if c in incs]
     requests = sum(finished) if finished else None
     rejections = [incs[c] for c in ("admission_rejections_reqs", "admission_rejections_tokens") if c in incs]
@@ -464,6 +471,8 @@ def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | No
     """:func:`percentile` for each of ``qs``, sorting ``values`` once."""
     if not values:
         return [None] * len(qs)
+    if len(values) == 1:  # most of a large fleet's P x D pairs in a window
+        return [float(values[0])] * len(qs)
     s = sorted(values)
     out: list[float | None] = []
     for q in qs:
@@ -508,7 +517,7 @@ def handoff_stats_by(
         RequestRecord.first_token,
         RequestRecord.lease_expiry_suspect,
     ).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
-    return handoff_stats_of(session.connection().execute(only.apply(stmt)), bys)
+    return handoff_stats_of(session.connection().execute(only.apply(stmt)).all(), bys)
 
 
 def handoff_stats_of(
@@ -575,7 +584,8 @@ def slo_summary(
     stmt = only.apply(select(*cols, *([] if group_col is None else [group_col])).where(
         RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until))
     rows: dict[str, list[Any]] = defaultdict(list)
-    result = session.connection().execute(stmt)  # Core rows: the ORM layer adds nothing to a column read
+    # Core rows, fetched at once: the ORM layer and a fetch per row add nothing to a column read
+    result = session.connection().execute(stmt).all()
     if group_col is None:
         rows["all"] = list(result)
         if not rows["all"]:
