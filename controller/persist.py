@@ -80,10 +80,15 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
     weights: dict[str, WeightState] = {}
     for name, d in _latest_decisions(session, "weight").items():
         if d.new_value is not None:
-            smoothed = float(d.scores.get("_smoothed", d.new_value)) if isinstance(d.scores, dict) else d.new_value
-            # A weight last lowered keeps when: recovery from it is probed and judged by evidence.
+            carried = d.scores if isinstance(d.scores, dict) else {}
+            smoothed = float(carried.get("_smoothed", d.new_value))
+            # A weight last lowered keeps when: recovery from it is probed and judged by evidence; one last
+            # raised keeps when and where it was last cut (past that, one step per window).
             lowered = d.ts if d.old_value is not None and d.new_value < d.old_value else None
-            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason, 0, lowered)
+            raised = d.ts if d.old_value is not None and d.new_value > d.old_value else None
+            ceiling = carried.get("_ceiling", 1.0)
+            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason, 0, lowered, None,
+                                        float(ceiling) if isinstance(ceiling, int | float) else 1.0, raised)
     reqs = _latest_decisions(session, "max_inflight_requests")
     kvs = _latest_decisions(session, "max_inflight_kv_bytes")
     waits = _latest_decisions(session, "max_queue_wait_s")
@@ -128,7 +133,7 @@ def persist_tick(
     rows: list[Decision] = []
     for d in out.weights:
         if d.changed:
-            scores = dict(d.scores) | {"_target": d.target, "_smoothed": d.smoothed}
+            scores = dict(d.scores) | {"_target": d.target, "_smoothed": d.smoothed, "_ceiling": d.state.ceiling}
             rows.append(_decision(out, mode, "instance", d.instance, "weight", d.old_weight, d.weight, d.reason,
                                   d.message, d.arithmetic, d.inputs, scores))
     for name, s in out.served.items():

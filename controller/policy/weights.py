@@ -51,6 +51,10 @@ class WeightState:
     degraded_streak: int = 0
     lowered_at: float | None = None  # when a signal (or an outage) last lowered the weight: gates probes
     probe_at: float | None = None  # when the last probe raise was given (its first failures cut it back)
+    # The weight it had when a signal last cut it: where its trouble showed. A raise back up to it is
+    # quick; past it, one step per window, so the window sees it at each new share before the next.
+    ceiling: float = 1.0
+    raised_at: float | None = None  # when its weight last rose
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -
         instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=prev.weight,
         target=None, smoothed=prev.smoothed, reason=reason, message=message,
         arithmetic=f"weight = {prev.weight:.2f} (held)", inputs={"up": inst.up, "last_seen": inst.last_seen},
-        state=WeightState(prev.weight, prev.smoothed, 0, reason, 0, prev.lowered_at, prev.probe_at),
+        state=replace(prev, healthy_streak=0, reason=reason, degraded_streak=0),
     )
 
 
@@ -124,7 +128,8 @@ def step_instance(
                      f"(down after {cfg.down_after_s:.0f}s); weight held at {prev.weight:.2f}")
     if inst.up is False:
         # Down is a cut like any other: the way back is a probe, judged by evidence.
-        st = WeightState(0.0, 0.0, 0, "InstanceDown", 0, now if prev.weight > 0 else prev.lowered_at)
+        # (an outage says nothing of the share it can take: no ceiling)
+        st = WeightState(0.0, 0.0, 0, "InstanceDown", 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
         return WeightDecision(
             instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
             target=0.0, smoothed=0.0, reason="InstanceDown",
@@ -223,9 +228,19 @@ def step_instance(
                          "healthy ticks (a probe first)")
             reason, what = "Probing", f"healthy for {streak} ticks; probed with weight {new:.2f}"
             probe_at = now
+        elif streak >= cfg.recover_ticks and w >= prev.ceiling - EPS and prev.raised_at is not None and (
+                now - prev.raised_at < window_s):
+            # Past where it was last cut: the window has not yet seen it at this share.
+            new = w
+            arith.append(f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
+                         f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)")
+            reason, what = "HoldingAfterRaise", (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; "
+                                                 f"one step per {window_s:.0f}s window")
         elif streak >= cfg.recover_ticks:
-            new = min(smoothed, w + cfg.max_weight_step, 1.0)
-            arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1) = {new:.2f}"
+            step_to = min(smoothed, w + cfg.max_weight_step, 1.0)
+            new = min(step_to, prev.ceiling) if w < prev.ceiling - EPS else step_to
+            capped = f", back to {prev.ceiling:.2f} where it was last cut" if new < step_to - EPS else ""
+            arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = {new:.2f}"
                          f" after {streak} healthy ticks")
             reason, what = "Recovering", f"healthy for {streak} ticks"
         else:
@@ -255,8 +270,19 @@ def step_instance(
         smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
         scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
         state=WeightState(new, smoothed, streak, reason, degraded,
-                          now if new < w - EPS and reason != "ProbeFailed" else lowered_at, probe_at),
+                          now if new < w - EPS and reason != "ProbeFailed" else lowered_at, probe_at,
+                          _ceiling_after(prev, w, new, reason), now if new > w + EPS else prev.raised_at),
     )
+
+
+def _ceiling_after(prev: WeightState, w: float, new: float, reason: str) -> float:
+    """A cut on a signal sets the ceiling to the weight it was cut from; a failed probe and a raise keep it;
+    a weight back at 1 has none."""
+    if new >= 1.0 - EPS:
+        return 1.0
+    if new < w - EPS and reason not in ("ProbeFailed", "InstanceUp"):
+        return w
+    return prev.ceiling
 
 
 def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig) -> bool:

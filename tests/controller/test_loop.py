@@ -103,8 +103,14 @@ def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
     w = world.weight("decode-2")
     version = world.reconciler.table.version
     fresh = Reconciler(world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config)
+    cut = world.reconciler._state.weights["decode-2"]
     out = fresh.tick()
     assert next(d for d in out.weights if d.instance == "decode-2").old_weight == w
+    # where it was last cut survives the restart (past it, a raise waits a window)
+    assert w < 1.0 and cut.ceiling < 1.0
+    with transaction(world.factory) as s:
+        from controller.persist import load_state
+        assert load_state(s)[0].weights["decode-2"].ceiling == cut.ceiling
     assert fresh.table.version >= version
     assert any(a.rule == "KVLeaseExpired" for a in out.alerts.active)
     with transaction(world.factory) as s:

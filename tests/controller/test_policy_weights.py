@@ -105,6 +105,14 @@ def _recovers(r: Replay) -> None:
     rises = [b - a for a, b in itertools.pairwise(w[10:]) if b > a]
     assert rises and max(rises) <= CFG.max_weight_step + 1e-9
     assert steps_within_max(r)
+    # Back quickly to where it was last cut (0.25, cut from there to the floor); past it, one step per
+    # 30 s window (15 ticks), so the window sees it at each new share before the next
+    ceiling = 0.25
+    at_ceiling = next(i for i, x in enumerate(w) if i > 10 and x >= ceiling - 1e-9)
+    assert at_ceiling <= 17, w[10:20]
+    raises_above = [i for i in range(at_ceiling + 1, len(w)) if w[i] > w[i - 1] + 1e-9]
+    assert len(raises_above) == 3 and all(b - a >= 15 for a, b in itertools.pairwise([at_ceiling, *raises_above]))
+    assert "HoldingAfterRaise" in r.reasons("decode-2")[at_ceiling:]
 
 
 def _no_flap(r: Replay) -> None:
@@ -263,7 +271,7 @@ def load_noise(seed: int, d_mean: float, p_mean: float, d_done: float = 10.0, p_
 
 CASES = [
     Case("degraded D loses weight within 3 ticks", slow_d(10.0), 8, _degraded),
-    Case("recovers only after healthy ticks (hysteresis)", slow_d(10.0, 1, 11), 30, _recovers),
+    Case("recovers only after healthy ticks (hysteresis)", slow_d(10.0, 1, 11), 70, _recovers),
     Case("±25% noise never changes a weight", noisy(7, 0.25), 150, _no_flap),
     Case("±25% noise, another seed", noisy(11, 0.25), 150, _no_flap),
     Case("one 2.5x spike in one window moves nothing", slow_d(2.5, 5, 6), 20, _no_flap),
