@@ -11,7 +11,9 @@ Per tick and instance::
                the second tick unless it is extreme), or
              - up,   when smoothed > weight + band_up for recover_ticks ticks in a row,
              so noise inside the bands never changes a weight (no flapping), and a
-             degraded instance regains traffic only after it has looked healthy for a while.
+             degraded instance regains traffic only after it has looked healthy for a while;
+             quickly up to the weight a signal last cut it from (its ceiling), past that
+             one step per window, so the window sees each new share before the next.
 
 Stale data (the collector is behind) or an instance never scraped in the window holds
 the weight: the policy does not act on what it cannot see. An instance whose scrapes fail
