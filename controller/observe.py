@@ -23,7 +23,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from statistics import median, median_low
+from statistics import median_low
 from typing import Any
 
 from sqlalchemy import func, select
@@ -396,7 +396,6 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     for name, agg in pools.items():
         members = [i for i in instances if i.pool == name]
         usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
-        backlog = [i.handoff_backlog for i in members if i.up and i.handoff_backlog is not None]
         rate = agg.done / covered if agg.done >= MIN_POOL_REQUESTS else None
         mean_res = _mean(agg.residence)
         pct = settings.slo.ttft.percentile
@@ -408,9 +407,11 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
             completed_per_s=rate,
             ttft_p_s=_pairs_percentile(ttft_by_pair, side, up_members, pct),
             kv_usage=_mean([u for u in usages if u is not None]),
-            # The typical member's backlog times the members: one D that does not pull (the weights'
-            # job) does not read as the whole pool being behind.
-            handoff_backlog_requests=median(b for b in backlog if b is not None) * len(backlog) if backlog else None,
+            # The typical member's backlog (the lower median, as for P's queue) times the members: one D
+            # that does not pull (the weights' job) does not read as the whole pool being behind. (The
+            # plain median of four averaged one bad D's backlog into it: it cut the decode pool's limit
+            # under one stuck D or one bad P x D link.)
+            handoff_backlog_requests=_typical_times_members(members, "handoff_backlog"),
             mean_kv_bytes_per_request=_mean(agg.kv_bytes),
             # The typical member's queue times the members, like the backlog: one slow P's queue is the
             # weights' business (its peers take its share), a queue on every P is the pool's.
