@@ -157,11 +157,10 @@ def _snapshot_rows(
 
 
 def _by_column(rows: Sequence[Any]) -> dict[str, Sequence[Any]]:
-    """The counter and gauge columns of ``rows`` (plain rows or ``Snapshot`` objects), each in row order."""
-    fields = getattr(rows[0], "_fields", None) if rows else None
-    if fields is not None:  # plain rows: transposed in one pass
-        return dict(zip(fields, zip(*rows, strict=True), strict=True))
-    return {col: [getattr(r, col) for r in rows] for col in (*COUNTERS, *GAUGES)}
+    """Each column of ``rows`` (the plain rows of :func:`_snapshot_rows`) in row order, transposed in one pass."""
+    if not rows:
+        return {col: () for col in (*COUNTERS, *GAUGES)}
+    return dict(zip(rows[0]._fields, zip(*rows, strict=True), strict=True))
 
 
 def _signals_of(name: str, rows: Sequence[Any]) -> InstanceSignals:
