@@ -139,7 +139,7 @@ def test_instance_down_and_back(fleet: RunningFleet, client: httpx.Client) -> No
     def refused() -> bool:
         try:
             client.get(d1 + "/health")
-        except httpx.ConnectError:
+        except httpx.TransportError:  # refused, or a kept-alive connection reset as it went down
             return True
         return False
 
