@@ -45,6 +45,7 @@ from controller.policy import (
     decide,
     default_rules,
 )
+from controller.policy.reasons import Reason
 from pdscope.config import Settings
 from pdscope.routing import RoutingTable
 from store.db import transaction
@@ -219,7 +220,7 @@ class Reconciler:
                     if d.instance == name:
                         return d.weight, d.reason
             ws = self._state.weights.get(name)
-            return (ws.weight, ws.reason) if ws is not None else (1.0, "NoDecisionYet")
+            return (ws.weight, ws.reason) if ws is not None else (1.0, Reason.NO_DECISION_YET)
 
 
     # -- the driver -------------------------------------------------------------------

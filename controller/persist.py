@@ -31,6 +31,7 @@ from controller.policy import (
     TickOutput,
     WeightState,
 )
+from controller.policy.reasons import Reason
 from store.models import Alert, Decision, WeightOverride
 
 
@@ -87,7 +88,7 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
             lowered = d.ts if d.old_value is not None and d.new_value < d.old_value else None
             raised = d.ts if d.old_value is not None and d.new_value > d.old_value else None
             ceiling = carried.get("_ceiling", 1.0)
-            weights[name] = WeightState(d.new_value, smoothed, 0, d.reason, 0, lowered, None,
+            weights[name] = WeightState(d.new_value, smoothed, 0, Reason.of(d.reason), 0, lowered, None,
                                         float(ceiling) if isinstance(ceiling, int | float) else 1.0, raised)
     reqs = _latest_decisions(session, "max_inflight_requests")
     kvs = _latest_decisions(session, "max_inflight_kv_bytes")
@@ -143,7 +144,7 @@ def persist_tick(
         if s.source == "policy" and before.source == "policy":
             continue  # the policy's own change is recorded above
         if s.source == "policy":
-            reason, msg = "OverrideEnded", (f"{name}: {before.source} override ended; policy weight "
+            reason, msg = str(Reason.OVERRIDE_ENDED), (f"{name}: {before.source} override ended; policy weight "
                                             f"{s.weight:.2f} applies")
         else:
             ov = s.override

@@ -48,12 +48,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
+from controller.policy.reasons import Reason
 from controller.policy.signals import Observation, PoolSignals, Role
 
-PRESSURE_REASONS = {"kv": "KVHeadroomLow", "backlog": "HandoffBacklog", "ttft": "TTFTOverBudget",
-                    "queue": "PrefillQueueing"}
-QUEUE_BUDGET_FLOOR = 0.1  # the queue factor's budget is never less than this share of the TTFT target
-WAIT_STEP_S = 0.05  # the wait budget is published in steps of this, so noise does not churn the table
+PRESSURE_REASONS = {"kv": Reason.KV_HEADROOM_LOW, "backlog": Reason.HANDOFF_BACKLOG, "ttft": Reason.TTFT_OVER_BUDGET,
+                    "queue": Reason.PREFILL_QUEUEING}
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class PoolDecision:
     role: Role
     old: LimitState | None
     new: LimitState
-    reason: str
+    reason: Reason
     message: str
     arithmetic: str
     scores: Mapping[str, float] = field(default_factory=dict)
@@ -111,7 +110,7 @@ def ttft_left_s(pool: PoolSignals, cfg: PolicyConfig) -> float:
     queue (at least 10% of the target). Where P's spans carry no queue time, minus the whole service
     TTFT, which counts the window's queue against the queue of now as well (stricter)."""
     taken = next((v for v in (pool.unqueued_ttft_p_s, pool.service_ttft_p_s) if v is not None), 0.0)
-    return max(QUEUE_BUDGET_FLOOR * cfg.ttft_target_s, cfg.ttft_target_s - taken)
+    return max(cfg.queue_budget_floor * cfg.ttft_target_s, cfg.ttft_target_s - taken)
 
 
 def _drain_queue(pool: PoolSignals, req: int, inflight: float | None, cfg: PolicyConfig) -> tuple[int, str]:
@@ -139,7 +138,7 @@ def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tupl
     if pool.service_ttft_p_s is None:
         return prev, f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)"
     left = cfg.ttft_target_s - pool.service_ttft_p_s
-    wait = max(0.0, math.floor(left / WAIT_STEP_S) * WAIT_STEP_S)
+    wait = max(0.0, math.floor(left / cfg.wait_step_s) * cfg.wait_step_s)
     arith = (f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
              f"{pool.service_ttft_p_s:.2f}s) = {wait:.2f}s")
     if wait >= cfg.default_queue_wait_s:  # the proxy's own timeout is the shorter: leave it to the proxy
@@ -154,7 +153,7 @@ def decide_pool(
     default_kv = cfg.default_max_inflight_kv_bytes
     base = prev or LimitState(default_req, default_kv)
     if stale:
-        return PoolDecision(pool.name, pool.role, prev, base, "StaleData",
+        return PoolDecision(pool.name, pool.role, prev, base, Reason.STALE_DATA,
                             f"{pool.name}: collector behind; limits held", "limits held")
     wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
     factors = pressure_factors(pool, cfg)
@@ -168,7 +167,7 @@ def decide_pool(
     if pressure < cfg.cut_below and warming and min(factors, key=lambda k: factors[k]) != "kv":
         worst = min(factors, key=lambda k: factors[k])
         arith.append(f"requests = {req} (start-up window: {worst} pressure {pressure:.2f} not acted on)")
-        reason, message = "WarmingUp", f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on"
+        reason, message = Reason.WARMING_UP, f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on"
         pressured = 0
     elif pressure < cfg.cut_below:
         worst = min(factors, key=lambda k: factors[k])
@@ -206,21 +205,21 @@ def decide_pool(
     elif pressure < cfg.grow_above:
         arith.append(f"requests = {req} (pressure {pressure:.2f} between {cfg.cut_below} and {cfg.grow_above}: hold)")
         worst = min(factors, key=lambda k: factors[k])
-        reason, message = "Holding", f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}"
+        reason, message = Reason.HOLDING, f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}"
     else:
         calm = base.calm + 1
         if req < default_req and calm < cfg.recover_ticks:
             arith.append(f"requests = {req} (calm {calm}/{cfg.recover_ticks} ticks before growing)")
-            reason, message = "HoldingForHysteresis", f"{pool.name}: no pressure for {calm} ticks; limit held at {req}"
+            reason, message = Reason.HOLDING_FOR_HYSTERESIS, f"{pool.name}: no pressure for {calm} ticks; limit held at {req}"
         elif req < default_req:
             step = max(1, math.ceil(cfg.limit_increase * req))
             new_req = min(default_req, req + step)
             arith.append(f"requests = min({default_req}, {req} + {step}) = {new_req}")
-            reason, message = "Recovering", f"{pool.name}: no pressure; request limit {req} -> {new_req}"
+            reason, message = Reason.RECOVERING, f"{pool.name}: no pressure; request limit {req} -> {new_req}"
             req = new_req
         else:
             arith.append(f"requests = {req} (default)")
-            reason, message = "Healthy", f"{pool.name}: no pressure"
+            reason, message = Reason.HEALTHY, f"{pool.name}: no pressure"
     kvf = factors.get("kv", 1.0)
     kv_limit = round(default_kv * max(cfg.min_kv_bytes_fraction, kvf))
     arith.append(f"kv_bytes = {default_kv} × max({cfg.min_kv_bytes_fraction}, kv {kvf:.2f}) = {kv_limit}")

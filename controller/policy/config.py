@@ -1,76 +1,125 @@
 """The policy's knobs: one frozen value, built once from the validated settings.
 
-Guardrails (``max_weight_step``, ``min_weight``) and SLO targets come from the config
-file; the remaining constants are defaults chosen here and documented next to each
-field. Nothing here reads files or the environment.
+Two kinds of field. Those the config file sets (guardrails such as ``max_weight_step`` and
+``min_weight``, the SLO targets, the admission defaults, the noise settings) have no default
+here: :meth:`PolicyConfig.from_settings` derives them from ``Settings``, and
+:meth:`PolicyConfig.defaults` from the config models' own defaults, so a default lives in one
+place (``pdscope/config.py``). The rest are the policy's constants, chosen here and documented
+next to each field. Every decision records the config it was taken under
+(:meth:`PolicyConfig.fingerprint`, with :data:`POLICY_VERSION`).
+
+Nothing here reads files or the environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
+from typing import Any
 
-from pdscope.config import Settings
+from pdscope.config import AdmissionDefaults, ControllerSettings, Settings, SLOSettings
+
+# Bumped whenever the policy's maths change what a decision would be for the same inputs and
+# config: a stored decision names the version that took it (a replay under another refuses).
+POLICY_VERSION = 1
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    interval_s: float = 2.0
-    max_weight_step: float = 0.25  # most a weight may move in one tick
+    # -- from the config file (no defaults here: see from_settings / defaults)
+    interval_s: float
+    window_s: float
+    max_weight_step: float  # most a weight may move in one tick
     # Floor for an up, undrained instance: a trickle, not a sample. At any floor a bad instance gets
     # too few requests to show it is well again, so recovery is probed (probe_after_s), and every
     # request the floor sends to a bad instance misses its SLO: keep it small.
-    min_weight: float = 0.02
+    min_weight: float
+    probe_after_s: float  # with too few requests to judge, a lowered weight may rise after this long
+    probe_weight: float  # ... but only to this (a probe); higher needs evidence
+    probe_hold_s: float  # a probe's first failures within this long cut it back to the floor at once
+    # significance: what a cut needs to be evidence, not noise
+    min_samples: int  # requests or NIXL transfers in the window before a latency score may cut
+    noise_z: float  # each tolerance gets a margin of z relative standard errors (own and peers')
+    startup_s: float  # no latency/load/limit cuts until the store has watched the fleet this long
+    min_error_events: int  # failures or attributed expiries in the window before they score
+    queue_confirm_ticks: int  # ticks in a row a P-queue pressure must hold before a limit cut
+    stale_after_s: float  # newest snapshot older than this: hold everything
+    down_after_s: float  # failed scrapes for this long before an instance counts as down
+    recent_s: float  # "the last three scrapes": the span of the fast signals
+    kv_lease_s: float  # how long P holds a request's KV blocks for D (lease expiries are looked for back)
+    ttft_target_s: float
+    ttft_percentile: float
+    tpot_target_s: float
+    tpot_percentile: float
+    goodput_attainment: float
+    handoff_budget_s: float  # handoff p99 budget (default: half the TTFT target)
+    default_max_inflight_requests: int
+    default_max_inflight_kv_bytes: int
+    default_queue_wait_s: float  # the proxy's queue timeout: the most the wait budget may be
+    # -- the policy's constants
     smoothing: float = 0.5  # EWMA factor on the target: s = a*target + (1-a)*s_prev
+    snap: float = 0.01  # a smoothed value this close to its target is the target (an EWMA never arrives)
     band_down: float = 0.05  # smoothed must sit this far below the weight to lower it
     band_up: float = 0.10  # ... and this far above it to raise it
     recover_ticks: int = 3  # consecutive healthy ticks before a weight may rise
-    probe_after_s: float = 30.0  # with too few requests to judge, a lowered weight may rise after this long
-    probe_weight: float = 0.1  # ... but only to this (a probe); higher needs evidence
-    probe_hold_s: float = 20.0  # a probe's first failures within this long cut it back to the floor at once
     probe_min_requests: int = 3  # requests (or transfers) that judge a probe (at or under probe_weight)
-    # significance: what a cut needs to be evidence, not noise
-    min_samples: int = 5  # requests or NIXL transfers in the window before a latency score may cut
-    noise_z: float = 2.0  # each tolerance gets a margin of z relative standard errors (own and peers')
-    startup_s: float = 60.0  # no latency/load/limit cuts until the store has watched the fleet this long
-    min_error_events: int = 3  # failures or attributed expiries in the window before they score
+    min_recent_samples: int = 5  # the fast signals need this many samples over the last three scrapes
     failure_ref_fraction: float = 0.05  # own failed requests: this share (its lower bound) halves the score
-    queue_confirm_ticks: int = 2  # ticks in a row a P-queue pressure must hold before a limit cut
     degrade_ticks: int = 2  # consecutive degraded ticks before a mild degradation lowers a weight
     severe_target: float = 0.5  # a target under this lowers the weight on the first tick
+    # a fast signal's score under this (over 3x the tolerance past its peers: a stuck instance) acts on
+    # the first tick; above it a fast reading waits for a second
+    extreme_score: float = 1 / 3
     latency_tolerance: float = 1.5  # slower than 1.5x the peers' median costs weight
     load_tolerance: float = 2.0  # more than 2x the peers' in-flight work per unit weight costs weight
+    noise_floor_s: float = 0.005  # latency differences under this are noise, not a signal
+    # differences in the time a request spends at an instance now under this are noise: a ratio of small
+    # counts over three scrapes (3 held / 5 finished in 3 s is 1.8 s)
+    load_floor_s: float = 1.0
     error_rate_ref_per_min: float = 1.0  # failures+expiries per minute that halve the error score
     kv_soft: float = 0.85  # KV usage above which the kv score falls ...
     kv_floor_score: float = 0.2  # ... to this at 100%
-    stale_after_s: float = 15.0  # newest snapshot older than this: hold everything
-    down_after_s: float = 10.0  # failed scrapes for this long before an instance counts as down
+    # the observation: how much evidence a window's aggregate needs
+    pair_min_samples: int = 10  # a P x D pair's TTFT percentile needs this many requests in the window
+    pool_min_requests: int = 20  # a pool's completion rate (and so its backlog in seconds) needs this many
+    min_rate_span_s: float = 2.0  # rates over the span the records cover are never over a shorter one
+    # the window's first record later than this share of it into the window: rates over the covered span
+    coverage_start_fraction: float = 0.25
+    lease_lookback: float = 4.0  # an expired lease is counted a lease after its request: look this many back
     # admission
-    ttft_target_s: float = 2.0
-    ttft_percentile: float = 99.0
-    tpot_target_s: float = 0.1
-    tpot_percentile: float = 99.0
-    goodput_attainment: float = 0.9
-    handoff_budget_s: float = 1.0  # handoff p99 budget (default: half the TTFT target)
     kv_admit_full: float = 0.80  # D pool KV usage at which admission starts to shrink ...
     kv_admit_zero: float = 0.95  # ... reaching the floor here
-    default_max_inflight_requests: int = 256
-    default_max_inflight_kv_bytes: int = 64 * 2**30
     min_inflight_requests: int = 4
-    default_queue_wait_s: float = 1.0  # the proxy's queue timeout: the most the wait budget may be
     cut_below: float = 0.8  # pressure under this cuts the request limit ...
     grow_above: float = 0.95  # ... over this grows it; in between it holds
     min_kv_bytes_fraction: float = 0.05  # never cut the KV-bytes budget below this share
     limit_cut_floor: float = 0.5  # one cut takes at most half away
     limit_increase: float = 0.1  # additive increase: +10% (at least +1) per calm tick
     limit_cut_cooldown_ticks: int = 3  # wait for a cut to show in the window before cutting again
+    queue_budget_floor: float = 0.1  # the queue factor's budget is never less than this share of the target
+    wait_step_s: float = 0.05  # the wait budget is published in steps of this, so noise does not churn
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PolicyConfig:
-        c = settings.controller
-        a = settings.proxy.admission
-        ttft_s = settings.slo.ttft.target_ms / 1000.0
+        return cls._derive(settings.controller, settings.slo, settings.proxy.admission,
+                           settings.collector.scrape_interval_s)
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> PolicyConfig:
+        """The config a default ``pdscope.yaml`` gives, with ``changes`` (tests and tools)."""
+        scrape = _default_of("collector", "scrape_interval_s")
+        cfg = cls._derive(ControllerSettings(), SLOSettings(), AdmissionDefaults(), float(scrape))
+        return dataclasses.replace(cfg, **changes)
+
+    @classmethod
+    def _derive(cls, c: ControllerSettings, slo: SLOSettings, a: AdmissionDefaults,
+                scrape_interval_s: float) -> PolicyConfig:
+        ttft_s = slo.ttft.target_ms / 1000.0
         return cls(
             interval_s=c.interval_s,
+            window_s=c.window_s,
             max_weight_step=c.max_weight_step,
             min_weight=c.min_weight,
             probe_after_s=c.probe.after_s,
@@ -81,16 +130,33 @@ class PolicyConfig:
             startup_s=c.noise.startup_s if c.noise.startup_s is not None else 2.0 * c.window_s,
             min_error_events=c.noise.min_error_events,
             queue_confirm_ticks=c.noise.queue_confirm_ticks,
-            stale_after_s=max(15.0, 3.0 * settings.collector.scrape_interval_s, 3.0 * c.interval_s),
-            down_after_s=min(c.window_s, max(10.0, 3.0 * settings.collector.scrape_interval_s)),
+            stale_after_s=max(15.0, 3.0 * scrape_interval_s, 3.0 * c.interval_s),
+            down_after_s=min(c.window_s, max(10.0, 3.0 * scrape_interval_s)),
+            recent_s=max(3.0, 3.0 * scrape_interval_s),
+            kv_lease_s=c.kv_lease_s,
             ttft_target_s=ttft_s,
-            ttft_percentile=settings.slo.ttft.percentile,
-            tpot_target_s=settings.slo.tpot.target_ms / 1000.0,
-            tpot_percentile=settings.slo.tpot.percentile,
-            goodput_attainment=settings.slo.goodput_attainment,
-            handoff_budget_s=(settings.slo.handoff_budget_ms / 1000.0 if settings.slo.handoff_budget_ms is not None
+            ttft_percentile=slo.ttft.percentile,
+            tpot_target_s=slo.tpot.target_ms / 1000.0,
+            tpot_percentile=slo.tpot.percentile,
+            goodput_attainment=slo.goodput_attainment,
+            handoff_budget_s=(slo.handoff_budget_ms / 1000.0 if slo.handoff_budget_ms is not None
                               else ttft_s / 2.0),
             default_max_inflight_requests=a.max_inflight_requests,
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
             default_queue_wait_s=a.queue_timeout_s,
         )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """``v<POLICY_VERSION>:<hash>``: names the policy version and every value of this config."""
+        blob = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return f"v{POLICY_VERSION}:{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def _default_of(section: str, name: str) -> Any:
+    """A field's default in the config models (``Settings.<section>.<name>``)."""
+    model = Settings.model_fields[section].annotation
+    assert isinstance(model, type)
+    return model.model_fields[name].default

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.policy.admission import LimitState
+from controller.policy.reasons import Reason
 from controller.policy.signals import Role
 from pdscope.routing import InstanceRoute, PoolRoute, RoutingTable
 
@@ -78,9 +79,9 @@ def serve_instance(
     name: str, policy_weight: float, policy_reason: str, drain: Override | None, weight: Override | None
 ) -> ServedInstance:
     if drain is not None:
-        return ServedInstance(name, 0.0, policy_weight, True, "drain", "Drained", drain)
+        return ServedInstance(name, 0.0, policy_weight, True, "drain", Reason.DRAINED, drain)
     if weight is not None and weight.weight is not None:
-        return ServedInstance(name, weight.weight, policy_weight, False, "override", "ManualOverride", weight)
+        return ServedInstance(name, weight.weight, policy_weight, False, "override", Reason.MANUAL_OVERRIDE, weight)
     return ServedInstance(name, policy_weight, policy_weight, False, "policy", policy_reason, None)
 
 
@@ -101,7 +102,7 @@ def build_table(
     served: dict[str, ServedInstance] = {}
     routes: list[InstanceRoute] = []
     for spec in instances:
-        w, why = policy_weights.get(spec.name, (1.0, "NoDecisionYet"))
+        w, why = policy_weights.get(spec.name, (1.0, Reason.NO_DECISION_YET))
         s = serve_instance(spec.name, w, why, act.get(("instance", spec.name, "drain")),
                            act.get(("instance", spec.name, "weight")))
         served[spec.name] = s
@@ -110,11 +111,11 @@ def build_table(
     pool_routes: list[PoolRoute] = []
     for p in pools:
         ov = act.get(("pool", p.name, "weight"))
-        weight, reason = p.weight, "Configured"
+        weight, reason = p.weight, str(Reason.CONFIGURED)
         if ov is not None and ov.weight is not None:
-            weight, reason = ov.weight, "ManualOverride"
+            weight, reason = ov.weight, Reason.MANUAL_OVERRIDE
         lim = limits.get(p.name)
-        if lim is not None and reason == "Configured":
+        if lim is not None and reason == Reason.CONFIGURED:
             reason = limit_reasons.get(p.name, reason)
         pool_routes.append(PoolRoute(
             name=p.name, role=p.role, weight=weight,

@@ -51,25 +51,20 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from controller.policy.config import PolicyConfig
+from controller.policy.reasons import Reason
 from controller.policy.signals import InstanceSignals
 
-# Below this many seconds, latency differences are noise, not a signal.
-NOISE_FLOOR_S = 0.005
-# Below this many seconds, differences in the time a request spends at an instance now are noise:
-# it is a ratio of small counts over three scrapes (3 held / 5 finished in 3 s is 1.8 s).
-LOAD_FLOOR_S = 1.0
-
-SIGNAL_REASONS = {
-    "ttft": "SlowPrefill",
-    "handoff": "SlowHandoff",
-    "nixl": "SlowKVTransfer",
-    "ttft_now": "SlowPrefill",
-    "speed": "SlowPrefill",
-    "nixl_now": "SlowKVTransfer",
-    "load": "Backlog",
-    "errors": "TransferFailures",
-    "failures": "RequestFailures",
-    "kv": "KVCachePressure",
+SIGNAL_REASONS: dict[str, Reason] = {
+    "ttft": Reason.SLOW_PREFILL,
+    "handoff": Reason.SLOW_HANDOFF,
+    "nixl": Reason.SLOW_KV_TRANSFER,
+    "ttft_now": Reason.SLOW_PREFILL,
+    "speed": Reason.SLOW_PREFILL,
+    "nixl_now": Reason.SLOW_KV_TRANSFER,
+    "load": Reason.BACKLOG,
+    "errors": Reason.TRANSFER_FAILURES,
+    "failures": Reason.REQUEST_FAILURES,
+    "kv": Reason.KV_CACHE_PRESSURE,
 }
 
 
@@ -82,16 +77,6 @@ class Score:
     observed: float | None
     reference: float | None
     note: str
-
-
-def relative_score(
-    value: float | None, peers: Sequence[float], tolerance: float, floor: float = NOISE_FLOOR_S,
-    margin: float = 1.0,
-) -> tuple[float, float | None]:
-    """``(score, reference)``: 1 within ``tolerance`` x ``margin`` x the peers' median, else that over value.
-
-    ``margin`` (at least 1) widens the tolerance by the sample noise of the value and its reference."""
-    return _score_against(value, median(peers) if peers else None, tolerance, floor, margin)
 
 
 def _score_against(
@@ -147,62 +132,54 @@ def kv_score(usage: float | None, cfg: PolicyConfig) -> float:
     return 1.0 - frac * (1.0 - cfg.kv_floor_score)
 
 
-# The default of PolicyConfig.min_samples (kept for readers of this module's constant).
-MIN_SAMPLES = 5
-# The fast signals need this many samples over the last three scrapes (noisier; their margin grows too).
-MIN_RECENT_SAMPLES = 5
-
-Pick = Callable[[InstanceSignals], float | None]
-
-
-def _latency(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
-    if inst.contribution_s is not None and inst.requests >= n:
+def _latency(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    if inst.contribution_s is not None and inst.requests >= cfg.min_samples:
         return inst.contribution_s, inst.contribution_rse or count_rse(inst.requests)
     return None, None
 
 
-def _handoff(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
-    if inst.handoff_p50_s is not None and inst.requests >= n:
+def _handoff(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    if inst.handoff_p50_s is not None and inst.requests >= cfg.min_samples:
         # the standard error of a median is about 1.25 that of a mean
         return inst.handoff_p50_s, 1.25 * (inst.handoff_rse or count_rse(inst.requests) or 0.0)
-    if inst.role == "decode" and inst.queue_mean_s is not None and inst.nixl_transfers >= n:
-        # D's queue time includes the KV pull (see vllm-pd-facts 4.5): a fallback without records.
+    if inst.role == "decode" and inst.queue_mean_s is not None and inst.nixl_transfers >= cfg.min_samples:
+        # D's queue time in vLLM includes the KV pull: a fallback without records.
         return inst.queue_mean_s, count_rse(inst.nixl_transfers)
     return None, None
 
 
-def _load(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+def _load(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
     """Little's law on counts: held / (done / s); the completions over three scrapes are a Poisson count
     (rse 1/sqrt(done)), the held ones a fact at the scrape."""
     if inst.hold_time_now_s is None:
         return None, None
-    done = max(inst.load_done if inst.load_done is not None else float(n), 0.5)
+    done = max(inst.load_done if inst.load_done is not None else float(cfg.min_samples), 0.5)
     return inst.hold_time_now_s, 1.0 / math.sqrt(done)
 
 
-def _nixl(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
-    if inst.nixl_xfer_mean_s is not None and inst.nixl_transfers >= n:
+def _nixl(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    if inst.nixl_xfer_mean_s is not None and inst.nixl_transfers >= cfg.min_samples:
         return inst.nixl_xfer_mean_s, count_rse(inst.nixl_transfers)
     return None, None
 
 
-def _prefill_work(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
+def _prefill_work(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
     """P's own time per request without its queue: vLLM's mean TTFT less its mean queue time over the
     window (a P request is one token, so its TTFT is queue + prefill). How fast it works, not how busy it is."""
     if (inst.role == "prefill" and inst.ttft_mean_s is not None and inst.queue_mean_s is not None
-            and inst.requests >= n):
+            and inst.requests >= cfg.min_samples):
         return max(0.0, inst.ttft_mean_s - inst.queue_mean_s), count_rse(inst.requests)
     return None, None
 
 
-def _ttft_now(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
-    if inst.ttft_recent_s is not None and inst.ttft_recent_count >= MIN_RECENT_SAMPLES:
+def _ttft_now(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    if inst.ttft_recent_s is not None and inst.ttft_recent_count >= cfg.min_recent_samples:
         return inst.ttft_recent_s, count_rse(inst.ttft_recent_count)
     return None, None
 
 
-def _nixl_now(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]:
-    if inst.nixl_recent_s is not None and inst.nixl_recent_count >= MIN_RECENT_SAMPLES:
+def _nixl_now(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    if inst.nixl_recent_s is not None and inst.nixl_recent_count >= cfg.min_recent_samples:
         return inst.nixl_recent_s, count_rse(inst.nixl_recent_count)
     return None, None
 
@@ -215,7 +192,7 @@ def error_events(inst: InstanceSignals, window_s: float) -> float:
     return events
 
 
-Measure = Callable[[InstanceSignals, int], tuple[float | None, float | None]]
+Measure = Callable[[InstanceSignals, PolicyConfig], tuple[float | None, float | None]]
 
 
 def _median_without(ordered: list[float], drop: float | None) -> float | None:
@@ -241,9 +218,9 @@ class PeerIndex:
     median of their noise) without one instance in O(log n), where rebuilding the peers' values
     per instance made a tick O(n²) in the fleet's size."""
 
-    def __init__(self, members: Sequence[InstanceSignals], min_samples: int) -> None:
+    def __init__(self, members: Sequence[InstanceSignals], cfg: PolicyConfig) -> None:
         self._members = members
-        self._n = min_samples
+        self._cfg = cfg
         self._by_measure: dict[Measure, tuple[list[float], list[float], dict[str, tuple[float, float]]]] = {}
 
     def _sorted(self, pick: Measure) -> tuple[list[float], list[float], dict[str, tuple[float, float]]]:
@@ -253,7 +230,7 @@ class PeerIndex:
             rses: list[float] = []
             own: dict[str, tuple[float, float]] = {}
             for m in self._members:
-                v, rse = pick(m, self._n)
+                v, rse = pick(m, self._cfg)
                 if v is not None:
                     values.append(float(v))
                     rses.append(rse or 0.0)
@@ -277,11 +254,12 @@ def score_instance(
 ) -> tuple[Score, ...]:
     """Score one up instance against its peers: the *other* up instances of its role, given as a
     list or as the :class:`PeerIndex` of all of them (``inst`` itself is left out by name)."""
-    tol, fast, n = cfg.latency_tolerance, cfg.load_tolerance, cfg.min_samples
-    index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, n)
+    tol, fast = cfg.latency_tolerance, cfg.load_tolerance
+    index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, cfg)
 
-    def relative(name: str, pick: Measure, tolerance: float, note: str, floor: float = NOISE_FLOOR_S) -> Score:
-        value, rse = pick(inst, n)
+    def relative(name: str, pick: Measure, tolerance: float, note: str, floor: float | None = None) -> Score:
+        floor = cfg.noise_floor_s if floor is None else floor
+        value, rse = pick(inst, cfg)
         ref_median, rse_median, k = index.others(pick, inst.name)
         if ref_median is not None and ref_median < floor:  # the reference is the noise floor, not a sample
             rse_median, k = None, 0
@@ -294,11 +272,11 @@ def score_instance(
         # its speed, peers' time ÷ its own, whatever its queue. The latency scores shrink as a cut empties
         # its queue, and a P that works at a third of its peers' speed read healthy again at 0.4 and was
         # raised back into its queue; its speed does not change with the share it gets.
-        value, rse = _prefill_work(inst, n)
+        value, rse = _prefill_work(inst, cfg)
         ref, rse_ref, k = index.others(_prefill_work, inst.name)
         margin = _margin(rse, rse_ref, k, cfg.noise_z)
         note = f"prefill s per request (TTFT less queue) vs peers' median (noise margin x{margin:.2f})"
-        if value is None or ref is None or ref < NOISE_FLOOR_S:
+        if value is None or ref is None or ref < cfg.noise_floor_s:
             return Score("speed", 1.0, value, ref, note)
         if value <= ref * tol * max(1.0, margin):
             return Score("speed", 1.0, value, ref, note)
@@ -315,7 +293,7 @@ def score_instance(
         hand = replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
     scores.append(hand)
     what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
-    scores.append(relative("load", _load, fast, f"s: requests {what} ÷ finished per s,", LOAD_FLOOR_S))
+    scores.append(relative("load", _load, fast, f"s: requests {what} ÷ finished per s,", cfg.load_floor_s))
     if inst.role == "decode":
         scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
         scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
@@ -343,9 +321,9 @@ def worst(scores: Sequence[Score]) -> Score | None:
     return low if low is not None and low.value < 0.999 else None
 
 
-def reason_for(score: Score, inst: InstanceSignals) -> str:
+def reason_for(score: Score, inst: InstanceSignals) -> Reason:
     if score.name == "errors" and inst.role == "decode" and inst.lease_expiry_suspects and (
         inst.failed_transfers_per_min == 0
     ):
-        return "LeaseExpiries"
+        return Reason.LEASE_EXPIRIES
     return SIGNAL_REASONS[score.name]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
+from controller.policy.reasons import Reason
 from controller.policy.scores import PeerIndex, Score, error_events, reason_for, score_instance, worst
 from controller.policy.signals import InstanceSignals, Observation, Role
 
@@ -38,8 +39,6 @@ EVIDENCE = ("errors", "failures", "kv")  # facts, not comparisons: they may cut 
 # Measured over the last three scrapes only: noisy, so even a severe reading waits for a second tick,
 # unless it is extreme (score under this: over 6x the peers' median, e.g. a stuck instance).
 FAST = ("ttft_now", "nixl_now", "load")
-EXTREME = 1 / 3  # views of one thing (how slow): the worst counts, not their product
-SNAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class WeightState:
     weight: float = 1.0
     smoothed: float = 1.0
     healthy_streak: int = 0
-    reason: str = "Initial"
+    reason: Reason = Reason.INITIAL
     degraded_streak: int = 0
     lowered_at: float | None = None  # when a signal (or an outage) last lowered the weight: gates probes
     probe_at: float | None = None  # when the last probe raise was given (its first failures cut it back)
@@ -68,7 +67,7 @@ class WeightDecision:
     weight: float
     target: float | None
     smoothed: float
-    reason: str
+    reason: Reason
     message: str
     arithmetic: str
     scores: Mapping[str, float] = field(default_factory=dict)
@@ -103,7 +102,7 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
     return out
 
 
-def _hold(inst: InstanceSignals, prev: WeightState, reason: str, message: str) -> WeightDecision:
+def _hold(inst: InstanceSignals, prev: WeightState, reason: Reason, message: str) -> WeightDecision:
     return WeightDecision(
         instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=prev.weight,
         target=None, smoothed=prev.smoothed, reason=reason, message=message,
@@ -123,18 +122,18 @@ def step_instance(
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh."""
     if inst.up is None:
-        return _hold(inst, prev, "NoData", f"{inst.name}: not scraped in the window; weight held at "
+        return _hold(inst, prev, Reason.NO_DATA, f"{inst.name}: not scraped in the window; weight held at "
                      f"{prev.weight:.2f}")
     if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
-        return _hold(inst, prev, "ScrapeFailing", f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s "
+        return _hold(inst, prev, Reason.SCRAPE_FAILING, f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s "
                      f"(down after {cfg.down_after_s:.0f}s); weight held at {prev.weight:.2f}")
     if inst.up is False:
         # Down is a cut like any other: the way back is a probe, judged by evidence.
         # (an outage says nothing of the share it can take: no ceiling)
-        st = WeightState(0.0, 0.0, 0, "InstanceDown", 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
+        st = WeightState(0.0, 0.0, 0, Reason.INSTANCE_DOWN, 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
         return WeightDecision(
             instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
-            target=0.0, smoothed=0.0, reason="InstanceDown",
+            target=0.0, smoothed=0.0, reason=Reason.INSTANCE_DOWN,
             message=f"{inst.name}: down at the latest scrape; no new work", arithmetic="weight = 0 (up = 0)",
             scores={"up": 0.0}, inputs={"up": False, "last_seen": inst.last_seen}, state=st,
         )
@@ -153,7 +152,7 @@ def step_instance(
     target = max(cfg.min_weight, product)
     a = cfg.smoothing
     smoothed = a * target + (1.0 - a) * prev.smoothed
-    if abs(smoothed - target) < SNAP:  # an EWMA never arrives; close enough is there
+    if abs(smoothed - target) < cfg.snap:  # an EWMA never arrives; close enough is there
         smoothed = target
     w = prev.weight
     lat_terms = ", ".join(f"{s.name} {s.value:.2f}" for s in latency)
@@ -174,7 +173,7 @@ def step_instance(
     if w < cfg.min_weight:  # back from down or drained: start at the floor; the way up is a probe
         new = cfg.min_weight
         arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {w:.2f}, instance is up)")
-        reason, what = "InstanceUp", "up again; starts at the floor (a probe, then evidence, raises it)"
+        reason, what = Reason.INSTANCE_UP, "up again; starts at the floor (a probe, then evidence, raises it)"
         # Its outage is over: it may be probed at once (not after probe_after_s at the floor).
         lowered_at = now - cfg.probe_after_s
     elif probing and failing:
@@ -183,13 +182,13 @@ def step_instance(
         smoothed = min(smoothed, target)
         arith.append(f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
                      f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)")
-        reason, what = "ProbeFailed", "failed while probed; back to the floor"
+        reason, what = Reason.PROBE_FAILED, "failed while probed; back to the floor"
         probe_at, lowered_at = None, now
     elif smoothed < w - band_down and band_down > 0 and target < w - band_down:
         degraded = prev.degraded_streak + 1
-        reason = reason_for(low, inst) if low is not None else "Degraded"
+        reason = reason_for(low, inst) if low is not None else Reason.DEGRADED
         what = _describe(low) if low is not None else "smoothed target below the weight"
-        unconfirmed = low is not None and low.name in FAST and low.value >= EXTREME
+        unconfirmed = low is not None and low.name in FAST and low.value >= cfg.extreme_score
         if target < cfg.severe_target and (not unconfirmed or degraded >= cfg.degrade_ticks):
             # Severe: act on the target itself; the EWMA would take ticks to get there.
             smoothed = target
@@ -212,14 +211,14 @@ def step_instance(
             new = min(cfg.probe_weight, w + cfg.max_weight_step)
             arith.append(f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
                          f"{new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)")
-            reason, what = "Probing", f"too few requests to judge; probed with weight {new:.2f}"
+            reason, what = Reason.PROBING, f"too few requests to judge; probed with weight {new:.2f}"
             probe_at = now
         else:
             new = w
             wait = max(0.0, cfg.probe_after_s - since)
             arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
                          f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)")
-            reason, what = "AwaitingEvidence", (f"too few requests at weight {w:.2f} to judge" +
+            reason, what = Reason.AWAITING_EVIDENCE, (f"too few requests at weight {w:.2f} to judge" +
                                                 (f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else ""))
     elif smoothed > w + band_up and band_up > 0:
         streak = prev.healthy_streak + 1
@@ -228,7 +227,7 @@ def step_instance(
             new = min(smoothed, cfg.probe_weight)
             arith.append(f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {new:.2f} after {streak} "
                          "healthy ticks (a probe first)")
-            reason, what = "Probing", f"healthy for {streak} ticks; probed with weight {new:.2f}"
+            reason, what = Reason.PROBING, f"healthy for {streak} ticks; probed with weight {new:.2f}"
             probe_at = now
         elif streak >= cfg.recover_ticks and w >= prev.ceiling - EPS and prev.raised_at is not None and (
                 now - prev.raised_at < window_s):
@@ -236,7 +235,7 @@ def step_instance(
             new = w
             arith.append(f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
                          f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)")
-            reason, what = "HoldingAfterRaise", (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; "
+            reason, what = Reason.HOLDING_AFTER_RAISE, (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; "
                                                  f"one step per {window_s:.0f}s window")
         elif streak >= cfg.recover_ticks:
             step_to = min(smoothed, w + cfg.max_weight_step, 1.0)
@@ -244,26 +243,26 @@ def step_instance(
             capped = f", back to {prev.ceiling:.2f} where it was last cut" if new < step_to - EPS else ""
             arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = {new:.2f}"
                          f" after {streak} healthy ticks")
-            reason, what = "Recovering", f"healthy for {streak} ticks"
+            reason, what = Reason.RECOVERING, f"healthy for {streak} ticks"
         else:
             new = w
             arith.append(f"weight = {w:.2f} (healthy {streak}/{cfg.recover_ticks} ticks before raising)")
-            reason, what = "HoldingForHysteresis", f"healthy {streak}/{cfg.recover_ticks} ticks"
+            reason, what = Reason.HOLDING_FOR_HYSTERESIS, f"healthy {streak}/{cfg.recover_ticks} ticks"
     else:
         new = w
         arith.append(f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})")
         if low is not None and w < 1.0 - EPS:
             reason, what = reason_for(low, inst), _describe(low)
         elif w < 1.0 - EPS:
-            reason, what = "Steady", "inside the hysteresis bands"
+            reason, what = Reason.STEADY, "inside the hysteresis bands"
         elif inst.unattributed_lease_expiries:
-            reason, what = "UnattributedLeaseExpiries", (
+            reason, what = Reason.UNATTRIBUTED_LEASE_EXPIRIES, (
                 f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain them; "
                 "no instance is charged")
         elif warming:
-            reason, what = "WarmingUp", f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
+            reason, what = Reason.WARMING_UP, f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
         else:
-            reason, what = "Healthy", "every signal healthy"
+            reason, what = Reason.HEALTHY, "every signal healthy"
     new = _r(min(1.0, max(cfg.min_weight, new)))
     msg = f"{inst.name}: {what}; weight {w:.2f} -> {new:.2f}" if abs(new - w) > EPS else (
         f"{inst.name}: {what}; weight stays {w:.2f}")
@@ -272,17 +271,17 @@ def step_instance(
         smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
         scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
         state=WeightState(new, smoothed, streak, reason, degraded,
-                          now if new < w - EPS and reason != "ProbeFailed" else lowered_at, probe_at,
+                          now if new < w - EPS and reason != Reason.PROBE_FAILED else lowered_at, probe_at,
                           _ceiling_after(prev, w, new, reason), now if new > w + EPS else prev.raised_at),
     )
 
 
-def _ceiling_after(prev: WeightState, w: float, new: float, reason: str) -> float:
+def _ceiling_after(prev: WeightState, w: float, new: float, reason: Reason) -> float:
     """A cut on a signal sets the ceiling to the weight it was cut from; a failed probe and a raise keep it;
     a weight back at 1 has none."""
     if new >= 1.0 - EPS:
         return 1.0
-    if new < w - EPS and reason not in ("ProbeFailed", "InstanceUp"):
+    if new < w - EPS and reason not in (Reason.PROBE_FAILED, Reason.INSTANCE_UP):
         return w
     return prev.ceiling
 
@@ -323,18 +322,18 @@ def decide_weights(
         by_role.setdefault(o.role, []).append(o)
     unobservable = {r for r, members in by_role.items() if all(o.up is False for o in members)}
     # each role's up instances, indexed once: every instance is scored against the others
-    peers = {r: PeerIndex([o for o in members if o.up], cfg.min_samples) for r, members in by_role.items()}
+    peers = {r: PeerIndex([o for o in members if o.up], cfg) for r, members in by_role.items()}
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         if stale:
             what = "no snapshots at all" if age is None else f"newest snapshot {age:.0f}s old"
-            out.append(_hold(inst, p, "StaleData", f"{inst.name}: {what} (collector behind); weight held "
+            out.append(_hold(inst, p, Reason.STALE_DATA, f"{inst.name}: {what} (collector behind); weight held "
                              f"at {p.weight:.2f}"))
             continue
         if inst.up is False and inst.role in unobservable:
             # Every instance of a role failing its scrapes at once is far more often the collector or
             # its network than the fleet; all-zero weights would also route nothing. Hold them.
-            out.append(_hold(inst, p, "RoleUnobservable", f"{inst.name}: every {inst.role} instance fails its "
+            out.append(_hold(inst, p, Reason.ROLE_UNOBSERVABLE, f"{inst.name}: every {inst.role} instance fails its "
                              f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
             continue
         out.append(step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s))

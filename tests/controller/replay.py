@@ -104,7 +104,7 @@ def replay(
     alert_config: AlertConfig | None = None,
 ) -> Replay:
     """Run ``ticks`` ticks (1-based tick numbers in ``timeline``) on a virtual clock."""
-    cfg = cfg or PolicyConfig()
+    cfg = cfg or PolicyConfig.defaults()
     ac = alert_config or AlertConfig()
     clock = clock or VirtualClock()
     base = base or fleet()

@@ -16,7 +16,7 @@ from controller.policy import PolicyConfig
 from controller.policy.scores import PeerIndex, _median_without, score_instance
 from tests.controller.replay import healthy
 
-CFG = PolicyConfig()
+CFG = PolicyConfig.defaults()
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -53,7 +53,7 @@ def test_scores_with_the_index_equal_scores_against_the_others_list(seed: int) -
     fleet = _fleet(rng, rng.randint(2, 14))
     for role in ("prefill", "decode"):
         members = [o for o in fleet if o.role == role]
-        index = PeerIndex(members, CFG.min_samples)
+        index = PeerIndex(members, CFG)
         for inst in members:
             others = [o for o in members if o.name != inst.name]
             assert score_instance(inst, index, CFG, 30.0) == score_instance(inst, others, CFG, 30.0)

@@ -9,7 +9,7 @@ import pytest
 from controller.policy import LimitState, PolicyConfig, PoolSignals
 from controller.policy.admission import decide_pool
 
-CFG = PolicyConfig(ttft_target_s=2.0, handoff_budget_s=1.0, default_max_inflight_requests=100,
+CFG = PolicyConfig.defaults(ttft_target_s=2.0, handoff_budget_s=1.0, default_max_inflight_requests=100,
                    default_max_inflight_kv_bytes=1000)
 CALM = PoolSignals("decode", "decode", inflight_requests=40.0, completed_per_s=20.0, ttft_p_s=0.8, kv_usage=0.5,
                    handoff_backlog_requests=2.0)

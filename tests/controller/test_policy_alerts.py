@@ -10,7 +10,7 @@ from controller.policy import AlertConfig, Observation, PolicyConfig, SLOFigures
 from controller.policy.alerts import AlertState, default_rules, fingerprint, step_alerts
 from tests.controller.replay import T0, fleet
 
-CFG = PolicyConfig(ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0,
+CFG = PolicyConfig.defaults(ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0,
                    stale_after_s=15.0)
 GOOD_SLO = SLOFigures(window_s=300, completed=100, met=99, ttft_p_s=0.5, tpot_p_s=0.05, handoff_p99_s=0.2,
                       goodput_rps=0.33)

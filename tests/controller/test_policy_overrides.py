@@ -83,6 +83,6 @@ def test_advisory_table_says_so() -> None:
 
     insts = fleet()
     obs = Observation(now=T0, window_s=30, instances=insts, newest_data=T0)
-    out = decide(TickInput(obs, PolicyState(), (), specs(insts), pool_specs(), "advisory"), PolicyConfig(),
+    out = decide(TickInput(obs, PolicyState(), (), specs(insts), pool_specs(), "advisory"), PolicyConfig.defaults(),
                  default_rules(AlertConfig()), AlertConfig())
     assert out.table.mode == "advisory" and out.table.enforce is False

@@ -9,7 +9,7 @@ from controller.policy import PolicyConfig
 from tests.controller.replay import Changes, Timeline, replay
 from tests.controller.test_policy_weights import combine, slow_d
 
-CFG = PolicyConfig()
+CFG = PolicyConfig.defaults()
 FEW = {"requests": 1, "nixl_transfers": 1.0}  # what reaches an instance at the floor
 
 

@@ -13,7 +13,7 @@ import pytest
 from controller.policy import PolicyConfig
 from tests.controller.replay import Changes, Replay, Timeline, replay
 
-CFG = PolicyConfig()
+CFG = PolicyConfig.defaults()
 
 
 def slow_d(factor: float, start: int = 1, end: int | None = None, name: str = "decode-2") -> Timeline:
