@@ -154,7 +154,7 @@ class Reconciler:
         with transaction(self.factory) as session:
             if not self._loaded:
                 self._load(session)
-            obs = observe_mod.observe(session, self.settings, now)
+            obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg)
             overrides = load_overrides(session, now)
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)

@@ -94,23 +94,6 @@ def test_empty_store_observes_unknowns(world: World) -> None:
     assert len(obs.instances) == 6 and obs.slo.completed == 0
 
 
-def test_hold_time_is_littles_law_on_the_gauges() -> None:
-    from controller.observe import _hold_time
-    from store.queries import InstanceSignals as Q
-
-    def done(n: float, key: str = "ttft_count", seconds: float | None = None) -> Q:
-        return Q(instance="x", pool="p", role="prefill", seconds=seconds, scrapes=3, up_ratio=1.0, up=True,
-                 last_ts=0.0, last_error=None, increases={key: n}, latest={})
-
-    assert _hold_time(6.0, done(12.0), "prefill", 3.0) == pytest.approx(1.5)  # 6 held / 4 per s
-    assert _hold_time(6.0, done(12.0, seconds=2.0), "prefill", 3.0) == pytest.approx(1.0)  # the span scraped
-    assert _hold_time(4.0, done(2.0, "nixl_xfer_time_count"), "decode", 3.0) == pytest.approx(6.0)
-    assert _hold_time(3.0, done(0.0), "prefill", 3.0) == pytest.approx(18.0)  # stuck: half a completion
-    assert _hold_time(0.0, done(0.0), "prefill", 3.0) == 0.0
-    assert _hold_time(None, done(5.0), "prefill", 3.0) is None
-    assert _hold_time(2.0, None, "prefill", 3.0) is None
-
-
 @pytest.mark.parametrize(("handoff", "prefill", "overloaded"), [
     ({"decode-2": 3.0}, None, False),  # one slow D: 2 of 8 pairs
     (None, {"prefill-0": 3.0}, False),  # one slow P: 4 of 8 pairs

@@ -1,0 +1,423 @@
+"""From a window's raw aggregates to the signals the policy decides on.
+
+``controller.observe`` reads the store (snapshots, request records, their handoff
+percentiles) and hands the raw figures to this module, which decides what they say and
+about whom. This is where the controller's robustness to one bad instance lives:
+
+* **Charging.** Each request record is charged to the instances it went through: a request
+  refused as invalid (a 4xx other than 429) to nobody (only counted); a failure to the stage
+  that failed it (D once the decode stage began, else P; a 503 refusal is overload, like a
+  429, and charged to no one); a retried record's failed attempts to the P or D that failed
+  each; an expired lease to the D its handoff waited on (and counted on the P whose lease it
+  was).
+* **Little's law.** How long a request spends at an instance now: what it holds at the latest
+  scrape ÷ what it finished per second over the last three scrapes (a stuck instance that
+  finished nothing while holding work counts as half a completion: very slow, not unknown).
+* **The typical member.** A pool's queue and handoff backlog are the lower median member's
+  times the members, and its latency percentiles the lower median over the P×D pairs: one
+  slow P or D (the weights' business) slows at most half the pairs and does not read as the
+  whole pool being behind; overload slows every pair. Where no pair has enough samples (a
+  large fleet, a short window), the pooled percentile.
+* **Coverage.** Right after a start the window is not full: when its first record is more
+  than ``coverage_start_fraction`` of the way in, rates are over the span the records cover.
+* **Sample minimums** (``pair_min_samples``, ``pool_min_requests``): a figure from fewer
+  samples is ``None``, which the policy reads as "not observed".
+
+Pure: no I/O, no clock; every threshold is a :class:`PolicyConfig` field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from statistics import median_low
+from typing import NamedTuple, Protocol
+
+from controller.policy.config import PolicyConfig
+from controller.policy.signals import InstanceSignals, PoolSignals, Role
+from pdscope.stats import percentile
+
+# Failed request outcomes charged to the instance that failed them; a 503 refusal is overload, like a 429.
+FAILED = frozenset({"error", "timeout"})
+NOT_CHARGED_ERRORS = frozenset({"upstream_status_503"})
+
+Pair = tuple[str, str]
+
+
+class RecordFacts(NamedTuple):
+    """One request record's columns the charging rules read (``observe`` selects them in this order)."""
+
+    p_instance: str | None
+    d_instance: str | None
+    p_pool: str | None
+    d_pool: str | None
+    status: str | None
+    http_status: int | None
+    proxy_in: float | None
+    p_sent: float | None
+    p_done: float | None
+    d_sent: float | None
+    first_token: float | None
+    done: float | None
+    ttft_s: float | None
+    kv_bytes: int | None
+    error: str | None
+    lease_expiry_suspect: bool | None
+    p_queue_s: float | None
+
+
+class HandoffFacts(NamedTuple):
+    """A charged record's handoff columns: what the handoff percentiles per P, D and pair are taken over."""
+
+    p_instance: object
+    d_instance: object
+    p_done: object
+    first_token: object
+    lease_expiry_suspect: object
+
+
+class ScrapeFigures(Protocol):
+    """One instance's figures from its snapshots over a span (``store.queries.InstanceSignals``)."""
+
+    @property
+    def up(self) -> bool: ...
+    @property
+    def last_ts(self) -> float: ...
+    @property
+    def seconds(self) -> float | None: ...
+    @property
+    def increases(self) -> Mapping[str, float]: ...
+    @property
+    def kv_cache_usage(self) -> float | None: ...
+    @property
+    def num_running(self) -> float | None: ...
+    @property
+    def num_waiting(self) -> float | None: ...
+    @property
+    def mean_ttft_s(self) -> float | None: ...
+    @property
+    def mean_nixl_xfer_s(self) -> float | None: ...
+    @property
+    def failed_transfers_per_min(self) -> float | None: ...
+    @property
+    def expired_leases_per_min(self) -> float | None: ...
+
+
+class Percentiles(Protocol):
+    """Handoff percentiles over the records through one instance or pair (``store.queries.HandoffStats``)."""
+
+    @property
+    def requests(self) -> int: ...
+    @property
+    def p50_s(self) -> float | None: ...
+    @property
+    def p99_s(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class LatestGauges:
+    """An instance's latest KV-fetch backlog, its mean queue time over the window, how long it has been down."""
+
+    backlog: float | None
+    queue_mean_s: float | None
+    down_for_s: float | None
+
+
+@dataclass
+class InstanceTally:
+    contribution: list[float] = field(default_factory=list)
+    handoff: list[float] = field(default_factory=list)
+    requests: int = 0
+    failed: int = 0
+    refused: int = 0
+    lease_charged: int = 0
+    lease_on_p: int = 0  # P: expired leases of this P the collector attributed to a waiting handoff
+
+
+@dataclass
+class PoolTally:
+    role: Role
+    residence: list[float] = field(default_factory=list)
+    kv_bytes: list[float] = field(default_factory=list)
+    service_ttft: list[float] = field(default_factory=list)
+    unqueued_ttft: list[float] = field(default_factory=list)
+    done: int = 0
+
+
+def _name(v: object) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _num(v: object) -> float | None:
+    return v if isinstance(v, float) else None
+
+
+class WindowTally:
+    """The window's request records, charged record by record (:meth:`add`)."""
+
+    def __init__(self, pools: Mapping[str, Role], now: float) -> None:
+        self.instances: defaultdict[str, InstanceTally] = defaultdict(InstanceTally)
+        self.pools = {name: PoolTally(role) for name, role in pools.items()}
+        self.ttft_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
+        self.service_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
+        self.unqueued_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
+        self.handoffs: list[float] = []
+        self.charged_handoffs: list[HandoffFacts] = []
+        self.first_in = now
+
+    def add(self, r: RecordFacts, invalid: bool) -> None:
+        """Charge one record; ``invalid``: it was refused as invalid (``store.queries.is_client_error``)."""
+        p_inst, d_inst = _name(r.p_instance), _name(r.d_instance)
+        if invalid:
+            for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
+                if inst is not None:
+                    self.instances[inst].refused += 1
+            return
+        self.charged_handoffs.append(HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token,
+                                                  r.lease_expiry_suspect))
+        p_sent, p_done, d_sent, first = _num(r.p_sent), _num(r.p_done), _num(r.d_sent), _num(r.first_token)
+        ttft = _num(r.ttft_s)
+        ok = r.status == "ok"
+        failed = r.status in FAILED and r.error not in NOT_CHARGED_ERRORS
+        for inst in (p_inst, d_inst):
+            if inst is not None:
+                self.instances[inst].requests += 1
+        # A failure is its stage's: D's once the decode stage began, else P's.
+        decoded = r.d_sent is not None
+        if failed and d_inst is not None and decoded:
+            self.instances[d_inst].failed += 1
+        elif failed and p_inst is not None and not decoded:
+            self.instances[p_inst].failed += 1
+        pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
+        if ok and ttft is not None and pair is not None:
+            self.ttft_by_pair[pair].append(ttft)
+        if p_inst is not None and p_sent is not None and p_done is not None:
+            self.instances[p_inst].contribution.append(max(0.0, p_done - p_sent))
+        if d_inst is not None and d_sent is not None and first is not None:
+            self.instances[d_inst].contribution.append(max(0.0, first - d_sent))
+        if p_done is not None and first is not None:
+            handoff = max(0.0, first - p_done)
+            self.handoffs.append(handoff)
+            for inst in (p_inst, d_inst):
+                if inst is not None:
+                    self.instances[inst].handoff.append(handoff)
+        t_in = _num(r.proxy_in)
+        if t_in is None:
+            return
+        self.first_in = min(self.first_in, t_in)
+        # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
+        service = ttft - max(0.0, p_sent - t_in) if ok and ttft is not None and p_sent is not None else None
+        p_queue = _num(r.p_queue_s)
+        unqueued = max(0.0, service - p_queue) if service is not None and p_queue is not None else None
+        if pair is not None and service is not None:
+            self.service_by_pair[pair].append(service)
+        if pair is not None and unqueued is not None:
+            self.unqueued_by_pair[pair].append(unqueued)
+        for pool_name, end in ((r.p_pool, p_done), (r.d_pool, _num(r.done))):
+            agg = self.pools.get(pool_name) if isinstance(pool_name, str) else None
+            if agg is None:
+                continue
+            if service is not None:
+                agg.service_ttft.append(service)
+            if unqueued is not None:
+                agg.unqueued_ttft.append(unqueued)
+            if end is None:
+                continue
+            agg.done += 1
+            agg.residence.append(max(0.0, end - t_in))
+            if isinstance(r.kv_bytes, int):
+                agg.kv_bytes.append(float(r.kv_bytes))
+
+    def charge_failed_attempts(self, attempts: Iterable[object]) -> None:
+        """Failed attempts a retried record does not show itself (``attributes["failed_attempts"]``):
+        each charged to the P or D that failed it."""
+        for a in attempts:
+            inst, kind = (a.get("instance"), a.get("kind")) if isinstance(a, dict) else (None, None)
+            if isinstance(inst, str) and f"upstream_{kind}" not in NOT_CHARGED_ERRORS:
+                self.instances[inst].failed += 1
+
+    def charge_lease_expiries(self, d_instance: object, ended_at: float | None, entries: object,
+                              since: float, until: float) -> None:
+        """A lease-expiry suspect: each attributed expiry (``attributes["lease_expiry"]``) counted in the window
+        is charged to the D its handoff was sent to and counted on the P whose lease it was. A suspect
+        without that detail is charged to its record's D when the record ended in the window."""
+        if not entries:
+            if isinstance(d_instance, str) and ended_at is not None and since <= ended_at <= until:
+                self.instances[d_instance].lease_charged += 1
+            return
+        for e in entries if isinstance(entries, list) else []:
+            ts = e.get("to_ts") if isinstance(e, dict) else None
+            if not isinstance(ts, int | float) or not since <= ts <= until:
+                continue
+            if isinstance(e.get("d_instance"), str):
+                self.instances[e["d_instance"]].lease_charged += 1
+            if isinstance(e.get("p_instance"), str):
+                self.instances[e["p_instance"]].lease_on_p += 1
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def rse(values: Sequence[float]) -> float | None:
+    """Relative standard error of the mean of ``values`` (None for fewer than two, or a mean <= 0)."""
+    if len(values) < 2:
+        return None
+    n = len(values)
+    m = sum(values) / n
+    if m <= 0:
+        return None
+    # population standard deviation in floats (statistics.pstdev's exact fractions cost a tick
+    # a third of a second at 1,000 instances)
+    var = max(0.0, sum((v - m) * (v - m) for v in values) / n)
+    return math.sqrt(var) / (m * math.sqrt(n))
+
+
+def finished(recent: ScrapeFigures | None, role: Role) -> float | None:
+    """Requests (P: TTFTs) or NIXL transfers (D) finished over the last three scrapes."""
+    if recent is None:
+        return None
+    return recent.increases.get("ttft_count" if role == "prefill" else "nixl_xfer_time_count")
+
+
+def load_now(role: Role, window: ScrapeFigures | None, latest: LatestGauges | None) -> float | None:
+    """P: running + waiting at the latest scrape; D: the KV-fetch backlog at the latest scrape."""
+    if role == "decode":
+        return None if latest is None else latest.backlog
+    if window is None or window.num_running is None or window.num_waiting is None:
+        return None
+    return window.num_running + window.num_waiting
+
+
+def hold_time(load: float | None, recent: ScrapeFigures | None, role: Role, span_s: float) -> float | None:
+    """Little's law: held now ÷ finished per second over the span the recent scrapes cover (else ``span_s``).
+
+    Nothing finished while something is held counts as half a completion."""
+    if load is None or recent is None:
+        return None
+    if load <= 0:
+        return 0.0
+    done = finished(recent, role)
+    if done is None:
+        return None
+    return load / (max(done, 0.5) / (recent.seconds or span_s))
+
+
+def typical_times_members(members: Sequence[InstanceSignals], attr: str) -> float | None:
+    """The lower median over the up members of a gauge, times their number."""
+    values = [float(v) for i in members if i.up and (v := getattr(i, attr)) is not None]
+    return median_low(values) * len(values) if values else None
+
+
+def sum_up(members: Sequence[InstanceSignals], attr: str) -> float | None:
+    """A gauge summed over the up members at their latest scrape."""
+    values = [float(v) for i in members if i.up and (v := getattr(i, attr)) is not None]
+    return sum(values) if values else None
+
+
+def pairs_percentile(by_pair: Mapping[Pair, Sequence[float]], side: int, members: set[str], pct: float,
+                     cfg: PolicyConfig, pooled: Sequence[float] | None = None) -> float | None:
+    """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
+    (``side`` 0: P, 1: D), of each pair's percentile; where no pair has ``pair_min_samples``, the ``pooled``
+    percentile if given and as large."""
+    n = cfg.pair_min_samples
+    per = sorted(v for pair, vals in by_pair.items()
+                 if pair[side] in members and len(vals) >= n and (v := percentile(vals, pct)) is not None)
+    if per:
+        return median_low(per)
+    if pooled is not None and len(pooled) >= n:
+        return percentile(pooled, pct)
+    return None
+
+
+def rate_span_s(window_s: float, since: float, first_in: float, now: float, cfg: PolicyConfig) -> float:
+    """The span completion rates are taken over: the window, or (when its first record is late in it, right
+    after a start) the span the records cover, never under ``min_rate_span_s``."""
+    if first_in - since <= window_s * cfg.coverage_start_fraction:
+        return window_s
+    return max(now - first_in, cfg.min_rate_span_s)
+
+
+def instance_signals(
+    name: str, pool: str, role: Role, cfg: PolicyConfig, window: ScrapeFigures | None,
+    recent: ScrapeFigures | None, latest: LatestGauges | None, tally: InstanceTally | None,
+    handoff: Percentiles | None,
+) -> InstanceSignals:
+    """One configured instance's signals from its scrapes (the window's, the last three's, the latest gauges)
+    and the records charged to it (an instance never scraped has ``up=None``)."""
+    s, r, lt, rec = window, recent, latest, tally
+    held = load_now(role, s, lt)
+    return InstanceSignals(
+        name=name, pool=pool, role=role,
+        up=None if s is None else s.up,
+        last_seen=None if s is None else s.last_ts,
+        down_for_s=None if lt is None else lt.down_for_s,
+        kv_usage=None if s is None else s.kv_cache_usage,
+        num_running=None if s is None else s.num_running,
+        num_waiting=None if s is None else s.num_waiting,
+        handoff_backlog=None if lt is None or role != "decode" else lt.backlog,
+        load_now=held,
+        hold_time_now_s=hold_time(held, r, role, cfg.recent_s),
+        ttft_mean_s=None if s is None else s.mean_ttft_s,
+        queue_mean_s=None if lt is None else lt.queue_mean_s,
+        nixl_xfer_mean_s=None if s is None else s.mean_nixl_xfer_s,
+        nixl_transfers=0.0 if s is None else s.increases.get("nixl_xfer_time_count", 0.0),
+        ttft_recent_s=None if r is None else r.mean_ttft_s,
+        ttft_recent_count=0.0 if r is None else r.increases.get("ttft_count", 0.0),
+        nixl_recent_s=None if r is None else r.mean_nixl_xfer_s,
+        nixl_recent_count=0.0 if r is None else r.increases.get("nixl_xfer_time_count", 0.0),
+        failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
+        expired_leases_per_min=(s.expired_leases_per_min or 0.0) if s is not None else 0.0,
+        contribution_s=None if rec is None else mean(rec.contribution),
+        handoff_p50_s=None if handoff is None else handoff.p50_s,
+        handoff_p99_s=None if handoff is None else handoff.p99_s,
+        requests=0 if rec is None else rec.requests,
+        failed_requests=0 if rec is None else rec.failed,
+        refused_requests=0 if rec is None else rec.refused,
+        lease_expiry_suspects=rec.lease_charged if rec is not None and role == "decode" else 0,
+        unattributed_lease_expiries=unattributed_expiries(role, s, rec),
+        contribution_rse=None if rec is None else rse(rec.contribution),
+        handoff_rse=None if rec is None else rse(rec.handoff),
+        load_done=finished(r, role),
+    )
+
+
+def unattributed_expiries(role: Role, window: ScrapeFigures | None, tally: InstanceTally | None) -> int:
+    """P: its own expired leases (vLLM's counter) in the window that no waiting handoff explains."""
+    if window is None or role != "prefill":
+        return 0
+    expired = round(window.increases.get("nixl_kv_expired_reqs", 0.0))
+    return max(0, expired - (0 if tally is None else tally.lease_on_p))
+
+
+def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], tally: WindowTally,
+                 rate_span: float, cfg: PolicyConfig) -> PoolSignals:
+    """One pool's load from its members' signals and the records through it."""
+    usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
+    rate = agg.done / rate_span if agg.done >= cfg.pool_min_requests else None
+    mean_res = mean(agg.residence)
+    pct = cfg.ttft_percentile
+    side = 0 if agg.role == "prefill" else 1
+    up = {i.name for i in members if i.up}
+    prefill = agg.role == "prefill"
+    return PoolSignals(
+        name=name, role=agg.role,
+        inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
+        completed_per_s=rate,
+        ttft_p_s=pairs_percentile(tally.ttft_by_pair, side, up, pct, cfg),
+        kv_usage=mean([u for u in usages if u is not None]),
+        # The typical member's backlog and queue times the members: one D that does not pull, or one slow P
+        # (the weights' business: its peers take its share), does not read as the whole pool being behind.
+        handoff_backlog_requests=typical_times_members(members, "handoff_backlog"),
+        mean_kv_bytes_per_request=mean(agg.kv_bytes),
+        waiting_now=typical_times_members(members, "num_waiting") if prefill else None,
+        running_now=sum_up(members, "num_running") if prefill else None,
+        service_ttft_p_s=pairs_percentile(tally.service_by_pair, side, up, pct, cfg, agg.service_ttft),
+        unqueued_ttft_p_s=pairs_percentile(tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft),
+    )
+
+
+def fleet_handoff_p99(tally: WindowTally) -> float | None:
+    return percentile(tally.handoffs, 99)
