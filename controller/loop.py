@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controller import observe as observe_mod
 from controller.notify import Notifier, NullNotifier
-from controller.persist import load_overrides, load_state, persist_tick
+from controller.persist import load_overrides, load_state, persist_tick, record_policy
 from controller.policy import (
     AlertConfig,
     InstanceSpec,
@@ -113,6 +113,7 @@ class Reconciler:
         self._obs: Observation | None = None
         self._served: dict[str, ServedInstance] = {}
         self._loaded = False
+        self.policy = self.cfg.fingerprint()  # recorded in the store when it is first read
         self._table = self._initial_table(0)
 
     def _initial_table(self, version: int) -> RoutingTable:
@@ -121,6 +122,7 @@ class Reconciler:
         return table.model_copy(update={"version": version})
 
     def _load(self, session: Session) -> None:
+        self.policy = record_policy(session, self.cfg, self.clock())
         state, ids, version = load_state(session)
         self._state = state
         self._alert_ids = ids
@@ -159,7 +161,7 @@ class Reconciler:
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)
             ids = dict(self._alert_ids)
-            rows = persist_tick(session, out, self._served, ids)
+            rows = persist_tick(session, out, self._served, ids, self._state, self.policy)
         # committed: now serve it
         self._alert_ids = ids
         self._state = out.state

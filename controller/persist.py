@@ -3,11 +3,14 @@
 * :func:`load_overrides` reads the active manual overrides (the API writes them).
 * :func:`lock_subject` takes the store's lock for one subject's overrides until the
   transaction ends, so two mutations of it never interleave, on SQLite or PostgreSQL.
-* :func:`load_state` rebuilds the policy's carried state after a restart from the newest
-  stored decisions and the alerts still pending or firing.
+* :func:`load_state` rebuilds the policy's carried state after a restart: each subject's
+  stored ``policy_state`` (a store from before it existed: the newest decisions) and the
+  alerts still pending or firing.
+* :func:`record_policy` stores the policy config this process runs under, once.
 * :func:`persist_tick` stores one tick: a ``Decision`` row for every value that changed
   (policy weight, served weight when an override starts or ends, pool limits), each with
-  its inputs, scores, arithmetic, reason and message; and every alert state change.
+  its inputs, scores, arithmetic, reason, message and the policy config it was taken under;
+  the carried state of every subject whose state changed; and every alert state change.
 
 Functions take an open ``Session``; the caller owns the transaction (``store.transaction``),
 so one tick is stored whole or not at all.
@@ -15,24 +18,27 @@ so one tick is stored whole or not at all.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from sqlalchemy import func, select, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from controller.policy import (
     AlertState,
     LimitState,
     Override,
+    PolicyConfig,
     PolicyState,
     ServedInstance,
     TickOutput,
     WeightState,
 )
 from controller.policy.reasons import Reason
-from store.models import Alert, Decision, WeightOverride
+from store.models import Alert, Decision, PolicyConfigRow, PolicyStateRow, WeightOverride
 
 
 def to_override(row: WeightOverride) -> Override:
@@ -76,27 +82,41 @@ def _latest_decisions(session: Session, field: str) -> dict[str, Decision]:
     return {d.subject: d for d in rows}
 
 
+def _weight_state(d: Mapping[str, Any]) -> WeightState | None:
+    try:
+        return WeightState(**{**d, "reason": Reason.of(str(d.get("reason", "")))})
+    except (TypeError, ValueError):
+        return None  # written by a version with other fields: rebuilt from the decisions instead
+
+
+def _limit_state(d: Mapping[str, Any]) -> LimitState | None:
+    try:
+        return LimitState(**d)
+    except (TypeError, ValueError):
+        return None
+
+
 def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
     """``(state, alert row ids by fingerprint, last routing version)`` from what is stored."""
     weights: dict[str, WeightState] = {}
+    limits: dict[str, LimitState] = {}
+    for row in session.scalars(select(PolicyStateRow)):
+        if row.subject_kind == "instance" and (ws := _weight_state(row.state)) is not None:
+            weights[row.subject] = ws
+        elif row.subject_kind == "pool" and (ls := _limit_state(row.state)) is not None:
+            limits[row.subject] = ls
+    # Subjects without a stored state (a store from before policy_state): from their newest decisions.
     for name, d in _latest_decisions(session, "weight").items():
-        if d.new_value is not None:
-            carried = d.scores if isinstance(d.scores, dict) else {}
-            smoothed = float(carried.get("_smoothed", d.new_value))
-            # A weight last lowered keeps when: recovery from it is probed and judged by evidence; one last
-            # raised keeps when and where it was last cut (past that, one step per window).
+        if name not in weights and d.new_value is not None:
+            # A weight last lowered keeps when: recovery from it is probed and judged by evidence.
             lowered = d.ts if d.old_value is not None and d.new_value < d.old_value else None
-            raised = d.ts if d.old_value is not None and d.new_value > d.old_value else None
-            ceiling = carried.get("_ceiling", 1.0)
-            weights[name] = WeightState(d.new_value, smoothed, 0, Reason.of(d.reason), 0, lowered, None,
-                                        float(ceiling) if isinstance(ceiling, int | float) else 1.0, raised)
+            weights[name] = WeightState(d.new_value, d.new_value, 0, Reason.of(d.reason), 0, lowered)
     reqs = _latest_decisions(session, "max_inflight_requests")
     kvs = _latest_decisions(session, "max_inflight_kv_bytes")
     waits = _latest_decisions(session, "max_queue_wait_s")
-    limits: dict[str, LimitState] = {}
     for pool, d in reqs.items():
         kv = kvs.get(pool)
-        if d.new_value is not None and kv is not None and kv.new_value is not None:
+        if pool not in limits and d.new_value is not None and kv is not None and kv.new_value is not None:
             w = waits.get(pool)
             limits[pool] = LimitState(int(d.new_value), int(kv.new_value), 0, None if w is None else w.new_value)
     alerts: dict[str, AlertState] = {}
@@ -114,13 +134,55 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
     return PolicyState(0, weights, limits, alerts, None), ids, int(version)
 
 
+def record_policy(session: Session, cfg: PolicyConfig, now: float) -> str:
+    """Store ``cfg`` under its fingerprint unless it is stored already; the fingerprint."""
+    fp = cfg.fingerprint()
+    if session.get(PolicyConfigRow, fp) is None:
+        session.add(PolicyConfigRow(fingerprint=fp, version=int(fp[1:].split(":")[0]), config=cfg.as_dict(),
+                                    first_seen=now))
+    return fp
+
+
+def _upsert_states(session: Session, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        ins: Any = postgresql.insert(PolicyStateRow)
+    elif dialect == "sqlite":
+        ins = sqlite.insert(PolicyStateRow)
+    else:  # pragma: no cover - the store supports these two
+        raise RuntimeError(f"no upsert for the {dialect} dialect")
+    stmt = ins.on_conflict_do_update(index_elements=["subject_kind", "subject"],
+                                     set_={"state": ins.excluded.state, "tick": ins.excluded.tick,
+                                           "ts": ins.excluded.ts})
+    session.execute(stmt, rows)
+
+
+def _changed_states(out: TickOutput, prev: PolicyState | None) -> list[dict[str, Any]]:
+    """The ``policy_state`` rows of the subjects whose carried state this tick changed."""
+    ts, tick = out.table.generated_at, out.tick
+    rows: list[dict[str, Any]] = []
+    before_w = {} if prev is None else prev.weights
+    before_l = {} if prev is None else prev.limits
+    for name, ws in out.state.weights.items():
+        if before_w.get(name) != ws:
+            state = dataclasses.asdict(ws) | {"reason": str(ws.reason)}
+            rows.append({"subject_kind": "instance", "subject": name, "state": state, "tick": tick, "ts": ts})
+    for name, ls in out.state.limits.items():
+        if before_l.get(name) != ls:
+            rows.append({"subject_kind": "pool", "subject": name, "state": dataclasses.asdict(ls), "tick": tick,
+                         "ts": ts})
+    return rows
+
+
 def _decision(out: TickOutput, mode: str, kind: str, subject: str, field: str, old: float | None,
               new: float | None, reason: str, message: str, arithmetic: str, inputs: Mapping[str, Any],
-              scores: Mapping[str, Any]) -> Decision:
+              scores: Mapping[str, Any], policy: str | None) -> Decision:
     return Decision(ts=out.table.generated_at, tick=out.tick, mode=mode, subject_kind=kind, subject=subject,
                     field=field, old_value=old, new_value=new, reason=reason, message=message,
                     arithmetic=arithmetic, inputs=dict(inputs), scores=dict(scores),
-                    routing_version=out.table.version)
+                    routing_version=out.table.version, policy=policy)
 
 
 def persist_tick(
@@ -128,15 +190,19 @@ def persist_tick(
     out: TickOutput,
     prev_served: Mapping[str, ServedInstance],
     alert_ids: dict[str, int],
+    prev_state: PolicyState | None = None,
+    policy: str | None = None,
 ) -> list[Decision]:
-    """Store one tick's changes; ``alert_ids`` (fingerprint -> row id) is updated in place."""
+    """Store one tick's changes; ``alert_ids`` (fingerprint -> row id) is updated in place.
+
+    ``prev_state`` is the state the tick started from (a subject's state is stored when it differs;
+    None: every subject's), ``policy`` the fingerprint of the config it ran under (:func:`record_policy`)."""
     mode = out.table.mode
     rows: list[Decision] = []
     for d in out.weights:
         if d.changed:
-            scores = dict(d.scores) | {"_target": d.target, "_smoothed": d.smoothed, "_ceiling": d.state.ceiling}
             rows.append(_decision(out, mode, "instance", d.instance, "weight", d.old_weight, d.weight, d.reason,
-                                  d.message, d.arithmetic, d.inputs, scores))
+                                  d.message, d.arithmetic, d.inputs, d.scores, policy))
     for name, s in out.served.items():
         before = prev_served.get(name)
         if before is None or (abs(before.weight - s.weight) < 1e-9 and before.source == s.source):
@@ -153,14 +219,15 @@ def persist_tick(
         rows.append(_decision(out, mode, "instance", name, "served_weight", before.weight, s.weight, reason, msg,
                               f"served = {s.source} {s.weight:.2f} (policy {s.policy_weight:.2f})",
                               {"override_id": None if s.override is None else s.override.id,
-                               "policy_weight": s.policy_weight}, {}))
+                               "policy_weight": s.policy_weight}, {}, policy))
     for p in out.pools:
         for field in ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s"):
             if p.changed(field):
                 old = None if p.old is None else getattr(p.old, field)
                 rows.append(_decision(out, mode, "pool", p.pool, field, old, getattr(p.new, field), p.reason,
-                                      p.message, p.arithmetic, p.inputs, p.scores))
+                                      p.message, p.arithmetic, p.inputs, p.scores, policy))
     session.add_all(rows)
+    _upsert_states(session, _changed_states(out, prev_state))
     for st in out.alerts.changed:
         _store_alert(session, st, alert_ids)
     changed = {a.fingerprint for a in out.alerts.changed}

@@ -299,6 +299,32 @@ class Decision(Base):
     inputs: Mapped[Json] = mapped_column(default=dict)
     scores: Mapped[Json] = mapped_column(default=dict)
     routing_version: Mapped[int | None] = mapped_column(Integer)
+    # the policy config it was taken under: ``v<policy version>:<hash>``, a key of ``policy_configs``
+    policy: Mapped[str | None] = mapped_column(String(40))
+
+
+class PolicyConfigRow(Base):
+    """One policy config the controller ran under (every threshold), named by its fingerprint."""
+
+    __tablename__ = "policy_configs"
+
+    fingerprint: Mapped[str] = mapped_column(String(40), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    config: Mapped[Json] = mapped_column(default=dict)
+    first_seen: Mapped[float] = mapped_column(Float)
+
+
+class PolicyStateRow(Base):
+    """What the policy carries from tick to tick for one subject (an instance's weight state, a pool's
+    limit state), as it was after the newest tick that changed it: reloaded on restart."""
+
+    __tablename__ = "policy_state"
+
+    subject_kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    subject: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[Json] = mapped_column(default=dict)
+    tick: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
 
 
 class WeightOverride(Base):

@@ -7,7 +7,7 @@ from sqlalchemy import func, select
 
 from controller.loop import Reconciler
 from store.db import StoreError, transaction
-from store.models import Alert, Decision, WeightOverride
+from store.models import Alert, Decision, PolicyConfigRow, WeightOverride
 from tests.controller.conftest import World
 
 
@@ -115,6 +115,38 @@ def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
     assert any(a.rule == "KVLeaseExpired" for a in out.alerts.active)
     with transaction(world.factory) as s:
         assert s.scalar(select(func.count()).select_from(Alert).where(Alert.rule == "KVLeaseExpired")) == 1
+
+
+def test_restart_carries_the_whole_policy_state_and_decisions_name_their_policy(world: World) -> None:
+    """Streaks, smoothing, when a weight was lowered and raised, its ceiling, a pool's cooldown: all of it
+    survives a restart exactly, from ``policy_state`` (not from the decisions' scores), and every decision
+    names the stored policy config it was taken under."""
+    for _ in range(2):
+        world.step()
+    for _ in range(5):
+        world.step(handoff_s={"decode-2": 0.5})
+    for _ in range(10):  # healthy again, until a streak is running and the weight is not raised yet
+        world.step()
+        if world.reconciler._state.weights["decode-2"].healthy_streak > 0:
+            break
+    before = world.reconciler._state
+    assert before.weights["decode-2"].healthy_streak > 0 and before.weights["decode-2"].ceiling < 1.0
+    fresh = Reconciler(world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config)
+    with transaction(world.factory) as s:
+        from controller.persist import load_state
+        state = load_state(s)[0]
+        assert dict(state.weights) == dict(before.weights)
+        assert dict(state.limits) == dict(before.limits)
+        rows = s.scalars(select(Decision)).all()
+        assert rows and {r.policy for r in rows} == {world.reconciler.cfg.fingerprint()}
+        cfg = s.get(PolicyConfigRow, world.reconciler.cfg.fingerprint())
+        assert cfg is not None and cfg.config["min_weight"] == world.reconciler.cfg.min_weight
+        assert all(not k.startswith("_") for r in rows for k in r.scores), "no carried state in the scores"
+    out = fresh.tick()
+    same = world.reconciler.tick()  # the old process' next tick, from its memory, on the same data
+    mine = {d.instance: (d.weight, d.reason, d.state) for d in out.weights}
+    theirs = {d.instance: (d.weight, d.reason, d.state) for d in same.weights}
+    assert mine == theirs
 
 
 def test_override_expiry_is_a_stored_decision(world: World) -> None:
