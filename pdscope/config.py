@@ -29,9 +29,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
+from pdscope.routing import Role as Role  # the one definition, with the routing contract
 
-Role = Literal["prefill", "decode"]
+DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
 
 
 class ConfigError(Exception):

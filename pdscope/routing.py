@@ -17,13 +17,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The two roles of a P/D fleet, the one definition every layer uses.
+Role = Literal["prefill", "decode"]
+
 
 class InstanceRoute(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     name: str
     pool: str
-    role: Literal["prefill", "decode"]
+    role: Role
     url: str
     weight: float = Field(ge=0.0, description="relative share within its role; 0 = no new work")
     drained: bool = False
@@ -34,7 +37,7 @@ class PoolRoute(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     name: str
-    role: Literal["prefill", "decode"]
+    role: Role
     weight: float = Field(default=1.0, ge=0.0)
     max_inflight_requests: int | None = Field(default=None, ge=0)
     max_inflight_kv_bytes: int | None = Field(default=None, ge=0)

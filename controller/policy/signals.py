@@ -11,9 +11,8 @@ holds its previous output for a signal it cannot see rather than acting on a gue
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Role = Literal["prefill", "decode"]
+from pdscope.routing import Role as Role
 
 
 @dataclass(frozen=True)
