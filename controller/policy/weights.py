@@ -111,6 +111,24 @@ def _hold(inst: InstanceSignals, prev: WeightState, reason: Reason, message: str
     )
 
 
+@dataclass
+class _Step:
+    """One tick's draft for one up instance: what the branch of :func:`step_instance` taken decides."""
+
+    w: float  # the weight now
+    target: float
+    smoothed: float
+    low: Score | None  # the worst signal, if any is under 1
+    probe_at: float | None
+    lowered_at: float | None
+    arith: list[str]
+    new: float = 0.0
+    reason: Reason = Reason.HEALTHY
+    what: str = ""
+    streak: int = 0
+    degraded: int = 0
+
+
 def step_instance(
     inst: InstanceSignals,
     peers: Sequence[InstanceSignals] | PeerIndex,
@@ -125,25 +143,59 @@ def step_instance(
         return _hold(inst, prev, Reason.NO_DATA, f"{inst.name}: not scraped in the window; weight held at "
                      f"{prev.weight:.2f}")
     if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
-        return _hold(inst, prev, Reason.SCRAPE_FAILING, f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s "
-                     f"(down after {cfg.down_after_s:.0f}s); weight held at {prev.weight:.2f}")
+        return _hold(inst, prev, Reason.SCRAPE_FAILING, f"{inst.name}: scrapes failing for "
+                     f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
+                     f"{prev.weight:.2f}")
     if inst.up is False:
-        # Down is a cut like any other: the way back is a probe, judged by evidence.
-        # (an outage says nothing of the share it can take: no ceiling)
-        st = WeightState(0.0, 0.0, 0, Reason.INSTANCE_DOWN, 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
-        return WeightDecision(
-            instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
-            target=0.0, smoothed=0.0, reason=Reason.INSTANCE_DOWN,
-            message=f"{inst.name}: down at the latest scrape; no new work", arithmetic="weight = 0 (up = 0)",
-            scores={"up": 0.0}, inputs={"up": False, "last_seen": inst.last_seen}, state=st,
-        )
+        return _down(inst, prev, now)
 
-    scores = score_instance(inst, peers, cfg, window_s)
     warming = history_s is not None and history_s < cfg.startup_s
+    scores = _scores(inst, peers, cfg, window_s, warming)
+    st = _draft(scores, prev, cfg, now)
+    w = st.w
+    band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
+    band_up = min(cfg.band_up, max(0.0, 1.0 - w) - EPS)
+    probing = st.probe_at is not None
+    failing = inst.failed_requests > 0 or error_events(inst, window_s) > 0
+    if w < cfg.min_weight:  # back from down or drained: start at the floor; the way up is a probe
+        _from_floor(st, cfg, now)
+    elif probing and failing:
+        _probe_failed(st, inst, cfg, window_s, now)
+    elif st.smoothed < w - band_down and band_down > 0 and st.target < w - band_down:
+        _lower(st, inst, prev, cfg)
+    elif st.smoothed > w + band_up and band_up > 0 and not _has_evidence(inst, w, cfg):
+        _probe_or_wait(st, inst, cfg, now)
+    elif st.smoothed > w + band_up and band_up > 0:
+        _raise(st, prev, cfg, window_s, now)
+    else:
+        _in_bands(st, inst, cfg, warming, history_s)
+    return _decision(inst, prev, st, scores, cfg, now)
+
+
+def _down(inst: InstanceSignals, prev: WeightState, now: float) -> WeightDecision:
+    """Down is a cut like any other: the way back is a probe, judged by evidence (an outage says
+    nothing of the share it can take: no ceiling)."""
+    st = WeightState(0.0, 0.0, 0, Reason.INSTANCE_DOWN, 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
+    return WeightDecision(
+        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
+        target=0.0, smoothed=0.0, reason=Reason.INSTANCE_DOWN,
+        message=f"{inst.name}: down at the latest scrape; no new work", arithmetic="weight = 0 (up = 0)",
+        scores={"up": 0.0}, inputs={"up": False, "last_seen": inst.last_seen}, state=st,
+    )
+
+
+def _scores(inst: InstanceSignals, peers: Sequence[InstanceSignals] | PeerIndex, cfg: PolicyConfig,
+            window_s: float, warming: bool) -> tuple[Score, ...]:
+    scores = score_instance(inst, peers, cfg, window_s)
     if warming:  # a start-up window: too little history to compare against, only facts may cut
         scores = tuple(s if s.name in EVIDENCE or s.value >= 1.0 else
                        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} in a start-up window: not acted on")
                        for s in scores)
+    return scores
+
+
+def _draft(scores: tuple[Score, ...], prev: WeightState, cfg: PolicyConfig, now: float) -> _Step:
+    """Target (the worst latency view times the other scores, floored) and its smoothing."""
     latency = [s for s in scores if s.name in LATENCY]
     other = [s for s in scores if s.name not in LATENCY]
     product = min((s.value for s in latency), default=1.0)
@@ -154,125 +206,143 @@ def step_instance(
     smoothed = a * target + (1.0 - a) * prev.smoothed
     if abs(smoothed - target) < cfg.snap:  # an EWMA never arrives; close enough is there
         smoothed = target
-    w = prev.weight
     lat_terms = ", ".join(f"{s.name} {s.value:.2f}" for s in latency)
     terms = " × ".join([f"min({lat_terms})"] + [f"{s.name} {s.value:.2f}" for s in other])
     arith = [
         f"target = max({cfg.min_weight:.2f}, {terms}) = {target:.2f}",
         f"smoothed = {a:.2f}×{target:.2f} + {1 - a:.2f}×{prev.smoothed:.2f} = {smoothed:.2f}",
     ]
-    band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
-    band_up = min(cfg.band_up, max(0.0, 1.0 - w) - EPS)
-    low = worst(scores)
-    streak = 0
-    degraded = 0
+    w = prev.weight
     probing = prev.probe_at is not None and now - prev.probe_at <= cfg.probe_hold_s and w <= cfg.probe_weight + EPS
-    probe_at = prev.probe_at if probing else None
-    lowered_at = prev.lowered_at
-    failing = inst.failed_requests > 0 or error_events(inst, window_s) > 0
-    if w < cfg.min_weight:  # back from down or drained: start at the floor; the way up is a probe
-        new = cfg.min_weight
-        arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {w:.2f}, instance is up)")
-        reason, what = Reason.INSTANCE_UP, "up again; starts at the floor (a probe, then evidence, raises it)"
-        # Its outage is over: it may be probed at once (not after probe_after_s at the floor).
-        lowered_at = now - cfg.probe_after_s
-    elif probing and failing:
-        # A probe is a probe: its first failures end it, back to the floor at once, and the wait starts again.
-        new = cfg.min_weight
-        smoothed = min(smoothed, target)
-        arith.append(f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
-                     f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)")
-        reason, what = Reason.PROBE_FAILED, "failed while probed; back to the floor"
-        probe_at, lowered_at = None, now
-    elif smoothed < w - band_down and band_down > 0 and target < w - band_down:
-        degraded = prev.degraded_streak + 1
-        reason = reason_for(low, inst) if low is not None else Reason.DEGRADED
-        what = _describe(low) if low is not None else "smoothed target below the weight"
-        unconfirmed = low is not None and low.name in FAST and low.value >= cfg.extreme_score
-        if target < cfg.severe_target and (not unconfirmed or degraded >= cfg.degrade_ticks):
-            # Severe: act on the target itself; the EWMA would take ticks to get there.
-            smoothed = target
-            new = max(target, w - cfg.max_weight_step, cfg.min_weight)
-            arith.append(f"weight = max(target {target:.2f} (severe, under {cfg.severe_target:.2f}: not smoothed), "
-                         f"{w:.2f} - {cfg.max_weight_step:.2f}, {cfg.min_weight:.2f}) = {new:.2f}")
-        elif degraded >= cfg.degrade_ticks:
-            new = max(smoothed, w - cfg.max_weight_step, cfg.min_weight)
-            arith.append(f"weight = max({smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
-                         f"{cfg.min_weight:.2f}) = {new:.2f}")
-        else:
-            new = w
-            arith.append(f"weight = {w:.2f} (mild: confirming, {degraded}/{cfg.degrade_ticks} ticks)")
-            what = f"{what} (confirming {degraded}/{cfg.degrade_ticks})"
-    elif smoothed > w + band_up and band_up > 0 and not _has_evidence(inst, w, cfg):
-        # Looks healthy only because too few requests reach it to show anything: no evidence. Once it has
-        # waited probe_after_s at the low weight it gets a probe: a small, bounded share, never a ramp.
-        since = now - (lowered_at if lowered_at is not None else now - cfg.probe_after_s)
-        if w < cfg.probe_weight - EPS and since >= cfg.probe_after_s:
-            new = min(cfg.probe_weight, w + cfg.max_weight_step)
-            arith.append(f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
-                         f"{new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)")
-            reason, what = Reason.PROBING, f"too few requests to judge; probed with weight {new:.2f}"
-            probe_at = now
-        else:
-            new = w
-            wait = max(0.0, cfg.probe_after_s - since)
-            arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
-                         f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)")
-            reason, what = Reason.AWAITING_EVIDENCE, (f"too few requests at weight {w:.2f} to judge" +
-                                                (f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else ""))
-    elif smoothed > w + band_up and band_up > 0:
-        streak = prev.healthy_streak + 1
-        if streak >= cfg.recover_ticks and w < cfg.probe_weight - EPS:
-            # From under the probe weight the first step is a probe, whatever the evidence so far.
-            new = min(smoothed, cfg.probe_weight)
-            arith.append(f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {new:.2f} after {streak} "
-                         "healthy ticks (a probe first)")
-            reason, what = Reason.PROBING, f"healthy for {streak} ticks; probed with weight {new:.2f}"
-            probe_at = now
-        elif streak >= cfg.recover_ticks and w >= prev.ceiling - EPS and prev.raised_at is not None and (
-                now - prev.raised_at < window_s):
-            # Past where it was last cut: the window has not yet seen it at this share.
-            new = w
-            arith.append(f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
-                         f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)")
-            reason, what = Reason.HOLDING_AFTER_RAISE, (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; "
-                                                 f"one step per {window_s:.0f}s window")
-        elif streak >= cfg.recover_ticks:
-            step_to = min(smoothed, w + cfg.max_weight_step, 1.0)
-            new = min(step_to, prev.ceiling) if w < prev.ceiling - EPS else step_to
-            capped = f", back to {prev.ceiling:.2f} where it was last cut" if new < step_to - EPS else ""
-            arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = {new:.2f}"
-                         f" after {streak} healthy ticks")
-            reason, what = Reason.RECOVERING, f"healthy for {streak} ticks"
-        else:
-            new = w
-            arith.append(f"weight = {w:.2f} (healthy {streak}/{cfg.recover_ticks} ticks before raising)")
-            reason, what = Reason.HOLDING_FOR_HYSTERESIS, f"healthy {streak}/{cfg.recover_ticks} ticks"
+    return _Step(w=w, target=target, smoothed=smoothed, low=worst(scores),
+                 probe_at=prev.probe_at if probing else None, lowered_at=prev.lowered_at, arith=arith, new=w)
+
+
+def _from_floor(st: _Step, cfg: PolicyConfig, now: float) -> None:
+    st.new = cfg.min_weight
+    st.arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {st.w:.2f}, instance is up)")
+    st.reason, st.what = Reason.INSTANCE_UP, "up again; starts at the floor (a probe, then evidence, raises it)"
+    # Its outage is over: it may be probed at once (not after probe_after_s at the floor).
+    st.lowered_at = now - cfg.probe_after_s
+
+
+def _probe_failed(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, window_s: float, now: float) -> None:
+    """A probe is a probe: its first failures end it, back to the floor at once, and the wait starts again."""
+    st.new = cfg.min_weight
+    st.smoothed = min(st.smoothed, st.target)
+    st.arith.append(f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
+                    f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)")
+    st.reason, st.what = Reason.PROBE_FAILED, "failed while probed; back to the floor"
+    st.probe_at, st.lowered_at = None, now
+
+
+def _lower(st: _Step, inst: InstanceSignals, prev: WeightState, cfg: PolicyConfig) -> None:
+    w, low = st.w, st.low
+    st.degraded = prev.degraded_streak + 1
+    st.reason = reason_for(low, inst) if low is not None else Reason.DEGRADED
+    st.what = _describe(low) if low is not None else "smoothed target below the weight"
+    unconfirmed = low is not None and low.name in FAST and low.value >= cfg.extreme_score
+    if st.target < cfg.severe_target and (not unconfirmed or st.degraded >= cfg.degrade_ticks):
+        # Severe: act on the target itself; the EWMA would take ticks to get there.
+        st.smoothed = st.target
+        st.new = max(st.target, w - cfg.max_weight_step, cfg.min_weight)
+        st.arith.append(f"weight = max(target {st.target:.2f} (severe, under {cfg.severe_target:.2f}: not "
+                        f"smoothed), {w:.2f} - {cfg.max_weight_step:.2f}, {cfg.min_weight:.2f}) = {st.new:.2f}")
+    elif st.degraded >= cfg.degrade_ticks:
+        st.new = max(st.smoothed, w - cfg.max_weight_step, cfg.min_weight)
+        st.arith.append(f"weight = max({st.smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
+                        f"{cfg.min_weight:.2f}) = {st.new:.2f}")
     else:
-        new = w
-        arith.append(f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})")
-        if low is not None and w < 1.0 - EPS:
-            reason, what = reason_for(low, inst), _describe(low)
-        elif w < 1.0 - EPS:
-            reason, what = Reason.STEADY, "inside the hysteresis bands"
-        elif inst.unattributed_lease_expiries:
-            reason, what = Reason.UNATTRIBUTED_LEASE_EXPIRIES, (
-                f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain them; "
-                "no instance is charged")
-        elif warming:
-            reason, what = Reason.WARMING_UP, f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
-        else:
-            reason, what = Reason.HEALTHY, "every signal healthy"
-    new = _r(min(1.0, max(cfg.min_weight, new)))
-    msg = f"{inst.name}: {what}; weight {w:.2f} -> {new:.2f}" if abs(new - w) > EPS else (
-        f"{inst.name}: {what}; weight stays {w:.2f}")
+        st.new = w
+        st.arith.append(f"weight = {w:.2f} (mild: confirming, {st.degraded}/{cfg.degrade_ticks} ticks)")
+        st.what = f"{st.what} (confirming {st.degraded}/{cfg.degrade_ticks})"
+
+
+def _probe_or_wait(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, now: float) -> None:
+    """Looks healthy only because too few requests reach it to show anything: no evidence. Once it has
+    waited probe_after_s at the low weight it gets a probe: a small, bounded share, never a ramp."""
+    w = st.w
+    since = now - (st.lowered_at if st.lowered_at is not None else now - cfg.probe_after_s)
+    if w < cfg.probe_weight - EPS and since >= cfg.probe_after_s:
+        st.new = min(cfg.probe_weight, w + cfg.max_weight_step)
+        st.arith.append(f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
+                        f"{st.new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)")
+        st.reason, st.what = Reason.PROBING, f"too few requests to judge; probed with weight {st.new:.2f}"
+        st.probe_at = now
+        return
+    st.new = w
+    wait = max(0.0, cfg.probe_after_s - since)
+    st.arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
+                    f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)")
+    st.reason = Reason.AWAITING_EVIDENCE
+    st.what = f"too few requests at weight {w:.2f} to judge" + (
+        f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else "")
+
+
+def _raise(st: _Step, prev: WeightState, cfg: PolicyConfig, window_s: float, now: float) -> None:
+    w, smoothed = st.w, st.smoothed
+    st.streak = streak = prev.healthy_streak + 1
+    if streak >= cfg.recover_ticks and w < cfg.probe_weight - EPS:
+        # From under the probe weight the first step is a probe, whatever the evidence so far.
+        st.new = min(smoothed, cfg.probe_weight)
+        st.arith.append(f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {st.new:.2f} after "
+                        f"{streak} healthy ticks (a probe first)")
+        st.reason, st.what = Reason.PROBING, f"healthy for {streak} ticks; probed with weight {st.new:.2f}"
+        st.probe_at = now
+    elif streak >= cfg.recover_ticks and w >= prev.ceiling - EPS and prev.raised_at is not None and (
+            now - prev.raised_at < window_s):
+        # Past where it was last cut: the window has not yet seen it at this share.
+        st.new = w
+        st.arith.append(f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
+                        f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)")
+        st.reason = Reason.HOLDING_AFTER_RAISE
+        st.what = (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; one step per "
+                   f"{window_s:.0f}s window")
+    elif streak >= cfg.recover_ticks:
+        step_to = min(smoothed, w + cfg.max_weight_step, 1.0)
+        st.new = min(step_to, prev.ceiling) if w < prev.ceiling - EPS else step_to
+        capped = f", back to {prev.ceiling:.2f} where it was last cut" if st.new < step_to - EPS else ""
+        st.arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = "
+                        f"{st.new:.2f} after {streak} healthy ticks")
+        st.reason, st.what = Reason.RECOVERING, f"healthy for {streak} ticks"
+    else:
+        st.new = w
+        st.arith.append(f"weight = {w:.2f} (healthy {streak}/{cfg.recover_ticks} ticks before raising)")
+        st.reason, st.what = Reason.HOLDING_FOR_HYSTERESIS, f"healthy {streak}/{cfg.recover_ticks} ticks"
+
+
+def _in_bands(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, warming: bool, history_s: float | None) -> None:
+    w, low = st.w, st.low
+    st.new = w
+    st.arith.append(f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})")
+    if low is not None and w < 1.0 - EPS:
+        st.reason, st.what = reason_for(low, inst), _describe(low)
+    elif w < 1.0 - EPS:
+        st.reason, st.what = Reason.STEADY, "inside the hysteresis bands"
+    elif inst.unattributed_lease_expiries:
+        st.reason = Reason.UNATTRIBUTED_LEASE_EXPIRIES
+        st.what = (f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain "
+                   "them; no instance is charged")
+    elif warming:
+        st.reason = Reason.WARMING_UP
+        st.what = f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
+    else:
+        st.reason, st.what = Reason.HEALTHY, "every signal healthy"
+
+
+def _decision(inst: InstanceSignals, prev: WeightState, st: _Step, scores: tuple[Score, ...], cfg: PolicyConfig,
+              now: float) -> WeightDecision:
+    w = st.w
+    new = _r(min(1.0, max(cfg.min_weight, st.new)))
+    msg = f"{inst.name}: {st.what}; weight {w:.2f} -> {new:.2f}" if abs(new - w) > EPS else (
+        f"{inst.name}: {st.what}; weight stays {w:.2f}")
+    lowered_at = now if new < w - EPS and st.reason != Reason.PROBE_FAILED else st.lowered_at
     return WeightDecision(
-        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=w, weight=new, target=_r(target),
-        smoothed=_r(smoothed), reason=reason, message=msg, arithmetic="; ".join(arith),
+        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=w, weight=new, target=_r(st.target),
+        smoothed=_r(st.smoothed), reason=st.reason, message=msg, arithmetic="; ".join(st.arith),
         scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
-        state=WeightState(new, smoothed, streak, reason, degraded,
-                          now if new < w - EPS and reason != Reason.PROBE_FAILED else lowered_at, probe_at,
-                          _ceiling_after(prev, w, new, reason), now if new > w + EPS else prev.raised_at),
+        state=WeightState(new, st.smoothed, st.streak, st.reason, st.degraded, lowered_at, st.probe_at,
+                          _ceiling_after(prev, w, new, st.reason), now if new > w + EPS else prev.raised_at),
     )
 
 
