@@ -36,13 +36,12 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import collector.scraper as scraper_mod  # noqa: E402
-from collector.assemble import EVENTS_KEY  # noqa: E402
 from collector.fastparse import extract_signals  # noqa: E402
 from collector.otlp import SpanData, decode  # noqa: E402
 from collector.parse import Family, ParsedPage, Sample, parse_text  # noqa: E402
 from collector.scraper import PerOriginTransport, Scraper, ScrapeResult  # noqa: E402
 from collector.signals import Signals, from_page  # noqa: E402
-from collector.sink import StoreSink, WriteResult, span_row  # noqa: E402
+from collector.sink import EVENTS_KEY, StoreSink, WriteResult, span_row  # noqa: E402
 from collector.snapshot_store import SnapshotStore  # noqa: E402
 from collector.targets import Target  # noqa: E402
 from pdscope.config import SLOSettings  # noqa: E402

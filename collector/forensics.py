@@ -24,6 +24,10 @@ finished, this pass
   unattributed (counted in the result; the controller shows them and charges no one). A
   handoff that finished within its lease is never flagged, however close in time.
 
+The pass writes only forensics' part of a record (``collector.record``): the
+``lease_expiry_suspect`` column and the ``nixl``, ``failed_attempts`` and ``lease_expiry`` keys
+of its ``attributes``, through ``note_forensics`` and ``flag_lease_expiry``.
+
 Assignments are only added, never moved: a pass counts the assignments already stored for a
 step and assigns only the rest, so passes over overlapping windows agree. Runs in a worker
 thread on the collector's cadence; idempotent over its window.
@@ -41,6 +45,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from collector.record import flag_lease_expiry, note_forensics
 from pdscope import semconv as sc
 from store.models import RequestRecord, Snapshot, SpanRow
 from store.queries import CounterStep, counter_steps
@@ -195,9 +200,7 @@ def _read_attempts(session: Session, records: Iterable[RequestRecord]) -> int:
         for trace_id, name, start, end, attrs in session.execute(stmt):
             by_trace[trace_id].append(_span_of(name, start, end, attrs))
     for trace_id, rec in todo.items():
-        attrs = dict(rec.attributes or {})
-        attrs["failed_attempts"] = failed_attempts(by_trace.get(trace_id, []))
-        rec.attributes = attrs
+        note_forensics(rec, "failed_attempts", failed_attempts(by_trace.get(trace_id, [])))
     return len(todo)
 
 
@@ -248,13 +251,8 @@ def join_expiries(steps: Sequence[CounterStep], handoffs: Sequence[Handoff], lea
         eligible.sort(key=lambda h: (h.first_token is not None, h.p_done))
         for h in eligible[:want]:
             taken.add((id(h.rec), h.p_done))
-            attrs = dict(h.rec.attributes or {})
-            entries = list(attrs.get("lease_expiry") or [])
-            entries.append({"p_instance": st.instance, "d_instance": h.d_instance, "p_done": h.p_done,
-                            "from_ts": st.start_ts, "to_ts": st.end_ts})
-            attrs["lease_expiry"] = entries
-            h.rec.attributes = attrs
-            h.rec.lease_expiry_suspect = True
+            flag_lease_expiry(h.rec, {"p_instance": st.instance, "d_instance": h.d_instance, "p_done": h.p_done,
+                                      "from_ts": st.start_ts, "to_ts": st.end_ts})
             out.suspects.add(id(h.rec))
         out.unattributed += max(0, want - len(eligible))
     return out
@@ -297,8 +295,7 @@ def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0
     for rec in records:
         p_done = rec.p_done
         end = handoff_end(rec)
-        attrs = dict(rec.attributes or {})
-        if p_done is None or "nixl" in attrs or end is None:
+        if p_done is None or "nixl" in (rec.attributes or {}) or end is None:
             continue
         nixl: dict[str, Any] = {}
         for side, inst, fields in (("d", rec.d_instance, _D_FIELDS), ("p", rec.p_instance, _P_FIELDS)):
@@ -307,8 +304,7 @@ def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0
             if ser is not None and win is not None:
                 nixl[side] = {"instance": inst, **_delta(ser, win[0], win[1], fields)}
         if "d" in nixl:
-            attrs["nixl"] = nixl
-            rec.attributes = attrs
+            note_forensics(rec, "nixl", nixl)
             linked += 1
     suspects = sum(1 for r in records if r.lease_expiry_suspect)
     if join.suspects or join.unattributed:

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from collector.otlp import SpanData
+from collector.otlp import SpanData, SpanEvent
 
 MAX_ITEMS = 64
 MAX_KEY_CHARS = 256
@@ -173,10 +173,10 @@ def admit(span: SpanData, now: float, limits: SpanLimits) -> Admitted:
         changes["attributes"] = attrs
         cut = cut or attrs_cut
     if span.events:
-        events = tuple(e for e in span.events[:MAX_EVENTS] if _plausible(e[1], lo, hi))
+        events = tuple(e for e in span.events[:MAX_EVENTS] if _plausible(e.ts, lo, hi))
         if len(events) != len(span.events):
             cut = True
             changes["events"] = events
-        if any(not isinstance(e[0], str) or len(e[0]) > MAX_NAME_CHARS for e in events):
-            changes["events"] = tuple((str(n)[:MAX_NAME_CHARS], ts, a) for n, ts, a in events)
+        if any(not isinstance(e.name, str) or len(e.name) > MAX_NAME_CHARS for e in events):
+            changes["events"] = tuple(SpanEvent(str(e.name)[:MAX_NAME_CHARS], e.ts, e.attributes) for e in events)
     return Admitted(replace(span, **changes) if changes else span, None, cut)

@@ -18,7 +18,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -40,6 +40,14 @@ class OverBudget(Exception):
     """The shared in-flight byte budget has no room for this body now (a 429: retry later)."""
 
 
+class SpanEvent(NamedTuple):
+    """One span event (e.g. the proxy's ``first_token``): the one shape, received or read back."""
+
+    name: str
+    ts: float  # Unix seconds
+    attributes: dict[str, Any]
+
+
 @dataclass(frozen=True, slots=True)
 class SpanData:
     trace_id: str  # 32 hex chars
@@ -52,7 +60,7 @@ class SpanData:
     end_ts: float
     status_code: int | None
     attributes: dict[str, Any]
-    events: tuple[tuple[str, float, dict[str, Any]], ...] = ()
+    events: tuple[SpanEvent, ...] = ()
     sender: str | None = None  # the name of the OTLP token it came with; None: no auth
 
 
@@ -189,7 +197,7 @@ def _decode_proto(raw: bytes | bytearray, sender: str | None) -> Decoded:
                     attrs[kv.key] = getattr(v, which) if which in _SCALARS else _any_value(v)
                 events = (
                     tuple(
-                        (e.name, e.time_unix_nano / 1e9, {kv.key: _any_value(kv.value) for kv in e.attributes})
+                        SpanEvent(e.name, e.time_unix_nano / 1e9, {kv.key: _any_value(kv.value) for kv in e.attributes})
                         for e in s.events
                     )
                     if len(s.events)
@@ -198,18 +206,18 @@ def _decode_proto(raw: bytes | bytearray, sender: str | None) -> Decoded:
                 status = s.status.code if s.HasField("status") else None
                 out.append(
                     SpanData(
-                        trace_id.hex(),
-                        span_id.hex(),
-                        parent.hex() or None,
-                        s.name,
-                        service,
-                        s.kind,
-                        s.start_time_unix_nano / 1e9,
-                        s.end_time_unix_nano / 1e9,
-                        status,
-                        attrs,
-                        events,
-                        sender,
+                        trace_id=trace_id.hex(),
+                        span_id=span_id.hex(),
+                        parent_span_id=parent.hex() or None,
+                        name=s.name,
+                        service=service,
+                        kind=s.kind,
+                        start_ts=s.start_time_unix_nano / 1e9,
+                        end_ts=s.end_time_unix_nano / 1e9,
+                        status_code=status,
+                        attributes=attrs,
+                        events=events,
+                        sender=sender,
                     )
                 )
     return result
@@ -326,11 +334,12 @@ def _json_span(s: Any, service: str | None, sender: str | None) -> SpanData:
     )
 
 
-def _json_event(e: Any) -> tuple[str, float, dict[str, Any]]:
+def _json_event(e: Any) -> SpanEvent:
     if not isinstance(e, dict):
         raise TypeError("event is not an object")
     name = e.get("name", "")
-    return (name if isinstance(name, str) else str(name), _nanos(e.get("timeUnixNano", 0)), _json_attrs(e.get("attributes")))
+    return SpanEvent(name if isinstance(name, str) else str(name), _nanos(e.get("timeUnixNano", 0)),
+                     _json_attrs(e.get("attributes")))
 
 
 def _list(v: Any) -> list[Any]:

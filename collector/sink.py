@@ -12,6 +12,10 @@ A bad item costs only itself: a trace whose record cannot be assembled is counte
 (``WriteResult.assemble_errors``) and its spans are still stored; a batch the database
 refuses for its data (not for being down) is retried one trace at a time, so only the
 traces the database refuses are lost (``failed``).
+
+The sink writes assembly's part of a record only (``collector.record``): a new row gets
+forensics' part as it starts, an existing row keeps it. A span's events are stored in its
+``attributes`` under ``EVENTS_KEY`` (name and time) and read back as ``SpanEvent`` values.
 """
 
 from __future__ import annotations
@@ -19,18 +23,21 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from sqlalchemy import select
+from sqlalchemy import RowMapping, select
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from collector.assemble import EVENTS_KEY, Assembled, assemble
+from collector.assemble import assemble
 from collector.bulk import RawJSON, insert_rows
-from collector.otlp import SpanData
+from collector.otlp import SpanData, SpanEvent
+from collector.record import AssembledRecord
 from pdscope import semconv as sc
 from pdscope.config import SLOSettings
 from store.db import StoreError, transaction
@@ -43,7 +50,7 @@ _SPANS = SpanRow.metadata.tables["spans"]
 _RECORDS = RequestRecord.metadata.tables["request_records"]
 MAX_ATTR_CHARS = 2048  # one long prompt in an attribute must not bloat the store
 _dumps = functools.partial(json.dumps, allow_nan=False, separators=(",", ":"))
-_PRESERVED = ("lease_expiry_suspect",)  # set by forensics, not by assembly
+EVENTS_KEY = "otel.events"  # where span events are kept in a stored span's attributes
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,32 @@ def _clip(value: Any) -> Any:
     return value
 
 
+def stored_events(events: Sequence[SpanEvent]) -> list[dict[str, Any]]:
+    """Events as kept under ``EVENTS_KEY``: name and time (their attributes are not kept)."""
+    return [{"name": e.name, "ts": e.ts} for e in events]
+
+
+def read_events(attributes: Any) -> tuple[dict[str, Any], tuple[SpanEvent, ...]]:
+    """A stored span's attributes without ``EVENTS_KEY``, and the events kept there.
+
+    An entry without a string name or a finite time is left out.
+    """
+    attrs: dict[str, Any] = attributes if isinstance(attributes, dict) else {}
+    if EVENTS_KEY not in attrs:
+        return attrs, ()
+    kept = attrs[EVENTS_KEY]
+    events: list[SpanEvent] = []
+    for ev in kept if isinstance(kept, list) else []:
+        name, ts = (ev.get("name"), ev.get("ts")) if isinstance(ev, dict) else (None, None)
+        if isinstance(name, str) and isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
+            events.append(SpanEvent(name, float(ts), {}))
+    return {k: v for k, v in attrs.items() if k != EVENTS_KEY}, tuple(events)
+
+
 def _attributes_json(span: SpanData) -> RawJSON:
     attrs: dict[str, Any] = span.attributes
     if span.events:
-        attrs = {**attrs, EVENTS_KEY: [{"name": n, "ts": ts} for n, ts, _ in span.events]}
+        attrs = {**attrs, EVENTS_KEY: stored_events(span.events)}
     try:
         text = orjson.dumps(attrs).decode()  # NaN and Infinity become null, as the store needs
     except orjson.JSONEncodeError:  # e.g. an integer past 64 bits
@@ -106,9 +135,9 @@ def span_row(span: SpanData, received: float) -> dict[str, Any]:
 class StoreSink:
     """Spans into ``spans``; assembled records into ``request_records``."""
 
-    def __init__(self, factory: sessionmaker[Session], slo: SLOSettings, clock: Any = None) -> None:
-        import time
-
+    def __init__(
+        self, factory: sessionmaker[Session], slo: SLOSettings, clock: Callable[[], float] | None = None
+    ) -> None:
         self.factory = factory
         self.slo = slo
         self.clock = clock or time.time
@@ -183,25 +212,12 @@ class StoreSink:
 
     def _stored_spans(self, session: Session, traces: set[str]) -> dict[str, list[SpanData]]:
         out: dict[str, list[SpanData]] = {}
-        cols = (
-            SpanRow.trace_id,
-            SpanRow.span_id,
-            SpanRow.parent_span_id,
-            SpanRow.name,
-            SpanRow.service,
-            SpanRow.kind,
-            SpanRow.start_ts,
-            SpanRow.end_ts,
-            SpanRow.status_code,
-            SpanRow.attributes,
-            SpanRow.sender,
-        )
         if not traces:
             return out
         ids = sorted(traces)
         for i in range(0, len(ids), 500):
-            for row in session.execute(select(*cols).where(SpanRow.trace_id.in_(ids[i : i + 500]))):
-                out.setdefault(row[0], []).append(SpanData(*row[:10], sender=row[10]))
+            for row in session.execute(select(*_SPAN_COLUMNS).where(SpanRow.trace_id.in_(ids[i : i + 500]))):
+                out.setdefault(row.trace_id, []).append(_span_of(row._mapping))
         return out
 
     def _assemble(
@@ -214,7 +230,7 @@ class StoreSink:
         for trace, old in stored.items():
             spans.setdefault(trace, []).extend(old)
         with_root = [v for v in spans.values() if any(s.name == sc.SPAN_REQUEST for s in v)]
-        assembled: list[Assembled] = []
+        assembled: list[AssembledRecord] = []
         errors = 0
         for trace_spans in with_root:
             try:
@@ -229,7 +245,7 @@ class StoreSink:
             return 0, errors
         # Only traces with spans from earlier exports can have a record already; new ones
         # are inserted with ON CONFLICT DO NOTHING (a reused X-Request-Id keeps its first record).
-        ids = [a.request_id for a in assembled if a.values["trace_id"] in stored]
+        ids = [a.request_id for a in assembled if a.trace_id in stored]
         existing: dict[str, RequestRecord] = {}
         for i in range(0, len(ids), 500):
             for r in session.scalars(select(RequestRecord).where(RequestRecord.request_id.in_(ids[i : i + 500]))):
@@ -241,18 +257,46 @@ class StoreSink:
             if rec is None:
                 if a.request_id not in inserted:  # one id in two traces of a batch: keep the first
                     inserted.add(a.request_id)
-                    new_rows.append({**a.values, "lease_expiry_suspect": False})
+                    new_rows.append(a.insert_row())
                 continue
-            for key, value in a.values.items():
-                if key == "attributes":
-                    merged = {**(rec.attributes or {}), **value}
-                    if merged != rec.attributes:
-                        rec.attributes = merged
-                elif key not in _PRESERVED and getattr(rec, key) != value:  # unchanged: no UPDATE
-                    setattr(rec, key, value)
+            a.update(rec)
         if new_rows:
             insert_rows(session, _RECORDS, new_rows, ignore_conflicts=True)
         return len(assembled), errors
+
+
+# A stored span's columns, read back by name into a SpanData (its events out of its attributes).
+_SPAN_COLUMNS = (
+    SpanRow.trace_id,
+    SpanRow.span_id,
+    SpanRow.parent_span_id,
+    SpanRow.name,
+    SpanRow.service,
+    SpanRow.kind,
+    SpanRow.start_ts,
+    SpanRow.end_ts,
+    SpanRow.status_code,
+    SpanRow.attributes,
+    SpanRow.sender,
+)
+
+
+def _span_of(row: RowMapping) -> SpanData:
+    attributes, events = read_events(row["attributes"])
+    return SpanData(
+        trace_id=row["trace_id"],
+        span_id=row["span_id"],
+        parent_span_id=row["parent_span_id"],
+        name=row["name"],
+        service=row["service"],
+        kind=row["kind"],
+        start_ts=row["start_ts"],
+        end_ts=row["end_ts"],
+        status_code=row["status_code"],
+        attributes=attributes,
+        events=events,
+        sender=row["sender"],
+    )
 
 
 def _refused_data(exc: Exception) -> bool:

@@ -9,7 +9,9 @@ import pytest
 from sqlalchemy import func, select
 
 from collector.assemble import assemble
-from collector.sink import StoreSink
+from collector.otlp import SpanData, SpanEvent
+from collector.record import AssembledRecord
+from collector.sink import EVENTS_KEY, StoreSink, read_events, stored_events
 from pdscope import semconv as sc
 from pdscope.config import LatencySLO, SLOSettings
 from store.db import make_engine, session_factory
@@ -21,35 +23,39 @@ T0 = 1_800_000_000.0
 SLO = SLOSettings(ttft=LatencySLO(target_ms=600), tpot=LatencySLO(target_ms=150))
 
 
-def test_all_stages_from_proxy_and_vllm_spans() -> None:
-    rec = assemble(request_spans(t0=T0, request_id="r1"), SLO)
+def _assembled(spans: list[SpanData], slo: SLOSettings = SLO) -> AssembledRecord:
+    rec = assemble(spans, slo)
     assert rec is not None
-    v = rec.values
-    assert v["request_id"] == "r1"
-    assert (v["p_instance"], v["d_instance"], v["p_pool"], v["d_pool"]) == ("p0", "d0", "prefill", "decode")
-    assert v["proxy_in"] == T0
-    assert v["p_sent"] == pytest.approx(T0 + 0.01)
-    assert v["p_done"] == pytest.approx(T0 + 0.21)
-    assert v["d_sent"] == pytest.approx(T0 + 0.22)
-    assert v["first_token"] == pytest.approx(T0 + 0.51)
-    assert v["done"] == pytest.approx(T0 + 1.52)
-    assert v["p_queue_s"] == 0.03 and v["p_prefill_s"] == 0.12
-    assert v["d_queue_s"] == 0.25 and v["d_prefill_s"] == 0.01 and v["d_decode_s"] == 0.99
-    assert v["prompt_tokens"] == 100 and v["completion_tokens"] == 11
-    assert v["ttft_s"] == pytest.approx(0.51)
-    assert v["tpot_s"] == pytest.approx((1.52 - 0.51) / 10)
-    assert v["e2e_s"] == pytest.approx(1.52)
-    assert v["slo_ttft_met"] and v["slo_tpot_met"] and v["slo_met"]
-    assert v["status"] == "ok" and v["kv_blocks"] == 4 and v["kv_bytes"] == 123456
-    assert v["attributes"]["d_vllm_request_id"] == "cmpl-r1-0"
+    return rec
+
+
+def test_all_stages_from_proxy_and_vllm_spans() -> None:
+    v = _assembled(request_spans(t0=T0, request_id="r1"))
+    assert v.request_id == "r1"
+    assert (v.p_instance, v.d_instance, v.p_pool, v.d_pool) == ("p0", "d0", "prefill", "decode")
+    assert v.proxy_in == T0
+    assert v.p_sent == pytest.approx(T0 + 0.01)
+    assert v.p_done == pytest.approx(T0 + 0.21)
+    assert v.d_sent == pytest.approx(T0 + 0.22)
+    assert v.first_token == pytest.approx(T0 + 0.51)
+    assert v.done == pytest.approx(T0 + 1.52)
+    assert v.p_queue_s == 0.03 and v.p_prefill_s == 0.12
+    assert v.d_queue_s == 0.25 and v.d_prefill_s == 0.01 and v.d_decode_s == 0.99
+    assert v.prompt_tokens == 100 and v.completion_tokens == 11
+    assert v.ttft_s == pytest.approx(0.51)
+    assert v.tpot_s == pytest.approx((1.52 - 0.51) / 10)
+    assert v.e2e_s == pytest.approx(1.52)
+    assert v.slo_ttft_met and v.slo_tpot_met and v.slo_met
+    assert v.status == "ok" and v.kv_blocks == 4 and v.kv_bytes == 123456
+    assert v.attributes.d_vllm is not None and v.attributes.d_vllm.request_id == "cmpl-r1-0"
 
 
 def test_slo_misses_and_outcomes() -> None:
     tight = SLOSettings(ttft=LatencySLO(target_ms=100), tpot=LatencySLO(target_ms=150))
-    v = assemble(request_spans(t0=T0), tight).values  # type: ignore[union-attr]
-    assert v["slo_ttft_met"] is False and v["slo_met"] is False
-    v = assemble(request_spans(t0=T0, outcome="error"), SLO).values  # type: ignore[union-attr]
-    assert v["status"] == "error" and v["slo_met"] is False
+    v = _assembled(request_spans(t0=T0), tight)
+    assert v.slo_ttft_met is False and v.slo_met is False
+    v = _assembled(request_spans(t0=T0, outcome="error"))
+    assert v.status == "error" and v.slo_met is False
 
 
 def test_no_root_no_record_and_order_does_not_matter() -> None:
@@ -62,20 +68,20 @@ def test_no_root_no_record_and_order_does_not_matter() -> None:
 
 def test_vllm_spans_found_without_parenting() -> None:
     """A proxy that does not parent vLLM's spans under its prefill/decode spans: service names decide."""
-    v = assemble(request_spans(t0=T0, parent_vllm=False), SLO).values  # type: ignore[union-attr]
-    assert v["p_queue_s"] == 0.03 and v["d_queue_s"] == 0.25
+    v = _assembled(request_spans(t0=T0, parent_vllm=False))
+    assert v.p_queue_s == 0.03 and v.d_queue_s == 0.25
     # and without service names either: the max_tokens=1 span is P's
     spans = [dataclasses.replace(s, service=None) if s.name == sc.VLLM_SPAN else s
              for s in request_spans(t0=T0, parent_vllm=False)]
-    v = assemble(spans, SLO).values  # type: ignore[union-attr]
-    assert v["p_queue_s"] == 0.03 and v["d_queue_s"] == 0.25
+    v = _assembled(spans)
+    assert v.p_queue_s == 0.03 and v.d_queue_s == 0.25
 
 
 def test_first_token_from_vllm_when_the_proxy_has_no_event() -> None:
     spans = [dataclasses.replace(s, events=()) if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0)]
     spans = [s for s in spans if s.name != sc.SPAN_HANDOFF]
-    v = assemble(spans, SLO).values  # type: ignore[union-attr]
-    assert v["first_token"] == pytest.approx(T0 + 0.23 + 0.28)
+    v = _assembled(spans)
+    assert v.first_token == pytest.approx(T0 + 0.23 + 0.28)
 
 
 def _sink(url: str) -> StoreSink:
@@ -123,11 +129,11 @@ def test_tokens_from_the_proxy_when_vllm_sent_no_spans() -> None:
     spans = request_spans(t0=T0, with_vllm=False)
     root = spans[0]
     spans[0] = dataclasses.replace(root, attributes={**root.attributes, sc.PROMPT_TOKENS: 42, sc.COMPLETION_TOKENS: 11})
-    v = assemble(spans, SLO).values  # type: ignore[union-attr]
-    assert v["prompt_tokens"] == 42 and v["completion_tokens"] == 11
-    assert v["p_queue_s"] is None and v["d_queue_s"] is None
-    assert v["first_token"] == pytest.approx(T0 + 0.51)  # from the proxy's first_token event
-    assert v["tpot_s"] == pytest.approx((1.52 - 0.51) / 10)
+    v = _assembled(spans)
+    assert v.prompt_tokens == 42 and v.completion_tokens == 11
+    assert v.p_queue_s is None and v.d_queue_s is None
+    assert v.first_token == pytest.approx(T0 + 0.51)  # from the proxy's first_token event
+    assert v.tpot_s == pytest.approx((1.52 - 0.51) / 10)
 
 
 def test_kv_size_from_the_handoff_span() -> None:
@@ -137,5 +143,27 @@ def test_kv_size_from_the_handoff_span() -> None:
     spans[0] = dataclasses.replace(root, attributes=attrs)
     spans = [dataclasses.replace(s, attributes={sc.KV_BLOCKS: 7, sc.KV_BYTES: 999}) if s.name == sc.SPAN_HANDOFF else s
              for s in spans]
-    v = assemble(spans, SLO).values  # type: ignore[union-attr]
-    assert v["kv_blocks"] == 7 and v["kv_bytes"] == 999
+    v = _assembled(spans)
+    assert v.kv_blocks == 7 and v.kv_bytes == 999
+
+
+def test_events_come_back_from_the_store_in_the_shape_they_arrived() -> None:
+    events = (SpanEvent(sc.EVENT_FIRST_TOKEN, T0 + 0.6, {"n": 1}), SpanEvent("other", T0 + 0.7, {}))
+    stored = {"k": 1, EVENTS_KEY: [*stored_events(events), {"name": "bad", "ts": None}, {"ts": T0}, "junk"]}
+    attrs, back = read_events(stored)
+    assert attrs == {"k": 1}
+    assert back == (SpanEvent(sc.EVENT_FIRST_TOKEN, T0 + 0.6, {}), SpanEvent("other", T0 + 0.7, {}))
+    assert read_events({"k": 1}) == ({"k": 1}, ())
+
+
+def test_a_record_reassembled_from_stored_spans_reads_their_events(store_url: str) -> None:
+    """The decode span's first_token event (here later than vLLM's TTFT implies) survives the store."""
+    sink = _sink(store_url)
+    spans = [dataclasses.replace(s, events=(SpanEvent(sc.EVENT_FIRST_TOKEN, T0 + 0.6, {}),))
+             if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0, request_id="ev")]
+    assert _assembled(spans).first_token == pytest.approx(T0 + 0.6)
+    sink.write([s for s in spans if s.name != sc.VLLM_SPAN])
+    sink.write([s for s in spans if s.name == sc.VLLM_SPAN])  # re-assembled from the stored proxy spans
+    with sink.factory() as s:
+        rec = s.scalars(select(RequestRecord)).one()
+    assert rec.d_queue_s == 0.25 and rec.first_token == pytest.approx(T0 + 0.6)

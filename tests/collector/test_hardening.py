@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from collector.assemble import assemble
 from collector.health import TaskHealth
 from collector.ingest import SpanLimits, admit
-from collector.otlp import SpanData, inflate
+from collector.otlp import SpanData, SpanEvent, inflate
 from collector.receiver import ByteBudget, ReceiverConfig, SpanBatcher, SpanQueue, build_app
 from collector.retention import Retention
 from collector.selfmetrics import CollectorMetrics
@@ -76,14 +76,14 @@ def test_non_finite_numbers_are_absent_not_a_crash(bad: object) -> None:
              if s.name == sc.VLLM_SPAN else s for s in spans]
     rec = assemble(spans, SLO)
     assert rec is not None
-    v = rec.values
+    v = rec.row()
     assert v["kv_blocks"] is None and v["kv_bytes"] is None and v["http_status"] is None and v["retries"] == 0
     assert v["d_queue_s"] is None and v["p_queue_s"] is None
     assert all(not isinstance(x, float) or math.isfinite(x) for x in v.values())
 
 
 def test_integers_past_their_column_are_absent() -> None:
-    v = assemble(_root_attrs(request_spans(), **{sc.KV_BLOCKS: 2**40, sc.KV_BYTES: 2**70}), SLO).values  # type: ignore[union-attr]
+    v = assemble(_root_attrs(request_spans(), **{sc.KV_BLOCKS: 2**40, sc.KV_BYTES: 2**70}), SLO).row()  # type: ignore[union-attr]
     assert v["kv_blocks"] is None and v["kv_bytes"] is None
 
 
@@ -375,7 +375,7 @@ async def test_refused_spans_are_counted_and_reported_partial_success() -> None:
 
 def test_zero_parent_means_no_parent_and_future_events_are_left_out() -> None:
     span = request_spans(t0=NOW - 10)[4]  # decode, with a first_token event
-    span = _with(span, parent_span_id="0" * 16, events=(*span.events, ("late", NOW + 10**9, {})))
+    span = _with(span, parent_span_id="0" * 16, events=(*span.events, SpanEvent("late", NOW + 10**9, {})))
     verdict = admit(span, NOW, LIMITS)
     assert verdict.span is not None and verdict.span.parent_span_id is None
     assert [e[0] for e in verdict.span.events] == [sc.EVENT_FIRST_TOKEN] and verdict.truncated

@@ -12,7 +12,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from collector.otlp import SpanData
+from collector.otlp import SpanData, SpanEvent
 from pdscope import semconv as sc
 
 
@@ -57,9 +57,10 @@ def request_spans(
     }
 
     def span(sid: str, parent: str | None, name: str, a: float, b: float, service: str = sc.SERVICE_PROXY,
-             attributes: dict[str, Any] | None = None, events: tuple[tuple[str, float, dict[str, Any]], ...] = ()) -> SpanData:
-        return SpanData(trace, sid, parent, name, service, 2 if parent is None else 1, t0 + a, t0 + b, 0,
-                        attributes or {}, events)
+             attributes: dict[str, Any] | None = None, events: tuple[SpanEvent, ...] = ()) -> SpanData:
+        return SpanData(trace_id=trace, span_id=sid, parent_span_id=parent, name=name, service=service,
+                        kind=2 if parent is None else 1, start_ts=t0 + a, end_ts=t0 + b, status_code=0,
+                        attributes=attributes or {}, events=events)
 
     spans = [
         span(root, None, sc.SPAN_REQUEST, 0.0, 1.52, attributes=attrs),
@@ -67,7 +68,7 @@ def request_spans(
         span(pre, root, sc.SPAN_PREFILL, 0.01, 0.21, attributes={sc.INSTANCE: p, sc.ATTEMPT: 0}),
         span(hand, root, sc.SPAN_HANDOFF, 0.21, 0.51),
         span(dec, root, sc.SPAN_DECODE, 0.22, 1.51, attributes={sc.INSTANCE: d, sc.ATTEMPT: 0},
-             events=((sc.EVENT_FIRST_TOKEN, t0 + 0.51, {}),)),
+             events=(SpanEvent(sc.EVENT_FIRST_TOKEN, t0 + 0.51, {}),)),
     ]
     if with_vllm:
         spans.append(span(new_id(8), pre if parent_vllm else root, sc.VLLM_SPAN, 0.02, 0.20, service=p, attributes={
@@ -119,10 +120,10 @@ def to_proto(spans: Sequence[SpanData]) -> bytes:
             )
             for k, v in s.attributes.items():
                 ps.attributes.append(KeyValue(key=k, value=_any(v)))
-            for name, ts, _ in s.events:
+            for e in s.events:
                 ev = ps.events.add()
-                ev.name = name
-                ev.time_unix_nano = round(ts * 1e9)
+                ev.name = e.name
+                ev.time_unix_nano = round(e.ts * 1e9)
             ss.spans.append(ps)
         rs.scope_spans.append(ss)
         req.resource_spans.append(rs)
@@ -154,7 +155,7 @@ def to_json(spans: Sequence[SpanData]) -> bytes:
                     "startTimeUnixNano": str(round(s.start_ts * 1e9)),
                     "endTimeUnixNano": str(round(s.end_ts * 1e9)),
                     "attributes": [{"key": k, "value": _json_any(v)} for k, v in s.attributes.items()],
-                    "events": [{"name": n, "timeUnixNano": str(round(ts * 1e9))} for n, ts, _ in s.events],
+                    "events": [{"name": e.name, "timeUnixNano": str(round(e.ts * 1e9))} for e in s.events],
                     "status": {"code": s.status_code or 0},
                 }
                 for s in group

@@ -1,0 +1,221 @@
+"""The request record: one typed field per ``request_records`` column, and which writer owns it.
+
+Two writers share a ``store.models.RequestRecord`` row, and each column has one owner:
+
+- **assembly** owns every field of ``AssembledRecord``: ``collector.assemble`` builds it from
+  a trace's spans and ``collector.sink`` writes it, inserting a row (``insert_row``) or
+  updating one (``AssembledRecord.update``), never touching the other owner's part;
+- **forensics** (``collector.forensics``) owns ``FORENSICS_COLUMNS`` and, inside the shared
+  ``attributes`` JSON, the keys ``FORENSICS_KEYS``; it writes them only through
+  ``note_forensics`` and ``flag_lease_expiry``.
+
+The shared ``attributes`` column is split by key: assembly's keys are ``AssemblyNotes``'
+(``ASSEMBLY_KEYS``), merged over what the row holds, so forensics' keys survive a
+re-assembly. Importing this module checks that the two parts are disjoint and together
+cover every column of the table (``OwnershipError`` otherwise).
+
+The SLO verdict columns are derived, never observed: ``slo_verdict`` computes them from the
+status and the stage durations (``ttft_s``, ``tpot_s``) under the ``slo`` settings given, and
+``recompute_verdict`` does the same from a stored row, so a changed ``slo.*`` gives the
+verdict it implies for every stored record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Final, Literal
+
+from pdscope.config import SLOSettings
+from store.models import RequestRecord
+
+
+class OwnershipError(RuntimeError):
+    """The record's columns are not split into exactly one owner each."""
+
+
+# -- the SLO verdict --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SLOVerdict:
+    """``slo_ttft_met``, ``slo_tpot_met`` and ``slo_met`` of one record."""
+
+    ttft_met: bool | None
+    tpot_met: bool | None
+    met: bool
+
+
+def slo_verdict(status: str, ttft_s: float | None, tpot_s: float | None, slo: SLOSettings) -> SLOVerdict:
+    """The verdict for these figures under ``slo``.
+
+    No TTFT: the TTFT verdict is unknown. No TPOT (one token, or none measured) with a TTFT:
+    the TPOT SLO is met. ``met`` needs status ``ok`` and both SLOs met.
+    """
+    ttft_met = None if ttft_s is None else ttft_s * 1000.0 <= slo.ttft.target_ms
+    if tpot_s is None:
+        tpot_met = True if ttft_s is not None else None
+    else:
+        tpot_met = tpot_s * 1000.0 <= slo.tpot.target_ms
+    return SLOVerdict(ttft_met, tpot_met, status == "ok" and bool(ttft_met) and bool(tpot_met))
+
+
+def recompute_verdict(row: RequestRecord, slo: SLOSettings) -> SLOVerdict:
+    """The verdict a stored record gets under ``slo`` (from its status, ``ttft_s`` and ``tpot_s``)."""
+    return slo_verdict(row.status, row.ttft_s, row.tpot_s, slo)
+
+
+# -- assembly's part ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSide:
+    """What the record keeps of one vLLM ``llm_request`` span (P's or D's)."""
+
+    request_id: str | None
+    ttft_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AssemblyNotes:
+    """Assembly's keys in ``RequestRecord.attributes``."""
+
+    spans: int  # spans of the trace the record was assembled from
+    p_vllm: VllmSide | None = None
+    d_vllm: VllmSide | None = None
+    reject_reason: str | None = None
+    remote_engine_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The keys as stored: a vLLM side's keys only with its span, a reason only when given."""
+        out: dict[str, Any] = {"spans": self.spans}
+        if self.p_vllm is not None:
+            out["p_vllm_request_id"] = self.p_vllm.request_id
+        if self.d_vllm is not None:
+            out["d_vllm_request_id"] = self.d_vllm.request_id
+            out["d_ttft_s"] = self.d_vllm.ttft_s
+        if self.reject_reason:
+            out["reject_reason"] = self.reject_reason
+        if self.remote_engine_id:
+            out["remote_engine_id"] = self.remote_engine_id
+        return out
+
+
+ASSEMBLY_KEYS: Final = frozenset(
+    {"spans", "p_vllm_request_id", "d_vllm_request_id", "d_ttft_s", "reject_reason", "remote_engine_id"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AssembledRecord:
+    """Assembly's columns of one ``RequestRecord``: one field per column, coerced to its type."""
+
+    request_id: str
+    trace_id: str
+    endpoint: str | None
+    stream: bool | None
+    p_instance: str | None
+    d_instance: str | None
+    p_pool: str | None
+    d_pool: str | None
+    status: str
+    http_status: int | None
+    error: str | None
+    retries: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    kv_blocks: int | None
+    kv_bytes: int | None
+    # stage timestamps, Unix seconds
+    proxy_in: float
+    p_sent: float | None
+    p_done: float | None
+    d_sent: float | None
+    first_token: float | None
+    done: float | None
+    # durations measured inside vLLM
+    p_queue_s: float | None
+    p_prefill_s: float | None
+    d_queue_s: float | None
+    d_prefill_s: float | None
+    d_decode_s: float | None
+    # derived from the stages
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    slo_ttft_met: bool | None
+    slo_tpot_met: bool | None
+    slo_met: bool
+    attributes: AssemblyNotes
+    sender: str | None
+
+    def row(self) -> dict[str, Any]:
+        """Column name -> value, ``attributes`` as stored (assembly's keys only)."""
+        out = {name: getattr(self, name) for name in ASSEMBLED_COLUMNS}
+        out["attributes"] = self.attributes.to_json()
+        return out
+
+    def insert_row(self) -> dict[str, Any]:
+        """The values of a new row: assembly's columns and forensics' part as it starts."""
+        return {**self.row(), **FORENSICS_INITIAL}
+
+    def update(self, rec: RequestRecord) -> None:
+        """Write assembly's columns into a stored row: only the changed ones (no needless UPDATE).
+
+        ``attributes`` is merged: assembly's keys over what the row holds (forensics' keys stay).
+        """
+        for name in ASSEMBLED_COLUMNS:
+            if name == "attributes":
+                merged = {**(rec.attributes or {}), **self.attributes.to_json()}
+                if merged != rec.attributes:
+                    rec.attributes = merged
+                continue
+            value = getattr(self, name)
+            if getattr(rec, name) != value:
+                setattr(rec, name, value)
+
+
+ASSEMBLED_COLUMNS: Final = tuple(f.name for f in fields(AssembledRecord))
+
+
+# -- forensics' part ---------------------------------------------------------------------------
+
+ForensicsKey = Literal["nixl", "failed_attempts", "lease_expiry"]
+FORENSICS_COLUMNS: Final = frozenset({"lease_expiry_suspect"})
+FORENSICS_KEYS: Final = frozenset({"nixl", "failed_attempts", "lease_expiry"})
+FORENSICS_INITIAL: Final[dict[str, Any]] = {"lease_expiry_suspect": False}
+
+
+def note_forensics(rec: RequestRecord, key: ForensicsKey, value: Any) -> None:
+    """Set one of forensics' keys in the row's ``attributes`` (a new dict, so the ORM sees the change)."""
+    if key not in FORENSICS_KEYS:
+        raise KeyError(f"{key!r} is not a forensics key of a request record")
+    rec.attributes = {**(rec.attributes or {}), key: value}
+
+
+def flag_lease_expiry(rec: RequestRecord, entry: dict[str, Any]) -> None:
+    """Attribute one expired lease to the row: append ``entry`` to ``lease_expiry`` and flag it."""
+    entries = list((rec.attributes or {}).get("lease_expiry") or [])
+    entries.append(entry)
+    note_forensics(rec, "lease_expiry", entries)
+    rec.lease_expiry_suspect = True
+
+
+# -- one owner per column ----------------------------------------------------------------------
+
+
+def check_owners(table_columns: frozenset[str]) -> None:
+    """Raise OwnershipError unless assembly's and forensics' parts split ``table_columns`` exactly."""
+    assembly, forensics = frozenset(ASSEMBLED_COLUMNS), FORENSICS_COLUMNS
+    both = assembly & forensics
+    missing = table_columns - assembly - forensics
+    unknown = (assembly | forensics) - table_columns
+    shared = ASSEMBLY_KEYS & FORENSICS_KEYS
+    if both or missing or unknown or shared or frozenset(FORENSICS_INITIAL) != forensics:
+        raise OwnershipError(
+            f"request record columns: owned twice {sorted(both)}, unowned {sorted(missing)}, "
+            f"not in the table {sorted(unknown)}, attribute keys owned twice {sorted(shared)}"
+        )
+
+
+RECORD_COLUMNS: Final = frozenset(c.name for c in RequestRecord.__table__.columns if c.name != "id")
+check_owners(RECORD_COLUMNS)
