@@ -31,6 +31,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pdscope.stats import percentile  # noqa: E402
 from simulator.loadgen import Target, run_load  # noqa: E402
 from simulator.workload import LengthDist, plan, summarize  # noqa: E402
 
@@ -154,7 +155,7 @@ def main() -> int:
               f"{r['sim_cpu_ms_per_request'] / max(r['client_cpu_ms_per_request'], 1e-9):10.2f} "
               f"{'yes' if r['sustained'] else 'no':>9s}")
     lowest = rates[0]
-    cpu_ms = sorted(r["sim_cpu_ms_per_request"] for r in rows)[len(rows) // 2] if rows else 0.0
+    cpu_ms = percentile([r["sim_cpu_ms_per_request"] for r in rows], 50) or 0.0
     print(f"highest sustained rate: {best:.0f} req/s ({best / lowest:.1f}x the lowest step, {lowest:.0f} req/s)")
     print(f"highest rate whose added loop lag (p99 - idle p99) stays under the threshold: {best_excess:.0f} req/s "
           f"({best_excess / lowest:.1f}x the lowest step)")

@@ -3,7 +3,7 @@
 A vLLM page is ~60 KiB and ~730 lines, of which pdscope keeps about half; the general
 parser (``collector.parse``) tokenises every line and builds a label dict for every
 sample, which is where its time goes. This scanner jumps from ``# TYPE`` line to
-``# TYPE`` line with ``str.find``, skips families not in ``collector.signals.SPECS``
+``# TYPE`` line with ``str.find``, skips families not in ``store.families.SPECS``
 without looking at their lines, and in a kept family reads only the one label that
 matters (``le``, ``finished_reason``, ``stage``...) and the value.
 
@@ -22,19 +22,8 @@ import math
 import re
 
 from collector.parse import decode_page
-from collector.signals import (
-    ALIASES,
-    ENGINE_FAMILY,
-    NIXL_PREFIX,
-    PROCESS_START,
-    SPEC_BY_FAMILY,
-    HistogramAcc,
-    Signals,
-    Spec,
-    finish,
-    from_text,
-    openmetrics_name,
-)
+from collector.signals import HistogramAcc, Signals, finish, from_text, openmetrics_name
+from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, Spec
 
 __all__ = ["extract_signals"]
 

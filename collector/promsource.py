@@ -2,7 +2,7 @@
 
 For teams that already scrape vLLM: instead of fetching every instance's ``/metrics``,
 the collector asks Prometheus (``/api/v1/query``, an instant query at the round's time)
-for every family ``collector.signals.SPECS`` names, once per family per interval for the
+for every family ``store.families.SPECS`` names, once per family per interval for the
 whole fleet (never per instance), plus ``up``, ``scrape_duration_seconds``,
 ``process_start_time_seconds`` and one query for any other ``vllm:nixl_*`` series. The
 answers are grouped by instance and folded with ``collector.signals.finish``, so a
@@ -46,19 +46,9 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from collector.scraper import Scraper, ScrapeResult
-from collector.signals import (
-    ALIASES,
-    ENGINE_FAMILY,
-    NIXL_PREFIX,
-    PROCESS_START,
-    SPEC_BY_FAMILY,
-    SPECS,
-    HistogramAcc,
-    Signals,
-    Spec,
-    finish,
-)
+from collector.signals import HistogramAcc, Signals, finish
 from collector.targets import Target
+from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, SPECS, Spec
 
 log = logging.getLogger(__name__)
 

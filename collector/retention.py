@@ -2,7 +2,7 @@
 
 Each complete minute (older than ``lag_s``, so late spans and the scrape after the minute
 are in) is rolled up once: per instance, counters become their increase over the minute
-(baseline: the last snapshot before it; resets handled as in ``store.queries``), gauges
+(baseline: the last snapshot before it; resets handled by ``pdscope.stats``), gauges
 their average and maximum, histograms their bucket increases; per (P, D) pair, request
 records become counts and sums. Then raw snapshots, spans and request records older than
 ``retention_raw_s`` and rollups older than ``retention_rollup_s`` are deleted.
@@ -16,7 +16,6 @@ minutes without data, so one row dated 0 (or 2554) cannot stall it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections import defaultdict
@@ -27,23 +26,13 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from collector.signals import COUNTER_COLUMNS
+from pdscope.stats import counter_increase, histogram_increase
 from store.db import transaction
+from store.families import COUNTER_COLUMNS, GAUGE_COLUMNS, histogram_of, shape_of
 from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow
-from store.queries import counter_increase
 
 log = logging.getLogger(__name__)
 
-GAUGE_COLUMNS = (
-    "kv_cache_usage",
-    "num_running",
-    "num_waiting",
-    "waiting_capacity",
-    "waiting_deferred",
-    "kv_fetch_waiting_to_start",
-    "kv_fetch_in_progress",
-    "kv_fetch_completed_waiting",
-)
 MAX_MINUTES_PER_RUN = 60  # catching up after downtime happens over several runs
 
 
@@ -57,21 +46,8 @@ class RetentionResult:
 
 
 def _hist_increase(base: dict[str, Any] | None, rows: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
-    shapes: list[dict[str, Any]] = [h for h in [base, *rows] if h]
-    if len(shapes) < 2:
-        return None
-    le = shapes[-1]["le"]
-    counts = [0.0] * (len(le) + 1)
-    total = {"sum": 0.0, "count": 0.0}
-    for prev, cur in itertools.pairwise(shapes):
-        if prev["le"] != le or cur["le"] != le:
-            continue
-        reset = cur["count"] < prev["count"]
-        for i, (a, b) in enumerate(zip(prev["counts"], cur["counts"], strict=True)):
-            counts[i] += b if reset else b - a
-        for k in ("sum", "count"):
-            total[k] += cur[k] if reset else cur[k] - prev[k]
-    return {"le": le, "counts": counts, **total}
+    h = histogram_increase(histogram_of(s) if s else None for s in [base, *rows])
+    return None if h is None else shape_of(h)
 
 
 def rollup_snapshots(base: Snapshot | None, rows: Sequence[Snapshot], minute: float) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""Which vLLM series pdscope stores, and how a parsed page becomes one snapshot's values.
+"""How a parsed page becomes one snapshot's values.
 
-``SPECS`` is the single table of what the collector keeps: each entry names a vLLM family
-(as the 0.0.4 text from prometheus_client spells its ``# TYPE`` line) and the
-``store.models.Snapshot`` column(s) it fills. Values are summed over the ``engine`` label
-(data-parallel engines), except ``kv_cache_usage``, which is the mean. Histograms keep
-their sum and count in columns and their cumulative buckets in ``Snapshot.histograms``.
-Any other ``vllm:nixl_*`` series (a newer vLLM) is summed into ``extra``.
+What is kept is ``store.families.SPECS``, the one table of the stored vLLM families and
+the ``store.models.Snapshot`` column(s) each fills. Values are summed over the ``engine``
+label (data-parallel engines), except ``mean`` families (``kv_cache_usage``). Histograms
+keep their sum and count in columns and their cumulative buckets in
+``Snapshot.histograms``. Any other ``vllm:nixl_*`` series (a newer vLLM) is summed into
+``extra``.
 
 ``from_page`` is the reference extraction over the general parser's output; the hot
 path (``collector.fastparse``) must produce the same ``Signals`` for the same text. This
@@ -16,123 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from collector.parse import ParsedPage, parse_text
+from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, SPECS, Spec
 
-Kind = Literal["scalar", "labelled", "histogram"]
-
-
-@dataclass(frozen=True)
-class Spec:
-    family: str
-    kind: Kind
-    column: str | None = None  # scalar: the column; histogram: prefix of <prefix>_sum/_count
-    label: str | None = None  # labelled: the label that picks the column
-    columns: tuple[tuple[str, str], ...] = ()  # labelled: (label value, column)
-    mean: bool = False  # gauges that are a fraction per engine
-    buckets: bool = False  # histogram: keep cumulative buckets in Snapshot.histograms
-
-
-def _hist(family: str, prefix: str | None, buckets: bool = True) -> Spec:
-    return Spec(family, "histogram", column=prefix, buckets=buckets)
-
-
-SPECS: tuple[Spec, ...] = (
-    Spec("vllm:kv_cache_usage_perc", "scalar", "kv_cache_usage", mean=True),
-    Spec("vllm:num_requests_running", "scalar", "num_running"),
-    Spec("vllm:num_requests_waiting", "scalar", "num_waiting"),
-    Spec(
-        "vllm:num_requests_waiting_by_reason",
-        "labelled",
-        label="reason",
-        columns=(("capacity", "waiting_capacity"), ("deferred", "waiting_deferred")),
-    ),
-    Spec(
-        "vllm:num_requests_kv_fetch_by_stage",
-        "labelled",
-        label="stage",
-        columns=(
-            ("waiting_to_start", "kv_fetch_waiting_to_start"),
-            ("in_progress", "kv_fetch_in_progress"),
-            ("completed_waiting", "kv_fetch_completed_waiting"),
-        ),
-    ),
-    Spec("vllm:prompt_tokens_total", "scalar", "prompt_tokens"),
-    Spec("vllm:generation_tokens_total", "scalar", "generation_tokens"),
-    Spec(
-        "vllm:prompt_tokens_by_source_total",
-        "labelled",
-        label="source",
-        columns=(
-            ("local_compute", "prompt_tokens_local_compute"),
-            ("local_cache_hit", "prompt_tokens_local_cache_hit"),
-            ("external_kv_transfer", "prompt_tokens_external_kv_transfer"),
-        ),
-    ),
-    Spec("vllm:prompt_tokens_cached_total", "scalar", "prompt_tokens_cached"),
-    Spec("vllm:prefix_cache_queries_total", "scalar", "prefix_cache_queries"),
-    Spec("vllm:prefix_cache_hits_total", "scalar", "prefix_cache_hits"),
-    Spec("vllm:external_prefix_cache_queries_total", "scalar", "external_prefix_cache_queries"),
-    Spec("vllm:external_prefix_cache_hits_total", "scalar", "external_prefix_cache_hits"),
-    Spec("vllm:num_preemptions_total", "scalar", "preemptions"),
-    Spec(
-        "vllm:request_success_total",
-        "labelled",
-        label="finished_reason",
-        columns=(
-            ("stop", "requests_stop"),
-            ("length", "requests_length"),
-            ("abort", "requests_abort"),
-            ("error", "requests_error"),
-            ("repetition", "requests_repetition"),
-        ),
-    ),
-    Spec(
-        "vllm:admission_rejections_total",
-        "labelled",
-        label="reason",
-        columns=(
-            ("max_num_queued_reqs", "admission_rejections_reqs"),
-            ("max_num_queued_tokens", "admission_rejections_tokens"),
-        ),
-    ),
-    _hist("vllm:time_to_first_token_seconds", "ttft"),
-    _hist("vllm:inter_token_latency_seconds", "itl"),
-    _hist("vllm:e2e_request_latency_seconds", "e2e"),
-    _hist("vllm:request_queue_time_seconds", "queue"),
-    _hist("vllm:request_prefill_time_seconds", None),
-    _hist("vllm:request_decode_time_seconds", None),
-    _hist("vllm:request_inference_time_seconds", None),
-    _hist("vllm:request_time_per_output_token_seconds", None),
-    _hist("vllm:request_prompt_tokens", None),
-    _hist("vllm:request_generation_tokens", None),
-    _hist("vllm:nixl_xfer_time_seconds", "nixl_xfer_time"),
-    _hist("vllm:nixl_post_time_seconds", "nixl_post_time"),
-    _hist("vllm:nixl_bytes_transferred", "nixl_bytes"),
-    _hist("vllm:nixl_num_descriptors", "nixl_descriptors"),
-    Spec("vllm:nixl_num_failed_transfers_total", "scalar", "nixl_failed_transfers"),
-    Spec("vllm:nixl_num_failed_notifications_total", "scalar", "nixl_failed_notifications"),
-    Spec("vllm:nixl_num_kv_expired_reqs_total", "scalar", "nixl_kv_expired_reqs"),
-    Spec("vllm:nixl_num_notifications_after_expiry_total", "scalar", "nixl_notifications_after_expiry"),
-)
-
-SPEC_BY_FAMILY: dict[str, Spec] = {s.family: s for s in SPECS}
-# Older vLLM names, used only when the current name is absent from the page.
-ALIASES: dict[str, str] = {
-    "vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc",
-    "vllm:gpu_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
-    "vllm:gpu_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
-    "vllm:time_per_output_token_seconds": "vllm:inter_token_latency_seconds",
-}
-PROCESS_START = "process_start_time_seconds"
-ENGINE_FAMILY = "vllm:num_requests_running"  # registered for every engine, always
-NIXL_PREFIX = "vllm:nixl_"
-COUNTER_COLUMNS: tuple[str, ...] = tuple(
-    [s.column for s in SPECS if s.kind == "scalar" and s.family.endswith("_total") and s.column]
-    + [c for s in SPECS if s.kind == "labelled" and s.family.endswith("_total") for _, c in s.columns]
-    + [f"{s.column}_{k}" for s in SPECS if s.kind == "histogram" and s.column for k in ("sum", "count")]
-)
+# Columns averaged over engines rather than summed (a fraction per engine).
+_MEAN_COLUMNS = frozenset(c for s in SPECS if s.mean for c in s.stored_columns)
 
 
 @dataclass
@@ -217,7 +107,7 @@ def finish(
             continue
         if column.startswith(NIXL_PREFIX):
             signals.extra[column] = sum(vals)
-        elif column == "kv_cache_usage":
+        elif column in _MEAN_COLUMNS:
             signals.values[column] = sum(vals) / len(vals)
         else:
             signals.values[column] = sum(vals)

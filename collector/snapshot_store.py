@@ -7,7 +7,7 @@ and a few hundred. ``write_round`` blocks (run it in a thread) and raises
 
 It also notices counter resets (an instance restarted: its process start time moved, or
 a counter went down). Snapshots keep the counters as scraped; readers handle resets in
-``store.queries.counter_increase``. The reset is counted and logged here so an operator
+``pdscope.stats.counter_increase``. The reset is counted and logged here so an operator
 sees restarts.
 """
 
@@ -24,13 +24,13 @@ from collector.bulk import insert_rows
 from collector.scraper import ScrapeResult
 from collector.targets import Target, snapshot_row
 from store.db import transaction
+from store.families import RESET_WATCH
 from store.models import InstanceRow, Snapshot
 
 log = logging.getLogger(__name__)
 
 _SNAPSHOTS = Snapshot.metadata.tables["snapshots"]
 SNAPSHOT_COLUMNS = tuple(c.name for c in Snapshot.__table__.columns if c.name != "id")
-_RESET_WATCH = ("requests_length", "requests_stop", "prompt_tokens", "generation_tokens", "nixl_xfer_time_count")
 
 
 def counter_reset(prev: dict[str, Any] | None, cur: dict[str, Any]) -> bool:
@@ -40,7 +40,7 @@ def counter_reset(prev: dict[str, Any] | None, cur: dict[str, Any]) -> bool:
     p_start, c_start = prev.get("process_start_ts"), cur.get("process_start_ts")
     if p_start is not None and c_start is not None and c_start > p_start + 1.0:
         return True
-    for col in _RESET_WATCH:
+    for col in RESET_WATCH:
         a, b = prev.get(col), cur.get(col)
         if a is not None and b is not None and b < a:
             return True

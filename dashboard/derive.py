@@ -1,5 +1,5 @@
-"""Pure arithmetic the dashboard pages share: counter increases, histogram quantiles,
-a request's waterfall and the P:D capacity ratio.
+"""Pure arithmetic the dashboard pages share: a snapshot's histograms (increase and quantile
+over ``pdscope.stats``), a request's waterfall and the P:D capacity ratio.
 
 No I/O, no Streamlit, no clock: every function takes plain values and returns plain
 values, so the pages stay thin and these are tested with tables of cases.
@@ -8,39 +8,26 @@ values, so the pages stay thin and these are tested with tables of cases.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from store.queries import bucket_quantile
-from store.queries import counter_increase as store_counter_increase
+from pdscope.stats import Histogram
+from pdscope.stats import histogram_increase as _increase
+from pdscope.stats import histogram_quantile as _quantile
+from store.families import HISTOGRAM_BY_PREFIX
 
 # A snapshot's ``histograms`` column keys its families by the scraped name; older or
-# hand-written stores may use the bare name or a short alias. First match wins.
+# hand-written stores may use the bare name or a short alias (the family's column prefix
+# in ``store.families``). First match wins.
 HISTOGRAM_ALIASES: dict[str, tuple[str, ...]] = {
-    "ttft": ("vllm:time_to_first_token_seconds", "time_to_first_token_seconds", "ttft"),
-    "itl": ("vllm:inter_token_latency_seconds", "inter_token_latency_seconds", "itl"),
-    "e2e": ("vllm:e2e_request_latency_seconds", "e2e_request_latency_seconds", "e2e"),
-    "queue": ("vllm:request_queue_time_seconds", "request_queue_time_seconds", "queue"),
-    "nixl_xfer_time": ("vllm:nixl_xfer_time_seconds", "nixl_xfer_time_seconds", "nixl_xfer_time"),
-    "nixl_post_time": ("vllm:nixl_post_time_seconds", "nixl_post_time_seconds", "nixl_post_time"),
-    "nixl_bytes": ("vllm:nixl_bytes_transferred", "nixl_bytes_transferred", "nixl_bytes"),
-    "nixl_descriptors": ("vllm:nixl_num_descriptors", "nixl_num_descriptors", "nixl_descriptors"),
+    short: (family, family.removeprefix("vllm:"), short) for short, family in HISTOGRAM_BY_PREFIX.items()
 }
 
 
-@dataclass(frozen=True)
-class Histogram:
-    """Cumulative buckets: ``counts[i]`` observations ≤ ``le[i]``; ``counts[-1]`` is +Inf."""
-
-    le: tuple[float, ...]
-    counts: tuple[float, ...]
-    sum: float
-    count: float
-
-
 def find_histogram(histograms: Mapping[str, Any] | None, family: str) -> Histogram | None:
-    """The histogram ``family`` (a key of HISTOGRAM_ALIASES) from a snapshot, or None."""
+    """The histogram ``family`` (a key of HISTOGRAM_ALIASES) from a snapshot, or None
+    (also for a malformed one)."""
     if not histograms:
         return None
     for key in HISTOGRAM_ALIASES.get(family, (family,)):
@@ -48,33 +35,28 @@ def find_histogram(histograms: Mapping[str, Any] | None, family: str) -> Histogr
         if isinstance(raw, Mapping) and "le" in raw and "counts" in raw:
             le = tuple(float(x) for x in raw["le"])
             counts = tuple(float(x) for x in raw["counts"])
-            if len(counts) != len(le) + 1:
+            try:
+                return Histogram(le, counts, float(raw.get("sum") or 0.0), float(raw.get("count") or counts[-1]))
+            except (ValueError, IndexError):  # counts not one more than bounds, bounds not ascending
                 return None
-            return Histogram(le, counts, float(raw.get("sum") or 0.0), float(raw.get("count") or counts[-1]))
     return None
 
 
 def histogram_increase(first: Histogram | None, last: Histogram | None) -> Histogram | None:
-    """What was observed between two scrapes; a reset (count went down) keeps ``last`` whole."""
+    """What was observed between two scrapes (``pdscope.stats.histogram_increase``: a restart
+    keeps ``last`` whole); without a first scrape, all of ``last``."""
     if last is None:
         return None
-    if first is None or first.le != last.le or last.count < first.count:
+    if first is None:
         return last
-    counts = tuple(max(b - a, 0.0) for a, b in zip(first.counts, last.counts, strict=True))
-    return Histogram(last.le, counts, max(last.sum - first.sum, 0.0), max(last.count - first.count, 0.0))
+    return _increase((first, last))
 
 
 def histogram_quantile(q: float, hist: Histogram | None) -> float | None:
-    """Prometheus-style quantile (``store.queries.bucket_quantile``); None when empty."""
+    """Prometheus-style quantile (``pdscope.stats.histogram_quantile``); None when empty."""
     if hist is None:
         return None
-    return bucket_quantile(q, hist.le, hist.counts)
-
-
-def counter_increase(values: Sequence[float | None]) -> float | None:
-    """Increase of a cumulative counter (``store.queries.counter_increase``: a drop is a
-    restart); None with fewer than two samples."""
-    return store_counter_increase(values)
+    return _quantile(q, hist.le, hist.counts)
 
 
 def ratio(num: float | None, den: float | None) -> float | None:

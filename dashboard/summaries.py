@@ -7,13 +7,15 @@ small hand-made frames.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from dashboard.derive import counter_increase, find_histogram, histogram_increase, histogram_quantile, ratio
+from dashboard.derive import find_histogram, histogram_increase, histogram_quantile, ratio
+from pdscope.stats import counter_increase, percentile
 
 
 def _increase(df: pd.DataFrame, column: str) -> float:
@@ -127,6 +129,7 @@ def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFr
     """Per instance and scrape: each counter's rate per second since the previous scrape.
 
     A counter that went down (a restart) counts from zero; the first scrape has no rate.
+    (``pdscope.stats.counter_increase``'s rule, vectorised over the frame.)
     """
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "role", *counters])
@@ -158,13 +161,24 @@ def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: fl
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
+def percentile_of(values: pd.Series, q: float) -> float:
+    """``pdscope.stats.percentile`` (``q`` in 0..100) of a series' finite values; NaN when it
+    has none (pandas' missing value, so it fits a frame cell)."""
+    arr = values.to_numpy(dtype=float)
+    v = percentile(arr[np.isfinite(arr)].tolist(), q)
+    return math.nan if v is None else v
+
+
+def _or_none(v: float) -> float | None:
+    return None if math.isnan(v) else v
+
+
 def percentiles_ms(values: pd.Series, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[str, float | None]:
-    """Empirical percentiles of a seconds series, in ms, keyed "p50", "p90", ..."""
-    clean = values.dropna().astype(float)
+    """Percentiles (``pdscope.stats``) of a seconds series, in ms, keyed "p50", "p90", ..."""
     out: dict[str, float | None] = {}
     for q in qs:
-        key = f"p{round(q * 100, 1):g}"
-        out[key] = None if clean.empty else float(np.quantile(clean.to_numpy(), q)) * 1000.0
+        v = _or_none(percentile_of(values, q * 100.0))
+        out[f"p{round(q * 100, 1):g}"] = None if v is None else v * 1000.0
     return out
 
 
@@ -182,8 +196,7 @@ def slo_figures(sample: pd.DataFrame, buckets: pd.DataFrame, seconds: float) -> 
     ok = sample[sample["status"] == "ok"] if not sample.empty else sample
 
     def q(col: str, p: float) -> float | None:
-        vals = ok[col].dropna() if not ok.empty else pd.Series(dtype=float)
-        return None if vals.empty else float(np.quantile(vals.to_numpy(dtype=float), p))
+        return None if ok.empty else _or_none(percentile_of(ok[col], p * 100.0))
 
     return {
         "requests": int(buckets["arrivals"].sum()), "completed": completed, "slo_met": met,
@@ -207,7 +220,7 @@ def handoff_by(sample: pd.DataFrame, by: str = "pair") -> pd.DataFrame:
     keys = {"pair": ["p_instance", "d_instance"], "d_instance": ["d_instance"], "p_instance": ["p_instance"]}[by]
     g = df.groupby(keys, dropna=False)["handoff_ms"]
     out = pd.DataFrame({
-        "requests": g.size(), "p50_ms": g.quantile(0.5), "p90_ms": g.quantile(0.9), "p99_ms": g.quantile(0.99),
+        "requests": g.size(), **{f"p{q}_ms": g.agg(lambda s, q=q: percentile_of(s, q)) for q in (50, 90, 99)},
         "mean_ms": g.mean(), "lease_suspects": df.groupby(keys, dropna=False)["suspect"].sum(),
     }).reset_index()
     for k in ("p_instance", "d_instance"):

@@ -1,19 +1,220 @@
-"""Placeholder: replaced by the statistics module of issue 15 at merge (percentile only)."""
+"""The statistics every pdscope layer shares: percentiles of raw values, quantiles of
+Prometheus histograms, and the increase of counters and histograms across restarts.
+
+Part of the kernel: standard library only, no I/O, no clock, so the store queries, the
+collector's rollups, the dashboard, the simulator's load report and the benchmarks all
+compute a p99 or an increase the same way. Nothing here knows a metric's name or how the
+store keeps it (``store.families`` does).
+
+**Percentile of raw values** (:func:`percentile`, ``q`` in 0..100) is the linear
+interpolation between order statistics: with ``s`` the sorted values and
+``h = (n - 1) * q / 100``, the answer is ``s[floor(h)] + (h - floor(h)) * (s[floor(h) + 1] -
+s[floor(h)])`` (Hyndman and Fan's type 7). It is the default of numpy, pandas, R and
+spreadsheets' ``PERCENTILE.INC``, so a number pdscope prints matches what an operator
+computes from the exported records in any of them; it is continuous in the data and in
+``q`` (a p99 over few requests does not jump to the maximum), and it is the definition the
+controller's SLO percentiles have always used, so its decisions do not move.
+
+**Histogram quantile** (:func:`histogram_quantile`) is Prometheus's
+``histogram_quantile()``: linear interpolation inside the bucket holding the rank
+``q * count``, from 0 for the first bucket (or that bucket's bound when it is <= 0); a
+rank in the +Inf bucket gives the highest finite bound; non-monotonic cumulative counts
+are made monotonic first. Where Prometheus would divide 0 by 0 (``q = 0`` over an empty
+first bucket) this gives the lower bound of the first non-empty bucket, the limit as ``q``
+goes to 0. Prometheus answers NaN or +-Inf for an empty histogram or ``q`` outside 0..1;
+here an empty histogram gives ``None`` and a bad ``q`` raises ``ValueError``.
+
+**Counter increase** (:func:`counter_increase`) is Prometheus's ``increase()`` without
+extrapolation: the sum of the steps between consecutive samples, where a drop means the
+process restarted and the value after the drop is the increase since.
+
+**Histogram increase** (:func:`histogram_increase`) is the same, bucket by bucket, for
+one histogram: a drop of the count or of any cumulative bucket, or a change of the bucket
+layout, means a restart, and the whole later sample is the increase since.
+
+Every function is pure and raises ``ValueError`` (only) for input it cannot give a
+meaning to; none mutates its arguments.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram's cumulative buckets: ``counts[i]`` observations <= ``le[i]``,
+    ``counts[-1]`` all of them (the +Inf bucket), so ``len(counts) == len(le) + 1``.
+
+    ``le`` holds the finite upper bounds in ascending order. Construction raises
+    ``ValueError`` when the lengths do not match or the bounds are not ascending.
+    """
+
+    le: tuple[float, ...]
+    counts: tuple[float, ...]
+    sum: float
+    count: float
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.le) + 1:
+            raise ValueError(f"histogram has {len(self.le)} finite bounds but {len(self.counts)} counts "
+                             f"(expected one more count, for +Inf)")
+        if any(b <= a for a, b in pairwise(self.le)):
+            raise ValueError(f"histogram bounds must be strictly ascending, got {list(self.le)}")
+
+    def quantile(self, q: float) -> float | None:
+        """:func:`histogram_quantile` of this histogram."""
+        return histogram_quantile(q, self.le, self.counts)
+
+    @property
+    def mean(self) -> float | None:
+        """The mean observation (sum / count); None when empty."""
+        return self.sum / self.count if self.count > 0 else None
+
+
+def _check_q(q: float, top: float) -> None:
+    if not 0.0 <= q <= top:  # also false for NaN
+        raise ValueError(f"quantile must be in 0..{top:g}, got {q!r}")
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | None]:
+    """:func:`percentile` for each of ``qs`` (0..100), sorting ``values`` once.
+
+    Returns one ``None`` per ``q`` for no values. Raises ``ValueError`` for a ``q`` outside
+    0..100 or a value that is not finite (NaN has no rank).
+    """
+    for q in qs:
+        _check_q(q, 100.0)
+    if not values:
+        return [None] * len(qs)
+    if len(values) == 1:  # most of a large fleet's P x D pairs in a window
+        only = float(values[0])
+        if not math.isfinite(only):
+            raise ValueError(f"percentile of a non-finite value {only!r}")
+        return [only] * len(qs)
+    s = sorted(values)
+    if not all(map(math.isfinite, s)):
+        raise ValueError("percentile of non-finite values (NaN or infinity)")
+    out: list[float | None] = []
+    last = len(s) - 1
+    for q in qs:
+        pos = last * q / 100.0
+        lo = math.floor(pos)
+        hi = min(lo + 1, last)
+        out.append(float(s[lo] + (s[hi] - s[lo]) * (pos - lo)))
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linearly interpolated percentile (``q`` in 0..100) of raw values; None when empty."""
-    if not values:
+    """The ``q``-th percentile (``q`` in 0..100) of raw values, linearly interpolated between
+    order statistics (see the module docstring); None for no values. Raises ``ValueError``
+    as :func:`percentiles` does."""
+    return percentiles(values, (q,))[0]
+
+
+def histogram_quantile(q: float, le: Sequence[float], counts: Sequence[float]) -> float | None:
+    """Prometheus ``histogram_quantile(q, ...)`` (``q`` in 0..1) over cumulative ``counts``,
+    one more than the finite bounds ``le`` (the last is +Inf).
+
+    None when the histogram holds no observation or has no finite bound. Raises
+    ``ValueError`` for ``q`` outside 0..1 or mismatched lengths.
+    """
+    _check_q(q, 1.0)
+    if len(counts) != len(le) + 1:
+        raise ValueError(f"{len(le)} finite bounds need {len(le) + 1} counts, got {len(counts)}")
+    if not le:
         return None
-    if len(values) == 1:
-        return float(values[0])
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    cum = list(accumulate(counts, max))  # as Prometheus: force monotonic cumulative counts
+    total = cum[-1]
+    if not total > 0:
+        return None
+    rank = q * total
+    for b in range(len(le)):
+        c = cum[b]
+        if c >= rank and c > 0:
+            break
+    else:  # the rank is in the +Inf bucket: the highest finite bound is the answer
+        return float(le[-1])
+    upper = float(le[b])
+    if b == 0:
+        if upper <= 0:
+            return upper
+        return upper * rank / c
+    lower, below = float(le[b - 1]), cum[b - 1]
+    return lower + (upper - lower) * (rank - below) / (c - below)
+
+
+def counter_increase(values: Iterable[float | None]) -> float | None:
+    """Increase of a cumulative counter over consecutive samples; a drop is a restart and
+    the value after it is the increase since.
+
+    ``None`` and non-finite samples (a failed scrape, a metric the instance lacks) are
+    skipped. Fewer than two usable samples give ``None``.
+    """
+    total = 0.0
+    prev: float | None = None
+    seen = 0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            continue
+        seen += 1
+        if prev is not None:
+            total += v - prev if v >= prev else v
+        prev = v
+    return total if seen >= 2 else None
+
+
+def _restarted(prev: Histogram, cur: Histogram) -> bool:
+    return cur.count < prev.count or any(b < a for a, b in zip(prev.counts, cur.counts, strict=True))
+
+
+def histogram_increase(samples: Iterable[Histogram | None]) -> Histogram | None:
+    """A histogram's increase over consecutive samples of it, bucket by bucket.
+
+    The result has the last sample's bucket layout. Each step adds ``cur - prev``; a
+    restart (the count or any cumulative bucket went down, or the layout changed) adds the
+    whole ``cur`` instead. Steps into a sample of another layout than the last one's add
+    nothing (their buckets cannot be added to the result's). ``None`` samples are skipped;
+    fewer than two samples give ``None``.
+    """
+    shapes = [h for h in samples if h is not None]
+    if len(shapes) < 2:
+        return None
+    le = shapes[-1].le
+    counts = [0.0] * (len(le) + 1)
+    total_sum = 0.0
+    total_count = 0.0
+    for prev, cur in pairwise(shapes):
+        if cur.le != le:
+            continue
+        if prev.le != le or _restarted(prev, cur):
+            for i, b in enumerate(cur.counts):
+                counts[i] += b
+            total_sum += cur.sum
+            total_count += cur.count
+        else:
+            for i, (a, b) in enumerate(zip(prev.counts, cur.counts, strict=True)):
+                counts[i] += b - a
+            total_sum += cur.sum - prev.sum
+            total_count += cur.count - prev.count
+    return Histogram(le, tuple(counts), total_sum, total_count)
+
+
+def merge_histograms(histograms: Iterable[Histogram]) -> Histogram | None:
+    """The bucket-wise sum of histograms (e.g. one per instance of a pool); histograms of
+    another layout than the first one's are left out. None for none."""
+    merged: Histogram | None = None
+    for h in histograms:
+        if merged is None:
+            merged = h
+        elif merged.le == h.le:
+            merged = Histogram(
+                merged.le,
+                tuple(a + b for a, b in zip(merged.counts, h.counts, strict=True)),
+                merged.sum + h.sum,
+                merged.count + h.count,
+            )
+    return merged

@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from pdscope.config import ConfigError
+from pdscope.stats import percentile
 from simulator.admin import AdminApp
 from simulator.config import SimulatorConfig
 from simulator.fabric import Fabric
@@ -122,13 +123,12 @@ class LoopLagMonitor:
                 warned = True
 
     def stats(self) -> dict[str, Any]:
-        ordered = sorted(self.samples)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
+        p99 = percentile(self.samples, 99)
         return {
             "loop_lag_max_s": self.max_lag_s,
-            "loop_lag_p99_s": p99,
+            "loop_lag_p99_s": 0.0 if p99 is None else p99,
             "loop_lag_threshold_s": self.threshold_s,
-            "samples": len(ordered),
+            "samples": len(self.samples),
             "since": self.since,
             "trustworthy": self.max_lag_s <= self.threshold_s,
         }

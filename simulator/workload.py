@@ -7,7 +7,8 @@
 * ``load_trace``: JSONL replay, one object per line with ``prompt_tokens``,
   ``output_tokens`` and optionally ``at`` (seconds from start).
 * ``RequestResult`` and ``summarize``: client-side TTFT, TPOT, e2e per request;
-  goodput (requests meeting every SLO per second), SLO attainment, percentiles.
+  goodput (requests meeting every SLO per second), SLO attainment, percentiles
+  (``pdscope.stats.percentile``, the definition the controller uses).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from pdscope.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -134,15 +137,6 @@ class RequestResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tpot_s": self.tpot_s}
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 def summarize(results: list[RequestResult], wall_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:

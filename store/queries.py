@@ -2,10 +2,10 @@
 
 Every function takes a ``Session`` and a window ``[since, until]`` (Unix seconds) and
 returns frozen values; none writes. Counters are stored cumulative, as scraped, so rates
-come from differences between snapshots: ``counter_increase`` is Prometheus's
-``increase()`` without extrapolation: a drop means the instance restarted, and the
-value after the drop counts from zero. Histogram quantiles interpolate linearly inside
-the bucket, as ``histogram_quantile()`` does, over the buckets' increase in the window.
+come from differences between snapshots, and histogram quantiles from the buckets'
+increase in the window; the arithmetic (increases across restarts, Prometheus's
+``histogram_quantile()``, percentiles of raw values) is ``pdscope.stats``, and which
+columns are read is ``store.families``.
 
 "MB" is 10**6 bytes. A window needs two snapshots of an instance to give it a rate;
 an instance with fewer gives ``None`` rates, never zero.
@@ -13,7 +13,6 @@ an instance with fewer gives ``None`` rates, never zero.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -23,62 +22,17 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
+# counter_increase and percentile stay importable from here (``as``: an explicit re-export)
+# for the callers that reach them as ``store.queries`` attributes; their home is pdscope.stats.
+from pdscope.stats import Histogram, histogram_increase, merge_histograms, percentiles
+from pdscope.stats import counter_increase as counter_increase
+from pdscope.stats import percentile as percentile
+from store.families import WINDOW_COUNTERS, WINDOW_GAUGES, histogram_of
 from store.models import RequestRecord, Snapshot
 
-# Histogram families kept in Snapshot.histograms (the vLLM names).
-HIST_TTFT = "vllm:time_to_first_token_seconds"
-HIST_ITL = "vllm:inter_token_latency_seconds"
-HIST_TPOT = "vllm:request_time_per_output_token_seconds"
-HIST_E2E = "vllm:e2e_request_latency_seconds"
-HIST_QUEUE = "vllm:request_queue_time_seconds"
-HIST_PREFILL = "vllm:request_prefill_time_seconds"
-HIST_DECODE = "vllm:request_decode_time_seconds"
-HIST_INFERENCE = "vllm:request_inference_time_seconds"
-HIST_NIXL_XFER = "vllm:nixl_xfer_time_seconds"
-HIST_NIXL_POST = "vllm:nixl_post_time_seconds"
-HIST_NIXL_BYTES = "vllm:nixl_bytes_transferred"
-HIST_NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"
-
-COUNTERS: tuple[str, ...] = (
-    "prompt_tokens",
-    "generation_tokens",
-    "prompt_tokens_external_kv_transfer",
-    "preemptions",
-    "requests_stop",
-    "requests_length",
-    "requests_abort",
-    "requests_error",
-    "requests_repetition",
-    "admission_rejections_reqs",
-    "admission_rejections_tokens",
-    "nixl_xfer_time_sum",
-    "nixl_xfer_time_count",
-    "nixl_bytes_sum",
-    "nixl_failed_transfers",
-    "nixl_kv_expired_reqs",
-    "ttft_sum",
-    "ttft_count",
-)
-GAUGES: tuple[str, ...] = ("kv_cache_usage", "num_running", "num_waiting", "waiting_deferred", "kv_fetch_in_progress")
-
-
-def counter_increase(values: Iterable[float | None]) -> float | None:
-    """Increase of a cumulative counter over consecutive samples; a drop is a reset.
-
-    ``None`` samples (a failed scrape, a metric the instance lacks) are skipped. Fewer than
-    two samples give ``None``.
-    """
-    total = 0.0
-    prev: float | None = None
-    seen = 0
-    for v in values:
-        if v is None or not math.isfinite(v):
-            continue
-        seen += 1
-        if prev is not None:
-            total += v - prev if v >= prev else v
-        prev = v
-    return total if seen >= 2 else None
+# The columns the window queries read from every snapshot (``store.families`` derives them).
+COUNTERS: tuple[str, ...] = WINDOW_COUNTERS
+GAUGES: tuple[str, ...] = WINDOW_GAUGES
 
 
 @dataclass(frozen=True)
@@ -126,10 +80,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 # The scalar columns the signal functions read (not the JSON ones); rows of these unpack fast.
-_LIGHT_COLUMNS: tuple[str, ...] = (
-    "instance", "pool", "role", "ts", "up", "error", *COUNTERS, *GAUGES,
-    "kv_fetch_waiting_to_start", "kv_fetch_completed_waiting", "queue_sum", "queue_count",
-)
+_LIGHT_COLUMNS: tuple[str, ...] = ("instance", "pool", "role", "ts", "up", "error", *COUNTERS, *GAUGES)
 
 
 def _snapshot_rows(
@@ -295,74 +246,8 @@ def pool_signals(session: Session, since: float, until: float) -> dict[str, Pool
 # -- histograms -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HistogramDelta:
-    """A histogram's increase over a window: cumulative counts per finite bound, then +Inf."""
-
-    le: tuple[float, ...]
-    counts: tuple[float, ...]
-    sum: float
-    count: float
-
-    def quantile(self, q: float) -> float | None:
-        return bucket_quantile(q, self.le, self.counts)
-
-    @property
-    def mean(self) -> float | None:
-        return self.sum / self.count if self.count > 0 else None
-
-
-def bucket_quantile(q: float, le: Sequence[float], counts: Sequence[float]) -> float | None:
-    """Prometheus ``histogram_quantile``: ``counts`` are cumulative, one more than ``le`` (+Inf)."""
-    if not counts or counts[-1] <= 0 or not 0.0 <= q <= 1.0:
-        return None
-    rank = q * counts[-1]
-    for i, c in enumerate(counts):
-        if c >= rank:
-            if i == len(le):  # in the +Inf bucket: the highest finite bound is the answer
-                return le[-1] if le else None
-            lower = le[i - 1] if i > 0 else 0.0
-            below = counts[i - 1] if i > 0 else 0.0
-            upper = le[i]
-            if c == below:
-                return upper
-            return lower + (upper - lower) * (rank - below) / (c - below)
-    return le[-1] if le else None
-
-
-def _hist_increase(rows: Sequence[Snapshot], family: str) -> HistogramDelta | None:
-    shapes: list[dict[str, Any]] = [h for h in (r.histograms.get(family) for r in rows if r.up) if h]
-    if len(shapes) < 2:
-        return None
-    le = tuple(shapes[-1]["le"])
-    counts = [0.0] * (len(le) + 1)
-    total_sum = 0.0
-    total_count = 0.0
-    prev: dict[str, Any] | None = None
-    for shape in shapes:
-        if prev is not None and tuple(prev["le"]) == le and tuple(shape["le"]) == le:
-            reset = shape["count"] < prev["count"]
-            for i, (a, b) in enumerate(zip(prev["counts"], shape["counts"], strict=True)):
-                counts[i] += b if reset else b - a
-            total_sum += shape["sum"] if reset else shape["sum"] - prev["sum"]
-            total_count += shape["count"] if reset else shape["count"] - prev["count"]
-        prev = shape
-    return HistogramDelta(le, tuple(counts), total_sum, total_count)
-
-
-def _merge(deltas: Iterable[HistogramDelta]) -> HistogramDelta | None:
-    merged: HistogramDelta | None = None
-    for d in deltas:
-        if merged is None:
-            merged = d
-        elif merged.le == d.le:
-            merged = HistogramDelta(
-                merged.le,
-                tuple(a + b for a, b in zip(merged.counts, d.counts, strict=True)),
-                merged.sum + d.sum,
-                merged.count + d.count,
-            )
-    return merged
+def _hist_increase(rows: Sequence[Snapshot], family: str) -> Histogram | None:
+    return histogram_increase(histogram_of(h) for h in (r.histograms.get(family) for r in rows if r.up) if h)
 
 
 def histogram_window(
@@ -373,10 +258,10 @@ def histogram_window(
     *,
     instance: str | None = None,
     pool: str | None = None,
-) -> HistogramDelta | None:
+) -> Histogram | None:
     """One histogram's increase over the window, over one instance, one pool, or everything."""
     rows = _snapshot_rows(session, since, until, instance=instance, pool=pool, histograms=True)
-    return _merge(d for d in (_hist_increase(r, family) for r in rows.values()) if d is not None)
+    return merge_histograms(d for d in (_hist_increase(r, family) for r in rows.values()) if d is not None)
 
 
 def histogram_quantiles(
@@ -390,14 +275,14 @@ def histogram_quantiles(
 ) -> dict[str, dict[float, float | None]]:
     """Quantiles ``qs`` of one histogram per instance or per pool over the window."""
     rows = _snapshot_rows(session, since, until, histograms=True)
-    groups: dict[str, list[HistogramDelta]] = defaultdict(list)
+    groups: dict[str, list[Histogram]] = defaultdict(list)
     for name, snaps in rows.items():
         d = _hist_increase(snaps, family)
         if d is not None:
             groups[name if by == "instance" else snaps[-1].pool].append(d)
     out: dict[str, dict[float, float | None]] = {}
     for key, deltas in groups.items():
-        merged = _merge(deltas)
+        merged = merge_histograms(deltas)
         if merged is not None:
             out[key] = {q: merged.quantile(q) for q in qs}
     return out
@@ -459,27 +344,6 @@ def untrusted_records(session: Session, since: float, until: float, senders: fro
         RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until,
         or_(RequestRecord.sender.is_(None), RequestRecord.sender.not_in(sorted(senders))))
     return int(session.scalar(stmt) or 0)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank-interpolated percentile (``q`` in 0..100) of raw values."""
-    return percentiles(values, (q,))[0]
-
-
-def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | None]:
-    """:func:`percentile` for each of ``qs``, sorting ``values`` once."""
-    if not values:
-        return [None] * len(qs)
-    if len(values) == 1:  # most of a large fleet's P x D pairs in a window
-        return [float(values[0])] * len(qs)
-    s = sorted(values)
-    out: list[float | None] = []
-    for q in qs:
-        pos = (len(s) - 1) * q / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(s) - 1)
-        out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
-    return out
 
 
 @dataclass(frozen=True)

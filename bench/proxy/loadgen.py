@@ -14,14 +14,8 @@ import json
 import random
 import time
 
+from pdscope.stats import percentile as _pct
 from proxy.upstream import Upstream, UpstreamError
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100.0 * len(s)))]
 
 
 async def main(a: argparse.Namespace) -> dict[str, object]:

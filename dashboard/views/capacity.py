@@ -35,7 +35,7 @@ def _observed_capacity(rates: pd.DataFrame, role: str, column: str) -> tuple[flo
     mine = rates[rates["role"] == role] if not rates.empty else rates
     if mine.empty:
         return 0.0, pd.DataFrame()
-    per = mine.groupby("instance")[column].agg(mean="mean", p95=lambda s: s.quantile(0.95), peak="max").reset_index()
+    per = mine.groupby("instance")[column].agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max").reset_index()
     return _num(per["p95"].max()), per
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, data, ui
+from dashboard import charts, context, data, summaries, ui
 
 view = context.current()
 url = view.store_url
@@ -21,9 +21,8 @@ def _headline(summary: dict[str, object] | None, sample: pd.DataFrame) -> None:
     cols = st.columns(5)
     ttft_target, tpot_target = slo.ttft.target_ms, slo.tpot.target_ms
     ok = sample[sample["status"] == "ok"] if not sample.empty else sample
-    q_ttft, q_tpot = slo.ttft.percentile / 100.0, slo.tpot.percentile / 100.0
-    ttft = float(ok["ttft_s"].quantile(q_ttft)) * 1000.0 if not ok.empty else None
-    tpot = float(ok["tpot_s"].quantile(q_tpot)) * 1000.0 if not ok.empty else None
+    ttft = summaries.percentile_of(ok["ttft_s"], slo.ttft.percentile) * 1000.0 if not ok.empty else None
+    tpot = summaries.percentile_of(ok["tpot_s"], slo.tpot.percentile) * 1000.0 if not ok.empty else None
     cols[0].metric(f"TTFT p{slo.ttft.percentile:g}", ui.fmt_ms(ttft),
                    None if ttft is None else f"{ttft - ttft_target:+.0f} ms vs {ttft_target:g}",
                    delta_color="inverse")
@@ -46,8 +45,8 @@ def _latency_over_time(sample: pd.DataFrame, step: int, width_s: float, start: f
     if ok.empty:
         return pd.DataFrame()
     b = ((ok["proxy_in"] - start) // width_s).astype(int)
-    q = ok.groupby(b).agg(ttft=("ttft_s", lambda s: s.quantile(slo.ttft.percentile / 100)),
-                          tpot=("tpot_s", lambda s: s.quantile(slo.tpot.percentile / 100)))
+    q = ok.groupby(b).agg(ttft=("ttft_s", lambda s: summaries.percentile_of(s, slo.ttft.percentile)),
+                          tpot=("tpot_s", lambda s: summaries.percentile_of(s, slo.tpot.percentile)))
     q.index = start + q.index.astype(float) * width_s
     long = q.reset_index(names="ts").melt(id_vars="ts", var_name="metric", value_name="seconds")
     long["ms"] = long["seconds"] * 1000.0

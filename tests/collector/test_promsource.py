@@ -27,11 +27,11 @@ from collector.parse import parse_text
 from collector.promsource import PromSource, Series, build_queries, host_port, signals_from_series
 from collector.scraper import ScrapeResult
 from collector.service import CollectorService
-from collector.signals import SPECS
 from collector.snapshot_store import SnapshotStore
 from collector.targets import Target
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory
+from store.families import SPECS
 from store.migrate import upgrade
 from store.models import Snapshot
 from tests.captures import SCRAPE_PAGES

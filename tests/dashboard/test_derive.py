@@ -7,7 +7,6 @@ import pytest
 from dashboard.derive import (
     Histogram,
     capacity_plan,
-    counter_increase,
     find_histogram,
     histogram_increase,
     histogram_quantile,
@@ -15,6 +14,7 @@ from dashboard.derive import (
     ratio,
     waterfall,
 )
+from pdscope.stats import counter_increase
 
 
 @pytest.mark.parametrize(

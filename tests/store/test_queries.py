@@ -7,19 +7,17 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from pdscope.stats import counter_increase, histogram_quantile, percentile
 from store.db import make_engine, session_factory
+from store.families import HIST_TTFT
 from store.migrate import upgrade
 from store.models import RequestRecord, Snapshot
 from store.queries import (
-    HIST_TTFT,
-    bucket_quantile,
-    counter_increase,
     counter_steps,
     handoff_stats,
     histogram_quantiles,
     histogram_window,
     instance_signals,
-    percentile,
     pool_signals,
     signals_of_rows,
     slo_summary,
@@ -56,11 +54,11 @@ def test_counter_increase_handles_resets_and_gaps() -> None:
 def test_bucket_quantile_matches_prometheus() -> None:
     # 10 obs: 5 in (0, 0.1], 3 in (0.1, 0.5], 2 in (0.5, 1.0]
     counts = [5.0, 8.0, 10.0, 10.0]
-    assert bucket_quantile(0.5, LE, counts) == pytest.approx(0.1)
-    assert bucket_quantile(0.25, LE, counts) == pytest.approx(0.05)
-    assert bucket_quantile(0.9, LE, counts) == pytest.approx(0.75)
-    assert bucket_quantile(0.99, LE, [0.0, 0.0, 0.0, 4.0]) == 1.0  # all in +Inf: highest finite bound
-    assert bucket_quantile(0.5, LE, [0.0, 0.0, 0.0, 0.0]) is None
+    assert histogram_quantile(0.5, LE, counts) == pytest.approx(0.1)
+    assert histogram_quantile(0.25, LE, counts) == pytest.approx(0.05)
+    assert histogram_quantile(0.9, LE, counts) == pytest.approx(0.75)
+    assert histogram_quantile(0.99, LE, [0.0, 0.0, 0.0, 4.0]) == 1.0  # all in +Inf: highest finite bound
+    assert histogram_quantile(0.5, LE, [0.0, 0.0, 0.0, 0.0]) is None
 
 
 def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) -> None:
