@@ -28,6 +28,7 @@ from controller.policy import evidence as ev
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, PoolSignals, SLOFigures
 from pdscope.config import Settings
+from pdscope.stats import counter_increase
 from store import queries as q
 from store.models import RequestRecord, Snapshot
 
@@ -51,8 +52,8 @@ def _latest_gauges(rows_by_instance: dict[str, list[Any]], since: float, until: 
         parts = [v for v in (last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress,
                              last.kv_fetch_completed_waiting) if v is not None]
         backlog = sum(parts) if parts else None
-        qsum = q.counter_increase(r.queue_sum for r in up_rows)
-        qcnt = q.counter_increase(r.queue_count for r in up_rows)
+        qsum = counter_increase(r.queue_sum for r in up_rows)
+        qcnt = counter_increase(r.queue_count for r in up_rows)
         out[inst] = ev.LatestGauges(backlog, qsum / qcnt if qsum is not None and qcnt else None, down_for)
     return out
 

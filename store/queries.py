@@ -22,11 +22,14 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-# counter_increase and percentile stay importable from here (``as``: an explicit re-export)
-# for the callers that reach them as ``store.queries`` attributes; their home is pdscope.stats.
-from pdscope.stats import Histogram, histogram_increase, merge_histograms, percentiles
-from pdscope.stats import counter_increase as counter_increase
-from pdscope.stats import percentile as percentile
+from pdscope.stats import (
+    Histogram,
+    counter_increase,
+    histogram_increase,
+    merge_histograms,
+    percentile,
+    percentiles,
+)
 from store.families import WINDOW_COUNTERS, WINDOW_GAUGES, histogram_of
 from store.models import RequestRecord, Snapshot
 
