@@ -13,7 +13,7 @@ is P's. A record needs the proxy's root span (``pdscope.request``); without it
 ``assemble`` returns ``None`` and the trace waits for the rest of its spans. Spans are
 found by their name (``_Trace``), the last attempt of a stage by its ``pdscope.attempt``.
 The record is a ``collector.record.AssembledRecord``, its SLO verdict
-``collector.record.slo_verdict`` of its status and durations.
+``pdscope.slo.slo_verdict`` of its status and durations.
 
 Every value is coerced to its column's type: a number must be finite (NaN, ±Infinity,
 ``"inf"`` and ``"nan"`` count as absent), an integer must fit its column (32 or 64 bits),
@@ -28,9 +28,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from collector.otlp import SpanData
-from collector.record import AssembledRecord, AssemblyNotes, VllmSide, slo_verdict
+from collector.record import AssembledRecord, AssemblyNotes, VllmSide
 from pdscope import semconv as sc
 from pdscope.config import SLOSettings
+from pdscope.slo import slo_verdict
 
 STATUS_ERROR = 2  # OTLP Status.code
 

@@ -14,10 +14,9 @@ The shared ``attributes`` column is split by key: assembly's keys are ``Assembly
 re-assembly. Importing this module checks that the two parts are disjoint and together
 cover every column of the table (``OwnershipError`` otherwise).
 
-The SLO verdict columns are derived, never observed: ``slo_verdict`` computes them from the
-status and the stage durations (``ttft_s``, ``tpot_s``) under the ``slo`` settings given, and
-``recompute_verdict`` does the same from a stored row, so a changed ``slo.*`` gives the
-verdict it implies for every stored record.
+The SLO verdict columns are derived, never observed: ``pdscope.slo.slo_verdict`` computes
+them from the status and the stage durations (``ttft_s``, ``tpot_s``) under the ``slo``
+settings in force; readers that follow a changed ``slo.*`` recompute them with the same rule.
 """
 
 from __future__ import annotations
@@ -25,43 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
-from pdscope.config import SLOSettings
 from store.models import RequestRecord
 
 
 class OwnershipError(RuntimeError):
     """The record's columns are not split into exactly one owner each."""
-
-
-# -- the SLO verdict --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SLOVerdict:
-    """``slo_ttft_met``, ``slo_tpot_met`` and ``slo_met`` of one record."""
-
-    ttft_met: bool | None
-    tpot_met: bool | None
-    met: bool
-
-
-def slo_verdict(status: str, ttft_s: float | None, tpot_s: float | None, slo: SLOSettings) -> SLOVerdict:
-    """The verdict for these figures under ``slo``.
-
-    No TTFT: the TTFT verdict is unknown. No TPOT (one token, or none measured) with a TTFT:
-    the TPOT SLO is met. ``met`` needs status ``ok`` and both SLOs met.
-    """
-    ttft_met = None if ttft_s is None else ttft_s * 1000.0 <= slo.ttft.target_ms
-    if tpot_s is None:
-        tpot_met = True if ttft_s is not None else None
-    else:
-        tpot_met = tpot_s * 1000.0 <= slo.tpot.target_ms
-    return SLOVerdict(ttft_met, tpot_met, status == "ok" and bool(ttft_met) and bool(tpot_met))
-
-
-def recompute_verdict(row: RequestRecord, slo: SLOSettings) -> SLOVerdict:
-    """The verdict a stored record gets under ``slo`` (from its status, ``ttft_s`` and ``tpot_s``)."""
-    return slo_verdict(row.status, row.ttft_s, row.tpot_s, slo)
 
 
 # -- assembly's part ---------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter)
     window = settings.slo.window_s
     summary = q.slo_summary(
         session, now - window, now, only=only,
-        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile),
+        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile), slo=settings.slo,
     ).get("all")
     if summary is None:
         return SLOFigures(window_s=window)

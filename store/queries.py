@@ -22,6 +22,8 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from pdscope.config import SLOSettings
+from pdscope.slo import slo_verdict
 from pdscope.stats import (
     Histogram,
     counter_increase,
@@ -410,6 +412,17 @@ def handoff_stats_of(
     return {by: {key: stats(by, key, vals) for key, vals in groups[by].items()} for by in bys}
 
 
+def slo_met_clause(slo: SLOSettings) -> ColumnElement[bool]:
+    """SQL for "met every SLO under ``slo``" (``pdscope.slo.slo_verdict``'s rule, over the stored
+    status, ``ttft_s`` and ``tpot_s``), for readers that count verdicts in the database."""
+    return and_(
+        RequestRecord.status == "ok",
+        RequestRecord.ttft_s.is_not(None),
+        RequestRecord.ttft_s * 1000.0 <= slo.ttft.target_ms,
+        or_(RequestRecord.tpot_s.is_(None), RequestRecord.tpot_s * 1000.0 <= slo.tpot.target_ms),
+    )
+
+
 @dataclass(frozen=True)
 class SLOSummary:
     """SLO attainment = requests meeting every SLO / completed; goodput = those per second."""
@@ -438,10 +451,13 @@ def slo_summary(
     by: Literal["all", "d_instance", "p_instance", "d_pool", "p_pool"] = "all",
     only: RecordFilter = EVERY_RECORD,
     slo_percentiles: tuple[float, float] | None = None,
+    slo: SLOSettings | None = None,
 ) -> dict[str, SLOSummary]:
     """SLO attainment and goodput over the window, overall (key ``"all"``) or per group (``only`` those).
 
-    ``slo_percentiles`` = (TTFT's, TPOT's): also fill ``ttft_at_slo_s`` / ``tpot_at_slo_s``."""
+    ``slo_percentiles`` = (TTFT's, TPOT's): also fill ``ttft_at_slo_s`` / ``tpot_at_slo_s``. With ``slo``,
+    each record's verdict is recomputed under it (``pdscope.slo``) rather than read as stored, so a
+    changed ``slo.*`` applies to the whole window at once."""
     # only the grouping column is read besides the figures: the controller's 300 s "all" read
     # at 1,000 instances spent most of its time decoding four instance and pool names per row
     group_col = None if by == "all" else getattr(RequestRecord, by)
@@ -467,7 +483,10 @@ def slo_summary(
         for r in group:
             statuses[r[0]] += 1
         completed = [r for r in group if r[0] == "ok"]
-        met = sum(1 for r in completed if r[1])
+        if slo is None:
+            met = sum(1 for r in completed if r[1])
+        else:
+            met = sum(1 for r in completed if slo_verdict(r[0], r[2], r[3], slo).met)
         ttfts = [r[2] for r in completed if r[2] is not None]
         tpots = [r[3] for r in completed if r[3] is not None]
         e2es = [r[4] for r in completed if r[4] is not None]

@@ -15,7 +15,9 @@ from sqlalchemy import Engine, case, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from dashboard.queries.common import Window, bucket_index, fast_frame, frame
+from pdscope.config import SLOSettings
 from store.models import RequestRecord
+from store.queries import slo_met_clause
 
 SAMPLE_COLUMNS = ("proxy_in", "status", "ttft_s", "tpot_s", "e2e_s", "prompt_tokens", "completion_tokens",
                   "slo_met", "p_instance", "d_instance", "p_done", "first_token", "lease_expiry_suspect")
@@ -31,26 +33,40 @@ def count(engine: Engine, window: Window) -> int:
                    .scalar() or 0)
 
 
-def sample(engine: Engine, window: Window, max_rows: int = 20_000) -> tuple[pd.DataFrame, int]:
+def sample(engine: Engine, window: Window, max_rows: int = 20_000,
+           slo: SLOSettings | None = None) -> tuple[pd.DataFrame, int]:
     """Per-request figures in the window, every k-th row when there are more than ``max_rows``.
 
-    Returns the frame and k (1 = every row), so callers can scale counts back up.
+    Returns the frame and k (1 = every row), so callers can scale counts back up. With ``slo``, the
+    ``slo_met`` column is each record's verdict under it (a changed ``slo.*`` applies at once), else
+    the verdict stored when the record was assembled.
     """
     total = count(engine, window)
     step = max(1, math.ceil(total / max_rows)) if max_rows > 0 else 1
-    cols = [getattr(RequestRecord, c) for c in SAMPLE_COLUMNS]
+    cols: list[Any] = [getattr(RequestRecord, c) if c != "slo_met" or slo is None
+                       else slo_met_clause(slo).label("slo_met") for c in SAMPLE_COLUMNS]
     stmt = select(*cols).where(*_in_window(window))
     if step > 1:
         stmt = stmt.where(RequestRecord.id % step == 0)
     return fast_frame(engine, stmt, ("slo_met", "lease_expiry_suspect")), step
 
 
-def slo_buckets(engine: Engine, window: Window, width_s: float) -> pd.DataFrame:
+def slo_buckets(engine: Engine, window: Window, width_s: float, slo: SLOSettings | None = None) -> pd.DataFrame:
     """Per time bucket: arrivals, completed (status ok), met every SLO, TTFT and TPOT misses.
 
     Columns: t (bucket start, Unix s), arrivals, completed, met, ttft_miss, tpot_miss,
-    errors, rejected.
+    errors, rejected. With ``slo``, verdicts are recomputed under it; else the stored ones.
     """
+    met: ColumnElement[bool]
+    ttft_miss: ColumnElement[bool]
+    tpot_miss: ColumnElement[bool]
+    if slo is None:
+        met, ttft_miss, tpot_miss = (RequestRecord.slo_met.is_(True), RequestRecord.slo_ttft_met.is_(False),
+                                     RequestRecord.slo_tpot_met.is_(False))
+    else:
+        met = slo_met_clause(slo)
+        ttft_miss = RequestRecord.ttft_s * 1000.0 > slo.ttft.target_ms
+        tpot_miss = RequestRecord.tpot_s * 1000.0 > slo.tpot.target_ms
     b = bucket_index(engine, RequestRecord.__table__.c.proxy_in, window.start, width_s).label("b")
 
     def n_if(cond: ColumnElement[bool]) -> ColumnElement[Any]:
@@ -61,9 +77,9 @@ def slo_buckets(engine: Engine, window: Window, width_s: float) -> pd.DataFrame:
             b,
             func.count().label("arrivals"),
             n_if(RequestRecord.status == "ok").label("completed"),
-            n_if(RequestRecord.slo_met.is_(True)).label("met"),
-            n_if(RequestRecord.slo_ttft_met.is_(False)).label("ttft_miss"),
-            n_if(RequestRecord.slo_tpot_met.is_(False)).label("tpot_miss"),
+            n_if(met).label("met"),
+            n_if(ttft_miss).label("ttft_miss"),
+            n_if(tpot_miss).label("tpot_miss"),
             n_if(RequestRecord.status.in_(("error", "timeout"))).label("errors"),
             n_if(RequestRecord.status == "rejected").label("rejected"),
         )

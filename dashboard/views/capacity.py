@@ -44,12 +44,12 @@ def render() -> None:
     if opened is None:
         return
     latest, window = opened.latest, opened.window
-    sample, step = data.request_sample(url, window.start, window.end)
+    sample, step = data.request_sample(url, window.start, window.end, slo=view.settings.slo)
     if sample.empty:
         ui.no_data(view, "requests", latest)
         return
     width = window.bucket_s(60)
-    buckets = data.slo_buckets(url, window.start, window.end, width)
+    buckets = data.slo_buckets(url, window.start, window.end, width, view.settings.slo)
     served = sample[sample["status"] != "rejected"]
     rate = float(buckets["arrivals"].sum()) / window.seconds if not buckets.empty else 0.0
     mean_prompt = _num(served["prompt_tokens"].mean()) if not served.empty else 0.0

@@ -78,14 +78,14 @@ def render() -> None:
     if not presence.requests:
         ui.no_data(view, "request records", None)
     else:
-        sample, step = data.request_sample(url, window.start, window.end)
-        summary = data.slo_summary(url, window.start, window.end)
+        sample, step = data.request_sample(url, window.start, window.end, slo=slo)
+        summary = data.slo_summary(url, window.start, window.end, slo)
         if sample.empty:
             ui.no_data(view, "requests", latest)
         else:
             _headline(summary, sample)
             width = window.bucket_s(60)
-            buckets = data.slo_buckets(url, window.start, window.end, width)
+            buckets = data.slo_buckets(url, window.start, window.end, width, slo)
             left, right = st.columns(2)
             with left:
                 lat = _latency_over_time(sample, step, width, window.start)

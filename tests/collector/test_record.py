@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from collector.assemble import assemble
 from collector.record import (
@@ -11,19 +11,18 @@ from collector.record import (
     FORENSICS_COLUMNS,
     RECORD_COLUMNS,
     OwnershipError,
-    SLOVerdict,
     check_owners,
     flag_lease_expiry,
     note_forensics,
-    recompute_verdict,
-    slo_verdict,
 )
 from collector.sink import StoreSink
 from pdscope import semconv as sc
 from pdscope.config import LatencySLO, SLOSettings
+from pdscope.slo import SLOVerdict, slo_verdict
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import RequestRecord
+from store.queries import slo_met_clause, slo_summary
 from tests.collector.traces import request_spans
 
 T0 = 1_800_000_000.0
@@ -70,6 +69,10 @@ def test_a_stored_verdict_is_recomputed_under_a_changed_slo(store_url: str) -> N
     sink.write(spans)
     with sink.factory() as s:
         row = s.scalars(select(RequestRecord)).one()
+
+    def recompute_verdict(r: RequestRecord, slo: SLOSettings) -> SLOVerdict:
+        return slo_verdict(r.status, r.ttft_s, r.tpot_s, slo)
+
     stored = SLOVerdict(row.slo_ttft_met, row.slo_tpot_met, bool(row.slo_met))
     assert stored == SLOVerdict(True, True, True) == recompute_verdict(row, SLO)
     tight_ttft = SLOSettings(ttft=LatencySLO(target_ms=500), tpot=LatencySLO(target_ms=150))
@@ -80,6 +83,14 @@ def test_a_stored_verdict_is_recomputed_under_a_changed_slo(store_url: str) -> N
         a = assemble(spans, slo)
         assert a is not None
         assert recompute_verdict(row, slo) == SLOVerdict(a.slo_ttft_met, a.slo_tpot_met, a.slo_met)
+    # the readers: the controller's SLO summary and the dashboard's SQL count follow the SLO they are given
+    with sink.factory() as s:
+        for slo, met in ((SLO, 1), (tight_ttft, 0), (tight_tpot, 0)):
+            summary = slo_summary(s, T0 - 60, T0 + 60, slo=slo)["all"]
+            assert summary.completed == 1 and summary.slo_met == met
+            counted = s.scalar(select(func.count()).select_from(RequestRecord).where(slo_met_clause(slo)))
+            assert counted == met
+        assert slo_summary(s, T0 - 60, T0 + 60)["all"].slo_met == 1  # without one: the stored verdict
 
 
 def test_slo_verdict_without_timings() -> None:

@@ -165,3 +165,29 @@ def test_slo_and_handoff_figures_agree_with_the_shared_store_queries(small) -> N
         assert by_pair.loc[key, "p99_ms"] == pytest.approx(stats.p99_s * 1000.0)
         assert by_pair.loc[key, "mean_ms"] == pytest.approx(stats.mean_s * 1000.0)
         assert by_pair.loc[key, "lease_suspects"] == stats.lease_suspects
+
+
+def test_a_changed_slo_moves_the_dashboard_and_the_controller_figures_alike(small) -> None:  # type: ignore[no-untyped-def]
+    """Verdicts are recomputed under the SLO in force: a tighter TTFT target means fewer met, the same
+    number in the dashboard's bounded reads and in the shared query the controller uses."""
+    from sqlalchemy.orm import Session
+
+    from dashboard.summaries import slo_figures
+    from pdscope.config import LatencySLO, SLOSettings
+    from store import queries as shared
+
+    engine, spec, _ = small
+    window = common.Window(spec.end - spec.duration_s, spec.end + 1)
+    with Session(engine) as session:
+        stored = shared.slo_summary(session, window.start, window.end)["all"]
+        ttfts = sorted(r for (r,) in session.execute(select(RequestRecord.ttft_s).where(
+            RequestRecord.status == "ok", RequestRecord.ttft_s.is_not(None))))
+    tight = SLOSettings(ttft=LatencySLO(target_ms=1000.0 * ttfts[len(ttfts) // 2]),
+                        tpot=LatencySLO(target_ms=10_000.0))
+    sample, _ = records.sample(engine, window, slo=tight)
+    mine = slo_figures(sample, records.slo_buckets(engine, window, window.bucket_s(60), tight), window.seconds)
+    with Session(engine) as session:
+        theirs = shared.slo_summary(session, window.start, window.end, slo=tight)["all"]
+    assert mine is not None and mine["slo_met"] == theirs.slo_met
+    assert 0 < theirs.slo_met < stored.completed and theirs.slo_met != stored.slo_met
+    assert theirs.slo_met == sum(1 for t in ttfts if t <= ttfts[len(ttfts) // 2])
