@@ -1,14 +1,18 @@
 # pdscope — two commands on a fresh machine:
 #   make demo   set up and run the whole stack on a simulated fleet
 #   make test   set up and run every test tier (lint, types, import contracts, unit, PostgreSQL, real vLLM, ...)
+# and one while you work:
+#   make check  lint, types, import contracts and the unit tier (no servers)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PACKAGES := pdscope store collector controller proxy dashboard simulator
+UNIT_TIER := not pg and not real_vllm and not browser and not promtool and not slow
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_ENV ?= .vllm-cpu
 
-.PHONY: venv lint test test-fast pytest demo vllm-cpu pg-start pg-stop clean
+.PHONY: venv lint ruff types contracts check test test-fast pytest demo vllm-cpu pg-start pg-stop clean
 
 $(STAMP): pyproject.toml
 	@echo ">> creating $(VENV) and installing pdscope with its dev tools"
@@ -23,10 +27,20 @@ venv: $(STAMP)
 vllm-cpu:
 	@bash deploy/vllm/setup-cpu-env.sh $(VLLM_ENV)
 
-lint: venv
-	@echo ">> ruff";         $(BIN)/ruff check .
-	@echo ">> mypy";         $(BIN)/mypy pdscope store collector controller proxy dashboard simulator
+## the static checks: ruff (style, bugs, complexity), mypy (types), import-linter (contracts)
+lint: ruff types contracts
+
+ruff: venv
+	@echo ">> ruff";          $(BIN)/ruff check .
+
+types: venv
+	@echo ">> mypy";          $(BIN)/mypy $(PACKAGES)
+
+contracts: venv
 	@echo ">> import-linter"; $(BIN)/lint-imports
+
+## before a commit: the static checks, then the unit tier
+check: lint test-fast
 
 pg-start:
 	@scripts/pg-test.sh start
@@ -43,7 +57,7 @@ test: venv lint
 
 ## unit tier only, no servers
 test-fast: venv
-	@$(BIN)/pytest -q -m "not pg and not real_vllm and not browser and not promtool and not slow" $(PYTEST_ARGS)
+	@$(BIN)/pytest -q -m "$(UNIT_TIER)" $(PYTEST_ARGS)
 
 demo: venv
 	@$(BIN)/pdscope --config examples/pdscope.yaml demo

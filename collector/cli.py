@@ -33,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from collector.service import CollectorService, InsecureBind, check_bind
-    from pdscope.cli import load_settings
-    from pdscope.config import ConfigError
+    from pdscope.config import ConfigError, load_settings
     from store import migrate
     from store.db import StoreError
 

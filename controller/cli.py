@@ -36,7 +36,7 @@ def check_listen(host: str, token: str | None, env_name: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdscope.cli import load_settings
+    from pdscope.config import load_settings
 
     settings: Settings = load_settings(args)
     c = settings.controller

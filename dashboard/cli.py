@@ -49,7 +49,7 @@ def check_listen(host: str, auth: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdscope.cli import load_settings
+    from pdscope.config import load_settings
 
     settings = load_settings(args)  # raises ConfigError: reported by pdscope.cli
     config_path = resolve_config_path(args.config).resolve()

@@ -10,6 +10,7 @@ naming the file, the line where YAML knows it, the dotted field and the reason.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 from collections.abc import Iterator, Mapping
@@ -725,3 +726,10 @@ def resolve_config_path(cli_value: str | None, environ: Mapping[str, str] | None
     """``--config`` wins, then ``$PDSCOPE_CONFIG``, then ``./pdscope.yaml``."""
     env = os.environ if environ is None else environ
     return Path(cli_value or env.get(DEFAULT_CONFIG_ENV) or "pdscope.yaml")
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    """The settings a ``pdscope`` subcommand runs with: the file ``args.config`` names (else
+    ``$PDSCOPE_CONFIG``, else ``./pdscope.yaml``), read and validated once. Raises
+    :class:`ConfigError`, which the command line prints one problem a line."""
+    return load_config(resolve_config_path(args.config))

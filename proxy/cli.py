@@ -46,7 +46,7 @@ def apply_overrides(settings: Settings, args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdscope.cli import load_settings
+    from pdscope.config import load_settings
     from proxy.app import build
     from proxy.server import uvicorn_config
 

@@ -20,7 +20,7 @@ from tests.ports import free_ports
 from tests.processes import processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # up to 240 s to see the reaction, then the stop
 
 
 def _weight_fell(line: str, instance: str) -> bool:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdscope import demo
-from pdscope.cli import build_parser
+from pdscope.cli import build_parser, demo
 from pdscope.config import parse_config
 from simulator.workload import LengthDist
 

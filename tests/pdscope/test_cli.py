@@ -1,10 +1,19 @@
+"""The ``pdscope`` command line: its subcommands, the config check and the db commands."""
+
 from __future__ import annotations
 
+import argparse
+import importlib
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
+from pdscope import cli
 from pdscope.cli import COMMANDS
+from pdscope.config import ConfigError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,3 +57,24 @@ def test_db_upgrade_and_check_through_the_cli(tmp_path: Path) -> None:
     bad = pdscope("db", "--url", "nosuchdriver://x", "upgrade")
     assert bad.returncode == 1
     assert "invalid store URL" in bad.stderr or "pdscope db upgrade" in bad.stderr
+
+
+def test_the_console_script_is_the_cli_main() -> None:
+    (script,) = entry_points(group="console_scripts", name="pdscope")
+    assert script.load() is cli.main
+
+
+def test_every_subcommand_module_has_a_run() -> None:
+    for name, (module, _summary, _description) in COMMANDS.items():
+        assert callable(getattr(importlib.import_module(module), "run", None)), name
+
+
+def test_load_settings_reads_the_file_config_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSCOPE_CONFIG", raising=False)
+    settings = load_settings(argparse.Namespace(config=str(REPO / "examples" / "pdscope.yaml")))
+    assert [inst.name for _, inst in settings.instances("prefill")]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name: t, kv_bytes_per_token: 1}\ncolector: {}\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(argparse.Namespace(config=str(bad)))
+    assert any(line.startswith(str(bad) + ":") for line in err.value.problems), err.value.problems

@@ -68,6 +68,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _HERE in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.real_vllm)
+            item.add_marker(pytest.mark.timeout(900))  # the first test also waits for the pair to start
 
 
 @dataclass

@@ -1,9 +1,15 @@
-"""The ``pdscope`` command line.
+"""The ``pdscope`` command line: the roof over every service.
 
-Each subcommand reads the config once (``--config`` or ``$PDSCOPE_CONFIG``), then
-hands the validated settings to its service. Services are imported lazily so that
-``pdscope --help`` and ``pdscope config check`` stay fast and need nothing running.
-Exit codes: 0 ok, 1 invalid input (config, store), 2 usage errors.
+Each subcommand reads the config once (``--config`` or ``$PDSCOPE_CONFIG``, through
+``pdscope.config.load_settings``), then hands the validated settings to its service.
+Services are imported lazily, by name, so that ``pdscope --help`` and ``pdscope config
+check`` stay fast and need nothing running. Exit codes: 0 ok, 1 invalid input (config,
+store), 2 usage errors.
+
+This package sits above everything: it may import any service, the store and the kernel
+(``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
+import-linter contract in pyproject.toml). Its own commands live beside it:
+``pdscope.cli.demo``, ``pdscope.cli.db`` and ``pdscope.cli.configcheck``.
 """
 
 from __future__ import annotations
@@ -14,14 +20,14 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from pdscope.config import ConfigError, Settings, load_config, resolve_config_path
+from pdscope.config import ConfigError
 
-# subcommand -> (module, function, one-line help, longer description)
-# The function takes (args, settings) and returns an exit code. Each service
-# module registers its own flags through ``add_arguments(parser)`` when present.
+# subcommand -> (module, one-line help, longer description)
+# The module's ``run(args)`` returns an exit code; it registers its own flags through
+# ``add_arguments(parser)`` when present.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": (
-        "pdscope.demo",
+        "pdscope.cli.demo",
         "run the whole stack on a simulated fleet (or --real-vllm) and inject a fault",
         "Starts a simulated 2P+3D fleet, the proxy, the collector, the controller (enforcing) and "
         "the dashboard, drives a steady load and after a minute degrades one decode link so you "
@@ -69,12 +75,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "capacity pages; read-only on the store, writes only through the controller API.",
     ),
     "db": (
-        "pdscope.dbcli",
+        "pdscope.cli.db",
         "manage the store: upgrade, downgrade, check, current",
         "Applies pdscope's Alembic migrations to the configured store (SQLite or PostgreSQL).",
     ),
     "config": (
-        "pdscope.configcli",
+        "pdscope.cli.configcheck",
         "check a config file",
         "Validates a pdscope.yaml and prints one line per problem, naming the file, line and field.",
     ),
@@ -109,10 +115,6 @@ def _optional_attr(module: str, attr: str) -> Callable[..., object] | None:
     return fn if callable(fn) else None
 
 
-def load_settings(args: argparse.Namespace) -> Settings:
-    return load_config(resolve_config_path(args.config))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -133,7 +135,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code if isinstance(code, int) else 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -42,7 +42,7 @@ from pdscope.config import Settings, load_config, parse_config, resolve_config_p
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -249,34 +249,144 @@ def _weights(controller_url: str) -> dict[str, tuple[float, str]]:
     return {i["name"]: (float(i.get("weight", 0.0)), str(i.get("reason", ""))) for i in table.get("instances", [])}
 
 
+class _Refused(Exception):
+    """The demo will not start: the message says why, ``code`` is the exit status."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _config_for(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], dict[str, int] | None]:
+    """The config the demo's children run with and, when the demo starts the real CPU pair
+    itself, that pair's ports. The user's file is validated first, so its errors name its lines."""
+    attach = bool(args.prefill_url or args.decode_url)
+    if attach and not (args.real_vllm and args.prefill_url and args.decode_url):
+        raise _Refused(2, "pdscope demo: --prefill-url and --decode-url go together, with --real-vllm")
+    if not args.real_vllm:
+        src = resolve_config_path(args.config or str(REPO / "examples" / "pdscope.yaml"))
+        load_config(src)
+        return demo_config(yaml.safe_load(src.read_text()), workdir), None
+    base: dict[str, Any] | None = None
+    if args.config:  # the services' sections (ports, intervals) from the user's file
+        load_config(args.config)
+        base = yaml.safe_load(Path(args.config).read_text())
+    if attach:
+        return real_vllm_config(workdir, args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), base), None
+    if not (Path(args.vllm_env) / "bin" / "python").exists():
+        raise _Refused(1, f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; "
+                          "run `make vllm-cpu` first")
+    ports = {"p": 8100, "d": 8200, "ps": 5600, "ds": 5601}
+    cfg = real_vllm_config(workdir, f"http://127.0.0.1:{ports['p']}", f"http://127.0.0.1:{ports['d']}", base)
+    return cfg, ports
+
+
+def _child_env(token_var: str) -> dict[str, str]:
+    """This process's environment, with an API token for the controller when none is set."""
+    env = dict(os.environ)
+    if not env.get(token_var):
+        env[token_var] = secrets.token_urlsafe(18)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass(frozen=True)
+class _Demo:
+    """What every step of one demo run reads: its flags, its config and its children's environment."""
+
+    args: argparse.Namespace
+    settings: Settings
+    cfg_path: Path
+    workdir: Path
+    env: dict[str, str]
+
+
+def _start_services(stack: Stack, demo: _Demo, vllm_ports: dict[str, int] | None,
+                    stopping: dict[str, bool]) -> bool:
+    """Start the services one by one, each healthy before the next; False on Ctrl-C meanwhile.
+    Raises RuntimeError when one dies or stays unhealthy, or an attached vLLM does not answer."""
+    args = demo.args
+    for child in _services(demo.settings, demo.cfg_path, demo.workdir, args, vllm_ports):
+        print(f"starting {child.name:<11} (log: {child.log_path})", flush=True)
+        child.start(demo.env)
+        stack.children.append(child)
+        _wait_healthy(child, 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0, stopping)
+        if stopping["signal"]:
+            return False
+    if args.prefill_url or args.decode_url:
+        for role, url in (("prefill", args.prefill_url), ("decode", args.decode_url)):
+            if not _http_ok(f"{url.rstrip('/')}/health"):
+                raise RuntimeError(f"the running {role} vLLM at {url} does not answer /health")
+    return True
+
+
+def _print_banner(demo: _Demo, proxy_url: str, rate: float) -> None:
+    settings, args = demo.settings, demo.args
+    token_var = settings.controller.api_token_env
+    print("\npdscope demo is running:", flush=True)
+    for name, url in (("proxy (OpenAI API)", proxy_url),
+                      ("controller API", settings.controller_url),
+                      ("collector (OTLP, /metrics)", settings.collector_url),
+                      *([] if args.no_dashboard else
+                        [("dashboard", f"http://{settings.dashboard.host}:{settings.dashboard.port}")])):
+        print(f"  {name:<28} {url}", flush=True)
+    for pool_name, inst in settings.instances():
+        print(f"  {pool_name + ' / ' + inst.name:<28} {inst.url}", flush=True)
+    print(f"  API token ({token_var})      {demo.env[token_var]}", flush=True)
+    if not args.no_dashboard and settings.dashboard.auth == "login":
+        print("  (paste the API token into the dashboard's sidebar to sign in and change routing)", flush=True)
+    print(f"load: {rate:g} req/s through the proxy; "
+          + (f"fault in {args.fault_after:.0f}s; " if args.fault_after >= 0 else "")
+          + "Ctrl-C stops everything.\n", flush=True)
+
+
+def _print_weight_changes(last: dict[str, tuple[float, str]], now: dict[str, tuple[float, str]],
+                          t0: float) -> dict[str, tuple[float, str]]:
+    """Print each weight that moved by 0.01 or more since ``last``; returns what to compare with next."""
+    for name, (w, reason) in sorted(now.items()):
+        old = last.get(name)
+        if old is None or abs(old[0] - w) >= 0.01:
+            print(f"[{time.monotonic() - t0:6.1f}s] weight {name}: "
+                  f"{'-' if old is None else f'{old[0]:.2f}'} -> {w:.2f}  {reason}", flush=True)
+    return now or last
+
+
+def _watch(stack: Stack, demo: _Demo, t0: float, stopping: dict[str, bool]) -> int:
+    """Once a second until ``--duration`` or a signal: stop (exit 1) when a child dies, inject
+    the fault once when it is due, print the controller's weight changes."""
+    args = demo.args
+    fault_at = t0 + args.fault_after if args.fault_after >= 0 else None
+    last: dict[str, tuple[float, str]] = {}
+    injected = False
+    load_done = False
+    while not stopping["signal"] and time.monotonic() - t0 < args.duration:
+        time.sleep(1.0)
+        if stopping["signal"]:
+            break
+        dead = _dead_child(stack, load_done)
+        if dead is not None:
+            if dead.name == "load" and dead.returncode() == 0:
+                load_done = True  # it sent all it planned; the stack keeps running until --duration
+                print(f"[{time.monotonic() - t0:6.1f}s] load generator finished its run "
+                      f"(results: {demo.workdir / 'load-results.json'}); no more load is sent", flush=True)
+                continue
+            print(f"\n*** pdscope demo: {dead.name} DIED (exit status {dead.returncode()}); stopping the "
+                  f"demo. Last lines of {dead.log_path}:\n{dead.tail()}\n", file=sys.stderr, flush=True)
+            return 1
+        if fault_at is not None and not injected and time.monotonic() >= fault_at:
+            injected = _inject_fault(demo.settings, demo.cfg_path, demo.env, args, demo.workdir)
+        last = _print_weight_changes(last, _weights(demo.settings.controller_url), t0)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    vllm_ports: dict[str, int] | None = None
-    attach = bool(args.prefill_url or args.decode_url)
-    if attach and not (args.real_vllm and args.prefill_url and args.decode_url):
-        print("pdscope demo: --prefill-url and --decode-url go together, with --real-vllm", file=sys.stderr)
-        return 2
-    if args.real_vllm:
-        base: dict[str, Any] | None = None
-        if args.config:  # the services' sections (ports, intervals) from the user's file
-            load_config(args.config)
-            base = yaml.safe_load(Path(args.config).read_text())
-        if attach:
-            cfg = real_vllm_config(workdir, args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), base)
-        else:
-            env_python = Path(args.vllm_env) / "bin" / "python"
-            if not env_python.exists():
-                print(f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; "
-                      "run `make vllm-cpu` first", file=sys.stderr)
-                return 1
-            vllm_ports = {"p": 8100, "d": 8200, "ps": 5600, "ds": 5601}
-            cfg = real_vllm_config(workdir, f"http://127.0.0.1:{vllm_ports['p']}",
-                                   f"http://127.0.0.1:{vllm_ports['d']}", base)
-    else:
-        src = resolve_config_path(args.config or str(REPO / "examples" / "pdscope.yaml"))
-        load_config(src)  # validate the user's file first: its errors name its lines
-        cfg = demo_config(yaml.safe_load(src.read_text()), workdir)
+    try:
+        cfg, vllm_ports = _config_for(args, workdir)
+    except _Refused as exc:
+        print(exc, file=sys.stderr)
+        return exc.code
     previous = fresh_workdir(workdir)
     if previous is not None:
         print(f"fresh store: the previous run's store and logs are now in {previous}", flush=True)
@@ -287,12 +397,7 @@ def run(args: argparse.Namespace) -> int:
     from store import migrate
 
     migrate.upgrade(settings.store.url)
-
-    env = dict(os.environ)
-    token_var = settings.controller.api_token_env
-    if not env.get(token_var):
-        env[token_var] = secrets.token_urlsafe(18)
-    env["PYTHONUNBUFFERED"] = "1"
+    demo = _Demo(args, settings, cfg_path, workdir, _child_env(settings.controller.api_token_env))
 
     stack = Stack()
     stopping = {"signal": False}
@@ -304,70 +409,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
     try:
-        for child in _services(settings, cfg_path, workdir, args, vllm_ports):
-            print(f"starting {child.name:<11} (log: {child.log_path})", flush=True)
-            child.start(env)
-            stack.children.append(child)
-            _wait_healthy(child, 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0, stopping)
-            if stopping["signal"]:
-                return 130
-        if attach:
-            for role, url in (("prefill", args.prefill_url), ("decode", args.decode_url)):
-                if not _http_ok(f"{url.rstrip('/')}/health"):
-                    raise RuntimeError(f"the running {role} vLLM at {url} does not answer /health")
+        if not _start_services(stack, demo, vllm_ports, stopping):
+            return 130
         proxy_url = f"http://{settings.proxy.host}:{settings.proxy.port}"
         rate = args.rate if args.rate is not None else (1.0 if args.real_vllm else 4.0)
         remaining = max(1.0, args.duration - (time.monotonic() - t0))
         load = Child("load", load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm), None,
                      workdir / "logs" / "load.log")
-        load.start(env)
+        load.start(demo.env)
         stack.children.append(load)
-
-        print("\npdscope demo is running:", flush=True)
-        for name, url in (("proxy (OpenAI API)", proxy_url),
-                          ("controller API", settings.controller_url),
-                          ("collector (OTLP, /metrics)", settings.collector_url),
-                          *([] if args.no_dashboard else
-                            [("dashboard", f"http://{settings.dashboard.host}:{settings.dashboard.port}")])):
-            print(f"  {name:<28} {url}", flush=True)
-        for pool_name, inst in settings.instances():
-            print(f"  {pool_name + ' / ' + inst.name:<28} {inst.url}", flush=True)
-        print(f"  API token ({token_var})      {env[token_var]}", flush=True)
-        if not args.no_dashboard and settings.dashboard.auth == "login":
-            print("  (paste the API token into the dashboard's sidebar to sign in and change routing)", flush=True)
-        fault_at = t0 + args.fault_after if args.fault_after >= 0 else None
-        print(f"load: {rate:g} req/s through the proxy; "
-              + (f"fault in {args.fault_after:.0f}s; " if fault_at else "")
-              + "Ctrl-C stops everything.\n", flush=True)
-
-        last: dict[str, tuple[float, str]] = {}
-        injected = False
-        load_done = False
-        while not stopping["signal"] and time.monotonic() - t0 < args.duration:
-            time.sleep(1.0)
-            if stopping["signal"]:
-                break
-            dead = _dead_child(stack, load_done)
-            if dead is not None:
-                if dead.name == "load" and dead.returncode() == 0:
-                    load_done = True  # it sent all it planned; the stack keeps running until --duration
-                    print(f"[{time.monotonic() - t0:6.1f}s] load generator finished its run "
-                          f"(results: {workdir / 'load-results.json'}); no more load is sent", flush=True)
-                    continue
-                print(f"\n*** pdscope demo: {dead.name} DIED (exit status {dead.returncode()}); stopping the "
-                      f"demo. Last lines of {dead.log_path}:\n{dead.tail()}\n", file=sys.stderr, flush=True)
-                return 1
-            if fault_at is not None and not injected and time.monotonic() >= fault_at:
-                injected = _inject_fault(settings, cfg_path, env, args, workdir)
-            now = _weights(settings.controller_url)
-            for name, (w, reason) in sorted(now.items()):
-                old = last.get(name)
-                if old is None or abs(old[0] - w) >= 0.01:
-                    print(f"[{time.monotonic() - t0:6.1f}s] weight {name}: "
-                          f"{'-' if old is None else f'{old[0]:.2f}'} -> {w:.2f}  {reason}", flush=True)
-            if now:
-                last = now
-        return 0
+        _print_banner(demo, proxy_url, rate)
+        return _watch(stack, demo, t0, stopping)
     except RuntimeError as exc:
         print(f"pdscope demo: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdscope.cli import load_settings
+from pdscope.config import load_settings
 from store import migrate
 from store.db import StoreError
 
