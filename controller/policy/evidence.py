@@ -177,21 +177,30 @@ class WindowTally:
             return
         self.charged_handoffs.append(HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token,
                                                   r.lease_expiry_suspect))
-        p_sent, p_done, d_sent, first = _num(r.p_sent), _num(r.p_done), _num(r.d_sent), _num(r.first_token)
-        ttft = _num(r.ttft_s)
-        ok = r.status == "ok"
-        failed = r.status in FAILED and r.error not in NOT_CHARGED_ERRORS
+        self._charge_outcome(r, p_inst, d_inst)
+        pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
+        self._stage_times(r, p_inst, d_inst, pair)
+        self._pool_times(r, pair)
+
+    def _charge_outcome(self, r: RecordFacts, p_inst: str | None, d_inst: str | None) -> None:
+        """Count the request on its P and D; a failure is its stage's: D's once the decode stage began,
+        else P's."""
         for inst in (p_inst, d_inst):
             if inst is not None:
                 self.instances[inst].requests += 1
-        # A failure is its stage's: D's once the decode stage began, else P's.
+        if r.status not in FAILED or r.error in NOT_CHARGED_ERRORS:
+            return
         decoded = r.d_sent is not None
-        if failed and d_inst is not None and decoded:
+        if d_inst is not None and decoded:
             self.instances[d_inst].failed += 1
-        elif failed and p_inst is not None and not decoded:
+        elif p_inst is not None and not decoded:
             self.instances[p_inst].failed += 1
-        pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
-        if ok and ttft is not None and pair is not None:
+
+    def _stage_times(self, r: RecordFacts, p_inst: str | None, d_inst: str | None, pair: Pair | None) -> None:
+        """The pair's TTFT, each instance's own stage time, and the handoff through both."""
+        p_sent, p_done, d_sent, first = _num(r.p_sent), _num(r.p_done), _num(r.d_sent), _num(r.first_token)
+        ttft = _num(r.ttft_s)
+        if r.status == "ok" and ttft is not None and pair is not None:
             self.ttft_by_pair[pair].append(ttft)
         if p_inst is not None and p_sent is not None and p_done is not None:
             self.instances[p_inst].contribution.append(max(0.0, p_done - p_sent))
@@ -203,19 +212,23 @@ class WindowTally:
             for inst in (p_inst, d_inst):
                 if inst is not None:
                     self.instances[inst].handoff.append(handoff)
+
+    def _pool_times(self, r: RecordFacts, pair: Pair | None) -> None:
+        """TTFT without the admission wait (and without P's queue), and each pool's residence time."""
         t_in = _num(r.proxy_in)
         if t_in is None:
             return
         self.first_in = min(self.first_in, t_in)
+        ttft, p_sent, p_queue = _num(r.ttft_s), _num(r.p_sent), _num(r.p_queue_s)
         # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
-        service = ttft - max(0.0, p_sent - t_in) if ok and ttft is not None and p_sent is not None else None
-        p_queue = _num(r.p_queue_s)
+        service = ttft - max(0.0, p_sent - t_in) if r.status == "ok" and ttft is not None and p_sent is not None \
+            else None
         unqueued = max(0.0, service - p_queue) if service is not None and p_queue is not None else None
         if pair is not None and service is not None:
             self.service_by_pair[pair].append(service)
         if pair is not None and unqueued is not None:
             self.unqueued_by_pair[pair].append(unqueued)
-        for pool_name, end in ((r.p_pool, p_done), (r.d_pool, _num(r.done))):
+        for pool_name, end in ((r.p_pool, _num(r.p_done)), (r.d_pool, _num(r.done))):
             agg = self.pools.get(pool_name) if isinstance(pool_name, str) else None
             if agg is None:
                 continue
