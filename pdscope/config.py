@@ -287,7 +287,8 @@ class ControllerSettings(_Frozen):
     kv_lease_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="the fleet's KV lease (vLLM kv_connector_extra_config.kv_lease_duration, default 30 s): "
-                    "an expired lease is joined with the handoffs still waiting a lease after P finished",
+                    "the collector joins a rise of P's expired leases with handoffs on that P still waiting "
+                    "two thirds of a lease after P finished (a D heartbeat may set a lease to 2/3 of it)",
     )
     probe: ProbeSettings = Field(default=ProbeSettings(), description="how an instance at a low weight is "
                                  "tried again: a probe, not a ramp")
@@ -387,7 +388,8 @@ class ProxySettings(_Frozen):
                                       "default the collector's /v1/traces")
     otlp_token_env: str = Field(
         default="PDSCOPE_OTLP_TOKEN", min_length=1,
-        description="env variable whose value the span exporter sends as Authorization: Bearer <value>",
+        description="env variable whose value the span exporter sends as Authorization: Bearer <value> "
+                    "(unset: no header)",
     )
     tracing: bool = Field(default=True, description="emit and export OpenTelemetry spans and forward "
                           "traceparent to P and D (off: no spans, nothing for the collector to assemble)")
@@ -414,7 +416,7 @@ class ProxySettings(_Frozen):
         if isinstance(data, dict) and "failure_cooldown_s" in data:
             raise ValueError(
                 "failure_cooldown_s was replaced by proxy.outlier (consecutive_failures, failure_ratio, "
-                "base_ejection_s, ...): see the README's Proxy section"
+                "base_ejection_s, ...): see docs/proxy.md"
             )
         return data
 
@@ -444,7 +446,8 @@ class CollectorSettings(_Frozen):
     otlp_tokens_env: str = Field(
         default="PDSCOPE_OTLP_TOKENS",
         min_length=1,
-        description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces",
+        description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces; "
+                    "unset: no authentication, and the collector binds only a loopback host",
     )
     otlp_max_body_bytes: int = Field(default=16 * 2**20, gt=0, description="largest OTLP body as sent "
                                      "(or by Content-Length); larger: 413")
@@ -551,7 +554,7 @@ class DashboardSettings(_Frozen):
     identity_header: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
         description="request header carrying the user set by the auth proxy (auth: header), "
-        "e.g. X-Forwarded-User; trusted only in header mode",
+        "e.g. X-Forwarded-User; required with auth: header, ignored otherwise",
     )
 
     @model_validator(mode="after")
