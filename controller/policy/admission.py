@@ -1,7 +1,7 @@
 """Pool admission limits: how many requests and handoff KV bytes a pool may hold in flight.
 
-The proxy enforces these before P (backpressure points 1 and 3 in ARCHITECTURE.md);
-here they are computed from three pressures, each a factor in [0, 1]:
+The proxy enforces these before P (see docs/proxy.md, Admission);
+here they are computed from four pressures, each a factor in [0, 1]:
 
 * ``kv``      the pool's mean KV usage (on P it includes blocks leased to D); 1 up to
               ``kv_admit_full``, 0 at ``kv_admit_zero``.

@@ -166,7 +166,7 @@ def _handoff(inst: InstanceSignals, n: int) -> tuple[float | None, float | None]
         # the standard error of a median is about 1.25 that of a mean
         return inst.handoff_p50_s, 1.25 * (inst.handoff_rse or count_rse(inst.requests) or 0.0)
     if inst.role == "decode" and inst.queue_mean_s is not None and inst.nixl_transfers >= n:
-        # D's queue time includes the KV pull (see vllm-pd-facts 4.5): a fallback without records.
+        # D's queue time includes the KV pull (vLLM queues a request until its KV has arrived): a fallback without records.
         return inst.queue_mean_s, count_rse(inst.nixl_transfers)
     return None, None
 
