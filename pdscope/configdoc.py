@@ -258,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UndocumentedField as exc:
         print(f"pdscope.configdoc: {exc}", file=sys.stderr)
         return 1
+    if (args.check or args.write) and not DOC_PATH.parent.is_dir():
+        print(f"pdscope.configdoc: no {DOC_PATH.parent}: run it from a checkout of the repository", file=sys.stderr)
+        return 1
     if args.check:
         if not DOC_PATH.exists() or DOC_PATH.read_text(encoding="utf-8") != text:
             print(f"docs/configuration.md is stale: run {COMMAND}", file=sys.stderr)

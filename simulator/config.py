@@ -94,7 +94,8 @@ class SimulatorConfig(BaseModel):
     loop_lag_threshold_s: float = Field(
         default=0.05, gt=0, description="event-loop lag above which results are marked untrustworthy"
     )
-    admin_port: int = Field(default=0, ge=0, le=65535, description="admin API port (0 = any free port)")
+    admin_port: int = Field(default=0, ge=0, le=65535, description="port of the admin API (faults, stats); "
+                            "0: pdscope sim takes 8399 (or --admin-port), an in-process fleet any free port")
     scenario: str | None = Field(default=None, description="fault scenario file (faults at set times) "
                                    "applied at start, relative to the config file")
     instances: dict[str, dict[str, Any]] = Field(

@@ -80,3 +80,9 @@ def test_print_writes_nothing(tmp_path, monkeypatch, capsys) -> None:
     assert configdoc.main([]) == 0
     assert capsys.readouterr().out == configdoc.render()
     assert not target.exists()
+
+
+def test_write_outside_a_checkout_is_a_clear_error(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(configdoc, "DOC_PATH", tmp_path / "no-docs" / "configuration.md")
+    assert configdoc.main(["--write"]) == 1
+    assert "run it from a checkout" in capsys.readouterr().err
