@@ -1,1 +1,1 @@
-"""pdscope collector (see ARCHITECTURE in README)."""
+"""pdscope collector: scraper, OTLP receiver and request-record builder (see docs/collector.md)."""

@@ -66,10 +66,15 @@ class ModelSettings(_Frozen):
 class Instance(_Frozen):
     """One vLLM server (or one simulated one)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000")
-    metrics_url: str | None = Field(default=None, description="defaults to <url>/metrics")
-    labels: dict[str, str] = Field(default_factory=dict)
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="the instance's name, unique across all pools: it keys weights, decisions, "
+                      "snapshots and spans (for vLLM, set OTEL_SERVICE_NAME to it)")
+    url: str = Field(description="base URL the proxy sends requests to, e.g. http://10.0.0.5:8000 "
+                     "(http:// or https://; a trailing / is dropped)")
+    metrics_url: str | None = Field(default=None, description="where the collector scrapes vLLM's Prometheus "
+                                    "page; default <url>/metrics")
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form labels (e.g. rack: r1), kept "
+                                   "with the config for your own use; no pdscope service reads them")
 
     @field_validator("url", "metrics_url")
     @classmethod
@@ -88,26 +93,37 @@ class Instance(_Frozen):
 class Pool(_Frozen):
     """A named set of instances with one role; weights apply per pool and per instance."""
 
-    role: Role
-    weight: float = Field(default=1.0, ge=0.0, description="share of traffic relative to same-role pools")
-    instances: list[Instance] = Field(min_length=1)
-    labels: dict[str, str] = Field(default_factory=dict)
+    role: Role = Field(description="prefill (P: gets the request with max_tokens=1) or decode (D: pulls the KV "
+                       "cache and streams the tokens); the fleet needs at least one pool of each")
+    weight: float = Field(default=1.0, ge=0.0, description="the pool's share of traffic relative to pools of "
+                          "the same role; multiplies its instances' weights (0: the pool gets nothing)")
+    instances: list[Instance] = Field(min_length=1, description="the pool's vLLM servers (at least one)")
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form labels (e.g. gpu: h100), kept "
+                                   "with the config for your own use; no pdscope service reads them")
 
 
 class LatencySLO(_Frozen):
-    target_ms: float = Field(gt=0)
-    percentile: float = Field(default=99.0, gt=0, lt=100)
+    target_ms: float = Field(gt=0, description="the latency target in milliseconds: a request meets the SLO "
+                             "at or under it")
+    percentile: float = Field(default=99.0, gt=0, lt=100, description="the percentile of the window's "
+                              "requests held against target_ms (alerts, admission, dashboard)")
 
 
 class SLOSettings(_Frozen):
-    ttft: LatencySLO = LatencySLO(target_ms=2000.0, percentile=99.0)
-    tpot: LatencySLO = LatencySLO(target_ms=100.0, percentile=99.0)
+    ttft: LatencySLO = Field(default=LatencySLO(target_ms=2000.0, percentile=99.0),
+                             description="time to first token as the client sees it at the proxy (admission "
+                             "wait, prefill, KV handoff, D's first token)")
+    tpot: LatencySLO = Field(default=LatencySLO(target_ms=100.0, percentile=99.0),
+                             description="time per output token after the first (decode speed)")
     goodput_attainment: float = Field(
-        default=0.9, gt=0, le=1, description="share of completed requests that must meet every SLO"
+        default=0.9, gt=0, le=1, description="share of completed requests that must meet every SLO (both TTFT and TPOT); "
+        "GoodputAttainmentLow fires below it"
     )
-    window_s: float = Field(default=300.0, gt=0, description="window the SLOs are evaluated over")
+    window_s: float = Field(default=300.0, gt=0, description="seconds of completed requests the SLO figures "
+                            "(alerts, GET /v1/slo) are computed over")
     handoff_budget_ms: float | None = Field(
-        default=None, gt=0, description="P->D handoff p99 budget; default: half of ttft.target_ms"
+        default=None, gt=0, description="budget of the P->D handoff (P done to D's first token) at p99: "
+        "HandoffP99OverBudget and the D pools' backlog pressure; default: half of ttft.target_ms"
     )
 
 
@@ -142,9 +158,12 @@ AlertRuleName = Annotated[str, AfterValidator(_known_rule)]
 class AlertRuleSettings(_Frozen):
     """Overrides for one built-in rule; an unset field keeps the rule's default."""
 
-    for_s: float | None = Field(default=None, ge=0, description="how long the condition must hold before firing")
-    severity: Severity | None = None
-    enabled: bool = True
+    for_s: float | None = Field(default=None, ge=0, description="seconds the condition must hold before "
+                                  "the alert fires (pending until then); default: the rule's own")
+    severity: Severity | None = Field(default=None, description="severity label sent with the alert; "
+                                      "default: the rule's own")
+    enabled: bool = Field(default=True, description="false: the rule resolves the alerts it had and raises "
+                          "no new ones")
 
 
 class AlertSettings(_Frozen):
@@ -157,12 +176,17 @@ class AlertSettings(_Frozen):
     thresholds from ``slo``; here they only get ``for`` durations, severities and switches.
     """
 
-    resend_s: float = Field(default=60.0, gt=0, description="re-notify a firing alert this often")
+    resend_s: float = Field(default=60.0, gt=0, description="a firing alert is POSTed to the webhook again "
+                            "this often")
     min_requests: int = Field(
-        default=10, ge=1, description="fewer completed requests in the SLO window: SLO rules abstain"
+        default=10, ge=1, description="fewer completed requests than this in slo.window_s: the SLO "
+        "rules hold their state instead of judging"
     )
-    kv_full: float = Field(default=0.95, gt=0, le=1, description="KVCacheNearlyFull fires above this usage")
-    rules: dict[AlertRuleName, AlertRuleSettings] = Field(default_factory=dict)
+    kv_full: float = Field(default=0.95, gt=0, le=1, description="KVCacheNearlyFull fires when an instance's "
+                           "KV-cache usage (0-1) is above this")
+    rules: dict[AlertRuleName, AlertRuleSettings] = Field(
+        default_factory=dict, description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
+        "enabled; an unknown rule name is an error")
 
 
 STORE_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql", "postgres", "postgresql+psycopg")
@@ -170,9 +194,13 @@ STORE_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql", "postgres", "postgre
 
 class StoreSettings(_Frozen):
     url: str = Field(default="sqlite:///pdscope.db",
-                     description="SQLAlchemy URL: sqlite:///FILE or postgresql[+psycopg]://USER@HOST/DB")
-    retention_raw_s: float = Field(default=6 * 3600.0, gt=0, description="raw snapshots and spans")
-    retention_rollup_s: float = Field(default=30 * 86400.0, gt=0, description="per-minute rollups")
+                     description="SQLAlchemy URL of the store shared by every service: sqlite:///FILE "
+                     "or postgresql[+psycopg]://USER@HOST/DB (psycopg 3); another scheme is an error")
+    retention_raw_s: float = Field(default=6 * 3600.0, gt=0, description="seconds raw snapshots, spans and "
+                                   "request records are kept (never deleted before their minute is rolled "
+                                   "up); also the collector's too_old horizon for incoming spans")
+    retention_rollup_s: float = Field(default=30 * 86400.0, gt=0, description="seconds the per-minute "
+                                      "rollups (per instance and per P x D pair) are kept")
 
     @field_validator("url")
     @classmethod
@@ -194,10 +222,13 @@ class ProbeSettings(_Frozen):
     """How an instance at the floor is tried again (a probe, not a ramp)."""
 
     after_s: float = Field(default=30.0, gt=0, le=3600,
-                           description="at a lowered weight with too few requests to judge, probe after this long")
-    weight: float = Field(default=0.1, gt=0, le=1, description="the most a probe raises a weight to")
+                           description="seconds after its last cut or outage that an instance "
+                           "with too few requests to judge is probed")
+    weight: float = Field(default=0.1, gt=0, le=1, description="the most a probe raises a weight to; further only on "
+                          "evidence")
     hold_s: float = Field(default=20.0, gt=0, le=3600,
-                          description="a probe is judged within this long; healthy by then, it ramps normally")
+                          description="seconds a probe is judged for: a failure within it cuts "
+                          "the weight back to the floor (ProbeFailed)")
 
 
 class NoiseSettings(_Frozen):
@@ -206,7 +237,9 @@ class NoiseSettings(_Frozen):
     min_samples: int = Field(default=5, ge=1, le=10_000,
                              description="requests or NIXL transfers in the window before a latency score may cut")
     z: float = Field(default=2.0, ge=0, le=10,
-                     description="margin in standard errors added to each tolerance (noise of small samples)")
+                     description="each tolerance is widened by z x the combined relative "
+                     "standard error of the value and its peers' median (small samples need a larger "
+                     "difference to cut)")
     startup_s: float | None = Field(default=None, gt=0, le=3600,
                                     description="no latency/load/limit cuts until the store has watched the fleet "
                                                 "this long: its warm-up and one window for it to leave the "
@@ -219,61 +252,84 @@ class NoiseSettings(_Frozen):
 
 
 class ControllerSettings(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8300, ge=1, le=65535)
-    interval_s: float = Field(default=2.0, gt=0)
-    window_s: float = Field(default=30.0, gt=0, description="recent window each tick observes")
-    mode: Literal["advisory", "enforce"] = "enforce"
-    api_token_env: str = Field(default="PDSCOPE_API_TOKEN", min_length=1)
+    host: str = Field(default="127.0.0.1", description="address the control API listens on; a non-loopback "
+                      "one needs an API token in the environment")
+    port: int = Field(default=8300, ge=1, le=65535, description="port of the control API")
+    interval_s: float = Field(default=2.0, gt=0, description="seconds between reconcile ticks")
+    window_s: float = Field(default=30.0, gt=0, description="seconds of snapshots and request records each "
+                            "tick reads back from the store")
+    mode: Literal["advisory", "enforce"] = Field(
+        default="enforce", description="enforce: the proxy applies the routing table; advisory: the controller "
+        "decides, stores and shows, and the table says enforce: false")
+    api_token_env: str = Field(default="PDSCOPE_API_TOKEN", min_length=1,
+                               description="the NAME of the env variable holding the API token of identity api "
+                               "(mutations need a token; with none they answer 403)")
     api_tokens_env: str = Field(
         default="PDSCOPE_API_TOKENS", min_length=1,
         description="the NAME of an env variable holding name:token[,name:token...] (named API identities)",
     )
     trusted_span_senders: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
         default=None,
-        description="None: every stored request record counts; a list: only records whose sender "
+        description="unset: every stored request record counts; a list: only records whose sender "
                     "(OTLP token name) is in it feed the controller's observation",
     )
     max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 2**20,
                                 description="largest API request body; larger ones get 413")
-    alert_webhook_url: str | None = None
-    max_weight_step: float = Field(default=0.25, gt=0, le=1, description="max weight change per tick")
+    alert_webhook_url: str | None = Field(
+        default=None, description="where firing and resolved alerts are POSTed in Alertmanager's webhook "
+        "format (version 4); none: not sent")
+    max_weight_step: float = Field(default=0.25, gt=0, le=1, description="the most an instance's weight moves "
+                                   "in one tick (a severe drop is not smoothed, but still moves at most this)")
     min_weight: float = Field(
         default=0.02, ge=0, le=1,
-        description="floor for an up, undrained instance (a trickle; recovery is probed, see README)",
+        description="floor of an up, undrained instance's weight: a trickle of traffic, so recovery can "
+                    "be probed (see docs/policy.md)",
     )
     kv_lease_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="the fleet's KV lease (vLLM kv_connector_extra_config.kv_lease_duration, default 30 s): "
-                    "an expired lease is joined with the handoffs still waiting a lease after P finished",
+                    "the collector joins a rise of P's expired leases with handoffs on that P still waiting "
+                    "two thirds of a lease after P finished (a D heartbeat may set a lease to 2/3 of it)",
     )
-    probe: ProbeSettings = ProbeSettings()
-    noise: NoiseSettings = NoiseSettings()
+    probe: ProbeSettings = Field(default=ProbeSettings(), description="how an instance at a low weight is "
+                                 "tried again: a probe, not a ramp")
+    noise: NoiseSettings = Field(default=NoiseSettings(), description="what a cut needs to be evidence rather "
+                                 "than noise (quiet when healthy)")
 
 
 class AdmissionDefaults(_Frozen):
-    max_inflight_requests: int = Field(default=256, gt=0, description="per pool")
-    max_inflight_kv_bytes: int = Field(default=64 * 2**30, gt=0, description="handoff KV bytes per pool")
-    queue_timeout_s: float = Field(default=1.0, ge=0, description="bounded wait before a 429")
-    retry_after_s: int = Field(default=1, ge=1)
+    max_inflight_requests: int = Field(default=256, gt=0, description="requests a pool may hold in flight "
+                                       "when the routing table sets no limit; the limit AIMD grows back to")
+    max_inflight_kv_bytes: int = Field(default=64 * 2**30, gt=0, description="handoff KV bytes (prompt tokens "
+                                       "x model.kv_bytes_per_token, from P's answer to D's first token) a pool "
+                                       "may hold; the controller scales it by the KV headroom")
+    queue_timeout_s: float = Field(default=1.0, ge=0, description="seconds a request over a limit waits for "
+                                   "room before its 429; a pool's max_queue_wait_s in the table can shorten it")
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After seconds sent with a 429")
 
 
 class ProxyTimeouts(_Frozen):
-    connect_s: float = Field(default=2.0, gt=0)
-    prefill_s: float = Field(default=60.0, gt=0)
-    decode_first_token_s: float = Field(default=60.0, gt=0)
-    decode_total_s: float = Field(default=600.0, gt=0)
+    connect_s: float = Field(default=2.0, gt=0, description="seconds to connect to a P or D instance")
+    prefill_s: float = Field(default=60.0, gt=0, description="seconds for P's whole max_tokens=1 answer; past "
+                             "it another P is tried if the retry budget allows, else 504")
+    decode_first_token_s: float = Field(default=60.0, gt=0, description="seconds from sending to D until its "
+                                        "first token of a streamed request (504 before any byte)")
+    decode_total_s: float = Field(default=600.0, gt=0, description="seconds for D's whole answer (a "
+                                  "non-streamed request's first-token bound too); past it the outcome is "
+                                  "timeout")
 
 
 class OutlierSettings(_Frozen):
     """Outlier detection in the proxy (``proxy/outlier.py``): the one home of an instance's recent failures."""
 
-    consecutive_failures: int = Field(default=5, ge=1, le=10_000, description="this many failures in a row eject")
+    consecutive_failures: int = Field(default=5, ge=1, le=10_000, description="this many failures in a "
+                                      "row eject the instance")
     failure_ratio: float = Field(
         default=0.2, gt=0, le=1, description="failed share of the last window_s that ejects (with min_requests)",
     )
     min_requests: int = Field(default=20, ge=1, le=1_000_000, description="results in the window before the ratio counts")
-    window_s: float = Field(default=10.0, gt=0, le=3600, description="window of the failure ratio")
+    window_s: float = Field(default=10.0, gt=0, le=3600, description="seconds of results the "
+                                  "failure ratio is computed over")
     base_ejection_s: float = Field(default=5.0, gt=0, le=3600, description="first ejection; doubles per successive one")
     max_ejection_s: float = Field(default=60.0, gt=0, le=86400, description="cap on one ejection")
     max_ejected_share: float = Field(
@@ -295,7 +351,8 @@ class OutlierSettings(_Frozen):
 class AdaptiveLimitSettings(_Frozen):
     """The proxy's local adaptive concurrency limit per pool (``proxy/concurrency.py``), AIMD on its own TTFT."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="hold each pool's request limit under an AIMD limit "
+                          "driven by the proxy's own TTFT against slo.ttft; off under policy round-robin")
     min_limit: int = Field(default=1, ge=1, le=1_000_000, description="floor of a pool's adaptive limit")
     increase: int = Field(default=2, ge=1, le=1_000_000, description="added per window comfortably under target")
     decrease_factor: float = Field(default=0.75, gt=0, lt=1, description="limit multiplied by this per window over target")
@@ -307,23 +364,36 @@ class AdaptiveLimitSettings(_Frozen):
 
 
 class ProxySettings(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    controller_url: str | None = Field(default=None, description="defaults to the controller's host:port")
-    routing_poll_s: float = Field(default=1.0, gt=0)
-    fail_static_s: float = Field(default=60.0, ge=0, description="keep the last table this long")
-    policy: Literal["weighted", "round-robin"] = "weighted"
-    retry_budget: float = Field(default=0.2, ge=0, le=1, description="retries as a share of requests")
-    outlier: OutlierSettings = OutlierSettings()
-    adaptive_limit: AdaptiveLimitSettings = AdaptiveLimitSettings()
-    admission: AdmissionDefaults = AdmissionDefaults()
-    timeouts: ProxyTimeouts = ProxyTimeouts()
-    otlp_endpoint: str | None = Field(default=None, description="defaults to the collector's receiver")
+    host: str = Field(default="127.0.0.1", description="address the client-facing API listens on")
+    port: int = Field(default=8000, ge=1, le=65535, description="port of the client-facing API")
+    controller_url: str | None = Field(default=None, description="where GET /v1/routing is polled; default "
+                                       "http://<controller.host>:<controller.port>")
+    routing_poll_s: float = Field(default=1.0, gt=0, description="seconds between polls of the routing table "
+                                  "(with If-None-Match)")
+    fail_static_s: float = Field(default=60.0, ge=0, description="seconds the last table is kept while the "
+                                 "controller is unreachable; then equal weights from the config (fallback)")
+    policy: Literal["weighted", "round-robin"] = Field(
+        default="weighted", description="weighted: power of two choices on the table's weights; round-robin: "
+        "cycles like vLLM's toy proxy (a baseline: no failure weighing, no adaptive limit)")
+    retry_budget: float = Field(default=0.2, ge=0, le=1, description="retries may be at most this share of "
+                                "requests (plus a small reserve), so a failing pool cannot double the load")
+    outlier: OutlierSettings = Field(default=OutlierSettings(), description="outlier detection: when a failing "
+                                     "instance is ejected, and for how long")
+    adaptive_limit: AdaptiveLimitSettings = Field(default=AdaptiveLimitSettings(), description="the proxy's own "
+                                                  "AIMD limit per pool on its TTFT")
+    admission: AdmissionDefaults = Field(default=AdmissionDefaults(), description="per-pool admission limits "
+                                         "used where the routing table sets none")
+    timeouts: ProxyTimeouts = Field(default=ProxyTimeouts(), description="bounds on each stage of a request "
+                                    "(a timeout is a 504 before the first byte)")
+    otlp_endpoint: str | None = Field(default=None, description="where spans are exported (OTLP/HTTP); "
+                                      "default the collector's /v1/traces")
     otlp_token_env: str = Field(
         default="PDSCOPE_OTLP_TOKEN", min_length=1,
-        description="env variable whose value the span exporter sends as Authorization: Bearer <value>",
+        description="env variable whose value the span exporter sends as Authorization: Bearer <value> "
+                    "(unset: no header)",
     )
-    tracing: bool = True
+    tracing: bool = Field(default=True, description="emit and export OpenTelemetry spans and forward "
+                          "traceparent to P and D (off: no spans, nothing for the collector to assemble)")
     span_queue_max: int = Field(
         default=32768, ge=1, le=2**22,
         description="spans held for export (a down collector costs nothing until this fills; then counted drops)",
@@ -347,18 +417,25 @@ class ProxySettings(_Frozen):
         if isinstance(data, dict) and "failure_cooldown_s" in data:
             raise ValueError(
                 "failure_cooldown_s was replaced by proxy.outlier (consecutive_failures, failure_ratio, "
-                "base_ejection_s, ...): see the README's Proxy section"
+                "base_ejection_s, ...): see docs/proxy.md"
             )
         return data
 
 
 class CollectorSettings(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(default=4318, ge=1, le=65535, description="OTLP/HTTP receiver and /metrics")
-    scrape_interval_s: float = Field(default=5.0, gt=0)
-    scrape_timeout_s: float = Field(default=3.0, gt=0)
-    max_body_bytes: int = Field(default=8 * 2**20, gt=0)
-    prometheus_url: str | None = Field(default=None, description="read from Prometheus instead of scraping")
+    host: str = Field(default="127.0.0.1", description="address of the OTLP/HTTP receiver, /metrics and "
+                      "/healthz; a non-loopback one needs OTLP tokens")
+    port: int = Field(default=4318, ge=1, le=65535, description="port of the OTLP/HTTP receiver, /metrics and "
+                      "/healthz")
+    scrape_interval_s: float = Field(default=5.0, gt=0, description="seconds between scrapes of every "
+                                     "instance's /metrics (or Prometheus queries)")
+    scrape_timeout_s: float = Field(default=3.0, gt=0, description="hard deadline of one scrape (connect, "
+                                    "headers and body); must be shorter than scrape_interval_s")
+    max_body_bytes: int = Field(default=8 * 2**20, gt=0, description="a /metrics page is cut here (a "
+                                "Prometheus answer at 8 x this)")
+    prometheus_url: str | None = Field(default=None, description="read vLLM's series from this Prometheus "
+                                       "(/api/v1/query) instead of scraping; also pdscope collect "
+                                       "--prometheus-url")
     prometheus_instance_label: str = Field(
         default="instance",
         min_length=1,
@@ -370,11 +447,14 @@ class CollectorSettings(_Frozen):
     otlp_tokens_env: str = Field(
         default="PDSCOPE_OTLP_TOKENS",
         min_length=1,
-        description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces",
+        description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces; "
+                    "unset: no authentication, and the collector binds only a loopback host",
     )
-    otlp_max_body_bytes: int = Field(default=16 * 2**20, gt=0, description="largest OTLP body as sent")
+    otlp_max_body_bytes: int = Field(default=16 * 2**20, gt=0, description="largest OTLP body as sent "
+                                     "(or by Content-Length); larger: 413")
     otlp_max_inflated_bytes: int = Field(
-        default=64 * 2**20, gt=0, description="largest OTLP body after gzip/deflate decompression"
+        default=64 * 2**20, gt=0, description="largest OTLP body after gzip/deflate decompression; "
+        "larger: 413"
     )
     otlp_inflight_bytes: int = Field(
         default=128 * 2**20, gt=0,
@@ -391,7 +471,8 @@ class CollectorSettings(_Frozen):
     )
     span_max_future_s: float = Field(
         default=300.0, ge=0, allow_inf_nan=False,
-        description="spans starting further ahead of the collector's clock are refused",
+        description="spans starting or ending further ahead of the collector's clock than this are "
+                    "dropped (in_future)",
     )
 
     @model_validator(mode="after")
@@ -461,8 +542,9 @@ def is_loopback(host: str) -> bool:
 
 
 class DashboardSettings(_Frozen):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8501, ge=1, le=65535)
+    host: str = Field(default="127.0.0.1", description="address the Streamlit app listens on; a non-loopback "
+                      "one needs auth login or header")
+    port: int = Field(default=8501, ge=1, le=65535, description="port of the Streamlit app")
     auth: Literal["login", "header", "none"] = Field(
         default="login",
         description="login: each user signs in with their own controller API token (checked with "
@@ -473,7 +555,7 @@ class DashboardSettings(_Frozen):
     identity_header: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
         description="request header carrying the user set by the auth proxy (auth: header), "
-        "e.g. X-Forwarded-User; trusted only in header mode",
+        "e.g. X-Forwarded-User; required with auth: header, ignored otherwise",
     )
 
     @model_validator(mode="after")
@@ -486,17 +568,27 @@ class DashboardSettings(_Frozen):
 class Settings(_Frozen):
     """The whole file. Sections other than ``model`` and ``pools`` have defaults."""
 
-    model: ModelSettings
-    pools: dict[str, Pool]
-    slo: SLOSettings = SLOSettings()
-    alerts: AlertSettings = AlertSettings()
-    store: StoreSettings = StoreSettings()
-    controller: ControllerSettings = ControllerSettings()
-    proxy: ProxySettings = ProxySettings()
-    collector: CollectorSettings = CollectorSettings()
-    dashboard: DashboardSettings = DashboardSettings()
+    model: ModelSettings = Field(description="The served model, as every instance knows it. Required.")
+    pools: dict[str, Pool] = Field(description="The fleet: named pools of instances, each pool prefill or "
+                                   "decode; at least one of each. Required.")
+    slo: SLOSettings = Field(default=SLOSettings(), description="What the service promises its users: the "
+                             "targets alerts, admission, the dashboard and the benchmarks judge against.")
+    alerts: AlertSettings = Field(default=AlertSettings(), description="The controller's paging policy: when "
+                                  "and how loudly the built-in rules (docs/alerts.md) alert.")
+    store: StoreSettings = Field(default=StoreSettings(), description="The database every service meets in, "
+                                 "and how long it keeps what it holds.")
+    controller: ControllerSettings = Field(default=ControllerSettings(), description="The reconcile loop and "
+                                           "its HTTP API (docs/policy.md, docs/api.md).")
+    proxy: ProxySettings = Field(default=ProxySettings(), description="The P/D router, the data plane "
+                                 "(docs/proxy.md).")
+    collector: CollectorSettings = Field(default=CollectorSettings(), description="The scraper, the OTLP "
+                                         "receiver and the request-record builder (docs/collector.md).")
+    dashboard: DashboardSettings = Field(default=DashboardSettings(), description="The Streamlit dashboard "
+                                         "and who may change things through it (docs/dashboard.md).")
     # Free-form here; the simulator validates its own section (simulator.config).
-    simulator: dict[str, Any] = Field(default_factory=dict)
+    simulator: dict[str, Any] = Field(default_factory=dict, description="The simulated fleet's model "
+                                      "(docs/simulator.md); validated by the simulator, only pdscope sim and "
+                                      "the demo read it. simulator: {} is a working fleet.")
 
     @field_validator("pools")
     @classmethod

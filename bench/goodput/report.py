@@ -218,7 +218,7 @@ def healthy_markdown(out: dict[str, Any]) -> str:
 
 # -- time budget ---------------------------------------------------------------------------------
 # Measured overhead of one run beyond warm + measure on the 2-core machine (start the services,
-# drain the last requests, stop): see the smoke figures in the README.
+# drain the last requests, stop): see the smoke figures in docs/benchmarks.md.
 OVERHEAD_S = {"plain": 7.0, "controlled": 10.0}
 
 

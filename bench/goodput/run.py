@@ -362,7 +362,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{STARTUP_HOLD_S + 2:g}; --warm 8 puts the fault inside it, as on a first deployment)")
     ap.add_argument("--measure", type=float, default=20.0, help="measured seconds from the fault (default 20)")
     ap.add_argument("--jobs", type=int, default=None,
-                    help="runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; see README)")
+                    help="runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; see docs/benchmarks.md)")
     ap.add_argument("--retry-starved", type=int, default=1,
                     help="rounds of rerunning, one at a time, the runs starved of CPU (default 1; 0: none)")
     ap.add_argument("--capacity-s", type=float, default=10.0, help="seconds per capacity step (default 10)")
