@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from collector.service import CollectorService
 from pdscope.config import parse_config
@@ -17,7 +18,8 @@ from store.migrate import upgrade
 from store.models import InstanceRow, RequestRecord, Snapshot
 from tests.captures import SCRAPE_PAGES
 from tests.collector.traces import request_spans, to_proto
-from tests.ports import free_port
+from tests.support.sockets import closed_port_url
+from tests.support.waiting import async_wait_until
 
 FIXTURES = SCRAPE_PAGES
 
@@ -50,7 +52,15 @@ async def fake_vllm() -> AsyncIterator[dict[str, str]]:
 
 
 def _dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"
+    return closed_port_url()
+
+
+def _snapshots_per_instance(factory: sessionmaker[Session]) -> dict[str, int]:
+    with factory() as s:
+        counts: dict[str, int] = {}
+        for name in s.scalars(select(Snapshot.instance)):
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
 
 async def test_collector_end_to_end(fake_vllm: dict[str, str], tmp_path: Path) -> None:
@@ -74,8 +84,16 @@ collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.port}") as client:
         resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": "application/x-protobuf"})
         assert resp.status_code == 200
-        await asyncio.sleep(1.6)
-        metrics = (await client.get("/metrics")).text
+        # two stored rounds of every target, and the trace's spans written
+        factory = session_factory(make_engine(url))
+        await async_wait_until("two stored scrapes of each instance", lambda: _snapshots_per_instance(factory),
+                               done=lambda n: len(n) == 3 and min(n.values()) >= 2)
+
+        async def metrics_page() -> str:
+            return (await client.get("/metrics")).text
+
+        metrics = await async_wait_until("the trace's spans written", metrics_page,
+                                         done=lambda text: "pdscope_collector_spans_written_total 7.0" in text)
         health = (await client.get("/healthz")).json()
     stop.set()
     await asyncio.wait_for(task, timeout=10)
@@ -84,7 +102,6 @@ collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
     assert 'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 1.0' in metrics
     assert 'pdscope_collector_target_up{instance="d-dead",pool="decode",role="decode"} 0.0' in metrics
     assert "pdscope_collector_spans_written_total 7.0" in metrics
-    factory = session_factory(make_engine(url))
     with factory() as s:
         snaps = list(s.scalars(select(Snapshot).order_by(Snapshot.ts)))
         rec = s.scalars(select(RequestRecord)).one()
