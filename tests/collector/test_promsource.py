@@ -36,7 +36,7 @@ from store.migrate import upgrade
 from store.models import Snapshot
 from tests.captures import SCRAPE_PAGES
 from tests.support.sockets import closed_port_url
-from tests.support.waiting import async_wait_until
+from tests.support.waiting import async_wait_until, wait_until
 
 FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
@@ -399,7 +399,6 @@ def test_collector_reads_a_real_prometheus(sim_fleet: Any, tmp_path: Path) -> No
     import shutil
 
     from tests.deploy.test_real_prometheus import (
-        _wait_for,
         pd_request,
         running_prometheus,
         write_prometheus_config,
@@ -416,15 +415,16 @@ def test_collector_reads_a_real_prometheus(sim_fleet: Any, tmp_path: Path) -> No
     store = f"sqlite:///{tmp_path / 'store.db'}"
     upgrade(store)
     with running_prometheus(binary, root, config) as prom, httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
-        _wait_for("2 vLLM targets up", lambda: len(prom.query('up{job="vllm"} == 1')) == 2, timeout_s=30)
+        wait_until("2 vLLM targets up", lambda: len(prom.query('up{job="vllm"} == 1')) == 2, timeout_s=30,
+                   every_s=0.5)
         for _ in range(4):
             assert pd_request(client, sim_fleet.model_name, p_url, d_url, prompt_words=300) == 200
         direct = extract_signals(client.get(f"{d_url}/metrics").content)
         assert (direct.values.get("nixl_xfer_time_count") or 0) > 0
         # Prometheus has scraped after the traffic (1 s scrape interval)
-        _wait_for("D's NIXL transfers in Prometheus", lambda: prom.query(
+        wait_until("D's NIXL transfers in Prometheus", lambda: prom.query(
             f'sum(vllm:nixl_xfer_time_seconds_count{{instance="decode-0"}}) >= {direct.values["nixl_xfer_time_count"]}'),
-            timeout_s=30)
+            timeout_s=30, every_s=0.5)
         settings = parse_config(sim_fleet.config_yaml(
             store={"url": store},
             collector={"host": "127.0.0.1", "scrape_interval_s": 1, "scrape_timeout_s": 0.8,
