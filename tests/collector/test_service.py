@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import httpx
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from collector.service import CollectorService
 from pdscope.config import parse_config
@@ -18,37 +23,26 @@ from store.migrate import upgrade
 from store.models import InstanceRow, RequestRecord, Snapshot
 from tests.captures import SCRAPE_PAGES
 from tests.collector.traces import request_spans, to_proto
+from tests.support.serving import serve
 from tests.support.sockets import closed_port_url
 from tests.support.waiting import async_wait_until
 
 FIXTURES = SCRAPE_PAGES
 
 
+def _metrics_app(body: bytes) -> Starlette:
+    async def metrics(_request: Request) -> Response:
+        return Response(body, media_type="text/plain")
+
+    return Starlette(routes=[Route("/metrics", metrics)])
+
+
 @pytest.fixture
 async def fake_vllm() -> AsyncIterator[dict[str, str]]:
     """Two tiny HTTP servers answering /metrics with the real P and D captures."""
-    servers = []
-    urls = {}
-    for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt")):
-        body = (FIXTURES / file).read_bytes()
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes = body) -> None:
-            try:
-                while True:
-                    await reader.readuntil(b"\r\n\r\n")
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-                    await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(srv)
-        urls[name] = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    yield urls
-    for srv in servers:
-        srv.close()
+    async with contextlib.AsyncExitStack() as stack:
+        yield {name: await stack.enter_async_context(serve(_metrics_app((FIXTURES / file).read_bytes())))
+               for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt"))}
 
 
 def _dead_url() -> str:

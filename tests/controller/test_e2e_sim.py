@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdscope.config import Settings, parse_config
-from tests.collector_thread import CollectorThread
+from tests.support.collector import CollectorThread
 from tests.support.serving import serve
 from tests.support.sockets import bound_socket, url_of
 from tests.support.waiting import async_wait_until

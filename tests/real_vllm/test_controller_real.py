@@ -25,10 +25,10 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
 from store.models import Alert, Snapshot
-from tests.collector_thread import CollectorThread
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.collector import CollectorThread
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm

@@ -8,6 +8,7 @@
   thread of its own.
 - :mod:`tests.support.controllers`: a fake controller API that serves a routing table and records
   every request.
+- :mod:`tests.support.collector`: the collector service on an event loop of its own, in a thread.
 
 Test code only: nothing in the product imports this package.
 """
