@@ -233,10 +233,11 @@ def _costly_client(fake: FakeTime, costs: list[float]) -> httpx.AsyncClient:
 async def _run_rounds(costs: list[float], n_rounds: int, interval_s: float = 1.0) -> tuple[list[float], FakeTime]:
     """Run the loop for ``n_rounds`` rounds on fake time; returns when each round started."""
     fake, started = FakeTime(), []
+    rounds: list[list[ScrapeResult]] = []
     stop = asyncio.Event()
 
     async def on_round(results: list[ScrapeResult]) -> None:
-        assert all(r.up for r in results), [r.error for r in results]
+        rounds.append(results)
         if len(started) == n_rounds:
             stop.set()
 
@@ -245,7 +246,8 @@ async def _run_rounds(costs: list[float], n_rounds: int, interval_s: float = 1.0
                           max_body_bytes=2**20, on_round=on_round, jitter_s=0.0,
                           on_tick=lambda: started.append(fake.now), clock=fake.clock, sleep=fake.sleep)
         await asyncio.wait_for(scraper.run(stop), timeout=10)  # a guard against a hang, not a bound
-    assert scraper.rounds == n_rounds
+    assert scraper.rounds == len(rounds) == n_rounds
+    assert all(r.up for results in rounds for r in results), [r.error for results in rounds for r in results]
     return started, fake
 
 
