@@ -13,7 +13,8 @@ The loop in ``Scraper.run`` hands each round's results to a callback (the store 
 and the self-metrics); it must not block the event loop, so storing runs in a thread.
 A round that raises anyway is logged (rate-limited), counted in ``round_errors`` and the
 loop goes on; ``on_tick`` is called every turn (the liveness heartbeat). Logging stays
-quiet at INFO: a line when the set of down targets changes, each round at DEBUG.
+quiet at INFO: a line when the set of down targets changes, each round at DEBUG. The
+cadence's clock and sleep are injected (the event loop's by default), so a test drives time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +148,11 @@ class Scraper:
         jitter_s: float | None = None,
         rng: random.Random | None = None,
         on_tick: Callable[[], None] | None = None,
+        clock: Callable[[], float] | None = None,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
+        """``clock`` (monotonic seconds; default the running loop's ``time()``) and ``sleep``
+        pace the rounds and the jitter; ``stop`` interrupts a pause between rounds."""
         if timeout_s >= interval_s:
             raise ValueError("scrape timeout must be shorter than the interval")
         self.targets = list(targets)
@@ -162,12 +167,14 @@ class Scraper:
         self.rounds = 0
         self.round_errors = 0
         self.on_tick = on_tick
+        self._clock = clock
+        self._sleep = sleep
         self._down: frozenset[str] = frozenset()
         self._warn = RateLimitedLog(log)
 
     async def _jittered(self, target: Target) -> ScrapeResult:
         if self.jitter_s > 0:
-            await asyncio.sleep(self.rng.uniform(0, self.jitter_s))
+            await self._sleep(self.rng.uniform(0, self.jitter_s))
         return await scrape_one(self.client, target, self.timeout_s, self.max_body_bytes)
 
     async def scrape_round(self) -> list[ScrapeResult]:
@@ -175,8 +182,8 @@ class Scraper:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Scrape on a fixed cadence until ``stop`` is set; a slow store never skews it."""
-        loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        now = self._clock or asyncio.get_running_loop().time
+        next_at = now()
         pending: set[asyncio.Task[None]] = set()
         while not stop.is_set():
             if self.on_tick is not None:
@@ -194,16 +201,26 @@ class Scraper:
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             next_at += self.interval_s
-            delay = next_at - loop.time()
+            delay = next_at - now()
             if delay < 0:  # fell behind (a huge fleet): skip the missed slots
-                next_at = loop.time()
+                next_at = now()
                 delay = 0
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
+            await self._pause(delay, stop)
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _pause(self, delay: float, stop: asyncio.Event) -> None:
+        """Sleep ``delay`` seconds, or less if ``stop`` is set meanwhile."""
+        if stop.is_set():
+            return
+        sleeping = asyncio.ensure_future(self._sleep(delay))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((sleeping, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (sleeping, stopping):
+                waiter.cancel()
+            await asyncio.gather(sleeping, stopping, return_exceptions=True)
 
     def _log_round(self, results: Sequence[ScrapeResult]) -> None:
         down = frozenset(r.target.name for r in results if not r.up)

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup
 from tests.collector.traces import request_spans, to_json, to_proto
+from tests.support.waiting import async_wait_until
 
 PROTO = "application/x-protobuf"
 SLO = SLOSettings(ttft=LatencySLO(target_ms=600), tpot=LatencySLO(target_ms=150))
@@ -57,13 +57,6 @@ def _root_attrs(spans: list[SpanData], **attrs: Any) -> list[SpanData]:
 
 def _metric(metrics: CollectorMetrics, line: str) -> bool:
     return line in metrics.exposition().decode()
-
-
-async def _until(cond: Any, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 # -- item 1: non-finite numbers; background tasks never die silently ------------------------
@@ -109,9 +102,9 @@ async def test_span_writer_survives_a_raising_sink_and_counts_it() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(batcher.run(stop))
     queue.put(request_spans())
-    await _until(lambda: sink.calls >= 1)
+    await async_wait_until("the sink to be called", lambda: sink.calls >= 1)
     queue.put(request_spans())  # the next traces are still stored
-    await _until(lambda: len(sink.written) == 7)
+    await async_wait_until("the 7 spans written", lambda: len(sink.written) == 7)
     assert not task.done()
     stop.set()
     await asyncio.wait_for(task, timeout=5)
@@ -190,7 +183,7 @@ async def test_maintenance_survives_a_non_store_exception(tmp_path: Path, monkey
     stop = asyncio.Event()
     task = asyncio.create_task(service._maintenance_loop(stop))
     try:
-        await _until(lambda: len(calls) >= 2)  # it went on after the first failure
+        await async_wait_until("a second call", lambda: len(calls) >= 2)  # it went on after the first failure
         assert not task.done()
     finally:
         stop.set()

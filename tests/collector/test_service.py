@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from collector.service import CollectorService
 from pdscope.config import parse_config
@@ -17,40 +23,38 @@ from store.migrate import upgrade
 from store.models import InstanceRow, RequestRecord, Snapshot
 from tests.captures import SCRAPE_PAGES
 from tests.collector.traces import request_spans, to_proto
-from tests.ports import free_port
+from tests.support.serving import serve
+from tests.support.sockets import closed_port_url
+from tests.support.waiting import async_wait_until
 
 FIXTURES = SCRAPE_PAGES
+
+
+def _metrics_app(body: bytes) -> Starlette:
+    async def metrics(_request: Request) -> Response:
+        return Response(body, media_type="text/plain")
+
+    return Starlette(routes=[Route("/metrics", metrics)])
 
 
 @pytest.fixture
 async def fake_vllm() -> AsyncIterator[dict[str, str]]:
     """Two tiny HTTP servers answering /metrics with the real P and D captures."""
-    servers = []
-    urls = {}
-    for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt")):
-        body = (FIXTURES / file).read_bytes()
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes = body) -> None:
-            try:
-                while True:
-                    await reader.readuntil(b"\r\n\r\n")
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-                    await writer.drain()
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            finally:
-                writer.close()
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-        servers.append(srv)
-        urls[name] = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    yield urls
-    for srv in servers:
-        srv.close()
+    async with contextlib.AsyncExitStack() as stack:
+        yield {name: await stack.enter_async_context(serve(_metrics_app((FIXTURES / file).read_bytes())))
+               for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt"))}
 
 
 def _dead_url() -> str:
-    return f"http://127.0.0.1:{free_port()}"
+    return closed_port_url()
+
+
+def _snapshots_per_instance(factory: sessionmaker[Session]) -> dict[str, int]:
+    with factory() as s:
+        counts: dict[str, int] = {}
+        for name in s.scalars(select(Snapshot.instance)):
+            counts[name] = counts.get(name, 0) + 1
+        return counts
 
 
 async def test_collector_end_to_end(fake_vllm: dict[str, str], tmp_path: Path) -> None:
@@ -74,8 +78,16 @@ collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.port}") as client:
         resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": "application/x-protobuf"})
         assert resp.status_code == 200
-        await asyncio.sleep(1.6)
-        metrics = (await client.get("/metrics")).text
+        # two stored rounds of every target, and the trace's spans written
+        factory = session_factory(make_engine(url))
+        await async_wait_until("two stored scrapes of each instance", lambda: _snapshots_per_instance(factory),
+                               done=lambda n: len(n) == 3 and min(n.values()) >= 2)
+
+        async def metrics_page() -> str:
+            return (await client.get("/metrics")).text
+
+        metrics = await async_wait_until("the trace's spans written", metrics_page,
+                                         done=lambda text: "pdscope_collector_spans_written_total 7.0" in text)
         health = (await client.get("/healthz")).json()
     stop.set()
     await asyncio.wait_for(task, timeout=10)
@@ -84,7 +96,6 @@ collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
     assert 'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 1.0' in metrics
     assert 'pdscope_collector_target_up{instance="d-dead",pool="decode",role="decode"} 0.0' in metrics
     assert "pdscope_collector_spans_written_total 7.0" in metrics
-    factory = session_factory(make_engine(url))
     with factory() as s:
         snaps = list(s.scalars(select(Snapshot).order_by(Snapshot.ts)))
         rec = s.scalars(select(RequestRecord)).one()

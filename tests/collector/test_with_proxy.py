@@ -16,7 +16,8 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import RequestRecord
-from tests.ports import free_ports
+from tests.support.sockets import free_ports
+from tests.support.waiting import async_wait_until
 
 running_fleet = pytest.importorskip("simulator.testing").running_fleet
 pytestmark = pytest.mark.slow
@@ -49,13 +50,8 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
         )
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}", timeout=30) as client:
-                for _ in range(100):
-                    try:
-                        if (await client.get("/healthz")).status_code < 500:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(0.1)
+                await async_wait_until("the proxy to answer /healthz", lambda: client.get("/healthz"),
+                                       done=lambda r: r.status_code < 500, every_s=0.1, ignore=(httpx.HTTPError,))
                 n = 6
                 for i in range(n):
                     r = await client.post("/v1/completions", json={
@@ -64,13 +60,13 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
                     })
                     assert r.status_code == 200, r.text
             factory = session_factory(make_engine(store_url))
-            records: list[RequestRecord] = []
-            for _ in range(100):
+
+            def stored() -> list[RequestRecord]:
                 with factory() as s:
-                    records = list(s.scalars(select(RequestRecord)))
-                if len(records) >= n:
-                    break
-                await asyncio.sleep(0.1)
+                    return list(s.scalars(select(RequestRecord)))
+
+            records = await async_wait_until(f"{n} request records", stored, done=lambda rs: len(rs) >= n,
+                                             every_s=0.1)
         finally:
             proxy.terminate()
             try:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from collector.scraper import PerOriginTransport, scrape_one
+from collector.scraper import PerOriginTransport, ScrapeResult, scrape_one
 from collector.service import CollectorService
 from collector.targets import targets_from_settings
 from pdscope.config import parse_config
@@ -18,6 +18,7 @@ from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import Snapshot
 from store.queries import instance_signals
+from tests.support.waiting import async_wait_until
 
 running_fleet = pytest.importorskip("simulator.testing").running_fleet
 
@@ -34,6 +35,11 @@ async def _two_step(client: httpx.AsyncClient, p_url: str, d_url: str, model: st
     params = r.json()["kv_transfer_params"]
     r = await client.post(d_url + "/v1/completions", json=dict(body, kv_transfer_params=params), headers={"X-Request-Id": rid})
     assert r.status_code == 200, r.text
+
+
+def _count(result: ScrapeResult, col: str) -> float:
+    assert result.signals is not None, result.error
+    return result.signals.values.get(col, 0.0)
 
 
 async def test_simulated_fleet_transfers_and_outcomes(tmp_path: Path) -> None:
@@ -55,7 +61,18 @@ async def test_simulated_fleet_transfers_and_outcomes(tmp_path: Path) -> None:
                 for d_name, count in n.items():
                     for i in range(count):
                         await _two_step(client, fleet.url_of("prefill-0"), fleet.url_of(d_name), fleet.model_name, i)
-            await asyncio.sleep(1.5)
+            factory = session_factory(make_engine(settings.store.url))
+
+            def stored_transfers() -> dict[str, float | None]:
+                with factory() as s:
+                    newest = {x.instance: x for x in s.scalars(
+                        select(Snapshot).where(Snapshot.up.is_(True)).order_by(Snapshot.ts))}
+                return {d: newest[d].nixl_xfer_time_count if d in newest else None for d in n}
+
+            sent = {d: _count(before[d], "nixl_xfer_time_count") + count for d, count in n.items()}
+            # a scrape after the traffic, stored
+            await async_wait_until("the collector to store the transfers sent", stored_transfers,
+                                   done=lambda stored: stored == sent, timeout_s=15)
             stop.set()
             await asyncio.wait_for(task, timeout=15)
             after = {name: await scrape_one(scrape_client, t, 5.0, 8 * 2**20) for name, t in targets.items()}
@@ -70,7 +87,6 @@ async def test_simulated_fleet_transfers_and_outcomes(tmp_path: Path) -> None:
         assert delta(d_name, "nixl_xfer_time_count") == count
     assert delta("prefill-0", "requests_length") + delta("prefill-0", "requests_stop") == sum(n.values())
     # and the collector stored it: the latest snapshot per instance carries the same counters
-    factory = session_factory(make_engine(settings.store.url))
     with factory() as s:
         latest = {}
         for snap in s.scalars(select(Snapshot).where(Snapshot.up.is_(True)).order_by(Snapshot.ts)):

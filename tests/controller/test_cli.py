@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.ports import free_port
+from tests.support.sockets import free_port
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,17 +34,9 @@ controller: {{port: {port}, interval_s: 0.2, mode: advisory}}
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        health = None
-        while time.monotonic() < deadline:
-            try:
-                health = httpx.get(f"{base}/healthz", timeout=1).json()
-                if health["ticks"] >= 2:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert health is not None and health["ticks"] >= 2 and health["mode"] == "advisory", health
+        health = wait_until("two reconcile ticks", lambda: httpx.get(f"{base}/healthz", timeout=1).json(),
+                            done=lambda h: h["ticks"] >= 2, timeout_s=30, every_s=0.2, ignore=(httpx.HTTPError,))
+        assert health["mode"] == "advisory", health
         table = httpx.get(f"{base}/v1/routing", timeout=2).json()
         assert table["enforce"] is False and {i["name"] for i in table["instances"]} == {"p0", "d0"}
         r = httpx.post(f"{base}/v1/instances/d0/drain", json={"reason": "test"},

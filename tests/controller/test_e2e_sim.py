@@ -10,57 +10,21 @@ weight within a few ticks. Then a D stops pulling KV: P's leases expire, the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
-import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from pdscope.config import Settings, parse_config
-from tests.collector_thread import CollectorThread
+from tests.support.collector import CollectorThread
+from tests.support.serving import serve
+from tests.support.sockets import bound_socket, url_of
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
-
-
-def _socket() -> socket.socket:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", 0))
-    return s
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any, sock: socket.socket) -> AsyncIterator[None]:
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "server did not start"
-    try:
-        yield
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, timeout=15)
-
-
-async def wait_for(what: str, check: Callable[[], Any], within: float, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(every)
-    raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
 
 
 async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, int]:
@@ -74,7 +38,7 @@ async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, 
                 key = str(r.status_code)
             except httpx.HTTPError as exc:
                 key = type(exc).__name__
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # a load generator's back-off after an error, not a wait for anything
             counts[key] = counts.get(key, 0) + 1
 
     async with httpx.AsyncClient(timeout=10.0) as client:
@@ -93,9 +57,8 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
 
     url = f"sqlite:///{tmp_path / 'e2e.db'}"
     upgrade(url)
-    ctl_sock, proxy_sock = _socket(), _socket()
-    ctl_url = f"http://127.0.0.1:{ctl_sock.getsockname()[1]}"
-    proxy_url = f"http://127.0.0.1:{proxy_sock.getsockname()[1]}"
+    ctl_sock, proxy_sock = bound_socket(), bound_socket()
+    ctl_url, proxy_url = url_of(ctl_sock), url_of(proxy_sock)
     with running_fleet(n_prefill=2, n_decode=3, seed=1, lease_duration_s=2.0) as fleet:
         base = dict(
             store={"url": url},
@@ -116,8 +79,9 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
         collector.__enter__()
         load: asyncio.Task[dict[str, int]] | None = None
         try:
-            async with serve(create_app(reconciler, token="t", run_loop=True), ctl_sock), \
-                    serve(build_proxy(proxy_settings), proxy_sock), httpx.AsyncClient(timeout=5.0) as http:
+            async with serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15), \
+                    serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15), \
+                    httpx.AsyncClient(timeout=5.0) as http:
                 load = asyncio.create_task(traffic(proxy_url, stop_traffic))
 
                 async def weights() -> dict[str, float]:
@@ -129,13 +93,13 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     slo = (await http.get(f"{ctl_url}/v1/slo")).json()
                     return slo["completed"] >= 10
 
-                await wait_for("request records from the proxy's spans", records, 90)
+                await async_wait_until("request records from the proxy's spans", records, timeout_s=90, every_s=0.5)
 
                 async def all_healthy() -> bool:
                     return set((await weights()).values()) == {1.0}
 
                 # On a loaded test machine a scrape can time out; the fleet must settle at equal weights.
-                await wait_for("every weight at 1.0 on the healthy fleet", all_healthy, 60)
+                await async_wait_until("every weight at 1.0 on the healthy fleet", all_healthy, timeout_s=60, every_s=0.5)
 
                 # (a) decode-2's NIC 10x slower: it loses weight
                 fid = fleet.inject({"kind": "slow_nic", "decode": "decode-2", "factor": 10})
@@ -144,7 +108,7 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     w = await weights()
                     return w if w["decode-2"] <= 0.5 else None
 
-                w = await wait_for("decode-2 to lose weight", degraded, 60)
+                w = await async_wait_until("decode-2 to lose weight", degraded, timeout_s=60, every_s=0.5)
                 assert w["decode-0"] == 1.0 and w["decode-1"] == 1.0, w
                 decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-2"})).json()
                 slow = [d for d in decisions if d["reason"] in ("SlowHandoff", "SlowKVTransfer")]
@@ -159,7 +123,7 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "firing"})).json()
                     return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
 
-                fired = await wait_for("KVLeaseExpired to fire", firing, 60)
+                fired = await async_wait_until("KVLeaseExpired to fire", firing, timeout_s=60, every_s=0.5)
                 assert fired[0]["labels"]["role"] == "prefill"
                 fleet.remove_fault(fid)
 
@@ -167,7 +131,7 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "resolved"})).json()
                     return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
 
-                done = await wait_for("KVLeaseExpired to resolve", resolved, 60)
+                done = await async_wait_until("KVLeaseExpired to resolve", resolved, timeout_s=60, every_s=0.5)
                 assert done[0]["resolved_at"] > done[0]["fired_at"]
                 metrics = (await http.get(f"{ctl_url}/metrics")).text
                 assert "pdscope_controller_ticks_total" in metrics

@@ -18,8 +18,9 @@ import pytest
 from dashboard import auth
 from dashboard.cli import check_listen
 from pdscope.config import ConfigError, is_loopback, parse_config
+from tests.support.controllers import FakeController
 
-from .conftest import TOKEN, USER_TOKEN, FakeController, make_seeded
+from .conftest import TOKEN, USER_TOKEN, make_seeded
 from .test_pages import FORM_BUTTONS, open_page, sign_in, texts, with_dashboard
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageStat
 
-from tests.ports import free_port
+from tests.support.sockets import free_port
+from tests.support.waiting import WaitTimeout, wait_until
 
 from .browser import Browser, chromium_path
 from .conftest import Seeded
@@ -42,17 +42,17 @@ def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Itera
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
-                    if resp.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"dashboard did not become healthy:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
+        def health() -> bytes:
+            if proc.poll() is not None:
+                pytest.fail(f"dashboard exited before it was healthy:\n{log.read_text()[-3000:]}")
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
+                return bytes(resp.read().strip())
+
+        try:
+            wait_until("the dashboard to become healthy", health, done=lambda body: body == b"ok", timeout_s=60,
+                       every_s=0.3, ignore=(OSError,))
+        except WaitTimeout as exc:
+            pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
         yield base
     finally:
         proc.terminate()

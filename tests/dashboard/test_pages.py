@@ -11,8 +11,9 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard.seed import SeedSpec, fleet_config_yaml
 from store.migrate import upgrade
+from tests.support.controllers import FakeController
 
-from .conftest import APP, TOKEN, USER_TOKEN, FakeController, Seeded, make_seeded
+from .conftest import APP, TOKEN, USER_TOKEN, Seeded, make_seeded
 
 TIMEOUT = 60
 

@@ -110,6 +110,7 @@ def test_k8s_manifests_validate_against_the_kubernetes_schemas() -> None:
         kubernetes_validate.validate(_clean(doc), K8S_VERSION, strict=True)
 
 
+@pytest.mark.canary
 def test_k8s_schema_check_rejects_a_misspelt_field() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     doc = copy.deepcopy(_clean(_by_kind(_k8s_docs(), "StatefulSet")[0]))
@@ -371,6 +372,7 @@ def test_compose_file_validates_against_the_compose_spec() -> None:
     jsonschema.validate(_compose(), _compose_schema())
 
 
+@pytest.mark.canary
 def test_compose_schema_check_rejects_a_wrong_field() -> None:
     schema = _compose_schema()
     broken = copy.deepcopy(_compose())

@@ -95,6 +95,7 @@ def test_promtool_rule_unit_tests_pass() -> None:
     assert out.stdout.count("SUCCESS") == len(TEST_FILES), out.stdout
 
 
+@pytest.mark.canary
 @pytest.mark.promtool
 def test_promtool_rule_unit_tests_catch_a_wrong_expectation(tmp_path: Path) -> None:
     """The unit tests compare exact labels, annotations and values: a wrong one fails them."""

@@ -24,37 +24,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 import yaml
 
-from tests.ports import free_port, free_ports
+from tests.support.sockets import free_port, free_ports
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "deploy" / "prometheus"
 DASHBOARD = REPO / "deploy" / "grafana" / "pdscope-dashboard.json"
 
 pytestmark = [pytest.mark.promtool, pytest.mark.slow]
-
-T = TypeVar("T")
-
-
-def _wait_for(what: str, probe: Callable[[], T | None], timeout_s: float, every_s: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
-
 
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
     if proc.poll() is None:
@@ -176,7 +162,7 @@ class Stack:
                                                stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
         for cmd in self.procs:
-            _wait_for(f"pdscope {cmd}'s /metrics", lambda cmd=cmd: self._serving(cmd), timeout_s=45)
+            wait_until(f"pdscope {cmd}'s /metrics", lambda cmd=cmd: self._serving(cmd), timeout_s=45, every_s=0.5)
 
     def _serving(self, cmd: str) -> bool:
         if self.procs[cmd].poll() is not None:
@@ -226,7 +212,7 @@ def running_prometheus(binary: str, root: Path, config: Path) -> Iterator[Promet
             except httpx.HTTPError:
                 return False
 
-        _wait_for("Prometheus to be ready", ready, timeout_s=30)
+        wait_until("Prometheus to be ready", ready, timeout_s=30, every_s=0.5)
         prom = Prometheus(url)
         try:
             yield prom
@@ -272,7 +258,7 @@ def test_relabelling_takes_pool_and_role_from_target_files(prometheus_binary: st
             data: dict[str, Any] = prom.http.get("/api/v1/targets").json()["data"]
             return data if len(data["activeTargets"]) == 3 and data["droppedTargets"] else None
 
-        data = _wait_for("3 active and 1 dropped vLLM targets", discovered, timeout_s=30)
+        data = wait_until("3 active and 1 dropped vLLM targets", discovered, timeout_s=30, every_s=0.5)
     labels = {t["labels"]["instance"]: (t["labels"]["pool"], t["labels"]["role"]) for t in data["activeTargets"]}
     assert labels == {"p0": ("prefill", "prefill"), "d0": ("fast", "decode"), "d1": ("h200", "decode")}
     dropped = [t["discoveredLabels"] for t in data["droppedTargets"]]
@@ -331,35 +317,35 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
         result = prometheus.query('up{job="vllm"} == 1')
         return result if len(result) == 3 else None
 
-    up = _wait_for("3 vLLM targets up", targets_up, timeout_s=30)
+    up = wait_until("3 vLLM targets up", targets_up, timeout_s=30, every_s=0.5)
     labels = {r["metric"]["instance"]: (r["metric"]["pool"], r["metric"]["role"]) for r in up}
     assert labels == {"prefill-0": ("prefill", "prefill"), "decode-0": ("decode", "decode"),
                       "decode-1": ("decode", "decode")}
-    _wait_for("pdscope's proxy, collector and controller up",
-              lambda: len(prometheus.query('up{job=~"pdscope-.*"} == 1')) == 3, timeout_s=30)
+    wait_until("pdscope's proxy, collector and controller up",
+              lambda: len(prometheus.query('up{job=~"pdscope-.*"} == 1')) == 3, timeout_s=30, every_s=0.5)
     # honor_labels: the collector's per-target series keep the vLLM instance names
-    _wait_for("the collector's per-target up", lambda: len(prometheus.query(
+    wait_until("the collector's per-target up", lambda: len(prometheus.query(
         'pdscope_collector_target_up{job="pdscope-collector",instance=~"prefill-0|decode-0|decode-1"} == 1')) == 3,
-        timeout_s=30)
+        timeout_s=30, every_s=0.5)
 
     # 2. healthy traffic: through pdscope's proxy (following the controller), and direct P/D pairs
-    _wait_for("the proxy on the controller's routing table", lambda: prometheus.query(
-        'pdscope_proxy_routing_state{state=~"fresh|advisory"} == 1'), timeout_s=30)
+    wait_until("the proxy on the controller's routing table", lambda: prometheus.query(
+        'pdscope_proxy_routing_state{state=~"fresh|advisory"} == 1'), timeout_s=30, every_s=0.5)
     assert via_proxy(client, stack.url("proxy"), model, 12) == []
     for i in range(12):
         assert pd_request(client, model, p_url, (d0_url, d1_url)[i % 2]) == 200
-    _wait_for("the proxy's requests in Prometheus", lambda: prometheus.query(
-        'sum(pdscope_proxy_requests_total{outcome="ok"}) >= 12'), timeout_s=30)
-    _wait_for(
+    wait_until("the proxy's requests in Prometheus", lambda: prometheus.query(
+        'sum(pdscope_proxy_requests_total{outcome="ok"}) >= 12'), timeout_s=30, every_s=0.5)
+    wait_until(
         "recorded finished-request rates for both pools",
         lambda: len(prometheus.query("pool_role:vllm_request_success:rate5m > 0")) == 2,
-        timeout_s=30,
+        timeout_s=30, every_s=0.5,
     )
-    _wait_for("recorded NIXL transfer p99", lambda: prometheus.query(
-        'pool_role:vllm_nixl_xfer_time_seconds:p99_rate5m{role="decode"} > 0'), timeout_s=30)
+    wait_until("recorded NIXL transfer p99", lambda: prometheus.query(
+        'pool_role:vllm_nixl_xfer_time_seconds:p99_rate5m{role="decode"} > 0'), timeout_s=30, every_s=0.5)
     # the proxy's spans became request records; the controller's SLO attainment comes from them
-    _wait_for("the controller's SLO attainment", lambda: prometheus.query("pdscope_slo_attainment >= 0"),
-              timeout_s=45)
+    wait_until("the controller's SLO attainment", lambda: prometheus.query("pdscope_slo_attainment >= 0"),
+              timeout_s=45, every_s=0.5)
     for name in ("NIXLKVLeaseExpired", "NIXLTransferFailures", "VLLMRequestErrors", "VLLMInstanceDown",
                  "PDScopeProxyRoutingStale", "PDScopeServiceDown", "PDScopeCollectorTargetDown",
                  "PDScopeControllerStale", "PDScopeProxyDown"):
@@ -372,8 +358,8 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     with httpx.Client(timeout=httpx.Timeout(4.0, connect=2.0)) as stuck, ThreadPoolExecutor(3) as pool:
         statuses = list(pool.map(lambda _: pd_request(stuck, model, p_url, d0_url), range(3)))
     assert 200 not in statuses, statuses  # no decode completed without its KV
-    alert = _wait_for("NIXLKVLeaseExpired firing for prefill-0",
-                      lambda: prometheus.firing("NIXLKVLeaseExpired", instance="prefill-0"), timeout_s=45)
+    alert = wait_until("NIXLKVLeaseExpired firing for prefill-0",
+                      lambda: prometheus.firing("NIXLKVLeaseExpired", instance="prefill-0"), timeout_s=45, every_s=0.5)
     assert alert[0]["labels"]["severity"] == "warning"
     assert alert[0]["annotations"]["runbook_url"].endswith("RUNBOOK.md#nixlkvleaseexpired")
     assert "KV leases expired on prefill-0" in alert[0]["annotations"]["summary"]
@@ -384,23 +370,23 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     fid = fleet.inject({"kind": "transfer_failure", "rate": 1.0, "decode": "decode-1"})
     statuses = [pd_request(client, model, p_url, d1_url) for _ in range(4)]
     assert 200 not in statuses, statuses
-    failing = _wait_for("NIXLTransferFailures firing for decode-1",
-                        lambda: prometheus.firing("NIXLTransferFailures"), timeout_s=45)
+    failing = wait_until("NIXLTransferFailures firing for decode-1",
+                        lambda: prometheus.firing("NIXLTransferFailures"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in failing] == ["decode-1"]
     assert failing[0]["labels"]["severity"] == "critical"
-    errors = _wait_for("VLLMRequestErrors firing for the decode pool",
-                       lambda: prometheus.firing("VLLMRequestErrors"), timeout_s=45)
+    errors = wait_until("VLLMRequestErrors firing for the decode pool",
+                       lambda: prometheus.firing("VLLMRequestErrors"), timeout_s=45, every_s=0.5)
     assert [(a["labels"]["pool"], a["labels"]["role"]) for a in errors] == [("decode", "decode")]
     assert fleet.remove_fault(fid)  # decode-0 still does not pull: it never fails a read
 
     # 5. decode-1 goes down -> VLLMInstanceDown (Prometheus) and PDScopeCollectorTargetDown (pdscope)
     fleet.inject({"kind": "down", "instance": "decode-1"})
-    down = _wait_for("VLLMInstanceDown firing for decode-1",
-                     lambda: prometheus.firing("VLLMInstanceDown"), timeout_s=45)
+    down = wait_until("VLLMInstanceDown firing for decode-1",
+                     lambda: prometheus.firing("VLLMInstanceDown"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in down] == ["decode-1"]
     assert down[0]["labels"]["pool"] == "decode" and down[0]["labels"]["role"] == "decode"
-    seen = _wait_for("PDScopeCollectorTargetDown firing for decode-1",
-                     lambda: prometheus.firing("PDScopeCollectorTargetDown"), timeout_s=45)
+    seen = wait_until("PDScopeCollectorTargetDown firing for decode-1",
+                     lambda: prometheus.firing("PDScopeCollectorTargetDown"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in seen] == ["decode-1"]
     assert prometheus.firing("VLLMPoolDown") == []  # decode-0 still answers scrapes
 
@@ -421,11 +407,11 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
 
     # 7. the controller goes away: PDScopeServiceDown, and the proxy's routing goes stale
     stack.stop("control")
-    gone = _wait_for("PDScopeServiceDown firing for the controller",
-                     lambda: prometheus.firing("PDScopeServiceDown", job="pdscope-controller"), timeout_s=45)
+    gone = wait_until("PDScopeServiceDown firing for the controller",
+                     lambda: prometheus.firing("PDScopeServiceDown", job="pdscope-controller"), timeout_s=45, every_s=0.5)
     assert gone[0]["labels"]["severity"] == "warning"
-    stale = _wait_for("PDScopeProxyRoutingStale firing for the proxy",
-                      lambda: prometheus.firing("PDScopeProxyRoutingStale", instance="proxy"), timeout_s=45)
+    stale = wait_until("PDScopeProxyRoutingStale firing for the proxy",
+                      lambda: prometheus.firing("PDScopeProxyRoutingStale", instance="proxy"), timeout_s=45, every_s=0.5)
     assert stale[0]["labels"]["state"] in {"static", "fallback"}
     assert prometheus.firing("PDScopeProxyDown") == []
 

@@ -34,6 +34,7 @@ def test_minimal_file_gets_defaults() -> None:
     assert s.controller_url == "http://127.0.0.1:8300"
 
 
+@pytest.mark.canary
 def test_settings_are_frozen() -> None:
     s = parse_config(MINIMAL)
     with pytest.raises(ValidationError):

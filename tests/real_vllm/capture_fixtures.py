@@ -38,6 +38,7 @@ from tests.real_vllm import pd_client as pc  # noqa: E402
 from tests.real_vllm.otlp_sink import OtlpSink, body_to_json, decode_spans  # noqa: E402
 from tests.real_vllm.pair import RealPair, env_problem, tail  # noqa: E402
 from tests.real_vllm.prompts import unique_prompt  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
 LEASE_S = 6
 
@@ -132,7 +133,8 @@ def _lease_expiry(c: httpx.Client, pair: RealPair) -> dict[str, Any]:
     pr = pc.prefill(c, P, "completions", body)
     assert pr.kv_transfer_params is not None
     rrid = pr.kv_transfer_params["remote_request_id"]
-    p1 = pc.wait_until(lambda: pc.scrape(c, P), lambda m: m.value(expired) > p0.value(expired), LEASE_S + 30.0)
+    p1 = wait_until("P to count the lease expiry", lambda: pc.scrape(c, P),
+                    done=lambda m: m.value(expired) > p0.value(expired), timeout_s=LEASE_S + 30.0, every_s=0.25)
     expired_after = time.monotonic() - t0
     late_d = pc.decode(c, D, "completions", body, pr.kv_transfer_params, pr.request_id)
     time.sleep(2)
@@ -144,7 +146,8 @@ def _lease_expiry(c: httpx.Client, pair: RealPair) -> dict[str, Any]:
         pc.direct(c, P, "completions", {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1})
         return pc.scrape(c, P)
 
-    p2 = pc.wait_until(nudged, lambda m: m.value(late) > p0.value(late), 20.0, interval_s=0.5)
+    p2 = wait_until("P to count the notification after expiry", nudged,
+                    done=lambda m: m.value(late) > p0.value(late), timeout_s=20.0, every_s=0.5)
     reference = pc.direct(c, P, "completions", body)
 
     def counters(m0: pc.Metrics, m1: pc.Metrics) -> dict[str, float]:

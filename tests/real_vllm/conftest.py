@@ -28,7 +28,8 @@ keep normal requests alive. Tests share the pair: use unique prompts (D has a pr
 repeated prompt would skip the KV pull) and compare metrics as before/after deltas.
 The two-step client lives in ``tests/real_vllm/pd_client.py`` (``from tests.real_vllm import
 pd_client as pc``: ``pc.two_step``, ``pc.prefill``, ``pc.decode``, ``pc.direct``, ``pc.scrape``,
-``pc.make_traceparent``, ``pc.wait_until``); unique prompts in ``prompts.unique_prompt``.
+``pc.make_traceparent``; polls with ``tests.support.waiting.wait_until``); unique prompts in
+``prompts.unique_prompt``.
 
 If ``$PDSCOPE_VLLM_ENV`` (set by ``make test``) is unset or not a finished env, every test here
 is skipped with a loud reason; CI fails on such a skip. When a test that uses the pair fails,

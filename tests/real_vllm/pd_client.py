@@ -11,8 +11,8 @@ The protocol, as vLLM's toy proxy speaks it:
 
 Both steps carry the same ``X-Request-Id`` and, when given, the same ``traceparent``.
 
-Also here: :func:`scrape` (a ``/metrics`` page as :class:`Metrics`), :func:`make_traceparent`
-and :func:`wait_until` (a bounded poll). Reused by every real-vLLM test; keep it dependency-light
+Also here: :func:`scrape` (a ``/metrics`` page as :class:`Metrics`) and :func:`make_traceparent`;
+to poll, use ``tests.support.waiting.wait_until``. Reused by every real-vLLM test; keep it dependency-light
 (httpx and prometheus_client only) and free of assertions about vLLM's behaviour.
 """
 
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -234,18 +233,3 @@ def scrape(client: httpx.Client, base_url: str) -> Metrics:
     r = client.get(base_url + "/metrics")
     r.raise_for_status()
     return parse_metrics(r.text)
-
-
-def wait_until(
-    probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, interval_s: float = 0.25
-) -> T:
-    """Call ``probe`` until ``done(result)`` or the bounded wait ends; return the last result.
-
-    The caller asserts on the returned value, so a timeout shows what was last seen.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = probe()
-        if done(result) or time.monotonic() >= deadline:
-            return result
-        time.sleep(interval_s)

@@ -28,6 +28,7 @@ from tests.collector.traces import to_proto
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
 
@@ -106,8 +107,9 @@ def test_scraped_values_match_the_real_pages(real_pd: RealPD) -> None:
 
 def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Running) -> None:
     name_p, name_d = real_pd.prefill_name, real_pd.decode_name
-    before = pc.wait_until(lambda: (_latest(collector.factory, name_p), _latest(collector.factory, name_d)),
-                           lambda r: r[0] is not None and r[1] is not None, 30)
+    before = wait_until("a stored snapshot of P and of D",
+                        lambda: (_latest(collector.factory, name_p), _latest(collector.factory, name_d)),
+                        done=lambda r: r[0] is not None and r[1] is not None, timeout_s=30, every_s=0.25)
     assert before[0] is not None and before[1] is not None
     p0, d0 = before
     n = 4
@@ -124,7 +126,7 @@ def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Runni
     def done(s: Snapshot | None) -> bool:
         return s is not None and (s.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) >= n
 
-    d1 = pc.wait_until(probe, done, 30)
+    d1 = wait_until(f"D's stored transfer count to grow by {n}", probe, done=done, timeout_s=30, every_s=0.25)
     p1 = _latest(collector.factory, name_p)
     assert d1 is not None and p1 is not None
     assert (d1.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) == n
@@ -157,7 +159,8 @@ def _proxy_spans(trace_id: str, root: str, pre: str, dec: str, rid: str, real_pd
 
 def test_real_vllm_spans_and_proxy_spans_become_one_record(real_pd: RealPD, collector: Running) -> None:
     # The NIXL link needs a scrape of D from before the handoff: wait for the collector's first ones.
-    first = pc.wait_until(lambda: _latest(collector.factory, real_pd.decode_name), lambda r: r is not None, 30)
+    first = wait_until("a stored snapshot of D", lambda: _latest(collector.factory, real_pd.decode_name),
+                       done=lambda r: r is not None, timeout_s=30, every_s=0.25)
     assert first is not None, "the collector never scraped D"
     tp = pc.make_traceparent()
     pre, dec, rid = pc.make_traceparent().span_id, pc.make_traceparent().span_id, f"collector-{tp.trace_id[:8]}"
@@ -182,7 +185,9 @@ def test_real_vllm_spans_and_proxy_spans_become_one_record(real_pd: RealPD, coll
         with collector.factory() as s:
             return s.scalars(select(RequestRecord).where(RequestRecord.request_id == rid)).first()
 
-    rec = pc.wait_until(probe, lambda r: r is not None and r.d_queue_s is not None and r.p_queue_s is not None, 60)
+    rec = wait_until("the request record with both queue times", probe,
+                     done=lambda r: r is not None and r.d_queue_s is not None and r.p_queue_s is not None,
+                     timeout_s=60, every_s=0.25)
     assert rec is not None, "no record assembled"
     seen = {c: getattr(rec, c) for c in RequestRecord.__table__.columns.keys()}  # noqa: SIM118
     assert rec.trace_id == tp.trace_id
@@ -195,6 +200,7 @@ def test_real_vllm_spans_and_proxy_spans_become_one_record(real_pd: RealPD, coll
     assert rec.status == "ok" and rec.ttft_s is not None and rec.e2e_s is not None, seen
     assert rec.attributes["d_vllm_request_id"].startswith(f"cmpl-{rid}")
     # the forensics pass links the record to D's NIXL figures over the scrape window of its handoff
-    linked = pc.wait_until(probe, lambda r: r is not None and "nixl" in (r.attributes or {}), 30)
+    linked = wait_until("the record linked to D's NIXL figures", probe,
+                        done=lambda r: r is not None and "nixl" in (r.attributes or {}), timeout_s=30, every_s=0.25)
     assert linked is not None and "nixl" in linked.attributes, linked.attributes if linked else None
     assert linked.attributes["nixl"]["d"]["nixl_xfer_time_count"] >= 1, linked.attributes

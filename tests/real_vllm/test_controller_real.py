@@ -25,25 +25,20 @@ from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
 from store.models import Alert, Snapshot
-from tests.collector_thread import CollectorThread
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.collector import CollectorThread
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
 
 WINDOW_S = 8
 
 
-def tick_until(rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        out = rec.tick()
-        got = pred(out)
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {within}s")
+def tick_until(what: str, rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0) -> Any:
+    """Tick the reconciler until ``pred(outcome)`` is truthy; return that value."""
+    return wait_until(what, lambda: pred(rec.tick()), timeout_s=within, every_s=every)
 
 
 @pytest.fixture
@@ -76,8 +71,10 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
             names = set(s.scalars(select(Snapshot.instance).where(Snapshot.up.is_(True))))
         return {real_pd.prefill_name, real_pd.decode_name} <= names
 
-    tick_until(rec, scraped, 30)
-    for _ in range(WINDOW_S + 2):  # earlier tests' expiries leave the window first
+    tick_until("a stored snapshot of P and of D", rec, scraped, 30)
+    # Earlier tests' expiries leave the window first. No condition marks that (one not yet scraped
+    # shows no alert either), so the window's own length of real time passes, ticking each second.
+    for _ in range(WINDOW_S + 2):
         out = rec.tick()
         time.sleep(1.0)
     assert not [a for a in _lease_alerts(out) if a.state == "firing"], "no expiry yet"
@@ -87,7 +84,7 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
         pr = pc.prefill(client, real_pd.prefill_url, "completions", body)
         assert pr.status == 200 and pr.kv_transfer_params, pr.body
     # Nobody decodes: after the lease P releases the blocks and counts the expiry.
-    fired = tick_until(rec, lambda out: [a for a in _lease_alerts(out) if a.state == "firing"],
+    fired = tick_until("KVLeaseExpired to fire", rec, lambda out: [a for a in _lease_alerts(out) if a.state == "firing"],
                        real_pd.lease_s + 30)
     alert = fired[0]
     assert alert.labels["instance"] == real_pd.prefill_name and alert.labels["role"] == "prefill"
@@ -97,7 +94,7 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
         assert row.state == "firing" and row.fired_at is not None
 
     # The window slides past the expiry: the alert resolves and the resolution is stored.
-    tick_until(rec, lambda out: not _lease_alerts(out), WINDOW_S + 20)
+    tick_until("KVLeaseExpired to resolve", rec, lambda out: not _lease_alerts(out), WINDOW_S + 20)
     with transaction(factory) as s:
         row = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
         assert row.state == "resolved" and row.resolved_at is not None and row.resolved_at > (row.fired_at or 0)

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from store.db import make_engine, session_factory
 from store.models import RequestRecord
-from tests.ports import free_ports
 from tests.processes import processes_mentioning
 from tests.real_vllm.conftest import RealPD
+from tests.support.sockets import free_ports
+from tests.support.waiting import WaitTimeout, wait_until
 
 pytestmark = pytest.mark.real_vllm
 
@@ -77,14 +77,16 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    records: list[RequestRecord] = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            records = _joined_records(store_url, real_pd.prefill_name, real_pd.decode_name)
-            if len(records) >= 3:
-                break
-            time.sleep(1)
+        def joined() -> list[RequestRecord]:
+            assert proc.poll() is None, f"the demo exited early ({proc.returncode}):\n" + "\n".join(lines)
+            return _joined_records(store_url, real_pd.prefill_name, real_pd.decode_name)
+
+        try:
+            records = wait_until("3 requests recorded with vLLM's spans joined", joined,
+                                 done=lambda rs: len(rs) >= 3, timeout_s=300, every_s=1.0)
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}:\n" + "\n".join(lines)) from None
         out = "\n".join(lines)
         assert proc.poll() is None, f"the demo exited early ({proc.returncode}):\n{out}"
         assert "DIED" not in out, out
@@ -108,14 +110,9 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
     assert "stopped." in out, out
     assert (workdir / "previous" / "pdscope.db").read_bytes() == b"an earlier demo's store"
     assert "fresh store" in out
-    leftovers: list[int] = []
-    deadline = time.monotonic() + 15  # children were reaped by the demo; /proc may lag a moment
-    while time.monotonic() < deadline:
-        leftovers = processes_mentioning(str(workdir))
-        if not leftovers:
-            break
-        time.sleep(0.5)
-    assert leftovers == [], f"processes left behind after Ctrl-C: {leftovers}"
+    # children were reaped by the demo; /proc may lag a moment
+    wait_until("no process left behind after Ctrl-C", lambda: processes_mentioning(str(workdir)),
+               done=lambda pids: pids == [], timeout_s=15, every_s=0.5)
     # the pair the demo attached to is not the demo's to stop
     assert real_pd.pair.prefill.proc is not None and real_pd.pair.prefill.proc.poll() is None
     assert real_pd.pair.decode.proc is not None and real_pd.pair.decode.proc.poll() is None

@@ -21,6 +21,7 @@ from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.pair import tail
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
 
@@ -45,15 +46,18 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
     rrid = pr.kv_transfer_params["remote_request_id"]
 
     # Nobody decodes: P must give the blocks back after the lease, and count it once.
-    p1 = pc.wait_until(
+    p1 = wait_until(
+        "P to count the lease expiry",
         lambda: pc.scrape(client, real_pd.prefill_url),
-        lambda m: m.value(EXPIRED) > p0.value(EXPIRED),
-        timeout_s=real_pd.lease_s + 20.0,
+        done=lambda m: m.value(EXPIRED) > p0.value(EXPIRED),
+        timeout_s=real_pd.lease_s + 20.0, every_s=0.25,
     )
     waited = time.monotonic() - sent
     assert p1.value(EXPIRED) - p0.value(EXPIRED) == 1
-    assert waited >= real_pd.lease_s, "blocks released before the lease ran out"
-    expired_line = pc.wait_until(lambda: tail(p_log, 400), lambda t: f"Releasing expired KV blocks for request {rrid}" in t, 10.0)
+    assert waited >= real_pd.lease_s, "blocks released before the lease ran out"  # the lease is under test
+    expired_line = wait_until("P's log line on the expiry", lambda: tail(p_log, 400),
+                              done=lambda t: f"Releasing expired KV blocks for request {rrid}" in t,
+                              timeout_s=10.0, every_s=0.25)
     assert f"Releasing expired KV blocks for request {rrid}" in expired_line
 
     # Now the late decode. vLLM reads the freed blocks anyway.
@@ -61,10 +65,11 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
     late = pc.decode(client, real_pd.decode_url, "completions", body, pr.kv_transfer_params, pr.request_id)
     assert late.status == 200, late.raw[:500]
     assert late.body is not None and late.body["usage"]["prompt_tokens"] == pr.body["usage"]["prompt_tokens"]
-    d1 = pc.wait_until(
+    d1 = wait_until(
+        "D to count the late transfer",
         lambda: pc.scrape(client, real_pd.decode_url),
-        lambda m: m.value("vllm:nixl_xfer_time_seconds_count") > d0.value("vllm:nixl_xfer_time_seconds_count"),
-        timeout_s=15.0,
+        done=lambda m: m.value("vllm:nixl_xfer_time_seconds_count") > d0.value("vllm:nixl_xfer_time_seconds_count"),
+        timeout_s=15.0, every_s=0.25,
     )
     assert d1.value("vllm:nixl_xfer_time_seconds_count") - d0.value("vllm:nixl_xfer_time_seconds_count") == 1
     assert d1.value("vllm:nixl_num_failed_transfers_total") == d0.value("vllm:nixl_num_failed_transfers_total")
@@ -79,8 +84,9 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
                   {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1})
         return pc.scrape(client, real_pd.prefill_url), tail(p_log, 400)
 
-    p2, log = pc.wait_until(nudged, lambda r: r[0].value(LATE) > p0.value(LATE) and needle in r[1],
-                            timeout_s=20.0, interval_s=0.5)
+    p2, log = wait_until("P to count and log the notification after expiry", nudged,
+                         done=lambda r: r[0].value(LATE) > p0.value(LATE) and needle in r[1],
+                         timeout_s=20.0, every_s=0.5)
     assert needle in log
     assert p2.value(LATE) - p0.value(LATE) == 1
     assert p2.value(EXPIRED) - p0.value(EXPIRED) == 1

@@ -14,6 +14,7 @@ from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.pair import KV_CACHE_BYTES
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
 
@@ -88,11 +89,12 @@ def test_decode_metrics_count_the_pulled_kv(real_pd: RealPD, client: httpx.Clien
     def delta(m: pc.Metrics, name: str, **labels: str) -> float:
         return m.value(name, **labels) - before.value(name, **labels)
 
-    after = pc.wait_until(
+    after = wait_until(
+        "D to count the three pulls",
         lambda: pc.scrape(client, real_pd.decode_url),
-        lambda m: delta(m, "vllm:nixl_xfer_time_seconds_count") >= 3
+        done=lambda m: delta(m, "vllm:nixl_xfer_time_seconds_count") >= 3
         and delta(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens,
-        timeout_s=20.0,
+        timeout_s=20.0, every_s=0.25,
     )
     # One NIXL READ per request (TP 1), the whole prompt counted as transferred, nothing recomputed.
     assert delta(after, "vllm:nixl_xfer_time_seconds_count") == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from tests.ports import free_port
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
 
@@ -37,16 +37,12 @@ def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iter
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        def healthz() -> int:
             assert proc.poll() is None, (tmp / "proxy.log").read_text()
-            assert time.monotonic() < deadline, "pdscope proxy did not come up"
-            time.sleep(0.2)
+            return httpx.get(url + "/healthz", timeout=1).status_code
+
+        wait_until("pdscope proxy to come up", healthz, done=lambda code: code == 200, timeout_s=30, every_s=0.2,
+                   ignore=(httpx.HTTPError,))
         yield url
     finally:
         proc.terminate()
@@ -84,11 +80,12 @@ def test_proxy_output_equals_the_protocol_run_directly(
         assert resp.status_code == 200, resp.text[:500]
         assert _text(kind, resp, stream) == by_hand.text
         # the answer really came through a NIXL pull, not a local prefill on D
-        after = pc.wait_until(
+        after = wait_until(
+            "D to count the proxied request's pull",
             lambda: pc.scrape(client, real_pd.decode_url),
-            lambda m: m.value("vllm:nixl_xfer_time_seconds_count")
+            done=lambda m: m.value("vllm:nixl_xfer_time_seconds_count")
             > before.value("vllm:nixl_xfer_time_seconds_count"),
-            timeout_s=20.0,
+            timeout_s=20.0, every_s=0.25,
         )
         assert after.value("vllm:prompt_tokens_by_source_total", source="local_compute") == before.value(
             "vllm:prompt_tokens_by_source_total", source="local_compute")

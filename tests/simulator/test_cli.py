@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 import yaml
 
 from pdscope.cli import main
-from tests.ports import free_port, free_ports
+from tests.support.sockets import free_port, free_ports
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PDSCOPE = [sys.executable, "-m", "pdscope.cli"]
@@ -39,15 +39,19 @@ class SimProcess:
             self.lines.append(line.rstrip("\n"))
 
     def wait_admin(self, timeout: float = 20.0) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        """The URLs the simulator printed (instance name or ``admin`` -> URL), once it printed the admin one."""
+
+        def printed() -> list[list[str]] | None:
             rows = [line.split() for line in self.lines]
             if any(r and r[0] == "admin" for r in rows):
-                return {r[1] if r[0] != "admin" else "admin": r[-1] for r in rows
-                        if r and r[0] in ("prefill", "decode", "admin")}
-            time.sleep(0.05)
-        err = self.proc.stderr.read() if self.proc.poll() is not None and self.proc.stderr else ""
-        raise AssertionError(f"simulator did not start: {self.lines} {err}")
+                return rows
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise AssertionError(f"simulator exited before it started: {self.lines} {err}")
+            return None
+
+        rows = wait_until("the simulator to print its admin URL", printed, timeout_s=timeout)
+        return {r[1] if r[0] != "admin" else "admin": r[-1] for r in rows if r and r[0] in ("prefill", "decode", "admin")}
 
     def interrupt(self, timeout: float = 15.0) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGINT)

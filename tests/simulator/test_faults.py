@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 
 from collector.parse import parse_text
 from simulator.testing import RunningFleet, running_fleet
+from tests.support.waiting import wait_until
 
 PROMPT = "hello " * 100
 
@@ -62,15 +62,6 @@ def mean_delta(before: tuple[float, float], after: tuple[float, float]) -> float
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
-
-
 @pytest.mark.parametrize("kind", ["slow_link", "slow_nic"])
 def test_slow_link_and_nic_raise_transfer_time_on_that_d_only(fleet: RunningFleet, client: httpx.Client,
                                                               kind: str) -> None:
@@ -107,7 +98,7 @@ def test_transfer_failures_count_on_d_and_fail_the_request(fleet: RunningFleet, 
 
 def test_d_that_stops_pulling_lets_p_leases_expire(fleet: RunningFleet, client: httpx.Client) -> None:
     p0, d0 = fleet.prefill_urls[0], fleet.decode_urls[0]
-    assert wait_for(lambda: value(client, p0, "vllm:kv_cache_usage_perc") == 0.0)  # earlier leases settled
+    wait_until("P's KV cache to empty", lambda: value(client, p0, "vllm:kv_cache_usage_perc") == 0.0)  # earlier leases settled
     expired = value(client, p0, "vllm:nixl_num_kv_expired_reqs_total")
     failed = value(client, d0, "vllm:nixl_num_failed_transfers_total")
     late = value(client, p0, "vllm:nixl_num_notifications_after_expiry_total")
@@ -116,9 +107,10 @@ def test_d_that_stops_pulling_lets_p_leases_expire(fleet: RunningFleet, client: 
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(target=lambda: result.setdefault("r", two_step(fleet, own_client(), 0, "stuck")))
     worker.start()
-    assert wait_for(lambda: value(client, d0, "vllm:num_requests_kv_fetch_by_stage", stage="waiting_to_start") == 1)
+    wait_until("D to wait for the KV fetch", lambda: value(client, d0, "vllm:num_requests_kv_fetch_by_stage",
+                                                               stage="waiting_to_start") == 1)
     assert value(client, d0, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1
-    assert wait_for(lambda: value(client, p0, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1)
+    wait_until("P to expire the lease", lambda: value(client, p0, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1)
     assert value(client, p0, "vllm:kv_cache_usage_perc") == 0.0  # the expired lease freed P's blocks
     fleet.remove_fault(fid)
     worker.join(10)
@@ -143,11 +135,11 @@ def test_instance_down_and_back(fleet: RunningFleet, client: httpx.Client) -> No
             return True
         return False
 
-    assert wait_for(refused)
+    wait_until("decode-1 to refuse connections", refused)
     up = {i["name"]: i["up"] for i in client.get(fleet.admin_url + "/instances").json()["instances"]}
     assert up == {"prefill-0": True, "decode-0": True, "decode-1": False}
     fleet.remove_fault(fid)
-    assert wait_for(lambda: not refused())
+    wait_until("decode-1 to answer again", lambda: not refused())
     # a restarted vLLM starts from zero
     assert value(client, d1, "vllm:request_success_total", finished_reason="length") == 0
     assert two_step(fleet, client, 1, "after-up").status_code == 200
@@ -164,7 +156,7 @@ def test_p_down_makes_ds_pull_fail(fleet: RunningFleet, client: httpx.Client) ->
     assert client.post(d0 + "/v1/completions", json=body).status_code == 500
     assert value(client, d0, "vllm:nixl_num_failed_transfers_total") == failed + 1
     fleet.remove_fault(fid)
-    assert wait_for(lambda: _up(client, fleet))
+    wait_until("prefill-0 to answer again", lambda: _up(client, fleet))
 
 
 def _up(client: httpx.Client, fleet: RunningFleet) -> bool:
@@ -190,7 +182,9 @@ def _kv_capacity_case(fleet: RunningFleet, client: httpx.Client) -> None:
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(target=lambda: result.setdefault("r", own_client().post(p0 + "/v1/completions", json=body)))
     worker.start()
-    assert wait_for(lambda: value(client, p0, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1, 2.5)
+    wait_until("the request queued for capacity",  # before the first lease expires (3 s)
+               lambda: value(client, p0, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1,
+               timeout_s=2.5)
     worker.join(10)  # the first lease expires after 3 s, then the second request fits
     assert result["r"].status_code == 200
 
@@ -218,8 +212,9 @@ def test_delayed_fault_with_duration_and_admin_api(fleet: RunningFleet, client: 
     fid = r.json()["id"]
     listing = client.get(fleet.admin_url + "/faults").json()["faults"]
     assert [(f["id"], f["active"]) for f in listing] == [(fid, False)]
-    assert wait_for(lambda: [f["active"] for f in client.get(fleet.admin_url + "/faults").json()["faults"]] == [True])
-    assert wait_for(lambda: client.get(fleet.admin_url + "/faults").json()["faults"] == [])
+    wait_until("the scheduled fault to be active",
+               lambda: [f["active"] for f in client.get(fleet.admin_url + "/faults").json()["faults"]] == [True])
+    wait_until("the scheduled fault to end", lambda: client.get(fleet.admin_url + "/faults").json()["faults"] == [])
     bad = client.post(fleet.admin_url + "/faults", json={"kind": "slow_link", "prefill": "prefill-0"})
     assert bad.status_code == 400 and "decode" in bad.json()["error"][0]
     unknown = client.post(fleet.admin_url + "/faults", json={"kind": "down", "instance": "nope"})

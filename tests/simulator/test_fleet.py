@@ -10,17 +10,18 @@ import pytest
 from pdscope.config import ConfigError
 from simulator.config import SimulatorConfig
 from simulator.fleet import Fleet, InstanceSpec, LoopLagMonitor
+from tests.support.waiting import async_wait_until
 
 
 def test_lag_monitor_marks_a_blocked_loop_untrustworthy() -> None:
     async def go() -> tuple[dict[str, object], dict[str, object]]:
         mon = LoopLagMonitor(threshold_s=0.05, interval_s=0.01)
         mon.start()
-        await asyncio.sleep(0.1)
-        calm = mon.stats()
-        time.sleep(0.2)  # noqa: ASYNC251 - on purpose: something hogs the loop
-        await asyncio.sleep(0.05)
-        hogged = mon.stats()
+        calm = await async_wait_until("a few samples", mon.stats, done=lambda st: st["samples"] >= 3)
+        seen = len(mon.samples)
+        time.sleep(0.2)  # noqa: ASYNC251 - on purpose, the thing under test: something hogs the loop
+        # the next sample is the sleeper the hog held up
+        hogged = await async_wait_until("a sample after the hog", mon.stats, done=lambda st: st["samples"] > seen)
         await mon.stop()
         return calm, hogged
 

@@ -8,7 +8,7 @@ import pytest
 
 from simulator.httpclient import HttpClientError, Pool
 from simulator.testing import running_fleet
-from tests.ports import free_port
+from tests.support.sockets import free_port
 
 
 def test_json_and_sse_bodies_and_connection_reuse() -> None:

@@ -1,6 +1,7 @@
 """The collector service on its own event loop in a thread, for end-to-end tests.
 
-A busy test loop cannot starve its scrapes; leaving the ``with`` block stops it.
+A busy test loop cannot starve its scrapes. Entering the ``with`` block starts it and waits
+until it serves; leaving the block stops it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import asyncio
 import threading
 
 from pdscope.config import Settings
+from tests.support.waiting import wait_until
+
+START_TIMEOUT_S = 20.0
 
 
 class CollectorThread:
@@ -28,6 +32,10 @@ class CollectorThread:
 
     def __enter__(self) -> CollectorThread:
         self.thread.start()
+        wait_until("the collector to start", lambda: self.service.started.is_set() or not self.thread.is_alive(),
+                   timeout_s=START_TIMEOUT_S)
+        if not self.service.started.is_set():
+            raise AssertionError("the collector stopped before it started (see the log above)")
         return self
 
     def __exit__(self, *exc: object) -> None:
