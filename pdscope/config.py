@@ -30,7 +30,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pdscope.routing import Role as Role  # the one definition, with the routing contract
+from pdscope.routing import Role as Role
+from pdscope.simconfig import SimulatorConfig  # the one definition, with the routing contract
 
 DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
 
@@ -585,10 +586,9 @@ class Settings(_Frozen):
                                          "receiver and the request-record builder (docs/collector.md).")
     dashboard: DashboardSettings = Field(default=DashboardSettings(), description="The Streamlit dashboard "
                                          "and who may change things through it (docs/dashboard.md).")
-    # Free-form here; the simulator validates its own section (simulator.config).
-    simulator: dict[str, Any] = Field(default_factory=dict, description="The simulated fleet's model "
-                                      "(docs/simulator.md); validated by the simulator, only pdscope sim and "
-                                      "the demo read it. simulator: {} is a working fleet.")
+    simulator: SimulatorConfig = Field(default_factory=SimulatorConfig, description="The simulated "
+                                       "fleet's model (docs/simulator.md); only pdscope sim and the demo read "
+                                       "it. simulator: {} is a working fleet.")
 
     @field_validator("pools")
     @classmethod

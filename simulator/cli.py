@@ -18,8 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdscope.config import ConfigError, Settings, load_config, resolve_config_path
+from pdscope.simconfig import DEFAULT_ADMIN_PORT
 
-DEFAULT_ADMIN_PORT = 8399
 FAULT_KINDS = ("slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow")
 
 
@@ -63,7 +63,7 @@ def _settings(args: argparse.Namespace) -> Settings | None:
 def _admin_url(args: argparse.Namespace, settings: Settings | None) -> str:
     if args.admin_url:
         return str(args.admin_url).rstrip("/")
-    port = args.admin_port or (settings.simulator.get("admin_port") if settings else None) or DEFAULT_ADMIN_PORT
+    port = args.admin_port or (settings.simulator.admin_port if settings else None) or DEFAULT_ADMIN_PORT
     return f"http://127.0.0.1:{port}"
 
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError([f"pools.{pool_name}: {inst.name}: the simulator binds 127.0.0.1 only, "
                                    f"not {parts.hostname}"])
             specs.append((settings.pools[pool_name].role, inst.name, "127.0.0.1", parts.port or 80))
-    sim_section = dict(settings.simulator) if settings else {}
+    sim_section = settings.simulator.model_dump(exclude_defaults=True) if settings else {}
     scenario = sim_section.get("scenario")
     if isinstance(scenario, str) and not Path(scenario).is_absolute():
         # a scenario named in the config is relative to the config file

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.model import (
     EngineObserver,
     FaultView,

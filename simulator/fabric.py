@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.faults import FaultSet
 from simulator.model import RemoteKV, Transfer
 

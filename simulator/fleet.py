@@ -23,9 +23,9 @@ from typing import Any
 import uvicorn
 
 from pdscope.config import ConfigError
+from pdscope.simconfig import SimulatorConfig
 from pdscope.stats import percentile
 from simulator.admin import AdminApp
-from simulator.config import SimulatorConfig
 from simulator.fabric import Fabric
 from simulator.faults import FaultSet, FaultSpec
 from simulator.instance import SimInstance

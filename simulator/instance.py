@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.engine import Engine
 from simulator.fabric import Fabric
 from simulator.faults import FaultSet

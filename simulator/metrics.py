@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.model import FINISH_REASONS, STAGES, SimRequest, Transfer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from simulator.config import LLAMA3_70B_KV_BYTES_PER_TOKEN, parse_simulator_config
+from pdscope.simconfig import LLAMA3_70B_KV_BYTES_PER_TOKEN
+from simulator.config import parse_simulator_config
 from simulator.faults import load_scenario
 from simulator.fleet import Fleet, InstanceSpec
 

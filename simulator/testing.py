@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from simulator.config import LLAMA3_70B_KV_BYTES_PER_TOKEN, parse_simulator_config
+from pdscope.simconfig import LLAMA3_70B_KV_BYTES_PER_TOKEN
+from simulator.config import parse_simulator_config
 from simulator.faults import FaultSpec, parse_fault
 from simulator.fleet import Fleet, InstanceSpec
 from simulator.runtime import loop_factory

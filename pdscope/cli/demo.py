@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from pdscope.config import Settings, load_config, parse_config, resolve_config_path
+from pdscope.simconfig import DEFAULT_ADMIN_PORT
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def _services(settings: Settings, cfg_path: Path, workdir: Path, args: argparse.
     logs = workdir / "logs"
     children: list[Child] = []
     if not args.real_vllm:
-        admin_port = int(settings.simulator.get("admin_port", 8399))
+        admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
         children.append(Child("simulator", [*base, "sim", "--admin-port", str(admin_port)],
                               f"http://127.0.0.1:{admin_port}/instances", logs / "simulator.log"))
     elif vllm_ports is not None:  # else: attached to a pair someone else runs
@@ -436,7 +437,7 @@ def _inject_fault(settings: Settings, cfg_path: Path, env: dict[str, str], args:
         print("(no fault is injected into a real vLLM pair; watch the live figures instead)", flush=True)
         return True
     target = decodes[0]
-    admin_port = int(settings.simulator.get("admin_port", 8399))
+    admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
     argv: Sequence[str] = [sys.executable, "-m", "pdscope.cli", "--config", str(cfg_path), "sim",
                            "--admin-url", f"http://127.0.0.1:{admin_port}", "fault", "add", "slow_nic",
                            "--decode", target, "--factor", "10"]

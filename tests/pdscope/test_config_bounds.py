@@ -163,3 +163,15 @@ def test_held_every_problem_names_file_line_and_field() -> None:
         "f.yaml:12: controller.mode: Input should be 'advisory' or 'enforce' (got 'yolo')",
         "f.yaml:13: colector: unknown key (not a pdscope setting; check its spelling and indentation)",
     ]), lines
+
+
+def test_the_simulator_section_is_checked_with_the_rest_of_the_file() -> None:
+    """``simulator:`` is part of Settings: ``pdscope config check`` names its bad fields like any other."""
+    lines = problems(MINIMAL + "simulator:\n  latency_scale: -1\n  kv_capacity_blok: 10\n")
+    assert any(line.startswith("f.yaml:11: simulator.latency_scale:") for line in lines), lines
+    assert any(line.startswith("f.yaml:12: simulator.kv_capacity_blok: unknown key") for line in lines), lines
+    lines = problems(MINIMAL + "simulator:\n  instances: {d0: {seed: 3}}\n")
+    assert any("simulator" in line and "instances.d0: seed cannot be set per instance" in line
+               for line in lines), lines
+    ok = parse_config(MINIMAL + "simulator: {latency_scale: 0, admin_port: 0}\n", "f.yaml")
+    assert ok.simulator.latency_scale == 0.0 and ok.simulator.admin_port == 0

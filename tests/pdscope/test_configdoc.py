@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 
 from pdscope import configdoc
 from pdscope.config import Settings
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 
 
 def test_docs_configuration_md_is_current() -> None:

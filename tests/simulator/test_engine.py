@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.engine import Engine, drive
 from simulator.fabric import Fabric
 from simulator.faults import FaultSet, FaultSpec

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pdscope.config import ConfigError
-from simulator.config import SimulatorConfig
+from pdscope.simconfig import SimulatorConfig
 from simulator.fleet import Fleet, InstanceSpec, LoopLagMonitor
 from tests.support.waiting import async_wait_until
 
