@@ -19,6 +19,10 @@ from types import TracebackType
 from typing import Any
 
 import yaml
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdscope.config import Settings, parse_config
 from proxy.app import Parts, build
@@ -177,11 +181,24 @@ class MemoryProxy:
         return self.parts.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def memory_flow(settings: Settings, instances: Iterable[MemVLLM]) -> MemoryProxy:
-    """The proxy's flow and parts from ``settings``, with its upstream calls going to ``instances``."""
+def memory_flow(settings: Settings, instances: Iterable[MemVLLM],
+                spans: InMemorySpanExporter | None = None) -> MemoryProxy:
+    """The proxy's flow and parts from ``settings``, with its upstream calls going to ``instances``;
+    with ``spans`` every span ends up there as it ends (no tracing otherwise)."""
     parts = build(settings, poll=False).parts
     upstream = MemoryUpstream(instances)
-    old = parts.flow
-    flow = Flow(old.fs, upstream, parts.routing, parts.selector, parts.admission, parts.budget, parts.metrics,
-                old.tracer, parts.clock)
+    tracer: trace.Tracer = trace.NoOpTracer()
+    if spans is not None:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(spans))
+        tracer = provider.get_tracer("tests.proxy.memory")
+    flow = Flow(parts.flow.fs, upstream, parts.routing, parts.selector, parts.admission, parts.budget,
+                parts.metrics, tracer, parts.clock)
     return MemoryProxy(flow, parts, upstream)
+
+
+def one_pool_each(prefill: Sequence[MemVLLM], decode: Sequence[MemVLLM], spans: InMemorySpanExporter | None = None,
+                  **proxy: object) -> MemoryProxy:
+    """Pools ``prefill`` and ``decode`` holding these instances; ``proxy`` are the config's proxy settings."""
+    settings = memory_settings({"prefill": ("prefill", prefill), "decode": ("decode", decode)}, proxy=proxy)
+    return memory_flow(settings, [*prefill, *decode], spans)

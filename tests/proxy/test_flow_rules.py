@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from tests.proxy.fakes import completion_text
-from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings
+from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings, one_pool_each
 
 STREAM = {**COMPLETION, "stream": True}
 
@@ -19,11 +19,6 @@ def _sse_text(raw: bytes) -> str:
         if line.startswith("data: ") and line != "data: [DONE]":
             out.append(json.loads(line[6:])["choices"][0]["text"])
     return "".join(out)
-
-
-def one_pool_each(prefill: list[MemVLLM], decode: list[MemVLLM], **proxy: object) -> MemoryProxy:
-    settings = memory_settings({"prefill": ("prefill", prefill), "decode": ("decode", decode)}, proxy=proxy)
-    return memory_flow(settings, [*prefill, *decode])
 
 
 # -- prefill ------------------------------------------------------------------------------
