@@ -108,12 +108,13 @@ async def test_decode_all_down_is_a_clean_502_and_gives_back_every_slot_and_byte
 
 async def test_a_stream_cut_after_the_first_token_is_not_retried_and_ends_with_an_error_event() -> None:
     p0, d0 = MemVLLM("p0", "prefill"), MemVLLM("d0", "decode", no_done=True)
-    proxy = one_pool_each([p0], [d0, MemVLLM("d1", "decode")])
+    d1 = MemVLLM("d1", "decode")
+    proxy = one_pool_each([p0], [d0, d1], policy="round-robin")  # d0 first
     reply = await proxy.send(STREAM)
-    assert reply.status == 200 and reply.ended
+    assert reply.status == 200 and reply.ended and len(d0.calls) == 1
     last = reply.data.decode().strip().splitlines()[-1]
     assert json.loads(last[6:])["error"]["code"] == "upstream_no_done"
-    assert len(p0.calls) == 1 and proxy.metric("pdscope_proxy_retries_total", stage="full") == 0
+    assert len(p0.calls) == 1 and d1.calls == [] and proxy.metric("pdscope_proxy_retries_total", stage="full") == 0
 
 
 # -- retries go through admission -----------------------------------------------------------
