@@ -83,8 +83,17 @@ class Change:
     def override(self, now: float) -> Override:
         """The override this change starts at ``now`` (id 0 until stored)."""
         drained = self.slot == "drain"
-        return Override(0, self.kind, self.subject, 0.0 if drained else self.weight, drained, self.reason,
-                        self.actor, now, None if self.ttl_s is None else now + self.ttl_s)
+        return Override(
+            0,
+            self.kind,
+            self.subject,
+            0.0 if drained else self.weight,
+            drained,
+            self.reason,
+            self.actor,
+            now,
+            None if self.ttl_s is None else now + self.ttl_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +119,8 @@ class OverridesService:
         self.instances = {s.name: s for s in reconciler.instances}
         self.pools = {p.name: p for p in reconciler.pools}
         self._locks = {("instance", n): threading.Lock() for n in self.instances} | {
-            ("pool", n): threading.Lock() for n in self.pools}
+            ("pool", n): threading.Lock() for n in self.pools
+        }
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -136,7 +146,9 @@ class OverridesService:
         self.check_instance(name)
         policy_weight, policy_reason = self.reconciler.policy_of(name)
         with self._serialised("instance", name) as (session, now):
-            before = _served(name, policy_weight, policy_reason, active_overrides(load_overrides(session, now), now))
+            before = _served(
+                name, policy_weight, policy_reason, active_overrides(load_overrides(session, now), now)
+            )
             row = self._replace(session, change, now)
             acts = active_overrides(load_overrides(session, now), now)
             after = _served(name, policy_weight, policy_reason, acts)
@@ -151,11 +163,15 @@ class OverridesService:
         configured = self.pools[pool].weight
         with self._serialised("pool", pool) as (session, now):
             old = active_overrides(load_overrides(session, now), now).get(("pool", pool, "weight"))
-            before = {"weight": configured if old is None else old.weight,
-                      "override_id": None if old is None else old.id}
+            before = {
+                "weight": configured if old is None else old.weight,
+                "override_id": None if old is None else old.id,
+            }
             row = self._replace(session, change, now)
-            after = {"weight": configured if row is None else row.weight,
-                     "override_id": None if row is None else row.id}
+            after = {
+                "weight": configured if row is None else row.weight,
+                "override_id": None if row is None else row.id,
+            }
             audit_id, line = _audit(session, now, change, before, after, row)
         audit_log.info(line)  # committed
         self._refresh()
@@ -191,21 +207,38 @@ class OverridesService:
             log.warning("refresh after a mutation failed: %s", exc)
 
 
-def _served(name: str, policy_weight: float, policy_reason: str, acts: dict[OverrideKey, Override]) -> ServedInstance:
-    return serve_instance(name, policy_weight, policy_reason, acts.get(("instance", name, "drain")),
-                          acts.get(("instance", name, "weight")))
+def _served(
+    name: str, policy_weight: float, policy_reason: str, acts: dict[OverrideKey, Override]
+) -> ServedInstance:
+    return serve_instance(
+        name,
+        policy_weight,
+        policy_reason,
+        acts.get(("instance", name, "drain")),
+        acts.get(("instance", name, "weight")),
+    )
 
 
 def _state(s: ServedInstance) -> dict[str, Any]:
-    return {"weight": s.weight, "drained": s.drained, "source": s.source, "policy_weight": s.policy_weight,
-            "override_id": None if s.override is None else s.override.id}
+    return {
+        "weight": s.weight,
+        "drained": s.drained,
+        "source": s.source,
+        "policy_weight": s.policy_weight,
+        "override_id": None if s.override is None else s.override.id,
+    }
 
 
 def _clear(session: Session, kind: str, subject: str, drained: bool, now: float) -> int:
-    rows = session.scalars(select(WeightOverride).where(
-        WeightOverride.subject_kind == kind, WeightOverride.subject == subject,
-        WeightOverride.drained.is_(drained), WeightOverride.cleared.is_(None),
-        WeightOverride.expires.is_(None) | (WeightOverride.expires > now)))
+    rows = session.scalars(
+        select(WeightOverride).where(
+            WeightOverride.subject_kind == kind,
+            WeightOverride.subject == subject,
+            WeightOverride.drained.is_(drained),
+            WeightOverride.cleared.is_(None),
+            WeightOverride.expires.is_(None) | (WeightOverride.expires > now),
+        )
+    )
     n = 0
     for r in rows:
         r.cleared = now
@@ -213,14 +246,38 @@ def _clear(session: Session, kind: str, subject: str, drained: bool, now: float)
     return n
 
 
-def _audit(session: Session, now: float, change: Change, before: dict[str, Any], after: dict[str, Any],
-           new: Override | None) -> tuple[int, str]:
+def _audit(
+    session: Session,
+    now: float,
+    change: Change,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    new: Override | None,
+) -> tuple[int, str]:
     """Add the audit row; returns its id and the log line to write once the transaction commits."""
     override_id = None if new is None else new.id
-    ev = AuditEvent(ts=now, actor=change.actor, action=change.action, subject=change.subject, before=before,
-                    after=after, reason=change.reason, override_id=override_id)
+    ev = AuditEvent(
+        ts=now,
+        actor=change.actor,
+        action=change.action,
+        subject=change.subject,
+        before=before,
+        after=after,
+        reason=change.reason,
+        override_id=override_id,
+    )
     session.add(ev)
     session.flush()
-    return ev.id, json.dumps({"event": change.action, "audit_id": ev.id, "override_id": override_id,
-                              "subject": change.subject, "actor": change.actor, "reason": change.reason,
-                              "before": before, "after": after}, sort_keys=True)
+    return ev.id, json.dumps(
+        {
+            "event": change.action,
+            "audit_id": ev.id,
+            "override_id": override_id,
+            "subject": change.subject,
+            "actor": change.actor,
+            "reason": change.reason,
+            "before": before,
+            "after": after,
+        },
+        sort_keys=True,
+    )

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from pdscope import semconv as sc
@@ -73,12 +74,26 @@ class Attempts:
     """Prefill and decode attempts for one proxy (shared by its requests)."""
 
     def __init__(
-        self, fs: FlowSettings, upstream: UpstreamClient, gate: Gate, routing: RoutingState, selector: Selector,
-        admission: Admission, budget: RetryBudget, metrics: ProxyMetrics, tracer: trace.Tracer,
+        self,
+        fs: FlowSettings,
+        upstream: UpstreamClient,
+        gate: Gate,
+        routing: RoutingState,
+        selector: Selector,
+        admission: Admission,
+        budget: RetryBudget,
+        metrics: ProxyMetrics,
+        tracer: trace.Tracer,
         clock: Callable[[], float],
     ) -> None:
         self.fs, self.upstream, self.gate, self.routing, self.selector = fs, upstream, gate, routing, selector
-        self.admission, self.budget, self.metrics, self.tracer, self.clock = admission, budget, metrics, tracer, clock
+        self.admission, self.budget, self.metrics, self.tracer, self.clock = (
+            admission,
+            budget,
+            metrics,
+            tracer,
+            clock,
+        )
         self.outliers = selector.outliers
 
     def spend(self, stage: str) -> bool:
@@ -98,8 +113,9 @@ class Attempts:
 
     # -- prefill ----------------------------------------------------------------------
 
-    async def prefill(self, req: RequestState, p_body: bytes, ctx: object, base: Headers, tp_in: str | None
-                      ) -> PrefillAnswer:
+    async def prefill(
+        self, req: RequestState, p_body: bytes, ctx: Context, base: Headers, tp_in: str | None
+    ) -> PrefillAnswer:
         """P's answer, from ``req.p`` or the P a retry moved it to."""
         req.stage = "prefill"
         tried: list[str] = []
@@ -108,7 +124,9 @@ class Attempts:
             p = req.p
             assert p is not None
             span = self.tracer.start_span(
-                sc.SPAN_PREFILL, context=ctx, kind=SpanKind.CLIENT,  # type: ignore[arg-type]
+                sc.SPAN_PREFILL,
+                context=ctx,
+                kind=SpanKind.CLIENT,
                 attributes={sc.ATTEMPT: attempt, sc.INSTANCE: p.name},
             )
             answer, kind = await self._prefill_once(req, p, p_body, with_traceparent(base, span, tp_in), span)
@@ -125,8 +143,9 @@ class Attempts:
                 raise upstream_error("prefill", kind)
             req.retries += 1
 
-    async def _prefill_once(self, req: RequestState, p: Target, p_body: bytes, headers: Headers, span: trace.Span
-                            ) -> tuple[PrefillAnswer | None, str]:
+    async def _prefill_once(
+        self, req: RequestState, p: Target, p_body: bytes, headers: Headers, span: trace.Span
+    ) -> tuple[PrefillAnswer | None, str]:
         """One call to P: its answer, or (None, the failure's kind). Ends ``span``."""
         kind = "error"
         self.selector.acquire(p.name)
@@ -166,8 +185,9 @@ class Attempts:
         span.end()
         return None, kind
 
-    async def _call(self, target: Target, path: str, body: bytes, headers: Headers, within_s: float
-                    ) -> tuple[int, bytes, bytes]:
+    async def _call(
+        self, target: Target, path: str, body: bytes, headers: Headers, within_s: float
+    ) -> tuple[int, bytes, bytes]:
         """A whole non-streamed call: (status, content type, body), bounded by ``within_s``."""
         async with asyncio.timeout(within_s):
             resp = await self.upstream.post(target.url, path, body, headers, within_s=within_s)
@@ -178,8 +198,15 @@ class Attempts:
     # -- handoff and decode -----------------------------------------------------------
 
     async def decode(
-        self, req: RequestState, body: dict[str, object], answer: PrefillAnswer, ctx: object, base: Headers,
-        tp_in: str | None, reply: Reply, tried: list[str],
+        self,
+        req: RequestState,
+        body: dict[str, object],
+        answer: PrefillAnswer,
+        ctx: Context,
+        base: Headers,
+        tp_in: str | None,
+        reply: Reply,
+        tried: list[str],
     ) -> None:
         """Hand P's KV to ``req.d`` (or the D a retry moved it to) and stream its answer to the client."""
         assert req.p is not None and req.d is not None
@@ -188,7 +215,8 @@ class Attempts:
         self.gate.hold_kv(req, kv)
         req.stage = "handoff"
         handoff = self.tracer.start_span(
-            sc.SPAN_HANDOFF, context=ctx,  # type: ignore[arg-type]
+            sc.SPAN_HANDOFF,
+            context=ctx,
             attributes={sc.P_INSTANCE: req.p.name, sc.KV_BLOCKS: answer.kv_blocks, sc.KV_BYTES: kv},
         )
         attempt = 0
@@ -197,11 +225,15 @@ class Attempts:
                 d = req.d
                 assert d is not None
                 span = self.tracer.start_span(
-                    sc.SPAN_DECODE, context=ctx, kind=SpanKind.CLIENT,  # type: ignore[arg-type]
+                    sc.SPAN_DECODE,
+                    context=ctx,
+                    kind=SpanKind.CLIENT,
                     attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
                 )
                 try:
-                    await self._decode_once(req, d, d_body, with_traceparent(base, span, tp_in), span, handoff, reply)
+                    await self._decode_once(
+                        req, d, d_body, with_traceparent(base, span, tp_in), span, handoff, reply
+                    )
                     return
                 except (ConnectFailed, DecodeRefused) as exc:
                     # D never saw the request, or refused it up front (vLLM's 503 comes before
@@ -232,8 +264,14 @@ class Attempts:
         self.outliers.failure(d.name, d.pool, self.clock())
 
     async def _decode_once(
-        self, req: RequestState, d: Target, d_body: bytes, headers: Headers, span: trace.Span,
-        handoff: trace.Span, reply: Reply,
+        self,
+        req: RequestState,
+        d: Target,
+        d_body: bytes,
+        headers: Headers,
+        span: trace.Span,
+        handoff: trace.Span,
+        reply: Reply,
     ) -> None:
         fs = self.fs
         loop = asyncio.get_running_loop()
@@ -271,7 +309,13 @@ class Attempts:
                 resp.close()
 
     async def _until_first_token(
-        self, req: RequestState, d: Target, d_body: bytes, headers: Headers, span: trace.Span, total_deadline: float,
+        self,
+        req: RequestState,
+        d: Target,
+        d_body: bytes,
+        headers: Headers,
+        span: trace.Span,
+        total_deadline: float,
     ) -> tuple[UpstreamResponse, bytes, SseWatch]:
         """D's answer up to what the client gets first (its first event; the whole body when not
         streamed), or the failure that decides the retry: ``ConnectFailed``/``DecodeRefused`` (same
@@ -290,8 +334,12 @@ class Attempts:
                     if resp.status != 200:
                         raw = await resp.read()
                         if 400 <= resp.status < 500:  # D refused the request: not D's failure
-                            raise ClientError(resp.status, raw, CLIENT_ERROR,
-                                              content_type=resp.header(b"content-type") or JSON)
+                            raise ClientError(
+                                resp.status,
+                                raw,
+                                CLIENT_ERROR,
+                                content_type=resp.header(b"content-type") or JSON,
+                            )
                         if resp.status == 503:
                             raise DecodeRefused("status_503")
                         raise NeedsPrefill(f"status_{resp.status}")
@@ -333,8 +381,16 @@ class Attempts:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _stream(
-        self, req: RequestState, d: Target, resp: UpstreamResponse, first: bytes, watch: SseWatch,
-        out_headers: list[tuple[bytes, bytes]], span: trace.Span, reply: Reply, total_deadline: float,
+        self,
+        req: RequestState,
+        d: Target,
+        resp: UpstreamResponse,
+        first: bytes,
+        watch: SseWatch,
+        out_headers: list[tuple[bytes, bytes]],
+        span: trace.Span,
+        reply: Reply,
+        total_deadline: float,
     ) -> None:
         """The rest of D's stream after the first event: no retry from here; a failure ends the
         stream with an error event and counts against D."""
@@ -363,5 +419,7 @@ class Attempts:
         if kind == "stream_error":
             await reply.body(b"", False)
             return
-        err = protocol.error_body(f"decode {kind} after the first token", "upstream_error", "upstream_" + kind)
+        err = protocol.error_body(
+            f"decode {kind} after the first token", "upstream_error", "upstream_" + kind
+        )
         await reply.body(b"data: " + err + b"\n\n", False)

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdscope import semconv as sc
@@ -140,8 +141,8 @@ class Flow:
 
     # -- admission ----------------------------------------------------------------------
 
-    async def _admit(self, req: RequestState, root: trace.Span, ctx: object) -> None:
-        span = self.tracer.start_span(sc.SPAN_ADMISSION, context=ctx)  # type: ignore[arg-type]
+    async def _admit(self, req: RequestState, root: trace.Span, ctx: Context) -> None:
+        span = self.tracer.start_span(sc.SPAN_ADMISSION, context=ctx)
         try:
             rejection = await self.gate.admit(req)
             if rejection is not None:
@@ -164,7 +165,7 @@ class Flow:
     # -- prefill then decode, with the full retry ------------------------------------------
 
     async def _run(
-        self, req: RequestState, body: dict[str, object], ctx: object, base: Headers, tp_in: str | None,
+        self, req: RequestState, body: dict[str, object], ctx: Context, base: Headers, tp_in: str | None,
         reply: Reply,
     ) -> None:
         p_body = json.dumps(protocol.prefill_body(body)).encode()

@@ -26,12 +26,25 @@ Role = Literal["prefill", "decode"]
 
 
 class Gate:
-    def __init__(self, fs: FlowSettings, routing: RoutingState, selector: Selector, admission: Admission,
-                 clock: Callable[[], float]) -> None:
-        self.fs, self.routing, self.selector, self.admission, self.clock = fs, routing, selector, admission, clock
+    def __init__(
+        self,
+        fs: FlowSettings,
+        routing: RoutingState,
+        selector: Selector,
+        admission: Admission,
+        clock: Callable[[], float],
+    ) -> None:
+        self.fs, self.routing, self.selector, self.admission, self.clock = (
+            fs,
+            routing,
+            selector,
+            admission,
+            clock,
+        )
         pools = routing.settings.pools
         self._pools_of: dict[str, tuple[str, ...]] = {
-            role: tuple(name for name, p in pools.items() if p.role == role) for role in ("prefill", "decode")}
+            role: tuple(name for name, p in pools.items() if p.role == role) for role in ("prefill", "decode")
+        }
 
     # -- the first pick ---------------------------------------------------------------
 
@@ -70,12 +83,18 @@ class Gate:
         req.d_slot = d.pool
         return None
 
-    def _open_pools(self, view: RoutingView, role: Role, held: str | None = None) -> tuple[list[str], Rejection | None]:
+    def _open_pools(
+        self, view: RoutingView, role: Role, held: str | None = None
+    ) -> tuple[list[str], Rejection | None]:
         """The pools of ``role`` (in the view) with room for one more request, ``held`` always among them."""
         open_: list[str] = []
         why = None
         for pool in view.prefill_pools if role == "prefill" else view.decode_pools:
-            reason = None if pool == held else self.admission.blocked(pool, view.limits_for(pool, self.fs.default_limits))
+            reason = (
+                None
+                if pool == held
+                else self.admission.blocked(pool, view.limits_for(pool, self.fs.default_limits))
+            )
             if reason is None:
                 open_.append(pool)
             elif why is None:
@@ -84,8 +103,14 @@ class Gate:
 
     # -- retries ----------------------------------------------------------------------
 
-    def retry(self, req: RequestState, role: Role, exclude: Collection[str], spend: Callable[[], bool],
-              or_same: bool = False) -> Target | None:
+    def retry(
+        self,
+        req: RequestState,
+        role: Role,
+        exclude: Collection[str],
+        spend: Callable[[], bool],
+        or_same: bool = False,
+    ) -> Target | None:
         """Move ``req`` to another target of ``role`` (not in ``exclude``) that admission lets in, when
         ``spend`` (the retry budget) allows it; None when there is none, or no budget. With ``or_same``
         the current target is the fallback when no other can be had (and its pool has room)."""
@@ -93,8 +118,13 @@ class Gate:
         held = req.p_slot if role == "prefill" else req.d_slot
         pools, _ = self._open_pools(view, role, held)
         current = req.p if role == "prefill" else req.d
-        nxt = self.selector.pick(role, view.prefill if role == "prefill" else view.decode, self.clock(),
-                                 exclude=exclude, pools=pools)
+        nxt = self.selector.pick(
+            role,
+            view.prefill if role == "prefill" else view.decode,
+            self.clock(),
+            exclude=exclude,
+            pools=pools,
+        )
         if nxt is None and or_same and current is not None and current.pool in pools:
             nxt = current
         if nxt is None or not spend():

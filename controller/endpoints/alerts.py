@@ -33,8 +33,12 @@ def router(ctx: ApiContext) -> APIRouter:
 
     @r.get("/v1/alerts/rules", response_model=list[AlertRuleOut], tags=["alerts"])
     def get_alert_rules() -> list[AlertRuleOut]:
-        return [AlertRuleOut(name=x.name, severity=x.severity, for_s=x.for_s, enabled=x.enabled, summary=x.summary)
-                for x in reconciler.rules]
+        return [
+            AlertRuleOut(
+                name=x.name, severity=x.severity, for_s=x.for_s, enabled=x.enabled, summary=x.summary
+            )
+            for x in reconciler.rules
+        ]
 
     @r.get("/v1/slo", response_model=SLOOut, tags=["alerts"])
     def get_slo() -> SLOOut:
@@ -54,16 +58,27 @@ def slo_status(reconciler: Reconciler) -> SLOOut:
     enough = slo is not None and slo.completed >= reconciler.alert_config.min_requests
     ok = None
     if enough and slo is not None and ttft is not None and att is not None:
-        ok = ttft <= cfg.ttft_target_s and (tpot is None or tpot <= cfg.tpot_target_s) and (
-            att >= cfg.goodput_attainment)
+        ok = (
+            ttft <= cfg.ttft_target_s
+            and (tpot is None or tpot <= cfg.tpot_target_s)
+            and (att >= cfg.goodput_attainment)
+        )
     return SLOOut(
-        window_s=reconciler.settings.slo.window_s, ttft_target_ms=cfg.ttft_target_s * 1000,
-        ttft_percentile=cfg.ttft_percentile, ttft_observed_ms=None if ttft is None else ttft * 1000,
-        tpot_target_ms=cfg.tpot_target_s * 1000, tpot_percentile=cfg.tpot_percentile,
-        tpot_observed_ms=None if tpot is None else tpot * 1000, goodput_attainment_target=cfg.goodput_attainment,
-        attainment=att, goodput_rps=slo.goodput_rps if slo else 0.0, completed=slo.completed if slo else 0,
-        met=slo.met if slo else 0, rejected=slo.rejected if slo else 0,
+        window_s=reconciler.settings.slo.window_s,
+        ttft_target_ms=cfg.ttft_target_s * 1000,
+        ttft_percentile=cfg.ttft_percentile,
+        ttft_observed_ms=None if ttft is None else ttft * 1000,
+        tpot_target_ms=cfg.tpot_target_s * 1000,
+        tpot_percentile=cfg.tpot_percentile,
+        tpot_observed_ms=None if tpot is None else tpot * 1000,
+        goodput_attainment_target=cfg.goodput_attainment,
+        attainment=att,
+        goodput_rps=slo.goodput_rps if slo else 0.0,
+        completed=slo.completed if slo else 0,
+        met=slo.met if slo else 0,
+        rejected=slo.rejected if slo else 0,
         handoff_p99_ms=None if slo is None or slo.handoff_p99_s is None else slo.handoff_p99_s * 1000,
-        handoff_budget_ms=cfg.handoff_budget_s * 1000, ok=ok,
+        handoff_budget_ms=cfg.handoff_budget_s * 1000,
+        ok=ok,
         evaluated_at=None if obs is None else obs.now,
     )

@@ -14,8 +14,13 @@ from controller.endpoints.views import Views
 from controller.loop import Reconciler
 from controller.overrides import OverridesService
 
-XActor = Annotated[str | None, Header(description="on whose behalf (UTF-8, at most 64 characters); recorded "
-                                                 "as identity:X-Actor in the audit trail")]
+XActor = Annotated[
+    str | None,
+    Header(
+        description="on whose behalf (UTF-8, at most 64 characters); recorded "
+        "as identity:X-Actor in the audit trail"
+    ),
+]
 
 
 @dataclass(frozen=True)

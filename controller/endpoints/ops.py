@@ -29,17 +29,31 @@ def router(ctx: ApiContext) -> APIRouter:
             status = "ok" if age is not None and age <= limit else "degraded"
         if status == "degraded":
             response.status_code = 503
-        return HealthOut(status=status, mode=reconciler.mode, ticks=view.ticks, failed_ticks=view.failed_ticks,
-                         last_success=view.last_ok, last_success_age_s=age, last_error=view.last_error,
-                         routing_version=view.table.version, routing_epoch=reconciler.epoch)
+        return HealthOut(
+            status=status,
+            mode=reconciler.mode,
+            ticks=view.ticks,
+            failed_ticks=view.failed_ticks,
+            last_success=view.last_ok,
+            last_success_age_s=age,
+            last_error=view.last_error,
+            routing_version=view.table.version,
+            routing_epoch=reconciler.epoch,
+        )
 
-    @r.get("/v1/whoami", response_model=WhoAmIOut, tags=["ops"],
-           summary="The identity of the bearer token sent (401 without a valid one)")
+    @r.get(
+        "/v1/whoami",
+        response_model=WhoAmIOut,
+        tags=["ops"],
+        summary="The identity of the bearer token sent (401 without a valid one)",
+    )
     def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmIOut:
         try:
             return WhoAmIOut(identity=ctx.authn.identify(authorization, missing_status=401))
         except AuthError as exc:
-            raise HTTPException(exc.status, detail=exc.detail, headers={"WWW-Authenticate": "Bearer"}) from None
+            raise HTTPException(
+                exc.status, detail=exc.detail, headers={"WWW-Authenticate": "Bearer"}
+            ) from None
 
     @r.get("/metrics", tags=["ops"], response_class=Response)
     def metrics() -> Response:

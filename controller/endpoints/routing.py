@@ -15,8 +15,12 @@ def router(ctx: ApiContext) -> APIRouter:
     r = APIRouter()
     reconciler = ctx.reconciler
 
-    @r.get("/v1/routing", response_model=RoutingTable, tags=["routing"],
-           summary="The routing table proxies apply (ETag = version; If-None-Match -> 304)")
+    @r.get(
+        "/v1/routing",
+        response_model=RoutingTable,
+        tags=["routing"],
+        summary="The routing table proxies apply (ETag = version; If-None-Match -> 304)",
+    )
     def get_routing(request: Request, response: Response) -> Any:
         table = reconciler.table
         etag = routing_etag(reconciler.epoch, table.version)

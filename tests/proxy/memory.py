@@ -45,8 +45,9 @@ class MemVLLM(FakeVLLM):
 
 
 class MemResponse:
-    def __init__(self, status: int, content_type: bytes, body: bytes = b"",
-                 stream: AsyncIterator[bytes] | None = None) -> None:
+    def __init__(
+        self, status: int, content_type: bytes, body: bytes = b"", stream: AsyncIterator[bytes] | None = None
+    ) -> None:
         self.status = status
         self._headers = {b"content-type": content_type}
         self._body = body
@@ -76,7 +77,9 @@ class MemResponse:
         """Closes a stream not read to its end (the instance counts it as aborted), as a socket close would."""
         self.closed = True
         stream, self._stream = self._stream, None
-        if stream is not None and not getattr(stream, "ag_running", False):  # running: its reader is cancelled
+        if stream is not None and not getattr(
+            stream, "ag_running", False
+        ):  # running: its reader is cancelled
             closing = stream.aclose()  # type: ignore[attr-defined]
             try:  # the fakes' streams close without awaiting: one step ends it
                 closing.send(None)
@@ -89,8 +92,9 @@ class MemResponse:
     async def __aenter__(self) -> MemResponse:
         return self
 
-    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -98,8 +102,15 @@ class MemoryUpstream:
     def __init__(self, instances: Iterable[MemVLLM]) -> None:
         self.by_url = {i.url: i for i in instances}
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), *,
-                   within_s: float) -> MemResponse:
+    async def post(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]] = (),
+        *,
+        within_s: float,
+    ) -> MemResponse:
         inst = self.by_url.get(base_url)
         if inst is None or inst.mode == "down":
             raise ConnectFailed(f"connection refused: {base_url}")
@@ -149,17 +160,28 @@ class RecordingReply:
         return json.loads(self.data)
 
 
-def memory_settings(pools: dict[str, tuple[str, Sequence[MemVLLM]]], proxy: dict[str, Any] | None = None,
-                    pool_weights: dict[str, float] | None = None) -> Settings:
+def memory_settings(
+    pools: dict[str, tuple[str, Sequence[MemVLLM]]],
+    proxy: dict[str, Any] | None = None,
+    pool_weights: dict[str, float] | None = None,
+) -> Settings:
     """A config whose pools (name -> (role, instances)) hold the in-memory instances."""
     doc = {
         "model": {"name": "fake", "kv_bytes_per_token": 1000},
-        "pools": {name: {"role": role, "weight": (pool_weights or {}).get(name, 1.0),
-                         "instances": [{"name": i.name, "url": i.url} for i in insts]}
-                  for name, (role, insts) in pools.items()},
-        "proxy": {"controller_url": "http://controller.mem", "tracing": False,
-                  "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 5, "decode_total_s": 10},
-                  **(proxy or {})},
+        "pools": {
+            name: {
+                "role": role,
+                "weight": (pool_weights or {}).get(name, 1.0),
+                "instances": [{"name": i.name, "url": i.url} for i in insts],
+            }
+            for name, (role, insts) in pools.items()
+        },
+        "proxy": {
+            "controller_url": "http://controller.mem",
+            "tracing": False,
+            "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 5, "decode_total_s": 10},
+            **(proxy or {}),
+        },
     }
     return parse_config(yaml.safe_dump(doc), "<memory>")
 
@@ -170,10 +192,16 @@ class MemoryProxy:
     parts: Parts
     upstream: MemoryUpstream
 
-    async def send(self, body: dict[str, Any] | None = None, endpoint: str = "/v1/completions",
-                   headers: dict[bytes, bytes] | None = None) -> RecordingReply:
+    async def send(
+        self,
+        body: dict[str, Any] | None = None,
+        endpoint: str = "/v1/completions",
+        headers: dict[bytes, bytes] | None = None,
+    ) -> RecordingReply:
         reply = RecordingReply()
-        await self.flow.handle(endpoint, json.dumps(body or COMPLETION).encode(), headers or {}, reply, Gone())
+        await self.flow.handle(
+            endpoint, json.dumps(body or COMPLETION).encode(), headers or {}, reply, Gone()
+        )
         return reply
 
     def metric(self, name: str, **labels: str) -> float:
@@ -181,8 +209,9 @@ class MemoryProxy:
         return self.parts.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def memory_flow(settings: Settings, instances: Iterable[MemVLLM],
-                spans: InMemorySpanExporter | None = None) -> MemoryProxy:
+def memory_flow(
+    settings: Settings, instances: Iterable[MemVLLM], spans: InMemorySpanExporter | None = None
+) -> MemoryProxy:
     """The proxy's flow and parts from ``settings``, with its upstream calls going to ``instances``;
     with ``spans`` every span ends up there as it ends (no tracing otherwise)."""
     parts = build(settings, poll=False).parts
@@ -192,13 +221,26 @@ def memory_flow(settings: Settings, instances: Iterable[MemVLLM],
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(spans))
         tracer = provider.get_tracer("tests.proxy.memory")
-    flow = Flow(parts.flow.fs, upstream, parts.routing, parts.selector, parts.admission, parts.budget,
-                parts.metrics, tracer, parts.clock)
+    flow = Flow(
+        parts.flow.fs,
+        upstream,
+        parts.routing,
+        parts.selector,
+        parts.admission,
+        parts.budget,
+        parts.metrics,
+        tracer,
+        parts.clock,
+    )
     return MemoryProxy(flow, parts, upstream)
 
 
-def one_pool_each(prefill: Sequence[MemVLLM], decode: Sequence[MemVLLM], spans: InMemorySpanExporter | None = None,
-                  **proxy: object) -> MemoryProxy:
+def one_pool_each(
+    prefill: Sequence[MemVLLM],
+    decode: Sequence[MemVLLM],
+    spans: InMemorySpanExporter | None = None,
+    **proxy: object,
+) -> MemoryProxy:
     """Pools ``prefill`` and ``decode`` holding these instances; ``proxy`` are the config's proxy settings."""
     settings = memory_settings({"prefill": ("prefill", prefill), "decode": ("decode", decode)}, proxy=proxy)
     return memory_flow(settings, [*prefill, *decode], spans)

@@ -31,7 +31,10 @@ async def test_prefill_down_retries_another_prefill() -> None:
     assert reply.status == 200, reply.data
     assert len(p1.calls) == 1 and len(d0.calls) == 1
     assert proxy.metric("pdscope_proxy_retries_total", stage="prefill") == 1
-    assert proxy.metric("pdscope_proxy_upstream_failures_total", instance="p0", kind="connect", stage="prefill") == 1
+    assert (
+        proxy.metric("pdscope_proxy_upstream_failures_total", instance="p0", kind="connect", stage="prefill")
+        == 1
+    )
     assert proxy.parts.selector.outliers.recent("p0", proxy.parts.clock()) == (1, 1)  # counted against p0
 
 
@@ -55,9 +58,15 @@ async def test_prefill_4xx_is_passed_through_without_retry() -> None:
     reply = await proxy.send()
     assert reply.status == 400 and reply.json()["error"]["message"] == "bad prompt"
     assert sum(len(p.calls) for p in ps) == 1
-    assert proxy.metric("pdscope_proxy_upstream_failures_total", instance=ps[0].name, kind="status_400",
-                        stage="prefill") == 0
-    assert proxy.metric("pdscope_proxy_requests_total", endpoint="/v1/completions", outcome="client_error") == 1
+    assert (
+        proxy.metric(
+            "pdscope_proxy_upstream_failures_total", instance=ps[0].name, kind="status_400", stage="prefill"
+        )
+        == 0
+    )
+    assert (
+        proxy.metric("pdscope_proxy_requests_total", endpoint="/v1/completions", outcome="client_error") == 1
+    )
 
 
 # -- decode -------------------------------------------------------------------------------
@@ -81,7 +90,12 @@ async def test_decode_503_is_retried_on_another_decode_with_the_same_kv() -> Non
     assert len(p0.calls) == 1  # no new prefill
     assert d1.calls[0]["body"]["kv_transfer_params"] == d0.calls[0]["body"]["kv_transfer_params"]
     assert proxy.metric("pdscope_proxy_retries_total", stage="decode") == 1
-    assert proxy.metric("pdscope_proxy_upstream_failures_total", instance="d0", kind="status_503", stage="decode") == 1
+    assert (
+        proxy.metric(
+            "pdscope_proxy_upstream_failures_total", instance="d0", kind="status_503", stage="decode"
+        )
+        == 1
+    )
 
 
 async def test_decode_500_before_first_token_retries_with_a_new_prefill() -> None:
@@ -114,7 +128,11 @@ async def test_a_stream_cut_after_the_first_token_is_not_retried_and_ends_with_a
     assert reply.status == 200 and reply.ended and len(d0.calls) == 1
     last = reply.data.decode().strip().splitlines()[-1]
     assert json.loads(last[6:])["error"]["code"] == "upstream_no_done"
-    assert len(p0.calls) == 1 and d1.calls == [] and proxy.metric("pdscope_proxy_retries_total", stage="full") == 0
+    assert (
+        len(p0.calls) == 1
+        and d1.calls == []
+        and proxy.metric("pdscope_proxy_retries_total", stage="full") == 0
+    )
 
 
 # -- retries go through admission -----------------------------------------------------------
@@ -125,8 +143,11 @@ async def _hold(proxy: MemoryProxy, where: list[MemVLLM]) -> tuple[asyncio.Task[
     for inst in where:
         inst.mode = "hang"
     task: asyncio.Task[object] = asyncio.create_task(proxy.send(STREAM))
-    done, _ = await asyncio.wait([asyncio.ensure_future(i.entered.wait()) for i in where], timeout=5,
-                                 return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait(
+        [asyncio.ensure_future(i.entered.wait()) for i in where],
+        timeout=5,
+        return_when=asyncio.FIRST_COMPLETED,
+    )
     assert done, "the holding request reached no instance"
     holder = next(i for i in where if i.entered.is_set())
     return task, holder
@@ -147,7 +168,8 @@ async def test_a_prefill_retry_is_not_admitted_into_a_full_pool() -> None:
     d0, d1 = MemVLLM("d0", "decode"), MemVLLM("d1", "decode")
     settings = memory_settings(
         {"pa": ("prefill", [p0]), "pb": ("prefill", [p1]), "da": ("decode", [d0]), "db": ("decode", [d1])},
-        proxy={"admission": {"max_inflight_requests": 1}})
+        proxy={"admission": {"max_inflight_requests": 1}},
+    )
     proxy = memory_flow(settings, [p0, p1, d0, d1])
     a, holder = await _hold(proxy, [p0, p1])
     other = p1 if holder is p0 else p0
@@ -168,8 +190,10 @@ async def test_a_decode_retry_is_not_admitted_into_a_full_pool() -> None:
     # B's D in the other pool refuses the connection; the only other D is in A's full pool: no retry.
     p0 = MemVLLM("p0", "prefill")
     d0, d1 = MemVLLM("d0", "decode"), MemVLLM("d1", "decode")
-    settings = memory_settings({"pa": ("prefill", [p0]), "da": ("decode", [d0]), "db": ("decode", [d1])},
-                               proxy={"admission": {"max_inflight_requests": 1}})
+    settings = memory_settings(
+        {"pa": ("prefill", [p0]), "da": ("decode", [d0]), "db": ("decode", [d1])},
+        proxy={"admission": {"max_inflight_requests": 1}},
+    )
     proxy = memory_flow(settings, [p0, d0, d1])
     a, holder = await _hold(proxy, [d0, d1])  # A's prefill is done: its P slot is free again
     other = d1 if holder is d0 else d0
@@ -181,7 +205,10 @@ async def test_a_decode_retry_is_not_admitted_into_a_full_pool() -> None:
         assert proxy.metric("pdscope_proxy_retries_total", stage="decode") == 0
     finally:
         await _cancel(a)
-    assert sum(proxy.parts.admission.requests.values()) == 0 and sum(proxy.parts.admission.kv_bytes.values()) == 0
+    assert (
+        sum(proxy.parts.admission.requests.values()) == 0
+        and sum(proxy.parts.admission.kv_bytes.values()) == 0
+    )
 
 
 async def test_a_retry_within_the_pool_it_holds_is_admitted() -> None:
@@ -194,8 +221,11 @@ async def test_a_retry_within_the_pool_it_holds_is_admitted() -> None:
 
 
 def holder_pool(proxy: MemoryProxy, inst: MemVLLM) -> str:
-    return next(name for name, pool in proxy.parts.settings.pools.items()
-                if inst.name in [i.name for i in pool.instances])
+    return next(
+        name
+        for name, pool in proxy.parts.settings.pools.items()
+        if inst.name in [i.name for i in pool.instances]
+    )
 
 
 # -- rejections name pools ------------------------------------------------------------------
@@ -203,8 +233,10 @@ def holder_pool(proxy: MemoryProxy, inst: MemVLLM) -> str:
 
 async def test_a_no_instances_rejection_counts_against_the_pools_not_the_role() -> None:
     p0, d0, d1 = MemVLLM("p0", "prefill"), MemVLLM("d0", "decode"), MemVLLM("d1", "decode")
-    settings = memory_settings({"pa": ("prefill", [p0]), "da": ("decode", [d0]), "db": ("decode", [d1])},
-                               pool_weights={"da": 0.0, "db": 0.0})  # no routable decode instance
+    settings = memory_settings(
+        {"pa": ("prefill", [p0]), "da": ("decode", [d0]), "db": ("decode", [d1])},
+        pool_weights={"da": 0.0, "db": 0.0},
+    )  # no routable decode instance
     proxy = memory_flow(settings, [p0, d0, d1])
     reply = await proxy.send()
     assert reply.status == 503 and "no routable decode instance" in reply.json()["error"]["message"]
@@ -216,8 +248,10 @@ async def test_a_no_instances_rejection_counts_against_the_pools_not_the_role() 
 
 async def test_a_full_pool_rejection_names_that_pool() -> None:
     p0, d0 = MemVLLM("p0", "prefill"), MemVLLM("d0", "decode")
-    settings = memory_settings({"pa": ("prefill", [p0]), "da": ("decode", [d0])},
-                               proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": 0.0}})
+    settings = memory_settings(
+        {"pa": ("prefill", [p0]), "da": ("decode", [d0])},
+        proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": 0.0}},
+    )
     proxy = memory_flow(settings, [p0, d0])
     a, _ = await _hold(proxy, [d0])
     try:
