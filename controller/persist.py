@@ -47,6 +47,12 @@ def to_override(row: WeightOverride) -> Override:
                     row.expires)
 
 
+def to_row(o: Override) -> WeightOverride:
+    """The store's row for a new override (its id is the store's)."""
+    return WeightOverride(subject_kind=o.subject_kind, subject=o.subject, weight=o.weight, drained=o.drained,
+                          reason=o.reason, actor=o.actor, created=o.created, expires=o.expires)
+
+
 def lock_subject(session: Session, kind: str, subject: str) -> None:
     """Hold the store's write lock for ``kind``/``subject`` until ``session``'s transaction ends.
 

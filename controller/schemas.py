@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from controller.policy import Override
+
 MAX_TTL_S = 7 * 86400.0
 MAX_REASON_CHARS = 500
 
@@ -70,6 +72,14 @@ class OverrideOut(BaseModel):
     actor: str
     created: float
     expires: float | None
+
+    @classmethod
+    def of(cls, o: Override | None) -> OverrideOut | None:
+        """The API's view of the controller's override (None stays None)."""
+        if o is None:
+            return None
+        return cls(id=o.id, subject_kind=o.subject_kind, subject=o.subject, weight=o.weight, drained=o.drained,
+                   reason=o.reason, actor=o.actor, created=o.created, expires=o.expires)
 
 
 class InstanceWeightOut(BaseModel):

@@ -34,8 +34,12 @@ REASONS = (REASON_REQUESTS, REASON_KV_BYTES, REASON_QUEUE_FULL, REASON_NO_INSTAN
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
+    """Why a request was not admitted, and the pools it counts against: the one without room, or
+    (``no_instances``) every pool of ``role``, none of which had a routable instance."""
+
     reason: str
-    pool: str
+    pools: tuple[str, ...]
+    role: str
 
 
 class Admission:

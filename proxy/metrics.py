@@ -47,7 +47,8 @@ class ProxyMetrics:
             "pdscope_proxy_requests", "Client requests by endpoint and outcome.", ["endpoint", "outcome"], registry=r
         )
         self.rejections = Counter(
-            "pdscope_proxy_rejections", "Requests rejected by admission (429), by pool and reason.",
+            "pdscope_proxy_rejections", "Requests rejected by admission (429; 503 for no_instances, counted in "
+            "every pool of the role), by pool name and reason.",
             ["pool", "reason"], registry=r,
         )
         self.retries = Counter(

@@ -14,7 +14,7 @@ In the manner of Envoy's outlier detection, per instance:
 - At most ``max_ejected_share`` of a pool's instances are ejected at once (at least one,
   never the last one; ``0`` ejects nothing). A pool here is a config pool.
 
-What is a failure is the caller's call (``proxy.flow``): connect errors, 5xx, timeouts,
+What is a failure is the caller's call (``proxy.attempts``): connect errors, 5xx, timeouts,
 D's stream errors before or after the first token, a stream without ``[DONE]``. A 4xx the
 client caused (429 included) is neither a failure nor a success.
 

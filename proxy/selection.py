@@ -13,7 +13,7 @@ ejections), for baselines.
 
 Pure apart from the injected random source; the clock is passed in. The proxy picks P
 and D jointly by calling :meth:`Selector.pick` for each role with the pools admission
-allows (see ``proxy.flow``). Also here: :class:`RetryBudget`.
+allows (see ``proxy.gate``). Also here: :class:`RetryBudget`.
 """
 
 from __future__ import annotations

@@ -86,3 +86,28 @@ def test_advisory_table_says_so() -> None:
     out = decide(TickInput(obs, PolicyState(), (), specs(insts), pool_specs(), "advisory"), PolicyConfig.defaults(),
                  default_rules(AlertConfig()), AlertConfig())
     assert out.table.mode == "advisory" and out.table.enforce is False
+
+
+# -- one override shape, a converter at each boundary ------------------------------------------
+
+
+def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> None:
+    from controller.overrides import Change
+    from controller.persist import to_override, to_row
+    from controller.schemas import OverrideOut
+
+    weight = Change("instance", "decode-1", "weight", "weight.set", "hot", "api", sets=True, weight=0.4, ttl_s=60.0)
+    drain = Change("instance", "decode-2", "drain", "drain", "maintenance", "api", sets=True)
+    o = weight.override(100.0)
+    assert (o.weight, o.drained, o.created, o.expires) == (0.4, False, 100.0, 160.0)
+    d = drain.override(100.0)
+    assert (d.weight, d.drained, d.expires) == (0.0, True, None)  # a drain without ttl lasts until undrained
+    row = to_row(o)
+    row.id = 7  # what the store assigns
+    back = to_override(row)
+    assert back == Override(7, "instance", "decode-1", 0.4, False, "hot", "api", 100.0, 160.0)
+    out = OverrideOut.of(back)
+    assert out is not None and out.model_dump() == {
+        "id": 7, "subject_kind": "instance", "subject": "decode-1", "weight": 0.4, "drained": False,
+        "reason": "hot", "actor": "api", "created": 100.0, "expires": 160.0}
+    assert OverrideOut.of(None) is None

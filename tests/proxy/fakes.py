@@ -103,26 +103,40 @@ class FakeVLLM:
     async def _handle(self, request: Request) -> Response:
         body = await request.json()
         self.calls.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
-        if self.mode == "error500":
-            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-        if self.mode == "error503":
-            return JSONResponse({"error": {"message": "queue full"}}, status_code=503)
-        if self.mode == "error429":
-            return JSONResponse({"error": {"message": "too many requests", "type": "RateLimitError"}},
-                                status_code=429)
-        if self.mode == "error400":
-            return JSONResponse({"error": {"message": "bad prompt", "type": "BadRequestError"}}, status_code=400)
         if self.mode == "hang":
             await asyncio.sleep(3600)
         rid = request.headers.get("x-request-id", "none")
-        if self.role == "prefill":
-            return self._prefill(rid, body)
-        return self._decode(rid, body)
+        status, payload = self.answer(rid, body)
+        if payload is None:
+            return StreamingResponse(self.events(rid, body), media_type="text/event-stream")
+        return JSONResponse(payload, status_code=status)
 
-    def _prefill(self, rid: str, body: dict[str, Any]) -> Response:
+    # -- what it answers (shared with the in-memory fleet, tests/proxy/memory.py) -----------
+
+    def answer(self, rid: str, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+        """(status, JSON body) for one call, or (200, None) for a stream (:meth:`events`)."""
+        refused = REFUSALS.get(self.mode)
+        if refused is not None:
+            return refused
+        if self.role == "prefill":
+            return 200, self.prefill_answer(rid, body)
+        ktp = body.get("kv_transfer_params")
+        if not isinstance(ktp, dict) or ktp.get("do_remote_prefill") is not True:
+            return 422, {"error": {"message": "no kv_transfer_params"}}
+        if body.get("stream"):
+            return 200, None
+        self.finished += 1
+        text = completion_text(body)
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                                  if "messages" in body else {"index": 0, "text": text})
+        choice["finish_reason"] = "length"
+        return 200, {"id": f"cmpl-{rid}", "choices": [choice],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": len(text)}}
+
+    def prefill_answer(self, rid: str, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt") or json.dumps(body.get("messages"))
         n_tokens = len(str(prompt).split())
-        return JSONResponse({
+        return {
             "id": f"cmpl-{rid}-0",
             "object": "text_completion",
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
@@ -133,58 +147,52 @@ class FakeVLLM:
                 "remote_request_id": f"cmpl-{rid}-0-deadbeef", "remote_host": "127.0.0.1",
                 "remote_port": 5600, "tp_size": 1, "remote_num_tokens": n_tokens, "transfer_mode": "pull",
             },
-        })
+        }
 
-    def _decode(self, rid: str, body: dict[str, Any]) -> Response:
-        ktp = body.get("kv_transfer_params")
-        if not isinstance(ktp, dict) or ktp.get("do_remote_prefill") is not True:
-            return JSONResponse({"error": {"message": "no kv_transfer_params"}}, status_code=422)
+    async def events(self, rid: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """D's SSE stream for a streamed decode (``aborted`` counts streams closed before the end)."""
         text = completion_text(body)
         chat = "messages" in body
-        if not body.get("stream"):
-            self.finished += 1
-            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                                      if chat else {"index": 0, "text": text})
-            choice["finish_reason"] = "length"
-            return JSONResponse({"id": f"cmpl-{rid}", "choices": [choice],
-                                 "usage": {"prompt_tokens": 3, "completion_tokens": len(text)}})
         n = max(1, self.n_chunks)
         size = max(1, -(-len(text) // n))
         pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
-
         error_event = b"data: " + json.dumps({"error": {
             "message": "KV transfer failed", "type": "InternalServerError", "param": None, "code": 500,
         }}).encode() + b"\n\n"
-
-        async def gen() -> AsyncIterator[bytes]:
-            try:
-                if chat:  # vLLM's chat preamble, sent with the first engine output (an error too)
-                    yield b"data: " + json.dumps({"id": rid, "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode() \
-                        + b"\n\n"
-                if self.stream_error == "first":
+        try:
+            if chat:  # vLLM's chat preamble, sent with the first engine output (an error too)
+                yield b"data: " + json.dumps({"id": rid, "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode() \
+                    + b"\n\n"
+            if self.stream_error == "first":
+                yield error_event + b"data: [DONE]\n\n"
+                return
+            if self.stream_error == "empty":  # a 200 and no event at all
+                return
+            for i, piece in enumerate(pieces):
+                delta = {"delta": {"content": piece}} if chat else {"text": piece}
+                yield b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
+                if self.hang_after_first and i == 0:
+                    await asyncio.sleep(3600)
+                if self.stream_error == "mid" and i == 0:
                     yield error_event + b"data: [DONE]\n\n"
                     return
-                if self.stream_error == "empty":  # a 200 and no event at all
-                    return
-                for i, piece in enumerate(pieces):
-                    delta = {"delta": {"content": piece}} if chat else {"text": piece}
-                    yield b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
-                    if self.hang_after_first and i == 0:
-                        await asyncio.sleep(3600)
-                    if self.stream_error == "mid" and i == 0:
-                        yield error_event + b"data: [DONE]\n\n"
-                        return
-                    if self.chunk_delay:
-                        await asyncio.sleep(self.chunk_delay)
-                if not self.no_done:
-                    yield b"data: [DONE]\n\n"
-                self.finished += 1
-            except BaseException:
-                self.aborted += 1
-                raise
+                if self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
+            if not self.no_done:
+                yield b"data: [DONE]\n\n"
+            self.finished += 1
+        except BaseException:
+            self.aborted += 1
+            raise
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+
+REFUSALS: dict[str, tuple[int, dict[str, Any]]] = {
+    "error500": (500, {"error": {"message": "boom"}}),
+    "error503": (503, {"error": {"message": "queue full"}}),
+    "error429": (429, {"error": {"message": "too many requests", "type": "RateLimitError"}}),
+    "error400": (400, {"error": {"message": "bad prompt", "type": "BadRequestError"}}),
+}
 
 
 @dataclass

@@ -1,11 +1,14 @@
 """Outlier detection fed by the request flow (issue 14, "no black holes"): what counts as a
-failure of an instance, and a D whose streams fail in-band is ejected while clients are served."""
+failure of an instance, and a D whose streams fail in-band is ejected while clients are served
+(end to end, with the health answer); the rest on the in-memory fleet."""
 
 from __future__ import annotations
 
 import httpx
+from prometheus_client import generate_latest
 
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
+from tests.proxy.memory import MemVLLM, one_pool_each
 
 COMPLETION = {"model": "fake", "prompt": "one two three four", "max_tokens": 4, "stream": True}
 
@@ -40,39 +43,31 @@ async def test_a_d_failing_in_band_before_its_first_token_is_ejected_and_clients
 
 
 async def test_a_failure_after_the_first_token_counts_against_d() -> None:
-    async with fake_fleet(1, 2, n_chunks=4) as fleet:
-        for d in fleet.decode:
-            d.stream_error = "mid"
-        settings = make_settings([fleet.prefill[0].url], [d.url for d in fleet.decode],
-                                 proxy={"policy": "round-robin", "outlier": {"consecutive_failures": 1}})
-        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-            resp = await client.post(url + "/v1/completions", json=COMPLETION)
-            ejected = [e.instance for e in app.parts.selector.outliers.ejected(app.parts.clock())]
-    assert resp.status_code == 200 and "KV transfer failed" in resp.text
+    ds = [MemVLLM(f"d{i}", "decode", n_chunks=4, stream_error="mid") for i in range(2)]
+    proxy = one_pool_each([MemVLLM("p0", "prefill")], ds, policy="round-robin", outlier={"consecutive_failures": 1})
+    reply = await proxy.send(COMPLETION)
+    ejected = [e.instance for e in proxy.parts.selector.outliers.ejected(proxy.parts.clock())]
+    assert reply.status == 200 and b"KV transfer failed" in reply.data
     assert ejected == ["d0"]
 
 
 async def test_a_429_or_a_4xx_from_p_or_d_is_neither_a_failure_nor_a_success() -> None:
-    async with fake_fleet(1, 2) as fleet:
-        fleet.prefill[0].mode = "error429"
-        settings = make_settings([fleet.prefill[0].url], [d.url for d in fleet.decode],
-                                 proxy={"outlier": {"consecutive_failures": 1}})
-        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-            p429 = [(await client.post(url + "/v1/completions", json=COMPLETION)).status_code for _ in range(3)]
-            fleet.prefill[0].mode = "ok"
-            for d in fleet.decode:
-                d.mode = "error429"
-            d429 = [(await client.post(url + "/v1/completions", json=COMPLETION)).status_code for _ in range(3)]
-            for d in fleet.decode:
-                d.mode = "error400"
-            d400 = (await client.post(url + "/v1/completions", json=COMPLETION)).status_code
-            out, now = app.parts.selector.outliers, app.parts.clock()
-            recent = {name: out.recent(name, now) for name in ("d0", "d1")}
-            p_recent = out.recent("p0", now)
-            metrics = (await client.get(url + "/metrics")).text
+    p0 = MemVLLM("p0", "prefill", mode="error429")
+    ds = [MemVLLM("d0", "decode"), MemVLLM("d1", "decode")]
+    proxy = one_pool_each([p0], ds, outlier={"consecutive_failures": 1})
+    p429 = [(await proxy.send(COMPLETION)).status for _ in range(3)]
+    p0.mode = "ok"
+    for d in ds:
+        d.mode = "error429"
+    d429 = [(await proxy.send(COMPLETION)).status for _ in range(3)]
+    for d in ds:
+        d.mode = "error400"
+    d400 = (await proxy.send(COMPLETION)).status
+    out, now = proxy.parts.selector.outliers, proxy.parts.clock()
     assert p429 == [429] * 3 and d429 == [429] * 3 and d400 == 400  # passed through, not retried
-    assert recent == {"d0": (0, 0), "d1": (0, 0)}
-    assert p_recent == (4, 0)  # p0's four answered prefills are its successes; its 429s are not counted
+    assert {name: out.recent(name, now) for name in ("d0", "d1")} == {"d0": (0, 0), "d1": (0, 0)}
+    assert out.recent("p0", now) == (4, 0)  # p0's four answered prefills are its successes; its 429s are not counted
     assert not out.any_ejected
+    metrics = generate_latest(proxy.parts.metrics.registry).decode()
     assert "pdscope_proxy_outlier_ejections_total{" not in metrics
     assert "pdscope_proxy_upstream_failures_total{" not in metrics

@@ -1,0 +1,11 @@
+"""The control API's routers, one module per concern; :func:`controller.api.create_app` assembles them.
+
+* :mod:`.routing`: the routing table proxies poll, pools and instance weights (reads).
+* :mod:`.overrides`: operator overrides: instance weight, drain/undrain, pool weight (mutations).
+* :mod:`.history`: the policy's stored decisions.
+* :mod:`.alerts`: alerts, the alert rules as configured, SLO status.
+* :mod:`.ops`: health, the caller's identity, Prometheus metrics.
+
+Routers read through :class:`.context.ApiContext` and render with :class:`.views.Views`;
+they do no policy.
+"""

@@ -1,0 +1,47 @@
+"""What every router reads: the reconciler, the overrides service, the views; and the
+dependencies of a mutation (its audit actor)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Header, HTTPException, Request
+from prometheus_client import CollectorRegistry
+
+from controller.auth import Authenticator, audit_actor
+from controller.endpoints.views import Views
+from controller.loop import Reconciler
+from controller.overrides import OverridesService
+
+XActor = Annotated[
+    str | None,
+    Header(
+        description="on whose behalf (UTF-8, at most 64 characters); recorded "
+        "as identity:X-Actor in the audit trail"
+    ),
+]
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    reconciler: Reconciler
+    authn: Authenticator
+    registry: CollectorRegistry
+    overrides: OverridesService
+    views: Views
+
+
+def caller(request: Request) -> str:
+    """The audit actor of a mutation: the guard authenticated it before the body was read."""
+    identity = request.scope.get("state", {}).get("identity")
+    if not isinstance(identity, str):  # the guard runs first; this only guards against misuse
+        raise HTTPException(401, detail="not authenticated", headers={"WWW-Authenticate": "Bearer"})
+    return audit_actor(identity, request.scope["state"].get("x_actor"))
+
+
+def _documents_x_actor(x_actor: XActor = None) -> None:
+    """Lists X-Actor in the OpenAPI document; the guard reads and sanitises the raw header."""
+
+
+MUTATION = [Depends(_documents_x_actor)]  # the dependencies of every mutation route

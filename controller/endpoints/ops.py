@@ -1,0 +1,62 @@
+"""Operations: health (503 when degraded), the bearer token's identity, Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.auth import AuthError
+from controller.endpoints.context import ApiContext
+from controller.schemas import HealthOut, WhoAmIOut
+
+
+def router(ctx: ApiContext) -> APIRouter:
+    r = APIRouter()
+    reconciler = ctx.reconciler
+
+    @r.get("/healthz", response_model=HealthOut, tags=["ops"])
+    def healthz(response: Response) -> HealthOut:
+        view = reconciler.view()
+        now = reconciler.clock()
+        age = None if view.last_ok is None else max(0.0, now - view.last_ok)
+        limit = max(10.0, 5 * reconciler.settings.controller.interval_s)
+        status: Literal["ok", "starting", "degraded"]
+        if view.last_ok is None:
+            status = "starting" if view.failed_ticks == 0 else "degraded"
+        else:
+            status = "ok" if age is not None and age <= limit else "degraded"
+        if status == "degraded":
+            response.status_code = 503
+        return HealthOut(
+            status=status,
+            mode=reconciler.mode,
+            ticks=view.ticks,
+            failed_ticks=view.failed_ticks,
+            last_success=view.last_ok,
+            last_success_age_s=age,
+            last_error=view.last_error,
+            routing_version=view.table.version,
+            routing_epoch=reconciler.epoch,
+        )
+
+    @r.get(
+        "/v1/whoami",
+        response_model=WhoAmIOut,
+        tags=["ops"],
+        summary="The identity of the bearer token sent (401 without a valid one)",
+    )
+    def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmIOut:
+        try:
+            return WhoAmIOut(identity=ctx.authn.identify(authorization, missing_status=401))
+        except AuthError as exc:
+            raise HTTPException(
+                exc.status, detail=exc.detail, headers={"WWW-Authenticate": "Bearer"}
+            ) from None
+
+    @r.get("/metrics", tags=["ops"], response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return r

@@ -1,0 +1,114 @@
+"""Operator overrides (the guard has authenticated each request): an instance's weight, its
+drain, a pool's weight. :class:`controller.overrides.OverridesService` validates and stores
+them; this module turns the bodies into :class:`controller.overrides.Change` and the results
+into answers."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from controller.endpoints.context import MUTATION, ApiContext, caller
+from controller.overrides import Change
+from controller.schemas import ClearIn, DrainIn, InstanceWeightOut, OverrideOut, PoolOut, UndrainIn, WeightIn
+
+
+def instance_change(ctx: ApiContext, change: Change) -> InstanceWeightOut:
+    """Make ``change`` and answer with the instance as served after it (and its audit event)."""
+    res = ctx.overrides.change_instance(change)
+    out = ctx.views.instance(ctx.reconciler.view(), change.subject, res.active, res.served)
+    out.audit_id = res.audit_id
+    return out
+
+
+def pool_change(ctx: ApiContext, change: Change) -> PoolOut:
+    """Make ``change`` and answer with the pool after it: the override it started (or none) and its audit event."""
+    res = ctx.overrides.change_pool(change)
+    out = next(p for p in ctx.views.pools() if p.name == change.subject)
+    out.override = OverrideOut.of(res.override)
+    out.audit_id = res.audit_id
+    return out
+
+
+def router(ctx: ApiContext) -> APIRouter:
+    r = APIRouter(dependencies=MUTATION)
+
+    @r.put(
+        "/v1/instances/{name}/weight",
+        response_model=InstanceWeightOut,
+        tags=["instances"],
+        summary="Override an instance's weight until ttl_s passes",
+    )
+    def put_weight(name: str, body: WeightIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return instance_change(
+            ctx,
+            Change(
+                "instance",
+                name,
+                "weight",
+                "weight.set",
+                body.reason,
+                actor,
+                sets=True,
+                weight=body.weight,
+                ttl_s=body.ttl_s,
+            ),
+        )
+
+    @r.delete(
+        "/v1/instances/{name}/weight",
+        response_model=InstanceWeightOut,
+        tags=["instances"],
+        summary="End an instance's weight override now",
+    )
+    def delete_weight(name: str, body: ClearIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return instance_change(
+            ctx, Change.clear("instance", name, "weight", "weight.clear", body.reason, actor)
+        )
+
+    @r.post(
+        "/v1/instances/{name}/drain",
+        response_model=InstanceWeightOut,
+        tags=["instances"],
+        summary="Send no new work to an instance (weight 0) until undrained or ttl_s passes",
+    )
+    def drain(name: str, body: DrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return instance_change(
+            ctx, Change("instance", name, "drain", "drain", body.reason, actor, sets=True, ttl_s=body.ttl_s)
+        )
+
+    @r.post("/v1/instances/{name}/undrain", response_model=InstanceWeightOut, tags=["instances"])
+    def undrain(name: str, body: UndrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
+        return instance_change(ctx, Change.clear("instance", name, "drain", "undrain", body.reason, actor))
+
+    @r.put(
+        "/v1/pools/{pool}/weight",
+        response_model=PoolOut,
+        tags=["routing"],
+        summary="Override a pool's weight (relative to pools of the same role) until ttl_s passes",
+    )
+    def put_pool_weight(pool: str, body: WeightIn, actor: str = Depends(caller)) -> PoolOut:
+        return pool_change(
+            ctx,
+            Change(
+                "pool",
+                pool,
+                "weight",
+                "pool_weight.set",
+                body.reason,
+                actor,
+                sets=True,
+                weight=body.weight,
+                ttl_s=body.ttl_s,
+            ),
+        )
+
+    @r.delete(
+        "/v1/pools/{pool}/weight",
+        response_model=PoolOut,
+        tags=["routing"],
+        summary="End a pool's weight override now (the configured weight applies again)",
+    )
+    def delete_pool_weight(pool: str, body: ClearIn, actor: str = Depends(caller)) -> PoolOut:
+        return pool_change(ctx, Change.clear("pool", pool, "weight", "pool_weight.clear", body.reason, actor))
+
+    return r
