@@ -236,85 +236,112 @@ def _admit_all(decoded: Decoded, now: float, limits: SpanLimits) -> tuple[list[S
     return kept, dropped, truncated
 
 
-def build_app(
-    queue: SpanQueue,
-    metrics: CollectorMetrics,
-    config: ReceiverConfig | None = None,
-    *,
-    health: TaskHealth | None = None,
-    clock: Callable[[], float] = time.time,
-) -> Starlette:
-    cfg = config or ReceiverConfig()
-    budget = ByteBudget(cfg.inflight_bytes)
-    refused = Tally(log, "OTLP requests refused")
-    spans_refused = Tally(log, "OTLP spans dropped")
-    retry_after = {"Retry-After": str(cfg.retry_after_s)}
+class _Refused(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
 
-    def refuse(result: str, status: int, reason: str, headers: Mapping[str, str] | None = None) -> Response:
-        metrics.otlp_requests.labels(result).inc()
-        refused.note(result, reason)
-        return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
-    async def traces(request: Request) -> Response:
-        sender: str | None = None
-        if cfg.tokens:
-            sender = _sender(cfg.tokens, request.headers.get("authorization"))
-            if sender is None:
-                return refuse("unauthorized", 401, "missing or unknown bearer token",
+class _TracesEndpoint:
+    """``POST /v1/traces``: authorize, read the body within its bounds, decode off the loop when large,
+    queue the admitted spans and answer OTLP's (partial) success. Every refusal is counted and logged."""
+
+    def __init__(self, queue: SpanQueue, metrics: CollectorMetrics, cfg: ReceiverConfig,
+                 clock: Callable[[], float]) -> None:
+        self.queue, self.metrics, self.cfg, self.clock = queue, metrics, cfg, clock
+        self.budget = ByteBudget(cfg.inflight_bytes)
+        self.refused = Tally(log, "OTLP requests refused")
+        self.spans_refused = Tally(log, "OTLP spans dropped")
+        self.retry_after = {"Retry-After": str(cfg.retry_after_s)}
+
+    def refuse(self, result: str, status: int, reason: str, headers: Mapping[str, str] | None = None) -> _Refused:
+        self.metrics.otlp_requests.labels(result).inc()
+        self.refused.note(result, reason)
+        return _Refused(JSONResponse({"error": reason}, status_code=status, headers=headers))
+
+    def busy(self) -> _Refused:
+        return self.refuse("over_budget", 429, "collector busy: in-flight byte budget exhausted", self.retry_after)
+
+    def too_large(self) -> _Refused:
+        return self.refuse("too_large", 413, f"body larger than {self.cfg.max_body_bytes} bytes")
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            sender = self._sender(request)
+            spans, dropped, truncated = await self._decoded(request, sender)
+            if not self.queue.has_room(len(spans)):
+                raise self.refuse("queue_full", 503, "span queue full: retry later", self.retry_after)
+        except _Refused as refusal:
+            return refusal.response
+        self._enqueue(spans, dropped, truncated)
+        return self._answer(dropped, request.headers.get("content-type"))
+
+    def _sender(self, request: Request) -> str | None:
+        if not self.cfg.tokens:
+            return None
+        sender = _sender(self.cfg.tokens, request.headers.get("authorization"))
+        if sender is None:
+            raise self.refuse("unauthorized", 401, "missing or unknown bearer token",
                               {"WWW-Authenticate": 'Bearer realm="pdscope-otlp"'})
+        return sender
+
+    async def _decoded(self, request: Request, sender: str | None) -> tuple[list[SpanData], Counter[str], int]:
+        cfg, budget = self.cfg, self.budget
         length = _content_length(request)
         if length is not None and length > cfg.max_body_bytes:
-            return refuse("too_large", 413, f"body larger than {cfg.max_body_bytes} bytes")
+            raise self.too_large()
         if length is not None and budget.used + length > budget.capacity:
-            return refuse("over_budget", 429, "collector busy: in-flight byte budget exhausted", retry_after)
+            raise self.busy()
         lease = budget.lease()
         try:
             body = bytearray()
             async for chunk in request.stream():
                 if len(body) + len(chunk) > cfg.max_body_bytes:
-                    return refuse("too_large", 413, f"body larger than {cfg.max_body_bytes} bytes")
+                    raise self.too_large()
                 if not lease.acquire(len(chunk)):
-                    return refuse("over_budget", 429, "collector busy: in-flight byte budget exhausted", retry_after)
+                    raise self.busy()
                 body.extend(chunk)
-                metrics.inflight_bytes.set(budget.used)
+                self.metrics.inflight_bytes.set(budget.used)
             ctype = request.headers.get("content-type")
             encoding = request.headers.get("content-encoding")
 
             def work() -> tuple[list[SpanData], Counter[str], int]:
                 raw = inflate(body, encoding, cfg.max_inflated_bytes, lease.acquire)
-                return _admit_all(decode_export(raw, ctype, sender), clock(), cfg.limits)
+                return _admit_all(decode_export(raw, ctype, sender), self.clock(), cfg.limits)
 
             compressed = (encoding or "").strip().lower() not in ("", "identity")
             try:
                 if compressed or len(body) > THREAD_DECODE_BYTES:  # never inflate or parse much on the loop
-                    spans, dropped, truncated = await asyncio.to_thread(work)
-                else:
-                    spans, dropped, truncated = work()
+                    return await asyncio.to_thread(work)
+                return work()
             except OverBudget:
-                return refuse("over_budget", 429, "collector busy: in-flight byte budget exhausted", retry_after)
+                raise self.busy() from None
             except BodyTooLarge as exc:
-                return refuse("inflated_too_large", 413, str(exc))
+                raise self.refuse("inflated_too_large", 413, str(exc)) from None
             except OTLPDecodeError as exc:
-                return refuse("bad_request", 400, str(exc))
+                raise self.refuse("bad_request", 400, str(exc)) from None
             finally:
-                metrics.inflight_bytes.set(budget.used)
+                self.metrics.inflight_bytes.set(budget.used)
         finally:
             lease.close()
-        if not queue.has_room(len(spans)):
-            return refuse("queue_full", 503, "span queue full: retry later", retry_after)
-        overflow = queue.put(spans)
-        metrics.spans_received.inc(len(spans))
+
+    def _enqueue(self, spans: list[SpanData], dropped: Counter[str], truncated: int) -> None:
+        m = self.metrics
+        overflow = self.queue.put(spans)
+        m.spans_received.inc(len(spans))
         if overflow:
             dropped["queue_full"] += overflow
         for reason, n in dropped.items():
-            metrics.spans_dropped.labels(reason).inc(n)
+            m.spans_dropped.labels(reason).inc(n)
         if truncated:
-            metrics.spans_truncated.inc(truncated)
-        metrics.queue.set(len(queue))
-        metrics.otlp_requests.labels("ok").inc()
-        rejected = sum(dropped.values())
+            m.spans_truncated.inc(truncated)
+        m.queue.set(len(self.queue))
+        m.otlp_requests.labels("ok").inc()
         for reason, n in dropped.items():
-            spans_refused.note(reason, f"{n} span(s) of one export", n=n)
+            self.spans_refused.note(reason, f"{n} span(s) of one export", n=n)
+
+    @staticmethod
+    def _answer(dropped: Counter[str], ctype: str | None) -> Response:
+        rejected = sum(dropped.values())
         message = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items()))
         if (ctype or "").startswith("application/json"):
             body_json = {"partialSuccess": {"rejectedSpans": rejected, "errorMessage": message}} if rejected else {}
@@ -326,6 +353,17 @@ def build_app(
         )
         return Response(answer.SerializeToString(), media_type="application/x-protobuf")
 
+
+def build_app(
+    queue: SpanQueue,
+    metrics: CollectorMetrics,
+    config: ReceiverConfig | None = None,
+    *,
+    health: TaskHealth | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Starlette:
+    traces = _TracesEndpoint(queue, metrics, config or ReceiverConfig(), clock)
+
     async def prom(_request: Request) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -336,7 +374,7 @@ def build_app(
 
     return Starlette(
         routes=[
-            Route("/v1/traces", traces, methods=["POST"]),
+            Route("/v1/traces", traces.handle, methods=["POST"]),
             Route("/metrics", prom, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
         ]
