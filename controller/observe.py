@@ -105,8 +105,8 @@ def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter)
         completed=summary.completed,
         met=summary.slo_met,
         rejected=summary.statuses.get("rejected", 0),
-        ttft_p_s=summary.ttft_at_slo_s,
-        tpot_p_s=summary.tpot_at_slo_s,
+        ttft_at_slo_s=summary.ttft_at_slo_s,
+        tpot_at_slo_s=summary.tpot_at_slo_s,
         goodput_rps=summary.goodput_per_s,
     )
 

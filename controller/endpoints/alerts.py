@@ -52,8 +52,8 @@ def slo_status(reconciler: Reconciler) -> SLOOut:
     cfg = reconciler.cfg
     obs = reconciler.view().obs
     slo = obs.slo if obs is not None else None
-    ttft = slo.ttft_p_s if slo else None
-    tpot = slo.tpot_p_s if slo else None
+    ttft = slo.ttft_at_slo_s if slo else None
+    tpot = slo.tpot_at_slo_s if slo else None
     att = slo.attainment if slo else None
     enough = slo is not None and slo.completed >= reconciler.alert_config.min_requests
     ok = None

@@ -90,8 +90,8 @@ def pressure_factors(pool: PoolSignals, cfg: PolicyConfig) -> dict[str, float]:
     if pool.role == "decode" and pool.handoff_backlog_requests and pool.completed_per_s:
         wait_s = pool.handoff_backlog_requests / pool.completed_per_s
         f["backlog"] = min(1.0, cfg.handoff_budget_s / wait_s) if wait_s > 0 else 1.0
-    if pool.role == "prefill" and pool.ttft_p_s is not None and pool.ttft_p_s > 0:
-        f["ttft"] = min(1.0, cfg.ttft_target_s / pool.ttft_p_s)
+    if pool.role == "prefill" and pool.ttft_at_slo_s is not None and pool.ttft_at_slo_s > 0:
+        f["ttft"] = min(1.0, cfg.ttft_target_s / pool.ttft_at_slo_s)
     queue_s = prefill_queue_s(pool)
     if queue_s is not None and queue_s > 0:
         f["queue"] = min(1.0, ttft_left_s(pool, cfg) / queue_s)
@@ -109,7 +109,7 @@ def ttft_left_s(pool: PoolSignals, cfg: PolicyConfig) -> float:
     """The TTFT budget the fleet leaves for P's queue: target minus what a request takes besides that
     queue (at least 10% of the target). Where P's spans carry no queue time, minus the whole service
     TTFT, which counts the window's queue against the queue of now as well (stricter)."""
-    taken = next((v for v in (pool.unqueued_ttft_p_s, pool.service_ttft_p_s) if v is not None), 0.0)
+    taken = next((v for v in (pool.unqueued_ttft_at_slo_s, pool.service_ttft_at_slo_s) if v is not None), 0.0)
     return max(cfg.queue_budget_floor * cfg.ttft_target_s, cfg.ttft_target_s - taken)
 
 
@@ -135,12 +135,12 @@ def _inflight(pool: PoolSignals) -> float | None:
 
 def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tuple[float | None, str]:
     """``(max_queue_wait_s, arithmetic)``: the TTFT budget a request has left to wait for a slot."""
-    if pool.service_ttft_p_s is None:
+    if pool.service_ttft_at_slo_s is None:
         return prev, f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)"
-    left = cfg.ttft_target_s - pool.service_ttft_p_s
+    left = cfg.ttft_target_s - pool.service_ttft_at_slo_s
     wait = max(0.0, math.floor(left / cfg.wait_step_s) * cfg.wait_step_s)
     arith = (f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
-             f"{pool.service_ttft_p_s:.2f}s) = {wait:.2f}s")
+             f"{pool.service_ttft_at_slo_s:.2f}s) = {wait:.2f}s")
     if wait >= cfg.default_queue_wait_s:  # the proxy's own timeout is the shorter: leave it to the proxy
         return None, f"{arith} >= queue_timeout_s {cfg.default_queue_wait_s:g}s: the proxy's default"
     return round(wait, 3), arith
@@ -227,10 +227,10 @@ def decide_pool(
     if wait != base.max_queue_wait_s and wait is not None:
         message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
     inputs: dict[str, Any] = {
-        "inflight_requests": inflight, "completed_per_s": pool.completed_per_s, "ttft_p_s": pool.ttft_p_s,
+        "inflight_requests": inflight, "completed_per_s": pool.completed_per_s, "ttft_at_slo_s": pool.ttft_at_slo_s,
         "kv_usage": pool.kv_usage, "handoff_backlog_requests": pool.handoff_backlog_requests,
         "waiting_now": pool.waiting_now, "running_now": pool.running_now,
-        "service_ttft_p_s": pool.service_ttft_p_s, "unqueued_ttft_p_s": pool.unqueued_ttft_p_s,
+        "service_ttft_at_slo_s": pool.service_ttft_at_slo_s, "unqueued_ttft_at_slo_s": pool.unqueued_ttft_at_slo_s,
         "ttft_target_s": cfg.ttft_target_s, "handoff_budget_s": cfg.handoff_budget_s,
     }
     return PoolDecision(

@@ -132,21 +132,21 @@ def _stale(obs: Observation, cfg: PolicyConfig) -> bool:
 
 def _ttft(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
     s = obs.slo
-    if s.completed < ac.min_requests or s.ttft_p_s is None:
+    if s.completed < ac.min_requests or s.ttft_at_slo_s is None:
         return None
-    if s.ttft_p_s <= cfg.ttft_target_s:
+    if s.ttft_at_slo_s <= cfg.ttft_target_s:
         return []
-    return [Sample({}, s.ttft_p_s, f"TTFT p{cfg.ttft_percentile:g} {s.ttft_p_s * 1000:.0f} ms > target "
+    return [Sample({}, s.ttft_at_slo_s, f"TTFT p{cfg.ttft_percentile:g} {s.ttft_at_slo_s * 1000:.0f} ms > target "
                    f"{cfg.ttft_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
 
 
 def _tpot(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
     s = obs.slo
-    if s.completed < ac.min_requests or s.tpot_p_s is None:
+    if s.completed < ac.min_requests or s.tpot_at_slo_s is None:
         return None
-    if s.tpot_p_s <= cfg.tpot_target_s:
+    if s.tpot_at_slo_s <= cfg.tpot_target_s:
         return []
-    return [Sample({}, s.tpot_p_s, f"TPOT p{cfg.tpot_percentile:g} {s.tpot_p_s * 1000:.0f} ms > target "
+    return [Sample({}, s.tpot_at_slo_s, f"TPOT p{cfg.tpot_percentile:g} {s.tpot_at_slo_s * 1000:.0f} ms > target "
                    f"{cfg.tpot_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
 
 

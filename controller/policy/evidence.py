@@ -419,7 +419,7 @@ def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], 
         name=name, role=agg.role,
         inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
         completed_per_s=rate,
-        ttft_p_s=pairs_percentile(tally.ttft_by_pair, side, up, pct, cfg),
+        ttft_at_slo_s=pairs_percentile(tally.ttft_by_pair, side, up, pct, cfg),
         kv_usage=mean([u for u in usages if u is not None]),
         # The typical member's backlog and queue times the members: one D that does not pull, or one slow P
         # (the weights' business: its peers take its share), does not read as the whole pool being behind.
@@ -427,8 +427,8 @@ def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], 
         mean_kv_bytes_per_request=mean(agg.kv_bytes),
         waiting_now=typical_times_members(members, "num_waiting") if prefill else None,
         running_now=sum_up(members, "num_running") if prefill else None,
-        service_ttft_p_s=pairs_percentile(tally.service_by_pair, side, up, pct, cfg, agg.service_ttft),
-        unqueued_ttft_p_s=pairs_percentile(tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft),
+        service_ttft_at_slo_s=pairs_percentile(tally.service_by_pair, side, up, pct, cfg, agg.service_ttft),
+        unqueued_ttft_at_slo_s=pairs_percentile(tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft),
     )
 
 

@@ -84,7 +84,7 @@ class PoolSignals:
     role: Role
     inflight_requests: float | None = None  # Little's law: completions/s * mean time in the pool
     completed_per_s: float | None = None
-    ttft_p_s: float | None = None  # SLO percentile of TTFT: lower median over the P x D pairs through it
+    ttft_at_slo_s: float | None = None  # SLO percentile of TTFT: lower median over the P x D pairs through it
     kv_usage: float | None = None  # mean over up instances
     handoff_backlog_requests: float | None = None  # D pools: KV-fetch gauges, median member x members
     mean_kv_bytes_per_request: float | None = None
@@ -94,11 +94,11 @@ class PoolSignals:
     running_now: float | None = None
     # The SLO percentile of TTFT minus the time spent waiting for admission in the proxy: what the
     # fleet itself takes; the TTFT target minus this is what a request can afford to wait for a slot.
-    service_ttft_p_s: float | None = None
+    service_ttft_at_slo_s: float | None = None
     # The same without the time spent in P's queue (vLLM's queued span): what a request that found P's
     # queue empty would take. P's queue factor adds the queue of now to this, so the queue of the window
     # is not counted twice. None where P's spans do not carry their queue time.
-    unqueued_ttft_p_s: float | None = None
+    unqueued_ttft_at_slo_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ class SLOFigures:
     completed: int = 0
     met: int = 0
     rejected: int = 0
-    ttft_p_s: float | None = None
-    tpot_p_s: float | None = None
+    ttft_at_slo_s: float | None = None
+    tpot_at_slo_s: float | None = None
     handoff_p99_s: float | None = None
     goodput_rps: float = 0.0
 

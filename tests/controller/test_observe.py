@@ -54,8 +54,8 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert pools["prefill"].running_now == pytest.approx(4.0 + 4.0)
     assert dec.waiting_now is None
     # TTFT without the 1 ms between proxy in and P sent (the seeder's admission wait)
-    svc = pools["prefill"].service_ttft_p_s
-    assert svc is not None and obs.slo.ttft_p_s is not None and svc == pytest.approx(obs.slo.ttft_p_s - 0.001)
+    svc = pools["prefill"].service_ttft_at_slo_s
+    assert svc is not None and obs.slo.ttft_at_slo_s is not None and svc == pytest.approx(obs.slo.ttft_at_slo_s - 0.001)
     # the fast load signal: running + waiting at P's latest scrape, the KV-fetch backlog at D's
     assert p1.load_now == 4.0 + 4 and d2.load_now == 4.0 and d0.load_now == 1.0
 
@@ -64,7 +64,7 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert slow_pair.handoff_p50_s == pytest.approx(0.5)
     assert obs.slo.completed == 40 and obs.slo.met == 40 and obs.slo.attainment == 1.0
     assert obs.slo.handoff_p99_s == pytest.approx(0.5)
-    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 0.5
+    assert obs.slo.ttft_at_slo_s is not None and obs.slo.ttft_at_slo_s > 0.5
 
 
 def test_pool_service_ttft_is_not_one_slow_instance(world: World) -> None:
@@ -79,11 +79,11 @@ def test_pool_service_ttft_is_not_one_slow_instance(world: World) -> None:
     with transaction(world.factory) as s:
         obs = observe(s, world.settings, world.clock())
     pools = {p.name: p for p in obs.pools}
-    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 3.0  # the pooled percentile: decode-2's
+    assert obs.slo.ttft_at_slo_s is not None and obs.slo.ttft_at_slo_s > 3.0  # the pooled percentile: decode-2's
     for name in ("prefill", "decode"):
         # 0.001 admission + 0.2 prefill + 0.05 handoff, less the admission wait
-        assert pools[name].service_ttft_p_s == pytest.approx(0.25)
-        assert pools[name].unqueued_ttft_p_s == pytest.approx(0.15)  # less P's 0.1 s in its queue
+        assert pools[name].service_ttft_at_slo_s == pytest.approx(0.25)
+        assert pools[name].unqueued_ttft_at_slo_s == pytest.approx(0.15)  # less P's 0.1 s in its queue
 
 
 def test_empty_store_observes_unknowns(world: World) -> None:
@@ -110,7 +110,7 @@ def test_pool_ttft_is_the_lower_median_of_pairs_so_one_slow_instance_is_not_over
     with transaction(world.factory) as s:
         obs = observe(s, world.settings, world.clock())
     pools = {p.name: p for p in obs.pools}
-    assert obs.slo.ttft_p_s is not None and obs.slo.ttft_p_s > 3.0  # the fleet's p99 does see them
+    assert obs.slo.ttft_at_slo_s is not None and obs.slo.ttft_at_slo_s > 3.0  # the fleet's p99 does see them
     for pool in ("prefill", "decode"):
-        ttft = pools[pool].ttft_p_s
+        ttft = pools[pool].ttft_at_slo_s
         assert ttft is not None and (ttft > 3.0 if overloaded else ttft < 1.0), (pool, ttft)

@@ -12,7 +12,7 @@ from tests.controller.replay import T0, fleet
 
 CFG = PolicyConfig.defaults(ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0,
                    stale_after_s=15.0)
-GOOD_SLO = SLOFigures(window_s=300, completed=100, met=99, ttft_p_s=0.5, tpot_p_s=0.05, handoff_p99_s=0.2,
+GOOD_SLO = SLOFigures(window_s=300, completed=100, met=99, ttft_at_slo_s=0.5, tpot_at_slo_s=0.05, handoff_p99_s=0.2,
                       goodput_rps=0.33)
 
 
@@ -52,24 +52,24 @@ def every(seconds: float, n: int, make) -> list[tuple[float, Observation]]:  # t
 
 
 def ttft(i: int) -> SLOFigures:
-    return replace(GOOD_SLO, ttft_p_s=3.0)
+    return replace(GOOD_SLO, ttft_at_slo_s=3.0)
 
 
 CASES = [
     Case("TTFT over target: pending, firing after `for`, resolved when it clears",
-         every(10, 10, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0 if 1 <= i <= 7 else 0.5))),
+         every(10, 10, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if 1 <= i <= 7 else 0.5))),
          "TTFTOverTarget", [None, "pending", "pending", "pending", "firing", "firing", "firing", "firing",
                             "resolved", None], {"TTFTOverTarget": 30.0}),
     Case("pending that clears before `for` goes inactive, never fires",
-         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0 if i in (1, 2) else 0.5))),
+         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if i in (1, 2) else 0.5))),
          "TTFTOverTarget", [None, "pending", "pending", "inactive", None], {"TTFTOverTarget": 30.0}),
     Case("too few requests: the SLO rule abstains and holds its state",
-         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0, completed=100 if i < 2 else 3))),
+         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0, completed=100 if i < 2 else 3))),
          "TTFTOverTarget", ["firing", "firing", "firing", "firing", "firing"], {"TTFTOverTarget": 0.0}),
     Case("goodput attainment under target",
          every(10, 3, lambda t, i: obs(t, slo=replace(GOOD_SLO, met=50))),
          "GoodputAttainmentLow", ["pending", "pending", "firing"], {"GoodputAttainmentLow": 20.0}),
-    Case("TPOT over target", every(10, 2, lambda t, i: obs(t, slo=replace(GOOD_SLO, tpot_p_s=0.3))),
+    Case("TPOT over target", every(10, 2, lambda t, i: obs(t, slo=replace(GOOD_SLO, tpot_at_slo_s=0.3))),
          "TPOTOverTarget", ["firing", "firing"], {"TPOTOverTarget": 0.0}),
     Case("expired leases fire at once and resolve when the window is clean",
          every(2, 4, lambda t, i: obs(t, prefill_1={"expired_leases_per_min": 2.0 if i < 2 else 0.0})),
@@ -129,7 +129,7 @@ def test_fingerprint_is_stable_and_label_sensitive() -> None:
 
 def test_alert_description_names_the_numbers() -> None:
     ac = AlertConfig(for_s={"TTFTOverTarget": 0.0})
-    step = step_alerts(default_rules(ac), obs(0, slo=replace(GOOD_SLO, ttft_p_s=3.0)), CFG, ac, {})
+    step = step_alerts(default_rules(ac), obs(0, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0)), CFG, ac, {})
     a = next(a for a in step.active if a.rule == "TTFTOverTarget")
     assert "3000 ms > target 2000 ms" in a.description and a.severity == "warning"
 
@@ -169,7 +169,7 @@ def test_from_settings_carries_the_alerts_section() -> None:
 
 
 def test_severity_and_for_overrides_change_when_and_how_loud() -> None:
-    timeline = every(10, 8, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_p_s=3.0)))
+    timeline = every(10, 8, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0)))
     default = run(timeline, AlertConfig())
     longer = run(timeline, AlertConfig(for_s={"TTFTOverTarget": 30.0}, severity={"TTFTOverTarget": "critical"}))
     assert [h.get("TTFTOverTarget") for h in default] == ["pending"] * 6 + ["firing"] * 2  # default for: 60 s

@@ -183,7 +183,7 @@ def test_a_healthy_fleet_gets_no_weight_cut_below_0_9_and_no_limit_cut(tmp_path:
         ticks = replay_store(settings, factory, t0 + 1.0, t0 + 60.0)
         assert len(ticks) == 60 and math.isfinite(ticks[-1].obs.now)
         slo = ticks[-1].obs.slo
-        assert slo.completed > 100 and slo.ttft_p_s is not None and slo.ttft_p_s <= 2.0, slo  # healthy: SLO met
+        assert slo.completed > 100 and slo.ttft_at_slo_s is not None and slo.ttft_at_slo_s <= 2.0, slo  # healthy: SLO met
         assert cuts(ticks) == []
     finally:
         engine.dispose()
