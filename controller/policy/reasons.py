@@ -15,7 +15,7 @@ import enum
 
 
 class Reason(enum.StrEnum):
-    """A decision's reason; ``Reason.describe(r)`` says when it is given."""
+    """A decision's reason; ``Reason.describe(r)`` says what it decides and when it is given."""
 
     # -- instance weights: holds
     STALE_DATA = "StaleData"
@@ -61,7 +61,8 @@ class Reason(enum.StrEnum):
     OVERRIDE_ENDED = "OverrideEnded"
 
     @classmethod
-    def describe(cls, reason: Reason) -> str:
+    def describe(cls, reason: Reason) -> tuple[str, str]:
+        """``(what it decides, when it is given)``."""
         return _DESCRIPTIONS[reason]
 
     @classmethod
@@ -74,57 +75,50 @@ class Reason(enum.StrEnum):
             return cls.INITIAL
 
 
-_DESCRIPTIONS: dict[Reason, str] = {
-    Reason.STALE_DATA: "weights and limits: the newest snapshot is older than the staleness bound "
-                       "(the collector is behind); everything is held",
-    Reason.NO_DATA: "weight: the instance was not scraped in the window; held",
-    Reason.SCRAPE_FAILING: "weight: scrapes fail, for less than `down_after_s` so far; held",
-    Reason.ROLE_UNOBSERVABLE: "weight: every instance of the role fails its scrapes at once (more likely the "
-                              "collector or its network); held",
-    Reason.INSTANCE_DOWN: "weight: scrapes have failed for `down_after_s`; 0, no new work",
-    Reason.INSTANCE_UP: "weight: back from down or a drain; starts at the floor, a probe raises it",
-    Reason.SLOW_PREFILL: "weight: P's queue+prefill time, its TTFT now or its speed per request is past the "
-                         "tolerance of its peers' median",
-    Reason.SLOW_HANDOFF: "weight: P done → D first token through it is past the tolerance of its peers' median "
-                         "(0 when it alone is over the TTFT target)",
-    Reason.SLOW_KV_TRANSFER: "weight: D's NIXL transfer time is past the tolerance of its peers' median",
-    Reason.BACKLOG: "weight: Little's law on its gauges: a request spends more time there now than at its peers",
-    Reason.TRANSFER_FAILURES: "weight: failed NIXL transfers (and attributed lease expiries) per minute",
-    Reason.LEASE_EXPIRIES: "weight (D): leases expired while handoffs sent to it waited, with no failed transfers",
-    Reason.REQUEST_FAILURES: "weight: its own failed requests (the lower bound of their share)",
-    Reason.KV_CACHE_PRESSURE: "weight: KV cache usage over `kv_soft`",
-    Reason.DEGRADED: "weight: the smoothed target is under the weight, no single signal to name",
-    Reason.PROBING: "weight: too few requests to judge, or healthy from under the probe weight; a small, "
-                    "bounded share",
-    Reason.PROBE_FAILED: "weight: failures while probed; back to the floor at once",
-    Reason.AWAITING_EVIDENCE: "weight: looks healthy on too few requests; a raise needs evidence",
-    Reason.HOLDING_FOR_HYSTERESIS: "weight or limit: healthy, for fewer than `recover_ticks` ticks in a row",
-    Reason.HOLDING_AFTER_RAISE: "weight: at or above the weight a signal last cut it from; one step per window",
-    Reason.RECOVERING: "weight or limit: healthy long enough; raised by one step",
-    Reason.STEADY: "weight: under 1, inside the hysteresis bands",
-    Reason.WARMING_UP: "weight or limit: a start-up window (less history than `startup_s`); only facts "
-                       "(failures, KV) may cut",
-    Reason.HEALTHY: "weight or limit: every signal healthy, at its default",
-    Reason.UNATTRIBUTED_LEASE_EXPIRIES: "weight (P): its leases expired with no waiting handoff to explain "
-                                        "them; nobody is charged",
-    Reason.KV_HEADROOM_LOW: "limit: the pool's mean KV usage is past `kv_admit_full`",
-    Reason.HANDOFF_BACKLOG: "limit (D pool): the KV-fetch backlog, in seconds of work, is past the handoff budget",
-    Reason.TTFT_OVER_BUDGET: "limit (P pool): the SLO percentile of TTFT through the pool is over the target",
-    Reason.PREFILL_QUEUEING: "limit (P pool): P's queues now wait longer than the TTFT budget left for them",
-    Reason.HOLDING: "limit: mild pressure, between `cut_below` and `grow_above`; held",
-    Reason.INITIAL: "weight: carried state before the first decision",
-    Reason.NO_DECISION_YET: "routing table: the policy has not decided on this instance yet (weight 1)",
-    Reason.CONFIGURED: "routing table (pool): the configured pool weight, no limit decided yet",
-    Reason.MANUAL_OVERRIDE: "routing table: an operator's weight override applies",
-    Reason.DRAINED: "routing table: an operator drained the instance (weight 0)",
-    Reason.OVERRIDE_ENDED: "served weight: an override ended or was cleared; the policy's weight applies",
+_DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
+    Reason.STALE_DATA: ('weight, pool', 'the newest snapshot is too old (collector behind): held'),
+    Reason.NO_DATA: ('weight', 'not scraped in the window: held'),
+    Reason.SCRAPE_FAILING: ('weight', 'scrapes failing, not yet long enough to count as down: held'),
+    Reason.ROLE_UNOBSERVABLE: ('weight', 'every instance of its role fails its scrapes at once: held'),
+    Reason.INSTANCE_DOWN: ('weight', 'its scrapes failed for max(10 s, 3 scrape intervals): weight 0'),
+    Reason.INSTANCE_UP: ('weight', 'up again after an outage: starts at the floor'),
+    Reason.SLOW_PREFILL: ('weight (P)', "its TTFT contribution, vLLM's TTFT now or its speed is past the tolerance of its peers' median"),
+    Reason.SLOW_HANDOFF: ('weight', "its handoff time (P done → D first token) is past the tolerance of its peers' median, or hopeless against the TTFT target"),
+    Reason.SLOW_KV_TRANSFER: ('weight (D)', "its NIXL transfer time (over the window, or now) is past the tolerance of its peers' median"),
+    Reason.BACKLOG: ('weight', "load: the time a request spends there now (Little's law on the gauges) is over 2× its peers'"),
+    Reason.TRANSFER_FAILURES: ('weight', 'failed NIXL transfers (plus attributed expired leases) from `noise.min_error_events` in the window'),
+    Reason.LEASE_EXPIRIES: ('weight (D)', 'expired leases attributed to handoffs sent to this D, with no failed transfers'),
+    Reason.REQUEST_FAILURES: ('weight', "the instance's own failed requests (lower confidence bound of their share)"),
+    Reason.KV_CACHE_PRESSURE: ('weight', 'KV usage above 85 %'),
+    Reason.DEGRADED: ('weight', 'the smoothed target is under the weight with no single signal to name'),
+    Reason.PROBING: ('weight', 'raised to at most `probe.weight` to gather evidence'),
+    Reason.PROBE_FAILED: ('weight', 'failed within `probe.hold_s` of a probe: back to the floor'),
+    Reason.AWAITING_EVIDENCE: ('weight', 'too few requests at its low weight to judge: held until the probe is due'),
+    Reason.HOLDING_FOR_HYSTERESIS: ('weight, pool', 'healthy, but not yet for enough ticks in a row'),
+    Reason.HOLDING_AFTER_RAISE: ('weight', 'healthy, at or above its ceiling: one step per window'),
+    Reason.RECOVERING: ('weight, pool', 'healthy long enough: the weight (or the limit) grows back'),
+    Reason.STEADY: ('weight', 'inside the hysteresis bands: nothing moves'),
+    Reason.WARMING_UP: ('weight, pool', 'start-up window: only failures, down and KV may cut'),
+    Reason.HEALTHY: ('weight, pool', 'every signal healthy (no pressure)'),
+    Reason.UNATTRIBUTED_LEASE_EXPIRIES: ('weight (P)', 'otherwise healthy, but leases expired on this P that no waiting handoff explains: shown, charged to no one'),
+    Reason.KV_HEADROOM_LOW: ('pool', "worst pressure: the pool's KV headroom (usage past 80 %)"),
+    Reason.HANDOFF_BACKLOG: ('pool (D)', 'worst pressure: the handoff backlog against `slo.handoff_budget_ms`'),
+    Reason.TTFT_OVER_BUDGET: ('pool (P)', 'worst pressure: the TTFT percentile through the pool against its target'),
+    Reason.PREFILL_QUEUEING: ('pool (P)', "worst pressure: the wait in P's queues against the TTFT budget left for it"),
+    Reason.HOLDING: ('pool', 'mild pressure (between 0.8 and 0.95): the limit is held'),
+    Reason.INITIAL: ('weight', "the carried state before the policy's first decision on the instance"),
+    Reason.NO_DECISION_YET: ('served weight', 'the controller has made no decision for the instance yet'),
+    Reason.CONFIGURED: ('pool (routing table)', 'the configured pool weight applies and no limit has been decided yet'),
+    Reason.MANUAL_OVERRIDE: ('served weight', 'a manual override or drain is in force (served, not stored as a policy decision)'),
+    Reason.DRAINED: ('instance (routing table)', 'an operator drained the instance: weight 0 until undrained'),
+    Reason.OVERRIDE_ENDED: ('weight', "a manual override ended; the policy's weight applies again"),
 }
 
 
 def reasons_markdown() -> str:
     """The docs table of every reason (what docs/policy.md holds between its ``reasons`` markers)."""
-    lines = ["| Reason | When |", "|---|---|"]
-    lines += [f"| `{r.value}` | {Reason.describe(r)} |" for r in Reason]
+    lines = ["| reason | decides | when |", "|---|---|---|"]
+    lines += [f"| `{r.value}` | {' | '.join(Reason.describe(r))} |" for r in Reason]
     return "\n".join(lines) + "\n"
 
 
