@@ -28,7 +28,7 @@ How to add a metric:
    store's window queries (and so the controller) should read it, ``watch=`` if its drop
    should count as a restart. The extraction, the rollups, the reset watch and the window
    queries follow from the table.
-3. What remains is whoever uses it: a rate or field on ``store.queries.InstanceSignals``,
+3. What remains is whoever uses it: a rate or field on ``store.queries.ScrapeFigures``,
    the columns a dashboard page selects (``dashboard/queries/``), the simulator's own
    ``/metrics`` (``simulator/metrics.py``) if the simulated fleet should emit it.
 

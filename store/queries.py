@@ -41,8 +41,10 @@ GAUGES: tuple[str, ...] = WINDOW_GAUGES
 
 
 @dataclass(frozen=True)
-class InstanceSignals:
-    """One instance over a window: rates (per second unless named per minute) and latest gauges."""
+class ScrapeFigures:
+    """One instance's scrapes over a window: rates (per second unless named per minute) and latest
+    gauges. (The controller's per-instance signals are ``controller.policy.InstanceSignals``, built
+    from these and the records.)"""
 
     instance: str
     pool: str
@@ -119,7 +121,7 @@ def _by_column(rows: Sequence[Any]) -> dict[str, Sequence[Any]]:
     return dict(zip(rows[0]._fields, zip(*rows, strict=True), strict=True))
 
 
-def _signals_of(name: str, rows: Sequence[Any]) -> InstanceSignals:
+def _signals_of(name: str, rows: Sequence[Any]) -> ScrapeFigures:
     last = rows[-1]
     up_rows = [r for r in rows if r.up]
     seconds = (up_rows[-1].ts - up_rows[0].ts) if len(up_rows) >= 2 else None
@@ -139,7 +141,7 @@ def _signals_of(name: str, rows: Sequence[Any]) -> InstanceSignals:
     rejections = [incs[c] for c in ("admission_rejections_reqs", "admission_rejections_tokens") if c in incs]
     usage = latest.get("kv_cache_usage")
     bytes_inc = incs.get("nixl_bytes_sum")
-    return InstanceSignals(
+    return ScrapeFigures(
         instance=name,
         pool=last.pool,
         role=last.role,
@@ -171,7 +173,7 @@ def _signals_of(name: str, rows: Sequence[Any]) -> InstanceSignals:
 
 def instance_signals(
     session: Session, since: float, until: float, *, pool: str | None = None
-) -> dict[str, InstanceSignals]:
+) -> dict[str, ScrapeFigures]:
     """Per instance: rates over the window and the latest gauges, for every instance scraped in it."""
     return signals_of_rows(_snapshot_rows(session, since, until, pool=pool))
 
@@ -182,9 +184,9 @@ def snapshot_window(session: Session, since: float, until: float) -> dict[str, l
     return _snapshot_rows(session, since, until)
 
 
-def signals_of_rows(rows_by_instance: dict[str, list[Any]], since: float | None = None) -> dict[str, InstanceSignals]:
+def signals_of_rows(rows_by_instance: dict[str, list[Any]], since: float | None = None) -> dict[str, ScrapeFigures]:
     """:func:`instance_signals` over rows already read, only those at or after ``since`` if given."""
-    out: dict[str, InstanceSignals] = {}
+    out: dict[str, ScrapeFigures] = {}
     for name, rows in rows_by_instance.items():
         if since is not None:
             rows = rows[bisect_left(rows, since, key=_ts):]
@@ -198,7 +200,7 @@ def _ts(row: Any) -> float:
 
 
 @dataclass(frozen=True)
-class PoolSignals:
+class PoolScrapeFigures:
     pool: str
     role: str
     instances: int
@@ -220,16 +222,16 @@ def _sum(values: Iterable[float | None]) -> float | None:
     return sum(got) if got else None
 
 
-def pool_signals(session: Session, since: float, until: float) -> dict[str, PoolSignals]:
+def pool_scrape_figures(session: Session, since: float, until: float) -> dict[str, PoolScrapeFigures]:
     """Per pool: instance rates summed, KV usage averaged over up instances."""
-    by_pool: dict[str, list[InstanceSignals]] = defaultdict(list)
+    by_pool: dict[str, list[ScrapeFigures]] = defaultdict(list)
     for sig in instance_signals(session, since, until).values():
         by_pool[sig.pool].append(sig)
-    out: dict[str, PoolSignals] = {}
+    out: dict[str, PoolScrapeFigures] = {}
     for pool, sigs in by_pool.items():
         usages = [s.kv_cache_usage for s in sigs if s.up and s.kv_cache_usage is not None]
         usage = sum(usages) / len(usages) if usages else None
-        out[pool] = PoolSignals(
+        out[pool] = PoolScrapeFigures(
             pool=pool,
             role=sigs[0].role,
             instances=len(sigs),

@@ -79,7 +79,7 @@ class HandoffFacts(NamedTuple):
 
 
 class ScrapeFigures(Protocol):
-    """One instance's figures from its snapshots over a span (``store.queries.InstanceSignals``)."""
+    """One instance's figures from its snapshots over a span (``store.queries.ScrapeFigures``)."""
 
     @property
     def up(self) -> bool: ...

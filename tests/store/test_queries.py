@@ -18,7 +18,7 @@ from store.queries import (
     histogram_quantiles,
     histogram_window,
     instance_signals,
-    pool_signals,
+    pool_scrape_figures,
     signals_of_rows,
     slo_summary,
     snapshot_window,
@@ -79,7 +79,7 @@ def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) 
         ])
     with factory() as s:
         inst = instance_signals(s, 90.0, 130.0)
-        pools = pool_signals(s, 90.0, 130.0)
+        pools = pool_scrape_figures(s, 90.0, 130.0)
         only_dec = instance_signals(s, 90.0, 130.0, pool="dec")
     d0 = inst["d0"]
     assert d0.seconds == 20.0
