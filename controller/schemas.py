@@ -129,6 +129,15 @@ class DecisionOut(BaseModel):
     inputs: dict[str, Any]
     scores: dict[str, Any]
     routing_version: int | None
+    policy: str | None = Field(default=None, description="the policy config it was taken under "
+                               "(v<policy version>:<hash>; GET /v1/policy/{fingerprint})")
+
+
+class PolicyOut(BaseModel):
+    fingerprint: str = Field(description="v<policy version>:<hash of every value>")
+    version: int = Field(description="the policy's version: bumped when its maths change")
+    config: dict[str, Any] = Field(description="every threshold of the policy, by name")
+    first_seen: float | None = Field(default=None, description="when a controller first ran under it")
 
 
 class AlertOut(BaseModel):

@@ -240,6 +240,19 @@ def test_pools_decisions_alerts_slo_health_metrics(client: TestClient, world: Wo
     assert 'pdscope_pool_max_inflight_requests{pool="decode",role="decode"}' in m
 
 
+def test_every_decision_names_the_policy_config_it_was_taken_under(client: TestClient, world: World) -> None:
+    for _ in range(5):
+        world.step(handoff_s={"decode-2": 0.5})
+    decisions = client.get("/v1/decisions").json()
+    now = client.get("/v1/policy").json()
+    assert decisions and {d["policy"] for d in decisions} == {now["fingerprint"]}
+    assert now["fingerprint"].startswith(f"v{now['version']}:")
+    assert now["config"]["min_weight"] == world.settings.controller.min_weight
+    stored = client.get(f"/v1/policy/{now['fingerprint']}").json()
+    assert stored["config"] == now["config"] and stored["first_seen"] is not None
+    assert client.get("/v1/policy/v1:0000").status_code == 404
+
+
 def test_healthz_degrades_when_ticks_stop(client: TestClient, world: World) -> None:
     world.clock.advance(60)
     r = client.get("/healthz")
@@ -250,7 +263,7 @@ def test_openapi_lists_every_route(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     for p in ("/v1/routing", "/v1/pools", "/v1/instances/{name}/weight", "/v1/instances/{name}/drain",
               "/v1/instances/{name}/undrain", "/v1/pools/{pool}/weight", "/v1/decisions", "/v1/alerts",
-              "/v1/alerts/rules", "/v1/slo", "/healthz", "/metrics"):
+              "/v1/alerts/rules", "/v1/slo", "/v1/policy", "/v1/policy/{fingerprint}", "/healthz", "/metrics"):
         assert p in paths, p
     assert "put" in paths["/v1/instances/{name}/weight"] and "get" in paths["/v1/instances/{name}/weight"]
 
