@@ -15,6 +15,7 @@ from collector.receiver import SpanBatcher, SpanQueue, build_app
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import WriteResult
 from tests.collector.traces import request_spans, to_json, to_proto
+from tests.support.waiting import async_wait_until
 
 PROTO = "application/x-protobuf"
 
@@ -127,7 +128,7 @@ async def test_batcher_writes_in_batches_and_flushes_at_stop() -> None:
     task = asyncio.create_task(batcher.run(stop))
     for _ in range(5):
         queue.put(request_spans())  # 35 spans
-    await asyncio.sleep(0.3)
+    await async_wait_until("the 35 spans written while running", lambda: sum(len(b) for b in sink.batches) == 35)
     queue.put(request_spans()[:3])
     stop.set()
     await asyncio.wait_for(task, timeout=5)

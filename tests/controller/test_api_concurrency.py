@@ -6,11 +6,10 @@ Runs on SQLite and (the ``pg`` tier) PostgreSQL through the ``store_url`` fixtur
 from __future__ import annotations
 
 import asyncio
-import socket
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
-import uvicorn
 from sqlalchemy import select
 
 from controller.api import create_app
@@ -19,6 +18,7 @@ from controller.persist import load_overrides
 from store.db import transaction
 from store.models import AuditEvent, WeightOverride
 from tests.controller.conftest import World
+from tests.support.serving import serve
 
 TOKEN = "t0ken"
 N = 100
@@ -26,39 +26,16 @@ N = 100
 
 async def _storm(apps: list[Any], requests: list[tuple[str, str, dict[str, Any]]]) -> list[int]:
     """Serve each app on its own socket and send every request at once, spread over the apps."""
-    servers, tasks, socks = [], [], []
-    for app in apps:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-        socks.append(sock)
-        servers.append(server)
-        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
-    try:
-        for _ in range(1000):  # bounded wait for the servers to come up
-            if all(s.started for s in servers) or any(t.done() for t in tasks):
-                break
-            await asyncio.sleep(0.01)
-        assert all(s.started for s in servers), "server did not start"
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve(app, stop_timeout_s=30)) for app in apps]
         limits = httpx.Limits(max_connections=N, max_keepalive_connections=N)
-        clients = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", limits=limits,
-                                     timeout=httpx.Timeout(60.0), headers={"Authorization": f"Bearer {TOKEN}"})
-                   for sock in socks]
-        try:
-            got = await asyncio.gather(*(clients[i % len(clients)].request(m, path, json=body)
-                                         for i, (m, path, body) in enumerate(requests)))
-        finally:
-            for c in clients:
-                await c.aclose()
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+                       base_url=url, limits=limits, timeout=httpx.Timeout(60.0),
+                       headers={"Authorization": f"Bearer {TOKEN}"}))
+                   for url in urls]
+        got = await asyncio.gather(*(clients[i % len(clients)].request(m, path, json=body)
+                                     for i, (m, path, body) in enumerate(requests)))
         return [r.status_code for r in got]
-    finally:
-        for server in servers:
-            server.should_exit = True
-        for task in tasks:
-            await asyncio.wait_for(task, timeout=30)
-        for sock in socks:
-            sock.close()
 
 
 def _audit_chain(world: World, subject: str) -> list[AuditEvent]:

@@ -14,7 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdscope.config import Settings, parse_config
 from proxy.app import ProxyApp, build
 from proxy.server import read_timeout_protocol
-from tests.proxy.fakes import FakeVLLM, closed_port_url, serve
+from tests.proxy.fakes import FakeVLLM
+from tests.support.serving import serve
+from tests.support.sockets import closed_port_url
 
 
 @dataclass
@@ -65,7 +67,7 @@ async def running_proxy(
 
 @asynccontextmanager
 async def serve_proxy(app: ProxyApp) -> AsyncIterator[str]:
-    """The proxy on a free port (:func:`tests.proxy.fakes.serve`, with more time to drain), with the
+    """The proxy on a free port (:func:`tests.support.serving.serve`, with more time to drain), with the
     same bounded-read server protocol ``pdscope proxy`` runs (``proxy.server``)."""
     ps = app.parts.settings.proxy
     http = read_timeout_protocol(ps.client_read_timeout_s,

@@ -1,68 +1,23 @@
-"""Small in-test upstreams for the proxy: fake vLLM P and D servers and a fake controller.
+"""Small in-test upstreams for the proxy: fake vLLM P and D servers.
 
 They speak the same wire protocol as vLLM's NIXL pull mode (P answers with
 ``kv_transfer_params``; D insists on them) and record what they received, so tests
-can check exactly what the proxy sent. Served by uvicorn on a pre-bound 127.0.0.1:0
-socket inside the test's event loop.
+can check exactly what the proxy sent. Serve them with :func:`tests.support.serving.serve`;
+the fake controller is :class:`tests.support.controllers.FakeController`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-
-from tests.ports import free_port
-
-
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def closed_port_url() -> str:
-    """A URL nothing listens on (connection refused)."""
-    return f"http://127.0.0.1:{free_port()}"
-
-
-@asynccontextmanager
-async def serve(
-    app: Any, stop_timeout_s: float = 5, http: Any = "httptools", sock: socket.socket | None = None
-) -> AsyncIterator[str]:
-    """Run an ASGI app on a free port (or on ``sock``, bound and not yet listening) in this loop;
-    yields its base URL."""
-    sock = sock or free_socket()
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http=http,
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    assert server.started, "test server did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        try:
-            await asyncio.wait_for(task, stop_timeout_s)
-        except TimeoutError:
-            task.cancel()
-        sock.close()
 
 
 def completion_text(body: dict[str, Any]) -> str:
@@ -104,7 +59,7 @@ class FakeVLLM:
         body = await request.json()
         self.calls.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
         if self.mode == "hang":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the behaviour under test: an upstream that never answers
         rid = request.headers.get("x-request-id", "none")
         status, payload = self.answer(rid, body)
         if payload is None:
@@ -173,12 +128,12 @@ class FakeVLLM:
                 delta = {"delta": {"content": piece}} if chat else {"text": piece}
                 yield b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
                 if self.hang_after_first and i == 0:
-                    await asyncio.sleep(3600)
+                    await asyncio.sleep(3600)  # the behaviour under test: a stream that stalls
                 if self.stream_error == "mid" and i == 0:
                     yield error_event + b"data: [DONE]\n\n"
                     return
                 if self.chunk_delay:
-                    await asyncio.sleep(self.chunk_delay)
+                    await asyncio.sleep(self.chunk_delay)  # the behaviour under test: a slow decode
             if not self.no_done:
                 yield b"data: [DONE]\n\n"
             self.finished += 1
@@ -193,44 +148,3 @@ REFUSALS: dict[str, tuple[int, dict[str, Any]]] = {
     "error429": (429, {"error": {"message": "too many requests", "type": "RateLimitError"}}),
     "error400": (400, {"error": {"message": "bad prompt", "type": "BadRequestError"}}),
 }
-
-
-@dataclass
-class FakeController:
-    """Serves a routing table with an ETag; ``table`` may be swapped; ``down`` answers 503."""
-
-    table: dict[str, Any]
-    down: bool = False
-    gets: int = 0
-    not_modified: int = 0
-
-    def app(self) -> Starlette:
-        return Starlette(routes=[Route("/v1/routing", self._routing)])
-
-    async def _routing(self, request: Request) -> Response:
-        self.gets += 1
-        if self.down:
-            return JSONResponse({"error": "down"}, status_code=503)
-        etag = f'"{self.table["version"]}"'
-        if request.headers.get("if-none-match") == etag:
-            self.not_modified += 1
-            return Response(status_code=304, headers={"ETag": etag})
-        return JSONResponse(self.table, headers={"ETag": etag})
-
-
-def table(
-    instances: list[tuple[str, str, str, str, float, bool]],
-    version: int = 1,
-    enforce: bool = True,
-    pools: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """A routing table: instances as (name, pool, role, url, weight, drained)."""
-    return {
-        "version": version, "generated_at": 0.0, "mode": "enforce" if enforce else "advisory",
-        "enforce": enforce,
-        "instances": [
-            {"name": n, "pool": p, "role": r, "url": u, "weight": w, "drained": d}
-            for n, p, r, u, w, d in instances
-        ],
-        "pools": pools or [],
-    }

@@ -14,7 +14,8 @@ import yaml
 
 from proxy.cli import add_arguments, apply_overrides
 from tests.proxy.conftest import fake_fleet, make_settings
-from tests.proxy.fakes import closed_port_url, free_socket
+from tests.support.sockets import closed_port_url, free_port
+from tests.support.waiting import async_wait_until
 
 
 def test_flags_override_the_config() -> None:
@@ -31,9 +32,7 @@ def test_flags_override_the_config() -> None:
 @pytest.mark.slow
 async def test_pdscope_proxy_process_serves_a_stream(tmp_path: Path) -> None:
     async with fake_fleet(1, 1) as fleet:
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
+        port = free_port()
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
             "port": port, "otlp_endpoint": closed_port_url()})  # collector down: must not matter
         cfg = tmp_path / "pdscope.yaml"
@@ -45,12 +44,13 @@ async def test_pdscope_proxy_process_serves_a_stream(tmp_path: Path) -> None:
         try:
             url = f"http://127.0.0.1:{port}"
             async with httpx.AsyncClient(timeout=10) as client:
-                for _ in range(150):
-                    try:
-                        if (await client.get(url + "/healthz")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        await asyncio.sleep(0.1)
+                async def healthy() -> bool:
+                    if proc.returncode is not None:
+                        raise AssertionError(f"pdscope proxy exited with {proc.returncode} before it served")
+                    return (await client.get(url + "/healthz")).status_code == 200
+
+                await async_wait_until("pdscope proxy to serve /healthz", healthy, ignore=(httpx.HTTPError,),
+                                       timeout_s=15)
                 resp = await client.post(url + "/v1/chat/completions", json={
                     "model": "fake", "messages": [{"role": "user", "content": "hi there"}], "stream": True})
                 assert resp.status_code == 200

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
 
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
-from tests.proxy.fakes import FakeController, serve, table
+from tests.support.controllers import FakeController, table
+from tests.support.serving import serve
+from tests.support.waiting import async_wait_until
 
 COMPLETION = {"model": "fake", "prompt": "a b c", "max_tokens": 4}
 BODY = json.dumps(COMPLETION).encode()
@@ -120,7 +122,7 @@ async def test_the_controller_killed_under_load_costs_no_client_request() -> Non
                                      proxy={"controller_url": ctl_url, "fail_static_s": 0.5})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 routing = app.parts.routing
-                await _until(lambda: routing.state == "fresh")
+                await async_wait_until("a fresh routing table", lambda: routing.state == "fresh")
                 seen: list[str] = []
 
                 done = asyncio.Event()
@@ -134,19 +136,11 @@ async def test_the_controller_killed_under_load_costs_no_client_request() -> Non
                 async with asyncio.TaskGroup() as tg:
                     for _ in range(4):
                         tg.create_task(load())
-                    await _until(lambda: len(statuses) >= 40)
+                    await async_wait_until("40 answers", lambda: len(statuses) >= 40)
                     await controller.aclose()  # the controller process is gone: connection refused
-                    await _until(lambda: routing.state == "fallback")
+                    await async_wait_until("the routing fallback", lambda: routing.state == "fallback")
                     after = len(statuses)
-                    await _until(lambda: len(statuses) >= after + 20)
+                    await async_wait_until("20 answers more", lambda: len(statuses) >= after + 20)
                     done.set()
     assert statuses == [200] * len(statuses) and len(statuses) >= 60
     assert {"fresh", "fallback"} <= set(seen)  # traffic ran through the kill and the fallback
-
-
-async def _until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)

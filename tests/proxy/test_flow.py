@@ -14,7 +14,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdscope import semconv as sc
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
-from tests.proxy.fakes import closed_port_url, completion_text
+from tests.proxy.fakes import completion_text
+from tests.support.sockets import closed_port_url
+from tests.support.waiting import async_wait_until
 
 COMPLETION = {"model": "fake", "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
@@ -137,10 +139,7 @@ async def test_client_disconnect_mid_stream_closes_the_decode_stream() -> None:
             ) as resp:
                 async for _chunk in resp.aiter_bytes():
                     break  # first token seen: go away
-            for _ in range(100):
-                if fleet.decode[0].aborted:
-                    break
-                await asyncio.sleep(0.02)
+            await async_wait_until("D to see its stream closed", lambda: fleet.decode[0].aborted)
             async with httpx.AsyncClient(timeout=10) as client:
                 metrics = (await client.get(url + "/metrics")).text
         assert fleet.decode[0].aborted == 1 and fleet.decode[0].finished == 0
@@ -195,7 +194,7 @@ async def test_spans_leave_over_otlp_http_and_a_down_collector_costs_nothing() -
 
     from proxy.app import build
     from tests.proxy.conftest import serve_proxy
-    from tests.proxy.fakes import serve
+    from tests.support.serving import serve
 
     bodies: list[bytes] = []
 

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from proxy.admission import Admission
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
-from tests.proxy.fakes import FakeController, serve, table
+from tests.support.controllers import FakeController, table
+from tests.support.serving import serve
+from tests.support.waiting import async_wait_until
 
 COMPLETION = {"model": "fake", "prompt": "a b c d e f g h i j", "max_tokens": 4}
-
-
-async def _wait_for(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def _p_counts(fleet) -> Counter[str]:  # type: ignore[no-untyped-def]
@@ -42,11 +36,11 @@ async def test_weights_and_drains_from_the_table_are_honoured() -> None:
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 for _ in range(200):
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
                 health = (await client.get(url + "/healthz")).json()
-                await _wait_for(lambda: ctl.not_modified > 0)  # polls use the ETag
+                await async_wait_until("a 304 (polls use the ETag)", lambda: ctl.not_modified > 0)
         counts = _p_counts(fleet)
         assert counts["p2"] == 0 and len(d[1].calls) == 0
         assert 0.65 <= counts["p0"] / 200 <= 0.85, counts
@@ -67,16 +61,16 @@ async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_wei
                                      proxy={"controller_url": ctl_url, "fail_static_s": 3.0})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 routing = app.parts.routing
-                await _wait_for(lambda: routing.state == "fresh")
+                await async_wait_until("a fresh routing table", lambda: routing.state == "fresh")
                 ctl.down = True
-                await _wait_for(lambda: routing.state == "static", within_s=2)
+                await async_wait_until("the static routing state", lambda: routing.state == "static")
                 for _ in range(10):  # the last table still applies: p1 stays drained
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
                 assert routing.state == "static", "test too slow for fail_static_s"
                 assert len(p[1].calls) == 0
                 metrics = (await client.get(url + "/metrics")).text
                 assert 'pdscope_proxy_routing_state{state="static"} 1.0' in metrics
-                await _wait_for(lambda: routing.state == "fallback", within_s=6)
+                await async_wait_until("the routing fallback", lambda: routing.state == "fallback")
                 for _ in range(40):  # equal weights from the config: p1 gets work again
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
                 assert len(p[1].calls) > 5
@@ -84,7 +78,7 @@ async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_wei
                 assert 'pdscope_proxy_routing_state{state="fallback"} 1.0' in metrics
                 assert "pdscope_proxy_routing_poll_failures_total" in metrics
                 ctl.down = False  # the controller is back: its table applies again
-                await _wait_for(lambda: routing.state == "fresh", within_s=6)
+                await async_wait_until("a fresh routing table", lambda: routing.state == "fresh")
                 assert routing.view.version == 7
 
 
@@ -97,7 +91,7 @@ async def test_no_controller_at_all_serves_with_equal_weights_and_says_never_rea
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             for _ in range(30):
                 assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
-            await _wait_for(lambda: app.parts.routing.poll_failures > 2)
+            await async_wait_until("three failed polls", lambda: app.parts.routing.poll_failures > 2)
             assert app.parts.routing.state == "never_reached"
             metrics = (await client.get(url + "/metrics")).text
             health = (await client.get(url + "/healthz")).json()
@@ -118,8 +112,8 @@ async def test_polls_that_change_nothing_log_nothing_at_info(caplog: pytest.LogC
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (_url, app):
-                await _wait_for(lambda: app.parts.routing.state == "fresh")
-                await _wait_for(lambda: ctl.gets >= 10)
+                await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
+                await async_wait_until("ten polls", lambda: ctl.gets >= 10)
     polls = [r for r in caplog.records if r.levelno >= logging.INFO
              and r.name in ("httpx", "proxy.routing")]
     assert [r.getMessage() for r in polls] == ["routing: now fresh, table version 1"], polls
@@ -136,7 +130,7 @@ async def test_advisory_table_is_not_applied() -> None:
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await _wait_for(lambda: app.parts.routing.state == "advisory")
+                await async_wait_until("an advisory routing table", lambda: app.parts.routing.state == "advisory")
                 for _ in range(30):
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
         assert len(p[1].calls) > 3  # the drain was advisory
@@ -147,10 +141,24 @@ class SecondRequest:
     """A request sent while a streaming one holds the decode pool's only slot."""
 
     response: httpx.Response
-    waited_s: float
+    waits: list[tuple[float, bool]]  # the second request's admission waits: (budget in s, woken by a release)
     first_still_running: bool
     metrics: str
     p_calls: int
+
+
+def _record_waits(admission: Admission) -> list[tuple[float, bool]]:
+    """Record each admission wait from now on as (its budget in s, whether a release woke it)."""
+    waits: list[tuple[float, bool]] = []
+    wait = admission.wait
+
+    async def recording(within_s: float) -> bool:
+        woken = await wait(within_s)
+        waits.append((within_s, woken))
+        return woken
+
+    admission.wait = recording  # type: ignore[method-assign]
+    return waits
 
 
 async def _while_the_only_slot_is_held(decode_pool: dict[str, object], admission: dict[str, object]) -> SecondRequest:
@@ -163,26 +171,26 @@ async def _while_the_only_slot_is_held(decode_pool: dict[str, object], admission
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url, "admission": admission})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-                await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
-                t0 = time.monotonic()
+                await async_wait_until("a held decode slot", lambda: app.parts.admission.requests["decode"] == 1)
+                waits = _record_waits(app.parts.admission)
                 second = await client.post(url + "/v1/completions", json=COMPLETION)
-                waited = time.monotonic() - t0
                 still_running = not slow.done()
                 assert (await slow).status_code == 200
                 metrics = (await client.get(url + "/metrics")).text
-        return SecondRequest(second, waited, still_running, metrics, len(p[0].calls))
+        return SecondRequest(second, waits, still_running, metrics, len(p[0].calls))
 
 
 async def test_admission_rejects_with_retry_after_when_the_pool_is_full() -> None:
     got = await _while_the_only_slot_is_held({}, {"queue_timeout_s": 0.2, "retry_after_s": 3})
-    rejected, waited, metrics = got.response, got.waited_s, got.metrics
+    rejected, metrics = got.response, got.metrics
     assert rejected.status_code == 429
     assert rejected.headers["retry-after"] == "3"
     err = rejected.json()["error"]
     assert err["type"] == "rate_limit_error" and err["code"] == "inflight_requests"
-    assert waited >= 0.2  # the bounded wait happened first
+    # the bounded wait happened first: it waited (up to the 0.2 s queue timeout) and nothing woke it
+    assert got.waits and all(0 < budget <= 0.2 and not woken for budget, woken in got.waits), got.waits
     assert 'pdscope_proxy_rejections_total{pool="decode",reason="inflight_requests"} 1.0' in metrics
     assert got.p_calls == 1  # the rejected request never reached P
 
@@ -201,7 +209,7 @@ async def test_a_waiting_request_is_admitted_when_a_slot_frees() -> None:
             "admission": {"max_inflight_requests": 1, "queue_timeout_s": 5}})
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             first = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-            await _wait_for(lambda: app.parts.admission.requests["decode"] == 1)
+            await async_wait_until("the decode slot to be held", lambda: app.parts.admission.requests["decode"] == 1)
             second = await client.post(url + "/v1/completions", json=COMPLETION)
             assert (await first).status_code == 200
         assert second.status_code == 200
@@ -216,7 +224,7 @@ async def test_admission_counts_handoff_kv_bytes() -> None:
             "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 3, "decode_total_s": 10}})
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             stuck = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-            await _wait_for(lambda: app.parts.admission.kv_bytes["decode"] == 10_000)
+            await async_wait_until("handoff KV bytes on D", lambda: app.parts.admission.kv_bytes["decode"] == 10_000)
             assert app.parts.admission.kv_bytes["prefill"] == 10_000  # pinned on P too
             rejected = await client.post(url + "/v1/completions", json=COMPLETION)
             stuck.cancel()
@@ -243,7 +251,7 @@ async def test_all_drained_is_a_503_with_retry_after() -> None:
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await _wait_for(lambda: app.parts.routing.state == "fresh")
+                await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 resp = await client.post(url + "/v1/completions", json=COMPLETION)
         assert resp.status_code == 503 and "retry-after" in resp.headers
         assert p[0].calls == []

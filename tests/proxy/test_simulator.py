@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -11,7 +10,8 @@ import pytest
 from pdscope.config import parse_config
 from simulator.testing import running_fleet
 from tests.proxy.conftest import running_proxy
-from tests.proxy.fakes import closed_port_url
+from tests.support.sockets import closed_port_url
+from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow  # a simulated fleet per test
 
@@ -91,13 +91,12 @@ async def test_client_disconnect_aborts_the_simulated_decode() -> None:
                 async for _chunk in resp.aiter_bytes():
                     break
             async with httpx.AsyncClient(timeout=20) as client:
-                aborted = 0.0
-                for _ in range(100):
+
+                async def d_aborted() -> float:
                     d = (await client.get(fleet.decode_urls[0] + "/metrics")).text
-                    aborted = _metric(d, "vllm:request_success_total", finished_reason="abort")
-                    if aborted:
-                        break
-                    await asyncio.sleep(0.05)
+                    return _metric(d, "vllm:request_success_total", finished_reason="abort")
+
+                aborted = await async_wait_until("D to count an aborted request", d_aborted)
                 metrics = (await client.get(url + "/metrics")).text
     assert aborted == 1  # D stopped generating for the departed client
     assert _metric(metrics, "pdscope_proxy_client_disconnects_total", stage="decode") == 1

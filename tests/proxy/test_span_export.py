@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -22,7 +20,9 @@ from proxy.app import build
 from proxy.spanexport import OtlpHttpExporter, retry_after
 from proxy.tracing import Backoff, BoundedSpanProcessor, make_provider
 from tests.proxy.conftest import fake_fleet, make_settings, serve_proxy
-from tests.proxy.fakes import free_socket, serve
+from tests.support.serving import serve
+from tests.support.sockets import bound_socket, url_of
+from tests.support.waiting import async_wait_until
 
 COMPLETION = {"model": "fake", "prompt": "a b c", "max_tokens": 4}
 
@@ -51,17 +51,10 @@ class FakeCollector:
         return Response(b"", media_type="application/x-protobuf")
 
 
-async def _wait_for(predicate: Callable[[], bool], within_s: float = 20.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 async def test_a_collector_restart_loses_no_spans() -> None:
     collector = FakeCollector()
-    sock = free_socket()  # bound, not listening: connections are refused until the collector starts
-    endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock = bound_socket()  # bound, not listening: connections are refused until the collector starts
+    endpoint = url_of(sock)
     async with fake_fleet(1, 1) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
                                  proxy={"otlp_endpoint": endpoint, "span_retry_max_s": 0.3})
@@ -71,12 +64,12 @@ async def test_a_collector_restart_loses_no_spans() -> None:
         async with serve_proxy(app) as url, httpx.AsyncClient(timeout=10) as client:
             for _ in range(20):  # while the collector is down
                 assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
-            await _wait_for(lambda: spans.failed > 0)  # the exporter tried and failed
+            await async_wait_until("the exporter to try and fail", lambda: spans.failed > 0, timeout_s=20)
             assert spans.exported == 0 and spans.dropped == 0
             async with serve(collector.app(), sock=sock):  # the collector is back
                 for _ in range(5):
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
-                await _wait_for(lambda: spans.exported == 25 * 5)
+                await async_wait_until("every span exported", lambda: spans.exported == 25 * 5, timeout_s=20)
                 metrics = (await client.get(url + "/metrics")).text
         assert spans.dropped == 0 and spans.rejected == 0 and spans.retries > 0
         assert len(collector.span_ids) == len(set(collector.span_ids)) == 25 * 5  # every span once
@@ -104,7 +97,7 @@ async def test_429_and_503_with_retry_after_are_honoured_then_everything_arrives
         tracer = provider.get_tracer("t")
         for _ in range(7):
             tracer.start_span("s").end()
-        await _wait_for(lambda: proc.exported == 7)
+        await async_wait_until("all seven spans exported", lambda: proc.exported == 7, timeout_s=20)
         provider.shutdown()
     assert collector.posts == 3 and len(collector.span_ids) == 7
     assert sleep.delays[0] >= 4 and sleep.delays[1] >= 2  # at least what the collector asked

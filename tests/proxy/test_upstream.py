@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
-from proxy.upstream import ConnectFailed, Upstream, UpstreamClosed, UpstreamTimeout
-from tests.proxy.fakes import closed_port_url
+from proxy.upstream import ConnectFailed, Response, Upstream, UpstreamClosed, UpstreamTimeout
+from tests.support.sockets import bound_socket, closed_port_url, url_of
+from tests.support.waiting import async_wait_until
 
 
 class RawServer:
@@ -18,6 +18,7 @@ class RawServer:
         self.script = script
         self.connections = 0
         self.requests = 0
+        self.ended = 0  # connections this server has closed
         self.closed_by_peer = asyncio.Event()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -40,7 +41,7 @@ class RawServer:
                     await writer.drain()
                     continue
                 if self.script == "silent":
-                    await asyncio.sleep(30)
+                    await asyncio.sleep(30)  # the behaviour under test: an upstream that never answers
                 if self.script == "chunked":
                     writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n")
                     await writer.drain()
@@ -58,14 +59,14 @@ class RawServer:
             pass
         finally:
             writer.close()
+            self.ended += 1
 
 
 async def _serve(script: str) -> tuple[RawServer, asyncio.Server, str]:
     raw = RawServer(script)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
+    sock = bound_socket()
     server = await asyncio.start_server(raw.handle, sock=sock)
-    return raw, server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return raw, server, url_of(sock)
 
 
 async def test_keep_alive_reuses_one_connection() -> None:
@@ -86,7 +87,7 @@ async def test_a_connection_the_server_closed_while_idle_is_retried_fresh() -> N
     for _ in range(3):
         async with await up.post(url, "/x", b"{}", within_s=2) as resp:
             assert await resp.read() == b"{}"
-        await asyncio.sleep(0.05)
+        await async_wait_until("the server to close the idle connection", lambda: raw.ended == raw.connections)
     assert raw.requests == 3 and raw.connections == 3
     await up.aclose()
     server.close()
@@ -127,10 +128,16 @@ async def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte() -> No
     for _ in range(2):  # and the connection is reusable afterwards
         async with await up.post(url, "/x", b"{}", within_s=2) as resp:
             got = bytearray()
-            await asyncio.sleep(0.2)  # let the socket fill our buffer past the pause mark
+            await async_wait_until("the buffer past the pause mark", lambda: _paused(resp))
             while (chunk := await resp.next_chunk()) is not None:
                 got += chunk
                 await asyncio.sleep(0)
             assert bytes(got) == bytes(range(256)) * (3 * 4096)
     await up.aclose()
     server.close()
+
+
+def _paused(resp: Response) -> bool:
+    """Whether the response's connection has stopped reading from the socket."""
+    conn = resp._conn
+    return conn is not None and conn.paused

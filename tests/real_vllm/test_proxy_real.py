@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from pdscope import semconv as sc
-from tests.ports import free_port
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
+from tests.support.sockets import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
