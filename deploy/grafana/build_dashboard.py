@@ -124,7 +124,7 @@ def build() -> dict[str, Any]:
          "prefill computed {{pool}}"),
         (f'sum by (pool) (rate(vllm:generation_tokens_total{{{PI},role="decode"}}[{RI}]))', "generated {{pool}}"),
     ], width=8)
-    g.panel("KV cache usage", [(f"max by (instance) (vllm:kv_cache_usage_perc{{{PI}}})", "{{instance}}")],
+    g.panel("KV usage", [(f"max by (instance) (vllm:kv_cache_usage_perc{{{PI}}})", "{{instance}}")],
             unit="percentunit", width=8, thresholds=[("green", None), ("orange", 0.9), ("red", 0.95)],
             description="On prefill this includes blocks leased to decode instances until they pull them.")
 
@@ -142,10 +142,10 @@ def build() -> dict[str, Any]:
         (f"sum by (instance) (rate(vllm:nixl_bytes_transferred_sum{{{PI}}}[{RI}]))"
          f" / sum by (instance) (rate(vllm:nixl_xfer_time_seconds_sum{{{PI}}}[{RI}]))", "{{instance}}"),
     ], unit="Bps", width=8, description="Link speed while transferring: a drop means a slow link, not more load.")
-    g.panel("NIXL failures and expired leases", [
+    g.panel("NIXL failures and lease expiries", [
         (f"sum by (instance) (rate(vllm:nixl_num_failed_transfers_total{{{PI}}}[{RI}]))", "failed {{instance}}"),
         (f"sum by (instance) (rate(vllm:nixl_num_kv_expired_reqs_total{{{PI}}}[{RI}]))",
-         "lease expired {{instance}}"),
+         "lease expiries {{instance}}"),
         (f"sum by (instance) (rate(vllm:nixl_num_notifications_after_expiry_total{{{PI}}}[{RI}]))",
          "notif after expiry {{instance}}"),
     ], unit="ops", width=8)
@@ -180,10 +180,12 @@ def build() -> dict[str, Any]:
     g.panel("Goodput", [("pdscope_goodput_requests_per_second", "requests/s meeting every SLO")],
             unit="reqps", width=8)
     g.panel("Controller alerts firing", [("sum by (alertname) (pdscope_alerts_firing)", "{{alertname}}")],
-            width=8, description="pdscope's own alert rules, evaluated by the controller on its window.")
+            width=8, description="pdscope's own alert rules, evaluated by the controller on its window; a Prometheus "
+                         "rule that alerts on the same condition has the same name.")
     g.panel("Firing alerts", [('sum by (alertname, severity, pool, instance) (ALERTS{alertstate="firing"})', "")],
             kind="table", width=24, instant=True,
-            description="Alerts from deploy/prometheus/rules, firing now. Runbook: deploy/prometheus/RUNBOOK.md.")
+            description="Alerts from deploy/prometheus/rules (source=prometheus), firing now. "
+                        "Runbook: deploy/prometheus/RUNBOOK.md.")
 
     g.row("Controller & proxy")
     g.panel("Routing weight per instance", [

@@ -252,9 +252,9 @@ def _matcher_names(matchers: list[str]) -> set[str]:
 
 
 def _alert_labels(alert: dict[str, Any]) -> set[str]:
-    """Labels an alert carries: its rule labels, plus the `by (...)` of an aggregated
+    """Labels an alert carries: alertname, its rule labels, plus the `by (...)` of an aggregated
     expression, or the target labels every scraped series has (job, instance, pool, role)."""
-    labels = set(alert.get("labels", {}))
+    labels = {"alertname", *alert.get("labels", {})}
     groupings = re.findall(r"\bby \(([^)]*)\)", alert["expr"])
     if groupings:
         for grouping in groupings:

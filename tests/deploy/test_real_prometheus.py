@@ -6,10 +6,10 @@ their `for:` durations shortened to 1 s so a test can see them fire). A simulate
 (1 P + 2 D, real vLLM metric names) runs behind pdscope's collector, controller and proxy
 (subprocesses on a SQLite store). Traffic goes through the proxy and directly as P/D pairs;
 then faults are injected and the matching alerts must fire through Prometheus's own API:
-a decode instance that stops pulling (P's leases expire: NIXLKVLeaseExpired), failing NIXL
-reads (NIXLTransferFailures, VLLMRequestErrors), a decode instance down (VLLMInstanceDown,
-PDScopeCollectorTargetDown) and the controller gone (PDScopeServiceDown,
-PDScopeProxyRoutingStale). Every PromQL expression of the Grafana dashboard is evaluated
+a decode instance that stops pulling (P's leases expire: KVLeaseExpired), failing NIXL
+reads (NixlTransferFailures, PoolRequestErrors), a decode instance down (InstanceDown,
+CollectorTargetDown) and the controller gone (ServiceDown,
+ProxyRoutingStale). Every PromQL expression of the Grafana dashboard is evaluated
 against it with the whole stack up. A second test checks the relabelling on target files.
 Every wait is bounded; every process is stopped by PID (its process group).
 """
@@ -346,49 +346,49 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     # the proxy's spans became request records; the controller's SLO attainment comes from them
     wait_until("the controller's SLO attainment", lambda: prometheus.query("pdscope_slo_attainment >= 0"),
               timeout_s=45, every_s=0.5)
-    for name in ("NIXLKVLeaseExpired", "NIXLTransferFailures", "VLLMRequestErrors", "VLLMInstanceDown",
-                 "PDScopeProxyRoutingStale", "PDScopeServiceDown", "PDScopeCollectorTargetDown",
-                 "PDScopeControllerStale", "PDScopeProxyDown"):
+    for name in ("KVLeaseExpired", "NixlTransferFailures", "PoolRequestErrors", "InstanceDown",
+                 "ProxyRoutingStale", "ServiceDown", "CollectorTargetDown",
+                 "ControllerStale", "ProxyDown"):
         assert prometheus.firing(name) == [], name
     expired_before = prometheus.query('sum(vllm:nixl_num_kv_expired_reqs_total{instance="prefill-0"})')
     assert float(expired_before[0]["value"][1]) == 0
 
-    # 3. decode-0 stops pulling: prefill-0's leases (1 s) expire -> NIXLKVLeaseExpired on prefill-0
+    # 3. decode-0 stops pulling: prefill-0's leases (1 s) expire -> KVLeaseExpired on prefill-0
     fleet.inject({"kind": "stop_pulling", "decode": "decode-0"})
     with httpx.Client(timeout=httpx.Timeout(4.0, connect=2.0)) as stuck, ThreadPoolExecutor(3) as pool:
         statuses = list(pool.map(lambda _: pd_request(stuck, model, p_url, d0_url), range(3)))
     assert 200 not in statuses, statuses  # no decode completed without its KV
-    alert = wait_until("NIXLKVLeaseExpired firing for prefill-0",
-                      lambda: prometheus.firing("NIXLKVLeaseExpired", instance="prefill-0"), timeout_s=45, every_s=0.5)
-    assert alert[0]["labels"]["severity"] == "warning"
-    assert alert[0]["annotations"]["runbook_url"].endswith("RUNBOOK.md#nixlkvleaseexpired")
-    assert "KV leases expired on prefill-0" in alert[0]["annotations"]["summary"]
-    assert prometheus.firing("NIXLKVLeaseExpired", instance="decode-1") == []
+    alert = wait_until("KVLeaseExpired firing for prefill-0",
+                      lambda: prometheus.firing("KVLeaseExpired", instance="prefill-0"), timeout_s=45, every_s=0.5)
+    assert (alert[0]["labels"]["severity"], alert[0]["labels"]["source"]) == ("warning", "prometheus")
+    assert alert[0]["annotations"]["runbook_url"].endswith("RUNBOOK.md#kvleaseexpired")
+    assert "KV lease expiries on prefill-0" in alert[0]["annotations"]["summary"]
+    assert prometheus.firing("KVLeaseExpired", instance="decode-1") == []
 
-    # 4. every NIXL read into decode-1 fails -> NIXLTransferFailures on decode-1, and its requests
-    #    finish with an error (vLLM's "fail" policy) -> VLLMRequestErrors on the decode pool
+    # 4. every NIXL read into decode-1 fails -> NixlTransferFailures on decode-1, and its requests
+    #    finish with an error (vLLM's "fail" policy) -> PoolRequestErrors on the decode pool
     fid = fleet.inject({"kind": "transfer_failure", "rate": 1.0, "decode": "decode-1"})
     statuses = [pd_request(client, model, p_url, d1_url) for _ in range(4)]
     assert 200 not in statuses, statuses
-    failing = wait_until("NIXLTransferFailures firing for decode-1",
-                        lambda: prometheus.firing("NIXLTransferFailures"), timeout_s=45, every_s=0.5)
+    failing = wait_until("NixlTransferFailures firing for decode-1",
+                        lambda: prometheus.firing("NixlTransferFailures"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in failing] == ["decode-1"]
     assert failing[0]["labels"]["severity"] == "critical"
-    errors = wait_until("VLLMRequestErrors firing for the decode pool",
-                       lambda: prometheus.firing("VLLMRequestErrors"), timeout_s=45, every_s=0.5)
+    errors = wait_until("PoolRequestErrors firing for the decode pool",
+                       lambda: prometheus.firing("PoolRequestErrors"), timeout_s=45, every_s=0.5)
     assert [(a["labels"]["pool"], a["labels"]["role"]) for a in errors] == [("decode", "decode")]
     assert fleet.remove_fault(fid)  # decode-0 still does not pull: it never fails a read
 
-    # 5. decode-1 goes down -> VLLMInstanceDown (Prometheus) and PDScopeCollectorTargetDown (pdscope)
+    # 5. decode-1 goes down -> InstanceDown (Prometheus) and CollectorTargetDown (pdscope)
     fleet.inject({"kind": "down", "instance": "decode-1"})
-    down = wait_until("VLLMInstanceDown firing for decode-1",
-                     lambda: prometheus.firing("VLLMInstanceDown"), timeout_s=45, every_s=0.5)
+    down = wait_until("InstanceDown firing for decode-1",
+                     lambda: prometheus.firing("InstanceDown"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in down] == ["decode-1"]
     assert down[0]["labels"]["pool"] == "decode" and down[0]["labels"]["role"] == "decode"
-    seen = wait_until("PDScopeCollectorTargetDown firing for decode-1",
-                     lambda: prometheus.firing("PDScopeCollectorTargetDown"), timeout_s=45, every_s=0.5)
+    seen = wait_until("CollectorTargetDown firing for decode-1",
+                     lambda: prometheus.firing("CollectorTargetDown"), timeout_s=45, every_s=0.5)
     assert [a["labels"]["instance"] for a in seen] == ["decode-1"]
-    assert prometheus.firing("VLLMPoolDown") == []  # decode-0 still answers scrapes
+    assert prometheus.firing("PoolDown") == []  # decode-0 still answers scrapes
 
     # 6. every Grafana expression evaluates; with the whole stack running, they have data
     empty = [expr for expr in dashboard_expressions() if not prometheus.query(expr)]
@@ -405,15 +405,15 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     assert variables["pool"] == ["decode", "prefill"]
     assert {"prefill-0", "decode-0"} <= set(variables["instance"])
 
-    # 7. the controller goes away: PDScopeServiceDown, and the proxy's routing goes stale
+    # 7. the controller goes away: ServiceDown, and the proxy's routing goes stale
     stack.stop("control")
-    gone = wait_until("PDScopeServiceDown firing for the controller",
-                     lambda: prometheus.firing("PDScopeServiceDown", job="pdscope-controller"), timeout_s=45, every_s=0.5)
+    gone = wait_until("ServiceDown firing for the controller",
+                     lambda: prometheus.firing("ServiceDown", job="pdscope-controller"), timeout_s=45, every_s=0.5)
     assert gone[0]["labels"]["severity"] == "warning"
-    stale = wait_until("PDScopeProxyRoutingStale firing for the proxy",
-                      lambda: prometheus.firing("PDScopeProxyRoutingStale", instance="proxy"), timeout_s=45, every_s=0.5)
+    stale = wait_until("ProxyRoutingStale firing for the proxy",
+                      lambda: prometheus.firing("ProxyRoutingStale", instance="proxy"), timeout_s=45, every_s=0.5)
     assert stale[0]["labels"]["state"] in {"static", "fallback"}
-    assert prometheus.firing("PDScopeProxyDown") == []
+    assert prometheus.firing("ProxyDown") == []
 
 
 def dashboard_expressions() -> list[str]:
