@@ -74,7 +74,7 @@ _IN_CHUNK = 500
 class ForensicsResult:
     linked: int
     suspects: int
-    unattributed: int = 0  # expired leases in the steps looked at that no waiting handoff explains
+    unattributed: int = 0  # lease expiries in the steps looked at that no waiting handoff explains
     attempts: int = 0  # records whose failed attempts were read back from their spans this pass
 
 

@@ -37,8 +37,8 @@ def counter_reset(prev: dict[str, Any] | None, cur: dict[str, Any]) -> bool:
     """True when ``cur`` shows a restart since ``prev`` (both snapshot rows of one instance)."""
     if prev is None or not prev.get("up") or not cur.get("up"):
         return False
-    p_start, c_start = prev.get("process_start_ts"), cur.get("process_start_ts")
-    if p_start is not None and c_start is not None and c_start > p_start + 1.0:
+    prev_start, c_start = prev.get("process_start_ts"), cur.get("process_start_ts")
+    if prev_start is not None and c_start is not None and c_start > prev_start + 1.0:
         return True
     for col in RESET_WATCH:
         a, b = prev.get(col), cur.get(col)

@@ -52,7 +52,7 @@ def alert_json(st: AlertState, external_url: str) -> dict[str, Any]:
     status = "resolved" if st.state == "resolved" else "firing"
     return {
         "status": status,
-        "labels": {"alertname": st.rule, "severity": st.severity, **st.labels},
+        "labels": {"alertname": st.rule, "severity": st.severity, "source": "controller", **st.labels},
         "annotations": {"summary": st.summary, "description": st.description, "value": f"{st.value:g}"},
         "startsAt": _rfc3339(st.fired_at or st.active_since),
         "endsAt": _rfc3339(st.resolved_at) if status == "resolved" else ZERO_TIME,

@@ -43,7 +43,7 @@ def instance_health(
     weights: pd.DataFrame,
 ) -> pd.DataFrame:
     """One row per instance: up, weight, KV usage, running/waiting now, TTFT/ITL p50/p99 over
-    the window (from vLLM's histograms), NIXL mean transfer time, failures and expired leases.
+    the window (from vLLM's histograms), NIXL mean transfer time, failures and lease expiries.
     """
     weight_of = dict(zip(weights["subject"], weights["weight"], strict=False)) if not weights.empty else {}
     rows = []
@@ -88,7 +88,7 @@ def pool_totals(health: pd.DataFrame) -> pd.DataFrame:
 def nixl_per_instance(series: pd.DataFrame, edges: Mapping[str, tuple[Any, Any]]) -> pd.DataFrame:
     """NIXL figures over the window per instance that transferred or expired anything.
 
-    In pull mode D records transfers and failures; P records expired leases. MB/s is bytes
+    In pull mode D records transfers and failures; P records lease expiries. MB/s is bytes
     moved per second of transfer time (the link's effective rate while busy).
     """
     rows = []

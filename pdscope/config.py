@@ -184,7 +184,7 @@ class AlertSettings(_Frozen):
         "rules hold their state instead of judging"
     )
     kv_full: float = Field(default=0.95, gt=0, le=1, description="KVCacheNearlyFull fires when an instance's "
-                           "KV-cache usage (0-1) is above this")
+                           "KV usage (0-1) is above this")
     rules: dict[AlertRuleName, AlertRuleSettings] = Field(
         default_factory=dict, description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
         "enabled; an unknown rule name is an error")
@@ -289,7 +289,7 @@ class ControllerSettings(_Frozen):
     kv_lease_s: float = Field(
         default=30.0, gt=0, le=3600,
         description="the fleet's KV lease (vLLM kv_connector_extra_config.kv_lease_duration, default 30 s): "
-                    "the collector joins a rise of P's expired leases with handoffs on that P still waiting "
+                    "the collector joins a rise of P's lease expiries with handoffs on that P still waiting "
                     "two thirds of a lease after P finished (a D heartbeat may set a lease to 2/3 of it)",
     )
     probe: ProbeSettings = Field(default=ProbeSettings(), description="how an instance at a low weight is "

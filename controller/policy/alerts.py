@@ -226,7 +226,7 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
         ("GoodputAttainmentLow", "critical", 60.0, "SLO attainment under target", _goodput),
         ("NixlTransferFailures", "warning", 0.0, "NIXL KV transfers are failing", _per_instance(_failed)),
         ("KVLeaseExpired", "warning", 0.0, "KV leases expired before D pulled them", _per_instance(_expired)),
-        ("KVCacheNearlyFull", "warning", 30.0, "KV cache usage above the limit", _per_instance(_kv_full)),
+        ("KVCacheNearlyFull", "warning", 30.0, "KV usage above the limit", _per_instance(_kv_full)),
         ("InstanceDown", "critical", 10.0, "an instance's /metrics cannot be scraped", _per_instance(_down)),
         ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
         ("CollectorBehind", "critical", 10.0, "stored data is stale: the collector is behind", _collector_behind),

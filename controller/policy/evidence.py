@@ -133,7 +133,7 @@ class InstanceTally:
     failed: int = 0
     refused: int = 0
     lease_charged: int = 0
-    lease_on_p: int = 0  # P: expired leases of this P the collector attributed to a waiting handoff
+    lease_on_p: int = 0  # P: lease expiries of this P the collector attributed to a waiting handoff
 
 
 @dataclass
@@ -398,7 +398,7 @@ def instance_signals(
 
 
 def unattributed_expiries(role: Role, window: ScrapeFigures | None, tally: InstanceTally | None) -> int:
-    """P: its own expired leases (vLLM's counter) in the window that no waiting handoff explains."""
+    """P: its own lease expiries (vLLM's counter) in the window that no waiting handoff explains."""
     if window is None or role != "prefill":
         return 0
     expired = round(window.increases.get("nixl_kv_expired_reqs", 0.0))

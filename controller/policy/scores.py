@@ -13,7 +13,7 @@ Which signals count, per role:
   (includes leased blocks).
 * decode: ``handoff`` (P done -> first token, which includes D's queue and the NIXL
   pull), ``nixl`` (transfer time per transfer), ``nixl_now``, ``load``, ``errors`` (failed
-  transfers plus the expired leases the collector attributed to handoffs sent to it that were
+  transfers plus the lease expiries the collector attributed to handoffs sent to it that were
   still waiting when the lease ran out: P counts expiries, but a D that does not pull in time
   causes them), ``kv``.
 * both: ``failures``, the instance's own failed requests (the lower confidence bound of their
@@ -186,7 +186,7 @@ def _nixl_now(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, f
 
 
 def error_events(inst: InstanceSignals, window_s: float) -> float:
-    """Failed NIXL transfers (its own counter) plus, for D, the expired leases attributed to it, in the window."""
+    """Failed NIXL transfers (its own counter) plus, for D, the lease expiries attributed to it, in the window."""
     events = inst.failed_transfers_per_min * window_s / 60.0
     if inst.role == "decode":
         events += inst.lease_expiry_suspects

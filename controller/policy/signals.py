@@ -54,9 +54,9 @@ class InstanceSignals:
     requests: int = 0
     failed_requests: int = 0  # its own: failed in its stage (D: once decode began), incl. retried attempts
     refused_requests: int = 0  # refused as invalid (a 4xx): counted, never charged to it
-    # D: expired leases (counted in the window) the collector attributed to handoffs sent to it
+    # D: lease expiries (counted in the window) the collector attributed to handoffs sent to it
     lease_expiry_suspects: int = 0
-    # P: expired leases of its own in the window that no waiting handoff explains (charged to no one)
+    # P: lease expiries of its own in the window that no waiting handoff explains (charged to no one)
     unattributed_lease_expiries: int = 0
     # Relative standard errors of contribution_s and the handoff times (sample noise; None: too few)
     contribution_rse: float | None = None
@@ -135,7 +135,7 @@ class Observation:
     # how long the store has watched the fleet (now - its first snapshot); None: unknown (then the policy
     # does not treat the window as a start-up one)
     history_s: float | None = None
-    # expired leases in the window that the evidence could not attribute to any instance
+    # lease expiries in the window that the evidence could not attribute to any instance
     unattributed_lease_expiries: int = 0
 
     def instance(self, name: str) -> InstanceSignals | None:

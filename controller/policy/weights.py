@@ -374,7 +374,7 @@ def _describe(s: Score) -> str:
         ratio = s.observed / s.reference if s.reference else float("inf")
         return f"{s.name} {s.observed:.3f}s is {ratio:.1f}x its peers' median {s.reference:.3f}s"
     if s.name == "errors":
-        return f"{s.observed or 0:.1f} failed transfers/expired leases per min"
+        return f"{s.observed or 0:.1f} failed transfers/lease expiries per min"
     if s.name == "kv":
         return f"KV usage {100 * (s.observed or 0):.0f}%"
     return f"{s.name} score {s.value:.2f}"

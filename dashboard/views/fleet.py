@@ -1,5 +1,5 @@
 """Fleet: P and D pools at a glance — each instance's up/down, weight, KV usage,
-running/waiting, TTFT/ITL percentiles, NIXL transfer time and expired leases, small
+running/waiting, TTFT/ITL percentiles, NIXL transfer time and lease expiries, small
 multiples over the window, pool totals and the admission limits now in force.
 """
 
@@ -80,7 +80,7 @@ def render() -> None:
             "itl_p99_ms": st.column_config.NumberColumn("ITL p99 ms", format="%.1f"),
             "nixl_xfer_mean_ms": st.column_config.NumberColumn("NIXL xfer ms", format="%.1f"),
             "nixl_failed": st.column_config.NumberColumn("NIXL failed", format="%d"),
-            "expired_leases": st.column_config.NumberColumn("expired leases", format="%d"),
+            "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d"),
         },
     )
     down = health[~health["up"]]

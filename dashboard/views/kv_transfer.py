@@ -1,8 +1,8 @@
 """KV transfer: NIXL transfer and post time percentiles, MB/s, bytes and descriptors
-per transfer, failed transfers and expired leases per instance, and handoff time per
+per transfer, failed transfers and lease expiries per instance, and handoff time per
 (P, D) pair as a heatmap.
 
-In NIXL pull mode D records transfers and failures, P records expired leases, so both
+In NIXL pull mode D records transfers and failures, P records lease expiries, so both
 roles appear in the table.
 """
 
@@ -30,7 +30,7 @@ def render() -> None:
         cols = st.columns(4)
         cols[0].metric("transfers", f"{decode['transfers'].sum():,.0f}")
         cols[1].metric("failed transfers", f"{nixl['failed_transfers'].sum():,.0f}")
-        cols[2].metric("expired leases (P)", f"{nixl['expired_leases'].sum():,.0f}")
+        cols[2].metric("lease expiries (P)", f"{nixl['expired_leases'].sum():,.0f}")
         worst = decode.sort_values("xfer_p99_ms", ascending=False).head(1)
         cols[3].metric("slowest D (xfer p99)", "—" if worst.empty else str(worst.iloc[0]["instance"]),
                        None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
@@ -41,7 +41,7 @@ def render() -> None:
                 "descriptors_per_transfer": st.column_config.NumberColumn("descriptors / transfer", format="%.0f"),
                 "transfers": st.column_config.NumberColumn(format="%d"),
                 "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
-                "expired_leases": st.column_config.NumberColumn("expired leases", format="%d")}
+                "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d")}
         st.dataframe(nixl, hide_index=True, width="stretch", column_config=fmt)
 
     series = data.snapshot_series(url, window.start, window.end)
@@ -59,7 +59,7 @@ def render() -> None:
             rates = rates.assign(per_min=(rates["nixl_failed_transfers"].fillna(0)
                                           + rates["nixl_kv_expired_reqs"].fillna(0)) * 60.0)
             df = ui.to_time(rates.rename(columns={"ts": "time"}), "time")
-            st.altair_chart(charts.lines(df, "per_min", "instance", "Failed transfers + expired leases", "per minute"),
+            st.altair_chart(charts.lines(df, "per_min", "instance", "Failed transfers + lease expiries", "per minute"),
                             width="stretch")
 
     st.subheader("Handoff time per (P, D) pair")

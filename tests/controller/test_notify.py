@@ -25,11 +25,13 @@ def test_payload_is_alertmanager_webhook_v4() -> None:
     p = webhook_payload([alert(), alert("resolved", fingerprint="def")], "http://ctl:8300")
     assert p["version"] == "4" and p["status"] == "firing" and p["receiver"] == "pdscope"
     a, r = p["alerts"]
-    assert a["labels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "instance": "prefill-0"}
+    assert a["labels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "source": "controller",
+                           "instance": "prefill-0"}
     assert a["startsAt"] == "2027-01-15T08:00:00Z" and a["endsAt"] == ZERO_TIME
     assert a["annotations"]["summary"] == "KV leases expired" and a["generatorURL"] == "http://ctl:8300/v1/alerts"
     assert r["status"] == "resolved" and r["endsAt"] == "2027-01-15T08:01:00Z"
-    assert p["commonLabels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "instance": "prefill-0"}
+    assert p["commonLabels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "source": "controller",
+                                  "instance": "prefill-0"}
     assert webhook_payload([alert("resolved")], "x")["status"] == "resolved"
 
 
