@@ -12,7 +12,7 @@ UNIT_TIER := not pg and not real_vllm and not browser and not promtool and not s
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_ENV ?= .vllm-cpu
 
-.PHONY: venv lint ruff types contracts check docs test test-fast pytest demo vllm-cpu pg-start pg-stop clean
+.PHONY: venv lint ruff fmt types contracts check docs test test-fast pytest demo vllm-cpu pg-start pg-stop clean
 
 $(STAMP): pyproject.toml
 	@echo ">> creating $(VENV) and installing pdscope with its dev tools"
@@ -31,7 +31,12 @@ vllm-cpu:
 lint: ruff types contracts
 
 ruff: venv
-	@echo ">> ruff";          $(BIN)/ruff check .
+	@echo ">> ruff";          $(BIN)/ruff check . && $(BIN)/ruff format --check --quiet . || \
+	  { echo "!! ruff: fix the findings above; run 'make fmt' to format the tree"; exit 1; }
+
+## format the tree (ruff format) and apply ruff's safe fixes
+fmt: venv
+	@$(BIN)/ruff format . && $(BIN)/ruff check --fix --quiet .
 
 types: venv
 	@echo ">> mypy";          $(BIN)/mypy $(PACKAGES)
@@ -39,11 +44,11 @@ types: venv
 contracts: venv
 	@echo ">> import-linter"; $(BIN)/lint-imports
 
-## before a commit: the static checks, then the unit tier
 ## regenerate the generated docs (the configuration reference, the reasons table)
 docs: venv
 	@$(BIN)/python -m pdscope.configdoc --write && $(BIN)/python -m controller.reasons_doc --write
 
+## before a commit: the static checks, then the unit tier
 check: lint test-fast
 
 pg-start:

@@ -52,7 +52,8 @@ from store.models import SpanRow  # noqa: E402
 FIXTURES = REPO / "tests" / "fixtures" / "vllm-0.32-cpu"  # the pages tests/captures.py names
 INTERVAL_S = 5.0
 
-SERVER = r"""
+SERVER = (
+    r"""
 import asyncio, sys
 pages = {b"p": open(sys.argv[1], "rb").read(), b"d": open(sys.argv[2], "rb").read()}
 async def handle(reader, writer):
@@ -60,7 +61,8 @@ async def handle(reader, writer):
         while True:
             req = await reader.readuntil(b"\r\n\r\n")
             body = pages[req.split(b" ", 2)[1][1:2]]
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"""
+    r"""Content-Length: %d\r\n\r\n" % len(body) + body)
             await writer.drain()
     except Exception:
         pass
@@ -72,6 +74,7 @@ async def main():
     await asyncio.sleep(3600)
 asyncio.run(main())
 """
+)
 
 
 # -- (a) scrape + parse + store ---------------------------------------------------------------
@@ -97,12 +100,20 @@ def per_page_ms(fn: Callable[[], object], reps: int = 50) -> float:
     return best * 1000
 
 
-async def scrape_store_cpu(ports: list[int], n_targets: int, rounds: int, db_url: str, extractor: Callable[[bytes], Signals]) -> dict[str, float]:
+async def scrape_store_cpu(
+    ports: list[int], n_targets: int, rounds: int, db_url: str, extractor: Callable[[bytes], Signals]
+) -> dict[str, float]:
     """CPU seconds of this process per instance-scrape, for the full scrape+parse+store loop."""
     upgrade(db_url)
     store = SnapshotStore(session_factory(make_engine(db_url)))
     targets = [
-        Target(f"i{i}", "pd", "decode" if i % 2 else "prefill", "http://x", f"http://127.0.0.1:{ports[i]}/{'d' if i % 2 else 'p'}/metrics")
+        Target(
+            f"i{i}",
+            "pd",
+            "decode" if i % 2 else "prefill",
+            "http://x",
+            f"http://127.0.0.1:{ports[i]}/{'d' if i % 2 else 'p'}/metrics",
+        )
         for i in range(n_targets)
     ]
     store.ensure_instances(targets, time.time())
@@ -114,7 +125,15 @@ async def scrape_store_cpu(ports: list[int], n_targets: int, rounds: int, db_url
             async def noop(_results: list[ScrapeResult]) -> None:
                 return None
 
-            scraper = Scraper(targets, client, interval_s=30.0, timeout_s=20.0, max_body_bytes=8 * 2**20, on_round=noop, jitter_s=0.0)
+            scraper = Scraper(
+                targets,
+                client,
+                interval_s=30.0,
+                timeout_s=20.0,
+                max_body_bytes=8 * 2**20,
+                on_round=noop,
+                jitter_s=0.0,
+            )
             await scraper.scrape_round()  # warm: connections, imports
             cpu = wall = 0.0
             down = 0
@@ -186,7 +205,11 @@ def make_exports(n_traces: int, per_export: int = 100) -> list[bytes]:
 
     exports = []
     for start in range(0, n_traces, per_export):
-        spans = [s for i in range(start, min(start + per_export, n_traces)) for s in request_spans(t0=1.8e9 + i * 0.01, request_id=f"b{i}")]
+        spans = [
+            s
+            for i in range(start, min(start + per_export, n_traces))
+            for s in request_spans(t0=1.8e9 + i * 0.01, request_id=f"b{i}")
+        ]
         exports.append(to_proto(spans))
     return exports
 
@@ -238,7 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
 
     server = subprocess.Popen(
-        [sys.executable, "-c", SERVER, str(FIXTURES / "prefill_metrics.txt"), str(FIXTURES / "decode_metrics.txt"), str(args.targets)],
+        [
+            sys.executable,
+            "-c",
+            SERVER,
+            str(FIXTURES / "prefill_metrics.txt"),
+            str(FIXTURES / "decode_metrics.txt"),
+            str(args.targets),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -246,9 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert server.stdout is not None
         ports = [int(p) for p in server.stdout.readline().split()]
         with tempfile.TemporaryDirectory() as tmp:
-            fast = asyncio.run(scrape_store_cpu(ports, args.targets, args.rounds, f"sqlite:///{tmp}/fast.db", extract_signals))
+            fast = asyncio.run(
+                scrape_store_cpu(
+                    ports, args.targets, args.rounds, f"sqlite:///{tmp}/fast.db", extract_signals
+                )
+            )
             base = asyncio.run(
-                scrape_store_cpu(ports, args.targets, args.rounds, f"sqlite:///{tmp}/base.db", prometheus_client_signals)
+                scrape_store_cpu(
+                    ports, args.targets, args.rounds, f"sqlite:///{tmp}/base.db", prometheus_client_signals
+                )
             )
     finally:
         server.terminate()
@@ -263,7 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     baseline_spans: dict[str, tuple[float, float] | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, sink_cls, into in (("spans", StoreSink, spans), ("orm", OrmSink, baseline_spans)):
-            runs = [ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, sink_cls) for k in range(args.repeat)]
+            runs = [
+                ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, sink_cls)
+                for k in range(args.repeat)
+            ]
             assert all(r[2] >= args.traces for r in runs), runs
             into["sqlite"] = (max(r[0] for r in runs), max(r[1] for r in runs))
     if args.pg_url:
@@ -279,7 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             drop_pg_database(args.pg_url, url)
     else:
         spans["postgresql"] = baseline_spans["postgresql"] = None
-        print("!! no PostgreSQL URL (--pg-url or $PDSCOPE_TEST_PG_URL): postgresql ingest not measured", file=sys.stderr)
+        print(
+            "!! no PostgreSQL URL (--pg-url or $PDSCOPE_TEST_PG_URL): postgresql ingest not measured",
+            file=sys.stderr,
+        )
 
     rows = [("(a) parse one 60 KiB vLLM page", "ms CPU", "")]
     for k, v in parse_ms.items():
@@ -287,7 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += [
         (f"(a) scrape+parse+store, {args.targets} targets x {args.rounds} rounds", "ms CPU/instance", ""),
         ("    baseline: prometheus_client parser", f"{base['cpu_ms_per_scrape']:.2f}", "1.0x"),
-        ("    pdscope hot path", f"{fast['cpu_ms_per_scrape']:.2f}", f"{base['cpu_ms_per_scrape'] / fast['cpu_ms_per_scrape']:.1f}x"),
+        (
+            "    pdscope hot path",
+            f"{fast['cpu_ms_per_scrape']:.2f}",
+            f"{base['cpu_ms_per_scrape'] / fast['cpu_ms_per_scrape']:.1f}x",
+        ),
         ("    instances per core at 5 s (baseline)", f"{ipc_base:.0f}", ""),
         ("    instances per core at 5 s (pdscope)", f"{ipc:.0f}", f"{ipc / ipc_base:.1f}x"),
         (f"(b) OTLP ingest, {n_spans} spans ({args.traces} traces)", "spans/s", ""),
@@ -297,8 +343,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if got is None or base_db is None:
             rows.append((f"    {db}", "not measured", ""))
             continue
-        rows.append((f"    {db}, baseline ORM objects: per CPU s / wall", f"{base_db[1]:.0f} / {base_db[0]:.0f}", "1.0x"))
-        rows.append((f"    {db}, pdscope sink: per CPU s / wall", f"{got[1]:.0f} / {got[0]:.0f}", f"{got[1] / base_db[1]:.1f}x"))
+        rows.append(
+            (
+                f"    {db}, baseline ORM objects: per CPU s / wall",
+                f"{base_db[1]:.0f} / {base_db[0]:.0f}",
+                "1.0x",
+            )
+        )
+        rows.append(
+            (
+                f"    {db}, pdscope sink: per CPU s / wall",
+                f"{got[1]:.0f} / {got[0]:.0f}",
+                f"{got[1] / base_db[1]:.1f}x",
+            )
+        )
     load = os.getloadavg()[0]
     rows.append((f"(machine: {os.cpu_count()} CPUs, load average {load:.1f} during the run)", "", ""))
     width = max(len(r[0]) for r in rows)
@@ -318,7 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "spans_per_s_wall": {k: (round(v[0]) if v else None) for k, v in spans.items()},
         "spans_per_s_baseline_orm": {k: (round(v[1]) if v else None) for k, v in baseline_spans.items()},
         "load_average": round(load, 1),
-        "params": {"targets": args.targets, "rounds": args.rounds, "traces": args.traces, "interval_s": INTERVAL_S},
+        "params": {
+            "targets": args.targets,
+            "rounds": args.rounds,
+            "traces": args.traces,
+            "interval_s": INTERVAL_S,
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,9 +54,13 @@ def fleet(n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def window_scan(factory: Any, since: float, until: float) -> int:
     """Read every snapshot and record column of the window once (the baseline)."""
     with factory() as session:
-        snaps = session.execute(select(*Snapshot.__table__.columns).where(Snapshot.ts >= since, Snapshot.ts <= until)).all()
+        snaps = session.execute(
+            select(*Snapshot.__table__.columns).where(Snapshot.ts >= since, Snapshot.ts <= until)
+        ).all()
         recs = session.execute(
-            select(*RequestRecord.__table__.columns).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+            select(*RequestRecord.__table__.columns).where(
+                RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until
+            )
         ).all()
     return len(snaps) + len(recs)
 
@@ -72,8 +76,14 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     end = time.time()
     url = f"sqlite:///{workdir / f'cost-{n}.db'}"
     spec = SeedSpec(
-        end=end, duration_s=args.history_s, rate_per_s=args.rate * n, scrape_interval_s=args.scrape_s,
-        prefill=prefill, decode=decode, degraded=decode[-1], seed=11,
+        end=end,
+        duration_s=args.history_s,
+        rate_per_s=args.rate * n,
+        scrape_interval_s=args.scrape_s,
+        prefill=prefill,
+        decode=decode,
+        degraded=decode[-1],
+        seed=11,
     )
     t0 = time.monotonic()
     summary = seed_store(url, spec)
@@ -102,15 +112,27 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     tick = statistics.median(ticks)
     scan = statistics.median(scans)
     out = {
-        "instances": n, "prefill": len(prefill), "decode": len(decode),
-        "requests_seeded": summary.requests, "snapshots_seeded": summary.snapshots, "seed_s": round(seed_s, 1),
-        "window_rows": rows, "interval_s": interval, "window_s": window,
-        "tick_cpu_s": tick, "tick_cpu_s_all": ticks, "tick_cpu_ms_per_instance": 1000 * tick / n,
+        "instances": n,
+        "prefill": len(prefill),
+        "decode": len(decode),
+        "requests_seeded": summary.requests,
+        "snapshots_seeded": summary.snapshots,
+        "seed_s": round(seed_s, 1),
+        "window_rows": rows,
+        "interval_s": interval,
+        "window_s": window,
+        "tick_cpu_s": tick,
+        "tick_cpu_s_all": ticks,
+        "tick_cpu_ms_per_instance": 1000 * tick / n,
         "tick_share_of_interval": tick / interval,
-        "baseline_scan_cpu_s": scan, "tick_vs_scan": tick / scan if scan > 0 else None,
+        "baseline_scan_cpu_s": scan,
+        "tick_vs_scan": tick / scan if scan > 0 else None,
     }
-    print(f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
-          f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)", flush=True)
+    print(
+        f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
+        f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)",
+        flush=True,
+    )
     return out
 
 
@@ -125,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
-          f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s", flush=True)
+    print(
+        f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
+        f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
         for n in sizes:
@@ -134,25 +159,40 @@ def main(argv: list[str] | None = None) -> int:
     for a, b in itertools.pairwise(rows):
         b["growth_exponent_vs_previous"] = (
             math.log(b["tick_cpu_s"] / a["tick_cpu_s"]) / math.log(b["instances"] / a["instances"])
-            if a["tick_cpu_s"] > 0 else None
+            if a["tick_cpu_s"] > 0
+            else None
         )
     print()
-    print("| instances | tick CPU (ms) | per instance (ms) | share of interval | window scan (ms) | tick / scan | growth exponent |")
+    print(
+        "| instances | tick CPU (ms) | per instance (ms) | share of interval "
+        "| window scan (ms) | tick / scan | growth exponent |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         g = r.get("growth_exponent_vs_previous")
-        print(f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
-              f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
-              f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} |")
+        print(
+            f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
+            f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
+            f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} |"
+        )
     big = max(rows, key=lambda r: r["instances"])
     verdict = "MET" if big["tick_share_of_interval"] < 0.2 else "MISSED"
-    print(f"\ntarget: a tick under 20% of the interval at {big['instances']:,} instances: "
-          f"{big['tick_share_of_interval']:.1%} ({verdict})")
+    print(
+        f"\ntarget: a tick under 20% of the interval at {big['instances']:,} instances: "
+        f"{big['tick_share_of_interval']:.1%} ({verdict})"
+    )
     result = {
-        "benchmark": "controller_cost", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "loadavg_start": list(os.getloadavg())},
-        "args": vars(args), "sizes": rows, "target_share_of_interval": 0.2, "target_met": verdict == "MET",
+        "benchmark": "controller_cost",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": list(os.getloadavg()),
+        },
+        "args": vars(args),
+        "sizes": rows,
+        "target_share_of_interval": 0.2,
+        "target_met": verdict == "MET",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -60,7 +60,9 @@ def _requests(url: str, w: Window) -> None:
     if not found.empty:
         rec = data.get_request(url, str(found["request_id"].iloc[0]))
         if rec and rec.get("d_instance"):
-            data.nixl_around(url, rec["d_instance"], rec["d_sent"] or rec["proxy_in"], rec["done"] or rec["proxy_in"])
+            data.nixl_around(
+                url, rec["d_instance"], rec["d_sent"] or rec["proxy_in"], rec["done"] or rec["proxy_in"]
+            )
 
 
 def _kv(url: str, w: Window) -> None:
@@ -94,7 +96,11 @@ def _capacity(url: str, w: Window) -> None:
 
 
 PAGES: dict[str, Callable[[str, Window], None]] = {
-    "fleet": _fleet, "requests": _requests, "kv_transfer": _kv, "slos": _slos, "controller": _controller,
+    "fleet": _fleet,
+    "requests": _requests,
+    "kv_transfer": _kv,
+    "slos": _slos,
+    "controller": _controller,
     "capacity": _capacity,
 }
 
@@ -115,17 +121,25 @@ def _timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
 def _baseline(url: str) -> Callable[[], Any]:
     def scan() -> Any:
         with engine_for(url).connect() as conn:
-            return conn.execute(text(
-                "SELECT count(*), sum(ttft_s), max(e2e_s), sum(prompt_tokens) FROM request_records NOT INDEXED"
-            )).one()
+            return conn.execute(
+                text(
+                    "SELECT count(*), sum(ttft_s), max(e2e_s), sum(prompt_tokens) "
+                    "FROM request_records NOT INDEXED"
+                )
+            ).one()
+
     return scan
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=1_000_000)
     parser.add_argument("--hours", type=float, default=6.0, help="history the requests are spread over")
-    parser.add_argument("--db", type=Path, default=None, help="SQLite file (reused when it already holds the seed)")
+    parser.add_argument(
+        "--db", type=Path, default=None, help="SQLite file (reused when it already holds the seed)"
+    )
     parser.add_argument("--reseed", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "dashboard.json")
@@ -134,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 
     db = args.db or Path(f"/tmp/pdscope-bench-dashboard-{args.requests}.db")
     url = f"sqlite:///{db}"
-    spec = SeedSpec(end=time.time(), duration_s=args.hours * 3600.0, requests=args.requests,
-                    prefill=tuple(f"prefill-{i}" for i in range(4)), decode=tuple(f"decode-{i}" for i in range(8)))
+    spec = SeedSpec(
+        end=time.time(),
+        duration_s=args.hours * 3600.0,
+        requests=args.requests,
+        prefill=tuple(f"prefill-{i}" for i in range(4)),
+        decode=tuple(f"decode-{i}" for i in range(8)),
+    )
     seed_s = None
     if args.reseed or not db.exists():
         for suffix in ("", "-wal", "-shm"):
@@ -144,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         summary = seed_store(url, spec)
         seed_s = time.perf_counter() - t0
-        print(f"  {summary.requests:,} requests, {summary.snapshots:,} snapshots in {seed_s:.1f} s", flush=True)
+        print(
+            f"  {summary.requests:,} requests, {summary.snapshots:,} snapshots in {seed_s:.1f} s", flush=True
+        )
     engine = engine_for(url)
     with engine.connect() as conn:
         n_req = conn.execute(text("SELECT count(*) FROM request_records")).scalar_one()
@@ -158,22 +179,34 @@ def main(argv: list[str] | None = None) -> int:
         for label, seconds in RANGES.items():
             w = Window(end - seconds, end)
             t, cpu = _timed(lambda fn=fn, w=w: fn(url, w), args.repeat)
-            rows.append({"page": page, "range": label, "seconds": round(t, 4), "cpu_seconds": round(cpu, 4),
-                         "ratio_to_full_scan": round(t / baseline, 3),
-                         "cpu_ratio_to_full_scan": round(cpu / max(baseline_cpu, 1e-9), 3),
-                         "under_target": t < TARGET_S})
+            rows.append(
+                {
+                    "page": page,
+                    "range": label,
+                    "seconds": round(t, 4),
+                    "cpu_seconds": round(cpu, 4),
+                    "ratio_to_full_scan": round(t / baseline, 3),
+                    "cpu_ratio_to_full_scan": round(cpu / max(baseline_cpu, 1e-9), 3),
+                    "under_target": t < TARGET_S,
+                }
+            )
 
     print(f"\nstore: {n_req:,} request records, {n_snap:,} snapshots (SQLite)")
-    print(f"baseline: full scan of request_records = {baseline * 1000:.0f} ms wall, {baseline_cpu * 1000:.0f} ms CPU "
-          f"(median of {args.repeat})\n")
+    print(
+        f"baseline: full scan of request_records = {baseline * 1000:.0f} ms wall, "
+        f"{baseline_cpu * 1000:.0f} ms CPU "
+        f"(median of {args.repeat})\n"
+    )
     print(f"{'page':<12}" + "".join(f"{'range ' + r + ' wall / CPU':>34}" for r in RANGES))
     for page in PAGES:
         cells = []
         for label in RANGES:
             r = next(x for x in rows if x["page"] == page and x["range"] == label)
             mark = "" if r["under_target"] else " !"
-            cells.append(f"{r['seconds'] * 1000:6.0f} / {r['cpu_seconds'] * 1000:5.0f} ms "
-                         f"({r['ratio_to_full_scan']:5.2f}x){mark}")
+            cells.append(
+                f"{r['seconds'] * 1000:6.0f} / {r['cpu_seconds'] * 1000:5.0f} ms "
+                f"({r['ratio_to_full_scan']:5.2f}x){mark}"
+            )
         print(f"{page:<12}" + "".join(f"{c:>34}" for c in cells))
     print(f"\n(x = page wall time / full-scan baseline wall time; ! = over the {TARGET_S:g} s target)")
 
@@ -181,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "dashboard page query time",
         "store": {"backend": "sqlite", "request_records": n_req, "snapshots": n_snap, "path": str(db)},
         "seed_seconds": None if seed_s is None else round(seed_s, 1),
-        "baseline": {"what": "full scan of request_records (count, sums; NOT INDEXED)",
-                     "seconds": round(baseline, 4), "cpu_seconds": round(baseline_cpu, 4)},
+        "baseline": {
+            "what": "full scan of request_records (count, sums; NOT INDEXED)",
+            "seconds": round(baseline, 4),
+            "cpu_seconds": round(baseline_cpu, 4),
+        },
         "target_seconds": TARGET_S,
         "repeat": args.repeat,
         "machine": {"python": platform.python_version(), "platform": platform.platform()},

@@ -7,7 +7,8 @@ request completed, the achieved rate is at least 90 % of the offered rate and th
 simulator's p99 loop lag stays under its threshold (results past it are marked
 untrustworthy). Baseline: the simulator's idle loop lag measured in the same run; each
 step's lag is printed as a ratio to it, and the simulator's CPU per request as a ratio
-to the load generator's (the same requests, measured in the same run). Prints a table, writes bench/results/sim_capacity.json.
+to the load generator's (the same requests, measured in the same run). Prints a table,
+writes bench/results/sim_capacity.json.
 
     .venv/bin/python bench/sim_capacity.py [--rates 20,40,80,160,320] [--step-s 3] [--latency-scale 1]
 """
@@ -38,16 +39,41 @@ from simulator.workload import LengthDist, plan, summarize  # noqa: E402
 
 def start_sim(latency_scale: float, threshold: float) -> tuple[subprocess.Popen[str], dict[str, str]]:
     cfg = Path(tempfile.mkdtemp(prefix="sim-capacity-")) / "pdscope.yaml"
-    cfg.write_text(json.dumps({
-        "model": {"name": "sim-llama-70b", "kv_bytes_per_token": 327680},
-        "pools": {"p": {"role": "prefill", "instances": [{"name": "unused", "url": "http://127.0.0.1:1"}]},
-                  "d": {"role": "decode", "instances": [{"name": "unused-d", "url": "http://127.0.0.1:2"}]}},
-        "simulator": {"latency_scale": latency_scale, "loop_lag_threshold_s": threshold},
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "model": {"name": "sim-llama-70b", "kv_bytes_per_token": 327680},
+                "pools": {
+                    "p": {"role": "prefill", "instances": [{"name": "unused", "url": "http://127.0.0.1:1"}]},
+                    "d": {"role": "decode", "instances": [{"name": "unused-d", "url": "http://127.0.0.1:2"}]},
+                },
+                "simulator": {"latency_scale": latency_scale, "loop_lag_threshold_s": threshold},
+            }
+        )
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdscope.cli", "--log-level", "WARNING", "--config", str(cfg), "sim", "--prefill", "2",
-         "--decode", "4", "--port", "0", "--admin-port", "0"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--log-level",
+            "WARNING",
+            "--config",
+            str(cfg),
+            "sim",
+            "--prefill",
+            "2",
+            "--decode",
+            "4",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     urls: dict[str, str] = {}
     lines: list[str] = []
@@ -107,12 +133,23 @@ def main() -> int:
         time.sleep(2.0)
         idle = lag(admin)
         idle_p99 = max(idle["loop_lag_p99_s"], 1e-4)
-        target = Target(False, "sim-llama-70b", None,
-                        tuple(u for n, u in urls.items() if n.startswith("prefill")),
-                        tuple(u for n, u in urls.items() if n.startswith("decode")))
+        target = Target(
+            False,
+            "sim-llama-70b",
+            None,
+            tuple(u for n, u in urls.items() if n.startswith("prefill")),
+            tuple(u for n, u in urls.items() if n.startswith("decode")),
+        )
         for rate in rates:
-            planned = plan("poisson", rate, int(rate * args.step_s), args.step_s,
-                           LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len), seed=int(rate))
+            planned = plan(
+                "poisson",
+                rate,
+                int(rate * args.step_s),
+                args.step_s,
+                LengthDist.parse(args.prompt_len),
+                LengthDist.parse(args.output_len),
+                seed=int(rate),
+            )
             lag(admin, reset=True)
             sim_cpu0, client_cpu0 = cpu_seconds(proc.pid), time.process_time()
             results, wall = asyncio.run(run_load(target, planned, timeout_s=30.0, max_inflight=4096))
@@ -125,15 +162,25 @@ def main() -> int:
             sustained = served and stats["loop_lag_p99_s"] <= args.threshold_s
             # on a shared machine the loop lags even when idle: also judge the lag this load adds
             sustained_excess = served and stats["loop_lag_p99_s"] - idle_p99 <= args.threshold_s
-            rows.append({
-                "offered_rps": rate, "requests": len(planned), "completed": s["completed"], "failed": s["failed"],
-                "achieved_rps": achieved, "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
-                "loop_lag_p99_s": stats["loop_lag_p99_s"], "loop_lag_max_s": stats["loop_lag_max_s"],
-                "lag_p99_vs_idle": stats["loop_lag_p99_s"] / idle_p99, "trustworthy": stats["trustworthy"],
-                "sustained": sustained, "sustained_excess_lag": sustained_excess,
-                "sim_cpu_ms_per_request": 1000 * sim_cpu / max(1, len(planned)),
-                "client_cpu_ms_per_request": 1000 * client_cpu / max(1, len(planned)),
-            })
+            rows.append(
+                {
+                    "offered_rps": rate,
+                    "requests": len(planned),
+                    "completed": s["completed"],
+                    "failed": s["failed"],
+                    "achieved_rps": achieved,
+                    "ttft_p50_s": s["ttft_s"]["p50"],
+                    "ttft_p99_s": s["ttft_s"]["p99"],
+                    "loop_lag_p99_s": stats["loop_lag_p99_s"],
+                    "loop_lag_max_s": stats["loop_lag_max_s"],
+                    "lag_p99_vs_idle": stats["loop_lag_p99_s"] / idle_p99,
+                    "trustworthy": stats["trustworthy"],
+                    "sustained": sustained,
+                    "sustained_excess_lag": sustained_excess,
+                    "sim_cpu_ms_per_request": 1000 * sim_cpu / max(1, len(planned)),
+                    "client_cpu_ms_per_request": 1000 * client_cpu / max(1, len(planned)),
+                }
+            )
     finally:
         proc.terminate()
         try:
@@ -143,31 +190,59 @@ def main() -> int:
             proc.wait(5)
     best = max((r["offered_rps"] for r in rows if r["sustained"]), default=0.0)
     best_excess = max((r["offered_rps"] for r in rows if r["sustained_excess_lag"]), default=0.0)
-    print(f"simulator: 2 P + 4 D in one process, latency_scale={args.latency_scale}, "
-          f"prompt {args.prompt_len}, output {args.output_len}; idle loop lag p99 {idle_p99 * 1000:.2f} ms")
-    print(f"{'offered':>8s} {'achieved':>9s} {'failed':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-          f"{'lag p99':>8s} {'lag max':>8s} {'p99/idle':>8s} {'sim CPU':>9s} {'sim/client':>10s} {'sustained':>9s}")
+    print(
+        f"simulator: 2 P + 4 D in one process, latency_scale={args.latency_scale}, "
+        f"prompt {args.prompt_len}, output {args.output_len}; idle loop lag p99 {idle_p99 * 1000:.2f} ms"
+    )
+    print(
+        f"{'offered':>8s} {'achieved':>9s} {'failed':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+        f"{'lag p99':>8s} {'lag max':>8s} {'p99/idle':>8s} "
+        f"{'sim CPU':>9s} {'sim/client':>10s} {'sustained':>9s}"
+    )
     for r in rows:
-        print(f"{r['offered_rps']:8.0f} {r['achieved_rps']:9.1f} {r['failed']:6d} "
-              f"{(r['ttft_p50_s'] or 0) * 1000:8.1f}ms {(r['ttft_p99_s'] or 0) * 1000:8.1f}ms "
-              f"{r['loop_lag_p99_s'] * 1000:6.1f}ms {r['loop_lag_max_s'] * 1000:6.1f}ms "
-              f"{r['lag_p99_vs_idle']:8.1f} {r['sim_cpu_ms_per_request']:6.2f}ms "
-              f"{r['sim_cpu_ms_per_request'] / max(r['client_cpu_ms_per_request'], 1e-9):10.2f} "
-              f"{'yes' if r['sustained'] else 'no':>9s}")
+        print(
+            f"{r['offered_rps']:8.0f} {r['achieved_rps']:9.1f} {r['failed']:6d} "
+            f"{(r['ttft_p50_s'] or 0) * 1000:8.1f}ms {(r['ttft_p99_s'] or 0) * 1000:8.1f}ms "
+            f"{r['loop_lag_p99_s'] * 1000:6.1f}ms {r['loop_lag_max_s'] * 1000:6.1f}ms "
+            f"{r['lag_p99_vs_idle']:8.1f} {r['sim_cpu_ms_per_request']:6.2f}ms "
+            f"{r['sim_cpu_ms_per_request'] / max(r['client_cpu_ms_per_request'], 1e-9):10.2f} "
+            f"{'yes' if r['sustained'] else 'no':>9s}"
+        )
     lowest = rates[0]
     cpu_ms = percentile([r["sim_cpu_ms_per_request"] for r in rows], 50) or 0.0
-    print(f"highest sustained rate: {best:.0f} req/s ({best / lowest:.1f}x the lowest step, {lowest:.0f} req/s)")
-    print(f"highest rate whose added loop lag (p99 - idle p99) stays under the threshold: {best_excess:.0f} req/s "
-          f"({best_excess / lowest:.1f}x the lowest step)")
-    print(f"simulator CPU per request (median): {cpu_ms:.2f} ms -> CPU-bound ceiling ~{1000 / max(cpu_ms, 1e-9):.0f} "
-          f"req/s on one free core; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"highest sustained rate: {best:.0f} req/s ({best / lowest:.1f}x the lowest step, {lowest:.0f} req/s)"
+    )
+    print(
+        "highest rate whose added loop lag (p99 - idle p99) stays under the threshold: "
+        f"{best_excess:.0f} req/s "
+        f"({best_excess / lowest:.1f}x the lowest step)"
+    )
+    print(
+        f"simulator CPU per request (median): {cpu_ms:.2f} ms -> "
+        f"CPU-bound ceiling ~{1000 / max(cpu_ms, 1e-9):.0f} "
+        f"req/s on one free core; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "latency_scale": args.latency_scale, "threshold_s": args.threshold_s, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "step_s": args.step_s, "idle_loop_lag_p99_s": idle_p99,
-        "highest_sustained_rps": best, "highest_sustained_rps_excess_lag": best_excess, "sim_cpu_ms_per_request_median": cpu_ms, "steps": rows, "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-    }, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "latency_scale": args.latency_scale,
+                "threshold_s": args.threshold_s,
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "step_s": args.step_s,
+                "idle_loop_lag_p99_s": idle_p99,
+                "highest_sustained_rps": best,
+                "highest_sustained_rps_excess_lag": best_excess,
+                "sim_cpu_ms_per_request_median": cpu_ms,
+                "steps": rows,
+                "cpu_count": os.cpu_count(),
+                "load_average": os.getloadavg(),
+            },
+            indent=1,
+        )
+    )
     print(f"written to {args.out}")
     return 0
 

@@ -54,7 +54,12 @@ def measure(env_dir: Path, mode: str, requests: int, idle_s: float) -> dict[str,
             idle = sum(c1.values()) - sum(c0.values())
             pd_lat, direct_lat = [], []
             for i in range(requests):
-                body = {"model": "tiny", "prompt": unique_prompt(40, f"b{i}"), "max_tokens": 16, "temperature": 0}
+                body = {
+                    "model": "tiny",
+                    "prompt": unique_prompt(40, f"b{i}"),
+                    "max_tokens": 16,
+                    "temperature": 0,
+                }
                 t = time.monotonic()
                 _, d = pc.two_step(c, pair.prefill.url, pair.decode.url, "completions", body)
                 pd_lat.append(time.monotonic() - t)
@@ -91,13 +96,24 @@ def main() -> int:
     keys = ("startup_s", "idle_cpu_cores", "pd_median_ms", "direct_median_ms")
     print(f"{'mode':<8}" + "".join(f"{k:>22}" for k in keys))
     for mode, r in results.items():
-        cells = "".join(f"{r[k]:>12} (x{r[k] / base[k]:.2f})".rjust(22) if base[k] else f"{r[k]:>22}" for k in keys)
+        cells = "".join(
+            f"{r[k]:>12} (x{r[k] / base[k]:.2f})".rjust(22) if base[k] else f"{r[k]:>22}" for k in keys
+        )
         print(f"{mode:<8}{cells}")
     out = REPO / "bench" / "results" / "vllm_nixl_progress.json"
-    out.write_text(json.dumps({"baseline": "busy", "requests": args.requests, "idle_s": args.idle_s,
-                               "results": results,
-                               "ratios_vs_busy": {k: round(results["delay"][k] / base[k], 3) for k in keys if base[k]}},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "baseline": "busy",
+                "requests": args.requests,
+                "idle_s": args.idle_s,
+                "results": results,
+                "ratios_vs_busy": {k: round(results["delay"][k] / base[k], 3) for k in keys if base[k]},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out.relative_to(REPO)}")
     return 0
 

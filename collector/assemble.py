@@ -107,7 +107,10 @@ def _split_vllm(
         else:
             rest.append(s)
     for s in sorted(rest, key=lambda s: s.start_ts):
-        one_token = _int(s.attributes, sc.GEN_AI_COMPLETION_TOKENS) == 1 and _int(s.attributes, sc.GEN_AI_MAX_TOKENS) == 1
+        one_token = (
+            _int(s.attributes, sc.GEN_AI_COMPLETION_TOKENS) == 1
+            and _int(s.attributes, sc.GEN_AI_MAX_TOKENS) == 1
+        )
         (p_spans if one_token and not p_spans else d_spans).append(s)
     p = max(p_spans, key=lambda s: s.start_ts) if p_spans else None
     d = max(d_spans, key=lambda s: s.start_ts) if d_spans else None
@@ -222,9 +225,14 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         retries=_int(ra, sc.RETRIES) or 0,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        kv_blocks=_int(ra, sc.KV_BLOCKS) if sc.KV_BLOCKS in ra else (_int(handoff.attributes, sc.KV_BLOCKS) if handoff else None),
-        kv_bytes=(_int(ra, sc.KV_BYTES, _INT64) if sc.KV_BYTES in ra
-                  else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)),
+        kv_blocks=_int(ra, sc.KV_BLOCKS)
+        if sc.KV_BLOCKS in ra
+        else (_int(handoff.attributes, sc.KV_BLOCKS) if handoff else None),
+        kv_bytes=(
+            _int(ra, sc.KV_BYTES, _INT64)
+            if sc.KV_BYTES in ra
+            else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)
+        ),
         proxy_in=proxy_in,
         p_sent=p_sent,
         p_done=p_done,

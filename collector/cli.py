@@ -13,16 +13,27 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="receiver address (default: collector.host)")
-    parser.add_argument("--port", type=int, help="receiver port, 0 for any free one (default: collector.port)")
+    parser.add_argument(
+        "--port", type=int, help="receiver port, 0 for any free one (default: collector.port)"
+    )
     parser.add_argument("--store-url", help="store URL (default: store.url)")
     parser.add_argument(
         "--prometheus-url",
-        help="read vLLM's series from this Prometheus instead of scraping (default: collector.prometheus_url)",
+        help=(
+            "read vLLM's series from this Prometheus instead of scraping (default: collector.prometheus_url)"
+        ),
     )
     parser.add_argument(
-        "--no-migrate", action="store_true", help="do not apply the store's migrations at start (default: apply them)"
+        "--no-migrate",
+        action="store_true",
+        help="do not apply the store's migrations at start (default: apply them)",
     )
-    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: run until Ctrl-C)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,12 +51,16 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("collector")
     settings = load_settings(args)
     if args.host is not None:
-        settings = settings.model_copy(update={"collector": settings.collector.model_copy(update={"host": args.host})})
+        settings = settings.model_copy(
+            update={"collector": settings.collector.model_copy(update={"host": args.host})}
+        )
     if args.prometheus_url:
         collector = settings.collector.model_copy(update={"prometheus_url": args.prometheus_url.rstrip("/")})
         settings = settings.model_copy(update={"collector": collector})
     if args.store_url:
-        settings = settings.model_copy(update={"store": settings.store.model_copy(update={"url": args.store_url})})
+        settings = settings.model_copy(
+            update={"store": settings.store.model_copy(update={"url": args.store_url})}
+        )
     try:
         tokens = settings.collector.otlp_tokens()
         check_bind(settings.collector.host, tokens, settings.collector.otlp_tokens_env)

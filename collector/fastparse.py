@@ -167,7 +167,11 @@ def _block(
                 acc.add_count(float(value))
         return
     samples = _first_of_each(
-        [(name, labels, value) for name, labels, value in _SAMPLE_RE.findall(text, start, end) if not name.endswith("_created")],
+        [
+            (name, labels, value)
+            for name, labels, value in _SAMPLE_RE.findall(text, start, end)
+            if not name.endswith("_created")
+        ],
         family,
         signals,
     )

@@ -137,7 +137,12 @@ def _series(session: Session, instances: set[str], since: float, until: float) -
     cols = sorted(set(_D_FIELDS) | set(_P_FIELDS))
     stmt = (
         select(Snapshot.instance, Snapshot.ts, *[getattr(Snapshot, c) for c in cols])
-        .where(Snapshot.instance.in_(instances), Snapshot.ts >= since, Snapshot.ts <= until, Snapshot.up.is_(True))
+        .where(
+            Snapshot.instance.in_(instances),
+            Snapshot.ts >= since,
+            Snapshot.ts <= until,
+            Snapshot.up.is_(True),
+        )
         .order_by(Snapshot.ts)
     )
     out: dict[str, _Series] = defaultdict(_Series)
@@ -164,8 +169,13 @@ def _span_of(name: str, start: float, end: float, attrs: Any) -> _Span:
     a = attrs if isinstance(attrs, dict) else {}
     inst = a.get(sc.INSTANCE)
     err = a.get(sc.ERROR_TYPE)
-    return _Span(name, float(start), float(end), inst[:128] if isinstance(inst, str) and inst else None,
-                 err[:64] if isinstance(err, str) and err else None)
+    return _Span(
+        name,
+        float(start),
+        float(end),
+        inst[:128] if isinstance(inst, str) and inst else None,
+        err[:64] if isinstance(err, str) and err else None,
+    )
 
 
 def failed_attempts(spans: Sequence[_Span]) -> list[dict[str, Any]]:
@@ -175,28 +185,46 @@ def failed_attempts(spans: Sequence[_Span]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in prefills[:-1]:
         if p.error is not None and p.instance is not None:
-            out.append({"stage": "prefill", "instance": p.instance, "kind": p.error, "start": p.start, "end": p.end})
+            out.append(
+                {"stage": "prefill", "instance": p.instance, "kind": p.error, "start": p.start, "end": p.end}
+            )
     for d in decodes[:-1]:
         if d.error is None or d.instance is None:
             continue
         before = [p for p in prefills if p.error is None and p.end <= d.start + 1e-3]
         src = before[-1] if before else None
-        out.append({"stage": "decode", "instance": d.instance, "kind": d.error, "start": d.start, "end": d.end,
-                    "p_instance": None if src is None else src.instance, "p_done": None if src is None else src.end})
+        out.append(
+            {
+                "stage": "decode",
+                "instance": d.instance,
+                "kind": d.error,
+                "start": d.start,
+                "end": d.end,
+                "p_instance": None if src is None else src.instance,
+                "p_done": None if src is None else src.end,
+            }
+        )
     out.sort(key=lambda a: a["start"])
     return out[:MAX_ATTEMPTS_KEPT]
 
 
 def _read_attempts(session: Session, records: Iterable[RequestRecord]) -> int:
     """Store ``attributes["failed_attempts"]`` on retried records that lack it; returns how many."""
-    todo = {r.trace_id: r for r in records if r.retries and r.trace_id and "failed_attempts" not in (r.attributes or {})}
+    todo = {
+        r.trace_id: r
+        for r in records
+        if r.retries and r.trace_id and "failed_attempts" not in (r.attributes or {})
+    }
     if not todo:
         return 0
     by_trace: dict[str, list[_Span]] = defaultdict(list)
     ids = sorted(todo)
     for i in range(0, len(ids), _IN_CHUNK):
-        stmt = select(SpanRow.trace_id, SpanRow.name, SpanRow.start_ts, SpanRow.end_ts, SpanRow.attributes).where(
-            SpanRow.trace_id.in_(ids[i:i + _IN_CHUNK]), SpanRow.name.in_((sc.SPAN_PREFILL, sc.SPAN_DECODE)))
+        stmt = select(
+            SpanRow.trace_id, SpanRow.name, SpanRow.start_ts, SpanRow.end_ts, SpanRow.attributes
+        ).where(
+            SpanRow.trace_id.in_(ids[i : i + _IN_CHUNK]), SpanRow.name.in_((sc.SPAN_PREFILL, sc.SPAN_DECODE))
+        )
         for trace_id, name, start, end, attrs in session.execute(stmt):
             by_trace[trace_id].append(_span_of(name, start, end, attrs))
     for trace_id, rec in todo.items():
@@ -210,8 +238,13 @@ def handoffs_of(rec: RequestRecord) -> list[Handoff]:
     if rec.p_instance and rec.p_done is not None:
         out.append(Handoff(rec, rec.p_instance, rec.d_instance, rec.p_done, rec.first_token))
     for a in (rec.attributes or {}).get("failed_attempts") or []:
-        if (isinstance(a, dict) and a.get("stage") == "decode" and a.get("kind") not in PASSED_ON
-                and isinstance(a.get("p_instance"), str) and isinstance(a.get("p_done"), int | float)):
+        if (
+            isinstance(a, dict)
+            and a.get("stage") == "decode"
+            and a.get("kind") not in PASSED_ON
+            and isinstance(a.get("p_instance"), str)
+            and isinstance(a.get("p_done"), int | float)
+        ):
             out.append(Handoff(rec, a["p_instance"], a.get("instance"), float(a["p_done"]), None))
     return out
 
@@ -229,13 +262,21 @@ def _stored_assignments(records: Iterable[RequestRecord]) -> dict[tuple[str, flo
     done: dict[tuple[str, float], int] = defaultdict(int)
     for rec in records:
         for e in (rec.attributes or {}).get("lease_expiry") or []:
-            if isinstance(e, dict) and isinstance(e.get("p_instance"), str) and isinstance(e.get("to_ts"), int | float):
+            if (
+                isinstance(e, dict)
+                and isinstance(e.get("p_instance"), str)
+                and isinstance(e.get("to_ts"), int | float)
+            ):
                 done[(e["p_instance"], float(e["to_ts"]))] += 1
     return done
 
 
-def join_expiries(steps: Sequence[CounterStep], handoffs: Sequence[Handoff], lease_s: float,
-                  stored: dict[tuple[str, float], int]) -> _Join:
+def join_expiries(
+    steps: Sequence[CounterStep],
+    handoffs: Sequence[Handoff],
+    lease_s: float,
+    stored: dict[tuple[str, float], int],
+) -> _Join:
     """Assign each expired lease of ``steps`` to a handoff on that P still waiting when it could run out."""
     by_p: dict[str, list[Handoff]] = defaultdict(list)
     for h in handoffs:
@@ -246,13 +287,24 @@ def join_expiries(steps: Sequence[CounterStep], handoffs: Sequence[Handoff], lea
         want = max(0, round(st.increase) - stored.get((st.instance, st.end_ts), 0))
         if want == 0:
             continue
-        eligible = [h for h in by_p.get(st.instance, []) if (id(h.rec), h.p_done) not in taken
-                    and expiry_could_be(h, st, lease_s)]
+        eligible = [
+            h
+            for h in by_p.get(st.instance, [])
+            if (id(h.rec), h.p_done) not in taken and expiry_could_be(h, st, lease_s)
+        ]
         eligible.sort(key=lambda h: (h.first_token is not None, h.p_done))
         for h in eligible[:want]:
             taken.add((id(h.rec), h.p_done))
-            flag_lease_expiry(h.rec, {"p_instance": st.instance, "d_instance": h.d_instance, "p_done": h.p_done,
-                                      "from_ts": st.start_ts, "to_ts": st.end_ts})
+            flag_lease_expiry(
+                h.rec,
+                {
+                    "p_instance": st.instance,
+                    "d_instance": h.d_instance,
+                    "p_done": h.p_done,
+                    "from_ts": st.start_ts,
+                    "to_ts": st.end_ts,
+                },
+            )
             out.suspects.add(id(h.rec))
         out.unattributed += max(0, want - len(eligible))
     return out
@@ -260,13 +312,18 @@ def join_expiries(steps: Sequence[CounterStep], handoffs: Sequence[Handoff], lea
 
 def _already(h: Handoff) -> bool:
     for e in (h.rec.attributes or {}).get("lease_expiry") or []:
-        if isinstance(e, dict) and isinstance(e.get("p_done"), int | float) and abs(float(e["p_done"]) - h.p_done) < 1e-6:
+        if (
+            isinstance(e, dict)
+            and isinstance(e.get("p_done"), int | float)
+            and abs(float(e["p_done"]) - h.p_done) < 1e-6
+        ):
             return True
     return False
 
 
-def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0,
-             lease_s: float = DEFAULT_LEASE_S) -> ForensicsResult:
+def run_pass(
+    session: Session, since: float, until: float, slack_s: float = 30.0, lease_s: float = DEFAULT_LEASE_S
+) -> ForensicsResult:
     """Link and flag the records that arrived in [since, until]. Writes through ``session``.
 
     Expiry steps are looked at from ``since`` plus the lookback (``LOOKBACK_LEASES`` leases, at
@@ -275,7 +332,9 @@ def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0
     records = list(
         session.scalars(
             select(RequestRecord).where(
-                RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until, RequestRecord.p_done.is_not(None)
+                RequestRecord.proxy_in >= since,
+                RequestRecord.proxy_in <= until,
+                RequestRecord.p_done.is_not(None),
             )
         )
     )
@@ -285,11 +344,16 @@ def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0
     lo = min(r.p_done or r.proxy_in for r in records) - slack_s
     hi = until + slack_s
     first_step = since + min(LOOKBACK_LEASES * lease_s, (until - since) / 2.0)
-    steps = [st for st in counter_steps(session, "nixl_kv_expired_reqs", first_step, hi, role="prefill")
-             if st.start_ts >= first_step]
+    steps = [
+        st
+        for st in counter_steps(session, "nixl_kv_expired_reqs", first_step, hi, role="prefill")
+        if st.start_ts >= first_step
+    ]
     handoffs = [h for r in records for h in handoffs_of(r)]
     join = join_expiries(steps, handoffs, lease_s, _stored_assignments(records))
-    instances = {r.p_instance for r in records if r.p_instance} | {r.d_instance for r in records if r.d_instance}
+    instances = {r.p_instance for r in records if r.p_instance} | {
+        r.d_instance for r in records if r.d_instance
+    }
     series = _series(session, instances, lo, hi)
     linked = 0
     for rec in records:
@@ -308,6 +372,11 @@ def run_pass(session: Session, since: float, until: float, slack_s: float = 30.0
             linked += 1
     suspects = sum(1 for r in records if r.lease_expiry_suspect)
     if join.suspects or join.unattributed:
-        log.info("lease-expiry forensics: %d newly attributed requests, %d expiries unattributed in [%.0f, %.0f]",
-                 len(join.suspects), join.unattributed, since, until)
+        log.info(
+            "lease-expiry forensics: %d newly attributed requests, %d expiries unattributed in [%.0f, %.0f]",
+            len(join.suspects),
+            join.unattributed,
+            since,
+            until,
+        )
     return ForensicsResult(linked, suspects, join.unattributed, attempts)

@@ -82,7 +82,12 @@ class TaskHealth:
 class RateLimitedLog:
     """Warnings by key: the first at once, then one per ``period_s`` saying how many were skipped."""
 
-    def __init__(self, logger: logging.Logger, period_s: float = LOG_PERIOD_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        period_s: float = LOG_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.period_s = period_s
         self.clock = clock
@@ -110,8 +115,13 @@ class RateLimitedLog:
 class Tally:
     """Counts of routine events by reason, logged as one INFO line per period; each at DEBUG."""
 
-    def __init__(self, logger: logging.Logger, what: str, period_s: float = LOG_PERIOD_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        period_s: float = LOG_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.what = what
         self.period_s = period_s

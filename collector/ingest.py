@@ -178,5 +178,7 @@ def admit(span: SpanData, now: float, limits: SpanLimits) -> Admitted:
             cut = True
             changes["events"] = events
         if any(not isinstance(e.name, str) or len(e.name) > MAX_NAME_CHARS for e in events):
-            changes["events"] = tuple(SpanEvent(str(e.name)[:MAX_NAME_CHARS], e.ts, e.attributes) for e in events)
+            changes["events"] = tuple(
+                SpanEvent(str(e.name)[:MAX_NAME_CHARS], e.ts, e.attributes) for e in events
+            )
     return Admitted(replace(span, **changes) if changes else span, None, cut)

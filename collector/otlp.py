@@ -119,9 +119,7 @@ def decompress(body: bytes, encoding: str | None) -> bytes:
     return bytes(inflate(body, encoding))
 
 
-def decode_export(
-    raw: bytes | bytearray, content_type: str | None, sender: str | None = None
-) -> Decoded:
+def decode_export(raw: bytes | bytearray, content_type: str | None, sender: str | None = None) -> Decoded:
     """Spans of one (already inflated) export, and what was dropped. Raises OTLPDecodeError."""
     ctype = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
     try:
@@ -197,7 +195,11 @@ def _decode_proto(raw: bytes | bytearray, sender: str | None) -> Decoded:
                     attrs[kv.key] = getattr(v, which) if which in _SCALARS else _any_value(v)
                 events = (
                     tuple(
-                        SpanEvent(e.name, e.time_unix_nano / 1e9, {kv.key: _any_value(kv.value) for kv in e.attributes})
+                        SpanEvent(
+                            e.name,
+                            e.time_unix_nano / 1e9,
+                            {kv.key: _any_value(kv.value) for kv in e.attributes},
+                        )
                         for e in s.events
                     )
                     if len(s.events)
@@ -267,8 +269,14 @@ def _json_attrs(items: Any) -> dict[str, Any]:
     return {_key(kv): _json_value(kv.get("value")) for kv in items}
 
 
-_KINDS = {"SPAN_KIND_UNSPECIFIED": 0, "SPAN_KIND_INTERNAL": 1, "SPAN_KIND_SERVER": 2, "SPAN_KIND_CLIENT": 3,
-          "SPAN_KIND_PRODUCER": 4, "SPAN_KIND_CONSUMER": 5}
+_KINDS = {
+    "SPAN_KIND_UNSPECIFIED": 0,
+    "SPAN_KIND_INTERNAL": 1,
+    "SPAN_KIND_SERVER": 2,
+    "SPAN_KIND_CLIENT": 3,
+    "SPAN_KIND_PRODUCER": 4,
+    "SPAN_KIND_CONSUMER": 5,
+}
 _STATUS = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
 
 
@@ -338,8 +346,11 @@ def _json_event(e: Any) -> SpanEvent:
     if not isinstance(e, dict):
         raise TypeError("event is not an object")
     name = e.get("name", "")
-    return SpanEvent(name if isinstance(name, str) else str(name), _nanos(e.get("timeUnixNano", 0)),
-                     _json_attrs(e.get("attributes")))
+    return SpanEvent(
+        name if isinstance(name, str) else str(name),
+        _nanos(e.get("timeUnixNano", 0)),
+        _json_attrs(e.get("attributes")),
+    )
 
 
 def _list(v: Any) -> list[Any]:

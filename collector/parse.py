@@ -167,7 +167,9 @@ def decode_page(data: str | bytes) -> tuple[str, str | None]:
     try:
         return data.decode("utf-8"), None
     except UnicodeDecodeError as exc:
-        return data.decode("utf-8", errors="replace"), f"not valid UTF-8 at byte {exc.start}: decoded with replacement"
+        return data.decode(
+            "utf-8", errors="replace"
+        ), f"not valid UTF-8 at byte {exc.start}: decoded with replacement"
 
 
 def _family_for(name: str, builders: dict[str, _Builder]) -> _Builder | None:
@@ -227,7 +229,9 @@ def parse_text(text: str | bytes) -> ParsedPage:
     return ParsedPage(families, errors)
 
 
-def _meta_line(line: str, lineno: int, builders: dict[str, _Builder], report: Callable[[int, str], None]) -> None:
+def _meta_line(
+    line: str, lineno: int, builders: dict[str, _Builder], report: Callable[[int, str], None]
+) -> None:
     parts = line[1:].strip().split(None, 2)
     if not parts:
         return

@@ -81,7 +81,9 @@ def build_queries(selector: str = "") -> list[str]:
         names = "|".join(_names_of(spec.family))
         regex = f"({names})_(bucket|sum|count)" if spec.kind == "histogram" else names
         queries.append(f'{{__name__=~"{regex}"{extra}}}')
-    known_nixl = "|".join(s.family + (".*" if s.kind == "histogram" else "") for s in SPECS if s.family.startswith(NIXL_PREFIX))
+    known_nixl = "|".join(
+        s.family + (".*" if s.kind == "histogram" else "") for s in SPECS if s.family.startswith(NIXL_PREFIX)
+    )
     queries.append(f'{{__name__=~"{NIXL_PREFIX}.*",__name__!~"{known_nixl}|.*_created"{extra}}}')
     for name in (PROCESS_START, UP, SCRAPE_DURATION):
         queries.append(f'{{__name__="{name}"{extra}}}')
@@ -169,7 +171,11 @@ def parse_answer(body: bytes) -> list[Series]:
         detail = doc.get("error") if isinstance(doc, dict) else None
         raise PromError(f"query failed: {detail or 'no success status'}"[:300])
     data = doc.get("data")
-    if not isinstance(data, dict) or data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
+    if (
+        not isinstance(data, dict)
+        or data.get("resultType") != "vector"
+        or not isinstance(data.get("result"), list)
+    ):
         raise PromError("answer is not a vector")
     out = []
     try:
@@ -216,8 +222,14 @@ class PromSource(Scraper):
     ) -> None:
         client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False)
         super().__init__(
-            targets, client, interval_s=interval_s, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
-            on_round=on_round, jitter_s=0.0, on_tick=on_tick,
+            targets,
+            client,
+            interval_s=interval_s,
+            timeout_s=timeout_s,
+            max_body_bytes=max_body_bytes,
+            on_round=on_round,
+            jitter_s=0.0,
+            on_tick=on_tick,
         )
         self.url = prometheus_url.rstrip("/")
         self.instance_label = instance_label
@@ -227,11 +239,15 @@ class PromSource(Scraper):
         by_addr = {host_port(t.metrics_url): t for t in self.targets}
         self._lookup = {**by_addr, **by_name}  # the name wins
         self.prom_up = Gauge(
-            "pdscope_collector_prometheus_up", "1 if the last round's queries to Prometheus all succeeded",
+            "pdscope_collector_prometheus_up",
+            "1 if the last round's queries to Prometheus all succeeded",
             registry=registry,
         )
         self.prom_queries = Counter(
-            "pdscope_collector_prometheus_queries", "Queries to Prometheus by result (a failed round counts one error)", ["result"], registry=registry
+            "pdscope_collector_prometheus_queries",
+            "Queries to Prometheus by result (a failed round counts one error)",
+            ["result"],
+            registry=registry,
         )
         self.last_error: str | None = None
 
@@ -300,7 +316,8 @@ class PromSource(Scraper):
                 error = (
                     f"no vLLM series in Prometheus for this instance ({self.instance_label}="
                     f"{t.name!r} or {host_port(t.metrics_url)!r})"
-                    if not ups else "Prometheus has the target up but no vLLM series for it"
+                    if not ups
+                    else "Prometheus has the target up but no vLLM series for it"
                 )
                 out.append(ScrapeResult(t, ts, took, None, error))
                 continue

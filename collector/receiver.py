@@ -245,21 +245,26 @@ class _TracesEndpoint:
     """``POST /v1/traces``: authorize, read the body within its bounds, decode off the loop when large,
     queue the admitted spans and answer OTLP's (partial) success. Every refusal is counted and logged."""
 
-    def __init__(self, queue: SpanQueue, metrics: CollectorMetrics, cfg: ReceiverConfig,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, queue: SpanQueue, metrics: CollectorMetrics, cfg: ReceiverConfig, clock: Callable[[], float]
+    ) -> None:
         self.queue, self.metrics, self.cfg, self.clock = queue, metrics, cfg, clock
         self.budget = ByteBudget(cfg.inflight_bytes)
         self.refused = Tally(log, "OTLP requests refused")
         self.spans_refused = Tally(log, "OTLP spans dropped")
         self.retry_after = {"Retry-After": str(cfg.retry_after_s)}
 
-    def refuse(self, result: str, status: int, reason: str, headers: Mapping[str, str] | None = None) -> _Refused:
+    def refuse(
+        self, result: str, status: int, reason: str, headers: Mapping[str, str] | None = None
+    ) -> _Refused:
         self.metrics.otlp_requests.labels(result).inc()
         self.refused.note(result, reason)
         return _Refused(JSONResponse({"error": reason}, status_code=status, headers=headers))
 
     def busy(self) -> _Refused:
-        return self.refuse("over_budget", 429, "collector busy: in-flight byte budget exhausted", self.retry_after)
+        return self.refuse(
+            "over_budget", 429, "collector busy: in-flight byte budget exhausted", self.retry_after
+        )
 
     def too_large(self) -> _Refused:
         return self.refuse("too_large", 413, f"body larger than {self.cfg.max_body_bytes} bytes")
@@ -280,11 +285,17 @@ class _TracesEndpoint:
             return None
         sender = _sender(self.cfg.tokens, request.headers.get("authorization"))
         if sender is None:
-            raise self.refuse("unauthorized", 401, "missing or unknown bearer token",
-                              {"WWW-Authenticate": 'Bearer realm="pdscope-otlp"'})
+            raise self.refuse(
+                "unauthorized",
+                401,
+                "missing or unknown bearer token",
+                {"WWW-Authenticate": 'Bearer realm="pdscope-otlp"'},
+            )
         return sender
 
-    async def _decoded(self, request: Request, sender: str | None) -> tuple[list[SpanData], Counter[str], int]:
+    async def _decoded(
+        self, request: Request, sender: str | None
+    ) -> tuple[list[SpanData], Counter[str], int]:
         cfg, budget = self.cfg, self.budget
         length = _content_length(request)
         if length is not None and length > cfg.max_body_bytes:
@@ -344,7 +355,9 @@ class _TracesEndpoint:
         rejected = sum(dropped.values())
         message = ", ".join(f"{k}: {v}" for k, v in sorted(dropped.items()))
         if (ctype or "").startswith("application/json"):
-            body_json = {"partialSuccess": {"rejectedSpans": rejected, "errorMessage": message}} if rejected else {}
+            body_json = (
+                {"partialSuccess": {"rejectedSpans": rejected, "errorMessage": message}} if rejected else {}
+            )
             return JSONResponse(body_json)
         if not rejected:
             return Response(EMPTY_PROTO_RESPONSE, media_type="application/x-protobuf")

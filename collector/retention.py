@@ -45,7 +45,9 @@ class RetentionResult:
     rollups_deleted: int
 
 
-def _hist_increase(base: dict[str, Any] | None, rows: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+def _hist_increase(
+    base: dict[str, Any] | None, rows: Sequence[dict[str, Any] | None]
+) -> dict[str, Any] | None:
     h = histogram_increase(histogram_of(s) if s else None for s in [base, *rows])
     return None if h is None else shape_of(h)
 
@@ -67,7 +69,10 @@ def rollup_snapshots(base: Snapshot | None, rows: Sequence[Snapshot], minute: fl
     histograms: dict[str, Any] = {}
     families = set().union(*(r.histograms.keys() for r in up)) if up else set()
     for fam in sorted(families):
-        h = _hist_increase(base.histograms.get(fam) if base is not None and base.up else None, [r.histograms.get(fam) for r in up])
+        h = _hist_increase(
+            base.histograms.get(fam) if base is not None and base.up else None,
+            [r.histograms.get(fam) for r in up],
+        )
         if h is not None:
             histograms[fam] = h
     last = rows[-1]
@@ -91,7 +96,9 @@ def rollup_requests(records: Sequence[RequestRecord], minute: float) -> list[dic
     out = []
     for (p, d), recs in groups.items():
         ttfts = [r.ttft_s for r in recs if r.ttft_s is not None]
-        handoffs = [r.first_token - r.p_done for r in recs if r.first_token is not None and r.p_done is not None]
+        handoffs = [
+            r.first_token - r.p_done for r in recs if r.first_token is not None and r.p_done is not None
+        ]
         out.append(
             {
                 "minute": minute,
@@ -113,7 +120,9 @@ def rollup_requests(records: Sequence[RequestRecord], minute: float) -> list[dic
 
 
 class Retention:
-    def __init__(self, factory: sessionmaker[Session], raw_s: float, rollup_s: float, lag_s: float = 120.0) -> None:
+    def __init__(
+        self, factory: sessionmaker[Session], raw_s: float, rollup_s: float, lag_s: float = 120.0
+    ) -> None:
         self.factory = factory
         self.raw_s = raw_s
         self.rollup_s = rollup_s
@@ -131,7 +140,9 @@ class Retention:
     def _start_minute(self, session: Session, now: float) -> float | None:
         frontier = self._frontier(now)  # a rollup dated in the future (a bad clock) is not "done"
         last = session.scalar(select(func.max(SnapshotRollup.minute)).where(SnapshotRollup.minute < frontier))
-        last_req = session.scalar(select(func.max(RequestRollup.minute)).where(RequestRollup.minute < frontier))
+        last_req = session.scalar(
+            select(func.max(RequestRollup.minute)).where(RequestRollup.minute < frontier)
+        )
         done = max((m for m in (last, last_req) if m is not None), default=None)
         if done is not None:
             return self._clamp(float(done) + 60.0, now)
@@ -141,13 +152,17 @@ class Retention:
     def _next_data(self, session: Session, minute: float) -> float | None:
         """The start of the first minute at or after ``minute`` holding a snapshot or a record."""
         first = session.scalar(select(func.min(Snapshot.ts)).where(Snapshot.ts >= minute))
-        first_req = session.scalar(select(func.min(RequestRecord.proxy_in)).where(RequestRecord.proxy_in >= minute))
+        first_req = session.scalar(
+            select(func.min(RequestRecord.proxy_in)).where(RequestRecord.proxy_in >= minute)
+        )
         start = min((m for m in (first, first_req) if m is not None), default=None)
         return None if start is None else math.floor(start / 60.0) * 60.0
 
     def _roll_minute(self, session: Session, minute: float) -> None:
         snaps = session.scalars(
-            select(Snapshot).where(Snapshot.ts >= minute - 60.0, Snapshot.ts < minute + 60.0).order_by(Snapshot.ts)
+            select(Snapshot)
+            .where(Snapshot.ts >= minute - 60.0, Snapshot.ts < minute + 60.0)
+            .order_by(Snapshot.ts)
         )
         before: dict[str, Snapshot] = {}
         inside: dict[str, list[Snapshot]] = defaultdict(list)
@@ -161,7 +176,11 @@ class Retention:
         if rows:
             session.execute(insert(SnapshotRollup), rows)
         recs = list(
-            session.scalars(select(RequestRecord).where(RequestRecord.proxy_in >= minute, RequestRecord.proxy_in < minute + 60.0))
+            session.scalars(
+                select(RequestRecord).where(
+                    RequestRecord.proxy_in >= minute, RequestRecord.proxy_in < minute + 60.0
+                )
+            )
         )
         req_rows = rollup_requests(recs, minute)
         if req_rows:
@@ -175,7 +194,11 @@ class Retention:
             elif self._next_minute < self._clamp(self._next_minute, now):  # fell behind the horizon
                 self._next_minute = self._clamp(self._next_minute, now)
             frontier = self._frontier(now)
-            while self._next_minute is not None and self._next_minute < frontier and rolled < MAX_MINUTES_PER_RUN:
+            while (
+                self._next_minute is not None
+                and self._next_minute < frontier
+                and rolled < MAX_MINUTES_PER_RUN
+            ):
                 nxt = self._next_data(session, self._next_minute)
                 if nxt is None or nxt >= frontier:  # nothing to roll up before the frontier
                     self._next_minute = frontier

@@ -227,6 +227,11 @@ class Scraper:
         log.debug("scrape round %d: %d targets, %d down", self.rounds, len(results), len(down))
         if down != self._down:
             went, back = sorted(down - self._down), sorted(self._down - down)
-            log.info("scrape: %d of %d targets down (newly down %s, back up %s)",
-                     len(down), len(results), went[:10], back[:10])
+            log.info(
+                "scrape: %d of %d targets down (newly down %s, back up %s)",
+                len(down),
+                len(results),
+                went[:10],
+                back[:10],
+            )
             self._down = down

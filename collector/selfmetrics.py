@@ -17,9 +17,17 @@ class CollectorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.up = Gauge("pdscope_collector_target_up", "1 if the last scrape of the target succeeded", ["instance", "pool", "role"], registry=r)
+        self.up = Gauge(
+            "pdscope_collector_target_up",
+            "1 if the last scrape of the target succeeded",
+            ["instance", "pool", "role"],
+            registry=r,
+        )
         self.duration = Gauge(
-            "pdscope_collector_scrape_duration_seconds", "Duration of the last scrape of the target", ["instance"], registry=r
+            "pdscope_collector_scrape_duration_seconds",
+            "Duration of the last scrape of the target",
+            ["instance"],
+            registry=r,
         )
         self.last_error = Gauge(
             "pdscope_collector_target_last_error",
@@ -27,32 +35,65 @@ class CollectorMetrics:
             ["instance", "error"],
             registry=r,
         )
-        self.scrapes = Counter("pdscope_collector_scrapes", "Scrapes by result", ["instance", "result"], registry=r)
-        self.body_bytes = Gauge("pdscope_collector_scrape_body_bytes", "Size of the last page", ["instance"], registry=r)
-        self.parse_errors = Counter(
-            "pdscope_collector_parse_errors", "Malformed lines or values reported by the parser", ["instance"], registry=r
+        self.scrapes = Counter(
+            "pdscope_collector_scrapes", "Scrapes by result", ["instance", "result"], registry=r
         )
-        self.resets = Counter("pdscope_collector_counter_resets", "Instance restarts seen as counter resets", ["instance"], registry=r)
-        self.store_errors = Counter("pdscope_collector_store_errors", "Failed writes to the store", ["what"], registry=r)
+        self.body_bytes = Gauge(
+            "pdscope_collector_scrape_body_bytes", "Size of the last page", ["instance"], registry=r
+        )
+        self.parse_errors = Counter(
+            "pdscope_collector_parse_errors",
+            "Malformed lines or values reported by the parser",
+            ["instance"],
+            registry=r,
+        )
+        self.resets = Counter(
+            "pdscope_collector_counter_resets",
+            "Instance restarts seen as counter resets",
+            ["instance"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "pdscope_collector_store_errors", "Failed writes to the store", ["what"], registry=r
+        )
         self.snapshots = Counter("pdscope_collector_snapshots_written", "Snapshot rows written", registry=r)
-        self.otlp_requests = Counter("pdscope_collector_otlp_requests", "OTLP export requests by result", ["result"], registry=r)
-        self.spans_received = Counter("pdscope_collector_spans_received", "Spans accepted into the queue", registry=r)
-        self.spans_dropped = Counter("pdscope_collector_spans_dropped", "Spans dropped", ["reason"], registry=r)
-        self.spans_written = Counter("pdscope_collector_spans_written", "Spans written to the store", registry=r)
-        self.records = Counter("pdscope_collector_records_assembled", "Request records created or updated", registry=r)
+        self.otlp_requests = Counter(
+            "pdscope_collector_otlp_requests", "OTLP export requests by result", ["result"], registry=r
+        )
+        self.spans_received = Counter(
+            "pdscope_collector_spans_received", "Spans accepted into the queue", registry=r
+        )
+        self.spans_dropped = Counter(
+            "pdscope_collector_spans_dropped", "Spans dropped", ["reason"], registry=r
+        )
+        self.spans_written = Counter(
+            "pdscope_collector_spans_written", "Spans written to the store", registry=r
+        )
+        self.records = Counter(
+            "pdscope_collector_records_assembled", "Request records created or updated", registry=r
+        )
         self.queue = Gauge("pdscope_collector_span_queue", "Spans waiting to be written", registry=r)
         self.spans_truncated = Counter(
-            "pdscope_collector_spans_truncated", "Spans kept with attributes or events cut to the limits", registry=r
+            "pdscope_collector_spans_truncated",
+            "Spans kept with attributes or events cut to the limits",
+            registry=r,
         )
         self.records_failed = Counter(
-            "pdscope_collector_records_failed", "Traces whose request record could not be assembled", ["reason"], registry=r
+            "pdscope_collector_records_failed",
+            "Traces whose request record could not be assembled",
+            ["reason"],
+            registry=r,
         )
         self.task_errors = Counter(
-            "pdscope_collector_task_errors", "Failed turns of a background task (caught; the task goes on)",
-            ["task", "reason"], registry=r,
+            "pdscope_collector_task_errors",
+            "Failed turns of a background task (caught; the task goes on)",
+            ["task", "reason"],
+            registry=r,
         )
         self.inflight_bytes = Gauge(
-            "pdscope_collector_otlp_inflight_bytes", "OTLP body bytes (as sent and inflated) held by requests now", registry=r
+            "pdscope_collector_otlp_inflight_bytes",
+            "OTLP body bytes (as sent and inflated) held by requests now",
+            registry=r,
         )
         self._errors: dict[str, str] = {}
 

@@ -100,7 +100,9 @@ class CollectorService:
         check_bind(cs.host, tokens, cs.otlp_tokens_env)
         self.health = TaskHealth()
         httpx_log = logging.getLogger("httpx")
-        if httpx_log.level == logging.NOTSET:  # httpx logs every request at INFO: one line per target per scrape
+        if (
+            httpx_log.level == logging.NOTSET
+        ):  # httpx logs every request at INFO: one line per target per scrape
             httpx_log.setLevel(logging.WARNING)
         self._warn = RateLimitedLog(log)
         self._storing = 0
@@ -111,9 +113,13 @@ class CollectorService:
         self.queue = SpanQueue(cs.span_queue_spans if queue_spans is None else queue_spans)
         self.sink = sink or StoreSink(self.factory, settings.slo, clock)
         self.batcher = SpanBatcher(self.queue, self.sink, self.metrics, health=self.health)
-        self.retention = Retention(self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s)
+        self.retention = Retention(
+            self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s
+        )
         self.clock = clock
-        self.app = build_app(self.queue, self.metrics, receiver_config(settings, tokens), health=self.health, clock=clock)
+        self.app = build_app(
+            self.queue, self.metrics, receiver_config(settings, tokens), health=self.health, clock=clock
+        )
         interval = cs.scrape_interval_s
         self.health.register(SCRAPER, 3 * interval + cs.scrape_timeout_s + 30.0)
         self.health.register(SNAPSHOTS, max(120.0, 6 * interval))
@@ -165,8 +171,11 @@ class CollectorService:
             self._task_error(SNAPSHOTS, exc)
         if self._storing >= MAX_PENDING_ROUNDS:  # the store is slower than the scrapes: skip, do not pile up
             self.metrics.store_errors.labels("snapshots_skipped").inc()
-            self._warn.warning("snapshots_skipped", "snapshot round not stored: %d rounds still waiting for the store",
-                               self._storing)
+            self._warn.warning(
+                "snapshots_skipped",
+                "snapshot round not stored: %d rounds still waiting for the store",
+                self._storing,
+            )
             return
         self._storing += 1
         try:
@@ -189,7 +198,9 @@ class CollectorService:
         """Forensics over recent records, then retention. Blocking; raises StoreError."""
         now = self.clock()
         with transaction(self.factory) as session:
-            forensics.run_pass(session, now - FORENSICS_WINDOW_S, now, lease_s=self.settings.controller.kv_lease_s)
+            forensics.run_pass(
+                session, now - FORENSICS_WINDOW_S, now, lease_s=self.settings.controller.kv_lease_s
+            )
         self.retention.run(now)
 
     async def _maintenance_loop(self, stop: asyncio.Event) -> None:
@@ -209,7 +220,9 @@ class CollectorService:
                 self._task_error(MAINTENANCE, exc)
             self.health.beat(MAINTENANCE)
 
-    def _supervise(self, name: str, coro: Coroutine[Any, Any, None], stop: asyncio.Event) -> asyncio.Task[None]:
+    def _supervise(
+        self, name: str, coro: Coroutine[Any, Any, None], stop: asyncio.Event
+    ) -> asyncio.Task[None]:
         """Run a background task; one that ends while the collector runs is marked dead."""
         task = asyncio.create_task(coro, name=f"collector-{name}")
 

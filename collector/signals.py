@@ -78,7 +78,12 @@ class HistogramAcc:
         if not math.isfinite(sum(numbers)):  # one NaN or Inf makes the sum non-finite
             errors.append(f"{family}: non-finite bucket, sum or count; histogram dropped")
             return None
-        return {"le": bounds, "counts": counts, "sum": self.sum or 0.0, "count": self.count if self.count is not None else inf}
+        return {
+            "le": bounds,
+            "counts": counts,
+            "sum": self.sum or 0.0,
+            "count": self.count if self.count is not None else inf,
+        }
 
 
 def finish(

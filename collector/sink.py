@@ -97,7 +97,12 @@ def read_events(attributes: Any) -> tuple[dict[str, Any], tuple[SpanEvent, ...]]
     events: list[SpanEvent] = []
     for ev in kept if isinstance(kept, list) else []:
         name, ts = (ev.get("name"), ev.get("ts")) if isinstance(ev, dict) else (None, None)
-        if isinstance(name, str) and isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
+        if (
+            isinstance(name, str)
+            and isinstance(ts, int | float)
+            and not isinstance(ts, bool)
+            and math.isfinite(ts)
+        ):
             events.append(SpanEvent(name, float(ts), {}))
     return {k: v for k, v in attrs.items() if k != EVENTS_KEY}, tuple(events)
 
@@ -191,7 +196,12 @@ class StoreSink:
             records += r.records
             errors += r.assemble_errors
         if failed:
-            log.warning("%d of %d spans refused by the store (one trace at a time): %s", failed, len(batch), last_error)
+            log.warning(
+                "%d of %d spans refused by the store (one trace at a time): %s",
+                failed,
+                len(batch),
+                last_error,
+            )
         return WriteResult(written, failed=failed, records=records, error=last_error, assemble_errors=errors)
 
     def _remember(self, batch: Sequence[SpanData]) -> None:
@@ -248,7 +258,9 @@ class StoreSink:
         ids = [a.request_id for a in assembled if a.trace_id in stored]
         existing: dict[str, RequestRecord] = {}
         for i in range(0, len(ids), 500):
-            for r in session.scalars(select(RequestRecord).where(RequestRecord.request_id.in_(ids[i : i + 500]))):
+            for r in session.scalars(
+                select(RequestRecord).where(RequestRecord.request_id.in_(ids[i : i + 500]))
+            ):
                 existing[r.request_id] = r
         new_rows: list[dict[str, Any]] = []
         inserted: set[str] = set()

@@ -100,5 +100,7 @@ class SnapshotStore:
             insert_rows(session, _SNAPSHOTS, rows)
             if up_names:
                 last = max(r.ts for r in results)
-                session.execute(update(InstanceRow).where(InstanceRow.name.in_(up_names)).values(last_seen=last))
+                session.execute(
+                    update(InstanceRow).where(InstanceRow.name.in_(up_names)).values(last_seen=last)
+                )
         return len(rows)

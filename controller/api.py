@@ -56,8 +56,11 @@ def create_app(
     ids = dict(tokens or {})
     if token:
         ids[API_IDENTITY] = token
-    authn = Authenticator(ids, disabled_detail=f"mutations are disabled: no API token is configured "
-                          f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})")
+    authn = Authenticator(
+        ids,
+        disabled_detail=f"mutations are disabled: no API token is configured "
+        f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})",
+    )
     notif = notifier or NullNotifier()
     if registry is None:
         from controller.metrics import make_registry
@@ -102,8 +105,15 @@ def _translate_errors(app: FastAPI) -> None:
             loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "header")]
             if e.get("type") == "json_invalid":  # loc is a character position, not a field
                 loc = []
-            problems.append({"field": ".".join(loc) or "body", "reason": e.get("msg", "invalid"),
-                             "loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")})
+            problems.append(
+                {
+                    "field": ".".join(loc) or "body",
+                    "reason": e.get("msg", "invalid"),
+                    "loc": list(e.get("loc", ())),
+                    "msg": e.get("msg"),
+                    "type": e.get("type"),
+                }
+            )
         return JSONResponse(status_code=422, content=jsonable_encoder({"detail": problems}))
 
     @app.exception_handler(UnknownSubject)
@@ -117,5 +127,6 @@ def _translate_errors(app: FastAPI) -> None:
     @app.exception_handler(StoreError)
     async def _store_down(request: Request, exc: StoreError) -> JSONResponse:
         log.warning("store error on %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse(status_code=503, content={"detail": f"store unavailable: {exc}"},
-                            headers={"Retry-After": "2"})
+        return JSONResponse(
+            status_code=503, content={"detail": f"store unavailable: {exc}"}, headers={"Retry-After": "2"}
+        )

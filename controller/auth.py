@@ -49,8 +49,10 @@ def load_tokens(settings: Settings, environ: Mapping[str, str] | None = None) ->
     single = env.get(c.api_token_env) or None
     if single is not None:
         if API_IDENTITY in named and named[API_IDENTITY] != single:
-            raise IdentityConfigError(f"${c.api_tokens_env}: identity 'api' is ${c.api_token_env}'s; "
-                                      "name the other token differently")
+            raise IdentityConfigError(
+                f"${c.api_tokens_env}: identity 'api' is ${c.api_token_env}'s; "
+                "name the other token differently"
+            )
         named[API_IDENTITY] = single
     tokens = list(named.values())
     if len(set(tokens)) != len(tokens):

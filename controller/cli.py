@@ -23,15 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="API port (default: controller.port)")
     parser.add_argument("--mode", choices=("advisory", "enforce"), help="override controller.mode")
     parser.add_argument("--store", help="store URL (default: store.url)")
-    parser.add_argument("--no-migrate", action="store_true",
-                        help="do not apply the store's migrations at start (default: apply them)")
+    parser.add_argument(
+        "--no-migrate",
+        action="store_true",
+        help="do not apply the store's migrations at start (default: apply them)",
+    )
 
 
 def check_listen(host: str, token: str | None, env_name: str) -> str | None:
     """A reason to refuse to start, or None."""
     if not is_loopback(host) and not token:
-        return (f"refusing to listen on {host} (not loopback) without an API token: set ${env_name} "
-                f"or bind 127.0.0.1")
+        return (
+            f"refusing to listen on {host} (not loopback) without an API token: set ${env_name} "
+            f"or bind 127.0.0.1"
+        )
     return None
 
 
@@ -46,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mode:
         updates["mode"] = args.mode
     store_update = {"url": args.store} if args.store else {}
-    settings = settings.model_copy(update={
-        "controller": c.model_copy(update=updates),
-        "store": settings.store.model_copy(update=store_update),
-    })
+    settings = settings.model_copy(
+        update={
+            "controller": c.model_copy(update=updates),
+            "store": settings.store.model_copy(update=store_update),
+        }
+    )
     from controller.auth import API_IDENTITY, IdentityConfigError, load_tokens
 
     try:
@@ -58,15 +65,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdscope control: {exc}", file=sys.stderr)
         return 1
     token = tokens.pop(API_IDENTITY, None)
-    refusal = check_listen(host, token or ("named" if tokens else None), f"{c.api_token_env} or ${c.api_tokens_env}")
+    refusal = check_listen(
+        host, token or ("named" if tokens else None), f"{c.api_token_env} or ${c.api_tokens_env}"
+    )
     if refusal:
         print(f"pdscope control: {refusal}", file=sys.stderr)
         return 1
     return serve(settings, token, migrate=not args.no_migrate, tokens=tokens)
 
 
-def serve(settings: Settings, token: str | None, *, migrate: bool = True,
-          tokens: dict[str, str] | None = None) -> int:
+def serve(
+    settings: Settings, token: str | None, *, migrate: bool = True, tokens: dict[str, str] | None = None
+) -> int:
     import time
 
     import uvicorn
@@ -93,12 +103,19 @@ def serve(settings: Settings, token: str | None, *, migrate: bool = True,
     engine = make_engine(settings.store.url)
     external = f"http://{c.host}:{c.port}"
     notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
-    reconciler = Reconciler(settings, session_factory(engine), notifier=notifier,
-                            alert_config=AlertConfig.from_settings(settings))
+    reconciler = Reconciler(
+        settings, session_factory(engine), notifier=notifier, alert_config=AlertConfig.from_settings(settings)
+    )
     app = create_app(reconciler, token=token, tokens=tokens, notifier=notifier, run_loop=True)
     names = sorted({*(tokens or {}), *(["api"] if token else [])})
-    log.info("controller on %s (mode %s, every %ss, window %ss, identities %s)", external, reconciler.mode,
-             c.interval_s, c.window_s, ", ".join(names) or "none: mutations disabled")
+    log.info(
+        "controller on %s (mode %s, every %ss, window %ss, identities %s)",
+        external,
+        reconciler.mode,
+        c.interval_s,
+        c.window_s,
+        ", ".join(names) or "none: mutations disabled",
+    )
     try:
         uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)
     finally:

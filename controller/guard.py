@@ -61,16 +61,20 @@ class _Refused(Exception):
 
 async def _answer(send: Send, exc: _Refused) -> None:
     body = json.dumps({"detail": exc.detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, auth: Authenticator, max_body_bytes: int,
-                 read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    def __init__(
+        self, app: ASGIApp, auth: Authenticator, max_body_bytes: int, read_timeout_s: float = READ_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.auth = auth
         self.max_body = max_body_bytes
@@ -124,7 +128,9 @@ class RequestGuard:
             raise _Refused(408, f"request body not received within {self.read_timeout_s:g}s") from None
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if body and ctype.endswith(b"json") and json_too_deep(body):
-            raise _Refused(422, [{"field": "body", "reason": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}])
+            raise _Refused(
+                422, [{"field": "body", "reason": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}]
+            )
         state = scope.setdefault("state", {})
         state["identity"] = identity
         state["x_actor"] = actor

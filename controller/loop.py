@@ -117,7 +117,9 @@ class Reconciler:
         self._table = self._initial_table(0)
 
     def _initial_table(self, version: int) -> RoutingTable:
-        table, served, _ = compose(self._state, (), self.instances, self.pools, self.mode, self.clock(), {}, {})
+        table, served, _ = compose(
+            self._state, (), self.instances, self.pools, self.mode, self.clock(), {}, {}
+        )
         self._served = served
         return table.model_copy(update={"version": version})
 
@@ -129,8 +131,12 @@ class Reconciler:
         self._table = self._initial_table(version)
         self._state = replace(state, table=self._table)
         self._loaded = True
-        log.info("controller state loaded: %s weights, %s active alerts, routing version %s",
-                 len(state.weights), len(state.alerts), version)
+        log.info(
+            "controller state loaded: %s weights, %s active alerts, routing version %s",
+            len(state.weights),
+            len(state.alerts),
+            version,
+        )
 
     # -- the tick ---------------------------------------------------------------------
 
@@ -171,9 +177,15 @@ class Reconciler:
         self._table = out.table
         self.notifier.send(out.alerts.notify)
         changed = [d for d in out.weights if d.changed]
-        log.info("tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s",
-                 out.tick, len(changed), len(rows), len(out.alerts.active), out.table.version,
-                 " (new)" if out.table_changed else "")
+        log.info(
+            "tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s",
+            out.tick,
+            len(changed),
+            len(rows),
+            len(out.alerts.active),
+            out.table.version,
+            " (new)" if out.table_changed else "",
+        )
         for d in changed:
             log.info("decision %s %s: %s", d.instance, d.reason, d.message)
         return out
@@ -194,8 +206,9 @@ class Reconciler:
                 overrides = load_overrides(session, now)
             reasons = {d.instance: d.reason for d in self._last.weights} if self._last else {}
             limit_reasons = {d.pool: d.reason for d in self._last.pools} if self._last else {}
-            table, served, _ = compose(self._state, overrides, self.instances, self.pools, self.mode, now,
-                                       reasons, limit_reasons)
+            table, served, _ = compose(
+                self._state, overrides, self.instances, self.pools, self.mode, now, reasons, limit_reasons
+            )
             self._table = table
             self._served = served
             self._state = replace(self._state, table=table)
@@ -206,8 +219,17 @@ class Reconciler:
     def view(self) -> View:
         with self._lock:
             s = self._stats
-            return View(self._table, dict(self._served), self._last, self._obs, s.ticks, s.failed, s.last_ok,
-                        s.last_error, s.tick_seconds)
+            return View(
+                self._table,
+                dict(self._served),
+                self._last,
+                self._obs,
+                s.ticks,
+                s.failed,
+                s.last_ok,
+                s.last_error,
+                s.tick_seconds,
+            )
 
     @property
     def table(self) -> RoutingTable:
@@ -223,7 +245,6 @@ class Reconciler:
                         return d.weight, d.reason
             ws = self._state.weights.get(name)
             return (ws.weight, ws.reason) if ws is not None else (1.0, Reason.NO_DECISION_YET)
-
 
     # -- the driver -------------------------------------------------------------------
 

@@ -26,27 +26,47 @@ class ControllerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         v = self.reconciler.view()
         yield CounterMetricFamily("pdscope_controller_ticks", "Reconcile ticks attempted.", value=v.ticks)
-        yield CounterMetricFamily("pdscope_controller_tick_failures", "Reconcile ticks that failed.",
-                                  value=v.failed_ticks)
-        yield GaugeMetricFamily("pdscope_controller_last_success_timestamp_seconds",
-                                "Unix time of the last successful tick (0 if none).", value=v.last_ok or 0.0)
-        yield GaugeMetricFamily("pdscope_controller_tick_duration_seconds", "Duration of the last successful tick.",
-                                value=v.tick_seconds or 0.0)
-        yield GaugeMetricFamily("pdscope_controller_enforce", "1 in enforce mode, 0 in advisory mode.",
-                                value=1.0 if v.table.enforce else 0.0)
-        yield GaugeMetricFamily("pdscope_routing_version", "Version of the served routing table.",
-                                value=v.table.version)
-        yield GaugeMetricFamily("pdscope_controller_untrusted_records",
-                                "Request records in the last tick's window left out of the observation: their "
-                                "sender is not in controller.trusted_span_senders.",
-                                value=0 if v.obs is None else v.obs.untrusted_records)
+        yield CounterMetricFamily(
+            "pdscope_controller_tick_failures", "Reconcile ticks that failed.", value=v.failed_ticks
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_last_success_timestamp_seconds",
+            "Unix time of the last successful tick (0 if none).",
+            value=v.last_ok or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_tick_duration_seconds",
+            "Duration of the last successful tick.",
+            value=v.tick_seconds or 0.0,
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_enforce",
+            "1 in enforce mode, 0 in advisory mode.",
+            value=1.0 if v.table.enforce else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "pdscope_routing_version", "Version of the served routing table.", value=v.table.version
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_untrusted_records",
+            "Request records in the last tick's window left out of the observation: their "
+            "sender is not in controller.trusted_span_senders.",
+            value=0 if v.obs is None else v.obs.untrusted_records,
+        )
 
-        served = GaugeMetricFamily("pdscope_instance_weight", "Served routing weight per instance.",
-                                   labels=["instance", "pool", "role", "source"])
-        policy = GaugeMetricFamily("pdscope_instance_policy_weight", "The policy's weight per instance.",
-                                   labels=["instance", "pool", "role"])
-        drained = GaugeMetricFamily("pdscope_instance_drained", "1 if the instance is drained.",
-                                    labels=["instance", "pool", "role"])
+        served = GaugeMetricFamily(
+            "pdscope_instance_weight",
+            "Served routing weight per instance.",
+            labels=["instance", "pool", "role", "source"],
+        )
+        policy = GaugeMetricFamily(
+            "pdscope_instance_policy_weight",
+            "The policy's weight per instance.",
+            labels=["instance", "pool", "role"],
+        )
+        drained = GaugeMetricFamily(
+            "pdscope_instance_drained", "1 if the instance is drained.", labels=["instance", "pool", "role"]
+        )
         by_name = {r.name: r for r in v.table.instances}
         for name, s in v.served.items():
             r = by_name.get(name)
@@ -59,12 +79,21 @@ class ControllerCollector(Collector):
         yield policy
         yield drained
 
-        reqs = GaugeMetricFamily("pdscope_pool_max_inflight_requests", "Admission limit: in-flight requests.",
-                                 labels=["pool", "role"])
-        kvb = GaugeMetricFamily("pdscope_pool_max_inflight_kv_bytes", "Admission limit: handoff KV bytes.",
-                                labels=["pool", "role"])
-        wait = GaugeMetricFamily("pdscope_pool_max_queue_wait_seconds",
-                                 "Longest wait for an admission slot (the TTFT budget left).", labels=["pool", "role"])
+        reqs = GaugeMetricFamily(
+            "pdscope_pool_max_inflight_requests",
+            "Admission limit: in-flight requests.",
+            labels=["pool", "role"],
+        )
+        kvb = GaugeMetricFamily(
+            "pdscope_pool_max_inflight_kv_bytes",
+            "Admission limit: handoff KV bytes.",
+            labels=["pool", "role"],
+        )
+        wait = GaugeMetricFamily(
+            "pdscope_pool_max_queue_wait_seconds",
+            "Longest wait for an admission slot (the TTFT budget left).",
+            labels=["pool", "role"],
+        )
         pw = GaugeMetricFamily("pdscope_pool_weight", "Served pool weight.", labels=["pool", "role"])
         for p in v.table.pools:
             pw.add_metric([p.name, p.role], p.weight)
@@ -81,8 +110,11 @@ class ControllerCollector(Collector):
 
         active = v.last.alerts.active if v.last is not None else ()
         keys = sorted({k for a in active for k in a.labels})
-        alerts = GaugeMetricFamily("pdscope_alerts", "Active alerts (pending or firing), like Prometheus' ALERTS.",
-                                   labels=["alertname", "alertstate", "severity", *keys])
+        alerts = GaugeMetricFamily(
+            "pdscope_alerts",
+            "Active alerts (pending or firing), like Prometheus' ALERTS.",
+            labels=["alertname", "alertstate", "severity", *keys],
+        )
         for a in active:
             alerts.add_metric([a.rule, a.state, a.severity, *(a.labels.get(k, "") for k in keys)], 1.0)
         yield alerts
@@ -101,14 +133,20 @@ class ControllerCollector(Collector):
             if slo.attainment is not None:
                 g.add_metric([], slo.attainment)
             yield g
-            yield GaugeMetricFamily("pdscope_goodput_requests_per_second", "Requests meeting every SLO per second.",
-                                    value=slo.goodput_rps)
+            yield GaugeMetricFamily(
+                "pdscope_goodput_requests_per_second",
+                "Requests meeting every SLO per second.",
+                value=slo.goodput_rps,
+            )
 
         n = self.notifier
         yield CounterMetricFamily("pdscope_alert_webhook_sent", "Webhook batches delivered.", value=n.sent)
-        yield CounterMetricFamily("pdscope_alert_webhook_failed", "Webhook batches that failed.", value=n.failed)
-        yield CounterMetricFamily("pdscope_alert_webhook_dropped", "Webhook batches dropped (queue full).",
-                                  value=n.dropped)
+        yield CounterMetricFamily(
+            "pdscope_alert_webhook_failed", "Webhook batches that failed.", value=n.failed
+        )
+        yield CounterMetricFamily(
+            "pdscope_alert_webhook_dropped", "Webhook batches dropped (queue full).", value=n.dropped
+        )
 
 
 def make_registry(reconciler: Reconciler, notifier: Notifier) -> CollectorRegistry:

@@ -68,7 +68,9 @@ def _common(dicts: list[dict[str, str]]) -> dict[str, str]:
     return {k: v for k, v in first.items() if all(d.get(k) == v for d in dicts[1:])}
 
 
-def webhook_payload(alerts: Sequence[AlertState], external_url: str, receiver: str = "pdscope") -> dict[str, Any]:
+def webhook_payload(
+    alerts: Sequence[AlertState], external_url: str, receiver: str = "pdscope"
+) -> dict[str, Any]:
     items = [alert_json(a, external_url) for a in alerts]
     status = "firing" if any(i["status"] == "firing" for i in items) else "resolved"
     return {
@@ -88,8 +90,15 @@ def webhook_payload(alerts: Sequence[AlertState], external_url: str, receiver: s
 class WebhookNotifier:
     """POSTs batches of alerts from a background thread; bounded, drops the oldest."""
 
-    def __init__(self, url: str, external_url: str, *, max_batches: int = 256, timeout_s: float = 5.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        external_url: str,
+        *,
+        max_batches: int = 256,
+        timeout_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.url = url
         self.external_url = external_url
         self.sent = 0

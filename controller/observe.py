@@ -33,7 +33,9 @@ from store import queries as q
 from store.models import RequestRecord, Snapshot
 
 
-def _latest_gauges(rows_by_instance: dict[str, list[Any]], since: float, until: float) -> dict[str, ev.LatestGauges]:
+def _latest_gauges(
+    rows_by_instance: dict[str, list[Any]], since: float, until: float
+) -> dict[str, ev.LatestGauges]:
     """Per instance: the latest KV-fetch gauges, the mean queue time over the window's rows, and how long
     its trailing run of failed scrapes has lasted (no up scrape in the window: since the window began)."""
     out: dict[str, ev.LatestGauges] = {}
@@ -49,8 +51,15 @@ def _latest_gauges(rows_by_instance: dict[str, list[Any]], since: float, until: 
             out[inst] = ev.LatestGauges(None, None, down_for)
             continue
         last = up_rows[-1]
-        parts = [v for v in (last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress,
-                             last.kv_fetch_completed_waiting) if v is not None]
+        parts = [
+            v
+            for v in (
+                last.kv_fetch_waiting_to_start,
+                last.kv_fetch_in_progress,
+                last.kv_fetch_completed_waiting,
+            )
+            if v is not None
+        ]
         backlog = sum(parts) if parts else None
         qsum = counter_increase(r.queue_sum for r in up_rows)
         qcnt = counter_increase(r.queue_count for r in up_rows)
@@ -69,18 +78,24 @@ def _records(session: Session, since: float, until: float, only: q.RecordFilter)
 
 def _failed_attempts(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[object]:
     """The failed attempts retried records carry (``attributes["failed_attempts"]``)."""
-    stmt = select(RequestRecord.attributes).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until,
-                                                  RequestRecord.retries > 0)
+    stmt = select(RequestRecord.attributes).where(
+        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until, RequestRecord.retries > 0
+    )
     for (attrs,) in session.execute(only.apply(stmt)):
         yield from (attrs or {}).get("failed_attempts") or [] if isinstance(attrs, dict) else []
 
 
-def _lease_suspects(session: Session, since: float, until: float, lookback_s: float,
-                    only: q.RecordFilter) -> Iterable[tuple[object, float | None, object]]:
+def _lease_suspects(
+    session: Session, since: float, until: float, lookback_s: float, only: q.RecordFilter
+) -> Iterable[tuple[object, float | None, object]]:
     """``(d_instance, ended at, attributed expiries)`` of the lease-expiry suspects that may count now."""
-    stmt = select(RequestRecord.d_instance, RequestRecord.done, RequestRecord.proxy_in, RequestRecord.attributes).where(
-        RequestRecord.proxy_in >= since - lookback_s, RequestRecord.proxy_in <= until,
-        RequestRecord.lease_expiry_suspect.is_(True))
+    stmt = select(
+        RequestRecord.d_instance, RequestRecord.done, RequestRecord.proxy_in, RequestRecord.attributes
+    ).where(
+        RequestRecord.proxy_in >= since - lookback_s,
+        RequestRecord.proxy_in <= until,
+        RequestRecord.lease_expiry_suspect.is_(True),
+    )
     for d_inst, done, t_in, attrs in session.execute(only.apply(stmt)):
         at = done if isinstance(done, float) else t_in if isinstance(t_in, float) else None
         yield d_inst, at, attrs.get("lease_expiry") if isinstance(attrs, dict) else None
@@ -95,8 +110,12 @@ def trusted_filter(settings: Settings) -> q.RecordFilter:
 def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter) -> SLOFigures:
     window = settings.slo.window_s
     summary = q.slo_summary(
-        session, now - window, now, only=only,
-        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile), slo=settings.slo,
+        session,
+        now - window,
+        now,
+        only=only,
+        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile),
+        slo=settings.slo,
     ).get("all")
     if summary is None:
         return SLOFigures(window_s=window)
@@ -111,8 +130,13 @@ def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter)
     )
 
 
-def observe(session: Session, settings: Settings, now: float, window_s: float | None = None,
-            cfg: PolicyConfig | None = None) -> Observation:
+def observe(
+    session: Session,
+    settings: Settings,
+    now: float,
+    window_s: float | None = None,
+    cfg: PolicyConfig | None = None,
+) -> Observation:
     """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``)."""
     cfg = cfg or PolicyConfig.from_settings(settings)
     window = window_s if window_s is not None else settings.controller.window_s
@@ -127,10 +151,17 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now)
     for row in _records(session, since, now, trusted):
         r = ev.RecordFacts._make(row)
-        tally.add(r, q.is_client_error(r.status if isinstance(r.status, str) else None,
-                                       r.http_status if isinstance(r.http_status, int) else None))
+        tally.add(
+            r,
+            q.is_client_error(
+                r.status if isinstance(r.status, str) else None,
+                r.http_status if isinstance(r.http_status, int) else None,
+            ),
+        )
     tally.charge_failed_attempts(_failed_attempts(session, since, now, charged))
-    for d_inst, ended, entries in _lease_suspects(session, since, now, cfg.lease_lookback * cfg.kv_lease_s, charged):
+    for d_inst, ended, entries in _lease_suspects(
+        session, since, now, cfg.lease_lookback * cfg.kv_lease_s, charged
+    ):
         tally.charge_lease_expiries(d_inst, ended, entries, since, now)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
     by_d, by_p, pairs = hand["d_instance"], hand["p_instance"], hand["pair"]
@@ -139,9 +170,19 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
     newest: float | None = None
     for pool_name, inst in settings.instances():
         role = settings.pools[pool_name].role
-        instances.append(ev.instance_signals(
-            inst.name, pool_name, role, cfg, sigs.get(inst.name), recent.get(inst.name), latest.get(inst.name),
-            tally.instances.get(inst.name), (by_d if role == "decode" else by_p).get(inst.name)))
+        instances.append(
+            ev.instance_signals(
+                inst.name,
+                pool_name,
+                role,
+                cfg,
+                sigs.get(inst.name),
+                recent.get(inst.name),
+                latest.get(inst.name),
+                tally.instances.get(inst.name),
+                (by_d if role == "decode" else by_p).get(inst.name),
+            )
+        )
         if (s := sigs.get(inst.name)) is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
     if newest is None:
@@ -163,8 +204,15 @@ def observe(session: Session, settings: Settings, now: float, window_s: float | 
         if hs.requests
     )
     slo = replace(_slo(session, settings, now, trusted), handoff_p99_s=ev.fleet_handoff_p99(tally))
-    return Observation(now=now, window_s=window, instances=tuple(instances), pools=tuple(pool_sigs),
-                       pairs=pair_sigs, slo=slo, newest_data=newest,
-                       untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
-                       history_s=history, unattributed_lease_expiries=sum(i.unattributed_lease_expiries
-                                                                          for i in instances))
+    return Observation(
+        now=now,
+        window_s=window,
+        instances=tuple(instances),
+        pools=tuple(pool_sigs),
+        pairs=pair_sigs,
+        slo=slo,
+        newest_data=newest,
+        untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
+        history_s=history,
+        unattributed_lease_expiries=sum(i.unattributed_lease_expiries for i in instances),
+    )

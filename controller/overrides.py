@@ -187,7 +187,8 @@ class OverridesService:
             yield session, self.reconciler.clock()
 
     def _replace(self, session: Session, change: Change, now: float) -> Override | None:
-        """End the slot's active override(s); store the new one (returned, with its id) when the change sets one."""
+        """End the slot's active override(s); store the new one (returned, with its id) when the change
+        sets one."""
         cleared = _clear(session, change.kind, change.subject, change.slot == "drain", now)
         if not change.sets and cleared == 0:
             what = "drain" if change.slot == "drain" else "weight override"

@@ -43,14 +43,23 @@ from store.models import Alert, Decision, PolicyConfigRow, PolicyStateRow, Weigh
 
 def to_override(row: WeightOverride) -> Override:
     kind: Literal["instance", "pool"] = "pool" if row.subject_kind == "pool" else "instance"
-    return Override(row.id, kind, row.subject, row.weight, row.drained, row.reason, row.actor, row.created,
-                    row.expires)
+    return Override(
+        row.id, kind, row.subject, row.weight, row.drained, row.reason, row.actor, row.created, row.expires
+    )
 
 
 def to_row(o: Override) -> WeightOverride:
     """The store's row for a new override (its id is the store's)."""
-    return WeightOverride(subject_kind=o.subject_kind, subject=o.subject, weight=o.weight, drained=o.drained,
-                          reason=o.reason, actor=o.actor, created=o.created, expires=o.expires)
+    return WeightOverride(
+        subject_kind=o.subject_kind,
+        subject=o.subject,
+        weight=o.weight,
+        drained=o.drained,
+        reason=o.reason,
+        actor=o.actor,
+        created=o.created,
+        expires=o.expires,
+    )
 
 
 def lock_subject(session: Session, kind: str, subject: str) -> None:
@@ -63,7 +72,9 @@ def lock_subject(session: Session, kind: str, subject: str) -> None:
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         digest = hashlib.blake2b(f"pdscope.override:{kind}:{subject}".encode(), digest_size=8).digest()
-        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": int.from_bytes(digest, "big", signed=True)})
+        session.execute(
+            text("SELECT pg_advisory_xact_lock(:key)"), {"key": int.from_bytes(digest, "big", signed=True)}
+        )
     elif dialect == "sqlite":
         session.execute(text("BEGIN IMMEDIATE"))
 
@@ -124,16 +135,25 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
         kv = kvs.get(pool)
         if pool not in limits and d.new_value is not None and kv is not None and kv.new_value is not None:
             w = waits.get(pool)
-            limits[pool] = LimitState(int(d.new_value), int(kv.new_value), 0, None if w is None else w.new_value)
+            limits[pool] = LimitState(
+                int(d.new_value), int(kv.new_value), 0, None if w is None else w.new_value
+            )
     alerts: dict[str, AlertState] = {}
     ids: dict[str, int] = {}
     for a in session.scalars(select(Alert).where(Alert.state.in_(("pending", "firing")))):
         ann = a.annotations or {}
         alerts[a.fingerprint] = AlertState(
-            rule=a.rule, fingerprint=a.fingerprint, labels=dict(a.labels or {}), severity=a.severity,
-            state="firing" if a.state == "firing" else "pending", value=a.value or 0.0,
-            description=str(ann.get("description", "")), summary=str(ann.get("summary", "")),
-            active_since=a.active_since, last_eval=a.last_eval, fired_at=a.fired_at,
+            rule=a.rule,
+            fingerprint=a.fingerprint,
+            labels=dict(a.labels or {}),
+            severity=a.severity,
+            state="firing" if a.state == "firing" else "pending",
+            value=a.value or 0.0,
+            description=str(ann.get("description", "")),
+            summary=str(ann.get("summary", "")),
+            active_since=a.active_since,
+            last_eval=a.last_eval,
+            fired_at=a.fired_at,
         )
         ids[a.fingerprint] = a.id
     version = session.scalar(select(func.max(Decision.routing_version))) or 0
@@ -144,8 +164,11 @@ def record_policy(session: Session, cfg: PolicyConfig, now: float) -> str:
     """Store ``cfg`` under its fingerprint unless it is stored already; the fingerprint."""
     fp = cfg.fingerprint()
     if session.get(PolicyConfigRow, fp) is None:
-        session.add(PolicyConfigRow(fingerprint=fp, version=int(fp[1:].split(":")[0]), config=cfg.as_dict(),
-                                    first_seen=now))
+        session.add(
+            PolicyConfigRow(
+                fingerprint=fp, version=int(fp[1:].split(":")[0]), config=cfg.as_dict(), first_seen=now
+            )
+        )
     return fp
 
 
@@ -159,9 +182,10 @@ def _upsert_states(session: Session, rows: list[dict[str, Any]]) -> None:
         ins = sqlite.insert(PolicyStateRow)
     else:  # pragma: no cover - the store supports these two
         raise RuntimeError(f"no upsert for the {dialect} dialect")
-    stmt = ins.on_conflict_do_update(index_elements=["subject_kind", "subject"],
-                                     set_={"state": ins.excluded.state, "tick": ins.excluded.tick,
-                                           "ts": ins.excluded.ts})
+    stmt = ins.on_conflict_do_update(
+        index_elements=["subject_kind", "subject"],
+        set_={"state": ins.excluded.state, "tick": ins.excluded.tick, "ts": ins.excluded.ts},
+    )
     session.execute(stmt, rows)
 
 
@@ -177,18 +201,50 @@ def _changed_states(out: TickOutput, prev: PolicyState | None) -> list[dict[str,
             rows.append({"subject_kind": "instance", "subject": name, "state": state, "tick": tick, "ts": ts})
     for name, ls in out.state.limits.items():
         if before_l.get(name) != ls:
-            rows.append({"subject_kind": "pool", "subject": name, "state": dataclasses.asdict(ls), "tick": tick,
-                         "ts": ts})
+            rows.append(
+                {
+                    "subject_kind": "pool",
+                    "subject": name,
+                    "state": dataclasses.asdict(ls),
+                    "tick": tick,
+                    "ts": ts,
+                }
+            )
     return rows
 
 
-def _decision(out: TickOutput, mode: str, kind: str, subject: str, field: str, old: float | None,
-              new: float | None, reason: str, message: str, arithmetic: str, inputs: Mapping[str, Any],
-              scores: Mapping[str, Any], policy: str | None) -> Decision:
-    return Decision(ts=out.table.generated_at, tick=out.tick, mode=mode, subject_kind=kind, subject=subject,
-                    field=field, old_value=old, new_value=new, reason=reason, message=message,
-                    arithmetic=arithmetic, inputs=dict(inputs), scores=dict(scores),
-                    routing_version=out.table.version, policy=policy)
+def _decision(
+    out: TickOutput,
+    mode: str,
+    kind: str,
+    subject: str,
+    field: str,
+    old: float | None,
+    new: float | None,
+    reason: str,
+    message: str,
+    arithmetic: str,
+    inputs: Mapping[str, Any],
+    scores: Mapping[str, Any],
+    policy: str | None,
+) -> Decision:
+    return Decision(
+        ts=out.table.generated_at,
+        tick=out.tick,
+        mode=mode,
+        subject_kind=kind,
+        subject=subject,
+        field=field,
+        old_value=old,
+        new_value=new,
+        reason=reason,
+        message=message,
+        arithmetic=arithmetic,
+        inputs=dict(inputs),
+        scores=dict(scores),
+        routing_version=out.table.version,
+        policy=policy,
+    )
 
 
 def persist_tick(
@@ -207,8 +263,23 @@ def persist_tick(
     rows: list[Decision] = []
     for d in out.weights:
         if d.changed:
-            rows.append(_decision(out, mode, "instance", d.instance, "weight", d.old_weight, d.weight, d.reason,
-                                  d.message, d.arithmetic, d.inputs, d.scores, policy))
+            rows.append(
+                _decision(
+                    out,
+                    mode,
+                    "instance",
+                    d.instance,
+                    "weight",
+                    d.old_weight,
+                    d.weight,
+                    d.reason,
+                    d.message,
+                    d.arithmetic,
+                    d.inputs,
+                    d.scores,
+                    policy,
+                )
+            )
     for name, s in out.served.items():
         before = prev_served.get(name)
         if before is None or (abs(before.weight - s.weight) < 1e-9 and before.source == s.source):
@@ -216,22 +287,58 @@ def persist_tick(
         if s.source == "policy" and before.source == "policy":
             continue  # the policy's own change is recorded above
         if s.source == "policy":
-            reason, msg = str(Reason.OVERRIDE_ENDED), (f"{name}: {before.source} override ended; policy weight "
-                                            f"{s.weight:.2f} applies")
+            reason, msg = (
+                str(Reason.OVERRIDE_ENDED),
+                (f"{name}: {before.source} override ended; policy weight {s.weight:.2f} applies"),
+            )
         else:
             ov = s.override
             who = f" by {ov.actor}: {ov.reason}" if ov is not None else ""
-            reason, msg = s.reason, f"{name}: {s.source}{who}; served weight {before.weight:.2f} -> {s.weight:.2f}"
-        rows.append(_decision(out, mode, "instance", name, "served_weight", before.weight, s.weight, reason, msg,
-                              f"served = {s.source} {s.weight:.2f} (policy {s.policy_weight:.2f})",
-                              {"override_id": None if s.override is None else s.override.id,
-                               "policy_weight": s.policy_weight}, {}, policy))
+            reason, msg = (
+                s.reason,
+                f"{name}: {s.source}{who}; served weight {before.weight:.2f} -> {s.weight:.2f}",
+            )
+        rows.append(
+            _decision(
+                out,
+                mode,
+                "instance",
+                name,
+                "served_weight",
+                before.weight,
+                s.weight,
+                reason,
+                msg,
+                f"served = {s.source} {s.weight:.2f} (policy {s.policy_weight:.2f})",
+                {
+                    "override_id": None if s.override is None else s.override.id,
+                    "policy_weight": s.policy_weight,
+                },
+                {},
+                policy,
+            )
+        )
     for p in out.pools:
         for field in ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s"):
             if p.changed(field):
                 old = None if p.old is None else getattr(p.old, field)
-                rows.append(_decision(out, mode, "pool", p.pool, field, old, getattr(p.new, field), p.reason,
-                                      p.message, p.arithmetic, p.inputs, p.scores, policy))
+                rows.append(
+                    _decision(
+                        out,
+                        mode,
+                        "pool",
+                        p.pool,
+                        field,
+                        old,
+                        getattr(p.new, field),
+                        p.reason,
+                        p.message,
+                        p.arithmetic,
+                        p.inputs,
+                        p.scores,
+                        policy,
+                    )
+                )
     session.add_all(rows)
     _upsert_states(session, _changed_states(out, prev_state))
     for st in out.alerts.changed:
@@ -249,9 +356,19 @@ def _store_alert(session: Session, st: AlertState, ids: dict[str, int]) -> None:
     row = session.get(Alert, ids[st.fingerprint]) if st.fingerprint in ids else None
     ann = {"summary": st.summary, "description": st.description}
     if row is None:
-        row = Alert(rule=st.rule, fingerprint=st.fingerprint, labels=dict(st.labels), annotations=ann,
-                    severity=st.severity, state=st.state, value=st.value, active_since=st.active_since,
-                    fired_at=st.fired_at, resolved_at=st.resolved_at, last_eval=st.last_eval)
+        row = Alert(
+            rule=st.rule,
+            fingerprint=st.fingerprint,
+            labels=dict(st.labels),
+            annotations=ann,
+            severity=st.severity,
+            state=st.state,
+            value=st.value,
+            active_since=st.active_since,
+            fired_at=st.fired_at,
+            resolved_at=st.resolved_at,
+            last_eval=st.last_eval,
+        )
         session.add(row)
         session.flush()
     else:

@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None, path: Path = POLICY_DOC) -> int:
     if args == ["--check"]:
         if current(doc):
             return 0
-        print(f"{path}: the reasons table is stale; run: python -m controller.reasons_doc --write", file=sys.stderr)
+        print(
+            f"{path}: the reasons table is stale; run: python -m controller.reasons_doc --write",
+            file=sys.stderr,
+        )
         return 1
     if args == ["--write"]:
         path.write_text(splice(doc, reasons_markdown()), encoding="utf-8")

@@ -37,17 +37,29 @@ class _Body(BaseModel):
 
 
 class WeightIn(_Body):
-    weight: float = Field(ge=0.0, le=100.0, allow_inf_nan=False, strict=True,
-                          description="relative share within the role (pool) or of the pool; 0 = no new work")
-    ttl_s: float = Field(gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, strict=True,
-                         description="the override ends after this")
+    weight: float = Field(
+        ge=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        strict=True,
+        description="relative share within the role (pool) or of the pool; 0 = no new work",
+    )
+    ttl_s: float = Field(
+        gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, strict=True, description="the override ends after this"
+    )
     reason: Reason
 
 
 class DrainIn(_Body):
     reason: Reason
-    ttl_s: float | None = Field(default=None, gt=0.0, le=MAX_TTL_S, allow_inf_nan=False, strict=True,
-                                description="end the drain automatically after this; default: until undrain")
+    ttl_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=MAX_TTL_S,
+        allow_inf_nan=False,
+        strict=True,
+        description="end the drain automatically after this; default: until undrain",
+    )
 
 
 class UndrainIn(_Body):
@@ -59,7 +71,7 @@ class ClearIn(_Body):
 
 
 class WhoAmIOut(BaseModel):
-    identity: str = Field(description="the name of the bearer token's identity (\"api\" for the single token)")
+    identity: str = Field(description='the name of the bearer token\'s identity ("api" for the single token)')
 
 
 class OverrideOut(BaseModel):
@@ -78,8 +90,17 @@ class OverrideOut(BaseModel):
         """The API's view of the controller's override (None stays None)."""
         if o is None:
             return None
-        return cls(id=o.id, subject_kind=o.subject_kind, subject=o.subject, weight=o.weight, drained=o.drained,
-                   reason=o.reason, actor=o.actor, created=o.created, expires=o.expires)
+        return cls(
+            id=o.id,
+            subject_kind=o.subject_kind,
+            subject=o.subject,
+            weight=o.weight,
+            drained=o.drained,
+            reason=o.reason,
+            actor=o.actor,
+            created=o.created,
+            expires=o.expires,
+        )
 
 
 class InstanceWeightOut(BaseModel):
@@ -93,8 +114,9 @@ class InstanceWeightOut(BaseModel):
     reason: str
     override: OverrideOut | None = None
     drain: OverrideOut | None = None
-    decision: dict[str, Any] | None = Field(default=None, description="the policy's latest step: scores, "
-                                            "arithmetic, reason, message, inputs")
+    decision: dict[str, Any] | None = Field(
+        default=None, description="the policy's latest step: scores, arithmetic, reason, message, inputs"
+    )
     audit_id: int | None = Field(default=None, description="the audit event a mutation wrote")
 
 
@@ -129,8 +151,11 @@ class DecisionOut(BaseModel):
     inputs: dict[str, Any]
     scores: dict[str, Any]
     routing_version: int | None
-    policy: str | None = Field(default=None, description="the policy config it was taken under "
-                               "(v<policy version>:<hash>; GET /v1/policy/{fingerprint})")
+    policy: str | None = Field(
+        default=None,
+        description="the policy config it was taken under "
+        "(v<policy version>:<hash>; GET /v1/policy/{fingerprint})",
+    )
 
 
 class PolicyOut(BaseModel):

@@ -39,8 +39,15 @@ class ApiResult:
 class ControllerClient:
     """A small blocking client for the controller API. Cheap to build; one per action."""
 
-    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 5.0,
-                 transport: httpx.BaseTransport | None = None, actor: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        timeout_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+        actor: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self._token = token
         self._timeout = timeout_s
@@ -56,13 +63,18 @@ class ControllerClient:
         if self._token:
             headers[b"Authorization"] = f"Bearer {self._token}".encode()
         try:
-            with httpx.Client(base_url=self.base_url, timeout=self._timeout, transport=self._transport) as client:
+            with httpx.Client(
+                base_url=self.base_url, timeout=self._timeout, transport=self._transport
+            ) as client:
                 resp = client.request(method, path, json=body, headers=headers)
         except httpx.TimeoutException as exc:
-            raise ControllerError(f"controller at {self.base_url} did not answer in {self._timeout:g} s",
-                                  retryable=True) from exc
+            raise ControllerError(
+                f"controller at {self.base_url} did not answer in {self._timeout:g} s", retryable=True
+            ) from exc
         except httpx.HTTPError as exc:
-            raise ControllerError(f"cannot reach the controller at {self.base_url}: {exc}", retryable=True) from exc
+            raise ControllerError(
+                f"cannot reach the controller at {self.base_url}: {exc}", retryable=True
+            ) from exc
         try:
             payload = resp.json() if resp.content else {}
         except ValueError:
@@ -70,10 +82,15 @@ class ControllerClient:
         if not isinstance(payload, dict):
             payload = {"value": payload}
         if resp.status_code >= 400:
-            detail = payload.get("detail") or payload.get("error") or payload.get("text") or resp.reason_phrase
+            detail = (
+                payload.get("detail") or payload.get("error") or payload.get("text") or resp.reason_phrase
+            )
             log.warning("controller %s %s -> %s", method, path, resp.status_code)
-            raise ControllerError(f"{method} {path}: HTTP {resp.status_code}: {detail}",
-                                  status=resp.status_code, retryable=resp.status_code >= 500 or resp.status_code == 429)
+            raise ControllerError(
+                f"{method} {path}: HTTP {resp.status_code}: {detail}",
+                status=resp.status_code,
+                retryable=resp.status_code >= 500 or resp.status_code == 429,
+            )
         log.info("controller %s %s -> %s", method, path, resp.status_code)
         return ApiResult(resp.status_code, payload)
 
@@ -99,8 +116,9 @@ class ControllerClient:
     # -- actions -------------------------------------------------------------------------
 
     def set_instance_weight(self, instance: str, weight: float, ttl_s: float, reason: str) -> ApiResult:
-        return self._request("PUT", f"/v1/instances/{instance}/weight",
-                             {"weight": weight, "ttl_s": ttl_s, "reason": reason})
+        return self._request(
+            "PUT", f"/v1/instances/{instance}/weight", {"weight": weight, "ttl_s": ttl_s, "reason": reason}
+        )
 
     def clear_instance_weight(self, instance: str, reason: str) -> ApiResult:
         return self._request("DELETE", f"/v1/instances/{instance}/weight", {"reason": reason})
@@ -115,4 +133,6 @@ class ControllerClient:
         return self._request("POST", f"/v1/instances/{instance}/undrain", {"reason": reason})
 
     def set_pool_weight(self, pool: str, weight: float, ttl_s: float, reason: str) -> ApiResult:
-        return self._request("PUT", f"/v1/pools/{pool}/weight", {"weight": weight, "ttl_s": ttl_s, "reason": reason})
+        return self._request(
+            "PUT", f"/v1/pools/{pool}/weight", {"weight": weight, "ttl_s": ttl_s, "reason": reason}
+        )

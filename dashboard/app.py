@@ -30,18 +30,26 @@ st.sidebar.markdown("### pdscope")
 auth.sidebar(settings)  # sign-in (dashboard.auth: login) or the proxy's identity (header)
 view = context.sidebar(config_path, settings)
 
-nav = st.navigation({
-    "Health": [
-        st.Page(VIEWS / "fleet.py", title="Fleet", icon=":material/dns:", url_path="fleet", default=True),
-        st.Page(VIEWS / "slos.py", title="SLOs & alerts", icon=":material/notifications:", url_path="slos"),
-    ],
-    "Investigate": [
-        st.Page(VIEWS / "requests.py", title="Requests", icon=":material/timeline:", url_path="requests"),
-        st.Page(VIEWS / "kv_transfer.py", title="KV transfer", icon=":material/swap_horiz:", url_path="kv"),
-    ],
-    "Steer": [
-        st.Page(VIEWS / "controller.py", title="Controller", icon=":material/tune:", url_path="controller"),
-        st.Page(VIEWS / "capacity.py", title="Capacity", icon=":material/speed:", url_path="capacity"),
-    ],
-})
+nav = st.navigation(
+    {
+        "Health": [
+            st.Page(VIEWS / "fleet.py", title="Fleet", icon=":material/dns:", url_path="fleet", default=True),
+            st.Page(
+                VIEWS / "slos.py", title="SLOs & alerts", icon=":material/notifications:", url_path="slos"
+            ),
+        ],
+        "Investigate": [
+            st.Page(VIEWS / "requests.py", title="Requests", icon=":material/timeline:", url_path="requests"),
+            st.Page(
+                VIEWS / "kv_transfer.py", title="KV transfer", icon=":material/swap_horiz:", url_path="kv"
+            ),
+        ],
+        "Steer": [
+            st.Page(
+                VIEWS / "controller.py", title="Controller", icon=":material/tune:", url_path="controller"
+            ),
+            st.Page(VIEWS / "capacity.py", title="Capacity", icon=":material/speed:", url_path="capacity"),
+        ],
+    }
+)
 nav.run()

@@ -127,9 +127,12 @@ def sidebar(settings: Settings) -> Identity | None:
             st.rerun()
         return ident
     with sb.form("login_form", clear_on_submit=True):
-        token = st.text_input("Controller API token", type="password", key="login_token",
-                              help="Your own token for the controller API: changes are made, and audited, "
-                                   "as its identity.")
+        token = st.text_input(
+            "Controller API token",
+            type="password",
+            key="login_token",
+            help="Your own token for the controller API: changes are made, and audited, as its identity.",
+        )
         submitted = st.form_submit_button("Sign in")
     if submitted:
         ident, why = sign_in(settings, str(token or ""))
@@ -144,13 +147,23 @@ def read_only_reason(settings: Settings, ident: Identity | None) -> str | None:
     """Why the forms are disabled for this session, or None when they are enabled."""
     d = settings.dashboard
     if d.auth == "none":
-        return "This dashboard is read-only (`dashboard.auth: none`); change routing through the controller API."
+        return (
+            "This dashboard is read-only (`dashboard.auth: none`); change routing through the controller API."
+        )
     if d.auth == "login":
-        return None if ident is not None else "Sign in (sidebar) with your controller API token to change routing."
+        return (
+            None
+            if ident is not None
+            else "Sign in (sidebar) with your controller API token to change routing."
+        )
     if ident is None:
-        return (f"Read-only: the request carries no `{d.identity_header}` header, so the auth proxy in "
-                "front of the dashboard did not identify you.")
+        return (
+            f"Read-only: the request carries no `{d.identity_header}` header, so the auth proxy in "
+            "front of the dashboard did not identify you."
+        )
     if ident.token is None:
-        return (f"Set `${settings.controller.api_token_env}` in the dashboard's environment to enable these "
-                "actions (the controller refuses changes without its token).")
+        return (
+            f"Set `${settings.controller.api_token_env}` in the dashboard's environment to enable these "
+            "actions (the controller refuses changes without its token)."
+        )
     return None

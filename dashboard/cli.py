@@ -29,22 +29,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def streamlit_command(config_path: Path, host: str, port: int, python: str = sys.executable) -> list[str]:
     """The child command line (exposed for tests)."""
     return [
-        python, "-m", "streamlit", "run", str(APP),
-        "--server.address", host,
-        "--server.port", str(port),
-        "--server.headless", "true",
-        "--server.fileWatcherType", "none",
-        "--browser.gatherUsageStats", "false",
-        "--", "--config", str(config_path),
+        python,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--server.fileWatcherType",
+        "none",
+        "--browser.gatherUsageStats",
+        "false",
+        "--",
+        "--config",
+        str(config_path),
     ]
 
 
 def check_listen(host: str, auth: str) -> str | None:
     """A reason to refuse to start, or None: off loopback, every user must be identified."""
     if not is_loopback(host) and auth not in ("login", "header"):
-        return (f"refusing to listen on {host} (not loopback) with dashboard.auth: {auth}: set dashboard.auth "
-                "to login (each user signs in with their controller API token) or header (behind an auth "
-                "proxy that sets dashboard.identity_header), or bind 127.0.0.1")
+        return (
+            f"refusing to listen on {host} (not loopback) with dashboard.auth: {auth}: set dashboard.auth "
+            "to login (each user signs in with their controller API token) or header (behind an auth "
+            "proxy that sets dashboard.identity_header), or bind 127.0.0.1"
+        )
     return None
 
 

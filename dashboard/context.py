@@ -26,7 +26,13 @@ from pdscope.config import Settings, load_config, resolve_config_path
 from store.db import make_engine
 
 # Short names for the ``?range=`` URL parameter (shareable links, screenshots).
-RANGE_PARAMS = {"5m": "Last 5 min", "15m": "Last 15 min", "1h": "Last 1 h", "6h": "Last 6 h", "24h": "Last 24 h"}
+RANGE_PARAMS = {
+    "5m": "Last 5 min",
+    "15m": "Last 15 min",
+    "1h": "Last 1 h",
+    "6h": "Last 6 h",
+    "24h": "Last 24 h",
+}
 RANGES: dict[str, float] = {
     "Last 5 min": 300.0,
     "Last 15 min": 900.0,
@@ -119,7 +125,9 @@ def sidebar(config_path: str, settings: Settings) -> View:
     params = st.query_params
     sb.caption(f"config `{config_path}`")
     initial = RANGE_PARAMS.get(str(params.get("range", "")), DEFAULT_RANGE)
-    range_label = sb.selectbox("Time range", [*RANGES, CUSTOM], index=list(RANGES).index(initial), key="range")
+    range_label = sb.selectbox(
+        "Time range", [*RANGES, CUSTOM], index=list(RANGES).index(initial), key="range"
+    )
     custom: tuple[float, float] | None = None
     if range_label == CUSTOM:
         now_dt = dt.datetime.now(tz=dt.UTC).replace(second=0, microsecond=0)
@@ -130,17 +138,29 @@ def sidebar(config_path: str, settings: Settings) -> View:
             sb.error("'To' must be after 'From'.")
             end_ts = start_ts + 60.0
         custom = (start_ts, end_ts)
-    anchor = sb.radio("Ending at", ["now", "latest data"], index=1 if params.get("anchor") == "latest" else 0,
-                      horizontal=True, key="anchor",
-                      help="'latest data' ends the range at the newest stored snapshot or request, "
-                           "for a store that is no longer being fed.")
+    anchor = sb.radio(
+        "Ending at",
+        ["now", "latest data"],
+        index=1 if params.get("anchor") == "latest" else 0,
+        horizontal=True,
+        key="anchor",
+        help="'latest data' ends the range at the newest stored snapshot or request, "
+        "for a store that is no longer being fed.",
+    )
     live = sb.toggle("Live refresh", value=params.get("live") != "0", key="live")
-    refresh_s = sb.select_slider("Refresh every (s)", options=list(REFRESH_CHOICES), value=5.0, key="refresh_s",
-                                 disabled=not live)
+    refresh_s = sb.select_slider(
+        "Refresh every (s)", options=list(REFRESH_CHOICES), value=5.0, key="refresh_s", disabled=not live
+    )
     range_s = custom[1] - custom[0] if custom else RANGES[str(range_label)]
-    view = View(config_path=config_path, settings=settings, range_s=range_s,
-                anchor="latest data" if anchor == "latest data" else "now", live=bool(live) and custom is None,
-                refresh_s=float(refresh_s), custom=custom)
+    view = View(
+        config_path=config_path,
+        settings=settings,
+        range_s=range_s,
+        anchor="latest data" if anchor == "latest data" else "now",
+        live=bool(live) and custom is None,
+        refresh_s=float(refresh_s),
+        custom=custom,
+    )
     st.session_state[_VIEW_KEY] = view
     return view
 

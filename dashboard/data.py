@@ -88,25 +88,38 @@ EXACT_BUCKETS_MAX_ROWS = 250_000
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def slo_buckets(url: str, start: float, end: float, width_s: float,
-                slo: SLOSettings | None = None) -> pd.DataFrame:
+def slo_buckets(
+    url: str, start: float, end: float, width_s: float, slo: SLOSettings | None = None
+) -> pd.DataFrame:
     """Per-bucket request counts: exact, or scaled from the sample for very large ranges
     (then every row has ``estimated`` True); verdicts under ``slo`` (None: as stored)."""
     sample, step = request_sample(url, start, end, slo=slo)
     if step * len(sample) > EXACT_BUCKETS_MAX_ROWS:
         return summaries.buckets_from_sample(sample, step, start, width_s).assign(estimated=True)
-    return records.slo_buckets(engine_for(url), common.Window(start, end), width_s, slo).assign(estimated=False)
+    return records.slo_buckets(engine_for(url), common.Window(start, end), width_s, slo).assign(
+        estimated=False
+    )
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def request_sample(url: str, start: float, end: float, max_rows: int = 20_000,
-                   slo: SLOSettings | None = None) -> tuple[pd.DataFrame, int]:
+def request_sample(
+    url: str, start: float, end: float, max_rows: int = 20_000, slo: SLOSettings | None = None
+) -> tuple[pd.DataFrame, int]:
     return records.sample(engine_for(url), common.Window(start, end), max_rows, slo)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def search_requests(url: str, start: float, end: float, request_id: str, status: str, instance: str,
-                    slo_miss: bool, lease_expiry: bool, limit: int = 200) -> pd.DataFrame:
+def search_requests(
+    url: str,
+    start: float,
+    end: float,
+    request_id: str,
+    status: str,
+    instance: str,
+    slo_miss: bool,
+    lease_expiry: bool,
+    limit: int = 200,
+) -> pd.DataFrame:
     flt = rq.RequestFilter(request_id, status, instance, slo_miss, lease_expiry, limit)
     return rq.search(engine_for(url), common.Window(start, end), flt)
 

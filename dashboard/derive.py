@@ -36,7 +36,9 @@ def find_histogram(histograms: Mapping[str, Any] | None, family: str) -> Histogr
             le = tuple(float(x) for x in raw["le"])
             counts = tuple(float(x) for x in raw["counts"])
             try:
-                return Histogram(le, counts, float(raw.get("sum") or 0.0), float(raw.get("count") or counts[-1]))
+                return Histogram(
+                    le, counts, float(raw.get("sum") or 0.0), float(raw.get("count") or counts[-1])
+                )
             except (ValueError, IndexError):  # counts not one more than bounds, bounds not ascending
                 return None
     return None

@@ -24,12 +24,46 @@ from store.db import make_engine
 from store.migrate import upgrade
 from store.models import Alert, AuditEvent, Decision, InstanceRow, RequestRecord, Snapshot, WeightOverride
 
-TTFT_LE = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TTFT_LE = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+)
 ITL_LE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 XFER_LE = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 POST_LE = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 BYTES_LE = tuple(float(2 ** (10 + i)) for i in range(1, 24, 2))
-DESC_LE = (10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0, 2000.0, 4000.0, 10000.0, 20000.0, 50000.0)
+DESC_LE = (
+    10.0,
+    20.0,
+    30.0,
+    50.0,
+    75.0,
+    100.0,
+    200.0,
+    400.0,
+    1000.0,
+    2000.0,
+    4000.0,
+    10000.0,
+    20000.0,
+    50000.0,
+)
 
 
 @dataclass(frozen=True)
@@ -78,17 +112,26 @@ def seed_store(url: str, spec: SeedSpec, *, migrate: bool = True) -> SeedSummary
         engine.dispose()
 
 
-def fleet_config_yaml(spec: SeedSpec, store_url: str, controller_port: int = 8300, model: str = "sim-llama-70b",
-                      mode: str = "enforce") -> str:
+def fleet_config_yaml(
+    spec: SeedSpec,
+    store_url: str,
+    controller_port: int = 8300,
+    model: str = "sim-llama-70b",
+    mode: str = "enforce",
+) -> str:
     """A pdscope.yaml naming the same instances, for pointing a dashboard at the seeded store."""
+
     def block(names: Sequence[str], base_port: int) -> str:
-        return "\n".join(f'      - {{name: {n}, url: "http://127.0.0.1:{base_port + i}"}}' for i, n in enumerate(names))
+        return "\n".join(
+            f'      - {{name: {n}, url: "http://127.0.0.1:{base_port + i}"}}' for i, n in enumerate(names)
+        )
 
     return (
         f"model: {{name: {model}, kv_bytes_per_token: {spec.kv_bytes_per_token}}}\n"
         f"pools:\n  {spec.prefill_pool}:\n    role: prefill\n    instances:\n{block(spec.prefill, 18100)}\n"
         f"  {spec.decode_pool}:\n    role: decode\n    instances:\n{block(spec.decode, 18200)}\n"
-        f"slo:\n  ttft: {{target_ms: {spec.ttft_target_s * 1000:g}}}\n  tpot: {{target_ms: {spec.tpot_target_s * 1000:g}}}\n"
+        f"slo:\n  ttft: {{target_ms: {spec.ttft_target_s * 1000:g}}}\n"
+        f"  tpot: {{target_ms: {spec.tpot_target_s * 1000:g}}}\n"
         f'store: {{url: "{store_url}"}}\n'
         f"controller: {{host: 127.0.0.1, port: {controller_port}, mode: {mode}}}\n"
     )
@@ -156,7 +199,9 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     status[(r >= 0.012) & (r < 0.016)] = "client_disconnect"
     lease = degraded_now & (pull > 3.0) & (rng.random(n) < 0.5)
     status[lease] = "timeout"
-    http = np.where(status == "ok", 200, np.where(status == "rejected", 429, np.where(status == "timeout", 504, 502)))
+    http = np.where(
+        status == "ok", 200, np.where(status == "rejected", 429, np.where(status == "timeout", 504, 502))
+    )
 
     rejected = status == "rejected"
     failed = np.isin(status, ("error", "timeout"))
@@ -169,14 +214,35 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     completion = np.where(status == "ok", output, 0)
     ttft = first_token - proxy_in
     tpot_ok = np.where(status == "ok", tpot, nan)
-    return _Requests(n=n, cols={
-        "proxy_in": proxy_in, "p_sent": p_sent, "p_done": p_done, "d_sent": d_sent, "first_token": first_token,
-        "done": done, "p_queue_s": np.where(rejected, nan, p_queue), "p_prefill_s": np.where(rejected, nan, p_prefill),
-        "d_queue_s": np.where(rejected, nan, d_queue), "d_prefill_s": np.where(rejected, nan, pull + first_step),
-        "d_decode_s": done - first_token, "ttft_s": ttft, "tpot_s": tpot_ok, "e2e_s": done - proxy_in,
-        "pull": pull, "prompt": prompt, "completion": completion, "p_idx": p_idx, "d_idx": d_idx,
-        "status": status, "http": http, "lease": lease, "kv_bytes": kv_bytes, "rejected": rejected,
-    })
+    return _Requests(
+        n=n,
+        cols={
+            "proxy_in": proxy_in,
+            "p_sent": p_sent,
+            "p_done": p_done,
+            "d_sent": d_sent,
+            "first_token": first_token,
+            "done": done,
+            "p_queue_s": np.where(rejected, nan, p_queue),
+            "p_prefill_s": np.where(rejected, nan, p_prefill),
+            "d_queue_s": np.where(rejected, nan, d_queue),
+            "d_prefill_s": np.where(rejected, nan, pull + first_step),
+            "d_decode_s": done - first_token,
+            "ttft_s": ttft,
+            "tpot_s": tpot_ok,
+            "e2e_s": done - proxy_in,
+            "pull": pull,
+            "prompt": prompt,
+            "completion": completion,
+            "p_idx": p_idx,
+            "d_idx": d_idx,
+            "status": status,
+            "http": http,
+            "lease": lease,
+            "kv_bytes": kv_bytes,
+            "rejected": rejected,
+        },
+    )
 
 
 def _floats(a: np.ndarray) -> list[float | None]:
@@ -209,26 +275,48 @@ def _request_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> I
             "trace_id": [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in idx],
             "endpoint": ["/v1/chat/completions" if i % 3 else "/v1/completions" for i in idx],
             "stream": [bool(i % 4) for i in idx],
-            "p_instance": [spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), served, strict=True)],
-            "d_instance": [spec.decode[k] if s else None for k, s in zip(c["d_idx"][sl].tolist(), served, strict=True)],
+            "p_instance": [
+                spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), served, strict=True)
+            ],
+            "d_instance": [
+                spec.decode[k] if s else None for k, s in zip(c["d_idx"][sl].tolist(), served, strict=True)
+            ],
             "p_pool": [spec.prefill_pool if s else None for s in served],
             "d_pool": [spec.decode_pool if s else None for s in served],
             "status": status.tolist(),
             "http_status": http.tolist(),
-            "error": [None if st in ("ok", "client_disconnect") else f"http {h}"
-                      for st, h in zip(status.tolist(), http.tolist(), strict=True)],
+            "error": [
+                None if st in ("ok", "client_disconnect") else f"http {h}"
+                for st, h in zip(status.tolist(), http.tolist(), strict=True)
+            ],
             "retries": [0] * (hi - lo),
             "prompt_tokens": prompt.tolist(),
             "completion_tokens": c["completion"][sl].tolist(),
-            "kv_blocks": [(p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), served, strict=True)],
+            "kv_blocks": [
+                (p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), served, strict=True)
+            ],
             "kv_bytes": [b if s else None for b, s in zip(c["kv_bytes"][sl].tolist(), served, strict=True)],
             "d_decode_s": _floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
-            "ttft_s": _floats(ttft), "tpot_s": _floats(tpot),
-            "slo_ttft_met": ttft_met, "slo_tpot_met": tpot_met, "slo_met": slo_met,
+            "ttft_s": _floats(ttft),
+            "tpot_s": _floats(tpot),
+            "slo_ttft_met": ttft_met,
+            "slo_tpot_met": tpot_met,
+            "slo_met": slo_met,
             "lease_expiry_suspect": c["lease"][sl].tolist(),
         }
-        for name in ("proxy_in", "p_sent", "p_done", "d_sent", "first_token", "done", "p_queue_s", "p_prefill_s",
-                     "d_queue_s", "d_prefill_s", "e2e_s"):
+        for name in (
+            "proxy_in",
+            "p_sent",
+            "p_done",
+            "d_sent",
+            "first_token",
+            "done",
+            "p_queue_s",
+            "p_prefill_s",
+            "d_queue_s",
+            "d_prefill_s",
+            "e2e_s",
+        ):
             cols[name] = _floats(c[name][sl])
         keys = list(cols)
         rows = [dict(zip(keys, values, strict=True)) for values in zip(*cols.values(), strict=True)]
@@ -250,14 +338,20 @@ def _cum(times: np.ndarray, ticks: np.ndarray, weights: np.ndarray | None = None
     return cs[np.searchsorted(t, ticks, side="right")]
 
 
-def _hist_series(times: np.ndarray, values: np.ndarray, ticks: np.ndarray, le: tuple[float, ...]) -> list[dict[str, Any]]:
+def _hist_series(
+    times: np.ndarray, values: np.ndarray, ticks: np.ndarray, le: tuple[float, ...]
+) -> list[dict[str, Any]]:
     """One cumulative histogram per tick, from (observation time, value) pairs."""
     buckets = [_cum(times[values <= b], ticks) for b in le]
     buckets.append(_cum(times, ticks))
     sums = _cum(times, ticks, values)
     return [
-        {"le": list(le), "counts": [float(b[k]) for b in buckets], "sum": round(float(sums[k]), 6),
-         "count": float(buckets[-1][k])}
+        {
+            "le": list(le),
+            "counts": [float(b[k]) for b in buckets],
+            "sum": round(float(sums[k]), 6),
+            "count": float(buckets[-1][k]),
+        }
         for k in range(len(ticks))
     ]
 
@@ -267,7 +361,9 @@ def _inflight(starts: np.ndarray, ends: np.ndarray, ticks: np.ndarray) -> np.nda
     return out
 
 
-def _snapshot_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> Iterator[list[dict[str, Any]]]:
+def _snapshot_rows(
+    spec: SeedSpec, req: _Requests, rng: np.random.Generator
+) -> Iterator[list[dict[str, Any]]]:
     c = req.cols
     start = spec.end - spec.duration_s
     ticks = np.arange(start + spec.scrape_interval_s, spec.end + 1e-9, spec.scrape_interval_s)
@@ -284,8 +380,12 @@ def _snapshot_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> 
                 waiting = _inflight(c["p_sent"][mine], c["p_sent"][mine] + c["p_queue_s"][mine], ticks)
                 kv = np.clip(running * 900 / 60000.0, 0, 1)
                 hist = {
-                    "vllm:time_to_first_token_seconds": _hist_series(t_end, (t_end - c["p_sent"][mine]), ticks, TTFT_LE),
-                    "vllm:request_queue_time_seconds": _hist_series(t_end, c["p_queue_s"][mine], ticks, TTFT_LE),
+                    "vllm:time_to_first_token_seconds": _hist_series(
+                        t_end, (t_end - c["p_sent"][mine]), ticks, TTFT_LE
+                    ),
+                    "vllm:request_queue_time_seconds": _hist_series(
+                        t_end, c["p_queue_s"][mine], ticks, TTFT_LE
+                    ),
                 }
                 expired_t = c["p_done"][c["lease"] & mine] + 30.0
                 counters = {
@@ -293,7 +393,8 @@ def _snapshot_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> 
                     "generation_tokens": _cum(t_end, ticks),
                     "requests_length": _cum(t_end, ticks),
                     "nixl_kv_expired_reqs": _cum(expired_t, ticks),
-                    "nixl_xfer_time_sum": np.zeros(len(ticks)), "nixl_xfer_time_count": np.zeros(len(ticks)),
+                    "nixl_xfer_time_sum": np.zeros(len(ticks)),
+                    "nixl_xfer_time_count": np.zeros(len(ticks)),
                     "nixl_failed_transfers": np.zeros(len(ticks)),
                 }
                 ttft_src = (t_end, t_end - c["p_sent"][mine])
@@ -312,7 +413,9 @@ def _snapshot_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> 
                 ttft_d = t_first - c["d_sent"][mine_ok]
                 hist = {
                     "vllm:time_to_first_token_seconds": _hist_series(t_first, ttft_d, ticks, TTFT_LE),
-                    "vllm:inter_token_latency_seconds": _hist_series(c["done"][mine_ok], c["tpot_s"][mine_ok], ticks, ITL_LE),
+                    "vllm:inter_token_latency_seconds": _hist_series(
+                        c["done"][mine_ok], c["tpot_s"][mine_ok], ticks, ITL_LE
+                    ),
                     "vllm:nixl_xfer_time_seconds": _hist_series(xfer_t, c["pull"][mine], ticks, XFER_LE),
                     "vllm:nixl_post_time_seconds": _hist_series(xfer_t, post, ticks, POST_LE),
                     "vllm:nixl_bytes_transferred": _hist_series(xfer_t, nbytes, ticks, BYTES_LE),
@@ -338,15 +441,28 @@ def _snapshot_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> 
                 ttft_src = (t_first, ttft_d)
             ttft_sum = _cum(ttft_src[0], ticks, ttft_src[1])
             ttft_count = _cum(ttft_src[0], ticks)
-            pull_live = _inflight(c["d_sent"][mine], c["d_sent"][mine] + c["pull"][mine], ticks) if role == "decode" else None
+            pull_live = (
+                _inflight(c["d_sent"][mine], c["d_sent"][mine] + c["pull"][mine], ticks)
+                if role == "decode"
+                else None
+            )
             for k, ts in enumerate(ticks):
                 row: dict[str, Any] = {
-                    "instance": name, "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
-                    "role": role, "ts": float(ts), "up": True, "scrape_duration_s": 0.004, "error": None,
-                    "engines": 1, "process_start_ts": start - 3600.0,
-                    "kv_cache_usage": float(kv[k]), "num_running": float(running[k]), "num_waiting": float(waiting[k]),
+                    "instance": name,
+                    "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
+                    "role": role,
+                    "ts": float(ts),
+                    "up": True,
+                    "scrape_duration_s": 0.004,
+                    "error": None,
+                    "engines": 1,
+                    "process_start_ts": start - 3600.0,
+                    "kv_cache_usage": float(kv[k]),
+                    "num_running": float(running[k]),
+                    "num_waiting": float(waiting[k]),
                     "kv_fetch_in_progress": None if pull_live is None else float(pull_live[k]),
-                    "ttft_sum": float(ttft_sum[k]), "ttft_count": float(ttft_count[k]),
+                    "ttft_sum": float(ttft_sum[k]),
+                    "ttft_count": float(ttft_count[k]),
                     "histograms": {fam: series[k] for fam, series in hist.items()},
                 }
                 for col, values in counters.items():
@@ -369,68 +485,219 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
     tick = 0
     weights = {n: 1.0 for n in (*spec.prefill, *spec.decode)}
 
-    def decide(ts: float, kind: str, subject: str, fld: str, old: float | None, new: float, reason: str,
-               message: str, arithmetic: str, inputs: dict[str, Any]) -> None:
-        decisions.append({"ts": ts, "tick": int((ts - start) / 2.0), "mode": "enforce", "subject_kind": kind,
-                          "subject": subject, "field": fld, "old_value": old, "new_value": new, "reason": reason,
-                          "message": message, "arithmetic": arithmetic, "inputs": inputs, "scores": {},
-                          "routing_version": len(decisions) + 1})
+    def decide(
+        ts: float,
+        kind: str,
+        subject: str,
+        fld: str,
+        old: float | None,
+        new: float,
+        reason: str,
+        message: str,
+        arithmetic: str,
+        inputs: dict[str, Any],
+    ) -> None:
+        decisions.append(
+            {
+                "ts": ts,
+                "tick": int((ts - start) / 2.0),
+                "mode": "enforce",
+                "subject_kind": kind,
+                "subject": subject,
+                "field": fld,
+                "old_value": old,
+                "new_value": new,
+                "reason": reason,
+                "message": message,
+                "arithmetic": arithmetic,
+                "inputs": inputs,
+                "scores": {},
+                "routing_version": len(decisions) + 1,
+            }
+        )
 
     for pool, limit in ((spec.prefill_pool, 256.0), (spec.decode_pool, 256.0)):
-        decide(start + 2.0, "pool", pool, "max_inflight_requests", None, limit, "Initial",
-               "admission limit from config", f"limit = config {limit:g}", {})
-        decide(start + 2.0, "pool", pool, "max_inflight_kv_bytes", None, 64 * 2**30, "Initial",
-               "handoff KV budget from config", "budget = config 64 GiB", {})
-        decide(start + 2.0, "pool", pool, "weight", None, 1.0, "Initial", "pool weight from config", "w = 1.0", {})
+        decide(
+            start + 2.0,
+            "pool",
+            pool,
+            "max_inflight_requests",
+            None,
+            limit,
+            "Initial",
+            "admission limit from config",
+            f"limit = config {limit:g}",
+            {},
+        )
+        decide(
+            start + 2.0,
+            "pool",
+            pool,
+            "max_inflight_kv_bytes",
+            None,
+            64 * 2**30,
+            "Initial",
+            "handoff KV budget from config",
+            "budget = config 64 GiB",
+            {},
+        )
+        decide(
+            start + 2.0,
+            "pool",
+            pool,
+            "weight",
+            None,
+            1.0,
+            "Initial",
+            "pool weight from config",
+            "w = 1.0",
+            {},
+        )
     for name in weights:
-        decide(start + 2.0, "instance", name, "weight", None, 1.0, "Initial", "all instances healthy", "w = 1.0", {})
+        decide(
+            start + 2.0,
+            "instance",
+            name,
+            "weight",
+            None,
+            1.0,
+            "Initial",
+            "all instances healthy",
+            "w = 1.0",
+            {},
+        )
     if spec.degraded:
         ts = degrade_ts + 20.0
         w = 1.0
         while w > 0.25 + 1e-9:
             new = max(w - 0.25, 0.25)
             handoff_ms = 2400.0 + 200 * tick
-            decide(ts, "instance", spec.degraded, "weight", w, new, "NixlSlowTransfers",
-                   f"{spec.degraded}: mean NIXL xfer {handoff_ms:.0f} ms vs pool median 25 ms",
-                   f"w = max({w:.2f} - step 0.25, target 0.25) = {new:.2f}",
-                   {"nixl_xfer_mean_ms": handoff_ms, "pool_median_ms": 25.0})
+            decide(
+                ts,
+                "instance",
+                spec.degraded,
+                "weight",
+                w,
+                new,
+                "NixlSlowTransfers",
+                f"{spec.degraded}: mean NIXL xfer {handoff_ms:.0f} ms vs pool median 25 ms",
+                f"w = max({w:.2f} - step 0.25, target 0.25) = {new:.2f}",
+                {"nixl_xfer_mean_ms": handoff_ms, "pool_median_ms": 25.0},
+            )
             w, ts, tick = new, ts + 10.0, tick + 1
-        decide(ts + 5.0, "pool", spec.decode_pool, "max_inflight_kv_bytes", 64 * 2**30, 48 * 2**30,
-               "HandoffBacklog", "KV bytes in flight to D above 75% of budget",
-               "budget = 64 GiB * 0.75 = 48 GiB", {"inflight_kv_bytes": 52 * 2**30})
+        decide(
+            ts + 5.0,
+            "pool",
+            spec.decode_pool,
+            "max_inflight_kv_bytes",
+            64 * 2**30,
+            48 * 2**30,
+            "HandoffBacklog",
+            "KV bytes in flight to D above 75% of budget",
+            "budget = 64 GiB * 0.75 = 48 GiB",
+            {"inflight_kv_bytes": 52 * 2**30},
+        )
     overrides = [
-        {"id": 1, "subject_kind": "instance", "subject": spec.prefill[-1], "weight": None, "drained": True,
-         "reason": "kernel upgrade", "actor": "alice", "created": start + 60.0, "expires": start + 600.0,
-         "cleared": start + 420.0},
-        {"id": 2, "subject_kind": "instance", "subject": spec.decode[0], "weight": 0.8, "drained": False,
-         "reason": "canary: new NIC firmware", "actor": "bob", "created": spec.end - 300.0,
-         "expires": spec.end + 3300.0, "cleared": None},
+        {
+            "id": 1,
+            "subject_kind": "instance",
+            "subject": spec.prefill[-1],
+            "weight": None,
+            "drained": True,
+            "reason": "kernel upgrade",
+            "actor": "alice",
+            "created": start + 60.0,
+            "expires": start + 600.0,
+            "cleared": start + 420.0,
+        },
+        {
+            "id": 2,
+            "subject_kind": "instance",
+            "subject": spec.decode[0],
+            "weight": 0.8,
+            "drained": False,
+            "reason": "canary: new NIC firmware",
+            "actor": "bob",
+            "created": spec.end - 300.0,
+            "expires": spec.end + 3300.0,
+            "cleared": None,
+        },
     ]
     audit = [
-        {"ts": start + 60.0, "actor": "alice", "action": "instance.drain", "subject": spec.prefill[-1],
-         "before": {"drained": False}, "after": {"drained": True}, "reason": "kernel upgrade", "override_id": 1},
-        {"ts": start + 420.0, "actor": "alice", "action": "instance.undrain", "subject": spec.prefill[-1],
-         "before": {"drained": True}, "after": {"drained": False}, "reason": "upgrade done", "override_id": 1},
-        {"ts": spec.end - 300.0, "actor": "bob", "action": "instance.weight", "subject": spec.decode[0],
-         "before": {"weight": 1.0}, "after": {"weight": 0.8, "ttl_s": 3600}, "reason": "canary: new NIC firmware",
-         "override_id": 2},
+        {
+            "ts": start + 60.0,
+            "actor": "alice",
+            "action": "instance.drain",
+            "subject": spec.prefill[-1],
+            "before": {"drained": False},
+            "after": {"drained": True},
+            "reason": "kernel upgrade",
+            "override_id": 1,
+        },
+        {
+            "ts": start + 420.0,
+            "actor": "alice",
+            "action": "instance.undrain",
+            "subject": spec.prefill[-1],
+            "before": {"drained": True},
+            "after": {"drained": False},
+            "reason": "upgrade done",
+            "override_id": 1,
+        },
+        {
+            "ts": spec.end - 300.0,
+            "actor": "bob",
+            "action": "instance.weight",
+            "subject": spec.decode[0],
+            "before": {"weight": 1.0},
+            "after": {"weight": 0.8, "ttl_s": 3600},
+            "reason": "canary: new NIC firmware",
+            "override_id": 2,
+        },
     ]
     alerts = [
-        {"rule": "InstanceDown", "fingerprint": "a1", "state": "resolved", "severity": "critical",
-         "labels": {"instance": spec.prefill[-1]}, "annotations": {"summary": "scrape failed"}, "value": 0.0,
-         "active_since": start + 65.0, "fired_at": start + 95.0, "resolved_at": start + 430.0, "last_eval": start + 430.0},
+        {
+            "rule": "InstanceDown",
+            "fingerprint": "a1",
+            "state": "resolved",
+            "severity": "critical",
+            "labels": {"instance": spec.prefill[-1]},
+            "annotations": {"summary": "scrape failed"},
+            "value": 0.0,
+            "active_since": start + 65.0,
+            "fired_at": start + 95.0,
+            "resolved_at": start + 430.0,
+            "last_eval": start + 430.0,
+        },
     ]
     if spec.degraded:
         alerts += [
-            {"rule": "NixlTransferSlow", "fingerprint": "b2", "state": "firing", "severity": "warning",
-             "labels": {"instance": spec.degraded, "pool": spec.decode_pool},
-             "annotations": {"summary": f"NIXL pulls on {spec.degraded} take >1 s"}, "value": 2.6,
-             "active_since": degrade_ts + 15.0, "fired_at": degrade_ts + 45.0, "resolved_at": None,
-             "last_eval": spec.end},
-            {"rule": "TTFTSLOBurn", "fingerprint": "c3", "state": "firing", "severity": "critical",
-             "labels": {"pool": spec.decode_pool}, "annotations": {"summary": "TTFT p99 above 2000 ms"},
-             "value": 0.86, "active_since": degrade_ts + 30.0, "fired_at": degrade_ts + 90.0, "resolved_at": None,
-             "last_eval": spec.end},
+            {
+                "rule": "NixlTransferSlow",
+                "fingerprint": "b2",
+                "state": "firing",
+                "severity": "warning",
+                "labels": {"instance": spec.degraded, "pool": spec.decode_pool},
+                "annotations": {"summary": f"NIXL pulls on {spec.degraded} take >1 s"},
+                "value": 2.6,
+                "active_since": degrade_ts + 15.0,
+                "fired_at": degrade_ts + 45.0,
+                "resolved_at": None,
+                "last_eval": spec.end,
+            },
+            {
+                "rule": "TTFTSLOBurn",
+                "fingerprint": "c3",
+                "state": "firing",
+                "severity": "critical",
+                "labels": {"pool": spec.decode_pool},
+                "annotations": {"summary": "TTFT p99 above 2000 ms"},
+                "value": 0.86,
+                "active_since": degrade_ts + 30.0,
+                "fired_at": degrade_ts + 90.0,
+                "resolved_at": None,
+                "last_eval": spec.end,
+            },
         ]
     return {Decision: decisions, WeightOverride: overrides, AuditEvent: audit, Alert: alerts}
 
@@ -441,12 +708,24 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
     start = spec.end - spec.duration_s
     n_snap = 0
     with engine.begin() as conn:
-        conn.execute(insert(InstanceRow), [
-            {"name": n, "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool, "role": role,
-             "url": f"http://127.0.0.1:{18100 + i if role == 'prefill' else 18200 + i}", "metrics_url": None,
-             "labels": {"gpu": "sim"}, "engine_id": None, "first_seen": start, "last_seen": spec.end}
-            for role, names in (("prefill", spec.prefill), ("decode", spec.decode)) for i, n in enumerate(names)
-        ])
+        conn.execute(
+            insert(InstanceRow),
+            [
+                {
+                    "name": n,
+                    "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
+                    "role": role,
+                    "url": f"http://127.0.0.1:{18100 + i if role == 'prefill' else 18200 + i}",
+                    "metrics_url": None,
+                    "labels": {"gpu": "sim"},
+                    "engine_id": None,
+                    "first_seen": start,
+                    "last_seen": spec.end,
+                }
+                for role, names in (("prefill", spec.prefill), ("decode", spec.decode))
+                for i, n in enumerate(names)
+            ],
+        )
         for rows in _request_rows(spec, req, rng):
             conn.execute(insert(RequestRecord), rows)
         for rows in _snapshot_rows(spec, req, rng):
@@ -462,9 +741,13 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
     lease = np.flatnonzero(c["lease"])
     statuses, counts = np.unique(c["status"].astype(str), return_counts=True)
     return SeedSummary(
-        requests=req.n, snapshots=n_snap, decisions=len(ctrl[Decision]), start=start, end=spec.end,
-        degraded=spec.degraded, slow_request_id=None if slow is None else request_id(slow, spec.seed),
+        requests=req.n,
+        snapshots=n_snap,
+        decisions=len(ctrl[Decision]),
+        start=start,
+        end=spec.end,
+        degraded=spec.degraded,
+        slow_request_id=None if slow is None else request_id(slow, spec.seed),
         lease_expiry_request_id=request_id(int(lease[-1]), spec.seed) if lease.size else None,
         counts={str(s): int(k) for s, k in zip(statuses, counts, strict=True)},
     )
-

@@ -53,24 +53,28 @@ def instance_health(
         ttft50, ttft99 = _quantiles_ms(edges.get(name), "ttft", (0.5, 0.99))
         itl50, itl99 = _quantiles_ms(edges.get(name), "itl", (0.5, 0.99))
         xfer = ratio(_increase(mine, "nixl_xfer_time_sum"), _increase(mine, "nixl_xfer_time_count"))
-        rows.append({
-            "instance": name,
-            "pool": snap["pool"],
-            "role": snap["role"],
-            "up": bool(snap["up"]),
-            "weight": weight_of.get(name),
-            "kv_usage_pct": None if pd.isna(snap["kv_cache_usage"]) else 100.0 * float(snap["kv_cache_usage"]),
-            "running": snap["num_running"],
-            "waiting": snap["num_waiting"],
-            "ttft_p50_ms": ttft50,
-            "ttft_p99_ms": ttft99,
-            "itl_p50_ms": itl50,
-            "itl_p99_ms": itl99,
-            "nixl_xfer_mean_ms": None if xfer is None or np.isnan(xfer) else xfer * 1000.0,
-            "nixl_failed": _increase(mine, "nixl_failed_transfers"),
-            "expired_leases": _increase(mine, "nixl_kv_expired_reqs"),
-            "last_scrape": snap["ts"],
-        })
+        rows.append(
+            {
+                "instance": name,
+                "pool": snap["pool"],
+                "role": snap["role"],
+                "up": bool(snap["up"]),
+                "weight": weight_of.get(name),
+                "kv_usage_pct": None
+                if pd.isna(snap["kv_cache_usage"])
+                else 100.0 * float(snap["kv_cache_usage"]),
+                "running": snap["num_running"],
+                "waiting": snap["num_waiting"],
+                "ttft_p50_ms": ttft50,
+                "ttft_p99_ms": ttft99,
+                "itl_p50_ms": itl50,
+                "itl_p99_ms": itl99,
+                "nixl_xfer_mean_ms": None if xfer is None or np.isnan(xfer) else xfer * 1000.0,
+                "nixl_failed": _increase(mine, "nixl_failed_transfers"),
+                "expired_leases": _increase(mine, "nixl_kv_expired_reqs"),
+                "last_scrape": snap["ts"],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -79,8 +83,11 @@ def pool_totals(health: pd.DataFrame) -> pd.DataFrame:
     if health.empty:
         return pd.DataFrame(columns=["pool", "role", "up", "instances", "running", "waiting", "kv_usage_pct"])
     grouped = health.groupby(["pool", "role"], as_index=False).agg(
-        up=("up", "sum"), instances=("instance", "count"), running=("running", "sum"),
-        waiting=("waiting", "sum"), kv_usage_pct=("kv_usage_pct", "mean"),
+        up=("up", "sum"),
+        instances=("instance", "count"),
+        running=("running", "sum"),
+        waiting=("waiting", "sum"),
+        kv_usage_pct=("kv_usage_pct", "mean"),
     )
     return grouped
 
@@ -111,17 +118,25 @@ def nixl_per_instance(series: pd.DataFrame, edges: Mapping[str, tuple[Any, Any]]
         mean_post = ratio(post_s, posts)
         per_xfer_bytes = ratio(nbytes, transfers)
         rate = ratio(nbytes, xfer_s)
-        rows.append({
-            "instance": name, "role": role, "transfers": transfers,
-            "xfer_mean_ms": None if mean_xfer is None else mean_xfer * 1000.0,
-            "xfer_p50_ms": x50, "xfer_p90_ms": x90, "xfer_p99_ms": x99,
-            "post_mean_ms": None if mean_post is None else mean_post * 1000.0,
-            "post_p50_ms": p50, "post_p99_ms": p99,
-            "MB_per_s": None if rate is None else rate / 1e6,
-            "MB_per_transfer": None if per_xfer_bytes is None else per_xfer_bytes / 1e6,
-            "descriptors_per_transfer": ratio(descs, transfers),
-            "failed_transfers": failed, "expired_leases": expired,
-        })
+        rows.append(
+            {
+                "instance": name,
+                "role": role,
+                "transfers": transfers,
+                "xfer_mean_ms": None if mean_xfer is None else mean_xfer * 1000.0,
+                "xfer_p50_ms": x50,
+                "xfer_p90_ms": x90,
+                "xfer_p99_ms": x99,
+                "post_mean_ms": None if mean_post is None else mean_post * 1000.0,
+                "post_p50_ms": p50,
+                "post_p99_ms": p99,
+                "MB_per_s": None if rate is None else rate / 1e6,
+                "MB_per_transfer": None if per_xfer_bytes is None else per_xfer_bytes / 1e6,
+                "descriptors_per_transfer": ratio(descs, transfers),
+                "failed_transfers": failed,
+                "expired_leases": expired,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -199,9 +214,14 @@ def slo_figures(sample: pd.DataFrame, buckets: pd.DataFrame, seconds: float) -> 
         return None if ok.empty else _or_none(percentile_of(ok[col], p * 100.0))
 
     return {
-        "requests": int(buckets["arrivals"].sum()), "completed": completed, "slo_met": met,
-        "attainment": met / completed if completed else None, "goodput_per_s": met / max(seconds, 1e-9),
-        "ttft_p50_s": q("ttft_s", 0.5), "ttft_p99_s": q("ttft_s", 0.99), "tpot_p99_s": q("tpot_s", 0.99),
+        "requests": int(buckets["arrivals"].sum()),
+        "completed": completed,
+        "slo_met": met,
+        "attainment": met / completed if completed else None,
+        "goodput_per_s": met / max(seconds, 1e-9),
+        "ttft_p50_s": q("ttft_s", 0.5),
+        "ttft_p99_s": q("ttft_s", 0.99),
+        "tpot_p99_s": q("tpot_s", 0.99),
         "e2e_p99_s": q("e2e_s", 0.99),
     }
 
@@ -209,7 +229,17 @@ def slo_figures(sample: pd.DataFrame, buckets: pd.DataFrame, seconds: float) -> 
 def handoff_by(sample: pd.DataFrame, by: str = "pair") -> pd.DataFrame:
     """Handoff time (P done → D first token) per (P, D) pair, per D or per P, in ms:
     requests, p50, p90, p99, mean and lease-expiry suspects (as ``store.queries.handoff_stats``)."""
-    cols = ["key", "p_instance", "d_instance", "requests", "p50_ms", "p90_ms", "p99_ms", "mean_ms", "lease_suspects"]
+    cols = [
+        "key",
+        "p_instance",
+        "d_instance",
+        "requests",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "mean_ms",
+        "lease_suspects",
+    ]
     if sample.empty:
         return pd.DataFrame(columns=cols)
     df = sample.dropna(subset=["p_done", "first_token"]).copy()
@@ -217,17 +247,26 @@ def handoff_by(sample: pd.DataFrame, by: str = "pair") -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     df["handoff_ms"] = (df["first_token"] - df["p_done"]).clip(lower=0.0) * 1000.0
     df["suspect"] = df["lease_expiry_suspect"].fillna(False).astype(bool).astype(int)
-    keys = {"pair": ["p_instance", "d_instance"], "d_instance": ["d_instance"], "p_instance": ["p_instance"]}[by]
+    keys = {"pair": ["p_instance", "d_instance"], "d_instance": ["d_instance"], "p_instance": ["p_instance"]}[
+        by
+    ]
     g = df.groupby(keys, dropna=False)["handoff_ms"]
-    out = pd.DataFrame({
-        "requests": g.size(), **{f"p{q}_ms": g.agg(lambda s, q=q: percentile_of(s, q)) for q in (50, 90, 99)},
-        "mean_ms": g.mean(), "lease_suspects": df.groupby(keys, dropna=False)["suspect"].sum(),
-    }).reset_index()
+    out = pd.DataFrame(
+        {
+            "requests": g.size(),
+            **{f"p{q}_ms": g.agg(lambda s, q=q: percentile_of(s, q)) for q in (50, 90, 99)},
+            "mean_ms": g.mean(),
+            "lease_suspects": df.groupby(keys, dropna=False)["suspect"].sum(),
+        }
+    ).reset_index()
     for k in ("p_instance", "d_instance"):
         if k not in out:
             out[k] = ""
-    out["key"] = out["p_instance"].astype(str) + "->" + out["d_instance"].astype(str) if by == "pair" else \
-        out[keys[0]].astype(str)
+    out["key"] = (
+        out["p_instance"].astype(str) + "->" + out["d_instance"].astype(str)
+        if by == "pair"
+        else out[keys[0]].astype(str)
+    )
     return out[cols]
 
 
@@ -240,13 +279,15 @@ def buckets_from_sample(sample: pd.DataFrame, step: int, start: float, width_s: 
         return pd.DataFrame(columns=[*cols, "t"])
     b = ((sample["proxy_in"] - start) // width_s).astype(int)
     status = sample["status"]
-    flags = pd.DataFrame({
-        "arrivals": 1,
-        "completed": (status == "ok").astype(int),
-        "met": sample["slo_met"].fillna(False).astype(bool).astype(int),
-        "errors": status.isin(("error", "timeout")).astype(int),
-        "rejected": (status == "rejected").astype(int),
-    })
+    flags = pd.DataFrame(
+        {
+            "arrivals": 1,
+            "completed": (status == "ok").astype(int),
+            "met": sample["slo_met"].fillna(False).astype(bool).astype(int),
+            "errors": status.isin(("error", "timeout")).astype(int),
+            "rejected": (status == "rejected").astype(int),
+        }
+    )
     out = (flags.groupby(b).sum() * step).reset_index(names="b")
     out["t"] = start + out["b"].astype(float) * width_s
     return out.drop(columns=["b"])

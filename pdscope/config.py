@@ -67,15 +67,24 @@ class ModelSettings(_Frozen):
 class Instance(_Frozen):
     """One vLLM server (or one simulated one)."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                      description="the instance's name, unique across all pools: it keys weights, decisions, "
-                      "snapshots and spans (for vLLM, set OTEL_SERVICE_NAME to it)")
-    url: str = Field(description="base URL the proxy sends requests to, e.g. http://10.0.0.5:8000 "
-                     "(http:// or https://; a trailing / is dropped)")
-    metrics_url: str | None = Field(default=None, description="where the collector scrapes vLLM's Prometheus "
-                                    "page; default <url>/metrics")
-    labels: dict[str, str] = Field(default_factory=dict, description="free-form labels (e.g. rack: r1), kept "
-                                   "with the config for your own use; no pdscope service reads them")
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the instance's name, unique across all pools: it keys weights, decisions, "
+        "snapshots and spans (for vLLM, set OTEL_SERVICE_NAME to it)",
+    )
+    url: str = Field(
+        description="base URL the proxy sends requests to, e.g. http://10.0.0.5:8000 "
+        "(http:// or https://; a trailing / is dropped)"
+    )
+    metrics_url: str | None = Field(
+        default=None, description="where the collector scrapes vLLM's Prometheus page; default <url>/metrics"
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="free-form labels (e.g. rack: r1), kept "
+        "with the config for your own use; no pdscope service reads them",
+    )
 
     @field_validator("url", "metrics_url")
     @classmethod
@@ -94,37 +103,64 @@ class Instance(_Frozen):
 class Pool(_Frozen):
     """A named set of instances with one role; weights apply per pool and per instance."""
 
-    role: Role = Field(description="prefill (P: gets the request with max_tokens=1) or decode (D: pulls the KV "
-                       "cache and streams the tokens); the fleet needs at least one pool of each")
-    weight: float = Field(default=1.0, ge=0.0, description="the pool's share of traffic relative to pools of "
-                          "the same role; multiplies its instances' weights (0: the pool gets nothing)")
+    role: Role = Field(
+        description="prefill (P: gets the request with max_tokens=1) or decode (D: pulls the KV "
+        "cache and streams the tokens); the fleet needs at least one pool of each"
+    )
+    weight: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="the pool's share of traffic relative to pools of "
+        "the same role; multiplies its instances' weights (0: the pool gets nothing)",
+    )
     instances: list[Instance] = Field(min_length=1, description="the pool's vLLM servers (at least one)")
-    labels: dict[str, str] = Field(default_factory=dict, description="free-form labels (e.g. gpu: h100), kept "
-                                   "with the config for your own use; no pdscope service reads them")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="free-form labels (e.g. gpu: h100), kept "
+        "with the config for your own use; no pdscope service reads them",
+    )
 
 
 class LatencySLO(_Frozen):
-    target_ms: float = Field(gt=0, description="the latency target in milliseconds: a request meets the SLO "
-                             "at or under it")
-    percentile: float = Field(default=99.0, gt=0, lt=100, description="the percentile of the window's "
-                              "requests held against target_ms (alerts, admission, dashboard)")
+    target_ms: float = Field(
+        gt=0, description="the latency target in milliseconds: a request meets the SLO at or under it"
+    )
+    percentile: float = Field(
+        default=99.0,
+        gt=0,
+        lt=100,
+        description="the percentile of the window's "
+        "requests held against target_ms (alerts, admission, dashboard)",
+    )
 
 
 class SLOSettings(_Frozen):
-    ttft: LatencySLO = Field(default=LatencySLO(target_ms=2000.0, percentile=99.0),
-                             description="time to first token as the client sees it at the proxy (admission "
-                             "wait, prefill, KV handoff, D's first token)")
-    tpot: LatencySLO = Field(default=LatencySLO(target_ms=100.0, percentile=99.0),
-                             description="time per output token after the first (decode speed)")
-    goodput_attainment: float = Field(
-        default=0.9, gt=0, le=1, description="share of completed requests that must meet every SLO (both TTFT and TPOT); "
-        "GoodputAttainmentLow fires below it"
+    ttft: LatencySLO = Field(
+        default=LatencySLO(target_ms=2000.0, percentile=99.0),
+        description="time to first token as the client sees it at the proxy (admission "
+        "wait, prefill, KV handoff, D's first token)",
     )
-    window_s: float = Field(default=300.0, gt=0, description="seconds of completed requests the SLO figures "
-                            "(alerts, GET /v1/slo) are computed over")
+    tpot: LatencySLO = Field(
+        default=LatencySLO(target_ms=100.0, percentile=99.0),
+        description="time per output token after the first (decode speed)",
+    )
+    goodput_attainment: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="share of completed requests that must meet every SLO (both TTFT and TPOT); "
+        "GoodputAttainmentLow fires below it",
+    )
+    window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="seconds of completed requests the SLO figures (alerts, GET /v1/slo) are computed over",
+    )
     handoff_budget_ms: float | None = Field(
-        default=None, gt=0, description="budget of the P->D handoff (P done to D's first token) at p99: "
-        "HandoffP99OverBudget and the D pools' backlog pressure; default: half of ttft.target_ms"
+        default=None,
+        gt=0,
+        description="budget of the P->D handoff (P done to D's first token) at p99: "
+        "HandoffP99OverBudget and the D pools' backlog pressure; default: half of ttft.target_ms",
     )
 
 
@@ -159,12 +195,18 @@ AlertRuleName = Annotated[str, AfterValidator(_known_rule)]
 class AlertRuleSettings(_Frozen):
     """Overrides for one built-in rule; an unset field keeps the rule's default."""
 
-    for_s: float | None = Field(default=None, ge=0, description="seconds the condition must hold before "
-                                  "the alert fires (pending until then); default: the rule's own")
-    severity: Severity | None = Field(default=None, description="severity label sent with the alert; "
-                                      "default: the rule's own")
-    enabled: bool = Field(default=True, description="false: the rule resolves the alerts it had and raises "
-                          "no new ones")
+    for_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="seconds the condition must hold before "
+        "the alert fires (pending until then); default: the rule's own",
+    )
+    severity: Severity | None = Field(
+        default=None, description="severity label sent with the alert; default: the rule's own"
+    )
+    enabled: bool = Field(
+        default=True, description="false: the rule resolves the alerts it had and raises no new ones"
+    )
 
 
 class AlertSettings(_Frozen):
@@ -177,31 +219,49 @@ class AlertSettings(_Frozen):
     thresholds from ``slo``; here they only get ``for`` durations, severities and switches.
     """
 
-    resend_s: float = Field(default=60.0, gt=0, description="a firing alert is POSTed to the webhook again "
-                            "this often")
-    min_requests: int = Field(
-        default=10, ge=1, description="fewer completed requests than this in slo.window_s: the SLO "
-        "rules hold their state instead of judging"
+    resend_s: float = Field(
+        default=60.0, gt=0, description="a firing alert is POSTed to the webhook again this often"
     )
-    kv_full: float = Field(default=0.95, gt=0, le=1, description="KVCacheNearlyFull fires when an instance's "
-                           "KV usage (0-1) is above this")
+    min_requests: int = Field(
+        default=10,
+        ge=1,
+        description="fewer completed requests than this in slo.window_s: the SLO "
+        "rules hold their state instead of judging",
+    )
+    kv_full: float = Field(
+        default=0.95,
+        gt=0,
+        le=1,
+        description="KVCacheNearlyFull fires when an instance's KV usage (0-1) is above this",
+    )
     rules: dict[AlertRuleName, AlertRuleSettings] = Field(
-        default_factory=dict, description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
-        "enabled; an unknown rule name is an error")
+        default_factory=dict,
+        description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
+        "enabled; an unknown rule name is an error",
+    )
 
 
 STORE_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql", "postgres", "postgresql+psycopg")
 
 
 class StoreSettings(_Frozen):
-    url: str = Field(default="sqlite:///pdscope.db",
-                     description="SQLAlchemy URL of the store shared by every service: sqlite:///FILE "
-                     "or postgresql[+psycopg]://USER@HOST/DB (psycopg 3); another scheme is an error")
-    retention_raw_s: float = Field(default=6 * 3600.0, gt=0, description="seconds raw snapshots, spans and "
-                                   "request records are kept (never deleted before their minute is rolled "
-                                   "up); also the collector's too_old horizon for incoming spans")
-    retention_rollup_s: float = Field(default=30 * 86400.0, gt=0, description="seconds the per-minute "
-                                      "rollups (per instance and per P x D pair) are kept")
+    url: str = Field(
+        default="sqlite:///pdscope.db",
+        description="SQLAlchemy URL of the store shared by every service: sqlite:///FILE "
+        "or postgresql[+psycopg]://USER@HOST/DB (psycopg 3); another scheme is an error",
+    )
+    retention_raw_s: float = Field(
+        default=6 * 3600.0,
+        gt=0,
+        description="seconds raw snapshots, spans and "
+        "request records are kept (never deleted before their minute is rolled "
+        "up); also the collector's too_old horizon for incoming spans",
+    )
+    retention_rollup_s: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="seconds the per-minute rollups (per instance and per P x D pair) are kept",
+    )
 
     @field_validator("url")
     @classmethod
@@ -214,132 +274,229 @@ class StoreSettings(_Frozen):
         except (ArgumentError, ValueError) as exc:
             raise ValueError("not a database URL; use sqlite:///FILE or postgresql://USER@HOST/DB") from exc
         if driver not in STORE_DRIVERS:
-            raise ValueError(f"unsupported database {driver!r}; use sqlite:///FILE or postgresql://USER@HOST/DB "
-                             "(driver psycopg)")
+            raise ValueError(
+                f"unsupported database {driver!r}; use sqlite:///FILE or postgresql://USER@HOST/DB "
+                "(driver psycopg)"
+            )
         return value
 
 
 class ProbeSettings(_Frozen):
     """How an instance at the floor is tried again (a probe, not a ramp)."""
 
-    after_s: float = Field(default=30.0, gt=0, le=3600,
-                           description="seconds after its last cut or outage that an instance "
-                           "with too few requests to judge is probed")
-    weight: float = Field(default=0.1, gt=0, le=1, description="the most a probe raises a weight to; further only on "
-                          "evidence")
-    hold_s: float = Field(default=20.0, gt=0, le=3600,
-                          description="seconds a probe is judged for: a failure within it cuts "
-                          "the weight back to the floor (ProbeFailed)")
+    after_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="seconds after its last cut or outage that an instance "
+        "with too few requests to judge is probed",
+    )
+    weight: float = Field(
+        default=0.1, gt=0, le=1, description="the most a probe raises a weight to; further only on evidence"
+    )
+    hold_s: float = Field(
+        default=20.0,
+        gt=0,
+        le=3600,
+        description="seconds a probe is judged for: a failure within it cuts "
+        "the weight back to the floor (ProbeFailed)",
+    )
 
 
 class NoiseSettings(_Frozen):
     """What a cut needs to be evidence rather than noise (quiet when healthy)."""
 
-    min_samples: int = Field(default=5, ge=1, le=10_000,
-                             description="requests or NIXL transfers in the window before a latency score may cut")
-    z: float = Field(default=2.0, ge=0, le=10,
-                     description="each tolerance is widened by z x the combined relative "
-                     "standard error of the value and its peers' median (small samples need a larger "
-                     "difference to cut)")
-    startup_s: float | None = Field(default=None, gt=0, le=3600,
-                                    description="no latency/load/limit cuts until the store has watched the fleet "
-                                                "this long: its warm-up and one window for it to leave the "
-                                                "window (default: 2 x controller.window_s)")
-    min_error_events: int = Field(default=3, ge=1, le=10_000,
-                                  description="failures or attributed lease expiries in the window before errors "
-                                              "score")
-    queue_confirm_ticks: int = Field(default=2, ge=1, le=100,
-                                     description="ticks in a row a P-queue pressure must hold before a limit cut")
+    min_samples: int = Field(
+        default=5,
+        ge=1,
+        le=10_000,
+        description="requests or NIXL transfers in the window before a latency score may cut",
+    )
+    z: float = Field(
+        default=2.0,
+        ge=0,
+        le=10,
+        description="each tolerance is widened by z x the combined relative "
+        "standard error of the value and its peers' median (small samples need a larger "
+        "difference to cut)",
+    )
+    startup_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        description="no latency/load/limit cuts until the store has watched the fleet "
+        "this long: its warm-up and one window for it to leave the "
+        "window (default: 2 x controller.window_s)",
+    )
+    min_error_events: int = Field(
+        default=3,
+        ge=1,
+        le=10_000,
+        description="failures or attributed lease expiries in the window before errors score",
+    )
+    queue_confirm_ticks: int = Field(
+        default=2, ge=1, le=100, description="ticks in a row a P-queue pressure must hold before a limit cut"
+    )
 
 
 class ControllerSettings(_Frozen):
-    host: str = Field(default="127.0.0.1", description="address the control API listens on; a non-loopback "
-                      "one needs an API token in the environment")
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the control API listens on; a non-loopback "
+        "one needs an API token in the environment",
+    )
     port: int = Field(default=8300, ge=1, le=65535, description="port of the control API")
     interval_s: float = Field(default=2.0, gt=0, description="seconds between reconcile ticks")
-    window_s: float = Field(default=30.0, gt=0, description="seconds of snapshots and request records each "
-                            "tick reads back from the store")
+    window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds of snapshots and request records each tick reads back from the store",
+    )
     mode: Literal["advisory", "enforce"] = Field(
-        default="enforce", description="enforce: the proxy applies the routing table; advisory: the controller "
-        "decides, stores and shows, and the table says enforce: false")
-    api_token_env: str = Field(default="PDSCOPE_API_TOKEN", min_length=1,
-                               description="the NAME of the env variable holding the API token of identity api "
-                               "(mutations need a token; with none they answer 403)")
+        default="enforce",
+        description="enforce: the proxy applies the routing table; advisory: the controller "
+        "decides, stores and shows, and the table says enforce: false",
+    )
+    api_token_env: str = Field(
+        default="PDSCOPE_API_TOKEN",
+        min_length=1,
+        description="the NAME of the env variable holding the API token of identity api "
+        "(mutations need a token; with none they answer 403)",
+    )
     api_tokens_env: str = Field(
-        default="PDSCOPE_API_TOKENS", min_length=1,
+        default="PDSCOPE_API_TOKENS",
+        min_length=1,
         description="the NAME of an env variable holding name:token[,name:token...] (named API identities)",
     )
     trusted_span_senders: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
         default=None,
         description="unset: every stored request record counts; a list: only records whose sender "
-                    "(OTLP token name) is in it feed the controller's observation",
+        "(OTLP token name) is in it feed the controller's observation",
     )
-    max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 2**20,
-                                description="largest API request body; larger ones get 413")
+    max_body_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=16 * 2**20, description="largest API request body; larger ones get 413"
+    )
     alert_webhook_url: str | None = Field(
-        default=None, description="where firing and resolved alerts are POSTed in Alertmanager's webhook "
-        "format (version 4); none: not sent")
-    max_weight_step: float = Field(default=0.25, gt=0, le=1, description="the most an instance's weight moves "
-                                   "in one tick (a severe drop is not smoothed, but still moves at most this)")
+        default=None,
+        description="where firing and resolved alerts are POSTed in Alertmanager's webhook "
+        "format (version 4); none: not sent",
+    )
+    max_weight_step: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="the most an instance's weight moves "
+        "in one tick (a severe drop is not smoothed, but still moves at most this)",
+    )
     min_weight: float = Field(
-        default=0.02, ge=0, le=1,
+        default=0.02,
+        ge=0,
+        le=1,
         description="floor of an up, undrained instance's weight: a trickle of traffic, so recovery can "
-                    "be probed (see docs/policy.md)",
+        "be probed (see docs/policy.md)",
     )
     kv_lease_s: float = Field(
-        default=30.0, gt=0, le=3600,
+        default=30.0,
+        gt=0,
+        le=3600,
         description="the fleet's KV lease (vLLM kv_connector_extra_config.kv_lease_duration, default 30 s): "
-                    "the collector joins a rise of P's lease expiries with handoffs on that P still waiting "
-                    "two thirds of a lease after P finished (a D heartbeat may set a lease to 2/3 of it)",
+        "the collector joins a rise of P's lease expiries with handoffs on that P still waiting "
+        "two thirds of a lease after P finished (a D heartbeat may set a lease to 2/3 of it)",
     )
-    probe: ProbeSettings = Field(default=ProbeSettings(), description="how an instance at a low weight is "
-                                 "tried again: a probe, not a ramp")
-    noise: NoiseSettings = Field(default=NoiseSettings(), description="what a cut needs to be evidence rather "
-                                 "than noise (quiet when healthy)")
+    probe: ProbeSettings = Field(
+        default=ProbeSettings(),
+        description="how an instance at a low weight is tried again: a probe, not a ramp",
+    )
+    noise: NoiseSettings = Field(
+        default=NoiseSettings(),
+        description="what a cut needs to be evidence rather than noise (quiet when healthy)",
+    )
 
 
 class AdmissionDefaults(_Frozen):
-    max_inflight_requests: int = Field(default=256, gt=0, description="requests a pool may hold in flight "
-                                       "when the routing table sets no limit; the limit AIMD grows back to")
-    max_inflight_kv_bytes: int = Field(default=64 * 2**30, gt=0, description="handoff KV bytes (prompt tokens "
-                                       "x model.kv_bytes_per_token, from P's answer to D's first token) a pool "
-                                       "may hold; the controller scales it by the KV headroom")
-    queue_timeout_s: float = Field(default=1.0, ge=0, description="seconds a request over a limit waits for "
-                                   "room before its 429; a pool's max_queue_wait_s in the table can shorten it")
+    max_inflight_requests: int = Field(
+        default=256,
+        gt=0,
+        description="requests a pool may hold in flight "
+        "when the routing table sets no limit; the limit AIMD grows back to",
+    )
+    max_inflight_kv_bytes: int = Field(
+        default=64 * 2**30,
+        gt=0,
+        description="handoff KV bytes (prompt tokens "
+        "x model.kv_bytes_per_token, from P's answer to D's first token) a pool "
+        "may hold; the controller scales it by the KV headroom",
+    )
+    queue_timeout_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="seconds a request over a limit waits for "
+        "room before its 429; a pool's max_queue_wait_s in the table can shorten it",
+    )
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After seconds sent with a 429")
 
 
 class ProxyTimeouts(_Frozen):
     connect_s: float = Field(default=2.0, gt=0, description="seconds to connect to a P or D instance")
-    prefill_s: float = Field(default=60.0, gt=0, description="seconds for P's whole max_tokens=1 answer; past "
-                             "it another P is tried if the retry budget allows, else 504")
-    decode_first_token_s: float = Field(default=60.0, gt=0, description="seconds from sending to D until its "
-                                        "first token of a streamed request (504 before any byte)")
-    decode_total_s: float = Field(default=600.0, gt=0, description="seconds for D's whole answer (a "
-                                  "non-streamed request's first-token bound too); past it the outcome is "
-                                  "timeout")
+    prefill_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="seconds for P's whole max_tokens=1 answer; past "
+        "it another P is tried if the retry budget allows, else 504",
+    )
+    decode_first_token_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="seconds from sending to D until its "
+        "first token of a streamed request (504 before any byte)",
+    )
+    decode_total_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds for D's whole answer (a "
+        "non-streamed request's first-token bound too); past it the outcome is "
+        "timeout",
+    )
 
 
 class OutlierSettings(_Frozen):
-    """Outlier detection in the proxy (``proxy/outlier.py``): the one home of an instance's recent failures."""
+    """Outlier detection in the proxy (``proxy/outlier.py``): the one home of an instance's recent
+    failures."""
 
-    consecutive_failures: int = Field(default=5, ge=1, le=10_000, description="this many failures in a "
-                                      "row eject the instance")
-    failure_ratio: float = Field(
-        default=0.2, gt=0, le=1, description="failed share of the last window_s that ejects (with min_requests)",
+    consecutive_failures: int = Field(
+        default=5, ge=1, le=10_000, description="this many failures in a row eject the instance"
     )
-    min_requests: int = Field(default=20, ge=1, le=1_000_000, description="results in the window before the ratio counts")
-    window_s: float = Field(default=10.0, gt=0, le=3600, description="seconds of results the "
-                                  "failure ratio is computed over")
-    base_ejection_s: float = Field(default=5.0, gt=0, le=3600, description="first ejection; doubles per successive one")
+    failure_ratio: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="failed share of the last window_s that ejects (with min_requests)",
+    )
+    min_requests: int = Field(
+        default=20, ge=1, le=1_000_000, description="results in the window before the ratio counts"
+    )
+    window_s: float = Field(
+        default=10.0, gt=0, le=3600, description="seconds of results the failure ratio is computed over"
+    )
+    base_ejection_s: float = Field(
+        default=5.0, gt=0, le=3600, description="first ejection; doubles per successive one"
+    )
     max_ejection_s: float = Field(default=60.0, gt=0, le=86400, description="cap on one ejection")
     max_ejected_share: float = Field(
-        default=0.5, ge=0, le=1,
-        description="share of a pool that may be ejected at once (at least one, never the last; 0: never eject)",
+        default=0.5,
+        ge=0,
+        le=1,
+        description=(
+            "share of a pool that may be ejected at once (at least one, never the last; 0: never eject)"
+        ),
     )
     failure_penalty: float = Field(
-        default=2.0, ge=0, le=10,
-        description="exponent k: selection weighs an instance by (1 - recent failure ratio)^k (0: failures ignored)",
+        default=2.0,
+        ge=0,
+        le=10,
+        description=(
+            "exponent k: selection weighs an instance by (1 - recent failure ratio)^k (0: failures ignored)"
+        ),
     )
 
     @model_validator(mode="after")
@@ -350,66 +507,119 @@ class OutlierSettings(_Frozen):
 
 
 class AdaptiveLimitSettings(_Frozen):
-    """The proxy's local adaptive concurrency limit per pool (``proxy/concurrency.py``), AIMD on its own TTFT."""
+    """The proxy's local adaptive concurrency limit per pool (``proxy/concurrency.py``), AIMD on its
+    own TTFT."""
 
-    enabled: bool = Field(default=True, description="hold each pool's request limit under an AIMD limit "
-                          "driven by the proxy's own TTFT against slo.ttft; off under policy round-robin")
+    enabled: bool = Field(
+        default=True,
+        description="hold each pool's request limit under an AIMD limit "
+        "driven by the proxy's own TTFT against slo.ttft; off under policy round-robin",
+    )
     min_limit: int = Field(default=1, ge=1, le=1_000_000, description="floor of a pool's adaptive limit")
-    increase: int = Field(default=2, ge=1, le=1_000_000, description="added per window comfortably under target")
-    decrease_factor: float = Field(default=0.75, gt=0, lt=1, description="limit multiplied by this per window over target")
-    window_s: float = Field(default=1.0, gt=0, le=600, description="one decision per window (once min_samples arrived)")
+    increase: int = Field(
+        default=2, ge=1, le=1_000_000, description="added per window comfortably under target"
+    )
+    decrease_factor: float = Field(
+        default=0.75, gt=0, lt=1, description="limit multiplied by this per window over target"
+    )
+    window_s: float = Field(
+        default=1.0, gt=0, le=600, description="one decision per window (once min_samples arrived)"
+    )
     min_samples: int = Field(default=10, ge=1, le=1_000_000, description="samples a decision needs")
     headroom: float = Field(
-        default=0.8, gt=0, le=1, description="'comfortably under': the SLO percentile under headroom x target",
+        default=0.8,
+        gt=0,
+        le=1,
+        description="'comfortably under': the SLO percentile under headroom x target",
     )
 
 
 class ProxySettings(_Frozen):
     host: str = Field(default="127.0.0.1", description="address the client-facing API listens on")
     port: int = Field(default=8000, ge=1, le=65535, description="port of the client-facing API")
-    controller_url: str | None = Field(default=None, description="where GET /v1/routing is polled; default "
-                                       "http://<controller.host>:<controller.port>")
-    routing_poll_s: float = Field(default=1.0, gt=0, description="seconds between polls of the routing table "
-                                  "(with If-None-Match)")
-    fail_static_s: float = Field(default=60.0, ge=0, description="seconds the last table is kept while the "
-                                 "controller is unreachable; then equal weights from the config (fallback)")
-    policy: Literal["weighted", "round-robin"] = Field(
-        default="weighted", description="weighted: power of two choices on the table's weights; round-robin: "
-        "cycles like vLLM's toy proxy (a baseline: no failure weighing, no adaptive limit)")
-    retry_budget: float = Field(default=0.2, ge=0, le=1, description="retries may be at most this share of "
-                                "requests (plus a small reserve), so a failing pool cannot double the load")
-    outlier: OutlierSettings = Field(default=OutlierSettings(), description="outlier detection: when a failing "
-                                     "instance is ejected, and for how long")
-    adaptive_limit: AdaptiveLimitSettings = Field(default=AdaptiveLimitSettings(), description="the proxy's own "
-                                                  "AIMD limit per pool on its TTFT")
-    admission: AdmissionDefaults = Field(default=AdmissionDefaults(), description="per-pool admission limits "
-                                         "used where the routing table sets none")
-    timeouts: ProxyTimeouts = Field(default=ProxyTimeouts(), description="bounds on each stage of a request "
-                                    "(a timeout is a 504 before the first byte)")
-    otlp_endpoint: str | None = Field(default=None, description="where spans are exported (OTLP/HTTP); "
-                                      "default the collector's /v1/traces")
-    otlp_token_env: str = Field(
-        default="PDSCOPE_OTLP_TOKEN", min_length=1,
-        description="env variable whose value the span exporter sends as Authorization: Bearer <value> "
-                    "(unset: no header)",
+    controller_url: str | None = Field(
+        default=None,
+        description="where GET /v1/routing is polled; default http://<controller.host>:<controller.port>",
     )
-    tracing: bool = Field(default=True, description="emit and export OpenTelemetry spans and forward "
-                          "traceparent to P and D (off: no spans, nothing for the collector to assemble)")
+    routing_poll_s: float = Field(
+        default=1.0, gt=0, description="seconds between polls of the routing table (with If-None-Match)"
+    )
+    fail_static_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="seconds the last table is kept while the "
+        "controller is unreachable; then equal weights from the config (fallback)",
+    )
+    policy: Literal["weighted", "round-robin"] = Field(
+        default="weighted",
+        description="weighted: power of two choices on the table's weights; round-robin: "
+        "cycles like vLLM's toy proxy (a baseline: no failure weighing, no adaptive limit)",
+    )
+    retry_budget: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="retries may be at most this share of "
+        "requests (plus a small reserve), so a failing pool cannot double the load",
+    )
+    outlier: OutlierSettings = Field(
+        default=OutlierSettings(),
+        description="outlier detection: when a failing instance is ejected, and for how long",
+    )
+    adaptive_limit: AdaptiveLimitSettings = Field(
+        default=AdaptiveLimitSettings(), description="the proxy's own AIMD limit per pool on its TTFT"
+    )
+    admission: AdmissionDefaults = Field(
+        default=AdmissionDefaults(),
+        description="per-pool admission limits used where the routing table sets none",
+    )
+    timeouts: ProxyTimeouts = Field(
+        default=ProxyTimeouts(),
+        description="bounds on each stage of a request (a timeout is a 504 before the first byte)",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None, description="where spans are exported (OTLP/HTTP); default the collector's /v1/traces"
+    )
+    otlp_token_env: str = Field(
+        default="PDSCOPE_OTLP_TOKEN",
+        min_length=1,
+        description="env variable whose value the span exporter sends as Authorization: Bearer <value> "
+        "(unset: no header)",
+    )
+    tracing: bool = Field(
+        default=True,
+        description="emit and export OpenTelemetry spans and forward "
+        "traceparent to P and D (off: no spans, nothing for the collector to assemble)",
+    )
     span_queue_max: int = Field(
-        default=32768, ge=1, le=2**22,
-        description="spans held for export (a down collector costs nothing until this fills; then counted drops)",
+        default=32768,
+        ge=1,
+        le=2**22,
+        description=(
+            "spans held for export (a down collector costs nothing until this fills; then counted drops)"
+        ),
     )
     span_retry_max_s: float = Field(
-        default=5.0, gt=0, le=300, description="longest pause between tries of a failed span batch",
+        default=5.0,
+        gt=0,
+        le=300,
+        description="longest pause between tries of a failed span batch",
     )
     client_read_timeout_s: float = Field(
-        default=30.0, gt=0, le=3600,
+        default=30.0,
+        gt=0,
+        le=3600,
         description="time a client has to send a request's headers and body; then the connection is closed",
     )
-    max_request_bytes: int = Field(default=32 * 2**20, gt=0, le=2**30, description="largest client body (413)")
+    max_request_bytes: int = Field(
+        default=32 * 2**20, gt=0, le=2**30, description="largest client body (413)"
+    )
     max_model_len: int | None = Field(
-        default=None, gt=1,
-        description="the model's context length; when set, max_tokens that cannot fit is a 400 before prefill",
+        default=None,
+        gt=1,
+        description=(
+            "the model's context length; when set, max_tokens that cannot fit is a 400 before prefill"
+        ),
     )
 
     @model_validator(mode="before")
@@ -424,19 +634,34 @@ class ProxySettings(_Frozen):
 
 
 class CollectorSettings(_Frozen):
-    host: str = Field(default="127.0.0.1", description="address of the OTLP/HTTP receiver, /metrics and "
-                      "/healthz; a non-loopback one needs OTLP tokens")
-    port: int = Field(default=4318, ge=1, le=65535, description="port of the OTLP/HTTP receiver, /metrics and "
-                      "/healthz")
-    scrape_interval_s: float = Field(default=5.0, gt=0, description="seconds between scrapes of every "
-                                     "instance's /metrics (or Prometheus queries)")
-    scrape_timeout_s: float = Field(default=3.0, gt=0, description="hard deadline of one scrape (connect, "
-                                    "headers and body); must be shorter than scrape_interval_s")
-    max_body_bytes: int = Field(default=8 * 2**20, gt=0, description="a /metrics page is cut here (a "
-                                "Prometheus answer at 8 x this)")
-    prometheus_url: str | None = Field(default=None, description="read vLLM's series from this Prometheus "
-                                       "(/api/v1/query) instead of scraping; also pdscope collect "
-                                       "--prometheus-url")
+    host: str = Field(
+        default="127.0.0.1",
+        description="address of the OTLP/HTTP receiver, /metrics and "
+        "/healthz; a non-loopback one needs OTLP tokens",
+    )
+    port: int = Field(
+        default=4318, ge=1, le=65535, description="port of the OTLP/HTTP receiver, /metrics and /healthz"
+    )
+    scrape_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds between scrapes of every instance's /metrics (or Prometheus queries)",
+    )
+    scrape_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="hard deadline of one scrape (connect, "
+        "headers and body); must be shorter than scrape_interval_s",
+    )
+    max_body_bytes: int = Field(
+        default=8 * 2**20, gt=0, description="a /metrics page is cut here (a Prometheus answer at 8 x this)"
+    )
+    prometheus_url: str | None = Field(
+        default=None,
+        description="read vLLM's series from this Prometheus "
+        "(/api/v1/query) instead of scraping; also pdscope collect "
+        "--prometheus-url",
+    )
     prometheus_instance_label: str = Field(
         default="instance",
         min_length=1,
@@ -449,16 +674,19 @@ class CollectorSettings(_Frozen):
         default="PDSCOPE_OTLP_TOKENS",
         min_length=1,
         description="name of the env variable holding sender:token[,sender:token...] for POST /v1/traces; "
-                    "unset: no authentication, and the collector binds only a loopback host",
+        "unset: no authentication, and the collector binds only a loopback host",
     )
-    otlp_max_body_bytes: int = Field(default=16 * 2**20, gt=0, description="largest OTLP body as sent "
-                                     "(or by Content-Length); larger: 413")
+    otlp_max_body_bytes: int = Field(
+        default=16 * 2**20, gt=0, description="largest OTLP body as sent (or by Content-Length); larger: 413"
+    )
     otlp_max_inflated_bytes: int = Field(
-        default=64 * 2**20, gt=0, description="largest OTLP body after gzip/deflate decompression; "
-        "larger: 413"
+        default=64 * 2**20,
+        gt=0,
+        description="largest OTLP body after gzip/deflate decompression; larger: 413",
     )
     otlp_inflight_bytes: int = Field(
-        default=128 * 2**20, gt=0,
+        default=128 * 2**20,
+        gt=0,
         description="OTLP bytes (as sent plus inflated) held by all requests at once; past it: 429",
     )
     otlp_retry_after_s: int = Field(default=1, ge=1, le=3600, description="Retry-After of a 429/503")
@@ -471,9 +699,11 @@ class CollectorSettings(_Frozen):
         default=32 * 1024, gt=0, description="all of a span's attributes together, serialised"
     )
     span_max_future_s: float = Field(
-        default=300.0, ge=0, allow_inf_nan=False,
+        default=300.0,
+        ge=0,
+        allow_inf_nan=False,
         description="spans starting or ending further ahead of the collector's clock than this are "
-                    "dropped (in_future)",
+        "dropped (in_future)",
     )
 
     @model_validator(mode="after")
@@ -483,7 +713,10 @@ class CollectorSettings(_Frozen):
         if self.otlp_max_inflated_bytes < self.otlp_max_body_bytes:
             raise ValueError("otlp_max_inflated_bytes must be at least otlp_max_body_bytes")
         if self.otlp_inflight_bytes < self.otlp_max_body_bytes + self.otlp_max_inflated_bytes:
-            raise ValueError("otlp_inflight_bytes must hold one largest request: otlp_max_body_bytes + otlp_max_inflated_bytes")
+            raise ValueError(
+                "otlp_inflight_bytes must hold one largest request: "
+                "otlp_max_body_bytes + otlp_max_inflated_bytes"
+            )
         return self
 
     def otlp_tokens(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -520,10 +753,14 @@ def parse_named_tokens(raw: str, env_name: str) -> dict[str, str]:
         where = f"${env_name} entry {i + 1}"
         if not sep or not token:
             raise ValueError(f"{where}: expected name:token")
-        if not (0 < len(name) <= MAX_TOKEN_NAME_CHARS
-                and all(c.isascii() and (c.isalnum() or c in "-_.@") for c in name)):
-            raise ValueError(f"{where}: name {name!r} must be 1-{MAX_TOKEN_NAME_CHARS} characters "
-                             "of letters, digits, '-', '_', '.', '@'")
+        if not (
+            0 < len(name) <= MAX_TOKEN_NAME_CHARS
+            and all(c.isascii() and (c.isalnum() or c in "-_.@") for c in name)
+        ):
+            raise ValueError(
+                f"{where}: name {name!r} must be 1-{MAX_TOKEN_NAME_CHARS} characters "
+                "of letters, digits, '-', '_', '.', '@'"
+            )
         if name in out:
             raise ValueError(f"{where}: name {name!r} appears twice")
         if token in out.values():
@@ -543,8 +780,10 @@ def is_loopback(host: str) -> bool:
 
 
 class DashboardSettings(_Frozen):
-    host: str = Field(default="127.0.0.1", description="address the Streamlit app listens on; a non-loopback "
-                      "one needs auth login or header")
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the Streamlit app listens on; a non-loopback one needs auth login or header",
+    )
     port: int = Field(default=8501, ge=1, le=65535, description="port of the Streamlit app")
     auth: Literal["login", "header", "none"] = Field(
         default="login",
@@ -554,7 +793,10 @@ class DashboardSettings(_Frozen):
         "X-Actor; none: read-only (forms disabled). A non-loopback host needs login or header.",
     )
     identity_header: str | None = Field(
-        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$",
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9-]+$",
         description="request header carrying the user set by the auth proxy (auth: header), "
         "e.g. X-Forwarded-User; required with auth: header, ignored otherwise",
     )
@@ -562,7 +804,9 @@ class DashboardSettings(_Frozen):
     @model_validator(mode="after")
     def _header_mode_names_its_header(self) -> DashboardSettings:
         if self.auth == "header" and self.identity_header is None:
-            raise ValueError("auth: header needs identity_header (e.g. X-Forwarded-User, set by your auth proxy)")
+            raise ValueError(
+                "auth: header needs identity_header (e.g. X-Forwarded-User, set by your auth proxy)"
+            )
         return self
 
 
@@ -570,25 +814,45 @@ class Settings(_Frozen):
     """The whole file. Sections other than ``model`` and ``pools`` have defaults."""
 
     model: ModelSettings = Field(description="The served model, as every instance knows it. Required.")
-    pools: dict[str, Pool] = Field(description="The fleet: named pools of instances, each pool prefill or "
-                                   "decode; at least one of each. Required.")
-    slo: SLOSettings = Field(default=SLOSettings(), description="What the service promises its users: the "
-                             "targets alerts, admission, the dashboard and the benchmarks judge against.")
-    alerts: AlertSettings = Field(default=AlertSettings(), description="The controller's paging policy: when "
-                                  "and how loudly the built-in rules (docs/alerts.md) alert.")
-    store: StoreSettings = Field(default=StoreSettings(), description="The database every service meets in, "
-                                 "and how long it keeps what it holds.")
-    controller: ControllerSettings = Field(default=ControllerSettings(), description="The reconcile loop and "
-                                           "its HTTP API (docs/policy.md, docs/api.md).")
-    proxy: ProxySettings = Field(default=ProxySettings(), description="The P/D router, the data plane "
-                                 "(docs/proxy.md).")
-    collector: CollectorSettings = Field(default=CollectorSettings(), description="The scraper, the OTLP "
-                                         "receiver and the request-record builder (docs/collector.md).")
-    dashboard: DashboardSettings = Field(default=DashboardSettings(), description="The Streamlit dashboard "
-                                         "and who may change things through it (docs/dashboard.md).")
-    simulator: SimulatorConfig = Field(default_factory=SimulatorConfig, description="The simulated "
-                                       "fleet's model (docs/simulator.md); only pdscope sim and the demo read "
-                                       "it. simulator: {} is a working fleet.")
+    pools: dict[str, Pool] = Field(
+        description="The fleet: named pools of instances, each pool prefill or "
+        "decode; at least one of each. Required."
+    )
+    slo: SLOSettings = Field(
+        default=SLOSettings(),
+        description="What the service promises its users: the "
+        "targets alerts, admission, the dashboard and the benchmarks judge against.",
+    )
+    alerts: AlertSettings = Field(
+        default=AlertSettings(),
+        description="The controller's paging policy: when "
+        "and how loudly the built-in rules (docs/alerts.md) alert.",
+    )
+    store: StoreSettings = Field(
+        default=StoreSettings(),
+        description="The database every service meets in, and how long it keeps what it holds.",
+    )
+    controller: ControllerSettings = Field(
+        default=ControllerSettings(),
+        description="The reconcile loop and its HTTP API (docs/policy.md, docs/api.md).",
+    )
+    proxy: ProxySettings = Field(
+        default=ProxySettings(), description="The P/D router, the data plane (docs/proxy.md)."
+    )
+    collector: CollectorSettings = Field(
+        default=CollectorSettings(),
+        description="The scraper, the OTLP receiver and the request-record builder (docs/collector.md).",
+    )
+    dashboard: DashboardSettings = Field(
+        default=DashboardSettings(),
+        description="The Streamlit dashboard and who may change things through it (docs/dashboard.md).",
+    )
+    simulator: SimulatorConfig = Field(
+        default_factory=SimulatorConfig,
+        description="The simulated "
+        "fleet's model (docs/simulator.md); only pdscope sim and the demo read "
+        "it. simulator: {} is a working fleet.",
+    )
 
     @field_validator("pools")
     @classmethod
@@ -604,13 +868,18 @@ class Settings(_Frozen):
                     first_pool, first_i = seen[inst.name]
                     where = "also" if first_pool == pool_name else f"also in pool {first_pool!r},"
                     # ctx "loc"/"first": the formatter reports this at the duplicate's own line.
-                    message = (f"duplicate instance name {inst.name!r} in pool {pool_name!r}: {where} at "
-                               f"pools.{first_pool}.instances.{first_i}; instance names must be unique")
+                    message = (
+                        f"duplicate instance name {inst.name!r} in pool {pool_name!r}: {where} at "
+                        f"pools.{first_pool}.instances.{first_i}; instance names must be unique"
+                    )
                     raise PydanticCustomError(
-                        "duplicate_instance", "{message}",
-                        {"message": message,
-                         "loc": ("pools", pool_name, "instances", i, "name"),
-                         "first": ("pools", first_pool, "instances", first_i, "name")},
+                        "duplicate_instance",
+                        "{message}",
+                        {
+                            "message": message,
+                            "loc": ("pools", pool_name, "instances", i, "name"),
+                            "first": ("pools", first_pool, "instances", first_i, "name"),
+                        },
                     )
                 seen[inst.name] = (pool_name, i)
         return pools
@@ -652,14 +921,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last)."""
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+def _construct_mapping(
+    loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict[Any, Any]:
     mapping: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
         if key in mapping:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
         mapping[key] = loader.construct_object(value_node, deep=deep)
     return mapping
 
@@ -723,7 +992,12 @@ def _format_error(source: str, located: _Located, err: Mapping[str, Any]) -> str
         msg = "unknown key (not a pdscope setting; check its spelling and indentation)"
     elif err["type"] == "missing":
         msg = "required field is missing"
-    elif "input" in err and not bad_key and "loc" not in ctx and err["type"] not in ("model_type", "dict_type", "list_type"):
+    elif (
+        "input" in err
+        and not bad_key
+        and "loc" not in ctx
+        and err["type"] not in ("model_type", "dict_type", "list_type")
+    ):
         shown = repr(err["input"])
         if len(shown) <= 60:
             msg = f"{msg} (got {shown})"
@@ -763,15 +1037,21 @@ def _compose(text: str, source: str) -> tuple[yaml.Node | None, Any]:
     """Compose (bounded), then construct, the one YAML document in ``text``."""
     size = len(text.encode("utf-8", errors="replace"))
     if size > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{source}: the file is {size} bytes; a config may be at most {MAX_CONFIG_BYTES} bytes"])
+        raise ConfigError(
+            [f"{source}: the file is {size} bytes; a config may be at most {MAX_CONFIG_BYTES} bytes"]
+        )
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None, None
         if _expanded_size_over(node, MAX_CONFIG_VALUES):
-            raise ConfigError([f"{source}: more than {MAX_CONFIG_VALUES} values once YAML aliases (*name) are "
-                               "expanded; refusing to read it (an alias bomb?)"])
+            raise ConfigError(
+                [
+                    f"{source}: more than {MAX_CONFIG_VALUES} values once YAML aliases (*name) are "
+                    "expanded; refusing to read it (an alias bomb?)"
+                ]
+            )
         return node, loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -2,8 +2,8 @@
 
 Every row comes from a pydantic field: its dotted key, type, default, declared bounds and
 ``description``. ``Settings`` (pdscope/config.py, with its ``simulator:`` section from
-pdscope/simconfig.py) is walked section by section. A field without a description is an error, so the reference cannot
-silently fall behind the code.
+pdscope/simconfig.py) is walked section by section. A field without a description is an error,
+so the reference cannot silently fall behind the code.
 
     python -m pdscope.configdoc            # print the reference
     python -m pdscope.configdoc --write    # rewrite docs/configuration.md
@@ -106,7 +106,8 @@ def _type_name(tp: Any) -> str:
         if issubclass(tp, BaseModel):
             return "mapping"
         return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(
-            tp.__name__, tp.__name__)
+            tp.__name__, tp.__name__
+        )
     return str(tp)
 
 
@@ -210,8 +211,11 @@ def _rows(model: type[BaseModel], prefix: str) -> Iterator[Row]:
             raise UndocumentedField(f"{model.__module__}.{model.__name__}.{name} ({key}) has no description")
         nested = _model_in(field.annotation)
         default = _default(field, name)
-        if nested is not None and nested[1] == "" and all(
-                not f.is_required() for f in nested[0].model_fields.values()):
+        if (
+            nested is not None
+            and nested[1] == ""
+            and all(not f.is_required() for f in nested[0].model_fields.values())
+        ):
             default = "see below"  # every nested field has its own default, in the rows that follow
         yield Row(key, _type_name(field.annotation), default, _bounds(field), _cell(field.description))
         if nested is not None:
@@ -243,7 +247,9 @@ def render() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print (or write) docs/configuration.md from the config models.")
+    parser = argparse.ArgumentParser(
+        description="Print (or write) docs/configuration.md from the config models."
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", action="store_true", help=f"rewrite {DOC_PATH.name}")
     group.add_argument("--check", action="store_true", help=f"exit 1 if {DOC_PATH.name} on disk is stale")
@@ -254,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdscope.configdoc: {exc}", file=sys.stderr)
         return 1
     if (args.check or args.write) and not DOC_PATH.parent.is_dir():
-        print(f"pdscope.configdoc: no {DOC_PATH.parent}: run it from a checkout of the repository", file=sys.stderr)
+        print(
+            f"pdscope.configdoc: no {DOC_PATH.parent}: run it from a checkout of the repository",
+            file=sys.stderr,
+        )
         return 1
     if args.check:
         if not DOC_PATH.exists() or DOC_PATH.read_text(encoding="utf-8") != text:

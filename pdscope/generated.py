@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
-def write_or_check(argv: Sequence[str] | None, doc: str | None, out: Path, render: Callable[[], str],
-                   script: str) -> int:
+def write_or_check(
+    argv: Sequence[str] | None, doc: str | None, out: Path, render: Callable[[], str], script: str
+) -> int:
     """Parse ``[--check]``; write ``render()`` to ``out``, or return 1 when ``out`` differs from it.
 
     ``doc`` is the script's docstring (its first line is the ``--help`` description) and

@@ -42,9 +42,10 @@ class PoolRoute(BaseModel):
     max_inflight_requests: int | None = Field(default=None, ge=0)
     max_inflight_kv_bytes: int | None = Field(default=None, ge=0)
     max_queue_wait_s: float | None = Field(
-        default=None, ge=0,
+        default=None,
+        ge=0,
         description="longest a request may wait for a slot in this pool before a 429; "
-                    "None = the proxy's proxy.admission.queue_timeout_s (which also caps it)",
+        "None = the proxy's proxy.admission.queue_timeout_s (which also caps it)",
     )
     reason: str = ""
 

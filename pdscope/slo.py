@@ -25,7 +25,9 @@ class SLOVerdict:
     met: bool
 
 
-def slo_verdict(status: str | None, ttft_s: float | None, tpot_s: float | None, slo: SLOSettings) -> SLOVerdict:
+def slo_verdict(
+    status: str | None, ttft_s: float | None, tpot_s: float | None, slo: SLOSettings
+) -> SLOVerdict:
     """The verdict for these figures under ``slo``.
 
     No TTFT: the TTFT verdict is unknown. No TPOT (one token, or none measured) with a TTFT:

@@ -60,8 +60,10 @@ class Histogram:
 
     def __post_init__(self) -> None:
         if len(self.counts) != len(self.le) + 1:
-            raise ValueError(f"histogram has {len(self.le)} finite bounds but {len(self.counts)} counts "
-                             f"(expected one more count, for +Inf)")
+            raise ValueError(
+                f"histogram has {len(self.le)} finite bounds but {len(self.counts)} counts "
+                f"(expected one more count, for +Inf)"
+            )
         if any(b <= a for a, b in pairwise(self.le)):
             raise ValueError(f"histogram bounds must be strictly ascending, got {list(self.le)}")
 

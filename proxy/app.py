@@ -69,8 +69,9 @@ class _Reply:
         await self.send({"type": "http.response.body", "body": data, "more_body": more})
 
 
-async def _simple(send: Send, status: int, body: bytes, ctype: bytes = b"application/json",
-                  close: bool = False) -> None:
+async def _simple(
+    send: Send, status: int, body: bytes, ctype: bytes = b"application/json", close: bool = False
+) -> None:
     headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
     if close:  # the rest of the request is not read: the connection cannot carry another
         headers.append((b"connection", b"close"))
@@ -160,18 +161,31 @@ class ProxyApp:
         """``/healthz``: the routing state, the ejected instances, each pool's request limit in force."""
         p = self.parts
         r, now = p.routing, p.clock()
-        ejected = {e.instance: {"pool": e.pool, "reason": e.reason, "remaining_s": e.remaining_s,
-                                "ejections": e.ejections}
-                   for e in p.selector.outliers.ejected(now)}
+        ejected = {
+            e.instance: {
+                "pool": e.pool,
+                "reason": e.reason,
+                "remaining_s": e.remaining_s,
+                "ejections": e.ejections,
+            }
+            for e in p.selector.outliers.ejected(now)
+        }
         default = p.flow.fs.default_limits
         adaptive = p.admission.adaptive
         limits: dict[str, dict[str, int | None]] = {}
         for pool in sorted(r.view.limits):
             ceiling = r.view.limits_for(pool, default).max_inflight_requests
-            limits[pool] = {"max_inflight_requests": ceiling,
-                            "adaptive_limit": None if adaptive is None else adaptive.limit(pool, ceiling)}
-        return {"status": "ok", "routing": r.state, "version": r.view.version, "ejected": ejected,
-                "pool_limits": limits}
+            limits[pool] = {
+                "max_inflight_requests": ceiling,
+                "adaptive_limit": None if adaptive is None else adaptive.limit(pool, ceiling),
+            }
+        return {
+            "status": "ok",
+            "routing": r.state,
+            "version": r.view.version,
+            "ejected": ejected,
+            "pool_limits": limits,
+        }
 
     async def _proxy(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         # The time to receive the body is bounded by the server protocol (proxy.server), which
@@ -187,9 +201,16 @@ class ProxyApp:
             size += len(data)
             if size > limit:
                 self.parts.metrics.request_too_large.inc()
-                await _simple(send, 413, protocol.error_body(
-                    f"request body over {limit} bytes (proxy.max_request_bytes)", "invalid_request_error",
-                    "request_too_large"), close=True)
+                await _simple(
+                    send,
+                    413,
+                    protocol.error_body(
+                        f"request body over {limit} bytes (proxy.max_request_bytes)",
+                        "invalid_request_error",
+                        "request_too_large",
+                    ),
+                    close=True,
+                )
                 return
             chunks.append(data)
             if not msg.get("more_body", False):
@@ -235,8 +256,9 @@ def build(
     metrics = ProxyMetrics()
     routing = RoutingState(settings, clock())
     policy = policy or ps.policy
-    outliers = OutlierDetector(ps.outlier, {name: [i.name for i in pool.instances]
-                                            for name, pool in settings.pools.items()})
+    outliers = OutlierDetector(
+        ps.outlier, {name: [i.name for i in pool.instances] for name, pool in settings.pools.items()}
+    )
     selector = Selector(policy, outliers, rng)
     # The adaptive limit protects the weighted proxy; round-robin stays the toy proxy's baseline.
     adaptive = None
@@ -256,14 +278,28 @@ def build(
     spans: BoundedSpanProcessor | None = None
     tracer: trace.Tracer
     if ps.tracing:
-        exporter = exporter or otlp_exporter(otlp_endpoint(ps.otlp_endpoint, settings.collector_url),
-                                             token_env=ps.otlp_token_env)
-        provider, spans = make_provider(exporter, max_queue=ps.span_queue_max, retry_max_s=ps.span_retry_max_s)
+        exporter = exporter or otlp_exporter(
+            otlp_endpoint(ps.otlp_endpoint, settings.collector_url), token_env=ps.otlp_token_env
+        )
+        provider, spans = make_provider(
+            exporter, max_queue=ps.span_queue_max, retry_max_s=ps.span_retry_max_s
+        )
         tracer = provider.get_tracer("pdscope.proxy")
     else:
         tracer = trace.NoOpTracer()
-    flow = Flow(FlowSettings.from_settings(settings), upstream, routing, selector, admission, budget, metrics,
-                tracer, clock)
+    flow = Flow(
+        FlowSettings.from_settings(settings),
+        upstream,
+        routing,
+        selector,
+        admission,
+        budget,
+        metrics,
+        tracer,
+        clock,
+    )
     metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock))
-    parts = Parts(settings, flow, routing, selector, admission, budget, metrics, upstream, provider, spans, clock)
+    parts = Parts(
+        settings, flow, routing, selector, admission, budget, metrics, upstream, provider, spans, clock
+    )
     return ProxyApp(parts, poll=poll)

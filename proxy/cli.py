@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="bind address (default: proxy.host)")
     parser.add_argument("--port", type=int, help="port (default: proxy.port)")
     parser.add_argument(
-        "--policy", choices=["weighted", "round-robin"],
+        "--policy",
+        choices=["weighted", "round-robin"],
         help="instance selection: weighted power-of-two-choices (default: proxy.policy) or "
         "round-robin like vLLM's toy proxy",
     )
@@ -22,16 +23,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-endpoint", help="OTLP/HTTP traces endpoint (default: the collector)")
     parser.add_argument("--no-tracing", action="store_true", help="emit no spans")
     parser.add_argument(
-        "--upstream-client", choices=["lean", "httpx"], default="lean",
-        help="HTTP client for P and D calls: pdscope's lean keep-alive client (default) or httpx (for comparison)",
+        "--upstream-client",
+        choices=["lean", "httpx"],
+        default="lean",
+        help=(
+            "HTTP client for P and D calls: pdscope's lean keep-alive client (default) "
+            "or httpx (for comparison)"
+        ),
     )
 
 
 def apply_overrides(settings: Settings, args: argparse.Namespace) -> Settings:
     """The config with the command-line flags applied (still validated and frozen)."""
     update: dict[str, object] = {}
-    for flag, key in (("host", "host"), ("port", "port"), ("policy", "policy"),
-                      ("controller_url", "controller_url"), ("otlp_endpoint", "otlp_endpoint")):
+    for flag, key in (
+        ("host", "host"),
+        ("port", "port"),
+        ("policy", "policy"),
+        ("controller_url", "controller_url"),
+        ("otlp_endpoint", "otlp_endpoint"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             update[key] = value
@@ -65,10 +76,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:  # uvloop is not built for every platform
         loop = "asyncio"
     config = uvicorn_config(
-        app, settings.proxy.host, settings.proxy.port, loop=loop,
+        app,
+        settings.proxy.host,
+        settings.proxy.port,
+        loop=loop,
         read_timeout_s=settings.proxy.client_read_timeout_s,
         on_read_timeout=lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc(),
-        log_level="warning", timeout_keep_alive=30,
+        log_level="warning",
+        timeout_keep_alive=30,
         timeout_graceful_shutdown=10,  # open streams get this long at shutdown, then are closed
     )
     uvicorn.Server(config).run()

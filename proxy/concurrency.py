@@ -56,7 +56,8 @@ class AdaptiveLimits:
         self.increases = 0
 
     def observe(self, pool: str, seconds: float, inflight: int, ceiling: int, now: float) -> None:
-        """One sample of ``pool``: ``seconds`` against the target, ``inflight`` requests admitted there now."""
+        """One sample of ``pool``: ``seconds`` against the target, ``inflight`` requests admitted there
+        now."""
         st = self._pools.get(pool)
         if st is None:
             st = self._pools[pool] = _Pool(ceiling, self._window_end(now))

@@ -57,13 +57,18 @@ class Flow:
     ) -> None:
         self.fs, self.upstream, self.routing, self.selector = fs, upstream, routing, selector
         self.admission, self.budget, self.metrics, self.tracer, self.clock = (
-            admission, budget, metrics, tracer, clock,
+            admission,
+            budget,
+            metrics,
+            tracer,
+            clock,
         )
         self._rng = random.Random()
         self.outliers = selector.outliers
         self.gate = Gate(fs, routing, selector, admission, clock)
-        self.attempts = Attempts(fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer,
-                                 clock)
+        self.attempts = Attempts(
+            fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer, clock
+        )
 
     # -- entry ------------------------------------------------------------------------
 
@@ -90,8 +95,10 @@ class Flow:
         except ClientError as err:
             req.outcome = err.outcome
             if not reply.started:
-                await reply.start(err.status, [(b"content-type", err.content_type),
-                                               (b"x-request-id", req.rid.encode()), *err.headers])
+                await reply.start(
+                    err.status,
+                    [(b"content-type", err.content_type), (b"x-request-id", req.rid.encode()), *err.headers],
+                )
                 await reply.body(err.body, False)
         except asyncio.CancelledError:
             if gone.disconnected:
@@ -110,15 +117,19 @@ class Flow:
         except ProtocolError as exc:
             raise client_error(400, str(exc), "invalid_request_error", CLIENT_ERROR) from exc
         except InvalidRequest as exc:
-            raise client_error(400, exc.message, "invalid_request_error", CLIENT_ERROR,
-                               "invalid_value", param=exc.param) from exc
+            raise client_error(
+                400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param
+            ) from exc
         return body
 
     def _finish_root(self, root: trace.Span, req: RequestState, http_status: int | None) -> None:
         if root.is_recording():
             attrs: dict[str, str | int | bool] = {
-                sc.REQUEST_ID: req.rid, sc.ENDPOINT: req.endpoint, sc.STREAM: req.stream,
-                sc.OUTCOME: req.outcome, sc.RETRIES: req.retries,
+                sc.REQUEST_ID: req.rid,
+                sc.ENDPOINT: req.endpoint,
+                sc.STREAM: req.stream,
+                sc.OUTCOME: req.outcome,
+                sc.RETRIES: req.retries,
             }
             if http_status is not None:  # what the client got (200 also for a stream that failed later)
                 attrs[sc.HTTP_STATUS] = http_status
@@ -157,15 +168,32 @@ class Flow:
         root.set_attribute(sc.REJECT_REASON, rejection.reason)
         retry_after = [(b"retry-after", str(self.fs.retry_after_s).encode())]
         if rejection.reason == REASON_NO_INSTANCES:
-            return client_error(503, f"no routable {rejection.role} instance (all drained or weight 0)",
-                                "service_unavailable", "rejected", rejection.reason, retry_after)
-        return client_error(429, f"pool {rejection.pools[0]!r} is at its limit ({rejection.reason}); retry later",
-                            "rate_limit_error", "rejected", rejection.reason, retry_after)
+            return client_error(
+                503,
+                f"no routable {rejection.role} instance (all drained or weight 0)",
+                "service_unavailable",
+                "rejected",
+                rejection.reason,
+                retry_after,
+            )
+        return client_error(
+            429,
+            f"pool {rejection.pools[0]!r} is at its limit ({rejection.reason}); retry later",
+            "rate_limit_error",
+            "rejected",
+            rejection.reason,
+            retry_after,
+        )
 
     # -- prefill then decode, with the full retry ------------------------------------------
 
     async def _run(
-        self, req: RequestState, body: dict[str, object], ctx: Context, base: Headers, tp_in: str | None,
+        self,
+        req: RequestState,
+        body: dict[str, object],
+        ctx: Context,
+        base: Headers,
+        tp_in: str | None,
         reply: Reply,
     ) -> None:
         p_body = json.dumps(protocol.prefill_body(body)).encode()
@@ -185,8 +213,12 @@ class Flow:
         self.gate.drop_kv(req)
         assert req.d is not None and req.p is not None
         tried_d.append(req.d.name)
-        d = self.gate.retry(req, "decode", tried_d,
-                            spend=lambda: done < self.fs.max_full_retries and self.attempts.spend("full"))
+        d = self.gate.retry(
+            req,
+            "decode",
+            tried_d,
+            spend=lambda: done < self.fs.max_full_retries and self.attempts.spend("full"),
+        )
         if d is None:
             raise upstream_error("decode", exc.kind) from exc
         # Another P when there is one: the failed handoff may be this P's (or this pair's).

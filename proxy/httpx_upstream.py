@@ -75,11 +75,20 @@ class HttpxUpstream:
         self._closing: set[asyncio.Task[None]] = set()
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), *, within_s: float
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]] = (),
+        *,
+        within_s: float,
     ) -> HttpxResponse:
         where = base_url + path
         req = self._client.build_request(
-            "POST", where, content=body, headers=[("content-type", "application/json"), *headers],
+            "POST",
+            where,
+            content=body,
+            headers=[("content-type", "application/json"), *headers],
             timeout=httpx.Timeout(within_s, connect=self._client.timeout.connect),
         )
         try:

@@ -44,43 +44,66 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "pdscope_proxy_requests", "Client requests by endpoint and outcome.", ["endpoint", "outcome"], registry=r
+            "pdscope_proxy_requests",
+            "Client requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=r,
         )
         self.rejections = Counter(
-            "pdscope_proxy_rejections", "Requests rejected by admission (429; 503 for no_instances, counted in "
+            "pdscope_proxy_rejections",
+            "Requests rejected by admission (429; 503 for no_instances, counted in "
             "every pool of the role), by pool name and reason.",
-            ["pool", "reason"], registry=r,
+            ["pool", "reason"],
+            registry=r,
         )
         self.retries = Counter(
-            "pdscope_proxy_retries", "Retries by stage: prefill (another P), decode (another D, same "
-            "KV), full (new prefill and another D).", ["stage"], registry=r,
+            "pdscope_proxy_retries",
+            "Retries by stage: prefill (another P), decode (another D, same "
+            "KV), full (new prefill and another D).",
+            ["stage"],
+            registry=r,
         )
         self.retries_refused = Counter(
-            "pdscope_proxy_retries_refused", "Retries not made because the retry budget was spent.",
-            ["stage"], registry=r,
+            "pdscope_proxy_retries_refused",
+            "Retries not made because the retry budget was spent.",
+            ["stage"],
+            registry=r,
         )
         self.upstream_failures = Counter(
-            "pdscope_proxy_upstream_failures", "Failed upstream calls by instance, stage and kind.",
-            ["instance", "stage", "kind"], registry=r,
+            "pdscope_proxy_upstream_failures",
+            "Failed upstream calls by instance, stage and kind.",
+            ["instance", "stage", "kind"],
+            registry=r,
         )
         self.client_disconnects = Counter(
-            "pdscope_proxy_client_disconnects", "Clients that went away; upstream streams were closed.",
-            ["stage"], registry=r,
+            "pdscope_proxy_client_disconnects",
+            "Clients that went away; upstream streams were closed.",
+            ["stage"],
+            registry=r,
         )
         self.prefill_seconds = Histogram(
-            "pdscope_proxy_prefill_seconds", "Proxy-observed prefill call time.", buckets=_LATENCY_BUCKETS,
+            "pdscope_proxy_prefill_seconds",
+            "Proxy-observed prefill call time.",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft_seconds = Histogram(
-            "pdscope_proxy_time_to_first_token_seconds", "Proxy arrival to D's first byte.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "pdscope_proxy_time_to_first_token_seconds",
+            "Proxy arrival to D's first byte.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.client_read_timeouts = Counter(
-            "pdscope_proxy_client_read_timeouts", "Client connections closed because the request's headers "
-            "or body did not arrive within proxy.client_read_timeout_s.", ["phase"], registry=r,
+            "pdscope_proxy_client_read_timeouts",
+            "Client connections closed because the request's headers "
+            "or body did not arrive within proxy.client_read_timeout_s.",
+            ["phase"],
+            registry=r,
         )
         self.request_too_large = Counter(
-            "pdscope_proxy_request_too_large", "Client bodies over proxy.max_request_bytes (413).", registry=r,
+            "pdscope_proxy_request_too_large",
+            "Client bodies over proxy.max_request_bytes (413).",
+            registry=r,
         )
         self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
 
@@ -114,7 +137,9 @@ class _LiveCollector(Collector):
         for s in STATES:
             state.add_metric([s], 1.0 if routing.state == s else 0.0)
         yield state
-        version = GaugeMetricFamily("pdscope_proxy_routing_table_version", "Version of the table in force (-1: none).")
+        version = GaugeMetricFamily(
+            "pdscope_proxy_routing_table_version", "Version of the table in force (-1: none)."
+        )
         v = routing.view.version
         version.add_metric([], float(-1 if v is None else v))
         yield version
@@ -124,10 +149,14 @@ class _LiveCollector(Collector):
         a = routing.age(self.sources.now())
         age.add_metric([], -1.0 if a is None else a)
         yield age
-        polls = CounterMetricFamily("pdscope_proxy_routing_poll_failures", "Failed polls of the routing table.")
+        polls = CounterMetricFamily(
+            "pdscope_proxy_routing_poll_failures", "Failed polls of the routing table."
+        )
         polls.add_metric([], float(routing.poll_failures))
         yield polls
-        req = GaugeMetricFamily("pdscope_proxy_pool_inflight_requests", "Admitted requests per pool.", labels=["pool"])
+        req = GaugeMetricFamily(
+            "pdscope_proxy_pool_inflight_requests", "Admitted requests per pool.", labels=["pool"]
+        )
         for pool, n in sorted(admission.requests.items()):
             req.add_metric([pool], float(n))
         yield req
@@ -149,14 +178,17 @@ class _LiveCollector(Collector):
         now = self.sources.now()
         outliers = self.sources.selector.outliers
         ej = CounterMetricFamily(
-            "pdscope_proxy_outlier_ejections", "Outlier ejections by instance and reason (consecutive_failures, "
-            "failure_ratio, probation: the first failure after a return).", labels=["instance", "reason"],
+            "pdscope_proxy_outlier_ejections",
+            "Outlier ejections by instance and reason (consecutive_failures, "
+            "failure_ratio, probation: the first failure after a return).",
+            labels=["instance", "reason"],
         )
         for (name, reason), n in sorted(outliers.ejections.items()):
             ej.add_metric([name, reason], float(n))
         yield ej
         out = GaugeMetricFamily(
-            "pdscope_proxy_instance_ejected", "1 while outlier detection keeps the instance out of selection.",
+            "pdscope_proxy_instance_ejected",
+            "1 while outlier detection keeps the instance out of selection.",
             labels=["instance"],
         )
         for name in outliers.instances():
@@ -165,8 +197,10 @@ class _LiveCollector(Collector):
         adaptive = admission.adaptive
         if adaptive is not None:
             lim = GaugeMetricFamily(
-                "pdscope_proxy_pool_adaptive_limit", "Requests a pool admits now: its adaptive limit (AIMD on the "
-                "proxy's own TTFT), never above the limit in force.", labels=["pool"],
+                "pdscope_proxy_pool_adaptive_limit",
+                "Requests a pool admits now: its adaptive limit (AIMD on the "
+                "proxy's own TTFT), never above the limit in force.",
+                labels=["pool"],
             )
             for pool, limits in sorted(routing.view.limits.items()):
                 lim.add_metric([pool], float(adaptive.limit(pool, limits.max_inflight_requests)))
@@ -176,13 +210,22 @@ class _LiveCollector(Collector):
         yield bal
         if spans is not None:
             for name, value, doc in (
-                ("pdscope_proxy_spans_dropped", spans.dropped,
-                 "Spans lost because the queue was full (or still queued at shutdown)."),
+                (
+                    "pdscope_proxy_spans_dropped",
+                    spans.dropped,
+                    "Spans lost because the queue was full (or still queued at shutdown).",
+                ),
                 ("pdscope_proxy_spans_exported", spans.exported, "Spans the collector accepted."),
-                ("pdscope_proxy_spans_export_failed", spans.failed,
-                 "Spans in failed export tries (a batch retried n times counts n times)."),
-                ("pdscope_proxy_spans_rejected", spans.rejected,
-                 "Spans in batches the collector refused for good (4xx other than 408/429): lost."),
+                (
+                    "pdscope_proxy_spans_export_failed",
+                    spans.failed,
+                    "Spans in failed export tries (a batch retried n times counts n times).",
+                ),
+                (
+                    "pdscope_proxy_spans_rejected",
+                    spans.rejected,
+                    "Spans in batches the collector refused for good (4xx other than 408/429): lost.",
+                ),
                 ("pdscope_proxy_spans_export_retries", spans.retries, "Retried tries of a held span batch."),
             ):
                 c = CounterMetricFamily(name, doc)

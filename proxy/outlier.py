@@ -44,8 +44,19 @@ _PRIOR = 2.0  # successes assumed in every window, so one failure of one is not 
 
 
 class _Instance:
-    __slots__ = ("consecutive", "ejections", "epochs", "failed", "level", "pool", "probation", "reason",
-                 "returned_at", "total", "until")
+    __slots__ = (
+        "consecutive",
+        "ejections",
+        "epochs",
+        "failed",
+        "level",
+        "pool",
+        "probation",
+        "reason",
+        "returned_at",
+        "total",
+        "until",
+    )
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
@@ -221,7 +232,9 @@ class OutlierDetector:
             return False
         n = len(self._members.get(pool, ()))
         allowed = min(n - 1, max(1, int(share * n + 1e-9)))
-        out = sum(1 for name, st in list(self._ejected.items()) if st.pool == pool and self.is_ejected(name, now))
+        out = sum(
+            1 for name, st in list(self._ejected.items()) if st.pool == pool and self.is_ejected(name, now)
+        )
         return out < allowed
 
     def _eject(self, name: str, st: _Instance, reason: str, now: float) -> None:

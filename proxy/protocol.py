@@ -166,7 +166,9 @@ def is_preamble_event(data: bytes) -> bool:
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if not isinstance(delta, dict) or "role" not in delta or not set(delta) <= _PREAMBLE_DELTA_KEYS:
             return False
-        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")) or choice.get("finish_reason"):
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning")) or choice.get(
+            "finish_reason"
+        ):
             return False
     return True
 
@@ -186,7 +188,7 @@ class SseWatch:
         self.max_line = max_line
         self._carry = b""
         self._skipping = False
-        self.events = 0          # data events that are neither an error, [DONE] nor the preamble
+        self.events = 0  # data events that are neither an error, [DONE] nor the preamble
         self.error: bytes | None = None  # the first in-band error's payload
         self.done = False
 

@@ -63,7 +63,11 @@ class ClientError(Exception):
     """Ends the request with this answer (when nothing was sent yet)."""
 
     def __init__(
-        self, status: int, body: bytes, outcome: str, headers: list[tuple[bytes, bytes]] | None = None,
+        self,
+        status: int,
+        body: bytes,
+        outcome: str,
+        headers: list[tuple[bytes, bytes]] | None = None,
         content_type: bytes = JSON,
     ) -> None:
         super().__init__(body[:200].decode("utf-8", "replace"))
@@ -101,8 +105,21 @@ class Gone:
 
 class RequestState:
     __slots__ = (
-        "admitted", "completion_tokens", "d", "d_slot", "endpoint", "kv_held", "outcome", "p", "p_slot",
-        "prefill", "retries", "rid", "stage", "started", "stream",
+        "admitted",
+        "completion_tokens",
+        "d",
+        "d_slot",
+        "endpoint",
+        "kv_held",
+        "outcome",
+        "p",
+        "p_slot",
+        "prefill",
+        "retries",
+        "rid",
+        "stage",
+        "started",
+        "stream",
     )
 
     def __init__(self, endpoint: str, rid: str) -> None:
@@ -123,6 +140,13 @@ class RequestState:
         self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
 
 
-def client_error(status: int, message: str, err_type: str, outcome: str, code: str | None = None,
-                 headers: list[tuple[bytes, bytes]] | None = None, param: str | None = None) -> ClientError:
+def client_error(
+    status: int,
+    message: str,
+    err_type: str,
+    outcome: str,
+    code: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+    param: str | None = None,
+) -> ClientError:
     return ClientError(status, protocol.error_body(message, err_type, code, param), outcome, headers)

@@ -110,7 +110,9 @@ def table_view(table: RoutingTable, settings: Settings) -> RoutingView:
     """The controller's table applied: drained and zero-weight instances get no new work."""
     adm = settings.proxy.admission
     pool_weight = {p.name: p.weight for p in table.pools}
-    limits = {name: PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes) for name in settings.pools}
+    limits = {
+        name: PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes) for name in settings.pools
+    }
     for p in table.pools:
         limits[p.name] = PoolLimits(
             p.max_inflight_requests if p.max_inflight_requests is not None else adm.max_inflight_requests,
@@ -150,7 +152,8 @@ class RoutingState:
             if view.state == "never_reached":
                 log.warning(
                     "routing: no controller reached at %s yet; serving with the config's equal weights "
-                    "until one answers", self.settings.controller_url,
+                    "until one answers",
+                    self.settings.controller_url,
                 )
             elif view.state in ("static", "fallback"):
                 log.warning(
@@ -202,7 +205,9 @@ def _restate(view: RoutingView, state: State) -> RoutingView:
     return RoutingView(state, view.version, view.prefill, view.decode, view.limits)
 
 
-async def poll_once(state: RoutingState, client: httpx.AsyncClient, url: str, now: Callable[[], float]) -> None:
+async def poll_once(
+    state: RoutingState, client: httpx.AsyncClient, url: str, now: Callable[[], float]
+) -> None:
     """One ``GET /v1/routing``; every outcome is fed to ``state`` (never raises httpx errors)."""
     headers = {"If-None-Match": state.etag} if state.etag else {}
     try:

@@ -32,8 +32,9 @@ Policy = Literal["weighted", "round-robin"]
 class Selector:
     """Per-instance in-flight counts, and the pick itself; failures live in :attr:`outliers`."""
 
-    def __init__(self, policy: Policy, outliers: OutlierDetector | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self, policy: Policy, outliers: OutlierDetector | None = None, rng: random.Random | None = None
+    ) -> None:
         self.policy = policy
         self.outliers = outliers or OutlierDetector(OutlierSettings())
         self.rng = rng or random.Random()
@@ -59,9 +60,7 @@ class Selector:
         pools: Collection[str] | None = None,
     ) -> Target | None:
         """One target of ``role`` not in ``exclude`` and (when given) in ``pools``, or None."""
-        candidates = [
-            t for t in targets if t.name not in exclude and (pools is None or t.pool in pools)
-        ]
+        candidates = [t for t in targets if t.name not in exclude and (pools is None or t.pool in pools)]
         if not candidates:
             return None
         out = self.outliers
@@ -75,8 +74,11 @@ class Selector:
             return candidates[0]
         penalty = out.penalties(now)
         # While some instance has failures in the window, weights are scaled by their factor.
-        weights = [t.weight * penalty.get(t.name, 1.0) for t in candidates] if penalty else \
-            [t.weight for t in candidates]
+        weights = (
+            [t.weight * penalty.get(t.name, 1.0) for t in candidates]
+            if penalty
+            else [t.weight for t in candidates]
+        )
         return self._two_choices(candidates, weights)
 
     def _two_choices(self, candidates: list[Target], weights: list[float]) -> Target:

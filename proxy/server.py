@@ -76,12 +76,26 @@ def read_timeout_protocol(timeout_s: float, on_timeout: Callable[[str], None]) -
     return ReadTimeoutProtocol
 
 
-def uvicorn_config(app: Any, host: str, port: int, *, read_timeout_s: float,
-                   on_read_timeout: Callable[[str], None], loop: str = "auto", **kw: Any) -> Any:
+def uvicorn_config(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    read_timeout_s: float,
+    on_read_timeout: Callable[[str], None],
+    loop: str = "auto",
+    **kw: Any,
+) -> Any:
     """The proxy's uvicorn config: httptools with the read bound, no access log."""
     import uvicorn
 
     return uvicorn.Config(
-        app, host=host, port=port, loop=loop, http=read_timeout_protocol(read_timeout_s, on_read_timeout),
-        access_log=False, lifespan="on", **kw,
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        http=read_timeout_protocol(read_timeout_s, on_read_timeout),
+        access_log=False,
+        lifespan="on",
+        **kw,
     )

@@ -38,7 +38,8 @@ class Sent:
 
 
 def retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), bounded; None if absent or bad."""
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), bounded; None if absent
+    or bad."""
     if not value:
         return None
     value = value.strip()

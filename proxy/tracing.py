@@ -98,9 +98,9 @@ class BoundedSpanProcessor(SpanProcessor):
         self.backoff = Backoff(retry_base_s, retry_max_s, rng)
         self.dropped = 0
         self.exported = 0
-        self.failed = 0      # spans in failed tries (a span retried twice counts twice)
-        self.rejected = 0    # spans in batches the collector refused for good
-        self.retries = 0     # tries of a held batch
+        self.failed = 0  # spans in failed tries (a span retried twice counts twice)
+        self.rejected = 0  # spans in batches the collector refused for good
+        self.retries = 0  # tries of a held batch
         self.failing = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -170,13 +170,17 @@ class BoundedSpanProcessor(SpanProcessor):
                 if not sent.retry:
                     self._held = []
                     self.rejected += len(batch)
-                    log.warning("collector refused a span batch (HTTP %s); %d spans lost", sent.status, len(batch))
+                    log.warning(
+                        "collector refused a span batch (HTTP %s); %d spans lost", sent.status, len(batch)
+                    )
                     continue
                 self._held = batch
                 if not self.failing:
                     self.failing = True
-                    log.warning("span export failing (%s); retrying with backoff, spans held in the queue",
-                                f"HTTP {sent.status}" if sent.status else "collector unreachable")
+                    log.warning(
+                        "span export failing (%s); retrying with backoff, spans held in the queue",
+                        f"HTTP {sent.status}" if sent.status else "collector unreachable",
+                    )
                 delay = self.backoff.next_delay(sent.retry_after_s)
                 return delay if retry else 0.0
 
@@ -203,7 +207,9 @@ def otlp_endpoint(configured: str | None, collector_url: str) -> str:
     return base if base.endswith("/v1/traces") else base + "/v1/traces"
 
 
-def make_provider(exporter: SpanExporter, **kwargs: float | int) -> tuple[TracerProvider, BoundedSpanProcessor]:
+def make_provider(
+    exporter: SpanExporter, **kwargs: float | int
+) -> tuple[TracerProvider, BoundedSpanProcessor]:
     """A TracerProvider for the proxy (service.name ``pdscope-proxy``) exporting to ``exporter``."""
     provider = TracerProvider(resource=Resource.create({"service.name": semconv.SERVICE_PROXY}))
     processor = BoundedSpanProcessor(exporter, **kwargs)  # type: ignore[arg-type]

@@ -79,7 +79,13 @@ class UpstreamClient(Protocol):
     """The seam the proxy's flow uses; :class:`Upstream` here, ``proxy.httpx_upstream`` for comparison."""
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), *, within_s: float
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]] = (),
+        *,
+        within_s: float,
     ) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
@@ -358,8 +364,12 @@ class Upstream:
             raise ConnectFailed("upstream client is closed")
         pool = self._pool(base_url)
         head = [
-            b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", pool.host_header,
-            b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode("ascii"),
+            b"POST ",
+            path.encode("ascii"),
+            b" HTTP/1.1\r\nHost: ",
+            pool.host_header,
+            b"\r\nContent-Type: application/json\r\nContent-Length: ",
+            str(len(body)).encode("ascii"),
             b"\r\n",
         ]
         for name, value in headers:

@@ -45,8 +45,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _int_at_least(body: dict[str, Any], key: str, low: int) -> int | None:
@@ -58,8 +57,9 @@ def _int_at_least(body: dict[str, Any], key: str, low: int) -> int | None:
     return int(value)
 
 
-def _number_in(body: dict[str, Any], key: str, low: float, high: float, *, low_open: bool = False,
-               what: str) -> None:
+def _number_in(
+    body: dict[str, Any], key: str, low: float, high: float, *, low_open: bool = False, what: str
+) -> None:
     value = body.get(key)
     if value is None:
         return
@@ -83,8 +83,10 @@ def _check_prompt(body: dict[str, Any]) -> None:
         return
     if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
         return
-    raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids")
+    raise InvalidRequest(
+        "prompt",
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    )
 
 
 def _check_messages(body: dict[str, Any]) -> None:
@@ -122,8 +124,11 @@ def check_body(endpoint: str, body: dict[str, Any], max_model_len: int | None = 
         if value is None:
             continue
         if max_model_len is not None and value >= max_model_len:
-            raise InvalidRequest(key, f"{key} ({value}) leaves no room for the prompt: the model's maximum "
-                                 f"context length is {max_model_len} tokens")
+            raise InvalidRequest(
+                key,
+                f"{key} ({value}) leaves no room for the prompt: the model's maximum "
+                f"context length is {max_model_len} tokens",
+            )
         limit = value if limit is None else min(limit, value)
     min_tokens = _int_at_least(body, "min_tokens", 0)
     if min_tokens is not None and limit is not None and min_tokens > limit:

@@ -35,10 +35,16 @@ class AdminApp:
         path: str = scope["path"].rstrip("/") or "/"
         method: str = scope["method"]
         if path == "/instances" and method == "GET":
-            await _json(send, 200, {"instances": [
-                {"role": role, "name": name, "url": url, "up": fleet.is_up(name)}
-                for role, name, url in fleet.describe()
-            ]})
+            await _json(
+                send,
+                200,
+                {
+                    "instances": [
+                        {"role": role, "name": name, "url": url, "up": fleet.is_up(name)}
+                        for role, name, url in fleet.describe()
+                    ]
+                },
+            )
         elif path == "/faults" and method == "GET":
             await _json(send, 200, {"faults": fleet.fault_list()})
         elif path == "/faults" and method == "POST":

@@ -24,14 +24,26 @@ FAULT_KINDS = ("slow_link", "slow_nic", "transfer_failure", "stop_pulling", "dow
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", type=int, help="number of prefill instances (default: the config's pools)")
+    parser.add_argument(
+        "--prefill", type=int, help="number of prefill instances (default: the config's pools)"
+    )
     parser.add_argument("--decode", type=int, help="number of decode instances (default: the config's pools)")
-    parser.add_argument("--port", type=int, default=8100, help="first port with --prefill/--decode (default 8100)")
-    parser.add_argument("--model", default=None, help="served model name without a config (default sim-llama-70b)")
+    parser.add_argument(
+        "--port", type=int, default=8100, help="first port with --prefill/--decode (default 8100)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="served model name without a config (default sim-llama-70b)"
+    )
     parser.add_argument("--scenario", help="fault scenario file (YAML/JSON with 'faults:')")
     parser.add_argument("--seed", type=int, help="override simulator.seed")
-    parser.add_argument("--latency-scale", type=float, help="override simulator.latency_scale (0 = zero latency)")
-    parser.add_argument("--admin-port", type=int, help=f"admin API port (default simulator.admin_port or {DEFAULT_ADMIN_PORT})")
+    parser.add_argument(
+        "--latency-scale", type=float, help="override simulator.latency_scale (0 = zero latency)"
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        help=f"admin API port (default simulator.admin_port or {DEFAULT_ADMIN_PORT})",
+    )
     parser.add_argument("--admin-url", help="with 'fault': the running simulator's admin URL")
     sub = parser.add_subparsers(dest="sim_action", metavar="ACTION")
     fault = sub.add_parser("fault", help="inject, list or clear faults in a running simulator")
@@ -40,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("kind", choices=FAULT_KINDS, help="see simulator/faults.py for the fields of each kind")
     add.add_argument("--instance", help="down, kv_capacity, slow (and slow_nic, stop_pulling): the instance")
     add.add_argument("--prefill", help="slow_link (and optionally transfer_failure): the P side")
-    add.add_argument("--decode", help="slow_link, slow_nic, stop_pulling (optionally transfer_failure): the D side")
+    add.add_argument(
+        "--decode", help="slow_link, slow_nic, stop_pulling (optionally transfer_failure): the D side"
+    )
     add.add_argument("--factor", type=float, help="slow_link, slow_nic, slow: how many times slower")
     add.add_argument("--rate", type=float, help="transfer_failure: share of NIXL reads that fail (0..1)")
     add.add_argument("--blocks", type=int, help="kv_capacity: the instance's KV blocks")
@@ -69,7 +83,9 @@ def _admin_url(args: argparse.Namespace, settings: Settings | None) -> str:
 
 def _admin_call(url: str, method: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return resp.status, json.loads(resp.read() or b"null")
@@ -81,9 +97,24 @@ def run_fault(args: argparse.Namespace) -> int:
     base = _admin_url(args, _settings(args))
     try:
         if args.fault_action == "add":
-            spec = {k: getattr(args, k) for k in ("kind", "instance", "prefill", "decode", "factor", "rate",
-                                                  "fraction", "blocks", "at", "duration")}
-            status, out = _admin_call(f"{base}/faults", "POST", {k: v for k, v in spec.items() if v is not None})
+            spec = {
+                k: getattr(args, k)
+                for k in (
+                    "kind",
+                    "instance",
+                    "prefill",
+                    "decode",
+                    "factor",
+                    "rate",
+                    "fraction",
+                    "blocks",
+                    "at",
+                    "duration",
+                )
+            }
+            status, out = _admin_call(
+                f"{base}/faults", "POST", {k: v for k, v in spec.items() if v is not None}
+            )
         elif args.fault_action == "list":
             status, out = _admin_call(f"{base}/faults", "GET")
         elif args.fault_action == "clear":
@@ -122,8 +153,12 @@ def run(args: argparse.Namespace) -> int:
         for pool_name, inst in settings.instances():
             parts = urlsplit(inst.url)
             if parts.hostname not in ("127.0.0.1", "localhost"):
-                raise ConfigError([f"pools.{pool_name}: {inst.name}: the simulator binds 127.0.0.1 only, "
-                                   f"not {parts.hostname}"])
+                raise ConfigError(
+                    [
+                        f"pools.{pool_name}: {inst.name}: the simulator binds 127.0.0.1 only, "
+                        f"not {parts.hostname}"
+                    ]
+                )
             specs.append((settings.pools[pool_name].role, inst.name, "127.0.0.1", parts.port or 80))
     sim_section = settings.simulator.model_dump(exclude_defaults=True) if settings else {}
     scenario = sim_section.get("scenario")
@@ -131,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
         # a scenario named in the config is relative to the config file
         sim_section["scenario"] = str(resolve_config_path(getattr(args, "config", None)).parent / scenario)
     sim_section.update(overrides)
-    admin_port = args.admin_port if args.admin_port is not None else (sim_section.get("admin_port") or DEFAULT_ADMIN_PORT)
+    admin_port = (
+        args.admin_port
+        if args.admin_port is not None
+        else (sim_section.get("admin_port") or DEFAULT_ADMIN_PORT)
+    )
     sim_section["admin_port"] = admin_port
     model = args.model or (settings.model.name if settings else "sim-llama-70b")
     kv_bytes = settings.model.kv_bytes_per_token if settings else None

@@ -19,7 +19,5 @@ def parse_simulator_config(data: dict[str, Any] | None, source: str = "simulator
     try:
         return SimulatorConfig.model_validate(data or {})
     except ValidationError as exc:
-        problems = [
-            f"{source}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        ]
+        problems = [f"{source}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
         raise ConfigError(problems) from exc

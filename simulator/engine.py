@@ -90,7 +90,10 @@ class Engine:
 
     @property
     def capacity_blocks(self) -> int:
-        return max(0, min(self.cfg.kv_capacity_blocks, self.faults.kv_capacity(self.name, self.cfg.kv_capacity_blocks)))
+        return max(
+            0,
+            min(self.cfg.kv_capacity_blocks, self.faults.kv_capacity(self.name, self.cfg.kv_capacity_blocks)),
+        )
 
     @property
     def used_blocks(self) -> int:
@@ -225,8 +228,8 @@ class Engine:
         lease = self.leases.pop(internal_id, None)
         if lease is None:
             logger.error(
-                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. "
-                "They may have expired.",
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a "
+                "decode worker. They may have expired.",
                 internal_id,
             )
             self.observer.notification_after_expiry()
@@ -242,7 +245,11 @@ class Engine:
         if not self.waiting:
             return False
         head = self.waiting[0]
-        if head.remote is not None and head.kv_stage == "waiting_to_start" and self.faults.stops_pulling(self.name):
+        if (
+            head.remote is not None
+            and head.kv_stage == "waiting_to_start"
+            and self.faults.stops_pulling(self.name)
+        ):
             return False
         need = self.blocks_for(head.prompt_tokens if head.remote is not None else head.target)
         return self.used_blocks + need <= self.capacity_blocks and len(self.running) < self.cfg.max_num_seqs
@@ -287,7 +294,9 @@ class Engine:
                 self.waiting.popleft()
                 req.blocks = blocks
                 self.observer.admitted(req)
-                n_blocks = len(blocks) if not req.remote.block_ids else min(len(blocks), len(req.remote.block_ids))
+                n_blocks = (
+                    len(blocks) if not req.remote.block_ids else min(len(blocks), len(req.remote.block_ids))
+                )
                 req.transfer = self.fabric.start_pull(self.name, req.remote, n_blocks, now)
                 req.kv_stage = "in_progress"
                 self.loading[req.internal_id] = req
@@ -313,7 +322,9 @@ class Engine:
             return None
         self._plan = plan
         n_seqs = len(plan)
-        duration = cfg.step_overhead_s + prefill_tokens / cfg.prefill_tokens_per_s + cfg.decode_per_seq_s * n_seqs
+        duration = (
+            cfg.step_overhead_s + prefill_tokens / cfg.prefill_tokens_per_s + cfg.decode_per_seq_s * n_seqs
+        )
         return duration * cfg.latency_scale * self.faults.compute_factor(self.name)
 
     def _grow(self, req: SimRequest, preempted: set[int]) -> bool:

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 
 class Fabric:
-    def __init__(self, cfg: SimulatorConfig, faults: FaultSet, kv_bytes_per_token: int, seed: int = 0) -> None:
+    def __init__(
+        self, cfg: SimulatorConfig, faults: FaultSet, kv_bytes_per_token: int, seed: int = 0
+    ) -> None:
         self.cfg = cfg
         self.faults = faults
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -57,14 +59,18 @@ class Fabric:
         nbytes = num_blocks * cfg.block_size * self.kv_bytes_per_token
         descriptors = num_blocks * cfg.descriptors_per_block
         factor = self.faults.link_factor(peer.name, d_name)
-        wire_s = (nbytes / cfg.link_bandwidth_bytes_per_s + descriptors * cfg.per_descriptor_s) * factor * scale
+        wire_s = (
+            (nbytes / cfg.link_bandwidth_bytes_per_s + descriptors * cfg.per_descriptor_s) * factor * scale
+        )
         link = (peer.name, d_name)
         start = max(now + post_s, self._link_free_at.get(link, 0.0))
         done_at = start + wire_s
         self._link_free_at[link] = done_at
         rate = self.faults.failure_rate(peer.name, d_name)
         ok = not (rate > 0 and self._rng.random() < rate)
-        return Transfer(ok, done_at, done_at - now - post_s, post_s, nbytes, descriptors, "" if ok else "transfer_failed")
+        return Transfer(
+            ok, done_at, done_at - now - post_s, post_s, nbytes, descriptors, "" if ok else "transfer_failed"
+        )
 
     def finish_pull(self, remote: RemoteKV, now: float) -> None:
         peer = self._peer(remote)

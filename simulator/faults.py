@@ -35,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdscope.config import ConfigError
 
-FaultKind = Literal["slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow"]
+FaultKind = Literal[
+    "slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow"
+]
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "slow_link": ("prefill", "decode", "factor"),
@@ -69,8 +71,12 @@ class FaultSpec(BaseModel):
     @classmethod
     def _instance_names_the_decode(cls, data: Any) -> Any:
         """``instance`` works for the one-D kinds too (``slow_nic --instance decode-0``)."""
-        if (isinstance(data, dict) and data.get("kind") in ("slow_nic", "stop_pulling")
-                and data.get("decode") is None and data.get("instance") is not None):
+        if (
+            isinstance(data, dict)
+            and data.get("kind") in ("slow_nic", "stop_pulling")
+            and data.get("decode") is None
+            and data.get("instance") is not None
+        ):
             data = {k: v for k, v in data.items() if k != "instance"} | {"decode": data["instance"]}
         return data
 
@@ -106,7 +112,10 @@ def load_scenario(path: str | Path) -> list[FaultSpec]:
     items = data.get("faults") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise ConfigError([f"{path}: expected 'faults:' with a list of faults"])
-    return [parse_fault(item if isinstance(item, dict) else {}, f"{path}: faults[{i}]") for i, item in enumerate(items)]
+    return [
+        parse_fault(item if isinstance(item, dict) else {}, f"{path}: faults[{i}]")
+        for i, item in enumerate(items)
+    ]
 
 
 class FaultSet:

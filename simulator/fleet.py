@@ -67,8 +67,16 @@ class _Listener:
         if self.sock.fileno() < 0:
             self.sock = bind_socket(self.host, self.port)
         config = uvicorn.Config(
-            self.app, http="httptools", ws="none", lifespan="off", log_config=None, log_level="warning",
-            access_log=False, timeout_graceful_shutdown=1, backlog=4096, proxy_headers=False,
+            self.app,
+            http="httptools",
+            ws="none",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            backlog=4096,
+            proxy_headers=False,
         )
         config.load()
         server = uvicorn.Server(config)
@@ -118,8 +126,11 @@ class LoopLagMonitor:
             self.samples.append(lag)
             self.max_lag_s = max(self.max_lag_s, lag)
             if lag > self.threshold_s and not warned:
-                logger.warning("event-loop lag %.3fs is over %.3fs: simulated timings are untrustworthy",
-                               lag, self.threshold_s)
+                logger.warning(
+                    "event-loop lag %.3fs is over %.3fs: simulated timings are untrustworthy",
+                    lag,
+                    self.threshold_s,
+                )
                 warned = True
 
     def stats(self) -> dict[str, Any]:
@@ -162,11 +173,20 @@ class Fleet:
             index = counters[spec.role]
             counters[spec.role] += 1
             self.instances[spec.name] = SimInstance(
-                name=spec.name, role=spec.role, index=index, model_name=model_name, cfg=cfg.for_instance(spec.name),
-                kv_bytes_per_token=kv_bytes_per_token, fabric=self.fabric, faults=self.faults,
-                seed=cfg.seed, otlp_endpoint=cfg.otlp_endpoint or otlp_endpoint,
+                name=spec.name,
+                role=spec.role,
+                index=index,
+                model_name=model_name,
+                cfg=cfg.for_instance(spec.name),
+                kv_bytes_per_token=kv_bytes_per_token,
+                fabric=self.fabric,
+                faults=self.faults,
+                seed=cfg.seed,
+                otlp_endpoint=cfg.otlp_endpoint or otlp_endpoint,
             )
-        self.listeners = {s.name: _Listener(InstanceApp(self.instances[s.name]), s.host, s.port) for s in specs}
+        self.listeners = {
+            s.name: _Listener(InstanceApp(self.instances[s.name]), s.host, s.port) for s in specs
+        }
         self.admin = _Listener(AdminApp(self), admin_host, cfg.admin_port)
         self.lag = LoopLagMonitor(cfg.loop_lag_threshold_s)
         self._timers: list[asyncio.TimerHandle] = []
@@ -258,8 +278,14 @@ class Fleet:
         return n + self.faults.clear()
 
     def fault_list(self) -> list[dict[str, Any]]:
-        active = [{"id": fid, "active": True, **s.model_dump(exclude_none=True)} for fid, s in self.faults.active().items()]
-        pending = [{"id": fid, "active": False, **s.model_dump(exclude_none=True)} for fid, s in self._pending.items()]
+        active = [
+            {"id": fid, "active": True, **s.model_dump(exclude_none=True)}
+            for fid, s in self.faults.active().items()
+        ]
+        pending = [
+            {"id": fid, "active": False, **s.model_dump(exclude_none=True)}
+            for fid, s in self._pending.items()
+        ]
         return active + pending
 
     def _fault_changed(self, fid: int, spec: FaultSpec, added: bool) -> None:

@@ -76,7 +76,9 @@ class Response:
 
 
 class _Conn:
-    def __init__(self, origin: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, origin: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.origin = origin
         self.reader = reader
         self.writer = writer
@@ -115,14 +117,19 @@ class Pool:
         return _Conn(origin, reader, writer)
 
     @contextlib.asynccontextmanager
-    async def post(self, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None
-                   ) -> AsyncIterator[Response]:
+    async def post(
+        self, url: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> AsyncIterator[Response]:
         """POST ``payload`` as JSON; yields the response with its body unread."""
         parts = urlsplit(url)
         origin = (parts.hostname or "127.0.0.1", parts.port or 80)
         body = json.dumps(payload, separators=(",", ":")).encode()
-        head = [f"POST {parts.path or '/'} HTTP/1.1", f"host: {origin[0]}:{origin[1]}",
-                "content-type: application/json", f"content-length: {len(body)}"]
+        head = [
+            f"POST {parts.path or '/'} HTTP/1.1",
+            f"host: {origin[0]}:{origin[1]}",
+            "content-type: application/json",
+            f"content-length: {len(body)}",
+        ]
         head += [f"{k}: {v}" for k, v in (headers or {}).items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode() + body
         for attempt in (0, 1):  # a pooled connection the server closed meanwhile gets one retry

@@ -19,10 +19,15 @@ from pdscope.config import ConfigError, Settings, load_config, resolve_config_pa
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
-    target.add_argument("--url", help="OpenAI-compatible base URL, e.g. the proxy http://127.0.0.1:8000 "
-                                      "(default: the config's proxy)")
-    target.add_argument("--direct", action="store_true",
-                        help="no proxy: run the P/D two-step protocol against the pools (round-robin)")
+    target.add_argument(
+        "--url",
+        help="OpenAI-compatible base URL, e.g. the proxy http://127.0.0.1:8000 (default: the config's proxy)",
+    )
+    target.add_argument(
+        "--direct",
+        action="store_true",
+        help="no proxy: run the P/D two-step protocol against the pools (round-robin)",
+    )
     target.add_argument("--prefill-url", action="append", default=[], help="with --direct (repeatable)")
     target.add_argument("--decode-url", action="append", default=[], help="with --direct (repeatable)")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -33,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--burst", type=int, default=10, help="requests per burst with --arrival bursty")
     shape.add_argument("--num-requests", "-n", type=int, default=100, help="at most this many requests")
     shape.add_argument("--duration", type=float, default=60.0, help="send for at most this many seconds")
-    shape.add_argument("--prompt-len", default="fixed:256",
-                       help="fixed:N | uniform:LO,HI | lognormal:MEDIAN,SIGMA (tokens)")
+    shape.add_argument(
+        "--prompt-len", default="fixed:256", help="fixed:N | uniform:LO,HI | lognormal:MEDIAN,SIGMA (tokens)"
+    )
     shape.add_argument("--output-len", default="fixed:64", help="as --prompt-len")
     shape.add_argument("--trace", help="JSONL to replay: prompt_tokens, output_tokens[, at]")
     shape.add_argument("--seed", type=int, default=0)
@@ -69,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or (settings.model.name if settings else "sim-llama-70b")
     chat = args.endpoint == "chat"
     if args.direct:
-        p_urls = list(args.prefill_url) or ([i.url for _, i in settings.instances("prefill")] if settings else [])
-        d_urls = list(args.decode_url) or ([i.url for _, i in settings.instances("decode")] if settings else [])
+        p_urls = list(args.prefill_url) or (
+            [i.url for _, i in settings.instances("prefill")] if settings else []
+        )
+        d_urls = list(args.decode_url) or (
+            [i.url for _, i in settings.instances("decode")] if settings else []
+        )
         if not p_urls or not d_urls:
             raise ConfigError(["pdscope load --direct: need prefill and decode URLs (config pools or flags)"])
         target = Target(chat, model, None, tuple(p_urls), tuple(d_urls))
@@ -83,9 +93,16 @@ def run(args: argparse.Namespace) -> int:
         if args.trace:
             planned = load_trace(args.trace, args.rate, args.num_requests, args.duration, args.seed)
         else:
-            planned = plan(args.arrival, args.rate, args.num_requests, args.duration,
-                           LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len), args.seed,
-                           args.burst)
+            planned = plan(
+                args.arrival,
+                args.rate,
+                args.num_requests,
+                args.duration,
+                LengthDist.parse(args.prompt_len),
+                LengthDist.parse(args.output_len),
+                args.seed,
+                args.burst,
+            )
     except (ValueError, OSError) as exc:
         raise ConfigError([f"pdscope load: {exc}"]) from exc
     slo_ttft = (args.slo_ttft_ms or (settings.slo.ttft.target_ms if settings else 2000.0)) / 1000.0
@@ -100,28 +117,54 @@ def run(args: argparse.Namespace) -> int:
             return None
         try:
             base = args.sim_admin.rstrip("/")
-            r = httpx.post(f"{base}/stats/reset", timeout=5) if reset else httpx.get(f"{base}/stats", timeout=5)
+            r = (
+                httpx.post(f"{base}/stats/reset", timeout=5)
+                if reset
+                else httpx.get(f"{base}/stats", timeout=5)
+            )
             return dict(r.json())
         except (httpx.HTTPError, ValueError):
             return None
 
     sim_stats(reset=True)
-    results, wall = asyncio.run(run_load(target, planned, timeout_s=args.timeout, max_inflight=args.max_inflight,
-                                         seed=args.seed, progress=progress))
+    results, wall = asyncio.run(
+        run_load(
+            target,
+            planned,
+            timeout_s=args.timeout,
+            max_inflight=args.max_inflight,
+            seed=args.seed,
+            progress=progress,
+        )
+    )
     summary = summarize(results, wall, slo_ttft, slo_tpot)
     sim = sim_stats(reset=False)
     if sim is not None:
         summary["simulator"] = sim
     print(format_summary(summary))
     if sim is not None and not sim.get("trustworthy", True):
-        print(f"WARNING: the simulator's event loop lagged {sim['loop_lag_max_s'] * 1000:.0f} ms "
-              f"(threshold {sim['loop_lag_threshold_s'] * 1000:.0f} ms): timings are untrustworthy")
+        print(
+            f"WARNING: the simulator's event loop lagged {sim['loop_lag_max_s'] * 1000:.0f} ms "
+            f"(threshold {sim['loop_lag_threshold_s'] * 1000:.0f} ms): timings are untrustworthy"
+        )
     out = {
-        "target": {"url": target.url, "prefill_urls": target.prefill_urls, "decode_urls": target.decode_urls,
-                   "endpoint": target.path, "model": model},
-        "workload": {"arrival": args.arrival, "rate": args.rate, "num_requests": args.num_requests,
-                     "duration_s": args.duration, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "trace": args.trace, "seed": args.seed},
+        "target": {
+            "url": target.url,
+            "prefill_urls": target.prefill_urls,
+            "decode_urls": target.decode_urls,
+            "endpoint": target.path,
+            "model": model,
+        },
+        "workload": {
+            "arrival": args.arrival,
+            "rate": args.rate,
+            "num_requests": args.num_requests,
+            "duration_s": args.duration,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "trace": args.trace,
+            "seed": args.seed,
+        },
         "summary": summary,
         "requests": [r.to_dict() for r in results],
     }

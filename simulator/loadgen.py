@@ -55,8 +55,10 @@ class Progress:
     def render(self) -> str:
         frac = self.done / self.total
         bar = "#" * int(frac * self.width)
-        return (f"[{bar:<{self.width}s}] {self.done}/{self.total} done  {self.sent} sent  "
-                f"{self.failed} failed  {time.perf_counter() - self._start:6.1f}s")
+        return (
+            f"[{bar:<{self.width}s}] {self.done}/{self.total} done  {self.sent} sent  "
+            f"{self.failed} failed  {time.perf_counter() - self._start:6.1f}s"
+        )
 
     def update(self, final: bool = False) -> None:
         if self.tty:
@@ -84,8 +86,13 @@ class _Run:
 
 def _body(target: Target, p: Planned) -> dict[str, Any]:
     words = " ".join(["hi"] * max(1, p.prompt_tokens - (4 if target.chat else 0)))
-    body: dict[str, Any] = {"model": target.model, "max_tokens": p.output_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": p.output_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     if target.chat:
         body["messages"] = [{"role": "user", "content": words}]
     else:
@@ -119,16 +126,32 @@ async def _one(run: _Run, index: int, p: Planned) -> None:
             run.progress.failed += 0 if res.ok else 1
 
 
-async def _exchange(run: _Run, target: Target, index: int, res: RequestResult, body: dict[str, Any],
-                    headers: dict[str, str], t_send: float) -> None:
+async def _exchange(
+    run: _Run,
+    target: Target,
+    index: int,
+    res: RequestResult,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    t_send: float,
+) -> None:
     now = time.perf_counter
     if target.direct:
         url = target.decode_urls[index % len(target.decode_urls)] + target.path
         prefill_url = target.prefill_urls[index % len(target.prefill_urls)] + target.path
         pbody = {k: v for k, v in body.items() if k != "stream_options"}
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        pbody.update(
+            stream=False,
+            max_tokens=1,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
         async with run.client.post(prefill_url, pbody, headers) as presp:
             pdata = await presp.json()
         if presp.status_code != 200:
@@ -178,9 +201,16 @@ async def _exchange(run: _Run, target: Target, index: int, res: RequestResult, b
             res.error = "stream ended early"
 
 
-async def run_load(target: Target, planned: list[Planned], *, timeout_s: float = 60.0, max_inflight: int = 1024,
-                   seed: int = 0, progress: Progress | None = None,
-                   on_start: Callable[[], None] | None = None) -> tuple[list[RequestResult], float]:
+async def run_load(
+    target: Target,
+    planned: list[Planned],
+    *,
+    timeout_s: float = 60.0,
+    max_inflight: int = 1024,
+    seed: int = 0,
+    progress: Progress | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send ``planned`` open-loop; return per-request results (in index order) and wall time."""
     client = Pool(max_idle=max_inflight)
     try:
@@ -194,8 +224,17 @@ async def run_load(target: Target, planned: list[Planned], *, timeout_s: float =
             if delay > 0:
                 await asyncio.sleep(delay)
             if run.inflight >= max_inflight:
-                run.results.append(RequestResult(i, f"load-{seed}-{i}", p.at, time.perf_counter() - run.start,
-                                                 p.prompt_tokens, p.output_tokens, error="dropped: max in-flight"))
+                run.results.append(
+                    RequestResult(
+                        i,
+                        f"load-{seed}-{i}",
+                        p.at,
+                        time.perf_counter() - run.start,
+                        p.prompt_tokens,
+                        p.output_tokens,
+                        error="dropped: max in-flight",
+                    )
+                )
                 if progress:
                     progress.done += 1
                     progress.failed += 1

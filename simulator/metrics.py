@@ -31,11 +31,74 @@ from simulator.model import FINISH_REASONS, STAGES, SimRequest, Transfer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-REQUEST_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0]
-TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-        80.0, 160.0, 640.0, 2560.0]
-ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+TTFT = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 ITERATION_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 PARAMS_N = [1, 2, 5, 10, 20]
 NUM_PREEMPTIONS = [1, 2, 3, 4, 5, 10, 20]
@@ -43,7 +106,29 @@ NIXL_XFER = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0
 NIXL_POST = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 NIXL_BYTES = [float(2 ** (10 + i)) for i in range(1, 25, 2)]
 NIXL_DESCRIPTORS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
-HTTP_HIGHR = [0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5, 10, 30, 60]
+HTTP_HIGHR = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    1.5,
+    2,
+    2.5,
+    3,
+    3.5,
+    4,
+    4.5,
+    5,
+    7.5,
+    10,
+    30,
+    60,
+]
 HTTP_FEW = [0.1, 0.5, 1]
 
 _NIXL = "NIXL KV Cache transfers."
@@ -52,16 +137,35 @@ _HTTP_TAIL = "Only value of header is respected. Otherwise ignored. No percentil
 
 # cache_config_info labels as vLLM 0.32 exposes them; the ones the simulator models are overridden.
 _CACHE_CONFIG = {
-    "_block_size_resolved": "True", "cache_dtype": "auto", "cache_hit_alignment_tokens": "None",
-    "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": "True",
-    "gpu_memory_utilization": "0.92", "hash_block_size": "None", "is_attention_free": "False",
-    "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None", "kv_offloading_backend": "native",
-    "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False", "mamba_block_size": "None",
-    "mamba_cache_dtype": "auto", "mamba_cache_mode": "none", "mamba_page_size_padded": "None",
-    "mamba_ssm_cache_dtype": "float32", "num_cpu_blocks": "None", "num_gpu_blocks_override": "None",
-    "prefix_cache_retention_interval": "0", "prefix_caching_hash_algo": "sha256", "prefix_match_unit": "None",
-    "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
-    "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+    "_block_size_resolved": "True",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.92",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "float32",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "0",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "16",
+    "skip_page_size_padded": "None",
+    "sliding_window": "None",
+    "swa_bounded_replay": "True",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
     "user_specified_block_size": "False",
 }
 
@@ -82,7 +186,9 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
 class VllmMetrics:
     """Prometheus families of one instance, and the engine observer that feeds them."""
 
-    def __init__(self, model_name: str, cfg: SimulatorConfig, kv_bytes_per_token: int, engine: str = "0") -> None:
+    def __init__(
+        self, model_name: str, cfg: SimulatorConfig, kv_bytes_per_token: int, engine: str = "0"
+    ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=False)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
             r.register(collector)
@@ -99,11 +205,18 @@ class VllmMetrics:
         def gauge(name: str, doc: str) -> Any:
             return Gauge(name, doc, base, registry=r).labels(*lv)
 
-        self.nixl_xfer = hist("vllm:nixl_xfer_time_seconds", f"Histogram of transfer duration for {_NIXL}", NIXL_XFER)
-        self.nixl_post = hist("vllm:nixl_post_time_seconds", f"Histogram of transfer post time for {_NIXL}", NIXL_POST)
-        self.nixl_bytes = hist("vllm:nixl_bytes_transferred", f"Histogram of bytes transferred per {_NIXL}", NIXL_BYTES)
+        self.nixl_xfer = hist(
+            "vllm:nixl_xfer_time_seconds", f"Histogram of transfer duration for {_NIXL}", NIXL_XFER
+        )
+        self.nixl_post = hist(
+            "vllm:nixl_post_time_seconds", f"Histogram of transfer post time for {_NIXL}", NIXL_POST
+        )
+        self.nixl_bytes = hist(
+            "vllm:nixl_bytes_transferred", f"Histogram of bytes transferred per {_NIXL}", NIXL_BYTES
+        )
         self.nixl_desc = hist(
-            "vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL  KV Cache transfers.",
+            "vllm:nixl_num_descriptors",
+            "Histogram of number of descriptors per NIXL  KV Cache transfers.",
             NIXL_DESCRIPTORS,
         )
         self.nixl_failed = counter(
@@ -126,17 +239,26 @@ class VllmMetrics:
             "their KV lease expired. The KV blocks may have been reused before the transfer finished. "
             "Counted per notification (one per remote rank), not per request.",
         )
-        counter("vllm:estimated_flops_per_gpu", f"Estimated number of floating point operations per GPU {_MFU}")
-        counter("vllm:estimated_read_bytes_per_gpu", f"Estimated number of bytes read from memory per GPU {_MFU}")
-        counter("vllm:estimated_write_bytes_per_gpu", f"Estimated number of bytes written to memory per GPU {_MFU}")
+        counter(
+            "vllm:estimated_flops_per_gpu", f"Estimated number of floating point operations per GPU {_MFU}"
+        )
+        counter(
+            "vllm:estimated_read_bytes_per_gpu", f"Estimated number of bytes read from memory per GPU {_MFU}"
+        )
+        counter(
+            "vllm:estimated_write_bytes_per_gpu",
+            f"Estimated number of bytes written to memory per GPU {_MFU}",
+        )
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         by_reason = Gauge(
             "vllm:num_requests_waiting_by_reason",
-            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "Number of waiting requests by reason. Reason labels: "
+            "'capacity' = waiting for scheduling capacity; "
             "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
             "Sum of all reasons equals vllm:num_requests_waiting.",
-            [*base, "reason"], registry=r,
+            [*base, "reason"],
+            registry=r,
         )
         self.waiting_capacity = by_reason.labels(*lv, "capacity")
         self.waiting_deferred = by_reason.labels(*lv, "deferred")
@@ -145,125 +267,198 @@ class VllmMetrics:
             "Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = needs an "
             "async KV load that has not started; 'in_progress' = load started and not yet reported finished; "
             "'completed_waiting' = load finished, request not running yet.",
-            [*base, "stage"], registry=r,
+            [*base, "stage"],
+            registry=r,
         )
         self.stages = {stage: by_stage.labels(*lv, stage) for stage in STAGES}
         sleep = Gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
             "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
-            [*base, "sleep_state"], registry=r,
+            [*base, "sleep_state"],
+            registry=r,
         )
         sleep.labels(*lv, "awake").set(1)
         sleep.labels(*lv, "weights_offloaded")
         sleep.labels(*lv, "discard_all")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
         counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.ext_queries = counter(
             "vllm:external_prefix_cache_queries",
-            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number "
-            "of queried tokens.",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
         )
         self.ext_hits = counter(
             "vllm:external_prefix_cache_hits",
-            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
-            "cached tokens.",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
         )
         counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
         counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*base, "source"], registry=r)
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*base, "source"],
+            registry=r,
+        )
         self.src_local = by_source.labels(*lv, "local_compute")
         by_source.labels(*lv, "local_cache_hit")
         self.src_external = by_source.labels(*lv, "external_kv_transfer")
-        self.cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
+        self.cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         cached_by = Counter(
             "vllm:prompt_tokens_cached_by_source",
-            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded "
-            "to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at "
-            "admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
-            [*base, "source"], registry=r,
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; "
+            "sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
+            [*base, "source"],
+            registry=r,
         )
-        cached_children = {s: cached_by.labels(*lv, s) for s in ("device", "host", "p2p", "disk", "external_unspecified")}
+        cached_children = {
+            s: cached_by.labels(*lv, s) for s in ("device", "host", "p2p", "disk", "external_unspecified")
+        }
         self.cached_p2p = cached_children["p2p"]
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.", [*base, "finished_reason"],
-            registry=r)
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*base, "finished_reason"],
+            registry=r,
+        )
         self.success = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
         rejections = Counter(
-            "vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by reason.",
-            ["model_name", "reason"], registry=r)
-        self.rejections = {reason: rejections.labels(model_name, reason)
-                           for reason in ("max_num_queued_reqs", "max_num_queued_tokens")}
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.rejections = {
+            reason: rejections.labels(model_name, reason)
+            for reason in ("max_num_queued_reqs", "max_num_queued_tokens")
+        }
         tokens = build_1_2_5_buckets(cfg.max_model_len)
         self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.req_generation = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.req_generation = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
         self.iteration = hist(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS)
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS
+        )
         self.max_gen = hist(
             "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", tokens)
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
         self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N)
         self.params_max_tokens = hist(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL)
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL
+        )
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", ITL)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY)
-        self.queue = hist("vllm:request_queue_time_seconds",
-                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY)
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY)
-        self.prefill = hist("vllm:request_prefill_time_seconds",
-                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY)
-        self.decode = hist("vllm:request_decode_time_seconds",
-                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY)
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY,
+        )
+        self.queue = hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY,
+        )
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY,
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY,
+        )
+        self.decode = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY,
+        )
         self.req_preemptions = hist(
-            "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
-            NUM_PREEMPTIONS)
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            NUM_PREEMPTIONS,
+        )
         self.kv_computed = hist(
             "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
+        )
         tokens_total = cfg.kv_capacity_blocks * cfg.block_size
         info = dict(_CACHE_CONFIG)
         info.update(
-            block_size=str(cfg.block_size), effective_attention_block_size=str(cfg.block_size), engine=engine,
-            num_gpu_blocks=str(cfg.kv_capacity_blocks), kv_cache_size_tokens=str(tokens_total),
+            block_size=str(cfg.block_size),
+            effective_attention_block_size=str(cfg.block_size),
+            engine=engine,
+            num_gpu_blocks=str(cfg.kv_capacity_blocks),
+            kv_cache_size_tokens=str(tokens_total),
             kv_cache_memory_bytes=str(tokens_total * kv_bytes_per_token),
             kv_cache_max_concurrency=str(float(tokens_total) / cfg.max_model_len),
         )
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info),
-              registry=r).labels(**info).set(1)
+        Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=r
+        ).labels(**info).set(1)
         self._http_requests = Counter(
-            "http_requests_total", "Total number of requests by method, status and handler.",
-            ["method", "status", "handler"], registry=r)
+            "http_requests_total",
+            "Total number of requests by method, status and handler.",
+            ["method", "status", "handler"],
+            registry=r,
+        )
         self._http_req_size = Summary(
-            "http_request_size_bytes", f"Content length of incoming requests by handler. {_HTTP_TAIL}",
-            ["handler"], registry=r)
+            "http_request_size_bytes",
+            f"Content length of incoming requests by handler. {_HTTP_TAIL}",
+            ["handler"],
+            registry=r,
+        )
         self._http_resp_size = Summary(
-            "http_response_size_bytes", f"Content length of outgoing responses by handler. {_HTTP_TAIL}",
-            ["handler"], registry=r)
+            "http_response_size_bytes",
+            f"Content length of outgoing responses by handler. {_HTTP_TAIL}",
+            ["handler"],
+            registry=r,
+        )
         self._http_highr = Histogram(
             "http_request_duration_highr_seconds",
             "Latency with many buckets but no API specific labels. Made for more accurate percentile "
-            "calculations. ", buckets=HTTP_HIGHR, registry=r)
+            "calculations. ",
+            buckets=HTTP_HIGHR,
+            registry=r,
+        )
         self._http_duration = Histogram(
             "http_request_duration_seconds",
             "Latency with only few buckets by handler. Made to be only used if aggregation by handler is "
-            "important. ", ["method", "handler"], buckets=HTTP_FEW, registry=r)
+            "important. ",
+            ["method", "handler"],
+            buckets=HTTP_FEW,
+            registry=r,
+        )
 
     # -- HTTP (prometheus-fastapi-instrumentator's families) ---------------------------
 
-    def http_request(self, handler: str, method: str, status: int, req_bytes: int, resp_bytes: int,
-                     seconds: float) -> None:
+    def http_request(
+        self, handler: str, method: str, status: int, req_bytes: int, resp_bytes: int, seconds: float
+    ) -> None:
         self._http_requests.labels(method, f"{status // 100}xx", handler).inc()
         self._http_req_size.labels(handler).observe(req_bytes)
         self._http_resp_size.labels(handler).observe(resp_bytes)
@@ -349,4 +544,3 @@ class VllmMetrics:
 
     def notification_after_expiry(self) -> None:
         self.nixl_after_expiry.inc()
-

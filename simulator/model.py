@@ -16,7 +16,13 @@ logger = logging.getLogger(__name__)
 
 STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-_REQUIRED_REMOTE_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REQUIRED_REMOTE_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,13 @@ def serve_fleet(
     kv_bytes = cfg.kv_bytes(kv_bytes_per_token or LLAMA3_70B_KV_BYTES_PER_TOKEN)
 
     async def main() -> None:
-        fleet = Fleet([InstanceSpec(r, n, h, p) for r, n, h, p in specs], model_name=model_name,
-                      kv_bytes_per_token=kv_bytes, cfg=cfg, otlp_endpoint=otlp_endpoint)
+        fleet = Fleet(
+            [InstanceSpec(r, n, h, p) for r, n, h, p in specs],
+            model_name=model_name,
+            kv_bytes_per_token=kv_bytes,
+            cfg=cfg,
+            otlp_endpoint=otlp_endpoint,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

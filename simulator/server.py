@@ -32,9 +32,48 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-_VOCAB = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by",
-          "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "had",
-          "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there")
+_VOCAB = (
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "a",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "had",
+    "they",
+    "you",
+    "were",
+    "their",
+    "one",
+    "all",
+    "we",
+    "can",
+    "her",
+    "has",
+    "there",
+)
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 _KEPT_HEADERS = frozenset((b"x-request-id", *_TRACE_HEADERS))  # read from each request
 # prometheus-fastapi-instrumentator as vLLM configures it: these handlers are not metered,
@@ -48,7 +87,9 @@ class ClientDisconnected(Exception):
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None):
+    def __init__(
+        self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None
+    ):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
@@ -116,12 +157,18 @@ class InstanceApp:
             if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
                 body = await _read_body(receive)
                 req_bytes = len(body)
-                await self._generate(scope, body, receive, metered_send, chat=path.endswith("chat/completions"))
+                await self._generate(
+                    scope, body, receive, metered_send, chat=path.endswith("chat/completions")
+                )
             elif path in ("/health", "/ping") and method == "GET":
                 await _respond(metered_send, 200, b"", [])
             elif path == "/metrics" and method == "GET":
-                await _respond(metered_send, 200, self.inst.metrics.render(self.inst.engine.gauges()),
-                               [(b"content-type", CONTENT_TYPE.encode())])
+                await _respond(
+                    metered_send,
+                    200,
+                    self.inst.metrics.render(self.inst.engine.gauges()),
+                    [(b"content-type", CONTENT_TYPE.encode())],
+                )
             elif path == "/v1/models" and method == "GET":
                 await _json(metered_send, 200, self._models())
             elif path == "/version" and method == "GET":
@@ -133,21 +180,47 @@ class InstanceApp:
         except ClientDisconnected:
             return
         if path not in _UNMETERED:
-            self.inst.metrics.http_request(path if path in _ROUTES else "none", method, sent["status"], req_bytes,
-                                           sent["bytes"], time.perf_counter() - started)
+            self.inst.metrics.http_request(
+                path if path in _ROUTES else "none",
+                method,
+                sent["status"],
+                req_bytes,
+                sent["bytes"],
+                time.perf_counter() - started,
+            )
 
     def _models(self) -> dict[str, Any]:
         inst = self.inst
-        return {"object": "list", "data": [{
-            "id": inst.model_name, "object": "model", "created": inst.created, "owned_by": "vllm",
-            "root": inst.model_name, "parent": None, "max_model_len": inst.cfg.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.UUID(int=inst.rng.getrandbits(128)).hex}", "object": "model_permission",
-                "created": inst.created, "allow_create_engine": False, "allow_sampling": True,
-                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
-            }],
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": inst.model_name,
+                    "object": "model",
+                    "created": inst.created,
+                    "owned_by": "vllm",
+                    "root": inst.model_name,
+                    "parent": None,
+                    "max_model_len": inst.cfg.max_model_len,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.UUID(int=inst.rng.getrandbits(128)).hex}",
+                            "object": "model_permission",
+                            "created": inst.created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }
 
     # -- generation ----------------------------------------------------------------
 
@@ -181,11 +254,15 @@ class InstanceApp:
             raise BadRequest(
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, you requested "
                 f"{prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the messages, "
-                f"{max_tokens or 0} in the completion).", param="max_tokens")
+                f"{max_tokens or 0} in the completion).",
+                param="max_tokens",
+            )
         if inst.engine.blocks_for(prompt_tokens + (max_tokens or 1)) > cfg.kv_capacity_blocks:
             raise BadRequest(
                 f"The request needs {prompt_tokens + (max_tokens or 1)} tokens of KV cache but this instance "
-                f"holds {cfg.kv_capacity_blocks * cfg.block_size}.", param="max_tokens")
+                f"holds {cfg.kv_capacity_blocks * cfg.block_size}.",
+                param="max_tokens",
+            )
         kv = data.get("kv_transfer_params")
         kv = kv if isinstance(kv, dict) else None
         do_remote_decode = bool(kv and kv.get("do_remote_decode")) and inst.role == "prefill"
@@ -246,8 +323,9 @@ class InstanceApp:
             reason = "max_num_queued_tokens"
         if reason is not None:
             self.inst.metrics.rejections[reason].inc()
-            raise BadRequest(f"The server is overloaded ({reason} reached); retry later.", 503,
-                             "ServiceUnavailableError")
+            raise BadRequest(
+                f"The server is overloaded ({reason} reached); retry later.", 503, "ServiceUnavailableError"
+            )
 
     async def _watch_disconnect(self, receive: Receive, req: SimRequest) -> None:
         """Abort the request when the client goes away, as vLLM does."""
@@ -263,7 +341,11 @@ class InstanceApp:
         return "".join(" " + _VOCAB[(h + i * 7) % len(_VOCAB)] for i in range(start, end))
 
     def _kv_out(self, req: SimRequest) -> dict[str, Any] | None:
-        if not req.do_remote_decode or req.finish_reason not in ("length", "stop") or not req.leased_block_ids:
+        if (
+            not req.do_remote_decode
+            or req.finish_reason not in ("length", "stop")
+            or not req.leased_block_ids
+        ):
             return None
         return self.inst.kv_transfer_params(req.internal_id, list(req.leased_block_ids), req.prompt_tokens)
 
@@ -274,45 +356,94 @@ class InstanceApp:
         return [(b"x-request-id", base.encode("latin-1"))]
 
     def _usage(self, req: SimRequest) -> dict[str, Any]:
-        return {"completion_tokens": req.generated, "completion_tokens_details": None,
-                "prompt_tokens": req.prompt_tokens, "prompt_tokens_details": None,
-                "total_tokens": req.prompt_tokens + req.generated}
+        return {
+            "completion_tokens": req.generated,
+            "completion_tokens_details": None,
+            "prompt_tokens": req.prompt_tokens,
+            "prompt_tokens_details": None,
+            "total_tokens": req.prompt_tokens + req.generated,
+        }
 
     async def _complete(self, req: SimRequest, send: Send, chat: bool, rid: str, created: int) -> None:
         if req.finish_reason in ("error", "abort"):
             status = 500
-            await _json(send, status, _error_body(
-                f"Request {req.request_id} failed: finish_reason={req.finish_reason}", status,
-                "InternalServerError"))
+            await _json(
+                send,
+                status,
+                _error_body(
+                    f"Request {req.request_id} failed: finish_reason={req.finish_reason}",
+                    status,
+                    "InternalServerError",
+                ),
+            )
             return
         text = self._text(req, 0, req.generated)
         inst = self.inst
-        common: dict[str, Any] = {"finish_reason": req.finish_reason, "index": 0, "logprobs": None,
-                                  "routed_experts": None, "stop_reason": None, "token_ids": None}
+        common: dict[str, Any] = {
+            "finish_reason": req.finish_reason,
+            "index": 0,
+            "logprobs": None,
+            "routed_experts": None,
+            "stop_reason": None,
+            "token_ids": None,
+        }
         if chat:
-            choice = {**common, "message": {"annotations": None, "audio": None, "content": text,
-                                            "function_call": None, "reasoning": None, "refusal": None,
-                                            "role": "assistant"}}
+            choice = {
+                **common,
+                "message": {
+                    "annotations": None,
+                    "audio": None,
+                    "content": text,
+                    "function_call": None,
+                    "reasoning": None,
+                    "refusal": None,
+                    "role": "assistant",
+                },
+            }
         else:
             choice = {**common, "prompt_logprobs": None, "prompt_token_ids": None, "text": text}
         body: dict[str, Any] = {
-            "choices": [choice], "created": created, "ec_transfer_params": None, "id": rid,
-            "kv_transfer_params": self._kv_out(req), "metrics": None, "model": inst.model_name,
-            "object": "chat.completion" if chat else "text_completion", "service_tier": None,
-            "system_fingerprint": inst.system_fingerprint, "usage": self._usage(req),
+            "choices": [choice],
+            "created": created,
+            "ec_transfer_params": None,
+            "id": rid,
+            "kv_transfer_params": self._kv_out(req),
+            "metrics": None,
+            "model": inst.model_name,
+            "object": "chat.completion" if chat else "text_completion",
+            "service_tier": None,
+            "system_fingerprint": inst.system_fingerprint,
+            "usage": self._usage(req),
         }
         if chat:
             body.update(prompt_logprobs=None, prompt_text=None, prompt_token_ids=None)
         await _respond(send, 200, _dumps(body).encode(), _JSON + self._id_header(rid))
 
-    async def _stream(self, req: SimRequest, event: asyncio.Event, send: Send, chat: bool, rid: str,
-                      created: int, include_usage: bool) -> None:
+    async def _stream(
+        self,
+        req: SimRequest,
+        event: asyncio.Event,
+        send: Send,
+        chat: bool,
+        rid: str,
+        created: int,
+        include_usage: bool,
+    ) -> None:
         model = self.inst.model_name
         obj = "chat.completion.chunk" if chat else "text_completion"
         await send({"type": "http.response.start", "status": 200, "headers": _SSE + self._id_header(rid)})
         # the part every chunk shares, serialised once; chunks only add their choice
-        head = ('data: {"id":' + _dumps(rid) + ',"object":"' + obj + '","created":' + str(created)
-                + ',"model":' + _dumps(model) + ',"choices":[').encode()
+        head = (
+            'data: {"id":'
+            + _dumps(rid)
+            + ',"object":"'
+            + obj
+            + '","created":'
+            + str(created)
+            + ',"model":'
+            + _dumps(model)
+            + ',"choices":['
+        ).encode()
         sent = 0
 
         async def chunk(body: bytes) -> None:
@@ -321,15 +452,20 @@ class InstanceApp:
         if chat:
             await event.wait()  # vLLM sends the role with the first output
             if not req.finish_reason or req.generated:
-                await chunk(head + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
-                                   b'"finish_reason":null}]}\n\n')
+                await chunk(
+                    head + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+                    b'"finish_reason":null}]}\n\n'
+                )
         while True:
             await event.wait()
             event.clear()
             done = req.finished
             if req.finish_reason in ("error", "abort"):
-                error = _error_body(f"Request {req.request_id} failed: finish_reason={req.finish_reason}", 500,
-                                    "InternalServerError")
+                error = _error_body(
+                    f"Request {req.request_id} failed: finish_reason={req.finish_reason}",
+                    500,
+                    "InternalServerError",
+                )
                 await chunk(b"data: " + _dumps(error).encode() + b"\n\n")
                 break
             new = req.generated
@@ -338,10 +474,14 @@ class InstanceApp:
                 sent = new
                 finish = _dumps(req.finish_reason) if done else "null"
                 if chat:
-                    choice = f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{finish}}}'
+                    choice = (
+                        f'{{"index":0,"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{finish}}}'
+                    )
                 else:
-                    choice = (f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{finish},'
-                              f'"stop_reason":null}}')
+                    choice = (
+                        f'{{"index":0,"text":{text},"logprobs":null,"finish_reason":{finish},'
+                        f'"stop_reason":null}}'
+                    )
                 tail = f',"kv_transfer_params":{_dumps(self._kv_out(req))}' if done else ""
                 await chunk(head + choice.encode() + b"]" + tail.encode() + b"}\n\n")
             if done:

@@ -47,8 +47,14 @@ DEFAULT_MODEL = "sim-llama-70b"
 class RunningFleet:
     """Handle on a fleet running in a background thread (see module docstring)."""
 
-    def __init__(self, fleet: Fleet, loop: asyncio.AbstractEventLoop, params: dict[str, Any],
-                 kv_bytes_per_token: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        loop: asyncio.AbstractEventLoop,
+        params: dict[str, Any],
+        kv_bytes_per_token: int,
+        timeout_s: float,
+    ) -> None:
         self.fleet = fleet
         self.loop = loop
         self.params = params

@@ -28,19 +28,30 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class SpanEmitter:
-    def __init__(self, service_name: str, endpoint: str | None = None, exporter: SpanExporter | None = None) -> None:
-        resource = Resource.create({"service.name": service_name, "vllm.instrumenting_module_name": "vllm.llm_engine",
-                                    "vllm.process_id": str(os.getpid())})
+    def __init__(
+        self, service_name: str, endpoint: str | None = None, exporter: SpanExporter | None = None
+    ) -> None:
+        resource = Resource.create(
+            {
+                "service.name": service_name,
+                "vllm.instrumenting_module_name": "vllm.llm_engine",
+                "vllm.process_id": str(os.getpid()),
+            }
+        )
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("vllm.tracing.otel")
 
-    def emit(self, req: SimRequest, wall_offset: float, carrier: dict[str, str], params: dict[str, Any]) -> None:
+    def emit(
+        self, req: SimRequest, wall_offset: float, carrier: dict[str, str], params: dict[str, Any]
+    ) -> None:
         """Record ``req``'s span; ``wall_offset`` maps the engine's monotonic clock to epoch seconds."""
         ctx = _PROPAGATOR.extract(carrier) if carrier else None
         start_ns = int((req.arrival + wall_offset) * 1e9)
         end = req.finished_ts if req.finished_ts is not None else req.arrival
-        span = self.tracer.start_span(semconv.VLLM_SPAN, context=ctx, kind=SpanKind.SERVER, start_time=start_ns)
+        span = self.tracer.start_span(
+            semconv.VLLM_SPAN, context=ctx, kind=SpanKind.SERVER, start_time=start_ns
+        )
         first = req.first_token_ts
         last = req.last_token_ts or first
         sched = req.scheduled_ts
@@ -58,10 +69,12 @@ class SpanEmitter:
                 attrs[semconv.GEN_AI_PREFILL] = first - sched
                 attrs[semconv.GEN_AI_DECODE] = last - first
                 attrs[semconv.GEN_AI_INFERENCE] = last - sched
-        for key, attr, default in (("top_p", semconv.GEN_AI_TOP_P, 1.0),
-                                   ("temperature", semconv.GEN_AI_TEMPERATURE, 1.0),
-                                   ("max_tokens", semconv.GEN_AI_MAX_TOKENS, req.max_tokens),
-                                   ("n", semconv.GEN_AI_N, 1)):
+        for key, attr, default in (
+            ("top_p", semconv.GEN_AI_TOP_P, 1.0),
+            ("temperature", semconv.GEN_AI_TEMPERATURE, 1.0),
+            ("max_tokens", semconv.GEN_AI_MAX_TOKENS, req.max_tokens),
+            ("n", semconv.GEN_AI_N, 1),
+        ):
             value = params.get(key, default)
             if key == "max_tokens":
                 value = req.max_tokens

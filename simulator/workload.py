@@ -42,7 +42,9 @@ class LengthDist:
             return cls("uniform", nums[0], nums[1])
         if kind == "lognormal" and len(nums) == 2 and nums[0] >= 1 and nums[1] >= 0:
             return cls("lognormal", nums[0], nums[1])
-        raise ValueError(f"bad length distribution {text!r}: use fixed:N, uniform:LO,HI or lognormal:MEDIAN,SIGMA")
+        raise ValueError(
+            f"bad length distribution {text!r}: use fixed:N, uniform:LO,HI or lognormal:MEDIAN,SIGMA"
+        )
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
@@ -59,8 +61,9 @@ class Planned:
     output_tokens: int
 
 
-def arrival_times(pattern: str, rate: float, n: int, duration_s: float, rng: random.Random,
-                  burst: int = 10) -> list[float]:
+def arrival_times(
+    pattern: str, rate: float, n: int, duration_s: float, rng: random.Random, burst: int = 10
+) -> list[float]:
     """Send times (seconds from start), at most ``n`` and all before ``duration_s``."""
     if rate <= 0:
         raise ValueError("rate must be positive")
@@ -84,8 +87,16 @@ def arrival_times(pattern: str, rate: float, n: int, duration_s: float, rng: ran
     return out
 
 
-def plan(pattern: str, rate: float, n: int, duration_s: float, prompt: LengthDist, output: LengthDist,
-         seed: int, burst: int = 10) -> list[Planned]:
+def plan(
+    pattern: str,
+    rate: float,
+    n: int,
+    duration_s: float,
+    prompt: LengthDist,
+    output: LengthDist,
+    seed: int,
+    burst: int = 10,
+) -> list[Planned]:
     rng = random.Random(seed)
     times = arrival_times(pattern, rate, n, duration_s, rng, burst)
     return [Planned(t, prompt.sample(rng), output.sample(rng)) for t in times]
@@ -139,15 +150,21 @@ class RequestResult:
         return {**asdict(self), "tpot_s": self.tpot_s}
 
 
-def summarize(results: list[RequestResult], wall_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], wall_s: float, slo_ttft_s: float, slo_tpot_s: float
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    meets = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft_s
-             and (r.tpot_s is None or r.tpot_s <= slo_tpot_s)]
+    meets = [
+        r
+        for r in ok
+        if r.ttft_s is not None and r.ttft_s <= slo_ttft_s and (r.tpot_s is None or r.tpot_s <= slo_tpot_s)
+    ]
     wall = max(wall_s, 1e-9)
 
     def pcts(values: list[float]) -> dict[str, float | None]:
         return {f"p{q:g}": percentile(values, q) for q in (50, 90, 95, 99)} | {
-            "mean": (sum(values) / len(values)) if values else None}
+            "mean": (sum(values) / len(values)) if values else None
+        }
 
     errors: dict[str, int] = {}
     for r in results:
@@ -185,8 +202,10 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "e2e")):
         p = s[key]
-        lines.append(f"{label:8s} {ms(p['p50']):>9s} {ms(p['p90']):>9s} {ms(p['p95']):>9s} {ms(p['p99']):>9s} "
-                     f"{ms(p['mean']):>9s}")
+        lines.append(
+            f"{label:8s} {ms(p['p50']):>9s} {ms(p['p90']):>9s} {ms(p['p95']):>9s} {ms(p['p99']):>9s} "
+            f"{ms(p['mean']):>9s}"
+        )
     if s["errors"]:
         lines.append("errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())))
     return "\n".join(lines)

@@ -79,8 +79,10 @@ class Spec:
         stored = set(self.stored_columns)
         for name, cols in (("window", self.window), ("watch", self.watch)):
             if not set(cols) <= stored:
-                raise ValueError(f"{self.family}: {name} names {sorted(set(cols) - stored)}, "
-                                 f"not among its columns {sorted(stored)}")
+                raise ValueError(
+                    f"{self.family}: {name} names {sorted(set(cols) - stored)}, "
+                    f"not among its columns {sorted(stored)}"
+                )
         if self.watch and not self.counter:
             raise ValueError(f"{self.family}: only counters can be watched for resets")
 
@@ -99,7 +101,9 @@ class Spec:
         return (f"{self.column}_sum", f"{self.column}_count") if self.column else ()
 
 
-def _hist(family: str, prefix: str | None, *, window: tuple[str, ...] = (), watch: tuple[str, ...] = ()) -> Spec:
+def _hist(
+    family: str, prefix: str | None, *, window: tuple[str, ...] = (), watch: tuple[str, ...] = ()
+) -> Spec:
     return Spec(family, "histogram", column=prefix, buckets=True, window=window, watch=watch)
 
 
@@ -125,9 +129,20 @@ SPECS: tuple[Spec, ...] = (
         ),
         window=("kv_fetch_waiting_to_start", "kv_fetch_in_progress", "kv_fetch_completed_waiting"),
     ),
-    Spec("vllm:prompt_tokens_total", "scalar", "prompt_tokens", window=("prompt_tokens",), watch=("prompt_tokens",)),
-    Spec("vllm:generation_tokens_total", "scalar", "generation_tokens", window=("generation_tokens",),
-         watch=("generation_tokens",)),
+    Spec(
+        "vllm:prompt_tokens_total",
+        "scalar",
+        "prompt_tokens",
+        window=("prompt_tokens",),
+        watch=("prompt_tokens",),
+    ),
+    Spec(
+        "vllm:generation_tokens_total",
+        "scalar",
+        "generation_tokens",
+        window=("generation_tokens",),
+        watch=("generation_tokens",),
+    ),
     Spec(
         "vllm:prompt_tokens_by_source_total",
         "labelled",
@@ -156,7 +171,13 @@ SPECS: tuple[Spec, ...] = (
             ("error", "requests_error"),
             ("repetition", "requests_repetition"),
         ),
-        window=("requests_stop", "requests_length", "requests_abort", "requests_error", "requests_repetition"),
+        window=(
+            "requests_stop",
+            "requests_length",
+            "requests_abort",
+            "requests_error",
+            "requests_repetition",
+        ),
         watch=("requests_length", "requests_stop"),
     ),
     Spec(
@@ -179,14 +200,28 @@ SPECS: tuple[Spec, ...] = (
     _hist(HIST_TPOT, None),
     _hist("vllm:request_prompt_tokens", None),
     _hist("vllm:request_generation_tokens", None),
-    _hist(HIST_NIXL_XFER, "nixl_xfer_time", window=("nixl_xfer_time_sum", "nixl_xfer_time_count"),
-          watch=("nixl_xfer_time_count",)),
+    _hist(
+        HIST_NIXL_XFER,
+        "nixl_xfer_time",
+        window=("nixl_xfer_time_sum", "nixl_xfer_time_count"),
+        watch=("nixl_xfer_time_count",),
+    ),
     _hist(HIST_NIXL_POST, "nixl_post_time"),
     _hist(HIST_NIXL_BYTES, "nixl_bytes", window=("nixl_bytes_sum",)),
     _hist(HIST_NIXL_DESCRIPTORS, "nixl_descriptors"),
-    Spec("vllm:nixl_num_failed_transfers_total", "scalar", "nixl_failed_transfers", window=("nixl_failed_transfers",)),
+    Spec(
+        "vllm:nixl_num_failed_transfers_total",
+        "scalar",
+        "nixl_failed_transfers",
+        window=("nixl_failed_transfers",),
+    ),
     Spec("vllm:nixl_num_failed_notifications_total", "scalar", "nixl_failed_notifications"),
-    Spec("vllm:nixl_num_kv_expired_reqs_total", "scalar", "nixl_kv_expired_reqs", window=("nixl_kv_expired_reqs",)),
+    Spec(
+        "vllm:nixl_num_kv_expired_reqs_total",
+        "scalar",
+        "nixl_kv_expired_reqs",
+        window=("nixl_kv_expired_reqs",),
+    ),
     Spec("vllm:nixl_num_notifications_after_expiry_total", "scalar", "nixl_notifications_after_expiry"),
 )
 
@@ -204,7 +239,10 @@ NIXL_PREFIX = "vllm:nixl_"
 
 # Scalar counters, then labelled ones, then histogram sums and counts (the rollups' order).
 COUNTER_COLUMNS: tuple[str, ...] = tuple(
-    c for kind in ("scalar", "labelled", "histogram") for s in SPECS if s.kind == kind and s.counter
+    c
+    for kind in ("scalar", "labelled", "histogram")
+    for s in SPECS
+    if s.kind == kind and s.counter
     for c in s.stored_columns
 )
 GAUGE_COLUMNS: tuple[str, ...] = tuple(c for s in SPECS if not s.counter for c in s.stored_columns)
@@ -212,7 +250,9 @@ WINDOW_COUNTERS: tuple[str, ...] = tuple(c for s in SPECS if s.counter for c in 
 WINDOW_GAUGES: tuple[str, ...] = tuple(c for s in SPECS if not s.counter for c in s.window)
 RESET_WATCH: tuple[str, ...] = tuple(c for s in SPECS for c in s.watch)
 # A histogram by its column prefix ("ttft", "nixl_xfer_time"...): the families that have one.
-HISTOGRAM_BY_PREFIX: dict[str, str] = {s.column: s.family for s in SPECS if s.kind == "histogram" and s.column}
+HISTOGRAM_BY_PREFIX: dict[str, str] = {
+    s.column: s.family for s in SPECS if s.kind == "histogram" and s.column
+}
 
 
 def histogram_of(shape: Mapping[str, Any]) -> Histogram:

@@ -158,7 +158,10 @@ class SnapshotRollup(Base):
     """
 
     __tablename__ = "snapshot_rollups"
-    __table_args__ = (UniqueConstraint("instance", "minute"), Index("ix_snapshot_rollups_pool_minute", "pool", "minute"))
+    __table_args__ = (
+        UniqueConstraint("instance", "minute"),
+        Index("ix_snapshot_rollups_pool_minute", "pool", "minute"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     instance: Mapped[str] = mapped_column(String(128))

@@ -91,8 +91,13 @@ _LIGHT_COLUMNS: tuple[str, ...] = ("instance", "pool", "role", "ts", "up", "erro
 
 
 def _snapshot_rows(
-    session: Session, since: float, until: float, instance: str | None = None, pool: str | None = None,
-    *, histograms: bool = False,
+    session: Session,
+    since: float,
+    until: float,
+    instance: str | None = None,
+    pool: str | None = None,
+    *,
+    histograms: bool = False,
 ) -> dict[str, list[Any]]:
     """The window's snapshots per instance, in time order. Without ``histograms`` they are plain
     rows of the scalar columns (attribute access like a ``Snapshot``): building ORM objects and
@@ -115,7 +120,8 @@ def _snapshot_rows(
 
 
 def _by_column(rows: Sequence[Any]) -> dict[str, Sequence[Any]]:
-    """Each column of ``rows`` (the plain rows of :func:`_snapshot_rows`) in row order, transposed in one pass."""
+    """Each column of ``rows`` (the plain rows of :func:`_snapshot_rows`) in row order, transposed in
+    one pass."""
     if not rows:
         return {col: () for col in (*COUNTERS, *GAUGES)}
     return dict(zip(rows[0]._fields, zip(*rows, strict=True), strict=True))
@@ -136,7 +142,17 @@ def _signals_of(name: str, rows: Sequence[Any]) -> ScrapeFigures:
         v = next((x for x in reversed(columns[col]) if x is not None), None)
         if v is not None:
             latest[col] = v
-    finished = [incs[c] for c in ("requests_stop", "requests_length", "requests_abort", "requests_error", "requests_repetition") if c in incs]
+    finished = [
+        incs[c]
+        for c in (
+            "requests_stop",
+            "requests_length",
+            "requests_abort",
+            "requests_error",
+            "requests_repetition",
+        )
+        if c in incs
+    ]
     requests = sum(finished) if finished else None
     rejections = [incs[c] for c in ("admission_rejections_reqs", "admission_rejections_tokens") if c in incs]
     usage = latest.get("kv_cache_usage")
@@ -184,12 +200,14 @@ def snapshot_window(session: Session, since: float, until: float) -> dict[str, l
     return _snapshot_rows(session, since, until)
 
 
-def signals_of_rows(rows_by_instance: dict[str, list[Any]], since: float | None = None) -> dict[str, ScrapeFigures]:
+def signals_of_rows(
+    rows_by_instance: dict[str, list[Any]], since: float | None = None
+) -> dict[str, ScrapeFigures]:
     """:func:`instance_signals` over rows already read, only those at or after ``since`` if given."""
     out: dict[str, ScrapeFigures] = {}
     for name, rows in rows_by_instance.items():
         if since is not None:
-            rows = rows[bisect_left(rows, since, key=_ts):]
+            rows = rows[bisect_left(rows, since, key=_ts) :]
         if rows:
             out[name] = _signals_of(name, rows)
     return out
@@ -313,8 +331,7 @@ def is_client_error(status: str | None, http_status: int | None) -> bool:
 def _charged() -> ColumnElement[bool]:
     """SQL for ``not is_client_error(status, http_status)`` (a null status code is not a 4xx)."""
     h = RequestRecord.http_status
-    return and_(RequestRecord.status != CLIENT_ERROR_OUTCOME,
-                or_(h.is_(None), h < 400, h >= 500, h == 429))
+    return and_(RequestRecord.status != CLIENT_ERROR_OUTCOME, or_(h.is_(None), h < 400, h >= 500, h == 429))
 
 
 _Stmt = TypeVar("_Stmt", bound="Select[*tuple[Any, ...]]")
@@ -347,9 +364,15 @@ def untrusted_records(session: Session, since: float, until: float, senders: fro
     """Records in the window whose sender is not one of ``senders`` (0 when ``senders`` is None)."""
     if senders is None:
         return 0
-    stmt = select(func.count()).select_from(RequestRecord).where(
-        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until,
-        or_(RequestRecord.sender.is_(None), RequestRecord.sender.not_in(sorted(senders))))
+    stmt = (
+        select(func.count())
+        .select_from(RequestRecord)
+        .where(
+            RequestRecord.proxy_in >= since,
+            RequestRecord.proxy_in <= until,
+            or_(RequestRecord.sender.is_(None), RequestRecord.sender.not_in(sorted(senders))),
+        )
+    )
     return int(session.scalar(stmt) or 0)
 
 
@@ -370,14 +393,24 @@ HandoffKey = Literal["d_instance", "p_instance", "pair"]
 
 
 def handoff_stats(
-    session: Session, since: float, until: float, *, by: HandoffKey = "pair", only: RecordFilter = EVERY_RECORD,
+    session: Session,
+    since: float,
+    until: float,
+    *,
+    by: HandoffKey = "pair",
+    only: RecordFilter = EVERY_RECORD,
 ) -> dict[str, HandoffStats]:
     """Handoff percentiles per D, per P or per ``"P->D"`` pair, from request records (``only`` those)."""
     return handoff_stats_by(session, since, until, (by,), only=only)[by]
 
 
 def handoff_stats_by(
-    session: Session, since: float, until: float, bys: Sequence[HandoffKey], *, only: RecordFilter = EVERY_RECORD,
+    session: Session,
+    since: float,
+    until: float,
+    bys: Sequence[HandoffKey],
+    *,
+    only: RecordFilter = EVERY_RECORD,
 ) -> dict[HandoffKey, dict[str, HandoffStats]]:
     """:func:`handoff_stats` for several groupings from one read of the window's records."""
     stmt = select(
@@ -391,7 +424,8 @@ def handoff_stats_by(
 
 
 def handoff_stats_of(
-    rows: Iterable[Sequence[Any]], bys: Sequence[HandoffKey],
+    rows: Iterable[Sequence[Any]],
+    bys: Sequence[HandoffKey],
 ) -> dict[HandoffKey, dict[str, HandoffStats]]:
     """:func:`handoff_stats_by` over rows already read: (p_instance, d_instance, p_done, first_token,
     lease_expiry_suspect) each."""
@@ -463,10 +497,18 @@ def slo_summary(
     # only the grouping column is read besides the figures: the controller's 300 s "all" read
     # at 1,000 instances spent most of its time decoding four instance and pool names per row
     group_col = None if by == "all" else getattr(RequestRecord, by)
-    cols = [RequestRecord.status, RequestRecord.slo_met, RequestRecord.ttft_s, RequestRecord.tpot_s,
-            RequestRecord.e2e_s]
-    stmt = only.apply(select(*cols, *([] if group_col is None else [group_col])).where(
-        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until))
+    cols = [
+        RequestRecord.status,
+        RequestRecord.slo_met,
+        RequestRecord.ttft_s,
+        RequestRecord.tpot_s,
+        RequestRecord.e2e_s,
+    ]
+    stmt = only.apply(
+        select(*cols, *([] if group_col is None else [group_col])).where(
+            RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until
+        )
+    )
     rows: dict[str, list[Any]] = defaultdict(list)
     # Core rows, fetched at once: the ORM layer and a fetch per row add nothing to a column read
     result = session.connection().execute(stmt).all()

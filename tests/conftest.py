@@ -24,8 +24,11 @@ REPO = Path(__file__).resolve().parent.parent
 _INSIDE = str(REPO) + os.sep
 # A clone straight into the temp folder (or /) has the whole of it beside it; there only the
 # folder the repository must not rely on is guarded, so pytest's own temp files stay usable.
-_OUTSIDE = (str(REPO.parent.joinpath("shared")) if REPO.parent in (Path(tempfile.gettempdir()), Path("/"))
-            else str(REPO.parent)) + os.sep
+_OUTSIDE = (
+    str(REPO.parent.joinpath("shared"))
+    if REPO.parent in (Path(tempfile.gettempdir()), Path("/"))
+    else str(REPO.parent)
+) + os.sep
 
 
 def _refuse_reads_beside_the_repository(event: str, args: tuple[object, ...]) -> None:

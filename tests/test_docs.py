@@ -43,14 +43,19 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path) -> list[str]:
-    return [t for t in _LINK.findall(_prose(path.read_text(encoding="utf-8")))
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: are not checked here
+    return [
+        t
+        for t in _LINK.findall(_prose(path.read_text(encoding="utf-8")))
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", t)
+    ]  # http:, https:, mailto: are not checked here
 
 
 def test_slug_matches_github() -> None:
     assert slug("Goodput under faults") == "goodput-under-faults"
-    assert slug("Proxy (`bench/proxy/run.py`, writes `bench/results/proxy.json`)") == \
-        "proxy-benchproxyrunpy-writes-benchresultsproxyjson"
+    assert (
+        slug("Proxy (`bench/proxy/run.py`, writes `bench/results/proxy.json`)")
+        == "proxy-benchproxyrunpy-writes-benchresultsproxyjson"
+    )
     assert slug("`controller`") == "controller"
 
 
@@ -61,7 +66,9 @@ def test_relative_links_resolve(page: Path) -> None:
         file_part, _, anchor = target.partition("#")
         dest = (page.parent / file_part).resolve() if file_part else page
         if not dest.exists():
-            broken.append(f"{target}: no file {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}")
+            broken.append(
+                f"{target}: no file {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest}"
+            )
         elif not dest.is_relative_to(REPO):
             broken.append(f"{target}: outside the repository")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -71,7 +78,9 @@ def test_relative_links_resolve(page: Path) -> None:
 
 def test_link_checker_sees_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("[ok](#here) and [bad](missing.md) and `[code](ignored.md)`\n\n# Here\n", encoding="utf-8")
+    page.write_text(
+        "[ok](#here) and [bad](missing.md) and `[code](ignored.md)`\n\n# Here\n", encoding="utf-8"
+    )
     assert links(page) == ["#here", "missing.md"]
     assert anchors(page) == {"here"}
 

@@ -26,7 +26,9 @@ def test_reads_inside_the_repository_and_elsewhere_still_work() -> None:
 
 # Documents that live beside the repository, never in it: code, comments and docs must not
 # send a reader to them (what they say belongs in docs/ or in the code itself).
-_OUTSIDE_DOCS = re.compile(r"ARCHITECTURE\.md|STYLE\.md|vllm-pd-facts|proxy-baseline|anchors\.md|/work/|\bshared/|\bseeds/")
+_OUTSIDE_DOCS = re.compile(
+    r"ARCHITECTURE\.md|STYLE\.md|vllm-pd-facts|proxy-baseline|anchors\.md|/work/|\bshared/|\bseeds/"
+)
 _TEXT = re.compile(r"(\.(py|md|sh|toml|ya?ml|cfg|ini|txt|mako)|Makefile|Dockerfile[^/]*|/run)$")
 
 
@@ -40,11 +42,15 @@ def _pointers_outside(files: list[Path], root: Path) -> list[str]:
 
 
 def _tracked_text_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     this = Path(__file__).resolve()
-    return [REPO / name for name in out.split("\0")
-            if name and _TEXT.search(name) and (REPO / name).is_file() and (REPO / name).resolve() != this]
+    return [
+        REPO / name
+        for name in out.split("\0")
+        if name and _TEXT.search(name) and (REPO / name).is_file() and (REPO / name).resolve() != this
+    ]
 
 
 def test_nothing_points_at_documents_outside_the_repository() -> None:
@@ -55,6 +61,10 @@ def test_nothing_points_at_documents_outside_the_repository() -> None:
 
 def test_the_pointer_check_sees_one(tmp_path: Path) -> None:
     probe = tmp_path / "admission.py"
-    probe.write_text('"""Limits.\n\nThe proxy enforces these (see ARCHITECTURE.md).\n"""\n# see vllm-pd-facts 4.5\n')
+    probe.write_text(
+        '"""Limits.\n\nThe proxy enforces these (see ARCHITECTURE.md).\n"""\n# see vllm-pd-facts 4.5\n'
+    )
     assert _pointers_outside([probe], tmp_path) == [
-        "admission.py:3: The proxy enforces these (see ARCHITECTURE.md).", "admission.py:5: # see vllm-pd-facts 4.5"]
+        "admission.py:3: The proxy enforces these (see ARCHITECTURE.md).",
+        "admission.py:5: # see vllm-pd-facts 4.5",
+    ]

@@ -80,12 +80,20 @@ def test_prefill_responses_carry_kv_transfer_params(name: str) -> None:
     assert cap["request"]["kv_transfer_params"]["do_remote_decode"] is True
     assert cap["request"]["max_tokens"] == 1 and cap["request"]["stream"] is False
     ktp = cap["response"]["kv_transfer_params"]
-    for key in ("remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host", "remote_port",
-                "tp_size", "remote_num_tokens", "transfer_mode"):
+    for key in (
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "remote_num_tokens",
+        "transfer_mode",
+    ):
         assert key in ktp, key
     assert ktp["do_remote_prefill"] is True and ktp["transfer_mode"] == "pull"
     assert ktp["remote_num_tokens"] == cap["response"]["usage"]["prompt_tokens"]
-    assert ktp["remote_request_id"].startswith(("cmpl-", "chatcmpl-") [name == "chat"] + cap["x_request_id"])
+    assert ktp["remote_request_id"].startswith(("cmpl-", "chatcmpl-")[name == "chat"] + cap["x_request_id"])
 
 
 def test_otlp_bodies_hold_llm_request_spans_under_our_traceparents() -> None:
@@ -105,7 +113,9 @@ def test_otlp_bodies_hold_llm_request_spans_under_our_traceparents() -> None:
         for s in mine:
             assert "gen_ai.latency.time_to_first_token" in s.attributes
             assert "gen_ai.usage.prompt_tokens" in s.attributes
-            assert s.attributes["gen_ai.request.id"].endswith(t["x_request_id"] + ("-0" if t["kind"] == "completions" else ""))
+            assert s.attributes["gen_ai.request.id"].endswith(
+                t["x_request_id"] + ("-0" if t["kind"] == "completions" else "")
+            )
 
 
 def test_lease_expiry_capture_records_the_late_decode() -> None:

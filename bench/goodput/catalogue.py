@@ -19,8 +19,16 @@ CONTENDERS = ("round_robin", "static", "controller", "oracle", "killed")
 RUN_ORDER = ("controller", "round_robin", "static", "killed", "oracle")
 CONTROLLED = ("controller", "killed")  # contenders that run pdscope collect + control
 LOADS = (75, 90)
-FAULTS = ("degraded_decode_link", "slow_prefill", "transfer_failures", "stuck_decode", "bad_pair",
-          "decode_down", "kv_capacity", "burst")
+FAULTS = (
+    "degraded_decode_link",
+    "slow_prefill",
+    "transfer_failures",
+    "stuck_decode",
+    "bad_pair",
+    "decode_down",
+    "kv_capacity",
+    "burst",
+)
 # the old bench's scenario letters, still accepted by --faults
 LETTERS = {"a": "degraded_decode_link", "b": "burst", "c": "slow_prefill"}
 HEALTHY = "healthy"  # the fault name of a --healthy run: nothing is injected
@@ -87,32 +95,68 @@ def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
     if fault == HEALTHY:
         return FaultPlan(HEALTHY, about="no fault")
     if fault == "degraded_decode_link":
-        return FaultPlan(fault, ({"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},), frozenset({d}),
-                         about=f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)")
+        return FaultPlan(
+            fault,
+            ({"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},),
+            frozenset({d}),
+            about=f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)",
+        )
     if fault == "slow_prefill":
-        return FaultPlan(fault, ({"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},), frozenset({p}),
-                         limit_pools=frozenset({"prefill"}), about=f"{p} {SLOW_PREFILL_FACTOR:g}x slower")
+        return FaultPlan(
+            fault,
+            ({"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},),
+            frozenset({p}),
+            limit_pools=frozenset({"prefill"}),
+            about=f"{p} {SLOW_PREFILL_FACTOR:g}x slower",
+        )
     if fault == "transfer_failures":
-        return FaultPlan(fault, ({"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},),
-                         frozenset({d}), about=f"{TRANSFER_FAILURE_RATE:.0%} of {d}'s KV transfers fail")
+        return FaultPlan(
+            fault,
+            ({"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},),
+            frozenset({d}),
+            about=f"{TRANSFER_FAILURE_RATE:.0%} of {d}'s KV transfers fail",
+        )
     if fault == "stuck_decode":
-        return FaultPlan(fault, ({"kind": "stop_pulling", "decode": d},), frozenset({d}),
-                         about=f"{d} stops pulling (P's leases for its requests expire)")
+        return FaultPlan(
+            fault,
+            ({"kind": "stop_pulling", "decode": d},),
+            frozenset({d}),
+            about=f"{d} stops pulling (P's leases for its requests expire)",
+        )
     if fault == "bad_pair":
         p0 = fleet.prefills()[0]
-        return FaultPlan(fault, ({"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},),
-                         frozenset({p0, d}), about=f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower")
+        return FaultPlan(
+            fault,
+            ({"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},),
+            frozenset({p0, d}),
+            about=f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower",
+        )
     if fault == "decode_down":
         down_s = round(max(2.0, DOWN_SHARE * measure_s), 1)
-        return FaultPlan(fault, ({"kind": "down", "instance": d, "duration": down_s},), frozenset({d}),
-                         ends_after_s=down_s, about=f"{d} down for {down_s:g} s, then back")
+        return FaultPlan(
+            fault,
+            ({"kind": "down", "instance": d, "duration": down_s},),
+            frozenset({d}),
+            ends_after_s=down_s,
+            about=f"{d} down for {down_s:g} s, then back",
+        )
     if fault == "kv_capacity":
-        return FaultPlan(fault, ({"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},), frozenset({d}),
-                         about=f"{d}'s KV capacity cut to {KV_FRACTION:.0%}")
+        return FaultPlan(
+            fault,
+            ({"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},),
+            frozenset({d}),
+            about=f"{d}'s KV capacity cut to {KV_FRACTION:.0%}",
+        )
     if fault == "burst":
         burst_s = round(max(2.0, BURST_SHARE * measure_s), 1)
-        return FaultPlan(fault, (), frozenset(), limit_pools=frozenset({"prefill", "decode"}),
-                         burst=(BURST_MULTIPLE, burst_s), about=f"{BURST_MULTIPLE:g}x capacity for {burst_s:g} s")
+        return FaultPlan(
+            fault,
+            (),
+            frozenset(),
+            limit_pools=frozenset({"prefill", "decode"}),
+            burst=(BURST_MULTIPLE, burst_s),
+            about=f"{BURST_MULTIPLE:g}x capacity for {burst_s:g} s",
+        )
     raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
 
 
@@ -144,8 +188,9 @@ def _pick(patterns: list[str], universe: tuple[str, ...], what: str) -> list[str
     return [u for u in universe if u in out]
 
 
-def select_cells(cells: str | None = None, fleets: str | None = None, loads: str | None = None,
-                 faults: str | None = None) -> list[Cell]:
+def select_cells(
+    cells: str | None = None, fleets: str | None = None, loads: str | None = None, faults: str | None = None
+) -> list[Cell]:
     """The cells to run. ``cells``: comma-separated ``FLEET:LOAD:FAULT`` patterns (globs per part,
     e.g. ``2p4d:*:burst``, ``*:90:*``); ``fleets``/``loads``/``faults`` narrow further (names or globs;
     ``faults`` also takes the old letters a, b, c)."""
@@ -162,8 +207,13 @@ def select_cells(cells: str | None = None, fleets: str | None = None, loads: str
         if len(parts) != 3:
             raise ValueError(f"--cells: {pat!r} is not FLEET:LOAD:FAULT (globs allowed, e.g. 2p4d:*:burst)")
         parts[2] = LETTERS.get(parts[2], parts[2])
-        hits = [c for c in every if all(fnmatch.fnmatchcase(v, q) for v, q in
-                                        zip((c.fleet, str(c.load), c.fault), parts, strict=True))]
+        hits = [
+            c
+            for c in every
+            if all(
+                fnmatch.fnmatchcase(v, q) for v, q in zip((c.fleet, str(c.load), c.fault), parts, strict=True)
+            )
+        ]
         if not hits:
             raise ValueError(f"--cells: {pat!r} matches no cell of the chosen fleets, loads and faults")
         chosen += [h for h in hits if h not in chosen]

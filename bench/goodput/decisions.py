@@ -63,8 +63,13 @@ def is_limit_cut(d: dict[str, Any]) -> bool:
     return bool(new < (LIMIT_DEFAULTS[str(field)] if old is None else old))
 
 
-def analyse(decisions: list[dict[str, Any]], plan: FaultPlan, onset: float | None,
-            interval_s: float, load_from: float | None = None) -> dict[str, Any]:
+def analyse(
+    decisions: list[dict[str, Any]],
+    plan: FaultPlan,
+    onset: float | None,
+    interval_s: float,
+    load_from: float | None = None,
+) -> dict[str, Any]:
     """``onset``: unix time of the fault (None: a healthy run, every instance is healthy throughout);
     ``load_from``: when the client's schedule began. Cuts before it (the services starting side by side,
     no request yet) are counted apart as ``startup_cuts``, not as healthy cuts."""
@@ -74,17 +79,26 @@ def analyse(decisions: list[dict[str, Any]], plan: FaultPlan, onset: float | Non
         decisions = [d for d in decisions if d["ts"] >= load_from]
     else:
         early = []
-    healthy_w = [d for d in decisions if is_weight_cut(d) and d["new_value"] < HEALTHY_FLOOR
-                 and (d["ts"] < after or d["subject"] not in plan.faulty)]
+    healthy_w = [
+        d
+        for d in decisions
+        if is_weight_cut(d)
+        and d["new_value"] < HEALTHY_FLOOR
+        and (d["ts"] < after or d["subject"] not in plan.faulty)
+    ]
     limits = [d for d in decisions if is_limit_cut(d)]
     unexpected = [d for d in limits if d["ts"] < after or d["subject"] not in plan.limit_pools]
-    reaction = [d for d in decisions if d["ts"] >= after and (
-        (is_weight_cut(d) and d["subject"] in plan.faulty) or is_limit_cut(d))]
+    reaction = [
+        d
+        for d in decisions
+        if d["ts"] >= after and ((is_weight_cut(d) and d["subject"] in plan.faulty) or is_limit_cut(d))
+    ]
     first = min((d["ts"] for d in reaction), default=None)
     out: dict[str, Any] = {
         "decisions": len(decisions) + len(early),
-        "startup_cuts": sum(1 for d in early if (is_weight_cut(d) and d["new_value"] < HEALTHY_FLOOR)
-                            or is_limit_cut(d)),
+        "startup_cuts": sum(
+            1 for d in early if (is_weight_cut(d) and d["new_value"] < HEALTHY_FLOOR) or is_limit_cut(d)
+        ),
         "startup_cut_detail": [_brief(d) for d in early if is_weight_cut(d) or is_limit_cut(d)][:10],
         "weight_cuts": sum(1 for d in decisions if is_weight_cut(d)),
         "limit_cuts": len(limits),
@@ -93,10 +107,16 @@ def analyse(decisions: list[dict[str, Any]], plan: FaultPlan, onset: float | Non
         "healthy_cuts": len(healthy_w) + len(unexpected),
         "wait_cuts_to_zero": sum(1 for d in decisions if is_wait_cut(d) and d["new_value"] == 0),
         "healthy_cut_detail": [_brief(d) for d in (healthy_w + unexpected)[:20]],
-        "min_weight": {s: min(d["new_value"] for d in decisions if d["field"] == "weight" and d["subject"] == s
-                              and d["new_value"] is not None)
-                       for s in sorted({d["subject"] for d in decisions if d["field"] == "weight"
-                                        and d["new_value"] is not None})},
+        "min_weight": {
+            s: min(
+                d["new_value"]
+                for d in decisions
+                if d["field"] == "weight" and d["subject"] == s and d["new_value"] is not None
+            )
+            for s in sorted(
+                {d["subject"] for d in decisions if d["field"] == "weight" and d["new_value"] is not None}
+            )
+        },
         "cut_reasons": dict(Counter(d["reason"] for d in decisions if is_weight_cut(d) or is_limit_cut(d))),
     }
     if onset is not None:
@@ -113,6 +133,10 @@ def jsonable(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Decisions as plain JSON values (the stored ones are already; this guards odd column types)."""
     out = []
     for d in decisions:
-        out.append({k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
-                    for k, v in d.items()})
+        out.append(
+            {
+                k: v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)
+                for k, v in d.items()
+            }
+        )
     return out

@@ -63,17 +63,44 @@ class StaticTable:
         self.thread.join(5)
 
 
-def oracle_table(instances: list[tuple[str, str, str, str]], weights: dict[str, float],
-                 limits: dict[str, int | None], wait_s: float | None = None, version: int = 1) -> dict[str, Any]:
+def oracle_table(
+    instances: list[tuple[str, str, str, str]],
+    weights: dict[str, float],
+    limits: dict[str, int | None],
+    wait_s: float | None = None,
+    version: int = 1,
+) -> dict[str, Any]:
     """``instances``: (name, pool, role, url); ``limits``: pool -> max in-flight requests;
     ``wait_s``: the longest wait for an admission slot where a pool has a limit."""
     return {
-        "version": version, "generated_at": 0.0, "mode": "enforce", "enforce": True,
-        "instances": [{"name": n, "pool": p, "role": r, "url": u, "weight": weights.get(n, 1.0),
-                       "drained": False, "reason": "Oracle"} for n, p, r, u in instances],
-        "pools": [{"name": pool, "role": pool, "weight": 1.0, "max_inflight_requests": lim,
-                   "max_inflight_kv_bytes": None, "max_queue_wait_s": None if lim is None else wait_s,
-                   "reason": "Oracle"} for pool, lim in limits.items()],
+        "version": version,
+        "generated_at": 0.0,
+        "mode": "enforce",
+        "enforce": True,
+        "instances": [
+            {
+                "name": n,
+                "pool": p,
+                "role": r,
+                "url": u,
+                "weight": weights.get(n, 1.0),
+                "drained": False,
+                "reason": "Oracle",
+            }
+            for n, p, r, u in instances
+        ],
+        "pools": [
+            {
+                "name": pool,
+                "role": pool,
+                "weight": 1.0,
+                "max_inflight_requests": lim,
+                "max_inflight_kv_bytes": None,
+                "max_queue_wait_s": None if lim is None else wait_s,
+                "reason": "Oracle",
+            }
+            for pool, lim in limits.items()
+        ],
     }
 
 
@@ -83,7 +110,9 @@ Weights = dict[str, float]
 Limits = dict[str, int | None]
 
 
-def oracle_schedule(plan: FaultPlan, fleet: FleetShape, capacity_rps: float) -> list[tuple[float | None, Weights, Limits]]:
+def oracle_schedule(
+    plan: FaultPlan, fleet: FleetShape, capacity_rps: float
+) -> list[tuple[float | None, Weights, Limits]]:
     """The hand-set tables for ``plan``: ``(at, weights, limits)``, ``at`` in seconds after the fault's
     onset (None: from the start of the run). Decode has slack on these fleets (prefill is the
     bottleneck), so a D that is broken in any way gets no work; a slow P gets work by its speed and the
@@ -102,7 +131,9 @@ def oracle_schedule(plan: FaultPlan, fleet: FleetShape, capacity_rps: float) -> 
     if plan.name == "slow_prefill":
         speed = 1 / 3
         share = (fleet.n_p - 1 + speed) / fleet.n_p
-        return [(None, {fleet.bad_p: speed}, {"prefill": max(2, round(capacity_rps * share)), "decode": None})]
+        return [
+            (None, {fleet.bad_p: speed}, {"prefill": max(2, round(capacity_rps * share)), "decode": None})
+        ]
     if plan.name == "burst":
         return [(None, {}, {"prefill": max(2, round(capacity_rps)), "decode": None})]
     if plan.name == HEALTHY:

@@ -26,7 +26,8 @@ PASS/MISS per target (``report.py``). Each contender runs in its own worker proc
 
     .venv/bin/python -m bench.goodput.run                              # the whole matrix
     .venv/bin/python -m bench.goodput.run --cells 2p4d:75:slow_prefill,3p6d:90:burst
-    .venv/bin/python -m bench.goodput.run --fleets 2p4d --faults 'stuck*,bad_pair' --contenders static,controller
+    .venv/bin/python -m bench.goodput.run --fleets 2p4d --faults 'stuck*,bad_pair' \\
+        --contenders static,controller
     .venv/bin/python -m bench.goodput.run --healthy --save-decisions bench/results/healthy-decisions
 """
 
@@ -103,8 +104,12 @@ class Progress:
             self.left_s -= est_s
             elapsed = time.monotonic() - self.t0
             eta = self.left_s / max(1, self.jobs)
-            print(f"[{self.done:3d}/{self.total}] {line}  | {took_s:4.0f} s, elapsed {_mmss(elapsed)}, "
-                  f"ETA {_mmss(eta)}", file=sys.stderr, flush=True)
+            print(
+                f"[{self.done:3d}/{self.total}] {line}  | {took_s:4.0f} s, elapsed {_mmss(elapsed)}, "
+                f"ETA {_mmss(eta)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _mmss(s: float) -> str:
@@ -114,18 +119,28 @@ def _mmss(s: float) -> str:
 def run_job(job: Job, work: Path) -> dict[str, Any]:
     spec_path, out_path, log_path = (work / f"{job.key}.{x}" for x in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(job.spec))
-    limit = float(job.spec["warm_s"]) + float(job.spec["measure_s"]) + float(job.spec["client_timeout_s"]) + 180
+    limit = (
+        float(job.spec["warm_s"]) + float(job.spec["measure_s"]) + float(job.spec["client_timeout_s"]) + 180
+    )
     with log_path.open("wb") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "bench.goodput.worker", str(spec_path), str(out_path)],
-                                  cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False)
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.goodput.worker", str(spec_path), str(out_path)],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=limit,
+                check=False,
+            )
             rc: int | str = proc.returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {limit:.0f} s"
     if rc == 0 and out_path.exists():
         return dict(json.loads(out_path.read_text()))
     tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
-    print(f"  {job.key} failed ({rc}); log {log_path}:\n    " + "\n    ".join(tail), file=sys.stderr, flush=True)
+    print(
+        f"  {job.key} failed ({rc}); log {log_path}:\n    " + "\n    ".join(tail), file=sys.stderr, flush=True
+    )
     return {"error": f"worker exit {rc}: {tail[-1] if tail else ''}", "log": str(log_path)}
 
 
@@ -146,34 +161,70 @@ def run_all(jobs: list[Job], parallel: int, work: Path, describe: Any, retry_sta
         again = [j for j in jobs if j.result.get("starved")]
         if not again:
             return
-        print(f"rerunning {len(again)} starved run(s) one at a time (round {round_ + 1})", file=sys.stderr, flush=True)
-        progress = Progress(len(again), 1, [run_seconds(j.spec["contender"], j.spec["warm_s"], j.spec["measure_s"])
-                                            for j in again])
+        print(
+            f"rerunning {len(again)} starved run(s) one at a time (round {round_ + 1})",
+            file=sys.stderr,
+            flush=True,
+        )
+        progress = Progress(
+            len(again),
+            1,
+            [run_seconds(j.spec["contender"], j.spec["warm_s"], j.spec["measure_s"]) for j in again],
+        )
         for j in again:
             t0 = time.monotonic()
             first = j.result
             r = run_job(j, work)
             if "error" in r or _lag(r) >= _lag(first):
-                first.setdefault("retries", []).append({k: r.get(k) for k in ("goodput_rps", "sim_lag", "client_lag",
-                                                                              "error")})
+                first.setdefault("retries", []).append(
+                    {k: r.get(k) for k in ("goodput_rps", "sim_lag", "client_lag", "error")}
+                )
             else:
-                r["retries"] = [*first.get("retries", []), {k: first.get(k) for k in
-                                                             ("goodput_rps", "sim_lag", "client_lag")}]
+                r["retries"] = [
+                    *first.get("retries", []),
+                    {k: first.get(k) for k in ("goodput_rps", "sim_lag", "client_lag")},
+                ]
                 j.result = r
-            progress.finished(describe(j), time.monotonic() - t0, run_seconds(j.spec["contender"], j.spec["warm_s"],
-                                                                               j.spec["measure_s"]))
+            progress.finished(
+                describe(j),
+                time.monotonic() - t0,
+                run_seconds(j.spec["contender"], j.spec["warm_s"], j.spec["measure_s"]),
+            )
 
 
 def _lag(r: dict[str, Any]) -> float:
-    return max(float((r.get("sim_lag") or {}).get("loop_lag_p99_s") or 0.0),
-               float((r.get("client_lag") or {}).get("loop_lag_p99_s") or 0.0))
+    return max(
+        float((r.get("sim_lag") or {}).get("loop_lag_p99_s") or 0.0),
+        float((r.get("client_lag") or {}).get("loop_lag_p99_s") or 0.0),
+    )
 
 
-def base_spec(a: argparse.Namespace, fleet: str, contender: str, fault: str, rate: float, capacity: float,
-              warm: float, measure: float, seed: int, sim_seed: int) -> dict[str, Any]:
-    return {"fleet": fleet, "contender": contender, "fault": fault, "rate_rps": rate, "capacity_rps": capacity,
-            "warm_s": warm, "measure_s": measure, "seed": seed, "sim_seed": sim_seed,
-            "client_timeout_s": a.client_timeout, "fail_static_s": a.fail_static_s, "keep_tmp": a.keep_tmp}
+def base_spec(
+    a: argparse.Namespace,
+    fleet: str,
+    contender: str,
+    fault: str,
+    rate: float,
+    capacity: float,
+    warm: float,
+    measure: float,
+    seed: int,
+    sim_seed: int,
+) -> dict[str, Any]:
+    return {
+        "fleet": fleet,
+        "contender": contender,
+        "fault": fault,
+        "rate_rps": rate,
+        "capacity_rps": capacity,
+        "warm_s": warm,
+        "measure_s": measure,
+        "seed": seed,
+        "sim_seed": sim_seed,
+        "client_timeout_s": a.client_timeout,
+        "fail_static_s": a.fail_static_s,
+        "keep_tmp": a.keep_tmp,
+    }
 
 
 def measure_capacity(a: argparse.Namespace, fleets: list[str], work: Path) -> dict[str, dict[str, Any]]:
@@ -190,27 +241,53 @@ def measure_capacity(a: argparse.Namespace, fleets: list[str], work: Path) -> di
         best = 0.0
         for per_p in a.rates_per_p:
             rate = round(per_p * FLEETS[f].n_p, 2)
-            job = Job(f"capacity-{f}-{rate:g}", base_spec(a, f, "static", HEALTHY, rate, rate, CAPACITY_WARM_S,
-                                                             a.capacity_s, a.seed, a.sim_seed))
+            job = Job(
+                f"capacity-{f}-{rate:g}",
+                base_spec(
+                    a, f, "static", HEALTHY, rate, rate, CAPACITY_WARM_S, a.capacity_s, a.seed, a.sim_seed
+                ),
+            )
             r = run_job(job, work)
             if "error" in r:
                 raise SystemExit(f"capacity step {f} {rate:g} req/s failed: {r['error']}")
             planned = r["requests"]
             ok = r["slo_attainment"] >= 0.9 and r["completed"] >= 0.9 * planned
-            steps.append({"offered_rps": rate, "goodput_rps": r["goodput_rps"], "slo_attainment": r["slo_attainment"],
-                          "ttft_p99_s": r["ttft_p99_s"], "sustained": ok, "sim_lag": r.get("sim_lag")})
-            print(f"  capacity {f} {rate:5.1f} req/s: attainment {r['slo_attainment'] * 100:5.1f}%  p99 TTFT "
-                  f"{r['ttft_p99_s'] or 0:5.2f}s  {'ok' if ok else 'over'}", file=sys.stderr, flush=True)
+            steps.append(
+                {
+                    "offered_rps": rate,
+                    "goodput_rps": r["goodput_rps"],
+                    "slo_attainment": r["slo_attainment"],
+                    "ttft_p99_s": r["ttft_p99_s"],
+                    "sustained": ok,
+                    "sim_lag": r.get("sim_lag"),
+                }
+            )
+            print(
+                f"  capacity {f} {rate:5.1f} req/s: attainment {r['slo_attainment'] * 100:5.1f}%  p99 TTFT "
+                f"{r['ttft_p99_s'] or 0:5.2f}s  {'ok' if ok else 'over'}",
+                file=sys.stderr,
+                flush=True,
+            )
             if not ok:
                 break
             best = rate
         if best <= 0:
-            raise SystemExit(f"{f}: the healthy fleet sustained none of the capacity steps {a.rates_per_p} per P")
+            raise SystemExit(
+                f"{f}: the healthy fleet sustained none of the capacity steps {a.rates_per_p} per P"
+            )
         if steps[-1]["sustained"]:
-            print(f"  capacity {f}: the last step was sustained too; the capacity may be higher (--rates-per-p)",
-                  file=sys.stderr, flush=True)
-        out[f] = {"capacity_rps": best, "capacity_steps": steps, "given": False,
-                  "at_last_step": bool(steps[-1]["sustained"])}
+            print(
+                f"  capacity {f}: the last step was sustained too; "
+                "the capacity may be higher (--rates-per-p)",
+                file=sys.stderr,
+                flush=True,
+            )
+        out[f] = {
+            "capacity_rps": best,
+            "capacity_steps": steps,
+            "given": False,
+            "at_last_step": bool(steps[-1]["sustained"]),
+        }
 
     todo = [f for f in fleets if f not in out]
     with ThreadPoolExecutor(max_workers=max(1, min(a.jobs, len(todo) or 1))) as pool:
@@ -229,11 +306,23 @@ def capacity_estimate_s(a: argparse.Namespace, fleets: list[str]) -> float:
 
 
 def header(a: argparse.Namespace) -> dict[str, Any]:
-    return {"bench": "goodput", "format": 2, "generated_at": time.time(), "argv": sys.argv[1:],
-            "simulator": {**SIM, "seed": a.sim_seed}, "prompt": PROMPT, "output": OUTPUT,
-            "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S}, "warm_s": a.warm, "seed": a.seed,
-            "controller_interval_s": INTERVAL_S, "controller_window_s": CONTROLLER_WINDOW_S,
-            "client_timeout_s": a.client_timeout, "fail_static_s": a.fail_static_s, "jobs": a.jobs}
+    return {
+        "bench": "goodput",
+        "format": 2,
+        "generated_at": time.time(),
+        "argv": sys.argv[1:],
+        "simulator": {**SIM, "seed": a.sim_seed},
+        "prompt": PROMPT,
+        "output": OUTPUT,
+        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+        "warm_s": a.warm,
+        "seed": a.seed,
+        "controller_interval_s": INTERVAL_S,
+        "controller_window_s": CONTROLLER_WINDOW_S,
+        "client_timeout_s": a.client_timeout,
+        "fail_static_s": a.fail_static_s,
+        "jobs": a.jobs,
+    }
 
 
 def matrix(a: argparse.Namespace) -> dict[str, Any]:
@@ -242,8 +331,13 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
     fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
     runs = [(c, a.warm, a.measure) for _ in cells for c in contenders]
     est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
-    print(f"{len(cells)} cells x {len(contenders)} contenders = {len(runs)} runs of {a.warm:g} + {a.measure:g} s, "
-          f"{a.jobs} at a time: about {est / 60:.0f} min", file=sys.stderr, flush=True)
+    print(
+        f"{len(cells)} cells x {len(contenders)} contenders = {len(runs)} runs of "
+        f"{a.warm:g} + {a.measure:g} s, "
+        f"{a.jobs} at a time: about {est / 60:.0f} min",
+        file=sys.stderr,
+        flush=True,
+    )
     if a.dry_run:
         print("\n".join(c.name for c in cells))
         raise SystemExit(0)
@@ -257,14 +351,31 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
         for cell in cells:
             cap = caps[cell.fleet]["capacity_rps"]
             for c in sorted(contenders, key=RUN_ORDER.index):
-                spec = base_spec(a, cell.fleet, c, cell.fault, round(cap * cell.load / 100, 3), cap, a.warm,
-                                 a.measure, a.seed, a.sim_seed)
+                spec = base_spec(
+                    a,
+                    cell.fleet,
+                    c,
+                    cell.fault,
+                    round(cap * cell.load / 100, 3),
+                    cap,
+                    a.warm,
+                    a.measure,
+                    a.seed,
+                    a.sim_seed,
+                )
                 spec["cell"] = cell.name
                 if a.save_decisions and c in ("controller", "killed"):
-                    spec["save_decisions"] = str(Path(a.save_decisions) / f"{cell.name.replace(':', '-')}-{c}.json")
+                    spec["save_decisions"] = str(
+                        Path(a.save_decisions) / f"{cell.name.replace(':', '-')}-{c}.json"
+                    )
                 jobs.append(Job(f"{cell.name.replace(':', '-')}-{c}", spec))
-        run_all(jobs, a.jobs, work, lambda j: contender_line(j.spec["cell"], j.spec["contender"], j.result),
-                a.retry_starved)
+        run_all(
+            jobs,
+            a.jobs,
+            work,
+            lambda j: contender_line(j.spec["cell"], j.spec["contender"], j.result),
+            a.retry_starved,
+        )
     out = header(a) | {"measured_s": a.measure, "fleets": {}, "cells": {}}
     for f, v in caps.items():
         out["fleets"][f] = {"fleet": f"{FLEETS[f].label} simulated", **v}
@@ -272,8 +383,10 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
     for j in jobs:
         by_cell.setdefault(j.spec["cell"], []).append(j)
     for cell in cells:
-        res = {j.spec["contender"]: j.result for j in sorted(by_cell[cell.name],
-                                                             key=lambda j: contenders.index(j.spec["contender"]))}
+        res = {
+            j.spec["contender"]: j.result
+            for j in sorted(by_cell[cell.name], key=lambda j: contenders.index(j.spec["contender"]))
+        }
         rr = res.get("round_robin", {}).get("goodput_rps")
         orc = res.get("oracle", {}).get("goodput_rps")
         for r in res.values():
@@ -284,9 +397,16 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
         plan = fault_plan(cell.fault, FLEETS[cell.fleet], a.measure)
         first = next(iter(by_cell[cell.name]))
         out["cells"][cell.name] = {
-            "fleet": cell.fleet, "load_pct": cell.load, "fault": cell.fault, "about": plan.about,
-            "injections": list(plan.injections), "faulty": sorted(plan.faulty),
-            "offered_rps": first.spec["rate_rps"], "contenders": res, "ratios": ratios, "targets": targets,
+            "fleet": cell.fleet,
+            "load_pct": cell.load,
+            "fault": cell.fault,
+            "about": plan.about,
+            "injections": list(plan.injections),
+            "faulty": sorted(plan.faulty),
+            "offered_rps": first.spec["rate_rps"],
+            "contenders": res,
+            "ratios": ratios,
+            "targets": targets,
             "reaction_ticks": res.get("controller", {}).get("reaction_ticks"),
         }
     out["summary"] = summary(out["cells"])
@@ -300,8 +420,12 @@ def healthy(a: argparse.Namespace) -> dict[str, Any]:
     fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
     runs = [("controller", a.warm, a.healthy_duration) for _ in cells for _ in a.seeds]
     est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
-    print(f"{len(runs)} healthy runs of {a.warm:g} + {a.healthy_duration:g} s, {a.jobs} at a time: about "
-          f"{est / 60:.0f} min", file=sys.stderr, flush=True)
+    print(
+        f"{len(runs)} healthy runs of {a.warm:g} + {a.healthy_duration:g} s, {a.jobs} at a time: about "
+        f"{est / 60:.0f} min",
+        file=sys.stderr,
+        flush=True,
+    )
     if a.dry_run:
         raise SystemExit(0)
     t0 = time.monotonic()
@@ -313,28 +437,56 @@ def healthy(a: argparse.Namespace) -> dict[str, Any]:
             cap = caps[cell.fleet]["capacity_rps"]
             for i, seed in enumerate(a.seeds):
                 name = f"{cell.fleet}-{cell.load}-s{seed}"
-                spec = base_spec(a, cell.fleet, "controller", HEALTHY, round(cap * cell.load / 100, 3), cap, a.warm,
-                                 a.healthy_duration, seed, a.sim_seed + i)
+                spec = base_spec(
+                    a,
+                    cell.fleet,
+                    "controller",
+                    HEALTHY,
+                    round(cap * cell.load / 100, 3),
+                    cap,
+                    a.warm,
+                    a.healthy_duration,
+                    seed,
+                    a.sim_seed + i,
+                )
                 spec["cell"] = name
                 if a.save_decisions:
                     spec["save_decisions"] = str(Path(a.save_decisions) / f"healthy-{name}.json")
                 jobs.append(Job(name, spec))
-        run_all(jobs, a.jobs, work, lambda j: contender_line(j.spec["cell"], "controller", j.result),
-                a.retry_starved)
-    out = header(a) | {"mode": "healthy", "measured_s": a.healthy_duration, "seeds": a.seeds,
-                       "fleets": {f: {"fleet": f"{FLEETS[f].label} simulated", **v} for f, v in caps.items()},
-                       "runs": {j.key: {**j.result, "fleet": j.spec["fleet"], "load_pct": round(
-                           100 * j.spec["rate_rps"] / j.spec["capacity_rps"]), "seed": j.spec["seed"],
-                                        "sim_seed": j.spec["sim_seed"], "offered_rps": j.spec["rate_rps"]}
-                                for j in jobs}}
+        run_all(
+            jobs,
+            a.jobs,
+            work,
+            lambda j: contender_line(j.spec["cell"], "controller", j.result),
+            a.retry_starved,
+        )
+    out = header(a) | {
+        "mode": "healthy",
+        "measured_s": a.healthy_duration,
+        "seeds": a.seeds,
+        "fleets": {f: {"fleet": f"{FLEETS[f].label} simulated", **v} for f, v in caps.items()},
+        "runs": {
+            j.key: {
+                **j.result,
+                "fleet": j.spec["fleet"],
+                "load_pct": round(100 * j.spec["rate_rps"] / j.spec["capacity_rps"]),
+                "seed": j.spec["seed"],
+                "sim_seed": j.spec["sim_seed"],
+                "offered_rps": j.spec["rate_rps"],
+            }
+            for j in jobs
+        },
+    }
     ok = [r for r in out["runs"].values() if "error" not in r]
-    out["summary"] = {"pass": sum(1 for r in ok if r["healthy_cuts"] == 0),
-                      "miss": sum(1 for r in ok if r["healthy_cuts"] != 0),
-                      "failed": len(out["runs"]) - len(ok),
-                      "weight_cuts": sum(r["healthy_weight_cuts"] for r in ok),
-                      "limit_cuts": sum(r["unexpected_limit_cuts"] for r in ok),
-                      "startup_cuts": sum(r.get("startup_cuts", 0) for r in ok),
-                      "starved": sum(1 for r in ok if r.get("starved"))}
+    out["summary"] = {
+        "pass": sum(1 for r in ok if r["healthy_cuts"] == 0),
+        "miss": sum(1 for r in ok if r["healthy_cuts"] != 0),
+        "failed": len(out["runs"]) - len(ok),
+        "weight_cuts": sum(r["healthy_weight_cuts"] for r in ok),
+        "limit_cuts": sum(r["unexpected_limit_cuts"] for r in ok),
+        "startup_cuts": sum(r.get("startup_cuts", 0) for r in ok),
+        "starved": sum(1 for r in ok if r.get("starved")),
+    }
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["estimated_s"] = round(est, 1)
     return out
@@ -345,46 +497,93 @@ def _capacities(text: str) -> dict[str, float]:
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         name, sep, value = item.partition("=")
         if not sep or name not in FLEETS:
-            raise argparse.ArgumentTypeError(f"--capacity: {item!r} is not FLEET=REQ_PER_S ({', '.join(FLEETS)})")
+            raise argparse.ArgumentTypeError(
+                f"--capacity: {item!r} is not FLEET=REQ_PER_S ({', '.join(FLEETS)})"
+            )
         out[name] = float(value)
     return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", help="FLEET:LOAD:FAULT patterns, globs allowed (2p4d:75:slow_prefill,*:90:burst)")
+    ap.add_argument(
+        "--cells", help="FLEET:LOAD:FAULT patterns, globs allowed (2p4d:75:slow_prefill,*:90:burst)"
+    )
     ap.add_argument("--fleets", help="2p4d, 3p6d (default both)")
     ap.add_argument("--loads", help="75, 90 (default both; percent of the measured capacity)")
     ap.add_argument("--faults", help="names or globs (default all eight); a, b, c = the old scenarios")
     ap.add_argument("--contenders", help="round_robin, static, controller, oracle, killed (default all)")
-    ap.add_argument("--warm", type=float, default=None,
-                    help="seconds before the fault (default: the controller's start-up hold, 2 windows, + 2 s = "
-                         f"{STARTUP_HOLD_S + 2:g}; --warm 8 puts the fault inside it, as on a first deployment)")
-    ap.add_argument("--measure", type=float, default=20.0, help="measured seconds from the fault (default 20)")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; see docs/benchmarks.md)")
-    ap.add_argument("--retry-starved", type=int, default=1,
-                    help="rounds of rerunning, one at a time, the runs starved of CPU (default 1; 0: none)")
+    ap.add_argument(
+        "--warm",
+        type=float,
+        default=None,
+        help="seconds before the fault (default: the controller's start-up hold, 2 windows, + 2 s = "
+        f"{STARTUP_HOLD_S + 2:g}; --warm 8 puts the fault inside it, as on a first deployment)",
+    )
+    ap.add_argument(
+        "--measure", type=float, default=20.0, help="measured seconds from the fault (default 20)"
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help=(
+            "runs at a time (default 3; --healthy: 2, its long 3P+6D runs need more CPU; "
+            "see docs/benchmarks.md)"
+        ),
+    )
+    ap.add_argument(
+        "--retry-starved",
+        type=int,
+        default=1,
+        help="rounds of rerunning, one at a time, the runs starved of CPU (default 1; 0: none)",
+    )
     ap.add_argument("--capacity-s", type=float, default=10.0, help="seconds per capacity step (default 10)")
-    ap.add_argument("--rates-per-p", default="6,6.5,7,7.5,8,8.5,9,9.5",
-                    help="capacity steps, req/s per prefill instance, tried in order up to the first the fleet "
-                         "does not sustain (default 6,6.5,7,7.5,8,8.5,9,9.5)")
-    ap.add_argument("--capacity", type=_capacities, default={},
-                    help="skip the capacity steps for these fleets: 2p4d=14,3p6d=21 (tuning runs only)")
-    ap.add_argument("--client-timeout", type=float, default=10.0,
-                    help="client timeout per request, seconds (default 10; 5x the TTFT SLO)")
-    ap.add_argument("--fail-static-s", type=float, default=None,
-                    help="proxy.fail_static_s of every contender (default a third of --measure, so that the "
-                         "killed contender runs fail-static, then fallback, within the measured phase)")
+    ap.add_argument(
+        "--rates-per-p",
+        default="6,6.5,7,7.5,8,8.5,9,9.5",
+        help="capacity steps, req/s per prefill instance, tried in order up to the first the fleet "
+        "does not sustain (default 6,6.5,7,7.5,8,8.5,9,9.5)",
+    )
+    ap.add_argument(
+        "--capacity",
+        type=_capacities,
+        default={},
+        help="skip the capacity steps for these fleets: 2p4d=14,3p6d=21 (tuning runs only)",
+    )
+    ap.add_argument(
+        "--client-timeout",
+        type=float,
+        default=10.0,
+        help="client timeout per request, seconds (default 10; 5x the TTFT SLO)",
+    )
+    ap.add_argument(
+        "--fail-static-s",
+        type=float,
+        default=None,
+        help="proxy.fail_static_s of every contender (default a third of --measure, so that the "
+        "killed contender runs fail-static, then fallback, within the measured phase)",
+    )
     ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     ap.add_argument("--sim-seed", type=int, default=7, help="simulator seed (default 7)")
-    ap.add_argument("--healthy", action="store_true", help="the quiet-when-healthy runs instead of the matrix")
-    ap.add_argument("--healthy-duration", type=float, default=600.0, help="seconds per healthy run (default 600)")
-    ap.add_argument("--seeds", default="1,2", help="--healthy: workload seeds (default 1,2; the simulator's "
-                                                   "seed is --sim-seed + the seed's index)")
+    ap.add_argument(
+        "--healthy", action="store_true", help="the quiet-when-healthy runs instead of the matrix"
+    )
+    ap.add_argument(
+        "--healthy-duration", type=float, default=600.0, help="seconds per healthy run (default 600)"
+    )
+    ap.add_argument(
+        "--seeds",
+        default="1,2",
+        help="--healthy: workload seeds (default 1,2; the simulator's seed is --sim-seed + the seed's index)",
+    )
     ap.add_argument("--save-decisions", help="directory: write each controlled run's decisions there as JSON")
-    ap.add_argument("--keep-tmp", action="store_true", help="keep each run's logs and store (paths in the JSON)")
-    ap.add_argument("--dry-run", action="store_true", help="print the cells and the time estimate, run nothing")
+    ap.add_argument(
+        "--keep-tmp", action="store_true", help="keep each run's logs and store (paths in the JSON)"
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="print the cells and the time estimate, run nothing"
+    )
     ap.add_argument("--out", help="default bench/results/goodput.json (--healthy: goodput-healthy.json)")
     a = ap.parse_args(argv)
     try:
@@ -400,8 +599,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         # A fleet meets the controller's start-up hold (controller.noise.startup_s) only when pdscope is
         # first deployed; faults on a running fleet come after it.
         a.warm = STARTUP_HOLD_S + 2.0
-    if a.jobs < 1 or a.warm < 0 or a.measure <= 0 or a.healthy_duration <= 0 or not a.rates_per_p or not a.seeds:
-        ap.error("--jobs >= 1, --warm >= 0, --measure/--healthy-duration > 0, --rates-per-p and --seeds non-empty")
+    if (
+        a.jobs < 1
+        or a.warm < 0
+        or a.measure <= 0
+        or a.healthy_duration <= 0
+        or not a.rates_per_p
+        or not a.seeds
+    ):
+        ap.error(
+            "--jobs >= 1, --warm >= 0, --measure/--healthy-duration > 0, --rates-per-p and --seeds non-empty"
+        )
     if a.fail_static_s is None:
         a.fail_static_s = round(a.measure / 3, 1)
     name = "goodput-healthy.json" if a.healthy else "goodput.json"

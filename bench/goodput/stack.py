@@ -97,32 +97,64 @@ class Stack:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.cpu_at_kill: dict[str, float | None] = {}
         self.ports = {k: free_port() for k in ("proxy", "collector", "controller", "admin")}
-        self.inst = [(n, "prefill", "prefill", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.prefills()]
-        self.inst += [(n, "decode", "decode", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.decodes()]
+        self.inst = [
+            (n, "prefill", "prefill", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.prefills()
+        ]
+        self.inst += [
+            (n, "decode", "decode", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.decodes()
+        ]
         self.store_url = f"sqlite:///{tmp / 'store.db'}"
         controlled = spec.contender in CONTROLLED
         dead = f"http://127.0.0.1:{free_port()}"  # no controller: the proxy never reaches one
-        controller_url = (f"http://127.0.0.1:{self.ports['controller']}" if controlled
-                          else spec.oracle_url if spec.contender == "oracle" else dead)
+        controller_url = (
+            f"http://127.0.0.1:{self.ports['controller']}"
+            if controlled
+            else spec.oracle_url
+            if spec.contender == "oracle"
+            else dead
+        )
         round_robin = spec.contender == "round_robin"
         cfg = {
             "model": {"name": MODEL, "kv_bytes_per_token": 327680},
-            "pools": {pool: {"role": pool, "instances": [{"name": n, "url": u} for n, p, _, u in self.inst
-                                                          if p == pool]} for pool in ("prefill", "decode")},
-            "slo": {"ttft": {"target_ms": SLO_TTFT_S * 1000}, "tpot": {"target_ms": SLO_TPOT_S * 1000},
-                    "window_s": 30},
+            "pools": {
+                pool: {
+                    "role": pool,
+                    "instances": [{"name": n, "url": u} for n, p, _, u in self.inst if p == pool],
+                }
+                for pool in ("prefill", "decode")
+            },
+            "slo": {
+                "ttft": {"target_ms": SLO_TTFT_S * 1000},
+                "tpot": {"target_ms": SLO_TPOT_S * 1000},
+                "window_s": 30,
+            },
             "store": {"url": self.store_url},
             # Controlled runs: the simulated vLLMs send their request spans to the collector, as vLLM does
             # with --otlp-traces-endpoint (P's queue time is in them); the others have no collector.
-            "simulator": {**SIM, "seed": spec.sim_seed, "admin_port": self.ports["admin"], "tracing": controlled},
-            "collector": {"port": self.ports["collector"], "scrape_interval_s": INTERVAL_S,
-                          "scrape_timeout_s": 0.8 * INTERVAL_S},
-            "controller": {"port": self.ports["controller"], "interval_s": INTERVAL_S,
-                           "window_s": CONTROLLER_WINDOW_S, "mode": "enforce",
-                           "kv_lease_s": SIM["lease_duration_s"]},  # the simulated fleet's lease
+            "simulator": {
+                **SIM,
+                "seed": spec.sim_seed,
+                "admin_port": self.ports["admin"],
+                "tracing": controlled,
+            },
+            "collector": {
+                "port": self.ports["collector"],
+                "scrape_interval_s": INTERVAL_S,
+                "scrape_timeout_s": 0.8 * INTERVAL_S,
+            },
+            "controller": {
+                "port": self.ports["controller"],
+                "interval_s": INTERVAL_S,
+                "window_s": CONTROLLER_WINDOW_S,
+                "mode": "enforce",
+                "kv_lease_s": SIM["lease_duration_s"],
+            },  # the simulated fleet's lease
             "proxy": {
-                "port": self.ports["proxy"], "policy": "round-robin" if round_robin else "weighted",
-                "controller_url": controller_url, "routing_poll_s": 0.5, "tracing": controlled,
+                "port": self.ports["proxy"],
+                "policy": "round-robin" if round_robin else "weighted",
+                "controller_url": controller_url,
+                "routing_poll_s": 0.5,
+                "tracing": controlled,
                 "fail_static_s": spec.fail_static_s,
                 "otlp_endpoint": f"http://127.0.0.1:{self.ports['collector']}/v1/traces",
                 # round robin: the toy proxy's behaviour, no admission limit; the others: config defaults
@@ -139,8 +171,13 @@ class Stack:
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = (self.tmp / f"{name}.log").open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([PDSCOPE, "--config", str(self.config), "--log-level", "WARNING", *args], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [PDSCOPE, "--config", str(self.config), "--log-level", "WARNING", *args],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.procs[name] = proc
         return proc
 
@@ -180,12 +217,16 @@ class Stack:
         proc.send_signal(signal.SIGKILL)
 
     def expired_leases(self) -> float:
-        return sum(metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total") for _, _, r, u in self.inst if r == "prefill")
+        return sum(
+            metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total") for _, _, r, u in self.inst if r == "prefill"
+        )
 
     def cpu(self) -> dict[str, float | None]:
         """CPU seconds each service has used so far (the killed controller: up to its kill)."""
-        return {name: self.cpu_at_kill.get(name) if name in self.cpu_at_kill else cpu_seconds(p.pid)
-                for name, p in self.procs.items()}
+        return {
+            name: self.cpu_at_kill.get(name) if name in self.cpu_at_kill else cpu_seconds(p.pid)
+            for name, p in self.procs.items()
+        }
 
     def proxy_state(self) -> str | None:
         try:

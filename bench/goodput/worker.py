@@ -42,8 +42,9 @@ from simulator.loadgen import Target, run_load  # noqa: E402
 from simulator.workload import LengthDist, Planned, RequestResult, plan, summarize  # noqa: E402
 
 
-def workload(rate: float, capacity: float, duration: float, warm: float, seed: int,
-             fault: FaultPlan) -> list[Planned]:
+def workload(
+    rate: float, capacity: float, duration: float, warm: float, seed: int, fault: FaultPlan
+) -> list[Planned]:
     p, o = LengthDist.parse(PROMPT), LengthDist.parse(OUTPUT)
     base = plan("poisson", rate, 10**7, duration, p, o, seed)
     if fault.burst is None:
@@ -53,17 +54,27 @@ def workload(rate: float, capacity: float, duration: float, warm: float, seed: i
     if extra_rate <= 0:
         return base
     extra = plan("poisson", extra_rate, 10**7, burst_s, p, o, seed + 1)
-    return sorted(base + [Planned(x.at + warm, x.prompt_tokens, x.output_tokens) for x in extra], key=lambda x: x.at)
+    return sorted(
+        base + [Planned(x.at + warm, x.prompt_tokens, x.output_tokens) for x in extra], key=lambda x: x.at
+    )
 
 
 def measure(results: list[RequestResult], warm: float, measured_s: float) -> dict[str, Any]:
     phase = [r for r in results if r.scheduled_s >= warm]
     s = summarize(phase, measured_s, SLO_TTFT_S, SLO_TPOT_S)
     rejected = sum(1 for r in phase if r.status in (429, 503))
-    return {"requests": s["requests"], "completed": s["completed"], "goodput_rps": s["goodput_rps"],
-            "slo_attainment": s["slo_attainment"], "ttft_p99_s": s["ttft_s"]["p99"],
-            "ttft_p50_s": s["ttft_s"]["p50"], "rejections": rejected,
-            "failed_other": s["failed"] - rejected, "errors_total": s["failed"] - rejected, "errors": s["errors"]}
+    return {
+        "requests": s["requests"],
+        "completed": s["completed"],
+        "goodput_rps": s["goodput_rps"],
+        "slo_attainment": s["slo_attainment"],
+        "ttft_p99_s": s["ttft_s"]["p99"],
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "rejections": rejected,
+        "failed_other": s["failed"] - rejected,
+        "errors_total": s["failed"] - rejected,
+        "errors": s["errors"],
+    }
 
 
 STARVED_LAG_S = 0.05  # the simulator's own loop_lag_threshold_s: past it, simulated timings stretch
@@ -98,13 +109,15 @@ class LagProbe:
         return {"loop_lag_p99_s": round(percentile(s, 99) or 0.0, 4), "loop_lag_max_s": round(max(s), 4)}
 
 
-async def load_phase(spec: dict[str, Any], fleet: FleetShape, fault: FaultPlan, stack: Stack,
-                     table: StaticTable | None) -> tuple[dict[str, Any], float | None]:
+async def load_phase(
+    spec: dict[str, Any], fleet: FleetShape, fault: FaultPlan, stack: Stack, table: StaticTable | None
+) -> tuple[dict[str, Any], float | None]:
     """Start the stack, run the schedule, inject the fault; the client's figures and the onset time."""
     contender = spec["contender"]
     warm, measured = float(spec["warm_s"]), float(spec["measure_s"])
-    planned = workload(float(spec["rate_rps"]), float(spec["capacity_rps"]), warm + measured, warm,
-                       int(spec["seed"]), fault)
+    planned = workload(
+        float(spec["rate_rps"]), float(spec["capacity_rps"]), warm + measured, warm, int(spec["seed"]), fault
+    )
     schedule = oracle_schedule(fault, fleet, float(spec["capacity_rps"])) if table is not None else []
     version = [0]
 
@@ -153,9 +166,13 @@ async def load_phase(spec: dict[str, Any], fleet: FleetShape, fault: FaultPlan, 
         stack.reset_sim_lag()
         probe.start()
         load_from = time.time()
-        results, _ = await run_load(Target(url=stack.proxy_url, model=MODEL), planned,
-                                    timeout_s=float(spec["client_timeout_s"]), max_inflight=4096,
-                                    seed=int(spec["seed"]))
+        results, _ = await run_load(
+            Target(url=stack.proxy_url, model=MODEL),
+            planned,
+            timeout_s=float(spec["client_timeout_s"]),
+            max_inflight=4096,
+            seed=int(spec["seed"]),
+        )
         if inject_errors:
             raise RuntimeError(f"the fault could not be injected: {inject_errors[0]}")
         out = measure(results, warm, measured)
@@ -181,8 +198,16 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     fault = fault_plan(spec["fault"], fleet, float(spec["measure_s"]))
     tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{spec['fleet']}-{spec['fault']}-{contender}-"))
     table: StaticTable | None = StaticTable() if contender == "oracle" else None
-    stack = Stack(StackSpec(fleet, contender, int(spec["sim_seed"]), float(spec["fail_static_s"]),
-                            None if table is None else table.url), tmp)
+    stack = Stack(
+        StackSpec(
+            fleet,
+            contender,
+            int(spec["sim_seed"]),
+            float(spec["fail_static_s"]),
+            None if table is None else table.url,
+        ),
+        tmp,
+    )
     t_start = time.monotonic()
     ok = False
     out: dict[str, Any] = {}
@@ -196,9 +221,19 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("save_decisions"):
                 path = Path(spec["save_decisions"])
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"spec": spec, "onset": onset, "load_from": out["load_from"],
-                                            "fault": fault.about,
-                                            "decisions": jsonable(decisions)}, indent=1) + "\n")
+                path.write_text(
+                    json.dumps(
+                        {
+                            "spec": spec,
+                            "onset": onset,
+                            "load_from": out["load_from"],
+                            "fault": fault.about,
+                            "decisions": jsonable(decisions),
+                        },
+                        indent=1,
+                    )
+                    + "\n"
+                )
                 out["decisions_file"] = str(path)
         out["wall_s"] = round(time.monotonic() - t_start, 2)
         ok = True

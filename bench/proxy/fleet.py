@@ -61,8 +61,10 @@ class _Conn(asyncio.Protocol):
 
 def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
     body = json.dumps(obj).encode()
-    return (b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
-            % (status, len(body), extra)) + body
+    return (
+        b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+        % (status, len(body), extra)
+    ) + body
 
 
 class Node:
@@ -71,8 +73,9 @@ class Node:
         self.requests = 0
         self.otlp_bytes = 0
 
-    def answer(self, tr: asyncio.Transport, method: bytes, url: bytes, headers: dict[bytes, bytes],
-               body: bytes) -> None:
+    def answer(
+        self, tr: asyncio.Transport, method: bytes, url: bytes, headers: dict[bytes, bytes], body: bytes
+    ) -> None:
         self.requests += 1
         if self.role == "otlp":
             self.otlp_bytes += len(body)
@@ -88,29 +91,61 @@ class Node:
         rid = headers.get(b"x-request-id", b"none").decode()
         if self.role == "prefill":
             n = len(str(req.get("prompt", ""))) // 4
-            tr.write(_json(200, {
-                "id": f"cmpl-{rid}-0", "object": "text_completion", "model": req.get("model"),
-                "choices": [{"index": 0, "text": " the", "finish_reason": "length"}],
-                "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
-                "kv_transfer_params": {
-                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
-                    "remote_engine_id": f"engine-{self.name}", "remote_request_id": f"cmpl-{rid}-0-0a1b2c3d",
-                    "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                    "remote_num_tokens": n, "remote_blocks_expiry_time": None,
-                    "remote_registration_generation": 0, "transfer_mode": "pull"},
-            }))
+            tr.write(
+                _json(
+                    200,
+                    {
+                        "id": f"cmpl-{rid}-0",
+                        "object": "text_completion",
+                        "model": req.get("model"),
+                        "choices": [{"index": 0, "text": " the", "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+                        "kv_transfer_params": {
+                            "do_remote_prefill": True,
+                            "do_remote_decode": False,
+                            "remote_block_ids": [[1, 2, 3]],
+                            "remote_engine_id": f"engine-{self.name}",
+                            "remote_request_id": f"cmpl-{rid}-0-0a1b2c3d",
+                            "remote_host": "127.0.0.1",
+                            "remote_port": 5600,
+                            "tp_size": 1,
+                            "dcp_size": 1,
+                            "pp_size": 1,
+                            "remote_num_tokens": n,
+                            "remote_blocks_expiry_time": None,
+                            "remote_registration_generation": 0,
+                            "transfer_mode": "pull",
+                        },
+                    },
+                )
+            )
             return
         if not req.get("stream"):
-            tr.write(_json(200, {
-                "id": f"cmpl-{rid}-0", "object": "text_completion", "model": req.get("model"),
-                "choices": [{"index": 0, "text": " the" * self.chunks, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": self.chunks, "total_tokens": 10 + self.chunks},
-            }))
+            tr.write(
+                _json(
+                    200,
+                    {
+                        "id": f"cmpl-{rid}-0",
+                        "object": "text_completion",
+                        "model": req.get("model"),
+                        "choices": [{"index": 0, "text": " the" * self.chunks, "finish_reason": "length"}],
+                        "usage": {
+                            "prompt_tokens": 10,
+                            "completion_tokens": self.chunks,
+                            "total_tokens": 10 + self.chunks,
+                        },
+                    },
+                )
+            )
             return
-        tr.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                 b"transfer-encoding: chunked\r\n\r\n")
-        event = (b'data: {"id": "cmpl-%s-0", "object": "text_completion", "model": "bench", "choices": '
-                 b'[{"index": 0, "text": " the", "logprobs": null, "finish_reason": null}]}\n\n' % rid.encode())
+        tr.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        event = (
+            b'data: {"id": "cmpl-%s-0", "object": "text_completion", "model": "bench", "choices": '
+            b'[{"index": 0, "text": " the", "logprobs": null, "finish_reason": null}]}\n\n' % rid.encode()
+        )
         frame = b"%x\r\n%s\r\n" % (len(event), event)
         done = b"data: [DONE]\n\n"
         tail = b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
@@ -130,7 +165,7 @@ class Node:
     def _routing(self, tr: asyncio.Transport, headers: dict[bytes, bytes]) -> None:
         etag = b'"1"'
         if headers.get(b"if-none-match") == etag:
-            tr.write(b"HTTP/1.1 304 Not Modified\r\netag: \"1\"\r\ncontent-length: 0\r\n\r\n")
+            tr.write(b'HTTP/1.1 304 Not Modified\r\netag: "1"\r\ncontent-length: 0\r\n\r\n')
             return
         tr.write(_json(200, self.table, b'etag: "1"\r\n'))
 
@@ -161,9 +196,15 @@ async def main(n_prefill: int, n_decode: int, chunks: int) -> None:
         servers.append(server)
         urls[key] = url
     ctl.table = {
-        "version": 1, "generated_at": 0.0, "mode": "enforce", "enforce": True, "pools": [],
-        "instances": [{"name": n.name, "pool": n.role, "role": n.role, "url": u, "weight": 1.0}
-                      for n, u in zip(nodes, urls["prefill"] + urls["decode"], strict=True)],
+        "version": 1,
+        "generated_at": 0.0,
+        "mode": "enforce",
+        "enforce": True,
+        "pools": [],
+        "instances": [
+            {"name": n.name, "pool": n.role, "role": n.role, "url": u, "weight": 1.0}
+            for n, u in zip(nodes, urls["prefill"] + urls["decode"], strict=True)
+        ],
     }
     print(json.dumps(urls), flush=True)
     loop = asyncio.get_running_loop()
@@ -175,8 +216,12 @@ async def main(n_prefill: int, n_decode: int, chunks: int) -> None:
 
     loop.add_reader(sys.stdin.fileno(), on_stdin)
     await stdin_closed
-    print(json.dumps({"otlp_bytes": otlp.otlp_bytes, "otlp_posts": otlp.requests,
-                      "routing_polls": ctl.requests}), flush=True)
+    print(
+        json.dumps(
+            {"otlp_bytes": otlp.otlp_bytes, "otlp_posts": otlp.requests, "routing_polls": ctl.requests}
+        ),
+        flush=True,
+    )
     for server in servers:
         server.close()
 

@@ -20,8 +20,15 @@ from proxy.upstream import Upstream, UpstreamError
 
 async def main(a: argparse.Namespace) -> dict[str, object]:
     up = Upstream(connect_timeout=5)
-    body = json.dumps({"model": "bench", "prompt": "lorem ipsum dolor sit amet " * 24,
-                       "max_tokens": a.tokens, "stream": a.stream, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": "bench",
+            "prompt": "lorem ipsum dolor sit amet " * 24,
+            "max_tokens": a.tokens,
+            "stream": a.stream,
+            "temperature": 0,
+        }
+    ).encode()
     e2e: list[float] = []
     ttft: list[float] = []
     errors = 0
@@ -51,6 +58,7 @@ async def main(a: argparse.Namespace) -> dict[str, object]:
     start = time.perf_counter()
     end = start + a.duration
     if a.mode == "closed":
+
         async def worker() -> None:
             nonlocal sent
             while time.perf_counter() < end and sent < a.max_requests:
@@ -73,7 +81,9 @@ async def main(a: argparse.Namespace) -> dict[str, object]:
     wall = time.perf_counter() - start
     await up.aclose()
     return {
-        "ok": len(e2e), "errors": errors, "wall_s": wall,
+        "ok": len(e2e),
+        "errors": errors,
+        "wall_s": wall,
         "e2e_ms": {"p50": _pct(e2e, 50), "p90": _pct(e2e, 90), "p99": _pct(e2e, 99)},
         "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
     }

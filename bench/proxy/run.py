@@ -87,8 +87,18 @@ class Contender:
 
 def start_toy(fleet: dict[str, Any], log: Path) -> Contender:
     port = _free_port()
-    cmd = [*_pin(0), PY, "-m", "bench.proxy.toy_proxy", "--port", str(port),
-           "--prefill", *fleet["prefill"], "--decode", *fleet["decode"]]
+    cmd = [
+        *_pin(0),
+        PY,
+        "-m",
+        "bench.proxy.toy_proxy",
+        "--port",
+        str(port),
+        "--prefill",
+        *fleet["prefill"],
+        "--decode",
+        *fleet["decode"],
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthcheck")
@@ -100,18 +110,36 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
     config = {
         "model": {"name": "bench", "kv_bytes_per_token": 327680},
         "pools": {
-            "prefill": {"role": "prefill", "instances": [
-                {"name": f"prefill-{i}", "url": u} for i, u in enumerate(fleet["prefill"])]},
-            "decode": {"role": "decode", "instances": [
-                {"name": f"decode-{i}", "url": u} for i, u in enumerate(fleet["decode"])]},
+            "prefill": {
+                "role": "prefill",
+                "instances": [{"name": f"prefill-{i}", "url": u} for i, u in enumerate(fleet["prefill"])],
+            },
+            "decode": {
+                "role": "decode",
+                "instances": [{"name": f"decode-{i}", "url": u} for i, u in enumerate(fleet["decode"])],
+            },
         },
-        "proxy": {"port": port, "controller_url": fleet["controller"], "tracing": True,
-                  "otlp_endpoint": fleet["otlp"] + "/v1/traces"},
+        "proxy": {
+            "port": port,
+            "controller_url": fleet["controller"],
+            "tracing": True,
+            "otlp_endpoint": fleet["otlp"] + "/v1/traces",
+        },
     }
     path = tmp / f"pdscope-{client}.yaml"
     path.write_text(yaml.safe_dump(config))
     pdscope = str(Path(PY).with_name("pdscope"))
-    cmd = [*_pin(0), pdscope, "--config", str(path), "--log-level", "WARNING", "proxy", "--upstream-client", client]
+    cmd = [
+        *_pin(0),
+        pdscope,
+        "--config",
+        str(path),
+        "--log-level",
+        "WARNING",
+        "proxy",
+        "--upstream-client",
+        client,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthz")
@@ -128,9 +156,24 @@ def _metric(url: str, name: str) -> float:
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pdscope-bench-"))
-    fleet_proc = subprocess.Popen([*_pin(1), PY, "-m", "bench.proxy.fleet", "--prefill", "2", "--decode", "2",
-                                   "--chunks", str(a.tokens)], cwd=REPO, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+    fleet_proc = subprocess.Popen(
+        [
+            *_pin(1),
+            PY,
+            "-m",
+            "bench.proxy.fleet",
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--chunks",
+            str(a.tokens),
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs: list[subprocess.Popen[Any]] = [fleet_proc]
     try:
         assert fleet_proc.stdout is not None
@@ -148,22 +191,50 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
         def latency(url: str, seed: int) -> dict[str, Any]:
             if a.rate > 0:  # open loop, Poisson arrivals
-                return loadgen(url, a.path, mode="open", core=1, timeout_s=a.count / a.rate * 3 + 60, rate=a.rate,
-                               max_requests=a.count, duration=a.count / a.rate * 2, seed=seed, **common)
+                return loadgen(
+                    url,
+                    a.path,
+                    mode="open",
+                    core=1,
+                    timeout_s=a.count / a.rate * 3 + 60,
+                    rate=a.rate,
+                    max_requests=a.count,
+                    duration=a.count / a.rate * 2,
+                    seed=seed,
+                    **common,
+                )
             # one request at a time: what a request sees with no queue in front of it
-            return loadgen(url, a.path, mode="closed", core=1, timeout_s=180, concurrency=1,
-                           max_requests=a.count, duration=120, **common)
+            return loadgen(
+                url,
+                a.path,
+                mode="closed",
+                core=1,
+                timeout_s=180,
+                concurrency=1,
+                max_requests=a.count,
+                duration=120,
+                **common,
+            )
+
         for c in contenders:  # warm-up: connections, caches, lazy imports
             loadgen(c.url, a.path, mode="closed", core=1, timeout_s=60, concurrency=8, duration=1.5, **common)
         rounds: list[dict[str, dict[str, Any]]] = []
         for r in range(a.rounds):
             res: dict[str, dict[str, Any]] = {}
             res["direct"] = {"latency": latency(fleet["decode"][0], r)}
-            for c in (contenders if r % 2 == 0 else contenders[::-1]):
+            for c in contenders if r % 2 == 0 else contenders[::-1]:
                 assert c.proc is not None
                 cpu0 = cpu_seconds(c.proc.pid)
-                closed = loadgen(c.url, a.path, mode="closed", core=1, timeout_s=a.duration + 60,
-                                 concurrency=a.concurrency, duration=a.duration, **common)
+                closed = loadgen(
+                    c.url,
+                    a.path,
+                    mode="closed",
+                    core=1,
+                    timeout_s=a.duration + 60,
+                    concurrency=a.concurrency,
+                    duration=a.duration,
+                    **common,
+                )
                 cpu = cpu_seconds(c.proc.pid) - cpu0
                 # httpx as pdscope's client is only there to price the client: ceiling only
                 lat = latency(c.url, r) if c.name != "pdscope-httpx" else None
@@ -175,9 +246,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     "latency": lat,
                 }
             rounds.append(res)
-            print(f"round {r + 1}/{a.rounds}: " + ", ".join(
-                f"{k} ceiling {v['ceiling_rps']:.0f} rps" for k, v in res.items() if "ceiling_rps" in v),
-                file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1}/{a.rounds}: "
+                + ", ".join(
+                    f"{k} ceiling {v['ceiling_rps']:.0f} rps" for k, v in res.items() if "ceiling_rps" in v
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         spans_dropped = _metric(pds.url, "pdscope_proxy_spans_dropped_total")
         spans_exported = _metric(pds.url, "pdscope_proxy_spans_exported_total")
     finally:
@@ -205,19 +281,30 @@ def _med(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tracing: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tracing: dict[str, Any]
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in rounds[0]:
         per = [r[name] for r in rounds]
         have = [p["latency"] is not None for p in per]
-        lat = {m: {q: _med([p["latency"][m][q] for p, h in zip(per, have, strict=True) if h])
-                   for q in ("p50", "p99")} for m in ("e2e_ms", "ttft_ms")}
+        lat = {
+            m: {
+                q: _med([p["latency"][m][q] for p, h in zip(per, have, strict=True) if h])
+                for q in ("p50", "p99")
+            }
+            for m in ("e2e_ms", "ttft_ms")
+        }
         over = {}
         for m in ("e2e_ms", "ttft_ms"):
             for q in ("p50", "p99"):
-                diffs = [p["latency"][m][q] - r["direct"]["latency"][m][q] for p, r in zip(per, rounds, strict=True)
-                         if p["latency"] is not None and p["latency"][m][q] is not None
-                         and r["direct"]["latency"][m][q] is not None]
+                diffs = [
+                    p["latency"][m][q] - r["direct"]["latency"][m][q]
+                    for p, r in zip(per, rounds, strict=True)
+                    if p["latency"] is not None
+                    and p["latency"][m][q] is not None
+                    and r["direct"]["latency"][m][q] is not None
+                ]
                 over[f"{m[:-3]}_{q}_overhead_ms"] = _med(diffs)  # type: ignore[arg-type]
         out[name] = {
             "ceiling_rps": _med([p.get("ceiling_rps") for p in per]),
@@ -236,16 +323,23 @@ def summarize(a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tr
     ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
     return {
         "benchmark": "proxy",
-        "setup": {"proxy_core": 0, "fleet_and_load_core": 1, "fleet": "bench/proxy/fleet.py, 2 P + 2 D, zero latency",
-                  "request": f"{a.path}, stream, {a.tokens} output chunks", "concurrency": a.concurrency,
-                  "duration_s": a.duration,
-                  "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
-                  "latency_requests": a.count,
-                  "rounds": a.rounds, "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled"},
+        "setup": {
+            "proxy_core": 0,
+            "fleet_and_load_core": 1,
+            "fleet": "bench/proxy/fleet.py, 2 P + 2 D, zero latency",
+            "request": f"{a.path}, stream, {a.tokens} output chunks",
+            "concurrency": a.concurrency,
+            "duration_s": a.duration,
+            "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
+            "latency_requests": a.count,
+            "rounds": a.rounds,
+            "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled",
+        },
         "contenders": out,
         "ceiling_ratio_vs_toy": ratio,
         "p99_overhead_vs_toy_ms": (pds["p99_overhead_ms"] - toy["p99_overhead_ms"])
-        if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None else None,
+        if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None
+        else None,
         "target": {"ceiling_ratio_vs_toy": ">= 1.5", "p99_overhead": "<= toy's"},
         "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
         "tracing": tracing,
@@ -257,17 +351,21 @@ def table(result: dict[str, Any]) -> str:
     def f(v: float | None, d: int = 1) -> str:
         return "-" if v is None else f"{v:.{d}f}"
 
-    rows = ["| contender | ceiling on 1 core (req/s) | vs toy | achieved (req/s) | proxy CPU | e2e p50 / p99 (ms) "
-            "| added p50 / p99 (ms) | added TTFT p99 (ms) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| contender | ceiling on 1 core (req/s) | vs toy | achieved (req/s) | proxy CPU "
+        "| e2e p50 / p99 (ms) | added p50 / p99 (ms) | added TTFT p99 (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     toy = result["contenders"]["toy"]["ceiling_rps"]
     for name, c in result["contenders"].items():
         lat = c["latency_ms"]["e2e_ms"]
         vs = f(c["ceiling_rps"] / toy, 2) + "x" if c["ceiling_rps"] and toy else "-"
-        rows.append(f"| {name} | {f(c['ceiling_rps'], 0)} | {vs} | {f(c['achieved_rps'], 0)} | "
-                    f"{f(c['proxy_cpu_util'] * 100 if c['proxy_cpu_util'] is not None else None, 0)}% | "
-                    f"{f(lat['p50'])} / {f(lat['p99'])} | {f(c['p50_overhead_ms'])} / {f(c['p99_overhead_ms'])} | "
-                    f"{f(c['ttft_p99_overhead_ms'])} |")
+        rows.append(
+            f"| {name} | {f(c['ceiling_rps'], 0)} | {vs} | {f(c['achieved_rps'], 0)} | "
+            f"{f(c['proxy_cpu_util'] * 100 if c['proxy_cpu_util'] is not None else None, 0)}% | "
+            f"{f(lat['p50'])} / {f(lat['p99'])} | {f(c['p50_overhead_ms'])} / {f(c['p99_overhead_ms'])} | "
+            f"{f(c['ttft_p99_overhead_ms'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -276,13 +374,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--duration", type=float, default=5.0)
-    ap.add_argument("--rate", type=float, default=0.0,
-                    help="latency runs: open-loop Poisson rate; 0 (default) sends one request at a time")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="latency runs: open-loop Poisson rate; 0 (default) sends one request at a time",
+    )
     ap.add_argument("--count", type=int, default=600, help="requests per latency run")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--path", default="/v1/completions")
-    ap.add_argument("--with-httpx", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run pdscope's proxy with httpx as its upstream client")
+    ap.add_argument(
+        "--with-httpx",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run pdscope's proxy with httpx as its upstream client",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
     a = ap.parse_args()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
@@ -294,9 +400,11 @@ def main() -> int:
     print(table(result))
     ratio = result["ceiling_ratio_vs_toy"]
     tracing = result["tracing"]
-    print(f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
-          f"target met: {result['target_met']}; spans exported {tracing.get('spans_exported')}, "
-          f"dropped {tracing.get('spans_dropped')}; wrote {out}")
+    print(
+        f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
+        f"target met: {result['target_met']}; spans exported {tracing.get('spans_exported')}, "
+        f"dropped {tracing.get('spans_dropped')}; wrote {out}"
+    )
     return 0
 
 

@@ -37,9 +37,14 @@ def make_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
         req_data: dict[str, Any] = await request.json()
         request_id = str(uuid.uuid4())
         p_data = dict(req_data)
-        p_data["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                                        "remote_engine_id": None, "remote_block_ids": None,
-                                        "remote_host": None, "remote_port": None}
+        p_data["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
         p_data["stream"] = False
         p_data["max_tokens"] = 1
         if "max_completion_tokens" in p_data:

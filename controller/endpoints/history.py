@@ -34,21 +34,33 @@ def router(ctx: ApiContext) -> APIRouter:
         with transaction(ctx.reconciler.factory) as session:
             return [DecisionOut.model_validate(d, from_attributes=True) for d in session.scalars(stmt)]
 
-    @r.get("/v1/policy", response_model=PolicyOut, tags=["history"],
-           summary="The policy config this controller runs under (every threshold)")
+    @r.get(
+        "/v1/policy",
+        response_model=PolicyOut,
+        tags=["history"],
+        summary="The policy config this controller runs under (every threshold)",
+    )
     def get_policy() -> PolicyOut:
         cfg = ctx.reconciler.cfg
         fp = cfg.fingerprint()
         return PolicyOut(fingerprint=fp, version=int(fp[1:].split(":")[0]), config=cfg.as_dict())
 
-    @r.get("/v1/policy/{fingerprint}", response_model=PolicyOut, tags=["history"],
-           summary="A stored policy config, as named by a decision's policy field")
+    @r.get(
+        "/v1/policy/{fingerprint}",
+        response_model=PolicyOut,
+        tags=["history"],
+        summary="A stored policy config, as named by a decision's policy field",
+    )
     def get_stored_policy(fingerprint: str) -> PolicyOut:
         with transaction(ctx.reconciler.factory) as session:
             row = session.get(PolicyConfigRow, fingerprint)
             if row is None:
                 raise HTTPException(404, detail=f"no stored policy config {fingerprint!r}")
-            return PolicyOut(fingerprint=row.fingerprint, version=row.version, config=dict(row.config),
-                             first_seen=row.first_seen)
+            return PolicyOut(
+                fingerprint=row.fingerprint,
+                version=row.version,
+                config=dict(row.config),
+                first_seen=row.first_seen,
+            )
 
     return r

@@ -21,7 +21,8 @@ def instance_change(ctx: ApiContext, change: Change) -> InstanceWeightOut:
 
 
 def pool_change(ctx: ApiContext, change: Change) -> PoolOut:
-    """Make ``change`` and answer with the pool after it: the override it started (or none) and its audit event."""
+    """Make ``change`` and answer with the pool after it: the override it started (or none) and its
+    audit event."""
     res = ctx.overrides.change_pool(change)
     out = next(p for p in ctx.views.pools() if p.name == change.subject)
     out.override = OverrideOut.of(res.override)

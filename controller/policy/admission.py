@@ -51,8 +51,12 @@ from controller.policy.config import PolicyConfig
 from controller.policy.reasons import Reason
 from controller.policy.signals import Observation, PoolSignals, Role
 
-PRESSURE_REASONS = {"kv": Reason.KV_HEADROOM_LOW, "backlog": Reason.HANDOFF_BACKLOG, "ttft": Reason.TTFT_OVER_BUDGET,
-                    "queue": Reason.PREFILL_QUEUEING}
+PRESSURE_REASONS = {
+    "kv": Reason.KV_HEADROOM_LOW,
+    "backlog": Reason.HANDOFF_BACKLOG,
+    "ttft": Reason.TTFT_OVER_BUDGET,
+    "queue": Reason.PREFILL_QUEUEING,
+}
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,10 @@ def _drain_queue(pool: PoolSignals, req: int, inflight: float | None, cfg: Polic
     left = ttft_left_s(pool, cfg)
     held = inflight if inflight is not None else float(req)
     new_req = max(cfg.min_inflight_requests, math.floor(held - max(0.0, waiting - left * rate)))
-    return new_req, (f"requests = max({cfg.min_inflight_requests}, floor(in flight {held:.1f} - (waiting {waiting:.1f}"
-                     f" - budget left {left:.2f}s × {rate:.1f}/s))) = {new_req}")
+    return new_req, (
+        f"requests = max({cfg.min_inflight_requests}, floor(in flight {held:.1f} - (waiting {waiting:.1f}"
+        f" - budget left {left:.2f}s × {rate:.1f}/s))) = {new_req}"
+    )
 
 
 def _inflight(pool: PoolSignals) -> float | None:
@@ -136,11 +142,16 @@ def _inflight(pool: PoolSignals) -> float | None:
 def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tuple[float | None, str]:
     """``(max_queue_wait_s, arithmetic)``: the TTFT budget a request has left to wait for a slot."""
     if pool.service_ttft_at_slo_s is None:
-        return prev, f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)"
+        return (
+            prev,
+            f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)",
+        )
     left = cfg.ttft_target_s - pool.service_ttft_at_slo_s
     wait = max(0.0, math.floor(left / cfg.wait_step_s) * cfg.wait_step_s)
-    arith = (f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
-             f"{pool.service_ttft_at_slo_s:.2f}s) = {wait:.2f}s")
+    arith = (
+        f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
+        f"{pool.service_ttft_at_slo_s:.2f}s) = {wait:.2f}s"
+    )
     if wait >= cfg.default_queue_wait_s:  # the proxy's own timeout is the shorter: leave it to the proxy
         return None, f"{arith} >= queue_timeout_s {cfg.default_queue_wait_s:g}s: the proxy's default"
     return round(wait, 3), arith
@@ -153,8 +164,15 @@ def decide_pool(
     default_kv = cfg.default_max_inflight_kv_bytes
     base = prev or LimitState(default_req, default_kv)
     if stale:
-        return PoolDecision(pool.name, pool.role, prev, base, Reason.STALE_DATA,
-                            f"{pool.name}: collector behind; limits held", "limits held")
+        return PoolDecision(
+            pool.name,
+            pool.role,
+            prev,
+            base,
+            Reason.STALE_DATA,
+            f"{pool.name}: collector behind; limits held",
+            "limits held",
+        )
     wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
     factors = pressure_factors(pool, cfg)
     pressure = min(factors.values(), default=1.0)
@@ -167,22 +185,29 @@ def decide_pool(
     if pressure < cfg.cut_below and warming and min(factors, key=lambda k: factors[k]) != "kv":
         worst = min(factors, key=lambda k: factors[k])
         arith.append(f"requests = {req} (start-up window: {worst} pressure {pressure:.2f} not acted on)")
-        reason, message = Reason.WARMING_UP, f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on"
+        reason, message = (
+            Reason.WARMING_UP,
+            f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on",
+        )
         pressured = 0
     elif pressure < cfg.cut_below:
         worst = min(factors, key=lambda k: factors[k])
         reason = PRESSURE_REASONS[worst]
         if worst == "queue" and pressured < cfg.queue_confirm_ticks:
             # One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks.
-            arith.append(f"requests = {req} (P queue pressure {pressure:.2f}: confirming, {pressured}/"
-                         f"{cfg.queue_confirm_ticks} ticks)")
+            arith.append(
+                f"requests = {req} (P queue pressure {pressure:.2f}: confirming, {pressured}/"
+                f"{cfg.queue_confirm_ticks} ticks)"
+            )
             message = f"{pool.name}: queue pressure {pressure:.2f}; confirming before a cut"
         elif worst == "queue":
             new_req, text = _drain_queue(pool, req, inflight, cfg)
             arith.append(text)
             req = min(req, new_req)
-            message = f"{pool.name}: P queue over the TTFT budget left; request limit {base.max_inflight_requests}" \
-                      f" -> {req}"
+            message = (
+                f"{pool.name}: P queue over the TTFT budget left; request limit {base.max_inflight_requests}"
+                f" -> {req}"
+            )
         elif cooldown > 0:
             arith.append(f"requests = {req} (cooldown {cooldown} ticks after the last cut)")
             message = f"{pool.name}: {worst} pressure {pressure:.2f}; waiting for the last cut to show"
@@ -194,23 +219,35 @@ def decide_pool(
             basis = min(req, math.ceil(inflight)) if inflight is not None else req
             # gradient: what is in flight, scaled by the pressure, plus 2 sqrt(basis) of headroom for bursts
             new_req = max(cfg.min_inflight_requests, math.floor(basis * cut + 2 * math.sqrt(basis)))
-            arith.append(f"requests = max({cfg.min_inflight_requests}, floor(b × max({cfg.limit_cut_floor}, "
-                         f"{pressure:.2f}) + 2 sqrt(b))) = {new_req} with b = min(limit {req}, in flight "
-                         f"{'?' if inflight is None else math.ceil(inflight)})")
+            arith.append(
+                f"requests = max({cfg.min_inflight_requests}, floor(b × max({cfg.limit_cut_floor}, "
+                f"{pressure:.2f}) + 2 sqrt(b))) = {new_req} with b = min(limit {req}, in flight "
+                f"{'?' if inflight is None else math.ceil(inflight)})"
+            )
             if new_req < req:
                 cooldown = cfg.limit_cut_cooldown_ticks
             req = min(req, new_req)
-            message = f"{pool.name}: {worst} pressure {pressure:.2f}; request limit {base.max_inflight_requests}" \
-                      f" -> {req}"
+            message = (
+                f"{pool.name}: {worst} pressure {pressure:.2f}; request limit {base.max_inflight_requests}"
+                f" -> {req}"
+            )
     elif pressure < cfg.grow_above:
-        arith.append(f"requests = {req} (pressure {pressure:.2f} between {cfg.cut_below} and {cfg.grow_above}: hold)")
+        arith.append(
+            f"requests = {req} (pressure {pressure:.2f} between {cfg.cut_below} and {cfg.grow_above}: hold)"
+        )
         worst = min(factors, key=lambda k: factors[k])
-        reason, message = Reason.HOLDING, f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}"
+        reason, message = (
+            Reason.HOLDING,
+            f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}",
+        )
     else:
         calm = base.calm + 1
         if req < default_req and calm < cfg.recover_ticks:
             arith.append(f"requests = {req} (calm {calm}/{cfg.recover_ticks} ticks before growing)")
-            reason, message = Reason.HOLDING_FOR_HYSTERESIS, f"{pool.name}: no pressure for {calm} ticks; limit held at {req}"
+            reason, message = (
+                Reason.HOLDING_FOR_HYSTERESIS,
+                f"{pool.name}: no pressure for {calm} ticks; limit held at {req}",
+            )
         elif req < default_req:
             step = max(1, math.ceil(cfg.limit_increase * req))
             new_req = min(default_req, req + step)
@@ -227,17 +264,28 @@ def decide_pool(
     if wait != base.max_queue_wait_s and wait is not None:
         message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
     inputs: dict[str, Any] = {
-        "inflight_requests": inflight, "completed_per_s": pool.completed_per_s, "ttft_at_slo_s": pool.ttft_at_slo_s,
-        "kv_usage": pool.kv_usage, "handoff_backlog_requests": pool.handoff_backlog_requests,
-        "waiting_now": pool.waiting_now, "running_now": pool.running_now,
-        "service_ttft_at_slo_s": pool.service_ttft_at_slo_s, "unqueued_ttft_at_slo_s": pool.unqueued_ttft_at_slo_s,
-        "ttft_target_s": cfg.ttft_target_s, "handoff_budget_s": cfg.handoff_budget_s,
+        "inflight_requests": inflight,
+        "completed_per_s": pool.completed_per_s,
+        "ttft_at_slo_s": pool.ttft_at_slo_s,
+        "kv_usage": pool.kv_usage,
+        "handoff_backlog_requests": pool.handoff_backlog_requests,
+        "waiting_now": pool.waiting_now,
+        "running_now": pool.running_now,
+        "service_ttft_at_slo_s": pool.service_ttft_at_slo_s,
+        "unqueued_ttft_at_slo_s": pool.unqueued_ttft_at_slo_s,
+        "ttft_target_s": cfg.ttft_target_s,
+        "handoff_budget_s": cfg.handoff_budget_s,
     }
     return PoolDecision(
-        pool=pool.name, role=pool.role, old=prev, new=LimitState(req, kv_limit, cooldown, wait, pressured, calm),
+        pool=pool.name,
+        role=pool.role,
+        old=prev,
+        new=LimitState(req, kv_limit, cooldown, wait, pressured, calm),
         reason=reason,
-        message=message, arithmetic="; ".join(arith),
-        scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)}, inputs=inputs,
+        message=message,
+        arithmetic="; ".join(arith),
+        scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)},
+        inputs=inputs,
     )
 
 
@@ -247,6 +295,9 @@ def decide_pools(
     age = obs.data_age_s
     stale = age is None or age > cfg.stale_after_s
     warming = obs.history_s is not None and obs.history_s < cfg.startup_s
-    return tuple(replace(d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records,
-                                    "history_s": obs.history_s})
-                 for d in (decide_pool(p, prev.get(p.name), cfg, stale, warming) for p in obs.pools))
+    return tuple(
+        replace(
+            d, inputs={**d.inputs, "untrusted_records": obs.untrusted_records, "history_s": obs.history_s}
+        )
+        for d in (decide_pool(p, prev.get(p.name), cfg, stale, warming) for p in obs.pools)
+    )

@@ -69,7 +69,9 @@ class AlertConfig:
     def __post_init__(self) -> None:
         unknown = sorted((set(self.for_s) | set(self.severity) | set(self.disabled)) - set(ALERT_RULE_NAMES))
         if unknown:
-            raise ValueError(f"unknown alert rule(s) {', '.join(unknown)}; known: {', '.join(ALERT_RULE_NAMES)}")
+            raise ValueError(
+                f"unknown alert rule(s) {', '.join(unknown)}; known: {', '.join(ALERT_RULE_NAMES)}"
+            )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AlertConfig:
@@ -136,8 +138,14 @@ def _ttft(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] 
         return None
     if s.ttft_at_slo_s <= cfg.ttft_target_s:
         return []
-    return [Sample({}, s.ttft_at_slo_s, f"TTFT p{cfg.ttft_percentile:g} {s.ttft_at_slo_s * 1000:.0f} ms > target "
-                   f"{cfg.ttft_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
+    return [
+        Sample(
+            {},
+            s.ttft_at_slo_s,
+            f"TTFT p{cfg.ttft_percentile:g} {s.ttft_at_slo_s * 1000:.0f} ms > target "
+            f"{cfg.ttft_target_s * 1000:.0f} ms over {s.window_s:.0f}s",
+        )
+    ]
 
 
 def _tpot(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
@@ -146,8 +154,14 @@ def _tpot(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] 
         return None
     if s.tpot_at_slo_s <= cfg.tpot_target_s:
         return []
-    return [Sample({}, s.tpot_at_slo_s, f"TPOT p{cfg.tpot_percentile:g} {s.tpot_at_slo_s * 1000:.0f} ms > target "
-                   f"{cfg.tpot_target_s * 1000:.0f} ms over {s.window_s:.0f}s")]
+    return [
+        Sample(
+            {},
+            s.tpot_at_slo_s,
+            f"TPOT p{cfg.tpot_percentile:g} {s.tpot_at_slo_s * 1000:.0f} ms > target "
+            f"{cfg.tpot_target_s * 1000:.0f} ms over {s.window_s:.0f}s",
+        )
+    ]
 
 
 def _goodput(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
@@ -157,8 +171,14 @@ def _goodput(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sampl
         return None
     if att >= cfg.goodput_attainment:
         return []
-    return [Sample({}, att, f"SLO attainment {100 * att:.1f}% < {100 * cfg.goodput_attainment:.0f}% "
-                   f"({s.met}/{s.completed} requests met every SLO over {s.window_s:.0f}s)")]
+    return [
+        Sample(
+            {},
+            att,
+            f"SLO attainment {100 * att:.1f}% < {100 * cfg.goodput_attainment:.0f}% "
+            f"({s.met}/{s.completed} requests met every SLO over {s.window_s:.0f}s)",
+        )
+    ]
 
 
 def _handoff(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
@@ -184,25 +204,45 @@ def _labels(name: str, pool: str, role: str) -> dict[str, str]:
 
 
 def _failed(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [Sample(_labels(i.name, i.pool, i.role), i.failed_transfers_per_min,
-                   f"{i.name}: {i.failed_transfers_per_min:.1f} failed NIXL transfers per minute")
-            for i in obs.instances if i.failed_transfers_per_min > 0]
+    return [
+        Sample(
+            _labels(i.name, i.pool, i.role),
+            i.failed_transfers_per_min,
+            f"{i.name}: {i.failed_transfers_per_min:.1f} failed NIXL transfers per minute",
+        )
+        for i in obs.instances
+        if i.failed_transfers_per_min > 0
+    ]
 
 
 def _expired(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [Sample(_labels(i.name, i.pool, i.role), i.expired_leases_per_min,
-                   f"{i.name}: {i.expired_leases_per_min:.1f} KV leases expired per minute (D did not pull in time)")
-            for i in obs.instances if i.expired_leases_per_min > 0]
+    return [
+        Sample(
+            _labels(i.name, i.pool, i.role),
+            i.expired_leases_per_min,
+            f"{i.name}: {i.expired_leases_per_min:.1f} KV leases expired per minute (D did not pull in time)",
+        )
+        for i in obs.instances
+        if i.expired_leases_per_min > 0
+    ]
 
 
 def _kv_full(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [Sample(_labels(i.name, i.pool, i.role), i.kv_usage, f"{i.name}: KV cache {100 * i.kv_usage:.0f}% used")
-            for i in obs.instances if i.up and i.kv_usage is not None and i.kv_usage > ac.kv_full]
+    return [
+        Sample(
+            _labels(i.name, i.pool, i.role), i.kv_usage, f"{i.name}: KV cache {100 * i.kv_usage:.0f}% used"
+        )
+        for i in obs.instances
+        if i.up and i.kv_usage is not None and i.kv_usage > ac.kv_full
+    ]
 
 
 def _down(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [Sample(_labels(i.name, i.pool, i.role), 0.0, f"{i.name}: scrape failed (up = 0)")
-            for i in obs.instances if i.up is False]
+    return [
+        Sample(_labels(i.name, i.pool, i.role), 0.0, f"{i.name}: scrape failed (up = 0)")
+        for i in obs.instances
+        if i.up is False
+    ]
 
 
 def _collector_behind(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
@@ -229,7 +269,13 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
         ("KVCacheNearlyFull", "warning", 30.0, "KV usage above the limit", _per_instance(_kv_full)),
         ("InstanceDown", "critical", 10.0, "an instance's /metrics cannot be scraped", _per_instance(_down)),
         ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
-        ("CollectorBehind", "critical", 10.0, "stored data is stale: the collector is behind", _collector_behind),
+        (
+            "CollectorBehind",
+            "critical",
+            10.0,
+            "stored data is stale: the collector is behind",
+            _collector_behind,
+        ),
     )
     return tuple(
         AlertRule(n, ac.severity_of(n, sev), ac.for_of(n, f), summ, ev, enabled=n not in ac.disabled)
@@ -264,12 +310,23 @@ def step_alerts(
             seen.add(fp)
             old = mine.get(fp)
             if old is None:
-                st = AlertState(rule.name, fp, dict(sm.labels), rule.severity, "pending", sm.value, sm.description,
-                                rule.summary, active_since=now, last_eval=now)
+                st = AlertState(
+                    rule.name,
+                    fp,
+                    dict(sm.labels),
+                    rule.severity,
+                    "pending",
+                    sm.value,
+                    sm.description,
+                    rule.summary,
+                    active_since=now,
+                    last_eval=now,
+                )
                 changed.append(st)
             else:
-                st = replace(old, severity=rule.severity, value=sm.value, description=sm.description,
-                             last_eval=now)
+                st = replace(
+                    old, severity=rule.severity, value=sm.value, description=sm.description, last_eval=now
+                )
             if st.state == "pending" and now - st.active_since >= rule.for_s:
                 st = replace(st, state="firing", fired_at=now)
                 if old is not None:

@@ -103,8 +103,9 @@ class PolicyConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PolicyConfig:
-        return cls._derive(settings.controller, settings.slo, settings.proxy.admission,
-                           settings.collector.scrape_interval_s)
+        return cls._derive(
+            settings.controller, settings.slo, settings.proxy.admission, settings.collector.scrape_interval_s
+        )
 
     @classmethod
     def defaults(cls, **changes: Any) -> PolicyConfig:
@@ -114,8 +115,9 @@ class PolicyConfig:
         return dataclasses.replace(cfg, **changes)
 
     @classmethod
-    def _derive(cls, c: ControllerSettings, slo: SLOSettings, a: AdmissionDefaults,
-                scrape_interval_s: float) -> PolicyConfig:
+    def _derive(
+        cls, c: ControllerSettings, slo: SLOSettings, a: AdmissionDefaults, scrape_interval_s: float
+    ) -> PolicyConfig:
         ttft_s = slo.ttft.target_ms / 1000.0
         return cls(
             interval_s=c.interval_s,
@@ -139,8 +141,9 @@ class PolicyConfig:
             tpot_target_s=slo.tpot.target_ms / 1000.0,
             tpot_percentile=slo.tpot.percentile,
             goodput_attainment=slo.goodput_attainment,
-            handoff_budget_s=(slo.handoff_budget_ms / 1000.0 if slo.handoff_budget_ms is not None
-                              else ttft_s / 2.0),
+            handoff_budget_s=(
+                slo.handoff_budget_ms / 1000.0 if slo.handoff_budget_ms is not None else ttft_s / 2.0
+            ),
             default_max_inflight_requests=a.max_inflight_requests,
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
             default_queue_wait_s=a.queue_timeout_s,

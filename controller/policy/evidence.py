@@ -118,7 +118,8 @@ class Percentiles(Protocol):
 
 @dataclass(frozen=True)
 class LatestGauges:
-    """An instance's latest KV-fetch backlog, its mean queue time over the window, how long it has been down."""
+    """An instance's latest KV-fetch backlog, its mean queue time over the window, how long it has
+    been down."""
 
     backlog: float | None
     queue_mean_s: float | None
@@ -175,8 +176,9 @@ class WindowTally:
                 if inst is not None:
                     self.instances[inst].refused += 1
             return
-        self.charged_handoffs.append(HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token,
-                                                  r.lease_expiry_suspect))
+        self.charged_handoffs.append(
+            HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token, r.lease_expiry_suspect)
+        )
         self._charge_outcome(r, p_inst, d_inst)
         pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
         self._stage_times(r, p_inst, d_inst, pair)
@@ -221,8 +223,11 @@ class WindowTally:
         self.first_in = min(self.first_in, t_in)
         ttft, p_sent, p_queue = _num(r.ttft_s), _num(r.p_sent), _num(r.p_queue_s)
         # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
-        service = ttft - max(0.0, p_sent - t_in) if r.status == "ok" and ttft is not None and p_sent is not None \
+        service = (
+            ttft - max(0.0, p_sent - t_in)
+            if r.status == "ok" and ttft is not None and p_sent is not None
             else None
+        )
         unqueued = max(0.0, service - p_queue) if service is not None and p_queue is not None else None
         if pair is not None and service is not None:
             self.service_by_pair[pair].append(service)
@@ -251,11 +256,12 @@ class WindowTally:
             if isinstance(inst, str) and f"upstream_{kind}" not in NOT_CHARGED_ERRORS:
                 self.instances[inst].failed += 1
 
-    def charge_lease_expiries(self, d_instance: object, ended_at: float | None, entries: object,
-                              since: float, until: float) -> None:
-        """A lease-expiry suspect: each attributed expiry (``attributes["lease_expiry"]``) counted in the window
-        is charged to the D its handoff was sent to and counted on the P whose lease it was. A suspect
-        without that detail is charged to its record's D when the record ended in the window."""
+    def charge_lease_expiries(
+        self, d_instance: object, ended_at: float | None, entries: object, since: float, until: float
+    ) -> None:
+        """A lease-expiry suspect: each attributed expiry (``attributes["lease_expiry"]``) counted in the
+        window is charged to the D its handoff was sent to and counted on the P whose lease it was. A
+        suspect without that detail is charged to its record's D when the record ended in the window."""
         if not entries:
             if isinstance(d_instance, str) and ended_at is not None and since <= ended_at <= until:
                 self.instances[d_instance].lease_charged += 1
@@ -330,14 +336,23 @@ def sum_up(members: Sequence[InstanceSignals], attr: str) -> float | None:
     return sum(values) if values else None
 
 
-def pairs_percentile(by_pair: Mapping[Pair, Sequence[float]], side: int, members: set[str], pct: float,
-                     cfg: PolicyConfig, pooled: Sequence[float] | None = None) -> float | None:
+def pairs_percentile(
+    by_pair: Mapping[Pair, Sequence[float]],
+    side: int,
+    members: set[str],
+    pct: float,
+    cfg: PolicyConfig,
+    pooled: Sequence[float] | None = None,
+) -> float | None:
     """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
     (``side`` 0: P, 1: D), of each pair's percentile; where no pair has ``pair_min_samples``, the ``pooled``
     percentile if given and as large."""
     n = cfg.pair_min_samples
-    per = sorted(v for pair, vals in by_pair.items()
-                 if pair[side] in members and len(vals) >= n and (v := percentile(vals, pct)) is not None)
+    per = sorted(
+        v
+        for pair, vals in by_pair.items()
+        if pair[side] in members and len(vals) >= n and (v := percentile(vals, pct)) is not None
+    )
     if per:
         return median_low(per)
     if pooled is not None and len(pooled) >= n:
@@ -354,8 +369,14 @@ def rate_span_s(window_s: float, since: float, first_in: float, now: float, cfg:
 
 
 def instance_signals(
-    name: str, pool: str, role: Role, cfg: PolicyConfig, window: ScrapeFigures | None,
-    recent: ScrapeFigures | None, latest: LatestGauges | None, tally: InstanceTally | None,
+    name: str,
+    pool: str,
+    role: Role,
+    cfg: PolicyConfig,
+    window: ScrapeFigures | None,
+    recent: ScrapeFigures | None,
+    latest: LatestGauges | None,
+    tally: InstanceTally | None,
     handoff: Percentiles | None,
 ) -> InstanceSignals:
     """One configured instance's signals from its scrapes (the window's, the last three's, the latest gauges)
@@ -363,7 +384,9 @@ def instance_signals(
     s, r, lt, rec = window, recent, latest, tally
     held = load_now(role, s, lt)
     return InstanceSignals(
-        name=name, pool=pool, role=role,
+        name=name,
+        pool=pool,
+        role=role,
         up=None if s is None else s.up,
         last_seen=None if s is None else s.last_ts,
         down_for_s=None if lt is None else lt.down_for_s,
@@ -405,8 +428,14 @@ def unattributed_expiries(role: Role, window: ScrapeFigures | None, tally: Insta
     return max(0, expired - (0 if tally is None else tally.lease_on_p))
 
 
-def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], tally: WindowTally,
-                 rate_span: float, cfg: PolicyConfig) -> PoolSignals:
+def pool_signals(
+    name: str,
+    agg: PoolTally,
+    members: Sequence[InstanceSignals],
+    tally: WindowTally,
+    rate_span: float,
+    cfg: PolicyConfig,
+) -> PoolSignals:
     """One pool's load from its members' signals and the records through it."""
     usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
     rate = agg.done / rate_span if agg.done >= cfg.pool_min_requests else None
@@ -416,7 +445,8 @@ def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], 
     up = {i.name for i in members if i.up}
     prefill = agg.role == "prefill"
     return PoolSignals(
-        name=name, role=agg.role,
+        name=name,
+        role=agg.role,
         inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
         completed_per_s=rate,
         ttft_at_slo_s=pairs_percentile(tally.ttft_by_pair, side, up, pct, cfg),
@@ -428,7 +458,9 @@ def pool_signals(name: str, agg: PoolTally, members: Sequence[InstanceSignals], 
         waiting_now=typical_times_members(members, "num_waiting") if prefill else None,
         running_now=sum_up(members, "num_running") if prefill else None,
         service_ttft_at_slo_s=pairs_percentile(tally.service_by_pair, side, up, pct, cfg, agg.service_ttft),
-        unqueued_ttft_at_slo_s=pairs_percentile(tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft),
+        unqueued_ttft_at_slo_s=pairs_percentile(
+            tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft
+        ),
     )
 
 

@@ -76,42 +76,93 @@ class Reason(enum.StrEnum):
 
 
 _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
-    Reason.STALE_DATA: ('weight, pool', 'the newest snapshot is too old (collector behind): held'),
-    Reason.NO_DATA: ('weight', 'not scraped in the window: held'),
-    Reason.SCRAPE_FAILING: ('weight', 'scrapes failing, not yet long enough to count as down: held'),
-    Reason.ROLE_UNOBSERVABLE: ('weight', 'every instance of its role fails its scrapes at once: held'),
-    Reason.INSTANCE_DOWN: ('weight', 'its scrapes failed for max(10 s, 3 scrape intervals): weight 0'),
-    Reason.INSTANCE_UP: ('weight', 'up again after an outage: starts at the floor'),
-    Reason.SLOW_PREFILL: ('weight (P)', "its TTFT contribution, vLLM's TTFT now or its speed is past the tolerance of its peers' median"),
-    Reason.SLOW_HANDOFF: ('weight', "its handoff time (P done → D first token) is past the tolerance of its peers' median, or hopeless against the TTFT target"),
-    Reason.SLOW_KV_TRANSFER: ('weight (D)', "its NIXL transfer time (over the window, or now) is past the tolerance of its peers' median"),
-    Reason.BACKLOG: ('weight', "load: the time a request spends there now (Little's law on the gauges) is over 2× its peers'"),
-    Reason.TRANSFER_FAILURES: ('weight', 'failed NIXL transfers (plus attributed lease expiries) from `noise.min_error_events` in the window'),
-    Reason.LEASE_EXPIRIES: ('weight (D)', 'lease expiries attributed to handoffs sent to this D, with no failed transfers'),
-    Reason.REQUEST_FAILURES: ('weight', "the instance's own failed requests (lower confidence bound of their share)"),
-    Reason.KV_CACHE_PRESSURE: ('weight', 'KV usage above 85 %'),
-    Reason.DEGRADED: ('weight', 'the smoothed target is under the weight with no single signal to name'),
-    Reason.PROBING: ('weight', 'raised to at most `probe.weight` to gather evidence'),
-    Reason.PROBE_FAILED: ('weight', 'failed within `probe.hold_s` of a probe: back to the floor'),
-    Reason.AWAITING_EVIDENCE: ('weight', 'too few requests at its low weight to judge: held until the probe is due'),
-    Reason.HOLDING_FOR_HYSTERESIS: ('weight, pool', 'healthy, but not yet for enough ticks in a row'),
-    Reason.HOLDING_AFTER_RAISE: ('weight', 'healthy, at or above its ceiling: one step per window'),
-    Reason.RECOVERING: ('weight, pool', 'healthy long enough: the weight (or the limit) grows back'),
-    Reason.STEADY: ('weight', 'inside the hysteresis bands: nothing moves'),
-    Reason.WARMING_UP: ('weight, pool', 'start-up window: only failures, down and KV may cut'),
-    Reason.HEALTHY: ('weight, pool', 'every signal healthy (no pressure)'),
-    Reason.UNATTRIBUTED_LEASE_EXPIRIES: ('weight (P)', 'otherwise healthy, but leases expired on this P that no waiting handoff explains: shown, charged to no one'),
-    Reason.KV_HEADROOM_LOW: ('pool', "worst pressure: the pool's KV headroom (usage past 80 %)"),
-    Reason.HANDOFF_BACKLOG: ('pool (D)', 'worst pressure: the handoff backlog against `slo.handoff_budget_ms`'),
-    Reason.TTFT_OVER_BUDGET: ('pool (P)', 'worst pressure: the TTFT percentile through the pool against its target'),
-    Reason.PREFILL_QUEUEING: ('pool (P)', "worst pressure: the wait in P's queues against the TTFT budget left for it"),
-    Reason.HOLDING: ('pool', 'mild pressure (between 0.8 and 0.95): the limit is held'),
-    Reason.INITIAL: ('weight', "the carried state before the policy's first decision on the instance"),
-    Reason.NO_DECISION_YET: ('served weight', 'the controller has made no decision for the instance yet'),
-    Reason.CONFIGURED: ('pool (routing table)', 'the configured pool weight applies and no limit has been decided yet'),
-    Reason.MANUAL_OVERRIDE: ('served weight', 'a manual override or drain is in force (served, not stored as a policy decision)'),
-    Reason.DRAINED: ('instance (routing table)', 'an operator drained the instance: weight 0 until undrained'),
-    Reason.OVERRIDE_ENDED: ('weight', "a manual override ended; the policy's weight applies again"),
+    Reason.STALE_DATA: ("weight, pool", "the newest snapshot is too old (collector behind): held"),
+    Reason.NO_DATA: ("weight", "not scraped in the window: held"),
+    Reason.SCRAPE_FAILING: ("weight", "scrapes failing, not yet long enough to count as down: held"),
+    Reason.ROLE_UNOBSERVABLE: ("weight", "every instance of its role fails its scrapes at once: held"),
+    Reason.INSTANCE_DOWN: ("weight", "its scrapes failed for max(10 s, 3 scrape intervals): weight 0"),
+    Reason.INSTANCE_UP: ("weight", "up again after an outage: starts at the floor"),
+    Reason.SLOW_PREFILL: (
+        "weight (P)",
+        "its TTFT contribution, vLLM's TTFT now or its speed is past the tolerance of its peers' median",
+    ),
+    Reason.SLOW_HANDOFF: (
+        "weight",
+        (
+            "its handoff time (P done → D first token) is past the tolerance of its peers' median, "
+            "or hopeless against the TTFT target"
+        ),
+    ),
+    Reason.SLOW_KV_TRANSFER: (
+        "weight (D)",
+        "its NIXL transfer time (over the window, or now) is past the tolerance of its peers' median",
+    ),
+    Reason.BACKLOG: (
+        "weight",
+        "load: the time a request spends there now (Little's law on the gauges) is over 2× its peers'",
+    ),
+    Reason.TRANSFER_FAILURES: (
+        "weight",
+        "failed NIXL transfers (plus attributed lease expiries) from `noise.min_error_events` in the window",
+    ),
+    Reason.LEASE_EXPIRIES: (
+        "weight (D)",
+        "lease expiries attributed to handoffs sent to this D, with no failed transfers",
+    ),
+    Reason.REQUEST_FAILURES: (
+        "weight",
+        "the instance's own failed requests (lower confidence bound of their share)",
+    ),
+    Reason.KV_CACHE_PRESSURE: ("weight", "KV usage above 85 %"),
+    Reason.DEGRADED: ("weight", "the smoothed target is under the weight with no single signal to name"),
+    Reason.PROBING: ("weight", "raised to at most `probe.weight` to gather evidence"),
+    Reason.PROBE_FAILED: ("weight", "failed within `probe.hold_s` of a probe: back to the floor"),
+    Reason.AWAITING_EVIDENCE: (
+        "weight",
+        "too few requests at its low weight to judge: held until the probe is due",
+    ),
+    Reason.HOLDING_FOR_HYSTERESIS: ("weight, pool", "healthy, but not yet for enough ticks in a row"),
+    Reason.HOLDING_AFTER_RAISE: ("weight", "healthy, at or above its ceiling: one step per window"),
+    Reason.RECOVERING: ("weight, pool", "healthy long enough: the weight (or the limit) grows back"),
+    Reason.STEADY: ("weight", "inside the hysteresis bands: nothing moves"),
+    Reason.WARMING_UP: ("weight, pool", "start-up window: only failures, down and KV may cut"),
+    Reason.HEALTHY: ("weight, pool", "every signal healthy (no pressure)"),
+    Reason.UNATTRIBUTED_LEASE_EXPIRIES: (
+        "weight (P)",
+        (
+            "otherwise healthy, but leases expired on this P that no waiting handoff explains: "
+            "shown, charged to no one"
+        ),
+    ),
+    Reason.KV_HEADROOM_LOW: ("pool", "worst pressure: the pool's KV headroom (usage past 80 %)"),
+    Reason.HANDOFF_BACKLOG: (
+        "pool (D)",
+        "worst pressure: the handoff backlog against `slo.handoff_budget_ms`",
+    ),
+    Reason.TTFT_OVER_BUDGET: (
+        "pool (P)",
+        "worst pressure: the TTFT percentile through the pool against its target",
+    ),
+    Reason.PREFILL_QUEUEING: (
+        "pool (P)",
+        "worst pressure: the wait in P's queues against the TTFT budget left for it",
+    ),
+    Reason.HOLDING: ("pool", "mild pressure (between 0.8 and 0.95): the limit is held"),
+    Reason.INITIAL: ("weight", "the carried state before the policy's first decision on the instance"),
+    Reason.NO_DECISION_YET: ("served weight", "the controller has made no decision for the instance yet"),
+    Reason.CONFIGURED: (
+        "pool (routing table)",
+        "the configured pool weight applies and no limit has been decided yet",
+    ),
+    Reason.MANUAL_OVERRIDE: (
+        "served weight",
+        "a manual override or drain is in force (served, not stored as a policy decision)",
+    ),
+    Reason.DRAINED: (
+        "instance (routing table)",
+        "an operator drained the instance: weight 0 until undrained",
+    ),
+    Reason.OVERRIDE_ENDED: ("weight", "a manual override ended; the policy's weight applies again"),
 }
 
 

@@ -81,7 +81,9 @@ def serve_instance(
     if drain is not None:
         return ServedInstance(name, 0.0, policy_weight, True, "drain", Reason.DRAINED, drain)
     if weight is not None and weight.weight is not None:
-        return ServedInstance(name, weight.weight, policy_weight, False, "override", Reason.MANUAL_OVERRIDE, weight)
+        return ServedInstance(
+            name, weight.weight, policy_weight, False, "override", Reason.MANUAL_OVERRIDE, weight
+        )
     return ServedInstance(name, policy_weight, policy_weight, False, "policy", policy_reason, None)
 
 
@@ -103,11 +105,25 @@ def build_table(
     routes: list[InstanceRoute] = []
     for spec in instances:
         w, why = policy_weights.get(spec.name, (1.0, Reason.NO_DECISION_YET))
-        s = serve_instance(spec.name, w, why, act.get(("instance", spec.name, "drain")),
-                           act.get(("instance", spec.name, "weight")))
+        s = serve_instance(
+            spec.name,
+            w,
+            why,
+            act.get(("instance", spec.name, "drain")),
+            act.get(("instance", spec.name, "weight")),
+        )
         served[spec.name] = s
-        routes.append(InstanceRoute(name=spec.name, pool=spec.pool, role=spec.role, url=spec.url,
-                                    weight=s.weight, drained=s.drained, reason=s.reason))
+        routes.append(
+            InstanceRoute(
+                name=spec.name,
+                pool=spec.pool,
+                role=spec.role,
+                url=spec.url,
+                weight=s.weight,
+                drained=s.drained,
+                reason=s.reason,
+            )
+        )
     pool_routes: list[PoolRoute] = []
     for p in pools:
         ov = act.get(("pool", p.name, "weight"))
@@ -117,15 +133,25 @@ def build_table(
         lim = limits.get(p.name)
         if lim is not None and reason == Reason.CONFIGURED:
             reason = limit_reasons.get(p.name, reason)
-        pool_routes.append(PoolRoute(
-            name=p.name, role=p.role, weight=weight,
-            max_inflight_requests=None if lim is None else lim.max_inflight_requests,
-            max_inflight_kv_bytes=None if lim is None else lim.max_inflight_kv_bytes,
-            max_queue_wait_s=None if lim is None else lim.max_queue_wait_s,
-            reason=reason,
-        ))
-    table = RoutingTable(version=version, generated_at=now, mode=mode, enforce=mode == "enforce",
-                         instances=routes, pools=pool_routes)
+        pool_routes.append(
+            PoolRoute(
+                name=p.name,
+                role=p.role,
+                weight=weight,
+                max_inflight_requests=None if lim is None else lim.max_inflight_requests,
+                max_inflight_kv_bytes=None if lim is None else lim.max_inflight_kv_bytes,
+                max_queue_wait_s=None if lim is None else lim.max_queue_wait_s,
+                reason=reason,
+            )
+        )
+    table = RoutingTable(
+        version=version,
+        generated_at=now,
+        mode=mode,
+        enforce=mode == "enforce",
+        instances=routes,
+        pools=pool_routes,
+    )
     return table, served
 
 

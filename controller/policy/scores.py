@@ -166,9 +166,14 @@ def _nixl(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float
 
 def _prefill_work(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
     """P's own time per request without its queue: vLLM's mean TTFT less its mean queue time over the
-    window (a P request is one token, so its TTFT is queue + prefill). How fast it works, not how busy it is."""
-    if (inst.role == "prefill" and inst.ttft_mean_s is not None and inst.queue_mean_s is not None
-            and inst.requests >= cfg.min_samples):
+    window (a P request is one token, so its TTFT is queue + prefill). How fast it works, not how
+    busy it is."""
+    if (
+        inst.role == "prefill"
+        and inst.ttft_mean_s is not None
+        and inst.queue_mean_s is not None
+        and inst.requests >= cfg.min_samples
+    ):
         return max(0.0, inst.ttft_mean_s - inst.queue_mean_s), count_rse(inst.requests)
     return None, None
 
@@ -186,7 +191,8 @@ def _nixl_now(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, f
 
 
 def error_events(inst: InstanceSignals, window_s: float) -> float:
-    """Failed NIXL transfers (its own counter) plus, for D, the lease expiries attributed to it, in the window."""
+    """Failed NIXL transfers (its own counter) plus, for D, the lease expiries attributed to it, in
+    the window."""
     events = inst.failed_transfers_per_min * window_s / 60.0
     if inst.role == "decode":
         events += inst.lease_expiry_suspects
@@ -289,8 +295,13 @@ def score_instance(
         scores.append(relative("ttft_now", _ttft_now, fast, "vLLM TTFT s over the last 3 scrapes"))
         scores.append(speed())
     hand = relative("handoff", _handoff, tol, "handoff p50 s")
-    if (hand.value < 1.0 and hand.observed is not None and hand.reference is not None
-            and hand.observed > cfg.ttft_target_s and hand.reference * tol <= cfg.ttft_target_s):
+    if (
+        hand.value < 1.0
+        and hand.observed is not None
+        and hand.reference is not None
+        and hand.observed > cfg.ttft_target_s
+        and hand.reference * tol <= cfg.ttft_target_s
+    ):
         hand = replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
     scores.append(hand)
     what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
@@ -302,15 +313,28 @@ def score_instance(
     rate = events / max(window_s / 60.0, 1e-9)
     counted = rate if events >= cfg.min_error_events - 1e-9 else 0.0
     scores.append(
-        Score("errors", error_score(counted, cfg.error_rate_ref_per_min), rate, cfg.error_rate_ref_per_min,
-              f"failed transfers + attributed lease expiries per min ({events:.0f} in the window; they count "
-              f"from {cfg.min_error_events})")
+        Score(
+            "errors",
+            error_score(counted, cfg.error_rate_ref_per_min),
+            rate,
+            cfg.error_rate_ref_per_min,
+            f"failed transfers + attributed lease expiries per min ({events:.0f} in the window; they count "
+            f"from {cfg.min_error_events})",
+        )
     )
-    low = (failure_fraction_low(inst.failed_requests, inst.requests, cfg.noise_z)
-           if inst.failed_requests >= cfg.min_error_events else 0.0)
+    low = (
+        failure_fraction_low(inst.failed_requests, inst.requests, cfg.noise_z)
+        if inst.failed_requests >= cfg.min_error_events
+        else 0.0
+    )
     scores.append(
-        Score("failures", 1.0 / (1.0 + low / cfg.failure_ref_fraction), low, cfg.failure_ref_fraction,
-              f"its own failed requests: {inst.failed_requests} of {inst.requests} (lower bound of the share)")
+        Score(
+            "failures",
+            1.0 / (1.0 + low / cfg.failure_ref_fraction),
+            low,
+            cfg.failure_ref_fraction,
+            f"its own failed requests: {inst.failed_requests} of {inst.requests} (lower bound of the share)",
+        )
     )
     scores.append(Score("kv", kv_score(inst.kv_usage, cfg), inst.kv_usage, cfg.kv_soft, "KV usage"))
     return tuple(scores)
@@ -323,8 +347,11 @@ def worst(scores: Sequence[Score]) -> Score | None:
 
 
 def reason_for(score: Score, inst: InstanceSignals) -> Reason:
-    if score.name == "errors" and inst.role == "decode" and inst.lease_expiry_suspects and (
-        inst.failed_transfers_per_min == 0
+    if (
+        score.name == "errors"
+        and inst.role == "decode"
+        and inst.lease_expiry_suspects
+        and (inst.failed_transfers_per_min == 0)
     ):
         return Reason.LEASE_EXPIRIES
     return SIGNAL_REASONS[score.name]

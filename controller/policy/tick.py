@@ -75,9 +75,17 @@ def compose(
     prev = state.table
     version = prev.version if prev is not None else 0
     policy_weights = {n: (ws.weight, reasons.get(n, ws.reason)) for n, ws in state.weights.items()}
-    table, served = build_table(instances=instances, pools=pools, policy_weights=policy_weights,
-                                limits=state.limits, limit_reasons=limit_reasons, overrides=overrides,
-                                mode=mode, now=now, version=version + 1)
+    table, served = build_table(
+        instances=instances,
+        pools=pools,
+        policy_weights=policy_weights,
+        limits=state.limits,
+        limit_reasons=limit_reasons,
+        overrides=overrides,
+        mode=mode,
+        now=now,
+        version=version + 1,
+    )
     if same_content(prev, table) and prev is not None:
         return table.model_copy(update={"version": prev.version}), served, False
     return table, served, True
@@ -92,10 +100,18 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
     new_limits = dict(st.limits)
     new_limits.update({d.pool: d.new for d in pools})
     alerts = step_alerts(rules, obs, cfg, ac, st.alerts)
-    mid = PolicyState(st.tick + 1, new_weights, new_limits, {a.fingerprint: a for a in alerts.active}, st.table)
+    mid = PolicyState(
+        st.tick + 1, new_weights, new_limits, {a.fingerprint: a for a in alerts.active}, st.table
+    )
     table, served, new_version = compose(
-        mid, inp.overrides, inp.instances, inp.pools, inp.mode, obs.now,
-        {d.instance: d.reason for d in weights}, {d.pool: d.reason for d in pools},
+        mid,
+        inp.overrides,
+        inp.instances,
+        inp.pools,
+        inp.mode,
+        obs.now,
+        {d.instance: d.reason for d in weights},
+        {d.pool: d.reason for d in pools},
     )
     state = PolicyState(mid.tick, mid.weights, mid.limits, mid.alerts, table)
     return TickOutput(mid.tick, weights, pools, alerts, table, served, state, new_version)

@@ -104,9 +104,17 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
 
 def _hold(inst: InstanceSignals, prev: WeightState, reason: Reason, message: str) -> WeightDecision:
     return WeightDecision(
-        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=prev.weight,
-        target=None, smoothed=prev.smoothed, reason=reason, message=message,
-        arithmetic=f"weight = {prev.weight:.2f} (held)", inputs={"up": inst.up, "last_seen": inst.last_seen},
+        instance=inst.name,
+        pool=inst.pool,
+        role=inst.role,
+        old_weight=prev.weight,
+        weight=prev.weight,
+        target=None,
+        smoothed=prev.smoothed,
+        reason=reason,
+        message=message,
+        arithmetic=f"weight = {prev.weight:.2f} (held)",
+        inputs={"up": inst.up, "last_seen": inst.last_seen},
         state=replace(prev, healthy_streak=0, reason=reason, degraded_streak=0),
     )
 
@@ -140,12 +148,21 @@ def step_instance(
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh."""
     if inst.up is None:
-        return _hold(inst, prev, Reason.NO_DATA, f"{inst.name}: not scraped in the window; weight held at "
-                     f"{prev.weight:.2f}")
+        return _hold(
+            inst,
+            prev,
+            Reason.NO_DATA,
+            f"{inst.name}: not scraped in the window; weight held at {prev.weight:.2f}",
+        )
     if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
-        return _hold(inst, prev, Reason.SCRAPE_FAILING, f"{inst.name}: scrapes failing for "
-                     f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
-                     f"{prev.weight:.2f}")
+        return _hold(
+            inst,
+            prev,
+            Reason.SCRAPE_FAILING,
+            f"{inst.name}: scrapes failing for "
+            f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
+            f"{prev.weight:.2f}",
+        )
     if inst.up is False:
         return _down(inst, prev, now)
 
@@ -175,22 +192,41 @@ def step_instance(
 def _down(inst: InstanceSignals, prev: WeightState, now: float) -> WeightDecision:
     """Down is a cut like any other: the way back is a probe, judged by evidence (an outage says
     nothing of the share it can take: no ceiling)."""
-    st = WeightState(0.0, 0.0, 0, Reason.INSTANCE_DOWN, 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0)
+    st = WeightState(
+        0.0, 0.0, 0, Reason.INSTANCE_DOWN, 0, now if prev.weight > 0 else prev.lowered_at, None, 1.0
+    )
     return WeightDecision(
-        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=prev.weight, weight=0.0,
-        target=0.0, smoothed=0.0, reason=Reason.INSTANCE_DOWN,
-        message=f"{inst.name}: down at the latest scrape; no new work", arithmetic="weight = 0 (up = 0)",
-        scores={"up": 0.0}, inputs={"up": False, "last_seen": inst.last_seen}, state=st,
+        instance=inst.name,
+        pool=inst.pool,
+        role=inst.role,
+        old_weight=prev.weight,
+        weight=0.0,
+        target=0.0,
+        smoothed=0.0,
+        reason=Reason.INSTANCE_DOWN,
+        message=f"{inst.name}: down at the latest scrape; no new work",
+        arithmetic="weight = 0 (up = 0)",
+        scores={"up": 0.0},
+        inputs={"up": False, "last_seen": inst.last_seen},
+        state=st,
     )
 
 
-def _scores(inst: InstanceSignals, peers: Sequence[InstanceSignals] | PeerIndex, cfg: PolicyConfig,
-            window_s: float, warming: bool) -> tuple[Score, ...]:
+def _scores(
+    inst: InstanceSignals,
+    peers: Sequence[InstanceSignals] | PeerIndex,
+    cfg: PolicyConfig,
+    window_s: float,
+    warming: bool,
+) -> tuple[Score, ...]:
     scores = score_instance(inst, peers, cfg, window_s)
     if warming:  # a start-up window: too little history to compare against, only facts may cut
-        scores = tuple(s if s.name in EVIDENCE or s.value >= 1.0 else
-                       replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} in a start-up window: not acted on")
-                       for s in scores)
+        scores = tuple(
+            s
+            if s.name in EVIDENCE or s.value >= 1.0
+            else replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} in a start-up window: not acted on")
+            for s in scores
+        )
     return scores
 
 
@@ -213,15 +249,28 @@ def _draft(scores: tuple[Score, ...], prev: WeightState, cfg: PolicyConfig, now:
         f"smoothed = {a:.2f}×{target:.2f} + {1 - a:.2f}×{prev.smoothed:.2f} = {smoothed:.2f}",
     ]
     w = prev.weight
-    probing = prev.probe_at is not None and now - prev.probe_at <= cfg.probe_hold_s and w <= cfg.probe_weight + EPS
-    return _Step(w=w, target=target, smoothed=smoothed, low=worst(scores),
-                 probe_at=prev.probe_at if probing else None, lowered_at=prev.lowered_at, arith=arith, new=w)
+    probing = (
+        prev.probe_at is not None and now - prev.probe_at <= cfg.probe_hold_s and w <= cfg.probe_weight + EPS
+    )
+    return _Step(
+        w=w,
+        target=target,
+        smoothed=smoothed,
+        low=worst(scores),
+        probe_at=prev.probe_at if probing else None,
+        lowered_at=prev.lowered_at,
+        arith=arith,
+        new=w,
+    )
 
 
 def _from_floor(st: _Step, cfg: PolicyConfig, now: float) -> None:
     st.new = cfg.min_weight
     st.arith.append(f"weight = min_weight {cfg.min_weight:.2f} (was {st.w:.2f}, instance is up)")
-    st.reason, st.what = Reason.INSTANCE_UP, "up again; starts at the floor (a probe, then evidence, raises it)"
+    st.reason, st.what = (
+        Reason.INSTANCE_UP,
+        "up again; starts at the floor (a probe, then evidence, raises it)",
+    )
     # Its outage is over: it may be probed at once (not after probe_after_s at the floor).
     st.lowered_at = now - cfg.probe_after_s
 
@@ -230,8 +279,10 @@ def _probe_failed(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, window_s:
     """A probe is a probe: its first failures end it, back to the floor at once, and the wait starts again."""
     st.new = cfg.min_weight
     st.smoothed = min(st.smoothed, st.target)
-    st.arith.append(f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
-                    f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)")
+    st.arith.append(
+        f"weight = min_weight {cfg.min_weight:.2f} (probe failed: {inst.failed_requests} failed "
+        f"requests, {error_events(inst, window_s):.0f} transfer failures/expiries)"
+    )
     st.reason, st.what = Reason.PROBE_FAILED, "failed while probed; back to the floor"
     st.probe_at, st.lowered_at = None, now
 
@@ -246,12 +297,16 @@ def _lower(st: _Step, inst: InstanceSignals, prev: WeightState, cfg: PolicyConfi
         # Severe: act on the target itself; the EWMA would take ticks to get there.
         st.smoothed = st.target
         st.new = max(st.target, w - cfg.max_weight_step, cfg.min_weight)
-        st.arith.append(f"weight = max(target {st.target:.2f} (severe, under {cfg.severe_target:.2f}: not "
-                        f"smoothed), {w:.2f} - {cfg.max_weight_step:.2f}, {cfg.min_weight:.2f}) = {st.new:.2f}")
+        st.arith.append(
+            f"weight = max(target {st.target:.2f} (severe, under {cfg.severe_target:.2f}: not "
+            f"smoothed), {w:.2f} - {cfg.max_weight_step:.2f}, {cfg.min_weight:.2f}) = {st.new:.2f}"
+        )
     elif st.degraded >= cfg.degrade_ticks:
         st.new = max(st.smoothed, w - cfg.max_weight_step, cfg.min_weight)
-        st.arith.append(f"weight = max({st.smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
-                        f"{cfg.min_weight:.2f}) = {st.new:.2f}")
+        st.arith.append(
+            f"weight = max({st.smoothed:.2f}, {w:.2f} - {cfg.max_weight_step:.2f}, "
+            f"{cfg.min_weight:.2f}) = {st.new:.2f}"
+        )
     else:
         st.new = w
         st.arith.append(f"weight = {w:.2f} (mild: confirming, {st.degraded}/{cfg.degrade_ticks} ticks)")
@@ -265,18 +320,23 @@ def _probe_or_wait(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, now: flo
     since = now - (st.lowered_at if st.lowered_at is not None else now - cfg.probe_after_s)
     if w < cfg.probe_weight - EPS and since >= cfg.probe_after_s:
         st.new = min(cfg.probe_weight, w + cfg.max_weight_step)
-        st.arith.append(f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
-                        f"{st.new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)")
+        st.arith.append(
+            f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
+            f"{st.new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)"
+        )
         st.reason, st.what = Reason.PROBING, f"too few requests to judge; probed with weight {st.new:.2f}"
         st.probe_at = now
         return
     st.new = w
     wait = max(0.0, cfg.probe_after_s - since)
-    st.arith.append(f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
-                    f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)")
+    st.arith.append(
+        f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
+        f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)"
+    )
     st.reason = Reason.AWAITING_EVIDENCE
     st.what = f"too few requests at weight {w:.2f} to judge" + (
-        f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else "")
+        f"; probing in {wait:.0f}s" if w < cfg.probe_weight - EPS else ""
+    )
 
 
 def _raise(st: _Step, prev: WeightState, cfg: PolicyConfig, window_s: float, now: float) -> None:
@@ -285,25 +345,37 @@ def _raise(st: _Step, prev: WeightState, cfg: PolicyConfig, window_s: float, now
     if streak >= cfg.recover_ticks and w < cfg.probe_weight - EPS:
         # From under the probe weight the first step is a probe, whatever the evidence so far.
         st.new = min(smoothed, cfg.probe_weight)
-        st.arith.append(f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {st.new:.2f} after "
-                        f"{streak} healthy ticks (a probe first)")
+        st.arith.append(
+            f"weight = min({smoothed:.2f}, probe {cfg.probe_weight:.2f}) = {st.new:.2f} after "
+            f"{streak} healthy ticks (a probe first)"
+        )
         st.reason, st.what = Reason.PROBING, f"healthy for {streak} ticks; probed with weight {st.new:.2f}"
         st.probe_at = now
-    elif streak >= cfg.recover_ticks and w >= prev.ceiling - EPS and prev.raised_at is not None and (
-            now - prev.raised_at < window_s):
+    elif (
+        streak >= cfg.recover_ticks
+        and w >= prev.ceiling - EPS
+        and prev.raised_at is not None
+        and (now - prev.raised_at < window_s)
+    ):
         # Past where it was last cut: the window has not yet seen it at this share.
         st.new = w
-        st.arith.append(f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
-                        f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)")
+        st.arith.append(
+            f"weight = {w:.2f} (at or above {prev.ceiling:.2f}, where it was last cut: raised "
+            f"{now - prev.raised_at:.0f}s ago, the next step after a {window_s:.0f}s window)"
+        )
         st.reason = Reason.HOLDING_AFTER_RAISE
-        st.what = (f"healthy, at or above {prev.ceiling:.2f} where it was last cut; one step per "
-                   f"{window_s:.0f}s window")
+        st.what = (
+            f"healthy, at or above {prev.ceiling:.2f} where it was last cut; one step per "
+            f"{window_s:.0f}s window"
+        )
     elif streak >= cfg.recover_ticks:
         step_to = min(smoothed, w + cfg.max_weight_step, 1.0)
         st.new = min(step_to, prev.ceiling) if w < prev.ceiling - EPS else step_to
         capped = f", back to {prev.ceiling:.2f} where it was last cut" if st.new < step_to - EPS else ""
-        st.arith.append(f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = "
-                        f"{st.new:.2f} after {streak} healthy ticks")
+        st.arith.append(
+            f"weight = min({smoothed:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}, 1{capped}) = "
+            f"{st.new:.2f} after {streak} healthy ticks"
+        )
         st.reason, st.what = Reason.RECOVERING, f"healthy for {streak} ticks"
     else:
         st.new = w
@@ -311,18 +383,24 @@ def _raise(st: _Step, prev: WeightState, cfg: PolicyConfig, window_s: float, now
         st.reason, st.what = Reason.HOLDING_FOR_HYSTERESIS, f"healthy {streak}/{cfg.recover_ticks} ticks"
 
 
-def _in_bands(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, warming: bool, history_s: float | None) -> None:
+def _in_bands(
+    st: _Step, inst: InstanceSignals, cfg: PolicyConfig, warming: bool, history_s: float | None
+) -> None:
     w, low = st.w, st.low
     st.new = w
-    st.arith.append(f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})")
+    st.arith.append(
+        f"weight = {w:.2f} (|smoothed - weight| inside bands -{cfg.band_down:.2f}/+{cfg.band_up:.2f})"
+    )
     if low is not None and w < 1.0 - EPS:
         st.reason, st.what = reason_for(low, inst), _describe(low)
     elif w < 1.0 - EPS:
         st.reason, st.what = Reason.STEADY, "inside the hysteresis bands"
     elif inst.unattributed_lease_expiries:
         st.reason = Reason.UNATTRIBUTED_LEASE_EXPIRIES
-        st.what = (f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain "
-                   "them; no instance is charged")
+        st.what = (
+            f"{inst.unattributed_lease_expiries} of its leases expired with no waiting handoff to explain "
+            "them; no instance is charged"
+        )
     elif warming:
         st.reason = Reason.WARMING_UP
         st.what = f"start-up window ({history_s or 0:.0f}s of history): only failures may cut"
@@ -330,19 +408,46 @@ def _in_bands(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, warming: bool
         st.reason, st.what = Reason.HEALTHY, "every signal healthy"
 
 
-def _decision(inst: InstanceSignals, prev: WeightState, st: _Step, scores: tuple[Score, ...], cfg: PolicyConfig,
-              now: float) -> WeightDecision:
+def _decision(
+    inst: InstanceSignals,
+    prev: WeightState,
+    st: _Step,
+    scores: tuple[Score, ...],
+    cfg: PolicyConfig,
+    now: float,
+) -> WeightDecision:
     w = st.w
     new = _r(min(1.0, max(cfg.min_weight, st.new)))
-    msg = f"{inst.name}: {st.what}; weight {w:.2f} -> {new:.2f}" if abs(new - w) > EPS else (
-        f"{inst.name}: {st.what}; weight stays {w:.2f}")
+    msg = (
+        f"{inst.name}: {st.what}; weight {w:.2f} -> {new:.2f}"
+        if abs(new - w) > EPS
+        else (f"{inst.name}: {st.what}; weight stays {w:.2f}")
+    )
     lowered_at = now if new < w - EPS and st.reason != Reason.PROBE_FAILED else st.lowered_at
     return WeightDecision(
-        instance=inst.name, pool=inst.pool, role=inst.role, old_weight=w, weight=new, target=_r(st.target),
-        smoothed=_r(st.smoothed), reason=st.reason, message=msg, arithmetic="; ".join(st.arith),
-        scores={s.name: _r(s.value) for s in scores}, inputs=_inputs(inst, scores),
-        state=WeightState(new, st.smoothed, st.streak, st.reason, st.degraded, lowered_at, st.probe_at,
-                          _ceiling_after(prev, w, new, st.reason), now if new > w + EPS else prev.raised_at),
+        instance=inst.name,
+        pool=inst.pool,
+        role=inst.role,
+        old_weight=w,
+        weight=new,
+        target=_r(st.target),
+        smoothed=_r(st.smoothed),
+        reason=st.reason,
+        message=msg,
+        arithmetic="; ".join(st.arith),
+        scores={s.name: _r(s.value) for s in scores},
+        inputs=_inputs(inst, scores),
+        state=WeightState(
+            new,
+            st.smoothed,
+            st.streak,
+            st.reason,
+            st.degraded,
+            lowered_at,
+            st.probe_at,
+            _ceiling_after(prev, w, new, st.reason),
+            now if new > w + EPS else prev.raised_at,
+        ),
     )
 
 
@@ -366,10 +471,14 @@ def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig) -> bool:
 
 def _describe(s: Score) -> str:
     if s.name == "handoff" and s.value == 0.0 and s.observed is not None:
-        return f"handoff {s.observed:.3f}s alone is over the TTFT target (peers' median {s.reference or 0:.3f}s)"
+        return (
+            f"handoff {s.observed:.3f}s alone is over the TTFT target (peers' median {s.reference or 0:.3f}s)"
+        )
     if s.name == "load" and s.reference is not None and s.observed is not None:
-        return f"a request spends {s.observed:.2f}s there now (held ÷ finished per s) vs peers' median " \
-               f"{s.reference:.2f}s"
+        return (
+            f"a request spends {s.observed:.2f}s there now (held ÷ finished per s) vs peers' median "
+            f"{s.reference:.2f}s"
+        )
     if s.reference is not None and s.observed is not None and s.name in LATENCY:
         ratio = s.observed / s.reference if s.reference else float("inf")
         return f"{s.name} {s.observed:.3f}s is {ratio:.1f}x its peers' median {s.reference:.3f}s"
@@ -397,17 +506,32 @@ def decide_weights(
         p = prev.get(inst.name, WeightState())
         if stale:
             what = "no snapshots at all" if age is None else f"newest snapshot {age:.0f}s old"
-            out.append(_hold(inst, p, Reason.STALE_DATA, f"{inst.name}: {what} (collector behind); weight held "
-                             f"at {p.weight:.2f}"))
+            out.append(
+                _hold(
+                    inst,
+                    p,
+                    Reason.STALE_DATA,
+                    f"{inst.name}: {what} (collector behind); weight held at {p.weight:.2f}",
+                )
+            )
             continue
         if inst.up is False and inst.role in unobservable:
             # Every instance of a role failing its scrapes at once is far more often the collector or
             # its network than the fleet; all-zero weights would also route nothing. Hold them.
-            out.append(_hold(inst, p, Reason.ROLE_UNOBSERVABLE, f"{inst.name}: every {inst.role} instance fails its "
-                             f"scrapes (collector or network?); weight held at {p.weight:.2f}"))
+            out.append(
+                _hold(
+                    inst,
+                    p,
+                    Reason.ROLE_UNOBSERVABLE,
+                    f"{inst.name}: every {inst.role} instance fails its "
+                    f"scrapes (collector or network?); weight held at {p.weight:.2f}",
+                )
+            )
             continue
         out.append(step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s))
     # what the observation left out or could not attribute, on every decision it shaped
-    extra = {"untrusted_records": obs.untrusted_records,
-             "unattributed_lease_expiries": obs.unattributed_lease_expiries}
+    extra = {
+        "untrusted_records": obs.untrusted_records,
+        "unattributed_lease_expiries": obs.unattributed_lease_expiries,
+    }
     return tuple(replace(d, inputs={**d.inputs, **extra}) for d in out)

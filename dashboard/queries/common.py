@@ -48,7 +48,9 @@ def frame(engine: Engine, stmt: Executable) -> pd.DataFrame:
     return pd.DataFrame.from_records(rows, columns=columns)
 
 
-def bucket_index(engine: Engine, column: ColumnElement[float], start: float, width: float) -> ColumnElement[int]:
+def bucket_index(
+    engine: Engine, column: ColumnElement[float], start: float, width: float
+) -> ColumnElement[int]:
     """floor((column - start) / width) as an integer, on SQLite and PostgreSQL alike."""
     scaled = (column - start) / width
     if engine.dialect.name == "sqlite":

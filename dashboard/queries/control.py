@@ -14,9 +14,20 @@ from store.models import Alert, AuditEvent, Decision
 def decisions(engine: Engine, window: Window, limit: int = 500) -> pd.DataFrame:
     """Decisions in the window, newest first."""
     stmt = (
-        select(Decision.id, Decision.ts, Decision.tick, Decision.mode, Decision.subject_kind, Decision.subject,
-               Decision.field, Decision.old_value, Decision.new_value, Decision.reason, Decision.message,
-               Decision.arithmetic)
+        select(
+            Decision.id,
+            Decision.ts,
+            Decision.tick,
+            Decision.mode,
+            Decision.subject_kind,
+            Decision.subject,
+            Decision.field,
+            Decision.old_value,
+            Decision.new_value,
+            Decision.reason,
+            Decision.message,
+            Decision.arithmetic,
+        )
         .where(Decision.ts >= window.start, Decision.ts < window.end)
         .order_by(Decision.ts.desc(), Decision.id.desc())
         .limit(limit)
@@ -24,14 +35,20 @@ def decisions(engine: Engine, window: Window, limit: int = 500) -> pd.DataFrame:
     return frame(engine, stmt)
 
 
-def weight_history(engine: Engine, window: Window, field: str = "weight", limit: int = 20_000) -> pd.DataFrame:
+def weight_history(
+    engine: Engine, window: Window, field: str = "weight", limit: int = 20_000
+) -> pd.DataFrame:
     """Instance weights as steps: the value each subject had at the window start, then
     every change in the window. Columns: ts, subject, weight, reason.
     """
     in_window = (
         select(Decision.ts, Decision.subject, Decision.new_value.label("weight"), Decision.reason)
-        .where(Decision.subject_kind == "instance", Decision.field == field,
-               Decision.ts >= window.start, Decision.ts < window.end)
+        .where(
+            Decision.subject_kind == "instance",
+            Decision.field == field,
+            Decision.ts >= window.start,
+            Decision.ts < window.end,
+        )
         .order_by(Decision.ts)
         .limit(limit)
     )
@@ -59,14 +76,25 @@ def weight_history(engine: Engine, window: Window, field: str = "weight", limit:
 def latest_mode(engine: Engine) -> str | None:
     """The mode ("advisory" or "enforce") of the newest decision, or None."""
     with engine.connect() as conn:
-        return conn.execute(select(Decision.mode).order_by(Decision.ts.desc(), Decision.id.desc()).limit(1)).scalar()
+        return conn.execute(
+            select(Decision.mode).order_by(Decision.ts.desc(), Decision.id.desc()).limit(1)
+        ).scalar()
 
 
 def firing_alerts(engine: Engine) -> pd.DataFrame:
     """Alerts firing or pending now, firing first."""
     stmt = (
-        select(Alert.rule, Alert.state, Alert.severity, Alert.labels, Alert.annotations, Alert.value,
-               Alert.active_since, Alert.fired_at, Alert.last_eval)
+        select(
+            Alert.rule,
+            Alert.state,
+            Alert.severity,
+            Alert.labels,
+            Alert.annotations,
+            Alert.value,
+            Alert.active_since,
+            Alert.fired_at,
+            Alert.last_eval,
+        )
         .where(Alert.state.in_(("firing", "pending")))
         .order_by(Alert.state, Alert.active_since.desc())
     )
@@ -76,10 +104,20 @@ def firing_alerts(engine: Engine) -> pd.DataFrame:
 def recent_alerts(engine: Engine, window: Window, limit: int = 200) -> pd.DataFrame:
     """Alerts active at any point in the window (including those resolved), newest first."""
     stmt = (
-        select(Alert.rule, Alert.state, Alert.severity, Alert.labels, Alert.value, Alert.active_since,
-               Alert.fired_at, Alert.resolved_at)
-        .where(Alert.active_since < window.end,
-               or_(Alert.resolved_at.is_(None), Alert.resolved_at >= window.start))
+        select(
+            Alert.rule,
+            Alert.state,
+            Alert.severity,
+            Alert.labels,
+            Alert.value,
+            Alert.active_since,
+            Alert.fired_at,
+            Alert.resolved_at,
+        )
+        .where(
+            Alert.active_since < window.end,
+            or_(Alert.resolved_at.is_(None), Alert.resolved_at >= window.start),
+        )
         .order_by(Alert.active_since.desc())
         .limit(limit)
     )
@@ -89,8 +127,16 @@ def recent_alerts(engine: Engine, window: Window, limit: int = 200) -> pd.DataFr
 def audit_trail(engine: Engine, window: Window, limit: int = 200) -> pd.DataFrame:
     """Who changed what through the API, newest first."""
     stmt = (
-        select(AuditEvent.ts, AuditEvent.actor, AuditEvent.action, AuditEvent.subject, AuditEvent.before,
-               AuditEvent.after, AuditEvent.reason, AuditEvent.override_id)
+        select(
+            AuditEvent.ts,
+            AuditEvent.actor,
+            AuditEvent.action,
+            AuditEvent.subject,
+            AuditEvent.before,
+            AuditEvent.after,
+            AuditEvent.reason,
+            AuditEvent.override_id,
+        )
         .where(AuditEvent.ts >= window.start, AuditEvent.ts < window.end)
         .order_by(AuditEvent.ts.desc())
         .limit(limit)

@@ -17,12 +17,35 @@ from store.models import Decision, InstanceRow, Snapshot, WeightOverride
 
 # Columns the pages plot or difference; histograms are fetched only at the window edges.
 SERIES_COLUMNS = (
-    "ts", "instance", "pool", "role", "up", "kv_cache_usage", "num_running", "num_waiting",
-    "kv_fetch_in_progress", "prompt_tokens", "generation_tokens", "ttft_sum", "ttft_count",
-    "itl_sum", "itl_count", "nixl_xfer_time_sum", "nixl_xfer_time_count", "nixl_post_time_sum",
-    "nixl_post_time_count", "nixl_bytes_sum", "nixl_bytes_count", "nixl_descriptors_sum",
-    "nixl_descriptors_count", "nixl_failed_transfers", "nixl_kv_expired_reqs",
-    "requests_stop", "requests_length", "requests_abort", "requests_error",
+    "ts",
+    "instance",
+    "pool",
+    "role",
+    "up",
+    "kv_cache_usage",
+    "num_running",
+    "num_waiting",
+    "kv_fetch_in_progress",
+    "prompt_tokens",
+    "generation_tokens",
+    "ttft_sum",
+    "ttft_count",
+    "itl_sum",
+    "itl_count",
+    "nixl_xfer_time_sum",
+    "nixl_xfer_time_count",
+    "nixl_post_time_sum",
+    "nixl_post_time_count",
+    "nixl_bytes_sum",
+    "nixl_bytes_count",
+    "nixl_descriptors_sum",
+    "nixl_descriptors_count",
+    "nixl_failed_transfers",
+    "nixl_kv_expired_reqs",
+    "requests_stop",
+    "requests_length",
+    "requests_abort",
+    "requests_error",
 )
 
 # Decision fields the controller writes (see controller/): per instance and per pool.
@@ -32,13 +55,15 @@ LIMIT_FIELDS = ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wai
 
 def instances(engine: Engine) -> pd.DataFrame:
     """Every instance the collector has seen (name, pool, role, url, last_seen)."""
-    stmt = select(InstanceRow.name, InstanceRow.pool, InstanceRow.role, InstanceRow.url,
-                  InstanceRow.last_seen).order_by(InstanceRow.role.desc(), InstanceRow.name)
+    stmt = select(
+        InstanceRow.name, InstanceRow.pool, InstanceRow.role, InstanceRow.url, InstanceRow.last_seen
+    ).order_by(InstanceRow.role.desc(), InstanceRow.name)
     return frame(engine, stmt)
 
 
-def snapshot_series(engine: Engine, window: Window, columns: tuple[str, ...] = SERIES_COLUMNS,
-                    max_points: int = 360) -> pd.DataFrame:
+def snapshot_series(
+    engine: Engine, window: Window, columns: tuple[str, ...] = SERIES_COLUMNS, max_points: int = 360
+) -> pd.DataFrame:
     """Snapshots in the window, oldest first, with the named columns; at most about
     ``max_points`` per instance: a long range keeps every k-th scrape of each instance,
     always including its newest. Counter differences stay exact between kept scrapes
@@ -49,15 +74,17 @@ def snapshot_series(engine: Engine, window: Window, columns: tuple[str, ...] = S
         rows = conn.execute(select(func.count()).select_from(Snapshot).where(*in_window)).scalar() or 0
         n_inst = conn.execute(select(func.count()).select_from(InstanceRow)).scalar() or 0
         if not n_inst and rows:
-            n_inst = conn.execute(select(func.count(func.distinct(Snapshot.instance))).where(*in_window)).scalar() or 1
+            n_inst = (
+                conn.execute(select(func.count(func.distinct(Snapshot.instance))).where(*in_window)).scalar()
+                or 1
+            )
     step = max(1, math.ceil(rows / max(n_inst, 1) / max(max_points, 1)))
     cols = [getattr(Snapshot, c) for c in columns]
     if step == 1:
         return fast_frame(engine, select(*cols).where(*in_window).order_by(Snapshot.ts), ("up",))
     rn = func.row_number().over(partition_by=Snapshot.instance, order_by=Snapshot.ts.desc()).label("rn")
     inner = select(*cols, rn).where(*in_window).subquery()
-    stmt = (select(*[inner.c[c] for c in columns]).where((inner.c.rn - 1) % step == 0)
-            .order_by(inner.c.ts))
+    stmt = select(*[inner.c[c] for c in columns]).where((inner.c.rn - 1) % step == 0).order_by(inner.c.ts)
     return fast_frame(engine, stmt, ("up",))
 
 
@@ -102,8 +129,9 @@ def latest_decisions(engine: Engine, end: float, subject_kind: str, fields: tupl
         .group_by(Decision.subject, Decision.field)
         .subquery()
     )
-    stmt = select(Decision.subject, Decision.field, Decision.new_value, Decision.reason, Decision.ts,
-                  Decision.mode).join(newest, Decision.id == newest.c.id)
+    stmt = select(
+        Decision.subject, Decision.field, Decision.new_value, Decision.reason, Decision.ts, Decision.mode
+    ).join(newest, Decision.id == newest.c.id)
     return frame(engine, stmt)
 
 
@@ -127,11 +155,22 @@ def pool_limits(engine: Engine, end: float) -> pd.DataFrame:
 def active_overrides(engine: Engine, now: float) -> pd.DataFrame:
     """Manual weights and drains that still win: not cleared and not expired at ``now``."""
     stmt = (
-        select(WeightOverride.id, WeightOverride.subject_kind, WeightOverride.subject, WeightOverride.weight,
-               WeightOverride.drained, WeightOverride.reason, WeightOverride.actor, WeightOverride.created,
-               WeightOverride.expires)
-        .where(WeightOverride.cleared.is_(None), WeightOverride.created <= now,
-               or_(WeightOverride.expires.is_(None), WeightOverride.expires > now))
+        select(
+            WeightOverride.id,
+            WeightOverride.subject_kind,
+            WeightOverride.subject,
+            WeightOverride.weight,
+            WeightOverride.drained,
+            WeightOverride.reason,
+            WeightOverride.actor,
+            WeightOverride.created,
+            WeightOverride.expires,
+        )
+        .where(
+            WeightOverride.cleared.is_(None),
+            WeightOverride.created <= now,
+            or_(WeightOverride.expires.is_(None), WeightOverride.expires > now),
+        )
         .order_by(WeightOverride.created.desc())
     )
     return frame(engine, stmt)

@@ -19,8 +19,21 @@ from pdscope.config import SLOSettings
 from store.models import RequestRecord
 from store.queries import slo_met_clause
 
-SAMPLE_COLUMNS = ("proxy_in", "status", "ttft_s", "tpot_s", "e2e_s", "prompt_tokens", "completion_tokens",
-                  "slo_met", "p_instance", "d_instance", "p_done", "first_token", "lease_expiry_suspect")
+SAMPLE_COLUMNS = (
+    "proxy_in",
+    "status",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "prompt_tokens",
+    "completion_tokens",
+    "slo_met",
+    "p_instance",
+    "d_instance",
+    "p_done",
+    "first_token",
+    "lease_expiry_suspect",
+)
 
 
 def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
@@ -29,12 +42,15 @@ def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]
 
 def count(engine: Engine, window: Window) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(select(func.count()).select_from(RequestRecord).where(*_in_window(window)))
-                   .scalar() or 0)
+        return int(
+            conn.execute(select(func.count()).select_from(RequestRecord).where(*_in_window(window))).scalar()
+            or 0
+        )
 
 
-def sample(engine: Engine, window: Window, max_rows: int = 20_000,
-           slo: SLOSettings | None = None) -> tuple[pd.DataFrame, int]:
+def sample(
+    engine: Engine, window: Window, max_rows: int = 20_000, slo: SLOSettings | None = None
+) -> tuple[pd.DataFrame, int]:
     """Per-request figures in the window, every k-th row when there are more than ``max_rows``.
 
     Returns the frame and k (1 = every row), so callers can scale counts back up. With ``slo``, the
@@ -43,15 +59,19 @@ def sample(engine: Engine, window: Window, max_rows: int = 20_000,
     """
     total = count(engine, window)
     step = max(1, math.ceil(total / max_rows)) if max_rows > 0 else 1
-    cols: list[Any] = [getattr(RequestRecord, c) if c != "slo_met" or slo is None
-                       else slo_met_clause(slo).label("slo_met") for c in SAMPLE_COLUMNS]
+    cols: list[Any] = [
+        getattr(RequestRecord, c) if c != "slo_met" or slo is None else slo_met_clause(slo).label("slo_met")
+        for c in SAMPLE_COLUMNS
+    ]
     stmt = select(*cols).where(*_in_window(window))
     if step > 1:
         stmt = stmt.where(RequestRecord.id % step == 0)
     return fast_frame(engine, stmt, ("slo_met", "lease_expiry_suspect")), step
 
 
-def slo_buckets(engine: Engine, window: Window, width_s: float, slo: SLOSettings | None = None) -> pd.DataFrame:
+def slo_buckets(
+    engine: Engine, window: Window, width_s: float, slo: SLOSettings | None = None
+) -> pd.DataFrame:
     """Per time bucket: arrivals, completed (status ok), met every SLO, TTFT and TPOT misses.
 
     Columns: t (bucket start, Unix s), arrivals, completed, met, ttft_miss, tpot_miss,
@@ -61,8 +81,11 @@ def slo_buckets(engine: Engine, window: Window, width_s: float, slo: SLOSettings
     ttft_miss: ColumnElement[bool]
     tpot_miss: ColumnElement[bool]
     if slo is None:
-        met, ttft_miss, tpot_miss = (RequestRecord.slo_met.is_(True), RequestRecord.slo_ttft_met.is_(False),
-                                     RequestRecord.slo_tpot_met.is_(False))
+        met, ttft_miss, tpot_miss = (
+            RequestRecord.slo_met.is_(True),
+            RequestRecord.slo_ttft_met.is_(False),
+            RequestRecord.slo_tpot_met.is_(False),
+        )
     else:
         met = slo_met_clause(slo)
         ttft_miss = RequestRecord.ttft_s * 1000.0 > slo.ttft.target_ms
@@ -100,11 +123,21 @@ def pair_handoff(engine: Engine, window: Window) -> pd.DataFrame:
     """Handoff time (P done → D first token) per (P, D) pair: requests, mean and max in ms."""
     handoff = (RequestRecord.first_token - RequestRecord.p_done) * 1000.0
     stmt = (
-        select(RequestRecord.p_instance, RequestRecord.d_instance, func.count().label("requests"),
-               func.avg(handoff).label("mean_ms"), func.max(handoff).label("max_ms"),
-               func.sum(case((RequestRecord.lease_expiry_suspect.is_(True), 1), else_=0)).label("lease_expiry"))
-        .where(*_in_window(window), RequestRecord.first_token.is_not(None), RequestRecord.p_done.is_not(None),
-               RequestRecord.p_instance.is_not(None), RequestRecord.d_instance.is_not(None))
+        select(
+            RequestRecord.p_instance,
+            RequestRecord.d_instance,
+            func.count().label("requests"),
+            func.avg(handoff).label("mean_ms"),
+            func.max(handoff).label("max_ms"),
+            func.sum(case((RequestRecord.lease_expiry_suspect.is_(True), 1), else_=0)).label("lease_expiry"),
+        )
+        .where(
+            *_in_window(window),
+            RequestRecord.first_token.is_not(None),
+            RequestRecord.p_done.is_not(None),
+            RequestRecord.p_instance.is_not(None),
+            RequestRecord.d_instance.is_not(None),
+        )
         .group_by(RequestRecord.p_instance, RequestRecord.d_instance)
     )
     return frame(engine, stmt)

@@ -17,15 +17,39 @@ from dashboard.queries.common import Window, frame
 from store.models import RequestRecord, Snapshot
 
 LIST_COLUMNS = (
-    "request_id", "proxy_in", "status", "http_status", "p_instance", "d_instance", "prompt_tokens",
-    "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "slo_met", "lease_expiry_suspect", "retries",
+    "request_id",
+    "proxy_in",
+    "status",
+    "http_status",
+    "p_instance",
+    "d_instance",
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "slo_met",
+    "lease_expiry_suspect",
+    "retries",
 )
 
 NIXL_COLUMNS = (
-    "ts", "up", "kv_cache_usage", "num_running", "num_waiting", "kv_fetch_in_progress",
-    "nixl_xfer_time_sum", "nixl_xfer_time_count", "nixl_post_time_sum", "nixl_post_time_count",
-    "nixl_bytes_sum", "nixl_bytes_count", "nixl_descriptors_sum", "nixl_descriptors_count",
-    "nixl_failed_transfers", "nixl_kv_expired_reqs",
+    "ts",
+    "up",
+    "kv_cache_usage",
+    "num_running",
+    "num_waiting",
+    "kv_fetch_in_progress",
+    "nixl_xfer_time_sum",
+    "nixl_xfer_time_count",
+    "nixl_post_time_sum",
+    "nixl_post_time_count",
+    "nixl_bytes_sum",
+    "nixl_bytes_count",
+    "nixl_descriptors_sum",
+    "nixl_descriptors_count",
+    "nixl_failed_transfers",
+    "nixl_kv_expired_reqs",
 )
 
 
@@ -49,15 +73,21 @@ def search(engine: Engine, window: Window, flt: RequestFilter) -> pd.DataFrame:
     cols = [getattr(RequestRecord, c) for c in LIST_COLUMNS]
     stmt = select(*cols)
     if flt.request_id:
-        stmt = stmt.where(or_(RequestRecord.request_id == flt.request_id,
-                              RequestRecord.trace_id == flt.request_id,
-                              RequestRecord.request_id.startswith(flt.request_id, autoescape=True)))
+        stmt = stmt.where(
+            or_(
+                RequestRecord.request_id == flt.request_id,
+                RequestRecord.trace_id == flt.request_id,
+                RequestRecord.request_id.startswith(flt.request_id, autoescape=True),
+            )
+        )
     else:
         stmt = stmt.where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
     if flt.status:
         stmt = stmt.where(RequestRecord.status == flt.status)
     if flt.instance:
-        stmt = stmt.where(or_(RequestRecord.p_instance == flt.instance, RequestRecord.d_instance == flt.instance))
+        stmt = stmt.where(
+            or_(RequestRecord.p_instance == flt.instance, RequestRecord.d_instance == flt.instance)
+        )
     if flt.slo_miss:
         stmt = stmt.where(RequestRecord.slo_met.is_(False))
     if flt.lease_expiry:
@@ -68,9 +98,12 @@ def search(engine: Engine, window: Window, flt: RequestFilter) -> pd.DataFrame:
 
 def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
     """Requests per status in the window (for the filter and a summary)."""
-    stmt = (select(RequestRecord.status, func.count().label("requests"))
-            .where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
-            .group_by(RequestRecord.status).order_by(func.count().desc()))
+    stmt = (
+        select(RequestRecord.status, func.count().label("requests"))
+        .where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
+        .group_by(RequestRecord.status)
+        .order_by(func.count().desc())
+    )
     return frame(engine, stmt)
 
 
@@ -85,8 +118,11 @@ def get_request(engine: Engine, request_id: str) -> dict[str, Any] | None:
 def nixl_around(engine: Engine, instance: str, start: float, end: float, pad_s: float = 30.0) -> pd.DataFrame:
     """The instance's snapshots from ``pad_s`` before ``start`` to ``pad_s`` after ``end``."""
     cols = [getattr(Snapshot, c) for c in NIXL_COLUMNS]
-    stmt = (select(*cols).where(Snapshot.instance == instance, Snapshot.ts >= start - pad_s,
-                                Snapshot.ts <= end + pad_s).order_by(Snapshot.ts))
+    stmt = (
+        select(*cols)
+        .where(Snapshot.instance == instance, Snapshot.ts >= start - pad_s, Snapshot.ts <= end + pad_s)
+        .order_by(Snapshot.ts)
+    )
     return frame(engine, stmt)
 
 

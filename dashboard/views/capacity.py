@@ -35,7 +35,11 @@ def _observed_capacity(rates: pd.DataFrame, role: str, column: str) -> tuple[flo
     mine = rates[rates["role"] == role] if not rates.empty else rates
     if mine.empty:
         return 0.0, pd.DataFrame()
-    per = mine.groupby("instance")[column].agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max").reset_index()
+    per = (
+        mine.groupby("instance")[column]
+        .agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max")
+        .reset_index()
+    )
     return _num(per["p95"].max()), per
 
 
@@ -82,58 +86,112 @@ def render() -> None:
     left, right = st.columns(2)
     with left:
         if not buckets.empty:
-            b = ui.to_time(buckets.assign(rate=buckets["arrivals"] / width, series="arrivals")
-                           .rename(columns={"t": "time"}), "time")
-            st.altair_chart(charts.lines(b, "rate", "series", "Arrival rate", "requests / s"), width="stretch")
+            b = ui.to_time(
+                buckets.assign(rate=buckets["arrivals"] / width, series="arrivals").rename(
+                    columns={"t": "time"}
+                ),
+                "time",
+            )
+            st.altair_chart(
+                charts.lines(b, "rate", "series", "Arrival rate", "requests / s"), width="stretch"
+            )
         if not rates.empty:
-            r = rates.assign(tokens_per_s=rates["prompt_tokens"].where(rates["role"] == "prefill",
-                                                                       rates["generation_tokens"]))
+            r = rates.assign(
+                tokens_per_s=rates["prompt_tokens"].where(
+                    rates["role"] == "prefill", rates["generation_tokens"]
+                )
+            )
             r = ui.to_time(r.rename(columns={"ts": "time"}), "time")
-            st.altair_chart(charts.lines(r, "tokens_per_s", "instance",
-                                         "Per-instance rate (P: prompt tokens/s, D: output tokens/s)", "tokens / s"),
-                            width="stretch")
+            st.altair_chart(
+                charts.lines(
+                    r,
+                    "tokens_per_s",
+                    "instance",
+                    "Per-instance rate (P: prompt tokens/s, D: output tokens/s)",
+                    "tokens / s",
+                ),
+                width="stretch",
+            )
     with right:
-        st.altair_chart(charts.histogram(served[["prompt_tokens"]].dropna(), "prompt_tokens", "prompt tokens"),
-                        width="stretch")
-        st.altair_chart(charts.histogram(ok[["completion_tokens"]].dropna(), "completion_tokens", "output tokens"),
-                        width="stretch")
+        st.altair_chart(
+            charts.histogram(served[["prompt_tokens"]].dropna(), "prompt_tokens", "prompt tokens"),
+            width="stretch",
+        )
+        st.altair_chart(
+            charts.histogram(ok[["completion_tokens"]].dropna(), "completion_tokens", "output tokens"),
+            width="stretch",
+        )
     if step > 1:
         st.caption(f"Lengths from every {step}th request (window too large to read in full).")
     if not per_p.empty or not per_d.empty:
-        st.dataframe(pd.concat([per_p.assign(role="prefill", unit="prompt tok/s"),
-                                per_d.assign(role="decode", unit="output tok/s")], ignore_index=True),
-                     hide_index=True, width="stretch",
-                     column_config={c: st.column_config.NumberColumn(format="%.0f") for c in ("mean", "p95", "peak")})
+        st.dataframe(
+            pd.concat(
+                [
+                    per_p.assign(role="prefill", unit="prompt tok/s"),
+                    per_d.assign(role="decode", unit="output tok/s"),
+                ],
+                ignore_index=True,
+            ),
+            hide_index=True,
+            width="stretch",
+            column_config={c: st.column_config.NumberColumn(format="%.0f") for c in ("mean", "p95", "peak")},
+        )
 
     st.subheader("Implied P:D ratio and what-if")
     a, b, c = st.columns(3)
-    c_p = a.number_input("C_P: prompt tokens/s one P sustains", min_value=1.0,
-                         value=float(max(round(c_p_obs, -1), 1.0)), step=100.0, key="c_p",
-                         help="Default: the busiest P's 95th-percentile rate in the window (a lower bound).")
-    c_d = b.number_input("C_D: output tokens/s one D sustains", min_value=1.0,
-                         value=float(max(round(c_d_obs, -1), 1.0)), step=100.0, key="c_d",
-                         help="Default: the busiest D's 95th-percentile rate in the window (a lower bound).")
+    c_p = a.number_input(
+        "C_P: prompt tokens/s one P sustains",
+        min_value=1.0,
+        value=float(max(round(c_p_obs, -1), 1.0)),
+        step=100.0,
+        key="c_p",
+        help="Default: the busiest P's 95th-percentile rate in the window (a lower bound).",
+    )
+    c_d = b.number_input(
+        "C_D: output tokens/s one D sustains",
+        min_value=1.0,
+        value=float(max(round(c_d_obs, -1), 1.0)),
+        step=100.0,
+        key="c_d",
+        help="Default: the busiest D's 95th-percentile rate in the window (a lower bound).",
+    )
     util = c.slider("Target utilization", 0.3, 1.0, 0.8, 0.05, key="util")
     d, e, f = st.columns(3)
     factor = d.slider("Load × (what-if)", 0.25, 5.0, 1.0, 0.25, key="load_factor")
-    prompt_w = e.number_input("E[prompt] (what-if)", min_value=1.0, value=float(max(round(mean_prompt), 1)), key="wi_prompt")
-    output_w = f.number_input("E[output] (what-if)", min_value=1.0, value=float(max(round(mean_output), 1)), key="wi_output")
+    prompt_w = e.number_input(
+        "E[prompt] (what-if)", min_value=1.0, value=float(max(round(mean_prompt), 1)), key="wi_prompt"
+    )
+    output_w = f.number_input(
+        "E[output] (what-if)", min_value=1.0, value=float(max(round(mean_output), 1)), key="wi_output"
+    )
 
     now_plan = derive.capacity_plan(rate, mean_prompt or 1.0, mean_output or 1.0, c_p, c_d, util)
     what_if = derive.capacity_plan(rate * factor, prompt_w, output_w, c_p, c_d, util)
-    st.latex(r"\frac{n_P}{n_D} \approx \frac{C_D}{C_P}\cdot\frac{E[prompt]}{E[output]} = "
-             rf"\frac{{{c_d:.0f}}}{{{c_p:.0f}}}\cdot\frac{{{mean_prompt:.0f}}}{{{mean_output:.0f}}} = "
-             rf"{now_plan.pd_ratio:.2f}")
+    st.latex(
+        r"\frac{n_P}{n_D} \approx \frac{C_D}{C_P}\cdot\frac{E[prompt]}{E[output]} = "
+        rf"\frac{{{c_d:.0f}}}{{{c_p:.0f}}}\cdot\frac{{{mean_prompt:.0f}}}{{{mean_output:.0f}}} = "
+        rf"{now_plan.pd_ratio:.2f}"
+    )
     m = st.columns(4)
-    m[0].metric("needed now", f"{now_plan.n_prefill} P : {now_plan.n_decode} D",
-                f"fleet has {n_p_now} P : {n_d_now} D", delta_color="off")
+    m[0].metric(
+        "needed now",
+        f"{now_plan.n_prefill} P : {now_plan.n_decode} D",
+        f"fleet has {n_p_now} P : {n_d_now} D",
+        delta_color="off",
+    )
     m[1].metric("what-if load", f"{rate * factor:.2f} req/s")
-    m[2].metric("needed at what-if", f"{what_if.n_prefill} P : {what_if.n_decode} D",
-                f"{what_if.n_prefill - n_p_now:+d} P, {what_if.n_decode - n_d_now:+d} D", delta_color="off")
+    m[2].metric(
+        "needed at what-if",
+        f"{what_if.n_prefill} P : {what_if.n_decode} D",
+        f"{what_if.n_prefill - n_p_now:+d} P, {what_if.n_decode - n_d_now:+d} D",
+        delta_color="off",
+    )
     ratio = what_if.pd_ratio
     m[3].metric("what-if P:D", "—" if math.isinf(ratio) else f"{ratio:.2f}")
-    st.caption("A starting point only: it ignores prefix-cache hits, queueing at high utilization and the handoff "
-               "budget. Check the SLO page after changing the fleet.")
+    st.caption(
+        "A starting point only: it ignores prefix-cache hits, queueing at high utilization and the handoff "
+        "budget. Check the SLO page after changing the fleet."
+    )
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

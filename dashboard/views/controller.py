@@ -29,13 +29,20 @@ def _mode_banner(routing: dict[str, Any] | None) -> None:
     else:
         mode = data.latest_mode(url) or settings.controller.mode
         enforce = mode == "enforce"
-        source = f"controller unreachable at {settings.controller_url}; mode from the last stored decision or config"
+        source = (
+            f"controller unreachable at {settings.controller_url}; "
+            "mode from the last stored decision or config"
+        )
     if enforce:
-        st.success(f"**Enforcing**: the proxy applies these weights and limits. ({source})",
-                   icon=":material/gavel:")
+        st.success(
+            f"**Enforcing**: the proxy applies these weights and limits. ({source})", icon=":material/gavel:"
+        )
     else:
-        st.warning(f"**Advisory ({mode})**: decisions are computed and shown; the proxy does not apply them. "
-                   f"({source})", icon=":material/visibility:")
+        st.warning(
+            f"**Advisory ({mode})**: decisions are computed and shown; the proxy does not apply them. "
+            f"({source})",
+            icon=":material/visibility:",
+        )
 
 
 def _report(action: str, call: Any) -> None:
@@ -54,9 +61,13 @@ def _report(action: str, call: Any) -> None:
     body = result.body
     audit = body.get("audit_id")
     served = body.get("weight")
-    st.success(f"{action}: done (HTTP {result.status}"
-               + (f", served weight now {served:.2f}" if isinstance(served, int | float) else "")
-               + (f", audit #{audit}" if audit is not None else "") + ").", icon=":material/check:")
+    st.success(
+        f"{action}: done (HTTP {result.status}"
+        + (f", served weight now {served:.2f}" if isinstance(served, int | float) else "")
+        + (f", audit #{audit}" if audit is not None else "")
+        + ").",
+        icon=":material/check:",
+    )
     st.cache_data.clear()
 
 
@@ -72,7 +83,9 @@ def _forms() -> None:
     weight_tab, drain_tab, pool_tab = st.tabs(["Instance weight", "Drain / undrain", "Pool weight"])
     with weight_tab, st.form("weight_form"):
         inst = st.selectbox("Instance", names, key="w_instance")
-        weight = st.number_input("Weight", min_value=0.0, max_value=100.0, value=0.5, step=0.05, key="w_weight")
+        weight = st.number_input(
+            "Weight", min_value=0.0, max_value=100.0, value=0.5, step=0.05, key="w_weight"
+        )
         ttl_min = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="w_ttl")
         reason = st.text_input("Reason", key="w_reason", placeholder="why (required)")
         a, b = st.columns(2)
@@ -82,16 +95,23 @@ def _forms() -> None:
         if not reason.strip():
             st.error("A reason is required; it goes into the audit trail.")
         elif set_clicked:
-            _report(f"Weight {weight:g} on {inst}",
-                    lambda: client.set_instance_weight(str(inst), float(weight), ttl_min * 60.0,
-                                                       reason.strip()))
+            _report(
+                f"Weight {weight:g} on {inst}",
+                lambda: client.set_instance_weight(str(inst), float(weight), ttl_min * 60.0, reason.strip()),
+            )
         else:
-            _report(f"Clear override on {inst}",
-                    lambda: client.clear_instance_weight(str(inst), reason.strip()))
+            _report(
+                f"Clear override on {inst}", lambda: client.clear_instance_weight(str(inst), reason.strip())
+            )
     with drain_tab, st.form("drain_form"):
         inst_d = st.selectbox("Instance", names, key="d_instance")
-        ttl_d = st.number_input("Drain for (minutes, 0 = until undrained)", min_value=0, max_value=7 * 24 * 60,
-                                value=0, key="d_ttl")
+        ttl_d = st.number_input(
+            "Drain for (minutes, 0 = until undrained)",
+            min_value=0,
+            max_value=7 * 24 * 60,
+            value=0,
+            key="d_ttl",
+        )
         reason_d = st.text_input("Reason", key="d_reason", placeholder="why (required)")
         a, b = st.columns(2)
         drain_clicked = a.form_submit_button("Drain", type="primary", disabled=off)
@@ -100,14 +120,22 @@ def _forms() -> None:
         if not reason_d.strip():
             st.error("A reason is required; it goes into the audit trail.")
         elif drain_clicked:
-            _report(f"Drain {inst_d}",
-                    lambda: client.drain(str(inst_d), reason_d.strip(), ttl_d * 60.0 if ttl_d else None))
+            _report(
+                f"Drain {inst_d}",
+                lambda: client.drain(str(inst_d), reason_d.strip(), ttl_d * 60.0 if ttl_d else None),
+            )
         else:
             _report(f"Undrain {inst_d}", lambda: client.undrain(str(inst_d), reason_d.strip()))
     with pool_tab, st.form("pool_form"):
         pool = st.selectbox("Pool", list(settings.pools), key="p_pool")
-        pweight = st.number_input("Weight (relative to pools of the same role)", min_value=0.0, max_value=100.0,
-                                  value=1.0, step=0.1, key="p_weight")
+        pweight = st.number_input(
+            "Weight (relative to pools of the same role)",
+            min_value=0.0,
+            max_value=100.0,
+            value=1.0,
+            step=0.1,
+            key="p_weight",
+        )
         pttl = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="p_ttl")
         preason = st.text_input("Reason", key="p_reason", placeholder="why (required)")
         pool_clicked = st.form_submit_button("Set pool weight", type="primary", disabled=off)
@@ -115,8 +143,10 @@ def _forms() -> None:
         if not preason.strip():
             st.error("A reason is required; it goes into the audit trail.")
         else:
-            _report(f"Pool {pool} weight {pweight:g}",
-                    lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()))
+            _report(
+                f"Pool {pool} weight {pweight:g}",
+                lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()),
+            )
 
 
 def _history() -> None:
@@ -132,19 +162,25 @@ def _history() -> None:
         if presence.decisions:
             ui.no_data(view, "decisions", latest)
         else:
-            st.info(f"**No decisions yet.** Start the controller: `pdscope --config {view.config_path} control` "
-                    f"(it needs snapshots from `pdscope collect`).", icon=":material/hourglass_empty:")
+            st.info(
+                f"**No decisions yet.** Start the controller: `pdscope --config {view.config_path} control` "
+                f"(it needs snapshots from `pdscope collect`).",
+                icon=":material/hourglass_empty:",
+            )
     else:
         tl = ui.to_time(decisions.rename(columns={"ts": "time"}), "time")
         st.altair_chart(charts.timeline(tl), width="stretch")
         with st.expander(f"{len(decisions)} decisions with their reasons and arithmetic", expanded=True):
-            st.dataframe(ui.to_time(decisions.drop(columns=["id"]), "ts"), hide_index=True, width="stretch",
-                         height=240)
+            st.dataframe(
+                ui.to_time(decisions.drop(columns=["id"]), "ts"), hide_index=True, width="stretch", height=240
+            )
         weights = data.weight_history(url, window.start, window.end)
         if not weights.empty:
             w = ui.to_time(weights.rename(columns={"ts": "time"}), "time")
-            st.altair_chart(charts.lines(w, "weight", "subject", "Policy weights over time", "weight", step=True),
-                            width="stretch")
+            st.altair_chart(
+                charts.lines(w, "weight", "subject", "Policy weights over time", "weight", step=True),
+                width="stretch",
+            )
 
     left, right = st.columns(2)
     with left:

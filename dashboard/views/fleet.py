@@ -26,11 +26,17 @@ def _limits_frame(limits: pd.DataFrame) -> pd.DataFrame:
             value = None if row is None or col not in row or pd.isna(row[col]) else row[col]
             return float(default if value is None else value)
 
-        rows.append({"pool": name, "role": pool.role, "weight": pick("weight", pool.weight),
-                     "max in-flight requests": int(pick("max_inflight_requests", adm.max_inflight_requests)),
-                     "max handoff KV (GiB)": pick("max_inflight_kv_bytes", adm.max_inflight_kv_bytes) / 2**30,
-                     "max wait for a slot (s)": pick("max_queue_wait_s", adm.queue_timeout_s),
-                     "source": "controller" if first is not None else "config default"})
+        rows.append(
+            {
+                "pool": name,
+                "role": pool.role,
+                "weight": pick("weight", pool.weight),
+                "max in-flight requests": int(pick("max_inflight_requests", adm.max_inflight_requests)),
+                "max handoff KV (GiB)": pick("max_inflight_kv_bytes", adm.max_inflight_kv_bytes) / 2**30,
+                "max wait for a slot (s)": pick("max_queue_wait_s", adm.queue_timeout_s),
+                "source": "controller" if first is not None else "config default",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -47,9 +53,13 @@ def render() -> None:
     routing = data.routing_table(view.settings.controller_url)
     served = {r["name"]: r for r in (routing or {}).get("instances", [])}
     if served:  # what the proxy is told now, overrides and drains included
-        health = health.assign(weight=[served.get(n, {}).get("weight", w) for n, w in zip(health["instance"],
-                                                                                          health["weight"], strict=True)],
-                               drained=[bool(served.get(n, {}).get("drained", False)) for n in health["instance"]])
+        health = health.assign(
+            weight=[
+                served.get(n, {}).get("weight", w)
+                for n, w in zip(health["instance"], health["weight"], strict=True)
+            ],
+            drained=[bool(served.get(n, {}).get("drained", False)) for n in health["instance"]],
+        )
     else:  # no decision stored yet means the initial weight
         health = health.assign(weight=health["weight"].fillna(1.0))
     totals = summaries.pool_totals(health)
@@ -64,8 +74,14 @@ def render() -> None:
             d.metric("KV used", "—" if pd.isna(pool["kv_usage_pct"]) else f"{pool['kv_usage_pct']:.0f}%")
 
     st.subheader("Instances")
-    st.caption("weight: " + ("served now, from the controller's routing table" if served else
-                             "the controller's last decision (controller not reachable)"))
+    st.caption(
+        "weight: "
+        + (
+            "served now, from the controller's routing table"
+            if served
+            else "the controller's last decision (controller not reachable)"
+        )
+    )
     st.dataframe(
         health.drop(columns=["last_scrape"]),
         hide_index=True,
@@ -73,7 +89,9 @@ def render() -> None:
         column_config={
             "up": st.column_config.CheckboxColumn("up"),
             "weight": st.column_config.NumberColumn("weight", format="%.2f"),
-            "kv_usage_pct": st.column_config.ProgressColumn("KV used", min_value=0, max_value=100, format="%.0f%%"),
+            "kv_usage_pct": st.column_config.ProgressColumn(
+                "KV used", min_value=0, max_value=100, format="%.0f%%"
+            ),
             "ttft_p50_ms": st.column_config.NumberColumn("TTFT p50 ms", format="%.0f"),
             "ttft_p99_ms": st.column_config.NumberColumn("TTFT p99 ms", format="%.0f"),
             "itl_p50_ms": st.column_config.NumberColumn("ITL p50 ms", format="%.1f"),
@@ -92,21 +110,34 @@ def render() -> None:
     if not series.empty:
         series = series.assign(kv_used=series["kv_cache_usage"] * 100.0)
         xfer = summaries.interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
-        long = series.melt(id_vars=["ts", "instance", "role"], value_vars=["kv_used", "num_running", "num_waiting"],
-                           var_name="metric")
+        long = series.melt(
+            id_vars=["ts", "instance", "role"],
+            value_vars=["kv_used", "num_running", "num_waiting"],
+            var_name="metric",
+        )
         if not xfer.empty:
             xfer = xfer.merge(series[["instance", "role"]].drop_duplicates(), on="instance")
             long = pd.concat([long, xfer.assign(metric="nixl_xfer_ms")], ignore_index=True)
-        long["metric"] = long["metric"].map({"kv_used": "KV used %", "num_running": "running",
-                                             "num_waiting": "waiting", "nixl_xfer_ms": "NIXL xfer ms"})
+        long["metric"] = long["metric"].map(
+            {
+                "kv_used": "KV used %",
+                "num_running": "running",
+                "num_waiting": "waiting",
+                "nixl_xfer_ms": "NIXL xfer ms",
+            }
+        )
         long = ui.to_time(long.rename(columns={"ts": "time"}), "time")
         st.altair_chart(charts.small_multiples(long), width="content")
 
     left, right = st.columns(2)
     with left:
         st.subheader("Admission limits")
-        st.dataframe(_limits_frame(data.pool_limits(url, window.end)), hide_index=True, width="stretch",
-                     column_config={"max handoff KV (GiB)": st.column_config.NumberColumn(format="%.1f")})
+        st.dataframe(
+            _limits_frame(data.pool_limits(url, window.end)),
+            hide_index=True,
+            width="stretch",
+            column_config={"max handoff KV (GiB)": st.column_config.NumberColumn(format="%.1f")},
+        )
     with right:
         st.subheader("Manual overrides in force")
         overrides = data.active_overrides(url, window.end)

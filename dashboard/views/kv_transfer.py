@@ -32,16 +32,23 @@ def render() -> None:
         cols[1].metric("failed transfers", f"{nixl['failed_transfers'].sum():,.0f}")
         cols[2].metric("lease expiries (P)", f"{nixl['expired_leases'].sum():,.0f}")
         worst = decode.sort_values("xfer_p99_ms", ascending=False).head(1)
-        cols[3].metric("slowest D (xfer p99)", "—" if worst.empty else str(worst.iloc[0]["instance"]),
-                       None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
-                       delta_color="off")
+        cols[3].metric(
+            "slowest D (xfer p99)",
+            "—" if worst.empty else str(worst.iloc[0]["instance"]),
+            None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
+            delta_color="off",
+        )
         fmt = {c: st.column_config.NumberColumn(format="%.1f") for c in nixl.columns if c.endswith("_ms")}
-        fmt |= {"MB_per_s": st.column_config.NumberColumn("MB/s", format="%.0f"),
-                "MB_per_transfer": st.column_config.NumberColumn("MB / transfer", format="%.1f"),
-                "descriptors_per_transfer": st.column_config.NumberColumn("descriptors / transfer", format="%.0f"),
-                "transfers": st.column_config.NumberColumn(format="%d"),
-                "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
-                "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d")}
+        fmt |= {
+            "MB_per_s": st.column_config.NumberColumn("MB/s", format="%.0f"),
+            "MB_per_transfer": st.column_config.NumberColumn("MB / transfer", format="%.1f"),
+            "descriptors_per_transfer": st.column_config.NumberColumn(
+                "descriptors / transfer", format="%.0f"
+            ),
+            "transfers": st.column_config.NumberColumn(format="%d"),
+            "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
+            "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d"),
+        }
         st.dataframe(nixl, hide_index=True, width="stretch", column_config=fmt)
 
     series = data.snapshot_series(url, window.start, window.end)
@@ -51,16 +58,22 @@ def render() -> None:
         xfer = summaries.interval_means(decode_series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
         if not xfer.empty:
             df = ui.to_time(xfer.rename(columns={"ts": "time", "value": "xfer_ms"}), "time")
-            st.altair_chart(charts.lines(df, "xfer_ms", "instance", "Mean NIXL xfer time per scrape", "ms"),
-                            width="stretch")
+            st.altair_chart(
+                charts.lines(df, "xfer_ms", "instance", "Mean NIXL xfer time per scrape", "ms"),
+                width="stretch",
+            )
     with right:
         rates = summaries.interval_rates(series, ("nixl_failed_transfers", "nixl_kv_expired_reqs"))
         if not rates.empty:
-            rates = rates.assign(per_min=(rates["nixl_failed_transfers"].fillna(0)
-                                          + rates["nixl_kv_expired_reqs"].fillna(0)) * 60.0)
+            rates = rates.assign(
+                per_min=(rates["nixl_failed_transfers"].fillna(0) + rates["nixl_kv_expired_reqs"].fillna(0))
+                * 60.0
+            )
             df = ui.to_time(rates.rename(columns={"ts": "time"}), "time")
-            st.altair_chart(charts.lines(df, "per_min", "instance", "Failed transfers + lease expiries", "per minute"),
-                            width="stretch")
+            st.altair_chart(
+                charts.lines(df, "per_min", "instance", "Failed transfers + lease expiries", "per minute"),
+                width="stretch",
+            )
 
     st.subheader("Handoff time per (P, D) pair")
     st.caption("P done → D first token: D's queue and the NIXL pull. From request records.")
@@ -68,10 +81,17 @@ def render() -> None:
     if pairs.empty:
         ui.no_data(view, "handoffs (request records)", latest)
         return
-    stat = st.segmented_control("Statistic", ["p50_ms", "p99_ms", "mean_ms"], default="p99_ms", key="kv_stat",
-                                format_func=lambda s: s.replace("_ms", ""))
-    st.altair_chart(charts.heatmap(pairs, str(stat or "p99_ms"), f"handoff {str(stat or 'p99_ms')[:-3]} (ms)"),
-                    width="stretch")
+    stat = st.segmented_control(
+        "Statistic",
+        ["p50_ms", "p99_ms", "mean_ms"],
+        default="p99_ms",
+        key="kv_stat",
+        format_func=lambda s: s.replace("_ms", ""),
+    )
+    st.altair_chart(
+        charts.heatmap(pairs, str(stat or "p99_ms"), f"handoff {str(stat or 'p99_ms')[:-3]} (ms)"),
+        width="stretch",
+    )
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

@@ -22,10 +22,16 @@ def _filters() -> dict[str, object]:
     names = [inst.name for _, inst in view.settings.instances()]
     a, b, c, d, e = st.columns([3, 2, 2, 1, 1], vertical_alignment="bottom")
     return {
-        "request_id": a.text_input("Request or trace id", value=str(st.query_params.get("request", "")), key="q_id",
-                                   placeholder="cmpl-… (prefix is enough)").strip(),
+        "request_id": a.text_input(
+            "Request or trace id",
+            value=str(st.query_params.get("request", "")),
+            key="q_id",
+            placeholder="cmpl-… (prefix is enough)",
+        ).strip(),
         "status": b.selectbox("Status", STATUSES, key="q_status", format_func=lambda s: s or "any"),
-        "instance": c.selectbox("Instance (P or D)", ["", *names], key="q_instance", format_func=lambda s: s or "any"),
+        "instance": c.selectbox(
+            "Instance (P or D)", ["", *names], key="q_instance", format_func=lambda s: s or "any"
+        ),
         "slo_miss": d.checkbox("SLO miss", key="q_slo_miss"),
         "lease_expiry": e.checkbox("Lease expiry", key="q_lease"),
     }
@@ -57,7 +63,11 @@ def _nixl_panel(rec: dict[str, Any]) -> None:
         a, b = pair.iloc[0], pair.iloc[1]
 
         def delta(col: str) -> float:
-            return float((b[col] or 0) - (a[col] or 0)) if not (pd.isna(a[col]) or pd.isna(b[col])) else float("nan")
+            return (
+                float((b[col] or 0) - (a[col] or 0))
+                if not (pd.isna(a[col]) or pd.isna(b[col]))
+                else float("nan")
+            )
 
         n = delta("nixl_xfer_time_count")
         m1, m2 = st.columns(2)
@@ -94,8 +104,13 @@ def render() -> None:
             ui.no_data(view, "matching requests", latest)
         return
     st.dataframe(
-        ui.to_time(found, "proxy_in"), hide_index=True, width="stretch", height=260,
-        column_config={c: st.column_config.NumberColumn(format="%.3f") for c in ("ttft_s", "tpot_s", "e2e_s")},
+        ui.to_time(found, "proxy_in"),
+        hide_index=True,
+        width="stretch",
+        height=260,
+        column_config={
+            c: st.column_config.NumberColumn(format="%.3f") for c in ("ttft_s", "tpot_s", "e2e_s")
+        },
     )
     st.caption(f"{len(found)} shown (newest first, at most 200).")
 
@@ -107,20 +122,38 @@ def render() -> None:
     with left:
         st.subheader(f"Waterfall · {rec['request_id']}")
         stages = derive.waterfall(rec)
-        flags = [f"status **{rec['status']}** (HTTP {rec['http_status']})",
-                 f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
-                 f"{rec['prompt_tokens']} prompt / {rec['completion_tokens']} output tokens"]
+        flags = [
+            f"status **{rec['status']}** (HTTP {rec['http_status']})",
+            f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
+            f"{rec['prompt_tokens']} prompt / {rec['completion_tokens']} output tokens",
+        ]
         st.markdown(" · ".join(flags))
         if rec.get("lease_expiry_suspect"):
-            st.warning("Flagged as a likely KV-lease expiry: P released the blocks before D's pull finished.",
-                       icon=":material/timer_off:")
+            st.warning(
+                "Flagged as a likely KV-lease expiry: P released the blocks before D's pull finished.",
+                icon=":material/timer_off:",
+            )
         if stages:
             st.altair_chart(charts.waterfall(stages), width="stretch")
-            st.dataframe(pd.DataFrame([{"stage": s.name, "start ms": s.start_ms, "duration ms": s.duration_ms,
-                                        "note": s.note} for s in stages]),
-                         hide_index=True, width="stretch",
-                         column_config={"start ms": st.column_config.NumberColumn(format="%.1f"),
-                                        "duration ms": st.column_config.NumberColumn(format="%.1f")})
+            st.dataframe(
+                pd.DataFrame(
+                    [
+                        {
+                            "stage": s.name,
+                            "start ms": s.start_ms,
+                            "duration ms": s.duration_ms,
+                            "note": s.note,
+                        }
+                        for s in stages
+                    ]
+                ),
+                hide_index=True,
+                width="stretch",
+                column_config={
+                    "start ms": st.column_config.NumberColumn(format="%.1f"),
+                    "duration ms": st.column_config.NumberColumn(format="%.1f"),
+                },
+            )
         else:
             st.caption("No stage timestamps were recorded for this request.")
     with right:

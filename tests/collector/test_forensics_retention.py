@@ -26,18 +26,44 @@ def factory(store_url: str) -> sessionmaker[Session]:
 
 
 def _snap(instance: str, role: str, ts: float, **values: Any) -> Snapshot:
-    s = Snapshot(instance=instance, pool=role[:3], role=role, ts=ts, up=True, histograms=values.pop("histograms", {}), extra={})
+    s = Snapshot(
+        instance=instance,
+        pool=role[:3],
+        role=role,
+        ts=ts,
+        up=True,
+        histograms=values.pop("histograms", {}),
+        extra={},
+    )
     for k, v in values.items():
         setattr(s, k, v)
     return s
 
 
-def _rec(rid: str, p_done: float, first_token: float | None, *, p: str = "p0", d: str = "d0", done: float | None = None) -> RequestRecord:
+def _rec(
+    rid: str,
+    p_done: float,
+    first_token: float | None,
+    *,
+    p: str = "p0",
+    d: str = "d0",
+    done: float | None = None,
+) -> RequestRecord:
     return RequestRecord(
-        request_id=rid, p_instance=p, d_instance=d, status="ok", retries=0, proxy_in=p_done - 0.2,
-        p_done=p_done, first_token=first_token, done=done if done is not None else (first_token or p_done) + 1,
-        ttft_s=None if first_token is None else first_token - p_done + 0.2, e2e_s=1.0, slo_met=True,
-        lease_expiry_suspect=False, attributes={},
+        request_id=rid,
+        p_instance=p,
+        d_instance=d,
+        status="ok",
+        retries=0,
+        proxy_in=p_done - 0.2,
+        p_done=p_done,
+        first_token=first_token,
+        done=done if done is not None else (first_token or p_done) + 1,
+        ttft_s=None if first_token is None else first_token - p_done + 0.2,
+        e2e_s=1.0,
+        slo_met=True,
+        lease_expiry_suspect=False,
+        attributes={},
     )
 
 
@@ -54,11 +80,27 @@ def test_nixl_figures_are_linked_over_the_handoffs_scrape_window(factory: sessio
     t = NOW - 100
     with factory.begin() as s:
         for i, ts in enumerate([t, t + 5, t + 10, t + 15]):
-            s.add(_snap("p0", "prefill", ts, nixl_kv_expired_reqs=0.0, nixl_failed_transfers=0.0,
-                        nixl_notifications_after_expiry=[0.0, 0.0, 0.0, 1.0][i]))
-            s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=[0.0, 1.0, 1.0, 3.0][i],
-                        nixl_xfer_time_sum=[0.0, 0.01, 0.01, 0.05][i], nixl_bytes_sum=[0.0, 1e6, 1e6, 3e6][i],
-                        nixl_failed_transfers=0.0))
+            s.add(
+                _snap(
+                    "p0",
+                    "prefill",
+                    ts,
+                    nixl_kv_expired_reqs=0.0,
+                    nixl_failed_transfers=0.0,
+                    nixl_notifications_after_expiry=[0.0, 0.0, 0.0, 1.0][i],
+                )
+            )
+            s.add(
+                _snap(
+                    "d0",
+                    "decode",
+                    ts,
+                    nixl_xfer_time_count=[0.0, 1.0, 1.0, 3.0][i],
+                    nixl_xfer_time_sum=[0.0, 0.01, 0.01, 0.05][i],
+                    nixl_bytes_sum=[0.0, 1e6, 1e6, 3e6][i],
+                    nixl_failed_transfers=0.0,
+                )
+            )
         s.add(_rec("hit", t + 4, t + 12))
         s.add(_rec("before", t + 1, t + 3))
     with factory.begin() as s:
@@ -84,7 +126,8 @@ def _expiry_world(s: Session, t: float, expired: list[float]) -> None:
 
 
 def test_an_expired_lease_is_charged_to_the_waiting_handoff_not_to_what_finished_in_the_window(
-        factory: sessionmaker[Session]) -> None:
+    factory: sessionmaker[Session],
+) -> None:
     """Finding 2: one D stops pulling; P's lease for the request sent there expires a lease (30 s) later,
     in a scrape step in which healthy handoffs to other Ds finish. Only the waiting one is charged."""
     t = NOW - 200
@@ -107,8 +150,14 @@ def test_an_expired_lease_is_charged_to_the_waiting_handoff_not_to_what_finished
         again = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
     assert again.suspects == 1 and again.unattributed == 0
     with factory() as s:
-        assert len(s.scalars(select(RequestRecord).where(RequestRecord.request_id == "stuck")).one()
-                   .attributes["lease_expiry"]) == 1
+        assert (
+            len(
+                s.scalars(select(RequestRecord).where(RequestRecord.request_id == "stuck"))
+                .one()
+                .attributes["lease_expiry"]
+            )
+            == 1
+        )
 
 
 def test_a_first_token_after_the_lease_counts_as_waiting(factory: sessionmaker[Session]) -> None:
@@ -136,11 +185,14 @@ def test_expiries_no_waiting_handoff_explains_stay_unattributed(factory: session
 
 
 def _span(trace: str, sid: str, name: str, start: float, end: float, **attrs: Any) -> SpanRow:
-    return SpanRow(trace_id=trace, span_id=sid, name=name, start_ts=start, end_ts=end, attributes=attrs,
-                   received_ts=end)
+    return SpanRow(
+        trace_id=trace, span_id=sid, name=name, start_ts=start, end_ts=end, attributes=attrs, received_ts=end
+    )
 
 
-def test_a_retried_attempt_is_read_back_from_the_spans_and_its_d_charged(factory: sessionmaker[Session]) -> None:
+def test_a_retried_attempt_is_read_back_from_the_spans_and_its_d_charged(
+    factory: sessionmaker[Session],
+) -> None:
     """The proxy timed the first D out and retried with a new prefill on p1 and d0 (the record shows only
     those): p0's lease for the first attempt expires a lease later and is charged to the first D."""
     t = NOW - 200
@@ -150,35 +202,94 @@ def test_a_retried_attempt_is_read_back_from_the_spans_and_its_d_charged(factory
         rec = _rec("retried", t + 9, t + 9.5, p="p1", d="d0")
         rec.retries, rec.trace_id = 1, tr
         s.add(rec)
-        s.add_all([
-            _span(tr, "1" * 16, "pdscope.prefill", t + 2.5, t + 3, **{"pdscope.instance": "p0", "pdscope.attempt": 0}),
-            _span(tr, "2" * 16, "pdscope.decode", t + 3, t + 7, **{"pdscope.instance": "d-stuck", "pdscope.attempt": 0,
-                                                                   "error.type": "timeout"}),
-            _span(tr, "3" * 16, "pdscope.prefill", t + 7, t + 9, **{"pdscope.instance": "p1", "pdscope.attempt": 0}),
-            _span(tr, "4" * 16, "pdscope.decode", t + 9, t + 10, **{"pdscope.instance": "d0", "pdscope.attempt": 0}),
-        ])
+        s.add_all(
+            [
+                _span(
+                    tr,
+                    "1" * 16,
+                    "pdscope.prefill",
+                    t + 2.5,
+                    t + 3,
+                    **{"pdscope.instance": "p0", "pdscope.attempt": 0},
+                ),
+                _span(
+                    tr,
+                    "2" * 16,
+                    "pdscope.decode",
+                    t + 3,
+                    t + 7,
+                    **{"pdscope.instance": "d-stuck", "pdscope.attempt": 0, "error.type": "timeout"},
+                ),
+                _span(
+                    tr,
+                    "3" * 16,
+                    "pdscope.prefill",
+                    t + 7,
+                    t + 9,
+                    **{"pdscope.instance": "p1", "pdscope.attempt": 0},
+                ),
+                _span(
+                    tr,
+                    "4" * 16,
+                    "pdscope.decode",
+                    t + 9,
+                    t + 10,
+                    **{"pdscope.instance": "d0", "pdscope.attempt": 0},
+                ),
+            ]
+        )
     with factory.begin() as s:
         result = forensics.run_pass(s, NOW - 300, NOW, lease_s=30.0)
     assert result.attempts == 1 and result.suspects == 1
     with factory() as s:
         r = s.scalars(select(RequestRecord)).one()
-    assert r.attributes["failed_attempts"] == [{"stage": "decode", "instance": "d-stuck", "kind": "timeout",
-                                                "start": t + 3, "end": t + 7, "p_instance": "p0", "p_done": t + 3}]
+    assert r.attributes["failed_attempts"] == [
+        {
+            "stage": "decode",
+            "instance": "d-stuck",
+            "kind": "timeout",
+            "start": t + 3,
+            "end": t + 7,
+            "p_instance": "p0",
+            "p_done": t + 3,
+        }
+    ]
     assert r.attributes["lease_expiry"][0]["d_instance"] == "d-stuck"
 
 
 def test_retention_rolls_up_then_deletes_and_stays_bounded(factory: sessionmaker[Session]) -> None:
     raw_s, rollup_s = 600.0, 3600.0
     start = (NOW // 60) * 60 - 1200  # 20 minutes of history
-    hist = lambda n: {"vllm:nixl_xfer_time_seconds": {"le": [0.1], "counts": [n, n], "sum": n / 100, "count": n}}  # noqa: E731
+
+    def hist(n: int) -> dict[str, object]:
+        return {"vllm:nixl_xfer_time_seconds": {"le": [0.1], "counts": [n, n], "sum": n / 100, "count": n}}
+
     with factory.begin() as s:
         for k in range(0, 240):  # a scrape every 5 s for 20 minutes
             ts = start + 5 * k
             count = float(k if k < 120 else k - 120)  # restart at minute 10
-            s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=count, generation_tokens=count * 10,
-                        kv_cache_usage=0.5, histograms=hist(count)))
-            s.add(SpanRow(trace_id="t" * 32, span_id=f"{k:016x}", name="x", start_ts=ts, end_ts=ts, attributes={},
-                          received_ts=ts))
+            s.add(
+                _snap(
+                    "d0",
+                    "decode",
+                    ts,
+                    nixl_xfer_time_count=count,
+                    generation_tokens=count * 10,
+                    kv_cache_usage=0.5,
+                    histograms=hist(count),
+                )
+            )
+            s.add(
+                SpanRow(
+                    trace_id="t" * 32,
+                    span_id=f"{k:016x}",
+                    name="x",
+                    start_ts=ts,
+                    end_ts=ts,
+                    attributes={},
+                    received_ts=ts,
+                )
+            )
         for k in range(20):
             s.add(_rec(f"r{k}", start + 60 * k + 1, start + 60 * k + 2))
     retention = Retention(factory, raw_s=raw_s, rollup_s=rollup_s, lag_s=60.0)

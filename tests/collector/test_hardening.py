@@ -41,8 +41,12 @@ PROTO = "application/x-protobuf"
 SLO = SLOSettings(ttft=LatencySLO(target_ms=600), tpot=LatencySLO(target_ms=150))
 
 
-def _client(queue: SpanQueue, metrics: CollectorMetrics, config: ReceiverConfig | None = None,
-            health: TaskHealth | None = None) -> httpx.AsyncClient:
+def _client(
+    queue: SpanQueue,
+    metrics: CollectorMetrics,
+    config: ReceiverConfig | None = None,
+    health: TaskHealth | None = None,
+) -> httpx.AsyncClient:
     app = build_app(queue, metrics, config, health=health)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://collector")
 
@@ -64,9 +68,15 @@ def _metric(metrics: CollectorMetrics, line: str) -> bool:
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, "inf", "nan", "-Infinity"])
 def test_non_finite_numbers_are_absent_not_a_crash(bad: object) -> None:
-    spans = _root_attrs(request_spans(), **{sc.KV_BLOCKS: bad, sc.KV_BYTES: bad, sc.HTTP_STATUS: bad, sc.RETRIES: bad})
-    spans = [_with(s, attributes={**s.attributes, sc.GEN_AI_QUEUE: bad, sc.GEN_AI_COMPLETION_TOKENS: bad})
-             if s.name == sc.VLLM_SPAN else s for s in spans]
+    spans = _root_attrs(
+        request_spans(), **{sc.KV_BLOCKS: bad, sc.KV_BYTES: bad, sc.HTTP_STATUS: bad, sc.RETRIES: bad}
+    )
+    spans = [
+        _with(s, attributes={**s.attributes, sc.GEN_AI_QUEUE: bad, sc.GEN_AI_COMPLETION_TOKENS: bad})
+        if s.name == sc.VLLM_SPAN
+        else s
+        for s in spans
+    ]
     rec = assemble(spans, SLO)
     assert rec is not None
     v = rec.row()
@@ -108,7 +118,9 @@ async def test_span_writer_survives_a_raising_sink_and_counts_it() -> None:
     assert not task.done()
     stop.set()
     await asyncio.wait_for(task, timeout=5)
-    assert _metric(metrics, 'pdscope_collector_task_errors_total{reason="OverflowError",task="span_writer"} 1.0')
+    assert _metric(
+        metrics, 'pdscope_collector_task_errors_total{reason="OverflowError",task="span_writer"} 1.0'
+    )
     assert _metric(metrics, 'pdscope_collector_spans_dropped_total{reason="writer_error"} 7.0')
     ok, tasks = health.report()
     assert ok and tasks["span_writer"]["errors"] == 1
@@ -140,7 +152,7 @@ model: {{name: tiny, kv_bytes_per_token: 1024}}
 pools:
   prefill: {{role: prefill, instances: [{{name: p0, url: "http://127.0.0.1:9"}}]}}
   decode: {{role: decode, instances: [{{name: d0, url: "http://127.0.0.1:9"}}]}}
-store: {{url: "sqlite:///{tmp_path / 'c.db'}"}}
+store: {{url: "sqlite:///{tmp_path / "c.db"}"}}
 collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3{extra}}}
 """)
 
@@ -168,7 +180,9 @@ async def test_a_background_task_that_ends_while_running_is_reported_dead(tmp_pa
         await service.client.aclose()
 
 
-async def test_maintenance_survives_a_non_store_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_maintenance_survives_a_non_store_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from collector.service import MAINTENANCE, CollectorService
 
     upgrade(f"sqlite:///{tmp_path / 'c.db'}")
@@ -206,11 +220,19 @@ def _good_json_spans() -> list[dict[str, Any]]:
 
 async def test_malformed_json_span_is_dropped_alone_and_counted() -> None:
     good = _good_json_spans()
-    bad = [dict(good[0], name={"a": "map"}), dict(good[0], traceId=["x"]), dict(good[0], kind={"k": 1}),
-           dict(good[0], startTimeUnixNano={"n": 1}), dict(good[0], attributes={"not": "a list"}), "not a span"]
+    bad = [
+        dict(good[0], name={"a": "map"}),
+        dict(good[0], traceId=["x"]),
+        dict(good[0], kind={"k": 1}),
+        dict(good[0], startTimeUnixNano={"n": 1}),
+        dict(good[0], attributes={"not": "a list"}),
+        "not a span",
+    ]
     queue, metrics = SpanQueue(100), CollectorMetrics()
     async with _client(queue, metrics) as client:
-        resp = await client.post("/v1/traces", content=_json_export(bad + good), headers={"content-type": "application/json"})
+        resp = await client.post(
+            "/v1/traces", content=_json_export(bad + good), headers={"content-type": "application/json"}
+        )
     assert resp.status_code == 200
     assert resp.json()["partialSuccess"]["rejectedSpans"] == len(bad)
     assert len(queue) == len(good)
@@ -222,8 +244,10 @@ def test_wrong_typed_attributes_do_not_lose_the_batch(store_url: str) -> None:
     """A map where a string is expected: the record is stored without that field, the other traces too."""
     upgrade(store_url)
     sink = StoreSink(session_factory(make_engine(store_url)), SLO)
-    bad = _root_attrs(request_spans(request_id="bad"), **{sc.ENDPOINT: {"a": 1}, sc.P_INSTANCE: ["p"],
-                                                          sc.ERROR_TYPE: {"x": 1}, sc.OUTCOME: {"o": 1}})
+    bad = _root_attrs(
+        request_spans(request_id="bad"),
+        **{sc.ENDPOINT: {"a": 1}, sc.P_INSTANCE: ["p"], sc.ERROR_TYPE: {"x": 1}, sc.OUTCOME: {"o": 1}},
+    )
     good = request_spans(request_id="good")
     res = sink.write(bad + good)
     assert res.written == 14 and res.records == 2 and res.failed == 0
@@ -237,7 +261,9 @@ def test_a_value_the_driver_refuses_costs_only_its_trace(tmp_path: Path) -> None
     url = f"sqlite:///{tmp_path / 's.db'}"
     upgrade(url)
     sink = StoreSink(session_factory(make_engine(url)), SLO)
-    bad = [_with(s, kind=2**70) if s.name == sc.SPAN_ADMISSION else s for s in request_spans(request_id="bad")]
+    bad = [
+        _with(s, kind=2**70) if s.name == sc.SPAN_ADMISSION else s for s in request_spans(request_id="bad")
+    ]
     good = request_spans(request_id="good")
     res = sink.write(bad + good)
     assert res.written == 7 and res.failed == 7
@@ -263,7 +289,9 @@ async def test_gzip_bomb_is_refused_with_413_without_inflating_it(monkeypatch: p
     cfg = ReceiverConfig(max_body_bytes=2**20, max_inflated_bytes=2**20, inflight_bytes=4 * 2**20)
     queue, metrics = SpanQueue(100), CollectorMetrics()
     async with _client(queue, metrics, cfg) as client:
-        resp = await client.post("/v1/traces", content=bomb, headers={"content-type": PROTO, "content-encoding": "gzip"})
+        resp = await client.post(
+            "/v1/traces", content=bomb, headers={"content-type": PROTO, "content-encoding": "gzip"}
+        )
     assert resp.status_code == 413 and "decompressed body larger than 1048576" in resp.json()["error"]
     assert _metric(metrics, 'pdscope_collector_otlp_requests_total{result="inflated_too_large"} 1.0')
     assert threads and threads[0] != threading.get_ident()  # inflated off the event loop
@@ -296,7 +324,9 @@ def test_byte_budget_leases() -> None:
 
 
 async def test_past_the_in_flight_budget_a_post_gets_429_with_retry_after() -> None:
-    cfg = ReceiverConfig(max_body_bytes=4 * 2**20, max_inflated_bytes=4 * 2**20, inflight_bytes=2 * 2**20, retry_after_s=3)
+    cfg = ReceiverConfig(
+        max_body_bytes=4 * 2**20, max_inflated_bytes=4 * 2**20, inflight_bytes=2 * 2**20, retry_after_s=3
+    )
     queue, metrics = SpanQueue(1000), CollectorMetrics()
     release = asyncio.Event()
     sent = asyncio.Event()
@@ -309,9 +339,13 @@ async def test_past_the_in_flight_budget_a_post_gets_429_with_retry_after() -> N
         yield b""
 
     async with _client(queue, metrics, cfg) as client:
-        first = asyncio.create_task(client.post("/v1/traces", content=slow_body(), headers={"content-type": PROTO}))
+        first = asyncio.create_task(
+            client.post("/v1/traces", content=slow_body(), headers={"content-type": PROTO})
+        )
         await asyncio.wait_for(sent.wait(), timeout=10)
-        resp = await client.post("/v1/traces", content=to_proto(request_spans()), headers={"content-type": PROTO})
+        resp = await client.post(
+            "/v1/traces", content=to_proto(request_spans()), headers={"content-type": PROTO}
+        )
         release.set()
         await first
     assert resp.status_code == 429 and resp.headers["retry-after"] == "3"
@@ -352,11 +386,17 @@ def test_implausible_spans_are_refused_with_a_reason(changes: dict[str, Any], re
 
 async def test_refused_spans_are_counted_and_reported_partial_success() -> None:
     spans = request_spans()
-    bad = [_with(spans[1], start_ts=0.0, end_ts=0.0), _with(spans[2], span_id="0" * 16),
-           _with(spans[3], trace_id="0" * 32), _with(spans[4], start_ts=18_446_744_073.0)]
+    bad = [
+        _with(spans[1], start_ts=0.0, end_ts=0.0),
+        _with(spans[2], span_id="0" * 16),
+        _with(spans[3], trace_id="0" * 32),
+        _with(spans[4], start_ts=18_446_744_073.0),
+    ]
     queue, metrics = SpanQueue(100), CollectorMetrics()
     async with _client(queue, metrics) as client:
-        resp = await client.post("/v1/traces", content=to_proto([spans[0], *bad]), headers={"content-type": PROTO})
+        resp = await client.post(
+            "/v1/traces", content=to_proto([spans[0], *bad]), headers={"content-type": PROTO}
+        )
     assert resp.status_code == 200 and len(queue) == 1
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
@@ -381,10 +421,14 @@ def test_attribute_keys_and_sizes_are_bounded() -> None:
     big = admit(_with(base, attributes={f"k{i}": "x" * 2000 for i in range(100)}), NOW, LIMITS)
     assert big.span is not None and big.truncated
     assert len(json.dumps(big.span.attributes)) < LIMITS.max_attribute_chars + 4096
-    nested = admit(_with(base, attributes={"n": math.inf, "i": 2**80, "l": ["y" * 10**5] * 1000}), NOW, LIMITS)
+    nested = admit(
+        _with(base, attributes={"n": math.inf, "i": 2**80, "l": ["y" * 10**5] * 1000}), NOW, LIMITS
+    )
     assert nested.span is not None
     assert nested.span.attributes["n"] is None and nested.span.attributes["i"] is None
-    assert len(nested.span.attributes["l"]) <= 64 and all(len(x) <= LIMITS.max_value_chars for x in nested.span.attributes["l"])
+    assert len(nested.span.attributes["l"]) <= 64 and all(
+        len(x) <= LIMITS.max_value_chars for x in nested.span.attributes["l"]
+    )
     plain = admit(base, NOW, LIMITS)
     assert plain.span is base and not plain.truncated  # the common case is not rebuilt
 
@@ -394,7 +438,9 @@ async def test_oversized_attributes_are_counted_as_truncated() -> None:
     spans[0] = _with(spans[0], attributes={**spans[0].attributes, **{f"k{i}": i for i in range(5000)}})
     queue, metrics = SpanQueue(100), CollectorMetrics()
     async with _client(queue, metrics) as client:
-        assert (await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": PROTO})).status_code == 200
+        assert (
+            await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": PROTO})
+        ).status_code == 200
     root = next(s for s in queue.take(100) if s.name == sc.SPAN_REQUEST)
     assert len(root.attributes) == 128
     assert _metric(metrics, "pdscope_collector_spans_truncated_total 1.0")
@@ -407,11 +453,15 @@ def factory(store_url: str) -> sessionmaker[Session]:
 
 
 def _snap(ts: float) -> Snapshot:
-    return Snapshot(instance="d0", pool="dec", role="decode", ts=ts, up=True, histograms={}, extra={}, num_running=1.0)
+    return Snapshot(
+        instance="d0", pool="dec", role="decode", ts=ts, up=True, histograms={}, extra={}, num_running=1.0
+    )
 
 
 def _record(rid: str, proxy_in: float) -> RequestRecord:
-    return RequestRecord(request_id=rid, status="ok", retries=0, proxy_in=proxy_in, lease_expiry_suspect=False, attributes={})
+    return RequestRecord(
+        request_id=rid, status="ok", retries=0, proxy_in=proxy_in, lease_expiry_suspect=False, attributes={}
+    )
 
 
 def test_a_record_dated_zero_does_not_stall_retention(factory: sessionmaker[Session]) -> None:
@@ -433,8 +483,21 @@ def test_a_record_dated_zero_does_not_stall_retention(factory: sessionmaker[Sess
 def test_a_rollup_dated_2554_does_not_stop_rollups(factory: sessionmaker[Session]) -> None:
     now = NOW
     with factory.begin() as s:
-        s.add(RequestRollup(minute=18_446_744_040.0, p_instance="p", d_instance="d", requests=1, ok=1, slo_met=1,
-                            lease_suspects=0, ttft_sum_s=0.0, handoff_sum_s=0.0, handoff_count=0, e2e_sum_s=0.0))
+        s.add(
+            RequestRollup(
+                minute=18_446_744_040.0,
+                p_instance="p",
+                d_instance="d",
+                requests=1,
+                ok=1,
+                slo_met=1,
+                lease_suspects=0,
+                ttft_sum_s=0.0,
+                handoff_sum_s=0.0,
+                handoff_count=0,
+                e2e_sum_s=0.0,
+            )
+        )
         for k in range(24):
             s.add(_snap(now - 300 + 5 * k))
             s.add(_record(f"r{k}", now - 300 + 5 * k))
@@ -462,11 +525,17 @@ async def test_otlp_bearer_token_401_before_the_body_and_sender_kept() -> None:
     async with _client(queue, metrics, cfg) as client:
         resp = await client.post("/v1/traces", content=body(), headers={"content-type": PROTO})
         assert resp.status_code == 401 and resp.headers["www-authenticate"].startswith("Bearer")
-        resp = await client.post("/v1/traces", content=to_proto(request_spans()),
-                                 headers={"content-type": PROTO, "authorization": "Bearer wrong"})
+        resp = await client.post(
+            "/v1/traces",
+            content=to_proto(request_spans()),
+            headers={"content-type": PROTO, "authorization": "Bearer wrong"},
+        )
         assert resp.status_code == 401
-        resp = await client.post("/v1/traces", content=to_proto(request_spans()),
-                                 headers={"content-type": PROTO, "authorization": "Bearer s3cret-proxy"})
+        resp = await client.post(
+            "/v1/traces",
+            content=to_proto(request_spans()),
+            headers={"content-type": PROTO, "authorization": "Bearer s3cret-proxy"},
+        )
         assert resp.status_code == 200
     assert {s.sender for s in queue.take(100)} == {"proxy"}
     assert _metric(metrics, 'pdscope_collector_otlp_requests_total{result="unauthorized"} 2.0')
@@ -493,7 +562,10 @@ def test_record_gets_the_sender_of_its_proxy_root(store_url: str) -> None:
 def test_otlp_tokens_from_the_environment(tmp_path: Path) -> None:
     cs = _settings(tmp_path).collector
     assert cs.otlp_tokens({}) == {}
-    assert cs.otlp_tokens({"PDSCOPE_OTLP_TOKENS": "proxy:abc, vllm-p0:def"}) == {"abc": "proxy", "def": "vllm-p0"}
+    assert cs.otlp_tokens({"PDSCOPE_OTLP_TOKENS": "proxy:abc, vllm-p0:def"}) == {
+        "abc": "proxy",
+        "def": "vllm-p0",
+    }
     for bad in ("proxy", "proxy:", ":abc", "bad name:abc", "a:x,b:x"):
         with pytest.raises(ConfigError, match="PDSCOPE_OTLP_TOKENS"):
             cs.otlp_tokens({"PDSCOPE_OTLP_TOKENS": bad})
@@ -508,8 +580,9 @@ def test_non_loopback_bind_without_tokens_refuses_to_start(tmp_path: Path) -> No
         CollectorService(_settings(tmp_path, ", host: 0.0.0.0"), otlp_tokens={})
 
 
-def test_pdscope_collect_refuses_a_non_loopback_bind_without_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdscope_collect_refuses_a_non_loopback_bind_without_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from pdscope.cli import main
 
     monkeypatch.delenv("PDSCOPE_OTLP_TOKENS", raising=False)
@@ -519,10 +592,12 @@ model: {{name: tiny, kv_bytes_per_token: 1024}}
 pools:
   prefill: {{role: prefill, instances: [{{name: p0, url: "http://127.0.0.1:9"}}]}}
   decode: {{role: decode, instances: [{{name: d0, url: "http://127.0.0.1:9"}}]}}
-store: {{url: "sqlite:///{tmp_path / 'cli.db'}"}}
+store: {{url: "sqlite:///{tmp_path / "cli.db"}"}}
 collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.2}}
 """)
-    assert main(["--config", str(cfg), "collect", "--host", "0.0.0.0", "--port", "0", "--duration", "0.1"]) == 1
+    assert (
+        main(["--config", str(cfg), "collect", "--host", "0.0.0.0", "--port", "0", "--duration", "0.1"]) == 1
+    )
     assert "not loopback" in capsys.readouterr().err
 
 
@@ -534,19 +609,35 @@ async def test_refused_otlp_requests_log_no_info_line_each(caplog: pytest.LogCap
     caplog.set_level(logging.DEBUG, logger="collector")
     async with _client(queue, metrics) as client:
         for _ in range(20):
-            assert (await client.post("/v1/traces", content=b"junk", headers={"content-type": PROTO})).status_code == 400
+            assert (
+                await client.post("/v1/traces", content=b"junk", headers={"content-type": PROTO})
+            ).status_code == 400
     infos = [r for r in caplog.records if r.name.startswith("collector") and r.levelno >= logging.INFO]
     assert len(infos) <= 1  # at most the per-minute summary
     assert sum(1 for r in caplog.records if r.levelno == logging.DEBUG) == 20
 
 
-async def test_scrape_rounds_log_info_only_when_the_down_set_changes(caplog: pytest.LogCaptureFixture) -> None:
+async def test_scrape_rounds_log_info_only_when_the_down_set_changes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from collector.scraper import Scraper, ScrapeResult
     from collector.targets import Target
 
-    target = Target(name="d0", pool="decode", role="decode", url="http://127.0.0.1:9", metrics_url="http://127.0.0.1:9/metrics")
-    scraper = Scraper([target], httpx.AsyncClient(), interval_s=1.0, timeout_s=0.5, max_body_bytes=100,
-                      on_round=lambda _r: asyncio.sleep(0))
+    target = Target(
+        name="d0",
+        pool="decode",
+        role="decode",
+        url="http://127.0.0.1:9",
+        metrics_url="http://127.0.0.1:9/metrics",
+    )
+    scraper = Scraper(
+        [target],
+        httpx.AsyncClient(),
+        interval_s=1.0,
+        timeout_s=0.5,
+        max_body_bytes=100,
+        on_round=lambda _r: asyncio.sleep(0),
+    )
     caplog.set_level(logging.INFO, logger="collector")
     down = [ScrapeResult(target, 0.0, 0.0, None, "timeout")]
     for _ in range(10):
@@ -570,7 +661,12 @@ def test_collector_quiets_httpx_request_lines(tmp_path: Path) -> None:
 # -- duplicated series on a /metrics page (fast scrape path) ---------------------------------
 
 
-CAPTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu" / "decode-metrics-after.vllm-0.32.0.txt"
+CAPTURE = (
+    Path(__file__).resolve().parents[1]
+    / "fixtures"
+    / "vllm-0.32.0-cpu"
+    / "decode-metrics-after.vllm-0.32.0.txt"
+)
 
 
 def _duplicate(page: str, prefix: str, reorder: bool = False) -> str:
@@ -585,8 +681,15 @@ def _duplicate(page: str, prefix: str, reorder: bool = False) -> str:
 
 
 @pytest.mark.parametrize("reorder", [False, True])
-@pytest.mark.parametrize("prefix", ['vllm:prompt_tokens_total{', 'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"',
-                                    "vllm:time_to_first_token_seconds_count{", 'vllm:request_success_total{'])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "vllm:prompt_tokens_total{",
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"',
+        "vllm:time_to_first_token_seconds_count{",
+        "vllm:request_success_total{",
+    ],
+)
 def test_a_duplicated_series_is_kept_once_never_summed(prefix: str, reorder: bool) -> None:
     from collector.fastparse import extract_signals
     from collector.signals import from_text

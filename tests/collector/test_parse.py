@@ -80,7 +80,7 @@ def test_nan_inf_and_timestamps() -> None:
     [
         "no_value",
         'bad{a="1"',
-        'bad{a=1} 2',
+        "bad{a=1} 2",
         'bad{a="1" b="2"} 3',
         'bad{a="1",a="2"} 3',
         "bad 1 2 3",
@@ -144,7 +144,7 @@ def test_openmetrics_counter_and_exemplar_and_eof() -> None:
 
 
 def test_split_family_and_late_type() -> None:
-    text = "# TYPE a gauge\na 1\n# TYPE b gauge\nb 2\na{x=\"1\"} 3\n# TYPE a counter\n"
+    text = '# TYPE a gauge\na 1\n# TYPE b gauge\nb 2\na{x="1"} 3\n# TYPE a counter\n'
     page = parse_text(text)
     assert [s.value for s in page.families["a"].samples] == [1.0, 3.0]
     assert page.families["a"].type == "gauge"

@@ -103,7 +103,9 @@ class FakePrometheus:
         now = time.time()
         result = [
             {"metric": s["metric"], "value": [now, _fmt(s["value"])]}
-            for n in names for s in by_name[n] if match(s["metric"])
+            for n in names
+            for s in by_name[n]
+            if match(s["metric"])
         ]
         return {"status": "success", "data": {"resultType": "vector", "result": result}}
 
@@ -128,7 +130,8 @@ class FakePrometheus:
                     body = json.dumps(self.answer(params["query"])).encode()
                 writer.write(
                     b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                    % (status, len(body)) + body
+                    % (status, len(body))
+                    + body
                 )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -163,9 +166,15 @@ def _fleet(fake: FakePrometheus) -> None:
         + [
             {"metric": {"__name__": "up", "instance": "d0", "job": "vllm"}, "value": 1.0},
             {"metric": {"__name__": "up", "instance": "10.0.0.5:8100", "job": "vllm"}, "value": 1.0},
-            {"metric": {"__name__": "scrape_duration_seconds", "instance": "d0", "job": "vllm"}, "value": 0.012},
+            {
+                "metric": {"__name__": "scrape_duration_seconds", "instance": "d0", "job": "vllm"},
+                "value": 0.012,
+            },
             # another job's series on the same instance label: the selector keeps them out
-            {"metric": {"__name__": "vllm:num_requests_running", "instance": "d0", "job": "other"}, "value": 99.0},
+            {
+                "metric": {"__name__": "vllm:num_requests_running", "instance": "d0", "job": "other"},
+                "value": 99.0,
+            },
         ]
     )
 
@@ -176,8 +185,7 @@ def _source(fake: FakePrometheus, targets: list[Target], **kw: Any) -> PromSourc
 
     kw.setdefault("selector", 'job="vllm"')
     kw.setdefault("timeout_s", 2.0)
-    return PromSource(targets, fake.url, interval_s=3.0, max_body_bytes=8 * 2**20,
-                      on_round=ignore, **kw)
+    return PromSource(targets, fake.url, interval_s=3.0, max_body_bytes=8 * 2**20, on_round=ignore, **kw)
 
 
 def _rows(store_url: str, results: list[ScrapeResult]) -> dict[str, dict[str, Any]]:
@@ -188,7 +196,9 @@ def _rows(store_url: str, results: list[ScrapeResult]) -> dict[str, dict[str, An
         snaps = list(s.scalars(select(Snapshot)))
     skip = {"id", "ts", "scrape_duration_s"}
     return {
-        snap.instance: {c.name: getattr(snap, c.name) for c in Snapshot.__table__.columns if c.name not in skip}
+        snap.instance: {
+            c.name: getattr(snap, c.name) for c in Snapshot.__table__.columns if c.name not in skip
+        }
         for snap in snaps
     }
 
@@ -216,7 +226,7 @@ def _variant_pages() -> list[str]:
         for line in DECODE.splitlines()
     )
     new_nixl = DECODE + (
-        "# TYPE vllm:nixl_new_thing_total counter\nvllm:nixl_new_thing_total{engine=\"0\"} 7.0\n"
+        '# TYPE vllm:nixl_new_thing_total counter\nvllm:nixl_new_thing_total{engine="0"} 7.0\n'
         "# TYPE vllm:nixl_wait_seconds histogram\n"
         'vllm:nixl_wait_seconds_bucket{engine="0",le="0.1"} 2.0\n'
         'vllm:nixl_wait_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
@@ -226,15 +236,23 @@ def _variant_pages() -> list[str]:
     return [DECODE, PREFILL, two_engines, new_nixl, old_names]
 
 
-@pytest.mark.parametrize("page", _variant_pages(), ids=["decode", "prefill", "2-engines", "new-nixl", "old-names"])
+@pytest.mark.parametrize(
+    "page", _variant_pages(), ids=["decode", "prefill", "2-engines", "new-nixl", "old-names"]
+)
 def test_series_fold_like_the_scraped_page(page: str) -> None:
-    series = [Series(s["metric"]["__name__"], {k: v for k, v in s["metric"].items() if k != "__name__"}, s["value"])
-              for s in series_of(page, instance="x", job="vllm")]
+    series = [
+        Series(s["metric"]["__name__"], {k: v for k, v in s["metric"].items() if k != "__name__"}, s["value"])
+        for s in series_of(page, instance="x", job="vllm")
+    ]
     got, want = signals_from_series(series), extract_signals(page)
     assert got.values == pytest.approx(want.values)
     assert got.histograms == want.histograms
     assert got.extra == pytest.approx(want.extra)
-    assert (got.engines, got.process_start_ts, got.errors) == (want.engines, want.process_start_ts, want.errors)
+    assert (got.engines, got.process_start_ts, got.errors) == (
+        want.engines,
+        want.process_start_ts,
+        want.errors,
+    )
     assert got.values  # not vacuous
 
 
@@ -254,8 +272,10 @@ async def test_stored_snapshots_equal_the_scraper_path(fake_prom: FakePrometheus
     assert len(fake_prom.queries) == len(build_queries())
     assert len({q["time"] for q in fake_prom.queries}) == 1
 
-    scraped = [ScrapeResult(D0, 1.0, 0.01, extract_signals(DECODE), None),
-               ScrapeResult(P0, 1.0, 0.01, extract_signals(PREFILL), None)]
+    scraped = [
+        ScrapeResult(D0, 1.0, 0.01, extract_signals(DECODE), None),
+        ScrapeResult(P0, 1.0, 0.01, extract_signals(PREFILL), None),
+    ]
     from_prom = _rows(f"sqlite:///{tmp_path / 'prom.db'}", results)
     from_scrape = _rows(f"sqlite:///{tmp_path / 'scrape.db'}", scraped)
     for name in ("d0", "p0"):
@@ -296,15 +316,24 @@ async def test_two_jobs_on_one_instance_are_not_summed(fake_prom: FakePrometheus
     want = extract_signals(DECODE)
     assert res.signals is not None and res.signals.values == want.values
     assert res.signals.histograms == want.histograms
-    assert res.signals.errors == ["series from jobs ['vllm', 'vllm-copy']; kept 'vllm' (set collector.prometheus_selector)"]
+    assert res.signals.errors == [
+        "series from jobs ['vllm', 'vllm-copy']; kept 'vllm' (set collector.prometheus_selector)"
+    ]
 
 
 @pytest.mark.parametrize(
     ("mode", "reason"),
-    [("down", "ConnectError"), ("500", "HTTP 500: out of memory"), ("badjson", "bad JSON"),
-     ("error", "HTTP 400: parse error"), ("slow", "no answer within 0.5s")],
+    [
+        ("down", "ConnectError"),
+        ("500", "HTTP 500: out of memory"),
+        ("badjson", "bad JSON"),
+        ("error", "HTTP 400: parse error"),
+        ("slow", "no answer within 0.5s"),
+    ],
 )
-async def test_prometheus_failures_mark_every_instance(fake_prom: FakePrometheus, mode: str, reason: str) -> None:
+async def test_prometheus_failures_mark_every_instance(
+    fake_prom: FakePrometheus, mode: str, reason: str
+) -> None:
     _fleet(fake_prom)
     registry = CollectorRegistry()
     source = _source(fake_prom, [D0, P0], registry=registry, timeout_s=0.5 if mode == "slow" else 2.0)
@@ -322,11 +351,15 @@ async def test_prometheus_failures_mark_every_instance(fake_prom: FakePrometheus
     # "slow" is cut by the round's timeout: it would have answered (and been up) after 5 s
     assert [r.up for r in results] == [False, False]
     for r in results:
-        assert r.error is not None and r.error.startswith(f"prometheus {fake_prom.url if mode != 'down' else ''}")
+        assert r.error is not None and r.error.startswith(
+            f"prometheus {fake_prom.url if mode != 'down' else ''}"
+        )
         assert reason in r.error, r.error
     assert [r.up for r in recovered] == [True, True]
     assert registry.get_sample_value("pdscope_collector_prometheus_up") == 1.0
-    assert (registry.get_sample_value("pdscope_collector_prometheus_queries_total", {"result": "error"}) or 0) >= 1
+    assert (
+        registry.get_sample_value("pdscope_collector_prometheus_queries_total", {"result": "error"}) or 0
+    ) >= 1
 
 
 def _config(fake_url: str, store: str, d_url: str = "http://10.0.0.7:8200") -> str:
@@ -358,17 +391,29 @@ async def test_service_in_prometheus_mode(fake_prom: FakePrometheus, tmp_path: P
             async def page() -> str:
                 return (await client.get("/metrics")).text
 
-            up = ("pdscope_collector_prometheus_up 1.0",
-                  'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 1.0')
-            await async_wait_until("/metrics to show Prometheus and d0 up", page,
-                                   done=lambda text: all(line in text for line in up))
+            up = (
+                "pdscope_collector_prometheus_up 1.0",
+                'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 1.0',
+            )
+            await async_wait_until(
+                "/metrics to show Prometheus and d0 up",
+                page,
+                done=lambda text: all(line in text for line in up),
+            )
             fake_prom.mode = "500"
-            down = ("pdscope_collector_prometheus_up 0.0",
-                    'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 0.0',
-                    "HTTP 500: out of memory")  # the last error, per target
-            await async_wait_until("/metrics to show Prometheus and d0 down with the error", page,
-                                   done=lambda text: all(line in text for line in down))
-            traces = await client.post("/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"})
+            down = (
+                "pdscope_collector_prometheus_up 0.0",
+                'pdscope_collector_target_up{instance="d0",pool="decode",role="decode"} 0.0',
+                "HTTP 500: out of memory",
+            )  # the last error, per target
+            await async_wait_until(
+                "/metrics to show Prometheus and d0 down with the error",
+                page,
+                done=lambda text: all(line in text for line in down),
+            )
+            traces = await client.post(
+                "/v1/traces", content=b"", headers={"content-type": "application/x-protobuf"}
+            )
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout=10)
@@ -414,22 +459,42 @@ def test_collector_reads_a_real_prometheus(sim_fleet: Any, tmp_path: Path) -> No
     config = write_prometheus_config(root, sim_fleet, {})
     store = f"sqlite:///{tmp_path / 'store.db'}"
     upgrade(store)
-    with running_prometheus(binary, root, config) as prom, httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
-        wait_until("2 vLLM targets up", lambda: len(prom.query('up{job="vllm"} == 1')) == 2, timeout_s=30,
-                   every_s=0.5)
+    with (
+        running_prometheus(binary, root, config) as prom,
+        httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client,
+    ):
+        wait_until(
+            "2 vLLM targets up",
+            lambda: len(prom.query('up{job="vllm"} == 1')) == 2,
+            timeout_s=30,
+            every_s=0.5,
+        )
         for _ in range(4):
             assert pd_request(client, sim_fleet.model_name, p_url, d_url, prompt_words=300) == 200
         direct = extract_signals(client.get(f"{d_url}/metrics").content)
         assert (direct.values.get("nixl_xfer_time_count") or 0) > 0
         # Prometheus has scraped after the traffic (1 s scrape interval)
-        wait_until("D's NIXL transfers in Prometheus", lambda: prom.query(
-            f'sum(vllm:nixl_xfer_time_seconds_count{{instance="decode-0"}}) >= {direct.values["nixl_xfer_time_count"]}'),
-            timeout_s=30, every_s=0.5)
-        settings = parse_config(sim_fleet.config_yaml(
-            store={"url": store},
-            collector={"host": "127.0.0.1", "scrape_interval_s": 1, "scrape_timeout_s": 0.8,
-                       "prometheus_url": prom.url, "prometheus_selector": 'job="vllm"'},
-        ))
+        wait_until(
+            "D's NIXL transfers in Prometheus",
+            lambda: prom.query(
+                'sum(vllm:nixl_xfer_time_seconds_count{instance="decode-0"}) '
+                f">= {direct.values['nixl_xfer_time_count']}"
+            ),
+            timeout_s=30,
+            every_s=0.5,
+        )
+        settings = parse_config(
+            sim_fleet.config_yaml(
+                store={"url": store},
+                collector={
+                    "host": "127.0.0.1",
+                    "scrape_interval_s": 1,
+                    "scrape_timeout_s": 0.8,
+                    "prometheus_url": prom.url,
+                    "prometheus_selector": 'job="vllm"',
+                },
+            )
+        )
 
         factory = session_factory(make_engine(store))
 
@@ -442,10 +507,16 @@ def test_collector_reads_a_real_prometheus(sim_fleet: Any, tmp_path: Path) -> No
             stop = asyncio.Event()
             task = asyncio.create_task(service.run(stop))
             try:
-                await async_wait_until("a stored snapshot of each instance, D's with the transfers", newest,
-                                       done=lambda by: set(by) == {"prefill-0", "decode-0"}
-                                       and by["decode-0"].nixl_xfer_time_count == direct.values["nixl_xfer_time_count"],
-                                       timeout_s=20, every_s=0.25)
+                await async_wait_until(
+                    "a stored snapshot of each instance, D's with the transfers",
+                    newest,
+                    done=lambda by: (
+                        set(by) == {"prefill-0", "decode-0"}
+                        and by["decode-0"].nixl_xfer_time_count == direct.values["nixl_xfer_time_count"]
+                    ),
+                    timeout_s=20,
+                    every_s=0.25,
+                )
             finally:
                 stop.set()
                 await asyncio.wait_for(task, timeout=15)

@@ -33,12 +33,23 @@ class FakeSink:
 
 
 def _client(queue: SpanQueue, metrics: CollectorMetrics) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(queue, metrics)), base_url="http://collector")
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=build_app(queue, metrics)), base_url="http://collector"
+    )
 
 
 def _key(s: SpanData) -> tuple[object, ...]:
-    return (s.trace_id, s.span_id, s.parent_span_id, s.name, s.service, round(s.start_ts, 6), round(s.end_ts, 6),
-            s.attributes, tuple((n, round(t, 6)) for n, t, _ in s.events))
+    return (
+        s.trace_id,
+        s.span_id,
+        s.parent_span_id,
+        s.name,
+        s.service,
+        round(s.start_ts, 6),
+        round(s.end_ts, 6),
+        s.attributes,
+        tuple((n, round(t, 6)) for n, t, _ in s.events),
+    )
 
 
 @pytest.mark.parametrize("encoding", ["proto", "json"])
@@ -128,7 +139,9 @@ async def test_batcher_writes_in_batches_and_flushes_at_stop() -> None:
     task = asyncio.create_task(batcher.run(stop))
     for _ in range(5):
         queue.put(request_spans())  # 35 spans
-    await async_wait_until("the 35 spans written while running", lambda: sum(len(b) for b in sink.batches) == 35)
+    await async_wait_until(
+        "the 35 spans written while running", lambda: sum(len(b) for b in sink.batches) == 35
+    )
     queue.put(request_spans()[:3])
     stop.set()
     await asyncio.wait_for(task, timeout=5)
@@ -175,8 +188,12 @@ def test_non_finite_and_huge_attributes_are_stored_safely(tmp_path: object) -> N
     from collector.sink import MAX_ATTR_CHARS, span_row
 
     spans = request_spans()
-    odd = SpanData(**{**{f: getattr(spans[0], f) for f in SpanData.__dataclass_fields__},
-                      "attributes": {"nan": math.nan, "big": "x" * 10_000, "n": 1}})
+    odd = SpanData(
+        **{
+            **{f: getattr(spans[0], f) for f in SpanData.__dataclass_fields__},
+            "attributes": {"nan": math.nan, "big": "x" * 10_000, "n": 1},
+        }
+    )
     attrs = json.loads(span_row(odd, 0.0)["attributes"])
     assert attrs["nan"] is None and len(attrs["big"]) == MAX_ATTR_CHARS and attrs["n"] == 1
 

@@ -177,7 +177,13 @@ async def test_one_bad_target_never_delays_the_others(server: str) -> None:
     async with httpx.AsyncClient() as client:
         alone = await scrape_one(client, targets[6], 2.0, 8 * 2**20)
         scraper = Scraper(
-            targets, client, interval_s=3.0, timeout_s=2.0, max_body_bytes=8 * 2**20, on_round=on_round, jitter_s=0.0
+            targets,
+            client,
+            interval_s=3.0,
+            timeout_s=2.0,
+            max_body_bytes=8 * 2**20,
+            on_round=on_round,
+            jitter_s=0.0,
         )
         start = time.perf_counter()
         results = await scraper.scrape_round()
@@ -230,7 +236,9 @@ def _costly_client(fake: FakeTime, costs: list[float]) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
-async def _run_rounds(costs: list[float], n_rounds: int, interval_s: float = 1.0) -> tuple[list[float], FakeTime]:
+async def _run_rounds(
+    costs: list[float], n_rounds: int, interval_s: float = 1.0
+) -> tuple[list[float], FakeTime]:
     """Run the loop for ``n_rounds`` rounds on fake time; returns when each round started."""
     fake, started = FakeTime(), []
     rounds: list[list[ScrapeResult]] = []
@@ -242,9 +250,18 @@ async def _run_rounds(costs: list[float], n_rounds: int, interval_s: float = 1.0
             stop.set()
 
     async with _costly_client(fake, costs) as client:
-        scraper = Scraper([_target("ok", "http://d0/metrics")], client, interval_s=interval_s, timeout_s=0.5,
-                          max_body_bytes=2**20, on_round=on_round, jitter_s=0.0,
-                          on_tick=lambda: started.append(fake.now), clock=fake.clock, sleep=fake.sleep)
+        scraper = Scraper(
+            [_target("ok", "http://d0/metrics")],
+            client,
+            interval_s=interval_s,
+            timeout_s=0.5,
+            max_body_bytes=2**20,
+            on_round=on_round,
+            jitter_s=0.0,
+            on_tick=lambda: started.append(fake.now),
+            clock=fake.clock,
+            sleep=fake.sleep,
+        )
         await asyncio.wait_for(scraper.run(stop), timeout=10)  # a guard against a hang, not a bound
     assert scraper.rounds == len(rounds) == n_rounds
     assert all(r.up for results in rounds for r in results), [r.error for results in rounds for r in results]
@@ -268,9 +285,18 @@ async def test_jitter_is_drawn_from_the_rng_and_slept_on_the_clock() -> None:
     fake = FakeTime()
     expected = random.Random(7).uniform(0, 0.3)
     async with _costly_client(fake, [0.0]) as client:
-        scraper = Scraper([_target("ok", "http://d0/metrics")], client, interval_s=3.0, timeout_s=2.0,
-                          max_body_bytes=2**20, on_round=_noop, jitter_s=0.3, rng=random.Random(7),
-                          clock=fake.clock, sleep=fake.sleep)
+        scraper = Scraper(
+            [_target("ok", "http://d0/metrics")],
+            client,
+            interval_s=3.0,
+            timeout_s=2.0,
+            max_body_bytes=2**20,
+            on_round=_noop,
+            jitter_s=0.3,
+            rng=random.Random(7),
+            clock=fake.clock,
+            sleep=fake.sleep,
+        )
         (result,) = await scraper.scrape_round()
     assert result.up and fake.sleeps == [expected] and 0 < expected < 0.3
 
@@ -287,9 +313,17 @@ async def test_stop_ends_a_pause_at_once_and_the_loop_with_it() -> None:
         await never.wait()
 
     async with _costly_client(fake, [0.1]) as client:
-        scraper = Scraper([_target("ok", "http://d0/metrics")], client, interval_s=60.0, timeout_s=1.0,
-                          max_body_bytes=2**20, on_round=_noop, jitter_s=0.0, clock=fake.clock,
-                          sleep=endless_sleep)
+        scraper = Scraper(
+            [_target("ok", "http://d0/metrics")],
+            client,
+            interval_s=60.0,
+            timeout_s=1.0,
+            max_body_bytes=2**20,
+            on_round=_noop,
+            jitter_s=0.0,
+            clock=fake.clock,
+            sleep=endless_sleep,
+        )
         task = asyncio.create_task(scraper.run(stop))
         await async_wait_until("the pause after the first round", lambda: fake.sleeps)
         stop.set()

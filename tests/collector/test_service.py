@@ -41,8 +41,10 @@ def _metrics_app(body: bytes) -> Starlette:
 async def fake_vllm() -> AsyncIterator[dict[str, str]]:
     """Two tiny HTTP servers answering /metrics with the real P and D captures."""
     async with contextlib.AsyncExitStack() as stack:
-        yield {name: await stack.enter_async_context(serve(_metrics_app((FIXTURES / file).read_bytes())))
-               for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt"))}
+        yield {
+            name: await stack.enter_async_context(serve(_metrics_app((FIXTURES / file).read_bytes())))
+            for name, file in (("p0", "prefill_metrics.txt"), ("d0", "decode_metrics.txt"))
+        }
 
 
 def _dead_url() -> str:
@@ -63,10 +65,10 @@ async def test_collector_end_to_end(fake_vllm: dict[str, str], tmp_path: Path) -
     settings = parse_config(f"""
 model: {{name: tiny, kv_bytes_per_token: 1024}}
 pools:
-  prefill: {{role: prefill, instances: [{{name: p0, url: "{fake_vllm['p0']}"}}]}}
+  prefill: {{role: prefill, instances: [{{name: p0, url: "{fake_vllm["p0"]}"}}]}}
   decode:
     role: decode
-    instances: [{{name: d0, url: "{fake_vllm['d0']}"}}, {{name: d-dead, url: "{_dead_url()}"}}]
+    instances: [{{name: d0, url: "{fake_vllm["d0"]}"}}, {{name: d-dead, url: "{_dead_url()}"}}]
 store: {{url: "{url}"}}
 collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
 """)
@@ -76,18 +78,26 @@ collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.3}}
     await asyncio.wait_for(service.started.wait(), timeout=10)
     spans = request_spans(request_id="e2e-1", p="p0", d="d0")
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.port}") as client:
-        resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": "application/x-protobuf"})
+        resp = await client.post(
+            "/v1/traces", content=to_proto(spans), headers={"content-type": "application/x-protobuf"}
+        )
         assert resp.status_code == 200
         # two stored rounds of every target, and the trace's spans written
         factory = session_factory(make_engine(url))
-        await async_wait_until("two stored scrapes of each instance", lambda: _snapshots_per_instance(factory),
-                               done=lambda n: len(n) == 3 and min(n.values()) >= 2)
+        await async_wait_until(
+            "two stored scrapes of each instance",
+            lambda: _snapshots_per_instance(factory),
+            done=lambda n: len(n) == 3 and min(n.values()) >= 2,
+        )
 
         async def metrics_page() -> str:
             return (await client.get("/metrics")).text
 
-        metrics = await async_wait_until("the trace's spans written", metrics_page,
-                                         done=lambda text: "pdscope_collector_spans_written_total 7.0" in text)
+        metrics = await async_wait_until(
+            "the trace's spans written",
+            metrics_page,
+            done=lambda text: "pdscope_collector_spans_written_total 7.0" in text,
+        )
         health = (await client.get("/healthz")).json()
     stop.set()
     await asyncio.wait_for(task, timeout=10)
@@ -122,7 +132,7 @@ model: {{name: tiny, kv_bytes_per_token: 1024}}
 pools:
   prefill: {{role: prefill, instances: [{{name: p0, url: "{_dead_url()}"}}]}}
   decode: {{role: decode, instances: [{{name: d0, url: "{_dead_url()}"}}]}}
-store: {{url: "sqlite:///{tmp_path / 'cli.db'}"}}
+store: {{url: "sqlite:///{tmp_path / "cli.db"}"}}
 collector: {{scrape_interval_s: 0.5, scrape_timeout_s: 0.2}}
 """)
     assert main(["--config", str(cfg), "collect", "--port", "0", "--duration", "1.2"]) == 0

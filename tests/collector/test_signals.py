@@ -89,10 +89,12 @@ def test_prefill_capture_has_no_transfers() -> None:
 
 
 def test_engines_are_summed_and_kv_usage_averaged() -> None:
-    page = _two_engines(DECODE.replace(
-        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.2',
-    ))
+    page = _two_engines(
+        DECODE.replace(
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.2',
+        )
+    )
     fast = extract_signals(page)
     _same(fast, from_text(page))
     assert fast.engines == 2
@@ -130,7 +132,10 @@ def test_older_vllm_names_and_missing_metrics() -> None:
     _same(fast, from_text(page))
     assert fast.values == {"kv_cache_usage": 0.5, "num_running": 3.0}
     # the current name wins over the old one when both are present
-    both = page + '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    both = (
+        page
+        + '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    )
     assert extract_signals(both).values["kv_cache_usage"] == 0.25
     assert from_text(both).values["kv_cache_usage"] == 0.25
 

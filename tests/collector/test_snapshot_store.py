@@ -35,10 +35,19 @@ def test_write_rounds(store_url: str) -> None:
     store.ensure_instances([D0, P0], 2.0)  # idempotent
     page = extract_signals(DECODE)
     restarted = extract_signals(
-        DECODE.replace('finished_reason="length",model_name="tiny"} 23.0', 'finished_reason="length",model_name="tiny"} 2.0')
-        .replace("process_start_time_seconds 1.79594402402e+09", "process_start_time_seconds 1.79594500000e+09")
+        DECODE.replace(
+            'finished_reason="length",model_name="tiny"} 23.0',
+            'finished_reason="length",model_name="tiny"} 2.0',
+        ).replace(
+            "process_start_time_seconds 1.79594402402e+09", "process_start_time_seconds 1.79594500000e+09"
+        )
     )
-    assert store.write_round([ScrapeResult(D0, 10.0, 0.01, page, None), ScrapeResult(P0, 10.0, 3.0, None, "timeout after 3s")]) == 2
+    assert (
+        store.write_round(
+            [ScrapeResult(D0, 10.0, 0.01, page, None), ScrapeResult(P0, 10.0, 3.0, None, "timeout after 3s")]
+        )
+        == 2
+    )
     assert store.write_round([ScrapeResult(D0, 15.0, 0.01, restarted, None)]) == 1
     assert store.resets == {"d0": 1}
     with store.factory() as s:

@@ -44,20 +44,38 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
         log_path = tmp_path / "proxy.log"
         log_file = log_path.open("wb")
         proxy = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "proxy",
-            "--otlp-endpoint", f"http://127.0.0.1:{service.port}/v1/traces",
-            env=env, stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--config",
+            str(cfg),
+            "proxy",
+            "--otlp-endpoint",
+            f"http://127.0.0.1:{service.port}/v1/traces",
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=log_file,
         )
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}", timeout=30) as client:
-                await async_wait_until("the proxy to answer /healthz", lambda: client.get("/healthz"),
-                                       done=lambda r: r.status_code < 500, every_s=0.1, ignore=(httpx.HTTPError,))
+                await async_wait_until(
+                    "the proxy to answer /healthz",
+                    lambda: client.get("/healthz"),
+                    done=lambda r: r.status_code < 500,
+                    every_s=0.1,
+                    ignore=(httpx.HTTPError,),
+                )
                 n = 6
                 for i in range(n):
-                    r = await client.post("/v1/completions", json={
-                        "model": fleet.model_name, "prompt": f"request {i} " + "word " * 30,
-                        "max_tokens": 5, "stream": i % 2 == 0,
-                    })
+                    r = await client.post(
+                        "/v1/completions",
+                        json={
+                            "model": fleet.model_name,
+                            "prompt": f"request {i} " + "word " * 30,
+                            "max_tokens": 5,
+                            "stream": i % 2 == 0,
+                        },
+                    )
                     assert r.status_code == 200, r.text
             factory = session_factory(make_engine(store_url))
 
@@ -65,8 +83,9 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
                 with factory() as s:
                     return list(s.scalars(select(RequestRecord)))
 
-            records = await async_wait_until(f"{n} request records", stored, done=lambda rs: len(rs) >= n,
-                                             every_s=0.1)
+            records = await async_wait_until(
+                f"{n} request records", stored, done=lambda rs: len(rs) >= n, every_s=0.1
+            )
         finally:
             proxy.terminate()
             try:

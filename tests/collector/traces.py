@@ -56,30 +56,85 @@ def request_spans(
         sc.HTTP_STATUS: 200,
     }
 
-    def span(sid: str, parent: str | None, name: str, a: float, b: float, service: str = sc.SERVICE_PROXY,
-             attributes: dict[str, Any] | None = None, events: tuple[SpanEvent, ...] = ()) -> SpanData:
-        return SpanData(trace_id=trace, span_id=sid, parent_span_id=parent, name=name, service=service,
-                        kind=2 if parent is None else 1, start_ts=t0 + a, end_ts=t0 + b, status_code=0,
-                        attributes=attributes or {}, events=events)
+    def span(
+        sid: str,
+        parent: str | None,
+        name: str,
+        a: float,
+        b: float,
+        service: str = sc.SERVICE_PROXY,
+        attributes: dict[str, Any] | None = None,
+        events: tuple[SpanEvent, ...] = (),
+    ) -> SpanData:
+        return SpanData(
+            trace_id=trace,
+            span_id=sid,
+            parent_span_id=parent,
+            name=name,
+            service=service,
+            kind=2 if parent is None else 1,
+            start_ts=t0 + a,
+            end_ts=t0 + b,
+            status_code=0,
+            attributes=attributes or {},
+            events=events,
+        )
 
     spans = [
         span(root, None, sc.SPAN_REQUEST, 0.0, 1.52, attributes=attrs),
         span(adm, root, sc.SPAN_ADMISSION, 0.0, 0.005),
         span(pre, root, sc.SPAN_PREFILL, 0.01, 0.21, attributes={sc.INSTANCE: p, sc.ATTEMPT: 0}),
         span(hand, root, sc.SPAN_HANDOFF, 0.21, 0.51),
-        span(dec, root, sc.SPAN_DECODE, 0.22, 1.51, attributes={sc.INSTANCE: d, sc.ATTEMPT: 0},
-             events=(SpanEvent(sc.EVENT_FIRST_TOKEN, t0 + 0.51, {}),)),
+        span(
+            dec,
+            root,
+            sc.SPAN_DECODE,
+            0.22,
+            1.51,
+            attributes={sc.INSTANCE: d, sc.ATTEMPT: 0},
+            events=(SpanEvent(sc.EVENT_FIRST_TOKEN, t0 + 0.51, {}),),
+        ),
     ]
     if with_vllm:
-        spans.append(span(new_id(8), pre if parent_vllm else root, sc.VLLM_SPAN, 0.02, 0.20, service=p, attributes={
-            sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0", sc.GEN_AI_PROMPT_TOKENS: 100, sc.GEN_AI_COMPLETION_TOKENS: 1,
-            sc.GEN_AI_MAX_TOKENS: 1, sc.GEN_AI_QUEUE: 0.03, sc.GEN_AI_PREFILL: 0.12, sc.GEN_AI_TTFT: 0.16,
-        }))
-        spans.append(span(new_id(8), dec if parent_vllm else root, sc.VLLM_SPAN, 0.23, 1.50, service=d, attributes={
-            sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0", sc.GEN_AI_PROMPT_TOKENS: 100, sc.GEN_AI_COMPLETION_TOKENS: tokens,
-            sc.GEN_AI_MAX_TOKENS: tokens, sc.GEN_AI_QUEUE: 0.25, sc.GEN_AI_PREFILL: 0.01, sc.GEN_AI_DECODE: 0.99,
-            sc.GEN_AI_TTFT: 0.28,
-        }))
+        spans.append(
+            span(
+                new_id(8),
+                pre if parent_vllm else root,
+                sc.VLLM_SPAN,
+                0.02,
+                0.20,
+                service=p,
+                attributes={
+                    sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0",
+                    sc.GEN_AI_PROMPT_TOKENS: 100,
+                    sc.GEN_AI_COMPLETION_TOKENS: 1,
+                    sc.GEN_AI_MAX_TOKENS: 1,
+                    sc.GEN_AI_QUEUE: 0.03,
+                    sc.GEN_AI_PREFILL: 0.12,
+                    sc.GEN_AI_TTFT: 0.16,
+                },
+            )
+        )
+        spans.append(
+            span(
+                new_id(8),
+                dec if parent_vllm else root,
+                sc.VLLM_SPAN,
+                0.23,
+                1.50,
+                service=d,
+                attributes={
+                    sc.GEN_AI_REQUEST_ID: f"cmpl-{rid}-0",
+                    sc.GEN_AI_PROMPT_TOKENS: 100,
+                    sc.GEN_AI_COMPLETION_TOKENS: tokens,
+                    sc.GEN_AI_MAX_TOKENS: tokens,
+                    sc.GEN_AI_QUEUE: 0.25,
+                    sc.GEN_AI_PREFILL: 0.01,
+                    sc.GEN_AI_DECODE: 0.99,
+                    sc.GEN_AI_TTFT: 0.28,
+                },
+            )
+        )
     return spans
 
 
@@ -143,22 +198,37 @@ def _json_any(v: Any) -> dict[str, Any]:
 def to_json(spans: Sequence[SpanData]) -> bytes:
     resource_spans = []
     for service, group in _by_service(spans).items():
-        resource_spans.append({
-            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}] if service else []},
-            "scopeSpans": [{"scope": {"name": "test"}, "spans": [
-                {
-                    "traceId": s.trace_id,
-                    "spanId": s.span_id,
-                    **({"parentSpanId": s.parent_span_id} if s.parent_span_id else {}),
-                    "name": s.name,
-                    "kind": s.kind,
-                    "startTimeUnixNano": str(round(s.start_ts * 1e9)),
-                    "endTimeUnixNano": str(round(s.end_ts * 1e9)),
-                    "attributes": [{"key": k, "value": _json_any(v)} for k, v in s.attributes.items()],
-                    "events": [{"name": e.name, "timeUnixNano": str(round(e.ts * 1e9))} for e in s.events],
-                    "status": {"code": s.status_code or 0},
-                }
-                for s in group
-            ]}],
-        })
+        resource_spans.append(
+            {
+                "resource": {
+                    "attributes": [{"key": "service.name", "value": {"stringValue": service}}]
+                    if service
+                    else []
+                },
+                "scopeSpans": [
+                    {
+                        "scope": {"name": "test"},
+                        "spans": [
+                            {
+                                "traceId": s.trace_id,
+                                "spanId": s.span_id,
+                                **({"parentSpanId": s.parent_span_id} if s.parent_span_id else {}),
+                                "name": s.name,
+                                "kind": s.kind,
+                                "startTimeUnixNano": str(round(s.start_ts * 1e9)),
+                                "endTimeUnixNano": str(round(s.end_ts * 1e9)),
+                                "attributes": [
+                                    {"key": k, "value": _json_any(v)} for k, v in s.attributes.items()
+                                ],
+                                "events": [
+                                    {"name": e.name, "timeUnixNano": str(round(e.ts * 1e9))} for e in s.events
+                                ],
+                                "status": {"code": s.status_code or 0},
+                            }
+                            for s in group
+                        ],
+                    }
+                ],
+            }
+        )
     return json.dumps({"resourceSpans": resource_spans}).encode()

@@ -41,14 +41,23 @@ class World:
     reconciler: Reconciler
     notifier: RecordingNotifier
 
-    def step(self, *, scrape: dict[str, Any] | None = None, handoff_s: dict[str, float] | None = None,
-             prefill_s: dict[str, float] | None = None, suspect: set[str] | None = None, tick: bool = True,
-             requests: bool = True) -> Any:
+    def step(
+        self,
+        *,
+        scrape: dict[str, Any] | None = None,
+        handoff_s: dict[str, float] | None = None,
+        prefill_s: dict[str, float] | None = None,
+        suspect: set[str] | None = None,
+        tick: bool = True,
+        requests: bool = True,
+    ) -> Any:
         """Advance 2 s: one scrape, one request per P x D pair, one tick."""
         now = self.clock.advance(2.0)
         self.seeder.scrape(now - 0.5, **(scrape or {}))
         if requests:
-            self.seeder.requests(now - 1.9, all_pairs(), handoff_s=handoff_s, prefill_s=prefill_s, suspect=suspect)
+            self.seeder.requests(
+                now - 1.9, all_pairs(), handoff_s=handoff_s, prefill_s=prefill_s, suspect=suspect
+            )
         return self.reconciler.tick() if tick else None
 
     def weight(self, name: str) -> float:
@@ -63,7 +72,12 @@ def world(store_url: str) -> Iterator[World]:
     settings = settings_yaml(store_url)
     clock = VirtualClock()
     notifier = RecordingNotifier()
-    rec = Reconciler(settings, factory, clock=clock, notifier=notifier,
-                     alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}))
+    rec = Reconciler(
+        settings,
+        factory,
+        clock=clock,
+        notifier=notifier,
+        alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
+    )
     yield World(settings, factory, clock, Seeder(factory, settings), rec, notifier)
     engine.dispose()

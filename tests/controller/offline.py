@@ -36,7 +36,9 @@ class Tick:
 
 
 def specs(settings: Settings) -> tuple[tuple[InstanceSpec, ...], tuple[PoolSpec, ...]]:
-    insts = tuple(InstanceSpec(i.name, pool, settings.pools[pool].role, i.url) for pool, i in settings.instances())
+    insts = tuple(
+        InstanceSpec(i.name, pool, settings.pools[pool].role, i.url) for pool, i in settings.instances()
+    )
     pools = tuple(PoolSpec(name, p.role, 1.0) for name, p in settings.pools.items())
     return insts, pools
 
@@ -70,8 +72,10 @@ def cuts(ticks: list[Tick], below: float = 0.9) -> list[str]:
                 out.append(f"tick {k}: {d.instance} weight {d.weight:.2f} {d.reason}: {d.message}")
         for p in t.out.pools:
             if p.old is not None and p.new.max_inflight_requests < p.old.max_inflight_requests:
-                out.append(f"tick {k}: {p.pool} limit {p.old.max_inflight_requests} -> "
-                           f"{p.new.max_inflight_requests} {p.reason}: {p.message}")
+                out.append(
+                    f"tick {k}: {p.pool} limit {p.old.max_inflight_requests} -> "
+                    f"{p.new.max_inflight_requests} {p.reason}: {p.message}"
+                )
     return out
 
 
@@ -105,10 +109,18 @@ def obs_to_json(obs: Observation, t0: float) -> dict[str, object]:
         if d.get("last_seen") is not None:
             d["last_seen"] -= t0
         insts[i.name] = _compact(d)
-    out: dict[str, object] = {k: (getattr(obs, k) - t0 if getattr(obs, k) is not None else None) for k in _TIMES}
-    out.update(window_s=obs.window_s, history_s=obs.history_s, untrusted_records=obs.untrusted_records,
-               unattributed_lease_expiries=obs.unattributed_lease_expiries, instances=insts,
-               pools=[asdict(p) for p in obs.pools], slo=asdict(obs.slo))
+    out: dict[str, object] = {
+        k: (getattr(obs, k) - t0 if getattr(obs, k) is not None else None) for k in _TIMES
+    }
+    out.update(
+        window_s=obs.window_s,
+        history_s=obs.history_s,
+        untrusted_records=obs.untrusted_records,
+        unattributed_lease_expiries=obs.unattributed_lease_expiries,
+        instances=insts,
+        pools=[asdict(p) for p in obs.pools],
+        slo=asdict(obs.slo),
+    )
     return {k: _compact(v) for k, v in out.items() if v is not None}
 
 
@@ -123,16 +135,22 @@ def obs_from_json(d: dict[str, Any], t0: float, members: dict[str, tuple[str, st
             f["last_seen"] += t0
         insts.append(InstanceSignals(name=name, pool=pool, role=role, **f))  # type: ignore[arg-type]
     return Observation(
-        now=d.get("now", 0.0) + t0, window_s=d["window_s"], instances=tuple(insts),
+        now=d.get("now", 0.0) + t0,
+        window_s=d["window_s"],
+        instances=tuple(insts),
         pools=tuple(PoolSignals(**p) for p in d.get("pools", [])),
-        slo=SLOFigures(**d["slo"]), newest_data=d["newest_data"] + t0 if "newest_data" in d else None,
-        untrusted_records=d.get("untrusted_records", 0), history_s=d.get("history_s", 0.0),
+        slo=SLOFigures(**d["slo"]),
+        newest_data=d["newest_data"] + t0 if "newest_data" in d else None,
+        untrusted_records=d.get("untrusted_records", 0),
+        history_s=d.get("history_s", 0.0),
         unattributed_lease_expiries=d.get("unattributed_lease_expiries", 0),
     )
 
 
 def decisions_of(out: TickOutput) -> dict[str, object]:
-    return {"weights": {d.instance: d.weight for d in out.weights},
-            "reasons": {d.instance: d.reason for d in out.weights},
-            "limits": {p.pool: p.new.max_inflight_requests for p in out.pools},
-            "limit_reasons": {p.pool: p.reason for p in out.pools}}
+    return {
+        "weights": {d.instance: d.weight for d in out.weights},
+        "reasons": {d.instance: d.reason for d in out.weights},
+        "limits": {p.pool: p.new.max_inflight_requests for p in out.pools},
+        "limit_reasons": {p.pool: p.reason for p in out.pools},
+    }

@@ -44,21 +44,51 @@ class VirtualClock:
 
 def healthy(name: str, role: str, pool: str | None = None) -> InstanceSignals:
     pool = pool or role
-    base: dict[str, Any] = dict(name=name, pool=pool, role=role, up=True, kv_usage=0.4, num_running=4.0,
-                                num_waiting=0.0, requests=40, contribution_rse=0.03, handoff_rse=0.03)
+    base: dict[str, Any] = dict(
+        name=name,
+        pool=pool,
+        role=role,
+        up=True,
+        kv_usage=0.4,
+        num_running=4.0,
+        num_waiting=0.0,
+        requests=40,
+        contribution_rse=0.03,
+        handoff_rse=0.03,
+    )
     if role == "prefill":
-        base.update(contribution_s=0.20, ttft_mean_s=0.2, handoff_p50_s=0.05, handoff_p99_s=0.08, load_now=4.0,
-                    ttft_recent_s=0.2, ttft_recent_count=15.0, hold_time_now_s=0.8)
+        base.update(
+            contribution_s=0.20,
+            ttft_mean_s=0.2,
+            handoff_p50_s=0.05,
+            handoff_p99_s=0.08,
+            load_now=4.0,
+            ttft_recent_s=0.2,
+            ttft_recent_count=15.0,
+            hold_time_now_s=0.8,
+        )
     else:
-        base.update(contribution_s=0.06, handoff_p50_s=0.05, handoff_p99_s=0.08, nixl_xfer_mean_s=0.01,
-                    queue_mean_s=0.05, handoff_backlog=0.0, nixl_transfers=40.0, load_now=0.0, nixl_recent_s=0.01,
-                    nixl_recent_count=10.0, hold_time_now_s=0.0)
+        base.update(
+            contribution_s=0.06,
+            handoff_p50_s=0.05,
+            handoff_p99_s=0.08,
+            nixl_xfer_mean_s=0.01,
+            queue_mean_s=0.05,
+            handoff_backlog=0.0,
+            nixl_transfers=40.0,
+            load_now=0.0,
+            nixl_recent_s=0.01,
+            nixl_recent_count=10.0,
+            hold_time_now_s=0.0,
+        )
     return InstanceSignals(**base)
 
 
 def fleet(n_p: int = 2, n_d: int = 4) -> tuple[InstanceSignals, ...]:
-    return tuple([healthy(f"prefill-{i}", "prefill") for i in range(n_p)]
-                 + [healthy(f"decode-{i}", "decode") for i in range(n_d)])
+    return tuple(
+        [healthy(f"prefill-{i}", "prefill") for i in range(n_p)]
+        + [healthy(f"decode-{i}", "decode") for i in range(n_d)]
+    )
 
 
 def specs(insts: tuple[InstanceSignals, ...]) -> tuple[InstanceSpec, ...]:
@@ -115,10 +145,15 @@ def replay(
         changes = timeline(tick)
         insts = tuple(replace(i, **changes.get(i.name, {})) for i in base)
         newest = now - 1.0 if not stale(tick) else now - 10 * cfg.stale_after_s
-        obs = Observation(now=now, window_s=30.0, instances=insts, pools=pools(tick), slo=slo(tick),
-                          newest_data=newest)
-        o = decide(TickInput(obs, state, overrides(now), specs(base), pool_specs(), "enforce"), cfg,
-                   default_rules(ac), ac)
+        obs = Observation(
+            now=now, window_s=30.0, instances=insts, pools=pools(tick), slo=slo(tick), newest_data=newest
+        )
+        o = decide(
+            TickInput(obs, state, overrides(now), specs(base), pool_specs(), "enforce"),
+            cfg,
+            default_rules(ac),
+            ac,
+        )
         state = o.state
         out.outputs.append(o)
     return out

@@ -20,7 +20,9 @@ from store.models import RequestRecord, Snapshot
 _ids = itertools.count(1)
 
 
-def settings_yaml(store_url: str, n_p: int = 2, n_d: int = 4, extra: str = "", startup_s: float = 0.1) -> Settings:
+def settings_yaml(
+    store_url: str, n_p: int = 2, n_d: int = 4, extra: str = "", startup_s: float = 0.1
+) -> Settings:
     """A seeded fleet's config. ``startup_s`` is short by default: tests of other behaviour act from the
     first tick; the start-up hold has its own tests (pass the window, 10, for the real default)."""
     p = "\n".join(f"      - {{name: prefill-{i}, url: 'http://127.0.0.1:{9100 + i}'}}" for i in range(n_p))
@@ -54,7 +56,9 @@ class Seeder:
 
     factory: sessionmaker[Session]
     settings: Settings
-    counters: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    counters: dict[str, dict[str, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
 
     def scrape(self, ts: float, **per_instance: dict[str, Any]) -> None:
         """One scrape of every instance. Per instance (name with '-' -> '_'): ``up``, gauges
@@ -80,20 +84,38 @@ class Seeder:
             c["queue_sum"] += n * spec.pop("queue_s", 0.02)
             values: dict[str, Any] = {"kv_cache_usage": 0.4, "num_running": 4.0, "num_waiting": 0.0}
             if role == "decode":
-                values.update(kv_fetch_waiting_to_start=0.0, kv_fetch_in_progress=1.0, kv_fetch_completed_waiting=0.0)
+                values.update(
+                    kv_fetch_waiting_to_start=0.0, kv_fetch_in_progress=1.0, kv_fetch_completed_waiting=0.0
+                )
             values.update(spec)
             if up:
-                rows.append(Snapshot(instance=inst.name, pool=pool, role=role, ts=ts, up=True, **dict(c), **values))
+                rows.append(
+                    Snapshot(instance=inst.name, pool=pool, role=role, ts=ts, up=True, **dict(c), **values)
+                )
             else:
-                rows.append(Snapshot(instance=inst.name, pool=pool, role=role, ts=ts, up=False,
-                                     error="connection refused"))
+                rows.append(
+                    Snapshot(
+                        instance=inst.name, pool=pool, role=role, ts=ts, up=False, error="connection refused"
+                    )
+                )
         with transaction(self.factory) as s:
             s.add_all(rows)
 
-    def requests(self, ts: float, pairs: list[tuple[str, str]], *, handoff_s: dict[str, float] | None = None,
-                 prefill_s: dict[str, float] | None = None, status: str = "ok", suspect: set[str] | None = None,
-                 tpot_s: float = 0.02, kv_bytes: int = 1_000_000, http_status: int | None = None,
-                 sender: str | None = None, queue_s: dict[str, float] | None = None) -> None:
+    def requests(
+        self,
+        ts: float,
+        pairs: list[tuple[str, str]],
+        *,
+        handoff_s: dict[str, float] | None = None,
+        prefill_s: dict[str, float] | None = None,
+        status: str = "ok",
+        suspect: set[str] | None = None,
+        tpot_s: float = 0.02,
+        kv_bytes: int = 1_000_000,
+        http_status: int | None = None,
+        sender: str | None = None,
+        queue_s: dict[str, float] | None = None,
+    ) -> None:
         """One record per (P, D) pair, arriving at ``ts``; handoff/prefill times per instance name;
         ``queue_s`` per P: the part of its prefill time spent in its queue (the span's time in queue; not
         recorded when absent); ``sender`` the OTLP sender the collector stored (None: sent without auth)."""
@@ -111,15 +133,35 @@ class Seeder:
             ttft = first - ts
             ok = status == "ok"
             met = ok and ttft <= 2.0 and tpot_s <= 0.1
-            rows.append(RequestRecord(
-                request_id=f"r{next(_ids)}", status=status, p_instance=p, d_instance=d, p_pool="prefill",
-                d_pool="decode", proxy_in=ts, p_sent=p_sent, p_done=p_done, d_sent=d_sent,
-                first_token=first if ok else None, done=done, ttft_s=ttft if ok else None,
-                tpot_s=tpot_s if ok else None, e2e_s=done - ts, slo_ttft_met=ok and ttft <= 2.0,
-                slo_tpot_met=ok and tpot_s <= 0.1, slo_met=met, kv_bytes=kv_bytes, prompt_tokens=1000,
-                completion_tokens=26, lease_expiry_suspect=bool(suspect and d in suspect),
-                http_status=http_status, sender=sender, p_queue_s=(queue_s or {}).get(p),
-            ))
+            rows.append(
+                RequestRecord(
+                    request_id=f"r{next(_ids)}",
+                    status=status,
+                    p_instance=p,
+                    d_instance=d,
+                    p_pool="prefill",
+                    d_pool="decode",
+                    proxy_in=ts,
+                    p_sent=p_sent,
+                    p_done=p_done,
+                    d_sent=d_sent,
+                    first_token=first if ok else None,
+                    done=done,
+                    ttft_s=ttft if ok else None,
+                    tpot_s=tpot_s if ok else None,
+                    e2e_s=done - ts,
+                    slo_ttft_met=ok and ttft <= 2.0,
+                    slo_tpot_met=ok and tpot_s <= 0.1,
+                    slo_met=met,
+                    kv_bytes=kv_bytes,
+                    prompt_tokens=1000,
+                    completion_tokens=26,
+                    lease_expiry_suspect=bool(suspect and d in suspect),
+                    http_status=http_status,
+                    sender=sender,
+                    p_queue_s=(queue_s or {}).get(p),
+                )
+            )
         with transaction(self.factory) as s:
             s.add_all(rows)
 

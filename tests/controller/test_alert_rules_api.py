@@ -29,7 +29,9 @@ alerts:
 """
 
 
-def test_serve_builds_the_controller_from_the_alerts_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_builds_the_controller_from_the_alerts_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import uvicorn
 
     captured: dict[str, Any] = {}
@@ -41,17 +43,27 @@ def test_serve_builds_the_controller_from_the_alerts_section(tmp_path: Path, mon
     monkeypatch.setattr(uvicorn, "run", fake_run)
     store = f"sqlite:///{tmp_path / 's.db'}"
     settings = settings_yaml(store, extra=ALERTS)  # its `slo:` is fixed; set the budget like the CLI does
-    settings = settings.model_copy(update={"slo": settings.slo.model_copy(update={"handoff_budget_ms": 750.0})})
+    settings = settings.model_copy(
+        update={"slo": settings.slo.model_copy(update={"handoff_budget_ms": 750.0})}
+    )
     assert serve(settings, None) == 0
     assert captured["host"] == "127.0.0.1"
     client = TestClient(captured["app"])  # no lifespan: the loop is not started, the API still answers
     rules = {r["name"]: r for r in client.get("/v1/alerts/rules").json()}
-    assert rules["TTFTOverTarget"] == {"name": "TTFTOverTarget", "severity": "critical", "for_s": 120.0,
-                                       "enabled": True, "summary": "TTFT percentile over its SLO target"}
+    assert rules["TTFTOverTarget"] == {
+        "name": "TTFTOverTarget",
+        "severity": "critical",
+        "for_s": 120.0,
+        "enabled": True,
+        "summary": "TTFT percentile over its SLO target",
+    }
     assert (rules["KVLeaseExpired"]["severity"], rules["KVLeaseExpired"]["for_s"]) == ("info", 0.0)
     assert rules["HandoffP99OverBudget"]["enabled"] is False
-    assert (rules["InstanceDown"]["severity"], rules["InstanceDown"]["for_s"], rules["InstanceDown"]["enabled"]) == (
-        "critical", 10.0, True)
+    assert (
+        rules["InstanceDown"]["severity"],
+        rules["InstanceDown"]["for_s"],
+        rules["InstanceDown"]["enabled"],
+    ) == ("critical", 10.0, True)
     assert len(rules) == 9
     assert client.get("/v1/slo").json()["handoff_budget_ms"] == 750.0
 
@@ -76,7 +88,8 @@ def test_the_loop_uses_the_config_without_an_explicit_alert_config(store_url: st
     upgrade(store_url)
     engine = make_engine(store_url)
     extra = "alerts:\n  rules:\n    KVLeaseExpired: {for_s: 0, severity: critical, enabled: %s}\n" % (
-        "false" if disabled else "true")
+        "false" if disabled else "true"
+    )
     settings = settings_yaml(store_url, extra=extra)
     clock = VirtualClock()
     seeder = Seeder(session_factory(engine), settings)

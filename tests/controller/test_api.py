@@ -29,8 +29,10 @@ def client(world: World) -> Iterator[TestClient]:
 
 def counts(world: World) -> tuple[int, int]:
     with transaction(world.factory) as s:
-        return (s.scalar(select(func.count()).select_from(WeightOverride)) or 0,
-                s.scalar(select(func.count()).select_from(AuditEvent)) or 0)
+        return (
+            s.scalar(select(func.count()).select_from(WeightOverride)) or 0,
+            s.scalar(select(func.count()).select_from(AuditEvent)) or 0,
+        )
 
 
 # -- routing and ETag ----------------------------------------------------------------------
@@ -43,13 +45,21 @@ def test_routing_etag_and_304(client: TestClient, world: World) -> None:
     body = r.json()
     assert etag == f'"{world.reconciler.epoch}-{body["version"]}"' and body["mode"] == "enforce"
     assert body["enforce"] is True
-    assert {i["name"] for i in body["instances"]} == {"prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2",
-                                                     "decode-3"}
+    assert {i["name"] for i in body["instances"]} == {
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+        "decode-2",
+        "decode-3",
+    }
     assert client.get("/v1/routing", headers={"If-None-Match": etag}).status_code == 304
     assert client.get("/v1/routing", headers={"If-None-Match": f"W/{etag}"}).status_code == 304
     world.step()  # nothing changed: same version
     assert client.get("/v1/routing", headers={"If-None-Match": etag}).status_code == 304
-    client.put("/v1/instances/decode-1/weight", json={"weight": 0.5, "ttl_s": 60, "reason": "x"}, headers=AUTH)
+    client.put(
+        "/v1/instances/decode-1/weight", json={"weight": 0.5, "ttl_s": 60, "reason": "x"}, headers=AUTH
+    )
     r2 = client.get("/v1/routing", headers={"If-None-Match": etag})
     assert r2.status_code == 200 and r2.headers["etag"] != etag
     assert next(i for i in r2.json()["instances"] if i["name"] == "decode-1")["weight"] == 0.5
@@ -58,16 +68,24 @@ def test_routing_etag_and_304(client: TestClient, world: World) -> None:
 # -- auth -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("headers,status", [
-    ({}, 401),
-    ({"Authorization": "Bearer wrong"}, 401),
-    ({"Authorization": f"Basic {TOKEN}"}, 401),
-    ({"Authorization": "Bearer"}, 401),
-])
-def test_mutations_need_the_token(client: TestClient, world: World, headers: dict[str, str], status: int) -> None:
+@pytest.mark.parametrize(
+    "headers,status",
+    [
+        ({}, 401),
+        ({"Authorization": "Bearer wrong"}, 401),
+        ({"Authorization": f"Basic {TOKEN}"}, 401),
+        ({"Authorization": "Bearer"}, 401),
+    ],
+)
+def test_mutations_need_the_token(
+    client: TestClient, world: World, headers: dict[str, str], status: int
+) -> None:
     body = {"weight": 0.5, "ttl_s": 60, "reason": "x"}
     assert client.put("/v1/instances/decode-1/weight", json=body, headers=headers).status_code == status
-    assert client.post("/v1/instances/decode-1/drain", json={"reason": "x"}, headers=headers).status_code == status
+    assert (
+        client.post("/v1/instances/decode-1/drain", json={"reason": "x"}, headers=headers).status_code
+        == status
+    )
     assert client.put("/v1/pools/decode/weight", json=body, headers=headers).status_code == status
     assert counts(world) == (0, 0)
 
@@ -81,27 +99,40 @@ def test_no_token_configured_disables_mutations(world: World) -> None:
 
 
 def test_reads_are_open(client: TestClient) -> None:
-    for path in ("/v1/routing", "/v1/pools", "/v1/instances/decode-0/weight", "/v1/decisions", "/v1/alerts",
-                 "/v1/slo", "/healthz", "/metrics", "/openapi.json"):
+    for path in (
+        "/v1/routing",
+        "/v1/pools",
+        "/v1/instances/decode-0/weight",
+        "/v1/decisions",
+        "/v1/alerts",
+        "/v1/slo",
+        "/healthz",
+        "/metrics",
+        "/openapi.json",
+    ):
         assert client.get(path).status_code == 200, path
 
 
 # -- validation -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"weight": -1, "ttl_s": 60, "reason": "x"}, "weight"),
-    ({"weight": 101, "ttl_s": 60, "reason": "x"}, "weight"),
-    ({"weight": "heavy", "ttl_s": 60, "reason": "x"}, "weight"),
-    ({"weight": 0.5, "reason": "x"}, "ttl_s"),
-    ({"weight": 0.5, "ttl_s": 0, "reason": "x"}, "ttl_s"),
-    ({"weight": 0.5, "ttl_s": 10 * 86400, "reason": "x"}, "ttl_s"),
-    ({"weight": 0.5, "ttl_s": 60, "reason": ""}, "reason"),
-    ({"weight": 0.5, "ttl_s": 60}, "reason"),
-    ({"weight": 0.5, "ttl_s": 60, "reason": "x", "wieght": 1}, "wieght"),
-])
-def test_bad_input_names_the_field_and_writes_nothing(client: TestClient, world: World, body: dict[str, object],
-                                                      field: str) -> None:
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"weight": -1, "ttl_s": 60, "reason": "x"}, "weight"),
+        ({"weight": 101, "ttl_s": 60, "reason": "x"}, "weight"),
+        ({"weight": "heavy", "ttl_s": 60, "reason": "x"}, "weight"),
+        ({"weight": 0.5, "reason": "x"}, "ttl_s"),
+        ({"weight": 0.5, "ttl_s": 0, "reason": "x"}, "ttl_s"),
+        ({"weight": 0.5, "ttl_s": 10 * 86400, "reason": "x"}, "ttl_s"),
+        ({"weight": 0.5, "ttl_s": 60, "reason": ""}, "reason"),
+        ({"weight": 0.5, "ttl_s": 60}, "reason"),
+        ({"weight": 0.5, "ttl_s": 60, "reason": "x", "wieght": 1}, "wieght"),
+    ],
+)
+def test_bad_input_names_the_field_and_writes_nothing(
+    client: TestClient, world: World, body: dict[str, object], field: str
+) -> None:
     before = client.get("/v1/routing").json()
     r = client.put("/v1/instances/decode-1/weight", json=body, headers=AUTH)
     assert r.status_code == 422
@@ -141,8 +172,9 @@ def test_query_validation(client: TestClient) -> None:
 
 
 def test_weight_override_wins_until_ttl_and_is_audited(client: TestClient, world: World) -> None:
-    r = client.put("/v1/instances/decode-1/weight", json={"weight": 0.25, "ttl_s": 5, "reason": "slow NIC"},
-                   headers=AUTH)
+    r = client.put(
+        "/v1/instances/decode-1/weight", json={"weight": 0.25, "ttl_s": 5, "reason": "slow NIC"}, headers=AUTH
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["weight"] == 0.25 and out["source"] == "override" and out["policy_weight"] == 1.0
@@ -150,8 +182,13 @@ def test_weight_override_wins_until_ttl_and_is_audited(client: TestClient, world
     with transaction(world.factory) as s:
         ev = s.scalars(select(AuditEvent)).one()
         assert ev.action == "weight.set" and ev.subject == "decode-1" and ev.actor == "api:alice"
-        assert ev.before == {"weight": 1.0, "drained": False, "source": "policy", "policy_weight": 1.0,
-                             "override_id": None}
+        assert ev.before == {
+            "weight": 1.0,
+            "drained": False,
+            "source": "policy",
+            "policy_weight": 1.0,
+            "override_id": None,
+        }
         assert ev.after is not None and ev.after["weight"] == 0.25 and ev.after["source"] == "override"
         assert ev.reason == "slow NIC" and ev.override_id == out["override"]["id"] == ev.after["override_id"]
         assert ev.id == out["audit_id"]
@@ -167,8 +204,12 @@ def test_weight_override_wins_until_ttl_and_is_audited(client: TestClient, world
 
 
 def test_a_new_weight_override_replaces_the_old(client: TestClient, world: World) -> None:
-    client.put("/v1/instances/decode-1/weight", json={"weight": 0.25, "ttl_s": 60, "reason": "a"}, headers=AUTH)
-    client.put("/v1/instances/decode-1/weight", json={"weight": 0.75, "ttl_s": 60, "reason": "b"}, headers=AUTH)
+    client.put(
+        "/v1/instances/decode-1/weight", json={"weight": 0.25, "ttl_s": 60, "reason": "a"}, headers=AUTH
+    )
+    client.put(
+        "/v1/instances/decode-1/weight", json={"weight": 0.75, "ttl_s": 60, "reason": "b"}, headers=AUTH
+    )
     with transaction(world.factory) as s:
         rows = s.scalars(select(WeightOverride).order_by(WeightOverride.id)).all()
         assert rows[0].cleared is not None and rows[1].cleared is None
@@ -204,7 +245,9 @@ def test_drain_with_ttl_ends_by_itself(client: TestClient, world: World) -> None
 
 
 def test_pool_weight(client: TestClient, world: World) -> None:
-    r = client.put("/v1/pools/decode/weight", json={"weight": 0.5, "ttl_s": 60, "reason": "half"}, headers=AUTH)
+    r = client.put(
+        "/v1/pools/decode/weight", json={"weight": 0.5, "ttl_s": 60, "reason": "half"}, headers=AUTH
+    )
     assert r.status_code == 200, r.text
     assert r.json()["weight"] == 0.5 and r.json()["override"]["reason"] == "half"
     pools = {p["name"]: p for p in client.get("/v1/routing").json()["pools"]}
@@ -261,9 +304,22 @@ def test_healthz_degrades_when_ticks_stop(client: TestClient, world: World) -> N
 
 def test_openapi_lists_every_route(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
-    for p in ("/v1/routing", "/v1/pools", "/v1/instances/{name}/weight", "/v1/instances/{name}/drain",
-              "/v1/instances/{name}/undrain", "/v1/pools/{pool}/weight", "/v1/decisions", "/v1/alerts",
-              "/v1/alerts/rules", "/v1/slo", "/v1/policy", "/v1/policy/{fingerprint}", "/healthz", "/metrics"):
+    for p in (
+        "/v1/routing",
+        "/v1/pools",
+        "/v1/instances/{name}/weight",
+        "/v1/instances/{name}/drain",
+        "/v1/instances/{name}/undrain",
+        "/v1/pools/{pool}/weight",
+        "/v1/decisions",
+        "/v1/alerts",
+        "/v1/alerts/rules",
+        "/v1/slo",
+        "/v1/policy",
+        "/v1/policy/{fingerprint}",
+        "/healthz",
+        "/metrics",
+    ):
         assert p in paths, p
     assert "put" in paths["/v1/instances/{name}/weight"] and "get" in paths["/v1/instances/{name}/weight"]
 
@@ -295,8 +351,10 @@ def test_cli_refuses_non_loopback_without_token(tmp_path: object, monkeypatch: p
     from pdscope.cli import main
 
     cfg = pathlib.Path(str(tmp_path)) / "c.yaml"
-    cfg.write_text("model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: "
-                   "[{name: p0, url: 'http://127.0.0.1:1'}]}\n  d: {role: decode, instances: "
-                   "[{name: d0, url: 'http://127.0.0.1:2'}]}\n")
+    cfg.write_text(
+        "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: "
+        "[{name: p0, url: 'http://127.0.0.1:1'}]}\n  d: {role: decode, instances: "
+        "[{name: d0, url: 'http://127.0.0.1:2'}]}\n"
+    )
     monkeypatch.delenv("PDSCOPE_API_TOKEN", raising=False)
     assert main(["--config", str(cfg), "control", "--host", "0.0.0.0", "--no-migrate"]) == 1

@@ -29,33 +29,54 @@ async def _storm(apps: list[Any], requests: list[tuple[str, str, dict[str, Any]]
     async with AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(serve(app, stop_timeout_s=30)) for app in apps]
         limits = httpx.Limits(max_connections=N, max_keepalive_connections=N)
-        clients = [await stack.enter_async_context(httpx.AsyncClient(
-                       base_url=url, limits=limits, timeout=httpx.Timeout(60.0),
-                       headers={"Authorization": f"Bearer {TOKEN}"}))
-                   for url in urls]
-        got = await asyncio.gather(*(clients[i % len(clients)].request(m, path, json=body)
-                                     for i, (m, path, body) in enumerate(requests)))
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url,
+                    limits=limits,
+                    timeout=httpx.Timeout(60.0),
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                )
+            )
+            for url in urls
+        ]
+        got = await asyncio.gather(
+            *(
+                clients[i % len(clients)].request(m, path, json=body)
+                for i, (m, path, body) in enumerate(requests)
+            )
+        )
         return [r.status_code for r in got]
 
 
 def _audit_chain(world: World, subject: str) -> list[AuditEvent]:
     with transaction(world.factory) as s:
-        return list(s.scalars(select(AuditEvent).where(AuditEvent.subject == subject).order_by(AuditEvent.id)))
+        return list(
+            s.scalars(select(AuditEvent).where(AuditEvent.subject == subject).order_by(AuditEvent.id))
+        )
 
 
 def test_parallel_puts_leave_one_override_and_an_unbroken_audit_chain(world: World) -> None:
     world.step()
     app = create_app(world.reconciler, token=TOKEN)
     # TTLs vary, so a replaced override outlives the winner unless it was really cleared
-    puts = [("PUT", "/v1/instances/decode-1/weight",
-             {"weight": round(0.01 * (i + 1), 2), "ttl_s": 10.0 + 50.0 * (i % 3), "reason": f"r{i}"})
-            for i in range(N)]
+    puts = [
+        (
+            "PUT",
+            "/v1/instances/decode-1/weight",
+            {"weight": round(0.01 * (i + 1), 2), "ttl_s": 10.0 + 50.0 * (i % 3), "reason": f"r{i}"},
+        )
+        for i in range(N)
+    ]
     statuses = asyncio.run(_storm([app], puts))
     assert statuses == [200] * N
 
     with transaction(world.factory) as s:
-        rows = list(s.scalars(select(WeightOverride).where(WeightOverride.subject == "decode-1")
-                              .order_by(WeightOverride.id)))
+        rows = list(
+            s.scalars(
+                select(WeightOverride).where(WeightOverride.subject == "decode-1").order_by(WeightOverride.id)
+            )
+        )
     assert len(rows) == N
     live = [r for r in rows if r.cleared is None]
     assert len(live) == 1, f"{len(live)} overrides left active"
@@ -67,7 +88,9 @@ def test_parallel_puts_leave_one_override_and_an_unbroken_audit_chain(world: Wor
     prev_override: int | None = None
     for ev in chain:
         assert ev.before is not None and ev.after is not None
-        assert ev.before["override_id"] == prev_override, "an audit event's 'before' is not the previous 'after'"
+        assert ev.before["override_id"] == prev_override, (
+            "an audit event's 'before' is not the previous 'after'"
+        )
         assert ev.after["override_id"] == ev.override_id
         prev_override = ev.override_id
     assert prev_override == winner.id
@@ -109,8 +132,10 @@ def test_two_controller_processes_on_one_store_are_serialised_by_the_store(world
     world.step()
     other = Reconciler(world.settings, world.factory, clock=world.clock)
     apps = [create_app(world.reconciler, token=TOKEN), create_app(other, token=TOKEN)]
-    puts = [("PUT", "/v1/instances/decode-3/weight", {"weight": 0.5, "ttl_s": 30.0 + i, "reason": f"r{i}"})
-            for i in range(N)]
+    puts = [
+        ("PUT", "/v1/instances/decode-3/weight", {"weight": 0.5, "ttl_s": 30.0 + i, "reason": f"r{i}"})
+        for i in range(N)
+    ]
     assert asyncio.run(_storm(apps, puts)) == [200] * N
     with transaction(world.factory) as s:
         live = list(s.scalars(select(WeightOverride).where(WeightOverride.cleared.is_(None))))

@@ -31,23 +31,34 @@ BODY = {"weight": 0.5, "ttl_s": 60, "reason": "x"}
 @pytest.fixture
 def client(world: World) -> Iterator[TestClient]:
     world.step()
-    with TestClient(create_app(world.reconciler, token=TOKEN, tokens={"alice": "alice-token", "bob": "bob-token"}),
-                    raise_server_exceptions=False) as c:
+    with TestClient(
+        create_app(world.reconciler, token=TOKEN, tokens={"alice": "alice-token", "bob": "bob-token"}),
+        raise_server_exceptions=False,
+    ) as c:
         yield c
 
 
 def counts(world: World) -> tuple[int, int]:
     with transaction(world.factory) as s:
-        return (s.scalar(select(func.count()).select_from(WeightOverride)) or 0,
-                s.scalar(select(func.count()).select_from(AuditEvent)) or 0)
+        return (
+            s.scalar(select(func.count()).select_from(WeightOverride)) or 0,
+            s.scalar(select(func.count()).select_from(AuditEvent)) or 0,
+        )
 
 
 def fields(r: httpx.Response) -> set[str]:
     return {p["field"] for p in r.json()["detail"]}
 
 
-def asgi(app: Any, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes = b"",
-         *, endless: bool = False) -> tuple[int, bytes, int]:
+def asgi(
+    app: Any,
+    method: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes = b"",
+    *,
+    endless: bool = False,
+) -> tuple[int, bytes, int]:
     """One request straight into the ASGI app, headers as raw bytes (HTTP clients re-encode them).
     Returns (status, body, how many times the app called receive())."""
     reads = 0
@@ -63,9 +74,20 @@ def asgi(app: Any, method: str, path: str, headers: list[tuple[bytes, bytes]], b
     async def send(msg: dict[str, Any]) -> None:
         sent.append(msg)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8300), "headers": headers}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8300),
+        "headers": headers,
+    }
     asyncio.run(app(scope, receive, send))
     out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], out, reads
@@ -77,7 +99,9 @@ def asgi(app: Any, method: str, path: str, headers: list[tuple[bytes, bytes]], b
 def test_malformed_json_without_a_token_is_401(client: TestClient, world: World) -> None:
     r = client.put("/v1/instances/decode-1/weight", content=b"{bad", headers=JSON)
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-    r = client.put("/v1/instances/decode-1/weight", content=b"{bad", headers={**JSON, "Authorization": "Bearer no"})
+    r = client.put(
+        "/v1/instances/decode-1/weight", content=b"{bad", headers={**JSON, "Authorization": "Bearer no"}
+    )
     assert r.status_code == 401
     r = client.put("/v1/instances/decode-1/weight", content=b"{bad", headers={**JSON, **AUTH})
     assert r.status_code == 422 and fields(r) == {"body"}
@@ -92,8 +116,13 @@ def test_no_body_byte_is_read_before_the_token_is_checked(world: World) -> None:
     status, _, reads = asgi(app, "PUT", "/v1/instances/decode-1/weight", headers, endless=True)
     assert status == 401 and reads == 0
     # with the token, a declared 300 MB body is refused by its Content-Length, still unread
-    status, _, reads = asgi(app, "PUT", "/v1/instances/decode-1/weight",
-                            [*headers, (b"authorization", f"Bearer {TOKEN}".encode())], endless=True)
+    status, _, reads = asgi(
+        app,
+        "PUT",
+        "/v1/instances/decode-1/weight",
+        [*headers, (b"authorization", f"Bearer {TOKEN}".encode())],
+        endless=True,
+    )
     assert status == 413 and reads == 0
 
 
@@ -117,29 +146,37 @@ def test_deep_json_is_422_naming_the_body(client: TestClient, world: World) -> N
         r = client.put("/v1/instances/decode-1/weight", content=deep, headers={**JSON, **AUTH})
         assert r.status_code == 422 and fields(r) == {"body"}, r.text
     # brackets inside strings are text, not nesting
-    r = client.put("/v1/instances/decode-1/weight", content=json.dumps({**BODY, "reason": "[" * 100}).encode(),
-                   headers={**JSON, **AUTH})
+    r = client.put(
+        "/v1/instances/decode-1/weight",
+        content=json.dumps({**BODY, "reason": "[" * 100}).encode(),
+        headers={**JSON, **AUTH},
+    )
     assert r.status_code == 200
 
 
 # -- low: strict body types, non-finite numbers ----------------------------------------------
 
 
-@pytest.mark.parametrize("raw,field", [
-    (b'{"weight": "0.5", "ttl_s": 60, "reason": "x"}', "weight"),
-    (b'{"weight": true, "ttl_s": 60, "reason": "x"}', "weight"),
-    (b'{"weight": 0.5, "ttl_s": "60", "reason": "x"}', "ttl_s"),
-    (b'{"weight": 0.5, "ttl_s": false, "reason": "x"}', "ttl_s"),
-    (b'{"weight": 1e400, "ttl_s": 60, "reason": "x"}', "weight"),
-    (b'{"weight": 0.5, "ttl_s": 1e400, "reason": "x"}', "ttl_s"),
-    (b'{"weight": NaN, "ttl_s": 60, "reason": "x"}', "weight"),
-    (b'{"weight": 0.5, "ttl_s": 60, "reason": "   "}', "reason"),
-    (b'{"weight": 0.5, "ttl_s": 60, "reason": "\\t\\n"}', "reason"),
-    (b'{"weight": 0.5, "ttl_s": 60, "reason": 5}', "reason"),
-    (b'{"weight": 0.5, "ttl_s": 60, "reason": "a\\u0000b"}', "reason"),
-    (b'{"weight": 0.5, "ttl_s": 60, "reason": "a\\u001bb"}', "reason"),
-])
-def test_lax_types_are_refused_naming_the_field(client: TestClient, world: World, raw: bytes, field: str) -> None:
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        (b'{"weight": "0.5", "ttl_s": 60, "reason": "x"}', "weight"),
+        (b'{"weight": true, "ttl_s": 60, "reason": "x"}', "weight"),
+        (b'{"weight": 0.5, "ttl_s": "60", "reason": "x"}', "ttl_s"),
+        (b'{"weight": 0.5, "ttl_s": false, "reason": "x"}', "ttl_s"),
+        (b'{"weight": 1e400, "ttl_s": 60, "reason": "x"}', "weight"),
+        (b'{"weight": 0.5, "ttl_s": 1e400, "reason": "x"}', "ttl_s"),
+        (b'{"weight": NaN, "ttl_s": 60, "reason": "x"}', "weight"),
+        (b'{"weight": 0.5, "ttl_s": 60, "reason": "   "}', "reason"),
+        (b'{"weight": 0.5, "ttl_s": 60, "reason": "\\t\\n"}', "reason"),
+        (b'{"weight": 0.5, "ttl_s": 60, "reason": 5}', "reason"),
+        (b'{"weight": 0.5, "ttl_s": 60, "reason": "a\\u0000b"}', "reason"),
+        (b'{"weight": 0.5, "ttl_s": 60, "reason": "a\\u001bb"}', "reason"),
+    ],
+)
+def test_lax_types_are_refused_naming_the_field(
+    client: TestClient, world: World, raw: bytes, field: str
+) -> None:
     r = client.put("/v1/instances/decode-1/weight", content=raw, headers={**JSON, **AUTH})
     assert r.status_code == 422 and field in fields(r), r.text
     assert counts(world) == (0, 0)
@@ -159,7 +196,9 @@ def test_reason_is_stripped_and_bounded(client: TestClient, world: World) -> Non
 
 def test_whoami(client: TestClient) -> None:
     assert client.get("/v1/whoami", headers=AUTH).json() == {"identity": "api"}
-    assert client.get("/v1/whoami", headers={"Authorization": "Bearer alice-token"}).json() == {"identity": "alice"}
+    assert client.get("/v1/whoami", headers={"Authorization": "Bearer alice-token"}).json() == {
+        "identity": "alice"
+    }
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic alice-token"}):
         r = client.get("/v1/whoami", headers=headers)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
@@ -182,7 +221,10 @@ def test_the_actor_is_the_identity_on_behalf_of_x_actor(client: TestClient, worl
     r = actor_of(client, world, {"Authorization": "Bearer alice-token"})
     assert r.json()["override"]["actor"] == "alice"
     with transaction(world.factory) as s:
-        assert [e.actor for e in s.scalars(select(AuditEvent).order_by(AuditEvent.id))] == ["bob:carol", "alice"]
+        assert [e.actor for e in s.scalars(select(AuditEvent).order_by(AuditEvent.id))] == [
+            "bob:carol",
+            "alice",
+        ]
 
 
 def test_x_actor_is_sanitised(client: TestClient, world: World) -> None:
@@ -190,9 +232,18 @@ def test_x_actor_is_sanitised(client: TestClient, world: World) -> None:
 
     def put(raw: bytes) -> tuple[int, Any]:
         body = json.dumps(BODY).encode()
-        status, out, _ = asgi(app, "PUT", "/v1/instances/decode-1/weight",
-                              [(b"authorization", f"Bearer {TOKEN}".encode()), (b"content-type", b"application/json"),
-                               (b"content-length", str(len(body)).encode()), (b"x-actor", raw)], body)
+        status, out, _ = asgi(
+            app,
+            "PUT",
+            "/v1/instances/decode-1/weight",
+            [
+                (b"authorization", f"Bearer {TOKEN}".encode()),
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-actor", raw),
+            ],
+            body,
+        )
         doc = json.loads(out)
         return status, doc["override"]["actor"] if status == 200 else doc
 
@@ -217,9 +268,12 @@ def test_x_actor_is_never_cut_inside_a_combining_sequence() -> None:
 def test_named_tokens_are_parsed_and_checked() -> None:
     from pdscope.config import parse_config
 
-    settings = parse_config("model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: "
-                            "[{name: p0, url: 'http://127.0.0.1:1'}]}\n  d: {role: decode, instances: "
-                            "[{name: d0, url: 'http://127.0.0.1:2'}]}\n", "t.yaml")
+    settings = parse_config(
+        "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: "
+        "[{name: p0, url: 'http://127.0.0.1:1'}]}\n  d: {role: decode, instances: "
+        "[{name: d0, url: 'http://127.0.0.1:2'}]}\n",
+        "t.yaml",
+    )
     env = {"PDSCOPE_API_TOKENS": "alice:ta, bob:tb", "PDSCOPE_API_TOKEN": "t0"}
     assert load_tokens(settings, env) == {"alice": "ta", "bob": "tb", "api": "t0"}
     for bad in ("alice", "alice:", ":tok", "al ice:t", "a:t,a:u", "a:t,b:t", "api:other"):
@@ -244,8 +298,12 @@ def test_a_restarted_controller_never_answers_304_to_a_stale_table(world: World)
 
     app1 = create_app(world.reconciler, token=TOKEN)
     with TestClient(app1) as c1:
-        assert c1.put("/v1/instances/decode-1/weight", json={**BODY, "weight": 0.0, "ttl_s": 3},
-                      headers=AUTH).status_code == 200
+        assert (
+            c1.put(
+                "/v1/instances/decode-1/weight", json={**BODY, "weight": 0.0, "ttl_s": 3}, headers=AUTH
+            ).status_code
+            == 200
+        )
     asyncio.run(poll(app1))
     first_version, first_etag = state.view.version, state.etag
     assert "decode-1" not in {t.name for t in state.view.decode}
@@ -277,7 +335,10 @@ def test_a_pool_override_can_be_ended_early(client: TestClient, world: World) ->
         assert evs[1].after == {"weight": 1.0, "override_id": None} and evs[1].reason == "done"
     r = client.request("DELETE", "/v1/pools/decode/weight", json={"reason": "again"}, headers=AUTH)
     assert r.status_code == 409 and "no active weight override" in r.json()["detail"]
-    assert client.request("DELETE", "/v1/pools/nope/weight", json={"reason": "x"}, headers=AUTH).status_code == 404
+    assert (
+        client.request("DELETE", "/v1/pools/nope/weight", json={"reason": "x"}, headers=AUTH).status_code
+        == 404
+    )
     assert client.request("DELETE", "/v1/pools/decode/weight", json={"reason": "x"}).status_code == 401
 
 
@@ -307,9 +368,14 @@ def test_the_audit_line_is_logged_only_after_commit(client: TestClient, world: W
     logger.setLevel(logging.INFO)
     try:
         assert client.put("/v1/instances/decode-1/weight", json=BODY, headers=AUTH).status_code == 200
-        assert client.post("/v1/instances/decode-1/drain", json={"reason": "x"}, headers=AUTH).status_code == 200
+        assert (
+            client.post("/v1/instances/decode-1/drain", json={"reason": "x"}, headers=AUTH).status_code == 200
+        )
         # a refused mutation writes no audit row and logs no line
-        assert client.post("/v1/instances/decode-2/undrain", json={"reason": "x"}, headers=AUTH).status_code == 409
+        assert (
+            client.post("/v1/instances/decode-2/undrain", json={"reason": "x"}, headers=AUTH).status_code
+            == 409
+        )
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old)
@@ -328,7 +394,11 @@ def test_sql_in_names_and_queries_is_data(client: TestClient, world: World) -> N
 
 
 def test_the_token_is_only_read_from_the_authorization_header(client: TestClient, world: World) -> None:
-    for kwargs in ({"params": {"token": TOKEN}}, {"params": {"access_token": TOKEN}},
-                   {"headers": {"X-Api-Token": TOKEN}}, {"cookies": {"token": TOKEN}}):
+    for kwargs in (
+        {"params": {"token": TOKEN}},
+        {"params": {"access_token": TOKEN}},
+        {"headers": {"X-Api-Token": TOKEN}},
+        {"cookies": {"token": TOKEN}},
+    ):
         assert client.put("/v1/instances/decode-1/weight", json=BODY, **kwargs).status_code == 401
     assert counts(world) == (0, 0)

@@ -20,8 +20,9 @@ HEALTHY = ("decode-0", "decode-1", "decode-2")
 
 def _world(store_url: str, world: World) -> World:
     settings = settings_yaml(store_url)
-    settings = settings.model_copy(update={"controller": settings.controller.model_copy(
-        update={"kv_lease_s": LEASE_S})})
+    settings = settings.model_copy(
+        update={"controller": settings.controller.model_copy(update={"kv_lease_s": LEASE_S})}
+    )
     rec = Reconciler(settings, world.factory, clock=world.clock, alert_config=AlertConfig(for_s={}))
     return World(settings, world.factory, world.clock, Seeder(world.factory, settings), rec, world.notifier)
 
@@ -40,9 +41,14 @@ def _run(w: World, steps: int, stuck_from: int | None, expired_per_step: float =
             if p_done + LEASE_S <= scrape_ts:
                 expired[p] += 1.0
                 stuck_p_done.remove((p, p_done))
-        w.seeder.scrape(scrape_ts, prefill_0={"expired": expired["prefill-0"]},
-                        prefill_1={"expired": expired["prefill-1"]})
-        healthy_pairs = [(p, d) for p, d in all_pairs() if stuck_from is None or k < stuck_from or d != "decode-3"]
+        w.seeder.scrape(
+            scrape_ts,
+            prefill_0={"expired": expired["prefill-0"]},
+            prefill_1={"expired": expired["prefill-1"]},
+        )
+        healthy_pairs = [
+            (p, d) for p, d in all_pairs() if stuck_from is None or k < stuck_from or d != "decode-3"
+        ]
         w.seeder.requests(now - 1.9, healthy_pairs)
         if stuck_from is not None and k >= stuck_from:
             pairs = [("prefill-0", "decode-3"), ("prefill-1", "decode-3")]
@@ -54,8 +60,9 @@ def _run(w: World, steps: int, stuck_from: int | None, expired_per_step: float =
     return outs
 
 
-def test_a_stuck_ds_expired_leases_are_charged_to_it_and_healthy_ds_are_never_cut(store_url: str,
-                                                                                 world: World) -> None:
+def test_a_stuck_ds_expired_leases_are_charged_to_it_and_healthy_ds_are_never_cut(
+    store_url: str, world: World
+) -> None:
     w = _world(store_url, world)
     outs = _run(w, 20, stuck_from=3)
     obs = w.reconciler.view().obs
@@ -101,8 +108,11 @@ def test_a_ds_own_failed_requests_count_against_it_not_its_p(store_url: str, wor
         now = w.clock.advance(2.0)
         w.seeder.scrape(now - 0.5)
         w.seeder.requests(now - 1.9, all_pairs())
-        w.seeder.requests(now - 1.8, [("prefill-0", "decode-1"), ("prefill-1", "decode-1")] * 2,
-                          status="timeout" if kind == "timeout" else "error")
+        w.seeder.requests(
+            now - 1.8,
+            [("prefill-0", "decode-1"), ("prefill-1", "decode-1")] * 2,
+            status="timeout" if kind == "timeout" else "error",
+        )
         out = w.reconciler.tick()
     obs = w.reconciler.view().obs
     assert obs is not None

@@ -26,21 +26,36 @@ model: {{name: m, kv_bytes_per_token: 1}}
 pools:
   prefill: {{role: prefill, instances: [{{name: p0, url: "http://127.0.0.1:9"}}]}}
   decode: {{role: decode, instances: [{{name: d0, url: "http://127.0.0.1:9"}}]}}
-store: {{url: "sqlite:///{tmp_path / 's.db'}"}}
+store: {{url: "sqlite:///{tmp_path / "s.db"}"}}
 controller: {{port: {port}, interval_s: 0.2, mode: advisory}}
 """)
     env = {**os.environ, "PDSCOPE_API_TOKEN": "tok"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "control"], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "control"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
-        health = wait_until("two reconcile ticks", lambda: httpx.get(f"{base}/healthz", timeout=1).json(),
-                            done=lambda h: h["ticks"] >= 2, timeout_s=30, every_s=0.2, ignore=(httpx.HTTPError,))
+        health = wait_until(
+            "two reconcile ticks",
+            lambda: httpx.get(f"{base}/healthz", timeout=1).json(),
+            done=lambda h: h["ticks"] >= 2,
+            timeout_s=30,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
         assert health["mode"] == "advisory", health
         table = httpx.get(f"{base}/v1/routing", timeout=2).json()
         assert table["enforce"] is False and {i["name"] for i in table["instances"]} == {"p0", "d0"}
-        r = httpx.post(f"{base}/v1/instances/d0/drain", json={"reason": "test"},
-                       headers={"Authorization": "Bearer tok"}, timeout=5)
+        r = httpx.post(
+            f"{base}/v1/instances/d0/drain",
+            json={"reason": "test"},
+            headers={"Authorization": "Bearer tok"},
+            timeout=5,
+        )
         assert r.status_code == 200 and r.json()["drained"] is True
     finally:
         proc.send_signal(signal.SIGTERM)

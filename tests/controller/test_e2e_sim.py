@@ -38,7 +38,9 @@ async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, 
                 key = str(r.status_code)
             except httpx.HTTPError as exc:
                 key = type(exc).__name__
-                await asyncio.sleep(0.1)  # a load generator's back-off after an error, not a wait for anything
+                await asyncio.sleep(
+                    0.1
+                )  # a load generator's back-off after an error, not a wait for anything
             counts[key] = counts.get(key, 0) + 1
 
     async with httpx.AsyncClient(timeout=10.0) as client:
@@ -64,24 +66,40 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
             store={"url": url},
             slo={"window_s": 20},
             collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
-            controller={"interval_s": 1.0, "window_s": 6, "port": ctl_sock.getsockname()[1], "kv_lease_s": 2.0},
+            controller={
+                "interval_s": 1.0,
+                "window_s": 6,
+                "port": ctl_sock.getsockname()[1],
+                "kv_lease_s": 2.0,
+            },
         )
         settings: Settings = parse_config(fleet.config_yaml(**base), "e2e.yaml")
         collector = CollectorThread(settings)
-        proxy_settings = parse_config(fleet.config_yaml(**base, proxy={
-            "controller_url": ctl_url, "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
-            "routing_poll_s": 0.25, "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
-        }), "e2e-proxy.yaml")
+        proxy_settings = parse_config(
+            fleet.config_yaml(
+                **base,
+                proxy={
+                    "controller_url": ctl_url,
+                    "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
+                    "routing_poll_s": 0.25,
+                    "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
+                },
+            ),
+            "e2e-proxy.yaml",
+        )
         engine = make_engine(url)
-        reconciler = Reconciler(settings, session_factory(engine),
-                                alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}))
+        reconciler = Reconciler(
+            settings, session_factory(engine), alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0})
+        )
         stop_traffic = asyncio.Event()
         collector.__enter__()
         load: asyncio.Task[dict[str, int]] | None = None
         try:
-            async with serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15), \
-                    serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15), \
-                    httpx.AsyncClient(timeout=5.0) as http:
+            async with (
+                serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15),
+                serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15),
+                httpx.AsyncClient(timeout=5.0) as http,
+            ):
                 load = asyncio.create_task(traffic(proxy_url, stop_traffic))
 
                 async def weights() -> dict[str, float]:
@@ -93,13 +111,17 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     slo = (await http.get(f"{ctl_url}/v1/slo")).json()
                     return slo["completed"] >= 10
 
-                await async_wait_until("request records from the proxy's spans", records, timeout_s=90, every_s=0.5)
+                await async_wait_until(
+                    "request records from the proxy's spans", records, timeout_s=90, every_s=0.5
+                )
 
                 async def all_healthy() -> bool:
                     return set((await weights()).values()) == {1.0}
 
                 # On a loaded test machine a scrape can time out; the fleet must settle at equal weights.
-                await async_wait_until("every weight at 1.0 on the healthy fleet", all_healthy, timeout_s=60, every_s=0.5)
+                await async_wait_until(
+                    "every weight at 1.0 on the healthy fleet", all_healthy, timeout_s=60, every_s=0.5
+                )
 
                 # (a) decode-2's NIC 10x slower: it loses weight
                 fid = fleet.inject({"kind": "slow_nic", "decode": "decode-2", "factor": 10})
@@ -131,7 +153,9 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                     alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "resolved"})).json()
                     return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
 
-                done = await async_wait_until("KVLeaseExpired to resolve", resolved, timeout_s=60, every_s=0.5)
+                done = await async_wait_until(
+                    "KVLeaseExpired to resolve", resolved, timeout_s=60, every_s=0.5
+                )
                 assert done[0]["resolved_at"] > done[0]["fired_at"]
                 metrics = (await http.get(f"{ctl_url}/metrics")).text
                 assert "pdscope_controller_ticks_total" in metrics

@@ -26,8 +26,11 @@ def test_degraded_decode_loses_weight_and_decisions_are_stored(world: World) -> 
     assert world.weight("decode-0") == 1.0
     assert world.reconciler.table.version > v0
     with transaction(world.factory) as s:
-        rows = s.scalars(select(Decision).where(Decision.subject == "decode-2", Decision.field == "weight")
-                         .order_by(Decision.id)).all()
+        rows = s.scalars(
+            select(Decision)
+            .where(Decision.subject == "decode-2", Decision.field == "weight")
+            .order_by(Decision.id)
+        ).all()
         assert rows, "every weight change is a stored decision"
         first = rows[0]
         assert first.reason in ("SlowHandoff", "SlowKVTransfer")
@@ -56,7 +59,9 @@ def test_expired_lease_alert_fires_is_notified_and_resolves(world: World) -> Non
     with transaction(world.factory) as s:
         a = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
         assert a.state == "resolved" and a.resolved_at is not None
-    assert any(x.rule == "KVLeaseExpired" and x.state == "resolved" for b in world.notifier.batches for x in b)
+    assert any(
+        x.rule == "KVLeaseExpired" and x.state == "resolved" for b in world.notifier.batches for x in b
+    )
 
 
 def test_instance_down_goes_to_zero_and_alerts(world: World) -> None:
@@ -73,7 +78,9 @@ def test_instance_down_goes_to_zero_and_alerts(world: World) -> None:
         assert a.state == "firing" and a.labels["instance"] == "decode-1"
 
 
-def test_a_failing_tick_is_counted_and_the_next_starts_fresh(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_tick_is_counted_and_the_next_starts_fresh(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
     world.step()
     table = world.reconciler.table
     import controller.observe as observe_mod
@@ -102,7 +109,9 @@ def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
         world.step(handoff_s={"decode-2": 0.5}, scrape={"prefill_0": {"expired": 1.0}})
     w = world.weight("decode-2")
     version = world.reconciler.table.version
-    fresh = Reconciler(world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config)
+    fresh = Reconciler(
+        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+    )
     cut = world.reconciler._state.weights["decode-2"]
     out = fresh.tick()
     assert next(d for d in out.weights if d.instance == "decode-2").old_weight == w
@@ -110,6 +119,7 @@ def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
     assert w < 1.0 and cut.ceiling < 1.0
     with transaction(world.factory) as s:
         from controller.persist import load_state
+
         assert load_state(s)[0].weights["decode-2"].ceiling == cut.ceiling
     assert fresh.table.version >= version
     assert any(a.rule == "KVLeaseExpired" for a in out.alerts.active)
@@ -131,9 +141,12 @@ def test_restart_carries_the_whole_policy_state_and_decisions_name_their_policy(
             break
     before = world.reconciler._state
     assert before.weights["decode-2"].healthy_streak > 0 and before.weights["decode-2"].ceiling < 1.0
-    fresh = Reconciler(world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config)
+    fresh = Reconciler(
+        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+    )
     with transaction(world.factory) as s:
         from controller.persist import load_state
+
         state = load_state(s)[0]
         assert dict(state.weights) == dict(before.weights)
         assert dict(state.limits) == dict(before.limits)
@@ -153,8 +166,18 @@ def test_override_expiry_is_a_stored_decision(world: World) -> None:
     world.step()
     now = world.clock()
     with transaction(world.factory) as s:
-        s.add(WeightOverride(subject_kind="instance", subject="decode-0", weight=0.2, drained=False, reason="test",
-                             actor="sre", created=now, expires=now + 3.0))
+        s.add(
+            WeightOverride(
+                subject_kind="instance",
+                subject="decode-0",
+                weight=0.2,
+                drained=False,
+                reason="test",
+                actor="sre",
+                created=now,
+                expires=now + 3.0,
+            )
+        )
     world.step()
     assert world.weight("decode-0") == 0.2
     world.step()

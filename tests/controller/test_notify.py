@@ -12,11 +12,20 @@ from controller.policy.alerts import AlertState
 
 
 def alert(state: str = "firing", **kw: object) -> AlertState:
-    base: dict[str, object] = dict(rule="KVLeaseExpired", fingerprint="abc123", labels={"instance": "prefill-0"},
-                                   severity="warning", state=state, value=2.0, description="2 expired",
-                                   summary="KV leases expired", active_since=1_800_000_000.0,
-                                   last_eval=1_800_000_010.0, fired_at=1_800_000_000.0,
-                                   resolved_at=1_800_000_060.0 if state == "resolved" else None)
+    base: dict[str, object] = dict(
+        rule="KVLeaseExpired",
+        fingerprint="abc123",
+        labels={"instance": "prefill-0"},
+        severity="warning",
+        state=state,
+        value=2.0,
+        description="2 expired",
+        summary="KV leases expired",
+        active_since=1_800_000_000.0,
+        last_eval=1_800_000_010.0,
+        fired_at=1_800_000_000.0,
+        resolved_at=1_800_000_060.0 if state == "resolved" else None,
+    )
     base.update(kw)
     return AlertState(**base)  # type: ignore[arg-type]
 
@@ -25,13 +34,24 @@ def test_payload_is_alertmanager_webhook_v4() -> None:
     p = webhook_payload([alert(), alert("resolved", fingerprint="def")], "http://ctl:8300")
     assert p["version"] == "4" and p["status"] == "firing" and p["receiver"] == "pdscope"
     a, r = p["alerts"]
-    assert a["labels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "source": "controller",
-                           "instance": "prefill-0"}
+    assert a["labels"] == {
+        "alertname": "KVLeaseExpired",
+        "severity": "warning",
+        "source": "controller",
+        "instance": "prefill-0",
+    }
     assert a["startsAt"] == "2027-01-15T08:00:00Z" and a["endsAt"] == ZERO_TIME
-    assert a["annotations"]["summary"] == "KV leases expired" and a["generatorURL"] == "http://ctl:8300/v1/alerts"
+    assert (
+        a["annotations"]["summary"] == "KV leases expired"
+        and a["generatorURL"] == "http://ctl:8300/v1/alerts"
+    )
     assert r["status"] == "resolved" and r["endsAt"] == "2027-01-15T08:01:00Z"
-    assert p["commonLabels"] == {"alertname": "KVLeaseExpired", "severity": "warning", "source": "controller",
-                                  "instance": "prefill-0"}
+    assert p["commonLabels"] == {
+        "alertname": "KVLeaseExpired",
+        "severity": "warning",
+        "source": "controller",
+        "instance": "prefill-0",
+    }
     assert webhook_payload([alert("resolved")], "x")["status"] == "resolved"
 
 

@@ -13,11 +13,19 @@ from tests.controller.seed import all_pairs
 def test_observation_from_a_seeded_store(world: World) -> None:
     for i in range(5):
         now = world.clock.advance(2.0)
-        world.seeder.scrape(now - 0.5, decode_2={"xfer_s": 0.1, "failed": 3.0, "kv_cache_usage": 0.9,
-                                                 "kv_fetch_in_progress": 4.0},
-                            prefill_1={"expired": 1.0, "num_waiting": float(i)}, decode_3={"up": i < 4})
-        world.seeder.requests(now - 1.9, all_pairs(), handoff_s={"decode-2": 0.5}, prefill_s={"prefill-0": 0.6},
-                              suspect={"decode-2"})
+        world.seeder.scrape(
+            now - 0.5,
+            decode_2={"xfer_s": 0.1, "failed": 3.0, "kv_cache_usage": 0.9, "kv_fetch_in_progress": 4.0},
+            prefill_1={"expired": 1.0, "num_waiting": float(i)},
+            decode_3={"up": i < 4},
+        )
+        world.seeder.requests(
+            now - 1.9,
+            all_pairs(),
+            handoff_s={"decode-2": 0.5},
+            prefill_s={"prefill-0": 0.6},
+            suspect={"decode-2"},
+        )
     now = world.clock()
     with transaction(world.factory) as s:
         obs = observe(s, world.settings, now)
@@ -55,7 +63,11 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert dec.waiting_now is None
     # TTFT without the 1 ms between proxy in and P sent (the seeder's admission wait)
     svc = pools["prefill"].service_ttft_at_slo_s
-    assert svc is not None and obs.slo.ttft_at_slo_s is not None and svc == pytest.approx(obs.slo.ttft_at_slo_s - 0.001)
+    assert (
+        svc is not None
+        and obs.slo.ttft_at_slo_s is not None
+        and svc == pytest.approx(obs.slo.ttft_at_slo_s - 0.001)
+    )
     # the fast load signal: running + waiting at P's latest scrape, the KV-fetch backlog at D's
     assert p1.load_now == 4.0 + 4 and d2.load_now == 4.0 and d0.load_now == 1.0
 
@@ -74,12 +86,15 @@ def test_pool_service_ttft_is_not_one_slow_instance(world: World) -> None:
     for _ in range(12):
         now = world.clock.advance(1.0)
         world.seeder.scrape(now - 0.2)
-        world.seeder.requests(now - 0.5, all_pairs(), handoff_s={"decode-2": 3.0},
-                              queue_s={"prefill-0": 0.1, "prefill-1": 0.1})
+        world.seeder.requests(
+            now - 0.5, all_pairs(), handoff_s={"decode-2": 3.0}, queue_s={"prefill-0": 0.1, "prefill-1": 0.1}
+        )
     with transaction(world.factory) as s:
         obs = observe(s, world.settings, world.clock())
     pools = {p.name: p for p in obs.pools}
-    assert obs.slo.ttft_at_slo_s is not None and obs.slo.ttft_at_slo_s > 3.0  # the pooled percentile: decode-2's
+    assert (
+        obs.slo.ttft_at_slo_s is not None and obs.slo.ttft_at_slo_s > 3.0
+    )  # the pooled percentile: decode-2's
     for name in ("prefill", "decode"):
         # 0.001 admission + 0.2 prefill + 0.05 handoff, less the admission wait
         assert pools[name].service_ttft_at_slo_s == pytest.approx(0.25)
@@ -94,11 +109,14 @@ def test_empty_store_observes_unknowns(world: World) -> None:
     assert len(obs.instances) == 6 and obs.slo.completed == 0
 
 
-@pytest.mark.parametrize(("handoff", "prefill", "overloaded"), [
-    ({"decode-2": 3.0}, None, False),  # one slow D: 2 of 8 pairs
-    (None, {"prefill-0": 3.0}, False),  # one slow P: 4 of 8 pairs
-    ({f"decode-{i}": 3.0 for i in range(4)}, None, True),  # every pair slow: overload
-])
+@pytest.mark.parametrize(
+    ("handoff", "prefill", "overloaded"),
+    [
+        ({"decode-2": 3.0}, None, False),  # one slow D: 2 of 8 pairs
+        (None, {"prefill-0": 3.0}, False),  # one slow P: 4 of 8 pairs
+        ({f"decode-{i}": 3.0 for i in range(4)}, None, True),  # every pair slow: overload
+    ],
+)
 def test_pool_ttft_is_the_lower_median_of_pairs_so_one_slow_instance_is_not_overload(
     world: World, handoff: dict[str, float] | None, prefill: dict[str, float] | None, overloaded: bool
 ) -> None:

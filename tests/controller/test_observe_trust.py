@@ -23,16 +23,39 @@ from tests.controller.seed import Seeder, all_pairs
 _n = iter(range(10**9))
 
 
-def refused(ts: float, p: str, d: str, *, status: str, http_status: int | None, sender: str | None = None,
-            handoff_s: float = 3.0) -> RequestRecord:
+def refused(
+    ts: float,
+    p: str,
+    d: str,
+    *,
+    status: str,
+    http_status: int | None,
+    sender: str | None = None,
+    handoff_s: float = 3.0,
+) -> RequestRecord:
     """A request P prefilled and D then refused as invalid: the proxy waited ``handoff_s`` for D's
     answer, and the collector's forensics flagged it (P's lease expired while its blocks were pinned)."""
     p_done = ts + 0.3
     return RequestRecord(
-        request_id=f"bad{next(_n)}", status=status, http_status=http_status, p_instance=p, d_instance=d,
-        p_pool="prefill", d_pool="decode", proxy_in=ts, p_sent=ts + 0.001, p_done=p_done, d_sent=p_done + 0.001,
-        first_token=p_done + handoff_s, done=p_done + handoff_s, e2e_s=handoff_s + 0.3, slo_met=False,
-        lease_expiry_suspect=True, prompt_tokens=4000, kv_bytes=4_000_000, sender=sender,
+        request_id=f"bad{next(_n)}",
+        status=status,
+        http_status=http_status,
+        p_instance=p,
+        d_instance=d,
+        p_pool="prefill",
+        d_pool="decode",
+        proxy_in=ts,
+        p_sent=ts + 0.001,
+        p_done=p_done,
+        d_sent=p_done + 0.001,
+        first_token=p_done + handoff_s,
+        done=p_done + handoff_s,
+        e2e_s=handoff_s + 0.3,
+        slo_met=False,
+        lease_expiry_suspect=True,
+        prompt_tokens=4000,
+        kv_bytes=4_000_000,
+        sender=sender,
     )
 
 
@@ -43,16 +66,24 @@ def _tick_with_refusals(world: World, status: str, http_status: int | None, tick
         world.seeder.scrape(now - 0.5, prefill_0={"expired": 3.0}, prefill_1={"expired": 3.0})
         world.seeder.requests(now - 1.9, all_pairs())
         with transaction(world.factory) as s:
-            s.add_all([refused(now - 1.8 + i * 0.01, "prefill-0", "decode-1", status=status, http_status=http_status)
-                       for i in range(5)])
+            s.add_all(
+                [
+                    refused(
+                        now - 1.8 + i * 0.01, "prefill-0", "decode-1", status=status, http_status=http_status
+                    )
+                    for i in range(5)
+                ]
+            )
         out = world.reconciler.tick()
     return out
 
 
-@pytest.mark.parametrize("status,http_status", [("error", 400), ("client_error", 400), ("client_error", None),
-                                                ("error", 422)])
-def test_a_d_that_refused_invalid_requests_is_never_charged(world: World, status: str,
-                                                            http_status: int | None) -> None:
+@pytest.mark.parametrize(
+    "status,http_status", [("error", 400), ("client_error", 400), ("client_error", None), ("error", 422)]
+)
+def test_a_d_that_refused_invalid_requests_is_never_charged(
+    world: World, status: str, http_status: int | None
+) -> None:
     out = _tick_with_refusals(world, status, http_status)
     obs = world.reconciler.view().obs
     assert obs is not None
@@ -65,7 +96,11 @@ def test_a_d_that_refused_invalid_requests_is_never_charged(world: World, status
     assert obs.slo.handoff_p99_s is not None and obs.slo.handoff_p99_s < 1.0
     assert world.weight("decode-1") == 1.0 and world.weight("prefill-0") == 1.0
     d = next(w for w in out.weights if w.instance == "decode-1")
-    assert d.reason != "LeaseExpiries" and d.inputs["refused_requests"] > 0 and d.inputs["lease_expiry_suspects"] == 0
+    assert (
+        d.reason != "LeaseExpiries"
+        and d.inputs["refused_requests"] > 0
+        and d.inputs["lease_expiry_suspects"] == 0
+    )
     # the pool's in-flight estimate (admission) leaves them out too: only the charged records finish there
     with transaction(world.factory) as s:
         assert sum(h.lease_suspects for h in q.handoff_stats(s, 0, 1e12, by="d_instance").values()) > 0
@@ -78,7 +113,12 @@ def test_a_429_or_a_5xx_is_still_charged(world: World) -> None:
     obs = world.reconciler.view().obs
     assert obs is not None
     d1 = obs.instance("decode-1")
-    assert d1 is not None and d1.lease_expiry_suspects > 0 and d1.failed_requests > 0 and d1.refused_requests == 0
+    assert (
+        d1 is not None
+        and d1.lease_expiry_suspects > 0
+        and d1.failed_requests > 0
+        and d1.refused_requests == 0
+    )
     assert q.is_client_error("error", 429) is False and q.is_client_error("rejected", 429) is False
     assert q.is_client_error("error", 404) is True and q.is_client_error("ok", None) is False
 
@@ -87,8 +127,9 @@ def test_a_429_or_a_5xx_is_still_charged(world: World) -> None:
 
 
 def _trusting(settings: Settings, senders: list[str] | None) -> Settings:
-    return settings.model_copy(update={"controller": settings.controller.model_copy(
-        update={"trusted_span_senders": senders})})
+    return settings.model_copy(
+        update={"controller": settings.controller.model_copy(update={"trusted_span_senders": senders})}
+    )
 
 
 def _forged_run(world: World, senders: list[str] | None, ticks: int = 10) -> Reconciler:
@@ -102,8 +143,13 @@ def _forged_run(world: World, senders: list[str] | None, ticks: int = 10) -> Rec
         seeder.scrape(now - 0.5)
         seeder.requests(now - 1.9, all_pairs(), sender="proxy")
         for forger in (None, "mallory"):
-            seeder.requests(now - 1.8, [(p, "decode-2") for p in ("prefill-0", "prefill-1")] * 3,
-                            handoff_s={"decode-2": 1.5}, suspect={"decode-2"}, sender=forger)
+            seeder.requests(
+                now - 1.8,
+                [(p, "decode-2") for p in ("prefill-0", "prefill-1")] * 3,
+                handoff_s={"decode-2": 1.5},
+                suspect={"decode-2"},
+                sender=forger,
+            )
         rec.tick()
     return rec
 
@@ -115,8 +161,11 @@ def test_records_from_untrusted_senders_do_not_steer(world: World) -> None:
     v = rec.view()
     assert v.obs is not None and v.last is not None
     assert v.obs.untrusted_records == 5 * 2 * 6  # the window (10 s) holds 5 ticks x 2 forgers x 6 records
-    assert all(d.inputs["untrusted_records"] == v.obs.untrusted_records for d in v.last.weights
-               if "requests" in d.inputs)
+    assert all(
+        d.inputs["untrusted_records"] == v.obs.untrusted_records
+        for d in v.last.weights
+        if "requests" in d.inputs
+    )
     assert all(p.inputs["untrusted_records"] == v.obs.untrusted_records for p in v.last.pools)
     text = generate_latest(make_registry(rec, NullNotifier())).decode()
     assert f"pdscope_controller_untrusted_records {float(v.obs.untrusted_records)}" in text

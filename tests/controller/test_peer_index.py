@@ -22,7 +22,9 @@ CFG = PolicyConfig.defaults()
 @pytest.mark.parametrize("seed", range(40))
 def test_median_without_one_value_matches_removing_it(seed: int) -> None:
     rng = random.Random(seed)
-    values = sorted(rng.choice([0.1, 0.2, 0.2, 0.5, 1.0, 3.0]) * rng.uniform(0.5, 2) for _ in range(rng.randint(1, 9)))
+    values = sorted(
+        rng.choice([0.1, 0.2, 0.2, 0.5, 1.0, 3.0]) * rng.uniform(0.5, 2) for _ in range(rng.randint(1, 9))
+    )
     drop = rng.choice(values)
     rest = list(values)
     rest.remove(drop)
@@ -36,14 +38,16 @@ def _fleet(rng: random.Random, n: int) -> list:  # type: ignore[type-arg]
         role = "prefill" if i % 3 == 0 else "decode"
         inst = healthy(f"{role}-{i}", role)
         f = rng.choice([0.5, 1.0, 1.0, 1.2, 4.0])
-        out.append(replace(
-            inst,
-            handoff_p50_s=None if rng.random() < 0.1 else (inst.handoff_p50_s or 0.05) * f,
-            nixl_xfer_mean_s=(inst.nixl_xfer_mean_s or 0.01) * rng.uniform(0.5, 3),
-            contribution_s=(inst.contribution_s or 0.1) * rng.uniform(0.5, 3),
-            hold_time_now_s=rng.choice([None, 0.5, 2.0, 6.0]),
-            requests=rng.randint(0, 60),
-        ))
+        out.append(
+            replace(
+                inst,
+                handoff_p50_s=None if rng.random() < 0.1 else (inst.handoff_p50_s or 0.05) * f,
+                nixl_xfer_mean_s=(inst.nixl_xfer_mean_s or 0.01) * rng.uniform(0.5, 3),
+                contribution_s=(inst.contribution_s or 0.1) * rng.uniform(0.5, 3),
+                hold_time_now_s=rng.choice([None, 0.5, 2.0, 6.0]),
+                requests=rng.randint(0, 60),
+            )
+        )
     return out
 
 

@@ -10,16 +10,31 @@ from controller.policy import AlertConfig, Observation, PolicyConfig, SLOFigures
 from controller.policy.alerts import AlertState, default_rules, fingerprint, step_alerts
 from tests.controller.replay import T0, fleet
 
-CFG = PolicyConfig.defaults(ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0,
-                   stale_after_s=15.0)
-GOOD_SLO = SLOFigures(window_s=300, completed=100, met=99, ttft_at_slo_s=0.5, tpot_at_slo_s=0.05, handoff_p99_s=0.2,
-                      goodput_rps=0.33)
+CFG = PolicyConfig.defaults(
+    ttft_target_s=2.0, tpot_target_s=0.1, goodput_attainment=0.9, handoff_budget_s=1.0, stale_after_s=15.0
+)
+GOOD_SLO = SLOFigures(
+    window_s=300,
+    completed=100,
+    met=99,
+    ttft_at_slo_s=0.5,
+    tpot_at_slo_s=0.05,
+    handoff_p99_s=0.2,
+    goodput_rps=0.33,
+)
 
 
-def obs(t: float, *, slo: SLOFigures = GOOD_SLO, newest: float | None = -1.0, **inst: dict[str, object]) -> Observation:
+def obs(
+    t: float, *, slo: SLOFigures = GOOD_SLO, newest: float | None = -1.0, **inst: dict[str, object]
+) -> Observation:
     insts = tuple(replace(i, **inst.get(i.name.replace("-", "_"), {})) for i in fleet())
-    return Observation(now=T0 + t, window_s=30, instances=insts, slo=slo,
-                       newest_data=None if newest is None else T0 + t + newest)
+    return Observation(
+        now=T0 + t,
+        window_s=30,
+        instances=insts,
+        slo=slo,
+        newest_data=None if newest is None else T0 + t + newest,
+    )
 
 
 def run(timeline: list[tuple[float, Observation]], ac: AlertConfig) -> list[dict[str, str]]:
@@ -56,44 +71,105 @@ def ttft(i: int) -> SLOFigures:
 
 
 CASES = [
-    Case("TTFT over target: pending, firing after `for`, resolved when it clears",
-         every(10, 10, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if 1 <= i <= 7 else 0.5))),
-         "TTFTOverTarget", [None, "pending", "pending", "pending", "firing", "firing", "firing", "firing",
-                            "resolved", None], {"TTFTOverTarget": 30.0}),
-    Case("pending that clears before `for` goes inactive, never fires",
-         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if i in (1, 2) else 0.5))),
-         "TTFTOverTarget", [None, "pending", "pending", "inactive", None], {"TTFTOverTarget": 30.0}),
-    Case("too few requests: the SLO rule abstains and holds its state",
-         every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0, completed=100 if i < 2 else 3))),
-         "TTFTOverTarget", ["firing", "firing", "firing", "firing", "firing"], {"TTFTOverTarget": 0.0}),
-    Case("goodput attainment under target",
-         every(10, 3, lambda t, i: obs(t, slo=replace(GOOD_SLO, met=50))),
-         "GoodputAttainmentLow", ["pending", "pending", "firing"], {"GoodputAttainmentLow": 20.0}),
-    Case("TPOT over target", every(10, 2, lambda t, i: obs(t, slo=replace(GOOD_SLO, tpot_at_slo_s=0.3))),
-         "TPOTOverTarget", ["firing", "firing"], {"TPOTOverTarget": 0.0}),
-    Case("expired leases fire at once and resolve when the window is clean",
-         every(2, 4, lambda t, i: obs(t, prefill_1={"expired_leases_per_min": 2.0 if i < 2 else 0.0})),
-         "KVLeaseExpired/prefill-1", ["firing", "firing", "resolved", None]),
-    Case("failed NIXL transfers", every(2, 2, lambda t, i: obs(t, decode_0={"failed_transfers_per_min": 1.0})),
-         "NixlTransferFailures/decode-0", ["firing", "firing"]),
-    Case("KV usage above 95% for 30 s", every(10, 5, lambda t, i: obs(t, decode_3={"kv_usage": 0.97})),
-         "KVCacheNearlyFull/decode-3", ["pending", "pending", "pending", "firing", "firing"]),
-    Case("KV usage at 95% exactly is fine", every(10, 2, lambda t, i: obs(t, decode_3={"kv_usage": 0.95})),
-         "KVCacheNearlyFull/decode-3", [None, None]),
-    Case("instance down", every(5, 4, lambda t, i: obs(t, decode_1={"up": False})),
-         "InstanceDown/decode-1", ["pending", "pending", "firing", "firing"]),
-    Case("handoff p99 over budget", every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, handoff_p99_s=1.5))),
-         "HandoffP99OverBudget", ["pending", "pending", "pending", "firing", "firing"]),
-    Case("stale data: collector behind fires; instance alerts hold",
-         every(10, 4, lambda t, i: obs(t, newest=-1.0 if i == 0 else -(10.0 + 10 * i),
-                                        decode_1={"up": False})),
-         "CollectorBehind", [None, "pending", "firing", "firing"]),
-    Case("stale data holds an instance alert instead of resolving it",
-         every(10, 4, lambda t, i: obs(t, newest=-1.0 if i < 2 else -100.0,
-                                        decode_1={"up": i != 1})),  # "up" again, but seen only in stale data
-         "InstanceDown/decode-1", [None, "firing", "firing", "firing"], {"InstanceDown": 0.0}),
-    Case("no snapshots at all is stale", every(10, 2, lambda t, i: obs(t, newest=None)),
-         "CollectorBehind", ["firing", "firing"], {"CollectorBehind": 0.0}),
+    Case(
+        "TTFT over target: pending, firing after `for`, resolved when it clears",
+        every(10, 10, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if 1 <= i <= 7 else 0.5))),
+        "TTFTOverTarget",
+        [None, "pending", "pending", "pending", "firing", "firing", "firing", "firing", "resolved", None],
+        {"TTFTOverTarget": 30.0},
+    ),
+    Case(
+        "pending that clears before `for` goes inactive, never fires",
+        every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0 if i in (1, 2) else 0.5))),
+        "TTFTOverTarget",
+        [None, "pending", "pending", "inactive", None],
+        {"TTFTOverTarget": 30.0},
+    ),
+    Case(
+        "too few requests: the SLO rule abstains and holds its state",
+        every(
+            10,
+            5,
+            lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0, completed=100 if i < 2 else 3)),
+        ),
+        "TTFTOverTarget",
+        ["firing", "firing", "firing", "firing", "firing"],
+        {"TTFTOverTarget": 0.0},
+    ),
+    Case(
+        "goodput attainment under target",
+        every(10, 3, lambda t, i: obs(t, slo=replace(GOOD_SLO, met=50))),
+        "GoodputAttainmentLow",
+        ["pending", "pending", "firing"],
+        {"GoodputAttainmentLow": 20.0},
+    ),
+    Case(
+        "TPOT over target",
+        every(10, 2, lambda t, i: obs(t, slo=replace(GOOD_SLO, tpot_at_slo_s=0.3))),
+        "TPOTOverTarget",
+        ["firing", "firing"],
+        {"TPOTOverTarget": 0.0},
+    ),
+    Case(
+        "expired leases fire at once and resolve when the window is clean",
+        every(2, 4, lambda t, i: obs(t, prefill_1={"expired_leases_per_min": 2.0 if i < 2 else 0.0})),
+        "KVLeaseExpired/prefill-1",
+        ["firing", "firing", "resolved", None],
+    ),
+    Case(
+        "failed NIXL transfers",
+        every(2, 2, lambda t, i: obs(t, decode_0={"failed_transfers_per_min": 1.0})),
+        "NixlTransferFailures/decode-0",
+        ["firing", "firing"],
+    ),
+    Case(
+        "KV usage above 95% for 30 s",
+        every(10, 5, lambda t, i: obs(t, decode_3={"kv_usage": 0.97})),
+        "KVCacheNearlyFull/decode-3",
+        ["pending", "pending", "pending", "firing", "firing"],
+    ),
+    Case(
+        "KV usage at 95% exactly is fine",
+        every(10, 2, lambda t, i: obs(t, decode_3={"kv_usage": 0.95})),
+        "KVCacheNearlyFull/decode-3",
+        [None, None],
+    ),
+    Case(
+        "instance down",
+        every(5, 4, lambda t, i: obs(t, decode_1={"up": False})),
+        "InstanceDown/decode-1",
+        ["pending", "pending", "firing", "firing"],
+    ),
+    Case(
+        "handoff p99 over budget",
+        every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, handoff_p99_s=1.5))),
+        "HandoffP99OverBudget",
+        ["pending", "pending", "pending", "firing", "firing"],
+    ),
+    Case(
+        "stale data: collector behind fires; instance alerts hold",
+        every(
+            10, 4, lambda t, i: obs(t, newest=-1.0 if i == 0 else -(10.0 + 10 * i), decode_1={"up": False})
+        ),
+        "CollectorBehind",
+        [None, "pending", "firing", "firing"],
+    ),
+    Case(
+        "stale data holds an instance alert instead of resolving it",
+        every(
+            10, 4, lambda t, i: obs(t, newest=-1.0 if i < 2 else -100.0, decode_1={"up": i != 1})
+        ),  # "up" again, but seen only in stale data
+        "InstanceDown/decode-1",
+        [None, "firing", "firing", "firing"],
+        {"InstanceDown": 0.0},
+    ),
+    Case(
+        "no snapshots at all is stale",
+        every(10, 2, lambda t, i: obs(t, newest=None)),
+        "CollectorBehind",
+        ["firing", "firing"],
+        {"CollectorBehind": 0.0},
+    ),
 ]
 
 
@@ -164,14 +240,19 @@ def test_from_settings_carries_the_alerts_section() -> None:
     assert rules["HandoffP99OverBudget"].enabled is False
     # rules not named keep their defaults
     assert (rules["InstanceDown"].severity, rules["InstanceDown"].for_s, rules["InstanceDown"].enabled) == (
-        "critical", 10.0, True)
+        "critical",
+        10.0,
+        True,
+    )
     assert AlertConfig.from_settings(parse_config(OVERRIDES.split("slo:")[0])) == AlertConfig()
 
 
 def test_severity_and_for_overrides_change_when_and_how_loud() -> None:
     timeline = every(10, 8, lambda t, i: obs(t, slo=replace(GOOD_SLO, ttft_at_slo_s=3.0)))
     default = run(timeline, AlertConfig())
-    longer = run(timeline, AlertConfig(for_s={"TTFTOverTarget": 30.0}, severity={"TTFTOverTarget": "critical"}))
+    longer = run(
+        timeline, AlertConfig(for_s={"TTFTOverTarget": 30.0}, severity={"TTFTOverTarget": "critical"})
+    )
     assert [h.get("TTFTOverTarget") for h in default] == ["pending"] * 6 + ["firing"] * 2  # default for: 60 s
     assert [h.get("TTFTOverTarget") for h in longer] == ["pending"] * 3 + ["firing"] * 5
     ac = AlertConfig(for_s={"TTFTOverTarget": 0.0}, severity={"TTFTOverTarget": "info"})
@@ -182,7 +263,10 @@ def test_severity_and_for_overrides_change_when_and_how_loud() -> None:
 def test_a_disabled_rule_never_fires() -> None:
     timeline = every(10, 5, lambda t, i: obs(t, slo=replace(GOOD_SLO, handoff_p99_s=1.5)))
     on = run(timeline, AlertConfig(for_s={"HandoffP99OverBudget": 0.0}))
-    off = run(timeline, AlertConfig(for_s={"HandoffP99OverBudget": 0.0}, disabled=frozenset({"HandoffP99OverBudget"})))
+    off = run(
+        timeline,
+        AlertConfig(for_s={"HandoffP99OverBudget": 0.0}, disabled=frozenset({"HandoffP99OverBudget"})),
+    )
     assert [h.get("HandoffP99OverBudget") for h in on] == ["firing"] * 5
     assert [h.get("HandoffP99OverBudget") for h in off] == [None] * 5
 
@@ -193,10 +277,18 @@ def test_disabling_a_rule_resolves_its_firing_alert_and_a_new_severity_applies()
     o = obs(0, decode_1={"up": False}, decode_3={"kv_usage": 0.99})
     prev = {a.fingerprint: a for a in step_alerts(default_rules(before), o, CFG, before, {}).active}
     assert {(a.rule, a.state, a.severity) for a in prev.values()} == {
-        ("InstanceDown", "firing", "critical"), ("KVCacheNearlyFull", "firing", "warning")}
-    after = AlertConfig(for_s={"KVCacheNearlyFull": 0.0}, disabled=frozenset({"InstanceDown"}),
-                        severity={"KVCacheNearlyFull": "critical"})
-    step = step_alerts(default_rules(after), obs(10, decode_1={"up": False}, decode_3={"kv_usage": 0.99}),
-                       CFG, after, prev)
-    assert [(a.rule, a.state) for a in step.notify if a.rule == "InstanceDown"] == [("InstanceDown", "resolved")]
+        ("InstanceDown", "firing", "critical"),
+        ("KVCacheNearlyFull", "firing", "warning"),
+    }
+    after = AlertConfig(
+        for_s={"KVCacheNearlyFull": 0.0},
+        disabled=frozenset({"InstanceDown"}),
+        severity={"KVCacheNearlyFull": "critical"},
+    )
+    step = step_alerts(
+        default_rules(after), obs(10, decode_1={"up": False}, decode_3={"kv_usage": 0.99}), CFG, after, prev
+    )
+    assert [(a.rule, a.state) for a in step.notify if a.rule == "InstanceDown"] == [
+        ("InstanceDown", "resolved")
+    ]
     assert [(a.rule, a.severity) for a in step.active] == [("KVCacheNearlyFull", "critical")]

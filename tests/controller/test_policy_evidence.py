@@ -32,8 +32,20 @@ class Scrapes:
 
 def record(**kw: object) -> ev.RecordFacts:
     base: dict[str, object] = dict.fromkeys(ev.RecordFacts._fields)
-    base.update(status="ok", p_instance="p0", d_instance="d0", p_pool="P", d_pool="D", proxy_in=0.0,
-                p_sent=0.1, p_done=0.5, d_sent=0.5, first_token=0.7, done=1.0, ttft_s=0.7)
+    base.update(
+        status="ok",
+        p_instance="p0",
+        d_instance="d0",
+        p_pool="P",
+        d_pool="D",
+        proxy_in=0.0,
+        p_sent=0.1,
+        p_done=0.5,
+        d_sent=0.5,
+        first_token=0.7,
+        done=1.0,
+        ttft_s=0.7,
+    )
     base.update(kw)
     return ev.RecordFacts(**base)  # type: ignore[arg-type]
 
@@ -43,7 +55,9 @@ def test_hold_time_is_littles_law_on_the_gauges() -> None:
         return Scrapes(increases={key: n}, seconds=seconds)
 
     assert ev.hold_time(6.0, done(12.0), "prefill", 3.0) == pytest.approx(1.5)  # 6 held / 4 per s
-    assert ev.hold_time(6.0, done(12.0, seconds=2.0), "prefill", 3.0) == pytest.approx(1.0)  # the span scraped
+    assert ev.hold_time(6.0, done(12.0, seconds=2.0), "prefill", 3.0) == pytest.approx(
+        1.0
+    )  # the span scraped
     assert ev.hold_time(4.0, done(2.0, "nixl_xfer_time_count"), "decode", 3.0) == pytest.approx(6.0)
     assert ev.hold_time(3.0, done(0.0), "prefill", 3.0) == pytest.approx(18.0)  # stuck: half a completion
     assert ev.hold_time(0.0, done(0.0), "prefill", 3.0) == 0.0
@@ -51,15 +65,20 @@ def test_hold_time_is_littles_law_on_the_gauges() -> None:
     assert ev.hold_time(2.0, None, "prefill", 3.0) is None
 
 
-@pytest.mark.parametrize(("rec", "charged"), [
-    (record(), {}),
-    (record(status="error", d_sent=None, first_token=None), {"p0": 1}),  # failed before decode: P's
-    (record(status="error"), {"d0": 1}),  # failed once decode began: D's
-    (record(status="timeout", d_sent=0.5), {"d0": 1}),
-    (record(status="error", error="upstream_status_503", d_sent=None), {}),  # a 503 refusal is overload
-    (record(status="rejected"), {}),
-])
-def test_a_failure_is_charged_to_the_stage_that_failed_it(rec: ev.RecordFacts, charged: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    ("rec", "charged"),
+    [
+        (record(), {}),
+        (record(status="error", d_sent=None, first_token=None), {"p0": 1}),  # failed before decode: P's
+        (record(status="error"), {"d0": 1}),  # failed once decode began: D's
+        (record(status="timeout", d_sent=0.5), {"d0": 1}),
+        (record(status="error", error="upstream_status_503", d_sent=None), {}),  # a 503 refusal is overload
+        (record(status="rejected"), {}),
+    ],
+)
+def test_a_failure_is_charged_to_the_stage_that_failed_it(
+    rec: ev.RecordFacts, charged: dict[str, int]
+) -> None:
     t = ev.WindowTally({"P": "prefill", "D": "decode"}, now=10.0)
     t.add(rec, invalid=False)
     assert {n: a.failed for n, a in t.instances.items() if a.failed} == charged
@@ -84,14 +103,22 @@ def test_service_ttft_leaves_out_the_admission_wait_and_unqueued_also_p_queue() 
 
 def test_failed_attempts_and_lease_expiries_are_charged_by_name() -> None:
     t = ev.WindowTally({}, now=10.0)
-    t.charge_failed_attempts([{"instance": "d1", "kind": "timeout"}, {"instance": "p1", "kind": "status_503"},
-                              "junk", {"kind": "error"}])
+    t.charge_failed_attempts(
+        [
+            {"instance": "d1", "kind": "timeout"},
+            {"instance": "p1", "kind": "status_503"},
+            "junk",
+            {"kind": "error"},
+        ]
+    )
     assert t.instances["d1"].failed == 1 and t.instances["p1"].failed == 0
     entries = [{"to_ts": 5.0, "d_instance": "d2", "p_instance": "p2"}, {"to_ts": 99.0, "d_instance": "d3"}]
     t.charge_lease_expiries("d9", 5.0, entries, since=0.0, until=10.0)
     assert t.instances["d2"].lease_charged == 1 and t.instances["p2"].lease_on_p == 1
     assert t.instances["d3"].lease_charged == 0 and t.instances["d9"].lease_charged == 0
-    t.charge_lease_expiries("d9", 5.0, None, since=0.0, until=10.0)  # no detail: its own D, if it ended inside
+    t.charge_lease_expiries(
+        "d9", 5.0, None, since=0.0, until=10.0
+    )  # no detail: its own D, if it ended inside
     t.charge_lease_expiries("d8", 50.0, None, since=0.0, until=10.0)
     assert t.instances["d9"].lease_charged == 1 and t.instances["d8"].lease_charged == 0
 
@@ -108,8 +135,12 @@ def test_the_typical_member_is_the_lower_median_so_one_bad_member_does_not_move_
 
 def test_a_pool_percentile_is_the_lower_median_over_pairs_with_enough_samples() -> None:
     n = CFG.pair_min_samples
-    by_pair = {("p0", "d0"): [1.0] * n, ("p0", "d1"): [1.0] * n, ("p0", "d2"): [9.0] * n,
-               ("p1", "d0"): [5.0] * (n - 1)}
+    by_pair = {
+        ("p0", "d0"): [1.0] * n,
+        ("p0", "d1"): [1.0] * n,
+        ("p0", "d2"): [9.0] * n,
+        ("p1", "d0"): [5.0] * (n - 1),
+    }
     assert ev.pairs_percentile(by_pair, 0, {"p0", "p1"}, 99.0, CFG) == pytest.approx(1.0)
     assert ev.pairs_percentile(by_pair, 1, {"d2"}, 99.0, CFG) == pytest.approx(9.0)
     # no pair has enough: the pooled figure, if it has enough itself
@@ -120,7 +151,9 @@ def test_a_pool_percentile_is_the_lower_median_over_pairs_with_enough_samples() 
 
 
 def test_rates_are_over_the_covered_span_right_after_a_start() -> None:
-    assert ev.rate_span_s(30.0, since=100.0, first_in=105.0, now=130.0, cfg=CFG) == 30.0  # a quarter in: window
+    assert (
+        ev.rate_span_s(30.0, since=100.0, first_in=105.0, now=130.0, cfg=CFG) == 30.0
+    )  # a quarter in: window
     assert ev.rate_span_s(30.0, since=100.0, first_in=120.0, now=130.0, cfg=CFG) == pytest.approx(10.0)
     assert ev.rate_span_s(30.0, since=100.0, first_in=129.5, now=130.0, cfg=CFG) == CFG.min_rate_span_s
 
@@ -129,7 +162,9 @@ def test_pool_signals_need_enough_requests_for_a_rate() -> None:
     t = ev.WindowTally({"P": "prefill"}, now=10.0)
     for i in range(CFG.pool_min_requests - 1):
         t.add(record(proxy_in=float(i) * 0.1, d_pool=None), invalid=False)
-    members = [InstanceSignals(name="p0", pool="P", role="prefill", up=True, num_waiting=2.0, num_running=3.0)]
+    members = [
+        InstanceSignals(name="p0", pool="P", role="prefill", up=True, num_waiting=2.0, num_running=3.0)
+    ]
     sig = ev.pool_signals("P", t.pools["P"], members, t, 10.0, CFG)
     assert sig.completed_per_s is None and sig.inflight_requests is None
     t.add(record(proxy_in=1.0, d_pool=None), invalid=False)

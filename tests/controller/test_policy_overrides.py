@@ -10,10 +10,27 @@ from controller.policy import Override
 from tests.controller.replay import T0, replay
 
 
-def ov(id: int, subject: str, *, weight: float | None = None, drained: bool = False, created: float = T0,
-       ttl: float | None = None, kind: str = "instance") -> Override:
-    return Override(id, kind, subject, weight, drained, "test", "sre@test", created,  # type: ignore[arg-type]
-                    None if ttl is None else created + ttl)
+def ov(
+    id: int,
+    subject: str,
+    *,
+    weight: float | None = None,
+    drained: bool = False,
+    created: float = T0,
+    ttl: float | None = None,
+    kind: str = "instance",
+) -> Override:
+    return Override(
+        id,
+        kind,
+        subject,
+        weight,
+        drained,
+        "test",
+        "sre@test",
+        created,  # type: ignore[arg-type]
+        None if ttl is None else created + ttl,
+    )
 
 
 @dataclass(frozen=True)
@@ -27,24 +44,53 @@ class Case:
 INTERVAL = 2.0  # ticks happen at T0 + 2, T0 + 4, ...
 
 CASES = [
-    Case("a weight override wins until its TTL", (ov(1, "decode-1", weight=0.3, ttl=9.0),),
-         {(1, "decode-1"): (0.3, False, "ManualOverride"), (4, "decode-1"): (0.3, False, "ManualOverride"),
-          (5, "decode-1"): (1.0, False, "Healthy"), (1, "decode-0"): (1.0, False, "Healthy")}),
-    Case("a drain is weight 0 and drained, until it ends", (ov(1, "decode-2", drained=True, ttl=5.0),),
-         {(1, "decode-2"): (0.0, True, "Drained"), (2, "decode-2"): (0.0, True, "Drained"),
-          (3, "decode-2"): (1.0, False, "Healthy")}),
-    Case("a drain without TTL lasts", (ov(1, "prefill-0", drained=True),),
-         {(1, "prefill-0"): (0.0, True, "Drained"), (30, "prefill-0"): (0.0, True, "Drained")}),
-    Case("a drain wins over a newer weight override",
-         (ov(1, "decode-3", drained=True, ttl=100.0), ov(2, "decode-3", weight=0.7, created=T0 + 1, ttl=100.0)),
-         {(1, "decode-3"): (0.0, True, "Drained")}),
-    Case("the newest weight override of an instance wins",
-         (ov(1, "decode-0", weight=0.2, ttl=100.0), ov(2, "decode-0", weight=0.9, created=T0 + 1, ttl=100.0)),
-         {(1, "decode-0"): (0.9, False, "ManualOverride")}),
-    Case("an override that expired before the tick is ignored", (ov(1, "decode-0", weight=0.2, ttl=1.0),),
-         {(1, "decode-0"): (1.0, False, "Healthy")}),
-    Case("an override can raise a weight above the policy's", (ov(1, "decode-2", weight=2.0, ttl=100.0),),
-         {(1, "decode-2"): (2.0, False, "ManualOverride")}),
+    Case(
+        "a weight override wins until its TTL",
+        (ov(1, "decode-1", weight=0.3, ttl=9.0),),
+        {
+            (1, "decode-1"): (0.3, False, "ManualOverride"),
+            (4, "decode-1"): (0.3, False, "ManualOverride"),
+            (5, "decode-1"): (1.0, False, "Healthy"),
+            (1, "decode-0"): (1.0, False, "Healthy"),
+        },
+    ),
+    Case(
+        "a drain is weight 0 and drained, until it ends",
+        (ov(1, "decode-2", drained=True, ttl=5.0),),
+        {
+            (1, "decode-2"): (0.0, True, "Drained"),
+            (2, "decode-2"): (0.0, True, "Drained"),
+            (3, "decode-2"): (1.0, False, "Healthy"),
+        },
+    ),
+    Case(
+        "a drain without TTL lasts",
+        (ov(1, "prefill-0", drained=True),),
+        {(1, "prefill-0"): (0.0, True, "Drained"), (30, "prefill-0"): (0.0, True, "Drained")},
+    ),
+    Case(
+        "a drain wins over a newer weight override",
+        (
+            ov(1, "decode-3", drained=True, ttl=100.0),
+            ov(2, "decode-3", weight=0.7, created=T0 + 1, ttl=100.0),
+        ),
+        {(1, "decode-3"): (0.0, True, "Drained")},
+    ),
+    Case(
+        "the newest weight override of an instance wins",
+        (ov(1, "decode-0", weight=0.2, ttl=100.0), ov(2, "decode-0", weight=0.9, created=T0 + 1, ttl=100.0)),
+        {(1, "decode-0"): (0.9, False, "ManualOverride")},
+    ),
+    Case(
+        "an override that expired before the tick is ignored",
+        (ov(1, "decode-0", weight=0.2, ttl=1.0),),
+        {(1, "decode-0"): (1.0, False, "Healthy")},
+    ),
+    Case(
+        "an override can raise a weight above the policy's",
+        (ov(1, "decode-2", weight=2.0, ttl=100.0),),
+        {(1, "decode-2"): (2.0, False, "ManualOverride")},
+    ),
 ]
 
 
@@ -59,7 +105,8 @@ def test_overrides(case: Case) -> None:
 
 
 def test_policy_keeps_computing_under_an_override() -> None:
-    """An override hides the policy's weight but does not freeze it: when it ends, the current policy applies."""
+    """An override hides the policy's weight but does not freeze it: when it ends, the current policy
+    applies."""
     slow = {"decode-2": {"handoff_p50_s": 0.5, "nixl_xfer_mean_s": 0.1}}
     r = replay(lambda tick: slow, 10, overrides=lambda now: (ov(1, "decode-2", weight=1.0, ttl=11.0),))
     assert r.served("decode-2")[:5] == [1.0] * 5
@@ -83,8 +130,12 @@ def test_advisory_table_says_so() -> None:
 
     insts = fleet()
     obs = Observation(now=T0, window_s=30, instances=insts, newest_data=T0)
-    out = decide(TickInput(obs, PolicyState(), (), specs(insts), pool_specs(), "advisory"), PolicyConfig.defaults(),
-                 default_rules(AlertConfig()), AlertConfig())
+    out = decide(
+        TickInput(obs, PolicyState(), (), specs(insts), pool_specs(), "advisory"),
+        PolicyConfig.defaults(),
+        default_rules(AlertConfig()),
+        AlertConfig(),
+    )
     assert out.table.mode == "advisory" and out.table.enforce is False
 
 
@@ -96,7 +147,9 @@ def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> 
     from controller.persist import to_override, to_row
     from controller.schemas import OverrideOut
 
-    weight = Change("instance", "decode-1", "weight", "weight.set", "hot", "api", sets=True, weight=0.4, ttl_s=60.0)
+    weight = Change(
+        "instance", "decode-1", "weight", "weight.set", "hot", "api", sets=True, weight=0.4, ttl_s=60.0
+    )
     drain = Change("instance", "decode-2", "drain", "drain", "maintenance", "api", sets=True)
     o = weight.override(100.0)
     assert (o.weight, o.drained, o.created, o.expires) == (0.4, False, 100.0, 160.0)
@@ -108,6 +161,14 @@ def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> 
     assert back == Override(7, "instance", "decode-1", 0.4, False, "hot", "api", 100.0, 160.0)
     out = OverrideOut.of(back)
     assert out is not None and out.model_dump() == {
-        "id": 7, "subject_kind": "instance", "subject": "decode-1", "weight": 0.4, "drained": False,
-        "reason": "hot", "actor": "api", "created": 100.0, "expires": 160.0}
+        "id": 7,
+        "subject_kind": "instance",
+        "subject": "decode-1",
+        "weight": 0.4,
+        "drained": False,
+        "reason": "hot",
+        "actor": "api",
+        "created": 100.0,
+        "expires": 160.0,
+    }
     assert OverrideOut.of(None) is None

@@ -36,7 +36,9 @@ def test_back_from_down_with_evidence_ramps_after_the_probe() -> None:
     r = replay(down_then({}), 40, cfg=CFG)  # healthy, 40 requests a window once up
     w = r.weights("decode-1")
     assert w[-1] == 1.0, w
-    assert w[w.index(CFG.min_weight, 4) + 1] <= CFG.probe_weight + 1e-9 or "Recovering" in r.reasons("decode-1")
+    assert w[w.index(CFG.min_weight, 4) + 1] <= CFG.probe_weight + 1e-9 or "Recovering" in r.reasons(
+        "decode-1"
+    )
 
 
 def test_a_probe_that_fails_goes_back_to_the_floor_at_once_and_waits_again() -> None:
@@ -55,9 +57,12 @@ def test_a_probe_that_fails_goes_back_to_the_floor_at_once_and_waits_again() -> 
     w, why = r.weights("decode-2"), r.reasons("decode-2")
     k = first_probe[0] - 1  # the probe's tick (0-based)
     assert w[k] == pytest.approx(CFG.probe_weight) and why[k] == "Probing"
-    assert w[k + 1] == pytest.approx(CFG.min_weight) and why[k + 1] == "ProbeFailed", (w[k:k + 3], why[k:k + 3])
+    assert w[k + 1] == pytest.approx(CFG.min_weight) and why[k + 1] == "ProbeFailed", (
+        w[k : k + 3],
+        why[k : k + 3],
+    )
     # and it waits probe_after_s again before the next probe
-    assert set(w[k + 1:k + 1 + probe_after]) == {CFG.min_weight}, w[k:]
+    assert set(w[k + 1 : k + 1 + probe_after]) == {CFG.min_weight}, w[k:]
 
 
 def test_a_floored_instance_is_never_ramped_without_evidence() -> None:
@@ -68,8 +73,10 @@ def test_a_floored_instance_is_never_ramped_without_evidence() -> None:
 
 def test_a_probe_with_healthy_evidence_ramps_back() -> None:
     # a handful of healthy requests at the probe weight are its evidence (probe_min_requests)
-    tl = combine(slow_d(60.0, 1, 6), lambda tick: {"decode-2": {"requests": 4, "nixl_transfers": 4.0}}
-                 if tick >= 6 else {})
+    tl = combine(
+        slow_d(60.0, 1, 6),
+        lambda tick: {"decode-2": {"requests": 4, "nixl_transfers": 4.0}} if tick >= 6 else {},
+    )
     r = replay(tl, 60, cfg=CFG)
     w = r.weights("decode-2")
     k = r.reasons("decode-2").index("Probing")

@@ -19,8 +19,13 @@ CFG = PolicyConfig.defaults()
 def slow_d(factor: float, start: int = 1, end: int | None = None, name: str = "decode-2") -> Timeline:
     def tl(tick: int) -> Changes:
         if tick >= start and (end is None or tick < end):
-            return {name: {"handoff_p50_s": 0.05 * factor, "contribution_s": 0.06 * factor,
-                           "nixl_xfer_mean_s": 0.01 * factor}}
+            return {
+                name: {
+                    "handoff_p50_s": 0.05 * factor,
+                    "contribution_s": 0.06 * factor,
+                    "nixl_xfer_mean_s": 0.01 * factor,
+                }
+            }
         return {}
 
     return tl
@@ -35,7 +40,11 @@ def noisy(seed: int, spread: float, recent_spread: float = 0.3) -> Timeline:
         for i in range(4):
             f = 1.0 + rng.uniform(-spread, spread)
             g = 1.0 + rng.uniform(-recent_spread, recent_spread)
-            out[f"decode-{i}"] = {"handoff_p50_s": 0.05 * f, "nixl_xfer_mean_s": 0.01 * f, "nixl_recent_s": 0.01 * g}
+            out[f"decode-{i}"] = {
+                "handoff_p50_s": 0.05 * f,
+                "nixl_xfer_mean_s": 0.01 * f,
+                "nixl_recent_s": 0.01 * g,
+            }
         for i in range(2):
             f = 1.0 + rng.uniform(-spread, spread)
             g = 1.0 + rng.uniform(-recent_spread, recent_spread)
@@ -111,7 +120,9 @@ def _recovers(r: Replay) -> None:
     at_ceiling = next(i for i, x in enumerate(w) if i > 10 and x >= ceiling - 1e-9)
     assert at_ceiling <= 17, w[10:20]
     raises_above = [i for i in range(at_ceiling + 1, len(w)) if w[i] > w[i - 1] + 1e-9]
-    assert len(raises_above) == 3 and all(b - a >= 15 for a, b in itertools.pairwise([at_ceiling, *raises_above]))
+    assert len(raises_above) == 3 and all(
+        b - a >= 15 for a, b in itertools.pairwise([at_ceiling, *raises_above])
+    )
     assert "HoldingAfterRaise" in r.reasons("decode-2")[at_ceiling:]
 
 
@@ -190,7 +201,9 @@ def _backlog_first(r: Replay) -> None:
     assert w[0] == 1.0 and w[1] < 1.0, "a fast signal alone: confirmed on the second tick, then lowered"
     assert w[2] <= 0.5, w[:4]
     d = r.decision(1, "decode-2")
-    assert d.scores["load"] == pytest.approx(0.4) and d.scores["handoff"] == 1.0  # before any slow request finished
+    assert (
+        d.scores["load"] == pytest.approx(0.4) and d.scores["handoff"] == 1.0
+    )  # before any slow request finished
     assert "spends 15.00s there now" in d.message
     for other in ("decode-0", "decode-1", "decode-3"):
         assert set(r.weights(other)) == {1.0}, other
@@ -228,7 +241,7 @@ def _awaits_evidence(r: Replay) -> None:
     assert w[last_cut] == pytest.approx(CFG.min_weight)
     probe = last_cut + int(CFG.probe_after_s / CFG.interval_s)
     assert set(w[last_cut:probe]) == {CFG.min_weight}, w
-    assert "AwaitingEvidence" in why[last_cut + 1:probe]
+    assert "AwaitingEvidence" in why[last_cut + 1 : probe]
     assert w[-1] > CFG.min_weight, "after the probe time it may rise again"
 
 
@@ -252,7 +265,9 @@ def poisson(rng: random.Random, mean: float) -> float:
     return float(k)
 
 
-def load_noise(seed: int, d_mean: float, p_mean: float, d_done: float = 10.0, p_done: float = 15.0) -> Timeline:
+def load_noise(
+    seed: int, d_mean: float, p_mean: float, d_done: float = 10.0, p_done: float = 15.0
+) -> Timeline:
     """Poisson requests held now and Poisson completions over 3 s, as ``controller.observe`` turns them
     into a hold time (held ÷ finished per second)."""
     rng = random.Random(seed)
@@ -275,63 +290,148 @@ CASES = [
     Case("±25% noise never changes a weight", noisy(7, 0.25), 150, _no_flap),
     Case("±25% noise, another seed", noisy(11, 0.25), 150, _no_flap),
     Case("one 2.5x spike in one window moves nothing", slow_d(2.5, 5, 6), 20, _no_flap),
-    Case("a hopeless D stays at the floor", combine(slow_d(1000.0), at(range(1, 99), "decode-2",
-                                                                         failed_transfers_per_min=50.0)), 20, _floor),
-    Case("down -> 0 at once; back -> floor, then ramps", at(range(3, 6), "decode-1", up=False, down_for_s=60.0),
-         30, _down),
-    Case("a scrape failing for less than down_after_s holds the weight",
-         at(range(3, 5), "decode-1", up=False, down_for_s=4.0), 8, _scrape_blip),
-    Case("too few requests to compare: handoff is ignored",
-         at(range(1, 99), "decode-2", handoff_p50_s=5.0, requests=3, queue_mean_s=None), 8, _too_few),
+    Case(
+        "a hopeless D stays at the floor",
+        combine(slow_d(1000.0), at(range(1, 99), "decode-2", failed_transfers_per_min=50.0)),
+        20,
+        _floor,
+    ),
+    Case(
+        "down -> 0 at once; back -> floor, then ramps",
+        at(range(3, 6), "decode-1", up=False, down_for_s=60.0),
+        30,
+        _down,
+    ),
+    Case(
+        "a scrape failing for less than down_after_s holds the weight",
+        at(range(3, 5), "decode-1", up=False, down_for_s=4.0),
+        8,
+        _scrape_blip,
+    ),
+    Case(
+        "too few requests to compare: handoff is ignored",
+        at(range(1, 99), "decode-2", handoff_p50_s=5.0, requests=3, queue_mean_s=None),
+        8,
+        _too_few,
+    ),
     Case("a 3x slower P loses weight", at(range(1, 99), "prefill-1", contribution_s=0.6), 15, _slow_p),
-    Case("a 3x slower P keeps a share that follows its speed when its queue empties",
-         combine(at(range(0, 99), "prefill-0", queue_mean_s=0.0),
-                 at(range(1, 6), "prefill-1", contribution_s=0.6, ttft_mean_s=0.6, queue_mean_s=0.0),
-                 at(range(6, 99), "prefill-1", contribution_s=0.24, ttft_recent_s=0.24, ttft_mean_s=0.6,
-                    queue_mean_s=0.0)), 25, _slow_p_stays_at_its_speed),
-    Case("a uniformly slow D pool keeps equal weights",
-         combine(*(slow_d(5.0, name=f"decode-{i}") for i in range(4))), 10, _uniform),
+    Case(
+        "a 3x slower P keeps a share that follows its speed when its queue empties",
+        combine(
+            at(range(0, 99), "prefill-0", queue_mean_s=0.0),
+            at(range(1, 6), "prefill-1", contribution_s=0.6, ttft_mean_s=0.6, queue_mean_s=0.0),
+            at(
+                range(6, 99),
+                "prefill-1",
+                contribution_s=0.24,
+                ttft_recent_s=0.24,
+                ttft_mean_s=0.6,
+                queue_mean_s=0.0,
+            ),
+        ),
+        25,
+        _slow_p_stays_at_its_speed,
+    ),
+    Case(
+        "a uniformly slow D pool keeps equal weights",
+        combine(*(slow_d(5.0, name=f"decode-{i}") for i in range(4))),
+        10,
+        _uniform,
+    ),
     Case("KV usage near 100% costs weight", at(range(1, 99), "decode-0", kv_usage=0.99), 10, _kv),
-    Case("expired leases attributed to a D", at(range(1, 99), "decode-3", lease_expiry_suspects=10), 10, _leases),
+    Case(
+        "expired leases attributed to a D",
+        at(range(1, 99), "decode-3", lease_expiry_suspects=10),
+        10,
+        _leases,
+    ),
     # 10/min is 5 in the 30 s window: past min_error_events (3); one or two failures alone are not evidence
-    Case("failed NIXL transfers cost weight", at(range(1, 99), "decode-0", failed_transfers_per_min=10.0), 10,
-         _failures),
-    Case("two failed NIXL transfers in a window are not evidence", at(range(1, 99), "decode-0",
-                                                                      failed_transfers_per_min=4.0), 10, _load_noise),
+    Case(
+        "failed NIXL transfers cost weight",
+        at(range(1, 99), "decode-0", failed_transfers_per_min=10.0),
+        10,
+        _failures,
+    ),
+    Case(
+        "two failed NIXL transfers in a window are not evidence",
+        at(range(1, 99), "decode-0", failed_transfers_per_min=4.0),
+        10,
+        _load_noise,
+    ),
     Case("an instance never scraped keeps its weight", at(range(1, 99), "decode-2", up=None), 5, _no_data),
     # 5 held, 1 transfer finished in 3 s: 15 s per request against 2 x its peers' (floor: 1 s) x the noise
     # margin of one completion (1 + 2/sqrt(1) = 3): a limit of 6 s
-    Case("a D holding KV fetches it does not finish loses weight before any slow request finishes",
-         at(range(1, 99), "decode-2", load_now=5.0, hold_time_now_s=15.0, load_done=1.0), 6, _backlog_first),
+    Case(
+        "a D holding KV fetches it does not finish loses weight before any slow request finishes",
+        at(range(1, 99), "decode-2", load_now=5.0, hold_time_now_s=15.0, load_done=1.0),
+        6,
+        _backlog_first,
+    ),
     # the same 5 s a request over 3 completions is inside the noise margin (2 x (1 + 2/sqrt(3)) = 4.3... 5 s
     # only just over it): it costs at most a mild cut, never the floor
-    Case("5 s a request over only three completions is no evidence for a deep cut",
-         at(range(1, 99), "decode-2", load_now=5.0, hold_time_now_s=5.0, load_done=3.0), 6,
-         lambda r: min(r.weights("decode-2")) >= 0.75 or pytest.fail(str(r.weights("decode-2")))),
-    Case("a P 4.5x slower in vLLM's last-3-scrapes TTFT loses weight before the window's mean moves (2nd tick)",
-         at(range(1, 99), "prefill-1", ttft_recent_s=0.9), 3, lambda r: _cut_on_second_tick(r, "prefill-1", "SlowPrefill")),
-    Case("a D's NIXL transfers 5x slower over the last 3 scrapes cost weight before the window's mean moves",
-         at(range(1, 99), "decode-1", nixl_recent_s=0.05), 3,
-         lambda r: _cut_on_second_tick(r, "decode-1", "SlowKVTransfer")),
+    Case(
+        "5 s a request over only three completions is no evidence for a deep cut",
+        at(range(1, 99), "decode-2", load_now=5.0, hold_time_now_s=5.0, load_done=3.0),
+        6,
+        lambda r: min(r.weights("decode-2")) >= 0.75 or pytest.fail(str(r.weights("decode-2"))),
+    ),
+    Case(
+        (
+            "a P 4.5x slower in vLLM's last-3-scrapes TTFT loses weight before the window's mean moves "
+            "(2nd tick)"
+        ),
+        at(range(1, 99), "prefill-1", ttft_recent_s=0.9),
+        3,
+        lambda r: _cut_on_second_tick(r, "prefill-1", "SlowPrefill"),
+    ),
+    Case(
+        "a D's NIXL transfers 5x slower over the last 3 scrapes cost weight before the window's mean moves",
+        at(range(1, 99), "decode-1", nixl_recent_s=0.05),
+        3,
+        lambda r: _cut_on_second_tick(r, "decode-1", "SlowKVTransfer"),
+    ),
     # 4 held, 2 finished in 3 s: 6 s a request against its peer's 0.8 s (floor 1 s) x 2 x (1 + 2/sqrt(2))
-    Case("a P the proxy balances (as many requests held as its peer) but finishing fewer loses weight",
-         at(range(1, 99), "prefill-1", hold_time_now_s=6.0, load_done=2.0), 3,
-         lambda r: _cut_on_second_tick(r, "prefill-1")),
-    Case("a stuck P (holding requests, finishing none: 18 s a request) loses weight at once",
-         at(range(1, 99), "prefill-1", hold_time_now_s=18.0), 3,
-         lambda r: _cut_at_once(r, "prefill-1")),
-    Case("a D holding 1.5x its peers' time per request (under the 2x tolerance) keeps its weight",
-         combine(*(at(range(1, 99), f"decode-{i}", hold_time_now_s=1.4) for i in range(4)),
-                 at(range(1, 99), "decode-2", hold_time_now_s=2.1)), 10, _load_noise),
-    Case("Poisson in-flight counts (mean 1 at D, 2.5 at P) never change a weight", load_noise(3, 1.0, 2.5), 300,
-         _load_noise),
+    Case(
+        "a P the proxy balances (as many requests held as its peer) but finishing fewer loses weight",
+        at(range(1, 99), "prefill-1", hold_time_now_s=6.0, load_done=2.0),
+        3,
+        lambda r: _cut_on_second_tick(r, "prefill-1"),
+    ),
+    Case(
+        "a stuck P (holding requests, finishing none: 18 s a request) loses weight at once",
+        at(range(1, 99), "prefill-1", hold_time_now_s=18.0),
+        3,
+        lambda r: _cut_at_once(r, "prefill-1"),
+    ),
+    Case(
+        "a D holding 1.5x its peers' time per request (under the 2x tolerance) keeps its weight",
+        combine(
+            *(at(range(1, 99), f"decode-{i}", hold_time_now_s=1.4) for i in range(4)),
+            at(range(1, 99), "decode-2", hold_time_now_s=2.1),
+        ),
+        10,
+        _load_noise,
+    ),
+    Case(
+        "Poisson in-flight counts (mean 1 at D, 2.5 at P) never change a weight",
+        load_noise(3, 1.0, 2.5),
+        300,
+        _load_noise,
+    ),
     Case("the same, another seed", load_noise(5, 1.0, 2.5), 300, _load_noise),
     Case("a D whose handoff alone is over the TTFT target goes to the floor", slow_d(60.0), 12, _breaks_slo),
-    Case("a floored D with too few requests to judge waits for the probe time",
-         combine(slow_d(60.0, 1, 6), at(range(6, 99), "decode-2", requests=2, nixl_transfers=1.0)), 30,
-         _awaits_evidence),
-    Case("every D failing its scrapes at once holds the weights",
-         combine(*(at(range(2, 9), f"decode-{i}", up=False, down_for_s=60.0) for i in range(4))), 10, _all_down),
+    Case(
+        "a floored D with too few requests to judge waits for the probe time",
+        combine(slow_d(60.0, 1, 6), at(range(6, 99), "decode-2", requests=2, nixl_transfers=1.0)),
+        30,
+        _awaits_evidence,
+    ),
+    Case(
+        "every D failing its scrapes at once holds the weights",
+        combine(*(at(range(2, 9), f"decode-{i}", up=False, down_for_s=60.0) for i in range(4))),
+        10,
+        _all_down,
+    ),
 ]
 
 
@@ -360,5 +460,6 @@ def test_routing_version_moves_only_when_the_table_changes() -> None:
     assert versions[0] == 1 and versions[1] == 1, "no change, no new version"
     assert versions[2] == 2
     for o in r.outputs:
-        assert o.table_changed == (o is r.outputs[0] or o.table.version != r.outputs[r.outputs.index(o) - 1]
-                                   .table.version)
+        assert o.table_changed == (
+            o is r.outputs[0] or o.table.version != r.outputs[r.outputs.index(o) - 1].table.version
+        )

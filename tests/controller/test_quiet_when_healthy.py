@@ -42,7 +42,9 @@ def test_a_real_healthy_run_is_replayed_with_no_cut_and_the_same_decisions() -> 
     for k, (out, tick) in enumerate(zip(outs, doc["ticks"], strict=True)):
         assert decisions_of(out) == tick["decided"], f"tick {k}"
         assert all(d.weight == 1.0 for d in out.weights), [d.message for d in out.weights if d.weight < 1.0]
-        assert all(p.new.max_inflight_requests == settings.proxy.admission.max_inflight_requests for p in out.pools)
+        assert all(
+            p.new.max_inflight_requests == settings.proxy.admission.max_inflight_requests for p in out.pools
+        )
     # the live run's advisory controller, before this fix, cut decode-3 to 0.75 (Backlog) 2 s after start:
     # the start-up window (0 requests, 8.3 s per fetch from two scrapes) is not acted on now
     assert outs[1].weights and {d.reason for d in outs[1].weights} <= {"WarmingUp", "Healthy"}
@@ -70,8 +72,9 @@ class _P:
 
 
 def _seed_healthy(factory: Any, settings: Settings, load: float, seed: int, secs: float, t0: float) -> None:
-    """A healthy fleet at ``load`` x its SLO capacity (SLO_CAPACITY x P_SLOTS / PREFILL_S per P), Poisson arrivals, the
-    proxy's power-of-two choices on in-flight requests; one scrape per second per instance."""
+    """A healthy fleet at ``load`` x its SLO capacity (SLO_CAPACITY x P_SLOTS / PREFILL_S per P),
+    Poisson arrivals, the proxy's power-of-two choices on in-flight requests; one scrape per second
+    per instance."""
     rng = random.Random(seed)
     ps = [i.name for _, i in settings.instances("prefill")]
     ds = [i.name for _, i in settings.instances("decode")]
@@ -83,6 +86,7 @@ def _seed_healthy(factory: Any, settings: Settings, load: float, seed: int, secs
     def slow(name: str, at: float) -> float:
         until, factor = warm[name]
         return factor if at < until else 1.0
+
     pstate = {p: _P() for p in ps}
     link_free: dict[tuple[str, str], float] = defaultdict(float)
     d_pulls: dict[str, list[tuple[float, float, float]]] = defaultdict(list)  # (p_done, start, end)
@@ -116,37 +120,87 @@ def _seed_healthy(factory: Any, settings: Settings, load: float, seed: int, secs
         inflight[d].append(done)
         ttft = first - t
         n += 1
-        records.append(RequestRecord(
-            request_id=f"h{seed}-{n}", status="ok", p_instance=p, d_instance=d, p_pool="prefill", d_pool="decode",
-            proxy_in=t, p_sent=t + 0.002, p_done=p_done, d_sent=p_done + 0.002, first_token=first, done=done,
-            ttft_s=ttft, tpot_s=(done - first) / (OUT_TOKENS - 1), e2e_s=done - t, slo_ttft_met=ttft <= 2.0,
-            slo_tpot_met=True, slo_met=ttft <= 2.0, kv_bytes=2048 * 327680, prompt_tokens=2048,
-            completion_tokens=OUT_TOKENS, retries=0, attributes={},
-        ))
+        records.append(
+            RequestRecord(
+                request_id=f"h{seed}-{n}",
+                status="ok",
+                p_instance=p,
+                d_instance=d,
+                p_pool="prefill",
+                d_pool="decode",
+                proxy_in=t,
+                p_sent=t + 0.002,
+                p_done=p_done,
+                d_sent=p_done + 0.002,
+                first_token=first,
+                done=done,
+                ttft_s=ttft,
+                tpot_s=(done - first) / (OUT_TOKENS - 1),
+                e2e_s=done - t,
+                slo_ttft_met=ttft <= 2.0,
+                slo_tpot_met=True,
+                slo_met=ttft <= 2.0,
+                kv_bytes=2048 * 327680,
+                prompt_tokens=2048,
+                completion_tokens=OUT_TOKENS,
+                retries=0,
+                attributes={},
+            )
+        )
     snaps = []
     for k in range(1, int(secs) + 1):
         ts = t0 + k
         for p in ps:
             jobs = pstate[p].jobs
             fin = [j for j in jobs if j[2] <= ts]
-            snaps.append(Snapshot(
-                instance=p, pool="prefill", role="prefill", ts=ts, up=True, histograms={}, extra={},
-                kv_cache_usage=0.05, num_running=float(sum(1 for j in jobs if j[1] <= ts < j[2])),
-                num_waiting=float(sum(1 for j in jobs if j[0] <= ts < j[1])),
-                ttft_count=float(len(fin)), ttft_sum=sum(j[2] - j[0] for j in fin), requests_length=float(len(fin)),
-                queue_count=float(len(fin)), queue_sum=sum(j[1] - j[0] for j in fin),
-                nixl_kv_expired_reqs=0.0, nixl_failed_transfers=0.0))
+            snaps.append(
+                Snapshot(
+                    instance=p,
+                    pool="prefill",
+                    role="prefill",
+                    ts=ts,
+                    up=True,
+                    histograms={},
+                    extra={},
+                    kv_cache_usage=0.05,
+                    num_running=float(sum(1 for j in jobs if j[1] <= ts < j[2])),
+                    num_waiting=float(sum(1 for j in jobs if j[0] <= ts < j[1])),
+                    ttft_count=float(len(fin)),
+                    ttft_sum=sum(j[2] - j[0] for j in fin),
+                    requests_length=float(len(fin)),
+                    queue_count=float(len(fin)),
+                    queue_sum=sum(j[1] - j[0] for j in fin),
+                    nixl_kv_expired_reqs=0.0,
+                    nixl_failed_transfers=0.0,
+                )
+            )
         for d in ds:
             pulls = d_pulls[d]
             fin = [x for x in pulls if x[2] <= ts]
-            snaps.append(Snapshot(
-                instance=d, pool="decode", role="decode", ts=ts, up=True, histograms={}, extra={},
-                kv_cache_usage=0.1, num_running=float(sum(1 for e in inflight[d] if e > ts)), num_waiting=0.0,
-                kv_fetch_waiting_to_start=float(sum(1 for x in pulls if x[0] <= ts < x[1])),
-                kv_fetch_in_progress=float(sum(1 for x in pulls if x[1] <= ts < x[2])), kv_fetch_completed_waiting=0.0,
-                nixl_xfer_time_count=float(len(fin)), nixl_xfer_time_sum=sum(x[2] - x[1] for x in fin),
-                nixl_failed_transfers=0.0, queue_count=float(len(fin)), queue_sum=sum(x[2] - x[0] for x in fin),
-                ttft_count=float(len(fin)), ttft_sum=0.0))
+            snaps.append(
+                Snapshot(
+                    instance=d,
+                    pool="decode",
+                    role="decode",
+                    ts=ts,
+                    up=True,
+                    histograms={},
+                    extra={},
+                    kv_cache_usage=0.1,
+                    num_running=float(sum(1 for e in inflight[d] if e > ts)),
+                    num_waiting=0.0,
+                    kv_fetch_waiting_to_start=float(sum(1 for x in pulls if x[0] <= ts < x[1])),
+                    kv_fetch_in_progress=float(sum(1 for x in pulls if x[1] <= ts < x[2])),
+                    kv_fetch_completed_waiting=0.0,
+                    nixl_xfer_time_count=float(len(fin)),
+                    nixl_xfer_time_sum=sum(x[2] - x[1] for x in fin),
+                    nixl_failed_transfers=0.0,
+                    queue_count=float(len(fin)),
+                    queue_sum=sum(x[2] - x[0] for x in fin),
+                    ttft_count=float(len(fin)),
+                    ttft_sum=0.0,
+                )
+            )
     with transaction(factory) as s:
         s.add_all(records)
         s.add_all(snaps)
@@ -154,24 +208,31 @@ def _seed_healthy(factory: Any, settings: Settings, load: float, seed: int, secs
 
 def _fleet_settings(url: str, n_p: int, n_d: int) -> Settings:
     def members(role: str, n: int) -> list[dict[str, str]]:
-        return [{"name": f"{role}-{i}", "url": f"http://127.0.0.1:{9100 + i + (0 if role == 'prefill' else 50)}"}
-                for i in range(n)]
+        return [
+            {"name": f"{role}-{i}", "url": f"http://127.0.0.1:{9100 + i + (0 if role == 'prefill' else 50)}"}
+            for i in range(n)
+        ]
 
-    cfg = {"model": {"name": "m", "kv_bytes_per_token": 327680},
-           "pools": {"prefill": {"role": "prefill", "instances": members("prefill", n_p)},
-                     "decode": {"role": "decode", "instances": members("decode", n_d)}},
-           "slo": {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 100}, "window_s": 30},
-           "store": {"url": url},
-           "controller": {"interval_s": 1.0, "window_s": 10},  # bench/goodput's controller
-           "collector": {"scrape_interval_s": 1.0, "scrape_timeout_s": 0.8}}
+    cfg = {
+        "model": {"name": "m", "kv_bytes_per_token": 327680},
+        "pools": {
+            "prefill": {"role": "prefill", "instances": members("prefill", n_p)},
+            "decode": {"role": "decode", "instances": members("decode", n_d)},
+        },
+        "slo": {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 100}, "window_s": 30},
+        "store": {"url": url},
+        "controller": {"interval_s": 1.0, "window_s": 10},  # bench/goodput's controller
+        "collector": {"scrape_interval_s": 1.0, "scrape_timeout_s": 0.8},
+    }
     return parse_config(yaml.safe_dump(cfg), "healthy.yaml")
 
 
 @pytest.mark.parametrize("load", [0.75, 0.9])
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize(("n_p", "n_d"), [(2, 4), (3, 6)])
-def test_a_healthy_fleet_gets_no_weight_cut_below_0_9_and_no_limit_cut(tmp_path: Path, load: float, seed: int,
-                                                                       n_p: int, n_d: int) -> None:
+def test_a_healthy_fleet_gets_no_weight_cut_below_0_9_and_no_limit_cut(
+    tmp_path: Path, load: float, seed: int, n_p: int, n_d: int
+) -> None:
     url = f"sqlite:///{tmp_path / 'healthy.db'}"
     upgrade(url)
     engine = make_engine(url)
@@ -183,7 +244,9 @@ def test_a_healthy_fleet_gets_no_weight_cut_below_0_9_and_no_limit_cut(tmp_path:
         ticks = replay_store(settings, factory, t0 + 1.0, t0 + 60.0)
         assert len(ticks) == 60 and math.isfinite(ticks[-1].obs.now)
         slo = ticks[-1].obs.slo
-        assert slo.completed > 100 and slo.ttft_at_slo_s is not None and slo.ttft_at_slo_s <= 2.0, slo  # healthy: SLO met
+        assert slo.completed > 100 and slo.ttft_at_slo_s is not None and slo.ttft_at_slo_s <= 2.0, (
+            slo
+        )  # healthy: SLO met
         assert cuts(ticks) == []
     finally:
         engine.dispose()

@@ -17,11 +17,21 @@ from typing import Any
 
 from websockets.sync.client import connect
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--mute-audio"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--mute-audio",
+]
 
-PROBE = """(() => {
+PROBE = (
+    """(() => {
   const app = document.querySelector('[data-testid="stApp"]');
   const main = document.querySelector('[data-testid="stMain"]') || document.body;
   return JSON.stringify({
@@ -29,13 +39,16 @@ PROBE = """(() => {
     connection: app ? app.getAttribute('data-test-connection-state') : null,
     title: (document.querySelector('h1') || {}).innerText || '',
     exceptions: document.querySelectorAll('[data-testid="stException"]').length,
-    errors: Array.from(document.querySelectorAll('[data-testid="stAlertContentError"]')).map(e => e.innerText),
+    errors: Array.from(document.querySelectorAll('[data-testid="stAlertContentError"]'))"""
+    """.map(e => e.innerText),
     skeletons: document.querySelectorAll('[data-testid="stSkeleton"]').length,
     charts: document.querySelectorAll('[data-testid="stVegaLiteChart"]').length,
-    drawn: document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg').length,
+    drawn: document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas, """
+    """[data-testid="stVegaLiteChart"] svg').length,
     text: main.innerText.slice(0, 4000),
   });
 })()"""
+)
 
 
 def chromium_path() -> str | None:
@@ -59,9 +72,19 @@ class Browser:
             raise RuntimeError("no chromium on PATH")
         self.width, self.height = width, height
         self.proc = subprocess.Popen(
-            [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", "--remote-debugging-port=0",
-             "--remote-debugging-address=127.0.0.1", f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                exe,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={profile_dir}",
+                "--remote-debugging-port=0",
+                "--remote-debugging-address=127.0.0.1",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.port = self._devtools_port(timeout_s=30.0)
         self._id = 0
 
@@ -93,7 +116,9 @@ class Browser:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
 
-    def _call(self, ws: Any, method: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0) -> Any:
+    def _call(
+        self, ws: Any, method: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0
+    ) -> Any:
         self._id += 1
         ws.send(json.dumps({"id": self._id, "method": method, "params": params or {}}))
         deadline = time.monotonic() + timeout_s
@@ -113,8 +138,11 @@ class Browser:
         started = time.monotonic()
         try:
             with connect(target["webSocketDebuggerUrl"], max_size=64 * 2**20, open_timeout=10) as ws:
-                self._call(ws, "Emulation.setDeviceMetricsOverride",
-                           {"width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False})
+                self._call(
+                    ws,
+                    "Emulation.setDeviceMetricsOverride",
+                    {"width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False},
+                )
                 self._call(ws, "Page.navigate", {"url": url})
                 probe: dict[str, Any] = {}
                 done_since: float | None = None
@@ -125,7 +153,7 @@ class Browser:
                         time.sleep(0.25)
                         continue
                     probe = json.loads(value)
-                    finished = (probe["state"] == "notRunning" and probe["title"] and probe["skeletons"] == 0)
+                    finished = probe["state"] == "notRunning" and probe["title"] and probe["skeletons"] == 0
                     if finished:
                         done_since = done_since or time.monotonic()
                         if time.monotonic() - done_since >= settle_s:
@@ -135,6 +163,8 @@ class Browser:
                     time.sleep(0.25)
                 shot = self._call(ws, "Page.captureScreenshot", {"format": "png"})
         finally:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/close/{target['id']}", timeout=10):
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.port}/json/close/{target['id']}", timeout=10
+            ):
                 pass
         return PageShot(url, base64.b64decode(shot["data"]), probe, time.monotonic() - started)

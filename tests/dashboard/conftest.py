@@ -48,9 +48,24 @@ def fake_controller() -> Iterator[FakeController]:
     """A fake controller API on a free port (in a thread: AppTest runs the page synchronously)
     that knows the two test tokens and serves a one-instance routing table."""
     ctl = FakeController(
-        {"version": 42, "generated_at": time.time(), "mode": "advisory", "enforce": False, "pools": [],
-         "instances": [{"name": "decode-2", "pool": "decode", "role": "decode", "url": "http://x",
-                        "weight": 0.25, "drained": False, "reason": "NixlSlowTransfers"}]},
+        {
+            "version": 42,
+            "generated_at": time.time(),
+            "mode": "advisory",
+            "enforce": False,
+            "pools": [],
+            "instances": [
+                {
+                    "name": "decode-2",
+                    "pool": "decode",
+                    "role": "decode",
+                    "url": "http://x",
+                    "weight": 0.25,
+                    "drained": False,
+                    "reason": "NixlSlowTransfers",
+                }
+            ],
+        },
         identities={TOKEN: "api", USER_TOKEN: "carol"},  # as the controller's api_tokens_env
     )
     with serve_in_thread(ctl.app()) as url:

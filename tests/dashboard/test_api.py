@@ -32,12 +32,25 @@ def test_weight_override_sends_body_token_and_actor() -> None:
     ("call", "method", "path", "body"),
     [
         (lambda c: c.drain("p-0", "upgrade"), "POST", "/v1/instances/p-0/drain", {"reason": "upgrade"}),
-        (lambda c: c.drain("p-0", "upgrade", 60.0), "POST", "/v1/instances/p-0/drain",
-         {"reason": "upgrade", "ttl_s": 60.0}),
+        (
+            lambda c: c.drain("p-0", "upgrade", 60.0),
+            "POST",
+            "/v1/instances/p-0/drain",
+            {"reason": "upgrade", "ttl_s": 60.0},
+        ),
         (lambda c: c.undrain("p-0", "done"), "POST", "/v1/instances/p-0/undrain", {"reason": "done"}),
-        (lambda c: c.clear_instance_weight("d-0", "ok"), "DELETE", "/v1/instances/d-0/weight", {"reason": "ok"}),
-        (lambda c: c.set_pool_weight("decode", 2.0, 30.0, "shift"), "PUT", "/v1/pools/decode/weight",
-         {"weight": 2.0, "ttl_s": 30.0, "reason": "shift"}),
+        (
+            lambda c: c.clear_instance_weight("d-0", "ok"),
+            "DELETE",
+            "/v1/instances/d-0/weight",
+            {"reason": "ok"},
+        ),
+        (
+            lambda c: c.set_pool_weight("decode", 2.0, 30.0, "shift"),
+            "PUT",
+            "/v1/pools/decode/weight",
+            {"weight": 2.0, "ttl_s": 30.0, "reason": "shift"},
+        ),
     ],
 )
 def test_each_action_uses_the_controller_route(call, method, path, body) -> None:  # type: ignore[no-untyped-def]

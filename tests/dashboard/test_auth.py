@@ -41,8 +41,9 @@ def _set_override(at, instance: str = "decode-1", reason: str = "NIC flapping"):
 # -- login mode (the default) ------------------------------------------------------------
 
 
-def test_login_is_the_default_and_a_wrong_token_changes_nothing(tmp_path: Path, fake_controller: FakeController,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_login_is_the_default_and_a_wrong_token_changes_nothing(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     assert parse_config(seeded.config.read_text()).dashboard.auth == "login"
     at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
@@ -57,8 +58,9 @@ def test_login_is_the_default_and_a_wrong_token_changes_nothing(tmp_path: Path, 
     assert fake_controller.mutations() == []
 
 
-def test_login_uses_the_identitys_token_and_sign_out_ends_it(tmp_path: Path, fake_controller: FakeController,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_login_uses_the_identitys_token_and_sign_out_ends_it(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_controller.identities["dave-token"] = "dave"
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     at = sign_in(open_page(seeded.config, "controller", monkeypatch, token=TOKEN), "dave-token")
@@ -79,8 +81,9 @@ def test_login_with_the_controller_down_says_so(tmp_path: Path, monkeypatch: pyt
     assert all(b.disabled for b in _form_buttons(at))
 
 
-def test_login_mode_ignores_an_identity_header(tmp_path: Path, fake_controller: FakeController,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_login_mode_ignores_an_identity_header(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     with_dashboard(seeded.config, auth="login", identity_header="X-Forwarded-User")
     monkeypatch.setattr(auth, "request_headers", lambda: {"X-Forwarded-User": "mallory"})
@@ -92,8 +95,9 @@ def test_login_mode_ignores_an_identity_header(tmp_path: Path, fake_controller: 
 # -- header mode ---------------------------------------------------------------------------
 
 
-def test_header_mode_acts_on_behalf_of_the_proxys_user(tmp_path: Path, fake_controller: FakeController,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_header_mode_acts_on_behalf_of_the_proxys_user(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     with_dashboard(seeded.config, auth="header", identity_header="X-Forwarded-User")
     monkeypatch.setattr(auth, "request_headers", lambda: {"x-forwarded-user": "erin\x07@corp"})
@@ -106,8 +110,9 @@ def test_header_mode_acts_on_behalf_of_the_proxys_user(tmp_path: Path, fake_cont
     assert call.headers["x-actor"] == "erin@corp"
 
 
-def test_header_mode_without_the_header_is_read_only(tmp_path: Path, fake_controller: FakeController,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_header_mode_without_the_header_is_read_only(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     with_dashboard(seeded.config, auth="header", identity_header="X-Forwarded-User")
     monkeypatch.setattr(auth, "request_headers", lambda: {"X-Forwarded-User": "  "})
@@ -117,8 +122,9 @@ def test_header_mode_without_the_header_is_read_only(tmp_path: Path, fake_contro
     assert fake_controller.mutations() == []
 
 
-def test_header_mode_without_the_server_token_is_read_only(tmp_path: Path, fake_controller: FakeController,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_header_mode_without_the_server_token_is_read_only(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     with_dashboard(seeded.config, auth="header", identity_header="X-Forwarded-User")
     monkeypatch.setattr(auth, "request_headers", lambda: {"X-Forwarded-User": "erin"})
@@ -130,8 +136,9 @@ def test_header_mode_without_the_server_token_is_read_only(tmp_path: Path, fake_
 # -- none mode ------------------------------------------------------------------------------
 
 
-def test_none_mode_is_read_only(tmp_path: Path, fake_controller: FakeController,
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_none_mode_is_read_only(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     with_dashboard(seeded.config, auth="none")
     at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
@@ -163,7 +170,10 @@ pools:
     ("section", "expected"),
     [
         ("dashboard: {auth: header}\n", "f.yaml:5: dashboard: auth: header needs identity_header"),
-        ("dashboard: {auth: open}\n", "f.yaml:5: dashboard.auth: Input should be 'login', 'header' or 'none'"),
+        (
+            "dashboard: {auth: open}\n",
+            "f.yaml:5: dashboard.auth: Input should be 'login', 'header' or 'none'",
+        ),
         ("dashboard: {auth: header, identity_header: 'X User'}\n", "f.yaml:5: dashboard.identity_header:"),
     ],
 )
@@ -175,8 +185,17 @@ def test_dashboard_auth_config_errors(section: str, expected: str) -> None:
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("127.0.0.1", True), ("127.9.8.7", True), ("::1", True), ("[::1]", True), ("localhost", True),
-     ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("dashboard.example.com", False)],
+    [
+        ("127.0.0.1", True),
+        ("127.9.8.7", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("dashboard.example.com", False),
+    ],
 )
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
@@ -193,7 +212,23 @@ def test_non_loopback_bind_needs_login_or_header() -> None:
 def test_dashboard_command_refuses_an_open_bind_without_starting(tmp_path: Path) -> None:
     config = tmp_path / "pdscope.yaml"
     config.write_text(MINIMAL + "dashboard: {auth: none}\n")
-    proc = subprocess.run([sys.executable, "-m", "pdscope.cli", "--config", str(config), "dashboard",
-                           "--host", "0.0.0.0", "--port", "1"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--config",
+            str(config),
+            "dashboard",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 1
     assert "pdscope dashboard: refusing to listen on 0.0.0.0 (not loopback)" in proc.stderr

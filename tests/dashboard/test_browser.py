@@ -27,8 +27,14 @@ from .conftest import Seeded
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = {"fleet": "Fleet", "requests": "Requests", "kv": "KV transfer", "slos": "SLOs & alerts",
-         "controller": "Controller", "capacity": "Capacity"}
+PAGES = {
+    "fleet": "Fleet",
+    "requests": "Requests",
+    "kv": "KV transfer",
+    "slos": "SLOs & alerts",
+    "controller": "Controller",
+    "capacity": "Capacity",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +44,23 @@ def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Itera
     log = tmp_path_factory.mktemp("dash") / "dashboard.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdscope.cli", "--config", str(seeded.config), "dashboard", "--port", str(port)],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "pdscope.cli",
+                "--config",
+                str(seeded.config),
+                "dashboard",
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
+
         def health() -> bytes:
             if proc.poll() is not None:
                 pytest.fail(f"dashboard exited before it was healthy:\n{log.read_text()[-3000:]}")
@@ -49,8 +68,14 @@ def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 return bytes(resp.read().strip())
 
         try:
-            wait_until("the dashboard to become healthy", health, done=lambda body: body == b"ok", timeout_s=60,
-                       every_s=0.3, ignore=(OSError,))
+            wait_until(
+                "the dashboard to become healthy",
+                health,
+                done=lambda body: body == b"ok",
+                timeout_s=60,
+                every_s=0.3,
+                ignore=(OSError,),
+            )
         except WaitTimeout as exc:
             pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
         yield base
@@ -81,7 +106,9 @@ def _not_blank(png: bytes) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("path", list(PAGES))
-def test_page_renders_in_chromium(path: str, dashboard: str, browser: Browser, seeded: Seeded, tmp_path: Path) -> None:
+def test_page_renders_in_chromium(
+    path: str, dashboard: str, browser: Browser, seeded: Seeded, tmp_path: Path
+) -> None:
     # live=0: no fragment reruns, so "the script finished" is a stable state to wait for.
     url = f"{dashboard}/{'' if path == 'fleet' else path}?range=1h&live=0"
     if path == "requests":  # open the slowest request (on the degraded decode instance)

@@ -21,15 +21,21 @@ def test_streamlit_command_runs_the_app_headless_with_the_config() -> None:
 
 
 def test_dashboard_subcommand_flags() -> None:
-    args = build_parser().parse_args(["--config", "x.yaml", "dashboard", "--port", "9000", "--host", "0.0.0.0"])
+    args = build_parser().parse_args(
+        ["--config", "x.yaml", "dashboard", "--port", "9000", "--host", "0.0.0.0"]
+    )
     assert (args.port, args.host, args._module) == (9000, "0.0.0.0", "dashboard.cli")
 
 
 def test_bad_config_fails_fast_without_starting_streamlit(tmp_path: Path) -> None:
     bad = tmp_path / "pdscope.yaml"
     bad.write_text("model: {name: m}\n")
-    proc = subprocess.run([sys.executable, "-m", "pdscope.cli", "--config", str(bad), "dashboard"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdscope.cli", "--config", str(bad), "dashboard"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "pdscope.yaml" in proc.stderr and "kv_bytes_per_token" in proc.stderr
 
@@ -45,6 +51,8 @@ def test_config_path_from_argv_reads_only_our_flag() -> None:
 def test_seeded_config_is_valid(tmp_path: Path) -> None:
     from pdscope.config import parse_config
 
-    settings = parse_config(fleet_config_yaml(SeedSpec(end=0.0), f"sqlite:///{tmp_path}/s.db", controller_port=9))
+    settings = parse_config(
+        fleet_config_yaml(SeedSpec(end=0.0), f"sqlite:///{tmp_path}/s.db", controller_port=9)
+    )
     assert [i.name for _, i in settings.instances("decode")] == ["decode-0", "decode-1", "decode-2"]
     assert settings.controller_url == "http://127.0.0.1:9"

@@ -43,11 +43,18 @@ def test_every_form_action_is_accepted_and_audited(tmp_path: Path) -> None:
         assert err.value.status == 404
     now = reconciler.clock() + 1.0
     audit = control.audit_trail(engine, Window(now - 60.0, now))
-    assert list(audit["action"])[::-1] == ["weight.set", "drain", "undrain", "weight.clear", "pool_weight.set"]
+    assert list(audit["action"])[::-1] == [
+        "weight.set",
+        "drain",
+        "undrain",
+        "weight.clear",
+        "pool_weight.set",
+    ]
     assert set(audit["actor"]) == {"api:carol"}  # the token's identity, on behalf of carol
     active = fleet.active_overrides(engine, now)
     assert [(r.subject_kind, r.subject, r.weight) for r in active.itertuples() if r.actor == "api:carol"] == [
-        ("pool", "decode", 2.0)]
+        ("pool", "decode", 2.0)
+    ]
     engine.dispose()
 
 

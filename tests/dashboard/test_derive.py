@@ -50,8 +50,10 @@ def test_histogram_increase_subtracts_and_handles_reset() -> None:
 
 
 def test_find_histogram_accepts_vllm_names_and_aliases() -> None:
-    snap = {"vllm:nixl_xfer_time_seconds": {"le": [0.1], "counts": [1, 2], "sum": 0.3, "count": 2},
-            "ttft": {"le": [1.0], "counts": [4, 4], "sum": 1.0, "count": 4}}
+    snap = {
+        "vllm:nixl_xfer_time_seconds": {"le": [0.1], "counts": [1, 2], "sum": 0.3, "count": 2},
+        "ttft": {"le": [1.0], "counts": [4, 4], "sum": 1.0, "count": 4},
+    }
     assert find_histogram(snap, "nixl_xfer_time") == Histogram((0.1,), (1.0, 2.0), 0.3, 2.0)
     assert find_histogram(snap, "ttft") is not None
     assert find_histogram(snap, "itl") is None
@@ -66,11 +68,24 @@ def test_ratio() -> None:
 
 
 def test_waterfall_orders_and_splits_stages() -> None:
-    rec = {"proxy_in": 100.0, "p_sent": 100.002, "p_done": 100.200, "d_sent": 100.201, "first_token": 100.300,
-           "done": 101.300, "p_queue_s": 0.05}
+    rec = {
+        "proxy_in": 100.0,
+        "p_sent": 100.002,
+        "p_done": 100.200,
+        "d_sent": 100.201,
+        "first_token": 100.300,
+        "done": 101.300,
+        "p_queue_s": 0.05,
+    }
     stages = {s.name: s for s in waterfall(rec)}
-    assert list(stages) == ["proxy", "P queue", "P prefill", "handoff (D queue incl. KV pull)", "first token",
-                            "decode"]
+    assert list(stages) == [
+        "proxy",
+        "P queue",
+        "P prefill",
+        "handoff (D queue incl. KV pull)",
+        "first token",
+        "decode",
+    ]
     assert stages["proxy"].duration_ms == pytest.approx(2.0)
     assert stages["P queue"].duration_ms == pytest.approx(50.0)
     assert stages["P prefill"].end_ms == pytest.approx(200.0)
@@ -82,7 +97,9 @@ def test_waterfall_orders_and_splits_stages() -> None:
 def test_waterfall_of_a_rejected_request_and_without_queue_split() -> None:
     assert waterfall({"proxy_in": 5.0, "done": 5.001}) == []
     assert waterfall({}) == []
-    stages = waterfall({"proxy_in": 0.0, "p_sent": 0.001, "p_done": 0.1, "p_queue_s": 5.0})  # queue > span: no split
+    stages = waterfall(
+        {"proxy_in": 0.0, "p_sent": 0.001, "p_done": 0.1, "p_queue_s": 5.0}
+    )  # queue > span: no split
     assert [s.name for s in stages] == ["proxy", "P prefill"]
 
 
@@ -94,8 +111,9 @@ def test_pd_ratio_matches_the_architecture_formula() -> None:
 
 
 def test_capacity_plan_scales_with_load() -> None:
-    plan = capacity_plan(rate_per_s=10, mean_prompt=1000, mean_output=200, c_prefill=20_000, c_decode=2_000,
-                         utilization=0.5)
+    plan = capacity_plan(
+        rate_per_s=10, mean_prompt=1000, mean_output=200, c_prefill=20_000, c_decode=2_000, utilization=0.5
+    )
     assert (plan.n_prefill, plan.n_decode) == (1, 2)
     assert plan.pd_ratio == pytest.approx(0.5)
     double = capacity_plan(20, 1000, 200, 20_000, 2_000, 0.5)

@@ -67,7 +67,9 @@ def charts(at: AppTest) -> int:
 
 
 @pytest.mark.parametrize("page", list(PAGES))
-def test_each_page_renders_the_seeded_fleet(page: str, seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_page_renders_the_seeded_fleet(
+    page: str, seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     title, subheaders = PAGES[page]
     at = open_page(seeded.config, page, monkeypatch)
     assert [t.value for t in at.title] == [title]
@@ -77,7 +79,9 @@ def test_each_page_renders_the_seeded_fleet(page: str, seeded: Seeded, monkeypat
     assert not [e for e in at.error if "failed" in str(e.value)]
 
 
-def test_fleet_shows_pools_instances_and_small_multiples(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fleet_shows_pools_instances_and_small_multiples(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "fleet", monkeypatch)
     labels = [m.label for m in at.metric]
     assert labels.count("up") == 2  # one card per pool
@@ -88,7 +92,9 @@ def test_fleet_shows_pools_instances_and_small_multiples(seeded: Seeded, monkeyp
     assert charts(at) >= 1
 
 
-def test_requests_page_searches_by_id_and_draws_the_waterfall(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requests_page_searches_by_id_and_draws_the_waterfall(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "requests", monkeypatch)
     at.text_input(key="q_id").input(seeded.summary.slow_request_id).run()
     assert not at.exception
@@ -101,8 +107,9 @@ def test_requests_page_searches_by_id_and_draws_the_waterfall(seeded: Seeded, mo
     assert "No request with id" in texts(at)
 
 
-def test_requests_page_filters_slo_misses_and_flags_lease_expiry(seeded: Seeded,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requests_page_filters_slo_misses_and_flags_lease_expiry(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "requests", monkeypatch)
     at.checkbox(key="q_slo_miss").check().run()
     found = at.dataframe[0].value
@@ -114,8 +121,9 @@ def test_requests_page_filters_slo_misses_and_flags_lease_expiry(seeded: Seeded,
     assert "likely KV-lease expiry" in texts(at)
 
 
-def test_slo_page_compares_with_targets_and_lists_firing_alerts(seeded: Seeded,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slo_page_compares_with_targets_and_lists_firing_alerts(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "slos", monkeypatch)
     labels = {m.label for m in at.metric}
     assert {"TTFT p99", "TPOT p99", "SLO attainment", "goodput"} <= labels
@@ -124,7 +132,9 @@ def test_slo_page_compares_with_targets_and_lists_firing_alerts(seeded: Seeded,
     assert charts(at) >= 3
 
 
-def test_kv_page_has_the_pair_heatmap_and_per_instance_table(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kv_page_has_the_pair_heatmap_and_per_instance_table(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "kv_transfer", monkeypatch)
     table = at.dataframe[0].value.set_index("instance")
     assert table.loc["decode-2", "xfer_p99_ms"] > table.loc["decode-0", "xfer_p99_ms"]
@@ -146,8 +156,9 @@ def test_capacity_what_if_scales_the_needed_fleet(seeded: Seeded, monkeypatch: p
     assert len(at.get("latex")) == 1
 
 
-def test_controller_form_calls_the_api_with_the_users_own_token(tmp_path: Path, fake_controller: FakeController,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_controller_form_calls_the_api_with_the_users_own_token(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     # the server's token is in the environment, but login mode never uses it for changes
     at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
@@ -173,8 +184,9 @@ def test_controller_form_calls_the_api_with_the_users_own_token(tmp_path: Path, 
     assert [r.headers["authorization"] for r in whoami] == [f"Bearer {USER_TOKEN}"]
 
 
-def test_controller_drain_form_and_reason_required(tmp_path: Path, fake_controller: FakeController,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_controller_drain_form_and_reason_required(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     at = sign_in(open_page(seeded.config, "controller", monkeypatch), USER_TOKEN)
     drain = next(b for b in at.button if b.label == "Drain")
@@ -186,11 +198,13 @@ def test_controller_drain_form_and_reason_required(tmp_path: Path, fake_controll
     next(b for b in at.button if b.label == "Drain").click().run()
     calls = fake_controller.mutations()
     assert [(c.method, c.path, c.body) for c in calls] == [
-        ("POST", "/v1/instances/prefill-1/drain", {"reason": "kernel upgrade"})]
+        ("POST", "/v1/instances/prefill-1/drain", {"reason": "kernel upgrade"})
+    ]
 
 
-def test_controller_errors_are_shown_not_raised(tmp_path: Path, fake_controller: FakeController,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_controller_errors_are_shown_not_raised(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
     at = sign_in(open_page(seeded.config, "controller", monkeypatch), USER_TOKEN)
     fake_controller.status = 401  # the token is revoked after sign-in
@@ -203,7 +217,9 @@ def test_controller_errors_are_shown_not_raised(tmp_path: Path, fake_controller:
     assert all(b.disabled for b in at.button if b.label in ("Drain", "Set pool weight"))
 
 
-def test_controller_page_without_sign_in_or_controller(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_controller_page_without_sign_in_or_controller(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     at = open_page(seeded.config, "controller", monkeypatch, token=TOKEN)
     body = texts(at)
     assert "Sign in (sidebar)" in body  # says how to enable the forms
@@ -216,7 +232,9 @@ FORM_BUTTONS = ("Set override", "Clear override", "Drain", "Undrain", "Set pool 
 
 
 @pytest.mark.parametrize("page", list(PAGES))
-def test_empty_store_pages_say_how_to_start(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_empty_store_pages_say_how_to_start(
+    page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     upgrade(url)
     config = tmp_path / "pdscope.yaml"
@@ -243,7 +261,9 @@ def test_custom_time_range(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> N
 
     at = open_page(seeded.config, "kv_transfer", monkeypatch)
     at.sidebar.selectbox(key="range").select("Custom…").run()
-    start = dt.datetime.fromtimestamp(seeded.spec.end - 600, tz=dt.UTC).replace(tzinfo=None, second=0, microsecond=0)
+    start = dt.datetime.fromtimestamp(seeded.spec.end - 600, tz=dt.UTC).replace(
+        tzinfo=None, second=0, microsecond=0
+    )
     at.sidebar.datetime_input(key="custom_start").set_value(start)
     at.sidebar.datetime_input(key="custom_end").set_value(start + dt.timedelta(minutes=10)).run()
     assert not at.exception

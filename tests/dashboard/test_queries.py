@@ -81,7 +81,9 @@ def test_fleet_health_shows_the_degraded_decode(small) -> None:  # type: ignore[
     assert sorted(latest["instance"]) == sorted((*spec.prefill, *spec.decode))
     edges = fleet.histogram_edges(engine, window, list(latest["instance"]))
     series = fleet.snapshot_series(engine, window)
-    health = instance_health(series, latest, edges, fleet.current_weights(engine, window.end)).set_index("instance")
+    health = instance_health(series, latest, edges, fleet.current_weights(engine, window.end)).set_index(
+        "instance"
+    )
     assert health.loc["decode-2", "weight"] == pytest.approx(0.25)
     assert health.loc["decode-2", "nixl_xfer_mean_ms"] > 3 * health.loc["decode-0", "nixl_xfer_mean_ms"]
     assert health.loc["decode-0", "ttft_p99_ms"] > health.loc["decode-0", "ttft_p50_ms"] > 0
@@ -153,7 +155,11 @@ def test_slo_and_handoff_figures_agree_with_the_shared_store_queries(small) -> N
         theirs = shared.slo_summary(session, window.start, window.end)["all"]
         pairs = shared.handoff_stats(session, window.start, window.end, by="pair")
     assert mine is not None
-    assert (mine["requests"], mine["completed"], mine["slo_met"]) == (theirs.requests, theirs.completed, theirs.slo_met)
+    assert (mine["requests"], mine["completed"], mine["slo_met"]) == (
+        theirs.requests,
+        theirs.completed,
+        theirs.slo_met,
+    )
     assert mine["attainment"] == pytest.approx(theirs.attainment)
     assert mine["goodput_per_s"] == pytest.approx(theirs.goodput_per_s)
     assert mine["ttft_p99_s"] == pytest.approx(theirs.ttft_p99_s)
@@ -180,12 +186,21 @@ def test_a_changed_slo_moves_the_dashboard_and_the_controller_figures_alike(smal
     window = common.Window(spec.end - spec.duration_s, spec.end + 1)
     with Session(engine) as session:
         stored = shared.slo_summary(session, window.start, window.end)["all"]
-        ttfts = sorted(r for (r,) in session.execute(select(RequestRecord.ttft_s).where(
-            RequestRecord.status == "ok", RequestRecord.ttft_s.is_not(None))))
-    tight = SLOSettings(ttft=LatencySLO(target_ms=1000.0 * ttfts[len(ttfts) // 2]),
-                        tpot=LatencySLO(target_ms=10_000.0))
+        ttfts = sorted(
+            r
+            for (r,) in session.execute(
+                select(RequestRecord.ttft_s).where(
+                    RequestRecord.status == "ok", RequestRecord.ttft_s.is_not(None)
+                )
+            )
+        )
+    tight = SLOSettings(
+        ttft=LatencySLO(target_ms=1000.0 * ttfts[len(ttfts) // 2]), tpot=LatencySLO(target_ms=10_000.0)
+    )
     sample, _ = records.sample(engine, window, slo=tight)
-    mine = slo_figures(sample, records.slo_buckets(engine, window, window.bucket_s(60), tight), window.seconds)
+    mine = slo_figures(
+        sample, records.slo_buckets(engine, window, window.bucket_s(60), tight), window.seconds
+    )
     with Session(engine) as session:
         theirs = shared.slo_summary(session, window.start, window.end, slo=tight)["all"]
     assert mine is not None and mine["slo_met"] == theirs.slo_met

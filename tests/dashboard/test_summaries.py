@@ -20,29 +20,48 @@ def _hist(counts: list[float], total_sum: float) -> dict[str, object]:
 
 
 def test_interval_rates_handle_a_restart() -> None:
-    series = pd.DataFrame({"ts": [0.0, 5.0, 10.0, 15.0], "instance": ["d"] * 4, "role": ["decode"] * 4,
-                           "generation_tokens": [100.0, 150.0, 20.0, 70.0]})
+    series = pd.DataFrame(
+        {
+            "ts": [0.0, 5.0, 10.0, 15.0],
+            "instance": ["d"] * 4,
+            "role": ["decode"] * 4,
+            "generation_tokens": [100.0, 150.0, 20.0, 70.0],
+        }
+    )
     rates = interval_rates(series, ("generation_tokens",))
     assert list(rates["generation_tokens"]) == [10.0, 4.0, 10.0]  # the drop counts 20 from zero
 
 
 def test_interval_means_skip_idle_intervals() -> None:
-    series = pd.DataFrame({"ts": [0.0, 5.0, 10.0], "instance": ["d"] * 3,
-                           "s": [1.0, 1.5, 1.5], "c": [10.0, 20.0, 20.0]})
+    series = pd.DataFrame(
+        {"ts": [0.0, 5.0, 10.0], "instance": ["d"] * 3, "s": [1.0, 1.5, 1.5], "c": [10.0, 20.0, 20.0]}
+    )
     out = interval_means(series, "s", "c", 1000.0)
     assert list(out["value"]) == [pytest.approx(50.0)]
 
 
 def test_nixl_per_instance_from_counters_and_histograms() -> None:
-    series = pd.DataFrame({
-        "ts": [0.0, 10.0, 0.0, 10.0], "instance": ["d0", "d0", "p0", "p0"], "role": ["decode", "decode", "prefill", "prefill"],
-        "nixl_xfer_time_count": [0.0, 100.0, 0.0, 0.0], "nixl_xfer_time_sum": [0.0, 2.0, 0.0, 0.0],
-        "nixl_post_time_count": [0.0, 100.0, 0.0, 0.0], "nixl_post_time_sum": [0.0, 0.1, 0.0, 0.0],
-        "nixl_bytes_sum": [0.0, 4e9, 0.0, 0.0], "nixl_descriptors_sum": [0.0, 5000.0, 0.0, 0.0],
-        "nixl_failed_transfers": [1.0, 3.0, 0.0, 0.0], "nixl_kv_expired_reqs": [0.0, 0.0, 5.0, 7.0],
-    })
-    edges = {"d0": ({"vllm:nixl_xfer_time_seconds": _hist([0, 0, 0, 0], 0)},
-                    {"vllm:nixl_xfer_time_seconds": _hist([10, 90, 100, 100], 2.0)})}
+    series = pd.DataFrame(
+        {
+            "ts": [0.0, 10.0, 0.0, 10.0],
+            "instance": ["d0", "d0", "p0", "p0"],
+            "role": ["decode", "decode", "prefill", "prefill"],
+            "nixl_xfer_time_count": [0.0, 100.0, 0.0, 0.0],
+            "nixl_xfer_time_sum": [0.0, 2.0, 0.0, 0.0],
+            "nixl_post_time_count": [0.0, 100.0, 0.0, 0.0],
+            "nixl_post_time_sum": [0.0, 0.1, 0.0, 0.0],
+            "nixl_bytes_sum": [0.0, 4e9, 0.0, 0.0],
+            "nixl_descriptors_sum": [0.0, 5000.0, 0.0, 0.0],
+            "nixl_failed_transfers": [1.0, 3.0, 0.0, 0.0],
+            "nixl_kv_expired_reqs": [0.0, 0.0, 5.0, 7.0],
+        }
+    )
+    edges = {
+        "d0": (
+            {"vllm:nixl_xfer_time_seconds": _hist([0, 0, 0, 0], 0)},
+            {"vllm:nixl_xfer_time_seconds": _hist([10, 90, 100, 100], 2.0)},
+        )
+    }
     out = nixl_per_instance(series, edges).set_index("instance")
     d0 = out.loc["d0"]
     assert d0["transfers"] == 100 and d0["xfer_mean_ms"] == pytest.approx(20.0)
@@ -54,17 +73,46 @@ def test_nixl_per_instance_from_counters_and_histograms() -> None:
 
 
 def test_instance_health_and_pool_totals() -> None:
-    latest = pd.DataFrame([
-        {"instance": "d0", "pool": "dec", "role": "decode", "up": True, "kv_cache_usage": 0.5, "num_running": 4.0,
-         "num_waiting": 1.0, "ts": 10.0},
-        {"instance": "d1", "pool": "dec", "role": "decode", "up": False, "kv_cache_usage": None,
-         "num_running": 0.0, "num_waiting": 0.0, "ts": 10.0},
-    ])
-    series = pd.DataFrame({"ts": [0.0, 10.0], "instance": ["d0", "d0"], "nixl_xfer_time_sum": [0.0, 1.0],
-                           "nixl_xfer_time_count": [0.0, 50.0], "nixl_failed_transfers": [0.0, 0.0],
-                           "nixl_kv_expired_reqs": [0.0, 0.0]})
-    edges = {"d0": ({"vllm:time_to_first_token_seconds": _hist([0, 0, 0, 0], 0)},
-                    {"vllm:time_to_first_token_seconds": _hist([0, 50, 100, 100], 5.0)})}
+    latest = pd.DataFrame(
+        [
+            {
+                "instance": "d0",
+                "pool": "dec",
+                "role": "decode",
+                "up": True,
+                "kv_cache_usage": 0.5,
+                "num_running": 4.0,
+                "num_waiting": 1.0,
+                "ts": 10.0,
+            },
+            {
+                "instance": "d1",
+                "pool": "dec",
+                "role": "decode",
+                "up": False,
+                "kv_cache_usage": None,
+                "num_running": 0.0,
+                "num_waiting": 0.0,
+                "ts": 10.0,
+            },
+        ]
+    )
+    series = pd.DataFrame(
+        {
+            "ts": [0.0, 10.0],
+            "instance": ["d0", "d0"],
+            "nixl_xfer_time_sum": [0.0, 1.0],
+            "nixl_xfer_time_count": [0.0, 50.0],
+            "nixl_failed_transfers": [0.0, 0.0],
+            "nixl_kv_expired_reqs": [0.0, 0.0],
+        }
+    )
+    edges = {
+        "d0": (
+            {"vllm:time_to_first_token_seconds": _hist([0, 0, 0, 0], 0)},
+            {"vllm:time_to_first_token_seconds": _hist([0, 50, 100, 100], 5.0)},
+        )
+    }
     weights = pd.DataFrame({"subject": ["d0"], "weight": [0.75]})
     health = instance_health(series, latest, edges, weights).set_index("instance")
     assert health.loc["d0", "weight"] == 0.75 and pd.isna(health.loc["d1", "weight"])

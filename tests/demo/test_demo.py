@@ -41,12 +41,16 @@ def _reaction(lines: list[str]) -> tuple[int | None, str | None]:
 def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
     base = yaml.safe_load((REPO / "examples" / "pdscope.yaml").read_text())
     ports = free_ports(11)
-    for i, (pool, inst) in enumerate((p, i) for p in ("prefill", "decode") for i in base["pools"][p]["instances"]):
+    for i, (pool, inst) in enumerate(
+        (p, i) for p in ("prefill", "decode") for i in base["pools"][p]["instances"]
+    ):
         inst["url"] = f"http://127.0.0.1:{ports[i]}"
         del pool
     base["proxy"] = {"port": ports[5]}
     base["controller"] = dict(base.get("controller", {}), port=ports[6], interval_s=1)
-    base["collector"] = dict(base.get("collector", {}), port=ports[7], scrape_interval_s=1, scrape_timeout_s=0.8)
+    base["collector"] = dict(
+        base.get("collector", {}), port=ports[7], scrape_interval_s=1, scrape_timeout_s=0.8
+    )
     base["dashboard"] = {"port": ports[8]}
     base["simulator"] = {"admin_port": ports[9]}
     cfg = tmp_path / "demo-config.yaml"
@@ -54,9 +58,30 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdscope.cli", "--log-level", "WARNING", "--config", str(cfg), "demo",
-         "--workdir", str(workdir), "--fault-after", "15", "--duration", "300", "--no-dashboard", "--rate", "4"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--log-level",
+            "WARNING",
+            "--config",
+            str(cfg),
+            "demo",
+            "--workdir",
+            str(workdir),
+            "--fault-after",
+            "15",
+            "--duration",
+            "300",
+            "--no-dashboard",
+            "--rate",
+            "4",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
 
@@ -69,8 +94,13 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
     reader.start()
     try:
         try:
-            wait_until("decode-0's weight to fall after the fault", lambda: _reaction(lines),
-                       done=lambda seen: seen[1] is not None or proc.poll() is not None, timeout_s=240, every_s=1)
+            wait_until(
+                "decode-0's weight to fall after the fault",
+                lambda: _reaction(lines),
+                done=lambda seen: seen[1] is not None or proc.poll() is not None,
+                timeout_s=240,
+                every_s=1,
+            )
         except WaitTimeout:
             pass  # the asserts below say what was missing, with the demo's output
         fault_seen_at, changed_after_fault = _reaction(lines)
@@ -81,8 +111,12 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
         # requests flowed through the proxy: its own counter says so
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[5]}/metrics", timeout=5) as resp:
             metrics = resp.read().decode()
-        ok = sum(float(m.group(1)) for m in re.finditer(
-            r'^pdscope_proxy_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', metrics, re.M))
+        ok = sum(
+            float(m.group(1))
+            for m in re.finditer(
+                r'^pdscope_proxy_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', metrics, re.M
+            )
+        )
         assert ok >= 5, metrics[:2000]
     finally:
         if proc.poll() is None:
@@ -95,6 +129,8 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
         reader.join(timeout=5)
     assert "stopped." in "\n".join(lines)
     # the demo has stopped; its children may still be being reaped (a timeout: processes left behind)
-    wait_until("no process of the demo left behind after it stopped",
-               lambda: processes_mentioning(str(cfg)) + processes_mentioning(str(workdir)),
-               done=lambda procs: procs == [])
+    wait_until(
+        "no process of the demo left behind after it stopped",
+        lambda: processes_mentioning(str(cfg)) + processes_mentioning(str(workdir)),
+        done=lambda procs: procs == [],
+    )

@@ -32,8 +32,18 @@ def test_load_arguments_are_accepted_by_pdscope_load(real_vllm: bool, tmp_path: 
 
 
 def _args(tmp_path: Path, **kw: object) -> argparse.Namespace:
-    base = dict(real_vllm=False, workdir=str(tmp_path / "work"), rate=None, fault_after=-1.0, duration=5.0,
-                no_dashboard=True, vllm_env=".vllm-cpu", prefill_url=None, decode_url=None, config=None)
+    base = dict(
+        real_vllm=False,
+        workdir=str(tmp_path / "work"),
+        rate=None,
+        fault_after=-1.0,
+        duration=5.0,
+        no_dashboard=True,
+        vllm_env=".vllm-cpu",
+        prefill_url=None,
+        decode_url=None,
+        config=None,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -60,9 +70,15 @@ def test_fresh_workdir_moves_the_earlier_runs_store_aside(tmp_path: Path) -> Non
 
 
 def test_dead_child_includes_a_failed_load_generator(tmp_path: Path) -> None:
-    ok = demo.Child("collector", [sys.executable, "-c", "import time; time.sleep(60)"], None, tmp_path / "c.log")
-    load = demo.Child("load", [sys.executable, "-c", "import sys; print('bad length distribution'); sys.exit(1)"],
-                      None, tmp_path / "load.log")
+    ok = demo.Child(
+        "collector", [sys.executable, "-c", "import time; time.sleep(60)"], None, tmp_path / "c.log"
+    )
+    load = demo.Child(
+        "load",
+        [sys.executable, "-c", "import sys; print('bad length distribution'); sys.exit(1)"],
+        None,
+        tmp_path / "load.log",
+    )
     stack = demo.Stack([ok, load])
     try:
         ok.start({})
@@ -77,13 +93,21 @@ def test_dead_child_includes_a_failed_load_generator(tmp_path: Path) -> None:
     assert not ok.alive()
 
 
-def test_demo_stops_loudly_when_the_load_generator_dies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_stops_loudly_when_the_load_generator_dies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """No services, a load generator that exits 1 at once: the demo says so and exits 1
     (before issue 13 it kept printing "load: ... req/s" with nothing running)."""
     monkeypatch.setattr(demo, "_services", lambda *a, **k: [])
-    monkeypatch.setattr(demo, "load_argv", lambda *a, **k: [
-        sys.executable, "-c", "import sys; print('pdscope load: bad length distribution'); sys.exit(1)"])
+    monkeypatch.setattr(
+        demo,
+        "load_argv",
+        lambda *a, **k: [
+            sys.executable,
+            "-c",
+            "import sys; print('pdscope load: bad length distribution'); sys.exit(1)",
+        ],
+    )
     monkeypatch.setattr(demo, "_weights", lambda url: {})
     monkeypatch.setattr("store.migrate.upgrade", lambda url: None)
     code = demo.run(_args(tmp_path, duration=120.0))
@@ -93,17 +117,37 @@ def test_demo_stops_loudly_when_the_load_generator_dies(tmp_path: Path, monkeypa
 
 
 def test_attached_real_vllm_config(tmp_path: Path) -> None:
-    base = {"model": {"name": "x", "kv_bytes_per_token": 1}, "pools": {}, "proxy": {"port": 18000},
-            "collector": {"port": 14318}, "store": {"url": "sqlite:///elsewhere.db"}}
+    base = {
+        "model": {"name": "x", "kv_bytes_per_token": 1},
+        "pools": {},
+        "proxy": {"port": 18000},
+        "collector": {"port": 14318},
+        "store": {"url": "sqlite:///elsewhere.db"},
+    }
     cfg = demo.real_vllm_config(tmp_path, "http://127.0.0.1:1", "http://127.0.0.1:2", base)
     settings = parse_config(yaml.safe_dump(cfg))
     assert sorted((p, i.name, i.url) for p, i in settings.instances()) == [
-        ("decode", "real-d0", "http://127.0.0.1:2"), ("prefill", "real-p0", "http://127.0.0.1:1")]
+        ("decode", "real-d0", "http://127.0.0.1:2"),
+        ("prefill", "real-p0", "http://127.0.0.1:1"),
+    ]
     assert settings.proxy.port == 18000 and settings.collector.port == 14318
     assert settings.store.url == f"sqlite:///{(tmp_path / 'pdscope.db').resolve()}"
 
 
 def test_urls_without_real_vllm_are_a_usage_error(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pdscope.cli", "demo", "--workdir", str(tmp_path),
-                           "--prefill-url", "http://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "demo",
+            "--workdir",
+            str(tmp_path),
+            "--prefill-url",
+            "http://127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--prefill-url and --decode-url go together" in proc.stderr

@@ -35,7 +35,9 @@ K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "compose"
 K8S_VERSION = "1.30.0"
 # Secrets the operator creates (documented in deploy/k8s/pdscope.yaml); never committed.
-EXTERNAL_SECRETS = {"pdscope-secrets": {"api-token", "db-password", "hf-token", "otlp-proxy-token", "otlp-vllm-token"}}
+EXTERNAL_SECRETS = {
+    "pdscope-secrets": {"api-token", "db-password", "hf-token", "otlp-proxy-token", "otlp-vllm-token"}
+}
 WORKLOADS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
 
 
@@ -144,7 +146,9 @@ def test_k8s_services_select_pods_and_target_ports_they_have() -> None:
     for svc in _by_kind(docs, "Service"):
         name = svc["metadata"]["name"]
         selector = svc["spec"]["selector"]
-        selected = [w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        selected = [
+            w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert selected, f"Service {name} selects no workload"
         for port in svc["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
@@ -199,7 +203,9 @@ def test_k8s_volumes_mounts_configmaps_secrets_and_accounts_resolve() -> None:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 port = c.get(probe, {}).get("httpGet", {}).get("port")
                 if port is not None:
-                    assert port in {p.get("name") for p in c["ports"]} | {p["containerPort"] for p in c["ports"]}
+                    assert port in {p.get("name") for p in c["ports"]} | {
+                        p["containerPort"] for p in c["ports"]
+                    }
 
 
 def test_k8s_images_are_pinned() -> None:
@@ -226,8 +232,10 @@ def test_k8s_pdscope_containers_run_pdscope_commands_on_the_mounted_config() -> 
             assert "/etc/pdscope" in mounts
             ports = {p["containerPort"] for p in c.get("ports", [])}
             expected = {
-                "proxy": settings.proxy.port, "collect": settings.collector.port,
-                "control": settings.controller.port, "dashboard": settings.dashboard.port,
+                "proxy": settings.proxy.port,
+                "collect": settings.collector.port,
+                "control": settings.controller.port,
+                "dashboard": settings.dashboard.port,
             }.get(args[2])
             if expected is not None:
                 assert expected in ports, (args[2], ports)
@@ -291,7 +299,10 @@ def test_k8s_vllm_runs_on_gpus_with_nixl_and_a_reachable_side_channel() -> None:
         env = {e["name"]: e.get("value", "") for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"  # not localhost: D pulls across pods
         _vllm_checks(
-            c["args"], env, {p["containerPort"] for p in c["ports"]}, labels["pdscope.io/role"],
+            c["args"],
+            env,
+            {p["containerPort"] for p in c["ports"]},
+            labels["pdscope.io/role"],
             gpu=c["resources"]["limits"].get("nvidia.com/gpu") == "1",
         )
     assert pools == 2
@@ -334,8 +345,13 @@ def test_k8s_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     rules.mkdir()
     for key, text in _configmaps(_k8s_docs())["prometheus-rules"].items():
         (rules / key).write_text(text)
-    out = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -348,7 +364,10 @@ def test_k8s_generated_configmaps_are_fresh() -> None:
     cms = _configmaps(_k8s_docs())
     for path in sorted((DEPLOY / "prometheus" / "rules").glob("*.yml")):
         assert cms["prometheus-rules"][path.name] == path.read_text()
-    assert cms["grafana-dashboards"]["pdscope-dashboard.json"] == (DEPLOY / "grafana" / "pdscope-dashboard.json").read_text()
+    assert (
+        cms["grafana-dashboards"]["pdscope-dashboard.json"]
+        == (DEPLOY / "grafana" / "pdscope-dashboard.json").read_text()
+    )
 
 
 # -- Compose -----------------------------------------------------------------------------
@@ -413,8 +432,12 @@ def _compose_settings() -> Settings:
 def test_compose_pdscope_services_run_pdscope_commands_on_a_valid_config() -> None:
     services = _compose()["services"]
     settings = _compose_settings()
-    ports = {"proxy": settings.proxy.port, "collect": settings.collector.port,
-             "control": settings.controller.port, "dashboard": settings.dashboard.port}
+    ports = {
+        "proxy": settings.proxy.port,
+        "collect": settings.collector.port,
+        "control": settings.controller.port,
+        "dashboard": settings.dashboard.port,
+    }
     found = set()
     for name, svc in services.items():
         if not svc["image"].startswith("pdscope:"):
@@ -447,7 +470,9 @@ def test_compose_pdscope_config_points_at_compose_services() -> None:
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == inst.name
         assert env["OTEL_SERVICE_NAME"] == inst.name
         exposed = {int(p) for p in svc["expose"]}
-        gpu = any("gpu" in d.get("capabilities", []) for d in svc["deploy"]["resources"]["reservations"]["devices"])
+        gpu = any(
+            "gpu" in d.get("capabilities", []) for d in svc["deploy"]["resources"]["reservations"]["devices"]
+        )
         _vllm_checks(svc["command"], env, exposed, role, gpu)
 
 
@@ -508,8 +533,10 @@ def test_dockerfile_copies_every_package_and_runs_pdscope() -> None:
     exposed = {int(p) for instr, rest in instructions if instr == "EXPOSE" for p in rest.split()}
     defaults = Settings.model_fields
     assert {
-        defaults["proxy"].default.port, defaults["collector"].default.port,
-        defaults["controller"].default.port, defaults["dashboard"].default.port,
+        defaults["proxy"].default.port,
+        defaults["collector"].default.port,
+        defaults["controller"].default.port,
+        defaults["dashboard"].default.port,
     } <= exposed
 
 
@@ -574,7 +601,9 @@ def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:
     assert source["type"] == "prometheus" and urlparse(source["url"]).hostname == "prometheus"
     assert "prometheus" in _compose()["services"]
     assert "prometheus" in {s["metadata"]["name"] for s in _by_kind(_k8s_docs(), "Service")}
-    providers = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdscope.yml").read_text())
+    providers = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdscope.yml").read_text()
+    )
     path = providers["providers"][0]["options"]["path"]
     grafana = _compose()["services"]["grafana"]
     assert any(v.endswith(f"{path}/pdscope-dashboard.json:ro") for v in grafana["volumes"])
@@ -582,8 +611,14 @@ def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:
 
 def test_render_scripts_check_mode_reports_fresh_files() -> None:
     for script in (K8S / "render_configmaps.py", DEPLOY / "grafana" / "build_dashboard.py"):
-        out = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True,
-                             timeout=60, check=False, cwd=REPO)
+        out = subprocess.run(
+            [sys.executable, str(script), "--check"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=REPO,
+        )
         assert out.returncode == 0, out.stderr
 
 
@@ -597,13 +632,20 @@ def test_shipped_prometheus_targets_match_the_demo_config() -> None:
         for group in yaml.safe_load(path.read_text()):
             for target in group["targets"]:
                 labels = group.get("labels", {})
-                vllm[labels["instance"]] = (target, labels.get("pool", pool or role), labels.get("role", role))
+                vllm[labels["instance"]] = (
+                    target,
+                    labels.get("pool", pool or role),
+                    labels.get("role", role),
+                )
     expected = {
         inst.name: (urlparse(inst.url).netloc, pool, settings.pools[pool].role)
         for pool, inst in settings.instances()
     }
     assert vllm == expected
-    for job, section in (("proxy", settings.proxy), ("collector", settings.collector),
-                         ("controller", settings.controller)):
+    for job, section in (
+        ("proxy", settings.proxy),
+        ("collector", settings.collector),
+        ("controller", settings.controller),
+    ):
         (group,) = yaml.safe_load((targets / f"pdscope-{job}.yml").read_text())
         assert group["targets"] == [f"{section.host}:{section.port}"], job

@@ -32,8 +32,7 @@ def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
         pytest.skip(
-            "promtool tier skipped: promtool is not installed "
-            "(apt-get install prometheus; .ci/run does it)"
+            "promtool tier skipped: promtool is not installed (apt-get install prometheus; .ci/run does it)"
         )
     return path
 
@@ -118,9 +117,7 @@ def test_every_alert_is_annotated_and_has_a_runbook_section() -> None:
     alerts = _alerts()
     assert len(alerts) >= 12
     runbook = RUNBOOK.read_text()
-    headings = {
-        _github_anchor(m.group(1)): m.start() for m in re.finditer(r"^#{2,4} (.+)$", runbook, re.M)
-    }
+    headings = {_github_anchor(m.group(1)): m.start() for m in re.finditer(r"^#{2,4} (.+)$", runbook, re.M)}
     for alert in alerts:
         name = alert["alert"]
         ann = alert.get("annotations", {})
@@ -288,8 +285,10 @@ def test_alertmanager_inhibitions_name_real_alerts_and_labels() -> None:
 def test_amtool_check_config() -> None:
     amtool = shutil.which("amtool")
     if amtool is None:
-        pytest.skip("promtool tier skipped: amtool is not installed "
-                    "(apt-get install prometheus-alertmanager; .ci/run does it)")
+        pytest.skip(
+            "promtool tier skipped: amtool is not installed "
+            "(apt-get install prometheus-alertmanager; .ci/run does it)"
+        )
     out = _run(amtool, "check-config", str(ALERTMANAGER))
     assert out.returncode == 0, out.stdout + out.stderr
     n = len(yaml.safe_load(ALERTMANAGER.read_text())["inhibit_rules"])

@@ -42,6 +42,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "pdscope-dashboard.json"
 
 pytestmark = [pytest.mark.promtool, pytest.mark.slow]
 
+
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -59,9 +60,7 @@ def _host_port(url: str) -> str:
     return url.split("://", 1)[1].rstrip("/")
 
 
-def write_prometheus_config(
-    root: Path, fleet: Any, services: dict[str, str], scrape_s: str = "1s"
-) -> Path:
+def write_prometheus_config(root: Path, fleet: Any, services: dict[str, str], scrape_s: str = "1s") -> Path:
     """deploy/prometheus with this test's targets, short intervals and `for:` shortened."""
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=scrape_s, evaluation_interval=scrape_s, scrape_timeout=scrape_s)
@@ -107,8 +106,10 @@ class Prometheus:
     def firing(self, alertname: str, **labels: str) -> list[dict[str, Any]]:
         alerts = self.http.get("/api/v1/alerts").json()["data"]["alerts"]
         return [
-            a for a in alerts
-            if a["labels"]["alertname"] == alertname and a["state"] == "firing"
+            a
+            for a in alerts
+            if a["labels"]["alertname"] == alertname
+            and a["state"] == "firing"
             and all(a["labels"].get(k) == v for k, v in labels.items())
         ]
 
@@ -117,7 +118,9 @@ class Prometheus:
 def prometheus_binary() -> str:
     path = shutil.which("prometheus")
     if path is None:
-        pytest.skip("promtool tier skipped: the prometheus server is not installed (apt-get install prometheus)")
+        pytest.skip(
+            "promtool tier skipped: the prometheus server is not installed (apt-get install prometheus)"
+        )
     return path
 
 
@@ -137,13 +140,19 @@ class Stack:
         self.root = root
         self.ports = dict(zip(("collect", "control", "proxy"), free_ports(3), strict=True))
         self.config = root / "pdscope.yaml"
-        self.config.write_text(fleet.config_yaml(
-            store={"url": f"sqlite:///{root / 'store.db'}"},
-            collector={"host": "127.0.0.1", "port": self.ports["collect"], "scrape_interval_s": 1,
-                       "scrape_timeout_s": 0.5},
-            controller={"host": "127.0.0.1", "port": self.ports["control"], "interval_s": 1},
-            proxy={"host": "127.0.0.1", "port": self.ports["proxy"]},  # spans to the collector
-        ))
+        self.config.write_text(
+            fleet.config_yaml(
+                store={"url": f"sqlite:///{root / 'store.db'}"},
+                collector={
+                    "host": "127.0.0.1",
+                    "port": self.ports["collect"],
+                    "scrape_interval_s": 1,
+                    "scrape_timeout_s": 0.5,
+                },
+                controller={"host": "127.0.0.1", "port": self.ports["control"], "interval_s": 1},
+                proxy={"host": "127.0.0.1", "port": self.ports["proxy"]},  # spans to the collector
+            )
+        )
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def url(self, cmd: str) -> str:
@@ -153,16 +162,20 @@ class Stack:
         return [sys.executable, "-m", "pdscope.cli", "--config", str(self.config), *args]
 
     def start(self) -> None:
-        up = subprocess.run(self._pdscope("db", "upgrade"), cwd=REPO, capture_output=True, text=True,
-                            timeout=120, check=False)
+        up = subprocess.run(
+            self._pdscope("db", "upgrade"), cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+        )
         assert up.returncode == 0, up.stderr[-2000:]
         for cmd in ("collect", "control", "proxy"):
             log = (self.root / f"{cmd}.log").open("wb")
-            self.procs[cmd] = subprocess.Popen(self._pdscope(cmd), cwd=REPO, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[cmd] = subprocess.Popen(
+                self._pdscope(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             log.close()
         for cmd in self.procs:
-            wait_until(f"pdscope {cmd}'s /metrics", lambda cmd=cmd: self._serving(cmd), timeout_s=45, every_s=0.5)
+            wait_until(
+                f"pdscope {cmd}'s /metrics", lambda cmd=cmd: self._serving(cmd), timeout_s=45, every_s=0.5
+            )
 
     def _serving(self, cmd: str) -> bool:
         if self.procs[cmd].poll() is not None:
@@ -198,12 +211,21 @@ def running_prometheus(binary: str, root: Path, config: Path) -> Iterator[Promet
     port = free_port()
     log = (root / "prometheus.log").open("wb")
     proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def ready() -> bool:
             if proc.poll() is not None:
                 raise AssertionError(f"prometheus exited: {(root / 'prometheus.log').read_text()[-2000:]}")
@@ -227,9 +249,15 @@ def running_prometheus(binary: str, root: Path, config: Path) -> Iterator[Promet
 def prometheus(prometheus_binary: str, fleet: Any, stack: Stack, tmp_path: Path) -> Iterator[Prometheus]:
     root = tmp_path / "prom"
     root.mkdir()
-    config = write_prometheus_config(root, fleet, {
-        "proxy": stack.url("proxy"), "collector": stack.url("collect"), "controller": stack.url("control"),
-    })
+    config = write_prometheus_config(
+        root,
+        fleet,
+        {
+            "proxy": stack.url("proxy"),
+            "collector": stack.url("collect"),
+            "controller": stack.url("control"),
+        },
+    )
     with running_prometheus(prometheus_binary, root, config) as prom:
         yield prom
 
@@ -247,19 +275,26 @@ def test_relabelling_takes_pool_and_role_from_target_files(prometheus_binary: st
     files = {
         "vllm-prefill.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "p0"}}],
         "vllm-decode-fast.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "d0"}}],
-        "vllm-decode-slow.yml": [{"targets": [f"127.0.0.1:{free_port()}"],
-                                  "labels": {"instance": "d1", "pool": "h200", "role": "decode"}}],
+        "vllm-decode-slow.yml": [
+            {
+                "targets": [f"127.0.0.1:{free_port()}"],
+                "labels": {"instance": "d1", "pool": "h200", "role": "decode"},
+            }
+        ],
         "vllm-misc.yml": [{"targets": [f"127.0.0.1:{free_port()}"], "labels": {"instance": "x0"}}],
     }
     for name, groups in files.items():
         (targets / name).write_text(yaml.safe_dump(groups))
     with running_prometheus(prometheus_binary, tmp_path, tmp_path / "prometheus.yml") as prom:
+
         def discovered() -> dict[str, Any] | None:
             data: dict[str, Any] = prom.http.get("/api/v1/targets").json()["data"]
             return data if len(data["activeTargets"]) == 3 and data["droppedTargets"] else None
 
         data = wait_until("3 active and 1 dropped vLLM targets", discovered, timeout_s=30, every_s=0.5)
-    labels = {t["labels"]["instance"]: (t["labels"]["pool"], t["labels"]["role"]) for t in data["activeTargets"]}
+    labels = {
+        t["labels"]["instance"]: (t["labels"]["pool"], t["labels"]["role"]) for t in data["activeTargets"]
+    }
     assert labels == {"p0": ("prefill", "prefill"), "d0": ("fast", "decode"), "d1": ("h200", "decode")}
     dropped = [t["discoveredLabels"] for t in data["droppedTargets"]]
     assert [d["instance"] for d in dropped] == ["x0"]
@@ -272,18 +307,36 @@ def pd_request(client: httpx.Client, model: str, p_url: str, d_url: str, prompt_
     """One request the way vLLM's toy proxy does it: P with max_tokens=1, then D with P's
     kv_transfer_params. Returns D's status (or 0 if D did not answer in time)."""
     prompt = " ".join(["tok"] * prompt_words)
-    p = client.post(f"{p_url}/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                               "remote_block_ids": None, "remote_host": None, "remote_port": None},
-    })
+    p = client.post(
+        f"{p_url}/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        },
+    )
     p.raise_for_status()
     kv = p.json()["kv_transfer_params"]
     assert kv and kv["do_remote_prefill"] is True
     try:
-        d = client.post(f"{d_url}/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": 8, "kv_transfer_params": kv,
-        })
+        d = client.post(
+            f"{d_url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "kv_transfer_params": kv,
+            },
+        )
     except httpx.TimeoutException:
         return 0
     return d.status_code
@@ -293,8 +346,10 @@ def via_proxy(client: httpx.Client, proxy_url: str, model: str, n: int) -> list[
     """Send ``n`` requests through pdscope's proxy; return the failures as 'status body'."""
     failures = []
     for _ in range(n):
-        r = client.post(f"{proxy_url}/v1/completions",
-                        json={"model": model, "prompt": " ".join(["tok"] * 400), "max_tokens": 8})
+        r = client.post(
+            f"{proxy_url}/v1/completions",
+            json={"model": model, "prompt": " ".join(["tok"] * 400), "max_tokens": 8},
+        )
         if r.status_code != 200:
             failures.append(f"{r.status_code} {r.text[:300]}")
     return failures
@@ -319,36 +374,79 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
 
     up = wait_until("3 vLLM targets up", targets_up, timeout_s=30, every_s=0.5)
     labels = {r["metric"]["instance"]: (r["metric"]["pool"], r["metric"]["role"]) for r in up}
-    assert labels == {"prefill-0": ("prefill", "prefill"), "decode-0": ("decode", "decode"),
-                      "decode-1": ("decode", "decode")}
-    wait_until("pdscope's proxy, collector and controller up",
-              lambda: len(prometheus.query('up{job=~"pdscope-.*"} == 1')) == 3, timeout_s=30, every_s=0.5)
+    assert labels == {
+        "prefill-0": ("prefill", "prefill"),
+        "decode-0": ("decode", "decode"),
+        "decode-1": ("decode", "decode"),
+    }
+    wait_until(
+        "pdscope's proxy, collector and controller up",
+        lambda: len(prometheus.query('up{job=~"pdscope-.*"} == 1')) == 3,
+        timeout_s=30,
+        every_s=0.5,
+    )
     # honor_labels: the collector's per-target series keep the vLLM instance names
-    wait_until("the collector's per-target up", lambda: len(prometheus.query(
-        'pdscope_collector_target_up{job="pdscope-collector",instance=~"prefill-0|decode-0|decode-1"} == 1')) == 3,
-        timeout_s=30, every_s=0.5)
+    wait_until(
+        "the collector's per-target up",
+        lambda: (
+            len(
+                prometheus.query(
+                    'pdscope_collector_target_up{job="pdscope-collector",'
+                    'instance=~"prefill-0|decode-0|decode-1"} == 1'
+                )
+            )
+            == 3
+        ),
+        timeout_s=30,
+        every_s=0.5,
+    )
 
     # 2. healthy traffic: through pdscope's proxy (following the controller), and direct P/D pairs
-    wait_until("the proxy on the controller's routing table", lambda: prometheus.query(
-        'pdscope_proxy_routing_state{state=~"fresh|advisory"} == 1'), timeout_s=30, every_s=0.5)
+    wait_until(
+        "the proxy on the controller's routing table",
+        lambda: prometheus.query('pdscope_proxy_routing_state{state=~"fresh|advisory"} == 1'),
+        timeout_s=30,
+        every_s=0.5,
+    )
     assert via_proxy(client, stack.url("proxy"), model, 12) == []
     for i in range(12):
         assert pd_request(client, model, p_url, (d0_url, d1_url)[i % 2]) == 200
-    wait_until("the proxy's requests in Prometheus", lambda: prometheus.query(
-        'sum(pdscope_proxy_requests_total{outcome="ok"}) >= 12'), timeout_s=30, every_s=0.5)
+    wait_until(
+        "the proxy's requests in Prometheus",
+        lambda: prometheus.query('sum(pdscope_proxy_requests_total{outcome="ok"}) >= 12'),
+        timeout_s=30,
+        every_s=0.5,
+    )
     wait_until(
         "recorded finished-request rates for both pools",
         lambda: len(prometheus.query("pool_role:vllm_request_success:rate5m > 0")) == 2,
-        timeout_s=30, every_s=0.5,
+        timeout_s=30,
+        every_s=0.5,
     )
-    wait_until("recorded NIXL transfer p99", lambda: prometheus.query(
-        'pool_role:vllm_nixl_xfer_time_seconds:p99_rate5m{role="decode"} > 0'), timeout_s=30, every_s=0.5)
+    wait_until(
+        "recorded NIXL transfer p99",
+        lambda: prometheus.query('pool_role:vllm_nixl_xfer_time_seconds:p99_rate5m{role="decode"} > 0'),
+        timeout_s=30,
+        every_s=0.5,
+    )
     # the proxy's spans became request records; the controller's SLO attainment comes from them
-    wait_until("the controller's SLO attainment", lambda: prometheus.query("pdscope_slo_attainment >= 0"),
-              timeout_s=45, every_s=0.5)
-    for name in ("KVLeaseExpired", "NixlTransferFailures", "PoolRequestErrors", "InstanceDown",
-                 "ProxyRoutingStale", "ServiceDown", "CollectorTargetDown",
-                 "ControllerStale", "ProxyDown"):
+    wait_until(
+        "the controller's SLO attainment",
+        lambda: prometheus.query("pdscope_slo_attainment >= 0"),
+        timeout_s=45,
+        every_s=0.5,
+    )
+    for name in (
+        "KVLeaseExpired",
+        "NixlTransferFailures",
+        "PoolRequestErrors",
+        "InstanceDown",
+        "ProxyRoutingStale",
+        "ServiceDown",
+        "CollectorTargetDown",
+        "ControllerStale",
+        "ProxyDown",
+    ):
         assert prometheus.firing(name) == [], name
     expired_before = prometheus.query('sum(vllm:nixl_num_kv_expired_reqs_total{instance="prefill-0"})')
     assert float(expired_before[0]["value"][1]) == 0
@@ -358,8 +456,12 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     with httpx.Client(timeout=httpx.Timeout(4.0, connect=2.0)) as stuck, ThreadPoolExecutor(3) as pool:
         statuses = list(pool.map(lambda _: pd_request(stuck, model, p_url, d0_url), range(3)))
     assert 200 not in statuses, statuses  # no decode completed without its KV
-    alert = wait_until("KVLeaseExpired firing for prefill-0",
-                      lambda: prometheus.firing("KVLeaseExpired", instance="prefill-0"), timeout_s=45, every_s=0.5)
+    alert = wait_until(
+        "KVLeaseExpired firing for prefill-0",
+        lambda: prometheus.firing("KVLeaseExpired", instance="prefill-0"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert (alert[0]["labels"]["severity"], alert[0]["labels"]["source"]) == ("warning", "prometheus")
     assert alert[0]["annotations"]["runbook_url"].endswith("RUNBOOK.md#kvleaseexpired")
     assert "KV lease expiries on prefill-0" in alert[0]["annotations"]["summary"]
@@ -370,23 +472,39 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     fid = fleet.inject({"kind": "transfer_failure", "rate": 1.0, "decode": "decode-1"})
     statuses = [pd_request(client, model, p_url, d1_url) for _ in range(4)]
     assert 200 not in statuses, statuses
-    failing = wait_until("NixlTransferFailures firing for decode-1",
-                        lambda: prometheus.firing("NixlTransferFailures"), timeout_s=45, every_s=0.5)
+    failing = wait_until(
+        "NixlTransferFailures firing for decode-1",
+        lambda: prometheus.firing("NixlTransferFailures"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert [a["labels"]["instance"] for a in failing] == ["decode-1"]
     assert failing[0]["labels"]["severity"] == "critical"
-    errors = wait_until("PoolRequestErrors firing for the decode pool",
-                       lambda: prometheus.firing("PoolRequestErrors"), timeout_s=45, every_s=0.5)
+    errors = wait_until(
+        "PoolRequestErrors firing for the decode pool",
+        lambda: prometheus.firing("PoolRequestErrors"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert [(a["labels"]["pool"], a["labels"]["role"]) for a in errors] == [("decode", "decode")]
     assert fleet.remove_fault(fid)  # decode-0 still does not pull: it never fails a read
 
     # 5. decode-1 goes down -> InstanceDown (Prometheus) and CollectorTargetDown (pdscope)
     fleet.inject({"kind": "down", "instance": "decode-1"})
-    down = wait_until("InstanceDown firing for decode-1",
-                     lambda: prometheus.firing("InstanceDown"), timeout_s=45, every_s=0.5)
+    down = wait_until(
+        "InstanceDown firing for decode-1",
+        lambda: prometheus.firing("InstanceDown"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert [a["labels"]["instance"] for a in down] == ["decode-1"]
     assert down[0]["labels"]["pool"] == "decode" and down[0]["labels"]["role"] == "decode"
-    seen = wait_until("CollectorTargetDown firing for decode-1",
-                     lambda: prometheus.firing("CollectorTargetDown"), timeout_s=45, every_s=0.5)
+    seen = wait_until(
+        "CollectorTargetDown firing for decode-1",
+        lambda: prometheus.firing("CollectorTargetDown"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert [a["labels"]["instance"] for a in seen] == ["decode-1"]
     assert prometheus.firing("PoolDown") == []  # decode-0 still answers scrapes
 
@@ -394,8 +512,11 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     empty = [expr for expr in dashboard_expressions() if not prometheus.query(expr)]
     # series that exist only after their event (a rejection, a retry, an admitted handoff)
     event_only = ("rejections", "retries", "pool_inflight")
-    must_have_data = [e for e in dashboard_expressions() if re.search(r"\bvllm:|pdscope_", e)
-                      and not any(name in e for name in event_only)]
+    must_have_data = [
+        e
+        for e in dashboard_expressions()
+        if re.search(r"\bvllm:|pdscope_", e) and not any(name in e for name in event_only)
+    ]
     assert len(must_have_data) >= 30
     missing = [e for e in must_have_data if e in empty]
     assert not missing, f"dashboard queries with no data on a live fleet: {json.dumps(missing, indent=1)}"
@@ -407,11 +528,19 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
 
     # 7. the controller goes away: ServiceDown, and the proxy's routing goes stale
     stack.stop("control")
-    gone = wait_until("ServiceDown firing for the controller",
-                     lambda: prometheus.firing("ServiceDown", job="pdscope-controller"), timeout_s=45, every_s=0.5)
+    gone = wait_until(
+        "ServiceDown firing for the controller",
+        lambda: prometheus.firing("ServiceDown", job="pdscope-controller"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert gone[0]["labels"]["severity"] == "warning"
-    stale = wait_until("ProxyRoutingStale firing for the proxy",
-                      lambda: prometheus.firing("ProxyRoutingStale", instance="proxy"), timeout_s=45, every_s=0.5)
+    stale = wait_until(
+        "ProxyRoutingStale firing for the proxy",
+        lambda: prometheus.firing("ProxyRoutingStale", instance="proxy"),
+        timeout_s=45,
+        every_s=0.5,
+    )
     assert stale[0]["labels"]["state"] in {"static", "fallback"}
     assert prometheus.firing("ProxyDown") == []
 

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def pdscope(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdscope.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdscope.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_lists_every_subcommand() -> None:
@@ -44,7 +45,9 @@ def test_config_check_ok_and_failing(tmp_path: Path) -> None:
     )
     out = pdscope("config", "check", str(bad))
     assert out.returncode == 1
-    problems = [ln for ln in out.stderr.splitlines() if ln.startswith(str(bad) + ":") and "problem(s)" not in ln]
+    problems = [
+        ln for ln in out.stderr.splitlines() if ln.startswith(str(bad) + ":") and "problem(s)" not in ln
+    ]
     assert len(problems) == 3, out.stderr
 
 

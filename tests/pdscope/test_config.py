@@ -64,10 +64,16 @@ colector:
 @pytest.mark.parametrize(
     ("snippet", "expected"),
     [
-        ("model: {name: x, kv_bytes_per_token: 1}\nmodel: {name: y, kv_bytes_per_token: 1}\n", "duplicate key 'model'"),
+        (
+            "model: {name: x, kv_bytes_per_token: 1}\nmodel: {name: y, kv_bytes_per_token: 1}\n",
+            "duplicate key 'model'",
+        ),
         ("model: [unclosed\n", "not valid YAML"),
         ("- a\n- b\n", "top level must be a mapping"),
-        (MINIMAL + "collector: {scrape_interval_s: 2, scrape_timeout_s: 5}\n", "shorter than scrape_interval_s"),
+        (
+            MINIMAL + "collector: {scrape_interval_s: 2, scrape_timeout_s: 5}\n",
+            "shorter than scrape_interval_s",
+        ),
         (MINIMAL.replace("http://127.0.0.1:8100", "127.0.0.1:8100"), "pools.p.instances.0.url"),
         (MINIMAL.replace("name: d0", "name: p0"), "must be unique"),
         (MINIMAL.replace("kv_bytes_per_token: 1024", "kv_bytes_per_token: -1"), "model.kv_bytes_per_token"),

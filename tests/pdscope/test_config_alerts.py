@@ -1,4 +1,5 @@
-"""The ``alerts`` section and ``slo.handoff_budget_ms``: defaults, overrides, and one clear line per mistake."""
+"""The ``alerts`` section and ``slo.handoff_budget_ms``: defaults, overrides, and one clear line per
+mistake."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from tests.pdscope.test_config import MINIMAL
 
 REPO = Path(__file__).resolve().parents[2]
 
-OVERRIDES = MINIMAL + """slo:
+OVERRIDES = (
+    MINIMAL
+    + """slo:
   ttft: {target_ms: 3000}
   handoff_budget_ms: 750
 alerts:
@@ -24,6 +27,7 @@ alerts:
     TTFTOverTarget: {for_s: 120, severity: critical}
     HandoffP99OverBudget: {enabled: false}
 """
+)
 
 
 def problems(text: str) -> list[str]:
@@ -64,7 +68,11 @@ def test_unknown_rule_is_one_line_at_its_own_line_listing_the_known_names() -> N
 @pytest.mark.parametrize(
     ("rules", "field", "reason"),
     [
-        ("InstanceDown: {severity: page}", "alerts.rules.InstanceDown.severity", "'info', 'warning' or 'critical'"),
+        (
+            "InstanceDown: {severity: page}",
+            "alerts.rules.InstanceDown.severity",
+            "'info', 'warning' or 'critical'",
+        ),
         ("InstanceDown: {for_s: -1}", "alerts.rules.InstanceDown.for_s", "greater than or equal to 0"),
         ("InstanceDown: {enabled: maybe}", "alerts.rules.InstanceDown.enabled", "valid boolean"),
         ("InstanceDown: {for: 10}", "alerts.rules.InstanceDown.for", "unknown key"),

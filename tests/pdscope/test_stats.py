@@ -99,8 +99,9 @@ def test_percentile_is_monotonic_in_q_and_within_the_data(values: list[float], a
         (0.5, LE, (5.0, 4.0, 10.0, 10.0), 0.1),  # non-monotonic counts are made monotonic first
     ],
 )
-def test_histogram_quantile_table(q: float, le: tuple[float, ...], counts: tuple[float, ...],
-                                  expected: float | None) -> None:
+def test_histogram_quantile_table(
+    q: float, le: tuple[float, ...], counts: tuple[float, ...], expected: float | None
+) -> None:
     got = histogram_quantile(q, le, counts)
     assert got == (None if expected is None else pytest.approx(expected))
 
@@ -123,7 +124,9 @@ def _histogram(obs: list[float], le: tuple[float, ...]) -> Histogram:
     return Histogram(le, tuple(accumulate(per)), sum(obs), float(len(obs)))
 
 
-bounds = st.lists(st.floats(0.001, 100.0), min_size=1, max_size=8, unique=True).map(lambda b: tuple(sorted(b)))
+bounds = st.lists(st.floats(0.001, 100.0), min_size=1, max_size=8, unique=True).map(
+    lambda b: tuple(sorted(b))
+)
 observations = st.lists(st.floats(0.0, 150.0), min_size=1, max_size=80)
 
 
@@ -147,7 +150,9 @@ def test_histogram_quantile_lands_in_the_bucket_of_the_true_quantile(
 
 
 @given(bounds, observations, st.floats(0.0, 1.0), st.floats(0.0, 1.0))
-def test_histogram_quantile_is_monotonic_in_q(le: tuple[float, ...], obs: list[float], a: float, b: float) -> None:
+def test_histogram_quantile_is_monotonic_in_q(
+    le: tuple[float, ...], obs: list[float], a: float, b: float
+) -> None:
     lo, hi = sorted((a, b))
     h = _histogram(obs, le)
     q_lo, q_hi = h.quantile(lo), h.quantile(hi)
@@ -189,7 +194,9 @@ steps = st.lists(st.tuples(st.integers(0, 1000), st.booleans()), min_size=1, max
 
 
 @given(st.integers(0, 10_000), steps)
-def test_counter_increase_recovers_the_true_increase_across_restarts(start: int, moves: list[tuple[int, bool]]) -> None:
+def test_counter_increase_recovers_the_true_increase_across_restarts(
+    start: int, moves: list[tuple[int, bool]]
+) -> None:
     values: list[float | None] = [float(start)]
     true = 0.0
     for inc, restart in moves:
@@ -218,8 +225,9 @@ def test_histogram_increase_takes_a_restarted_sample_whole() -> None:
     b = Histogram((1.0,), (7.0, 12.0), 10.0, 12.0)
     restarted = Histogram((1.0,), (1.0, 2.0), 1.0, 2.0)
     later = Histogram((1.0,), (2.0, 4.0), 3.0, 4.0)
-    assert histogram_increase([a, b, restarted, later]) == Histogram((1.0,), (4.0 + 1.0 + 1.0, 7.0 + 2.0 + 2.0),
-                                                                     6.0 + 1.0 + 2.0, 7.0 + 2.0 + 2.0)
+    assert histogram_increase([a, b, restarted, later]) == Histogram(
+        (1.0,), (4.0 + 1.0 + 1.0, 7.0 + 2.0 + 2.0), 6.0 + 1.0 + 2.0, 7.0 + 2.0 + 2.0
+    )
     # one bucket went down while the count did not: a restart too (no negative bucket increase)
     odd = Histogram((1.0,), (6.0, 13.0), 11.0, 13.0)
     assert histogram_increase([b, odd]) == odd
@@ -241,12 +249,14 @@ def test_histogram_increase_needs_two_samples() -> None:
     assert histogram_increase([]) is None
 
 
-batches = st.lists(st.tuples(st.lists(st.floats(0.0, 3.0), max_size=10), st.booleans()), min_size=1, max_size=12)
+batches = st.lists(
+    st.tuples(st.lists(st.floats(0.0, 3.0), max_size=10), st.booleans()), min_size=1, max_size=12
+)
 
 
 @given(batches)
 def test_histogram_increase_is_the_histogram_of_what_was_observed_since_the_first_sample(
-    moves: list[tuple[list[float], bool]]
+    moves: list[tuple[list[float], bool]],
 ) -> None:
     le = (0.5, 1.0, 2.0)
     since_start: list[float] = [0.7, 2.5]  # observed before the first sample

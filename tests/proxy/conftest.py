@@ -27,8 +27,10 @@ class Fleet:
 
 @asynccontextmanager
 async def fake_fleet(n_prefill: int, n_decode: int, **decode_kw: Any) -> AsyncIterator[Fleet]:
-    fleet = Fleet([FakeVLLM(f"p{i}", "prefill") for i in range(n_prefill)],
-                  [FakeVLLM(f"d{i}", "decode", **decode_kw) for i in range(n_decode)])
+    fleet = Fleet(
+        [FakeVLLM(f"p{i}", "prefill") for i in range(n_prefill)],
+        [FakeVLLM(f"d{i}", "decode", **decode_kw) for i in range(n_decode)],
+    )
     async with AsyncExitStack() as stack:
         for inst in (*fleet.prefill, *fleet.decode):
             inst.url = await stack.enter_async_context(serve(inst.app()))
@@ -44,14 +46,21 @@ def make_settings(
     doc = {
         "model": {"name": "fake", "kv_bytes_per_token": kv_bytes_per_token},
         "pools": {
-            "prefill": {"role": "prefill", "instances": [
-                {"name": f"p{i}", "url": u} for i, u in enumerate(prefill_urls)]},
-            "decode": {"role": "decode", "instances": [
-                {"name": f"d{i}", "url": u} for i, u in enumerate(decode_urls)]},
+            "prefill": {
+                "role": "prefill",
+                "instances": [{"name": f"p{i}", "url": u} for i, u in enumerate(prefill_urls)],
+            },
+            "decode": {
+                "role": "decode",
+                "instances": [{"name": f"d{i}", "url": u} for i, u in enumerate(decode_urls)],
+            },
         },
-        "proxy": {"controller_url": closed_port_url(), "routing_poll_s": 0.05,
-                  "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 5, "decode_total_s": 10},
-                  **(proxy or {})},
+        "proxy": {
+            "controller_url": closed_port_url(),
+            "routing_poll_s": 0.05,
+            "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 5, "decode_total_s": 10},
+            **(proxy or {}),
+        },
     }
     return parse_config(yaml.safe_dump(doc), "<test>")
 
@@ -70,8 +79,9 @@ async def serve_proxy(app: ProxyApp) -> AsyncIterator[str]:
     """The proxy on a free port (:func:`tests.support.serving.serve`, with more time to drain), with the
     same bounded-read server protocol ``pdscope proxy`` runs (``proxy.server``)."""
     ps = app.parts.settings.proxy
-    http = read_timeout_protocol(ps.client_read_timeout_s,
-                                 lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc())
+    http = read_timeout_protocol(
+        ps.client_read_timeout_s, lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc()
+    )
     async with serve(app, stop_timeout_s=10, http=http) as url:
         yield url
 

@@ -34,7 +34,8 @@ class FakeVLLM:
 
     Streams (decode): ``stream_error`` ``"first"`` sends vLLM's in-band error event
     (``data: {"error": {...}}``, then ``[DONE]``) instead of any token, ``"mid"`` sends it after
-    the first token, ``"empty"`` ends the stream before any event; ``no_done`` ends the stream cleanly without ``data: [DONE]``."""
+    the first token, ``"empty"`` ends the stream before any event; ``no_done`` ends the stream
+    cleanly without ``data: [DONE]``."""
 
     name: str
     role: str
@@ -50,10 +51,12 @@ class FakeVLLM:
     url: str = ""
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/completions", self._handle, methods=["POST"]),
-            Route("/v1/chat/completions", self._handle, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/completions", self._handle, methods=["POST"]),
+                Route("/v1/chat/completions", self._handle, methods=["POST"]),
+            ]
+        )
 
     async def _handle(self, request: Request) -> Response:
         body = await request.json()
@@ -82,11 +85,17 @@ class FakeVLLM:
             return 200, None
         self.finished += 1
         text = completion_text(body)
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                                  if "messages" in body else {"index": 0, "text": text})
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text}}
+            if "messages" in body
+            else {"index": 0, "text": text}
+        )
         choice["finish_reason"] = "length"
-        return 200, {"id": f"cmpl-{rid}", "choices": [choice],
-                     "usage": {"prompt_tokens": 3, "completion_tokens": len(text)}}
+        return 200, {
+            "id": f"cmpl-{rid}",
+            "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(text)},
+        }
 
     def prefill_answer(self, rid: str, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt") or json.dumps(body.get("messages"))
@@ -97,10 +106,16 @@ class FakeVLLM:
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
             "usage": {"prompt_tokens": n_tokens, "completion_tokens": 1, "total_tokens": n_tokens + 1},
             "kv_transfer_params": {
-                "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": [[1, 2, 3]], "remote_engine_id": f"engine-{self.name}",
-                "remote_request_id": f"cmpl-{rid}-0-deadbeef", "remote_host": "127.0.0.1",
-                "remote_port": 5600, "tp_size": 1, "remote_num_tokens": n_tokens, "transfer_mode": "pull",
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": f"engine-{self.name}",
+                "remote_request_id": f"cmpl-{rid}-0-deadbeef",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "remote_num_tokens": n_tokens,
+                "transfer_mode": "pull",
             },
         }
 
@@ -110,15 +125,39 @@ class FakeVLLM:
         chat = "messages" in body
         n = max(1, self.n_chunks)
         size = max(1, -(-len(text) // n))
-        pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
-        error_event = b"data: " + json.dumps({"error": {
-            "message": "KV transfer failed", "type": "InternalServerError", "param": None, "code": 500,
-        }}).encode() + b"\n\n"
+        pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+        error_event = (
+            b"data: "
+            + json.dumps(
+                {
+                    "error": {
+                        "message": "KV transfer failed",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+            ).encode()
+            + b"\n\n"
+        )
         try:
             if chat:  # vLLM's chat preamble, sent with the first engine output (an error too)
-                yield b"data: " + json.dumps({"id": rid, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}).encode() \
+                yield (
+                    b"data: "
+                    + json.dumps(
+                        {
+                            "id": rid,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    ).encode()
                     + b"\n\n"
+                )
             if self.stream_error == "first":
                 yield error_event + b"data: [DONE]\n\n"
                 return
@@ -126,7 +165,9 @@ class FakeVLLM:
                 return
             for i, piece in enumerate(pieces):
                 delta = {"delta": {"content": piece}} if chat else {"text": piece}
-                yield b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
+                yield (
+                    b"data: " + json.dumps({"id": rid, "choices": [{"index": 0, **delta}]}).encode() + b"\n\n"
+                )
                 if self.hang_after_first and i == 0:
                     await asyncio.sleep(3600)  # the behaviour under test: a stream that stalls
                 if self.stream_error == "mid" and i == 0:

@@ -74,7 +74,8 @@ class MemResponse:
         return b"".join(parts)
 
     def close(self) -> None:
-        """Closes a stream not read to its end (the instance counts it as aborted), as a socket close would."""
+        """Closes a stream not read to its end (the instance counts it as aborted), as a socket close
+        would."""
         self.closed = True
         stream, self._stream = self._stream, None
         if stream is not None and not getattr(

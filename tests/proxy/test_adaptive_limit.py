@@ -18,13 +18,28 @@ TARGET_S = 2.0
 
 
 def _limits(**kw: Any) -> AdaptiveLimits:
-    s = AdaptiveLimitSettings(**{"window_s": 1.0, "min_samples": 10, "increase": 2, "decrease_factor": 0.5,
-                                 "min_limit": 2, "headroom": 0.8, **kw})
+    s = AdaptiveLimitSettings(
+        **{
+            "window_s": 1.0,
+            "min_samples": 10,
+            "increase": 2,
+            "decrease_factor": 0.5,
+            "min_limit": 2,
+            "headroom": 0.8,
+            **kw,
+        }
+    )
     return AdaptiveLimits(s, TARGET_S, 99.0)
 
 
-def _window(lim: AdaptiveLimits, t0: float, ttfts: list[float], inflight: int = 40, ceiling: int = 256,
-            pool: str = "p") -> float:
+def _window(
+    lim: AdaptiveLimits,
+    t0: float,
+    ttfts: list[float],
+    inflight: int = 40,
+    ceiling: int = 256,
+    pool: str = "p",
+) -> float:
     """Feed one window of samples spread over [t0, t0 + 1]; returns the window's end."""
     for i, x in enumerate(ttfts):
         lim.observe(pool, x, inflight, ceiling, t0 + (i + 1) / len(ttfts))
@@ -111,8 +126,10 @@ def test_pools_are_independent() -> None:
 
 
 def test_adaptive_limit_config_is_validated() -> None:
-    base = "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: [{name: p0, url: 'http://p'}]}\n" \
-           "  d: {role: decode, instances: [{name: d0, url: 'http://d'}]}\n"
+    base = (
+        "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: [{name: p0, url: 'http://p'}]}\n"
+        "  d: {role: decode, instances: [{name: d0, url: 'http://d'}]}\n"
+    )
     s = parse_config(base, "<t>")
     assert s.proxy.adaptive_limit.enabled and s.proxy.adaptive_limit.min_limit == 1
     for bad in ("{decrease_factor: 1.0}", "{min_limit: 0}", "{window_s: 0}", "{headroom: 1.5}", "{bogus: 1}"):
@@ -128,11 +145,18 @@ COMPLETION = {"model": "fake", "prompt": "one two three", "max_tokens": 4}
 
 async def test_the_adaptive_limit_is_fed_by_the_flow_and_rejects_over_it_with_a_429() -> None:
     async with fake_fleet(1, 1, hang_after_first=True) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "admission": {"queue_timeout_s": 0.1},
-            "adaptive_limit": {"window_s": 0.001, "min_samples": 2, "decrease_factor": 0.5}})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={
+                "admission": {"queue_timeout_s": 0.1},
+                "adaptive_limit": {"window_s": 0.001, "min_samples": 2, "decrease_factor": 0.5},
+            },
+        )
         # A 1 us TTFT target at p50: every real answer is over it.
-        settings = settings.model_copy(update={"slo": SLOSettings(ttft=LatencySLO(target_ms=0.001, percentile=50))})
+        settings = settings.model_copy(
+            update={"slo": SLOSettings(ttft=LatencySLO(target_ms=0.001, percentile=50))}
+        )
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             adaptive = app.parts.admission.adaptive
             assert adaptive is not None
@@ -144,7 +168,9 @@ async def test_the_adaptive_limit_is_fed_by_the_flow_and_rejects_over_it_with_a_
             metrics = (await client.get(url + "/metrics")).text
             health = (await client.get(url + "/healthz")).json()
             # One stream holds the decode pool's only slot (D hangs after its first token) ...
-            async with client.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}) as held:
+            async with client.stream(
+                "POST", url + "/v1/completions", json={**COMPLETION, "stream": True}
+            ) as held:
                 assert held.status_code == 200
                 # ... so the next request waits queue_timeout_s and is turned away.
                 rejected = await asyncio.wait_for(client.post(url + "/v1/completions", json=COMPLETION), 5)
@@ -158,7 +184,9 @@ async def test_the_adaptive_limit_is_fed_by_the_flow_and_rejects_over_it_with_a_
 
 async def test_round_robin_has_no_adaptive_limit() -> None:
     async with fake_fleet(1, 1) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={"policy": "round-robin"})
+        settings = make_settings(
+            [fleet.prefill[0].url], [fleet.decode[0].url], proxy={"policy": "round-robin"}
+        )
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             health = (await client.get(url + "/healthz")).json()
             metrics = (await client.get(url + "/metrics")).text

@@ -33,26 +33,44 @@ def test_flags_override_the_config() -> None:
 async def test_pdscope_proxy_process_serves_a_stream(tmp_path: Path) -> None:
     async with fake_fleet(1, 1) as fleet:
         port = free_port()
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "port": port, "otlp_endpoint": closed_port_url()})  # collector down: must not matter
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={"port": port, "otlp_endpoint": closed_port_url()},
+        )  # collector down: must not matter
         cfg = tmp_path / "pdscope.yaml"
         cfg.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
         pdscope = str(Path(sys.executable).with_name("pdscope"))
         proc = await asyncio.create_subprocess_exec(
-            pdscope, "--config", str(cfg), "proxy", "--policy", "round-robin",
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            pdscope,
+            "--config",
+            str(cfg),
+            "proxy",
+            "--policy",
+            "round-robin",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             async with httpx.AsyncClient(timeout=10) as client:
+
                 async def healthy() -> bool:
                     if proc.returncode is not None:
                         raise AssertionError(f"pdscope proxy exited with {proc.returncode} before it served")
                     return (await client.get(url + "/healthz")).status_code == 200
 
-                await async_wait_until("pdscope proxy to serve /healthz", healthy, ignore=(httpx.HTTPError,),
-                                       timeout_s=15)
-                resp = await client.post(url + "/v1/chat/completions", json={
-                    "model": "fake", "messages": [{"role": "user", "content": "hi there"}], "stream": True})
+                await async_wait_until(
+                    "pdscope proxy to serve /healthz", healthy, ignore=(httpx.HTTPError,), timeout_s=15
+                )
+                resp = await client.post(
+                    url + "/v1/chat/completions",
+                    json={
+                        "model": "fake",
+                        "messages": [{"role": "user", "content": "hi there"}],
+                        "stream": True,
+                    },
+                )
                 assert resp.status_code == 200
                 assert resp.text.rstrip().endswith("data: [DONE]")
                 metrics = (await client.get(url + "/metrics")).text

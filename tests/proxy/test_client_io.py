@@ -35,17 +35,23 @@ async def _closed_by_server(reader: asyncio.StreamReader, within_s: float = 10.0
 
 
 def _head(length: int, extra: str = "") -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n{extra}\r\n"
+    ).encode()
 
 
 async def test_silent_partial_requests_are_closed_and_counted_while_others_are_served() -> None:
     async with fake_fleet(1, 1) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
-                                 proxy={"client_read_timeout_s": 0.3})
+        settings = make_settings(
+            [fleet.prefill[0].url], [fleet.decode[0].url], proxy={"client_read_timeout_s": 0.3}
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
-            async with _raw(url) as (r_idle, _w_idle), _raw(url) as (r_head, w_head), \
-                    _raw(url) as (r_body, w_body):
+            async with (
+                _raw(url) as (r_idle, _w_idle),
+                _raw(url) as (r_head, w_head),
+                _raw(url) as (r_body, w_body),
+            ):
                 w_head.write(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nX-Slow: ")  # slowloris
                 w_body.write(_head(len(BODY)) + BODY[:5])  # half a body, then silence
                 await asyncio.gather(w_head.drain(), w_body.drain())
@@ -62,8 +68,9 @@ async def test_silent_partial_requests_are_closed_and_counted_while_others_are_s
 
 async def test_the_read_bound_ends_when_the_request_is_in_a_long_stream_is_not_cut() -> None:
     async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
-                                 proxy={"client_read_timeout_s": 0.3})
+        settings = make_settings(
+            [fleet.prefill[0].url], [fleet.decode[0].url], proxy={"client_read_timeout_s": 0.3}
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
             again = await client.post(url + "/v1/completions", json=COMPLETION)  # same keep-alive connection
@@ -77,9 +84,14 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
     async with fake_fleet(1, 1) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url])
         async with running_proxy(settings) as (url, _app), _raw(url) as (reader, writer):
-            bodies = [json.dumps({**COMPLETION, "prompt": p, "max_tokens": 16}).encode() for p in ("one two", "three four five")]
-            writer.write(b"".join(_head(len(b)) + b for b in bodies)
-                         + b"GET /healthz HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n")
+            bodies = [
+                json.dumps({**COMPLETION, "prompt": p, "max_tokens": 16}).encode()
+                for p in ("one two", "three four five")
+            ]
+            writer.write(
+                b"".join(_head(len(b)) + b for b in bodies)
+                + b"GET /healthz HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n"
+            )
             await writer.drain()
             raw = await _closed_by_server(reader)
     answers = raw.split(b"HTTP/1.1 ")[1:]
@@ -91,9 +103,13 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 async def test_smuggling_shapes_are_refused_before_the_flow() -> None:
     probes = [
         _head(len(BODY), "Transfer-Encoding: chunked\r\n") + BODY,  # CL.TE
-        (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n"
-         + BODY),  # two lengths
-        (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),  # bad chunk
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n"
+            + BODY
+        ),  # two lengths
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+        ),  # bad chunk
         (b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: xchunked\r\n\r\n" + BODY),
     ]
     async with fake_fleet(1, 1) as fleet:
@@ -111,15 +127,24 @@ async def test_smuggling_shapes_are_refused_before_the_flow() -> None:
 async def test_the_controller_killed_under_load_costs_no_client_request() -> None:
     async with fake_fleet(2, 2) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([
-            ("p0", "prefill", "prefill", p[0].url, 1.0, False), ("p1", "prefill", "prefill", p[1].url, 1.0, False),
-            ("d0", "decode", "decode", d[0].url, 1.0, False), ("d1", "decode", "decode", d[1].url, 1.0, False),
-        ]))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                    ("p1", "prefill", "prefill", p[1].url, 1.0, False),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                    ("d1", "decode", "decode", d[1].url, 1.0, False),
+                ]
+            )
+        )
         statuses: list[int] = []
         async with AsyncExitStack() as controller:
             ctl_url = await controller.enter_async_context(serve(ctl.app()))
-            settings = make_settings([x.url for x in p], [x.url for x in d],
-                                     proxy={"controller_url": ctl_url, "fail_static_s": 0.5})
+            settings = make_settings(
+                [x.url for x in p],
+                [x.url for x in d],
+                proxy={"controller_url": ctl_url, "fail_static_s": 0.5},
+            )
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 routing = app.parts.routing
                 await async_wait_until("a fresh routing table", lambda: routing.state == "fresh")

@@ -47,9 +47,18 @@ async def test_protocol_exactly_like_the_toy_proxy(endpoint: str, body: dict, st
         p_call, d_call = fleet.prefill[0].calls[0], fleet.decode[0].calls[0]
         # P: the client body with the prefill overrides, nothing else changed
         expected_p = {k: v for k, v in sent.items() if k not in ("stream_options", "min_tokens")}
-        expected_p.update(stream=False, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        expected_p.update(
+            stream=False,
+            max_tokens=1,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        )
         if "max_completion_tokens" in sent:
             expected_p["max_completion_tokens"] = 1
         assert p_call["body"] == expected_p
@@ -76,15 +85,27 @@ async def test_protocol_exactly_like_the_toy_proxy(endpoint: str, body: dict, st
 async def test_spans_and_traceparent_reach_p_and_d(spans: InMemorySpanExporter) -> None:
     async with fake_fleet(1, 1) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url])
-        async with running_proxy(settings, exporter=spans) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        async with (
+            running_proxy(settings, exporter=spans) as (url, app),
+            httpx.AsyncClient(timeout=10) as client,
+        ):
             incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            resp = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True},
-                                     headers={"traceparent": incoming})
+            resp = await client.post(
+                url + "/v1/completions",
+                json={**COMPLETION, "stream": True},
+                headers={"traceparent": incoming},
+            )
             assert resp.status_code == 200
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
         by_name = {s.name: s for s in spans.get_finished_spans()}
-        assert set(by_name) == {sc.SPAN_REQUEST, sc.SPAN_ADMISSION, sc.SPAN_PREFILL, sc.SPAN_HANDOFF, sc.SPAN_DECODE}
+        assert set(by_name) == {
+            sc.SPAN_REQUEST,
+            sc.SPAN_ADMISSION,
+            sc.SPAN_PREFILL,
+            sc.SPAN_HANDOFF,
+            sc.SPAN_DECODE,
+        }
         root = by_name[sc.SPAN_REQUEST]
         assert root.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C  # the client's trace continues
         for name in (sc.SPAN_ADMISSION, sc.SPAN_PREFILL, sc.SPAN_HANDOFF, sc.SPAN_DECODE):
@@ -112,7 +133,9 @@ async def test_tracing_off_still_forwards_the_clients_traceparent() -> None:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={"tracing": False})
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            resp = await client.post(url + "/v1/completions", json=COMPLETION, headers={"traceparent": incoming})
+            resp = await client.post(
+                url + "/v1/completions", json=COMPLETION, headers={"traceparent": incoming}
+            )
             assert resp.status_code == 200
             assert app.parts.spans is None
         assert fleet.prefill[0].calls[0]["headers"]["traceparent"] == incoming
@@ -122,8 +145,13 @@ async def test_tracing_off_still_forwards_the_clients_traceparent() -> None:
 async def test_decode_timeout_before_first_token_is_a_504_not_a_hang() -> None:
     async with fake_fleet(1, 1) as fleet:
         fleet.decode[0].mode = "hang"
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "timeouts": {"connect_s": 1, "prefill_s": 2, "decode_first_token_s": 0.3, "decode_total_s": 5}})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={
+                "timeouts": {"connect_s": 1, "prefill_s": 2, "decode_first_token_s": 0.3, "decode_total_s": 5}
+            },
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
         assert resp.status_code == 504
@@ -134,9 +162,10 @@ async def test_client_disconnect_mid_stream_closes_the_decode_stream() -> None:
     async with fake_fleet(1, 1, n_chunks=8, chunk_delay=0.2) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url])
         async with running_proxy(settings) as (url, app):
-            async with httpx.AsyncClient(timeout=10) as client, client.stream(
-                "POST", url + "/v1/completions", json={**COMPLETION, "stream": True}
-            ) as resp:
+            async with (
+                httpx.AsyncClient(timeout=10) as client,
+                client.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}) as resp,
+            ):
                 async for _chunk in resp.aiter_bytes():
                     break  # first token seen: go away
             await async_wait_until("D to see its stream closed", lambda: fleet.decode[0].aborted)
@@ -144,14 +173,22 @@ async def test_client_disconnect_mid_stream_closes_the_decode_stream() -> None:
                 metrics = (await client.get(url + "/metrics")).text
         assert fleet.decode[0].aborted == 1 and fleet.decode[0].finished == 0
         assert 'pdscope_proxy_client_disconnects_total{stage="decode"} 1.0' in metrics
-        assert 'pdscope_proxy_requests_total{endpoint="/v1/completions",outcome="client_disconnect"} 1.0' in metrics
+        assert (
+            'pdscope_proxy_requests_total{endpoint="/v1/completions",outcome="client_disconnect"} 1.0'
+            in metrics
+        )
         assert app.parts.admission.requests["decode"] == 0  # slots given back
 
 
 async def test_decode_breaks_after_first_token_ends_stream_with_an_error_event() -> None:
     async with fake_fleet(1, 1, hang_after_first=True) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "timeouts": {"connect_s": 1, "prefill_s": 2, "decode_first_token_s": 2, "decode_total_s": 0.5}})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={
+                "timeouts": {"connect_s": 1, "prefill_s": 2, "decode_first_token_s": 2, "decode_total_s": 0.5}
+            },
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
         assert resp.status_code == 200
@@ -174,8 +211,13 @@ async def test_prefill_timeout_is_retried_then_a_504() -> None:
     async with fake_fleet(2, 1) as fleet:
         for p in fleet.prefill:
             p.mode = "hang"
-        settings = make_settings([p.url for p in fleet.prefill], [fleet.decode[0].url], proxy={
-            "timeouts": {"connect_s": 1, "prefill_s": 0.3, "decode_first_token_s": 2, "decode_total_s": 5}})
+        settings = make_settings(
+            [p.url for p in fleet.prefill],
+            [fleet.decode[0].url],
+            proxy={
+                "timeouts": {"connect_s": 1, "prefill_s": 0.3, "decode_first_token_s": 2, "decode_total_s": 5}
+            },
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(url + "/v1/completions", json=COMPLETION)
             metrics = (await client.get(url + "/metrics")).text
@@ -205,8 +247,9 @@ async def test_spans_leave_over_otlp_http_and_a_down_collector_costs_nothing() -
     sink = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
     async with fake_fleet(1, 1) as fleet, serve(sink) as sink_url:
         for endpoint, expect_spans in ((sink_url, True), (closed_port_url(), False)):
-            settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
-                                     proxy={"otlp_endpoint": endpoint})
+            settings = make_settings(
+                [fleet.prefill[0].url], [fleet.decode[0].url], proxy={"otlp_endpoint": endpoint}
+            )
             app = build(settings)  # the real OTLP/HTTP exporter
             async with serve_proxy(app) as url, httpx.AsyncClient(timeout=10) as client:
                 for _ in range(3):
@@ -227,5 +270,6 @@ async def test_spans_leave_over_otlp_http_and_a_down_collector_costs_nothing() -
             service = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
             assert service == sc.SERVICE_PROXY
             names += [s.name for ss in rs.scope_spans for s in ss.spans]
-    assert sorted(names) == sorted([sc.SPAN_REQUEST, sc.SPAN_ADMISSION, sc.SPAN_PREFILL, sc.SPAN_HANDOFF,
-                                    sc.SPAN_DECODE] * 3)
+    assert sorted(names) == sorted(
+        [sc.SPAN_REQUEST, sc.SPAN_ADMISSION, sc.SPAN_PREFILL, sc.SPAN_HANDOFF, sc.SPAN_DECODE] * 3
+    )

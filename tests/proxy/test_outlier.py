@@ -106,14 +106,18 @@ def test_a_late_failure_while_ejected_does_not_extend_the_ejection() -> None:
 
 
 def test_outlier_config_is_validated_and_the_old_cooldown_key_names_its_replacement() -> None:
-    base = "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: [{name: p0, url: 'http://p'}]}\n" \
-           "  d: {role: decode, instances: [{name: d0, url: 'http://d'}]}\n"
+    base = (
+        "model: {name: m, kv_bytes_per_token: 1}\npools:\n  p: {role: prefill, instances: [{name: p0, url: 'http://p'}]}\n"
+        "  d: {role: decode, instances: [{name: d0, url: 'http://d'}]}\n"
+    )
     s = parse_config(base + "proxy: {outlier: {consecutive_failures: 2, failure_ratio: 0.3}}\n", "<t>")
     assert s.proxy.outlier.consecutive_failures == 2 and s.proxy.outlier.base_ejection_s == 5.0
-    for bad, field in (("{outlier: {failure_ratio: 0}}", "failure_ratio"),
-                       ("{outlier: {base_ejection_s: 10, max_ejection_s: 5}}", "max_ejection_s"),
-                       ("{outlier: {max_ejected_share: 2}}", "max_ejected_share"),
-                       ("{failure_cooldown_s: 5}", "proxy.outlier")):
+    for bad, field in (
+        ("{outlier: {failure_ratio: 0}}", "failure_ratio"),
+        ("{outlier: {base_ejection_s: 10, max_ejection_s: 5}}", "max_ejection_s"),
+        ("{outlier: {max_ejected_share: 2}}", "max_ejected_share"),
+        ("{failure_cooldown_s: 5}", "proxy.outlier"),
+    ):
         with pytest.raises(ConfigError) as err:
             parse_config(base + f"proxy: {bad}\n", "<t>")
         assert field in str(err.value)
@@ -124,7 +128,9 @@ def test_outlier_config_is_validated_and_the_old_cooldown_key_names_its_replacem
 TARGETS = [Target(f"d{i}", "decode", "http://d", 1.0) for i in range(4)]
 
 
-def _selection_loop(settings: OutlierSettings, steps: int = 20_000, seed: int = 7) -> tuple[Counter[str], OutlierDetector]:
+def _selection_loop(
+    settings: OutlierSettings, steps: int = 20_000, seed: int = 7
+) -> tuple[Counter[str], OutlierDetector]:
     """One request every 10 ms over four equal Ds (mean service 100 ms); d0 fails 30% of its
     requests in 2 ms. Picks, in-flight counts and results go through the real Selector."""
     out = OutlierDetector(settings, {"decode": [t.name for t in TARGETS]})

@@ -16,9 +16,11 @@ COMPLETION = {"model": "fake", "prompt": "one two three four", "max_tokens": 4, 
 async def test_a_d_failing_in_band_before_its_first_token_is_ejected_and_clients_are_still_served() -> None:
     async with fake_fleet(2, 3) as fleet:
         fleet.decode[0].stream_error = "first"  # a 200, then a failed NIXL read reported in the stream
-        settings = make_settings([p.url for p in fleet.prefill], [d.url for d in fleet.decode],
-                                 proxy={"outlier": {"consecutive_failures": 2, "base_ejection_s": 60,
-                                                    "max_ejection_s": 60}})
+        settings = make_settings(
+            [p.url for p in fleet.prefill],
+            [d.url for d in fleet.decode],
+            proxy={"outlier": {"consecutive_failures": 2, "base_ejection_s": 60, "max_ejection_s": 60}},
+        )
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
             out = app.parts.selector.outliers
             codes = []
@@ -44,7 +46,9 @@ async def test_a_d_failing_in_band_before_its_first_token_is_ejected_and_clients
 
 async def test_a_failure_after_the_first_token_counts_against_d() -> None:
     ds = [MemVLLM(f"d{i}", "decode", n_chunks=4, stream_error="mid") for i in range(2)]
-    proxy = one_pool_each([MemVLLM("p0", "prefill")], ds, policy="round-robin", outlier={"consecutive_failures": 1})
+    proxy = one_pool_each(
+        [MemVLLM("p0", "prefill")], ds, policy="round-robin", outlier={"consecutive_failures": 1}
+    )
     reply = await proxy.send(COMPLETION)
     ejected = [e.instance for e in proxy.parts.selector.outliers.ejected(proxy.parts.clock())]
     assert reply.status == 200 and b"KV transfer failed" in reply.data
@@ -66,7 +70,10 @@ async def test_a_429_or_a_4xx_from_p_or_d_is_neither_a_failure_nor_a_success() -
     out, now = proxy.parts.selector.outliers, proxy.parts.clock()
     assert p429 == [429] * 3 and d429 == [429] * 3 and d400 == 400  # passed through, not retried
     assert {name: out.recent(name, now) for name in ("d0", "d1")} == {"d0": (0, 0), "d1": (0, 0)}
-    assert out.recent("p0", now) == (4, 0)  # p0's four answered prefills are its successes; its 429s are not counted
+    assert out.recent("p0", now) == (
+        4,
+        0,
+    )  # p0's four answered prefills are its successes; its 429s are not counted
     assert not out.any_ejected
     metrics = generate_latest(proxy.parts.metrics.registry).decode()
     assert "pdscope_proxy_outlier_ejections_total{" not in metrics

@@ -26,15 +26,21 @@ def _p_counts(fleet) -> Counter[str]:  # type: ignore[no-untyped-def]
 async def test_weights_and_drains_from_the_table_are_honoured() -> None:
     async with fake_fleet(3, 2) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([
-            ("p0", "prefill", "prefill", p[0].url, 3.0, False),
-            ("p1", "prefill", "prefill", p[1].url, 1.0, False),
-            ("p2", "prefill", "prefill", p[2].url, 5.0, True),     # drained: no new work
-            ("d0", "decode", "decode", d[0].url, 1.0, False),
-            ("d1", "decode", "decode", d[1].url, 0.0, False),      # weight 0: no new work
-        ]))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 3.0, False),
+                    ("p1", "prefill", "prefill", p[1].url, 1.0, False),
+                    ("p2", "prefill", "prefill", p[2].url, 5.0, True),  # drained: no new work
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                    ("d1", "decode", "decode", d[1].url, 0.0, False),  # weight 0: no new work
+                ]
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
+            settings = make_settings(
+                [x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url}
+            )
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 for _ in range(200):
@@ -45,20 +51,32 @@ async def test_weights_and_drains_from_the_table_are_honoured() -> None:
         assert counts["p2"] == 0 and len(d[1].calls) == 0
         assert 0.65 <= counts["p0"] / 200 <= 0.85, counts
         assert {k: health[k] for k in ("status", "routing", "version", "ejected")} == {
-            "status": "ok", "routing": "fresh", "version": 1, "ejected": {}}
+            "status": "ok",
+            "routing": "fresh",
+            "version": 1,
+            "ejected": {},
+        }
 
 
 async def test_controller_down_keeps_the_last_table_then_falls_back_to_equal_weights() -> None:
     async with fake_fleet(2, 1) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([
-            ("p0", "prefill", "prefill", p[0].url, 1.0, False),
-            ("p1", "prefill", "prefill", p[1].url, 1.0, True),
-            ("d0", "decode", "decode", d[0].url, 1.0, False),
-        ], version=7))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                    ("p1", "prefill", "prefill", p[1].url, 1.0, True),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                ],
+                version=7,
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([x.url for x in p], [x.url for x in d],
-                                     proxy={"controller_url": ctl_url, "fail_static_s": 3.0})
+            settings = make_settings(
+                [x.url for x in p],
+                [x.url for x in d],
+                proxy={"controller_url": ctl_url, "fail_static_s": 3.0},
+            )
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 routing = app.parts.routing
                 await async_wait_until("a fresh routing table", lambda: routing.state == "fresh")
@@ -98,7 +116,9 @@ async def test_no_controller_at_all_serves_with_equal_weights_and_says_never_rea
         assert 'pdscope_proxy_routing_state{state="never_reached"} 1.0' in metrics
         assert 'pdscope_proxy_routing_state{state="default"} 0.0' in metrics
         assert health["routing"] == "never_reached"
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "no controller reached" in r.message]
+        warnings = [
+            r for r in caplog.records if r.levelno == logging.WARNING and "no controller reached" in r.message
+        ]
         assert len(warnings) == 1  # once, not per failed poll
         assert min(_p_counts(fleet).values()) > 3
 
@@ -107,30 +127,44 @@ async def test_polls_that_change_nothing_log_nothing_at_info(caplog: pytest.LogC
     caplog.set_level(logging.INFO)
     async with fake_fleet(1, 1) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([("p0", "prefill", "prefill", p[0].url, 1.0, False),
-                                    ("d0", "decode", "decode", d[0].url, 1.0, False)]))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                ]
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (_url, app):
                 await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 await async_wait_until("ten polls", lambda: ctl.gets >= 10)
-    polls = [r for r in caplog.records if r.levelno >= logging.INFO
-             and r.name in ("httpx", "proxy.routing")]
+    polls = [r for r in caplog.records if r.levelno >= logging.INFO and r.name in ("httpx", "proxy.routing")]
     assert [r.getMessage() for r in polls] == ["routing: now fresh, table version 1"], polls
 
 
 async def test_advisory_table_is_not_applied() -> None:
     async with fake_fleet(2, 1) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([
-            ("p0", "prefill", "prefill", p[0].url, 1.0, False),
-            ("p1", "prefill", "prefill", p[1].url, 1.0, True),
-            ("d0", "decode", "decode", d[0].url, 1.0, False),
-        ], enforce=False))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                    ("p1", "prefill", "prefill", p[1].url, 1.0, True),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                ],
+                enforce=False,
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url})
+            settings = make_settings(
+                [x.url for x in p], [x.url for x in d], proxy={"controller_url": ctl_url}
+            )
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-                await async_wait_until("an advisory routing table", lambda: app.parts.routing.state == "advisory")
+                await async_wait_until(
+                    "an advisory routing table", lambda: app.parts.routing.state == "advisory"
+                )
                 for _ in range(30):
                     assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
         assert len(p[1].calls) > 3  # the drain was advisory
@@ -161,19 +195,32 @@ def _record_waits(admission: Admission) -> list[tuple[float, bool]]:
     return waits
 
 
-async def _while_the_only_slot_is_held(decode_pool: dict[str, object], admission: dict[str, object]) -> SecondRequest:
+async def _while_the_only_slot_is_held(
+    decode_pool: dict[str, object], admission: dict[str, object]
+) -> SecondRequest:
     async with fake_fleet(1, 1, n_chunks=5, chunk_delay=0.2) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table(
-            [("p0", "prefill", "prefill", p[0].url, 1.0, False), ("d0", "decode", "decode", d[0].url, 1.0, False)],
-            pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1, **decode_pool}],
-        ))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, False),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                ],
+                pools=[{"name": "decode", "role": "decode", "max_inflight_requests": 1, **decode_pool}],
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
-            settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url, "admission": admission})
+            settings = make_settings(
+                [p[0].url], [d[0].url], proxy={"controller_url": ctl_url, "admission": admission}
+            )
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
                 await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
-                slow = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-                await async_wait_until("a held decode slot", lambda: app.parts.admission.requests["decode"] == 1)
+                slow = asyncio.create_task(
+                    client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
+                )
+                await async_wait_until(
+                    "a held decode slot", lambda: app.parts.admission.requests["decode"] == 1
+                )
                 waits = _record_waits(app.parts.admission)
                 second = await client.post(url + "/v1/completions", json=COMPLETION)
                 still_running = not slow.done()
@@ -205,11 +252,18 @@ async def test_a_zero_wait_budget_from_the_controller_rejects_at_once() -> None:
 
 async def test_a_waiting_request_is_admitted_when_a_slot_frees() -> None:
     async with fake_fleet(1, 1, n_chunks=3, chunk_delay=0.1) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "admission": {"max_inflight_requests": 1, "queue_timeout_s": 5}})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": 5}},
+        )
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-            first = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-            await async_wait_until("the decode slot to be held", lambda: app.parts.admission.requests["decode"] == 1)
+            first = asyncio.create_task(
+                client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
+            )
+            await async_wait_until(
+                "the decode slot to be held", lambda: app.parts.admission.requests["decode"] == 1
+            )
             second = await client.post(url + "/v1/completions", json=COMPLETION)
             assert (await first).status_code == 200
         assert second.status_code == 200
@@ -219,12 +273,21 @@ async def test_admission_counts_handoff_kv_bytes() -> None:
     async with fake_fleet(1, 1) as fleet:
         fleet.decode[0].mode = "hang"  # KV stays "in handoff": P answered, D has no first token
         # 10 prompt tokens x 1000 bytes = 10 kB per request; the limit is 5 kB
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={
-            "admission": {"max_inflight_kv_bytes": 5000, "queue_timeout_s": 0.1},
-            "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 3, "decode_total_s": 10}})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={
+                "admission": {"max_inflight_kv_bytes": 5000, "queue_timeout_s": 0.1},
+                "timeouts": {"connect_s": 1, "prefill_s": 5, "decode_first_token_s": 3, "decode_total_s": 10},
+            },
+        )
         async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
-            stuck = asyncio.create_task(client.post(url + "/v1/completions", json={**COMPLETION, "stream": True}))
-            await async_wait_until("handoff KV bytes on D", lambda: app.parts.admission.kv_bytes["decode"] == 10_000)
+            stuck = asyncio.create_task(
+                client.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
+            )
+            await async_wait_until(
+                "handoff KV bytes on D", lambda: app.parts.admission.kv_bytes["decode"] == 10_000
+            )
             assert app.parts.admission.kv_bytes["prefill"] == 10_000  # pinned on P too
             rejected = await client.post(url + "/v1/completions", json=COMPLETION)
             stuck.cancel()
@@ -234,8 +297,9 @@ async def test_admission_counts_handoff_kv_bytes() -> None:
 
 async def test_round_robin_policy_cycles_like_the_toy_proxy() -> None:
     async with fake_fleet(2, 2) as fleet:
-        settings = make_settings([x.url for x in fleet.prefill], [x.url for x in fleet.decode],
-                                 proxy={"policy": "round-robin"})
+        settings = make_settings(
+            [x.url for x in fleet.prefill], [x.url for x in fleet.decode], proxy={"policy": "round-robin"}
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             for _ in range(6):
                 assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200
@@ -246,8 +310,14 @@ async def test_round_robin_policy_cycles_like_the_toy_proxy() -> None:
 async def test_all_drained_is_a_503_with_retry_after() -> None:
     async with fake_fleet(1, 1) as fleet:
         p, d = fleet.prefill, fleet.decode
-        ctl = FakeController(table([("p0", "prefill", "prefill", p[0].url, 1.0, True),
-                                    ("d0", "decode", "decode", d[0].url, 1.0, False)]))
+        ctl = FakeController(
+            table(
+                [
+                    ("p0", "prefill", "prefill", p[0].url, 1.0, True),
+                    ("d0", "decode", "decode", d[0].url, 1.0, False),
+                ]
+            )
+        )
         async with serve(ctl.app()) as ctl_url:
             settings = make_settings([p[0].url], [d[0].url], proxy={"controller_url": ctl_url})
             async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:

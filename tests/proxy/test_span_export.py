@@ -56,8 +56,11 @@ async def test_a_collector_restart_loses_no_spans() -> None:
     sock = bound_socket()  # bound, not listening: connections are refused until the collector starts
     endpoint = url_of(sock)
     async with fake_fleet(1, 1) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
-                                 proxy={"otlp_endpoint": endpoint, "span_retry_max_s": 0.3})
+        settings = make_settings(
+            [fleet.prefill[0].url],
+            [fleet.decode[0].url],
+            proxy={"otlp_endpoint": endpoint, "span_retry_max_s": 0.3},
+        )
         app = build(settings)  # the real exporter
         spans = app.parts.spans
         assert spans is not None
@@ -92,8 +95,13 @@ async def test_429_and_503_with_retry_after_are_honoured_then_everything_arrives
     collector = FakeCollector(script=[(429, {"Retry-After": "4"}), (503, {"Retry-After": "2"})])
     async with serve(collector.app()) as url:
         sleep = _Recorder()
-        provider, proc = make_provider(OtlpHttpExporter(url + "/v1/traces"), interval_s=0.01, retry_base_s=0.01,
-                                       retry_max_s=0.05, sleep=sleep)  # type: ignore[arg-type]
+        provider, proc = make_provider(
+            OtlpHttpExporter(url + "/v1/traces"),
+            interval_s=0.01,
+            retry_base_s=0.01,
+            retry_max_s=0.05,
+            sleep=sleep,
+        )  # type: ignore[arg-type]
         tracer = provider.get_tracer("t")
         for _ in range(7):
             tracer.start_span("s").end()
@@ -135,15 +143,20 @@ def test_backoff_grows_is_jittered_and_capped() -> None:
     assert b.next_delay(at_least=7.0) == 7.0
 
 
-async def test_the_exporter_sends_the_bearer_token_from_the_configured_env(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_exporter_sends_the_bearer_token_from_the_configured_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     collector = FakeCollector()
     monkeypatch.setenv("MY_OTLP_TOKEN", "s3cret")
     monkeypatch.delenv("PDSCOPE_OTLP_TOKEN", raising=False)
     async with serve(collector.app()) as sink, fake_fleet(1, 1) as fleet:
         for token_env, expected in (("MY_OTLP_TOKEN", "Bearer s3cret"), ("PDSCOPE_OTLP_TOKEN", None)):
             collector.auth.clear()
-            settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url],
-                                     proxy={"otlp_endpoint": sink, "otlp_token_env": token_env})
+            settings = make_settings(
+                [fleet.prefill[0].url],
+                [fleet.decode[0].url],
+                proxy={"otlp_endpoint": sink, "otlp_token_env": token_env},
+            )
             app = build(settings)
             async with serve_proxy(app) as url, httpx.AsyncClient(timeout=10) as client:
                 assert (await client.post(url + "/v1/completions", json=COMPLETION)).status_code == 200

@@ -21,11 +21,25 @@ from proxy.tracing import make_provider, parse_traceparent, traceparent
 
 
 def test_prefill_body_overrides_and_leaves_the_client_body_alone() -> None:
-    client = {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 50,
-              "min_tokens": 3, "min_completion_tokens": 2, "max_completion_tokens": 50, "temperature": 0.5}
+    client = {
+        "prompt": "x",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 50,
+        "min_tokens": 3,
+        "min_completion_tokens": 2,
+        "max_completion_tokens": 50,
+        "temperature": 0.5,
+    }
     body = protocol.prefill_body(client)
-    assert body == {"prompt": "x", "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
-                    "temperature": 0.5, "kv_transfer_params": protocol.PREFILL_KV_PARAMS}
+    assert body == {
+        "prompt": "x",
+        "stream": False,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "temperature": 0.5,
+        "kv_transfer_params": protocol.PREFILL_KV_PARAMS,
+    }
     assert client["stream"] is True and "stream_options" in client  # a copy, not a mutation
     assert "max_completion_tokens" not in protocol.prefill_body({"prompt": "x"})
 
@@ -38,7 +52,10 @@ def test_decode_body_carries_p_params_verbatim() -> None:
 
 
 def test_parse_prefill_answer() -> None:
-    raw = b'{"usage": {"prompt_tokens": 40}, "kv_transfer_params": {"remote_block_ids": [[1,2,3],[4]], "remote_engine_id": "e"}}'
+    raw = (
+        b'{"usage": {"prompt_tokens": 40}, '
+        b'"kv_transfer_params": {"remote_block_ids": [[1,2,3],[4]], "remote_engine_id": "e"}}'
+    )
     answer = protocol.parse_prefill_answer(raw)
     assert (answer.prompt_tokens, answer.kv_blocks, answer.remote_engine_id) == (40, 4, "e")
     assert protocol.parse_prefill_answer(b'{"kv_transfer_params": null}').kv_transfer_params is None
@@ -68,8 +85,10 @@ def test_power_of_two_choices_avoids_the_loaded_instance() -> None:
 
 def test_an_ejected_instance_is_skipped_until_its_ejection_ends() -> None:
     # (was: skipped for failure_cooldown_s after one failure; outlier detection is that home now)
-    out = OutlierDetector(OutlierSettings(consecutive_failures=1, base_ejection_s=5, max_ejected_share=1.0),
-                          {"pool": ["a", "b"]})
+    out = OutlierDetector(
+        OutlierSettings(consecutive_failures=1, base_ejection_s=5, max_ejected_share=1.0),
+        {"pool": ["a", "b"]},
+    )
     sel = Selector("weighted", out, random.Random(1))
     assert out.failure("a", "pool", now=100.0) == "consecutive_failures"
     assert {sel.pick("prefill", T, 101.0).name for _ in range(50)} == {"b"}  # type: ignore[union-attr]
@@ -104,32 +123,55 @@ def test_retry_budget_is_a_bounded_share_of_requests() -> None:
 
 # -- routing state ---------------------------------------------------------------------------
 
-CONFIG = yaml.safe_dump({
-    "model": {"name": "m", "kv_bytes_per_token": 10},
-    "pools": {"pa": {"role": "prefill", "instances": [{"name": "p0", "url": "http://p0"}, {"name": "p1", "url": "http://p1"}]},
-              "da": {"role": "decode", "instances": [{"name": "d0", "url": "http://d0"}]}},
-    "proxy": {"fail_static_s": 10, "admission": {"max_inflight_requests": 9}},
-})
+CONFIG = yaml.safe_dump(
+    {
+        "model": {"name": "m", "kv_bytes_per_token": 10},
+        "pools": {
+            "pa": {
+                "role": "prefill",
+                "instances": [{"name": "p0", "url": "http://p0"}, {"name": "p1", "url": "http://p1"}],
+            },
+            "da": {"role": "decode", "instances": [{"name": "d0", "url": "http://d0"}]},
+        },
+        "proxy": {"fail_static_s": 10, "admission": {"max_inflight_requests": 9}},
+    }
+)
 
 
 def _table(version: int = 1, enforce: bool = True) -> RoutingTable:
-    return RoutingTable.model_validate({
-        "version": version, "generated_at": 0, "mode": "enforce" if enforce else "advisory", "enforce": enforce,
-        "instances": [
-            {"name": "p0", "pool": "pa", "role": "prefill", "url": "http://p0", "weight": 2.0},
-            {"name": "p1", "pool": "pa", "role": "prefill", "url": "http://p1", "weight": 1.0, "drained": True},
-            {"name": "d0", "pool": "da", "role": "decode", "url": "http://d0", "weight": 1.0},
-        ],
-        "pools": [{"name": "pa", "role": "prefill", "weight": 0.5, "max_inflight_requests": 3}],
-    })
+    return RoutingTable.model_validate(
+        {
+            "version": version,
+            "generated_at": 0,
+            "mode": "enforce" if enforce else "advisory",
+            "enforce": enforce,
+            "instances": [
+                {"name": "p0", "pool": "pa", "role": "prefill", "url": "http://p0", "weight": 2.0},
+                {
+                    "name": "p1",
+                    "pool": "pa",
+                    "role": "prefill",
+                    "url": "http://p1",
+                    "weight": 1.0,
+                    "drained": True,
+                },
+                {"name": "d0", "pool": "da", "role": "decode", "url": "http://d0", "weight": 1.0},
+            ],
+            "pools": [{"name": "pa", "role": "prefill", "weight": 0.5, "max_inflight_requests": 3}],
+        }
+    )
 
 
 def test_a_pool_wait_budget_shortens_the_configured_queue_timeout_never_lengthens_it() -> None:
     state = RoutingState(parse_config(CONFIG), now=0.0)
     table = _table()
-    pools = [{"name": "pa", "role": "prefill", "max_queue_wait_s": 0.3},
-             {"name": "da", "role": "decode", "max_queue_wait_s": 5.0}]
-    state.on_table(table.model_copy(update={"pools": [PoolRoute.model_validate(p) for p in pools]}), '"1"', now=1.0)
+    pools = [
+        {"name": "pa", "role": "prefill", "max_queue_wait_s": 0.3},
+        {"name": "da", "role": "decode", "max_queue_wait_s": 5.0},
+    ]
+    state.on_table(
+        table.model_copy(update={"pools": [PoolRoute.model_validate(p) for p in pools]}), '"1"', now=1.0
+    )
     assert state.view.limits["pa"].max_queue_wait_s == 0.3
     assert state.view.queue_wait_s(1.0) == 0.3
     assert state.view.queue_wait_s(0.1) == 0.1
@@ -217,12 +259,14 @@ def test_traceparent_round_trip() -> None:
 
 def test_sse_watch_sees_tokens_errors_and_done_across_chunk_boundaries() -> None:
     w = protocol.SseWatch()
-    stream = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
-              b'data: {"choices":[{"text":"error"}]}\n\n'  # a token whose text is "error"
-              b'data: {"error": {"message": "boom"}}\r\n\r\n'
-              b"data: [DONE]\n\n")
+    stream = (
+        b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+        b'data: {"choices":[{"text":"error"}]}\n\n'  # a token whose text is "error"
+        b'data: {"error": {"message": "boom"}}\r\n\r\n'
+        b"data: [DONE]\n\n"
+    )
     for i in range(0, len(stream), 7):  # split mid-line everywhere
-        w.feed(stream[i:i + 7])
+        w.feed(stream[i : i + 7])
     assert w.events == 1 and w.error == b'{"error": {"message": "boom"}}' and w.done
 
 
@@ -239,5 +283,7 @@ def test_sse_watch_older_vllm_error_shape_and_bounded_lines() -> None:
 
 def test_the_role_preamble_is_not_a_token_but_a_role_chunk_with_content_is() -> None:
     assert protocol.is_preamble_event(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}')
-    assert not protocol.is_preamble_event(b'{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}')
+    assert not protocol.is_preamble_event(
+        b'{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}'
+    )
     assert not protocol.is_preamble_event(b'{"choices":[{"text":"role"}]}')

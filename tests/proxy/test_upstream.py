@@ -26,8 +26,11 @@ class RawServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
-                             .split(b":")[1])
+                length = int(
+                    next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(
+                        b":"
+                    )[1]
+                )
                 await reader.readexactly(length)
                 self.requests += 1
                 if self.script == "truncate":
@@ -50,7 +53,9 @@ class RawServer:
                     finally:
                         self.closed_by_peer.set()
                     return
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+                )
                 await writer.drain()
                 if self.script in ("close-after", "close-idle"):
                     writer.close()
@@ -87,7 +92,9 @@ async def test_a_connection_the_server_closed_while_idle_is_retried_fresh() -> N
     for _ in range(3):
         async with await up.post(url, "/x", b"{}", within_s=2) as resp:
             assert await resp.read() == b"{}"
-        await async_wait_until("the server to close the idle connection", lambda: raw.ended == raw.connections)
+        await async_wait_until(
+            "the server to close the idle connection", lambda: raw.ended == raw.connections
+        )
     assert raw.requests == 3 and raw.connections == 3
     await up.aclose()
     server.close()

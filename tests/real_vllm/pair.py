@@ -160,9 +160,22 @@ class RealPair:
     # -- lifecycle ------------------------------------------------------------------------
 
     def _spawn(self, inst: Instance, extra_env: dict[str, str]) -> None:
-        cmd = ["bash", str(LAUNCH), "--role", inst.role, "--port", str(inst.port),
-               "--side-port", str(inst.side_port), "--core", str(inst.core), "--name", inst.name,
-               "--env", str(self.env_dir)]
+        cmd = [
+            "bash",
+            str(LAUNCH),
+            "--role",
+            inst.role,
+            "--port",
+            str(inst.port),
+            "--side-port",
+            str(inst.side_port),
+            "--core",
+            str(inst.core),
+            "--name",
+            inst.name,
+            "--env",
+            str(self.env_dir),
+        ]
         if self.otlp_endpoint:
             cmd += ["--otlp", self.otlp_endpoint]
         if self.lease_s is not None:
@@ -170,8 +183,15 @@ class RealPair:
         cmd += ["--nixl-progress", self.nixl_progress]
         env = dict(os.environ, **extra_env)
         with open(inst.log, "ab") as log:
-            inst.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=REPO, env=env, start_new_session=True)
+            inst.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
 
     def start(self, timeout_s: float = 240.0, extra_env: dict[str, str] | None = None) -> RealPair:
         """Start both and wait until each answers ``/health`` and holds its ports.
@@ -206,8 +226,9 @@ class RealPair:
         # and /health still answers 200. Its log line is the only sign.
         for inst in (self.prefill, self.decode):
             if "Address already in use" in tail(inst.log, 400):
-                raise PairStartError(f"{inst.name} lost a port race (Address already in use)\n"
-                                     + self.log_tails())
+                raise PairStartError(
+                    f"{inst.name} lost a port race (Address already in use)\n" + self.log_tails()
+                )
 
     def _wait_healthy(self, deadline: float) -> None:
         pending = [self.prefill, self.decode]
@@ -217,8 +238,9 @@ class RealPair:
                     assert inst.proc is not None
                     rc = inst.proc.poll()
                     if rc is not None:
-                        raise PairStartError(f"{inst.name} exited with {rc} before it was healthy\n"
-                                             + self.log_tails())
+                        raise PairStartError(
+                            f"{inst.name} exited with {rc} before it was healthy\n" + self.log_tails()
+                        )
                     with contextlib.suppress(httpx.HTTPError):
                         if client.get(inst.url + "/health").status_code == 200:
                             pending.remove(inst)
@@ -227,7 +249,9 @@ class RealPair:
                 self._check_ports_bound()  # a lost port race hangs start-up: fail fast instead
                 if time.monotonic() > deadline:
                     names = ", ".join(i.name for i in pending)
-                    raise PairStartError(f"{names} not healthy after the start-up budget\n" + self.log_tails())
+                    raise PairStartError(
+                        f"{names} not healthy after the start-up budget\n" + self.log_tails()
+                    )
                 time.sleep(0.5)
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -307,10 +331,18 @@ class RealPair:
         cfg: dict[str, Any] = {
             "model": {"name": MODEL_NAME, "kv_bytes_per_token": KV_BYTES_PER_TOKEN},
             "pools": {
-                "prefill": {"role": "prefill", "instances": [
-                    {"name": self.prefill.name, "url": self.prefill.url, "labels": {"hw": "cpu"}}]},
-                "decode": {"role": "decode", "instances": [
-                    {"name": self.decode.name, "url": self.decode.url, "labels": {"hw": "cpu"}}]},
+                "prefill": {
+                    "role": "prefill",
+                    "instances": [
+                        {"name": self.prefill.name, "url": self.prefill.url, "labels": {"hw": "cpu"}}
+                    ],
+                },
+                "decode": {
+                    "role": "decode",
+                    "instances": [
+                        {"name": self.decode.name, "url": self.decode.url, "labels": {"hw": "cpu"}}
+                    ],
+                },
             },
         }
         cfg.update(sections)

@@ -212,7 +212,9 @@ class Metrics:
 
     def value(self, name: str, **labels: str) -> float:
         """Sum of the samples named ``name`` whose labels include ``labels`` (0.0 if none)."""
-        return sum(v for lab, v in self.samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+        return sum(
+            v for lab, v in self.samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())
+        )
 
     def has(self, name: str) -> bool:
         return name in self.samples

@@ -9,7 +9,29 @@ from __future__ import annotations
 
 import uuid
 
-_WORDS = ["prefill", "decode", "cache", "tokens", "blocks", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "requests", "leases", "transfers", "simple", "readability", "counts"]
+_WORDS = [
+    "prefill",
+    "decode",
+    "cache",
+    "tokens",
+    "blocks",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "hello",
+    "world",
+    "requests",
+    "leases",
+    "transfers",
+    "simple",
+    "readability",
+    "counts",
+]
 
 
 def unique_prompt(words: int, tag: str = "") -> str:

@@ -88,7 +88,10 @@ def collector(real_pd: RealPD, tmp_path: Path) -> Iterator[Running]:
 def _latest(factory: sessionmaker[Session], instance: str) -> Snapshot | None:
     with factory() as s:
         return s.scalars(
-            select(Snapshot).where(Snapshot.instance == instance, Snapshot.up.is_(True)).order_by(Snapshot.ts.desc()).limit(1)
+            select(Snapshot)
+            .where(Snapshot.instance == instance, Snapshot.up.is_(True))
+            .order_by(Snapshot.ts.desc())
+            .limit(1)
         ).first()
 
 
@@ -101,22 +104,32 @@ def test_scraped_values_match_the_real_pages(real_pd: RealPD) -> None:
             assert fast.values == ref.values and fast.histograms == ref.histograms and fast.errors == []
             m = pc.parse_metrics(text)
             assert fast.values["nixl_xfer_time_count"] == m.value("vllm:nixl_xfer_time_seconds_count")
-            assert fast.values["requests_length"] == m.value("vllm:request_success_total", finished_reason="length")
+            assert fast.values["requests_length"] == m.value(
+                "vllm:request_success_total", finished_reason="length"
+            )
             assert fast.values["generation_tokens"] == m.value("vllm:generation_tokens_total")
 
 
 def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Running) -> None:
     name_p, name_d = real_pd.prefill_name, real_pd.decode_name
-    before = wait_until("a stored snapshot of P and of D",
-                        lambda: (_latest(collector.factory, name_p), _latest(collector.factory, name_d)),
-                        done=lambda r: r[0] is not None and r[1] is not None, timeout_s=30, every_s=0.25)
+    before = wait_until(
+        "a stored snapshot of P and of D",
+        lambda: (_latest(collector.factory, name_p), _latest(collector.factory, name_d)),
+        done=lambda r: r[0] is not None and r[1] is not None,
+        timeout_s=30,
+        every_s=0.25,
+    )
     assert before[0] is not None and before[1] is not None
     p0, d0 = before
     n = 4
     with httpx.Client(timeout=120) as client:
         for i in range(n):
-            body = {"model": real_pd.model, "prompt": unique_prompt(60, f"collector-{i}"), "max_tokens": 5,
-                    "temperature": 0}
+            body = {
+                "model": real_pd.model,
+                "prompt": unique_prompt(60, f"collector-{i}"),
+                "max_tokens": 5,
+                "temperature": 0,
+            }
             _p, d = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, "completions", body)
             assert d.status == 200
 
@@ -132,7 +145,9 @@ def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Runni
     assert (d1.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) == n
     assert (d1.nixl_bytes_sum or 0) > (d0.nixl_bytes_sum or 0)
     assert (d1.prompt_tokens_external_kv_transfer or 0) > (d0.prompt_tokens_external_kv_transfer or 0)
-    assert (p1.requests_length or 0) + (p1.requests_stop or 0) - (p0.requests_length or 0) - (p0.requests_stop or 0) == n
+    assert (p1.requests_length or 0) + (p1.requests_stop or 0) - (p0.requests_length or 0) - (
+        p0.requests_stop or 0
+    ) == n
     assert (p1.nixl_xfer_time_count or 0) == (p0.nixl_xfer_time_count or 0)  # pull mode: P records none
     hist = d1.histograms["vllm:nixl_xfer_time_seconds"]
     assert hist["counts"][-1] == d1.nixl_xfer_time_count
@@ -141,53 +156,109 @@ def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Runni
     assert f'pdscope_collector_target_up{{instance="{name_d}",pool="decode",role="decode"}} 1.0' in text
 
 
-def _proxy_spans(trace_id: str, root: str, pre: str, dec: str, rid: str, real_pd: RealPD,
-                 t: dict[str, float]) -> list[SpanData]:
+def _proxy_spans(
+    trace_id: str, root: str, pre: str, dec: str, rid: str, real_pd: RealPD, t: dict[str, float]
+) -> list[SpanData]:
     attrs = {
-        sc.REQUEST_ID: rid, sc.ENDPOINT: "/v1/completions", sc.STREAM: True, sc.OUTCOME: "ok",
-        sc.P_INSTANCE: real_pd.prefill_name, sc.D_INSTANCE: real_pd.decode_name,
-        sc.P_POOL: "prefill", sc.D_POOL: "decode", sc.HTTP_STATUS: 200,
+        sc.REQUEST_ID: rid,
+        sc.ENDPOINT: "/v1/completions",
+        sc.STREAM: True,
+        sc.OUTCOME: "ok",
+        sc.P_INSTANCE: real_pd.prefill_name,
+        sc.D_INSTANCE: real_pd.decode_name,
+        sc.P_POOL: "prefill",
+        sc.D_POOL: "decode",
+        sc.HTTP_STATUS: 200,
     }
     return [
         SpanData(trace_id, root, None, sc.SPAN_REQUEST, sc.SERVICE_PROXY, 2, t["in"], t["done"], 0, attrs),
-        SpanData(trace_id, pre, root, sc.SPAN_PREFILL, sc.SERVICE_PROXY, 3, t["p_sent"], t["p_done"], 0,
-                 {sc.INSTANCE: real_pd.prefill_name, sc.ATTEMPT: 0}),
-        SpanData(trace_id, dec, root, sc.SPAN_DECODE, sc.SERVICE_PROXY, 3, t["d_sent"], t["done"], 0,
-                 {sc.INSTANCE: real_pd.decode_name, sc.ATTEMPT: 0}),
+        SpanData(
+            trace_id,
+            pre,
+            root,
+            sc.SPAN_PREFILL,
+            sc.SERVICE_PROXY,
+            3,
+            t["p_sent"],
+            t["p_done"],
+            0,
+            {sc.INSTANCE: real_pd.prefill_name, sc.ATTEMPT: 0},
+        ),
+        SpanData(
+            trace_id,
+            dec,
+            root,
+            sc.SPAN_DECODE,
+            sc.SERVICE_PROXY,
+            3,
+            t["d_sent"],
+            t["done"],
+            0,
+            {sc.INSTANCE: real_pd.decode_name, sc.ATTEMPT: 0},
+        ),
     ]
 
 
 def test_real_vllm_spans_and_proxy_spans_become_one_record(real_pd: RealPD, collector: Running) -> None:
     # The NIXL link needs a scrape of D from before the handoff: wait for the collector's first ones.
-    first = wait_until("a stored snapshot of D", lambda: _latest(collector.factory, real_pd.decode_name),
-                       done=lambda r: r is not None, timeout_s=30, every_s=0.25)
+    first = wait_until(
+        "a stored snapshot of D",
+        lambda: _latest(collector.factory, real_pd.decode_name),
+        done=lambda r: r is not None,
+        timeout_s=30,
+        every_s=0.25,
+    )
     assert first is not None, "the collector never scraped D"
     tp = pc.make_traceparent()
-    pre, dec, rid = pc.make_traceparent().span_id, pc.make_traceparent().span_id, f"collector-{tp.trace_id[:8]}"
-    body = {"model": real_pd.model, "prompt": unique_prompt(80, "record"), "max_tokens": 8, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    pre, dec, rid = (
+        pc.make_traceparent().span_id,
+        pc.make_traceparent().span_id,
+        f"collector-{tp.trace_id[:8]}",
+    )
+    body = {
+        "model": real_pd.model,
+        "prompt": unique_prompt(80, "record"),
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     t: dict[str, float] = {"in": time.time()}
     with httpx.Client(timeout=120) as client:
         t["p_sent"] = time.time()
         p = pc.prefill(client, real_pd.prefill_url, "completions", body, rid, f"00-{tp.trace_id}-{pre}-01")
         t["p_done"] = t["d_sent"] = time.time()
         assert p.status == 200 and p.kv_transfer_params
-        d = pc.decode(client, real_pd.decode_url, "completions", body, p.kv_transfer_params, rid,
-                      f"00-{tp.trace_id}-{dec}-01")
+        d = pc.decode(
+            client,
+            real_pd.decode_url,
+            "completions",
+            body,
+            p.kv_transfer_params,
+            rid,
+            f"00-{tp.trace_id}-{dec}-01",
+        )
         t["done"] = time.time()
     assert d.status == 200
     with httpx.Client(timeout=10) as client:
-        r = client.post(collector.url + "/v1/traces", content=to_proto(_proxy_spans(tp.trace_id, tp.span_id, pre, dec, rid, real_pd, t)),
-                        headers={"content-type": "application/x-protobuf"})
+        r = client.post(
+            collector.url + "/v1/traces",
+            content=to_proto(_proxy_spans(tp.trace_id, tp.span_id, pre, dec, rid, real_pd, t)),
+            headers={"content-type": "application/x-protobuf"},
+        )
     assert r.status_code == 200
 
     def probe() -> RequestRecord | None:
         with collector.factory() as s:
             return s.scalars(select(RequestRecord).where(RequestRecord.request_id == rid)).first()
 
-    rec = wait_until("the request record with both queue times", probe,
-                     done=lambda r: r is not None and r.d_queue_s is not None and r.p_queue_s is not None,
-                     timeout_s=60, every_s=0.25)
+    rec = wait_until(
+        "the request record with both queue times",
+        probe,
+        done=lambda r: r is not None and r.d_queue_s is not None and r.p_queue_s is not None,
+        timeout_s=60,
+        every_s=0.25,
+    )
     assert rec is not None, "no record assembled"
     seen = {c: getattr(rec, c) for c in RequestRecord.__table__.columns.keys()}  # noqa: SIM118
     assert rec.trace_id == tp.trace_id
@@ -200,7 +271,12 @@ def test_real_vllm_spans_and_proxy_spans_become_one_record(real_pd: RealPD, coll
     assert rec.status == "ok" and rec.ttft_s is not None and rec.e2e_s is not None, seen
     assert rec.attributes["d_vllm_request_id"].startswith(f"cmpl-{rid}")
     # the forensics pass links the record to D's NIXL figures over the scrape window of its handoff
-    linked = wait_until("the record linked to D's NIXL figures", probe,
-                        done=lambda r: r is not None and "nixl" in (r.attributes or {}), timeout_s=30, every_s=0.25)
+    linked = wait_until(
+        "the record linked to D's NIXL figures",
+        probe,
+        done=lambda r: r is not None and "nixl" in (r.attributes or {}),
+        timeout_s=30,
+        every_s=0.25,
+    )
     assert linked is not None and "nixl" in linked.attributes, linked.attributes if linked else None
     assert linked.attributes["nixl"]["d"]["nixl_xfer_time_count"] >= 1, linked.attributes

@@ -36,7 +36,9 @@ pytestmark = pytest.mark.real_vllm
 WINDOW_S = 8
 
 
-def tick_until(what: str, rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0) -> Any:
+def tick_until(
+    what: str, rec: Reconciler, pred: Callable[[Any], Any], within: float, every: float = 1.0
+) -> Any:
     """Tick the reconciler until ``pred(outcome)`` is truthy; return that value."""
     return wait_until(what, lambda: pred(rec.tick()), timeout_s=within, every_s=every)
 
@@ -84,8 +86,12 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
         pr = pc.prefill(client, real_pd.prefill_url, "completions", body)
         assert pr.status == 200 and pr.kv_transfer_params, pr.body
     # Nobody decodes: after the lease P releases the blocks and counts the expiry.
-    fired = tick_until("KVLeaseExpired to fire", rec, lambda out: [a for a in _lease_alerts(out) if a.state == "firing"],
-                       real_pd.lease_s + 30)
+    fired = tick_until(
+        "KVLeaseExpired to fire",
+        rec,
+        lambda out: [a for a in _lease_alerts(out) if a.state == "firing"],
+        real_pd.lease_s + 30,
+    )
     alert = fired[0]
     assert alert.labels["instance"] == real_pd.prefill_name and alert.labels["role"] == "prefill"
     assert alert.value > 0 and "expired" in alert.description
@@ -97,4 +103,6 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
     tick_until("KVLeaseExpired to resolve", rec, lambda out: not _lease_alerts(out), WINDOW_S + 20)
     with transaction(factory) as s:
         row = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
-        assert row.state == "resolved" and row.resolved_at is not None and row.resolved_at > (row.fired_at or 0)
+        assert (
+            row.state == "resolved" and row.resolved_at is not None and row.resolved_at > (row.fired_at or 0)
+        )

@@ -37,10 +37,18 @@ def _joined_records(store_url: str, p_name: str, d_name: str) -> list[RequestRec
     engine = make_engine(store_url)
     try:
         with session_factory(engine)() as s:
-            return list(s.scalars(select(RequestRecord).where(
-                RequestRecord.p_instance == p_name, RequestRecord.d_instance == d_name,
-                RequestRecord.status == "ok", RequestRecord.p_queue_s.is_not(None),
-                RequestRecord.d_queue_s.is_not(None), RequestRecord.d_decode_s.is_not(None))))
+            return list(
+                s.scalars(
+                    select(RequestRecord).where(
+                        RequestRecord.p_instance == p_name,
+                        RequestRecord.d_instance == d_name,
+                        RequestRecord.status == "ok",
+                        RequestRecord.p_queue_s.is_not(None),
+                        RequestRecord.d_queue_s.is_not(None),
+                        RequestRecord.d_decode_s.is_not(None),
+                    )
+                )
+            )
     except SQLAlchemyError:  # the store may not have its tables yet: nothing recorded
         return []
     finally:
@@ -50,12 +58,17 @@ def _joined_records(store_url: str, p_name: str, d_name: str) -> list[RequestRec
 def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: RealPD, tmp_path: Path) -> None:
     proxy_port, controller_port, collector_port, dashboard_port = free_ports(4)
     base = tmp_path / "demo-base.yaml"
-    base.write_text(yaml.safe_dump(real_pd.config_dict(
-        proxy={"port": proxy_port},
-        controller={"port": controller_port, "interval_s": 1},
-        collector={"port": collector_port, "scrape_interval_s": 1, "scrape_timeout_s": 0.8},
-        dashboard={"port": dashboard_port},
-    ), sort_keys=False))
+    base.write_text(
+        yaml.safe_dump(
+            real_pd.config_dict(
+                proxy={"port": proxy_port},
+                controller={"port": controller_port, "interval_s": 1},
+                collector={"port": collector_port, "scrape_interval_s": 1, "scrape_timeout_s": 0.8},
+                dashboard={"port": dashboard_port},
+            ),
+            sort_keys=False,
+        )
+    )
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "pdscope.db").write_bytes(b"an earlier demo's store")  # must not be mixed into this run
@@ -63,10 +76,35 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
 
     real_pd.otlp.forward_to = f"http://127.0.0.1:{collector_port}/v1/traces"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdscope.cli", "--log-level", "WARNING", "--config", str(base), "demo",
-         "--real-vllm", "--prefill-url", real_pd.prefill_url, "--decode-url", real_pd.decode_url,
-         "--workdir", str(workdir), "--no-dashboard", "--fault-after", "-1", "--duration", "600", "--rate", "1"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--log-level",
+            "WARNING",
+            "--config",
+            str(base),
+            "demo",
+            "--real-vllm",
+            "--prefill-url",
+            real_pd.prefill_url,
+            "--decode-url",
+            real_pd.decode_url,
+            "--workdir",
+            str(workdir),
+            "--no-dashboard",
+            "--fault-after",
+            "-1",
+            "--duration",
+            "600",
+            "--rate",
+            "1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     lines: list[str] = []
 
@@ -78,13 +116,19 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
+
         def joined() -> list[RequestRecord]:
             assert proc.poll() is None, f"the demo exited early ({proc.returncode}):\n" + "\n".join(lines)
             return _joined_records(store_url, real_pd.prefill_name, real_pd.decode_name)
 
         try:
-            records = wait_until("3 requests recorded with vLLM's spans joined", joined,
-                                 done=lambda rs: len(rs) >= 3, timeout_s=300, every_s=1.0)
+            records = wait_until(
+                "3 requests recorded with vLLM's spans joined",
+                joined,
+                done=lambda rs: len(rs) >= 3,
+                timeout_s=300,
+                every_s=1.0,
+            )
         except WaitTimeout as exc:
             raise AssertionError(f"{exc}:\n" + "\n".join(lines)) from None
         out = "\n".join(lines)
@@ -93,8 +137,9 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
         assert f"http://127.0.0.1:{proxy_port}" in out, out
         assert len(records) >= 3, f"no requests recorded with vLLM's spans joined:\n{out}"
         rec = records[0]
-        assert rec.attributes and str(rec.attributes.get("d_vllm_request_id", "")).startswith("cmpl-"), \
+        assert rec.attributes and str(rec.attributes.get("d_vllm_request_id", "")).startswith("cmpl-"), (
             rec.attributes
+        )
         assert rec.completion_tokens == 16  # the demo's --output-len fixed:16 reached vLLM
     finally:
         if proc.poll() is None:
@@ -111,8 +156,13 @@ def test_real_vllm_demo_records_joined_requests_and_ctrl_c_cleans_up(real_pd: Re
     assert (workdir / "previous" / "pdscope.db").read_bytes() == b"an earlier demo's store"
     assert "fresh store" in out
     # children were reaped by the demo; /proc may lag a moment
-    wait_until("no process left behind after Ctrl-C", lambda: processes_mentioning(str(workdir)),
-               done=lambda pids: pids == [], timeout_s=15, every_s=0.5)
+    wait_until(
+        "no process left behind after Ctrl-C",
+        lambda: processes_mentioning(str(workdir)),
+        done=lambda pids: pids == [],
+        timeout_s=15,
+        every_s=0.5,
+    )
     # the pair the demo attached to is not the demo's to stop
     assert real_pd.pair.prefill.proc is not None and real_pd.pair.prefill.proc.poll() is None
     assert real_pd.pair.decode.proc is not None and real_pd.pair.decode.proc.poll() is None

@@ -35,7 +35,6 @@ def client() -> Iterator[httpx.Client]:
         yield c
 
 
-
 def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, client: httpx.Client) -> None:
     p_log = real_pd.logs_dir / f"{real_pd.prefill_name}.log"
     p0 = pc.scrape(client, real_pd.prefill_url)
@@ -50,14 +49,19 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
         "P to count the lease expiry",
         lambda: pc.scrape(client, real_pd.prefill_url),
         done=lambda m: m.value(EXPIRED) > p0.value(EXPIRED),
-        timeout_s=real_pd.lease_s + 20.0, every_s=0.25,
+        timeout_s=real_pd.lease_s + 20.0,
+        every_s=0.25,
     )
     waited = time.monotonic() - sent
     assert p1.value(EXPIRED) - p0.value(EXPIRED) == 1
     assert waited >= real_pd.lease_s, "blocks released before the lease ran out"  # the lease is under test
-    expired_line = wait_until("P's log line on the expiry", lambda: tail(p_log, 400),
-                              done=lambda t: f"Releasing expired KV blocks for request {rrid}" in t,
-                              timeout_s=10.0, every_s=0.25)
+    expired_line = wait_until(
+        "P's log line on the expiry",
+        lambda: tail(p_log, 400),
+        done=lambda t: f"Releasing expired KV blocks for request {rrid}" in t,
+        timeout_s=10.0,
+        every_s=0.25,
+    )
     assert f"Releasing expired KV blocks for request {rrid}" in expired_line
 
     # Now the late decode. vLLM reads the freed blocks anyway.
@@ -68,11 +72,16 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
     d1 = wait_until(
         "D to count the late transfer",
         lambda: pc.scrape(client, real_pd.decode_url),
-        done=lambda m: m.value("vllm:nixl_xfer_time_seconds_count") > d0.value("vllm:nixl_xfer_time_seconds_count"),
-        timeout_s=15.0, every_s=0.25,
+        done=lambda m: (
+            m.value("vllm:nixl_xfer_time_seconds_count") > d0.value("vllm:nixl_xfer_time_seconds_count")
+        ),
+        timeout_s=15.0,
+        every_s=0.25,
     )
     assert d1.value("vllm:nixl_xfer_time_seconds_count") - d0.value("vllm:nixl_xfer_time_seconds_count") == 1
-    assert d1.value("vllm:nixl_num_failed_transfers_total") == d0.value("vllm:nixl_num_failed_transfers_total")
+    assert d1.value("vllm:nixl_num_failed_transfers_total") == d0.value(
+        "vllm:nixl_num_failed_transfers_total"
+    )
 
     # P learns of the read of blocks it no longer tracks from D's "done" notification, which its
     # worker only drains on an engine step; an idle P takes none, so nudge it with a request.
@@ -80,13 +89,21 @@ def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, c
     needle = f"Potentially invalid KV blocks for unrecognized request {rrid}"
 
     def nudged() -> tuple[pc.Metrics, str]:
-        pc.direct(client, real_pd.prefill_url, "completions",
-                  {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1})
+        pc.direct(
+            client,
+            real_pd.prefill_url,
+            "completions",
+            {"model": "tiny", "prompt": unique_prompt(4, "nudge"), "max_tokens": 1},
+        )
         return pc.scrape(client, real_pd.prefill_url), tail(p_log, 400)
 
-    p2, log = wait_until("P to count and log the notification after expiry", nudged,
-                         done=lambda r: r[0].value(LATE) > p0.value(LATE) and needle in r[1],
-                         timeout_s=20.0, every_s=0.5)
+    p2, log = wait_until(
+        "P to count and log the notification after expiry",
+        nudged,
+        done=lambda r: r[0].value(LATE) > p0.value(LATE) and needle in r[1],
+        timeout_s=20.0,
+        every_s=0.5,
+    )
     assert needle in log
     assert p2.value(LATE) - p0.value(LATE) == 1
     assert p2.value(EXPIRED) - p0.value(EXPIRED) == 1

@@ -20,7 +20,9 @@ def test_forward_to_passes_the_raw_bodies_through(real_pd: RealPD) -> None:
         tp = pc.make_traceparent()
         body = {"model": "tiny", "prompt": unique_prompt(20, "forward"), "max_tokens": 3, "temperature": 0}
         with httpx.Client(timeout=60.0) as c:
-            _, d = pc.two_step(c, real_pd.prefill_url, real_pd.decode_url, "completions", body, traceparent=tp.header)
+            _, d = pc.two_step(
+                c, real_pd.prefill_url, real_pd.decode_url, "completions", body, traceparent=tp.header
+            )
         assert d.status == 200
         got = receiver.wait_for_spans(lambda s: s.trace_id == tp.trace_id, count=2, timeout_s=20.0)
         assert {s.service_name for s in got} == {real_pd.prefill_name, real_pd.decode_name}

@@ -31,7 +31,9 @@ def test_pair_shape_and_config(real_pd: RealPD, client: httpx.Client, tmp_path: 
     (info,) = [lab for lab, _ in p.samples["vllm:cache_config_info"]]
     # KV bytes per token, checked against what vLLM itself allocated.
     assert int(info["kv_cache_memory_bytes"]) == KV_CACHE_BYTES
-    assert int(info["kv_cache_memory_bytes"]) / int(info["kv_cache_size_tokens"]) == real_pd.kv_bytes_per_token
+    assert (
+        int(info["kv_cache_memory_bytes"]) / int(info["kv_cache_size_tokens"]) == real_pd.kv_bytes_per_token
+    )
     assert int(info["block_size"]) == real_pd.block_size
     assert int(info["num_gpu_blocks"]) * real_pd.block_size == int(info["kv_cache_size_tokens"])
     # Both carry the NIXL families; only the consumer (D) has the KV-fetch stage gauge.
@@ -48,7 +50,9 @@ def test_pair_shape_and_config(real_pd: RealPD, client: httpx.Client, tmp_path: 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_two_step_equals_direct_run(real_pd: RealPD, client: httpx.Client, kind: pc.Kind, stream: bool) -> None:
+def test_two_step_equals_direct_run(
+    real_pd: RealPD, client: httpx.Client, kind: pc.Kind, stream: bool
+) -> None:
     body = pc.request_body(kind, unique_prompt(90, f"{kind}-{stream}"), max_tokens=12, stream=stream)
     expected = pc.direct(client, real_pd.prefill_url, kind, body)
 
@@ -92,16 +96,22 @@ def test_decode_metrics_count_the_pulled_kv(real_pd: RealPD, client: httpx.Clien
     after = wait_until(
         "D to count the three pulls",
         lambda: pc.scrape(client, real_pd.decode_url),
-        done=lambda m: delta(m, "vllm:nixl_xfer_time_seconds_count") >= 3
-        and delta(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens,
-        timeout_s=20.0, every_s=0.25,
+        done=lambda m: (
+            delta(m, "vllm:nixl_xfer_time_seconds_count") >= 3
+            and delta(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") >= tokens
+        ),
+        timeout_s=20.0,
+        every_s=0.25,
     )
     # One NIXL READ per request (TP 1), the whole prompt counted as transferred, nothing recomputed.
     assert delta(after, "vllm:nixl_xfer_time_seconds_count") == 3
     assert delta(after, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == tokens
     assert delta(after, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
     # Whole blocks move: bytes = blocks * block_size * kv_bytes_per_token.
-    assert delta(after, "vllm:nixl_bytes_transferred_sum") == blocks * real_pd.block_size * real_pd.kv_bytes_per_token
+    assert (
+        delta(after, "vllm:nixl_bytes_transferred_sum")
+        == blocks * real_pd.block_size * real_pd.kv_bytes_per_token
+    )
     assert delta(after, "vllm:nixl_num_failed_transfers_total") == 0
     assert delta(after, "vllm:nixl_xfer_time_seconds_sum") > 0
 

@@ -26,23 +26,38 @@ def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """``pdscope proxy`` for the pair, exporting its spans to the pair's OTLP sink."""
     tmp = tmp_path_factory.mktemp("proxy_real")
     port = free_port()
-    config = real_pd.write_config(tmp / "pdscope.yaml", proxy={
-        "port": port, "otlp_endpoint": real_pd.otlp.url, "tracing": True,
-        "controller_url": f"http://127.0.0.1:{free_port()}",  # no controller: equal weights
-        "timeouts": {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120},
-    })
+    config = real_pd.write_config(
+        tmp / "pdscope.yaml",
+        proxy={
+            "port": port,
+            "otlp_endpoint": real_pd.otlp.url,
+            "tracing": True,
+            "controller_url": f"http://127.0.0.1:{free_port()}",  # no controller: equal weights
+            "timeouts": {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120},
+        },
+    )
     log = (tmp / "proxy.log").open("wb")
     pdscope = str(Path(sys.executable).with_name("pdscope"))
-    proc = subprocess.Popen([pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def healthz() -> int:
             assert proc.poll() is None, (tmp / "proxy.log").read_text()
             return httpx.get(url + "/healthz", timeout=1).status_code
 
-        wait_until("pdscope proxy to come up", healthz, done=lambda code: code == 200, timeout_s=30, every_s=0.2,
-                   ignore=(httpx.HTTPError,))
+        wait_until(
+            "pdscope proxy to come up",
+            healthz,
+            done=lambda code: code == 200,
+            timeout_s=30,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
         yield url
     finally:
         proc.terminate()
@@ -83,12 +98,16 @@ def test_proxy_output_equals_the_protocol_run_directly(
         after = wait_until(
             "D to count the proxied request's pull",
             lambda: pc.scrape(client, real_pd.decode_url),
-            done=lambda m: m.value("vllm:nixl_xfer_time_seconds_count")
-            > before.value("vllm:nixl_xfer_time_seconds_count"),
-            timeout_s=20.0, every_s=0.25,
+            done=lambda m: (
+                m.value("vllm:nixl_xfer_time_seconds_count")
+                > before.value("vllm:nixl_xfer_time_seconds_count")
+            ),
+            timeout_s=20.0,
+            every_s=0.25,
         )
         assert after.value("vllm:prompt_tokens_by_source_total", source="local_compute") == before.value(
-            "vllm:prompt_tokens_by_source_total", source="local_compute")
+            "vllm:prompt_tokens_by_source_total", source="local_compute"
+        )
 
 
 def test_traceparent_reaches_vllm_llm_request_spans(real_pd: RealPD, proxy_url: str) -> None:

@@ -27,8 +27,14 @@ PDSCOPE = [sys.executable, "-m", "pdscope.cli"]
 
 class SimProcess:
     def __init__(self, args: list[str], cwd: Path) -> None:
-        self.proc = subprocess.Popen([*PDSCOPE, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.proc = subprocess.Popen(
+            [*PDSCOPE, *args],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -39,7 +45,8 @@ class SimProcess:
             self.lines.append(line.rstrip("\n"))
 
     def wait_admin(self, timeout: float = 20.0) -> dict[str, str]:
-        """The URLs the simulator printed (instance name or ``admin`` -> URL), once it printed the admin one."""
+        """The URLs the simulator printed (instance name or ``admin`` -> URL), once it printed the
+        admin one."""
 
         def printed() -> list[list[str]] | None:
             rows = [line.split() for line in self.lines]
@@ -51,7 +58,11 @@ class SimProcess:
             return None
 
         rows = wait_until("the simulator to print its admin URL", printed, timeout_s=timeout)
-        return {r[1] if r[0] != "admin" else "admin": r[-1] for r in rows if r and r[0] in ("prefill", "decode", "admin")}
+        return {
+            r[1] if r[0] != "admin" else "admin": r[-1]
+            for r in rows
+            if r and r[0] in ("prefill", "decode", "admin")
+        }
 
     def interrupt(self, timeout: float = 15.0) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGINT)
@@ -85,11 +96,29 @@ def fault_cli(admin: str, *args: str) -> tuple[int, object]:
 def test_sim_from_flags_with_scenario_and_live_faults(tmp_path: Path, sims: list[SimProcess]) -> None:
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text("faults:\n  - {at: 0, kind: slow_nic, decode: decode-1, factor: 5}\n")
-    sim = SimProcess(["sim", "--prefill", "1", "--decode", "2", "--port", "0", "--admin-port", "0",
-                      "--latency-scale", "0", "--scenario", str(scenario)], tmp_path)
+    sim = SimProcess(
+        [
+            "sim",
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--latency-scale",
+            "0",
+            "--scenario",
+            str(scenario),
+        ],
+        tmp_path,
+    )
     sims.append(sim)
     urls = sim.wait_admin()
-    roles = {line.split()[1]: line.split()[0] for line in sim.lines if line.split()[0] in ("prefill", "decode")}
+    roles = {
+        line.split()[1]: line.split()[0] for line in sim.lines if line.split()[0] in ("prefill", "decode")
+    }
     assert roles == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
     for name in roles:
         assert httpx.get(urls[name] + "/health", timeout=5).status_code == 200
@@ -127,11 +156,16 @@ def test_sim_from_config_binds_the_pool_urls(tmp_path: Path, sims: list[SimProce
     sim = SimProcess(["--config", str(path), "sim"], tmp_path)
     sims.append(sim)
     urls = sim.wait_admin()
-    assert urls == {"pa": f"http://127.0.0.1:{ports[0]}", "da": f"http://127.0.0.1:{ports[1]}",
-                    "admin": f"http://127.0.0.1:{ports[2]}"}
+    assert urls == {
+        "pa": f"http://127.0.0.1:{ports[0]}",
+        "da": f"http://127.0.0.1:{ports[1]}",
+        "admin": f"http://127.0.0.1:{ports[2]}",
+    }
     models = httpx.get(urls["da"] + "/v1/models", timeout=5).json()
     assert models["data"][0]["id"] == "m-test"
-    faults = httpx.get(urls["admin"] + "/faults", timeout=5).json()["faults"]  # scenario found next to the config
+    faults = httpx.get(urls["admin"] + "/faults", timeout=5).json()[
+        "faults"
+    ]  # scenario found next to the config
     assert [(f["kind"], f["instance"]) for f in faults] == [("slow", "pa")]
     code, _ = sim.interrupt()
     assert code == 0

@@ -39,23 +39,47 @@ def make(cfg: SimulatorConfig, faults: FaultSet | None = None) -> tuple[Engine, 
     faults = faults or FaultSet()
     fabric = Fabric(cfg, faults, KV, seed=cfg.seed)
     rp, rd = Rec(), Rec()
-    p = Engine("prefill-0", "prefill", cfg, engine_id="P", kv_bytes_per_token=KV, fabric=fabric, faults=faults,
-               observer=rp)
-    d = Engine("decode-0", "decode", cfg, engine_id="D", kv_bytes_per_token=KV, fabric=fabric, faults=faults,
-               observer=rd)
+    p = Engine(
+        "prefill-0",
+        "prefill",
+        cfg,
+        engine_id="P",
+        kv_bytes_per_token=KV,
+        fabric=fabric,
+        faults=faults,
+        observer=rp,
+    )
+    d = Engine(
+        "decode-0",
+        "decode",
+        cfg,
+        engine_id="D",
+        kv_bytes_per_token=KV,
+        fabric=fabric,
+        faults=faults,
+        observer=rd,
+    )
     fabric.register(p)
     return p, d, rp, rd, fabric
 
 
 def p_request(i: int, prompt: int, now: float = 0.0) -> SimRequest:
-    return SimRequest(f"cmpl-r{i}-0", f"cmpl-r{i}-0-0000000{i}", prompt, 1, now, params_max_tokens=1,
-                      do_remote_decode=True)
+    return SimRequest(
+        f"cmpl-r{i}-0", f"cmpl-r{i}-0-0000000{i}", prompt, 1, now, params_max_tokens=1, do_remote_decode=True
+    )
 
 
 def d_request(p_req: SimRequest, out: int, now: float) -> SimRequest:
     remote = RemoteKV("P", p_req.internal_id, p_req.leased_block_ids, "localhost", 5600, p_req.prompt_tokens)
-    return SimRequest(p_req.request_id, p_req.internal_id[:-8] + "ffffffff", p_req.prompt_tokens, out, now,
-                      params_max_tokens=out, remote=remote)
+    return SimRequest(
+        p_req.request_id,
+        p_req.internal_id[:-8] + "ffffffff",
+        p_req.prompt_tokens,
+        out,
+        now,
+        params_max_tokens=out,
+        remote=remote,
+    )
 
 
 def run_both(p: Engine, d: Engine, until: float, now: float = 0.0, dt: float = 0.001) -> float:
@@ -69,7 +93,9 @@ def run_both(p: Engine, d: Engine, until: float, now: float = 0.0, dt: float = 0
 
 
 def test_prefill_time_follows_rate_and_blocks_are_leased_until_expiry() -> None:
-    cfg = SimulatorConfig(prefill_tokens_per_s=10000, step_overhead_s=0.01, decode_per_seq_s=0.0, block_size=16)
+    cfg = SimulatorConfig(
+        prefill_tokens_per_s=10000, step_overhead_s=0.01, decode_per_seq_s=0.0, block_size=16
+    )
     p, _, rp, _, _ = make(cfg)
     req = p_request(1, 1600)
     p.submit(req, 0.0)
@@ -84,8 +110,9 @@ def test_prefill_time_follows_rate_and_blocks_are_leased_until_expiry() -> None:
 
 
 def test_pull_transfers_kv_frees_p_blocks_and_counts_on_d() -> None:
-    cfg = SimulatorConfig(link_bandwidth_bytes_per_s=1e9, per_descriptor_s=1e-4, descriptors_per_block=2,
-                          post_time_s=0.001)
+    cfg = SimulatorConfig(
+        link_bandwidth_bytes_per_s=1e9, per_descriptor_s=1e-4, descriptors_per_block=2, post_time_s=0.001
+    )
     p, d, rp, rd, _ = make(cfg)
     pr = p_request(1, 160)
     p.submit(pr, 0.0)
@@ -183,7 +210,9 @@ def test_stop_pulling_lets_p_leases_expire_then_the_late_pull_is_a_notification_
     faults.remove(fid)
     run_both(p, d, until=now + 1.0, now=now, dt=0.01)
     # as real vLLM 0.32: D reads the freed (not yet reused) blocks, P counts the late "done"
-    assert dr.finish_reason == "length" and rd.calls["transfer_done"] == 1 and rd.calls["transfer_failed"] == 0
+    assert (
+        dr.finish_reason == "length" and rd.calls["transfer_done"] == 1 and rd.calls["transfer_failed"] == 0
+    )
     assert rp.calls["notification_after_expiry"] == 1
 
 
@@ -220,8 +249,15 @@ def test_transfer_to_unknown_engine_fails_and_abort_frees_blocks() -> None:
 def test_invalid_kv_transfer_params_fall_back_to_local_prefill() -> None:
     assert RemoteKV.from_params({"do_remote_prefill": True, "remote_engine_id": "e"}) is None
     assert RemoteKV.from_params({"do_remote_decode": True}) is None
-    full = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
-            "remote_block_ids": [[1, 2], [3]], "remote_host": "h", "remote_port": 5600, "tp_size": 1}
+    full = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_block_ids": [[1, 2], [3]],
+        "remote_host": "h",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
     remote = RemoteKV.from_params(full)
     assert remote is not None and remote.block_ids == (1, 2, 3)
 
@@ -230,8 +266,9 @@ def test_slow_fault_and_latency_scale_change_step_time() -> None:
     faults = FaultSet()
     faults.add(FaultSpec(kind="slow", instance="prefill-0", factor=5))
     for scale, expected in ((1.0, 5 * 0.0101), (0.0, 0.0)):
-        cfg = SimulatorConfig(latency_scale=scale, step_overhead_s=0.01, prefill_tokens_per_s=10000,
-                              decode_per_seq_s=0.0)
+        cfg = SimulatorConfig(
+            latency_scale=scale, step_overhead_s=0.01, prefill_tokens_per_s=10000, decode_per_seq_s=0.0
+        )
         p, _, _, _, _ = make(cfg, faults)
         req = p_request(1, 1)
         p.submit(req, 0.0)
@@ -243,7 +280,9 @@ def test_per_instance_overrides_are_validated_and_applied() -> None:
     from pdscope.config import ConfigError
     from simulator.config import parse_simulator_config
 
-    cfg = parse_simulator_config({"kv_capacity_blocks": 100, "instances": {"decode-1": {"kv_capacity_blocks": 7}}})
+    cfg = parse_simulator_config(
+        {"kv_capacity_blocks": 100, "instances": {"decode-1": {"kv_capacity_blocks": 7}}}
+    )
     assert cfg.for_instance("decode-1").kv_capacity_blocks == 7
     assert cfg.for_instance("decode-0").kv_capacity_blocks == 100
     with pytest.raises(ConfigError, match="seed cannot be set per instance"):
@@ -260,8 +299,13 @@ def test_fault_specs_validate_per_kind() -> None:
 
     assert parse_fault({"kind": "slow_nic", "instance": "decode-0", "factor": 3}).decode == "decode-0"
     assert parse_fault({"kind": "stop_pulling", "instance": "decode-1"}).decode == "decode-1"
-    for bad in ({"kind": "slow_link", "prefill": "p"}, {"kind": "kv_capacity", "instance": "p"},
-                {"kind": "transfer_failure", "rate": 2}, {"kind": "nope"}, {"kind": "down"},
-                {"kind": "slow", "instance": "p", "factor": 2, "extra": 1}):
+    for bad in (
+        {"kind": "slow_link", "prefill": "p"},
+        {"kind": "kv_capacity", "instance": "p"},
+        {"kind": "transfer_failure", "rate": 2},
+        {"kind": "nope"},
+        {"kind": "down"},
+        {"kind": "slow", "instance": "p", "factor": 2, "extra": 1},
+    ):
         with pytest.raises(ConfigError):
             parse_fault(bad)

@@ -44,9 +44,15 @@ def value(client: httpx.Client, url: str, sample: str, **labels: str) -> float:
     raise KeyError(sample)
 
 
-def two_step(fleet: RunningFleet, client: httpx.Client, d: int = 0, rid: str = "r", max_tokens: int = 3) -> httpx.Response:
-    body: dict[str, Any] = {"model": fleet.model_name, "prompt": PROMPT, "max_tokens": 1,
-                            "kv_transfer_params": {"do_remote_decode": True}}
+def two_step(
+    fleet: RunningFleet, client: httpx.Client, d: int = 0, rid: str = "r", max_tokens: int = 3
+) -> httpx.Response:
+    body: dict[str, Any] = {
+        "model": fleet.model_name,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     p = client.post(fleet.prefill_urls[0] + "/v1/completions", json=body, headers={"X-Request-Id": rid})
     assert p.status_code == 200
     body.update(max_tokens=max_tokens, kv_transfer_params=p.json()["kv_transfer_params"])
@@ -54,8 +60,10 @@ def two_step(fleet: RunningFleet, client: httpx.Client, d: int = 0, rid: str = "
 
 
 def mean_xfer(client: httpx.Client, url: str) -> tuple[float, float]:
-    return (value(client, url, "vllm:nixl_xfer_time_seconds_sum"),
-            value(client, url, "vllm:nixl_xfer_time_seconds_count"))
+    return (
+        value(client, url, "vllm:nixl_xfer_time_seconds_sum"),
+        value(client, url, "vllm:nixl_xfer_time_seconds_count"),
+    )
 
 
 def mean_delta(before: tuple[float, float], after: tuple[float, float]) -> float:
@@ -63,8 +71,9 @@ def mean_delta(before: tuple[float, float], after: tuple[float, float]) -> float
 
 
 @pytest.mark.parametrize("kind", ["slow_link", "slow_nic"])
-def test_slow_link_and_nic_raise_transfer_time_on_that_d_only(fleet: RunningFleet, client: httpx.Client,
-                                                              kind: str) -> None:
+def test_slow_link_and_nic_raise_transfer_time_on_that_d_only(
+    fleet: RunningFleet, client: httpx.Client, kind: str
+) -> None:
     d0, d1 = fleet.decode_urls
     a0 = mean_xfer(client, d0)
     for i in range(3):
@@ -98,19 +107,28 @@ def test_transfer_failures_count_on_d_and_fail_the_request(fleet: RunningFleet, 
 
 def test_d_that_stops_pulling_lets_p_leases_expire(fleet: RunningFleet, client: httpx.Client) -> None:
     p0, d0 = fleet.prefill_urls[0], fleet.decode_urls[0]
-    wait_until("P's KV cache to empty", lambda: value(client, p0, "vllm:kv_cache_usage_perc") == 0.0)  # earlier leases settled
+    wait_until(
+        "P's KV cache to empty", lambda: value(client, p0, "vllm:kv_cache_usage_perc") == 0.0
+    )  # earlier leases settled
     expired = value(client, p0, "vllm:nixl_num_kv_expired_reqs_total")
     failed = value(client, d0, "vllm:nixl_num_failed_transfers_total")
     late = value(client, p0, "vllm:nixl_num_notifications_after_expiry_total")
     pulls = value(client, d0, "vllm:nixl_xfer_time_seconds_count")
     fid = fleet.inject({"kind": "stop_pulling", "decode": "decode-0"})
     result: dict[str, httpx.Response] = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", two_step(fleet, own_client(), 0, "stuck")))
+    worker = threading.Thread(
+        target=lambda: result.setdefault("r", two_step(fleet, own_client(), 0, "stuck"))
+    )
     worker.start()
-    wait_until("D to wait for the KV fetch", lambda: value(client, d0, "vllm:num_requests_kv_fetch_by_stage",
-                                                               stage="waiting_to_start") == 1)
+    wait_until(
+        "D to wait for the KV fetch",
+        lambda: value(client, d0, "vllm:num_requests_kv_fetch_by_stage", stage="waiting_to_start") == 1,
+    )
     assert value(client, d0, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1
-    wait_until("P to expire the lease", lambda: value(client, p0, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1)
+    wait_until(
+        "P to expire the lease",
+        lambda: value(client, p0, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1,
+    )
     assert value(client, p0, "vllm:kv_cache_usage_perc") == 0.0  # the expired lease freed P's blocks
     fleet.remove_fault(fid)
     worker.join(10)
@@ -147,8 +165,12 @@ def test_instance_down_and_back(fleet: RunningFleet, client: httpx.Client) -> No
 
 def test_p_down_makes_ds_pull_fail(fleet: RunningFleet, client: httpx.Client) -> None:
     d0 = fleet.decode_urls[0]
-    body: dict[str, Any] = {"model": fleet.model_name, "prompt": PROMPT, "max_tokens": 1,
-                            "kv_transfer_params": {"do_remote_decode": True}}
+    body: dict[str, Any] = {
+        "model": fleet.model_name,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     kv = client.post(fleet.prefill_urls[0] + "/v1/completions", json=body).json()["kv_transfer_params"]
     failed = value(client, d0, "vllm:nixl_num_failed_transfers_total")
     fid = fleet.inject({"kind": "down", "instance": "prefill-0"})
@@ -176,15 +198,24 @@ def test_kv_capacity_shrink_raises_usage_and_queues() -> None:
 def _kv_capacity_case(fleet: RunningFleet, client: httpx.Client) -> None:
     p0 = fleet.prefill_urls[0]
     fleet.inject({"kind": "kv_capacity", "instance": "prefill-0", "blocks": 8})
-    body = {"model": fleet.model_name, "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "model": fleet.model_name,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert client.post(p0 + "/v1/completions", json=body).status_code == 200  # 7 blocks leased, no D pulls
     assert value(client, p0, "vllm:kv_cache_usage_perc") == pytest.approx(7 / 8)
     result: dict[str, httpx.Response] = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", own_client().post(p0 + "/v1/completions", json=body)))
+    worker = threading.Thread(
+        target=lambda: result.setdefault("r", own_client().post(p0 + "/v1/completions", json=body))
+    )
     worker.start()
-    wait_until("the request queued for capacity",  # before the first lease expires (3 s)
-               lambda: value(client, p0, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1,
-               timeout_s=2.5)
+    wait_until(
+        "the request queued for capacity",  # before the first lease expires (3 s)
+        lambda: value(client, p0, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1,
+        timeout_s=2.5,
+    )
     worker.join(10)  # the first lease expires after 3 s, then the second request fits
     assert result["r"].status_code == 200
 
@@ -194,8 +225,10 @@ def test_slow_p_raises_its_ttft(fleet: RunningFleet, client: httpx.Client) -> No
     body = {"model": fleet.model_name, "prompt": PROMPT, "max_tokens": 1}
 
     def ttft_sum_count() -> tuple[float, float]:
-        return (value(client, p0, "vllm:time_to_first_token_seconds_sum"),
-                value(client, p0, "vllm:time_to_first_token_seconds_count"))
+        return (
+            value(client, p0, "vllm:time_to_first_token_seconds_sum"),
+            value(client, p0, "vllm:time_to_first_token_seconds_count"),
+        )
 
     a = ttft_sum_count()
     client.post(p0 + "/v1/completions", json=body)
@@ -207,14 +240,20 @@ def test_slow_p_raises_its_ttft(fleet: RunningFleet, client: httpx.Client) -> No
 
 
 def test_delayed_fault_with_duration_and_admin_api(fleet: RunningFleet, client: httpx.Client) -> None:
-    r = client.post(fleet.admin_url + "/faults", json={"kind": "slow", "instance": "decode-0", "factor": 2,
-                                                       "at": 1.0, "duration": 1.0})
+    r = client.post(
+        fleet.admin_url + "/faults",
+        json={"kind": "slow", "instance": "decode-0", "factor": 2, "at": 1.0, "duration": 1.0},
+    )
     fid = r.json()["id"]
     listing = client.get(fleet.admin_url + "/faults").json()["faults"]
     assert [(f["id"], f["active"]) for f in listing] == [(fid, False)]
-    wait_until("the scheduled fault to be active",
-               lambda: [f["active"] for f in client.get(fleet.admin_url + "/faults").json()["faults"]] == [True])
-    wait_until("the scheduled fault to end", lambda: client.get(fleet.admin_url + "/faults").json()["faults"] == [])
+    wait_until(
+        "the scheduled fault to be active",
+        lambda: [f["active"] for f in client.get(fleet.admin_url + "/faults").json()["faults"]] == [True],
+    )
+    wait_until(
+        "the scheduled fault to end", lambda: client.get(fleet.admin_url + "/faults").json()["faults"] == []
+    )
     bad = client.post(fleet.admin_url + "/faults", json={"kind": "slow_link", "prefill": "prefill-0"})
     assert bad.status_code == 400 and "decode" in bad.json()["error"][0]
     unknown = client.post(fleet.admin_url + "/faults", json={"kind": "down", "instance": "nope"})

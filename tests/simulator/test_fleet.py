@@ -21,7 +21,9 @@ def test_lag_monitor_marks_a_blocked_loop_untrustworthy() -> None:
         seen = len(mon.samples)
         time.sleep(0.2)  # noqa: ASYNC251 - on purpose, the thing under test: something hogs the loop
         # the next sample is the sleeper the hog held up
-        hogged = await async_wait_until("a sample after the hog", mon.stats, done=lambda st: st["samples"] > seen)
+        hogged = await async_wait_until(
+            "a sample after the hog", mon.stats, done=lambda st: st["samples"] > seen
+        )
         await mon.stop()
         return calm, hogged
 
@@ -33,8 +35,16 @@ def test_lag_monitor_marks_a_blocked_loop_untrustworthy() -> None:
 def test_fleet_rejects_unknown_override_names_and_duplicate_instances() -> None:
     cfg = SimulatorConfig(instances={"decode-9": {"kv_capacity_blocks": 10}})
     with pytest.raises(ConfigError, match="decode-9"):
-        Fleet([InstanceSpec("prefill", "prefill-0"), InstanceSpec("decode", "decode-0")], model_name="m",
-              kv_bytes_per_token=1, cfg=cfg)
+        Fleet(
+            [InstanceSpec("prefill", "prefill-0"), InstanceSpec("decode", "decode-0")],
+            model_name="m",
+            kv_bytes_per_token=1,
+            cfg=cfg,
+        )
     with pytest.raises(ValueError, match="unique"):
-        Fleet([InstanceSpec("prefill", "x"), InstanceSpec("decode", "x")], model_name="m", kv_bytes_per_token=1,
-              cfg=SimulatorConfig())
+        Fleet(
+            [InstanceSpec("prefill", "x"), InstanceSpec("decode", "x")],
+            model_name="m",
+            kv_bytes_per_token=1,
+            cfg=SimulatorConfig(),
+        )

@@ -20,7 +20,9 @@ def test_json_and_sse_bodies_and_connection_reuse() -> None:
             body = {"model": fleet.model_name, "prompt": "a b c", "max_tokens": 3}
             async with pool.post(url, body, {"X-Request-Id": "h1"}) as r:
                 data = await r.json()
-            assert r.status_code == 200 and data["id"] == "cmpl-h1" and data["usage"]["completion_tokens"] == 3
+            assert (
+                r.status_code == 200 and data["id"] == "cmpl-h1" and data["usage"]["completion_tokens"] == 3
+            )
             async with pool.post(url, {**body, "stream": True}) as r:
                 lines = [line async for line in r.aiter_lines() if line]
             assert r.headers["content-type"].startswith("text/event-stream")

@@ -51,8 +51,10 @@ def buckets(fam: Family) -> list[str]:
 @pytest.fixture(scope="module")
 def pages() -> Iterator[dict[str, ParsedPage]]:
     """Sim pages after some P/D traffic of both endpoints (so the HTTP families have series)."""
-    with running_fleet(1, 1, seed=0, latency_scale=0.05, max_model_len=512, block_size=128) as fleet, \
-            httpx.Client(timeout=10) as client:
+    with (
+        running_fleet(1, 1, seed=0, latency_scale=0.05, max_model_len=512, block_size=128) as fleet,
+        httpx.Client(timeout=10) as client,
+    ):
         _traffic(fleet, client)
         yield {
             "prefill": parse_text(client.get(fleet.prefill_urls[0] + "/metrics").content),
@@ -61,9 +63,16 @@ def pages() -> Iterator[dict[str, ParsedPage]]:
 
 
 def _traffic(fleet: RunningFleet, client: httpx.Client) -> None:
-    for path, key, value in (("/v1/completions", "prompt", "x " * 40),
-                             ("/v1/chat/completions", "messages", [{"role": "user", "content": "x " * 40}])):
-        body = {"model": fleet.model_name, key: value, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    for path, key, value in (
+        ("/v1/completions", "prompt", "x " * 40),
+        ("/v1/chat/completions", "messages", [{"role": "user", "content": "x " * 40}]),
+    ):
+        body = {
+            "model": fleet.model_name,
+            key: value,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         kv = client.post(fleet.prefill_urls[0] + path, json=body).json()["kv_transfer_params"]
         body.update(max_tokens=8, kv_transfer_params=kv)
         assert client.post(fleet.decode_urls[0] + path, json=body).status_code == 200
@@ -75,8 +84,9 @@ def test_there_are_real_captures_to_compare_with() -> None:
 
 
 @pytest.mark.parametrize(("role", "path"), captures(), ids=lambda v: str(v))
-def test_every_real_family_is_on_the_sim_page_with_same_shape(pages: dict[str, ParsedPage], role: str,
-                                                              path: Path) -> None:
+def test_every_real_family_is_on_the_sim_page_with_same_shape(
+    pages: dict[str, ParsedPage], role: str, path: Path
+) -> None:
     real = parse_text(path.read_bytes())
     sim = pages[role]
     problems = []
@@ -120,8 +130,10 @@ def test_series_identity_matches_real_page_exactly_for_vllm_families(pages: dict
             if not name.startswith("vllm:") or name == "vllm:cache_config_info":
                 continue
             want = {(s.name, frozenset(s.labels.items() - {("model_name", "tiny")})) for s in fam.samples}
-            got = {(s.name, frozenset(s.labels.items() - {("model_name", "sim-llama-70b")}))
-                   for s in pages[role].families[name].samples}
+            got = {
+                (s.name, frozenset(s.labels.items() - {("model_name", "sim-llama-70b")}))
+                for s in pages[role].families[name].samples
+            }
             assert got == want, name
 
 
@@ -135,14 +147,21 @@ def test_counters_only_grow_and_values_follow_events() -> None:
         snaps = []
         for _ in range(3):
             _traffic(fleet, client)
-            snaps.append({url: parse_text(client.get(url + "/metrics").content)
-                          for url in (fleet.prefill_urls[0], fleet.decode_urls[0])})
+            snaps.append(
+                {
+                    url: parse_text(client.get(url + "/metrics").content)
+                    for url in (fleet.prefill_urls[0], fleet.decode_urls[0])
+                }
+            )
         for url in snaps[0]:
             for a, b in itertools.pairwise(snaps):
                 for name, fam in a[url].families.items():
                     if fam.type not in ("counter", "histogram") or name.startswith(RUNTIME):
                         continue
-                    later = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in b[url].families[name].samples}
+                    later = {
+                        (s.name, tuple(sorted(s.labels.items()))): s.value
+                        for s in b[url].families[name].samples
+                    }
                     for s in fam.samples:
                         key = (s.name, tuple(sorted(s.labels.items())))
                         assert later[key] >= s.value, (url, key)

@@ -20,12 +20,29 @@ REPO = Path(__file__).resolve().parents[2]
 OWN_FIXTURES = REAL_CAPTURES
 # the keys real vLLM 0.33 P returns in pull mode (NixlPullConnectorScheduler.request_finished)
 REAL_P_KEYS = {
-    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-    "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-    "remote_blocks_expiry_time", "remote_registration_generation", "transfer_mode",
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "remote_registration_generation",
+    "transfer_mode",
 }
-TOY_PROXY_P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+TOY_PROXY_P_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +77,15 @@ def _real_p_keys() -> set[str]:
     return REAL_P_KEYS
 
 
-def prefill(client: httpx.Client, fleet: RunningFleet, rid: str, prompt: str = "hello " * 100,
-            chat: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": fleet.model_name, "max_tokens": 1, "stream": False,
-                            "kv_transfer_params": TOY_PROXY_P_PARAMS}
+def prefill(
+    client: httpx.Client, fleet: RunningFleet, rid: str, prompt: str = "hello " * 100, chat: bool = False
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": fleet.model_name,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": TOY_PROXY_P_PARAMS,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -99,26 +121,38 @@ def test_two_step_returns_the_keys_real_p_returns(fleet: RunningFleet, client: h
     assert p_resp["id"] == "cmpl-req-1"
     assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
     assert kv["transfer_mode"] == "pull" and kv["tp_size"] == 1
-    assert kv["remote_request_id"].startswith("cmpl-req-1-0-") and len(kv["remote_request_id"]) == len("cmpl-req-1-0-") + 8
+    assert (
+        kv["remote_request_id"].startswith("cmpl-req-1-0-")
+        and len(kv["remote_request_id"]) == len("cmpl-req-1-0-") + 8
+    )
     assert isinstance(kv["remote_block_ids"], list) and len(kv["remote_block_ids"][0]) == 7  # 100 tokens / 16
     assert kv["remote_num_tokens"] == 100
     assert p_resp["choices"][0]["finish_reason"] == "length" and p_resp["usage"]["completion_tokens"] == 1
 
     before = metric(client, fleet.decode_urls[0], "vllm:nixl_xfer_time_seconds_count")
     body = {"model": fleet.model_name, "prompt": "hello " * 100, "max_tokens": 5, "kv_transfer_params": kv}
-    d_resp = client.post(fleet.decode_urls[0] + "/v1/completions", json=body, headers={"X-Request-Id": "req-1"})
+    d_resp = client.post(
+        fleet.decode_urls[0] + "/v1/completions", json=body, headers={"X-Request-Id": "req-1"}
+    )
     assert d_resp.status_code == 200
     out = d_resp.json()
     assert out["id"] == "cmpl-req-1" and out["kv_transfer_params"] is None
-    assert out["usage"] == {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
-                            "prompt_tokens_details": None, "completion_tokens_details": None}
+    assert out["usage"] == {
+        "prompt_tokens": 100,
+        "completion_tokens": 5,
+        "total_tokens": 105,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     assert metric(client, fleet.decode_urls[0], "vllm:nixl_xfer_time_seconds_count") == before + 1
     assert metric(client, fleet.prefill_urls[0], "vllm:nixl_xfer_time_seconds_count") == 0  # pull: D observes
     assert metric(client, fleet.prefill_urls[0], "vllm:kv_cache_usage_perc") == 0.0  # P freed after the pull
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_p_response_has_the_fields_of_the_real_capture(fleet: RunningFleet, client: httpx.Client, chat: bool) -> None:
+def test_p_response_has_the_fields_of_the_real_capture(
+    fleet: RunningFleet, client: httpx.Client, chat: bool
+) -> None:
     path = OWN_FIXTURES / f"prefill-response-{'chat' if chat else 'completion'}.vllm-0.32.0.json"
     real = json.loads(path.read_text())["response"]
     mine = prefill(client, fleet, "shape", chat=chat)
@@ -133,10 +167,17 @@ def test_p_response_has_the_fields_of_the_real_capture(fleet: RunningFleet, clie
 
 def test_completion_stream_shapes(fleet: RunningFleet, client: httpx.Client) -> None:
     kv = prefill(client, fleet, "req-2")["kv_transfer_params"]
-    body = {"model": fleet.model_name, "prompt": "hello " * 100, "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": kv}
-    with client.stream("POST", fleet.decode_urls[0] + "/v1/completions", json=body,
-                       headers={"X-Request-Id": "req-2"}) as r:
+    body = {
+        "model": fleet.model_name,
+        "prompt": "hello " * 100,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": kv,
+    }
+    with client.stream(
+        "POST", fleet.decode_urls[0] + "/v1/completions", json=body, headers={"X-Request-Id": "req-2"}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -153,10 +194,16 @@ def test_chat_stream_and_non_stream_shapes(fleet: RunningFleet, client: httpx.Cl
     p_resp = prefill(client, fleet, "req-3", chat=True)
     assert p_resp["id"] == "chatcmpl-req-3" and p_resp["object"] == "chat.completion"
     assert p_resp["kv_transfer_params"]["remote_request_id"].startswith("chatcmpl-req-3-")
-    body = {"model": fleet.model_name, "messages": [{"role": "user", "content": "hello " * 100}],
-            "max_tokens": 3, "stream": True, "kv_transfer_params": p_resp["kv_transfer_params"]}
-    with client.stream("POST", fleet.decode_urls[0] + "/v1/chat/completions", json=body,
-                       headers={"X-Request-Id": "req-3"}) as r:
+    body = {
+        "model": fleet.model_name,
+        "messages": [{"role": "user", "content": "hello " * 100}],
+        "max_tokens": 3,
+        "stream": True,
+        "kv_transfer_params": p_resp["kv_transfer_params"],
+    }
+    with client.stream(
+        "POST", fleet.decode_urls[0] + "/v1/chat/completions", json=body, headers={"X-Request-Id": "req-3"}
+    ) as r:
         events = sse(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -164,17 +211,22 @@ def test_chat_stream_and_non_stream_shapes(fleet: RunningFleet, client: httpx.Cl
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-req-3" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).split().__len__() == 3
-    plain = client.post(fleet.decode_urls[0] + "/v1/chat/completions",
-                        json={"model": fleet.model_name, "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": 2})
+    plain = client.post(
+        fleet.decode_urls[0] + "/v1/chat/completions",
+        json={"model": fleet.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     msg = plain.json()["choices"][0]
     assert msg["message"]["role"] == "assistant" and len(msg["message"]["content"].split()) == 2
 
 
-def test_without_request_id_and_without_params_d_computes_locally(fleet: RunningFleet, client: httpx.Client) -> None:
+def test_without_request_id_and_without_params_d_computes_locally(
+    fleet: RunningFleet, client: httpx.Client
+) -> None:
     before_local = metric(client, fleet.decode_urls[0], "vllm:nixl_xfer_time_seconds_count")
-    r = client.post(fleet.decode_urls[0] + "/v1/completions",
-                    json={"model": fleet.model_name, "prompt": "a b c", "max_tokens": 2})
+    r = client.post(
+        fleet.decode_urls[0] + "/v1/completions",
+        json={"model": fleet.model_name, "prompt": "a b c", "max_tokens": 2},
+    )
     assert r.status_code == 200
     rid = r.json()["id"]
     assert rid.startswith("cmpl-") and len(rid) == len("cmpl-") + 32
@@ -189,8 +241,10 @@ def test_side_endpoints_and_errors(fleet: RunningFleet, client: httpx.Client) ->
     assert client.get(fleet.prefill_urls[0] + "/version").json() == {"version": "0.32.0"}
     r = client.post(fleet.prefill_urls[0] + "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
-    r = client.post(fleet.prefill_urls[0] + "/v1/completions", json={"model": fleet.model_name, "prompt": "x",
-                                                                     "max_tokens": 10**6})
+    r = client.post(
+        fleet.prefill_urls[0] + "/v1/completions",
+        json={"model": fleet.model_name, "prompt": "x", "max_tokens": 10**6},
+    )
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     r = client.post(fleet.prefill_urls[0] + "/v1/completions", content=b"{not json")
     assert r.status_code == 400
@@ -204,8 +258,11 @@ def test_client_disconnect_aborts_the_request(fleet: RunningFleet, client: httpx
 
     def aborted() -> float:
         page = parse_text(client.get(d0 + "/metrics").text)
-        return next(s.value for s in page.families["vllm:request_success_total"].samples
-                    if s.labels["finished_reason"] == "abort")
+        return next(
+            s.value
+            for s in page.families["vllm:request_success_total"].samples
+            if s.labels["finished_reason"] == "abort"
+        )
 
     before = aborted()
     body = {"model": fleet.model_name, "prompt": "a b", "max_tokens": 5000, "stream": True}
@@ -217,11 +274,22 @@ def test_client_disconnect_aborts_the_request(fleet: RunningFleet, client: httpx
 
 
 def test_queue_limits_reject_with_503_and_count_the_reason() -> None:
-    with running_fleet(1, 1, latency_scale=1.0, max_num_queued_reqs=1, prefill_tokens_per_s=1000,
-                       request_id_headers=True, kv_capacity_blocks=64) as fleet, httpx.Client(timeout=10) as client:
+    with (
+        running_fleet(
+            1,
+            1,
+            latency_scale=1.0,
+            max_num_queued_reqs=1,
+            prefill_tokens_per_s=1000,
+            request_id_headers=True,
+            kv_capacity_blocks=64,
+        ) as fleet,
+        httpx.Client(timeout=10) as client,
+    ):
         url = fleet.prefill_urls[0] + "/v1/completions"
         body = {"model": fleet.model_name, "prompt": "x " * 900, "max_tokens": 1}  # 0.9 s, 57 of 64 blocks
         statuses: list[int] = []
+
         def post() -> None:
             with httpx.Client(timeout=10) as own:
                 statuses.append(own.post(url, json=body).status_code)
@@ -233,8 +301,12 @@ def test_queue_limits_reject_with_503_and_count_the_reason() -> None:
             t.join(10)
         assert 503 in statuses and 200 in statuses
         page = parse_text(client.get(fleet.prefill_urls[0] + "/metrics").text)
-        rejected = {s.labels["reason"]: s.value for s in page.families["vllm:admission_rejections_total"].samples}
-        assert rejected["max_num_queued_reqs"] == statuses.count(503) and rejected["max_num_queued_tokens"] == 0
+        rejected = {
+            s.labels["reason"]: s.value for s in page.families["vllm:admission_rejections_total"].samples
+        }
+        assert (
+            rejected["max_num_queued_reqs"] == statuses.count(503) and rejected["max_num_queued_tokens"] == 0
+        )
         r = client.post(url, json={**body, "prompt": "x"}, headers={"X-Request-Id": "echo-me"})
         assert r.headers["x-request-id"] == "echo-me"
         too_big = client.post(url, json={**body, "prompt": "x " * 1100})  # 64 blocks x 16 = 1024 tokens

@@ -50,10 +50,20 @@ def receiver() -> Iterator[tuple[str, list[bytes]]]:
 def _real_attribute_keys() -> set[str]:
     """The attribute keys of real vLLM 0.32.0's llm_request spans (requests sent temperature 0)."""
     if not REAL_TRACES.exists():
-        return {semconv.GEN_AI_TTFT, semconv.GEN_AI_E2E, semconv.GEN_AI_QUEUE, semconv.GEN_AI_PREFILL,
-                semconv.GEN_AI_DECODE, semconv.GEN_AI_INFERENCE, semconv.GEN_AI_REQUEST_ID,
-                semconv.GEN_AI_PROMPT_TOKENS, semconv.GEN_AI_COMPLETION_TOKENS, semconv.GEN_AI_TOP_P,
-                semconv.GEN_AI_MAX_TOKENS, semconv.GEN_AI_N}
+        return {
+            semconv.GEN_AI_TTFT,
+            semconv.GEN_AI_E2E,
+            semconv.GEN_AI_QUEUE,
+            semconv.GEN_AI_PREFILL,
+            semconv.GEN_AI_DECODE,
+            semconv.GEN_AI_INFERENCE,
+            semconv.GEN_AI_REQUEST_ID,
+            semconv.GEN_AI_PROMPT_TOKENS,
+            semconv.GEN_AI_COMPLETION_TOKENS,
+            semconv.GEN_AI_TOP_P,
+            semconv.GEN_AI_MAX_TOKENS,
+            semconv.GEN_AI_N,
+        }
     keys: set[str] = set()
     for body in json.loads(REAL_TRACES.read_text())["bodies"]:
         for rs in body["otlp_json"]["resourceSpans"]:
@@ -63,16 +73,29 @@ def _real_attribute_keys() -> set[str]:
     return keys
 
 
-def test_llm_request_spans_are_children_of_the_incoming_traceparent(receiver: tuple[str, list[bytes]]) -> None:
+def test_llm_request_spans_are_children_of_the_incoming_traceparent(
+    receiver: tuple[str, list[bytes]],
+) -> None:
     endpoint, bodies = receiver
     headers = {"X-Request-Id": "tr-1", "traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
-    with running_fleet(1, 1, latency_scale=0.1, tracing=True, otlp_endpoint=endpoint) as fleet, \
-            httpx.Client(timeout=10) as client:
-        body = {"model": fleet.model_name, "prompt": "x " * 50, "max_tokens": 1, "temperature": 0,
-                "top_p": 0.9, "kv_transfer_params": {"do_remote_decode": True}}
+    with (
+        running_fleet(1, 1, latency_scale=0.1, tracing=True, otlp_endpoint=endpoint) as fleet,
+        httpx.Client(timeout=10) as client,
+    ):
+        body = {
+            "model": fleet.model_name,
+            "prompt": "x " * 50,
+            "max_tokens": 1,
+            "temperature": 0,
+            "top_p": 0.9,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         kv = client.post(fleet.prefill_urls[0] + "/v1/completions", json=body, headers=headers).json()
         body.update(max_tokens=4, kv_transfer_params=kv["kv_transfer_params"])
-        assert client.post(fleet.decode_urls[0] + "/v1/completions", json=body, headers=headers).status_code == 200
+        assert (
+            client.post(fleet.decode_urls[0] + "/v1/completions", json=body, headers=headers).status_code
+            == 200
+        )
     # leaving the block shut the fleet down, which flushes the exporters
     spans = {}
     for raw in bodies:
@@ -97,8 +120,14 @@ def test_llm_request_spans_are_children_of_the_incoming_traceparent(receiver: tu
         assert semconv.GEN_AI_TEMPERATURE not in attrs  # 0 is falsy: vLLM omits it
         assert attrs[semconv.GEN_AI_TOP_P].double_value == pytest.approx(0.9)
         assert attrs[semconv.GEN_AI_N].int_value == 1  # vLLM's default, emitted as on the real capture
-        for key in (semconv.GEN_AI_TTFT, semconv.GEN_AI_E2E, semconv.GEN_AI_QUEUE, semconv.GEN_AI_PREFILL,
-                    semconv.GEN_AI_DECODE, semconv.GEN_AI_INFERENCE):
+        for key in (
+            semconv.GEN_AI_TTFT,
+            semconv.GEN_AI_E2E,
+            semconv.GEN_AI_QUEUE,
+            semconv.GEN_AI_PREFILL,
+            semconv.GEN_AI_DECODE,
+            semconv.GEN_AI_INFERENCE,
+        ):
             assert attrs[key].double_value >= 0.0, key
         assert span.end_time_unix_nano > span.start_time_unix_nano
     d_attrs = {a.key: a.value for a in spans["decode-0"].attributes}

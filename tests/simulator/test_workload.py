@@ -39,14 +39,18 @@ def test_arrivals_are_bounded_seeded_and_at_the_rate() -> None:
     assert arrival_times("constant", 4.0, 5, 10.0, random.Random(0)) == [0.0, 0.25, 0.5, 0.75, 1.0]
     bursty = arrival_times("bursty", 20.0, 100, 100.0, random.Random(2), burst=10)
     assert len(bursty) == 100 and len(set(bursty)) == 10
-    assert plan("poisson", 5, 20, 60, LengthDist.parse("fixed:3"), LengthDist.parse("fixed:4"), seed=7) == \
-        plan("poisson", 5, 20, 60, LengthDist.parse("fixed:3"), LengthDist.parse("fixed:4"), seed=7)
+    assert plan(
+        "poisson", 5, 20, 60, LengthDist.parse("fixed:3"), LengthDist.parse("fixed:4"), seed=7
+    ) == plan("poisson", 5, 20, 60, LengthDist.parse("fixed:3"), LengthDist.parse("fixed:4"), seed=7)
 
 
 def test_trace_replay(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    rows = [{"prompt_tokens": 10, "output_tokens": 5, "at": 0.5}, {"prompt_tokens": 20, "output_tokens": 2, "at": 1.0},
-            {"prompt_tokens": 30, "output_tokens": 1, "at": 9.0}]
+    rows = [
+        {"prompt_tokens": 10, "output_tokens": 5, "at": 0.5},
+        {"prompt_tokens": 20, "output_tokens": 2, "at": 1.0},
+        {"prompt_tokens": 30, "output_tokens": 1, "at": 9.0},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     got = load_trace(path, None, 100, 5.0, 0)
     assert [(p.at, p.prompt_tokens, p.output_tokens) for p in got] == [(0.5, 10, 5), (1.0, 20, 2)]
@@ -56,15 +60,17 @@ def test_trace_replay(tmp_path: Path) -> None:
 
 
 def res(i: int, ttft: float | None, e2e: float | None, tokens: int, ok: bool = True) -> RequestResult:
-    return RequestResult(i, f"r{i}", 0.0, 0.0, 10, tokens, ok=ok, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens)
+    return RequestResult(
+        i, f"r{i}", 0.0, 0.0, 10, tokens, ok=ok, ttft_s=ttft, e2e_s=e2e, output_tokens=tokens
+    )
 
 
 def test_summary_goodput_attainment_and_percentiles() -> None:
     results = [
-        res(0, 0.1, 1.1, 11),   # tpot 0.1  -> meets (<= 0.1)
-        res(1, 0.1, 2.1, 11),   # tpot 0.2  -> misses TPOT
-        res(2, 3.0, 3.5, 6),    # misses TTFT
-        res(3, 0.5, 0.5, 1),    # one token: no TPOT, meets
+        res(0, 0.1, 1.1, 11),  # tpot 0.1  -> meets (<= 0.1)
+        res(1, 0.1, 2.1, 11),  # tpot 0.2  -> misses TPOT
+        res(2, 3.0, 3.5, 6),  # misses TTFT
+        res(3, 0.5, 0.5, 1),  # one token: no TPOT, meets
         res(4, None, None, 0, ok=False),
     ]
     results[4].error = "timeout"

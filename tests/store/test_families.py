@@ -21,8 +21,20 @@ from store.models import Snapshot
 from tests.captures import SCRAPE_PAGES
 
 # Snapshot columns that no vLLM family fills: the row's identity and the scrape's own facts.
-_NOT_FROM_A_FAMILY = {"id", "instance", "pool", "role", "ts", "up", "scrape_duration_s", "error", "engines",
-                      "process_start_ts", "histograms", "extra"}
+_NOT_FROM_A_FAMILY = {
+    "id",
+    "instance",
+    "pool",
+    "role",
+    "ts",
+    "up",
+    "scrape_duration_s",
+    "error",
+    "engines",
+    "process_start_ts",
+    "histograms",
+    "extra",
+}
 
 
 def test_every_snapshot_column_has_exactly_one_family() -> None:
@@ -37,7 +49,11 @@ def test_counters_and_gauges_partition_the_columns() -> None:
     assert set(COUNTER_COLUMNS) | set(GAUGE_COLUMNS) == {c for s in SPECS for c in s.stored_columns}
     assert set(WINDOW_COUNTERS) <= set(COUNTER_COLUMNS) and set(WINDOW_GAUGES) <= set(GAUGE_COLUMNS)
     assert set(RESET_WATCH) <= set(COUNTER_COLUMNS)
-    assert "num_waiting" in GAUGE_COLUMNS and "requests_stop" in COUNTER_COLUMNS and "ttft_count" in COUNTER_COLUMNS
+    assert (
+        "num_waiting" in GAUGE_COLUMNS
+        and "requests_stop" in COUNTER_COLUMNS
+        and "ttft_count" in COUNTER_COLUMNS
+    )
 
 
 @pytest.mark.parametrize("page", ["decode_metrics.txt", "prefill_metrics.txt"])

@@ -29,11 +29,15 @@ LE = [0.1, 0.5, 1.0]
 
 def _snap(instance: str, pool: str, role: str, ts: float, **values: Any) -> Snapshot:
     hist = values.pop("ttft_buckets", None)
-    snap = Snapshot(instance=instance, pool=pool, role=role, ts=ts, up=values.pop("up", True), histograms={}, extra={})
+    snap = Snapshot(
+        instance=instance, pool=pool, role=role, ts=ts, up=values.pop("up", True), histograms={}, extra={}
+    )
     for k, v in values.items():
         setattr(snap, k, v)
     if hist is not None:
-        snap.histograms = {HIST_TTFT: {"le": LE, "counts": hist, "sum": values.get("ttft_sum", 0.0), "count": hist[-1]}}
+        snap.histograms = {
+            HIST_TTFT: {"le": LE, "counts": hist, "sum": values.get("ttft_sum", 0.0), "count": hist[-1]}
+        }
     return snap
 
 
@@ -63,20 +67,52 @@ def test_bucket_quantile_matches_prometheus() -> None:
 
 def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) -> None:
     with factory.begin() as s:
-        s.add_all([
-            _snap("d0", "dec", "decode", 100.0, generation_tokens=1000.0, nixl_xfer_time_count=10.0,
-                  nixl_bytes_sum=1e6, nixl_kv_expired_reqs=0.0, requests_length=5.0, kv_cache_usage=0.2),
-            _snap("d0", "dec", "decode", 110.0, generation_tokens=1500.0, nixl_xfer_time_count=20.0,
-                  nixl_bytes_sum=3e6, nixl_kv_expired_reqs=0.0, requests_length=10.0, kv_cache_usage=0.3),
-            # restart: counters start again
-            _snap("d0", "dec", "decode", 120.0, generation_tokens=100.0, nixl_xfer_time_count=2.0,
-                  nixl_bytes_sum=0.5e6, nixl_kv_expired_reqs=0.0, requests_length=1.0, kv_cache_usage=0.4),
-            _snap("d1", "dec", "decode", 100.0, generation_tokens=0.0, kv_cache_usage=0.6),
-            _snap("d1", "dec", "decode", 120.0, generation_tokens=200.0, kv_cache_usage=0.8),
-            _snap("p0", "pre", "prefill", 100.0, nixl_kv_expired_reqs=1.0),
-            _snap("p0", "pre", "prefill", 110.0, up=False),
-            _snap("p0", "pre", "prefill", 120.0, nixl_kv_expired_reqs=3.0),
-        ])
+        s.add_all(
+            [
+                _snap(
+                    "d0",
+                    "dec",
+                    "decode",
+                    100.0,
+                    generation_tokens=1000.0,
+                    nixl_xfer_time_count=10.0,
+                    nixl_bytes_sum=1e6,
+                    nixl_kv_expired_reqs=0.0,
+                    requests_length=5.0,
+                    kv_cache_usage=0.2,
+                ),
+                _snap(
+                    "d0",
+                    "dec",
+                    "decode",
+                    110.0,
+                    generation_tokens=1500.0,
+                    nixl_xfer_time_count=20.0,
+                    nixl_bytes_sum=3e6,
+                    nixl_kv_expired_reqs=0.0,
+                    requests_length=10.0,
+                    kv_cache_usage=0.3,
+                ),
+                # restart: counters start again
+                _snap(
+                    "d0",
+                    "dec",
+                    "decode",
+                    120.0,
+                    generation_tokens=100.0,
+                    nixl_xfer_time_count=2.0,
+                    nixl_bytes_sum=0.5e6,
+                    nixl_kv_expired_reqs=0.0,
+                    requests_length=1.0,
+                    kv_cache_usage=0.4,
+                ),
+                _snap("d1", "dec", "decode", 100.0, generation_tokens=0.0, kv_cache_usage=0.6),
+                _snap("d1", "dec", "decode", 120.0, generation_tokens=200.0, kv_cache_usage=0.8),
+                _snap("p0", "pre", "prefill", 100.0, nixl_kv_expired_reqs=1.0),
+                _snap("p0", "pre", "prefill", 110.0, up=False),
+                _snap("p0", "pre", "prefill", 120.0, nixl_kv_expired_reqs=3.0),
+            ]
+        )
     with factory() as s:
         inst = instance_signals(s, 90.0, 130.0)
         pools = pool_scrape_figures(s, 90.0, 130.0)
@@ -109,13 +145,15 @@ def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) 
 
 def test_histogram_window_and_quantiles(factory: sessionmaker[Session]) -> None:
     with factory.begin() as s:
-        s.add_all([
-            _snap("d0", "dec", "decode", 100.0, ttft_buckets=[1.0, 1.0, 1.0, 1.0], ttft_sum=0.05),
-            _snap("d0", "dec", "decode", 110.0, ttft_buckets=[6.0, 9.0, 11.0, 11.0], ttft_sum=3.0),
-            _snap("d1", "dec", "decode", 100.0, ttft_buckets=[0.0, 0.0, 0.0, 0.0]),
-            _snap("d1", "dec", "decode", 105.0, ttft_buckets=[0.0, 0.0, 5.0, 5.0]),
-            _snap("d1", "dec", "decode", 110.0, ttft_buckets=[0.0, 0.0, 2.0, 2.0]),  # restart
-        ])
+        s.add_all(
+            [
+                _snap("d0", "dec", "decode", 100.0, ttft_buckets=[1.0, 1.0, 1.0, 1.0], ttft_sum=0.05),
+                _snap("d0", "dec", "decode", 110.0, ttft_buckets=[6.0, 9.0, 11.0, 11.0], ttft_sum=3.0),
+                _snap("d1", "dec", "decode", 100.0, ttft_buckets=[0.0, 0.0, 0.0, 0.0]),
+                _snap("d1", "dec", "decode", 105.0, ttft_buckets=[0.0, 0.0, 5.0, 5.0]),
+                _snap("d1", "dec", "decode", 110.0, ttft_buckets=[0.0, 0.0, 2.0, 2.0]),  # restart
+            ]
+        )
     with factory() as s:
         d0 = histogram_window(s, HIST_TTFT, 90.0, 120.0, instance="d0")
         both = histogram_window(s, HIST_TTFT, 90.0, 120.0, pool="dec")
@@ -129,12 +167,35 @@ def test_histogram_window_and_quantiles(factory: sessionmaker[Session]) -> None:
     assert by_pool["dec"][0.5] == both.quantile(0.5)
 
 
-def _rec(rid: str, p: str, d: str, t: float, handoff: float, *, ok: bool = True, met: bool = True,
-         suspect: bool = False) -> RequestRecord:
+def _rec(
+    rid: str,
+    p: str,
+    d: str,
+    t: float,
+    handoff: float,
+    *,
+    ok: bool = True,
+    met: bool = True,
+    suspect: bool = False,
+) -> RequestRecord:
     return RequestRecord(
-        request_id=rid, p_instance=p, d_instance=d, p_pool="pre", d_pool="dec", status="ok" if ok else "error",
-        retries=0, proxy_in=t, p_done=t + 0.1, first_token=t + 0.1 + handoff, done=t + 1, ttft_s=0.1 + handoff,
-        tpot_s=0.01, e2e_s=1.0, slo_met=met and ok, lease_expiry_suspect=suspect, attributes={},
+        request_id=rid,
+        p_instance=p,
+        d_instance=d,
+        p_pool="pre",
+        d_pool="dec",
+        status="ok" if ok else "error",
+        retries=0,
+        proxy_in=t,
+        p_done=t + 0.1,
+        first_token=t + 0.1 + handoff,
+        done=t + 1,
+        ttft_s=0.1 + handoff,
+        tpot_s=0.01,
+        e2e_s=1.0,
+        slo_met=met and ok,
+        lease_expiry_suspect=suspect,
+        attributes={},
     )
 
 
@@ -163,16 +224,21 @@ def test_request_aggregates(factory: sessionmaker[Session]) -> None:
 
 def test_counter_steps(factory: sessionmaker[Session]) -> None:
     with factory.begin() as s:
-        s.add_all([
-            _snap("p0", "pre", "prefill", 100.0, nixl_kv_expired_reqs=0.0),
-            _snap("p0", "pre", "prefill", 105.0, nixl_kv_expired_reqs=2.0),
-            _snap("p0", "pre", "prefill", 110.0, nixl_kv_expired_reqs=2.0),
-            _snap("p0", "pre", "prefill", 115.0, nixl_kv_expired_reqs=1.0),  # restart with one expiry
-            _snap("d0", "dec", "decode", 105.0, nixl_kv_expired_reqs=0.0),
-        ])
+        s.add_all(
+            [
+                _snap("p0", "pre", "prefill", 100.0, nixl_kv_expired_reqs=0.0),
+                _snap("p0", "pre", "prefill", 105.0, nixl_kv_expired_reqs=2.0),
+                _snap("p0", "pre", "prefill", 110.0, nixl_kv_expired_reqs=2.0),
+                _snap("p0", "pre", "prefill", 115.0, nixl_kv_expired_reqs=1.0),  # restart with one expiry
+                _snap("d0", "dec", "decode", 105.0, nixl_kv_expired_reqs=0.0),
+            ]
+        )
     with factory() as s:
         steps = counter_steps(s, "nixl_kv_expired_reqs", 0.0, 200.0, role="prefill")
-    assert [(st.start_ts, st.end_ts, st.increase) for st in steps] == [(100.0, 105.0, 2.0), (110.0, 115.0, 1.0)]
+    assert [(st.start_ts, st.end_ts, st.increase) for st in steps] == [
+        (100.0, 105.0, 2.0),
+        (110.0, 115.0, 1.0),
+    ]
 
 
 def test_percentile() -> None:

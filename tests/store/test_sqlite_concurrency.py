@@ -35,8 +35,16 @@ def test_one_writer_two_readers(tmp_path: Path) -> None:
         try:
             for i in range(ROWS):
                 with transaction(factory) as s:  # one commit per row: the worst case for locking
-                    s.add(Snapshot(instance=f"d{i % 4}", pool="decode", role="decode", ts=time.time(),
-                                   up=True, kv_cache_usage=i / ROWS))
+                    s.add(
+                        Snapshot(
+                            instance=f"d{i % 4}",
+                            pool="decode",
+                            role="decode",
+                            ts=time.time(),
+                            up=True,
+                            kv_cache_usage=i / ROWS,
+                        )
+                    )
         except BaseException as exc:
             errors.append(exc)
         finally:

@@ -32,8 +32,11 @@ class CollectorThread:
 
     def __enter__(self) -> CollectorThread:
         self.thread.start()
-        wait_until("the collector to start", lambda: self.service.started.is_set() or not self.thread.is_alive(),
-                   timeout_s=START_TIMEOUT_S)
+        wait_until(
+            "the collector to start",
+            lambda: self.service.started.is_set() or not self.thread.is_alive(),
+            timeout_s=START_TIMEOUT_S,
+        )
         if not self.service.started.is_set():
             raise AssertionError("the collector stopped before it started (see the log above)")
         return self

@@ -31,7 +31,9 @@ def table(
 ) -> dict[str, Any]:
     """A routing table as the controller serves it: instances as (name, pool, role, url, weight, drained)."""
     return {
-        "version": version, "generated_at": generated_at, "mode": "enforce" if enforce else "advisory",
+        "version": version,
+        "generated_at": generated_at,
+        "mode": "enforce" if enforce else "advisory",
         "enforce": enforce,
         "instances": [
             {"name": n, "pool": p, "role": r, "url": u, "weight": w, "drained": d}
@@ -72,11 +74,13 @@ class FakeController:
         return [r for r in self.requests if r.method != "GET"]
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/routing", self._routing),
-            Route("/v1/whoami", self._whoami),
-            Route("/{rest:path}", self._mutation, methods=["GET", "PUT", "POST", "DELETE"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/routing", self._routing),
+                Route("/v1/whoami", self._whoami),
+                Route("/{rest:path}", self._mutation, methods=["GET", "PUT", "POST", "DELETE"]),
+            ]
+        )
 
     async def _record(self, request: Request) -> Any:
         raw = await request.body()
@@ -100,7 +104,11 @@ class FakeController:
         await self._record(request)
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         who = self.identities.get(given)
-        return JSONResponse({"identity": who}) if who else JSONResponse({"detail": "invalid token"}, status_code=401)
+        return (
+            JSONResponse({"identity": who})
+            if who
+            else JSONResponse({"detail": "invalid token"}, status_code=401)
+        )
 
     async def _mutation(self, request: Request) -> Response:
         body = await self._record(request)

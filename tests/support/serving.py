@@ -25,8 +25,9 @@ START_TIMEOUT_S = 10.0
 
 
 def _server(app: Any, http: Any) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level="error", access_log=False, lifespan="on", http=http,
-                            timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app, log_level="error", access_log=False, lifespan="on", http=http, timeout_graceful_shutdown=1
+    )
     return uvicorn.Server(config)
 
 
@@ -39,8 +40,9 @@ async def serve(
     server = _server(app, http)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        await async_wait_until("the test server to start", lambda: server.started or task.done(),
-                               timeout_s=START_TIMEOUT_S)
+        await async_wait_until(
+            "the test server to start", lambda: server.started or task.done(), timeout_s=START_TIMEOUT_S
+        )
         if not server.started:  # serve() returned or raised before it listened
             await task
             raise AssertionError("the test server stopped before it started (see the log above)")
@@ -62,12 +64,16 @@ def serve_in_thread(
     sock = sock or bound_socket()
     server = _server(app, http)
     # uvicorn installs signal handlers only in the main thread; this one is not.
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])),
-                              name="test-server", daemon=True)
+    thread = threading.Thread(
+        target=lambda: asyncio.run(server.serve(sockets=[sock])), name="test-server", daemon=True
+    )
     thread.start()
     try:
-        wait_until("the test server to start", lambda: server.started or not thread.is_alive(),
-                   timeout_s=START_TIMEOUT_S)
+        wait_until(
+            "the test server to start",
+            lambda: server.started or not thread.is_alive(),
+            timeout_s=START_TIMEOUT_S,
+        )
         if not server.started:
             raise AssertionError("the test server stopped before it started (see the log above)")
         yield url_of(sock)

@@ -80,7 +80,9 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _TARGETS:
             return None
         for finder in sys.meta_path:
@@ -94,5 +96,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-if os.environ.get("PDSCOPE_NIXL_NO_PROGRESS_THREAD") == "1" or os.environ.get("PDSCOPE_NIXL_PROGRESS_DELAY_US"):
+if os.environ.get("PDSCOPE_NIXL_NO_PROGRESS_THREAD") == "1" or os.environ.get(
+    "PDSCOPE_NIXL_PROGRESS_DELAY_US"
+):
     sys.meta_path.insert(0, _Finder())
