@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from sqlalchemy import func, select, text
@@ -99,18 +100,44 @@ def _latest_decisions(session: Session, field: str) -> dict[str, Decision]:
     return {d.subject: d for d in rows}
 
 
-def _weight_state(d: Mapping[str, Any]) -> WeightState | None:
-    try:
-        return WeightState(**{**d, "reason": Reason.of(str(d.get("reason", "")))})
-    except (TypeError, ValueError):
-        return None  # written by a version with other fields: rebuilt from the decisions instead
+def _never(_v: object) -> bool:
+    return False
 
 
-def _limit_state(d: Mapping[str, Any]) -> LimitState | None:
-    try:
-        return LimitState(**d)
-    except (TypeError, ValueError):
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# What each carried field may hold, by its annotation: a stored state that does not fit is not loaded
+_FITS: dict[str, Callable[[object], bool]] = {
+    "float": _number,
+    "float | None": lambda v: v is None or _number(v),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "Reason": lambda v: isinstance(v, str),
+}
+
+
+def _carried(cls: type[Any], d: object) -> dict[str, Any] | None:
+    """``d`` as keyword arguments of ``cls`` when it has exactly its fields, each of its type; else None."""
+    if not isinstance(d, dict):
         return None
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    if set(d) != set(fields):
+        return None
+    fits = all(_FITS.get(str(t), _never)(d[name]) for name, t in fields.items())
+    return dict(d) if fits else None
+
+
+def _weight_state(d: object) -> WeightState | None:
+    """A stored instance state; None (rebuilt from the decisions instead) when it does not fit, e.g.
+    written by a version with other fields."""
+    kw = _carried(WeightState, d)
+    return None if kw is None else WeightState(**{**kw, "reason": Reason.of(kw["reason"])})
+
+
+def _limit_state(d: object) -> LimitState | None:
+    kw = _carried(LimitState, d)
+    return None if kw is None else LimitState(**kw)
 
 
 def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:

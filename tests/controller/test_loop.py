@@ -162,6 +162,56 @@ def test_restart_carries_the_whole_policy_state_and_decisions_name_their_policy(
     assert mine == theirs
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"weight": "abc"},
+        None,
+        [1, 2],
+        {"ceiling": None},
+        {"healthy_streak": True},
+        {"extra": 1},
+    ],
+)
+def test_a_stored_state_that_does_not_fit_is_not_loaded_and_costs_only_itself(
+    world: World, bad: object
+) -> None:
+    """A policy_state row another version (or a hand edit) wrote in another shape: that subject falls back
+    to its newest decisions; every other subject keeps its state and the next tick runs."""
+    import json
+
+    from sqlalchemy import update
+
+    from controller.persist import load_state
+    from store.models import PolicyStateRow
+
+    for _ in range(2):
+        world.step()
+    for _ in range(4):
+        world.step(handoff_s={"decode-2": 0.5})
+    good = world.reconciler._state.weights["decode-1"]
+    with transaction(world.factory) as s:
+        row = s.get(PolicyStateRow, ("instance", "decode-2"))
+        assert row is not None
+        state = dict(row.state)
+        if isinstance(bad, dict):
+            state.update(bad)
+            value: object = json.loads(json.dumps(state))
+        else:
+            value = bad
+        s.execute(update(PolicyStateRow).where(PolicyStateRow.subject == "decode-2").values(state=value))
+    with transaction(world.factory) as s:
+        state_after = load_state(s)[0]
+    assert state_after.weights["decode-2"].weight == world.weight("decode-2")  # from its newest decision
+    assert state_after.weights["decode-2"].healthy_streak == 0
+    assert state_after.weights["decode-1"] == good
+    fresh = Reconciler(
+        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+    )
+    world.clock.advance(2.0)
+    assert fresh.tick() is not None
+
+
 def test_override_expiry_is_a_stored_decision(world: World) -> None:
     world.step()
     now = world.clock()
