@@ -1,4 +1,6 @@
-"""Proxy benchmark: direct to D vs a toy-equivalent proxy vs pdscope's proxy, in one run.
+"""Proxy benchmark: direct to D, a toy-equivalent proxy, vLLM's Rust router and pdscope's proxy.
+
+All in one run: the ratios are between contenders measured side by side.
 
 Layout on a 2-core machine: each proxy is pinned to core 0 (``taskset -c 0``); the
 zero-latency fleet (``bench/proxy/fleet.py``: P, D, OTLP sink, routing table) and the load
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -146,6 +149,30 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
     return Contender("pdscope" if client == "lean" else f"pdscope-{client}", url, proc)
 
 
+VLLM_ROUTER = "vllm-router"  # PyPI vllm-router (vLLM's Rust router), a dev dependency: .venv/bin/vllm-router
+
+
+def vllm_router_binary() -> str | None:
+    here = Path(PY).with_name(VLLM_ROUTER)
+    return str(here) if here.exists() else shutil.which(VLLM_ROUTER)
+
+
+def start_vllm_router(fleet: dict[str, Any], log: Path, binary: str) -> Contender:
+    """vLLM's own Rust P/D router in its NIXL P/D mode (``--vllm-pd-disaggregation``), round robin on both
+    pools, no tracing (it has none to turn on), pinned to the proxies' core like the others."""
+    port = _free_port()
+    cmd = [*_pin(0), binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+    for u in fleet["prefill"]:
+        cmd += ["--prefill", u]
+    for u in fleet["decode"]:
+        cmd += ["--decode", u]
+    cmd += ["--policy", "round_robin", "--log-level", "warning", "--health-check-interval-secs", "60"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health")
+    return Contender(VLLM_ROUTER, url, proc)
+
+
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         for line in resp.read().decode().splitlines():
@@ -187,6 +214,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             pdx = start_pdscope(fleet, tmp / "pdscope-httpx.log", tmp, client="httpx")
             procs.append(pdx.proc)  # type: ignore[arg-type]
             contenders.append(pdx)
+        if a.with_vllm_router:
+            binary = vllm_router_binary()
+            if binary is None:
+                print(
+                    f"!! {VLLM_ROUTER} not found (make venv installs it): that contender is SKIPPED",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                vr = start_vllm_router(fleet, tmp / "vllm-router.log", binary)
+                procs.append(vr.proc)  # type: ignore[arg-type]
+                contenders.append(vr)
         common = {"tokens": a.tokens, "request_timeout": 10}
 
         def latency(url: str, seed: int) -> dict[str, Any]:
@@ -321,6 +360,8 @@ def summarize(
     out["direct"]["achieved_rps"] = out["direct"]["proxy_cpu_util"] = None
     toy, pds = out["toy"], out["pdscope"]
     ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
+    vr = out.get(VLLM_ROUTER)
+    vs_vr = pds["ceiling_rps"] / vr["ceiling_rps"] if vr is not None and vr["ceiling_rps"] else None
     return {
         "benchmark": "proxy",
         "setup": {
@@ -340,8 +381,14 @@ def summarize(
         "p99_overhead_vs_toy_ms": (pds["p99_overhead_ms"] - toy["p99_overhead_ms"])
         if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None
         else None,
-        "target": {"ceiling_ratio_vs_toy": ">= 1.5", "p99_overhead": "<= toy's"},
+        "ceiling_ratio_vs_vllm_router": vs_vr,
+        "target": {
+            "ceiling_ratio_vs_toy": ">= 1.5",
+            "p99_overhead": "<= toy's",
+            "ceiling_ratio_vs_vllm_router": ">= 0.5 (tracing on; issue 16)",
+        },
         "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
+        "vllm_router_target_met": None if vs_vr is None else vs_vr >= 0.5,
         "tracing": tracing,
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3]},
     }
@@ -369,6 +416,10 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -389,6 +440,12 @@ def main() -> int:
         default=True,
         help="also run pdscope's proxy with httpx as its upstream client",
     )
+    ap.add_argument(
+        "--with-vllm-router",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run vLLM's Rust P/D router (PyPI vllm-router) as a contender",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
     a = ap.parse_args()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
@@ -402,7 +459,10 @@ def main() -> int:
     tracing = result["tracing"]
     print(
         f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
-        f"target met: {result['target_met']}; spans exported {tracing.get('spans_exported')}, "
+        f"target met: {result['target_met']}; pdscope / vllm-router ceiling = "
+        f"{_round(result['ceiling_ratio_vs_vllm_router'])} "
+        f"(target >= 0.5: {result['vllm_router_target_met']}); "
+        f"spans exported {tracing.get('spans_exported')}, "
         f"dropped {tracing.get('spans_dropped')}; wrote {out}"
     )
     return 0
