@@ -146,3 +146,39 @@ async def test_two_collectors_on_postgresql_split_the_fleet_and_hand_over(
         stop_a.set()
         stop_b.set()
         await asyncio.wait_for(asyncio.gather(run_a, run_b, return_exceptions=True), timeout=15)
+
+
+@pytest.mark.parametrize("store_url", [pytest.param("postgresql", marks=pytest.mark.pg)], indirect=True)
+async def test_a_dead_collectors_instances_are_taken_over_on_postgresql(
+    store_url: str, fake_fleet: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    upgrade(store_url)
+    a = CollectorService(_settings(store_url, fake_fleet, ", id: collector-a"), port=0)
+    b = CollectorService(_settings(store_url, fake_fleet, ", id: collector-b"), port=0)
+    monkeypatch.setattr(b.shard, "leave", lambda: None)  # b dies: its row stays, its heartbeat ages
+    stop_a, stop_b = asyncio.Event(), asyncio.Event()
+    run_a = asyncio.create_task(a.run(stop_a))
+    run_b = asyncio.create_task(b.run(stop_b))
+    try:
+        await async_wait_until(
+            "both collectors scraping their shares",
+            lambda: (a.shard.state, b.shard.state, _owned(a), _owned(b)),
+            done=lambda s: s[0] == s[1] == "ok" and s[2] and s[3] and not s[2] & s[3],
+            timeout_s=20,
+        )
+        share_b = _owned(b)
+        stop_b.set()
+        await asyncio.wait_for(run_b, timeout=15)
+        with session_factory(make_engine(store_url))() as s:
+            assert s.get(CollectorMember, "collector-b") is not None
+        await async_wait_until(
+            "collector-a to take collector-b's instances after its heartbeat expired",
+            lambda: (_owned(a), a.shard.live),
+            done=lambda o: o[0] == set(NAMES) and o[1] == ("collector-a",),
+            timeout_s=20,
+        )
+        assert share_b <= _owned(a)
+    finally:
+        stop_a.set()
+        stop_b.set()
+        await asyncio.wait_for(asyncio.gather(run_a, run_b, return_exceptions=True), timeout=15)
