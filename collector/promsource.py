@@ -7,7 +7,9 @@ whole fleet (never per instance), plus ``up``, ``scrape_duration_seconds``,
 ``process_start_time_seconds`` and one query for any other ``vllm:nixl_*`` series. The
 answers are grouped by instance and folded with ``collector.signals.finish``, so a
 snapshot holds what the scraper would have stored from the same page; each round comes
-out as the scraper's ``ScrapeResult`` list and goes to the same store writer.
+out as the scraper's ``ScrapeResult`` list and goes to the same store writer. With several
+collectors on one store, each stores only the instances of its share (``assign``,
+``collector.membership``); the queries still cover the whole fleet.
 
 Which Prometheus series belong to which pdscope instance: the value of one label
 (``collector.prometheus_instance_label``, default ``instance``) must equal either the
@@ -37,7 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -219,6 +221,7 @@ class PromSource(Scraper):
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.time,
         on_tick: Callable[[], None] | None = None,
+        assign: Callable[[], Awaitable[Sequence[Target]]] | None = None,
     ) -> None:
         client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False)
         super().__init__(
@@ -230,6 +233,7 @@ class PromSource(Scraper):
             on_round=on_round,
             jitter_s=0.0,
             on_tick=on_tick,
+            assign=assign,
         )
         self.url = prometheus_url.rstrip("/")
         self.instance_label = instance_label

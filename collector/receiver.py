@@ -18,7 +18,9 @@
 A ``SpanBatcher`` task drains the queue in batches, on size or every ``flush_s``, into a
 ``Sink`` in a worker thread, and flushes once more at shutdown; a failing turn is
 caught, counted and logged (rate-limited), and the loop goes on. ``/healthz`` answers
-503 when a background task is dead or stuck (``collector.health``).
+503 when a background task is dead or stuck (``collector.health``); with ``collectors`` given
+it also says who this collector is, which collectors are live and its share of the instances
+(``collector.membership``; informational: it never makes /healthz fail).
 """
 
 from __future__ import annotations
@@ -374,6 +376,7 @@ def build_app(
     *,
     health: TaskHealth | None = None,
     clock: Callable[[], float] = time.time,
+    collectors: Callable[[], Mapping[str, object]] | None = None,
 ) -> Starlette:
     traces = _TracesEndpoint(queue, metrics, config or ReceiverConfig(), clock)
 
@@ -383,6 +386,8 @@ def build_app(
     async def healthz(_request: Request) -> Response:
         ok, tasks = health.report() if health is not None else (True, {})
         doc = {"status": "ok" if ok else "unhealthy", "span_queue": len(queue), "tasks": tasks}
+        if collectors is not None:
+            doc["collectors"] = dict(collectors())
         return JSONResponse(doc, status_code=200 if ok else 503)
 
     return Starlette(

@@ -12,7 +12,9 @@ signals or an error string.
 The loop in ``Scraper.run`` hands each round's results to a callback (the store writer
 and the self-metrics); it must not block the event loop, so storing runs in a thread.
 A round that raises anyway is logged (rate-limited), counted in ``round_errors`` and the
-loop goes on; ``on_tick`` is called every turn (the liveness heartbeat). Logging stays
+loop goes on; ``on_tick`` is called every turn (the liveness heartbeat). ``assign``, when
+given, is awaited at the start of every round and names that round's targets (this
+collector's share, ``collector.membership``); it must not raise. Logging stays
 quiet at INFO: a line when the set of down targets changes, each round at DEBUG. The
 cadence's clock and sleep are injected (the event loop's by default), so a test drives time.
 """
@@ -150,9 +152,11 @@ class Scraper:
         on_tick: Callable[[], None] | None = None,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        assign: Callable[[], Awaitable[Sequence[Target]]] | None = None,
     ) -> None:
         """``clock`` (monotonic seconds; default the running loop's ``time()``) and ``sleep``
-        pace the rounds and the jitter; ``stop`` interrupts a pause between rounds."""
+        pace the rounds and the jitter; ``stop`` interrupts a pause between rounds. ``assign``
+        picks each round's targets (default: every one of ``targets``)."""
         if timeout_s >= interval_s:
             raise ValueError("scrape timeout must be shorter than the interval")
         self.targets = list(targets)
@@ -167,6 +171,7 @@ class Scraper:
         self.rounds = 0
         self.round_errors = 0
         self.on_tick = on_tick
+        self.assign = assign
         self._clock = clock
         self._sleep = sleep
         self._down: frozenset[str] = frozenset()
@@ -189,6 +194,8 @@ class Scraper:
             if self.on_tick is not None:
                 self.on_tick()
             try:
+                if self.assign is not None:
+                    self.targets = list(await self.assign())
                 results = await self.scrape_round()
             except Exception as exc:  # scrape_one never raises; a bug here must not end scraping
                 self.round_errors += 1

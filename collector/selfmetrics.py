@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from collector.scraper import ScrapeResult
+from collector.targets import Target
 
 
 class CollectorMetrics:
@@ -95,6 +96,22 @@ class CollectorMetrics:
             "OTLP body bytes (as sent and inflated) held by requests now",
             registry=r,
         )
+        self.owned_targets = Gauge(
+            "pdscope_collector_owned_targets",
+            "Instances this collector scrapes: its share among the live collectors (all, when alone)",
+            registry=r,
+        )
+        self.live_collectors = Gauge(
+            "pdscope_collector_live_collectors",
+            "Collectors live in the store's membership as this collector last read it (1 when alone)",
+            registry=r,
+        )
+        self.membership_errors = Counter(
+            "pdscope_collector_membership_errors",
+            "Heartbeats not stored (store, timeout) and ids used by two live processes (duplicate_id)",
+            ["reason"],
+            registry=r,
+        )
         self._errors: dict[str, str] = {}
 
     def observe_round(self, results: Sequence[ScrapeResult]) -> None:
@@ -113,6 +130,22 @@ class CollectorMetrics:
                 err = res.error[:200]
                 self._errors[t.name] = err
                 self.last_error.labels(t.name, err).set(1.0)
+
+    def forget(self, targets: Sequence[Target]) -> None:
+        """Drop the per-target gauges of instances another collector now scrapes (its figures win)."""
+        for t in targets:
+            for gauge, labels in (
+                (self.up, (t.name, t.pool, t.role)),
+                (self.duration, (t.name,)),
+                (self.body_bytes, (t.name,)),
+            ):
+                try:
+                    gauge.remove(*labels)
+                except KeyError:
+                    pass
+            old = self._errors.pop(t.name, None)
+            if old is not None:
+                self.last_error.remove(t.name, old)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,7 +10,11 @@ worker threads. Every background task catches what a turn raises, counts it
 on; each beats ``TaskHealth``, and ``/healthz`` answers 503 for a task that is dead or
 has not beaten within its bound. At most ``MAX_PENDING_ROUNDS`` scrape rounds wait for
 the store at once; a round past that is not stored (counted). It stops when ``stop`` is
-set, flushing the queued spans first.
+set, flushing the queued spans first and leaving the collectors' membership.
+
+Each scrape round covers this collector's share of the instances (``collector.membership``:
+on PostgreSQL the live collectors split them; on SQLite it is alone and scrapes all), and
+forensics and retention run on one collector only (the live one with the smallest id).
 
 With ``collector.otlp_tokens_env`` unset or empty, OTLP is unauthenticated and the
 service refuses to bind a non-loopback ``collector.host`` (``InsecureBind``).
@@ -32,6 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from collector import forensics
 from collector.health import RateLimitedLog, TaskHealth
 from collector.ingest import SpanLimits
+from collector.membership import LIVE_INTERVALS, Membership, Shard, shared_store
 from collector.promsource import PromSource
 from collector.receiver import ReceiverConfig, SpanBatcher, SpanQueue, build_app
 from collector.retention import Retention
@@ -117,8 +122,31 @@ class CollectorService:
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s
         )
         self.clock = clock
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((cs.host, cs.port if port is None else port))  # port 0: any free one
+        self.port: int = self.sock.getsockname()[1]
+        self.id = cs.id or f"{socket.gethostname()}:{self.port}"
+        self.shard = Shard(
+            self.targets,
+            self.id,
+            membership=(
+                Membership(self.factory, self.id, window_s=LIVE_INTERVALS * cs.scrape_interval_s)
+                if shared_store(self.factory)
+                else None
+            ),
+            interval_s=cs.scrape_interval_s,
+            timeout_s=cs.scrape_timeout_s,
+            metrics=self.metrics,
+            clock=clock,
+        )
         self.app = build_app(
-            self.queue, self.metrics, receiver_config(settings, tokens), health=self.health, clock=clock
+            self.queue,
+            self.metrics,
+            receiver_config(settings, tokens),
+            health=self.health,
+            clock=clock,
+            collectors=self.shard.report,
         )
         interval = cs.scrape_interval_s
         self.health.register(SCRAPER, 3 * interval + cs.scrape_timeout_s + 30.0)
@@ -135,6 +163,7 @@ class CollectorService:
             max_body_bytes=cs.max_body_bytes,
             on_round=self.store_round,
             on_tick=lambda: self.health.beat(SCRAPER),
+            assign=self.shard.refresh,
         )
         # collector.prometheus_url: rounds come from Prometheus instead (collector.promsource)
         self.promsource: PromSource | None = None
@@ -151,11 +180,8 @@ class CollectorService:
                 registry=self.metrics.registry,
                 clock=clock,
                 on_tick=lambda: self.health.beat(SCRAPER),
+                assign=self.shard.refresh,
             )
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cs.host, cs.port if port is None else port))  # port 0: any free one
-        self.port: int = self.sock.getsockname()[1]
         self.started = asyncio.Event()
 
     def _task_error(self, task: str, exc: BaseException) -> None:
@@ -211,6 +237,9 @@ class CollectorService:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except TimeoutError:
                 pass
+            if not self.shard.runs_maintenance():  # another live collector runs it
+                self.health.beat(MAINTENANCE)
+                continue
             try:
                 await asyncio.to_thread(self.maintenance)
             except StoreError as exc:
@@ -219,6 +248,19 @@ class CollectorService:
             except Exception as exc:
                 self._task_error(MAINTENANCE, exc)
             self.health.beat(MAINTENANCE)
+
+    async def _leave(self) -> None:
+        """A clean stop deletes this collector's membership row: its peers take its share at once."""
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.shard.leave), self.settings.collector.scrape_timeout_s
+            )
+        except (StoreError, TimeoutError) as exc:
+            log.warning(
+                "collector %s: membership not cleared at stop (%s); peers wait out its heartbeat",
+                self.id,
+                exc,
+            )
 
     def _supervise(
         self, name: str, coro: Coroutine[Any, Any, None], stop: asyncio.Event
@@ -257,17 +299,20 @@ class CollectorService:
             await asyncio.sleep(0.01)
         self.started.set()
         log.info(
-            "collector up on %s:%d: %d targets every %gs from %s",
+            "collector %s up on %s:%d: %d targets every %gs from %s, %s",
+            self.id,
             self.settings.collector.host,
             self.port,
             len(self.targets),
             self.settings.collector.scrape_interval_s,
             self.promsource.url if self.promsource else "their /metrics",
+            "shared with the live collectors of the store" if self.shard.membership else "alone (SQLite)",
         )
         try:
             await stop.wait()
         finally:
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._leave()
             server.should_exit = True
             await asyncio.gather(server_task, return_exceptions=True)
             await self.client.aclose()

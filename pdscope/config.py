@@ -642,6 +642,14 @@ class CollectorSettings(_Frozen):
     port: int = Field(
         default=4318, ge=1, le=65535, description="port of the OTLP/HTTP receiver, /metrics and /healthz"
     )
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$",
+        description="this collector's id among the collectors sharing a PostgreSQL store, which split "
+        "the instances to scrape between them; unique per process. Unset: <hostname>:<receiver port>",
+    )
     scrape_interval_s: float = Field(
         default=5.0,
         gt=0,

@@ -382,3 +382,19 @@ class AuditEvent(Base):
     after: Mapped[Json | None] = mapped_column(JSON)
     reason: Mapped[str | None] = mapped_column(Text)
     override_id: Mapped[int | None] = mapped_column(ForeignKey("weight_overrides.id"))
+
+
+class CollectorMember(Base):
+    """One collector process among those sharing this store's scrape targets (PostgreSQL only).
+
+    Each collector upserts its row every scrape round; the ids whose ``heartbeat`` is recent are
+    the live membership the scrape targets are split over (``collector.shards``). ``incarnation``
+    is a random token per process, so two live processes under one id are noticed.
+    """
+
+    __tablename__ = "collectors"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    incarnation: Mapped[str] = mapped_column(String(32))
+    started: Mapped[float] = mapped_column(Float)
+    heartbeat: Mapped[float] = mapped_column(Float)

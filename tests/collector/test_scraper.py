@@ -334,3 +334,41 @@ async def test_stop_ends_a_pause_at_once_and_the_loop_with_it() -> None:
 def test_timeout_must_be_below_interval() -> None:
     with pytest.raises(ValueError):
         Scraper([], httpx.AsyncClient(), interval_s=1.0, timeout_s=1.0, max_body_bytes=1, on_round=None)  # type: ignore[arg-type]
+
+
+async def test_each_round_scrapes_the_targets_assign_names() -> None:
+    """Sharded: the round's targets are asked for at the start of each round, and only they are fetched."""
+    fake, stop = FakeTime(), asyncio.Event()
+    targets = [_target(name, f"http://{name}/metrics") for name in ("a", "b", "c")]
+    shares = [targets[:2], targets[2:], []]
+    fetched: list[str] = []
+    rounds: list[list[str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        fetched.append(request.url.host)
+        return httpx.Response(200, content=DECODE)
+
+    async def assign() -> list[Target]:
+        return shares[len(rounds)]
+
+    async def on_round(results: list[ScrapeResult]) -> None:
+        rounds.append([r.target.name for r in results])
+        if len(rounds) == len(shares):
+            stop.set()
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        scraper = Scraper(
+            targets,
+            client,
+            interval_s=1.0,
+            timeout_s=0.5,
+            max_body_bytes=2**20,
+            on_round=on_round,
+            jitter_s=0.0,
+            clock=fake.clock,
+            sleep=fake.sleep,
+            assign=assign,
+        )
+        await asyncio.wait_for(scraper.run(stop), timeout=10)  # a guard against a hang, not a bound
+    assert rounds == [["a", "b"], ["c"], []]
+    assert sorted(fetched) == ["a", "b", "c"]
