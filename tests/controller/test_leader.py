@@ -252,3 +252,58 @@ def test_postgresql_gets_the_advisory_lock_and_sqlite_files_the_file_lock(tmp_pa
     lock.release()
     pg = open_leadership("postgresql://u@127.0.0.1:1/db", "me", 10.0)  # nothing is opened yet
     assert isinstance(pg, PgAdvisoryLock) and not pg.held()
+
+
+@pytest.mark.slow
+def test_a_second_pdscope_control_process_on_one_sqlite_file_exits_naming_the_first(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.support.sockets import free_port
+    from tests.support.waiting import wait_until
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        cfg = tmp_path / f"c{port}.yaml"
+        cfg.write_text(f"""
+model: {{name: m, kv_bytes_per_token: 1}}
+pools:
+  prefill: {{role: prefill, instances: [{{name: p0, url: "http://127.0.0.1:9"}}]}}
+  decode: {{role: decode, instances: [{{name: d0, url: "http://127.0.0.1:9"}}]}}
+store: {{url: "sqlite:///{tmp_path / "s.db"}"}}
+controller: {{port: {port}, interval_s: 0.2, mode: advisory}}
+""")
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "control"],
+            cwd=repo,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
+    port = free_port()
+    first = start(port)
+    try:
+        wait_until(
+            "the first controller to lead",
+            lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).json(),
+            done=lambda h: h["role"] == "leader" and h["ticks"] >= 1,
+            timeout_s=30,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
+        second = start(free_port())
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 1
+        text = out.decode(errors="replace")
+        assert "another controller already runs on" in text and f"pid {first.pid}" in text, text
+    finally:
+        first.send_signal(signal.SIGTERM)
+        try:
+            first.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.communicate()

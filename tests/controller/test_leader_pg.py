@@ -4,9 +4,16 @@ a takeover that waits for a tick in flight, and a paused leader losing the lock 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from fastapi.testclient import TestClient
@@ -21,10 +28,12 @@ from store.migrate import upgrade
 from store.models import Decision
 from tests.controller.conftest import World
 from tests.controller.leaders import decisions, feed, served, writes
+from tests.support.sockets import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.pg
 
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -204,3 +213,98 @@ def test_a_paused_leader_loses_its_lock_and_its_tick_in_flight(store_url: str) -
         old.close()
         new.close()
         engine.dispose()
+
+
+def _controller(store_url: str, port: int, tmp_path: Path) -> subprocess.Popen[bytes]:
+    cfg = tmp_path / f"pdscope-{port}.yaml"
+    cfg.write_text(f"""
+model: {{name: m, kv_bytes_per_token: 1}}
+pools:
+  prefill: {{role: prefill, instances: [{{name: p0, url: "http://127.0.0.1:9"}}]}}
+  decode: {{role: decode, instances: [{{name: d0, url: "http://127.0.0.1:9"}}]}}
+store: {{url: "{store_url}"}}
+controller: {{port: {port}, interval_s: 0.5, mode: advisory}}
+""")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdscope.cli", "--config", str(cfg), "control"],
+        cwd=REPO,
+        env={**os.environ, "PDSCOPE_API_TOKEN": TOKEN},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _health(port: int) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()
+    return body
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_controller_processes_through_sigstop_and_kill_9_of_the_leader(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Two ``pdscope control`` processes on one store: one leads, one stands by. The leader paused
+    (SIGSTOP) past its lease loses the lock to the standby and, resumed, finds itself deposed; the new
+    leader killed (-9) hands the lock back at once. Each takeover bumps the epoch."""
+    ports = [free_port(), free_port()]
+    procs = [_controller(store_url, port, tmp_path) for port in ports]
+    try:
+        roles = wait_until(
+            "one leader and one standby",
+            lambda: [_health(p) for p in ports],
+            done=lambda hs: sorted(h["role"] for h in hs) == ["leader", "standby"] and hs[0]["leader"],
+            timeout_s=60,
+            every_s=0.2,
+            ignore=(httpx.HTTPError, ValueError),
+        )
+        first = next(i for i, h in enumerate(roles) if h["role"] == "leader")
+        other = 1 - first
+        epoch = roles[first]["leader_epoch"]
+        r = httpx.post(
+            f"http://127.0.0.1:{ports[other]}/v1/instances/d0/drain",
+            json={"reason": "x"},
+            headers=AUTH,
+            timeout=5,
+        )
+        assert r.status_code == 409, r.text
+        assert r.json()["leader"]["holder"].endswith(f":{ports[first]} (pid {procs[first].pid})")
+
+        procs[first].send_signal(signal.SIGSTOP)  # paused: it neither pings its lock nor ticks
+        took = wait_until(
+            "the standby to take over from the paused leader",
+            lambda: _health(ports[other]),
+            done=lambda h: h["role"] == "leader",
+            timeout_s=90,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
+        assert took["leader_epoch"] == epoch + 1
+        procs[first].send_signal(signal.SIGCONT)
+        back = wait_until(
+            "the resumed leader to find itself deposed",
+            lambda: _health(ports[first]),
+            done=lambda h: h["role"] == "standby" and h["leader_epoch"] == epoch + 1,
+            timeout_s=60,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
+        assert back["leader"]["holder"].endswith(f"(pid {procs[other].pid})")
+
+        procs[other].kill()  # -9: its sessions end with the process, and the lock with them
+        procs[other].wait(timeout=30)
+        again = wait_until(
+            "the old leader to take over again",
+            lambda: _health(ports[first]),
+            done=lambda h: h["role"] == "leader",
+            timeout_s=60,
+            every_s=0.2,
+            ignore=(httpx.HTTPError,),
+        )
+        assert again["leader_epoch"] == epoch + 2
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(timeout=30)
