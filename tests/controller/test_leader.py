@@ -153,6 +153,37 @@ def test_a_standby_never_serves_two_tables_under_one_etag(world: World) -> None:
         assert r.json()["version"] > first.json()["version"]
 
 
+def test_a_proxy_polling_either_replica_applies_the_same_table(world: World) -> None:
+    """The proxy's own poll (proxy.routing) against the leader, then the standby: it parses the table
+    with its leader epoch and serves the same weights and drains from either."""
+    import asyncio
+
+    import httpx
+
+    from proxy.routing import RoutingState, poll_once
+
+    _, a, b = pair(world)
+    for _ in range(4):
+        feed(world, handoff_s={"decode-2": 0.5})
+        a.step()
+    with TestClient(create_app(a, token=TOKEN)) as lead:
+        assert lead.post("/v1/instances/decode-0/drain", json=DRAIN, headers=AUTH).status_code == 200
+    b.step()
+    state = RoutingState(world.settings, 0.0)
+
+    async def poll(rec: Reconciler) -> dict[str, float]:
+        app = create_app(rec, token=TOKEN)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ctl") as c:
+            await poll_once(state, c, "http://ctl/v1/routing", lambda: 1.0)
+        assert state.view.state == "fresh"
+        return {t.name: t.weight for t in (*state.view.prefill, *state.view.decode)}
+
+    from_leader = asyncio.run(poll(a))
+    from_standby = asyncio.run(poll(b))
+    assert from_standby == from_leader and "decode-0" not in from_leader and from_leader["decode-2"] < 1.0
+    assert state.table is not None and state.table.leader_epoch == a.view().epoch
+
+
 def test_a_standby_that_takes_over_serves_no_lower_version(world: World) -> None:
     lock, a, b = pair(world)
     feed(world)
