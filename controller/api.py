@@ -10,7 +10,8 @@ the field and the reason, and nothing is written.
 
 This module only assembles: the routers (one per concern, :mod:`controller.endpoints`) and
 the translation of errors at the boundary: ``store.StoreError`` becomes 503 (a retry may
-help), an unknown instance or pool 404, clearing what is not there 409. It does no policy.
+help), an unknown instance or pool 404, clearing what is not there 409, a mutation sent to a
+standby 409 naming the leader (``controller.leader.NotLeader``). It does no policy.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from controller.endpoints import alerts, history, ops, overrides, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.guard import RequestGuard
+from controller.leader import NotLeader
 from controller.loop import Reconciler
 from controller.notify import Notifier, NullNotifier
 from controller.overrides import NothingToClear, OverridesService, UnknownSubject
@@ -96,7 +98,8 @@ def create_app(
 
 
 def _translate_errors(app: FastAPI) -> None:
-    """Errors become answers here, at the boundary: 422 naming the field, 404, 409, 503."""
+    """Errors become answers here, at the boundary: 422 naming the field, 404, 409 (nothing to clear;
+    a standby, naming the leader), 503."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -123,6 +126,11 @@ def _translate_errors(app: FastAPI) -> None:
     @app.exception_handler(NothingToClear)
     async def _nothing(request: Request, exc: NothingToClear) -> JSONResponse:
         return JSONResponse(status_code=409, content={"detail": exc.detail})
+
+    @app.exception_handler(NotLeader)
+    async def _standby(request: Request, exc: NotLeader) -> JSONResponse:
+        leader = None if exc.leader is None or not exc.leader.holder else exc.leader.as_dict()
+        return JSONResponse(status_code=409, content={"detail": exc.detail, "leader": leader})
 
     @app.exception_handler(StoreError)
     async def _store_down(request: Request, exc: StoreError) -> JSONResponse:

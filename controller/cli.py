@@ -2,8 +2,10 @@
 
 Serves the control API on ``controller.host:port`` and runs the reconcile loop inside
 the same process. Refuses to listen on a non-loopback address without an API token
-(``$PDSCOPE_API_TOKEN`` or a named one in ``$PDSCOPE_API_TOKENS``), and to start when a
-token variable is malformed.
+(``$PDSCOPE_API_TOKEN`` or a named one in ``$PDSCOPE_API_TOKENS``), to start when a
+token variable is malformed, and to start a second controller on one SQLite file (its lock,
+``controller.leader.FileLock``, names the pid running). On PostgreSQL any number start: one
+leads, the others stand by (``controller.leader.PgAdvisoryLock``).
 Heavy imports (FastAPI, SQLAlchemy, uvicorn) happen inside :func:`run`.
 """
 
@@ -12,8 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from pdscope.config import Settings, is_loopback
+
+if TYPE_CHECKING:
+    from controller.leader import Leadership
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +83,28 @@ def run(args: argparse.Namespace) -> int:
 def serve(
     settings: Settings, token: str | None, *, migrate: bool = True, tokens: dict[str, str] | None = None
 ) -> int:
+    from controller.leader import LeadershipError, default_holder, lease_for, open_leadership
+
+    c = settings.controller
+    try:  # before migrating: a second controller on a SQLite store changes nothing
+        leadership = open_leadership(settings.store.url, default_holder(c.port), lease_for(c.interval_s))
+    except LeadershipError as exc:
+        print(f"pdscope control: {exc.detail}", file=sys.stderr)
+        return 1
+    try:
+        return _serve(settings, token, leadership, migrate=migrate, tokens=tokens)
+    finally:
+        leadership.release()
+
+
+def _serve(
+    settings: Settings,
+    token: str | None,
+    leadership: Leadership,
+    *,
+    migrate: bool,
+    tokens: dict[str, str] | None,
+) -> int:
     import time
 
     import uvicorn
@@ -104,17 +132,23 @@ def serve(
     external = f"http://{c.host}:{c.port}"
     notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
     reconciler = Reconciler(
-        settings, session_factory(engine), notifier=notifier, alert_config=AlertConfig.from_settings(settings)
+        settings,
+        session_factory(engine),
+        notifier=notifier,
+        alert_config=AlertConfig.from_settings(settings),
+        leadership=leadership,
     )
     app = create_app(reconciler, token=token, tokens=tokens, notifier=notifier, run_loop=True)
     names = sorted({*(tokens or {}), *(["api"] if token else [])})
     log.info(
-        "controller on %s (mode %s, every %ss, window %ss, identities %s)",
+        "controller %s on %s (mode %s, every %ss, window %ss, identities %s, %s)",
+        leadership.holder,
         external,
         reconciler.mode,
         c.interval_s,
         c.window_s,
         ", ".join(names) or "none: mutations disabled",
+        "leads" if reconciler.role == "leader" else "standby until it takes the lock",
     )
     try:
         uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)

@@ -11,8 +11,17 @@ overrides now in the store, without advancing the policy: the API calls it after
 mutation so an override is served at once. Both hold one lock; reads of the served
 values take a consistent snapshot (:meth:`Reconciler.view`).
 
-``run_forever`` is the asyncio driver (ticks run in a worker thread); tests call
-``tick`` directly with a virtual clock.
+Leadership (:mod:`controller.leader`): only the leader ticks. Every interval :meth:`Reconciler.step`
+keeps or seeks the lock; the first tick after taking it claims the next leader epoch in the store
+and reloads the carried state (what the previous leader committed last), and every tick's
+transaction starts with the fence, so a deposed leader (its lock lost, the epoch bumped by
+another) writes nothing and becomes a standby. A standby runs no policy: every interval it
+reloads the carried state and the overrides from the store and serves the table they compose
+(:meth:`Reconciler.reload`), and it retries the lock. Every decision and the served table carry
+the epoch.
+
+``run_forever`` is the asyncio driver (steps run in a worker thread); tests call ``tick``,
+``step`` and ``reload`` directly with a virtual clock.
 """
 
 from __future__ import annotations
@@ -29,8 +38,25 @@ from typing import Literal
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller import observe as observe_mod
+from controller.leader import (
+    Deposed,
+    LeaderInfo,
+    Leadership,
+    NotLeader,
+    SoleLeader,
+    claim,
+    fence,
+    lease_for,
+    read_leader,
+)
 from controller.notify import Notifier, NullNotifier
-from controller.persist import load_overrides, load_state, persist_tick, record_policy
+from controller.persist import (
+    latest_limit_reasons,
+    load_overrides,
+    load_state,
+    persist_tick,
+    record_policy,
+)
 from controller.policy import (
     AlertConfig,
     InstanceSpec,
@@ -48,11 +74,12 @@ from controller.policy import (
 from controller.policy.reasons import Reason
 from pdscope.config import Settings
 from pdscope.routing import RoutingTable
-from store.db import transaction
+from store.db import StoreError, transaction
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Role = Literal["leader", "standby"]
 
 
 @dataclass(frozen=True)
@@ -68,15 +95,22 @@ class View:
     last_ok: float | None
     last_error: str | None
     tick_seconds: float | None
+    role: Role = "leader"
+    epoch: int | None = None  # the leader epoch: this controller's as leader, the store's as standby
+    leader: LeaderInfo | None = None  # the store's leader as last read (None: not read yet)
+    takeovers: int = 0
+    deposed: int = 0
 
 
 @dataclass
 class _Stats:
-    ticks: int = 0
+    ticks: int = 0  # on a standby, a reload from the store counts as its tick
     failed: int = 0
     last_ok: float | None = None
     last_error: str | None = None
     tick_seconds: float | None = None
+    takeovers: int = 0
+    deposed: int = 0
 
 
 class Reconciler:
@@ -89,7 +123,10 @@ class Reconciler:
         notifier: Notifier | None = None,
         alert_config: AlertConfig | None = None,
         mode: Literal["advisory", "enforce"] | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
+        """``leadership`` None: :class:`controller.leader.SoleLeader` (always leads, still claims an epoch
+        and fences every tick)."""
         self.settings = settings
         self.factory = factory
         self.clock = clock
@@ -114,6 +151,11 @@ class Reconciler:
         self._served: dict[str, ServedInstance] = {}
         self._loaded = False
         self.policy = self.cfg.fingerprint()  # recorded in the store when it is first read
+        self.leadership: Leadership = leadership or SoleLeader()
+        self.lease_s = lease_for(settings.controller.interval_s)
+        self._leading = self.leadership.held()  # no I/O: a PostgreSQL lock is only tried by step()
+        self._epoch: int | None = None  # claimed by the first tick after taking the lock
+        self._leader: LeaderInfo | None = None
         self._table = self._initial_table(0)
 
     def _initial_table(self, version: int) -> RoutingTable:
@@ -128,7 +170,9 @@ class Reconciler:
         state, ids, version = load_state(session)
         self._state = state
         self._alert_ids = ids
-        self._table = self._initial_table(version)
+        # past what this process served already (as a standby, say): its ETag must not name other content
+        floor = self._table.version + 1 if self._table.version > 0 else 0
+        self._table = self._initial_table(max(version, floor))
         self._state = replace(state, table=self._table)
         self._loaded = True
         log.info(
@@ -141,12 +185,25 @@ class Reconciler:
     # -- the tick ---------------------------------------------------------------------
 
     def tick(self) -> TickOutput:
-        """One reconcile. Raises what failed (after counting it); the served table is unchanged."""
+        """One reconcile as the leader. Raises what failed (after counting it); the served table is unchanged.
+
+        Raises :class:`controller.leader.NotLeader` on a standby (nothing is read or written), and
+        :class:`controller.leader.Deposed` when the store's epoch is not this controller's: nothing is
+        written and the controller is a standby from then on."""
         with self._lock:
+            if not self._leading:
+                raise NotLeader(self._leader)
             started = time.perf_counter()
             self._stats.ticks += 1
             try:
+                if self._epoch is None:
+                    self._take_over_locked()
                 out = self._tick_locked()
+            except Deposed as exc:
+                self._stats.deposed += 1
+                self._stats.last_error = f"Deposed: {exc.detail}"
+                self._stand_down_locked(exc.detail, exc.leader)
+                raise
             except Exception as exc:
                 self._stats.failed += 1
                 self._stats.last_error = f"{type(exc).__name__}: {exc}"
@@ -157,9 +214,27 @@ class Reconciler:
             self._stats.last_error = None
             return out
 
+    def _take_over_locked(self) -> None:
+        """Claim the next epoch (waiting for the previous leader's tick in flight to commit) and reload
+        the carried state as it stands after that commit."""
+        with transaction(self.factory) as session:
+            before, mine = claim(session, self.leadership.holder, self.clock(), self.lease_s)
+            self._load(session)
+        self._epoch, self._leader = mine.epoch, mine
+        self._stats.takeovers += 1
+        log.warning(
+            "leader: %s took over at epoch %s (previous: %s)",
+            mine.holder,
+            mine.epoch,
+            "none" if before is None or not before.holder else f"{before.holder}, epoch {before.epoch}",
+        )
+
     def _tick_locked(self) -> TickOutput:
         now = self.clock()
+        epoch = self._epoch
+        assert epoch is not None  # claimed by the caller
         with transaction(self.factory) as session:
+            fence(session, epoch, self.lease_s)  # first: a deposed leader reads and writes nothing more
             if not self._loaded:
                 self._load(session)
             obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg)
@@ -167,14 +242,14 @@ class Reconciler:
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)
             ids = dict(self._alert_ids)
-            rows = persist_tick(session, out, self._served, ids, self._state, self.policy)
+            rows = persist_tick(session, out, self._served, ids, self._state, self.policy, epoch=epoch)
         # committed: now serve it
         self._alert_ids = ids
         self._state = out.state
         self._last = out
         self._obs = obs
         self._served = dict(out.served)
-        self._table = out.table
+        self._table = _stamped(out.table, epoch)
         self.notifier.send(out.alerts.notify)
         changed = [d for d in out.weights if d.changed]
         log.info(
@@ -197,8 +272,11 @@ class Reconciler:
             return None
 
     def refresh(self) -> RoutingTable:
-        """Recompose the served table from the overrides in the store now (no policy step)."""
+        """Recompose the served table from the overrides in the store now (no policy step); a standby
+        reloads instead (:meth:`reload`)."""
         with self._lock:
+            if not self._leading:
+                return self._reload_locked()
             now = self.clock()
             with transaction(self.factory) as session:
                 if not self._loaded:
@@ -209,16 +287,114 @@ class Reconciler:
             table, served, _ = compose(
                 self._state, overrides, self.instances, self.pools, self.mode, now, reasons, limit_reasons
             )
-            self._table = table
+            self._table = _stamped(table, self._epoch)
             self._served = served
             self._state = replace(self._state, table=table)
-            return table
+            return self._table
+
+    # -- leadership -------------------------------------------------------------------
+
+    @property
+    def role(self) -> Role:
+        with self._lock:
+            return "leader" if self._leading else "standby"
+
+    def step(self) -> TickOutput | None:
+        """One interval of the driver; never raises. Keep or seek the lock, then tick as the leader
+        (its output; None when it failed) or reload as a standby (None)."""
+        if self._leading and not self.leadership.held():
+            with self._lock:
+                self._stand_down_locked("the leadership lock was lost", self._leader)
+        if not self._leading and self.leadership.acquire():
+            with self._lock:
+                self._leading, self._epoch = True, None  # the tick claims the next epoch
+        if self._leading:
+            return self.tick_safe()
+        try:
+            self.reload()
+        except Exception:  # counted and logged by reload
+            pass
+        return None
+
+    def require_leader(self) -> None:
+        """Raises :class:`controller.leader.NotLeader` naming the store's leader (read now) on a standby."""
+        with self._lock:
+            if self._leading:
+                return
+            known = self._leader
+        try:
+            with transaction(self.factory) as session:
+                known = read_leader(session) or known
+        except StoreError as exc:
+            log.warning("standby: cannot read the leader from the store: %s", exc)
+        raise NotLeader(known)
+
+    def _stand_down_locked(self, why: str, leader: LeaderInfo | None) -> None:
+        was = self._epoch
+        self._leading, self._epoch, self._loaded = False, None, False
+        self._leader = leader
+        self._last = self._obs = None  # a standby serves what is stored, not its last tick
+        self.leadership.release()
+        log.warning(
+            "standby: %s; this controller (epoch %s) writes nothing from now on and serves what the "
+            "leader stores",
+            why,
+            was,
+        )
+
+    def reload(self) -> RoutingTable:
+        """A standby's tick: the carried state and overrides from the store, and the table they compose.
+        Raises what failed (after counting it); the served table is unchanged."""
+        with self._lock:
+            return self._reload_locked()
+
+    def _reload_locked(self) -> RoutingTable:
+        started = time.perf_counter()
+        self._stats.ticks += 1
+        now = self.clock()
+        try:
+            with transaction(self.factory) as session:
+                leader = read_leader(session)
+                state, ids, version = load_state(session)
+                overrides = load_overrides(session, now)
+                limit_reasons = latest_limit_reasons(session)
+        except Exception as exc:
+            self._stats.failed += 1
+            self._stats.last_error = f"{type(exc).__name__}: {exc}"
+            log.warning("standby reload %s failed: %s", self._stats.ticks, self._stats.last_error)
+            raise
+        # compose against what this process served last, so a version is new only when its content is
+        prev = _stamped(self._table, None)
+        if prev.version < version:
+            prev = prev.model_copy(update={"version": version})
+        table, served, _ = compose(
+            replace(state, table=prev),
+            overrides,
+            self.instances,
+            self.pools,
+            self.mode,
+            now,
+            {},
+            limit_reasons,
+        )
+        self._state = replace(state, table=table)
+        self._alert_ids = ids
+        self._served = served
+        self._leader = leader
+        self._table = _stamped(table, None if leader is None or not leader.holder else leader.epoch)
+        self._stats.tick_seconds = time.perf_counter() - started
+        self._stats.last_ok = now
+        self._stats.last_error = None
+        return self._table
 
     # -- reads ------------------------------------------------------------------------
 
     def view(self) -> View:
         with self._lock:
             s = self._stats
+            leading = self._leading
+            seen = self._leader if self._leader is not None and self._leader.holder else None
+            epoch = self._epoch if leading else (None if seen is None else seen.epoch)
             return View(
                 self._table,
                 dict(self._served),
@@ -229,6 +405,11 @@ class Reconciler:
                 s.last_ok,
                 s.last_error,
                 s.tick_seconds,
+                "leader" if leading else "standby",
+                epoch,
+                seen,
+                s.takeovers,
+                s.deposed,
             )
 
     @property
@@ -249,13 +430,19 @@ class Reconciler:
     # -- the driver -------------------------------------------------------------------
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        """Tick every ``controller.interval_s`` until ``stop`` is set; never raises."""
+        """:meth:`step` every ``controller.interval_s`` until ``stop`` is set; never raises."""
         interval = self.settings.controller.interval_s
         while not stop.is_set():
             started = time.monotonic()
-            await asyncio.to_thread(self.tick_safe)
+            await asyncio.to_thread(self.step)
             delay = max(0.0, interval - (time.monotonic() - started))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
             except TimeoutError:
                 pass
+
+
+def _stamped(table: RoutingTable, epoch: int | None) -> RoutingTable:
+    """``table`` as served, with the leader epoch. The policy composes tables without it (its
+    ``same_content`` would see a new epoch as new content)."""
+    return table if table.leader_epoch == epoch else table.model_copy(update={"leader_epoch": epoch})

@@ -3,7 +3,8 @@
 A custom collector on a per-app registry (no global registry): every scrape reports the
 current values, so an alert that resolved or an instance that left leaves no stale
 series behind. Alerts are exported the way Prometheus exports its own,
-``pdscope_alerts{alertname, alertstate, severity, ...labels} 1``.
+``pdscope_alerts{alertname, alertstate, severity, ...labels} 1``, by the leader only (a standby
+evaluates no rule), so two replicas never double an alert's series.
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ class ControllerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "pdscope_routing_version", "Version of the served routing table.", value=v.table.version
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_leader",
+            "1 while this controller leads (runs the policy, writes), 0 while it stands by.",
+            value=1.0 if v.role == "leader" else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_epoch",
+            "The leader epoch: this controller's as leader, the store's leader's as standby (0: none yet).",
+            value=v.epoch or 0,
+        )
+        yield CounterMetricFamily(
+            "pdscope_controller_takeovers", "Times this controller took over as leader.", value=v.takeovers
+        )
+        yield CounterMetricFamily(
+            "pdscope_controller_deposed",
+            "Ticks that found another leader's epoch in the store (nothing written; now standby).",
+            value=v.deposed,
         )
         yield GaugeMetricFamily(
             "pdscope_controller_untrusted_records",

@@ -9,8 +9,11 @@
 * :func:`record_policy` stores the policy config this process runs under, once.
 * :func:`persist_tick` stores one tick: a ``Decision`` row for every value that changed
   (policy weight, served weight when an override starts or ends, pool limits), each with
-  its inputs, scores, arithmetic, reason, message and the policy config it was taken under;
-  the carried state of every subject whose state changed; and every alert state change.
+  its inputs, scores, arithmetic, reason, message, the policy config it was taken under and
+  the leader epoch; the carried state of every subject whose state changed; and every alert
+  state change.
+* :func:`latest_limit_reasons` is the reason of each pool's newest limit decision (a standby
+  serves it beside the reloaded limits).
 
 Functions take an open ``Session``; the caller owns the transaction (``store.transaction``),
 so one tick is stored whole or not at all.
@@ -187,6 +190,11 @@ def load_state(session: Session) -> tuple[PolicyState, dict[str, int], int]:
     return PolicyState(0, weights, limits, alerts, None), ids, int(version)
 
 
+def latest_limit_reasons(session: Session) -> dict[str, str]:
+    """Each pool's reason for its limits now: that of its newest in-flight requests limit decision."""
+    return {pool: d.reason for pool, d in _latest_decisions(session, "max_inflight_requests").items()}
+
+
 def record_policy(session: Session, cfg: PolicyConfig, now: float) -> str:
     """Store ``cfg`` under its fingerprint unless it is stored already; the fingerprint."""
     fp = cfg.fingerprint()
@@ -254,6 +262,7 @@ def _decision(
     inputs: Mapping[str, Any],
     scores: Mapping[str, Any],
     policy: str | None,
+    epoch: int | None,
 ) -> Decision:
     return Decision(
         ts=out.table.generated_at,
@@ -271,6 +280,7 @@ def _decision(
         scores=dict(scores),
         routing_version=out.table.version,
         policy=policy,
+        leader_epoch=epoch,
     )
 
 
@@ -281,11 +291,14 @@ def persist_tick(
     alert_ids: dict[str, int],
     prev_state: PolicyState | None = None,
     policy: str | None = None,
+    *,
+    epoch: int | None = None,
 ) -> list[Decision]:
     """Store one tick's changes; ``alert_ids`` (fingerprint -> row id) is updated in place.
 
     ``prev_state`` is the state the tick started from (a subject's state is stored when it differs;
-    None: every subject's), ``policy`` the fingerprint of the config it ran under (:func:`record_policy`)."""
+    None: every subject's), ``policy`` the fingerprint of the config it ran under (:func:`record_policy`),
+    ``epoch`` the leader epoch it was taken under (the caller has fenced the transaction with it)."""
     mode = out.table.mode
     rows: list[Decision] = []
     for d in out.weights:
@@ -305,6 +318,7 @@ def persist_tick(
                     d.inputs,
                     d.scores,
                     policy,
+                    epoch,
                 )
             )
     for name, s in out.served.items():
@@ -343,6 +357,7 @@ def persist_tick(
                 },
                 {},
                 policy,
+                epoch,
             )
         )
     for p in out.pools:
@@ -364,6 +379,7 @@ def persist_tick(
                         p.inputs,
                         p.scores,
                         policy,
+                        epoch,
                     )
                 )
     session.add_all(rows)

@@ -156,6 +156,9 @@ class DecisionOut(BaseModel):
         description="the policy config it was taken under "
         "(v<policy version>:<hash>; GET /v1/policy/{fingerprint})",
     )
+    leader_epoch: int | None = Field(
+        default=None, description="the epoch of the controller leader that took it (null: stored before)"
+    )
 
 
 class PolicyOut(BaseModel):
@@ -209,6 +212,19 @@ class SLOOut(BaseModel):
     evaluated_at: float | None
 
 
+class LeaderOut(BaseModel):
+    holder: str = Field(description='who leads: "host:port (pid N)"')
+    epoch: int = Field(description="bumped on each takeover")
+    since: float = Field(description="when it took over (Unix seconds)")
+
+
+class NotLeaderOut(BaseModel):
+    """The 409 a standby answers to a mutation."""
+
+    detail: str
+    leader: LeaderOut | None = Field(description="the leader to send it to (null: none has taken over yet)")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok", "starting", "degraded"]
     mode: Literal["advisory", "enforce"]
@@ -219,3 +235,11 @@ class HealthOut(BaseModel):
     last_error: str | None
     routing_version: int
     routing_epoch: str = Field(description="this controller process's epoch (part of the routing ETag)")
+    role: Literal["leader", "standby"] = Field(
+        description="leader: runs the policy and writes; standby: serves what the leader stores"
+    )
+    leader_epoch: int | None = Field(
+        description="the leader epoch: this controller's when it leads, the store's leader's when it stands "
+        "by (null: none yet)"
+    )
+    leader: LeaderOut | None = Field(description="the store's leader as this controller last read it")

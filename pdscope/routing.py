@@ -9,6 +9,11 @@ serving process's epoch as well as the version, because a restarted controller m
 versions again from what it stored and so reach a number an earlier process served with
 other content; the epoch keeps that from answering 304 to a proxy holding the old table.
 ``version`` orders the tables of one controller process only.
+
+``leader_epoch`` is another thing: the epoch of the controller leader whose stored decisions the
+table serves (bumped on each takeover; the same on every replica). A proxy may poll any
+controller replica; it needs neither field to apply the table, and a table without
+``leader_epoch`` (an older controller) is as valid.
 """
 
 from __future__ import annotations
@@ -61,6 +66,12 @@ class RoutingTable(BaseModel):
     enforce: bool
     instances: list[InstanceRoute]
     pools: list[PoolRoute]
+    leader_epoch: int | None = Field(
+        default=None,
+        ge=0,
+        description="epoch of the controller leader whose decisions this table serves "
+        "(bumped on each takeover); None: not known",
+    )
 
 
 def routing_etag(epoch: str, version: int) -> str:

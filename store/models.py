@@ -304,6 +304,8 @@ class Decision(Base):
     routing_version: Mapped[int | None] = mapped_column(Integer)
     # the policy config it was taken under: ``v<policy version>:<hash>``, a key of ``policy_configs``
     policy: Mapped[str | None] = mapped_column(String(40))
+    # the epoch of the leader that took it (``controller_leader.epoch``); null: stored before leadership
+    leader_epoch: Mapped[int | None] = mapped_column(Integer)
 
 
 class PolicyConfigRow(Base):
@@ -315,6 +317,18 @@ class PolicyConfigRow(Base):
     version: Mapped[int] = mapped_column(Integer)
     config: Mapped[Json] = mapped_column(default=dict)
     first_seen: Mapped[float] = mapped_column(Float)
+
+
+class ControllerLeader(Base):
+    """The controller's leader epoch, the store's fencing token: one row (``id`` 1), bumped by every
+    takeover (``controller.leader.claim``). A tick writes only while the epoch is its own."""
+
+    __tablename__ = "controller_leader"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    holder: Mapped[str] = mapped_column(String(256))  # who took it: "host:port (pid N)"; "" before any
+    since: Mapped[float] = mapped_column(Float)
 
 
 class PolicyStateRow(Base):

@@ -1,4 +1,5 @@
-"""Operations: health (503 when degraded), the bearer token's identity, Prometheus metrics."""
+"""Operations: health (503 when degraded; leader or standby, and the leader epoch), the bearer token's
+identity, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import AuthError
 from controller.endpoints.context import ApiContext
-from controller.schemas import HealthOut, WhoAmIOut
+from controller.leader import LeaderInfo
+from controller.schemas import HealthOut, LeaderOut, WhoAmIOut
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -39,6 +41,9 @@ def router(ctx: ApiContext) -> APIRouter:
             last_error=view.last_error,
             routing_version=view.table.version,
             routing_epoch=reconciler.epoch,
+            role=view.role,
+            leader_epoch=view.epoch,
+            leader=_leader(view.leader),
         )
 
     @r.get(
@@ -60,3 +65,9 @@ def router(ctx: ApiContext) -> APIRouter:
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
     return r
+
+
+def _leader(info: LeaderInfo | None) -> LeaderOut | None:
+    if info is None or not info.holder:  # the row before any takeover
+        return None
+    return LeaderOut(holder=info.holder, epoch=info.epoch, since=info.since)

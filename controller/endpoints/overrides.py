@@ -1,7 +1,8 @@
 """Operator overrides (the guard has authenticated each request): an instance's weight, its
 drain, a pool's weight. :class:`controller.overrides.OverridesService` validates and stores
 them; this module turns the bodies into :class:`controller.overrides.Change` and the results
-into answers."""
+into answers. Only the leader takes a change: a standby answers 409 naming the leader
+(:meth:`controller.loop.Reconciler.require_leader`), before anything is read or written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from fastapi import APIRouter, Depends
 
 from controller.endpoints.context import MUTATION, ApiContext, caller
 from controller.overrides import Change
-from controller.schemas import ClearIn, DrainIn, InstanceWeightOut, OverrideOut, PoolOut, UndrainIn, WeightIn
+from controller.schemas import (
+    ClearIn,
+    DrainIn,
+    InstanceWeightOut,
+    NotLeaderOut,
+    OverrideOut,
+    PoolOut,
+    UndrainIn,
+    WeightIn,
+)
 
 
 def instance_change(ctx: ApiContext, change: Change) -> InstanceWeightOut:
@@ -31,7 +41,13 @@ def pool_change(ctx: ApiContext, change: Change) -> PoolOut:
 
 
 def router(ctx: ApiContext) -> APIRouter:
-    r = APIRouter(dependencies=MUTATION)
+    def leader_only() -> None:
+        ctx.reconciler.require_leader()  # NotLeader: 409, the API's translation
+
+    r = APIRouter(
+        dependencies=[*MUTATION, Depends(leader_only)],
+        responses={409: {"model": NotLeaderOut, "description": "a standby (or nothing to clear)"}},
+    )
 
     @r.put(
         "/v1/instances/{name}/weight",

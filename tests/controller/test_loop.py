@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import func, select
 
 from controller.loop import Reconciler
+from controller.policy import TickInput, decide
 from store.db import StoreError, transaction
 from store.models import Alert, Decision, PolicyConfigRow, WeightOverride
 from tests.controller.conftest import World
@@ -156,7 +157,14 @@ def test_restart_carries_the_whole_policy_state_and_decisions_name_their_policy(
         assert cfg is not None and cfg.config["min_weight"] == world.reconciler.cfg.min_weight
         assert all(not k.startswith("_") for r in rows for k in r.scores), "no carried state in the scores"
     out = fresh.tick()
-    same = world.reconciler.tick()  # the old process' next tick, from its memory, on the same data
+    # the old process' next tick, from its memory, on the same data: the pure step alone, since the
+    # store fences the old process off now that the fresh one has taken over (test_leader.py)
+    obs = fresh.view().obs
+    assert obs is not None
+    rec = world.reconciler
+    same = decide(
+        TickInput(obs, before, (), rec.instances, rec.pools, rec.mode), rec.cfg, rec.rules, rec.alert_config
+    )
     mine = {d.instance: (d.weight, d.reason, d.state) for d in out.weights}
     theirs = {d.instance: (d.weight, d.reason, d.state) for d in same.weights}
     assert mine == theirs
