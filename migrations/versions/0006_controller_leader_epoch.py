@@ -1,7 +1,7 @@
 """controller leader epoch
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 Create Date: 2026-12-01
 
 The controller's leader epoch (``controller_leader``: one row, bumped by each takeover; a tick
@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision: str = '0005'
-down_revision: str | None = '0004'
+revision: str = '0006'
+down_revision: str | None = '0005'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
