@@ -17,7 +17,8 @@ only its root): it carries the outcome, instances, pools, retries, tokens, KV si
 stage timestamps (``pdscope.*_unix_nano``), each read when no child span gives it, so the
 record has the same columns as with its children. Only vLLM's ``llm_request`` spans give the
 in-vLLM durations (``p_queue_s`` .. ``d_decode_s``) and vLLM's request ids, and, for a
-stream (the proxy reads no usage from it), ``completion_tokens`` and so ``tpot_s``. Spans are
+stream without a usage event (the client did not ask ``stream_options.include_usage``),
+``completion_tokens`` and so ``tpot_s``. Spans are
 found by their name (``_Trace``), the last attempt of a stage by its ``pdscope.attempt``.
 The record is a ``collector.record.AssembledRecord``, its SLO verdict
 ``pdscope.slo.slo_verdict`` of its status and durations.

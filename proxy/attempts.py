@@ -418,6 +418,9 @@ class Attempts:
                     await reply.body(chunk, True)
         except (UpstreamError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
+        if watch.completion_tokens is not None:  # D's usage event: the root carries it
+            req.completion_tokens = watch.completion_tokens
+            span.set_attribute(sc.COMPLETION_TOKENS, watch.completion_tokens)
         if kind is None and watch.error is not None:
             kind = "stream_error"  # D's own error event, already forwarded
         elif kind is None and not watch.done:

@@ -190,7 +190,8 @@ def test_a_record_reassembled_from_stored_spans_reads_their_events(store_url: st
 
 # Only vLLM's llm_request spans give these; every other column the root carries too.
 FROM_VLLM_ONLY = frozenset({"p_queue_s", "p_prefill_s", "d_queue_s", "d_prefill_s", "d_decode_s"})
-# The proxy reads no usage from a stream: its completion tokens (and so TPOT) are D's vLLM span's.
+# A stream without a usage event (no stream_options.include_usage, as request_spans' stream=True
+# models): its completion tokens (and so TPOT) are only D's vLLM span's.
 STREAM_FROM_VLLM_ONLY = frozenset({"completion_tokens", "tpot_s"})
 
 

@@ -37,7 +37,7 @@ def request_spans(
     Timeline (s after t0): prefill 0.01-0.21, handoff 0.21-0.51, decode 0.22-1.51, first token 0.51.
     ``t0`` defaults to a minute ago (whole seconds), a time the receiver finds plausible. The root
     carries what the proxy's does: the stage timestamps (Unix ns, the children's own), P's prompt
-    tokens and, when not streamed, D's completion tokens.
+    tokens and, when not streamed, D's completion tokens (a stream here has no usage event).
     """
     if t0 is None:
         t0 = float(int(time.time()) - 60)

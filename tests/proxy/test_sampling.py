@@ -194,12 +194,15 @@ async def test_the_roots_stage_timestamps_are_its_childrens(made: Made) -> None:
     assert attrs[sc.FIRST_TOKEN_NS] == decode.events[0].timestamp == by_name[sc.SPAN_HANDOFF].end_time
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_the_proxys_root_alone_makes_the_same_record(made: Made, stream: bool) -> None:
+@pytest.mark.parametrize("stream,usage", [(False, False), (True, False), (True, True)])
+async def test_the_proxys_root_alone_makes_the_same_record(made: Made, stream: bool, usage: bool) -> None:
     """What the proxy exports, through OTLP and the collector's decoder: every column of the record from
     the root alone equals the one from all the proxy's spans (no vLLM spans here)."""
     proxy, spans, _p, _d = made(1.0)
-    body = {"model": "fake", "prompt": "the quick brown fox", "max_tokens": 8, "stream": stream}
+    body: dict[str, object] = {"model": "fake", "prompt": "the quick brown fox", "max_tokens": 8}
+    body["stream"] = stream
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     assert (await proxy.send(body)).status == 200
     decoded = decode_export(
         encode_spans(_exported(proxy, spans)).SerializeToString(), "application/x-protobuf"
@@ -212,6 +215,9 @@ async def test_the_proxys_root_alone_makes_the_same_record(made: Made, stream: b
         if column != "attributes":
             assert getattr(alone, column) == getattr(full, column), column
     assert alone.p_sent is not None and alone.first_token is not None and alone.d_sent is not None
+    # tokens (and so TPOT): D's usage, read from the answer, or from a stream's usage event
+    assert (alone.completion_tokens is None) == (stream and not usage)
+    assert (alone.tpot_s is None) == (stream and not usage)
     assert alone.attributes == type(full.attributes)(**{**_fields(full.attributes), "spans": 1})
 
 
