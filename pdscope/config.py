@@ -598,7 +598,7 @@ class ProxySettings(_Frozen):
         description="share of requests whose whole trace is kept (head sampling on the trace id, sent "
         "on as the traceparent sampled flag so vLLM follows it; a caller's sampled traceparent is "
         "always kept); every other request exports its root span only (its record is complete), "
-        "except a failed one or one over slo.ttft.target_ms, whose proxy spans are kept",
+        "except a failed or retried one or one over slo.ttft.target_ms, whose proxy spans are kept",
     )
     span_queue_max: int = Field(
         default=32768,

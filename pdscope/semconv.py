@@ -15,7 +15,7 @@ The root also carries every stage timestamp the proxy knows (``*_unix_nano``: th
 readings its children start or end at, so a record built from the root alone has the same
 stage columns), because under ``proxy.trace_sample_ratio`` below 1 an unsampled request
 exports its root only: its children are kept only when it failed or missed the TTFT SLO
-(``KEEP`` says why).
+or was retried (``KEEP`` says why).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ FIRST_TOKEN_NS = "pdscope.first_token_unix_nano"
 SAMPLED = "pdscope.sampled"  # on the root: the head-sampling decision (the traceparent flag sent on)
 KEEP = "pdscope.keep"  # on an unsampled root whose children were kept anyway: see KEEP_REASONS
 KEEP_FAILED = "failed"  # outcome error or timeout
+KEEP_RETRIED = "retried"  # served, after a failed attempt (forensics reads the failed attempts' spans)
 KEEP_SLOW = "ttft_slo"  # the proxy's own TTFT over slo.ttft.target_ms
-KEEP_REASONS = (KEEP_FAILED, KEEP_SLOW)
+KEEP_REASONS = (KEEP_FAILED, KEEP_RETRIED, KEEP_SLOW)
 HTTP_STATUS = "http.response.status_code"
 ERROR_TYPE = "error.type"
 

@@ -174,11 +174,14 @@ class Flow:
             root.end()
 
     def _keep_reason(self, req: RequestState, done_ns: int) -> str | None:
-        """Why an unsampled request's child spans are kept anyway, or None: it failed, or the proxy
-        saw it miss the TTFT SLO (its first token late, or none by the time it ended; a client's own
-        mistake excepted)."""
+        """Why an unsampled request's child spans are kept anyway, or None: it failed, an attempt of
+        it failed (it was retried: the collector's forensics reads the failed attempts' spans), or the
+        proxy saw it miss the TTFT SLO (its first token late, or none by the time it ended; a client's
+        own mistake excepted)."""
         if req.outcome in ("error", "timeout"):
             return sc.KEEP_FAILED
+        if req.retries:
+            return sc.KEEP_RETRIED
         target = self.fs.ttft_slo_s
         if target is None or req.outcome == CLIENT_ERROR:
             return None

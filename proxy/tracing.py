@@ -14,8 +14,8 @@ Sampling (``proxy.trace_sample_ratio``): every span is recorded (the provider sa
 ``ALWAYS_ON``), and the head decision (:func:`head_sampled`, on the trace id) is the root's
 ``pdscope.sampled`` attribute and the flag of the ``traceparent`` sent to P and D. The
 processor holds the children of an unsampled root until the root ends; then it exports them
-with the root when the root says to keep them (``pdscope.keep``: failed, or over the TTFT
-SLO), and otherwise exports the root alone (counted in :attr:`~BoundedSpanProcessor.unsampled`).
+with the root when the root says to keep them (``pdscope.keep``: failed, retried, or over
+the TTFT SLO), and otherwise exports the root alone (counted in :attr:`~BoundedSpanProcessor.unsampled`).
 What it holds is bounded (``max_buffered`` spans: the oldest trace's are dropped and counted
 in ``dropped`` and ``buffer_dropped``).
 

@@ -44,16 +44,18 @@ class Made:
         d_mode: str = "ok",
         ttft_ms: float = 600_000.0,  # far over any in-memory TTFT: only the failure rule keeps children
         prefill_s: float = 5.0,
+        healthy_p: bool = False,  # a second P, p1, that answers
     ) -> tuple[MemoryProxy, InMemorySpanExporter, MemVLLM, MemVLLM]:
         p, d = MemVLLM("p0", "prefill", mode=p_mode), MemVLLM("d0", "decode", mode=d_mode)
+        ps = [p, MemVLLM("p1", "prefill")] if healthy_p else [p]
         timeouts = {"connect_s": 1, "prefill_s": prefill_s, "decode_first_token_s": 5, "decode_total_s": 10}
         settings = memory_settings(
-            {"prefill": ("prefill", [p]), "decode": ("decode", [d])},
+            {"prefill": ("prefill", ps), "decode": ("decode", [d])},
             proxy={"trace_sample_ratio": ratio, "timeouts": timeouts},
         )
         settings = settings.model_copy(update={"slo": SLOSettings(ttft=LatencySLO(target_ms=ttft_ms))})
         spans = InMemorySpanExporter()
-        proxy = memory_flow(settings, [p, d], spans, bounded=True)
+        proxy = memory_flow(settings, [*ps, d], spans, bounded=True)
         self.proxies.append(proxy)
         return proxy, spans, p, d
 
@@ -134,6 +136,30 @@ async def test_ratio_zero_keeps_every_span_of_a_failed_request(
         assert {sc.SPAN_HANDOFF, sc.SPAN_DECODE} <= _names(exported)
     assert _flag(p) == "00"  # decided at the start: vLLM was not asked to trace it
     assert proxy.processor is not None and proxy.processor.unsampled == 0
+
+
+async def test_ratio_zero_keeps_the_spans_of_a_retried_request_and_only_those(made: Made) -> None:
+    """p0 fails, p1 answers: a request that picked p0 first was retried and served; its failed
+    attempt's span is what the collector's forensics reads, so its children are kept."""
+    proxy, spans, _p, _d = made(0.0, p_mode="error500", healthy_p=True)
+    for _ in range(20):
+        assert (await proxy.send()).status == 200
+    exported = _exported(proxy, spans)
+    roots = [s for s in exported if s.name == sc.SPAN_REQUEST]
+    assert len(roots) == 20
+    children: dict[int, list[str]] = {}
+    for s in exported:
+        if s.parent is not None and s.name != sc.SPAN_REQUEST:
+            children.setdefault(s.context.trace_id, []).append(s.name)
+    retried = [r for r in roots if (r.attributes or {})[sc.RETRIES]]
+    assert retried, "no request picked the failing P first"
+    for root in roots:
+        attrs = root.attributes or {}
+        kept = children.get(root.context.trace_id, [])
+        if attrs[sc.RETRIES]:
+            assert attrs[sc.KEEP] == sc.KEEP_RETRIED and kept.count(sc.SPAN_PREFILL) == 2
+        else:
+            assert sc.KEEP not in attrs and kept == []
 
 
 async def test_ratio_zero_keeps_every_span_of_a_request_over_the_ttft_slo(made: Made) -> None:
