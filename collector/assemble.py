@@ -10,7 +10,15 @@ Which ``llm_request`` is P's and which is D's: its parent is the proxy's prefill
 span; failing that (a proxy that does not parent them), its ``service.name`` is the P or D
 instance's name; failing that, the one with one completion token (P runs ``max_tokens=1``)
 is P's. A record needs the proxy's root span (``pdscope.request``); without it
-``assemble`` returns ``None`` and the trace waits for the rest of its spans. Spans are
+``assemble`` returns ``None`` and the trace waits for the rest of its spans.
+
+The root alone is enough (under ``proxy.trace_sample_ratio`` an unsampled request exports
+only its root): it carries the outcome, instances, pools, retries, tokens, KV size and the
+stage timestamps (``pdscope.*_unix_nano``), each read when no child span gives it, so the
+record has the same columns as with its children. Only vLLM's ``llm_request`` spans give the
+in-vLLM durations (``p_queue_s`` .. ``d_decode_s``) and vLLM's request ids, and, for a
+stream without a usage event (the client did not ask ``stream_options.include_usage``),
+``completion_tokens`` and so ``tpot_s``. Spans are
 found by their name (``_Trace``), the last attempt of a stage by its ``pdscope.attempt``.
 The record is a ``collector.record.AssembledRecord``, its SLO verdict
 ``pdscope.slo.slo_verdict`` of its status and durations.
@@ -67,6 +75,12 @@ def _str(value: Any, length: int) -> str | None:
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
         return str(value)[:length]
     return None
+
+
+def _unix_ns(attrs: dict[str, Any], key: str) -> float | None:
+    """A stage timestamp the root carries (Unix ns) in Unix seconds, as a span's would be; or None."""
+    n = _int(attrs, key, _INT64)
+    return n / 1e9 if n is not None and n > 0 else None
 
 
 def _last_attempt(spans: Sequence[SpanData]) -> SpanData | None:
@@ -174,17 +188,21 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
     if not math.isfinite(proxy_in):
         return None
     done = root.end_ts if root.end_ts >= root.start_ts else None
-    p_sent = prefill.start_ts if prefill else None
+    p_sent = prefill.start_ts if prefill else _unix_ns(ra, sc.P_SENT_NS)
     p_done = prefill.end_ts if prefill else None
-    d_sent = decode.start_ts if decode else None
+    d_sent = decode.start_ts if decode else _unix_ns(ra, sc.D_SENT_NS)
     first_token = _event_ts(decode, sc.EVENT_FIRST_TOKEN) or _event_ts(root, sc.EVENT_FIRST_TOKEN)
     d_ttft = _vllm_num(d_llm, sc.GEN_AI_TTFT)
     if first_token is None and d_llm is not None and d_ttft is not None:
         first_token = d_llm.start_ts + d_ttft
     if first_token is None and handoff is not None and handoff.end_ts > handoff.start_ts:
         first_token = handoff.end_ts
+    if first_token is None:  # no child says: what the root carries (a record from the root alone)
+        first_token = _unix_ns(ra, sc.FIRST_TOKEN_NS)
     if p_done is None and handoff is not None:
         p_done = handoff.start_ts
+    if p_done is None:
+        p_done = _unix_ns(ra, sc.P_DONE_NS)
 
     outcome = ra.get(sc.OUTCOME)
     if not isinstance(outcome, str) or outcome not in sc.OUTCOMES:

@@ -591,6 +591,15 @@ class ProxySettings(_Frozen):
         description="emit and export OpenTelemetry spans and forward "
         "traceparent to P and D (off: no spans, nothing for the collector to assemble)",
     )
+    trace_sample_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="share of requests whose whole trace is kept (head sampling on the trace id, sent "
+        "on as the traceparent sampled flag so vLLM follows it; a caller's sampled traceparent is "
+        "always kept); every other request exports its root span only (its record is complete), "
+        "except a failed or retried one or one over slo.ttft.target_ms, whose proxy spans are kept",
+    )
     span_queue_max: int = Field(
         default=32768,
         ge=1,

@@ -10,6 +10,12 @@ A request's trace, as the proxy writes it::
     ├── pdscope.prefill     p_sent .. p_done     (one per attempt; vLLM P's llm_request is its child)
     ├── pdscope.handoff     p_done .. first token (D queue incl. the NIXL pull)
     └── pdscope.decode      d_sent .. done, event "first_token"  (D's llm_request is its child)
+
+The root also carries every stage timestamp the proxy knows (``*_unix_nano``: the same
+readings its children start or end at, so a record built from the root alone has the same
+stage columns), because under ``proxy.trace_sample_ratio`` below 1 an unsampled request
+exports its root only: its children are kept only when it failed or missed the TTFT SLO
+or was retried (``KEEP`` says why).
 """
 
 from __future__ import annotations
@@ -41,6 +47,18 @@ COMPLETION_TOKENS = "pdscope.completion_tokens"  # from D's usage, when D report
 ATTEMPT = "pdscope.attempt"  # on prefill/decode spans, 0-based
 INSTANCE = "pdscope.instance"  # on prefill/decode spans
 REMOTE_ENGINE_ID = "pdscope.remote_engine_id"
+# stage timestamps on the root, Unix nanoseconds (int): the last prefill attempt's start and end,
+# the last decode attempt's start, D's first token
+P_SENT_NS = "pdscope.p_sent_unix_nano"
+P_DONE_NS = "pdscope.p_done_unix_nano"
+D_SENT_NS = "pdscope.d_sent_unix_nano"
+FIRST_TOKEN_NS = "pdscope.first_token_unix_nano"
+SAMPLED = "pdscope.sampled"  # on the root: the head-sampling decision (the traceparent flag sent on)
+KEEP = "pdscope.keep"  # on an unsampled root whose children were kept anyway: see KEEP_REASONS
+KEEP_FAILED = "failed"  # outcome error or timeout
+KEEP_RETRIED = "retried"  # served, after a failed attempt (forensics reads the failed attempts' spans)
+KEEP_SLOW = "ttft_slo"  # the proxy's own TTFT over slo.ttft.target_ms
+KEEP_REASONS = (KEEP_FAILED, KEEP_RETRIED, KEEP_SLOW)
 HTTP_STATUS = "http.response.status_code"
 ERROR_TYPE = "error.type"
 

@@ -282,7 +282,10 @@ def build(
             otlp_endpoint(ps.otlp_endpoint, settings.collector_url), token_env=ps.otlp_token_env
         )
         provider, spans = make_provider(
-            exporter, max_queue=ps.span_queue_max, retry_max_s=ps.span_retry_max_s
+            exporter,
+            max_queue=ps.span_queue_max,
+            max_buffered=ps.span_queue_max,
+            retry_max_s=ps.span_retry_max_s,
         )
         tracer = provider.get_tracer("pdscope.proxy")
     else:

@@ -65,9 +65,18 @@ def upstream_error(stage: str, kind: str) -> ClientError:
     return client_error(502, f"{stage} failed ({kind})", "upstream_error", "error", "upstream_" + kind)
 
 
-def with_traceparent(base: Headers, span: trace.Span, tp_in: str | None) -> Headers:
-    tp = traceparent(span) or tp_in
+def with_traceparent(base: Headers, span: trace.Span, tp_in: str | None, sampled: bool) -> Headers:
+    """``base`` and the ``traceparent`` naming ``span`` (its flag: the head decision ``sampled``, so
+    vLLM traces what the proxy keeps); with tracing off, the caller's own ``tp_in``."""
+    tp = traceparent(span, sampled) or tp_in
     return [*base, ("traceparent", tp)] if tp else base
+
+
+def _end(span: trace.Span) -> int:
+    """End ``span`` now; the time it ended (Unix ns), which the root span carries too."""
+    t = time.time_ns()
+    span.end(end_time=t)
+    return t
 
 
 class Attempts:
@@ -123,13 +132,16 @@ class Attempts:
         while True:
             p = req.p
             assert p is not None
+            req.p_sent_ns, req.p_done_ns = time.time_ns(), None
             span = self.tracer.start_span(
                 sc.SPAN_PREFILL,
                 context=ctx,
                 kind=SpanKind.CLIENT,
                 attributes={sc.ATTEMPT: attempt, sc.INSTANCE: p.name},
+                start_time=req.p_sent_ns,
             )
-            answer, kind = await self._prefill_once(req, p, p_body, with_traceparent(base, span, tp_in), span)
+            headers = with_traceparent(base, span, tp_in, req.sampled)
+            answer, kind = await self._prefill_once(req, p, p_body, headers, span)
             if answer is not None:
                 return answer
             self.metrics.upstream_failures.labels(p.name, "prefill", kind).inc()
@@ -162,7 +174,7 @@ class Attempts:
                 req.prefill = answer
                 if answer.kv_blocks:
                     span.set_attribute(sc.KV_BLOCKS, answer.kv_blocks)
-                span.end()
+                req.p_done_ns = _end(span)
                 return answer, ""
             if 400 <= status < 500:
                 raise ClientError(status, raw, CLIENT_ERROR, content_type=ctype)  # the span ends below
@@ -177,12 +189,12 @@ class Attempts:
         except ProtocolError:
             kind = "bad_answer"
         except BaseException:
-            span.end()
+            req.p_done_ns = _end(span)
             raise
         finally:
             self.selector.release(p.name)
         span.set_attribute(sc.ERROR_TYPE, kind)
-        span.end()
+        req.p_done_ns = _end(span)
         return None, kind
 
     async def _call(
@@ -224,16 +236,17 @@ class Attempts:
             while True:
                 d = req.d
                 assert d is not None
+                req.d_sent_ns = time.time_ns()
                 span = self.tracer.start_span(
                     sc.SPAN_DECODE,
                     context=ctx,
                     kind=SpanKind.CLIENT,
                     attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
+                    start_time=req.d_sent_ns,
                 )
                 try:
-                    await self._decode_once(
-                        req, d, d_body, with_traceparent(base, span, tp_in), span, handoff, reply
-                    )
+                    headers = with_traceparent(base, span, tp_in, req.sampled)
+                    await self._decode_once(req, d, d_body, headers, span, handoff, reply)
                     return
                 except (ConnectFailed, DecodeRefused) as exc:
                     # D never saw the request, or refused it up front (vLLM's 503 comes before
@@ -284,7 +297,7 @@ class Attempts:
             # First token: the handoff is over.
             self.gate.drop_kv(req)
             req.stage = "decode"
-            t_first = time.time_ns()
+            t_first = req.first_token_ns = time.time_ns()
             span.add_event(sc.EVENT_FIRST_TOKEN, timestamp=t_first)
             handoff.end(end_time=t_first)
             now = self.clock()
@@ -405,6 +418,9 @@ class Attempts:
                     await reply.body(chunk, True)
         except (UpstreamError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
+        if watch.completion_tokens is not None:  # D's usage event: the root carries it
+            req.completion_tokens = watch.completion_tokens
+            span.set_attribute(sc.COMPLETION_TOKENS, watch.completion_tokens)
         if kind is None and watch.error is not None:
             kind = "stream_error"  # D's own error event, already forwarded
         elif kind is None and not watch.done:

@@ -37,7 +37,7 @@ from proxy.protocol import ProtocolError
 from proxy.request import ClientError, FlowSettings, Gone, NeedsPrefill, Reply, RequestState, client_error
 from proxy.routing import RoutingState
 from proxy.selection import RetryBudget, Selector
-from proxy.tracing import parse_traceparent
+from proxy.tracing import head_sampled, parent_sampled, parse_traceparent
 from proxy.upstream import UpstreamClient
 from proxy.validate import InvalidRequest, check_body
 
@@ -81,7 +81,16 @@ class Flow:
         self.budget.on_request()
         incoming = headers.get(b"traceparent")
         tp_in = incoming.decode("latin-1") if incoming else None
-        root = self.tracer.start_span(sc.SPAN_REQUEST, context=parse_traceparent(tp_in), kind=SpanKind.SERVER)
+        parent = parse_traceparent(tp_in)
+        req.started_ns = time.time_ns()
+        root = self.tracer.start_span(
+            sc.SPAN_REQUEST, context=parent, kind=SpanKind.SERVER, start_time=req.started_ns
+        )
+        req.sampled = head_sampled(
+            root.get_span_context().trace_id, self.fs.trace_sample_ratio, parent_sampled(parent)
+        )
+        if root.is_recording():
+            root.set_attribute(sc.SAMPLED, req.sampled)  # before any child ends: the processor reads it
         ctx = trace.set_span_in_context(root)
         auth = headers.get(b"authorization")
         base_headers = [("X-Request-Id", req.rid)]
@@ -145,10 +154,39 @@ class Flow:
                     attrs[sc.REMOTE_ENGINE_ID] = req.prefill.remote_engine_id
             if req.completion_tokens is not None:
                 attrs[sc.COMPLETION_TOKENS] = req.completion_tokens
+            for key, ns in (
+                (sc.P_SENT_NS, req.p_sent_ns),
+                (sc.P_DONE_NS, req.p_done_ns),
+                (sc.D_SENT_NS, req.d_sent_ns),
+                (sc.FIRST_TOKEN_NS, req.first_token_ns),
+            ):
+                if ns is not None:
+                    attrs[key] = ns
+            done_ns = time.time_ns()
+            keep = None if req.sampled else self._keep_reason(req, done_ns)
+            if keep is not None:
+                attrs[sc.KEEP] = keep
             root.set_attributes(attrs)
             if req.outcome not in ("ok", CLIENT_ERROR):  # a client's 4xx is not a server error
                 root.set_status(Status(StatusCode.ERROR, req.outcome))
-        root.end()
+            root.end(end_time=done_ns)
+        else:
+            root.end()
+
+    def _keep_reason(self, req: RequestState, done_ns: int) -> str | None:
+        """Why an unsampled request's child spans are kept anyway, or None: it failed, an attempt of
+        it failed (it was retried: the collector's forensics reads the failed attempts' spans), or the
+        proxy saw it miss the TTFT SLO (its first token late, or none by the time it ended; a client's
+        own mistake excepted)."""
+        if req.outcome in ("error", "timeout"):
+            return sc.KEEP_FAILED
+        if req.retries:
+            return sc.KEEP_RETRIED
+        target = self.fs.ttft_slo_s
+        if target is None or req.outcome == CLIENT_ERROR:
+            return None
+        until = req.first_token_ns if req.first_token_ns is not None else done_ns
+        return sc.KEEP_SLOW if (until - req.started_ns) / 1e9 > target else None
 
     # -- admission ----------------------------------------------------------------------
 

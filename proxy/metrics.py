@@ -213,7 +213,14 @@ class _LiveCollector(Collector):
                 (
                     "pdscope_proxy_spans_dropped",
                     spans.dropped,
-                    "Spans lost because the queue was full (or still queued at shutdown).",
+                    "Spans lost because the queue or the buffer of unsampled traces' children was "
+                    "full (or still there at shutdown).",
+                ),
+                (
+                    "pdscope_proxy_spans_unsampled",
+                    spans.unsampled,
+                    "Child spans not exported by sampling (proxy.trace_sample_ratio): their trace was "
+                    "not sampled, did not fail and met the TTFT SLO.",
                 ),
                 ("pdscope_proxy_spans_exported", spans.exported, "Spans the collector accepted."),
                 (

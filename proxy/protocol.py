@@ -117,7 +117,7 @@ def parse_prefill_answer(raw: bytes) -> PrefillAnswer:
 
 
 def completion_tokens(raw: bytes) -> int | None:
-    """``usage.completion_tokens`` of a non-streamed answer, if it has one."""
+    """``usage.completion_tokens`` of a non-streamed answer (or of one streamed event), if it has one."""
     try:
         answer = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -182,7 +182,7 @@ class SseWatch:
     counts as a data event when it completes.
     """
 
-    __slots__ = ("_carry", "_skipping", "done", "error", "events", "max_line")
+    __slots__ = ("_carry", "_skipping", "completion_tokens", "done", "error", "events", "max_line")
 
     def __init__(self, max_line: int = 1 << 20) -> None:
         self.max_line = max_line
@@ -191,6 +191,9 @@ class SseWatch:
         self.events = 0  # data events that are neither an error, [DONE] nor the preamble
         self.error: bytes | None = None  # the first in-band error's payload
         self.done = False
+        # usage.completion_tokens of the last event that had one (the client asked for
+        # stream_options.include_usage); None when the stream carried no usage
+        self.completion_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
         data = self._carry + chunk if self._carry else chunk
@@ -218,3 +221,7 @@ class SseWatch:
                 self.error = payload
         elif not (self.events == 0 and is_preamble_event(payload)):
             self.events += 1
+            if b'"completion_tokens"' in payload:  # only the usage events are parsed
+                tokens = completion_tokens(payload)
+                if tokens is not None:
+                    self.completion_tokens = tokens

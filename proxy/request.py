@@ -32,6 +32,8 @@ class FlowSettings:
     max_decode_attempts: int = 3
     max_full_retries: int = 1
     max_model_len: int | None = None
+    trace_sample_ratio: float = 1.0
+    ttft_slo_s: float | None = None  # slo.ttft.target_ms in seconds: an unsampled trace over it is kept
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -45,6 +47,8 @@ class FlowSettings:
             retry_after_s=a.retry_after_s,
             default_limits=PoolLimits(a.max_inflight_requests, a.max_inflight_kv_bytes),
             max_model_len=s.proxy.max_model_len,
+            trace_sample_ratio=s.proxy.trace_sample_ratio,
+            ttft_slo_s=s.slo.ttft.target_ms / 1000.0,
         )
 
 
@@ -108,17 +112,23 @@ class RequestState:
         "admitted",
         "completion_tokens",
         "d",
+        "d_sent_ns",
         "d_slot",
         "endpoint",
+        "first_token_ns",
         "kv_held",
         "outcome",
         "p",
+        "p_done_ns",
+        "p_sent_ns",
         "p_slot",
         "prefill",
         "retries",
         "rid",
+        "sampled",
         "stage",
         "started",
+        "started_ns",
         "stream",
     )
 
@@ -138,6 +148,13 @@ class RequestState:
         self.completion_tokens: int | None = None
         self.started = 0.0
         self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
+        # the trace: the head-sampling decision and the stage timestamps (Unix ns) the root carries
+        self.sampled = True
+        self.started_ns = 0
+        self.p_sent_ns: int | None = None
+        self.p_done_ns: int | None = None
+        self.d_sent_ns: int | None = None
+        self.first_token_ns: int | None = None
 
 
 def client_error(

@@ -10,6 +10,15 @@ restart or deploy loses nothing short of the queue filling up. What is lost is c
 :attr:`~BoundedSpanProcessor.rejected` (batches the collector refused for good, e.g. 400
 or 401). A failing collector is logged when it starts failing and when it recovers.
 
+Sampling (``proxy.trace_sample_ratio``): every span is recorded (the provider samples
+``ALWAYS_ON``), and the head decision (:func:`head_sampled`, on the trace id) is the root's
+``pdscope.sampled`` attribute and the flag of the ``traceparent`` sent to P and D. The
+processor holds the children of an unsampled root until the root ends; then it exports them
+with the root when the root says to keep them (``pdscope.keep``: failed, retried, or over
+the TTFT SLO), and otherwise exports the root alone (counted in :attr:`~BoundedSpanProcessor.unsampled`).
+What it holds is bounded (``max_buffered`` spans: the oldest trace's are dropped and counted
+in ``dropped`` and ``buffer_dropped``).
+
 Must not: log per span, raise into the request path, or wait on the network from the
 event loop.
 """
@@ -29,6 +38,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from pdscope import semconv
@@ -37,6 +47,23 @@ from proxy.spanexport import OtlpHttpExporter, Sent
 log = logging.getLogger(__name__)
 
 _SHUTDOWN_DRAIN_S = 5.0  # at shutdown, queued spans get this long to leave
+_ID_SPACE = 2**64  # head sampling compares a trace id's low 64 bits, as OTel's TraceIdRatioBased does
+
+
+def head_sampled(trace_id: int, ratio: float, parent_sampled: bool = False) -> bool:
+    """Whether a request's whole trace is kept: always when its caller's ``traceparent`` said
+    sampled, else for the share ``ratio`` of trace ids (the same id decides the same way on
+    every proxy)."""
+    if parent_sampled or ratio >= 1.0:
+        return True
+    if ratio <= 0.0:
+        return False
+    return (trace_id & (_ID_SPACE - 1)) < round(ratio * _ID_SPACE)
+
+
+def _keep_children(root: ReadableSpan) -> bool:
+    attrs = root.attributes or {}
+    return attrs.get(semconv.SAMPLED) is not False or bool(attrs.get(semconv.KEEP))
 
 
 class Backoff:
@@ -83,6 +110,7 @@ class BoundedSpanProcessor(SpanProcessor):
         *,
         max_queue: int = 8192,
         max_batch: int = 512,
+        max_buffered: int = 8192,
         interval_s: float = 1.0,
         retry_base_s: float = 0.2,
         retry_max_s: float = 5.0,
@@ -101,6 +129,15 @@ class BoundedSpanProcessor(SpanProcessor):
         self.failed = 0  # spans in failed tries (a span retried twice counts twice)
         self.rejected = 0  # spans in batches the collector refused for good
         self.retries = 0  # tries of a held batch
+        # children of unsampled roots, held until the root ends (event loop only)
+        self._roots: dict[tuple[int, int], Span] = {}  # local roots that have not ended
+        self._buffered: collections.OrderedDict[tuple[int, int], list[ReadableSpan]] = (
+            collections.OrderedDict()
+        )
+        self._buffered_n = 0
+        self.max_buffered = max_buffered
+        self.unsampled = 0  # children not exported: their trace was not sampled, failed nor slow
+        self.buffer_dropped = 0  # held children dropped because the buffer was full (also in dropped)
         self.failing = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -114,10 +151,53 @@ class BoundedSpanProcessor(SpanProcessor):
         """Spans waiting to leave (the queue and the batch being retried)."""
         return len(self._queue) + len(self._held)
 
+    @property
+    def buffered(self) -> int:
+        """Children of unsampled roots held until their root ends."""
+        return self._buffered_n
+
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
+        parent = span.parent
+        if parent is None or parent.is_remote:  # a local root: its children may be held
+            ctx = span.get_span_context()
+            self._roots[(ctx.trace_id, ctx.span_id)] = span
 
     def on_end(self, span: ReadableSpan) -> None:
+        parent = span.parent
+        if parent is not None and not parent.is_remote:
+            key = (parent.trace_id, parent.span_id)
+            root = self._roots.get(key)
+            if root is not None and not _keep_children(root):
+                self._hold(key, span)
+                return
+        else:
+            ctx = span.get_span_context()
+            if ctx is not None:
+                key = (ctx.trace_id, ctx.span_id)
+                self._roots.pop(key, None)
+                held = self._buffered.pop(key, None)
+                if held:
+                    self._buffered_n -= len(held)
+                    if _keep_children(span):
+                        for child in held:
+                            self._enqueue(child)
+                    else:
+                        self.unsampled += len(held)
+        self._enqueue(span)
+
+    def _hold(self, key: tuple[int, int], span: ReadableSpan) -> None:
+        held = self._buffered.get(key)
+        if held is None:
+            held = self._buffered[key] = []
+        held.append(span)
+        self._buffered_n += 1
+        while self._buffered_n > self.max_buffered:  # drop the oldest trace's children, counted
+            _, old = self._buffered.popitem(last=False)
+            self._buffered_n -= len(old)
+            self.buffer_dropped += len(old)
+            self.dropped += len(old)
+
+    def _enqueue(self, span: ReadableSpan) -> None:
         queue = self._queue
         if len(queue) >= self._max_queue:
             self.dropped += 1  # the deque drops the oldest on append
@@ -196,9 +276,12 @@ class BoundedSpanProcessor(SpanProcessor):
         while self.queued and time.monotonic() < deadline:  # bounded: one try per batch, then stop
             if self._drain(retry=False) is not None:
                 break
-        self.dropped += self.queued  # still here at exit: lost, and counted
+        self.dropped += self.queued + self._buffered_n  # still here at exit: lost, and counted
         self._queue.clear()
         self._held = []
+        self._buffered.clear()
+        self._buffered_n = 0
+        self._roots.clear()
         self.exporter.shutdown()
 
 
@@ -211,7 +294,11 @@ def make_provider(
     exporter: SpanExporter, **kwargs: float | int
 ) -> tuple[TracerProvider, BoundedSpanProcessor]:
     """A TracerProvider for the proxy (service.name ``pdscope-proxy``) exporting to ``exporter``."""
-    provider = TracerProvider(resource=Resource.create({"service.name": semconv.SERVICE_PROXY}))
+    # ALWAYS_ON: every request's root is recorded and exported (its record needs it), whatever the
+    # caller's traceparent says; what else is exported is the processor's choice (sampling above).
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": semconv.SERVICE_PROXY}), sampler=ALWAYS_ON
+    )
     processor = BoundedSpanProcessor(exporter, **kwargs)  # type: ignore[arg-type]
     provider.add_span_processor(processor)
     return provider, processor
@@ -223,12 +310,21 @@ def otlp_exporter(endpoint: str, timeout_s: float = 2.0, token_env: str | None =
     return OtlpHttpExporter(endpoint, timeout_s=timeout_s, token=token or None)
 
 
-def traceparent(span: trace.Span) -> str | None:
-    """The W3C ``traceparent`` naming ``span`` as the parent, or None if it is invalid."""
+def traceparent(span: trace.Span, sampled: bool | None = None) -> str | None:
+    """The W3C ``traceparent`` naming ``span`` as the parent, or None if it is invalid; its
+    sampled flag is ``sampled`` (the head decision), or the span's own flags when None."""
     ctx = span.get_span_context()
     if not ctx.is_valid:
         return None
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    flags = int(ctx.trace_flags) if sampled is None else int(sampled)
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{flags:02x}"
+
+
+def parent_sampled(context: Context | None) -> bool:
+    """Whether the caller's ``traceparent`` (as :func:`parse_traceparent` read it) said sampled."""
+    if context is None:
+        return False
+    return trace.get_current_span(context).get_span_context().trace_flags.sampled
 
 
 def parse_traceparent(value: str | None) -> Context | None:

@@ -9,15 +9,15 @@ import pytest
 from sqlalchemy import func, select
 
 from collector.assemble import assemble
-from collector.otlp import SpanData, SpanEvent
-from collector.record import AssembledRecord
+from collector.otlp import SpanData, SpanEvent, decode_export
+from collector.record import ASSEMBLED_COLUMNS, AssembledRecord
 from collector.sink import EVENTS_KEY, StoreSink, read_events, stored_events
 from pdscope import semconv as sc
 from pdscope.config import LatencySLO, SLOSettings
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import RequestRecord, SpanRow
-from tests.collector.traces import request_spans
+from tests.collector.traces import request_spans, to_proto
 
 T0 = 1_800_000_000.0
 SLO = SLOSettings(ttft=LatencySLO(target_ms=600), tpot=LatencySLO(target_ms=150))
@@ -184,3 +184,77 @@ def test_a_record_reassembled_from_stored_spans_reads_their_events(store_url: st
     with sink.factory() as s:
         rec = s.scalars(select(RequestRecord)).one()
     assert rec.d_queue_s == 0.25 and rec.first_token == pytest.approx(T0 + 0.6)
+
+
+# -- a record from the root span alone (sampling: an unsampled request exports only its root) ---------
+
+# Only vLLM's llm_request spans give these; every other column the root carries too.
+FROM_VLLM_ONLY = frozenset({"p_queue_s", "p_prefill_s", "d_queue_s", "d_prefill_s", "d_decode_s"})
+# A stream without a usage event (no stream_options.include_usage, as request_spans' stream=True
+# models): its completion tokens (and so TPOT) are only D's vLLM span's.
+STREAM_FROM_VLLM_ONLY = frozenset({"completion_tokens", "tpot_s"})
+
+
+def _over_the_wire(spans: list[SpanData]) -> list[SpanData]:
+    """As the collector gets them: OTLP protobuf, timestamps in Unix ns."""
+    return decode_export(to_proto(spans), "application/x-protobuf").spans
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("with_vllm", [True, False])
+def test_the_root_alone_gives_the_same_record_for_every_column_it_carries(
+    stream: bool, with_vllm: bool
+) -> None:
+    spans = _over_the_wire(request_spans(t0=T0, request_id="ro", stream=stream, with_vllm=with_vllm))
+    full = _assembled(spans)
+    alone = _assembled([s for s in spans if s.name == sc.SPAN_REQUEST])
+    child_only = FROM_VLLM_ONLY | (STREAM_FROM_VLLM_ONLY if stream else frozenset())
+    for column in ASSEMBLED_COLUMNS:
+        if column == "attributes":
+            continue
+        if column in child_only and with_vllm:
+            assert getattr(alone, column) is None, column
+            continue
+        assert getattr(alone, column) == getattr(full, column), column
+    # every stage column is filled, from the root's own timestamps
+    assert (alone.p_sent, alone.p_done, alone.d_sent, alone.first_token) == (
+        full.p_sent,
+        full.p_done,
+        full.d_sent,
+        full.first_token,
+    )
+    assert alone.first_token == pytest.approx(T0 + 0.51) and alone.ttft_s == pytest.approx(0.51)
+    a, f = alone.attributes, full.attributes
+    assert (a.reject_reason, a.remote_engine_id) == (f.reject_reason, f.remote_engine_id)
+    assert a.spans == 1 and a.p_vllm is None and a.d_vllm is None  # vLLM's request ids: only its spans
+
+
+def test_children_are_preferred_over_the_roots_timestamps() -> None:
+    """A root whose stage timestamps disagree with its children: the children's win."""
+    spans = request_spans(t0=T0)
+    root = spans[0]
+    off = {k: root.attributes[k] + 5_000_000 for k in (sc.P_SENT_NS, sc.P_DONE_NS, sc.D_SENT_NS)}
+    spans[0] = dataclasses.replace(root, attributes={**root.attributes, **off, sc.FIRST_TOKEN_NS: 1})
+    v = _assembled(spans)
+    assert v.p_sent == pytest.approx(T0 + 0.01) and v.p_done == pytest.approx(T0 + 0.21)
+    assert v.d_sent == pytest.approx(T0 + 0.22) and v.first_token == pytest.approx(T0 + 0.51)
+    alone = _assembled(spans[:1])
+    assert alone.p_sent == pytest.approx(T0 + 0.015) and alone.first_token == pytest.approx(1e-9)
+
+
+@pytest.mark.parametrize("bad", ["soon", -1, 0, 2**63, float("nan"), True, {"ns": 1}])
+def test_a_bad_stage_timestamp_on_the_root_costs_only_itself(bad: object) -> None:
+    root = request_spans(t0=T0)[0]
+    v = _assembled([dataclasses.replace(root, attributes={**root.attributes, sc.P_SENT_NS: bad})])
+    assert v.p_sent is None and v.p_done == pytest.approx(T0 + 0.21)
+
+
+def test_a_rejected_request_from_its_root_alone() -> None:
+    root = request_spans(t0=T0)[0]
+    keep = (sc.REQUEST_ID, sc.ENDPOINT, sc.STREAM, sc.RETRIES)
+    attrs = {k: root.attributes[k] for k in keep}
+    attrs.update({sc.OUTCOME: "rejected", sc.HTTP_STATUS: 429, sc.REJECT_REASON: "max_inflight_requests"})
+    v = _assembled([dataclasses.replace(root, attributes=attrs, end_ts=T0 + 0.01, status_code=2)])
+    assert v.status == "rejected" and v.http_status == 429 and v.slo_met is False
+    assert v.attributes.reject_reason == "max_inflight_requests"
+    assert v.p_sent is None and v.first_token is None and v.ttft_s is None

@@ -13,9 +13,10 @@ from sqlalchemy import select
 
 from collector.service import CollectorService
 from pdscope.config import parse_config
+from pdscope.semconv import SERVICE_PROXY, SPAN_REQUEST
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
-from store.models import RequestRecord
+from store.models import RequestRecord, SpanRow
 from tests.support.sockets import free_ports
 from tests.support.waiting import async_wait_until
 
@@ -23,7 +24,10 @@ running_fleet = pytest.importorskip("simulator.testing").running_fleet
 pytestmark = pytest.mark.slow
 
 
-async def test_proxy_traces_become_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ratio", [1.0, 0.0])
+async def test_proxy_traces_become_records(tmp_path: Path, ratio: float) -> None:
+    """Every request gets its record; at ratio 0 from the proxy's root span alone (its children stay in
+    the proxy), with the same stage columns."""
     with running_fleet(n_prefill=1, n_decode=2, seed=3, latency_scale=0.05) as fleet:
         store_url = f"sqlite:///{tmp_path / 'e2e.db'}"
         upgrade(store_url)
@@ -31,7 +35,11 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
         cfg_text = fleet.config_yaml(
             store={"url": store_url},
             collector={"scrape_interval_s": 0.5, "scrape_timeout_s": 0.4},
-            proxy={"port": proxy_port, "controller_url": f"http://127.0.0.1:{ctl_port}"},
+            proxy={
+                "port": proxy_port,
+                "controller_url": f"http://127.0.0.1:{ctl_port}",
+                "trace_sample_ratio": ratio,
+            },
         )
         settings = parse_config(cfg_text)
         service = CollectorService(settings, port=0)
@@ -86,6 +94,8 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
             records = await async_wait_until(
                 f"{n} request records", stored, done=lambda rs: len(rs) >= n, every_s=0.1
             )
+            with factory() as s:
+                proxy_spans = list(s.scalars(select(SpanRow.name).where(SpanRow.service == SERVICE_PROXY)))
         finally:
             proxy.terminate()
             try:
@@ -108,3 +118,7 @@ async def test_proxy_traces_become_records(tmp_path: Path) -> None:
         assert rec.prompt_tokens is not None and rec.prompt_tokens > 0
     # D reports usage on whole responses; a stream carries it only when the client asks
     assert {r.completion_tokens for r in records if not r.stream} == {5}
+    if ratio == 0.0:  # the children never left the proxy: each record was built from its root alone
+        assert proxy_spans == [SPAN_REQUEST] * n
+    else:
+        assert proxy_spans.count(SPAN_REQUEST) == n and len(proxy_spans) > n

@@ -30,11 +30,14 @@ def request_spans(
     tokens: int = 11,
     with_vllm: bool = True,
     parent_vllm: bool = True,
+    stream: bool = True,
 ) -> list[SpanData]:
     """proxy root + admission + prefill + handoff + decode (+ P's and D's llm_request spans).
 
     Timeline (s after t0): prefill 0.01-0.21, handoff 0.21-0.51, decode 0.22-1.51, first token 0.51.
-    ``t0`` defaults to a minute ago (whole seconds), a time the receiver finds plausible.
+    ``t0`` defaults to a minute ago (whole seconds), a time the receiver finds plausible. The root
+    carries what the proxy's does: the stage timestamps (Unix ns, the children's own), P's prompt
+    tokens and, when not streamed, D's completion tokens (a stream here has no usage event).
     """
     if t0 is None:
         t0 = float(int(time.time()) - 60)
@@ -44,7 +47,7 @@ def request_spans(
     attrs = {
         sc.REQUEST_ID: rid,
         sc.ENDPOINT: "/v1/completions",
-        sc.STREAM: True,
+        sc.STREAM: stream,
         sc.P_INSTANCE: p,
         sc.D_INSTANCE: d,
         sc.P_POOL: "prefill",
@@ -54,7 +57,14 @@ def request_spans(
         sc.KV_BLOCKS: 4,
         sc.KV_BYTES: 123456,
         sc.HTTP_STATUS: 200,
+        sc.PROMPT_TOKENS: 100,
+        sc.P_SENT_NS: round((t0 + 0.01) * 1e9),
+        sc.P_DONE_NS: round((t0 + 0.21) * 1e9),
+        sc.D_SENT_NS: round((t0 + 0.22) * 1e9),
+        sc.FIRST_TOKEN_NS: round((t0 + 0.51) * 1e9),
     }
+    if not stream:
+        attrs[sc.COMPLETION_TOKENS] = tokens
 
     def span(
         sid: str,

@@ -175,6 +175,9 @@ class FakeVLLM:
                     return
                 if self.chunk_delay:
                     await asyncio.sleep(self.chunk_delay)  # the behaviour under test: a slow decode
+            if (body.get("stream_options") or {}).get("include_usage"):  # vLLM's usage event
+                usage = {"prompt_tokens": 3, "completion_tokens": len(text), "total_tokens": 3 + len(text)}
+                yield b"data: " + json.dumps({"id": rid, "choices": [], "usage": usage}).encode() + b"\n\n"
             if not self.no_done:
                 yield b"data: [DONE]\n\n"
             self.finished += 1

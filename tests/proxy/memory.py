@@ -28,6 +28,7 @@ from pdscope.config import Settings, parse_config
 from proxy.app import Parts, build
 from proxy.flow import Flow
 from proxy.request import Gone
+from proxy.tracing import BoundedSpanProcessor, make_provider
 from proxy.upstream import ConnectFailed, UpstreamTimeout
 from tests.proxy.fakes import FakeVLLM
 
@@ -192,6 +193,7 @@ class MemoryProxy:
     flow: Flow
     parts: Parts
     upstream: MemoryUpstream
+    processor: BoundedSpanProcessor | None = None  # with memory_flow(..., bounded=True)
 
     async def send(
         self,
@@ -211,14 +213,23 @@ class MemoryProxy:
 
 
 def memory_flow(
-    settings: Settings, instances: Iterable[MemVLLM], spans: InMemorySpanExporter | None = None
+    settings: Settings,
+    instances: Iterable[MemVLLM],
+    spans: InMemorySpanExporter | None = None,
+    bounded: bool = False,
 ) -> MemoryProxy:
     """The proxy's flow and parts from ``settings``, with its upstream calls going to ``instances``;
-    with ``spans`` every span ends up there as it ends (no tracing otherwise)."""
+    with ``spans`` every span ends up there as it ends (no tracing otherwise). ``bounded``: through
+    the proxy's own provider and processor instead (``proxy.tracing``: sampling applies; spans
+    arrive on ``processor.force_flush()``; shut it down at the end)."""
     parts = build(settings, poll=False).parts
     upstream = MemoryUpstream(instances)
     tracer: trace.Tracer = trace.NoOpTracer()
-    if spans is not None:
+    processor: BoundedSpanProcessor | None = None
+    if spans is not None and bounded:
+        provider, processor = make_provider(spans, interval_s=3600.0)
+        tracer = provider.get_tracer("tests.proxy.memory")
+    elif spans is not None:
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(spans))
         tracer = provider.get_tracer("tests.proxy.memory")
@@ -233,7 +244,7 @@ def memory_flow(
         tracer,
         parts.clock,
     )
-    return MemoryProxy(flow, parts, upstream)
+    return MemoryProxy(flow, parts, upstream, processor)
 
 
 def one_pool_each(

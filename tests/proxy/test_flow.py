@@ -26,7 +26,10 @@ def _sse_text(raw: str, chat: bool) -> str:
     out = []
     for line in raw.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
-            choice = json.loads(line[6:])["choices"][0]
+            choices = json.loads(line[6:])["choices"]
+            if not choices:  # the usage event (include_usage)
+                continue
+            choice = choices[0]
             out.append(choice["delta"]["content"] if chat else choice["text"])
     return "".join(out)
 

@@ -287,3 +287,15 @@ def test_the_role_preamble_is_not_a_token_but_a_role_chunk_with_content_is() -> 
         b'{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}'
     )
     assert not protocol.is_preamble_event(b'{"choices":[{"text":"role"}]}')
+
+
+def test_sse_watch_reads_completion_tokens_from_the_usage_event() -> None:
+    w = protocol.SseWatch()
+    w.feed(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 3, ')
+    assert w.completion_tokens is None
+    w.feed(b'"completion_tokens": 7}}\n\ndata: [DONE]\n\n')
+    assert w.completion_tokens == 7 and w.events == 2 and w.done
+    w = protocol.SseWatch()
+    w.feed(b'data: {"choices": [{"text": "\\"completion_tokens\\""}]}\n\n')  # in the text, no usage
+    w.feed(b'data: {"usage": {"completion_tokens": "many"}}\n\ndata: [DONE]\n\n')
+    assert w.completion_tokens is None and w.events == 2
