@@ -249,6 +249,10 @@ GAUGE_COLUMNS: tuple[str, ...] = tuple(c for s in SPECS if not s.counter for c i
 WINDOW_COUNTERS: tuple[str, ...] = tuple(c for s in SPECS if s.counter for c in s.window)
 WINDOW_GAUGES: tuple[str, ...] = tuple(c for s in SPECS if not s.counter for c in s.window)
 RESET_WATCH: tuple[str, ...] = tuple(c for s in SPECS for c in s.watch)
+# Every column of vLLM's NIXL families (the dashboard's KV-transfer reads)
+NIXL_COLUMNS: tuple[str, ...] = tuple(
+    c for s in SPECS if s.family.startswith(NIXL_PREFIX) for c in s.stored_columns
+)
 # A histogram by its column prefix ("ttft", "nixl_xfer_time"...): the families that have one.
 HISTOGRAM_BY_PREFIX: dict[str, str] = {
     s.column: s.family for s in SPECS if s.kind == "histogram" and s.column

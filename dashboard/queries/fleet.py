@@ -13,6 +13,7 @@ import pandas as pd
 from sqlalchemy import Engine, and_, func, or_, select
 
 from dashboard.queries.common import Window, fast_frame, frame
+from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import Decision, InstanceRow, Snapshot, WeightOverride
 
 # Columns the pages plot or difference; histograms are fetched only at the window edges.
@@ -32,16 +33,7 @@ SERIES_COLUMNS = (
     "ttft_count",
     "itl_sum",
     "itl_count",
-    "nixl_xfer_time_sum",
-    "nixl_xfer_time_count",
-    "nixl_post_time_sum",
-    "nixl_post_time_count",
-    "nixl_bytes_sum",
-    "nixl_bytes_count",
-    "nixl_descriptors_sum",
-    "nixl_descriptors_count",
-    "nixl_failed_transfers",
-    "nixl_kv_expired_reqs",
+    *NIXL_FAMILY_COLUMNS,
     "requests_stop",
     "requests_length",
     "requests_abort",

@@ -14,6 +14,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, or_, select
 
 from dashboard.queries.common import Window, frame
+from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import RequestRecord, Snapshot
 
 LIST_COLUMNS = (
@@ -40,16 +41,7 @@ NIXL_COLUMNS = (
     "num_running",
     "num_waiting",
     "kv_fetch_in_progress",
-    "nixl_xfer_time_sum",
-    "nixl_xfer_time_count",
-    "nixl_post_time_sum",
-    "nixl_post_time_count",
-    "nixl_bytes_sum",
-    "nixl_bytes_count",
-    "nixl_descriptors_sum",
-    "nixl_descriptors_count",
-    "nixl_failed_transfers",
-    "nixl_kv_expired_reqs",
+    *NIXL_FAMILY_COLUMNS,
 )
 
 
