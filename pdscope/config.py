@@ -407,6 +407,26 @@ class ControllerSettings(_Frozen):
         default=ProbeSettings(),
         description="how an instance at a low weight is tried again: a probe, not a ramp",
     )
+    proxy_ttl_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="a proxy not heard from (no routing poll) for this long is dead: it leaves "
+        "GET /v1/proxies' live set and its share of the pools' limits goes to the others",
+    )
+    proxy_share_floor: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="part of every pool's limits split equally among the live proxies (so an idle "
+        "one can still admit); the rest follows each proxy's share of the pool's recent demand",
+    )
+    proxy_share_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86400,
+        description="time constant of the smoothed per-proxy demand rate the shares follow",
+    )
     noise: NoiseSettings = Field(
         default=NoiseSettings(),
         description="what a cut needs to be evidence rather than noise (quiet when healthy)",
@@ -537,6 +557,23 @@ class AdaptiveLimitSettings(_Frozen):
 class ProxySettings(_Frozen):
     host: str = Field(default="127.0.0.1", description="address the client-facing API listens on")
     port: int = Field(default=8000, ge=1, le=65535, description="port of the client-facing API")
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$",
+        description="this proxy's id among the proxies in front of the fleet, sent on every routing "
+        "poll; the controller apportions each pool's limits among the live ids. Unique per "
+        "process. Unset: <hostname>:<port>",
+    )
+    expected_replicas: int = Field(
+        default=1,
+        ge=1,
+        le=10_000,
+        description="how many proxies normally run: with no share from the controller (never "
+        "reached, or unreachable past fail_static_s) this proxy admits the config's limits "
+        "divided by this, never the whole limit",
+    )
     controller_url: str | None = Field(
         default=None,
         description="where GET /v1/routing is polled; default http://<controller.host>:<controller.port>",
@@ -900,6 +937,21 @@ class Settings(_Frozen):
                     )
                 seen[inst.name] = (pool_name, i)
         return pools
+
+    @model_validator(mode="after")
+    def _proxy_ttl_spans_polls(self) -> Settings:
+        if self.controller.proxy_ttl_s < 2 * self.proxy.routing_poll_s:
+            raise PydanticCustomError(
+                "proxy_ttl",
+                "{message}",
+                {
+                    "message": f"controller.proxy_ttl_s ({self.controller.proxy_ttl_s:g}) must be at least "
+                    f"two routing polls (2 x proxy.routing_poll_s = {2 * self.proxy.routing_poll_s:g}): "
+                    "a live proxy would be counted dead between its polls",
+                    "loc": ("controller", "proxy_ttl_s"),
+                },
+            )
+        return self
 
     # -- lookups used by every service -------------------------------------------------
 
