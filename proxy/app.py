@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 import random
 import time
@@ -193,6 +194,7 @@ class ProxyApp:
             "routing": r.state,
             "version": r.view.version,
             "proxy_id": r.proxy_id,
+            "pid": os.getpid(),
             "share": None if share is None else {k: v.share for k, v in share.pools.items()},
             "live_proxies": None if share is None else share.live,
             "share_refused": r.share_refusal,
