@@ -454,7 +454,8 @@ def build() -> dict[str, Any]:
             ("sum(pdscope_controller_leader)", "leaders (1)"),
             ("count(pdscope_proxy_limit_share) or vector(0)", "proxies with a part"),
             (
-                'sum(increase(pdscope_controller_proxy_polls_total{outcome="duplicate_id"}[15m]))',
+                'sum(increase(pdscope_controller_proxy_polls_total{outcome="duplicate_id"}[15m]))'
+                " or vector(0)",
                 "duplicate ids",
             ),
         ],
