@@ -191,6 +191,12 @@ class ProxiesCollector(Collector):
             "Live proxies the pools' limits were split among at the last poll this replica answered.",
             value=self.proxies.live,
         )
+        yield CounterMetricFamily(
+            "pdscope_controller_proxies_departed",
+            "Proxies that left the live set (no routing poll within controller.proxy_ttl_s), as this "
+            "replica's polls saw it; their parts went to the others.",
+            value=self.proxies.departed,
+        )
 
 
 def make_registry(

@@ -108,6 +108,8 @@ class ProxyRegistry:
         self.ttl_s, self.floor, self.window_s = cs.proxy_ttl_s, cs.proxy_share_floor, cs.proxy_share_window_s
         self.polls: Counter[str] = Counter()
         self.live = 0  # live proxies at the last poll this replica answered
+        self.departed = 0  # proxies that left the live set (no poll within the ttl), seen here
+        self._live_ids: set[str] = set()
         self._lock = threading.Lock()
         self._pruned = 0.0
 
@@ -122,6 +124,7 @@ class ProxyRegistry:
         now = self.clock()
         pools = pool_totals(table, self.settings)
         share: ProxyShare | None = None
+        live_ids: dict[str, float] = {}
         with transaction(self.factory) as session:
             row = session.scalars(
                 select(ProxyMember).where(ProxyMember.id == report.id).with_for_update()
@@ -140,6 +143,7 @@ class ProxyRegistry:
                     if p.id != report.id
                 ]
                 rates = self._smooth(row, report, peers, now, pools)
+                live_ids = {p.id: p.last_seen for p in peers}
                 live_rates = {p.id: _rates(p) for p in peers}
                 live_rates[report.id] = rates
                 share = self._share(report.id, live_rates, pools)
@@ -158,11 +162,26 @@ class ProxyRegistry:
                 *other,
             )
             raise refused
-        with self._lock:
-            self.live = share.live
+        self._note_live({report.id, *live_ids}, now)
         if outcome != "ok":
             log.info("proxy %s: %s (%d live)", report.id, outcome, share.live)
         return share
+
+    def _note_live(self, live: set[str], now: float) -> None:
+        """Log and count the proxies that left the live set since this replica's last poll."""
+        with self._lock:
+            gone = self._live_ids - live
+            self._live_ids = live
+            self.live = len(live)
+            self.departed += len(gone)
+        for pid in sorted(gone):
+            log.warning(
+                "proxy %s has not polled for %.0f s (controller.proxy_ttl_s): its part of the limits goes "
+                "to the %d live one(s)",
+                pid,
+                self.ttl_s,
+                len(live),
+            )
 
     def _check_identity(self, row: ProxyMember | None, report: ProxyReport, now: float) -> str:
         if row is None:

@@ -104,6 +104,7 @@ def test_a_new_proxy_starts_at_its_peers_mean_and_a_dead_one_leaves(client: Test
     assert abs(parts(a) + parts(b) - LIMIT) <= 0.02 * LIMIT
     listing = {p["id"]: p["live"] for p in client.get("/v1/proxies").json()}
     assert listing == {"a:1": True, "b:1": True, "c:1": False}
+    assert "pdscope_controller_proxies_departed_total 1.0" in client.get("/metrics").text
 
 
 def test_the_etag_carries_the_part(client: TestClient, world: World) -> None:
