@@ -59,9 +59,12 @@ def create_app(
     registry: CollectorRegistry | None = None,
     notifier: Notifier | None = None,
     run_loop: bool = False,
+    proxy_tokens: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """The app. ``token`` is identity ``"api"``'s; ``tokens`` maps more identities to theirs.
-    With ``run_loop`` the reconcile loop runs for the app's lifetime."""
+    ``proxy_tokens`` (token -> proxy identity) authenticate proxy reports; None: read from the
+    environment (``controller.proxy_tokens_env``). With ``run_loop`` the reconcile loop runs for
+    the app's lifetime."""
     settings = reconciler.settings
     ids = dict(tokens or {})
     if token:
@@ -73,7 +76,11 @@ def create_app(
     )
     notif = notifier or NullNotifier()
     registry_of_proxies = ProxyRegistry(
-        reconciler.factory, settings, me=reconciler.leadership.holder, clock=reconciler.clock
+        reconciler.factory,
+        settings,
+        me=reconciler.leadership.holder,
+        tokens=settings.proxy_tokens() if proxy_tokens is None else proxy_tokens,
+        clock=reconciler.clock,
     )
     if registry is None:
         from controller.metrics import make_registry
@@ -105,6 +112,7 @@ def create_app(
     ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service), registry_of_proxies)
     for module in ROUTERS:
         app.include_router(module.router(ctx))
+    app.state.proxies = registry_of_proxies  # for tests and embedding
     return app
 
 

@@ -16,6 +16,7 @@ Rows of proxies not seen for an hour are deleted, at most once a minute.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -37,7 +38,16 @@ log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 3600.0
 PRUNE_EVERY_S = 60.0
-OUTCOMES = ("ok", "new", "restarted", "bad_report", "duplicate_id", "store_error")
+OUTCOMES = (
+    "ok",
+    "new",
+    "restarted",
+    "bad_report",
+    "unauthenticated",
+    "duplicate_id",
+    "over_limit",
+    "store_error",
+)
 
 
 class DuplicateProxy(Exception):
@@ -98,18 +108,23 @@ class ProxyRegistry:
         settings: Settings,
         *,
         me: str,
+        tokens: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.factory = factory
+        self.tokens = dict(tokens or {})  # token -> identity; empty: reports are not authenticated
         self.settings = settings
         self.me = me[:256]
         self.clock = clock
         cs = settings.controller
         self.ttl_s, self.floor, self.window_s = cs.proxy_ttl_s, cs.proxy_share_floor, cs.proxy_share_window_s
+        self.max_proxies = cs.max_proxies
+        self.tokens_env = cs.proxy_tokens_env
         self.polls: Counter[str] = Counter()
         self.live = 0  # live proxies at the last poll this replica answered
         self.departed = 0  # proxies that left the live set (no poll within the ttl), seen here
         self._live_ids: set[str] = set()
+        self._over_limit_warned = False
         self._lock = threading.Lock()
         self._pruned = 0.0
 
@@ -119,8 +134,24 @@ class ProxyRegistry:
 
     # -- a poll -------------------------------------------------------------------------
 
-    def poll(self, report: ProxyReport, table: RoutingTable) -> ProxyShare:
-        """Record ``report`` and return the proxy's part. Raises DuplicateProxy, StoreError."""
+    def authenticate(self, authorization: str | None) -> str | None:
+        """Why a report's credentials are refused, or None when they pass (or none are required)."""
+        if not self.tokens:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and token:
+            for known in self.tokens:
+                if hmac.compare_digest(known.encode(), token.strip().encode()):
+                    return None
+        self.count("unauthenticated")
+        return (
+            f"a routing poll that reports a proxy needs Authorization: Bearer <a token of "
+            f"${self.tokens_env}> (set proxy.controller_token_env's variable on the proxy)"
+        )
+
+    def poll(self, report: ProxyReport, table: RoutingTable) -> ProxyShare | None:
+        """Record ``report`` and return the proxy's part (None: a new id past ``max_proxies``, not
+        recorded). Raises DuplicateProxy, StoreError."""
         now = self.clock()
         pools = pool_totals(table, self.settings)
         share: ProxyShare | None = None
@@ -142,16 +173,15 @@ class ProxyRegistry:
                     )
                     if p.id != report.id
                 ]
-                rates = self._smooth(row, report, peers, now, pools)
-                live_ids = {p.id: p.last_seen for p in peers}
-                live_rates = {p.id: _rates(p) for p in peers}
-                live_rates[report.id] = rates
-                share = self._share(report.id, live_rates, pools)
-                self._write(session, row, report, now, rates, share, restarted=outcome == "restarted")
-                if now - self._pruned > PRUNE_EVERY_S:
-                    self._pruned = now
-                    session.execute(delete(ProxyMember).where(ProxyMember.last_seen < now - FORGET_AFTER_S))
+                if row is None and len(peers) >= self.max_proxies:
+                    outcome = "over_limit"
+                else:
+                    share = self._record(session, row, report, peers, now, pools, outcome)
+                    live_ids = {p.id: p.last_seen for p in peers}
         self.count(outcome)
+        if outcome == "over_limit":
+            self._warn_over_limit(report.id)
+            return None
         if share is None:
             log.warning(
                 "proxy id %r polled by two processes (boot %s started %.0f, and boot %s started %.0f): "
@@ -166,6 +196,38 @@ class ProxyRegistry:
         if outcome != "ok":
             log.info("proxy %s: %s (%d live)", report.id, outcome, share.live)
         return share
+
+    def _record(
+        self,
+        session: Session,
+        row: ProxyMember | None,
+        report: ProxyReport,
+        peers: list[ProxyMember],
+        now: float,
+        pools: Mapping[str, tuple[int, int]],
+        outcome: str,
+    ) -> ProxyShare:
+        rates = self._smooth(row, report, peers, now, pools)
+        live_rates = {p.id: _rates(p) for p in peers}
+        live_rates[report.id] = rates
+        share = self._share(report.id, live_rates, pools)
+        self._write(session, row, report, now, rates, share, restarted=outcome == "restarted")
+        if now - self._pruned > PRUNE_EVERY_S:
+            self._pruned = now
+            session.execute(delete(ProxyMember).where(ProxyMember.last_seen < now - FORGET_AFTER_S))
+        return share
+
+    def _warn_over_limit(self, pid: str) -> None:
+        with self._lock:
+            first = not self._over_limit_warned
+            self._over_limit_warned = True
+        if first:
+            log.warning(
+                "proxy %s is a new proxy past controller.max_proxies (%d live): it gets no part and "
+                "admits limit / proxy.expected_replicas (logged once; counted as over_limit)",
+                pid,
+                self.max_proxies,
+            )
 
     def _note_live(self, live: set[str], now: float) -> None:
         """Log and count the proxies that left the live set since this replica's last poll."""

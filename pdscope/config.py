@@ -422,6 +422,21 @@ class ControllerSettings(_Frozen):
         description="part of every pool's limits split equally among the live proxies (so an idle "
         "one can still admit); the rest follows each proxy's share of the pool's recent demand",
     )
+    proxy_tokens_env: str = Field(
+        default="PDSCOPE_PROXY_TOKENS",
+        min_length=1,
+        description="the NAME of an env variable holding name:token[,name:token...]: when it is set, a "
+        "routing poll that reports a proxy (and so claims a part of the limits) needs Authorization: "
+        "Bearer <one of them> (401 otherwise; a poll without a report stays open). Unset: any poll may "
+        "report, so keep the controller reachable by the proxies only",
+    )
+    max_proxies: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="most live proxies the limits are split among; a new id beyond them gets the table "
+        "without a part (it admits limit / proxy.expected_replicas) and is counted (over_limit)",
+    )
     proxy_share_window_s: float = Field(
         default=30.0,
         gt=0,
@@ -566,6 +581,12 @@ class ProxySettings(_Frozen):
         description="this proxy's id among the proxies in front of the fleet, sent on every routing "
         "poll; the controller apportions each pool's limits among the live ids. Unique per "
         "process. Unset: <hostname>:<port>",
+    )
+    controller_token_env: str = Field(
+        default="PDSCOPE_PROXY_TOKEN",
+        min_length=1,
+        description="env variable whose value the routing poll sends as Authorization: Bearer <value> "
+        "(needed when the controller sets controller.proxy_tokens_env; unset: no header)",
     )
     expected_replicas: int = Field(
         default=1,
@@ -977,6 +998,19 @@ class Settings(_Frozen):
             if inst.name == instance_name:
                 return pool_name
         return None
+
+    def proxy_tokens(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """token -> proxy identity, from ``$controller.proxy_tokens_env``; empty when unset (open).
+
+        Raises ConfigError naming the variable when an entry is not ``name:token``.
+        """
+        name = self.controller.proxy_tokens_env
+        raw = (os.environ if environ is None else environ).get(name, "")
+        try:
+            by_name = parse_named_tokens(raw, name)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from exc
+        return {token: who for who, token in by_name.items()}
 
     def api_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The controller API token, read from the variable named in the file."""

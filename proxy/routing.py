@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 import time
@@ -228,7 +229,8 @@ class RoutingState:
         return self.share
 
     def on_refused(self, detail: str, now: float) -> None:
-        """The controller refused this proxy's report (409: another process polls under its id)."""
+        """The controller refused this proxy's report (409: another process polls under its id; 401:
+        the controller requires a token this proxy did not send or that it does not know)."""
         if detail != self.share_refusal:
             log.error("routing: the controller refused this proxy's report: %s", detail)
         self.share_refusal = detail
@@ -295,7 +297,7 @@ async def poll_once(
     if resp.status_code == 304:
         state.on_not_modified(now())
         return True
-    if resp.status_code == 409 and report is not None:
+    if resp.status_code in (401, 409) and report is not None:
         state.on_refused(_detail(resp), now())
         return False
     if resp.status_code != 200:
@@ -342,7 +344,9 @@ async def poll_forever(
     at = 0
     quiet_httpx()
     timeout = httpx.Timeout(max(0.2, min(2.0, interval_s)))
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    token = os.environ.get(state.settings.proxy.controller_token_env, "").strip()
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=timeout, headers=auth) as client:
         while True:
             for i in range(len(urls)):
                 url = urls[(at + i) % len(urls)]

@@ -29,6 +29,7 @@ def router(ctx: ApiContext) -> APIRouter:
         summary="The routing table proxies apply (ETag = version and share; If-None-Match -> 304). "
         "A proxy sends its report as query parameters (proxy, boot, started, applied, demand, "
         "inflight) and gets its part of every pool's limits in `proxy`; 400 names a bad parameter, "
+        "401: a report without the token controller.proxy_tokens_env requires, "
         "409 refuses a second process under one proxy id",
     )
     def get_routing(request: Request, response: Response) -> Any:
@@ -42,6 +43,11 @@ def router(ctx: ApiContext) -> APIRouter:
             )
         share: ProxyShare | None = None
         if report is not None:
+            refusal = ctx.proxies.authenticate(request.headers.get("authorization"))
+            if refusal is not None:
+                return JSONResponse(
+                    status_code=401, content={"detail": refusal}, headers={"WWW-Authenticate": "Bearer"}
+                )
             try:
                 share = ctx.proxies.poll(report, table)
             except DuplicateProxy as exc:
@@ -50,7 +56,8 @@ def router(ctx: ApiContext) -> APIRouter:
                 ctx.proxies.count("store_error")
                 log.warning("proxy %s: its share not worked out (store: %s)", report.id, exc)
             else:
-                table = table.model_copy(update={"proxy": share})
+                if share is not None:
+                    table = table.model_copy(update={"proxy": share})
         etag = routing_etag(reconciler.epoch, table.version, share)
         inm = request.headers.get("if-none-match")
         if inm is not None:

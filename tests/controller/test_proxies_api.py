@@ -168,3 +168,31 @@ def test_a_store_failure_serves_the_table_without_a_part(client: TestClient, wor
         world.reconciler.factory.configure(bind=bind)
     assert r.status_code == 200 and r.json()["proxy"] is None
     assert 'outcome="store_error"} 1.0' in client.get("/metrics").text
+
+
+def test_with_proxy_tokens_a_report_needs_one(world: World) -> None:
+    world.step()
+    app = create_app(world.reconciler, token="t", notifier=world.notifier, proxy_tokens={"tok-1": "edge"})
+    with TestClient(app) as c:
+        assert c.get("/v1/routing").status_code == 200  # a poll without a report stays open
+        r = poll(c, "a:1")
+        assert r.status_code == 401 and "PDSCOPE_PROXY_TOKENS" in r.json()["detail"]
+        assert poll(c, "a:1", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/proxies").json() == []  # nothing recorded
+        ok = poll(c, "a:1", headers={"Authorization": "Bearer tok-1"})
+        assert ok.status_code == 200 and parts(ok.json()) == LIMIT
+        assert 'outcome="unauthenticated"} 2.0' in c.get("/metrics").text
+
+
+def test_a_new_proxy_past_max_proxies_gets_no_part(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.step()
+    app = create_app(world.reconciler, token="t", notifier=world.notifier)
+    with TestClient(app) as c:
+        registry = app.state.proxies
+        monkeypatch.setattr(registry, "max_proxies", 2)
+        assert parts(poll(c, "a:1").json()) and parts(poll(c, "b:1").json())
+        third = poll(c, "c:1")
+        assert third.status_code == 200 and third.json()["proxy"] is None
+        assert {p["id"] for p in c.get("/v1/proxies").json()} == {"a:1", "b:1"}
+        assert 'outcome="over_limit"} 1.0' in c.get("/metrics").text
+        assert poll(c, "a:1").json()["proxy"]["live"] == 2

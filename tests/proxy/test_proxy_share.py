@@ -101,7 +101,10 @@ def test_a_refused_report_is_logged_once_and_counts_as_a_failed_poll(
     assert [r.levelname for r in caplog.records if "refused" in r.getMessage()] == ["ERROR"]
 
 
-async def test_the_poller_reports_itself_and_fails_over_to_the_next_controller() -> None:
+async def test_the_poller_reports_itself_and_fails_over_to_the_next_controller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDSCOPE_PROXY_TOKEN", "tok-1")
     ctl = FakeController(table(ROWS))
     async with serve(ctl.app()) as url:
         state = _state(controller_urls=[closed_port_url(), url])
@@ -122,6 +125,7 @@ async def test_the_poller_reports_itself_and_fails_over_to_the_next_controller()
     assert q["proxy"] == ["me:1"] and q["boot"] == [state.boot]
     assert q["demand"] == ["decode:7,prefill:7"] and q["inflight"] == ["decode:2"]
     assert q["applied"] == ["1"]
+    assert ctl.requests[-1].headers["authorization"] == "Bearer tok-1"  # proxy.controller_token_env
 
 
 async def test_two_proxies_against_a_real_controller_split_the_limit_and_count_demand(tmp_path: Path) -> None:
