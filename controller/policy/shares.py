@@ -58,7 +58,7 @@ def split(rates: Mapping[str, float], floor: float) -> dict[str, float]:
     total = sum(max(0.0, r) for r in rates.values())
     if total <= 0.0:
         return {p: 1.0 / n for p in rates}
-    return {p: floor / n + (1.0 - floor) * max(0.0, r) / total for p, r in rates.items()}
+    return {p: floor / n + (1.0 - floor) * (max(0.0, r) / total) for p, r in rates.items()}
 
 
 def apportion(limit: int, shares: Mapping[str, float]) -> dict[str, int]:
