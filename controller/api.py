@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, history, ops, overrides, routing
+from controller.endpoints import alerts, history, ops, overrides, proxies, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.guard import RequestGuard
@@ -36,11 +36,19 @@ from controller.leader import NotLeader
 from controller.loop import Reconciler
 from controller.notify import Notifier, NullNotifier
 from controller.overrides import NothingToClear, OverridesService, UnknownSubject
+from controller.proxies import ProxyRegistry
 from store.db import StoreError
 
 log = logging.getLogger(__name__)
 
-ROUTERS = (routing, history, alerts, ops, overrides)  # reads first, as the OpenAPI document lists them
+ROUTERS = (
+    routing,
+    proxies,
+    history,
+    alerts,
+    ops,
+    overrides,
+)  # reads first, as the OpenAPI document lists them
 
 
 def create_app(
@@ -64,10 +72,13 @@ def create_app(
         f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})",
     )
     notif = notifier or NullNotifier()
+    registry_of_proxies = ProxyRegistry(
+        reconciler.factory, settings, me=reconciler.leadership.holder, clock=reconciler.clock
+    )
     if registry is None:
         from controller.metrics import make_registry
 
-        registry = make_registry(reconciler, notif)
+        registry = make_registry(reconciler, notif, registry_of_proxies)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,7 +102,7 @@ def create_app(
     app.add_middleware(RequestGuard, auth=authn, max_body_bytes=settings.controller.max_body_bytes)
     _translate_errors(app)
     service = OverridesService(reconciler)
-    ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service))
+    ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service), registry_of_proxies)
     for module in ROUTERS:
         app.include_router(module.router(ctx))
     return app

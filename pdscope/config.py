@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pdscope.routing import PROXY_ID_PATTERN
 from pdscope.routing import Role as Role
 from pdscope.simconfig import SimulatorConfig  # the one definition, with the routing contract
 
@@ -561,7 +562,7 @@ class ProxySettings(_Frozen):
         default=None,
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$",
+        pattern=PROXY_ID_PATTERN,
         description="this proxy's id among the proxies in front of the fleet, sent on every routing "
         "poll; the controller apportions each pool's limits among the live ids. Unique per "
         "process. Unset: <hostname>:<port>",
@@ -577,6 +578,15 @@ class ProxySettings(_Frozen):
     controller_url: str | None = Field(
         default=None,
         description="where GET /v1/routing is polled; default http://<controller.host>:<controller.port>",
+    )
+    controller_urls: (
+        list[Annotated[str, Field(min_length=8, max_length=512, pattern=r"^https?://")]] | None
+    ) = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="several controller replicas to poll GET /v1/routing from (every replica serves it): "
+        "the one that last answered first, the next on a failure; overrides controller_url",
     )
     routing_poll_s: float = Field(
         default=1.0, gt=0, description="seconds between polls of the routing table (with If-None-Match)"
@@ -977,6 +987,11 @@ class Settings(_Frozen):
     @property
     def controller_url(self) -> str:
         return self.proxy.controller_url or f"http://{self.controller.host}:{self.controller.port}"
+
+    @property
+    def controller_urls(self) -> list[str]:
+        """Where the proxy polls the routing table, in the order it tries them."""
+        return list(self.proxy.controller_urls or [self.controller_url])
 
     @property
     def collector_url(self) -> str:
