@@ -258,7 +258,7 @@ def test_k8s_pdscope_config_points_at_pods_and_services_that_exist() -> None:
     settings = parse_config(_configmaps(docs)["pdscope-config"]["pdscope.yaml"], "pdscope-config")
     names = _dns_names(docs)
     urls = [inst.url for _, inst in settings.instances()]
-    urls += [settings.controller_url, settings.proxy.otlp_endpoint or ""]
+    urls += [settings.controller_url, *settings.controller_urls, settings.proxy.otlp_endpoint or ""]
     for url in urls:
         assert urlparse(url).hostname in names, url
     assert urlparse(settings.store.url).hostname in names
@@ -471,7 +471,8 @@ def test_compose_pdscope_config_points_at_compose_services() -> None:
     names = set(services) | set(_compose_aliases(services))
     settings = _compose_settings()
     urls = [inst.url for _, inst in settings.instances()]
-    urls += [settings.controller_url, settings.proxy.otlp_endpoint or "", settings.store.url]
+    urls += [settings.controller_url, *settings.controller_urls, settings.proxy.otlp_endpoint or ""]
+    urls.append(settings.store.url)
     for url in urls:
         assert urlparse(url).hostname in names, url
     # and each pdscope instance name is the vLLM service that serves it
@@ -558,10 +559,23 @@ def test_k8s_disruption_budgets_keep_all_but_one_replica() -> None:
         assert replicas >= 2  # a budget of one unavailable over one replica would block every drain
 
 
+def _workers(args: list[str]) -> int:
+    """`pdscope proxy --workers N` runs N proxies in one container (default 1)."""
+    for i, arg in enumerate(args):
+        if arg == "--workers":
+            return int(args[i + 1])
+        if arg.startswith("--workers="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
 def test_k8s_proxy_expected_replicas_is_the_proxy_deployments_replicas() -> None:
+    """proxy.expected_replicas counts proxy processes: pods x workers."""
     docs = _k8s_docs()
     proxy = _deployments(docs)["pdscope-proxy"]
-    assert _k8s_settings(docs).proxy.expected_replicas == proxy["spec"]["replicas"]
+    (c,) = _pod_spec(proxy)["containers"]
+    processes = proxy["spec"]["replicas"] * _workers(c["args"])
+    assert _k8s_settings(docs).proxy.expected_replicas == processes
 
 
 def _pdscope_configs() -> Iterator[tuple[str, str]]:
@@ -784,9 +798,14 @@ def test_compose_runs_3_proxies_2_controllers_and_2_collectors() -> None:
     aliases = _compose_aliases(services)
     settings = _compose_settings()
     assert aliases[urlparse(settings.controller_url).hostname or ""] == set(by_command["control"])
+    # the proxies fail over between every controller replica
+    assert {urlparse(u).hostname for u in settings.controller_urls} == set(by_command["control"])
+    assert {urlparse(u).port for u in settings.controller_urls} == {settings.controller.port}
     otlp = urlparse(settings.proxy.otlp_endpoint or "").hostname or ""
     assert aliases[otlp] == set(by_command["collect"])
-    assert settings.proxy.expected_replicas == len(by_command["proxy"])
+    assert settings.proxy.expected_replicas == sum(
+        _workers(services[n]["command"]) for n in by_command["proxy"]
+    )
 
 
 def _haproxy_servers() -> list[tuple[str, int]]:
