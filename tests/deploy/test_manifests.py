@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -662,6 +663,85 @@ def _collector_paths() -> set[str]:
 def _proxy_paths() -> set[str]:
     source = (REPO / "proxy" / "app.py").read_text()
     return set(re.findall(r'path == "(/[a-z]+)" and method == "GET"', source))
+
+
+def _start_controller(config: dict[str, Any], path: Path, log: Path) -> subprocess.Popen[bytes]:
+    path.write_text(yaml.safe_dump(config))
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdscope.cli", "--config", str(path), "control"],
+            cwd=REPO,
+            env={**os.environ, "PDSCOPE_API_TOKEN": "probe-test-token"},
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+
+
+@pytest.mark.pg
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_k8s_controller_probes_keep_the_leader_and_the_standby_ready(
+    pg_database: str, tmp_path: Path
+) -> None:
+    """The shipped config on two `pdscope control` processes and one PostgreSQL store, probed the
+    way the Deployment probes them: both Ready (the standby serves reads), both live, and a change
+    sent to the standby is the 409 naming the leader that docs/deploy.md tells SREs to follow."""
+    import httpx
+    import psycopg
+
+    from tests.support.sockets import free_port
+    from tests.support.waiting import wait_until
+
+    with psycopg.connect(pg_database, autocommit=True) as conn:  # a store of its own
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    docs = _k8s_docs()
+    (c,) = _pod_spec(_deployments(docs)["pdscope-controller"])["containers"]
+    probes = {kind: c[kind]["httpGet"]["path"] for kind in ("readinessProbe", "livenessProbe")}
+    shipped = yaml.safe_load(_configmaps(docs)["pdscope-config"]["pdscope.yaml"])
+    ports = [free_port(), free_port()]
+    procs = []
+    for i, port in enumerate(ports):
+        config = copy.deepcopy(shipped)
+        config["store"]["url"] = pg_database
+        config["controller"] |= {"host": "127.0.0.1", "port": port}
+        procs.append(_start_controller(config, tmp_path / f"c{i}.yaml", tmp_path / f"c{i}.log"))
+    try:
+
+        def health() -> list[dict[str, Any]]:
+            return [httpx.get(f"http://127.0.0.1:{p}/healthz", timeout=2).json() for p in ports]
+
+        roles = wait_until(
+            "one leader and one standby",
+            health,
+            done=lambda hs: sorted(h.get("role", "") for h in hs) == ["leader", "standby"],
+            timeout_s=90,
+            every_s=0.3,
+            ignore=(httpx.HTTPError, ValueError),
+        )
+        for port in ports:
+            for kind, path in probes.items():
+                r = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+                assert r.status_code == 200, (kind, port, r.text)
+        leader = next(i for i, h in enumerate(roles) if h["role"] == "leader")
+        standby = ports[1 - leader]
+        r = httpx.post(
+            f"http://127.0.0.1:{standby}/v1/instances/vllm-decode-0/drain",
+            json={"reason": "probe test"},
+            headers={"Authorization": "Bearer probe-test-token"},
+            timeout=5,
+        )
+        assert r.status_code == 409, r.text
+        assert r.json()["leader"]["holder"].endswith(f":{ports[leader]} (pid {procs[leader].pid})")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def test_k8s_controller_mutations_have_a_way_to_the_leader() -> None:
