@@ -24,15 +24,16 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
 from controller.endpoints import alerts, history, ops, overrides, proxies, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
+from controller.forward import Forwarder
 from controller.guard import RequestGuard
-from controller.leader import NotLeader
+from controller.leader import NotLeader, leader_url
 from controller.loop import Reconciler
 from controller.notify import Notifier, NullNotifier
 from controller.overrides import NothingToClear, OverridesService, UnknownSubject
@@ -107,7 +108,11 @@ def create_app(
         lifespan=lifespan,
     )
     app.add_middleware(RequestGuard, auth=authn, max_body_bytes=settings.controller.max_body_bytes)
-    _translate_errors(app)
+    forwarder = None
+    if settings.controller.forward_changes:
+        forwarder = Forwarder(leader_url(reconciler.leadership.holder))
+        registry.register(forwarder)
+    _translate_errors(app, forwarder)
     service = OverridesService(reconciler)
     ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service), registry_of_proxies)
     for module in ROUTERS:
@@ -116,7 +121,7 @@ def create_app(
     return app
 
 
-def _translate_errors(app: FastAPI) -> None:
+def _translate_errors(app: FastAPI, forwarder: Forwarder | None = None) -> None:
     """Errors become answers here, at the boundary: 422 naming the field, 404, 409 (nothing to clear;
     a standby, naming the leader), 503."""
 
@@ -147,9 +152,18 @@ def _translate_errors(app: FastAPI) -> None:
         return JSONResponse(status_code=409, content={"detail": exc.detail})
 
     @app.exception_handler(NotLeader)
-    async def _standby(request: Request, exc: NotLeader) -> JSONResponse:
-        leader = None if exc.leader is None or not exc.leader.holder else exc.leader.as_dict()
-        return JSONResponse(status_code=409, content={"detail": exc.detail, "leader": leader})
+    async def _standby(request: Request, exc: NotLeader) -> Response:
+        known = None if exc.leader is None or not exc.leader.holder else exc.leader
+        detail = exc.detail
+        target = None if known is None else leader_url(known.holder)
+        if forwarder is not None and forwarder.wanted(request, target):
+            assert target is not None
+            answer = await forwarder.forward(request, target)
+            if isinstance(answer, Response):
+                return answer
+            detail = f"{detail} ({answer})"
+        leader = None if known is None else {**known.as_dict(), "url": target}
+        return JSONResponse(status_code=409, content={"detail": detail, "leader": leader})
 
     @app.exception_handler(StoreError)
     async def _store_down(request: Request, exc: StoreError) -> JSONResponse:

@@ -89,11 +89,12 @@ def run(args: argparse.Namespace) -> int:
 def serve(
     settings: Settings, token: str | None, *, migrate: bool = True, tokens: dict[str, str] | None = None
 ) -> int:
-    from controller.leader import LeadershipError, default_holder, lease_for, open_leadership
+    from controller.leader import LeadershipError, advertise_url, default_holder, lease_for, open_leadership
 
     c = settings.controller
+    holder = default_holder(c.port, advertise_url(c.host, c.port, c.advertise_url))
     try:  # before migrating: a second controller on a SQLite store changes nothing
-        leadership = open_leadership(settings.store.url, default_holder(c.port), lease_for(c.interval_s))
+        leadership = open_leadership(settings.store.url, holder, lease_for(c.interval_s))
     except LeadershipError as exc:
         print(f"pdscope control: {exc.detail}", file=sys.stderr)
         return 1

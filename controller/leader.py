@@ -63,9 +63,34 @@ def lease_for(interval_s: float) -> float:
     return max(10.0, 5.0 * interval_s)
 
 
-def default_holder(port: int) -> str:
-    """This process's name as a leader: ``host:port (pid N)``."""
-    return f"{socket.gethostname()}:{port} (pid {os.getpid()})"
+def default_holder(port: int, url: str | None = None) -> str:
+    """This process's name as a leader: ``host:port (pid N)``, with `` at <url>`` where the other
+    replicas reach its API (:func:`leader_url` reads it back)."""
+    name = f"{socket.gethostname()}:{port} (pid {os.getpid()})"
+    return name if url is None else f"{name}{_AT}{url}"
+
+
+_AT = " at "
+
+
+def leader_url(holder: str) -> str | None:
+    """The API address a leader's holder name carries (``... at http://...``), or None."""
+    _, at, url = holder.rpartition(_AT)
+    return url if at and url.startswith(("http://", "https://")) and " " not in url else None
+
+
+def advertise_url(host: str, port: int, configured: str | None) -> str:
+    """Where the other replicas reach this controller: the configured URL, else ``http://<address>:<port>``
+    (``host`` unless it is a wildcard, then the host name's address; loopback when that fails)."""
+    if configured:
+        return configured.rstrip("/")
+    addr = host
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            addr = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            addr = "127.0.0.1"
+    return f"http://[{addr}]:{port}" if ":" in addr else f"http://{addr}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

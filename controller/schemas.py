@@ -213,9 +213,10 @@ class SLOOut(BaseModel):
 
 
 class LeaderOut(BaseModel):
-    holder: str = Field(description='who leads: "host:port (pid N)"')
+    holder: str = Field(description='who leads: "host:port (pid N) at <its API address>"')
     epoch: int = Field(description="bumped on each takeover")
     since: float = Field(description="when it took over (Unix seconds)")
+    url: str | None = Field(default=None, description="its API address (controller.advertise_url)")
 
 
 class NotLeaderOut(BaseModel):

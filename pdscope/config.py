@@ -408,6 +408,22 @@ class ControllerSettings(_Frozen):
         default=ProbeSettings(),
         description="how an instance at a low weight is tried again: a probe, not a ramp",
     )
+    advertise_url: str | None = Field(
+        default=None,
+        min_length=8,
+        max_length=200,
+        pattern=r"^https?://[^\s]+$",
+        description="where the other controller replicas reach this one's API (kept with its leadership "
+        "in the store, named in a standby's 409, where a standby forwards changes). Unset: "
+        "http://<this host's address>:<port>, the address being controller.host unless that is a "
+        "wildcard, then the host name's address (a pod's IP)",
+    )
+    forward_changes: bool = Field(
+        default=True,
+        description="a standby forwards an operator change to the leader's advertise_url (once: a "
+        "forwarded change is never forwarded again) instead of answering 409; the 409 stays when "
+        "the leader cannot be reached",
+    )
     proxy_ttl_s: float = Field(
         default=5.0,
         gt=0,

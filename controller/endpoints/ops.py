@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import AuthError
 from controller.endpoints.context import ApiContext
-from controller.leader import LeaderInfo
+from controller.leader import LeaderInfo, leader_url
 from controller.schemas import HealthOut, LeaderOut, WhoAmIOut
 
 
@@ -70,4 +70,4 @@ def router(ctx: ApiContext) -> APIRouter:
 def _leader(info: LeaderInfo | None) -> LeaderOut | None:
     if info is None or not info.holder:  # the row before any takeover
         return None
-    return LeaderOut(holder=info.holder, epoch=info.epoch, since=info.since)
+    return LeaderOut(holder=info.holder, epoch=info.epoch, since=info.since, url=leader_url(info.holder))

@@ -338,3 +338,16 @@ controller: {{port: {port}, interval_s: 0.2, mode: advisory}}
         except subprocess.TimeoutExpired:
             first.kill()
             first.communicate()
+
+
+def test_a_holder_name_carries_its_api_address() -> None:
+    from controller.leader import advertise_url, default_holder, leader_url
+
+    holder = default_holder(8300, "http://10.0.3.7:8300")
+    assert holder.endswith(" at http://10.0.3.7:8300") and leader_url(holder) == "http://10.0.3.7:8300"
+    assert leader_url(default_holder(8300)) is None  # no address: nothing to forward to
+    assert leader_url("ctl-0:8300 (pid 1) at nowhere") is None
+    assert advertise_url("127.0.0.1", 8300, None) == "http://127.0.0.1:8300"
+    assert advertise_url("::1", 8300, None) == "http://[::1]:8300"
+    assert advertise_url("0.0.0.0", 8300, "https://ctl.example/") == "https://ctl.example"
+    assert advertise_url("0.0.0.0", 8300, None).endswith(":8300")  # the host name's address

@@ -316,3 +316,52 @@ def test_two_controller_processes_through_sigstop_and_kill_9_of_the_leader(
                 p.send_signal(signal.SIGCONT)
                 p.kill()
                 p.wait(timeout=30)
+
+
+def test_a_standby_forwards_an_operator_change_to_the_leader_once(world: World, store_url: str) -> None:
+    """The leader keeps its API address with its leadership; a change sent to the standby is passed on
+    to it (and answered as the leader answers), never twice, and is a 409 naming the leader when it
+    cannot be reached."""
+    from controller.leader import default_holder
+    from tests.support.serving import serve_in_thread
+    from tests.support.sockets import bound_socket, url_of
+
+    sock = bound_socket()
+    leader_api = url_of(sock)
+    locks = [
+        PgAdvisoryLock(store_url, default_holder(8300, leader_api), world.reconciler.lease_s),
+        PgAdvisoryLock(store_url, default_holder(8301, "http://127.0.0.1:9"), world.reconciler.lease_s),
+    ]
+    a, b = (Reconciler(world.settings, world.factory, clock=world.clock, leadership=lock) for lock in locks)
+    try:
+        feed(world)
+        assert a.step() is not None and a.role == "leader"
+        assert b.step() is None and b.role == "standby"
+        before = writes(world)
+        with (
+            serve_in_thread(create_app(a, token=TOKEN), sock=sock),
+            TestClient(create_app(b, token=TOKEN)) as c,
+        ):
+            r = c.post("/v1/instances/decode-1/drain", json={"reason": "disk"}, headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pdscope-forwarded-to"] == leader_api
+            assert r.json()["drained"] is True
+            assert writes(world)[1:] == (before[1] + 1, before[2] + 1)  # one override, one audit event
+            # marked as forwarded already: the standby answers its own 409
+            again = c.post(
+                "/v1/instances/decode-1/undrain",
+                json={"reason": "x"},
+                headers={**AUTH, "X-Pdscope-Forwarded-By": "elsewhere"},
+            )
+            assert again.status_code == 409 and again.json()["leader"]["url"] == leader_api
+            # an unauthenticated change is refused by the standby itself, before any forward
+            assert c.post("/v1/instances/decode-1/undrain", json={"reason": "x"}).status_code == 401
+        with TestClient(create_app(b, token=TOKEN)) as c:  # the leader's API is gone now
+            r = c.post("/v1/instances/decode-1/undrain", json={"reason": "x"}, headers=AUTH)
+            assert r.status_code == 409 and "forwarding to the leader at" in r.json()["detail"]
+            assert (
+                'pdscope_controller_changes_forwarded_total{outcome="failed"} 1.0' in c.get("/metrics").text
+            )
+    finally:
+        for lock in locks:
+            lock.close()
