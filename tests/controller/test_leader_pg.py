@@ -275,8 +275,16 @@ def test_two_controller_processes_through_sigstop_and_kill_9_of_the_leader(
             headers=AUTH,
             timeout=5,
         )
-        assert r.status_code == 409, r.text
-        assert r.json()["leader"]["holder"].endswith(f":{ports[first]} (pid {procs[first].pid})")
+        assert r.status_code == 200, r.text  # the standby forwarded it to the leader
+        assert r.headers["x-pdscope-forwarded-to"] == f"http://127.0.0.1:{ports[first]}"
+        r = httpx.post(
+            f"http://127.0.0.1:{ports[other]}/v1/instances/d0/undrain",
+            json={"reason": "x"},
+            headers={**AUTH, "X-Pdscope-Forwarded-By": "a test"},
+            timeout=5,
+        )
+        assert r.status_code == 409, r.text  # forwarded once already: the standby's own answer
+        assert f":{ports[first]} (pid {procs[first].pid}) at http://" in r.json()["leader"]["holder"]
 
         procs[first].send_signal(signal.SIGSTOP)  # paused: it neither pings its lock nor ticks
         took = wait_until(
@@ -297,7 +305,7 @@ def test_two_controller_processes_through_sigstop_and_kill_9_of_the_leader(
             every_s=0.2,
             ignore=(httpx.HTTPError,),
         )
-        assert back["leader"]["holder"].endswith(f"(pid {procs[other].pid})")
+        assert f"(pid {procs[other].pid})" in back["leader"]["holder"]
 
         procs[other].kill()  # -9: its sessions end with the process, and the lock with them
         procs[other].wait(timeout=30)

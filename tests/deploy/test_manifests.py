@@ -685,7 +685,7 @@ def test_k8s_controller_probes_keep_the_leader_and_the_standby_ready(
 ) -> None:
     """The shipped config on two `pdscope control` processes and one PostgreSQL store, probed the
     way the Deployment probes them: both Ready (the standby serves reads), both live, and a change
-    sent to the standby is the 409 naming the leader that docs/deploy.md tells SREs to follow."""
+    sent to the standby (already forwarded once) is the 409 naming the leader and its address."""
     import httpx
     import psycopg
 
@@ -728,11 +728,11 @@ def test_k8s_controller_probes_keep_the_leader_and_the_standby_ready(
         r = httpx.post(
             f"http://127.0.0.1:{standby}/v1/instances/vllm-decode-0/drain",
             json={"reason": "probe test"},
-            headers={"Authorization": "Bearer probe-test-token"},
+            headers={"Authorization": "Bearer probe-test-token", "X-Pdscope-Forwarded-By": "a test"},
             timeout=5,
         )
-        assert r.status_code == 409, r.text
-        assert r.json()["leader"]["holder"].endswith(f":{ports[leader]} (pid {procs[leader].pid})")
+        assert r.status_code == 409, r.text  # (without the header the standby forwards it to the leader)
+        assert f":{ports[leader]} (pid {procs[leader].pid}) at http://" in r.json()["leader"]["holder"]
     finally:
         for proc in procs:
             proc.terminate()
