@@ -63,6 +63,12 @@ class ModelSettings(_Frozen):
         description="KV-cache bytes per token across all layers "
         "(2 * layers * kv_heads * head_dim * dtype bytes; Llama-3-70B BF16 = 327680)",
     )
+    kv_block_size: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="tokens per KV cache block (vLLM --block-size): the unit cached prefixes are matched in",
+    )
 
 
 class Instance(_Frozen):
@@ -85,6 +91,24 @@ class Instance(_Frozen):
         default_factory=dict,
         description="free-form labels (e.g. rack: r1), kept "
         "with the config for your own use; no pdscope service reads them",
+    )
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^(tcp|ipc)://[^\s*]+$",
+        description="where the instance publishes its KV cache events (vLLM --kv-events-config "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}), e.g. '
+        "tcp://10.0.0.5:5557; unset: no events from this instance",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=r"^(tcp|ipc)://[^\s*]+$",
+        description="the instance's replay socket (vLLM replay_endpoint): messages missed in a gap are "
+        "asked for again; unset: a gap makes pdscope forget this instance's cache and rebuild it",
+    )
+    kv_events_topic: str = Field(
+        default="", max_length=128, description="the topic the instance publishes under (vLLM topic)"
     )
 
     @field_validator("url", "metrics_url")

@@ -1,0 +1,179 @@
+"""KV events into the prefix index: real ZMQ sockets (PUB, and ROUTER for replays), and every way a
+stream goes wrong -- garbage, gaps with and without a replay, a publisher that restarts."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from pdscope.kvevents import END_SEQ, Batch, BlockStored, encode_batch, encode_message
+from proxy.kvindex import PrefixIndex, chain_keys
+from proxy.kvsubscriber import KvEventsSubscriber, Source
+from tests.support.sockets import free_port
+from tests.support.waiting import wait_until
+
+BS = 4
+
+
+def block(i: int, parent: int | None = None) -> Batch:
+    """Block ``i``: tokens 4i..4i+3, hash i, chained to ``parent``."""
+    return Batch(float(i), (BlockStored((i,), parent, tuple(range(4 * i, 4 * i + 4)), BS),))
+
+
+def prompt(n_blocks: int) -> list[int]:
+    return list(range(4 * n_blocks))
+
+
+def make(replay: str | None = None) -> tuple[KvEventsSubscriber, PrefixIndex]:
+    index = PrefixIndex(BS, 10_000)
+    sub = KvEventsSubscriber([Source("p0", "tcp://127.0.0.1:9", replay)], index, threading.Lock())
+    return sub, index
+
+
+def cached(index: PrefixIndex, n_blocks: int) -> int:
+    return index.match(chain_keys(prompt(n_blocks), BS)).get("p0", 0)
+
+
+def test_a_chain_published_message_by_message_is_indexed() -> None:
+    sub, index = make()
+    sub.receive("p0", encode_message("", 0, block(0)))
+    for i in range(1, 4):
+        sub.receive("p0", encode_message("", i, block(i, parent=i - 1), "map" if i % 2 else "array"))
+    assert cached(index, 4) == 16 and sub.counts.messages["p0"] == 4
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"", b"\x00" * 8], "frames"),
+        ([b"", b"\x00", encode_batch(block(0))], "seq"),
+        ([b"", b"\x00" * 8, b"\xc1garbage"], "msgpack"),
+        ([b"", b"\x00" * 8, encode_batch(block(0))[:-4]], "msgpack"),
+    ],
+)
+def test_garbage_is_dropped_and_counted_by_reason(frames: list[bytes], reason: str) -> None:
+    sub, index = make()
+    sub.receive("p0", frames)
+    assert sub.counts.dropped[("p0", reason)] == 1 and len(index) == 0
+
+
+def test_a_gap_without_replay_forgets_the_instance_and_rebuilds() -> None:
+    sub, index = make()
+    for i in range(3):
+        sub.receive("p0", encode_message("", i, block(i, i - 1 if i else None)))
+    assert cached(index, 3) == 12
+    sub.receive("p0", encode_message("", 7, block(7, parent=None)))  # 3..6 lost
+    assert sub.counts.gaps["p0"] == 1 and sub.counts.missed["p0"] == 4 and sub.counts.rebuilds["p0"] == 1
+    assert cached(index, 3) == 0 and index.blocks("p0") == 1  # only what came after the gap
+
+
+def test_a_publisher_that_restarts_its_sequence_starts_an_empty_cache() -> None:
+    sub, index = make()
+    for i in range(5, 8):
+        sub.receive("p0", encode_message("", i, block(i - 5, i - 6 if i > 5 else None)))
+    sub.receive("p0", encode_message("", 0, block(0)))
+    assert sub.counts.restarts["p0"] == 1 and index.blocks("p0") == 1
+
+
+def test_a_duplicate_is_dropped() -> None:
+    sub, _ = make()
+    sub.receive("p0", encode_message("", 0, block(0)))
+    sub.receive("p0", encode_message("", 0, block(0)))
+    assert sub.counts.dropped[("p0", "duplicate")] == 1
+
+
+@pytest.fixture
+def replay_server() -> Iterator[tuple[str, dict[int, bytes], list[int]]]:
+    """A ROUTER socket answering replays from ``buffer`` as vLLM's publisher does (``asked``: the starts)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    buffer: dict[int, bytes] = {}
+    asked: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            client, _, start = sock.recv_multipart()
+            first = int.from_bytes(start, "big", signed=True)
+            asked.append(first)
+            for seq in sorted(buffer):
+                if seq >= first:
+                    sock.send_multipart([client, b"", seq.to_bytes(8, "big", signed=True), buffer[seq]])
+            sock.send_multipart([client, b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"tcp://127.0.0.1:{port}", buffer, asked
+    stop.set()
+    t.join(2)
+    sock.close(0)
+
+
+def test_a_gap_is_replayed_from_the_replay_socket(
+    replay_server: tuple[str, dict[int, bytes], list[int]],
+) -> None:
+    url, buffer, asked = replay_server
+    sub, index = make(replay=url)
+    for i in range(6):
+        buffer[i] = encode_batch(block(i, i - 1 if i else None))
+    sub.receive("p0", encode_message("", 0, block(0)))
+    sub.receive("p0", encode_message("", 1, block(1, 0)))
+    sub.receive("p0", encode_message("", 5, block(5, 4)))  # 2..4 lost, and replayed
+    assert asked == [2] and sub.counts.replays[("p0", "ok")] == 1
+    assert sub.counts.rebuilds["p0"] == 0 and cached(index, 6) == 24
+
+
+def test_a_replay_that_cannot_give_the_gap_rebuilds(
+    replay_server: tuple[str, dict[int, bytes], list[int]],
+) -> None:
+    url, buffer, _ = replay_server
+    sub, index = make(replay=url)
+    assert len(index) == 0
+    buffer[3] = encode_batch(block(3, 2))  # 2 is gone from the publisher's buffer too
+    sub.receive("p0", encode_message("", 0, block(0)))
+    sub.receive("p0", encode_message("", 1, block(1, 0)))
+    sub.receive("p0", encode_message("", 4, block(4, 3)))
+    assert sub.counts.replays[("p0", "failed")] == 1 and sub.counts.rebuilds["p0"] == 1
+
+
+def test_a_replay_socket_that_does_not_answer_rebuilds_within_the_timeout() -> None:
+    sub, _ = make(replay=f"tcp://127.0.0.1:{free_port()}")
+    sub.receive("p0", encode_message("", 0, block(0)))
+    sub.receive("p0", encode_message("", 3, block(3)))
+    assert sub.counts.replays[("p0", "failed")] == 1 and sub.counts.rebuilds["p0"] == 1
+
+
+def test_the_thread_reads_a_real_publisher() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = PrefixIndex(BS, 10_000)
+    lock = threading.Lock()
+    sub = KvEventsSubscriber([Source("p0", f"tcp://127.0.0.1:{port}", None, "kv")], index, lock)
+    sub.start()
+    try:
+        seq = 0
+
+        def published_and_seen() -> bool:
+            nonlocal seq
+            # a SUB socket misses what was sent before it joined: send until one arrives
+            pub.send_multipart(encode_message("kv", seq, block(seq % 50)))
+            pub.send_multipart(encode_message("other-topic", 0, block(99)))  # filtered out
+            seq += 1
+            return sub.counts.messages["p0"] > 0
+
+        wait_until("the subscriber to join", published_and_seen, timeout_s=30, every_s=0.05)
+        with lock:
+            assert index.blocks("p0") >= 1
+        assert sub.alive and sub.counts.loop_errors == 0
+        assert all(inst == "p0" for inst in sub.counts.messages)
+    finally:
+        sub.stop()
+        pub.close(0)
+    assert not sub.alive
