@@ -514,7 +514,10 @@ def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[s
         "spans_per_s": {db: (round(got[db][default[db]][1]) if db in got else None) for db in default},
         "spans_per_s_wall": {db: (round(got[db][default[db]][0]) if db in got else None) for db in default},
         "spans_per_s_baseline_orm": {db: (round(got[db]["orm"][1]) if db in got else None) for db in default},
-        # the split-trace merge's cost (issue 16): wall spans/s per sink, same run
+        # the split-trace merge's cost (issue 16), same run: spans per CPU s and per wall s by sink
+        "spans_per_s_by_sink": {
+            db: {name: round(v[1]) for name, v in got[db].items() if name != "orm"} for db in got
+        },
         "spans_per_s_wall_by_sink": {
             db: {name: round(v[0]) for name, v in got[db].items() if name != "orm"} for db in got
         },
@@ -597,10 +600,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fleet_traces": args.fleet_traces,
         "interval_s": INTERVAL_S,
     }
+    earlier = previous.get("load_average_by_part") or {
+        p: previous["load_average"] for p in "abc" if "load_average" in previous
+    }
+    loads = {**earlier, **{p: round(load, 1) for p in sorted(parts)}}
     result = {
         **previous,
         **result,
-        "load_average": round(load, 1),
+        "load_average": round(load, 1),  # this run's
+        "load_average_by_part": loads,  # the run each part's figures come from
         "params": {**previous.get("params", {}), **params},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
