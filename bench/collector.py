@@ -452,23 +452,23 @@ def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[s
     """(b) OTLP ingest per store and sink: table rows and JSON keys."""
     exports = make_exports(args.traces)
     # store -> sink name -> (wall spans/s, spans per CPU second of this process)
-    got: dict[str, dict[str, tuple[float, float]]] = {"sqlite": {}}
+    got: dict[str, dict[str, tuple[float, float]]] = {}
+    # each round runs every sink once, so that a change in the machine's load hits them alike
     with tempfile.TemporaryDirectory() as tmp:
-        for name, make in INGEST_SINKS.items():
-            runs = [
-                ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, make) for k in range(args.repeat)
-            ]
-            got["sqlite"][name] = _best(runs, args.traces)
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in INGEST_SINKS}
+        for k in range(args.repeat):
+            for name, make in INGEST_SINKS.items():
+                runs[name].append(ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, make))
+        got["sqlite"] = {name: _best(r, args.traces) for name, r in runs.items()}
     if args.pg_url:
-        got["postgresql"] = {}
         url = pg_database(args.pg_url)
         try:
-            for name, make in INGEST_SINKS.items():
-                runs = []
-                for _ in range(args.repeat):
+            runs = {name: [] for name in INGEST_SINKS}
+            for _ in range(args.repeat):
+                for name, make in INGEST_SINKS.items():
                     reset_pg(url)
-                    runs.append(ingest_spans_per_s(url, exports, make))
-                got["postgresql"][name] = _best(runs, args.traces)
+                    runs[name].append(ingest_spans_per_s(url, exports, make))
+            got["postgresql"] = {name: _best(r, args.traces) for name, r in runs.items()}
         finally:
             drop_pg_database(args.pg_url, url)
     else:
