@@ -33,10 +33,11 @@ touches one of its traces (``lock_traces``), and only then reads the spans store
   INSERT, after the read).
 
 Then, whichever transaction of a trace commits last has read all the others' spans, and its
-record is the whole trace's. A record is found by its trace (``trace_id``) and updated under a
-row lock (``FOR UPDATE``); a request id a record of another trace already holds is left to
-that record (``ON CONFLICT DO NOTHING``): a reused X-Request-Id keeps its first record. A
-span sent twice (an export retried) is counted once.
+record is the whole trace's. A record is found by its trace (``trace_id``) and read under a
+row lock (``FOR UPDATE``: a forensics write that committed first is read, and kept); a request
+id that a record of another trace already holds is left to that record (``ON CONFLICT DO
+NOTHING``): a reused X-Request-Id keeps its first record. A span sent twice (an export
+retried) is counted once.
 
 ``shared`` says whether other processes may write spans to this store (default: any store but
 SQLite, where one collector runs). Alone, the sink reads stored spans only for traces it wrote
