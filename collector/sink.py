@@ -89,8 +89,13 @@ def _int32(data: bytes) -> int:
 # The class of the trace locks, the first int of ``pg_advisory_xact_lock(int4, int4)``: a key
 # space apart from the one-bigint keys (the controller's leader lock), and from other classes.
 TRACE_LOCK_CLASS = _int32(b"pdscope.collector.trace")
+# A collector that stops in the middle of a transaction (SIGSTOP, a stalled host) would hold its
+# traces' locks, and so stall every other collector's batches of them, until its connection
+# closed: PostgreSQL ends a session idle that long inside the transaction (its batch is lost).
+LOCK_IDLE_S = 60.0
 _LOCK_TRACES = text(
-    "SELECT count(*) FROM (SELECT pg_advisory_xact_lock(:cls, k) FROM unnest(:keys) AS k) AS locked"
+    "SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true), count(*) "
+    "FROM (SELECT pg_advisory_xact_lock(:cls, k) FROM unnest(:keys) AS k) AS locked"
 ).bindparams(bindparam("keys", type_=ARRAY(Integer)))
 
 
@@ -99,19 +104,22 @@ def trace_lock_key(trace_id: str) -> int:
     return _int32(trace_id.encode())
 
 
-def lock_traces(session: Session, traces: Iterable[str]) -> None:
+def lock_traces(session: Session, traces: Iterable[str], *, idle_s: float = LOCK_IDLE_S) -> None:
     """Serialise this transaction with every other one that locks one of ``traces``, until it ends.
 
     PostgreSQL: one advisory transaction lock per trace, taken in ascending key order in one
-    statement. SQLite: ``BEGIN IMMEDIATE`` (the write lock), so call it first in the transaction.
-    Anything else: nothing (the read may then miss a concurrent writer's spans).
+    statement, which also has the server end this session should it then sit idle in the
+    transaction for ``idle_s`` (its locks go with it). SQLite: ``BEGIN IMMEDIATE`` (the write
+    lock), so call it first in the transaction. Anything else: nothing (the read may then miss a
+    concurrent writer's spans).
     """
     conn = session.connection()
     dialect = conn.dialect.name
     if dialect == "postgresql":
         keys = sorted({trace_lock_key(t) for t in traces})
         if keys:
-            conn.execute(_LOCK_TRACES, {"cls": TRACE_LOCK_CLASS, "keys": keys})
+            idle_ms = str(max(1, round(idle_s * 1000)))
+            conn.execute(_LOCK_TRACES, {"cls": TRACE_LOCK_CLASS, "keys": keys, "idle_ms": idle_ms})
     elif dialect == "sqlite" and not conn.connection.dbapi_connection.in_transaction:  # type: ignore[union-attr]
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
@@ -221,6 +229,7 @@ class StoreSink:
         self.shared = shared if shared is not None else bind is None or bind.dialect.name != "sqlite"
         self.started_at = self.clock() - 60.0  # spans older than this may predate this sink
         self.max_seen = 200_000
+        self.lock_idle_s = LOCK_IDLE_S  # PostgreSQL: see lock_traces
         self._seen: dict[str, None] = {}  # insertion-ordered: the oldest trace ids go first
 
     def write(self, batch: Sequence[SpanData]) -> WriteResult:
@@ -249,7 +258,7 @@ class StoreSink:
         return WriteResult(len(batch), records=records, assemble_errors=errors)
 
     def _lock(self, session: Session, traces: set[str]) -> None:
-        lock_traces(session, traces)
+        lock_traces(session, traces, idle_s=self.lock_idle_s)
 
     def _write_each_trace(self, batch: Sequence[SpanData]) -> WriteResult:
         """The database refused the batch's data: find the traces it refuses, keep the rest."""

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from collector.assemble import assemble
@@ -248,6 +249,32 @@ def test_trace_locks_are_transaction_advisory_locks_of_their_own_class(store_url
     assert sorted(held) == sorted((TRACE_LOCK_CLASS, trace_lock_key(t), 2) for t in traces)
     with sink.factory() as s:  # gone with the transaction
         assert s.scalar(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")) == 0
+
+
+@pytest.mark.parametrize("store_url", [pytest.param("postgresql", marks=pytest.mark.pg)], indirect=True)
+def test_a_collector_stopped_inside_its_transaction_stalls_the_others_only_so_long(store_url: str) -> None:
+    """Collector A took a trace's lock and stopped (SIGSTOP) before it committed: PostgreSQL ends
+    its session after ``lock_idle_s`` idle in the transaction, and B's batch of the trace goes on."""
+    upgrade(store_url)
+    a, b = _sink(store_url), _sink(store_url)
+    a.lock_idle_s = 0.5
+    spans = request_spans(t0=T0, request_id="stopped")
+    proxy, vllm = _proxy_and_vllm(spans)
+    held = a.factory()
+    pool = ThreadPoolExecutor(1)
+    try:
+        held.begin()
+        a._lock(held, {spans[0].trace_id})  # A holds the trace and goes quiet
+        b_done = pool.submit(b.write, proxy)
+        wait_until("collector B's batch", b_done.done, timeout_s=30)
+        _ok(b_done.result(), 5)
+        with pytest.raises(DBAPIError, match="idle-in-transaction timeout"):
+            held.execute(text("SELECT 1"))
+    finally:
+        held.close()  # (after a failure: A's lock goes, B's batch ends)
+        pool.shutdown(wait=True)
+    _ok(a.write(vllm), 2)  # A's next batch is a new transaction on a fresh connection
+    _check(b.factory, [spans])
 
 
 def _split_between(
