@@ -11,9 +11,20 @@
     into SQLite and into PostgreSQL (``--pg-url`` or ``$PDSCOPE_TEST_PG_URL``). The baseline
     is the same pipeline writing spans as ORM objects (``session.add_all``). Each ingest
     runs ``--repeat`` times on a fresh store; the best run is reported (the machine is shared).
+    The merge of a trace split over collectors (issue 16) is measured beside it, same run: the
+    sink as it was before (no trace locks, stored spans read only for traces it wrote: one
+    process), the sink alone (trace locks, the same shortcut: SQLite's default) and shared
+    (trace locks, stored spans read for every trace of every batch: PostgreSQL's default).
+(c) 1 vs 2 collectors on PostgreSQL: each collector a process with its own engine and shared
+    sink; every trace split between the two (the proxy's spans to one, vLLM's to the other, so
+    every record is merged across collectors), against one collector given all the same
+    exports. Spans per wall second from the start of both to the end of the last, with the
+    check that every trace ended as one whole record. ``--fleet-traces`` bounds it (21,000
+    spans by default).
 
-Usage: ``.venv/bin/python bench/collector.py [--targets 200] [--rounds 10] [--traces 3000]``.
-Prints a table and writes ``bench/results/collector.json``.
+Usage: ``.venv/bin/python bench/collector.py [--targets 200] [--rounds 10] [--traces 3000]
+[--parts a,b,c]``. Prints a table and writes ``bench/results/collector.json``; a run of only
+some parts keeps the other parts' figures of the file it replaces.
 """
 
 from __future__ import annotations
@@ -21,19 +32,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import queue
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+from sqlalchemy.orm import Session, sessionmaker  # noqa: E402
 
 import collector.scraper as scraper_mod  # noqa: E402
 from collector.fastparse import extract_signals  # noqa: E402
@@ -47,7 +63,7 @@ from collector.targets import Target  # noqa: E402
 from pdscope.config import SLOSettings  # noqa: E402
 from store.db import make_engine, session_factory, transaction  # noqa: E402
 from store.migrate import upgrade  # noqa: E402
-from store.models import SpanRow  # noqa: E402
+from store.models import RequestRecord, SpanRow  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures" / "vllm-0.32-cpu"  # the pages tests/captures.py names
 INTERVAL_S = 5.0
@@ -161,6 +177,7 @@ class OrmSink(StoreSink):
     def write(self, batch: Sequence[SpanData]) -> WriteResult:
         now = self.clock()
         with transaction(self.factory) as session:
+            self._lock(session, {s.trace_id for s in batch})
             stored = self._stored_spans(session, {s.trace_id for s in batch})
             objs = []
             for s in batch:
@@ -172,16 +189,37 @@ class OrmSink(StoreSink):
                 objs.append(SpanRow(**row))
             session.add_all(objs)
             session.flush()
-            records = self._assemble(session, batch, stored)
+            records, _ = self._assemble(session, batch, stored)
         return WriteResult(len(batch), records=records)
 
 
+class BeforeSink(StoreSink):
+    """The sink before issue 16: no trace lock, stored spans read only for traces it wrote
+    (correct for one collector process only)."""
+
+    def __init__(self, factory: sessionmaker[Session], slo: SLOSettings) -> None:
+        super().__init__(factory, slo, shared=False)
+
+    def _lock(self, session: Session, traces: set[str]) -> None:
+        return None
+
+
+SinkMaker = Callable[[sessionmaker[Session]], StoreSink]
+# (b): the sinks measured, by name: what each costs
+INGEST_SINKS: dict[str, SinkMaker] = {
+    "before": lambda f: BeforeSink(f, SLOSettings()),
+    "alone": lambda f: StoreSink(f, SLOSettings(), shared=False),
+    "shared": lambda f: StoreSink(f, SLOSettings(), shared=True),
+    "orm": lambda f: OrmSink(f, SLOSettings(), shared=True),
+}
+
+
 def ingest_spans_per_s(
-    url: str, exports: list[bytes], sink_cls: type[StoreSink], batch_size: int = 2000
+    url: str, exports: list[bytes], make_sink: SinkMaker, batch_size: int = 2000
 ) -> tuple[float, float, int]:
     """(spans per wall second, spans per second of this process's CPU, records assembled)."""
     upgrade(url)
-    sink = sink_cls(session_factory(make_engine(url)), SLOSettings())
+    sink = make_sink(session_factory(make_engine(url)))
     pending: list[SpanData] = []
     total = records = 0
     start, cpu0 = time.perf_counter(), time.process_time()
@@ -222,6 +260,105 @@ def reset_pg(url: str) -> None:
         conn.execute("CREATE SCHEMA public")
 
 
+# -- (c) 1 vs 2 collectors on PostgreSQL ----------------------------------------------------------
+
+
+def split_exports(
+    n_traces: int, collectors: int, *, split: bool = True, per_export: int = 100
+) -> list[list[bytes]]:
+    """Each collector's exports. With 2 and ``split``, trace k's proxy spans go to collector k % 2
+    and its vLLM spans to the other; not ``split``, trace k goes whole to collector k % 2. With 1,
+    the one collector gets both lists, interleaved (the same work)."""
+    from pdscope import semconv as sc
+    from tests.collector.traces import request_spans, to_proto
+
+    parts: list[list[list[SpanData]]] = [[], []]
+    for i in range(n_traces):
+        spans = request_spans(t0=1.8e9 + i * 0.01, request_id=f"f{i}")
+        if split:
+            parts[i % 2].append([s for s in spans if s.name != sc.VLLM_SPAN])
+            parts[1 - i % 2].append([s for s in spans if s.name == sc.VLLM_SPAN])
+        else:
+            parts[i % 2].append(spans)
+    per: list[list[bytes]] = [
+        [
+            to_proto([s for part in mine[k : k + per_export] for s in part])
+            for k in range(0, len(mine), per_export)
+        ]
+        for mine in parts
+    ]
+    if collectors == 2:
+        return per
+    return [[body for pair in zip(per[0], per[1], strict=False) for body in pair]]
+
+
+def _collector_process(url: str, exports: list[bytes], start: Any, out: Any, batch_size: int = 2000) -> None:
+    """One collector: decode its exports and write them through its own shared sink."""
+    engine = make_engine(url)
+    with engine.connect():  # connected before the start
+        pass
+    sink = StoreSink(session_factory(engine), SLOSettings(), shared=True)
+    start.wait()
+    t0, cpu0 = time.monotonic(), time.process_time()
+    written = failed = 0
+    pending: list[SpanData] = []
+    for k, body in enumerate(exports):
+        pending.extend(decode(body, "application/x-protobuf"))
+        while pending and (len(pending) >= batch_size or k == len(exports) - 1):
+            res = sink.write(pending[:batch_size])
+            written, failed = written + res.written, failed + res.failed
+            del pending[:batch_size]
+    out.put((t0, time.monotonic(), time.process_time() - cpu0, written, failed))
+    engine.dispose()
+
+
+def collectors_spans_per_s(
+    url: str, n_traces: int, collectors: int, *, split: bool = True
+) -> dict[str, float]:
+    """Spans per wall second (and per collector-CPU second) of ``collectors`` processes."""
+    reset_pg(url)
+    upgrade(url)
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(collectors), ctx.Queue()
+    procs = [
+        ctx.Process(target=_collector_process, args=(url, exports, start, out), daemon=True)
+        for exports in split_exports(n_traces, collectors, split=split)
+    ]
+    for p in procs:
+        p.start()
+    got: list[tuple[float, float, float, int, int]] = []
+    deadline = time.monotonic() + 600
+    while len(got) < len(procs):
+        try:
+            got.append(out.get(timeout=1.0))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"a collector process failed (exit codes {failed}) or ran past 600 s"
+                ) from None
+    for p in procs:
+        p.join(60)
+    t0, t1 = min(g[0] for g in got), max(g[1] for g in got)
+    written, failed = sum(g[3] for g in got), sum(g[4] for g in got)
+    factory = session_factory(make_engine(url))
+    with factory() as s:
+        records = s.scalar(select(func.count()).select_from(RequestRecord))
+        whole = s.scalar(
+            select(func.count())
+            .select_from(RequestRecord)
+            .where(RequestRecord.attributes["spans"].as_integer() == 7)
+        )
+    if failed or written != 7 * n_traces or records != n_traces or whole != n_traces:
+        raise RuntimeError(
+            f"{collectors} collectors: {written} spans written, {failed} failed, "
+            f"{records} records, {whole} whole, for {n_traces} traces"
+        )
+    return {"spans_per_s": written / (t1 - t0), "spans_per_cpu_s": written / sum(g[2] for g in got)}
+
+
 def pg_database(admin_url: str) -> str:
     import psycopg
 
@@ -242,16 +379,8 @@ def drop_pg_database(admin_url: str, url: str) -> None:
 # -- main --------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--traces", type=int, default=3000)
-    ap.add_argument("--repeat", type=int, default=3, help="ingest runs per store; the best is reported")
-    ap.add_argument("--pg-url", default=os.environ.get("PDSCOPE_TEST_PG_URL"))
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "collector.json"))
-    args = ap.parse_args(argv)
-
+def part_a(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(a) parse, and scrape + parse + store: table rows and JSON keys."""
     d_page = (FIXTURES / "decode_metrics.txt").read_bytes()
     parse_ms = {
         "prometheus_client": per_page_ms(lambda: list(text_string_to_metric_families(d_page.decode()))),
@@ -259,7 +388,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "collector.parse (general)": per_page_ms(lambda: parse_text(d_page)),
         "collector.fastparse (hot path)": per_page_ms(lambda: extract_signals(d_page)),
     }
-
     server = subprocess.Popen(
         [
             sys.executable,
@@ -291,38 +419,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.wait(timeout=10)
     ipc = INTERVAL_S * 1000 / fast["cpu_ms_per_scrape"]
     ipc_base = INTERVAL_S * 1000 / base["cpu_ms_per_scrape"]
-
-    exports = make_exports(args.traces)
-    n_spans = args.traces * 7
-    # (wall spans/s, spans per CPU second of this process) per store, pdscope sink and baseline
-    spans: dict[str, tuple[float, float] | None] = {}
-    baseline_spans: dict[str, tuple[float, float] | None] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, sink_cls, into in (("spans", StoreSink, spans), ("orm", OrmSink, baseline_spans)):
-            runs = [
-                ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, sink_cls)
-                for k in range(args.repeat)
-            ]
-            assert all(r[2] >= args.traces for r in runs), runs
-            into["sqlite"] = (max(r[0] for r in runs), max(r[1] for r in runs))
-    if args.pg_url:
-        url = pg_database(args.pg_url)
-        try:
-            for sink_cls, into in ((StoreSink, spans), (OrmSink, baseline_spans)):
-                runs = []
-                for _ in range(args.repeat):
-                    reset_pg(url)
-                    runs.append(ingest_spans_per_s(url, exports, sink_cls))
-                into["postgresql"] = (max(r[0] for r in runs), max(r[1] for r in runs))
-        finally:
-            drop_pg_database(args.pg_url, url)
-    else:
-        spans["postgresql"] = baseline_spans["postgresql"] = None
-        print(
-            "!! no PostgreSQL URL (--pg-url or $PDSCOPE_TEST_PG_URL): postgresql ingest not measured",
-            file=sys.stderr,
-        )
-
     rows = [("(a) parse one 60 KiB vLLM page", "ms CPU", "")]
     for k, v in parse_ms.items():
         rows.append((f"    {k}", f"{v:.2f}", f"{parse_ms['prometheus_client'] / v:.1f}x"))
@@ -336,27 +432,160 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         ("    instances per core at 5 s (baseline)", f"{ipc_base:.0f}", ""),
         ("    instances per core at 5 s (pdscope)", f"{ipc:.0f}", f"{ipc / ipc_base:.1f}x"),
-        (f"(b) OTLP ingest, {n_spans} spans ({args.traces} traces)", "spans/s", ""),
     ]
+    result = {
+        "instances_per_core": round(ipc),
+        "instances_per_core_baseline_prometheus_client": round(ipc_base),
+        "cpu_ms_per_instance_scrape": round(fast["cpu_ms_per_scrape"], 3),
+        "cpu_ms_per_instance_scrape_baseline": round(base["cpu_ms_per_scrape"], 3),
+        "parse_ms_per_page": {k: round(v, 3) for k, v in parse_ms.items()},
+    }
+    return rows, result
+
+
+def _best(runs: list[tuple[float, float, int]], traces: int) -> tuple[float, float]:
+    assert all(r[2] >= traces for r in runs), runs
+    return max(r[0] for r in runs), max(r[1] for r in runs)
+
+
+def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(b) OTLP ingest per store and sink: table rows and JSON keys."""
+    exports = make_exports(args.traces)
+    # store -> sink name -> (wall spans/s, spans per CPU second of this process)
+    got: dict[str, dict[str, tuple[float, float]]] = {}
+    # each round runs every sink once, so that a change in the machine's load hits them alike
+    with tempfile.TemporaryDirectory() as tmp:
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in INGEST_SINKS}
+        for k in range(args.repeat):
+            for name, make in INGEST_SINKS.items():
+                runs[name].append(ingest_spans_per_s(f"sqlite:///{tmp}/{name}{k}.db", exports, make))
+        got["sqlite"] = {name: _best(r, args.traces) for name, r in runs.items()}
+    if args.pg_url:
+        url = pg_database(args.pg_url)
+        try:
+            runs = {name: [] for name in INGEST_SINKS}
+            for _ in range(args.repeat):
+                for name, make in INGEST_SINKS.items():
+                    reset_pg(url)
+                    runs[name].append(ingest_spans_per_s(url, exports, make))
+            got["postgresql"] = {name: _best(r, args.traces) for name, r in runs.items()}
+        finally:
+            drop_pg_database(args.pg_url, url)
+    else:
+        print(
+            "!! no PostgreSQL URL (--pg-url or $PDSCOPE_TEST_PG_URL): postgresql ingest not measured",
+            file=sys.stderr,
+        )
+    default = {"sqlite": "alone", "postgresql": "shared"}  # what the collector runs on each store
+    rows = [(f"(b) OTLP ingest, {args.traces * 7} spans ({args.traces} traces)", "spans/s", "")]
     for db in ("sqlite", "postgresql"):
-        got, base_db = spans[db], baseline_spans[db]
-        if got is None or base_db is None:
+        if db not in got:
             rows.append((f"    {db}", "not measured", ""))
             continue
+        orm, before = got[db]["orm"], got[db]["before"]
         rows.append(
-            (
-                f"    {db}, baseline ORM objects: per CPU s / wall",
-                f"{base_db[1]:.0f} / {base_db[0]:.0f}",
-                "1.0x",
-            )
+            (f"    {db}, baseline ORM objects: per CPU s / wall", f"{orm[1]:.0f} / {orm[0]:.0f}", "1.0x")
         )
+        mine = got[db][default[db]]
         rows.append(
             (
                 f"    {db}, pdscope sink: per CPU s / wall",
-                f"{got[1]:.0f} / {got[0]:.0f}",
-                f"{got[1] / base_db[1]:.1f}x",
+                f"{mine[1]:.0f} / {mine[0]:.0f}",
+                f"{mine[1] / orm[1]:.1f}x",
             )
         )
+        for name, what in (
+            ("before", "before issue 16 (no lock, one process)"),
+            ("alone", "trace locks, one collector"),
+            ("shared", "trace locks, shared (reads every trace)"),
+        ):
+            v = got[db][name]
+            rows.append(
+                (
+                    f"      {what}: per CPU s / wall",
+                    f"{v[1]:.0f} / {v[0]:.0f}",
+                    f"{v[0] / before[0]:.2f}x wall",
+                )
+            )
+    result = {
+        # spans per second of the collector process's CPU (SQLite runs in-process, so that is
+        # all of the work there; PostgreSQL's server CPU is not in it), and per wall second,
+        # with the sink each store runs by default (SQLite: alone; PostgreSQL: shared)
+        "spans_per_s": {db: (round(got[db][default[db]][1]) if db in got else None) for db in default},
+        "spans_per_s_wall": {db: (round(got[db][default[db]][0]) if db in got else None) for db in default},
+        "spans_per_s_baseline_orm": {db: (round(got[db]["orm"][1]) if db in got else None) for db in default},
+        # the split-trace merge's cost (issue 16), same run: spans per CPU s and per wall s by sink
+        "spans_per_s_by_sink": {
+            db: {name: round(v[1]) for name, v in got[db].items() if name != "orm"} for db in got
+        },
+        "spans_per_s_wall_by_sink": {
+            db: {name: round(v[0]) for name, v in got[db].items() if name != "orm"} for db in got
+        },
+    }
+    return rows, result
+
+
+def part_c(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(c) 1 vs 2 collectors on PostgreSQL: table rows and JSON keys."""
+    if not args.pg_url:
+        print("!! no PostgreSQL URL: 1 vs 2 collectors not measured", file=sys.stderr)
+        return [("(c) 1 vs 2 collectors on PostgreSQL", "not measured", "")], {}
+    url = pg_database(args.pg_url)
+    best: dict[str, dict[str, float]] = {}
+    try:
+        for _ in range(args.repeat):
+            for key, n, split in (("1", 1, True), ("2", 2, True), ("2_unsplit", 2, False)):
+                run = collectors_spans_per_s(url, args.fleet_traces, n, split=split)
+                if key not in best or run["spans_per_s"] > best[key]["spans_per_s"]:
+                    best[key] = run
+    finally:
+        drop_pg_database(args.pg_url, url)
+    one = best["1"]["spans_per_s"]
+    rows = [
+        (f"(c) {args.fleet_traces * 7} spans over collectors (PostgreSQL)", "spans/s wall", ""),
+        ("    1 collector", f"{one:.0f}", "1.0x"),
+        ("    2 collectors, every trace split over both", f"{best['2']['spans_per_s']:.0f}", ""),
+        ("    2 collectors, each trace whole at one", f"{best['2_unsplit']['spans_per_s']:.0f}", ""),
+    ]
+    rows[2] = (*rows[2][:2], f"{best['2']['spans_per_s'] / one:.2f}x")
+    rows[3] = (*rows[3][:2], f"{best['2_unsplit']['spans_per_s'] / one:.2f}x")
+    result = {
+        # "2": every trace split over the two collectors; "2_unsplit": each trace whole at one
+        "collectors_spans_per_s": {k: round(v["spans_per_s"]) for k, v in best.items()},
+        "collectors_spans_per_cpu_s": {k: round(v["spans_per_cpu_s"]) for k, v in best.items()},
+        "collectors_speedup": round(best["2"]["spans_per_s"] / one, 2),
+    }
+    return rows, result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--traces", type=int, default=3000)
+    ap.add_argument("--fleet-traces", type=int, default=3000, help="(c): traces, 7 spans each")
+    ap.add_argument("--repeat", type=int, default=3, help="ingest runs per store; the best is reported")
+    ap.add_argument(
+        "--parts", default="a,b,c", help="which parts to run (a: scrape, b: ingest, c: collectors)"
+    )
+    ap.add_argument("--pg-url", default=os.environ.get("PDSCOPE_TEST_PG_URL"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "collector.json"))
+    args = ap.parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"a", "b", "c"}:
+        ap.error(f"--parts: a comma-separated subset of a,b,c, not {args.parts!r}")
+
+    out = Path(args.out)
+    previous: dict[str, Any] = {}
+    if parts != {"a", "b", "c"} and out.exists():  # keep the figures of the parts not run
+        previous = json.loads(out.read_text())
+    rows: list[tuple[str, str, str]] = []
+    result: dict[str, Any] = {}
+    for name, part in (("a", part_a), ("b", part_b), ("c", part_c)):
+        if name in parts:
+            part_rows, part_result = part(args)
+            rows += part_rows
+            result.update(part_result)
     load = os.getloadavg()[0]
     rows.append((f"(machine: {os.cpu_count()} CPUs, load average {load:.1f} during the run)", "", ""))
     width = max(len(r[0]) for r in rows)
@@ -364,26 +593,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value, ratio in rows:
         print(f"{name:<{width}}  {value:>16}  {ratio:>11}")
 
-    result = {
-        "instances_per_core": round(ipc),
-        "instances_per_core_baseline_prometheus_client": round(ipc_base),
-        "cpu_ms_per_instance_scrape": round(fast["cpu_ms_per_scrape"], 3),
-        "cpu_ms_per_instance_scrape_baseline": round(base["cpu_ms_per_scrape"], 3),
-        "parse_ms_per_page": {k: round(v, 3) for k, v in parse_ms.items()},
-        # spans per second of the collector process's CPU (SQLite runs in-process, so that is
-        # all of the work there; PostgreSQL's server CPU is not in it), and per wall second
-        "spans_per_s": {k: (round(v[1]) if v else None) for k, v in spans.items()},
-        "spans_per_s_wall": {k: (round(v[0]) if v else None) for k, v in spans.items()},
-        "spans_per_s_baseline_orm": {k: (round(v[1]) if v else None) for k, v in baseline_spans.items()},
-        "load_average": round(load, 1),
-        "params": {
-            "targets": args.targets,
-            "rounds": args.rounds,
-            "traces": args.traces,
-            "interval_s": INTERVAL_S,
-        },
+    params = {
+        "targets": args.targets,
+        "rounds": args.rounds,
+        "traces": args.traces,
+        "fleet_traces": args.fleet_traces,
+        "interval_s": INTERVAL_S,
     }
-    out = Path(args.out)
+    earlier = previous.get("load_average_by_part") or {
+        p: previous["load_average"] for p in "abc" if "load_average" in previous
+    }
+    loads = {**earlier, **{p: round(load, 1) for p in sorted(parts)}}
+    result = {
+        **previous,
+        **result,
+        "load_average": round(load, 1),  # this run's
+        "load_average_by_part": loads,  # the run each part's figures come from
+        "params": {**previous.get("params", {}), **params},
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -116,7 +116,9 @@ class CollectorService:
         self.metrics = CollectorMetrics()
         self.snapshots = SnapshotStore(self.factory)
         self.queue = SpanQueue(cs.span_queue_spans if queue_spans is None else queue_spans)
-        self.sink = sink or StoreSink(self.factory, settings.slo, clock)
+        # a shared store (PostgreSQL): a trace's spans may reach any collector, so every batch
+        # reads the stored spans of all its traces (collector.sink)
+        self.sink = sink or StoreSink(self.factory, settings.slo, clock, shared=shared_store(self.factory))
         self.batcher = SpanBatcher(self.queue, self.sink, self.metrics, health=self.health)
         self.retention = Retention(
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s
