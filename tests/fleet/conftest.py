@@ -5,7 +5,9 @@ PostgreSQL server for the test that restarts one."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,10 +85,15 @@ class PrivatePg:
 
 
 @pytest.fixture
-def private_pg(fleet_pg_admin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePg]:
-    """Needs the tier's PostgreSQL binaries (the shared server's presence says they are here)."""
-    pg = PrivatePg(tmp_path_factory.mktemp("private-pg") / "cluster")
+def private_pg(fleet_pg_admin: str) -> Iterator[PrivatePg]:
+    """Needs the tier's PostgreSQL binaries (the shared server's presence says they are here). Its
+    folder is one the server's user can enter (as root, the server runs as postgres: pytest's own
+    temporary folders are private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="pdscope-fleet-pg-"))
+    folder.chmod(0o755)
+    pg = PrivatePg(folder / "cluster")
     try:
         yield pg
     finally:
         pg.stop()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.exc import SQLAlchemyError
 
 from tests.fleet.conftest import PrivatePg
 from tests.support.fleet import (
@@ -384,7 +385,7 @@ def test_a_trace_split_across_the_collectors_becomes_exactly_one_correct_record(
 
         try:
             got = wait_until(
-                "every split request's record, merged from both halves", stored, done=complete, timeout_s=30
+                "every split request's record, merged from both halves", stored, done=complete, timeout_s=20
             )
         except AssertionError:
             got = stored()
@@ -400,7 +401,8 @@ def test_a_trace_split_across_the_collectors_becomes_exactly_one_correct_record(
             if diff:
                 wrong[rid] = diff
         assert not wrong, (
-            f"{len(wrong)} of {len(rids)} split requests are wrong (column: (stored, expected)): {wrong}"
+            f"{len(wrong)} of {len(rids)} split requests are wrong (column: (stored, expected)), e.g. "
+            f"{dict(list(wrong.items())[:3])}"
         )
         spans_stored = f.query("SELECT count(*) FROM spans WHERE attributes::text LIKE '%split-%'")
         assert spans_stored[0][0] >= len(rids), spans_stored
@@ -413,6 +415,17 @@ def _same(a: Any, b: Any) -> bool:
 
 
 # -- e. PostgreSQL restarted under load ---------------------------------------------------
+
+
+def store_errors(f: Fleet) -> dict[str, int]:
+    """Failures each controller (failed ticks or standby reloads, /healthz) and collector (failed store
+    writes, ``pdscope_collector_store_errors``) has counted: what rises while the store is down."""
+    out = {}
+    for c in f.controllers:
+        out[c.name] = int(c.health()["failed_ticks"])
+    for c in f.collectors:
+        out[c.name] = int(sum(c.metrics().get("pdscope_collector_store_errors_total", {}).values()))
+    return out
 
 
 def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconnects(
@@ -434,14 +447,16 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
             done=lambda s: len(s) == 3,
         )
         t_down = time.time()
+        before = store_errors(f)
         private_pg.stop()
-        wait_until(
-            "the controllers and collectors to notice the store is gone",
-            lambda: [c.get("/healthz").status_code for c in f.collectors],
-            done=lambda codes: all(code == 503 for code in codes),
+        seen = wait_until(
+            "the controllers and collectors to see the store fail",
+            lambda: store_errors(f),
+            done=lambda now: all(now[k] > before[k] for k in now),
             timeout_s=30,
             ignore=HTTP_ERRORS,
         )
+        print(f"store errors seen (before -> during the outage): {before} -> {seen}")
         down_s = time.time() - t_down
         private_pg.start()
         t_up = time.time()
@@ -458,7 +473,7 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
             lambda: newest_snapshots(f),
             done=lambda n: set(n) == set(f.instances) and min(n.values()) > t_up,
             timeout_s=60,
-            ignore=HTTP_ERRORS + (Exception,),
+            ignore=(*HTTP_ERRORS, SQLAlchemyError),
         )
         for s in (*f.collectors, *f.controllers):
             wait_until(
@@ -469,9 +484,16 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
                 ignore=HTTP_ERRORS,
             )
         assert any(h["role"] == "leader" for _, h in leader)
+        wait_until(
+            "requests answered after the restart",
+            lambda: [r for r in load.sent_since(time.monotonic() - (time.time() - t_up)) if r.ok],
+            done=lambda rs: len(rs) >= 20,
+            timeout_s=20,
+        )
+        load.stop()
     failed = [r for r in load.results if not r.ok]
     assert not failed, f"client requests failed across the PostgreSQL restart: {summarize(load.results)}"
-    assert len(load.results) >= 150, summarize(load.results)
+    assert len(load.results) >= 50, summarize(load.results)
     newest = f.query("SELECT max(proxy_in) FROM request_records")[0][0]
     assert newest is not None and newest > t_up, "no request record stored after the restart"
 
@@ -504,7 +526,8 @@ def test_the_other_proxies_keep_serving_when_one_is_killed(fleet: Fleet) -> None
     assert others and all(r.ok for r in others), f"the surviving proxies failed requests: {summarize(others)}"
     lost = [r for r in results if not r.ok]
     assert all(r.proxy == victim.url and r.sent <= t_out for r in lost), (
-        f"failures not explained by the kill (only requests in flight at the killed proxy may fail): {summarize(lost)}"
+        "failures not explained by the kill (only requests in flight at the killed proxy may fail): "
+        + summarize(lost)
     )
     assert all(r.sent < t_kill or r.proxy != victim.url for r in results if r.sent > t_out)
     for p in f.proxies[:2]:
@@ -556,7 +579,7 @@ def test_the_in_flight_sum_across_proxies_stays_within_the_pool_limit_under_a_bu
             lambda: proxy_shares(f, leader),
             done=lambda ps: {i for i, p in ps.items() if p.get("live")} == ids,
             timeout_s=20,
-            ignore=HTTP_ERRORS + (KeyError, TypeError),
+            ignore=(*HTTP_ERRORS, KeyError, TypeError),
         )
         # e2e ~0.3-0.4 s: 1.5 x 24 in flight needs ~100 req/s offered
         with (

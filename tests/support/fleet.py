@@ -203,7 +203,11 @@ class Fleet:
         self.prefills = [f"prefill-{i}" for i in range(shape.prefill)]
         self.decodes = [f"decode-{i}" for i in range(shape.decode)]
         self.instances = dict(
-            zip(self.prefills + self.decodes, (f"http://127.0.0.1:{p}" for p in self.instance_ports), strict=True)
+            zip(
+                self.prefills + self.decodes,
+                (f"http://127.0.0.1:{p}" for p in self.instance_ports),
+                strict=True,
+            )
         )
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PDSCOPE_API_TOKEN": TOKEN}
         self.env.pop("PDSCOPE_OTLP_TOKENS", None)
@@ -320,10 +324,21 @@ class Fleet:
             del cfg["proxy"]["controller_url"]
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        argv = [sys.executable, "-m", "pdscope.cli", "--config", str(path), "--log-level", "INFO", kind_cmd(kind)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdscope.cli",
+            "--config",
+            str(path),
+            "--log-level",
+            "INFO",
+            kind_cmd(kind),
+        ]
         if kind == "sim":
             argv += ["--admin-port", str(port)]
-        return Service(name, kind, argv, f"http://127.0.0.1:{port}", health, self.workdir / f"{name}.log", self.env)
+        return Service(
+            name, kind, argv, f"http://127.0.0.1:{port}", health, self.workdir / f"{name}.log", self.env
+        )
 
     def config_of(self, service: Service) -> dict[str, Any]:
         loaded: dict[str, Any] = yaml.safe_load((self.workdir / f"{service.name}.yaml").read_text())
@@ -372,7 +387,9 @@ class Fleet:
         for s in group:
             self.wait_ready(s, ready)
 
-    def wait_ready(self, s: Service, ready: Callable[[Service], bool], timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_ready(
+        self, s: Service, ready: Callable[[Service], bool], timeout_s: float = START_TIMEOUT_S
+    ) -> None:
         def probe() -> bool:
             if not s.alive():
                 raise AssertionError(f"{s.name} exited ({s.proc and s.proc.returncode}):\n{s.tail()}")
@@ -532,7 +549,7 @@ class Load:
     def _main(self) -> None:
         try:
             asyncio.run(self._run())
-        except BaseException as exc:  # noqa: BLE001 - reported by join()
+        except BaseException as exc:  # reported by join()
             self.error = exc
 
     async def _run(self) -> None:
