@@ -543,7 +543,7 @@ BURST_SHAPE = FleetShape(
     queue_timeout_s=0.5,
     routing_poll_s=0.25,
     controller={"proxy_ttl_s": 1.0, "proxy_share_floor": 0.2, "proxy_share_window_s": 5.0},
-    simulator={"decode_per_seq_s": 0.002},
+    simulator={"step_overhead_s": 0.08, "decode_per_seq_s": 0.002},  # ~1.5 s a request, little CPU
 )
 
 

@@ -78,7 +78,9 @@ class FleetShape:
     seed: int = 0
     simulator: dict[str, Any] = field(default_factory=dict)
     controller: dict[str, Any] = field(default_factory=dict)
-    proxy: dict[str, Any] = field(default_factory=dict)
+    # the proxy's own AIMD limit (on its TTFT) is off: on a shared 2-core machine CPU contention alone
+    # would move it, and what these runs measure is the pools' configured (and apportioned) limits
+    proxy: dict[str, Any] = field(default_factory=lambda: {"adaptive_limit": {"enabled": False}})
     collector: dict[str, Any] = field(default_factory=dict)
 
 
