@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, history, ops, overrides, routing
+from controller.endpoints import alerts, history, ops, overrides, proxies, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.guard import RequestGuard
@@ -36,11 +36,19 @@ from controller.leader import NotLeader
 from controller.loop import Reconciler
 from controller.notify import Notifier, NullNotifier
 from controller.overrides import NothingToClear, OverridesService, UnknownSubject
+from controller.proxies import ProxyRegistry
 from store.db import StoreError
 
 log = logging.getLogger(__name__)
 
-ROUTERS = (routing, history, alerts, ops, overrides)  # reads first, as the OpenAPI document lists them
+ROUTERS = (
+    routing,
+    proxies,
+    history,
+    alerts,
+    ops,
+    overrides,
+)  # reads first, as the OpenAPI document lists them
 
 
 def create_app(
@@ -51,9 +59,12 @@ def create_app(
     registry: CollectorRegistry | None = None,
     notifier: Notifier | None = None,
     run_loop: bool = False,
+    proxy_tokens: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """The app. ``token`` is identity ``"api"``'s; ``tokens`` maps more identities to theirs.
-    With ``run_loop`` the reconcile loop runs for the app's lifetime."""
+    ``proxy_tokens`` (token -> proxy identity) authenticate proxy reports; None: read from the
+    environment (``controller.proxy_tokens_env``). With ``run_loop`` the reconcile loop runs for
+    the app's lifetime."""
     settings = reconciler.settings
     ids = dict(tokens or {})
     if token:
@@ -64,10 +75,17 @@ def create_app(
         f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})",
     )
     notif = notifier or NullNotifier()
+    registry_of_proxies = ProxyRegistry(
+        reconciler.factory,
+        settings,
+        me=reconciler.leadership.holder,
+        tokens=settings.proxy_tokens() if proxy_tokens is None else proxy_tokens,
+        clock=reconciler.clock,
+    )
     if registry is None:
         from controller.metrics import make_registry
 
-        registry = make_registry(reconciler, notif)
+        registry = make_registry(reconciler, notif, registry_of_proxies)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,9 +109,10 @@ def create_app(
     app.add_middleware(RequestGuard, auth=authn, max_body_bytes=settings.controller.max_body_bytes)
     _translate_errors(app)
     service = OverridesService(reconciler)
-    ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service))
+    ctx = ApiContext(reconciler, authn, registry, service, Views(reconciler, service), registry_of_proxies)
     for module in ROUTERS:
         app.include_router(module.router(ctx))
+    app.state.proxies = registry_of_proxies  # for tests and embedding
     return app
 
 

@@ -64,10 +64,16 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     from controller.auth import API_IDENTITY, IdentityConfigError, load_tokens
+    from pdscope.config import ConfigError
 
     try:
         tokens = load_tokens(settings)
     except IdentityConfigError as exc:
+        print(f"pdscope control: {exc}", file=sys.stderr)
+        return 1
+    try:
+        settings.proxy_tokens()  # read again by the app; a bad entry stops the start here
+    except ConfigError as exc:
         print(f"pdscope control: {exc}", file=sys.stderr)
         return 1
     token = tokens.pop(API_IDENTITY, None)

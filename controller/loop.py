@@ -316,6 +316,16 @@ class Reconciler:
             pass
         return None
 
+    def fence_mutation(self, session: Session) -> None:
+        """First in an operator change's transaction: the same fence as a tick's, so a leader that was
+        deposed without noticing yet (paused past its lock) writes no override. Raises
+        :class:`controller.leader.Deposed` (a 409 naming the new leader). Before this leader's first
+        tick has claimed its epoch there is nothing to fence with: the lock alone holds."""
+        with self._lock:
+            epoch = self._epoch if self._leading else None
+        if epoch is not None:
+            fence(session, epoch, self.lease_s)
+
     def require_leader(self) -> None:
         """Raises :class:`controller.leader.NotLeader` naming the store's leader (read now) on a standby."""
         with self._lock:

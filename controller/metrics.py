@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from controller.loop import Reconciler
 from controller.notify import Notifier
+from controller.proxies import OUTCOMES, ProxyRegistry
 
 
 class ControllerCollector(Collector):
@@ -168,7 +169,41 @@ class ControllerCollector(Collector):
         )
 
 
-def make_registry(reconciler: Reconciler, notifier: Notifier) -> CollectorRegistry:
+class ProxiesCollector(Collector):
+    """The routing polls this replica answered, and the live proxies at the last one."""
+
+    def __init__(self, proxies: ProxyRegistry) -> None:
+        self.proxies = proxies
+
+    def collect(self) -> Iterator[Metric]:
+        polls = CounterMetricFamily(
+            "pdscope_controller_proxy_polls",
+            "Routing polls with a proxy report, by outcome (ok, new, restarted, bad_report, "
+            "duplicate_id: refused, another process holds the id; store_error: served without a share).",
+            labels=["outcome"],
+        )
+        counts = dict(self.proxies.polls)
+        for outcome in OUTCOMES:
+            polls.add_metric([outcome], float(counts.get(outcome, 0)))
+        yield polls
+        yield GaugeMetricFamily(
+            "pdscope_controller_live_proxies",
+            "Live proxies the pools' limits were split among at the last poll this replica answered.",
+            value=self.proxies.live,
+        )
+        yield CounterMetricFamily(
+            "pdscope_controller_proxies_departed",
+            "Proxies that left the live set (no routing poll within controller.proxy_ttl_s), as this "
+            "replica's polls saw it; their parts went to the others.",
+            value=self.proxies.departed,
+        )
+
+
+def make_registry(
+    reconciler: Reconciler, notifier: Notifier, proxies: ProxyRegistry | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControllerCollector(reconciler, notifier))
+    if proxies is not None:
+        registry.register(ProxiesCollector(proxies))
     return registry

@@ -183,6 +183,7 @@ class OverridesService:
     def _serialised(self, kind: Kind, subject: str) -> Iterator[tuple[Session, float]]:
         """One change of one subject at a time, in one transaction, with ``now`` read inside it."""
         with self._locks[(kind, subject)], transaction(self.reconciler.factory) as session:
+            self.reconciler.fence_mutation(session)  # Deposed: a paused old leader writes nothing
             lock_subject(session, kind, subject)
             yield session, self.reconciler.clock()
 

@@ -243,3 +243,26 @@ class HealthOut(BaseModel):
         "by (null: none yet)"
     )
     leader: LeaderOut | None = Field(description="the store's leader as this controller last read it")
+
+
+class ProxyPoolOut(BaseModel):
+    share: float = Field(description="the proxy's fraction of the pool's limits")
+    max_inflight_requests: int
+    max_inflight_kv_bytes: int
+
+
+class ProxyOut(BaseModel):
+    """One proxy as its routing polls report it (``GET /v1/proxies``)."""
+
+    id: str
+    live: bool = Field(description="polled within controller.proxy_ttl_s; only live proxies get a part")
+    last_poll: float = Field(description="Unix seconds of its last routing poll")
+    age_s: float
+    started: float = Field(description="Unix seconds its process started (as it reports)")
+    first_seen: float
+    served_by: str | None = Field(description="the controller replica that answered its last poll")
+    applied_version: int | None = Field(description="the routing table version it applies")
+    inflight: dict[str, int] = Field(description="requests it holds per pool")
+    demand_per_s: dict[str, float] = Field(description="its smoothed demand per pool (requests/s)")
+    pools: dict[str, ProxyPoolOut] = Field(description="the part of each pool's limits it was last given")
+    duplicates: int = Field(description="polls refused because another process holds this id")

@@ -181,3 +181,10 @@ def routing_table(controller_url: str) -> dict[str, Any] | None:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000.0
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def proxies(url: str, now: float, ttl_s: float) -> pd.DataFrame:
+    from dashboard.queries import proxies as px
+
+    return px.proxies(engine_for(url), now, ttl_s)

@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pdscope.routing import PROXY_ID_PATTERN
 from pdscope.routing import Role as Role
 from pdscope.simconfig import SimulatorConfig  # the one definition, with the routing contract
 
@@ -421,6 +422,21 @@ class ControllerSettings(_Frozen):
         description="part of every pool's limits split equally among the live proxies (so an idle "
         "one can still admit); the rest follows each proxy's share of the pool's recent demand",
     )
+    proxy_tokens_env: str = Field(
+        default="PDSCOPE_PROXY_TOKENS",
+        min_length=1,
+        description="the NAME of an env variable holding name:token[,name:token...]: when it is set, a "
+        "routing poll that reports a proxy (and so claims a part of the limits) needs Authorization: "
+        "Bearer <one of them> (401 otherwise; a poll without a report stays open). Unset: any poll may "
+        "report, so keep the controller reachable by the proxies only",
+    )
+    max_proxies: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="most live proxies the limits are split among; a new id beyond them gets the table "
+        "without a part (it admits limit / proxy.expected_replicas) and is counted (over_limit)",
+    )
     proxy_share_window_s: float = Field(
         default=30.0,
         gt=0,
@@ -561,10 +577,16 @@ class ProxySettings(_Frozen):
         default=None,
         min_length=1,
         max_length=128,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$",
+        pattern=PROXY_ID_PATTERN,
         description="this proxy's id among the proxies in front of the fleet, sent on every routing "
         "poll; the controller apportions each pool's limits among the live ids. Unique per "
         "process. Unset: <hostname>:<port>",
+    )
+    controller_token_env: str = Field(
+        default="PDSCOPE_PROXY_TOKEN",
+        min_length=1,
+        description="env variable whose value the routing poll sends as Authorization: Bearer <value> "
+        "(needed when the controller sets controller.proxy_tokens_env; unset: no header)",
     )
     expected_replicas: int = Field(
         default=1,
@@ -577,6 +599,15 @@ class ProxySettings(_Frozen):
     controller_url: str | None = Field(
         default=None,
         description="where GET /v1/routing is polled; default http://<controller.host>:<controller.port>",
+    )
+    controller_urls: (
+        list[Annotated[str, Field(min_length=8, max_length=512, pattern=r"^https?://")]] | None
+    ) = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description="several controller replicas to poll GET /v1/routing from (every replica serves it): "
+        "the one that last answered first, the next on a failure; overrides controller_url",
     )
     routing_poll_s: float = Field(
         default=1.0, gt=0, description="seconds between polls of the routing table (with If-None-Match)"
@@ -968,6 +999,19 @@ class Settings(_Frozen):
                 return pool_name
         return None
 
+    def proxy_tokens(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """token -> proxy identity, from ``$controller.proxy_tokens_env``; empty when unset (open).
+
+        Raises ConfigError naming the variable when an entry is not ``name:token``.
+        """
+        name = self.controller.proxy_tokens_env
+        raw = (os.environ if environ is None else environ).get(name, "")
+        try:
+            by_name = parse_named_tokens(raw, name)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from exc
+        return {token: who for who, token in by_name.items()}
+
     def api_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The controller API token, read from the variable named in the file."""
         env = os.environ if environ is None else environ
@@ -977,6 +1021,11 @@ class Settings(_Frozen):
     @property
     def controller_url(self) -> str:
         return self.proxy.controller_url or f"http://{self.controller.host}:{self.controller.port}"
+
+    @property
+    def controller_urls(self) -> list[str]:
+        """Where the proxy polls the routing table, in the order it tries them."""
+        return list(self.proxy.controller_urls or [self.controller_url])
 
     @property
     def collector_url(self) -> str:

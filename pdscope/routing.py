@@ -14,10 +14,21 @@ other content; the epoch keeps that from answering 304 to a proxy holding the ol
 table serves (bumped on each takeover; the same on every replica). A proxy may poll any
 controller replica; it needs neither field to apply the table, and a table without
 ``leader_epoch`` (an older controller) is as valid.
+
+Several proxies share the pools' limits. Each says who it is on every poll
+(:class:`ProxyReport`, as query parameters of ``GET /v1/routing``) and gets its own part of
+every pool's limits back in ``RoutingTable.proxy`` (:class:`ProxyShare`); the pools' own
+``max_inflight_*`` stay the pool-wide totals. A poll without a report (an older proxy, a
+person with curl) gets the table without a share.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,6 +66,26 @@ class PoolRoute(BaseModel):
     reason: str = ""
 
 
+class PoolShare(BaseModel):
+    """One proxy's part of one pool's limits."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    share: float = Field(ge=0.0, le=1.0, description="this proxy's fraction of the pool's limits")
+    max_inflight_requests: int = Field(ge=0)
+    max_inflight_kv_bytes: int = Field(ge=0)
+
+
+class ProxyShare(BaseModel):
+    """What the polling proxy may admit: its part of each pool's limits, among ``live`` proxies."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str
+    live: int = Field(ge=1, description="live proxies the limits are split among (this one included)")
+    pools: dict[str, PoolShare]
+
+
 class RoutingTable(BaseModel):
     """What the proxy should do now. ``enforce=False`` means advisory: show, don't apply."""
 
@@ -72,8 +103,124 @@ class RoutingTable(BaseModel):
         description="epoch of the controller leader whose decisions this table serves "
         "(bumped on each takeover); None: not known",
     )
+    proxy: ProxyShare | None = Field(
+        default=None,
+        description="the polling proxy's part of the pools' limits; None: the poll did not say "
+        "who it is, or the controller could not work the share out (the proxy keeps its last)",
+    )
 
 
-def routing_etag(epoch: str, version: int) -> str:
-    """The strong ETag of table ``version`` served by the controller process ``epoch``."""
-    return f'"{epoch}-{version}"'
+def routing_etag(epoch: str, version: int, share: ProxyShare | None = None) -> str:
+    """The strong ETag of table ``version`` served by the controller process ``epoch``, with the
+    polling proxy's ``share`` (a proxy whose part changed gets the table again)."""
+    if share is None:
+        return f'"{epoch}-{version}"'
+    digest = hashlib.blake2b(share.model_dump_json().encode(), digest_size=6).hexdigest()
+    return f'"{epoch}-{version}-{digest}"'
+
+
+# -- the proxy's report on each poll ----------------------------------------------------
+
+PROXY_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$"
+_PROXY_ID = re.compile(PROXY_ID_PATTERN)
+_BOOT = re.compile(r"^[0-9a-f]{1,32}$")
+_POOL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_REPORT_POOLS = 64
+_MAX_COUNT = 2**62
+
+
+class BadReport(ValueError):
+    """A poll's report that cannot be read; ``param`` names the query parameter."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param}: {why}")
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyReport:
+    """Who polls and what it holds, sent as the query parameters of ``GET /v1/routing``.
+
+    ``boot`` is random per process and ``started`` its start time (unix seconds): a process
+    started later under the same id replaces an earlier one (a restart); an earlier one that
+    still polls is a duplicate. ``demand`` counts, per pool, the requests that sought
+    admission into it since the process started (admitted or rejected); ``inflight`` is what
+    the proxy holds now; ``applied`` the table version it applies.
+    """
+
+    id: str
+    boot: str
+    started: float
+    applied: int | None = None
+    demand: Mapping[str, int] = field(default_factory=dict)
+    inflight: Mapping[str, int] = field(default_factory=dict)
+
+    def params(self) -> dict[str, str]:
+        out = {"proxy": self.id, "boot": self.boot, "started": f"{self.started:.3f}"}
+        if self.applied is not None:
+            out["applied"] = str(self.applied)
+        if self.demand:
+            out["demand"] = _pairs(self.demand)
+        if self.inflight:
+            out["inflight"] = _pairs(self.inflight)
+        return out
+
+    @classmethod
+    def from_params(cls, q: Mapping[str, str]) -> ProxyReport | None:
+        """The report in a poll's query, None when it has none (no ``proxy``). Raises BadReport."""
+        pid = q.get("proxy")
+        if pid is None:
+            return None
+        if len(pid) > 128 or not _PROXY_ID.match(pid):
+            raise BadReport("proxy", f"not a proxy id (at most 128 of A-Z a-z 0-9 . _ : @ / -): {pid[:40]!r}")
+        boot = q.get("boot", "")
+        if not _BOOT.match(boot):
+            raise BadReport("boot", "must be 1 to 32 lowercase hex digits")
+        started = _finite(q.get("started"), "started")
+        applied_raw = q.get("applied")
+        applied = None if applied_raw is None else _count(applied_raw, "applied")
+        return cls(
+            pid,
+            boot,
+            started,
+            applied,
+            _parse_pairs(q.get("demand", ""), "demand"),
+            _parse_pairs(q.get("inflight", ""), "inflight"),
+        )
+
+
+def _pairs(counts: Mapping[str, int]) -> str:
+    return ",".join(f"{k}:{int(v)}" for k, v in sorted(counts.items()))
+
+
+def _finite(raw: str | None, param: str) -> float:
+    try:
+        v = float(raw) if raw is not None else math.nan
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0:
+        raise BadReport(param, "must be a non-negative number")
+    return v
+
+
+def _count(raw: str, param: str) -> int:
+    if not raw.isdigit() or len(raw) > 19 or int(raw) >= _MAX_COUNT:
+        raise BadReport(param, f"must be a non-negative integer below 2**62: {raw[:24]!r}")
+    return int(raw)
+
+
+def _parse_pairs(raw: str, param: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    if not raw:
+        return out
+    items = raw.split(",")
+    if len(items) > MAX_REPORT_POOLS:
+        raise BadReport(param, f"more than {MAX_REPORT_POOLS} pools")
+    for item in items:
+        pool, sep, n = item.partition(":")
+        if not sep or not _POOL.match(pool):
+            raise BadReport(param, f"expected pool:count[,pool:count...], got {item[:40]!r}")
+        if pool in out:
+            raise BadReport(param, f"pool {pool!r} twice")
+        out[pool] = _count(n, param)
+    return out

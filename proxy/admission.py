@@ -47,6 +47,9 @@ class Admission:
         self.adaptive = adaptive
         self.requests: Counter[str] = Counter()
         self.kv_bytes: Counter[str] = Counter()
+        # requests that sought admission into each pool since start, admitted or not: the demand the
+        # controller splits the pools' limits among proxies by (``pdscope.routing.ProxyReport``)
+        self.demand: Counter[str] = Counter()
         self.max_waiters = max_waiters
         self._waiters: list[asyncio.Future[None]] = []
 

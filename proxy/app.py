@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from pdscope.config import Settings
+from pdscope.routing import ProxyReport
 from proxy import protocol
 from proxy.admission import Admission
 from proxy.concurrency import AdaptiveLimits
@@ -114,8 +116,15 @@ class ProxyApp:
     async def startup(self) -> None:
         p = self.parts
         if self.poll and self._poller is None:
+            adm = p.admission
+
+            def report() -> ProxyReport:
+                return p.routing.report(dict(adm.demand), {k: v for k, v in adm.requests.items() if v})
+
             self._poller = asyncio.create_task(
-                poll_forever(p.routing, p.settings.controller_url, p.settings.proxy.routing_poll_s, p.clock)
+                poll_forever(
+                    p.routing, p.settings.controller_urls, p.settings.proxy.routing_poll_s, p.clock, report
+                )
             )
 
     async def shutdown(self) -> None:
@@ -179,10 +188,16 @@ class ProxyApp:
                 "max_inflight_requests": ceiling,
                 "adaptive_limit": None if adaptive is None else adaptive.limit(pool, ceiling),
             }
+        share = r.current_share(now)
         return {
             "status": "ok",
             "routing": r.state,
             "version": r.view.version,
+            "proxy_id": r.proxy_id,
+            "pid": os.getpid(),
+            "share": None if share is None else {k: v.share for k, v in share.pools.items()},
+            "live_proxies": None if share is None else share.live,
+            "share_refused": r.share_refusal,
             "ejected": ejected,
             "pool_limits": limits,
         }

@@ -6,6 +6,7 @@ Import-light: only argparse and the config at module level.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pdscope.config import Settings
 
@@ -22,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller-url", help="where GET /v1/routing is polled (default: from the config)")
     parser.add_argument("--otlp-endpoint", help="OTLP/HTTP traces endpoint (default: the collector)")
     parser.add_argument("--no-tracing", action="store_true", help="emit no spans")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="proxy processes on this port (SO_REUSEPORT), each its own proxy id <proxy.id>/w<i> "
+        "with its own part of the limits (default 1: this process serves)",
+    )
+    parser.add_argument(
+        "--worker-admin-port",
+        type=int,
+        help="with --workers: worker i also serves alone on this port + i (scrape each one's /metrics)",
+    )
     parser.add_argument(
         "--upstream-client",
         choices=["lean", "httpx"],
@@ -55,20 +68,40 @@ def apply_overrides(settings: Settings, args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdscope.config import load_settings
+
+    settings = apply_overrides(load_settings(args), args)
+    workers = getattr(args, "workers", 1) or 1
+    admin_port = getattr(args, "worker_admin_port", None)
+    if workers < 1 or workers > 256:
+        raise SystemExit("--workers: between 1 and 256")
+    if admin_port is not None and (workers == 1 or not 1 <= admin_port <= 65535 - workers):
+        raise SystemExit("--worker-admin-port: needs --workers > 1 and room for one port per worker")
+    if workers > 1:
+        import logging
+
+        from proxy.workers import supervise
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return supervise(settings, workers, args.upstream_client, admin_port)
+    serve(settings, args.upstream_client)
+    return 0
+
+
+def serve(settings: Settings, upstream_client: str, sockets: list[Any] | None = None) -> None:
+    """Run one proxy process until it is stopped (on ``sockets`` when given, else on host:port)."""
     import uvicorn
 
-    from pdscope.config import load_settings
     from proxy.app import build
     from proxy.server import uvicorn_config
 
-    settings = apply_overrides(load_settings(args), args)
     if settings.proxy.tracing:
         import sys
 
         # The span exporter thread encodes batches while holding the GIL; a 1 ms switch
         # interval (Python's default: 5 ms) bounds how long a request waits behind it.
         sys.setswitchinterval(0.001)
-    app = build(settings, upstream_client=args.upstream_client)
+    app = build(settings, upstream_client=upstream_client)
     try:
         import uvloop  # noqa: F401
 
@@ -86,5 +119,4 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=30,
         timeout_graceful_shutdown=10,  # open streams get this long at shutdown, then are closed
     )
-    uvicorn.Server(config).run()
-    return 0
+    uvicorn.Server(config).run(sockets=sockets)

@@ -50,6 +50,11 @@ class Gate:
 
     async def admit(self, req: RequestState) -> Rejection | None:
         """Admit ``req`` into a P and a D pool, waiting for room within the queue bound; or why not."""
+        rejection = await self._admit(req)
+        self._count_demand(req, rejection)
+        return rejection
+
+    async def _admit(self, req: RequestState) -> Rejection | None:
         deadline = self.clock() + self.routing.view.queue_wait_s(self.fs.queue_timeout_s)
         while True:
             rejection = self._try_admit(req, self.routing.view, self.clock())
@@ -61,6 +66,20 @@ class Gate:
             if not self.admission.can_wait():
                 return Rejection(REASON_QUEUE_FULL, rejection.pools, rejection.role)
             await self.admission.wait(remaining)
+
+    def _count_demand(self, req: RequestState, rejection: Rejection | None) -> None:
+        """One demand per role: the pool admitted into, else the pools the rejection names (or, for
+        the role it did not get to, every pool of that role in the view)."""
+        demand = self.admission.demand
+        if rejection is None:
+            assert req.p is not None and req.d is not None
+            demand[req.p.pool] += 1
+            demand[req.d.pool] += 1
+            return
+        view = self.routing.view
+        for role, pools in (("prefill", view.prefill_pools), ("decode", view.decode_pools)):
+            for pool in rejection.pools if rejection.role == role else pools:
+                demand[pool] += 1
 
     def _try_admit(self, req: RequestState, view: RoutingView, now: float) -> Rejection | None:
         for role, targets in (("prefill", view.prefill), ("decode", view.decode)):

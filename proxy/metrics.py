@@ -166,6 +166,40 @@ class _LiveCollector(Collector):
         for pool, n in sorted(admission.kv_bytes.items()):
             kvb.add_metric([pool], float(n))
         yield kvb
+        dem = CounterMetricFamily(
+            "pdscope_proxy_pool_demand",
+            "Requests that sought admission into each pool (admitted or not): what the controller "
+            "splits the pools' limits among proxies by.",
+            labels=["pool"],
+        )
+        for pool, n in sorted(admission.demand.items()):
+            dem.add_metric([pool], float(n))
+        yield dem
+        lim_in_force = GaugeMetricFamily(
+            "pdscope_proxy_pool_limit",
+            "The limits this proxy enforces per pool (its part of the pool's, or the config's "
+            "divided by proxy.expected_replicas), kind requests or kv_bytes.",
+            labels=["pool", "kind"],
+        )
+        for pool, limits in sorted(routing.view.limits.items()):
+            lim_in_force.add_metric([pool, "requests"], float(limits.max_inflight_requests))
+            lim_in_force.add_metric([pool, "kv_bytes"], float(limits.max_inflight_kv_bytes))
+        yield lim_in_force
+        share = routing.current_share(self.sources.now())
+        frac = GaugeMetricFamily(
+            "pdscope_proxy_limit_share",
+            "This proxy's fraction of each pool's limits as the controller last gave it "
+            "(absent: no part, the config's limits divided by proxy.expected_replicas apply).",
+            labels=["pool"],
+        )
+        for pool, part in sorted(({} if share is None else share.pools).items()):
+            frac.add_metric([pool], part.share)
+        yield frac
+        yield GaugeMetricFamily(
+            "pdscope_proxy_live_proxies",
+            "Live proxies the controller split the limits among at this proxy's last part (0: none).",
+            value=0.0 if share is None else float(share.live),
+        )
         waiting = GaugeMetricFamily("pdscope_proxy_admission_waiting", "Requests waiting for admission.")
         waiting.add_metric([], float(admission.waiting))
         yield waiting

@@ -14,7 +14,7 @@ from typing import Protocol
 from pdscope.config import Settings
 from proxy import protocol
 from proxy.protocol import PrefillAnswer
-from proxy.routing import PoolLimits, Target
+from proxy.routing import PoolLimits, Target, fallback_limits
 
 JSON = b"application/json"
 
@@ -45,7 +45,7 @@ class FlowSettings:
             kv_bytes_per_token=s.model.kv_bytes_per_token,
             queue_timeout_s=a.queue_timeout_s,
             retry_after_s=a.retry_after_s,
-            default_limits=PoolLimits(a.max_inflight_requests, a.max_inflight_kv_bytes),
+            default_limits=fallback_limits(s),
             max_model_len=s.proxy.max_model_len,
             trace_sample_ratio=s.proxy.trace_sample_ratio,
             ttft_slo_s=s.slo.ttft.target_ms / 1000.0,

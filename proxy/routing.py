@@ -11,9 +11,19 @@ decides what to do when the controller cannot be reached:
      └─poll fails─► never_reached ──table──┘
 
 ``static`` keeps the last table; ``fallback``, ``default`` and ``never_reached`` use the
-config's pools with equal instance weights and the config's admission defaults
-(``never_reached``: no controller has answered since this proxy started -- a WARNING
-says so once). An ``advisory`` table is recorded but not applied. The proxy never stops
+config's pools with equal instance weights and the config's admission defaults divided by
+``proxy.expected_replicas`` (``never_reached``: no controller has answered since this proxy
+started -- a WARNING says so once).
+
+Several proxies share each pool's limits: every poll carries this proxy's report
+(:class:`pdscope.routing.ProxyReport`: its id, its demand and in-flight per pool, the
+version it applies) and the table comes back with its part (``RoutingTable.proxy``), which
+is the limit this proxy enforces. A table without a part (the controller could not work it
+out) keeps the last part for ``fail_static_s``; then, as when the controller is unreachable,
+the config's limits divided by ``expected_replicas`` -- never the whole limit, which every
+proxy would admit at once. The poller fails over between ``proxy.controller_urls``.
+
+An ``advisory`` table is recorded but not applied. The proxy never stops
 serving because of the controller. State changes are logged (WARNING into a degraded
 state, INFO out of it); a poll that changes nothing logs nothing above DEBUG.
 
@@ -24,6 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +47,7 @@ import httpx
 from pydantic import ValidationError
 
 from pdscope.config import Settings
-from pdscope.routing import RoutingTable
+from pdscope.routing import ProxyReport, ProxyShare, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +105,24 @@ class RoutingView:
         return tuple(dict.fromkeys(t.pool for t in self.decode))
 
 
+def _divided(limit: int, n: int) -> int:
+    """One proxy's part of ``limit`` among ``n``: at least 1 of a limit above 0 (0 stays 0: closed)."""
+    return 0 if limit <= 0 else max(1, limit // n)
+
+
+def fallback_limits(settings: Settings) -> PoolLimits:
+    """A pool's limits with no part from the controller: the config's, divided by the proxies expected."""
+    adm, n = settings.proxy.admission, settings.proxy.expected_replicas
+    return PoolLimits(_divided(adm.max_inflight_requests, n), _divided(adm.max_inflight_kv_bytes, n))
+
+
 def config_view(settings: Settings, state: State, version: int | None = None) -> RoutingView:
-    """Equal instance weights (times the config's pool weight) and the config's limits."""
-    adm = settings.proxy.admission
+    """Equal instance weights (times the config's pool weight) and the config's limits (this proxy's part)."""
+    fallback = fallback_limits(settings)
     targets: dict[str, list[Target]] = {"prefill": [], "decode": []}
     limits = {}
     for pool_name, pool in settings.pools.items():
-        limits[pool_name] = PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes)
+        limits[pool_name] = fallback
         if pool.weight <= 0:
             continue
         for inst in pool.instances:
@@ -106,19 +130,32 @@ def config_view(settings: Settings, state: State, version: int | None = None) ->
     return RoutingView(state, version, tuple(targets["prefill"]), tuple(targets["decode"]), limits)
 
 
-def table_view(table: RoutingTable, settings: Settings) -> RoutingView:
-    """The controller's table applied: drained and zero-weight instances get no new work."""
-    adm = settings.proxy.admission
+def table_view(table: RoutingTable, settings: Settings, share: ProxyShare | None = None) -> RoutingView:
+    """The controller's table applied: drained and zero-weight instances get no new work. Each pool's
+    limits are this proxy's part of them (``share``); without one, the table's (or where it sets none,
+    the config's) divided by ``proxy.expected_replicas``."""
+    adm, n = settings.proxy.admission, settings.proxy.expected_replicas
     pool_weight = {p.name: p.weight for p in table.pools}
+    parts = {} if share is None else share.pools
+    fallback = fallback_limits(settings)
     limits = {
-        name: PoolLimits(adm.max_inflight_requests, adm.max_inflight_kv_bytes) for name in settings.pools
+        name: (
+            PoolLimits(parts[name].max_inflight_requests, parts[name].max_inflight_kv_bytes)
+            if name in parts
+            else fallback
+        )
+        for name in settings.pools
     }
     for p in table.pools:
-        limits[p.name] = PoolLimits(
-            p.max_inflight_requests if p.max_inflight_requests is not None else adm.max_inflight_requests,
-            p.max_inflight_kv_bytes if p.max_inflight_kv_bytes is not None else adm.max_inflight_kv_bytes,
-            p.max_queue_wait_s,
-        )
+        part = parts.get(p.name)
+        if part is not None:
+            limits[p.name] = PoolLimits(
+                part.max_inflight_requests, part.max_inflight_kv_bytes, p.max_queue_wait_s
+            )
+            continue
+        req = adm.max_inflight_requests if p.max_inflight_requests is None else p.max_inflight_requests
+        kv = adm.max_inflight_kv_bytes if p.max_inflight_kv_bytes is None else p.max_inflight_kv_bytes
+        limits[p.name] = PoolLimits(_divided(req, n), _divided(kv, n), p.max_queue_wait_s)
     targets: dict[str, list[Target]] = {"prefill": [], "decode": []}
     for inst in table.instances:
         weight = inst.weight * pool_weight.get(inst.pool, 1.0)
@@ -133,6 +170,12 @@ class RoutingState:
 
     def __init__(self, settings: Settings, now: float) -> None:
         self.settings = settings
+        self.proxy_id = settings.proxy.id or f"{socket.gethostname()}:{settings.proxy.port}"
+        self.boot = secrets.token_hex(8)
+        self.started_unix = time.time()
+        self.share: ProxyShare | None = None  # the last part of the limits the controller gave
+        self.share_at: float | None = None
+        self.share_refusal: str | None = None  # why the controller refused this proxy's report
         self.fail_static_s = settings.proxy.fail_static_s
         self.view = config_view(settings, "default")
         self.etag: str | None = None
@@ -171,10 +214,31 @@ class RoutingState:
         self.table = table
         self.etag = etag
         self.last_ok = now
+        self.share_refusal = None
+        if table.proxy is not None and table.proxy.id == self.proxy_id:
+            self.share, self.share_at = table.proxy, now
         if table.enforce:
-            self._set(table_view(table, self.settings))
+            self._set(table_view(table, self.settings, self.current_share(now)))
         else:
             self._set(config_view(self.settings, "advisory", table.version))
+
+    def current_share(self, now: float) -> ProxyShare | None:
+        """The last part given, while it is younger than ``fail_static_s``."""
+        if self.share is None or self.share_at is None or now - self.share_at > self.fail_static_s:
+            return None
+        return self.share
+
+    def on_refused(self, detail: str, now: float) -> None:
+        """The controller refused this proxy's report (409: another process polls under its id; 401:
+        the controller requires a token this proxy did not send or that it does not know)."""
+        if detail != self.share_refusal:
+            log.error("routing: the controller refused this proxy's report: %s", detail)
+        self.share_refusal = detail
+        self.on_failure(now)
+
+    def report(self, demand: dict[str, int], inflight: dict[str, int]) -> ProxyReport:
+        """What the next poll tells the controller."""
+        return ProxyReport(self.proxy_id, self.boot, self.started_unix, self.view.version, demand, inflight)
 
     def on_not_modified(self, now: float) -> None:
         self.last_ok = now
@@ -196,6 +260,14 @@ class RoutingState:
         if now - self.last_ok > self.fail_static_s:
             self._set(config_view(self.settings, "fallback", self.view.version))
             self.etag = None  # the next good answer must be a full table
+        elif (
+            self.view.state == "fresh"
+            and self.table is not None
+            and self.share is not None
+            and self.current_share(now) is None
+        ):  # answers without a part for fail_static_s: the config's limits, divided
+            self.share = None
+            self._set(table_view(self.table, self.settings))
 
     def age(self, now: float) -> float | None:
         return None if self.last_ok is None else now - self.last_ok
@@ -206,30 +278,48 @@ def _restate(view: RoutingView, state: State) -> RoutingView:
 
 
 async def poll_once(
-    state: RoutingState, client: httpx.AsyncClient, url: str, now: Callable[[], float]
-) -> None:
-    """One ``GET /v1/routing``; every outcome is fed to ``state`` (never raises httpx errors)."""
+    state: RoutingState,
+    client: httpx.AsyncClient,
+    url: str,
+    now: Callable[[], float],
+    report: ProxyReport | None = None,
+) -> bool:
+    """One ``GET /v1/routing``; every outcome is fed to ``state`` (never raises httpx errors).
+    True when the controller answered with a table or a 304."""
     headers = {"If-None-Match": state.etag} if state.etag else {}
+    params = None if report is None else report.params()
     try:
-        resp = await client.get(url, headers=headers)
+        resp = await client.get(url, headers=headers, params=params)
     except httpx.HTTPError as exc:
-        log.debug("routing poll failed: %s", exc)
+        log.debug("routing poll of %s failed: %s", url, exc)
         state.on_failure(now())
-        return
+        return False
     if resp.status_code == 304:
         state.on_not_modified(now())
-        return
+        return True
+    if resp.status_code in (401, 409) and report is not None:
+        state.on_refused(_detail(resp), now())
+        return False
     if resp.status_code != 200:
-        log.debug("routing poll: HTTP %s", resp.status_code)
+        log.debug("routing poll of %s: HTTP %s", url, resp.status_code)
         state.on_failure(now())
-        return
+        return False
     try:
         table = RoutingTable.model_validate_json(resp.content)
     except ValidationError as exc:
-        log.warning("routing: controller sent an invalid table: %s", exc.errors()[:1])
+        log.warning("routing: controller %s sent an invalid table: %s", url, exc.errors()[:1])
         state.on_failure(now())
-        return
+        return False
     state.on_table(table, resp.headers.get("etag"), now())
+    return True
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail)[:300] if detail else f"HTTP {resp.status_code}"
 
 
 def quiet_httpx() -> None:
@@ -242,20 +332,34 @@ def quiet_httpx() -> None:
 
 async def poll_forever(
     state: RoutingState,
-    controller_url: str,
+    controller_urls: list[str],
     interval_s: float,
     now: Callable[[], float] = time.monotonic,
+    report: Callable[[], ProxyReport] | None = None,
 ) -> None:
-    """Poll until cancelled. Each request is bounded by a timeout below the interval."""
-    url = controller_url.rstrip("/") + "/v1/routing"
+    """Poll until cancelled. Each request is bounded by a timeout below the interval. A failed
+    poll moves on to the next of ``controller_urls`` at once (each replica serves the table);
+    the one that answered is polled first next time. ``report`` is sent with every poll."""
+    urls = [u.rstrip("/") + "/v1/routing" for u in controller_urls]
+    at = 0
     quiet_httpx()
     timeout = httpx.Timeout(max(0.2, min(2.0, interval_s)))
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    token = os.environ.get(state.settings.proxy.controller_token_env, "").strip()
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=timeout, headers=auth) as client:
         while True:
-            try:
-                await poll_once(state, client, url, now)
-            except Exception:  # a bug here must not stop routing updates, nor traffic
-                log.exception("routing poll raised; counted as a failed poll")
-                state.on_failure(now())
+            for i in range(len(urls)):
+                url = urls[(at + i) % len(urls)]
+                try:
+                    ok = await poll_once(state, client, url, now, None if report is None else report())
+                except Exception:  # a bug here must not stop routing updates, nor traffic
+                    log.exception("routing poll raised; counted as a failed poll")
+                    state.on_failure(now())
+                    ok = False
+                if ok:
+                    if i:
+                        log.info("routing: now polling %s", url)
+                    at = (at + i) % len(urls)
+                    break
             await asyncio.sleep(interval_s)
             state.tick(now())

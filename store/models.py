@@ -412,3 +412,30 @@ class CollectorMember(Base):
     incarnation: Mapped[str] = mapped_column(String(32))
     started: Mapped[float] = mapped_column(Float)
     heartbeat: Mapped[float] = mapped_column(Float)
+
+
+class ProxyMember(Base):
+    """One proxy among those admitting into the pools, as its routing polls report it.
+
+    Written by whichever controller replica a poll reaches (the leader or a standby): the
+    proxies whose ``last_seen`` is within ``controller.proxy_ttl_s`` are the live ones the
+    pools' limits are split among (``controller.policy.shares``). ``demand`` holds the
+    counters the proxy last reported (per pool, since its start), ``rates`` their smoothed
+    rates, ``served`` the share it was last given. ``boot`` and ``started`` tell a restart (a
+    later process) from a duplicate (an earlier one still polling under the same id).
+    """
+
+    __tablename__ = "proxies"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    boot: Mapped[str] = mapped_column(String(32))
+    started: Mapped[float] = mapped_column(Float)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float, index=True)
+    served_by: Mapped[str | None] = mapped_column(String(256))
+    applied_version: Mapped[int | None] = mapped_column(BigInteger)
+    demand: Mapped[Json] = mapped_column(JSON)
+    rates: Mapped[Json] = mapped_column(JSON)
+    inflight: Mapped[Json] = mapped_column(JSON)
+    served: Mapped[Json] = mapped_column(JSON)
+    duplicates: Mapped[int] = mapped_column(Integer, default=0)

@@ -13,6 +13,7 @@ from controller.auth import Authenticator, audit_actor
 from controller.endpoints.views import Views
 from controller.loop import Reconciler
 from controller.overrides import OverridesService
+from controller.proxies import ProxyRegistry
 
 XActor = Annotated[
     str | None,
@@ -30,6 +31,7 @@ class ApiContext:
     registry: CollectorRegistry
     overrides: OverridesService
     views: Views
+    proxies: ProxyRegistry
 
 
 def caller(request: Request) -> str:

@@ -208,7 +208,64 @@ def render() -> None:
         served = pd.DataFrame(routing["instances"])
         keep = [c for c in ("name", "pool", "role", "weight", "drained", "reason") if c in served]
         st.dataframe(served[keep], hide_index=True, width="stretch")
+    _proxies(routing)
     _history()
+
+
+def _proxies(routing: dict[str, Any] | None) -> None:
+    """Who admits into the pools and with what part of their limits (``GET /v1/proxies``' rows)."""
+    st.subheader("Proxies and their parts of the limits")
+    rows = data.proxies(url, context.now(), settings.controller.proxy_ttl_s)
+    if rows.empty:
+        st.caption(
+            "No proxy has reported on a routing poll yet (a proxy older than this controller, or none "
+            "polling): each proxy then admits the config's limits divided by proxy.expected_replicas."
+        )
+        return
+    live = rows[rows["live"]]
+    n_live = live["proxy"].nunique()
+    version = None if routing is None else routing.get("version")
+    behind = sorted(set(live.loc[live["applied_version"] != version, "proxy"])) if version is not None else []
+    parts = live.groupby("pool")["max_inflight_requests"].sum()
+    summary = ", ".join(f"{pool}: {int(n)}" for pool, n in parts.items())
+    st.caption(
+        f"{n_live} live prox{'y' if n_live == 1 else 'ies'} (polled within controller.proxy_ttl_s = "
+        f"{settings.controller.proxy_ttl_s:g} s); request slots held between them per pool: {summary}."
+        + (f" Not on table v{version} yet: {', '.join(behind)}." if behind else "")
+    )
+    if int(rows["duplicates"].max() or 0) > 0:
+        st.warning(
+            "Two processes poll under one proxy id (see duplicates): give every proxy process its own "
+            "proxy.id; the earlier one is refused its part.",
+            icon=":material/warning:",
+        )
+    if not live.empty:
+        chart = live.assign(part=live["share"].fillna(0.0))
+        st.vega_lite_chart(
+            chart,
+            {
+                "mark": {"type": "bar"},
+                "encoding": {
+                    "y": {"field": "pool", "type": "nominal", "title": None},
+                    "x": {
+                        "field": "part",
+                        "type": "quantitative",
+                        "stack": "normalize",
+                        "title": "part of the limits",
+                    },
+                    "color": {"field": "proxy", "type": "nominal"},
+                    "tooltip": [
+                        {"field": "proxy"},
+                        {"field": "max_inflight_requests", "title": "request slots"},
+                        {"field": "inflight"},
+                        {"field": "demand_per_s", "format": ".1f"},
+                    ],
+                },
+                "height": 40 + 30 * live["pool"].nunique(),
+            },
+            width="stretch",
+        )
+    st.dataframe(rows, hide_index=True, width="stretch")
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

@@ -435,6 +435,36 @@ def build() -> dict[str, Any]:
         width=8,
     )
     g.panel(
+        "In flight vs the limit, all proxies",
+        [
+            (f"sum by (pool) (pdscope_proxy_pool_inflight_requests{{{P}}})", "in flight {{pool}}"),
+            (
+                f'sum by (pool) (pdscope_proxy_pool_limit{{kind="requests",{P}}})',
+                "slots held by the proxies {{pool}}",
+            ),
+        ],
+        width=12,
+        description="Each proxy enforces its part of a pool's limit (GET /v1/proxies): the parts add up "
+        "to the pool's limit, so the fleet's in-flight stays under it however many proxies run.",
+    )
+    g.panel(
+        "Proxies and controllers",
+        [
+            ("max(pdscope_controller_live_proxies)", "live proxies"),
+            ("sum(pdscope_controller_leader)", "leaders (1)"),
+            ("count(pdscope_proxy_limit_share) or vector(0)", "proxies with a part"),
+            (
+                'sum(increase(pdscope_controller_proxy_polls_total{outcome="duplicate_id"}[15m]))'
+                " or vector(0)",
+                "duplicate ids",
+            ),
+        ],
+        kind="stat",
+        width=12,
+        instant=True,
+        description="Leaders must be exactly 1; a proxy without a part admits limit / expected_replicas.",
+    )
+    g.panel(
         "Retries by stage",
         [
             (f"sum by (stage) (rate(pdscope_proxy_retries_total[{RI}]))", "{{stage}}"),

@@ -119,8 +119,16 @@ def test_terminating_the_leaders_lock_connection_hands_over_and_fences_the_old_l
     with transaction(world.factory) as s:
         assert read_leader(s) == LeaderInfo(2, "ctl-b:8300 (pid 2)", world.clock())
 
-    # the old leader's next tick: fenced, nothing written, and it says so
+    # the old leader has not noticed yet (its next tick will): an operator change sent to it is
+    # fenced like a tick, a 409 naming the new leader, and nothing is written
     before = writes(world)
+    assert a.role == "leader"
+    with TestClient(create_app(a, token=TOKEN)) as c:
+        r = c.post("/v1/instances/decode-1/drain", json={"reason": "x"}, headers=AUTH)
+    assert r.status_code == 409, r.text
+    assert r.json()["leader"]["epoch"] == 2 and writes(world) == before
+
+    # the old leader's next tick: fenced, nothing written, and it says so
     with pytest.raises(Deposed):
         a.tick()
     assert writes(world) == before and a.role == "standby"

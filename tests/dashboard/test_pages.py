@@ -274,3 +274,58 @@ def test_custom_time_range(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> N
     at.sidebar.datetime_input(key="custom_end").set_value(start - dt.timedelta(days=1)).run()
     assert not at.exception
     assert "in this time range" in texts(at)
+
+
+def test_controller_page_shows_the_proxies_and_their_parts(
+    tmp_path: Path, fake_controller: FakeController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time as _time
+
+    from store.db import make_engine, session_factory, transaction
+    from store.models import ProxyMember
+
+    seeded = make_seeded(tmp_path, controller_port=fake_controller.port, duration_s=600.0)
+    engine = make_engine(seeded.url)
+    now = _time.time()
+
+    def member(pid: str, seen: float, share: float, slots: int, duplicates: int = 0) -> ProxyMember:
+        part = {"share": share, "max_inflight_requests": slots, "max_inflight_kv_bytes": slots * 1000}
+        return ProxyMember(
+            id=pid,
+            boot="ab",
+            started=now - 100,
+            first_seen=now - 100,
+            last_seen=seen,
+            served_by="ctl-0",
+            applied_version=1,
+            demand={"prefill": 10},
+            rates={"prefill": 2.0},
+            inflight={"prefill": 3},
+            served={"prefill": part},
+            duplicates=duplicates,
+        )
+
+    with transaction(session_factory(engine)) as s:
+        s.add_all(
+            [
+                member("edge-a:8000", now, 0.6, 150),
+                member("edge-b:8000", now, 0.4, 106, duplicates=2),
+                member("edge-c:8000", now - 3600 * 0.5, 0.3, 80),  # dead: not counted
+            ]
+        )
+    engine.dispose()
+    at = open_page(seeded.config, "controller", monkeypatch)
+    assert "Proxies and their parts of the limits" in {s.value for s in at.subheader}
+    shown = texts(at)
+    assert "2 live proxies" in shown and "prefill: 256" in shown, shown
+    assert any("Two processes poll under one proxy id" in str(w.value) for w in at.warning)
+    table = next(df.value for df in at.dataframe if "proxy" in df.value.columns)
+    assert set(table["proxy"]) == {"edge-a:8000", "edge-b:8000", "edge-c:8000"}
+    assert table.set_index("proxy").loc["edge-c:8000", "live"] == False  # noqa: E712
+
+
+def test_controller_page_says_when_no_proxy_has_reported(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = open_page(seeded.config, "controller", monkeypatch)
+    assert any("No proxy has reported" in str(c.value) for c in at.caption)
