@@ -129,6 +129,12 @@ def test_the_standby_takes_over_from_a_killed_leader_and_the_proxies_keep_servin
         assert took["leader_epoch"] == epoch + 1, f"the epoch did not bump: {took}"
         assert took["leader"]["holder"].endswith(f"(pid {standby.pid})"), took
         provoke_decision(f, max((d[0] for d in before), default=0), "decode-1")
+        wait_until(
+            "client requests answered after the takeover",
+            lambda: [r for r in load.sent_since(t_kill) if r.ok],
+            done=lambda rs: len(rs) >= 30,
+            timeout_s=20,
+        )
         load.stop()
     results = load.results
     after = [d for d in decisions(f) if d[0] > max((d[0] for d in before), default=0)]
@@ -137,7 +143,7 @@ def test_the_standby_takes_over_from_a_killed_leader_and_the_proxies_keep_servin
     assert {d[4] for d in before} <= {epoch}, f"decisions before the kill: {before}"
     failed = [r for r in results if not r.ok]
     assert not failed, f"client requests failed while the controller changed hands: {summarize(results)}"
-    assert len(results) >= 200, summarize(results)
+    assert len([r for r in results if r.sent >= t_kill]) >= 30, summarize(results)
     if "controller_urls" in f.config_of(f.proxies[0])["proxy"]:
         proxies_follow(f, epoch + 1)
 
@@ -581,16 +587,20 @@ def test_the_in_flight_sum_across_proxies_stays_within_the_pool_limit_under_a_bu
             timeout_s=20,
             ignore=(*HTTP_ERRORS, KeyError, TypeError),
         )
-        # e2e ~0.3-0.4 s: 1.5 x 24 in flight needs ~100 req/s offered
+        # e2e ~1.5 s: 1.5 x 24 in flight needs ~25 req/s offered
         with (
             InflightSampler(f.proxies) as sampler,
-            Load(f.proxy_urls, rate=100, max_requests=1200, duration_s=10, max_tokens=64, seed=7) as load,
+            Load(f.proxy_urls, rate=25, max_requests=300, duration_s=10, max_tokens=16, seed=7) as load,
         ):
             pass
         results = load.results
         over_limit = sum(1 for r in results if r.status == 429)
         peaks = {pool: sampler.peak(pool) for pool in ("prefill", "decode")}
-        print(f"burst: {summarize(results)}; peak in-flight sums {peaks}; limit {BURST_LIMIT}")
+        print(
+            f"burst: {summarize(results)}; peak in-flight sums {peaks}; limit {BURST_LIMIT}; at the peak "
+            f"(sum, each proxy's, each proxy's limit): {sampler.at_peak('decode')}; the proxies' limits "
+            f"summed at most {sampler.limit_sum_peak('decode')}"
+        )
         assert over_limit > 0 or peaks["decode"] >= BURST_LIMIT * 0.9, (
             f"the burst never reached the limit (peaks {peaks}, no 429): the test proves nothing"
         )

@@ -311,6 +311,8 @@ class Fleet:
         if s.naive:
             proxy["controller_url"] = f"http://127.0.0.1:{self.dead_port}"
             proxy["expected_replicas"] = 1
+        elif "expected_replicas" in _proxy_fields():
+            proxy["expected_replicas"] = s.proxies  # as a deployment of N proxies sets it
         elif "controller_urls" in _proxy_fields() and s.controllers:
             # every controller replica serves GET /v1/routing: each proxy starts at a different one
             urls = self.controller_urls
@@ -609,7 +611,8 @@ def summarize(results: Sequence[Sent]) -> str:
 
 class InflightSampler:
     """Sums ``gauge{pool}`` across the proxies every ``every_s`` in a thread (each proxy read in
-    parallel, so the sum is of nearly one moment); keeps every sum, per pool."""
+    parallel, so the sum is of nearly one moment); keeps every sum, per pool, and each proxy's
+    reading and request limit in force (``pdscope_proxy_pool_limit{kind="requests"}``, where exported)."""
 
     def __init__(
         self,
@@ -620,7 +623,10 @@ class InflightSampler:
         self.proxies = list(proxies)
         self.gauge = gauge
         self.every_s = every_s
-        self.samples: list[tuple[float, dict[str, float], dict[str, dict[str, float]]]] = []
+        # (monotonic time, pool -> sum, proxy -> pool -> value, proxy -> pool -> its request limit)
+        self.samples: list[
+            tuple[float, dict[str, float], dict[str, dict[str, float]], dict[str, dict[str, float]]]
+        ] = []
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.proxies)))
         self._thread = threading.Thread(target=self._main, name="fleet-inflight", daemon=True)
@@ -635,13 +641,19 @@ class InflightSampler:
         self._thread.join(10)
         self._pool.shutdown(wait=True)
 
-    def _read(self, s: Service) -> dict[str, float] | None:
+    def _read(self, s: Service) -> tuple[dict[str, float], dict[str, float]] | None:
         if not s.alive():
             return None
         try:
-            return by_label(s.metrics().get(self.gauge, {}), "pool")
+            m = s.metrics()
         except HTTP_ERRORS:
             return None
+        limits = {
+            dict(labels).get("pool", ""): v
+            for labels, v in m.get("pdscope_proxy_pool_limit", {}).items()
+            if dict(labels).get("kind") == "requests"
+        }
+        return by_label(m.get(self.gauge, {}), "pool"), limits
 
     def _main(self) -> None:
         while not self._stop.is_set():
@@ -649,18 +661,40 @@ class InflightSampler:
             t = time.monotonic()
             total: dict[str, float] = {}
             each: dict[str, dict[str, float]] = {}
+            limits: dict[str, dict[str, float]] = {}
             for s, got in zip(self.proxies, per, strict=True):
                 if got is None:
                     self.failures += s.alive()
                     continue
-                each[s.name] = got
-                for pool, v in got.items():
+                each[s.name], limits[s.name] = got
+                for pool, v in got[0].items():
                     total[pool] = total.get(pool, 0.0) + v
-            self.samples.append((t, total, each))
+            self.samples.append((t, total, each, limits))
             self._stop.wait(self.every_s)
 
     def peak(self, pool: str, since: float = 0.0) -> float:
-        return max((tot.get(pool, 0.0) for t, tot, _ in self.samples if t >= since), default=0.0)
+        return max((tot.get(pool, 0.0) for t, tot, _, _ in self.samples if t >= since), default=0.0)
+
+    def at_peak(self, pool: str) -> tuple[float, dict[str, float], dict[str, float]] | None:
+        """The sample with the largest sum for ``pool``: (sum, each proxy's count, each proxy's limit)."""
+        if not self.samples:
+            return None
+        _, tot, each, limits = max(self.samples, key=lambda x: x[1].get(pool, 0.0))
+        return (
+            tot.get(pool, 0.0),
+            {k: v.get(pool, 0.0) for k, v in each.items()},
+            {k: v.get(pool, 0.0) for k, v in limits.items() if pool in v},
+        )
+
+    def limit_sum_peak(self, pool: str) -> float | None:
+        """The largest sum of the proxies' request limits for ``pool`` seen (None: not exported)."""
+        sums = [sum(lim[pool] for lim in limits.values() if pool in lim) for *_, limits in self.samples]
+        seen = [
+            x
+            for x, (*_, limits) in zip(sums, self.samples, strict=True)
+            if any(pool in v for v in limits.values())
+        ]
+        return max(seen) if seen else None
 
 
 @contextlib.contextmanager
