@@ -453,6 +453,7 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
             done=lambda s: len(s) == 3,
         )
         t_down = time.time()
+        m_down = time.monotonic()
         before = store_errors(f)
         private_pg.stop()
         seen = wait_until(
@@ -466,6 +467,7 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
         down_s = time.time() - t_down
         private_pg.start()
         t_up = time.time()
+        m_up = time.monotonic()
         leader = wait_until(
             "a leader to tick again after the restart",
             lambda: [(c, c.health()) for c in f.controllers],
@@ -492,14 +494,17 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
         assert any(h["role"] == "leader" for _, h in leader)
         wait_until(
             "requests answered after the restart",
-            lambda: [r for r in load.sent_since(time.monotonic() - (time.time() - t_up)) if r.ok],
+            lambda: [r for r in load.sent_since(m_up) if r.ok],
             done=lambda rs: len(rs) >= 20,
             timeout_s=20,
         )
         load.stop()
     failed = [r for r in load.results if not r.ok]
     assert not failed, f"client requests failed across the PostgreSQL restart: {summarize(load.results)}"
-    assert len(load.results) >= 50, summarize(load.results)
+    during = [r for r in load.results if m_down <= r.sent <= m_up]
+    assert len(during) >= 3, (
+        f"too few requests sent while the store was down to show anything: {summarize(during)}"
+    )
     newest = f.query("SELECT max(proxy_in) FROM request_records")[0][0]
     assert newest is not None and newest > t_up, "no request record stored after the restart"
 
