@@ -74,6 +74,14 @@ def overshoot(peak: float, limit: int) -> float:
     return max(0.0, peak / limit - 1.0)
 
 
+def percentiles(xs: Sequence[float], ps: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles (``p50`` ...); empty when there is nothing to rank."""
+    s = sorted(xs)
+    if not s:
+        return {}
+    return {f"p{p}": s[min(len(s) - 1, max(0, -(-p * len(s) // 100) - 1))] for p in ps}
+
+
 def median(xs: Sequence[float]) -> float:
     if not xs:
         raise ValueError("median of nothing")
@@ -103,6 +111,7 @@ class RunResult:
     records_stored: int | None = None
     not_ok: Mapping[str, int] = field(default_factory=dict)  # "<status>:<reason>" -> count
     sim_loop_lag_max_s: float | None = None  # the simulator's own trust figure (0.05 s threshold)
+    e2e_ok_s: Mapping[str, float] = field(default_factory=dict)  # p50/p90/p99 of the requests that succeeded
 
     @property
     def goodput_rps(self) -> float:

@@ -46,7 +46,17 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: the repository's packages (bench, tests) by name
     sys.path.insert(0, str(REPO))
 
-from bench.fleet.report import FULL, QUICK, Plan, RunResult, burst_rate, median, summary, table  # noqa: E402
+from bench.fleet.report import (  # noqa: E402
+    FULL,
+    QUICK,
+    Plan,
+    RunResult,
+    burst_rate,
+    median,
+    percentiles,
+    summary,
+    table,
+)
 from tests.support.fleet import Fleet, FleetShape, InflightSampler, Load, Sent  # noqa: E402
 from tests.support.sockets import free_port  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
@@ -219,13 +229,17 @@ def one_run(
             burst_s=plan.burst_s,
             not_ok=reasons,
             sim_loop_lag_max_s=float(sim_stats.get("loop_lag_max_s", 0.0)),
+            e2e_ok_s=percentiles([r.ended - r.sent for r in ok]),
             peak_inflight={pool: sampler.peak(pool) for pool in ("prefill", "decode")},
             samples=len(sampler.samples),
             takeover_s=takeover,
             records_expected=expected if contender == "apportioned" else None,
             records_stored=stored if contender == "apportioned" else None,
         )
-        log(f"{contender}: {res.ok}/{res.sent} ok, peaks {dict(res.peak_inflight)}")
+        log(
+            f"{contender}: {res.ok}/{res.sent} ok, peaks {dict(res.peak_inflight)}, "
+            f"e2e of the ok {res.e2e_ok_s}"
+        )
         return res, service_s
 
 

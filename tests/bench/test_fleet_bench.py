@@ -7,7 +7,17 @@ import json
 
 import pytest
 
-from bench.fleet.report import FULL, QUICK, RunResult, burst_rate, median, overshoot, summary, table
+from bench.fleet.report import (
+    FULL,
+    QUICK,
+    RunResult,
+    burst_rate,
+    median,
+    overshoot,
+    percentiles,
+    summary,
+    table,
+)
 
 
 def run(name: str, proxies: int, peak_d: float, good: int, **kw: object) -> RunResult:
@@ -41,6 +51,12 @@ def test_overshoot_is_the_share_over_the_limit_and_never_negative() -> None:
     assert overshoot(48, 16) == pytest.approx(2.0)
     assert overshoot(17.6, 16) == pytest.approx(0.1)
     assert overshoot(10, 16) == 0.0
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    assert percentiles(xs) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0} and percentiles([]) == {}
 
 
 def test_median() -> None:
