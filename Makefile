@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := pdscope store collector controller proxy dashboard simulator
-UNIT_TIER := not pg and not real_vllm and not browser and not promtool and not slow
+UNIT_TIER := not pg and not fleet and not real_vllm and not browser and not promtool and not slow
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_ENV ?= .vllm-cpu
 

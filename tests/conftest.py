@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("pg", "real_vllm", "promtool", "browser")
+TIERS = ("pg", "fleet", "real_vllm", "promtool", "browser")
 REPO = Path(__file__).resolve().parent.parent
 _INSIDE = str(REPO) + os.sep
 # A clone straight into the temp folder (or /) has the whole of it beside it; there only the
