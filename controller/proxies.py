@@ -3,8 +3,9 @@
 Every routing poll that says who it is (:class:`pdscope.routing.ProxyReport`) is recorded
 here, by whichever controller replica it reaches: the leader and the standbys write the same
 table, so a proxy may poll any of them and the parts stay consistent. One transaction per
-poll: the proxy's row is read and locked, its demand rates smoothed, the live peers read,
-the row written back with the part it is given (``controller.policy.shares``).
+poll, and one poll at a time (a PostgreSQL advisory lock across replicas): the proxy's row is
+read, its demand rates smoothed, the live peers read, the part granted within the room the
+others leave (``controller.policy.shares``), and the row written back with it.
 
 A poll under an id whose row holds another process (``boot``): a process started later
 takes the id over (a restart); one started earlier while the later one is still live is a
@@ -16,6 +17,7 @@ Rows of proxies not seen for an hour are deleted, at most once a minute.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import threading
@@ -25,10 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.policy.shares import apportion, prior_rate, smoothed_rate, split
+from controller.policy.shares import apportion, prior_rate, smoothed_rate, split, within_room
 from pdscope.config import Settings
 from pdscope.routing import PoolShare, ProxyReport, ProxyShare, RoutingTable
 from store.db import transaction
@@ -48,6 +50,19 @@ OUTCOMES = (
     "over_limit",
     "store_error",
 )
+
+
+# pg_advisory_xact_lock(int4, int4): a class of its own (the collector's trace locks and the
+# leader's one-bigint lock are other key spaces), key 0: every poll's transaction.
+POLL_LOCK_CLASS = int.from_bytes(
+    hashlib.blake2b(b"pdscope.controller.proxies", digest_size=4).digest(), "big", signed=True
+)
+
+
+def _serialise(session: Session) -> None:
+    """PostgreSQL: hold the proxies' lock until this transaction ends (SQLite has one writer anyway)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:cls, 0)"), {"cls": POLL_LOCK_CLASS})
 
 
 class DuplicateProxy(Exception):
@@ -96,6 +111,14 @@ def _rates(row: ProxyMember) -> dict[str, float]:
     return {k: float(v) for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+def _pools(raw: Any) -> dict[str, Any]:
+    return raw if isinstance(raw, dict) else {}
+
+
+def _int(v: Any) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def _ints(raw: Any) -> dict[str, int]:
     d = raw if isinstance(raw, dict) else {}
     return {k: int(v) for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -125,6 +148,7 @@ class ProxyRegistry:
         self.departed = 0  # proxies that left the live set (no poll within the ttl), seen here
         self._live_ids: set[str] = set()
         self._over_limit_warned = False
+        self._poll_lock = threading.Lock()  # one poll at a time in this process (SQLite, and fewer waits)
         self._lock = threading.Lock()
         self._pruned = 0.0
 
@@ -156,7 +180,8 @@ class ProxyRegistry:
         pools = pool_totals(table, self.settings)
         share: ProxyShare | None = None
         live_ids: dict[str, float] = {}
-        with transaction(self.factory) as session:
+        with self._poll_lock, transaction(self.factory) as session:
+            _serialise(session)  # the parts are granted one poll at a time, on every replica
             row = session.scalars(
                 select(ProxyMember).where(ProxyMember.id == report.id).with_for_update()
             ).one_or_none()
@@ -210,7 +235,7 @@ class ProxyRegistry:
         rates = self._smooth(row, report, peers, now, pools)
         live_rates = {p.id: _rates(p) for p in peers}
         live_rates[report.id] = rates
-        share = self._share(report.id, live_rates, pools)
+        share = self._share(report.id, live_rates, pools, peers)
         self._write(session, row, report, now, rates, share, restarted=outcome == "restarted")
         if now - self._pruned > PRUNE_EVERY_S:
             self._pruned = now
@@ -276,15 +301,27 @@ class ProxyRegistry:
         return out
 
     def _share(
-        self, me: str, live_rates: Mapping[str, Mapping[str, float]], pools: Mapping[str, tuple[int, int]]
+        self,
+        me: str,
+        live_rates: Mapping[str, Mapping[str, float]],
+        pools: Mapping[str, tuple[int, int]],
+        peers: list[ProxyMember],
     ) -> ProxyShare:
         parts: dict[str, PoolShare] = {}
         for pool, (max_req, max_kv) in pools.items():
             fractions = split({p: r.get(pool, 0.0) for p, r in live_rates.items()}, self.floor)
+            held_req = held_kv = 0
+            for p in peers:  # what the other live proxies hold now: their part, or more in flight
+                last = _pools(p.served).get(pool)
+                part = last if isinstance(last, dict) else {}
+                held_req += max(_int(part.get("max_inflight_requests")), _ints(p.inflight).get(pool, 0))
+                held_kv += _int(part.get("max_inflight_kv_bytes"))
+            req = within_room(apportion(max_req, fractions)[me], max_req, held_req)
+            kv = within_room(apportion(max_kv, fractions)[me], max_kv, held_kv)
             parts[pool] = PoolShare(
-                share=round(min(1.0, fractions[me]), 6),
-                max_inflight_requests=apportion(max_req, fractions)[me],
-                max_inflight_kv_bytes=apportion(max_kv, fractions)[me],
+                share=round(min(1.0, req / max_req if max_req > 0 else 0.0), 6),
+                max_inflight_requests=req,
+                max_inflight_kv_bytes=kv,
             )
         return ProxyShare(id=me, live=len(live_rates), pools=parts)
 

@@ -17,9 +17,18 @@ slot for every proxy first, so an idle one can admit, the rest by largest remain
 add up to the pool's limit exactly (only a limit below the number of live proxies is exceeded:
 each still gets one).
 
-What moves the shares: a new proxy takes its part from the others at their next polls; a
-dead one (no poll for ``controller.proxy_ttl_s``) leaves the live set and its part goes to the
-others at theirs; a controller restart changes nothing, because the rates live in the store.
+Parts are worked out at each proxy's own poll, from rates that move between polls, so targets
+alone would not add up at any one moment: a proxy whose target grew could be granted it while
+the others still hold larger parts granted earlier. So a part is granted only within the room
+the others leave (:func:`within_room`): the pool's limit minus what each other live proxy holds,
+its last part or, when more, what it still has in flight (it admitted under a larger part and
+has not drained). The granted parts, and the admissions under them, never add up past the
+limit; a part that must grow waits until the others have polled and shrunk (one poll period).
+
+What moves the shares: a new proxy takes its part from the others at their next polls (it may
+get less, even nothing, until they have); a dead one (no poll for ``controller.proxy_ttl_s``)
+leaves the live set and its part goes to the others at theirs; a controller restart changes
+nothing, because the rates and the granted parts live in the store.
 """
 
 from __future__ import annotations
@@ -84,3 +93,8 @@ def apportion(limit: int, shares: Mapping[str, float]) -> dict[str, int]:
 def prior_rate(peer_rates: list[float]) -> float:
     """The rate a proxy seen for the first time starts at: the mean of its live peers' (0 alone)."""
     return sum(peer_rates) / len(peer_rates) if peer_rates else 0.0
+
+
+def within_room(target: int, limit: int, others_held: int) -> int:
+    """The part granted: ``target``, but never more than the room the others leave in ``limit``."""
+    return max(0, min(target, limit - others_held))

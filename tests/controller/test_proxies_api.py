@@ -91,17 +91,21 @@ def test_a_new_proxy_starts_at_its_peers_mean_and_a_dead_one_leaves(client: Test
         total += 10
         poll(client, "a:1", demand=total)
         poll(client, "b:1", demand=total)
-    new = poll(client, "c:1").json()  # no history: the mean of a and b, so a third at once
-    assert new["proxy"]["live"] == 3
+    new = poll(client, "c:1").json()  # a and b hold the whole limit: no room yet
+    assert new["proxy"]["live"] == 3 and parts(new) == 0
+    a, b = poll(client, "a:1", demand=total).json(), poll(client, "b:1", demand=total).json()
+    assert parts(a) + parts(b) <= LIMIT * 2 / 3 + 2  # they shrink to their thirds at their next polls
+    new = poll(client, "c:1").json()  # no history: the mean of a and b, so a third, now there is room
     assert abs(parts(new) - LIMIT / 3) <= 2
+    assert parts(a) + parts(b) + parts(new) <= LIMIT
     # c dies: after proxy_ttl_s, a and b split the whole limit again
     for _ in range(int(world.settings.controller.proxy_ttl_s) + 1):
         world.clock.advance(1.0)
         a = poll(client, "a:1", demand=total).json()
         b = poll(client, "b:1", demand=total).json()
     assert a["proxy"]["live"] == b["proxy"]["live"] == 2
-    # each part is worked out at its own poll, from rates a poll apart: within 2 % of the limit
-    assert abs(parts(a) + parts(b) - LIMIT) <= 0.02 * LIMIT
+    # each part is worked out at its own poll, from rates a poll apart: never over the limit
+    assert LIMIT * 0.98 <= parts(a) + parts(b) <= LIMIT
     listing = {p["id"]: p["live"] for p in client.get("/v1/proxies").json()}
     assert listing == {"a:1": True, "b:1": True, "c:1": False}
     assert "pdscope_controller_proxies_departed_total 1.0" in client.get("/metrics").text
@@ -190,9 +194,48 @@ def test_a_new_proxy_past_max_proxies_gets_no_part(world: World, monkeypatch: py
     with TestClient(app) as c:
         registry = app.state.proxies
         monkeypatch.setattr(registry, "max_proxies", 2)
-        assert parts(poll(c, "a:1").json()) and parts(poll(c, "b:1").json())
+        assert poll(c, "a:1").json()["proxy"] is not None and poll(c, "b:1").json()["proxy"] is not None
         third = poll(c, "c:1")
         assert third.status_code == 200 and third.json()["proxy"] is None
         assert {p["id"] for p in c.get("/v1/proxies").json()} == {"a:1", "b:1"}
         assert 'outcome="over_limit"} 1.0' in c.get("/metrics").text
         assert poll(c, "a:1").json()["proxy"]["live"] == 2
+
+
+def test_granted_parts_never_add_up_past_the_limit(client: TestClient, world: World) -> None:
+    """Polls in any order, demand shifting between proxies, one joining and one dying: at every
+    moment the parts the live proxies hold add up to the limit at most."""
+    import random
+
+    rng = random.Random(7)
+    ids = ["a:1", "b:1", "c:1"]
+    totals = dict.fromkeys(ids, 0)
+    for step in range(150):
+        world.clock.advance(0.3)
+        live = ids if step < 100 else ids[:2]  # c dies at step 100
+        if step == 40:
+            live = [*ids, "d:1"]
+            ids.append("d:1")
+            totals["d:1"] = 0
+        pid = rng.choice(live)
+        totals[pid] += rng.choice([0, 1, 5, 30]) if pid != "a:1" or step < 70 else 60  # a's demand jumps
+        poll(client, pid, demand=totals[pid])
+        held = [
+            p["pools"]["prefill"]["max_inflight_requests"]
+            for p in client.get("/v1/proxies").json()
+            if p["live"]
+        ]
+        assert sum(held) <= LIMIT, (step, held)
+    assert sum(held) >= LIMIT * 0.9  # and most of the limit is in use
+
+
+def test_a_proxy_still_over_its_part_keeps_the_others_room_down(client: TestClient) -> None:
+    poll(client, "a:1")  # alone: the whole limit, and it fills it
+    poll(client, "b:1")  # no room yet
+    r = client.get(
+        "/v1/routing",
+        params=ProxyReport("a:1", "b0", 1.0, 3, {"prefill": 0}, {"prefill": 200}).params(),
+    )
+    assert parts(r.json()) == LIMIT // 2  # a's part halves, but 200 are still in flight there
+    b = poll(client, "b:1").json()
+    assert parts(b) == LIMIT - 200  # b gets the room a's in-flight leaves, not its half

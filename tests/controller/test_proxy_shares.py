@@ -88,3 +88,15 @@ def test_apportioned_parts_add_up_to_the_limit(limit: int, raw: dict[str, float]
 def test_prior_rate_is_the_peers_mean() -> None:
     assert prior_rate([]) == 0.0
     assert prior_rate([3.0, 5.0]) == 4.0
+
+
+@pytest.mark.parametrize(
+    ("target", "limit", "others", "granted"),
+    [(85, 256, 170, 85), (85, 256, 200, 56), (85, 256, 256, 0), (85, 256, 300, 0), (0, 256, 0, 0)],
+)
+def test_a_part_is_granted_within_the_room_the_others_leave(
+    target: int, limit: int, others: int, granted: int
+) -> None:
+    from controller.policy.shares import within_room
+
+    assert within_room(target, limit, others) == granted
