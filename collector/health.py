@@ -36,6 +36,23 @@ class TaskHealth:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._tasks: dict[str, _Task] = {}
+        self._store_error: tuple[float, str] | None = None  # since when writes fail, and the last why
+
+    def store(self, ok: bool, why: str = "") -> None:
+        """A write to the store succeeded, or failed (``why``): ``/healthz`` says the store is down
+        while writes fail (200 still: restarting the collector would not bring the store back)."""
+        if ok:
+            self._store_error = None
+        elif self._store_error is None:
+            self._store_error = (self.clock(), why[:300])
+        else:
+            self._store_error = (self._store_error[0], why[:300])
+
+    def store_report(self) -> dict[str, Any]:
+        if self._store_error is None:
+            return {"state": "ok"}
+        since, why = self._store_error
+        return {"state": "failing", "for_s": round(self.clock() - since, 3), "last_error": why}
 
     def register(self, name: str, stall_after_s: float) -> None:
         self._tasks[name] = _Task(stall_after_s, self.clock())

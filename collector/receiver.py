@@ -181,6 +181,7 @@ class SpanBatcher:
         if result.failed:
             self.metrics.spans_dropped.labels("store_error").inc(result.failed)
             self.metrics.store_errors.labels("spans").inc()
+        self.health.store(not result.failed or bool(result.written), result.error or "")
 
     async def flush(self) -> None:
         while len(self.queue):
@@ -385,7 +386,9 @@ def build_app(
 
     async def healthz(_request: Request) -> Response:
         ok, tasks = health.report() if health is not None else (True, {})
-        doc = {"status": "ok" if ok else "unhealthy", "span_queue": len(queue), "tasks": tasks}
+        store = health.store_report() if health is not None else {"state": "ok"}
+        status = "unhealthy" if not ok else ("degraded" if store["state"] != "ok" else "ok")
+        doc = {"status": status, "span_queue": len(queue), "tasks": tasks, "store": store}
         if collectors is not None:
             doc["collectors"] = dict(collectors())
         return JSONResponse(doc, status_code=200 if ok else 503)

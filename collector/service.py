@@ -209,12 +209,14 @@ class CollectorService:
         try:
             before = dict(self.snapshots.resets)
             n = await asyncio.to_thread(self.snapshots.write_round, results)
+            self.health.store(True)
             self.metrics.snapshots.inc(n)
             for inst, count in self.snapshots.resets.items():
                 if count > before.get(inst, 0):
                     self.metrics.resets.labels(inst).inc(count - before.get(inst, 0))
         except StoreError as exc:
             self.metrics.store_errors.labels("snapshots").inc()
+            self.health.store(False, str(exc))
             self._warn.warning("snapshots_store", "snapshot round not stored: %s", exc)
         except Exception as exc:
             self._task_error(SNAPSHOTS, exc)

@@ -719,3 +719,21 @@ def test_sql_in_span_values_is_stored_verbatim(store_url: str) -> None:
 
         assert s.scalars(select(SpanRow.service).where(SpanRow.name == evil)).one() == evil
     assert rec.request_id == evil and rec.endpoint == evil[:64] and rec.p_instance == evil
+
+
+def test_healthz_says_the_store_is_failing_while_writes_fail() -> None:
+    from collector.health import TaskHealth
+
+    t = [100.0]
+    h = TaskHealth(clock=lambda: t[0])
+    assert h.store_report() == {"state": "ok"}
+    h.store(False, "connection refused")
+    t[0] = 103.0
+    h.store(False, "server closed the connection")
+    assert h.store_report() == {
+        "state": "failing",
+        "for_s": 3.0,
+        "last_error": "server closed the connection",
+    }
+    h.store(True)
+    assert h.store_report() == {"state": "ok"}

@@ -464,6 +464,14 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
             ignore=HTTP_ERRORS,
         )
         print(f"store errors seen (before -> during the outage): {before} -> {seen}")
+        for c in f.collectors:  # and their /healthz says so (still 200: a restart would not help)
+            wait_until(
+                f"{c.name}'s /healthz to say the store is failing",
+                lambda c=c: c.get("/healthz"),
+                done=lambda r: r.status_code == 200 and r.json()["store"]["state"] == "failing",
+                timeout_s=30,
+                ignore=HTTP_ERRORS,
+            )
         down_s = time.time() - t_down
         private_pg.start()
         t_up = time.time()
@@ -490,6 +498,14 @@ def test_the_fleet_serves_through_a_postgresql_restart_and_every_service_reconne
                 done=lambda c: c == 200,
                 timeout_s=60,
                 ignore=HTTP_ERRORS,
+            )
+        for c in f.collectors:
+            wait_until(
+                f"{c.name}'s /healthz to say the store is back",
+                lambda c=c: c.get("/healthz").json(),
+                done=lambda h: h["store"]["state"] == "ok" and h["status"] == "ok",
+                timeout_s=60,
+                ignore=(*HTTP_ERRORS, ValueError),
             )
         assert any(h["role"] == "leader" for _, h in leader)
         wait_until(
