@@ -795,7 +795,9 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
     cols: dict[str, Any] = {
         "id": pa.array(idx + 1, type=pa.int64()),
         "request_id": pa.array([request_id(int(i), spec.seed) for i in range(lo, hi)]),
-        "trace_id": pa.array([f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in range(lo, hi)]),
+        "trace_id": pa.array(
+            [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in range(lo, hi)]
+        ),
         "endpoint": pa.array(np.where(idx % 3 != 0, "/v1/chat/completions", "/v1/completions")),
         "stream": pa.array(idx % 4 != 0),
         "p_instance": _nullable(prefill, served),
@@ -934,7 +936,9 @@ def bulk_seed_postgres(
             for lo in range(0, req.n, chunk):
                 hi = min(lo + chunk, req.n)
                 _copy_table(cur, "request_records", _request_table(spec, req, lo, hi))
-                say(f"requests {hi:,} / {req.n:,} ({hi / max(req.n, 1):.0%}) {time.perf_counter() - t0:.0f} s")
+                say(
+                    f"requests {hi:,} / {req.n:,} ({hi / max(req.n, 1):.0%}) {time.perf_counter() - t0:.0f} s"
+                )
             n_snap = 0
             for rows in _snapshot_rows(spec, req, rng):
                 _copy_table(cur, "snapshots", _snapshot_table(rows, n_snap + 1))

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
