@@ -50,10 +50,14 @@ def test_the_bulk_load_writes_what_the_insert_path_writes(pg_database: str, tmp_
         with b.connect() as conn:
             names = set(
                 conn.execute(
-                    text("SELECT indexname FROM pg_indexes WHERE tablename IN ('request_records', 'snapshots')")
+                    text(
+                        "SELECT indexname FROM pg_indexes WHERE tablename IN ('request_records', 'snapshots')"
+                    )
                 ).scalars()
             )
-            nxt = conn.execute(text("SELECT nextval(pg_get_serial_sequence('request_records', 'id'))")).scalar()
+            nxt = conn.execute(
+                text("SELECT nextval(pg_get_serial_sequence('request_records', 'id'))")
+            ).scalar()
         assert {
             "pk_request_records",
             "uq_request_records_request_id",
@@ -111,5 +115,40 @@ def test_a_long_snapshot_range_is_thinned_per_instance_and_keeps_the_newest(seed
         merged = thin.merge(full, on=["instance", "ts"], suffixes=("", "_full"))
         assert len(merged) == len(thin)
         assert (merged["num_running"] == merged["num_running_full"]).all()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.pg
+def test_a_large_window_on_postgresql_is_every_kth_id_of_its_span(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psycopg
+
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    seed_store(pg_database, SeedSpec(end=time.time(), **SPEC_KW))
+    monkeypatch.setattr(records, "COUNTED_MAX_ROWS", 500)  # this window counts as large
+    monkeypatch.setattr(records, "EDGE_S", 60.0)
+    engine = make_engine(pg_database)
+    try:
+        end = (common.latest_ts(engine) or 0.0) + 1.0
+        w = common.Window(end - 600.0, end)
+        total = records.count(engine, w)
+        frame, step = records.sample(engine, w, max_rows=300)
+        assert step == math.ceil(total / 300)  # the seeded ids are dense and in arrival order
+        with engine.connect() as conn:
+            want = conn.execute(
+                text(
+                    "SELECT proxy_in FROM request_records WHERE proxy_in >= :s AND proxy_in < :e "
+                    "AND id % :k = 0 ORDER BY proxy_in, id"
+                ),
+                {"s": w.start, "e": w.end, "k": step},
+            ).scalars()
+            assert list(frame["proxy_in"]) == list(want)
+        # a window under the bound is counted exactly, as on SQLite
+        small = common.Window(end - 60.0, end)
+        assert records.sample(engine, small, max_rows=50)[1] == math.ceil(records.count(engine, small) / 50)
     finally:
         engine.dispose()
