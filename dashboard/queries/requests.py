@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, func, or_, select, text
 
+from dashboard.queries import records
 from dashboard.queries.common import Window, frame
 from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import RequestRecord, Snapshot
@@ -89,8 +90,7 @@ def search(engine: Engine, window: Window, flt: RequestFilter) -> pd.DataFrame:
 
 
 # PostgreSQL: the statuses present (a loose index scan: one probe per status), then each one's
-# count in the window from ix_request_records_status_ts alone: the window's index entries are
-# counted once, and no row is read.
+# count in the window from ix_request_records_status_ts alone, counting at most :bound entries.
 _STATUS_COUNTS_SQL = """
 WITH RECURSIVE statuses(v) AS (
     (SELECT status FROM request_records ORDER BY status LIMIT 1)
@@ -100,27 +100,47 @@ WITH RECURSIVE statuses(v) AS (
 )
 SELECT status, requests FROM (
     SELECT v AS status, (
-        SELECT count(*) FROM request_records
-        WHERE status = statuses.v AND proxy_in >= :start AND proxy_in < :end
+        SELECT count(*) FROM (
+            SELECT 1 FROM request_records
+            WHERE status = statuses.v AND proxy_in >= :start AND proxy_in < :end
+            LIMIT :bound
+        ) AS found
     ) AS requests
     FROM statuses WHERE statuses.v IS NOT NULL
 ) AS counted
 WHERE requests > 0
-ORDER BY requests DESC
 """
 
 
 def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
-    """Requests per status in the window (for the filter and a summary)."""
-    if engine.dialect.name == "postgresql":
-        return frame(engine, text(_STATUS_COUNTS_SQL).bindparams(start=window.start, end=window.end))
-    stmt = (
-        select(RequestRecord.status, func.count().label("requests"))
-        .where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
-        .group_by(RequestRecord.status)
-        .order_by(func.count().desc())
-    )
-    return frame(engine, stmt)
+    """Requests per status in the window (for the filter and a summary), most first; ``estimated``
+    says which counts are not exact.
+
+    Exact on SQLite. On PostgreSQL each status is counted from its index up to
+    ``records.COUNTED_MAX_ROWS``; a status with more requests than that in the window (a long range
+    of a large fleet) is estimated from the window's every-k-th-id sample (``records.sample``'s)."""
+    if engine.dialect.name != "postgresql":
+        stmt = (
+            select(RequestRecord.status, func.count().label("requests"))
+            .where(RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
+            .group_by(RequestRecord.status)
+            .order_by(func.count().desc())
+        )
+        return frame(engine, stmt).assign(estimated=False)
+    bound = records.COUNTED_MAX_ROWS
+    sql = text(_STATUS_COUNTS_SQL).bindparams(start=window.start, end=window.end, bound=bound + 1)
+    df = frame(engine, sql).assign(estimated=False)
+    over = df["requests"] > bound if not df.empty else pd.Series(dtype=bool)
+    if over.any():
+        sampled = records.sampled_status_counts(engine, window)
+        if sampled is not None:
+            step, counts = sampled
+            df.loc[over, "requests"] = [step * counts.get(s, 0) for s in df.loc[over, "status"]]
+            df.loc[over, "estimated"] = True
+    if df.empty:
+        return df
+    df["requests"] = df["requests"].astype(int)
+    return df.sort_values("requests", ascending=False, kind="stable").reset_index(drop=True)
 
 
 def get_request(engine: Engine, request_id: str) -> dict[str, Any] | None:
