@@ -121,27 +121,35 @@ def _sampled(engine: Engine, stmt: Select[Any]) -> pd.DataFrame:
 
 def _id_span(engine: Engine, window: Window) -> tuple[int, int] | None:
     """For a window of more than ``COUNTED_MAX_ROWS`` requests, the ids its records span: the
-    smallest id of those arriving in its first ``EDGE_S`` and the largest of its last (records get
-    ids as they are written, in about arrival order). None for a smaller window, found by counting
-    at most ``COUNTED_MAX_ROWS + 1`` entries of the window's index. The sample is then every k-th
-    id of the span that arrived in the window (its rows fetched by id, the rest of the window never
-    read), k from the span's width: a day of ten million requests costs what 20,000 rows cost."""
+    smallest id of those arriving in the first ``EDGE_S`` of its data and the largest of the last (records get
+    ids as they are written, in about arrival order). None for a smaller window: one whose span is
+    that small, or, up to twice that, one found so by counting at most ``COUNTED_MAX_ROWS + 1``
+    entries of the window's index. The sample is then every k-th id of the span that arrived in
+    the window (its rows fetched by id, the rest of the window never read), k from the span's
+    width: a day of ten million requests costs what 20,000 rows cost."""
     rr = RequestRecord
-    bounded = select(rr.proxy_in).where(*_in_window(window)).limit(COUNTED_MAX_ROWS + 1).subquery()
-    edge = min(EDGE_S, window.seconds / 2)
     with engine.connect() as conn:
-        if (conn.execute(select(func.count()).select_from(bounded)).scalar() or 0) <= COUNTED_MAX_ROWS:
+        # the first and last arrivals in the window (the data may start or stop inside it)
+        first, last = conn.execute(
+            select(func.min(rr.proxy_in), func.max(rr.proxy_in)).where(*_in_window(window))
+        ).one()
+        if first is None or last is None:
             return None
+        edge = min(EDGE_S, (last - first) / 2)
         # id + 0: read the edge's entries of the window index, not the primary key in id order
         # until one arrived in the edge (most of the table, for a range ending now)
         lo = conn.execute(
-            select(func.min(rr.id + 0)).where(rr.proxy_in >= window.start, rr.proxy_in < window.start + edge)
+            select(func.min(rr.id + 0)).where(rr.proxy_in >= first, rr.proxy_in <= first + edge)
         ).scalar()
         hi = conn.execute(
-            select(func.max(rr.id + 0)).where(rr.proxy_in >= window.end - edge, rr.proxy_in < window.end)
+            select(func.max(rr.id + 0)).where(rr.proxy_in >= last - edge, rr.proxy_in <= last)
         ).scalar()
-    if lo is None or hi is None or hi < lo:
-        return None
+        if lo is None or hi is None or hi - lo + 1 <= COUNTED_MAX_ROWS:
+            return None
+        if hi - lo + 1 <= 2 * COUNTED_MAX_ROWS:
+            bounded = select(rr.proxy_in).where(*_in_window(window)).limit(COUNTED_MAX_ROWS + 1).subquery()
+            if (conn.execute(select(func.count()).select_from(bounded)).scalar() or 0) <= COUNTED_MAX_ROWS:
+                return None
     return int(lo), int(hi)
 
 
