@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, and_, func, or_, select
 
-from dashboard.queries.common import Window, fast_frame, frame
+from dashboard.queries.common import Window, connect, fast_frame, frame
 from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import Decision, InstanceRow, Snapshot, WeightOverride
 
@@ -62,7 +62,7 @@ def snapshot_series(
     (only a restart between two kept scrapes loses the counts before it).
     """
     in_window = (Snapshot.ts >= window.start, Snapshot.ts < window.end)
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         rows = conn.execute(select(func.count()).select_from(Snapshot).where(*in_window)).scalar() or 0
         n_inst = conn.execute(select(func.count()).select_from(InstanceRow)).scalar() or 0
         if not n_inst and rows:
@@ -120,7 +120,7 @@ def _series_by_slices(
         "end": window.end,
         "width": window.seconds / max(max_points, 1),
     }
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
             cursor.execute(sql, params)
@@ -155,7 +155,7 @@ def latest_snapshots(engine: Engine, end: float, lookback_s: float = 900.0) -> p
 def histogram_edges(engine: Engine, window: Window, names: list[str]) -> dict[str, tuple[Any, Any]]:
     """For each instance, the ``histograms`` of its first and last snapshot in the window."""
     edges: dict[str, tuple[Any, Any]] = {}
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         for name in names:
             base = select(Snapshot.histograms).where(
                 Snapshot.instance == name, Snapshot.ts >= window.start, Snapshot.ts < window.end

@@ -14,7 +14,7 @@ import pandas as pd
 from sqlalchemy import Engine, Select, case, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from dashboard.queries.common import Window, bucket_index, fast_frame, frame
+from dashboard.queries.common import Window, bucket_index, connect, fast_frame, frame
 from pdscope.config import SLOSettings
 from store.models import RequestRecord
 from store.queries import slo_met_clause
@@ -41,7 +41,7 @@ def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]
 
 
 def count(engine: Engine, window: Window) -> int:
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         return int(
             conn.execute(select(func.count()).select_from(RequestRecord).where(*_in_window(window))).scalar()
             or 0
@@ -110,7 +110,7 @@ def sampled_status_counts(
         .where(RequestRecord.id.in_(kept_ids), *_in_window(window))
         .group_by(RequestRecord.status)
     )
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         return step, {str(s): int(n) for s, n in conn.execute(stmt)}
 
 
@@ -122,13 +122,13 @@ def _sampled(engine: Engine, stmt: Select[Any]) -> pd.DataFrame:
 def _id_span(engine: Engine, window: Window) -> tuple[int, int] | None:
     """For a window of more than ``COUNTED_MAX_ROWS`` requests, the ids its records span: the
     smallest id of those arriving in the first ``EDGE_S`` of its data and the largest of the last (records get
-    ids as they are written, in about arrival order). None for a smaller window: one whose span is
-    that small, or, up to twice that, one found so by counting at most ``COUNTED_MAX_ROWS + 1``
-    entries of the window's index. The sample is then every k-th id of the span that arrived in
-    the window (its rows fetched by id, the rest of the window never read), k from the span's
-    width: a day of ten million requests costs what 20,000 rows cost."""
+    ids as they are written, in about arrival order). None for a window whose span is no wider
+    (nothing is counted: the span is at least the window's count, give or take records written out
+    of order at its edges). The sample is then every k-th id of the span that arrived in the window
+    (its rows fetched by id, the rest of the window never read), k from the span's width: a day of
+    ten million requests costs what 20,000 rows cost."""
     rr = RequestRecord
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         # the first and last arrivals in the window (the data may start or stop inside it)
         first, last = conn.execute(
             select(func.min(rr.proxy_in), func.max(rr.proxy_in)).where(*_in_window(window))
@@ -144,12 +144,8 @@ def _id_span(engine: Engine, window: Window) -> tuple[int, int] | None:
         hi = conn.execute(
             select(func.max(rr.id + 0)).where(rr.proxy_in >= last - edge, rr.proxy_in <= last)
         ).scalar()
-        if lo is None or hi is None or hi - lo + 1 <= COUNTED_MAX_ROWS:
-            return None
-        if hi - lo + 1 <= 2 * COUNTED_MAX_ROWS:
-            bounded = select(rr.proxy_in).where(*_in_window(window)).limit(COUNTED_MAX_ROWS + 1).subquery()
-            if (conn.execute(select(func.count()).select_from(bounded)).scalar() or 0) <= COUNTED_MAX_ROWS:
-                return None
+    if lo is None or hi is None or hi - lo + 1 <= COUNTED_MAX_ROWS:
+        return None
     return int(lo), int(hi)
 
 

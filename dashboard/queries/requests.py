@@ -14,7 +14,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, or_, select, text
 
 from dashboard.queries import records
-from dashboard.queries.common import Window, frame
+from dashboard.queries.common import Window, connect, frame
 from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import RequestRecord, Snapshot
 
@@ -106,7 +106,7 @@ SELECT status, requests FROM (
             LIMIT :bound
         ) AS found
     ) AS requests
-    FROM statuses WHERE statuses.v IS NOT NULL
+    FROM statuses WHERE statuses.v IS NOT NULL AND statuses.v <> ALL(CAST(:skip AS text[]))
 ) AS counted
 WHERE requests > 0
 """
@@ -128,15 +128,24 @@ def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
         )
         return frame(engine, stmt).assign(estimated=False)
     bound = records.COUNTED_MAX_ROWS
-    sql = text(_STATUS_COUNTS_SQL).bindparams(start=window.start, end=window.end, bound=bound + 1)
+    # A large window's sample first: a status it puts over the bound is not counted at all.
+    sampled = records.sampled_status_counts(engine, window)
+    step, seen = sampled if sampled is not None else (1, {})
+    sure = tuple(s for s, n in seen.items() if step * n > bound)
+    sql = text(_STATUS_COUNTS_SQL).bindparams(
+        start=window.start, end=window.end, bound=bound + 1, skip=list(sure)
+    )
     df = frame(engine, sql).assign(estimated=False)
     over = df["requests"] > bound if not df.empty else pd.Series(dtype=bool)
+    if sure:
+        df = pd.concat(
+            [df[~over], pd.DataFrame({"status": list(sure), "requests": [step * seen[s] for s in sure]})],
+            ignore_index=True,
+        )
+        over = df["status"].isin(sure)
     if over.any():
-        sampled = records.sampled_status_counts(engine, window)
-        if sampled is not None:
-            step, counts = sampled
-            df.loc[over, "requests"] = [step * counts.get(s, 0) for s in df.loc[over, "status"]]
-            df.loc[over, "estimated"] = True
+        df.loc[over, "requests"] = [step * seen.get(s, 0) for s in df.loc[over, "status"]]
+        df.loc[over, "estimated"] = True
     if df.empty:
         return df
     df["requests"] = df["requests"].astype(int)
@@ -145,7 +154,7 @@ def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
 
 def get_request(engine: Engine, request_id: str) -> dict[str, Any] | None:
     """Every column of one request record, or None."""
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         table = RequestRecord.__table__
         row = conn.execute(select(table).where(table.c.request_id == request_id)).first()
     return None if row is None else dict(row._mapping)
