@@ -152,3 +152,45 @@ def test_a_large_window_on_postgresql_is_every_kth_id_of_its_span(
         assert records.sample(engine, small, max_rows=50)[1] == math.ceil(records.count(engine, small) / 50)
     finally:
         engine.dispose()
+
+
+@pytest.mark.pg
+def test_status_counts_of_a_large_window_estimate_only_the_statuses_over_the_bound(
+    pg_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psycopg
+
+    from dashboard.queries import requests as rq
+
+    with psycopg.connect(pg_database, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+    seed_store(pg_database, SeedSpec(end=time.time(), **SPEC_KW))
+    engine = make_engine(pg_database)
+    try:
+        end = (common.latest_ts(engine) or 0.0) + 1.0
+        w = common.Window(end - 900.0, end)
+        exact = rq.status_counts(engine, w)
+        assert not exact["estimated"].any()
+        with engine.connect() as conn:
+            truth = dict(
+                conn.execute(
+                    text(
+                        "SELECT status, count(*) FROM request_records "
+                        "WHERE proxy_in >= :s AND proxy_in < :e GROUP BY status"
+                    ),
+                    {"s": w.start, "e": w.end},
+                ).all()
+            )
+        assert dict(zip(exact["status"], exact["requests"], strict=True)) == truth
+        monkeypatch.setattr(records, "COUNTED_MAX_ROWS", 500)  # "ok" is over it, the others are not
+        got = rq.status_counts(engine, w)
+        by = {r.status: r for r in got.itertuples()}
+        assert by["ok"].estimated and not any(r.estimated for s, r in by.items() if s != "ok")
+        assert {s: r.requests for s, r in by.items() if s != "ok"} == {
+            s: n for s, n in truth.items() if s != "ok"
+        }
+        assert abs(by["ok"].requests - truth["ok"]) <= 0.1 * truth["ok"]
+        assert list(got["requests"]) == sorted(got["requests"], reverse=True)
+    finally:
+        engine.dispose()
