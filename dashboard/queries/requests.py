@@ -136,20 +136,32 @@ def status_counts(engine: Engine, window: Window) -> pd.DataFrame:
         start=window.start, end=window.end, bound=bound + 1, skip=list(sure)
     )
     df = frame(engine, sql).assign(estimated=False)
-    over = df["requests"] > bound if not df.empty else pd.Series(dtype=bool)
     if sure:
-        df = pd.concat(
-            [df[~over], pd.DataFrame({"status": list(sure), "requests": [step * seen[s] for s in sure]})],
-            ignore_index=True,
-        )
-        over = df["status"].isin(sure)
-    if over.any():
-        df.loc[over, "requests"] = [step * seen.get(s, 0) for s in df.loc[over, "status"]]
-        df.loc[over, "estimated"] = True
+        guessed = pd.DataFrame({"status": list(sure), "requests": [step * seen[s] for s in sure]})
+        df = pd.concat([df, guessed.assign(estimated=True)], ignore_index=True)
+    # counted past the bound: estimated from the sample when there is one, else counted in full
+    over = (df["requests"] > bound) & ~df["estimated"].astype(bool) if not df.empty else None
+    if over is not None and over.any():
+        for i in df.index[over]:
+            status = str(df.at[i, "status"])
+            if sampled is not None:
+                df.at[i, "requests"], df.at[i, "estimated"] = step * seen.get(status, 0), True
+            else:
+                df.at[i, "requests"] = _count_status(engine, window, status)
     if df.empty:
         return df
     df["requests"] = df["requests"].astype(int)
     return df.sort_values("requests", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def _count_status(engine: Engine, window: Window, status: str) -> int:
+    stmt = select(func.count()).where(
+        RequestRecord.status == status,
+        RequestRecord.proxy_in >= window.start,
+        RequestRecord.proxy_in < window.end,
+    )
+    with connect(engine) as conn:
+        return int(conn.execute(stmt).scalar() or 0)
 
 
 def get_request(engine: Engine, request_id: str) -> dict[str, Any] | None:

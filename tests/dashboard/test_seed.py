@@ -147,6 +147,10 @@ def test_a_large_window_on_postgresql_is_every_kth_id_of_its_span(
                 {"s": w.start, "e": w.end, "k": step},
             ).scalars()
             assert list(frame["proxy_in"]) == list(want)
+        # the dashboard's sessions run without JIT, and stay so when the pool hands them out again
+        for _ in range(2):
+            with common.connect(engine) as conn:
+                assert conn.exec_driver_sql("SHOW jit").scalar() == "off"
         # a window under the bound is counted exactly, as on SQLite
         small = common.Window(end - 60.0, end)
         assert records.sample(engine, small, max_rows=50)[1] == math.ceil(records.count(engine, small) / 50)
