@@ -13,7 +13,7 @@ Usage: ``seed_store(url, SeedSpec(end=time.time()))`` (the schema is migrated fi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -702,30 +702,31 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
     return {Decision: decisions, WeightOverride: overrides, AuditEvent: audit, Alert: alerts}
 
 
+def _instance_rows(spec: SeedSpec, start: float) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": n,
+            "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
+            "role": role,
+            "url": f"http://127.0.0.1:{18100 + i if role == 'prefill' else 18200 + i}",
+            "metrics_url": None,
+            "labels": {"gpu": "sim"},
+            "engine_id": None,
+            "first_seen": start,
+            "last_seen": spec.end,
+        }
+        for role, names in (("prefill", spec.prefill), ("decode", spec.decode))
+        for i, n in enumerate(names)
+    ]
+
+
 def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
     rng = np.random.default_rng(spec.seed)
     req = _gen_requests(spec, rng)
     start = spec.end - spec.duration_s
     n_snap = 0
     with engine.begin() as conn:
-        conn.execute(
-            insert(InstanceRow),
-            [
-                {
-                    "name": n,
-                    "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
-                    "role": role,
-                    "url": f"http://127.0.0.1:{18100 + i if role == 'prefill' else 18200 + i}",
-                    "metrics_url": None,
-                    "labels": {"gpu": "sim"},
-                    "engine_id": None,
-                    "first_seen": start,
-                    "last_seen": spec.end,
-                }
-                for role, names in (("prefill", spec.prefill), ("decode", spec.decode))
-                for i, n in enumerate(names)
-            ],
-        )
+        conn.execute(insert(InstanceRow), _instance_rows(spec, start))
         for rows in _request_rows(spec, req, rng):
             conn.execute(insert(RequestRecord), rows)
         for rows in _snapshot_rows(spec, req, rng):
@@ -735,6 +736,10 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
         for model in (Decision, WeightOverride, AuditEvent, Alert):
             if ctrl[model]:
                 conn.execute(insert(model), ctrl[model])
+    return _summary(spec, req, n_snap, len(ctrl[Decision]))
+
+
+def _summary(spec: SeedSpec, req: _Requests, n_snap: int, n_decisions: int) -> SeedSummary:
     c = req.cols
     ok = c["status"] == "ok"
     slow = int(np.nanargmax(np.where(ok, c["ttft_s"], -1.0))) if ok.any() else None
@@ -743,11 +748,216 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
     return SeedSummary(
         requests=req.n,
         snapshots=n_snap,
-        decisions=len(ctrl[Decision]),
-        start=start,
+        decisions=n_decisions,
+        start=spec.end - spec.duration_s,
         end=spec.end,
         degraded=spec.degraded,
         slow_request_id=None if slow is None else request_id(slow, spec.seed),
         lease_expiry_request_id=request_id(int(lease[-1]), spec.seed) if lease.size else None,
         counts={str(s): int(k) for s, k in zip(statuses, counts, strict=True)},
     )
+
+
+# -- bulk load (PostgreSQL COPY) -------------------------------------------------------------
+
+# The tables the bulk load fills with COPY; their indexes and keys are built after the load.
+_BULK_TABLES = ("request_records", "snapshots")
+
+
+def _nullable(values: np.ndarray, keep: np.ndarray) -> Any:
+    """An Arrow array of ``values`` with nulls where ``keep`` is False."""
+    import pyarrow as pa
+
+    return pa.array(values, mask=~keep)
+
+
+def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
+    """Request records ``lo``..``hi`` as an Arrow table: the same values :func:`_request_rows` builds
+    row by row (ids ``lo + 1``.. as the insert path gets them), column-wise for COPY."""
+    import pyarrow as pa
+
+    c = req.cols
+    sl = slice(lo, hi)
+    idx = np.arange(lo, hi)
+    status = c["status"][sl].astype(str)
+    ok = status == "ok"
+    served = ~c["rejected"][sl]
+    ttft, tpot = c["ttft_s"][sl], c["tpot_s"][sl]
+    prompt = c["prompt"][sl]
+    http = c["http"][sl]
+    prefill = np.array(spec.prefill, dtype=object)[c["p_idx"][sl]]
+    decode = np.array(spec.decode, dtype=object)[c["d_idx"][sl]]
+    plain_error = np.isin(status, ("ok", "client_disconnect"))
+
+    def floats(a: np.ndarray) -> Any:
+        return pa.array(a.astype(float), mask=np.isnan(a.astype(float)))
+
+    cols: dict[str, Any] = {
+        "id": pa.array(idx + 1, type=pa.int64()),
+        "request_id": pa.array([request_id(int(i), spec.seed) for i in range(lo, hi)]),
+        "trace_id": pa.array(
+            [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in range(lo, hi)]
+        ),
+        "endpoint": pa.array(np.where(idx % 3 != 0, "/v1/chat/completions", "/v1/completions")),
+        "stream": pa.array(idx % 4 != 0),
+        "p_instance": _nullable(prefill, served),
+        "d_instance": _nullable(decode, served),
+        "p_pool": _nullable(np.full(hi - lo, spec.prefill_pool, dtype=object), served),
+        "d_pool": _nullable(np.full(hi - lo, spec.decode_pool, dtype=object), served),
+        "status": pa.array(status),
+        "http_status": pa.array(http.astype(np.int64)),
+        "error": _nullable(np.char.add("http ", http.astype(str)), ~plain_error),
+        "retries": pa.array(np.zeros(hi - lo, dtype=np.int64)),
+        "prompt_tokens": pa.array(prompt.astype(np.int64)),
+        "completion_tokens": pa.array(c["completion"][sl].astype(np.int64)),
+        "kv_blocks": _nullable((prompt + 15) // 16, served),
+        "kv_bytes": _nullable(c["kv_bytes"][sl].astype(np.int64), served),
+        "d_decode_s": floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
+        "ttft_s": floats(ttft),
+        "tpot_s": floats(tpot),
+        "slo_ttft_met": _nullable(ttft <= spec.ttft_target_s, ~np.isnan(ttft)),
+        "slo_tpot_met": _nullable(tpot <= spec.tpot_target_s, ~np.isnan(tpot)),
+        "slo_met": _nullable((ttft <= spec.ttft_target_s) & ~(tpot > spec.tpot_target_s), ok),
+        "lease_expiry_suspect": pa.array(c["lease"][sl].astype(bool)),
+        "attributes": pa.array(np.full(hi - lo, "{}", dtype=object)),
+    }
+    for name in (
+        "proxy_in",
+        "p_sent",
+        "p_done",
+        "d_sent",
+        "first_token",
+        "done",
+        "p_queue_s",
+        "p_prefill_s",
+        "d_queue_s",
+        "d_prefill_s",
+        "e2e_s",
+    ):
+        cols[name] = floats(c[name][sl])
+    return pa.table(cols)
+
+
+def _snapshot_table(rows: list[dict[str, Any]], first_id: int) -> Any:
+    """Snapshot rows (as :func:`_snapshot_rows` yields them) as an Arrow table for COPY."""
+    import json
+
+    import pyarrow as pa
+
+    for k, row in enumerate(rows):
+        row["id"] = first_id + k
+        row["histograms"] = json.dumps(row["histograms"], separators=(",", ":"))
+        row["extra"] = "{}"
+    return pa.Table.from_pylist(rows)
+
+
+def _copy_table(cursor: Any, table: str, data: Any) -> None:
+    """COPY an Arrow table into ``table`` (CSV: an unquoted empty field is NULL)."""
+    import io
+
+    import pyarrow.csv as pacsv
+
+    buf = io.BytesIO()
+    pacsv.write_csv(data, buf, pacsv.WriteOptions(include_header=False))
+    columns = ", ".join(f'"{c}"' for c in data.column_names)
+    with cursor.copy(f"COPY {table} ({columns}) FROM STDIN WITH (FORMAT csv)") as copy:
+        copy.write(buf.getbuffer())
+
+
+def _drop_keys_and_indexes(cursor: Any, table: str) -> list[str]:
+    """Drop ``table``'s indexes, primary key and unique constraints; return the DDL that rebuilds them."""
+    cursor.execute(
+        "SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = %s::regclass AND contype IN ('p', 'u')",
+        (table,),
+    )
+    constraints = cursor.fetchall()
+    cursor.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = %s", (table,))
+    named = {name for name, _ in constraints}
+    indexes = [(name, ddl) for name, ddl in cursor.fetchall() if name not in named]
+    for name, _ in indexes:
+        cursor.execute(f'DROP INDEX "{name}"')
+    for name, _ in constraints:
+        cursor.execute(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"')
+    return [f'ALTER TABLE {table} ADD CONSTRAINT "{n}" {d}' for n, d in constraints] + [d for _, d in indexes]
+
+
+def _renice_backend(cursor: Any, nice: int) -> str:
+    """Lower the priority of this connection's server process (when it runs on this host as a
+    user we may renice); parallel maintenance workers are turned off, as they would not be."""
+    import os
+
+    cursor.execute("SET max_parallel_maintenance_workers = 0")
+    cursor.execute("SELECT pg_backend_pid()")
+    pid = int(cursor.fetchone()[0])
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, max(os.getpriority(os.PRIO_PROCESS, pid), nice))
+    except OSError as exc:
+        return f"server process {pid} not reniced ({exc})"
+    return f"server process {pid} reniced to {nice}"
+
+
+def bulk_seed_postgres(
+    url: str,
+    spec: SeedSpec,
+    *,
+    progress: Callable[[str], None] | None = None,
+    backend_nice: int | None = None,
+) -> SeedSummary:
+    """:func:`seed_store` for a large history on PostgreSQL: the same rows, loaded with COPY in
+    chunks into tables without indexes, which are built after the load; then VACUUM ANALYZE.
+    The store is migrated first and must hold no request records or snapshots yet. With
+    ``backend_nice``, the server process doing the load runs at that niceness too."""
+    import time
+
+    say = progress or (lambda _msg: None)
+    upgrade(url)
+    engine = make_engine(url)
+    t0 = time.perf_counter()
+    try:
+        rng = np.random.default_rng(spec.seed)
+        req = _gen_requests(spec, rng)
+        say(f"generated {req.n:,} requests in {time.perf_counter() - t0:.0f} s")
+        ctrl = _controller_rows(spec)
+        start = spec.end - spec.duration_s
+        with engine.begin() as conn:
+            conn.execute(insert(InstanceRow), _instance_rows(spec, start))
+            for model in (Decision, WeightOverride, AuditEvent, Alert):
+                if ctrl[model]:
+                    conn.execute(insert(model), ctrl[model])
+        raw = engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            cur.execute("SET maintenance_work_mem = '256MB'")
+            if backend_nice is not None:
+                say(_renice_backend(cur, backend_nice))
+            rebuild = [ddl for t in _BULK_TABLES for ddl in _drop_keys_and_indexes(cur, t)]
+            chunk = max(spec.chunk, 100_000)
+            for lo in range(0, req.n, chunk):
+                hi = min(lo + chunk, req.n)
+                _copy_table(cur, "request_records", _request_table(spec, req, lo, hi))
+                say(
+                    f"requests {hi:,} / {req.n:,} ({hi / max(req.n, 1):.0%}) {time.perf_counter() - t0:.0f} s"
+                )
+            n_snap = 0
+            for rows in _snapshot_rows(spec, req, rng):
+                _copy_table(cur, "snapshots", _snapshot_table(rows, n_snap + 1))
+                n_snap += len(rows)
+                say(f"snapshots {n_snap:,} {time.perf_counter() - t0:.0f} s")
+            for ddl in rebuild:
+                say(f"{ddl[:100]} ... {time.perf_counter() - t0:.0f} s")
+                cur.execute(ddl)
+            for t in _BULK_TABLES:
+                cur.execute(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))")
+            raw.commit()
+        finally:
+            raw.close()
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            say(f"VACUUM ANALYZE ... {time.perf_counter() - t0:.0f} s")
+            if backend_nice is not None:
+                _renice_backend(conn.connection.dbapi_connection.cursor(), backend_nice)  # type: ignore[union-attr]
+            for t in (*_BULK_TABLES, "decisions", "instances"):
+                conn.exec_driver_sql(f"VACUUM ANALYZE {t}")
+    finally:
+        engine.dispose()
+    return _summary(spec, req, n_snap, len(ctrl[Decision]))

@@ -74,6 +74,8 @@ class Snapshot(Base):
     __tablename__ = "snapshots"
     __table_args__ = (
         Index("ix_snapshots_instance_ts", "instance", "ts"),
+        # the dashboard's every-k-th-scrape pick over a long range reads this index alone
+        Index("ix_snapshots_instance_ts_id", "instance", "ts", "id"),
         Index("ix_snapshots_pool_ts", "pool", "ts"),
     )
 
@@ -232,6 +234,8 @@ class RequestRecord(Base):
         Index("ix_request_records_d_instance_ts", "d_instance", "proxy_in"),
         Index("ix_request_records_p_instance_ts", "p_instance", "proxy_in"),
         Index("ix_request_records_status_ts", "status", "proxy_in"),
+        # the dashboard's window count, sample ids and status / SLO counts read this index alone
+        Index("ix_request_records_window", "proxy_in", "id", "status", "ttft_s", "tpot_s"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

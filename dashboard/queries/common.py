@@ -11,11 +11,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, Integer, Select, cast, func, inspect, select
+from sqlalchemy import Connection, Engine, Integer, Select, cast, func, inspect, select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.expression import Executable
 
 from store.models import Decision, RequestRecord, Snapshot
+
+
+def connect(engine: Engine) -> Connection:
+    """A connection for the dashboard's reads. On PostgreSQL it runs without JIT compilation: the
+    planner's estimates for a large store's window reads (loose index scans, probes per slice) pass
+    ``jit_above_cost`` and compiling then takes longer (100-200 ms) than the query itself. Set once
+    per pooled connection (a SELECT, which the dashboard's read-only engine allows)."""
+    conn = engine.connect()
+    if engine.dialect.name == "postgresql":
+        info = conn.connection.info
+        if not info.get("pdscope_no_jit"):
+            conn.exec_driver_sql("SELECT set_config('jit', 'off', false)")
+            conn.commit()  # a session setting made in a transaction rolled back on return is undone
+            info["pdscope_no_jit"] = True
+    return conn
 
 
 @dataclass(frozen=True)
@@ -40,7 +55,7 @@ class Window:
 
 def frame(engine: Engine, stmt: Executable) -> pd.DataFrame:
     """Run a SELECT and return its rows as a DataFrame (columns named as selected)."""
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         result = conn.execute(stmt)
         columns = list(result.keys())
         # Plain tuples: pandas probes Row objects attribute by attribute, which is slow.
@@ -70,7 +85,7 @@ def fast_frame(engine: Engine, stmt: Select[Any], bool_columns: tuple[str, ...] 
     params: Any = compiled.params
     if compiled.positional:
         params = tuple(compiled.params[name] for name in (compiled.positiontup or ()))
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
             cursor.execute(str(compiled), params)
@@ -99,7 +114,7 @@ def presence(engine: Engine) -> Presence:
     """Cheap checks (one indexed row each) of what the store holds."""
     if not inspect(engine).has_table(Snapshot.__tablename__):
         return Presence(False, False, False, False)
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         snaps = conn.execute(select(Snapshot.id).limit(1)).first() is not None
         reqs = conn.execute(select(RequestRecord.id).limit(1)).first() is not None
         decs = conn.execute(select(Decision.id).limit(1)).first() is not None
@@ -110,7 +125,7 @@ def latest_ts(engine: Engine) -> float | None:
     """The newest snapshot or request time (None for an empty or unmigrated store)."""
     if not inspect(engine).has_table(Snapshot.__tablename__):
         return None
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         snap = conn.execute(select(func.max(Snapshot.ts))).scalar()
         req = conn.execute(select(func.max(RequestRecord.proxy_in))).scalar()
     values = [v for v in (snap, req) if v is not None]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import Engine, func, or_, select
 
-from dashboard.queries.common import Window, frame
+from dashboard.queries.common import Window, connect, frame
 from store.models import Alert, AuditEvent, Decision
 
 
@@ -75,7 +75,7 @@ def weight_history(
 
 def latest_mode(engine: Engine) -> str | None:
     """The mode ("advisory" or "enforce") of the newest decision, or None."""
-    with engine.connect() as conn:
+    with connect(engine) as conn:
         return conn.execute(
             select(Decision.mode).order_by(Decision.ts.desc(), Decision.id.desc()).limit(1)
         ).scalar()

@@ -96,7 +96,15 @@ def render() -> None:
     found = data.search_requests(url, window.start, window.end, **flt)  # type: ignore[arg-type]
     counts = data.status_counts(url, window.start, window.end)
     if not counts.empty:
-        st.caption(" · ".join(f"{r.status}: {r.requests:,}" for r in counts.itertuples()) + " in the window")
+        approx = "estimated" in counts and bool(counts["estimated"].any())
+        st.caption(
+            " · ".join(
+                f"{r.status}: {'≈' * bool(getattr(r, 'estimated', False))}{r.requests:,}"
+                for r in counts.itertuples()
+            )
+            + " in the window"
+            + (" (≈: estimated from every k-th request, range too large to count)" if approx else "")
+        )
     if found.empty:
         if flt["request_id"]:
             st.warning(f"No request with id or trace id starting {flt['request_id']!r}.")
