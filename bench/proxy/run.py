@@ -108,8 +108,21 @@ def start_toy(fleet: dict[str, Any], log: Path) -> Contender:
     return Contender("toy", url, proc)
 
 
-def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "lean") -> Contender:
+def start_pdscope(
+    fleet: dict[str, Any],
+    log: Path,
+    tmp: Path,
+    client: str = "lean",
+    *,
+    ratio: float = 1.0,
+    name: str | None = None,
+    wrap: list[str] | None = None,
+) -> Contender:
+    """``pdscope proxy`` with tracing on at ``proxy.trace_sample_ratio`` = ``ratio`` (every request's
+    root span is exported whatever the ratio; children for the sampled share). ``wrap`` goes before
+    the command (a profiler)."""
     port = _free_port()
+    name = name or ("pdscope" if client == "lean" else f"pdscope-{client}")
     config = {
         "model": {"name": "bench", "kv_bytes_per_token": 327680},
         "pools": {
@@ -127,13 +140,15 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
             "controller_url": fleet["controller"],
             "tracing": True,
             "otlp_endpoint": fleet["otlp"] + "/v1/traces",
+            "trace_sample_ratio": ratio,
         },
     }
-    path = tmp / f"pdscope-{client}.yaml"
+    path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     pdscope = str(Path(PY).with_name("pdscope"))
     cmd = [
         *_pin(0),
+        *(wrap or []),
         pdscope,
         "--config",
         str(path),
@@ -146,7 +161,7 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthz")
-    return Contender("pdscope" if client == "lean" else f"pdscope-{client}", url, proc)
+    return Contender(name, url, proc)
 
 
 VLLM_ROUTER = "vllm-router"  # PyPI vllm-router (vLLM's Rust router), a dev dependency: .venv/bin/vllm-router
