@@ -162,13 +162,17 @@ class Response:
     # -- read by the caller ------------------------------------------------------------
 
     async def next_chunk(self) -> bytes | None:
-        """The next body chunk, or None at the end. Raises UpstreamClosed on a broken answer."""
+        """The body bytes that arrived since the last call (every chunk already buffered, joined:
+        a relay then makes one write of what one socket read brought), or None at the end. Raises
+        UpstreamClosed on a broken answer."""
         while True:
-            if self._chunks:
-                data = self._chunks.popleft()
-                self._buffered -= len(data)
-                if self._buffered <= _PAUSE_BYTES // 2 and self._conn is not None:
-                    self._conn.resume()
+            chunks = self._chunks
+            if chunks:
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._conn is not None:
+                    self._conn.resume()  # nothing buffered now (a no-op unless paused)
                 return data
             if self._done:
                 self._release()
