@@ -23,7 +23,6 @@ Every retry pick goes through admission (:meth:`proxy.gate.Gate.retry`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -212,6 +211,7 @@ class Attempts:
     async def decode(
         self,
         req: RequestState,
+        raw: bytes,
         body: dict[str, object],
         answer: PrefillAnswer,
         ctx: Context,
@@ -220,9 +220,10 @@ class Attempts:
         reply: Reply,
         tried: list[str],
     ) -> None:
-        """Hand P's KV to ``req.d`` (or the D a retry moved it to) and stream its answer to the client."""
+        """Hand P's KV to ``req.d`` (or the D a retry moved it to) and stream its answer to the client.
+        ``raw`` is the client's body as it came (``body`` parsed): D gets it with P's KV params."""
         assert req.p is not None and req.d is not None
-        d_body = json.dumps(protocol.decode_body(body, answer.kv_transfer_params)).encode()
+        d_body = protocol.decode_bytes(raw, body, answer.kv_transfer_params)
         kv = answer.prompt_tokens * self.fs.kv_bytes_per_token
         self.gate.hold_kv(req, kv)
         req.stage = "handoff"
