@@ -412,10 +412,14 @@ class Attempts:
         if first:
             await reply.body(first, True)
         kind: str | None = None
+        last = b""  # D's last bytes when they came with the end of its answer: sent with the client's end
         try:
             async with asyncio.timeout_at(total_deadline):
                 while watch.error is None and (chunk := await resp.next_chunk()) is not None:
                     watch.feed(chunk)
+                    if watch.done and watch.error is None and getattr(resp, "complete", False):
+                        last = chunk  # one write for the last event and the end of the stream
+                        break
                     await reply.body(chunk, True)
         except (UpstreamError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
@@ -427,7 +431,7 @@ class Attempts:
         elif kind is None and not watch.done:
             kind = "no_done"  # D ended the stream without [DONE]: the answer may be cut
         if kind is None:
-            await reply.body(b"", False)
+            await reply.body(last, False)
             req.outcome = "ok"
             self.outliers.success(d.name, d.pool, self.clock())
             return

@@ -130,6 +130,9 @@ class Response:
 
     @property
     def complete(self) -> bool:
+        """The whole answer has arrived and been read (the next ``next_chunk`` is None). Not part of
+        :class:`UpstreamResponse`: the relay looks for it to end the client's stream in the same
+        write as D's last event."""
         return self._done and not self._chunks
 
     # -- fed by the connection ---------------------------------------------------------
