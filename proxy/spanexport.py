@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanKind, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ def retry_after(value: str | None, now: float | None = None) -> float | None:
 
 # -- OTLP protobuf, by hand (opentelemetry/proto/trace/v1/trace.proto) -----------------------
 
-_KIND = {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}  # SDK SpanKind value -> OTLP SPAN_KIND_*
+_KIND = {k: b"\x30" + bytes((k.value + 1,)) for k in SpanKind}  # Span.kind: OTLP's is the SDK's + 1
+_STATUS_UNSET = b"\x7a\x00"  # Span.status, empty
 _FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", 0x100)  # Span.flags (16, fixed32): HAS_IS_REMOTE
 _FLAGS_REMOTE = b"\x85\x01" + struct.pack("<I", 0x300)  # ... and IS_REMOTE
 _pack_q = struct.Struct("<Q").pack
@@ -121,6 +123,7 @@ _CACHE_MAX = 4096
 _keys: dict[str, bytes] = {}  # attribute key -> KeyValue.key field
 _fields: dict[tuple[bytes, str, str], bytes] = {}  # (tag, key, str value) -> the whole field
 _bools: dict[tuple[bytes, str, bool], bytes] = {}
+_names: dict[str, bytes] = {}  # span name -> Span.name field
 
 
 def _attributes(tag: bytes, attrs: Mapping[str, Any] | None) -> bytes:
@@ -173,10 +176,14 @@ def _span(span: ReadableSpan) -> bytes:
         parts.append(_ld(b"\x1a", ",".join(f"{k}={v}" for k, v in ctx.trace_state.items()).encode()))
     if parent is not None:
         parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
+    name = _names.get(span.name)
+    if name is None:
+        name = _ld(b"\x2a", span.name.encode())
+        if len(_names) < _CACHE_MAX:
+            _names[span.name] = name
     parts += (
-        _ld(b"\x2a", span.name.encode()),
-        b"\x30",
-        bytes((_KIND[span.kind.value],)),
+        name,
+        _KIND[span.kind],
         b"\x39",
         _pack_q(span.start_time or 0),
         b"\x41",
@@ -204,12 +211,13 @@ def _span(span: ReadableSpan) -> bytes:
     if span.dropped_links:
         parts += (b"\x70", _varint(span.dropped_links))
     status = span.status
-    st = b""
-    if status.description:
-        st += _ld(b"\x12", status.description.encode())
-    if status.status_code.value:
-        st += b"\x18" + _varint(status.status_code.value)
-    parts.append(_ld(b"\x7a", st))
+    if status.status_code is StatusCode.UNSET and not status.description:
+        parts.append(_STATUS_UNSET)
+    else:
+        st = _ld(b"\x12", status.description.encode()) if status.description else b""
+        if status.status_code.value:
+            st += b"\x18" + _varint(status.status_code.value)
+        parts.append(_ld(b"\x7a", st))
     parts.append(_FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
     return _ld(b"\x12", b"".join(parts))  # ScopeSpans.spans
 
