@@ -23,7 +23,6 @@ Every retry pick goes through admission (:meth:`proxy.gate.Gate.retry`).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -212,6 +211,7 @@ class Attempts:
     async def decode(
         self,
         req: RequestState,
+        raw: bytes,
         body: dict[str, object],
         answer: PrefillAnswer,
         ctx: Context,
@@ -220,9 +220,10 @@ class Attempts:
         reply: Reply,
         tried: list[str],
     ) -> None:
-        """Hand P's KV to ``req.d`` (or the D a retry moved it to) and stream its answer to the client."""
+        """Hand P's KV to ``req.d`` (or the D a retry moved it to) and stream its answer to the client.
+        ``raw`` is the client's body as it came (``body`` parsed): D gets it with P's KV params."""
         assert req.p is not None and req.d is not None
-        d_body = json.dumps(protocol.decode_body(body, answer.kv_transfer_params)).encode()
+        d_body = protocol.decode_bytes(raw, body, answer.kv_transfer_params)
         kv = answer.prompt_tokens * self.fs.kv_bytes_per_token
         self.gate.hold_kv(req, kv)
         req.stage = "handoff"
@@ -411,10 +412,14 @@ class Attempts:
         if first:
             await reply.body(first, True)
         kind: str | None = None
+        last = b""  # D's last bytes when they came with the end of its answer: sent with the client's end
         try:
             async with asyncio.timeout_at(total_deadline):
                 while watch.error is None and (chunk := await resp.next_chunk()) is not None:
                     watch.feed(chunk)
+                    if watch.done and watch.error is None and getattr(resp, "complete", False):
+                        last = chunk  # one write for the last event and the end of the stream
+                        break
                     await reply.body(chunk, True)
         except (UpstreamError, TimeoutError) as exc:
             kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
@@ -426,7 +431,7 @@ class Attempts:
         elif kind is None and not watch.done:
             kind = "no_done"  # D ended the stream without [DONE]: the answer may be cut
         if kind is None:
-            await reply.body(b"", False)
+            await reply.body(last, False)
             req.outcome = "ok"
             self.outliers.success(d.name, d.pool, self.clock())
             return

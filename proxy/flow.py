@@ -100,7 +100,7 @@ class Flow:
             body = self._checked_body(endpoint, raw)
             req.stream = body.get("stream") is True
             await self._admit(req, root, ctx)
-            await self._run(req, body, ctx, base_headers, tp_in, reply)
+            await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
             req.outcome = err.outcome
             if not reply.started:
@@ -228,6 +228,7 @@ class Flow:
     async def _run(
         self,
         req: RequestState,
+        raw: bytes,
         body: dict[str, object],
         ctx: Context,
         base: Headers,
@@ -240,7 +241,7 @@ class Flow:
         while True:
             answer = await self.attempts.prefill(req, p_body, ctx, base, tp_in)
             try:
-                await self.attempts.decode(req, body, answer, ctx, base, tp_in, reply, tried_d)
+                await self.attempts.decode(req, raw, body, answer, ctx, base, tp_in, reply, tried_d)
                 return
             except NeedsPrefill as exc:
                 self._full_retry(req, exc, tried_d, full_retries)

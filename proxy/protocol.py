@@ -73,6 +73,19 @@ def prefill_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def decode_bytes(raw: bytes, request: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """:func:`decode_body` as the bytes D gets, without re-encoding the client's body: its own bytes
+    (``raw``, which parsed as ``request``) with P's ``kv_transfer_params`` added as the last member.
+    Encoded afresh when that cannot be done by splicing: the client sent ``kv_transfer_params`` itself
+    (it is replaced), or ``raw`` is not a UTF-8 ``{...}`` with members."""
+    if not kv_transfer_params:
+        return raw
+    body = raw.strip()
+    if "kv_transfer_params" in request or not request or body[:1] != b"{" or body[-1:] != b"}":
+        return json.dumps(decode_body(request, kv_transfer_params)).encode()
+    return b"".join((body[:-1], b', "kv_transfer_params": ', json.dumps(kv_transfer_params).encode(), b"}"))
+
+
 def decode_body(request: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
     """What D gets: the client body with P's ``kv_transfer_params`` (verbatim) when P sent any."""
     body = dict(request)
@@ -196,6 +209,19 @@ class SseWatch:
         self.completion_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
+        if (
+            self.events
+            and not self._carry
+            and not self._skipping
+            and chunk.endswith(b"\n")
+            and b'"error"' not in chunk
+            and b'"completion_tokens"' not in chunk
+            and b"[DONE]" not in chunk
+            and len(chunk) <= self.max_line
+        ):
+            # Whole lines of plain token events after the first (the usual chunk): only count them.
+            self.events += chunk.count(b"\ndata:") + chunk.startswith(b"data:")
+            return
         data = self._carry + chunk if self._carry else chunk
         lines = data.split(b"\n")
         tail = lines.pop()

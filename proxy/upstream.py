@@ -130,6 +130,9 @@ class Response:
 
     @property
     def complete(self) -> bool:
+        """The whole answer has arrived and been read (the next ``next_chunk`` is None). Not part of
+        :class:`UpstreamResponse`: the relay looks for it to end the client's stream in the same
+        write as D's last event."""
         return self._done and not self._chunks
 
     # -- fed by the connection ---------------------------------------------------------
@@ -162,13 +165,17 @@ class Response:
     # -- read by the caller ------------------------------------------------------------
 
     async def next_chunk(self) -> bytes | None:
-        """The next body chunk, or None at the end. Raises UpstreamClosed on a broken answer."""
+        """The body bytes that arrived since the last call (every chunk already buffered, joined:
+        a relay then makes one write of what one socket read brought), or None at the end. Raises
+        UpstreamClosed on a broken answer."""
         while True:
-            if self._chunks:
-                data = self._chunks.popleft()
-                self._buffered -= len(data)
-                if self._buffered <= _PAUSE_BYTES // 2 and self._conn is not None:
-                    self._conn.resume()
+            chunks = self._chunks
+            if chunks:
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._conn is not None:
+                    self._conn.resume()  # nothing buffered now (a no-op unless paused)
                 return data
             if self._done:
                 self._release()

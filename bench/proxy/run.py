@@ -5,7 +5,10 @@ All in one run: the ratios are between contenders measured side by side.
 Layout on a 2-core machine: each proxy is pinned to core 0 (``taskset -c 0``); the
 zero-latency fleet (``bench/proxy/fleet.py``: P, D, OTLP sink, routing table) and the load
 generator share core 1. pdscope's proxy runs as ``pdscope proxy`` with tracing on
-(spans exported over OTLP/HTTP to the sink) and polling the fleet's routing table.
+(spans exported over OTLP/HTTP to the sink) and polling the fleet's routing table, twice:
+``pdscope`` at ``trace_sample_ratio`` 1.0 (every span exported) and ``pdscope-sampled`` at
+``--sample-ratio`` (default 0.05, a fleet-scale ratio: every request still gets its root
+span, hence its record; child spans for the sampled share and failed, retried or slow requests).
 
 Two measurements per contender and round, every loop bounded:
 - **ceiling** (requests/s one core can carry): a closed loop at ``--concurrency`` for
@@ -22,7 +25,7 @@ Two measurements per contender and round, every loop bounded:
 Rounds alternate the order of the contenders; the figures are medians over rounds.
 Writes ``bench/results/proxy.json`` and prints a table.
 
-Run: ``.venv/bin/python -m bench.proxy.run`` (about 2 minutes).
+Run: ``.venv/bin/python -m bench.proxy.run`` (about 6 minutes).
 """
 
 from __future__ import annotations
@@ -108,8 +111,21 @@ def start_toy(fleet: dict[str, Any], log: Path) -> Contender:
     return Contender("toy", url, proc)
 
 
-def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "lean") -> Contender:
+def start_pdscope(
+    fleet: dict[str, Any],
+    log: Path,
+    tmp: Path,
+    client: str = "lean",
+    *,
+    ratio: float = 1.0,
+    name: str | None = None,
+    wrap: list[str] | None = None,
+) -> Contender:
+    """``pdscope proxy`` with tracing on at ``proxy.trace_sample_ratio`` = ``ratio`` (every request's
+    root span is exported whatever the ratio; children for the sampled share). ``wrap`` goes before
+    the command (a profiler)."""
     port = _free_port()
+    name = name or ("pdscope" if client == "lean" else f"pdscope-{client}")
     config = {
         "model": {"name": "bench", "kv_bytes_per_token": 327680},
         "pools": {
@@ -127,13 +143,15 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
             "controller_url": fleet["controller"],
             "tracing": True,
             "otlp_endpoint": fleet["otlp"] + "/v1/traces",
+            "trace_sample_ratio": ratio,
         },
     }
-    path = tmp / f"pdscope-{client}.yaml"
+    path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     pdscope = str(Path(PY).with_name("pdscope"))
     cmd = [
         *_pin(0),
+        *(wrap or []),
         pdscope,
         "--config",
         str(path),
@@ -146,9 +164,10 @@ def start_pdscope(fleet: dict[str, Any], log: Path, tmp: Path, client: str = "le
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthz")
-    return Contender("pdscope" if client == "lean" else f"pdscope-{client}", url, proc)
+    return Contender(name, url, proc)
 
 
+SAMPLED = "pdscope-sampled"  # pdscope at the fleet-scale trace_sample_ratio (--sample-ratio)
 VLLM_ROUTER = "vllm-router"  # PyPI vllm-router (vLLM's Rust router), a dev dependency: .venv/bin/vllm-router
 
 
@@ -210,6 +229,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         pds = start_pdscope(fleet, tmp / "pdscope.log", tmp)
         procs.append(pds.proc)  # type: ignore[arg-type]
         contenders = [toy, pds]
+        sampled: Contender | None = None
+        if 0.0 <= a.sample_ratio < 1.0:
+            sampled = start_pdscope(
+                fleet, tmp / "pdscope-sampled.log", tmp, ratio=a.sample_ratio, name=SAMPLED
+            )
+            procs.append(sampled.proc)  # type: ignore[arg-type]
+            contenders.append(sampled)
         if a.with_httpx:
             pdx = start_pdscope(fleet, tmp / "pdscope-httpx.log", tmp, client="httpx")
             procs.append(pdx.proc)  # type: ignore[arg-type]
@@ -293,8 +319,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
-        spans_dropped = _metric(pds.url, "pdscope_proxy_spans_dropped_total")
-        spans_exported = _metric(pds.url, "pdscope_proxy_spans_exported_total")
+        spans = {
+            c.name: {
+                key: _metric(c.url, f"pdscope_proxy_spans_{key}_total")
+                for key in ("exported", "dropped", "unsampled")
+            }
+            for c in (pds, sampled)
+            if c is not None
+        }
     finally:
         for p in reversed(procs):
             if p is fleet_proc:
@@ -312,7 +344,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if fleet_proc.stdout is not None:
         tail = fleet_proc.stdout.read().strip().splitlines()
         sink = json.loads(tail[-1]) if tail else {}
-    return summarize(a, rounds, {"spans_exported": spans_exported, "spans_dropped": spans_dropped, **sink})
+    tracing = {
+        "spans_exported": spans["pdscope"]["exported"],
+        "spans_dropped": spans["pdscope"]["dropped"],
+        "by_contender": spans,
+        **sink,
+    }
+    return summarize(a, rounds, tracing)
 
 
 def _med(values: list[float | None]) -> float | None:
@@ -362,6 +400,12 @@ def summarize(
     ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
     vr = out.get(VLLM_ROUTER)
     vs_vr = pds["ceiling_rps"] / vr["ceiling_rps"] if vr is not None and vr["ceiling_rps"] else None
+    smp = out.get(SAMPLED)
+    smp_vs_vr = (
+        smp["ceiling_rps"] / vr["ceiling_rps"]
+        if smp is not None and vr is not None and vr["ceiling_rps"] and smp["ceiling_rps"]
+        else None
+    )
     return {
         "benchmark": "proxy",
         "setup": {
@@ -374,7 +418,11 @@ def summarize(
             "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
             "latency_requests": a.count,
             "rounds": a.rounds,
-            "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled",
+            "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled; trace_sample_ratio 1.0",
+            SAMPLED: None
+            if smp is None
+            else f"the same at trace_sample_ratio {a.sample_ratio} (every request's root span and record, "
+            "children for the sampled share and failed/retried/slow requests)",
         },
         "contenders": out,
         "ceiling_ratio_vs_toy": ratio,
@@ -382,6 +430,7 @@ def summarize(
         if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None
         else None,
         "ceiling_ratio_vs_vllm_router": vs_vr,
+        "sampled_ceiling_ratio_vs_vllm_router": smp_vs_vr,
         "target": {
             "ceiling_ratio_vs_toy": ">= 1.5",
             "p99_overhead": "<= toy's",
@@ -389,6 +438,7 @@ def summarize(
         },
         "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
         "vllm_router_target_met": None if vs_vr is None else vs_vr >= 0.5,
+        "sampled_vllm_router_target_met": None if smp_vs_vr is None else smp_vs_vr >= 0.5,
         "tracing": tracing,
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3]},
     }
@@ -446,6 +496,12 @@ def main() -> int:
         default=True,
         help="also run vLLM's Rust P/D router (PyPI vllm-router) as a contender",
     )
+    ap.add_argument(
+        "--sample-ratio",
+        type=float,
+        default=0.05,
+        help=f"also run pdscope at this trace_sample_ratio (the {SAMPLED!r} row; >= 1 or < 0: not run)",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
     a = ap.parse_args()
     load_start = Path("/proc/loadavg").read_text().split()[:3]
@@ -461,7 +517,9 @@ def main() -> int:
         f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
         f"target met: {result['target_met']}; pdscope / vllm-router ceiling = "
         f"{_round(result['ceiling_ratio_vs_vllm_router'])} "
-        f"(target >= 0.5: {result['vllm_router_target_met']}); "
+        f"(target >= 0.5: {result['vllm_router_target_met']}); at the sampled ratio "
+        f"{_round(result['sampled_ceiling_ratio_vs_vllm_router'])} "
+        f"(target met: {result['sampled_vllm_router_target_met']}); "
         f"spans exported {tracing.get('spans_exported')}, "
         f"dropped {tracing.get('spans_dropped')}; wrote {out}"
     )

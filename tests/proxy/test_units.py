@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -49,6 +50,50 @@ def test_decode_body_carries_p_params_verbatim() -> None:
     body = protocol.decode_body({"prompt": "x", "stream": True, "kv_transfer_params": {"old": 1}}, params)
     assert body == {"prompt": "x", "stream": True, "kv_transfer_params": params}
     assert protocol.decode_body({"prompt": "x"}, None) == {"prompt": "x"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "stream": true, "max_tokens": 1e2, "s": "\\u00e9"}',
+        b'  {"prompt":"x"}\r\n',
+        b'{"prompt": "x", "kv_transfer_params": {"old": 1}}',  # the client's own: replaced
+        '{"prompt": "x"}'.encode("utf-16"),  # another encoding json reads: encoded afresh
+    ],
+)
+def test_decode_bytes_are_the_decode_body_and_keep_the_clients_bytes(raw: bytes) -> None:
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2], [3]], "remote_host": "h\u00e9"}
+    request = json.loads(raw)
+    out = protocol.decode_bytes(raw, request, params)
+    assert json.loads(out) == protocol.decode_body(request, params)
+    if b'"kv_transfer_params"' not in raw and raw.strip().startswith(b"{"):
+        assert out.startswith(raw.strip()[:-1])  # the client's bytes, P's params appended
+    assert protocol.decode_bytes(raw, request, None) == raw
+
+
+def test_sse_watch_counts_the_same_whatever_the_chunking() -> None:
+    """The fast path (whole lines of plain tokens) and the line-by-line path agree."""
+    event = b'data: {"choices":[{"text":" the","finish_reason":null}]}\n\n'
+    stream = (
+        b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+        + event * 5
+        + b": a comment\ndata:"
+        + b'{"x": 1}\r\n\r\n'
+        + event * 3
+        + b'data: {"choices": [], "usage": {"completion_tokens": 9}}\n\n'
+        + b'data: {"error": {"message": "late"}}\n\n'
+        + event
+        + b"data: [DONE]\n\n"
+    )
+    by_event = [e + b"\n\n" for e in stream.split(b"\n\n")[:-1]]  # as D writes it: the fast path
+    assert b"".join(by_event) == stream
+    seen = set()
+    for size in (1, 7, len(event), len(event) * 2, 100, len(stream), 0):
+        w = protocol.SseWatch()
+        for chunk in by_event if size == 0 else [stream[i : i + size] for i in range(0, len(stream), size)]:
+            w.feed(chunk)
+        seen.add((w.events, w.completion_tokens, w.error, w.done))
+    assert seen == {(11, 9, b'{"error": {"message": "late"}}', True)}
 
 
 def test_parse_prefill_answer() -> None:
