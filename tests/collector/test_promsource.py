@@ -513,6 +513,8 @@ def test_collector_reads_a_real_prometheus(sim_fleet: Any, tmp_path: Path) -> No
                     done=lambda by: (
                         set(by) == {"prefill-0", "decode-0"}
                         and by["decode-0"].nixl_xfer_time_count == direct.values["nixl_xfer_time_count"]
+                        # Prometheus may have scraped P before its requests: wait for a scrape after them
+                        and (by["prefill-0"].prompt_tokens or 0) > 0
                     ),
                     timeout_s=20,
                     every_s=0.25,

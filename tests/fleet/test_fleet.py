@@ -127,7 +127,7 @@ def test_the_standby_takes_over_from_a_killed_leader_and_the_proxies_keep_servin
         )
         assert takeover_s <= bound, f"takeover took {takeover_s:.2f}s, over the lease + 2 ticks ({bound:g}s)"
         assert took["leader_epoch"] == epoch + 1, f"the epoch did not bump: {took}"
-        assert took["leader"]["holder"].endswith(f"(pid {standby.pid})"), took
+        assert took["leader"]["holder"].count(f"(pid {standby.pid})") == 1, took
         provoke_decision(f, max((d[0] for d in before), default=0), "decode-1")
         wait_until(
             "client requests answered after the takeover",
@@ -191,7 +191,7 @@ def test_a_leader_paused_past_its_lock_finds_itself_deposed_and_writes_nothing(f
             every_s=0.1,
             ignore=HTTP_ERRORS,
         )
-        assert back["leader"]["holder"].endswith(f"(pid {standby.pid})"), back
+        assert back["leader"]["holder"].count(f"(pid {standby.pid})") == 1, back
         ticks = back["ticks"]
         wait_until(
             f"{leader.name} to run a few standby rounds",
