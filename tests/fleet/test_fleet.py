@@ -201,7 +201,13 @@ def test_a_leader_paused_past_its_lock_finds_itself_deposed_and_writes_nothing(f
         )
         assert by_label(leader.metrics()["pdscope_controller_leader"], "") == {"": 0.0}
         assert "standby:" in leader.log() and "writes nothing from now on" in leader.log(), leader.tail()
+        # a change sent to it is forwarded to the new leader, which writes it ...
         r = f.post_controller(leader, "/v1/instances/decode-0/drain", {"reason": "to a deposed leader"})
+        assert r.status_code == 200 and r.headers["x-pdscope-forwarded-to"] == standby.url, r.text
+        # ... and one it may not forward (forwarded once already) it refuses itself, naming the new leader
+        r = f.post_controller(
+            leader, "/v1/instances/decode-0/undrain", {"reason": "x"}, headers={"X-Pdscope-Forwarded-By": "t"}
+        )
         assert r.status_code == 409 and r.json()["leader"]["epoch"] == epoch + 1, r.text
         load.stop()
     rows = decisions(f)

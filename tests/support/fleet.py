@@ -462,8 +462,10 @@ class Fleet:
         with self.engine().connect() as conn:
             return [tuple(r) for r in conn.execute(text(sql), params)]
 
-    def post_controller(self, c: Service, path: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(c.url + path, json=body, headers=AUTH, timeout=5)
+    def post_controller(
+        self, c: Service, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> httpx.Response:
+        return httpx.post(c.url + path, json=body, headers={**AUTH, **(headers or {})}, timeout=5)
 
 
 def kind_cmd(kind: str) -> str:
