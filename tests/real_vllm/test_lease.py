@@ -37,6 +37,20 @@ def client() -> Iterator[httpx.Client]:
 
 def test_unclaimed_prefill_expires_and_late_decode_is_flagged(real_pd: RealPD, client: httpx.Client) -> None:
     p_log = real_pd.logs_dir / f"{real_pd.prefill_name}.log"
+    # An earlier test may have left a prefill nobody decoded (a run cut short mid-request): its lease
+    # would expire during this one and be counted as ours. Start once P's expiries have held still
+    # for a whole lease.
+    quiet: dict[str, float] = {}
+
+    def settled() -> bool:
+        now, n = time.monotonic(), pc.scrape(client, real_pd.prefill_url).value(EXPIRED)
+        if quiet.get("n") != n:
+            quiet.update(n=n, since=now)
+        return now - quiet["since"] > real_pd.lease_s + 1.0
+
+    wait_until(
+        "P's leases from earlier tests to run out", settled, timeout_s=4 * real_pd.lease_s + 10, every_s=0.5
+    )
     p0 = pc.scrape(client, real_pd.prefill_url)
     body = {"model": "tiny", "prompt": unique_prompt(50, "lease"), "max_tokens": 6, "temperature": 0}
     sent = time.monotonic()
