@@ -24,6 +24,21 @@ from store.db import make_engine
 from store.migrate import upgrade
 from store.models import Alert, AuditEvent, Decision, InstanceRow, RequestRecord, Snapshot, WeightOverride
 
+# The request records' time and duration columns, seeded alike by the insert path and the bulk load.
+_FLOAT_COLUMNS = (
+    "proxy_in",
+    "p_sent",
+    "p_done",
+    "d_sent",
+    "first_token",
+    "done",
+    "p_queue_s",
+    "p_prefill_s",
+    "d_queue_s",
+    "d_prefill_s",
+    "e2e_s",
+)
+
 TTFT_LE = (
     0.001,
     0.005,
@@ -304,19 +319,7 @@ def _request_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> I
             "slo_met": slo_met,
             "lease_expiry_suspect": c["lease"][sl].tolist(),
         }
-        for name in (
-            "proxy_in",
-            "p_sent",
-            "p_done",
-            "d_sent",
-            "first_token",
-            "done",
-            "p_queue_s",
-            "p_prefill_s",
-            "d_queue_s",
-            "d_prefill_s",
-            "e2e_s",
-        ):
+        for name in _FLOAT_COLUMNS:
             cols[name] = _floats(c[name][sl])
         keys = list(cols)
         rows = [dict(zip(keys, values, strict=True)) for values in zip(*cols.values(), strict=True)]
@@ -821,19 +824,7 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
         "lease_expiry_suspect": pa.array(c["lease"][sl].astype(bool)),
         "attributes": pa.array(np.full(hi - lo, "{}", dtype=object)),
     }
-    for name in (
-        "proxy_in",
-        "p_sent",
-        "p_done",
-        "d_sent",
-        "first_token",
-        "done",
-        "p_queue_s",
-        "p_prefill_s",
-        "d_queue_s",
-        "d_prefill_s",
-        "e2e_s",
-    ):
+    for name in _FLOAT_COLUMNS:
         cols[name] = floats(c[name][sl])
     return pa.table(cols)
 
