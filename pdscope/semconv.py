@@ -53,6 +53,20 @@ P_SENT_NS = "pdscope.p_sent_unix_nano"
 P_DONE_NS = "pdscope.p_done_unix_nano"
 D_SENT_NS = "pdscope.d_sent_unix_nano"
 FIRST_TOKEN_NS = "pdscope.first_token_unix_nano"
+# KV-aware routing (proxy.kv_aware), on the root: the path taken, what the router predicted each
+# chosen instance held of the prompt, and what P and D reported they reused (usage
+# prompt_tokens_details.cached_tokens); the prefix is the hex chain key of the longest matched block
+ROUTE_PATH = "pdscope.route_path"  # see ROUTE_PATHS
+ROUTE_PD = "pd"  # P then D (the disaggregated path)
+ROUTE_DECODE_ONLY = "decode_only"  # conditional disaggregation: D alone computed the prompt
+ROUTE_PATHS = (ROUTE_PD, ROUTE_DECODE_ONLY)
+P_PREDICTED_CACHED = "pdscope.p_predicted_cached_tokens"
+D_PREDICTED_CACHED = "pdscope.d_predicted_cached_tokens"
+P_CACHED_TOKENS = "pdscope.p_cached_tokens"  # from P's usage.prompt_tokens_details.cached_tokens
+D_CACHED_TOKENS = "pdscope.d_cached_tokens"  # from D's usage (local hits plus, on vLLM, pulled tokens)
+PREFIX_KEY = "pdscope.prefix_key"  # hex, the deepest matched block's chain key (first 8 bytes)
+PREFIX_TOKENS = "pdscope.prefix_tokens"  # tokens of that matched prefix
+ROUTE_REASON = "pdscope.route_reason"  # why this P (and D): see proxy.kvaware
 SAMPLED = "pdscope.sampled"  # on the root: the head-sampling decision (the traceparent flag sent on)
 KEEP = "pdscope.keep"  # on an unsampled root whose children were kept anyway: see KEEP_REASONS
 KEEP_FAILED = "failed"  # outcome error or timeout
