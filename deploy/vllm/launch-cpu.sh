@@ -4,7 +4,8 @@
 #   deploy/vllm/launch-cpu.sh --role prefill|decode --port HTTP_PORT --side-port NIXL_PORT
 #                             [--core N] [--name INSTANCE] [--otlp URL] [--lease SECONDS]
 #                             [--env DIR] [--model DIR] [--served-name NAME]
-#                             [--nixl-progress delay|busy|off] [--progress-delay-us N]
+#                             [--nixl-progress delay|busy|off] [--progress-delay-us N] [--amx]
+#                             [--kv-events ENDPOINT [--kv-events-replay ENDPOINT] [--kv-events-topic T]]
 #
 # The script execs vLLM's OpenAI server, so its PID is the server's PID; the engine core and
 # worker are its children (stop the process group). It binds 127.0.0.1 only and keeps NIXL's
@@ -22,11 +23,21 @@
 #   --nixl-progress     NIXL's progress thread: delay (default: waits up to --progress-delay-us,
 #                       1000, between polls and wakes on UCX events), busy (NIXL as shipped: spins
 #                       a core at 100 %), off (no thread: transfers can stall; see README.md)
+#   --amx               let vLLM's CPU attention use its AMX kernels (default: off, AVX-512; the AMX
+#                       decode kernel dies with SIGILL on some VMs that advertise AMX)
+#   --kv-events         publish KV cache events (--kv-events-config, ZMQ publisher) on ENDPOINT and
+#                       report cached prompt tokens in responses (--enable-prompt-tokens-details).
+#                       vLLM binds ENDPOINT only when it holds "*", "::", ipc:// or inproc:// and
+#                       connects otherwise: use ipc:///path (or tcp://*:PORT) for a subscriber that
+#                       connects. Default: off (vLLM's default, no events)
+#   --kv-events-replay  the replay (ROUTER) endpoint, always bound, e.g. tcp://127.0.0.1:PORT
+#   --kv-events-topic   the topic of every message (default: empty)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROLE="" PORT="" SIDE_PORT="" CORE=0 NAME="" OTLP="" LEASE="" ENV_DIR=.vllm-cpu MODEL="" SERVED=tiny
 NIXL_PROGRESS=delay PROGRESS_DELAY_US=1000
+AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --role) ROLE=$2; shift 2 ;;
@@ -41,7 +52,11 @@ while [ $# -gt 0 ]; do
     --served-name) SERVED=$2; shift 2 ;;
     --nixl-progress) NIXL_PROGRESS=$2; shift 2 ;;
     --progress-delay-us) PROGRESS_DELAY_US=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --amx) AMX=1; shift ;;
+    --kv-events) KV_EVENTS=$2; shift 2 ;;
+    --kv-events-replay) KV_EVENTS_REPLAY=$2; shift 2 ;;
+    --kv-events-topic) KV_EVENTS_TOPIC=$2; shift 2 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "launch-cpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +89,10 @@ case "$NIXL_PROGRESS" in
   busy) ;;
   *) echo "launch-cpu.sh: --nixl-progress must be delay, busy or off" >&2; exit 2 ;;
 esac
-[ "$NIXL_PROGRESS" = busy ] || export PYTHONPATH="$HERE/nixl-progress${PYTHONPATH:+:$PYTHONPATH}"
+[ "$AMX" = 1 ] || export PDSCOPE_VLLM_CPU_NO_AMX=1
+if [ "$NIXL_PROGRESS" != busy ] || [ "$AMX" = 0 ]; then
+  export PYTHONPATH="$HERE/nixl-progress${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 ARGS=(-m vllm.entrypoints.openai.api_server
   --model "$MODEL" --served-model-name "$SERVED"
@@ -82,9 +100,17 @@ ARGS=(-m vllm.entrypoints.openai.api_server
   --dtype bfloat16 --max-model-len 512 --max-num-seqs 8
   --enforce-eager --kv-cache-memory-bytes 67108864
   --kv-transfer-config "$KV_CONFIG")
+if [ -n "$KV_EVENTS" ]; then
+  # Prefix caching stays on (vLLM's default); the events name the blocks it caches and drops.
+  EVENTS="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"$KV_EVENTS\", \"topic\": \"$KV_EVENTS_TOPIC\""
+  [ -n "$KV_EVENTS_REPLAY" ] && EVENTS="$EVENTS, \"replay_endpoint\": \"$KV_EVENTS_REPLAY\""
+  ARGS+=(--kv-events-config "$EVENTS}" --enable-prompt-tokens-details)
+elif [ -n "$KV_EVENTS_REPLAY$KV_EVENTS_TOPIC" ]; then
+  echo "launch-cpu.sh: --kv-events-replay and --kv-events-topic need --kv-events" >&2; exit 2
+fi
 if [ -n "$OTLP" ]; then
   export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf
   ARGS+=(--otlp-traces-endpoint "$OTLP")
 fi
-echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS"
+echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS kv_events=${KV_EVENTS:-off}"
 exec "$PY" "${ARGS[@]}"

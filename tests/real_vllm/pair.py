@@ -8,6 +8,12 @@ D to core 1. :meth:`RealPair.stop` sends SIGTERM to each group, then SIGKILL aft
 period; it only signals groups this module started.
 Logs go to ``logs_dir/<instance>.log`` and stay there.
 
+Opt-in (``kv_events=True``): each instance publishes its KV cache events (``launch-cpu.sh
+--kv-events``) on an ``ipc://`` endpoint it binds (vLLM connects a ``tcp://host:port`` PUB
+endpoint instead of binding it, and ``tcp://*`` would bind every interface), with a replay
+socket on a free loopback port; :meth:`RealPair.config_dict` then names both in each instance's
+entry. Off by default: the session's shared pair runs without events.
+
 Must not hang: every wait is bounded and fails with the log tails.
 """
 
@@ -17,6 +23,7 @@ import contextlib
 import fcntl
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,6 +137,8 @@ class Instance:
     core: int
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    kv_events_endpoint: str | None = None  # ipc://... when the pair publishes KV events
+    kv_events_replay_endpoint: str | None = None  # tcp://127.0.0.1:PORT
 
     @property
     def url(self) -> str:
@@ -147,6 +156,7 @@ class RealPair:
     otlp_endpoint: str | None = None
     lease_s: int | None = None
     nixl_progress: str = "delay"  # launch-cpu.sh --nixl-progress: delay | busy | off
+    kv_events: bool = False  # launch-cpu.sh --kv-events (+ replay), see the module docstring
     prefill: Instance = field(init=False)
     decode: Instance = field(init=False)
     startup_s: float = 0.0
@@ -156,6 +166,8 @@ class RealPair:
         self._ports = PortReservations()
         self.prefill = Instance(PREFILL_NAME, "prefill", 0, 0, 0, self.logs_dir / f"{PREFILL_NAME}.log")
         self.decode = Instance(DECODE_NAME, "decode", 0, 0, 1, self.logs_dir / f"{DECODE_NAME}.log")
+        # An ipc path must stay short (about 100 bytes): not under pytest's tmp dirs.
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="pdscope-kv-")) if self.kv_events else None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -181,6 +193,10 @@ class RealPair:
         if self.lease_s is not None:
             cmd += ["--lease", str(self.lease_s)]
         cmd += ["--nixl-progress", self.nixl_progress]
+        if inst.kv_events_endpoint:
+            cmd += ["--kv-events", inst.kv_events_endpoint]
+            if inst.kv_events_replay_endpoint:
+                cmd += ["--kv-events-replay", inst.kv_events_replay_endpoint]
         env = dict(os.environ, **extra_env)
         with open(inst.log, "ab") as log:
             inst.proc = subprocess.Popen(
@@ -206,6 +222,10 @@ class RealPair:
                 if attempt > 1 and inst.log.exists():
                     inst.log.rename(inst.log.with_suffix(f".attempt{attempt - 1}.log"))
                 inst.port, inst.side_port = self._ports.take(), self._ports.take()
+                if self._ipc_dir is not None:
+                    self._ipc_dir.mkdir(exist_ok=True)
+                    inst.kv_events_endpoint = f"ipc://{self._ipc_dir}/{inst.name}.sock"
+                    inst.kv_events_replay_endpoint = f"tcp://127.0.0.1:{self._ports.take()}"
                 self._spawn(inst, extra_env or {})
             try:
                 self._wait_healthy(t0 + timeout_s)
@@ -272,6 +292,8 @@ class RealPair:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
         self._ports.release()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -326,23 +348,20 @@ class RealPair:
             out[inst.name] = total / tick
         return out
 
+    def _entry(self, inst: Instance) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": inst.name, "url": inst.url, "labels": {"hw": "cpu"}}
+        if inst.kv_events_endpoint:
+            entry["kv_events_endpoint"] = inst.kv_events_endpoint
+            entry["kv_events_replay_endpoint"] = inst.kv_events_replay_endpoint
+        return entry
+
     def config_dict(self, **sections: Any) -> dict[str, Any]:
         """A pdscope config for this pair; ``sections`` are merged in at the top level."""
         cfg: dict[str, Any] = {
             "model": {"name": MODEL_NAME, "kv_bytes_per_token": KV_BYTES_PER_TOKEN},
             "pools": {
-                "prefill": {
-                    "role": "prefill",
-                    "instances": [
-                        {"name": self.prefill.name, "url": self.prefill.url, "labels": {"hw": "cpu"}}
-                    ],
-                },
-                "decode": {
-                    "role": "decode",
-                    "instances": [
-                        {"name": self.decode.name, "url": self.decode.url, "labels": {"hw": "cpu"}}
-                    ],
-                },
+                "prefill": {"role": "prefill", "instances": [self._entry(self.prefill)]},
+                "decode": {"role": "decode", "instances": [self._entry(self.decode)]},
             },
         }
         cfg.update(sections)

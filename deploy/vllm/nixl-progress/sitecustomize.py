@@ -9,6 +9,11 @@ vLLM worker busy-polls one core at ~100 %. On a 2-core box that starves the mode
   when vLLM polls it, which an idle prefill instance does not do: with UCX over TCP loopback
   the decode side's READ can stall. Kept for experiments only.
 
+Also, ``PDSCOPE_VLLM_CPU_NO_AMX=1``: vLLM's CPU attention does not pick its AMX kernels. Some
+virtual machines advertise AMX (``amx_bf16``, ``amx_tile``) and grant the tile permission, yet the
+AMX decode kernel dies there with SIGILL on D's first step after a NIXL pull; the AVX-512 kernel
+works everywhere (launch-cpu.sh sets this unless ``--amx``).
+
 The patch is lazy: an import hook waits for ``nixl_cu12._api`` (or ``nixl_cu13._api``) to be
 imported and then patches the classes it uses; processes that never import NIXL pay nothing.
 When a class it expects is missing, it prints one line to stderr and leaves NIXL alone.
@@ -24,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 _TARGETS = ("nixl_cu12._api", "nixl_cu13._api")
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 
 def _no_progress_thread(api: ModuleType) -> None:
@@ -54,7 +60,19 @@ def _progress_delay(api: ModuleType, delay_us: int) -> None:
     bindings.nixlAgentConfig = DelayedConfig
 
 
+def _no_amx(module: ModuleType) -> None:
+    """After vLLM's CPU attention backend is imported: report AMX tiles as unsupported, so its
+    ISA choice falls through to the AVX-512 kernels."""
+    try:
+        module.torch.cpu._is_amx_tile_supported = lambda: False
+    except AttributeError as exc:
+        print(f"sitecustomize: AMX patch not applied to {module.__name__}: {exc}", file=sys.stderr)
+
+
 def _patch(api: ModuleType) -> None:
+    if api.__name__ == _CPU_ATTN:
+        _no_amx(api)
+        return
     if getattr(api, "_pdscope_patched", False):
         return
     setattr(api, "_pdscope_patched", True)  # noqa: B010
@@ -83,7 +101,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _TARGETS:
+        if fullname not in _wanted:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -96,7 +114,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+_wanted: set[str] = set()
 if os.environ.get("PDSCOPE_NIXL_NO_PROGRESS_THREAD") == "1" or os.environ.get(
     "PDSCOPE_NIXL_PROGRESS_DELAY_US"
 ):
+    _wanted.update(_TARGETS)
+if os.environ.get("PDSCOPE_VLLM_CPU_NO_AMX") == "1":
+    _wanted.add(_CPU_ATTN)
+if _wanted:
     sys.meta_path.insert(0, _Finder())
