@@ -1,0 +1,1 @@
+"""The prefix-aware routing benchmark (``python -m bench.prefix``; see ``run.py``)."""

@@ -1,0 +1,3 @@
+from bench.prefix.run import main
+
+raise SystemExit(main())

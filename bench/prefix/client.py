@@ -1,0 +1,139 @@
+"""The prefix benchmark's open-loop client: planned bodies, streamed, timed per request.
+
+Every planned request goes out at its time whether or not earlier ones finished; each streams
+(``stream_options.include_usage``) and records TTFT (send to first content chunk), e2e and output
+tokens in a :class:`simulator.workload.RequestResult`, so ``simulator.workload.summarize`` computes
+goodput and percentiles as every other benchmark here does. Bounded: per-request timeout, at most
+``max_inflight`` open (a request past it is recorded as dropped), and a finite schedule. Hooks at
+given offsets (``at``) let the caller scrape metrics at the start and end of the measured phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.prefix.workloads import Planned
+from simulator.httpclient import HttpClientError, Pool
+from simulator.workload import RequestResult
+
+
+def request_body(p: Planned, model: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        **p.body,
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+async def _one(
+    client: Pool, url: str, body: dict[str, Any], res: RequestResult, timeout_s: float, t0: float
+) -> None:
+    now = time.perf_counter
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            client.post(url, body, {"X-Request-Id": res.request_id}) as resp,
+        ):
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                res.error = f"HTTP {resp.status_code}"
+                return
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = "stream error"
+                    continue
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                for c in obj.get("choices") or []:
+                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if text and res.ttft_s is None:
+                        res.ttft_s = now() - t0
+            res.e2e_s = now() - t0
+            res.ok = done and res.error is None and res.ttft_s is not None
+            if not done and res.error is None:
+                res.error = "stream ended early"
+    except TimeoutError:
+        res.error = "timeout"
+    except (HttpClientError, OSError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_open_loop(
+    base_url: str,
+    planned: list[Planned],
+    *,
+    model: str,
+    max_tokens: int,
+    timeout_s: float = 30.0,
+    max_inflight: int = 2048,
+    hooks: list[tuple[float, Callable[[], None]]] | None = None,
+    tag: str = "prefix",
+) -> list[RequestResult]:
+    """Send ``planned`` open loop against ``base_url``; results in plan order. ``hooks`` run (in a
+    thread, so a slow scrape delays no send) at their offsets from the start."""
+    client = Pool(max_idle=max_inflight)
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter()
+    hook_tasks = [
+        loop.create_task(_hook(start + at, fn)) for at, fn in sorted(hooks or [], key=lambda h: h[0])
+    ]
+    results: list[RequestResult] = []
+    tasks: list[asyncio.Task[None]] = []
+    inflight = [0]
+
+    async def send(res: RequestResult, url: str, body: dict[str, Any]) -> None:
+        try:
+            await _one(client, url, body, res, timeout_s, time.perf_counter())
+        finally:
+            inflight[0] -= 1
+
+    try:
+        for i, p in enumerate(planned):
+            delay = start + p.at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res = RequestResult(
+                i, f"{tag}-{i}", p.at, time.perf_counter() - start, p.prompt_tokens, max_tokens
+            )
+            results.append(res)
+            if inflight[0] >= max_inflight:
+                res.error = "dropped: max in-flight"
+                continue
+            inflight[0] += 1
+            url = base_url.rstrip("/") + p.endpoint
+            tasks.append(loop.create_task(send(res, url, request_body(p, model, max_tokens))))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s + 5.0)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*hook_tasks, return_exceptions=True)
+    finally:
+        for t in hook_tasks:
+            t.cancel()
+        await client.aclose()
+    return results
+
+
+async def _hook(at: float, fn: Callable[[], None]) -> None:
+    delay = at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    await asyncio.to_thread(fn)

@@ -1,0 +1,239 @@
+"""Prefix-aware routing on a simulated 4P+4D fleet: six contenders, four seeded workloads, one run.
+
+    .venv/bin/python -m bench.prefix                          # everything (~11 min on 2 cores)
+    .venv/bin/python -m bench.prefix --workloads system_prompts --contenders load_only,precise,oracle
+    .venv/bin/python -m bench.prefix --quick                  # the smoke: short phases, low load
+
+Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py``):
+- ``round_robin``  pdscope's proxy, ``policy: round-robin``, no admission limit (the toy proxy);
+- ``load_only``    pdscope's proxy as it was before KV awareness (weighted, ``kv_aware`` off);
+- ``approximate``  ``proxy.kv_aware.mode: approximate`` (a tree of the prompts it routed);
+- ``precise``      ``mode: precise``, ``model.tokenizer: pdscope-sim``, the fleet publishing KV events;
+- ``vllm_router``  PyPI ``vllm-router --vllm-pd-disaggregation``: ``--policy kv_aware`` fed by the same
+                   events when it starts and serves with them, else ``--policy cache_aware`` (its
+                   approximate prefix tree over the prompt text), said in the results;
+- ``oracle``       pdscope's KV-aware proxy whose view is the simulator's true cache (``oracle.py``).
+
+Workloads (``workloads.py``): shared system prompts (Zipf), multi-turn chats, unique prompts (the
+control), and the hot prefix (one system prompt carrying half the traffic). Load: the offered rate
+is ``--load`` (shared workloads; ``--load-unique`` for the control) times the fleet's prefill
+capacity with nothing cached (P count x prefill tokens/s / mean prompt tokens), so a fleet that
+reuses nothing is at or past its limit and one that reuses the shared prefixes has room; the
+control is below the limit, where routing should cost nothing. Each run: ``--warm`` seconds
+(caches fill), then ``--measure`` seconds measured: goodput (requests/s meeting TTFT and TPOT
+SLOs, ``stack.py``), TTFT p50/p99 from the client, the P prefix hit rate from the simulated P's
+own counters, decode-only share from the proxy's routes metric, and P queue waits over the TTFT
+budget. Ratios against load_only and the oracle measured in the same run; PASS/MISS against the
+issue's targets (``report.py``). Writes ``bench/results/prefix.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.goodput.stack import http_json  # noqa: E402
+from bench.prefix import report  # noqa: E402
+from bench.prefix.client import run_open_loop  # noqa: E402
+from bench.prefix.measure import figures, phase, snapshot  # noqa: E402
+from bench.prefix.stack import (  # noqa: E402
+    CONTENDERS,
+    MODEL,
+    OUTPUT_TOKENS,
+    P_COUNT,
+    PREFILL_TOKENS_PER_S,
+    SLO_TPOT_S,
+    SLO_TTFT_S,
+    Missing,
+    Stack,
+    StackSpec,
+)
+from bench.prefix.workloads import WORKLOADS, Planned, mean_prompt_tokens  # noqa: E402
+
+OUT = REPO / "bench" / "results" / "prefix.json"
+HOT_CONTENDERS = ("load_only", "approximate", "precise", "oracle")
+CLIENT_TIMEOUT_S = 30.0
+
+
+def capacity_rps(workload: str, seed: int) -> float:
+    """Requests/s the P pool prefills with nothing cached, for this workload's mean prompt."""
+    sample = WORKLOADS[workload](2.0, 120.0, seed)
+    return P_COUNT * PREFILL_TOKENS_PER_S / mean_prompt_tokens(sample)
+
+
+def plan_for(workload: str, load: float, duration_s: float, seed: int) -> tuple[list[Planned], float]:
+    rate = load * capacity_rps(workload, seed)
+    return WORKLOADS[workload](rate, duration_s, seed), rate
+
+
+class RouterChoice:
+    """vllm-router's policy: kv_aware with the fleet's events if it starts and serves, else cache_aware."""
+
+    def __init__(self) -> None:
+        self.policy: str | None = None
+        self.why = ""
+
+    def probe(self, stack: Stack, planned: list[Planned]) -> bool:
+        """With kv_aware up: one request from the workload must come back 200."""
+        p = planned[0]
+        try:
+            body = {**p.body, "model": MODEL, "max_tokens": 2, "stream": False}
+            http_json(stack.proxy_url + p.endpoint, "POST", body, timeout=15)
+        except (OSError, ValueError) as exc:
+            self.why = f"kv_aware answered {type(exc).__name__}: {exc}"
+            return False
+        return True
+
+
+def run_one(
+    workload: str,
+    contender: str,
+    planned: list[Planned],
+    warm_s: float,
+    measure_s: float,
+    seed: int,
+    router: RouterChoice,
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"prefix-{workload}-{contender}-"))
+    out: dict[str, Any] = {}
+    policy = router.policy or "kv_aware"
+    t0 = time.monotonic()
+    ok = False
+    try:
+        stack = Stack(StackSpec(contender, seed, policy), tmp)
+        try:
+            stack.__enter__()
+        except (RuntimeError, TimeoutError) as exc:
+            if contender != "vllm_router" or policy != "kv_aware" or isinstance(exc, Missing):
+                raise
+            router.policy, router.why = (
+                "cache_aware",
+                f"kv_aware did not start: {exc}; {stack.log_tail('proxy', 5)}",
+            )
+            return run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+        try:
+            if contender == "vllm_router" and router.policy is None:
+                if not router.probe(stack, planned):
+                    router.policy = "cache_aware"
+                    stack.__exit__()
+                    return run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+                router.policy = "kv_aware"
+            if contender == "vllm_router":
+                out["router_policy"] = router.policy
+                out["router_note"] = router.why
+            prefills = {e["name"]: e["url"] for e in stack.inst if e["role"] == "prefill"}
+            proxy_metrics = None if contender == "vllm_router" else stack.proxy_url
+            snaps: dict[str, Any] = {}
+
+            def take(key: str) -> None:
+                snaps[key] = snapshot(prefills, proxy_metrics)
+                if key == "start":
+                    http_json(stack.admin_url + "/stats/reset", "POST", {})
+
+            results = asyncio.run(
+                run_open_loop(
+                    stack.proxy_url,
+                    planned,
+                    model=MODEL,
+                    max_tokens=OUTPUT_TOKENS,
+                    timeout_s=CLIENT_TIMEOUT_S,
+                    hooks=[(warm_s, lambda: take("start")), (warm_s + measure_s, lambda: take("end"))],
+                    tag=f"{workload}-{contender}",
+                )
+            )
+            out.update(figures(results, warm_s, measure_s, SLO_TTFT_S, SLO_TPOT_S))
+            if "start" in snaps and "end" in snaps:
+                out.update(phase(snaps["start"], snaps["end"], SLO_TTFT_S))
+            lag = http_json(stack.admin_url + "/stats", timeout=5)
+            out["sim_loop_lag_p99_s"] = lag.get("loop_lag_p99_s")
+            out["sim_trustworthy"] = lag.get("trustworthy")
+            ok = True
+        finally:
+            stack.__exit__()
+    except Missing as exc:
+        out = {"missing": str(exc)}
+        ok = True
+    except Exception as exc:  # one contender's failure is its own row, not the run's end
+        out = {"error": f"{type(exc).__name__}: {exc}", "logs": str(tmp)}
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    if ok:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated (default: all)")
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--warm", type=float, default=8.0, help="seconds before the measured phase")
+    ap.add_argument("--measure", type=float, default=14.0, help="seconds measured")
+    ap.add_argument("--load", type=float, default=1.25, help="shared workloads: x no-cache P capacity")
+    ap.add_argument("--load-unique", type=float, default=0.8, help="the control: x no-cache P capacity")
+    ap.add_argument("--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warm, args.measure, args.load, args.load_unique = 2.0, 4.0, 0.5, 0.4
+    workloads = [w for w in args.workloads.split(",") if w]
+    contenders = [c for c in args.contenders.split(",") if c]
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r} (known: {', '.join(WORKLOADS)})")
+    for c in contenders:
+        if c not in CONTENDERS:
+            ap.error(f"unknown contender {c!r} (known: {', '.join(CONTENDERS)})")
+    router = RouterChoice()
+    cells: dict[str, dict[str, Any]] = {}
+    meta: dict[str, Any] = {}
+    t0 = time.monotonic()
+    for w in workloads:
+        load = args.load_unique if w == "unique" else args.load
+        planned, rate = plan_for(w, load, args.warm + args.measure, args.seed)
+        meta[w] = {
+            "rate_rps": round(rate, 2),
+            "load": load,
+            "requests": len(planned),
+            "mean_prompt_tokens": round(mean_prompt_tokens(planned), 1),
+        }
+        print(
+            f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:g} x no-cache P capacity), "
+            f"mean prompt {meta[w]['mean_prompt_tokens']:.0f} tokens",
+            flush=True,
+        )
+        cells[w] = {}
+        for c in contenders:
+            if w == "hot_prefix" and c not in HOT_CONTENDERS:
+                continue
+            r = run_one(w, c, planned, args.warm, args.measure, args.seed, router)
+            cells[w][c] = r
+            print(f"   {report.progress_line(c, r)}  [{time.monotonic() - t0:5.0f}s]", flush=True)
+    result = {
+        "command": "python -m bench.prefix " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": report.settings(args),
+        "workloads": meta,
+        "cells": cells,
+    }
+    result["summary"] = report.summarize(cells)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print()
+    print(report.table(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
