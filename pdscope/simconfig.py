@@ -93,7 +93,8 @@ class SimulatorConfig(BaseModel):
     prefix_caching: bool = Field(
         default=True,
         description="vLLM --enable-prefix-caching: full prompt blocks stay cached (LRU under "
-        "kv_capacity_blocks) and a request reuses its longest cached prefix; D pulls only the blocks it lacks",
+        "kv_capacity_blocks) and a request reuses its longest cached prefix; "
+        "D pulls only the blocks it lacks",
     )
     kv_bytes_per_token: int | None = Field(
         default=None,

@@ -103,17 +103,20 @@ class AdminApp:
         elif path == "/stats" and method == "GET":
             await _json(send, 200, fleet.lag.stats())
         elif path == "/admin/cached_tokens" and method == "POST":
-            try:
-                ids, lora = parse_cached_query(await _read_body(receive, MAX_QUERY_BYTES))
-            except BadRequest as exc:
-                await _json(send, exc.status, {"error": [str(exc)]})
-                return
-            except ValueError as exc:
-                await _json(send, 400, {"error": [str(exc)]})
-                return
-            await _json(send, 200, {"instances": fleet.cached_tokens(ids, lora)})
+            await self._cached_tokens(receive, send)
         elif path == "/stats/reset" and method == "POST":
             fleet.lag.reset()
             await _json(send, 200, fleet.lag.stats())
         else:
             await _json(send, 404, {"detail": "Not Found"})
+
+    async def _cached_tokens(self, receive: Receive, send: Send) -> None:
+        try:
+            ids, lora = parse_cached_query(await _read_body(receive, MAX_QUERY_BYTES))
+        except BadRequest as exc:
+            await _json(send, exc.status, {"error": [str(exc)]})
+            return
+        except ValueError as exc:
+            await _json(send, 400, {"error": [str(exc)]})
+            return
+        await _json(send, 200, {"instances": self.fleet.cached_tokens(ids, lora)})

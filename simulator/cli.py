@@ -162,7 +162,15 @@ def run(args: argparse.Namespace) -> int:
         for role, count in (("prefill", n_p), ("decode", n_d)):
             for i in range(count):
                 specs.append(
-                    (role, f"{role}-{i}", "127.0.0.1", port if port == 0 else port + len(specs), None, None, "")
+                    (
+                        role,
+                        f"{role}-{i}",
+                        "127.0.0.1",
+                        port if port == 0 else port + len(specs),
+                        None,
+                        None,
+                        "",
+                    )
                 )
     else:
         for pool_name, inst in settings.instances():
@@ -181,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
                     "127.0.0.1",
                     parts.port or 80,
                     _local_zmq(pool_name, inst.name, "kv_events_endpoint", inst.kv_events_endpoint),
-                    _local_zmq(pool_name, inst.name, "kv_events_replay_endpoint", inst.kv_events_replay_endpoint),
+                    _local_zmq(
+                        pool_name, inst.name, "kv_events_replay_endpoint", inst.kv_events_replay_endpoint
+                    ),
                     inst.kv_events_topic,
                 )
             )

@@ -59,9 +59,7 @@ class SimInstance:
         self.generation = 0
         self.kv_events: KvEventPublisher | None = None
         if kv_events_endpoint is not None:
-            self.kv_events = KvEventPublisher(
-                kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic
-            )
+            self.kv_events = KvEventPublisher(kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic)
         self._build()
 
     def _build(self) -> None:

@@ -169,7 +169,9 @@ def running_fleet(
     ep = "tcp://127.0.0.1:*" if kv_events else None  # ZMQ picks a free port
     names = [("prefill", f"prefill-{i}") for i in range(n_prefill)]
     names += [("decode", f"decode-{i}") for i in range(n_decode)]
-    specs = [InstanceSpec(role, name, kv_events_endpoint=ep, kv_events_replay_endpoint=ep) for role, name in names]
+    specs = [
+        InstanceSpec(role, name, kv_events_endpoint=ep, kv_events_replay_endpoint=ep) for role, name in names
+    ]
     loop = loop_factory()()
     fleet = Fleet(specs, model_name=model_name, kv_bytes_per_token=kv_bytes_per_token, cfg=cfg)
     ready = threading.Event()

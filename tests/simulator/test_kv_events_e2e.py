@@ -188,8 +188,16 @@ def test_replay_answers_the_kept_messages_then_end_seq(fleet: RunningFleet, clie
 
 def test_admin_cached_tokens_rejects_bad_bodies(fleet: RunningFleet, client: httpx.Client) -> None:
     url = fleet.admin_url + "/admin/cached_tokens"
-    for body in (b"not json", b"[]", b'{"ids": [1]}', b'{"token_ids": "1 2"}', b'{"token_ids": [1, -2]}',
-                 b'{"token_ids": [true]}', b'{"token_ids": [1.5]}', b'{"token_ids": [1], "lora": 3}'):
+    for body in (
+        b"not json",
+        b"[]",
+        b'{"ids": [1]}',
+        b'{"token_ids": "1 2"}',
+        b'{"token_ids": [1, -2]}',
+        b'{"token_ids": [true]}',
+        b'{"token_ids": [1.5]}',
+        b'{"token_ids": [1], "lora": 3}',
+    ):
         r = client.post(url, content=body)
         assert r.status_code == 400, body
         assert r.json()["error"]

@@ -59,7 +59,9 @@ class Observer(VllmMetrics):
 
 def engine(name: str, role: str, cfg: SimulatorConfig, fabric: Fabric, faults: FaultSet) -> Engine:
     obs = Observer(cfg)
-    eng = Engine(name, role, cfg, engine_id=name, kv_bytes_per_token=KV, fabric=fabric, faults=faults, observer=obs)
+    eng = Engine(
+        name, role, cfg, engine_id=name, kv_bytes_per_token=KV, fabric=fabric, faults=faults, observer=obs
+    )
     events: list[Event] = []
     eng.on_events = events.extend
     eng.events = events  # type: ignore[attr-defined]
@@ -88,7 +90,9 @@ def events(e: Engine) -> list[Event]:
 _n = iter(range(10**6))
 
 
-def request(ids: Sequence[int], *, out: int = 1, remote: RemoteKV | None = None, p_side: bool = False) -> SimRequest:
+def request(
+    ids: Sequence[int], *, out: int = 1, remote: RemoteKV | None = None, p_side: bool = False
+) -> SimRequest:
     i = next(_n)
     return SimRequest(
         f"cmpl-r{i}-0",

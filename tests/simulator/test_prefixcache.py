@@ -34,7 +34,10 @@ def test_chain_hash_depends_on_parent_tokens_and_lora() -> None:
     assert a != chain_hash(None, [1, 2, 3, 4], "adapter")
     assert chain_hash(a, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])
     assert 0 <= a < 2**63
-    assert block_hashes(ids(11), BS) == [chain_hash(None, ids(4)), chain_hash(chain_hash(None, ids(4)), ids(4, 104))]
+    assert block_hashes(ids(11), BS) == [
+        chain_hash(None, ids(4)),
+        chain_hash(chain_hash(None, ids(4)), ids(4, 104)),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -52,8 +55,8 @@ def test_hit_cap_leaves_at_least_one_token(num_tokens: int, cap: int) -> None:
         (ids(12), ids(12), 2),  # all cached, but the last token must be computed: one block less
         (ids(12), ids(9), 2),  # a shorter prompt: its own full blocks only
         (ids(12), ids(6), 1),
-        (ids(12), ids(8) + [1, 2, 3, 4, 5], 2),  # diverges in block 3: partial hit
-        (ids(12), [7] + ids(12)[1:] + [1], 0),  # differs in the first token: no hit at all
+        (ids(12), [*ids(8), 1, 2, 3, 4, 5], 2),  # diverges in block 3: partial hit
+        (ids(12), [7, *ids(12)[1:], 1], 0),  # differs in the first token: no hit at all
         (ids(3), ids(20), 0),  # nothing full was cached
         ([], ids(20), 0),
     ],
@@ -110,13 +113,13 @@ def test_small_capacity_drops_the_hit() -> None:
     pool = BlockPool(2, BS)
     hits = []
     for prompt in (a, b, a, b):
-        hits.append(len(pool.match(block_hashes(prompt + [1], BS), 9)))
+        hits.append(len(pool.match(block_hashes([*prompt, 1], BS), 9)))
         pool.free(compute(pool, prompt))
     assert hits == [0, 0, 0, 0]
     roomy = BlockPool(4, BS)
     hits = []
     for prompt in (a, b, a, b):
-        hits.append(len(roomy.match(block_hashes(prompt + [1], BS), 9)))
+        hits.append(len(roomy.match(block_hashes([*prompt, 1], BS), 9)))
         roomy.free(compute(roomy, prompt))
     assert hits == [0, 0, 2, 2]
 
