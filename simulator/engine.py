@@ -17,6 +17,15 @@ request that carries valid ``kv_transfer_params`` allocates its blocks, pulls th
 from P through the fabric (stage in_progress), then recomputes one token. P keeps the
 blocks of a ``do_remote_decode`` request under a lease until D's pull completes or the
 lease expires; D heartbeats every ``heartbeat_s`` while it waits, extending the lease.
+
+Prefix caching (``prefix_caching``, on by default, as in vLLM V1) lives in the block pool
+(``prefixcache.py``): a request that carries its prompt's token ids reuses the longest cached
+run of its full blocks at admission (at least one token is left to compute) and prefills only
+the rest, and every prompt block it fills is cached for later requests. D matches its own
+cache first and pulls from P only the blocks it lacks, then caches them (as vLLM does after
+``finished_recving``). The pool's cache events are handed to ``on_events`` once per step
+(``flush_events``); ``cached_prefix_tokens`` tells what a request would hit now, without
+changing anything.
 """
 
 from __future__ import annotations

@@ -13,7 +13,15 @@ import pytest
 import zmq
 
 from pdscope import simtokenizer
-from pdscope.kvevents import END_SEQ, BlockStored, Message, decode_batch, decode_message, decode_seq
+from pdscope.kvevents import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockStored,
+    Message,
+    decode_batch,
+    decode_message,
+    decode_seq,
+)
 from proxy.kvindex import PrefixIndex, chain_keys
 from proxy.kvsubscriber import KvEventsSubscriber, Source
 from simulator.admin import MAX_QUERY_TOKENS, parse_cached_query
@@ -204,3 +212,33 @@ def test_admin_cached_tokens_rejects_bad_bodies(fleet: RunningFleet, client: htt
     assert client.post(url, json={"token_ids": []}).json() == {"instances": {"prefill-0": 0, "decode-0": 0}}
     with pytest.raises(ValueError, match="at most"):
         parse_cached_query(b'{"token_ids": [' + b"1," * MAX_QUERY_TOKENS + b"1]}")
+
+
+def test_a_downed_instance_announces_its_cache_is_gone(fleet: RunningFleet, client: httpx.Client) -> None:
+    name = "prefill-0"
+    sub = Sub(fleet, client, name)
+    try:
+        prompt = " ".join(f"gone{i}" for i in range(40))
+        ids = simtokenizer.text_ids(prompt)
+        complete(client, fleet.url_of(name), prompt, fleet.model_name)
+        assert fleet.cached_tokens(ids)[name] == 32
+        sub.drain()
+        fid = fleet.inject({"kind": "down", "instance": name})
+
+        def cleared() -> bool:
+            m = sub.recv(200)
+            return m is not None and AllBlocksCleared() in m.batch.events
+
+        wait_until("AllBlocksCleared from the downed instance", cleared, timeout_s=10)
+        fleet.remove_fault(fid)
+
+        def back() -> bool:
+            try:
+                return client.get(fleet.url_of(name) + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("the instance to come back", back, timeout_s=10)
+        assert fleet.cached_tokens(ids)[name] == 0  # restarted with an empty cache
+    finally:
+        sub.close()
