@@ -228,7 +228,7 @@ def replay_all(endpoint: str) -> list[tuple[str, Batch]]:
 )
 def test_kv_events_endpoints_bind_locally_only(endpoint: str | None, bound: str | None) -> None:
     if bound == "error":
-        with pytest.raises(ConfigError, match="pools.p: pa: kv_events_endpoint"):
+        with pytest.raises(ConfigError, match=r"pools\.p: pa: kv_events_endpoint"):
             _local_zmq("p", "pa", "kv_events_endpoint", endpoint)
     else:
         assert _local_zmq("p", "pa", "kv_events_endpoint", endpoint) == bound
