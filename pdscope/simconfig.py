@@ -32,6 +32,7 @@ _PER_INSTANCE = (
     "max_num_queued_tokens",
     "block_size",
     "kv_capacity_blocks",
+    "prefix_caching",
     "lease_duration_s",
     "heartbeat_interval_s",
     "tp_size",
@@ -89,6 +90,12 @@ class SimulatorConfig(BaseModel):
     # KV cache
     block_size: int = Field(default=16, gt=0, description="tokens per KV block")
     kv_capacity_blocks: int = Field(default=16384, gt=0, description="KV blocks per instance")
+    prefix_caching: bool = Field(
+        default=True,
+        description="vLLM --enable-prefix-caching: full prompt blocks stay cached (LRU under "
+        "kv_capacity_blocks) and a request reuses its longest cached prefix; "
+        "D pulls only the blocks it lacks",
+    )
     kv_bytes_per_token: int | None = Field(
         default=None,
         gt=0,

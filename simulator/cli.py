@@ -128,6 +128,19 @@ def run_fault(args: argparse.Namespace) -> int:
     return 0 if status == 200 else 1
 
 
+def _local_zmq(pool: str, name: str, key: str, endpoint: str | None) -> str | None:
+    """An instance's KV events endpoint as the simulator binds it: tcp on 127.0.0.1 only (localhost is
+    spelled out, ZMQ binds addresses), or ipc."""
+    if endpoint is None or endpoint.startswith("ipc://"):
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+        raise ConfigError(
+            [f"pools.{pool}: {name}: {key}: the simulator binds tcp://127.0.0.1:<port> only, not {endpoint}"]
+        )
+    return f"tcp://127.0.0.1:{parts.port}"
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "sim_action", None) == "fault":
         return run_fault(args)
@@ -141,14 +154,24 @@ def run(args: argparse.Namespace) -> int:
         overrides["latency_scale"] = args.latency_scale
     if args.scenario:
         overrides["scenario"] = args.scenario
-    specs: list[tuple[str, str, str, int]] = []
+    specs: list[tuple[str, str, str, int, str | None, str | None, str]] = []
     if args.prefill is not None or args.decode is not None or settings is None:
         n_p = args.prefill if args.prefill is not None else 1
         n_d = args.decode if args.decode is not None else 1
         port = args.port
         for role, count in (("prefill", n_p), ("decode", n_d)):
             for i in range(count):
-                specs.append((role, f"{role}-{i}", "127.0.0.1", port if port == 0 else port + len(specs)))
+                specs.append(
+                    (
+                        role,
+                        f"{role}-{i}",
+                        "127.0.0.1",
+                        port if port == 0 else port + len(specs),
+                        None,
+                        None,
+                        "",
+                    )
+                )
     else:
         for pool_name, inst in settings.instances():
             parts = urlsplit(inst.url)
@@ -159,7 +182,19 @@ def run(args: argparse.Namespace) -> int:
                         f"not {parts.hostname}"
                     ]
                 )
-            specs.append((settings.pools[pool_name].role, inst.name, "127.0.0.1", parts.port or 80))
+            specs.append(
+                (
+                    settings.pools[pool_name].role,
+                    inst.name,
+                    "127.0.0.1",
+                    parts.port or 80,
+                    _local_zmq(pool_name, inst.name, "kv_events_endpoint", inst.kv_events_endpoint),
+                    _local_zmq(
+                        pool_name, inst.name, "kv_events_replay_endpoint", inst.kv_events_replay_endpoint
+                    ),
+                    inst.kv_events_topic,
+                )
+            )
     sim_section = settings.simulator.model_dump(exclude_defaults=True) if settings else {}
     scenario = sim_section.get("scenario")
     if isinstance(scenario, str) and not Path(scenario).is_absolute():

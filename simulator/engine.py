@@ -17,6 +17,15 @@ request that carries valid ``kv_transfer_params`` allocates its blocks, pulls th
 from P through the fabric (stage in_progress), then recomputes one token. P keeps the
 blocks of a ``do_remote_decode`` request under a lease until D's pull completes or the
 lease expires; D heartbeats every ``heartbeat_s`` while it waits, extending the lease.
+
+Prefix caching (``prefix_caching``, on by default, as in vLLM V1) lives in the block pool
+(``prefixcache.py``): a request that carries its prompt's token ids reuses the longest cached
+run of its full blocks at admission (at least one token is left to compute) and prefills only
+the rest, and every prompt block it fills is cached for later requests. D matches its own
+cache first and pulls from P only the blocks it lacks, then caches them (as vLLM does after
+``finished_recving``). The pool's cache events are handed to ``on_events`` once per step
+(``flush_events``); ``cached_prefix_tokens`` tells what a request would hit now, without
+changing anything.
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdscope.kvevents import Event
 from pdscope.simconfig import SimulatorConfig
 from simulator.model import (
     EngineObserver,
@@ -38,6 +48,7 @@ from simulator.model import (
     NullObserver,
     SimRequest,
 )
+from simulator.prefixcache import BlockPool, block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +91,12 @@ class Engine:
         self._next_heartbeat: float | None = None
         self.leases: dict[str, _Lease] = {}
         self._lease_heap: list[tuple[float, str]] = []
-        self._free: deque[int] = deque(range(cfg.kv_capacity_blocks))
+        self.pool = BlockPool(cfg.kv_capacity_blocks, cfg.block_size, caching=cfg.prefix_caching)
         self._seq = itertools.count()
         self._plan: list[tuple[SimRequest, int]] = []
         self.steps = 0
         self.on_free: Callable[[], None] | None = None
+        self.on_events: Callable[[list[Event]], None] | None = None  # the KV events publisher
 
     # -- capacity ------------------------------------------------------------------
 
@@ -97,7 +109,8 @@ class Engine:
 
     @property
     def used_blocks(self) -> int:
-        return self.cfg.kv_capacity_blocks - len(self._free)
+        """Blocks requests and leases hold (cached blocks no one holds are free, as in vLLM's usage)."""
+        return self.pool.active
 
     @property
     def kv_usage(self) -> float:
@@ -108,17 +121,62 @@ class Engine:
         return math.ceil(max(0, tokens) / self.cfg.block_size)
 
     def _allocate(self, n: int) -> list[int] | None:
-        if n <= 0:
-            return []
-        if self.used_blocks + n > self.capacity_blocks:
-            return None
-        return [self._free.popleft() for _ in range(n)]
+        return self.pool.allocate(n, self.capacity_blocks)
 
     def _release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self.pool.free(blocks)
         blocks.clear()
         if self.on_free is not None and self.waiting:
             self.on_free()  # a blocked admission may fit now (e.g. D's pull freed a P lease)
+
+    # -- prefix cache --------------------------------------------------------------
+
+    def _hashes(self, req: SimRequest) -> list[int]:
+        if req.block_hashes is None:
+            ids = req.token_ids
+            caching = ids is not None and self.cfg.prefix_caching
+            req.block_hashes = block_hashes(ids, self.cfg.block_size, req.lora) if caching and ids else []
+        return req.block_hashes
+
+    def _hit(self, req: SimRequest, num_tokens: int) -> tuple[list[int], int]:
+        """(cached blocks a fresh admission of ``req`` reuses, blocks it takes from the free queue)."""
+        hit = self.pool.match(self._hashes(req), num_tokens) if not req.blocks else []
+        return hit, self.blocks_for(num_tokens) - len(hit) - len(req.blocks) + self.pool.revived(hit)
+
+    def _take(self, req: SimRequest, hit: list[int], n_new: int) -> list[int]:
+        """Reuse ``hit`` and allocate ``n_new`` fresh blocks for ``req`` (the caller checked they fit)."""
+        self.pool.touch(hit)
+        fresh = self._allocate(n_new) or []
+        req.blocks.extend(hit)
+        req.blocks.extend(fresh)
+        req.stored_blocks = len(hit)
+        return fresh
+
+    def _store_full(self, req: SimRequest) -> None:
+        """Cache the prompt blocks ``req`` has filled since the last call (vLLM caches full blocks)."""
+        ids = req.token_ids
+        hashes = self._hashes(req)
+        if ids is None or not hashes:
+            return
+        full = min(req.computed // self.cfg.block_size, len(hashes), len(req.blocks))
+        if full > req.stored_blocks:
+            self.pool.cache(req.blocks, hashes, ids, req.stored_blocks, full)
+            req.stored_blocks = full
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], lora: str | None = None) -> int:
+        """Prompt tokens a new request with ``token_ids`` would find cached here now (capped as an
+        admission is: at least one token left to compute). Pure: the cache does not change."""
+        if not self.cfg.prefix_caching or not token_ids:
+            return 0
+        hashes = block_hashes(token_ids, self.cfg.block_size, lora)
+        return len(self.pool.match(hashes, len(token_ids))) * self.cfg.block_size
+
+    def flush_events(self) -> None:
+        """Hand the KV cache events since the last flush to ``on_events`` (the runner flushes once per
+        step, so one step's events make one message, as vLLM publishes them); dropped without a sink."""
+        events = self.pool.take_events()
+        if events and self.on_events is not None:
+            self.on_events(events)
 
     # -- requests ------------------------------------------------------------------
 
@@ -149,6 +207,7 @@ class Engine:
         self.ready.clear()
         self.running.clear()
         self.loading.clear()
+        self.pool.clear()  # the process is gone and its cache with it: AllBlocksCleared
 
     # -- timers --------------------------------------------------------------------
 
@@ -212,8 +271,9 @@ class Engine:
         self.observer.transfer_done(t)
         if self.fabric is not None:
             self.fabric.finish_pull(req.remote, now)
-        req.external_tokens = req.prompt_tokens
-        req.computed = max(0, req.prompt_tokens - 1)  # the last prompt token is recomputed
+        req.external_tokens = req.prompt_tokens - req.local_cached_tokens  # D pulled what it lacked
+        req.computed = max(req.local_cached_tokens, req.prompt_tokens - 1)  # the last token is recomputed
+        self._store_full(req)  # vLLM caches the received blocks after finished_recving
         req.kv_stage = "completed_waiting"
         self.ready.append(req)
 
@@ -251,12 +311,13 @@ class Engine:
             and self.faults.stops_pulling(self.name)
         ):
             return False
-        need = self.blocks_for(head.prompt_tokens if head.remote is not None else head.target)
+        _, need = self._hit(head, head.prompt_tokens if head.remote is not None else head.target)
         return self.used_blocks + need <= self.capacity_blocks and len(self.running) < self.cfg.max_num_seqs
 
     def begin_step(self, now: float) -> float | None:
         """Schedule one step at ``now``; returns its duration, or None when nothing can run."""
         cfg = self.cfg
+        self.pool.shrink_to(self.capacity_blocks)  # a KV capacity cut evicts cached blocks first
         while self.ready and len(self.running) < cfg.max_num_seqs:
             req = self.ready.popleft()
             req.kv_stage = None
@@ -288,27 +349,31 @@ class Engine:
             if req.remote is not None and req.kv_stage == "waiting_to_start":
                 if self.faults.stops_pulling(self.name) or self.fabric is None:
                     break
-                blocks = self._allocate(self.blocks_for(req.prompt_tokens))
-                if blocks is None:
+                hit, need = self._hit(req, req.prompt_tokens)
+                if self.used_blocks + need > self.capacity_blocks:
                     break
                 self.waiting.popleft()
-                req.blocks = blocks
+                fresh = self._take(req, hit, self.blocks_for(req.prompt_tokens) - len(hit))
+                req.local_cached_tokens = len(hit) * cfg.block_size
                 self.observer.admitted(req)
-                n_blocks = (
-                    len(blocks) if not req.remote.block_ids else min(len(blocks), len(req.remote.block_ids))
-                )
+                # D pulls from P only the blocks it lacks (P's block ids cover the whole prompt)
+                n_blocks = len(fresh)
+                if req.remote.block_ids:
+                    n_blocks = min(n_blocks, max(0, len(req.remote.block_ids) - len(hit)))
                 req.transfer = self.fabric.start_pull(self.name, req.remote, n_blocks, now)
                 req.kv_stage = "in_progress"
                 self.loading[req.internal_id] = req
                 heapq.heappush(self._transfers, (req.transfer.done_at, next(self._seq), req))
                 continue
-            blocks = self._allocate(self.blocks_for(req.target) - len(req.blocks))
-            if blocks is None:
+            hit, need = self._hit(req, req.target)
+            if self.used_blocks + need > self.capacity_blocks:
                 break
             self.waiting.popleft()
-            req.blocks.extend(blocks)
+            self._take(req, hit, self.blocks_for(req.target) - len(hit) - len(req.blocks))
+            req.computed = max(req.computed, len(hit) * cfg.block_size)
             if req.scheduled_ts is None:
                 req.scheduled_ts = now
+                req.local_cached_tokens = len(hit) * cfg.block_size
                 self.observer.admitted(req)
             self.running.append(req)
             chunk = min(req.target - req.computed, budget)
@@ -338,6 +403,7 @@ class Engine:
             victim = victims[-1] if victims else req
             self.running.remove(victim)
             self._release(victim.blocks)
+            victim.stored_blocks = 0
             victim.target = victim.prompt_tokens + victim.generated
             victim.computed = 0
             victim.num_preemptions += 1
@@ -359,6 +425,7 @@ class Engine:
             if req.computed < req.target and not req.external_tokens:
                 prompt_computed += n  # vLLM counts computed prompt tokens, not the recomputed one
             req.computed += n
+            self._store_full(req)
             if req.computed < req.target:
                 continue
             req.generated += 1
@@ -428,13 +495,16 @@ def drive(engine: Engine, until: float, now: float = 0.0, max_steps: int = 1_000
     for _ in range(max_steps):
         engine.advance(now)
         if now >= until:
+            engine.flush_events()
             return now
         if engine.has_work():
             duration = engine.begin_step(now)
             if duration is not None:
                 now += duration
                 engine.end_step(now)
+                engine.flush_events()
                 continue
+        engine.flush_events()
         nxt = engine.next_timer()
         if nxt is None or nxt > until:
             return until

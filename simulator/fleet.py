@@ -7,6 +7,21 @@ the fabric between P and D, an admin API (faults, instances, loop-lag stats) and
 event-loop lag monitor: results taken while the loop lagged past the threshold are
 marked untrustworthy. It must run entirely inside one event loop; testing.py runs it in
 a thread for tests, cli.py in the main thread.
+
+In-process, on the caller's running loop (what a benchmark or a test that owns its loop does)::
+
+    fleet = Fleet([InstanceSpec("prefill", "prefill-0"), InstanceSpec("decode", "decode-0")],
+                  model_name="sim-llama-70b", kv_bytes_per_token=327680,
+                  cfg=parse_simulator_config({"latency_scale": 0}))   # simulator/config.py
+    await fleet.start()          # binds free ports (port 0); fleet.describe() -> (role, name, url)
+    try:
+        fleet.kv_events()        # {name: (endpoint, replay_endpoint, topic)} of the publishing ones
+        fleet.cached_tokens(ids) # {name: tokens a request with these ids would hit now}
+    finally:
+        await fleet.stop()
+
+An ``InstanceSpec`` with ``kv_events_endpoint`` (port ``*`` for a free one) publishes that
+instance's KV cache events there (simulator/kvpublish.py), with an optional replay socket.
 """
 
 from __future__ import annotations
@@ -17,10 +32,12 @@ import logging
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+import zmq
 
 from pdscope.config import ConfigError
 from pdscope.simconfig import SimulatorConfig
@@ -40,6 +57,9 @@ class InstanceSpec:
     name: str
     host: str = "127.0.0.1"
     port: int = 0
+    kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557, or tcp://127.0.0.1:* (free port)
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -172,18 +192,28 @@ class Fleet:
         for spec in specs:
             index = counters[spec.role]
             counters[spec.role] += 1
-            self.instances[spec.name] = SimInstance(
-                name=spec.name,
-                role=spec.role,
-                index=index,
-                model_name=model_name,
-                cfg=cfg.for_instance(spec.name),
-                kv_bytes_per_token=kv_bytes_per_token,
-                fabric=self.fabric,
-                faults=self.faults,
-                seed=cfg.seed,
-                otlp_endpoint=cfg.otlp_endpoint or otlp_endpoint,
-            )
+            try:
+                self.instances[spec.name] = SimInstance(
+                    name=spec.name,
+                    role=spec.role,
+                    index=index,
+                    model_name=model_name,
+                    cfg=cfg.for_instance(spec.name),
+                    kv_bytes_per_token=kv_bytes_per_token,
+                    fabric=self.fabric,
+                    faults=self.faults,
+                    seed=cfg.seed,
+                    otlp_endpoint=cfg.otlp_endpoint or otlp_endpoint,
+                    kv_events_endpoint=spec.kv_events_endpoint,
+                    kv_events_replay_endpoint=spec.kv_events_replay_endpoint,
+                    kv_events_topic=spec.kv_events_topic,
+                )
+            except zmq.ZMQError as exc:
+                for inst in self.instances.values():
+                    inst.close()
+                raise ConfigError(
+                    [f"{spec.name}: kv_events_endpoint / kv_events_replay_endpoint cannot be bound: {exc}"]
+                ) from exc
         self.listeners = {
             s.name: _Listener(InstanceApp(self.instances[s.name]), s.host, s.port) for s in specs
         }
@@ -211,6 +241,24 @@ class Fleet:
 
     def is_up(self, name: str) -> bool:
         return name not in self._down
+
+    def kv_events(self) -> dict[str, tuple[str, str | None, str]]:
+        """``{name: (endpoint, replay_endpoint, topic)}`` of every instance publishing KV events (the
+        bound addresses: a ``*`` port is resolved)."""
+        out: dict[str, tuple[str, str | None, str]] = {}
+        for name, inst in self.instances.items():
+            pub = inst.kv_events
+            if pub is not None:
+                out[name] = (pub.endpoint, pub.replay_endpoint, pub.topic)
+        return out
+
+    def cached_tokens(self, token_ids: Sequence[int], lora: str | None = None) -> dict[str, int]:
+        """Per instance, the prompt tokens a new request with ``token_ids`` would find cached now (the
+        engines' truth; a down instance holds nothing)."""
+        return {
+            name: 0 if name in self._down else inst.engine.cached_prefix_tokens(token_ids, lora)
+            for name, inst in self.instances.items()
+        }
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -240,6 +288,7 @@ class Fleet:
         await asyncio.gather(self.admin.stop(), *(stop_one(name) for name in self.instances))
         for inst in self.instances.values():
             inst.shutdown_tracing()
+            inst.close()
 
     # -- faults --------------------------------------------------------------------
 

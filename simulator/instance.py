@@ -1,8 +1,11 @@
-"""One simulated vLLM instance: engine + runner + metrics registry (+ span emitter).
+"""One simulated vLLM instance: engine + runner + metrics registry (+ span emitter, + KV events).
 
 ``SimInstance`` is what the HTTP app serves. ``restart()`` models a process restart
 after the instance was down: a new engine id, empty KV cache and fresh counters, as a
-restarted vLLM has. It knows nothing about sockets (fleet.py) or HTTP (server.py).
+restarted vLLM has. With a ``kv_events_endpoint`` the instance publishes its engine's KV
+cache events (simulator/kvpublish.py); the publisher outlives restarts (its sequence goes
+on), and a stop publishes ``AllBlocksCleared`` (the cache is gone) so subscribers forget it
+at once. It knows nothing about HTTP sockets (fleet.py) or HTTP (server.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pdscope.simconfig import SimulatorConfig
 from simulator.engine import Engine
 from simulator.fabric import Fabric
 from simulator.faults import FaultSet
+from simulator.kvpublish import KvEventPublisher
 from simulator.metrics import VllmMetrics
 from simulator.runner import EngineRunner
 from simulator.tracing import SpanEmitter
@@ -35,6 +39,9 @@ class SimInstance:
         faults: FaultSet,
         seed: int,
         otlp_endpoint: str | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
+        kv_events_topic: str = "",
     ) -> None:
         self.name = name
         self.role = role
@@ -50,6 +57,9 @@ class SimInstance:
         if cfg.tracing:
             self.emitter = SpanEmitter(name, otlp_endpoint)
         self.generation = 0
+        self.kv_events: KvEventPublisher | None = None
+        if kv_events_endpoint is not None:
+            self.kv_events = KvEventPublisher(kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic)
         self._build()
 
     def _build(self) -> None:
@@ -66,6 +76,8 @@ class SimInstance:
             faults=self.faults,
             observer=self.metrics,
         )
+        if self.kv_events is not None:
+            self.engine.on_events = self.kv_events.publish
         self.runner = EngineRunner(self.engine)
         # maps the runner's monotonic clock to epoch seconds, for spans and "created"
         self.wall_offset = time.time() - time.monotonic()
@@ -78,6 +90,7 @@ class SimInstance:
     async def stop(self) -> None:
         await self.runner.stop()
         self.engine.crash(self.runner.clock())
+        self.engine.flush_events()
         self.fabric.unregister(self.engine)
 
     async def restart(self) -> None:
@@ -86,6 +99,11 @@ class SimInstance:
         self.generation += 1
         self._build()
         self.start()
+
+    def close(self) -> None:
+        """Release what outlives restarts (the KV events sockets); after the last stop."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def shutdown_tracing(self) -> None:
         if self.emitter is not None:

@@ -6,13 +6,16 @@ as dropped, never delayed. Each request streams and records client-side TTFT (se
 first content chunk), e2e and output tokens (from the usage chunk). Two targets: one
 OpenAI-compatible URL (the proxy), or ``direct`` P/D mode that speaks the two-step NIXL
 protocol itself (round-robin, like vLLM's toy proxy) for fleets without a proxy.
-Bounded: every request has a timeout, and the schedule is finite.
+Bounded: every request has a timeout, and the schedule is finite. Prompts share no prefix
+(each starts with its request id and a per-run salt), so the simulator's prefix cache never hits:
+this load measures uncached prefills.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -80,12 +83,17 @@ class _Run:
     seed: int
     progress: Progress | None
     timeout_s: float = 60.0
+    # starts every prompt: unique per run, so a second run against the same fleet hits no cache
+    salt: str = field(default_factory=lambda: secrets.token_hex(4))
     inflight: int = 0
     results: list[RequestResult] = field(default_factory=list)
 
 
-def _body(target: Target, p: Planned) -> dict[str, Any]:
-    words = " ".join(["hi"] * max(1, p.prompt_tokens - (4 if target.chat else 0)))
+def _body(target: Target, p: Planned, tag: str) -> dict[str, Any]:
+    # the first word is the request's own tag, so no two prompts share a prefix block: the load's
+    # timings stay those of uncached prefills (prefix caching is measured by workloads that share)
+    n = max(1, p.prompt_tokens - (4 if target.chat else 0))
+    words = " ".join([tag, *["hi"] * (n - 1)])
     body: dict[str, Any] = {
         "model": target.model,
         "max_tokens": p.output_tokens,
@@ -107,7 +115,7 @@ async def _one(run: _Run, index: int, p: Planned) -> None:
     t_send = now()
     res = RequestResult(index, rid, p.at, t_send - run.start, p.prompt_tokens, p.output_tokens)
     headers = {"X-Request-Id": rid}
-    body = _body(target, p)
+    body = _body(target, p, f"{rid}-{run.salt}")
     try:
         async with asyncio.timeout(run.timeout_s):
             await _exchange(run, target, index, res, body, headers, t_send)

@@ -285,7 +285,9 @@ class VllmMetrics:
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.ext_queries = counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
@@ -307,7 +309,7 @@ class VllmMetrics:
             registry=r,
         )
         self.src_local = by_source.labels(*lv, "local_compute")
-        by_source.labels(*lv, "local_cache_hit")
+        self.src_cache = by_source.labels(*lv, "local_cache_hit")
         self.src_external = by_source.labels(*lv, "external_kv_transfer")
         self.cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
@@ -325,6 +327,7 @@ class VllmMetrics:
             s: cached_by.labels(*lv, s) for s in ("device", "host", "p2p", "disk", "external_unspecified")
         }
         self.cached_p2p = cached_children["p2p"]
+        self.cached_device = cached_children["device"]
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
             "vllm:request_success",
@@ -411,6 +414,7 @@ class VllmMetrics:
         info.update(
             block_size=str(cfg.block_size),
             effective_attention_block_size=str(cfg.block_size),
+            enable_prefix_caching=str(cfg.prefix_caching),
             engine=engine,
             num_gpu_blocks=str(cfg.kv_capacity_blocks),
             kv_cache_size_tokens=str(tokens_total),
@@ -480,21 +484,27 @@ class VllmMetrics:
     # -- EngineObserver ------------------------------------------------------------
 
     def admitted(self, req: SimRequest) -> None:
+        # vLLM's scheduler records both at admission, queried = the request's tokens, hits = the
+        # tokens found locally / promised by the connector (on D: what it pulls from P)
         self.prefix_queries.inc(req.prompt_tokens)
+        self.prefix_hits.inc(req.local_cached_tokens)
         self.ext_queries.inc(req.prompt_tokens)
         if req.remote is not None:
-            self.ext_hits.inc(req.prompt_tokens)
+            self.ext_hits.inc(req.prompt_tokens - req.local_cached_tokens)
 
     def first_token(self, req: SimRequest, now: float) -> None:
         self.ttft.observe(now - req.arrival)
         self.prompt_tokens.inc(req.prompt_tokens)
-        if req.external_tokens:
-            self.src_external.inc(req.external_tokens)
-            self.src_local.inc(req.prompt_tokens - req.external_tokens)
-            self.cached.inc(req.external_tokens)
-            self.cached_p2p.inc(req.external_tokens)
-        else:
-            self.src_local.inc(req.prompt_tokens)
+        local, external = req.local_cached_tokens, req.external_tokens
+        self.src_local.inc(req.prompt_tokens - local - external)
+        if local:
+            self.src_cache.inc(local)
+            self.cached_device.inc(local)
+        if external:
+            self.src_external.inc(external)
+            self.cached_p2p.inc(external)
+        if local or external:
+            self.cached.inc(local + external)
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
@@ -525,7 +535,7 @@ class VllmMetrics:
         if req.params_max_tokens is not None:
             self.params_max_tokens.observe(req.params_max_tokens)
         self.req_preemptions.observe(req.num_preemptions)
-        self.kv_computed.observe(req.prompt_tokens - req.external_tokens)
+        self.kv_computed.observe(req.prompt_tokens - req.cached_tokens)
 
     def preempted(self) -> None:
         self.preemptions.inc()

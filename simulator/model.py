@@ -148,6 +148,8 @@ class SimRequest:
     stop_at_max: bool = False  # no max_tokens given: the output ends with "stop"
     do_remote_decode: bool = False
     remote: RemoteKV | None = None
+    token_ids: tuple[int, ...] | None = None  # the prompt's ids; None: unknown, nothing cached for it
+    lora: str | None = None
     notify: Callable[[SimRequest], None] | None = None
     # state
     kv_stage: str | None = None
@@ -162,7 +164,10 @@ class SimRequest:
     finished_ts: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    external_tokens: int = 0
+    external_tokens: int = 0  # D: prompt tokens pulled from P
+    local_cached_tokens: int = 0  # prompt tokens found in this engine's own prefix cache at admission
+    block_hashes: list[int] | None = None  # chain hashes of the prompt's full blocks (the engine fills it)
+    stored_blocks: int = 0  # how many of ``blocks`` from the first are cached (hits or stored)
     transfer: Transfer | None = None
     leased_block_ids: tuple[int, ...] = ()  # P: the blocks held for D under the lease
 
@@ -172,3 +177,9 @@ class SimRequest:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        """What vLLM reports as ``num_cached_tokens`` (usage ``prompt_tokens_details.cached_tokens``): the
+        tokens computed before the first step, local hits plus, on D, the tokens pulled from P."""
+        return self.local_cached_tokens + self.external_tokens

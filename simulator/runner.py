@@ -63,7 +63,9 @@ class EngineRunner:
                 if duration is not None:
                     await asyncio.sleep(duration if duration > 0 else 0)
                     engine.end_step(clock())
+                    engine.flush_events()
                     continue
+                engine.flush_events()
                 nxt = engine.next_timer()
                 timeout = None if nxt is None else max(0.0, nxt - clock())
                 if timeout == 0.0:

@@ -1,6 +1,7 @@
 """Runs a fleet in the foreground for ``pdscope sim`` until Ctrl-C or SIGTERM.
 
-Builds the fleet from instance tuples and the ``simulator:`` mapping, prints each
+Builds the fleet from instance tuples (role, name, host, port, kv_events_endpoint,
+kv_events_replay_endpoint, kv_events_topic) and the ``simulator:`` mapping, prints each
 instance's role, name and URL (and the admin URL), serves, and stops every instance
 cleanly on SIGINT/SIGTERM. Uses uvloop where available.
 """
@@ -32,7 +33,7 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def serve_fleet(
-    specs: list[tuple[str, str, str, int]],
+    specs: list[tuple[str, str, str, int, str | None, str | None, str]],
     section: dict[str, Any],
     *,
     model_name: str,
@@ -45,7 +46,7 @@ def serve_fleet(
 
     async def main() -> None:
         fleet = Fleet(
-            [InstanceSpec(r, n, h, p) for r, n, h, p in specs],
+            [InstanceSpec(*spec) for spec in specs],
             model_name=model_name,
             kv_bytes_per_token=kv_bytes,
             cfg=cfg,

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pdscope import simtokenizer
 from simulator.instance import SimInstance
 from simulator.metrics import CONTENT_TYPE
 from simulator.model import RemoteKV, SimRequest
@@ -98,37 +99,46 @@ def _error_body(message: str, status: int, kind: str, param: str | None = None) 
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+MAX_TOKEN_ID = 2**31 - 1  # what the KV events may carry (pdscope.kvevents)
+
+
 def count_text_tokens(text: str) -> int:
     """The simulator's tokenizer: one token per whitespace-separated word."""
-    return max(1, len(text.split()))
+    return len(simtokenizer.text_ids(text))
 
 
-def prompt_tokens_of(data: dict[str, Any], chat: bool) -> int:
+def _token_list(ids: list[Any]) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise BadRequest(f"token ids must be integers in [0, {MAX_TOKEN_ID}]", param="prompt")
+    return ids
+
+
+def prompt_ids_of(data: dict[str, Any], chat: bool) -> list[int]:
+    """The prompt's token ids under the simulated tokenizer (pdscope.simtokenizer): a chat's
+    messages through its template, a completion's text, or the token ids it sent."""
     if chat:
         messages = data.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list", param="messages")
-        total = 0
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            total += 4 + (len(str(content).split()) if content else 0)  # chat template overhead
-        return total
+        return simtokenizer.chat_ids(messages)
     prompt = data.get("prompt")
     if isinstance(prompt, str):
-        return count_text_tokens(prompt)
+        return simtokenizer.text_ids(prompt)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) for t in prompt):
-            return len(prompt)
+            return _token_list(prompt)
         if len(prompt) == 1:
             first = prompt[0]
             if isinstance(first, str):
-                return count_text_tokens(first)
+                return simtokenizer.text_ids(first)
             if isinstance(first, list) and first:
-                return len(first)
+                return _token_list(first)
         raise BadRequest("the simulator serves one prompt per request", param="prompt")
     raise BadRequest("prompt must be a string or a list of token ids", param="prompt")
+
+
+def prompt_tokens_of(data: dict[str, Any], chat: bool) -> int:
+    return len(prompt_ids_of(data, chat))
 
 
 class InstanceApp:
@@ -243,7 +253,8 @@ class InstanceApp:
             response_id = request_id = f"chatcmpl-{base_id}"
         else:
             response_id, request_id = f"cmpl-{base_id}", f"cmpl-{base_id}-0"
-        prompt_tokens = prompt_tokens_of(data, chat)
+        prompt_ids = prompt_ids_of(data, chat)
+        prompt_tokens = len(prompt_ids)
         max_tokens = data.get("max_completion_tokens") if chat else None
         if max_tokens is None:
             max_tokens = data.get("max_tokens")
@@ -280,6 +291,7 @@ class InstanceApp:
             stop_at_max=max_tokens is None,
             do_remote_decode=do_remote_decode,
             remote=remote,
+            token_ids=tuple(prompt_ids),
             arrival=inst.runner.clock(),
         )
         stream = bool(data.get("stream"))
@@ -360,7 +372,10 @@ class InstanceApp:
             "completion_tokens": req.generated,
             "completion_tokens_details": None,
             "prompt_tokens": req.prompt_tokens,
-            "prompt_tokens_details": None,
+            # vLLM with --enable-prompt-tokens-details (always on here): num_cached_tokens, which on D
+            # is the local hit plus the tokens pulled from P (vLLM counts every token computed before
+            # the request's first step; the facts file does not spell D out)
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
             "total_tokens": req.prompt_tokens + req.generated,
         }
 
@@ -496,13 +511,19 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, limit: int | None = None) -> bytes:
+    """The request's body; over ``limit`` bytes raises BadRequest (413) without reading the rest."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnected
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise BadRequest(f"the body is over {limit} bytes", 413, "RequestEntityTooLarge")
+        chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
 

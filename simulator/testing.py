@@ -13,6 +13,10 @@ Usage::
         fleet.remove_fault(fid); fleet.clear_faults()
         fleet.stats()               # event-loop lag of the simulator: {"trustworthy": True, ...}
         text = fleet.config_yaml(proxy={"port": 0})   # a valid pdscope.yaml for this fleet
+        fleet.cached_tokens(token_ids)   # {name: prompt tokens each instance's prefix cache holds now}
+
+    with running_fleet(kv_events=True) as fleet:     # every instance publishes its KV cache events
+        fleet.kv_events   # {name: (endpoint, replay_endpoint, topic)} on free ports; in config_yaml too
 
 Contract: the fleet runs in a background thread with its own event loop, on free ports
 of 127.0.0.1, with instance names ``prefill-<i>`` / ``decode-<i>`` in pools ``prefill`` /
@@ -65,6 +69,7 @@ class RunningFleet:
         self.decode_urls = [url for role, _, url in self.instances if role == "decode"]
         self.admin_url = fleet.admin_url
         self.model_name = fleet.model_name
+        self.kv_events = fleet.kv_events()
 
     def url_of(self, name: str) -> str:
         return self.fleet.url_of(name)
@@ -93,6 +98,12 @@ class RunningFleet:
 
         return self.call(go)
 
+    def cached_tokens(self, token_ids: list[int], lora: str | None = None) -> dict[str, int]:
+        async def go() -> dict[str, int]:
+            return self.fleet.cached_tokens(token_ids, lora)
+
+        return self.call(go)
+
     def stats(self) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
             return self.fleet.lag.stats()
@@ -105,7 +116,13 @@ class RunningFleet:
             "decode": {"role": "decode", "instances": []},
         }
         for role, name, url in self.instances:
-            pools[role]["instances"].append({"name": name, "url": url})
+            entry: dict[str, Any] = {"name": name, "url": url}
+            if name in self.kv_events:
+                endpoint, replay, _topic = self.kv_events[name]
+                entry["kv_events_endpoint"] = endpoint
+                if replay is not None:
+                    entry["kv_events_replay_endpoint"] = replay
+            pools[role]["instances"].append(entry)
         data: dict[str, Any] = {
             "model": {"name": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token},
             "pools": pools,
@@ -143,13 +160,18 @@ def running_fleet(
     kv_bytes_per_token: int = LLAMA3_70B_KV_BYTES_PER_TOKEN,
     scenario: list[FaultSpec] | None = None,
     timeout_s: float = 15.0,
+    kv_events: bool = False,
     **params: Any,
 ) -> Iterator[RunningFleet]:
     """Start ``n_prefill`` + ``n_decode`` simulated vLLM instances; yield a RunningFleet."""
     params = {"seed": seed, **params}
     cfg = parse_simulator_config(params)
-    specs = [InstanceSpec("prefill", f"prefill-{i}") for i in range(n_prefill)]
-    specs += [InstanceSpec("decode", f"decode-{i}") for i in range(n_decode)]
+    ep = "tcp://127.0.0.1:*" if kv_events else None  # ZMQ picks a free port
+    names = [("prefill", f"prefill-{i}") for i in range(n_prefill)]
+    names += [("decode", f"decode-{i}") for i in range(n_decode)]
+    specs = [
+        InstanceSpec(role, name, kv_events_endpoint=ep, kv_events_replay_endpoint=ep) for role, name in names
+    ]
     loop = loop_factory()()
     fleet = Fleet(specs, model_name=model_name, kv_bytes_per_token=kv_bytes_per_token, cfg=cfg)
     ready = threading.Event()

@@ -16,8 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+import zmq
 
+from pdscope import simtokenizer
 from pdscope.cli import main
+from pdscope.config import ConfigError
+from pdscope.kvevents import END_SEQ, Batch, BlockStored, decode_batch, decode_seq
+from simulator.cli import _local_zmq
 from tests.support.sockets import free_port, free_ports
 from tests.support.waiting import wait_until
 
@@ -140,11 +145,18 @@ def test_sim_from_flags_with_scenario_and_live_faults(tmp_path: Path, sims: list
 
 @pytest.mark.slow
 def test_sim_from_config_binds_the_pool_urls(tmp_path: Path, sims: list[SimProcess]) -> None:
-    ports = free_ports(3)
+    ports = free_ports(5)
+    pa = {
+        "name": "pa",
+        "url": f"http://127.0.0.1:{ports[0]}",
+        "kv_events_endpoint": f"tcp://localhost:{ports[3]}",
+        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{ports[4]}",
+        "kv_events_topic": "kv@pa",
+    }
     cfg = {
         "model": {"name": "m-test", "kv_bytes_per_token": 1024},
         "pools": {
-            "p": {"role": "prefill", "instances": [{"name": "pa", "url": f"http://127.0.0.1:{ports[0]}"}]},
+            "p": {"role": "prefill", "instances": [pa]},
             "d": {"role": "decode", "instances": [{"name": "da", "url": f"http://127.0.0.1:{ports[1]}"}]},
         },
         "simulator": {"admin_port": ports[2], "latency_scale": 0, "scenario": "faults.yaml"},
@@ -167,8 +179,59 @@ def test_sim_from_config_binds_the_pool_urls(tmp_path: Path, sims: list[SimProce
         "faults"
     ]  # scenario found next to the config
     assert [(f["kind"], f["instance"]) for f in faults] == [("slow", "pa")]
+    # pa publishes its KV events where its config entry says; the replay socket has them all
+    prompt = " ".join(f"w{i}" for i in range(40))
+    body = {"model": "m-test", "prompt": prompt, "max_tokens": 1}
+    assert httpx.post(urls["pa"] + "/v1/completions", json=body, timeout=5).status_code == 200
+    stored = [
+        e
+        for _, b in replay_all(f"tcp://127.0.0.1:{ports[4]}")
+        for e in b.events
+        if isinstance(e, BlockStored)
+    ]
+    assert [t for e in stored for t in e.token_ids] == simtokenizer.text_ids(prompt)[:32]
+    ids = simtokenizer.text_ids(prompt)
+    got = httpx.post(urls["admin"] + "/admin/cached_tokens", json={"token_ids": ids}, timeout=5).json()
+    assert got == {"instances": {"pa": 32, "da": 0}}
     code, _ = sim.interrupt()
     assert code == 0
+
+
+def replay_all(endpoint: str) -> list[tuple[str, Batch]]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    out: list[tuple[str, Batch]] = []
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big", signed=True)])
+        for _ in range(10_000):
+            assert sock.poll(5000), "no end of replay"
+            frames = sock.recv_multipart()
+            if decode_seq(frames[-2]) == END_SEQ:
+                return out
+            out.append((frames[1].decode(), decode_batch(frames[-1])))
+    finally:
+        sock.close(0)
+    raise AssertionError("replay did not end")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bound"),
+    [
+        (None, None),
+        ("tcp://localhost:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
+        ("ipc:///tmp/kv.sock", "ipc:///tmp/kv.sock"),
+        ("tcp://10.0.0.5:5557", "error"),
+        ("tcp://127.0.0.1", "error"),
+    ],
+)
+def test_kv_events_endpoints_bind_locally_only(endpoint: str | None, bound: str | None) -> None:
+    if bound == "error":
+        with pytest.raises(ConfigError, match=r"pools\.p: pa: kv_events_endpoint"):
+            _local_zmq("p", "pa", "kv_events_endpoint", endpoint)
+    else:
+        assert _local_zmq("p", "pa", "kv_events_endpoint", endpoint) == bound
 
 
 def test_fault_cli_without_a_simulator_says_so(tmp_path: Path) -> None:

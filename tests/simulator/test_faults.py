@@ -207,8 +207,10 @@ def _kv_capacity_case(fleet: RunningFleet, client: httpx.Client) -> None:
     assert client.post(p0 + "/v1/completions", json=body).status_code == 200  # 7 blocks leased, no D pulls
     assert value(client, p0, "vllm:kv_cache_usage_perc") == pytest.approx(7 / 8)
     result: dict[str, httpx.Response] = {}
+    # another prompt of the same length: the same one would share the leased blocks (prefix cache)
+    other = {**body, "prompt": " ".join(f"w{i}" for i in range(len(PROMPT.split())))}
     worker = threading.Thread(
-        target=lambda: result.setdefault("r", own_client().post(p0 + "/v1/completions", json=body))
+        target=lambda: result.setdefault("r", own_client().post(p0 + "/v1/completions", json=other))
     )
     worker.start()
     wait_until(

@@ -141,7 +141,8 @@ def test_two_step_returns_the_keys_real_p_returns(fleet: RunningFleet, client: h
         "prompt_tokens": 100,
         "completion_tokens": 5,
         "total_tokens": 105,
-        "prompt_tokens_details": None,
+        # D: every prompt token was there before its first step (local hits + pulled from P)
+        "prompt_tokens_details": {"cached_tokens": 100},
         "completion_tokens_details": None,
     }
     assert metric(client, fleet.decode_urls[0], "vllm:nixl_xfer_time_seconds_count") == before + 1
