@@ -23,7 +23,7 @@ from simulator.workload import RequestResult, summarize
 QUEUE = "vllm:request_queue_time_seconds"
 
 
-def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -56,7 +56,7 @@ def snapshot(prefill_urls: dict[str, str], proxy_url: str | None) -> Snapshot:
     snap = Snapshot()
     for name, url in prefill_urls.items():
         try:
-            s = _scrape(url)
+            s = scrape(url)
         except OSError as exc:
             snap.errors.append(f"{name}: {exc}")
             continue
@@ -68,7 +68,7 @@ def snapshot(prefill_urls: dict[str, str], proxy_url: str | None) -> Snapshot:
         snap.p[name] = st
     if proxy_url is not None:
         try:
-            s = _scrape(proxy_url)
+            s = scrape(proxy_url)
         except OSError as exc:
             snap.errors.append(f"proxy: {exc}")
         else:

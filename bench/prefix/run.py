@@ -10,8 +10,10 @@ Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py`
 - ``approximate``  ``proxy.kv_aware.mode: approximate`` (a tree of the prompts it routed);
 - ``precise``      ``mode: precise``, ``model.tokenizer: pdscope-sim``, the fleet publishing KV events;
 - ``vllm_router``  PyPI ``vllm-router --vllm-pd-disaggregation``: ``--policy kv_aware`` fed by the same
-                   events when it starts and serves with them, else ``--policy cache_aware`` (its
-                   approximate prefix tree over the prompt text), said in the results;
+                   events (``--pd-kv-events``) when it can use them, else ``--policy cache_aware`` (its
+                   approximate prefix tree over the prompt text), the reason in the results: one probe
+                   request first, and kv_aware is kept only if the router keyed it (its
+                   ``vllm_router_kv_routing_inputs_total`` says no ``*_unavailable``);
 - ``oracle``       pdscope's KV-aware proxy whose view is the simulator's true cache (``oracle.py``).
 
 Workloads (``workloads.py``): shared system prompts (Zipf), multi-turn chats, unique prompts (the
@@ -93,7 +95,31 @@ class RouterChoice:
         except (OSError, ValueError) as exc:
             self.why = f"kv_aware answered {type(exc).__name__}: {exc}"
             return False
+        unavailable = {k: v for k, v in router_kv_metrics(stack).items() if "unavailable" in k and v}
+        if unavailable:
+            self.why = (
+                "kv_aware could not key the prompt (it asks the worker's /v1/*/render endpoints for token "
+                f"ids, which the simulator does not serve): {unavailable}; ran cache_aware instead"
+            )
+            return False
         return True
+
+
+def router_kv_metrics(stack: Stack) -> dict[str, float]:
+    """vllm-router's own counters of its KV-aware work (did it use the events?), by name and labels."""
+    from bench.prefix.measure import scrape
+
+    out: dict[str, float] = {}
+    try:
+        samples = scrape(f"http://127.0.0.1:{stack.ports['router_metrics']}")
+    except OSError as exc:
+        return {f"unavailable: {exc}": 0.0}
+    for name, rows in samples.items():
+        if name.startswith(("vllm_router_kv", "vllm_router_cache", "vllm_router_policy")):
+            for labels, v in rows:
+                key = name + "{" + ",".join(f"{k}={x}" for k, x in sorted(labels.items())) + "}"
+                out[key] = out.get(key, 0.0) + v
+    return out
 
 
 def run_one(
@@ -155,6 +181,8 @@ def run_one(
             out.update(figures(results, warm_s, measure_s, SLO_TTFT_S, SLO_TPOT_S))
             if "start" in snaps and "end" in snaps:
                 out.update(phase(snaps["start"], snaps["end"], SLO_TTFT_S))
+            if contender == "vllm_router":
+                out["router_kv_metrics"] = router_kv_metrics(stack)
             lag = http_json(stack.admin_url + "/stats", timeout=5)
             out["sim_loop_lag_p99_s"] = lag.get("loop_lag_p99_s")
             out["sim_trustworthy"] = lag.get("trustworthy")
