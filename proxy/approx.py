@@ -90,6 +90,8 @@ class ApproxView:
 
     def prompt(self, endpoint: str, body: Mapping[str, Any]) -> Prompt | None:
         p = prompt_of(endpoint, body, self.max_chars)
+        if not isinstance(p, Refused) and body.get("truncate_prompt_tokens") is not None:
+            p = Refused("truncate")  # vLLM drops the prompt's head past that many tokens: not countable here
         if isinstance(p, Refused | Ids):  # ids: their text is unknown, and a count of chars meaningless
             self.refused[p.reason if isinstance(p, Refused) else "token_ids"] += 1
             return None

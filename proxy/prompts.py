@@ -16,6 +16,8 @@ reason (:class:`Refused`), so that routing is load-only for that request:
 - ``cache_salt`` (either endpoint) is refused: vLLM folds the salt into the first block's hash,
   so a salted prompt shares nothing with the same tokens unsalted, and the KV events do not
   say which salt a block was stored under.
+- ``truncate_prompt_tokens``: vLLM keeps only the last that many tokens of a longer prompt;
+  :func:`kept` does the same to the ids. Any value but a positive integer is refused.
 - Bounded: a prompt over ``max_chars`` characters (text, or the chat's contents plus
   :data:`MESSAGE_OVERHEAD` per message; ids count one each) is refused (``too_long``) before
   any work proportional to it, so one hostile body cannot cost the proxy seconds.
@@ -62,6 +64,9 @@ def prompt_of(
     """What ``body`` (the JSON of a request to ``endpoint``) asks the model to continue."""
     if body.get("cache_salt") is not None:
         return Refused("cache_salt")
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None and not (type(keep) is int and keep > 0):
+        return Refused("truncate")  # -1 is vLLM's "to max_model_len", which the proxy does not know
     if endpoint == COMPLETIONS:
         return _completion(body, max_chars)
     if endpoint == CHAT:
@@ -132,3 +137,10 @@ def _chat(body: Mapping[str, Any], max_chars: int) -> Chat | Refused:
             return Refused("too_long")
         out.append({**m, "content": content})
     return Chat(out)
+
+
+def kept(ids: list[int], body: Mapping[str, Any]) -> list[int]:
+    """The ids vLLM keeps of a prompt: the last ``truncate_prompt_tokens`` (``prompt_of`` refused any
+    value but a positive integer)."""
+    keep = body.get("truncate_prompt_tokens")
+    return ids[-keep:] if type(keep) is int and 0 < keep < len(ids) else ids

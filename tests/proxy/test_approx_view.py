@@ -164,6 +164,7 @@ def test_chat_text_is_canonical_and_joins_text_parts() -> None:
         (COMPLETIONS, {"prompt": ["a", "b"]}, "batch"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "multimodal"),
         (COMPLETIONS, {"prompt": "x" * 101}, "too_long"),
+        (COMPLETIONS, {"prompt": "x" * 10, "truncate_prompt_tokens": 5}, "truncate"),
     ],
 )
 def test_what_it_cannot_key_is_none_and_counted(endpoint: str, body: dict[str, Any], reason: str) -> None:

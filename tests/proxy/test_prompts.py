@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.prompts import CHAT, COMPLETIONS, MESSAGE_OVERHEAD, Chat, Ids, Refused, Text, prompt_of
+from proxy.prompts import CHAT, COMPLETIONS, MESSAGE_OVERHEAD, Chat, Ids, Refused, Text, kept, prompt_of
 
 USER = {"role": "user", "content": "hi"}
 
@@ -114,3 +114,24 @@ def test_a_prompt_over_the_bound_is_refused(
     got = prompt_of(endpoint, body, max_chars=limit)
     assert (got == Refused("too_long")) is refused
     assert not isinstance(got, Refused) or refused
+
+
+@pytest.mark.parametrize(
+    ("keep", "ids", "want"),
+    [
+        (None, [1, 2, 3], [1, 2, 3]),
+        (2, [1, 2, 3], [2, 3]),
+        (3, [1, 2, 3], [1, 2, 3]),
+        (9, [1, 2, 3], [1, 2, 3]),
+    ],
+)
+def test_truncate_prompt_tokens_keeps_the_last_ids(keep: int | None, ids: list[int], want: list[int]) -> None:
+    body = {"prompt": ids, "truncate_prompt_tokens": keep}
+    assert isinstance(prompt_of(COMPLETIONS, body), Ids)
+    assert kept(ids, body) == want
+
+
+@pytest.mark.parametrize("keep", [-1, 0, True, 2.0, "2"])
+def test_a_truncation_the_proxy_cannot_mimic_is_refused(keep: object) -> None:
+    assert prompt_of(COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": keep}) == Refused("truncate")
+    assert prompt_of(CHAT, {"messages": [USER], "truncate_prompt_tokens": keep}) == Refused("truncate")

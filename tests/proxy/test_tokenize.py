@@ -247,3 +247,16 @@ def test_block_tags_take_their_line_with_them_as_in_hf(tmp_path: Path) -> None:
     )
     write_config(folder, chat_template=template)
     assert load_tokenizer(str(folder)).ids(CHAT, chat(("user", "a"), ("user", "b"))) == raw("a\nb\n", False)
+
+
+def test_truncate_prompt_tokens_keeps_the_tail_of_either_path(tok: HfTokenizer) -> None:
+    full = tok.ids(COMPLETIONS, {"prompt": "The quick brown fox"})
+    assert full is not None and len(full) > 3
+    assert tok.ids(COMPLETIONS, {"prompt": "The quick brown fox", "truncate_prompt_tokens": 3}) == full[-3:]
+    whole = tok.ids(CHAT, chat(("user", "Hello")))
+    assert whole is not None
+    assert tok.ids(CHAT, chat(("user", "Hello"), truncate_prompt_tokens=2)) == whole[-2:]
+    sim = load_tokenizer(simtokenizer.NAME)
+    assert sim.ids(COMPLETIONS, {"prompt": "a b c", "truncate_prompt_tokens": 1}) == simtokenizer.text_ids(
+        "c"
+    )
