@@ -4,9 +4,9 @@ For fleets that publish no KV events, or whose tokenizer the proxy does not have
 text is cut into blocks of ``block_chars`` characters and every full block keyed by a chain
 digest (of its parent's key and its text; the first block's seeded with the request's
 ``model``, so an adapter's prompts share nothing with the base model's). A chat is rendered
-canonically, each message as its role, a newline, its content and a record separator, so a
-conversation that resends its history keys the same first blocks as its previous turn. Token
-counts are estimates: ``chars_per_token`` characters per token.
+canonically, its tools (as JSON) first, then each message as its role, a newline, its content
+and a record separator, so a conversation that resends its history keys the same first blocks
+as its previous turn. Token counts are estimates: ``chars_per_token`` characters per token.
 
 :meth:`ApproxView.routed` records that the request's instances now hold its blocks, with the
 time; :meth:`ApproxView.cached` credits each instance the longest run of the prompt's keys,
@@ -25,6 +25,7 @@ One thread (the proxy's event loop).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -37,9 +38,11 @@ _ROOT = b"pdscope-approx-root\0"
 _RS = "\x1e"  # ends every message of a canonical chat (a character no real prompt relies on)
 
 
-def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A chat as one canonical text: per message, its role, a newline, its content, a separator."""
-    return "".join(f"{m.get('role')}\n{m.get('content') or ''}{_RS}" for m in messages)
+def chat_text(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+    """A chat as one canonical text: per message, its role, a newline, its content, a separator;
+    first the request's tools, if any, as JSON (templates render them ahead of the messages)."""
+    head = f"tools\n{json.dumps(tools, sort_keys=True, default=str)}{_RS}" if tools else ""
+    return head + "".join(f"{m.get('role')}\n{m.get('content') or ''}{_RS}" for m in messages)
 
 
 def block_keys(text: str, block_chars: int, seed: str) -> list[bytes]:
@@ -95,7 +98,10 @@ class ApproxView:
         if isinstance(p, Refused | Ids):  # ids: their text is unknown, and a count of chars meaningless
             self.refused[p.reason if isinstance(p, Refused) else "token_ids"] += 1
             return None
-        text = p.text if isinstance(p, Text) else chat_text(p.messages)
+        text = p.text if isinstance(p, Text) else chat_text(p.messages, body.get("tools"))
+        if len(text) > self.max_chars:  # the tools, which prompt_of does not count
+            self.refused["too_long"] += 1
+            return None
         model = body.get("model")
         keys = block_keys(text, self.block_chars, model if isinstance(model, str) else "")
         tokens = max(1, round(len(text) / self.chars_per_token))

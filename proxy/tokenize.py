@@ -138,7 +138,7 @@ class HfTokenizer:
         if isinstance(kwargs, dict):
             context.update((k, v) for k, v in kwargs.items() if isinstance(k, str) and k not in _RESERVED)
         tools = body.get("tools")
-        context.update(self.specials)
+        context.update((k, v) for k, v in self.specials.items() if v is not None)  # unset: undefined, ""
         context.update(
             messages=chat.messages,
             tools=tools if isinstance(tools, list) else None,

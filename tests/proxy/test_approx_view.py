@@ -157,6 +157,21 @@ def test_chat_text_is_canonical_and_joins_text_parts() -> None:
     assert v.prompt(CHAT, parts) == v.prompt(CHAT, plain) is not None
 
 
+def test_a_chats_tools_come_first_in_its_text() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat_text(msgs, [{"b": 1, "a": 2}]) == 'tools\n[{"a": 2, "b": 1}]\x1euser\nhi\x1e'
+    v, _ = make()
+    body = chat(("user", "what is the weather in Paris today?"))
+    with_tools = v.prompt(CHAT, {**body, "tools": [{"type": "function", "function": {"name": "weather"}}]})
+    without = v.prompt(CHAT, body)
+    assert with_tools is not None and without is not None
+    v.routed(without, ["p0"], 0.0)
+    assert v.cached(with_tools, ["p0"]) == {"p0": 0}  # the template renders them ahead: nothing shared
+    limited = ApproxView(BC, CPT, 100.0, 1000, 1000, clock=Clock(), max_chars=200)
+    assert limited.prompt(CHAT, {**body, "tools": ["x" * 200]}) is None
+    assert limited.refused == {"too_long": 1}
+
+
 @pytest.mark.parametrize(
     ("endpoint", "body", "reason"),
     [

@@ -187,6 +187,12 @@ def test_special_tokens_written_as_dicts_or_strings() -> None:
     assert tok.specials["unk_token"] is None
 
 
+def test_an_unset_special_token_renders_as_nothing_not_none(tmp_path: Path) -> None:
+    folder = copy_fixture(tmp_path)
+    write_config(folder, chat_template="[{{ unk_token }}]{{ bos_token }}")
+    assert load_tokenizer(str(folder)).ids(CHAT, chat(("user", "x"))) == raw("[]<s>", False)
+
+
 # -- load errors ----------------------------------------------------------------------------------
 
 
