@@ -125,8 +125,8 @@ class HfTokenizer:
         return None
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        # The batch-of-one "fast" path computes no character offsets: the same ids for about half
-        # the CPU of ``encode`` (and it runs without the GIL).
+        # The batch-of-one "fast" path computes no character offsets: the same ids for about 30%
+        # less CPU than ``encode`` (measured on a 2,000-token chat).
         return list(self.tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids)
 
     def render(self, chat: Chat, body: Mapping[str, Any]) -> str | None:
