@@ -7,6 +7,7 @@ paths differ exactly where vLLM's do.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -266,3 +267,13 @@ def test_truncate_prompt_tokens_keeps_the_tail_of_either_path(tok: HfTokenizer) 
     assert sim.ids(COMPLETIONS, {"prompt": "a b c", "truncate_prompt_tokens": 1}) == simtokenizer.text_ids(
         "c"
     )
+
+
+def test_the_committed_fixture_is_what_its_script_builds(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("make_tokenizer", FIXTURE / "make_tokenizer.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.build(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (FIXTURE / name).read_bytes(), name
