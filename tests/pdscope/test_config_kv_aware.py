@@ -53,12 +53,21 @@ def test_approximate_needs_no_tokenizer() -> None:
         (MINIMAL + "proxy: {kv_aware: {mode: exact}}\n", "proxy.kv_aware.mode"),
         (MINIMAL + "proxy: {kv_aware: {affinity_bound: 0.5}}\n", "proxy.kv_aware.affinity_bound"),
         (MINIMAL + "proxy: {kv_aware: {prefill_tokens_per_s: 0}}\n", "proxy.kv_aware.prefill_tokens_per_s"),
-        (MINIMAL + "proxy: {kv_aware: {transfer_tokens_per_s: -1}}\n", "proxy.kv_aware.transfer_tokens_per_s"),
+        (
+            MINIMAL + "proxy: {kv_aware: {transfer_tokens_per_s: -1}}\n",
+            "proxy.kv_aware.transfer_tokens_per_s",
+        ),
         (MINIMAL + "proxy: {kv_aware: {max_index_blocks: 0}}\n", "proxy.kv_aware.max_index_blocks"),
         (MINIMAL + "proxy: {kv_aware: {approx_block_chars: 0}}\n", "proxy.kv_aware.approx_block_chars"),
-        (MINIMAL + "proxy: {kv_aware: {approx_chars_per_token: 0}}\n", "proxy.kv_aware.approx_chars_per_token"),
+        (
+            MINIMAL + "proxy: {kv_aware: {approx_chars_per_token: 0}}\n",
+            "proxy.kv_aware.approx_chars_per_token",
+        ),
         (MINIMAL + "proxy: {kv_aware: {approx_ttl_s: .nan}}\n", "proxy.kv_aware.approx_ttl_s"),
-        (MINIMAL + "proxy: {kv_aware: {approx_capacity_tokens: 0}}\n", "proxy.kv_aware.approx_capacity_tokens"),
+        (
+            MINIMAL + "proxy: {kv_aware: {approx_capacity_tokens: 0}}\n",
+            "proxy.kv_aware.approx_capacity_tokens",
+        ),
         (MINIMAL + "proxy: {kv_aware: {event_queue_max: 0}}\n", "proxy.kv_aware.event_queue_max"),
         (
             MINIMAL + "proxy: {kv_aware: {decode_only: {max_uncached_tokens: -1}}}\n",
