@@ -84,7 +84,9 @@ class ModelSettings(_Frozen):
         if value is None or value == SIM_TOKENIZER:
             return value
         if not Path(value).exists():
-            raise ValueError(f"no tokenizer at {value!r} (not {SIM_TOKENIZER!r}, and no such file or directory)")
+            raise ValueError(
+                f"no tokenizer at {value!r} (not {SIM_TOKENIZER!r}, and no such file or directory)"
+            )
         return value
 
 
