@@ -32,7 +32,7 @@ async def test_decode_only_against_the_simulator(spans: Any) -> None:
         settings = _settings(fleet, {"decode_only": {"enabled": True}})
         view = FakeView({}, tokens=64)  # a short prompt: D alone
         async with (
-            running_proxy(settings, spans, cache_view=view) as (url, app),
+            running_proxy(settings, spans, cache_view=view) as (url, _app),
             httpx.AsyncClient(timeout=20) as client,
         ):
             whole = await client.post(url + "/v1/completions", json=BODY)
@@ -64,7 +64,7 @@ async def test_the_configured_modes_route_through_the_simulator(mode: str, spans
     pytest.importorskip("proxy.views")  # the cache views (make_view)
     with running_fleet(2, 2, latency_scale=0.0) as fleet:
         settings = _settings(fleet, {"mode": mode}, model={"tokenizer": "pdscope-sim"})
-        async with running_proxy(settings, spans) as (url, app), httpx.AsyncClient(timeout=20) as client:
+        async with running_proxy(settings, spans) as (url, _app), httpx.AsyncClient(timeout=20) as client:
             codes = [(await client.post(url + "/v1/completions", json=BODY)).status_code for _ in range(4)]
             health = (await client.get(url + "/healthz")).json()
             metrics = (await client.get(url + "/metrics")).text
