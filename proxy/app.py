@@ -37,7 +37,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from pdscope.config import Settings
+from pdscope.config import ConfigError, Settings
 from pdscope.routing import ProxyReport
 from proxy import protocol
 from proxy.admission import Admission
@@ -416,7 +416,10 @@ def _mode_view(
         }
     )
     subscriber = KvEventsSubscriber(sources, index, lock, queue_max=kv.event_queue_max) if sources else None
-    view = make_view(
-        "precise", tokenizer=model.tokenizer, base_model=model.name, index=index, lock=lock, **common
-    )
+    try:
+        view = make_view(
+            "precise", tokenizer=model.tokenizer, base_model=model.name, index=index, lock=lock, **common
+        )
+    except Exception as exc:  # the tokenizer could not be loaded: the file's fault, said as such
+        raise ConfigError([f"model.tokenizer: cannot load {model.tokenizer!r}: {exc}"]) from exc
     return view, subscriber

@@ -125,12 +125,12 @@ class Decision:
 
 def _clamp(n: object, hi: int) -> int:
     """A view's cached count, trusted only as an int in ``[0, hi]``."""
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+    if type(n) is not int or n <= 0:  # bool, float, str...: not a count
         return 0
     return n if n < hi else hi
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Scored:
     cand: Candidate
     raw: int  # cached tokens the view reports
@@ -222,12 +222,10 @@ def choose(
     if not d_cands:
         return None
     tokens = max(prompt.tokens, 0)
-    d = _cheapest(_score_d(d_cands, cached, tokens, model), rng)
+    d_scored = _score_d(d_cands, cached, tokens, model)
+    d = _cheapest(d_scored, rng)
     p_scored = _score_p(p_cands, cached, tokens, model) if p_cands else []
-    deepest = max(
-        [s.raw for s in p_scored] + [d.raw] + [_clamp(cached.get(c.target.name, 0), tokens) for c in d_cands]
-    )
-    key, prefix_tokens = _prefix(prompt, deepest)
+    key, prefix_tokens = _prefix(prompt, max(s.raw for s in (*p_scored, *d_scored)))
     alone = _decode_only_reason(d, tokens, model)
     if alone is not None:
         d_cost = (tokens - d.raw) / model.prefill_tokens_per_s + D_INFLIGHT_S * d.cand.inflight / d.rel
