@@ -219,8 +219,10 @@ class Gate:
             req.prompt, req.route_reason = None, REASON_VIEW_ERROR
             return self._try_admit(req, view, now)
         decision = choose(prompt, cached, p_cands, d_cands, kv.model, kv.rng)
-        if decision is None:  # no P with room, and not one for D alone
-            return p_why
+        if decision is None:  # no P with room (or none routable), and not one for D alone; or no D
+            if not d_cands:
+                return Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
+            return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["prefill"], "prefill")
         self._enter(req, decision, kv, now)
         return None
 
