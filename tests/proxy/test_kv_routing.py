@@ -13,13 +13,15 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdscope import semconv as sc
+from pdscope.config import Settings
 from pdscope.kvevents import Batch, BlockStored, encode_message
-from proxy.app import ProxyApp
+from proxy.app import ProxyApp, build
 from proxy.kvindex import PrefixIndex
 from proxy.kvsubscriber import KvEventsSubscriber, Source
 from proxy.metrics import LiveSources, ProxyMetrics
 from tests.proxy.fakes import BLOCK, FakeView
 from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings
+from tests.support.sockets import closed_port_url
 
 
 def fleet(n_p: int = 3, n_d: int = 2, **d_kw: Any) -> tuple[list[MemVLLM], list[MemVLLM]]:
@@ -256,3 +258,26 @@ def test_kv_events_metrics_are_read_from_the_subscriber_at_scrape() -> None:
     assert val("pdscope_proxy_kv_index_blocks", instance="p0") == 0  # forgotten at the gap
     assert val("pdscope_proxy_kv_index_stale", instance="p0") == 1
     assert val("pdscope_proxy_kv_events_replays_total", instance="p0", outcome="ok") is None
+
+
+async def test_precise_mode_runs_the_subscriber_for_the_instances_with_events() -> None:
+    pytest.importorskip("proxy.views")  # the cache views (make_view)
+    p, d = fleet(1, 1)
+    settings = memory_settings({"prefill": ("prefill", p), "decode": ("decode", d)})
+    doc = settings.model_dump(mode="json")
+    doc["model"]["tokenizer"] = "pdscope-sim"
+    doc["proxy"]["kv_aware"]["mode"] = "precise"
+    doc["pools"]["prefill"]["instances"][0]["kv_events_endpoint"] = closed_port_url().replace("http", "tcp")
+    app = build(Settings.model_validate(doc), poll=False)
+    sub = app.parts.kv_events
+    assert sub is not None and sorted(sub.sources) == ["p0"] and app.parts.kv is not None
+    await app.startup()
+    try:
+        health = app.health()
+        assert health["status"] == "ok" and health["kv_aware"]["subscriber"]["alive"] is True  # type: ignore[index]
+        text = app.parts.metrics.render().decode()
+        assert 'pdscope_proxy_kv_events_messages_total{instance="p0"} 0.0' in text
+        assert 'pdscope_proxy_kv_events_last_message_age_seconds{instance="p0"} -1.0' in text
+    finally:
+        await app.shutdown()
+    assert not sub.alive
