@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 from pdscope.routing import PROXY_ID_PATTERN
 from pdscope.routing import Role as Role
 from pdscope.simconfig import SimulatorConfig  # the one definition, with the routing contract
+from pdscope.simtokenizer import NAME as SIM_TOKENIZER
 
 DEFAULT_CONFIG_ENV = "PDSCOPE_CONFIG"
 
@@ -69,6 +70,24 @@ class ModelSettings(_Frozen):
         le=4096,
         description="tokens per KV cache block (vLLM --block-size): the unit cached prefixes are matched in",
     )
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description=f"the model's tokenizer, for proxy.kv_aware.mode precise: {SIM_TOKENIZER!r} (the "
+        "simulator's) or the path of a tokenizer directory or tokenizer.json (it must exist); unset: none",
+    )
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, value: str | None) -> str | None:
+        if value is None or value == SIM_TOKENIZER:
+            return value
+        if not Path(value).exists():
+            raise ValueError(
+                f"no tokenizer at {value!r} (not {SIM_TOKENIZER!r}, and no such file or directory)"
+            )
+        return value
 
 
 class Instance(_Frozen):
@@ -610,6 +629,101 @@ class AdaptiveLimitSettings(_Frozen):
     )
 
 
+class DecodeOnlySettings(_Frozen):
+    """Conditional disaggregation: when P would add little, D alone computes the prompt."""
+
+    enabled: bool = Field(
+        default=False,
+        description="send a request to D alone (no prefill round trip, no KV handoff) when the "
+        "thresholds below say its P would add little",
+    )
+    max_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        le=10_000_000,
+        description="D alone when the prompt tokens the best D does not hold are at most this many",
+    )
+    min_d_cached_ratio: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="D alone when the best D already holds at least this share of the prompt",
+    )
+
+
+class KvAwareSettings(_Frozen):
+    """KV-aware routing (docs/proxy.md): P and D chosen by expected TTFT given the KV cache each holds."""
+
+    mode: Literal["off", "approximate", "precise"] = Field(
+        default="off",
+        description="off: load-only routing (weights and in-flight load); approximate: a tree of the "
+        "prompts this proxy routed (no tokenizer, no events); precise: the prompt tokenized with "
+        "model.tokenizer and matched against the instances' KV events (kv_events_endpoint)",
+    )
+    affinity_bound: float = Field(
+        default=1.5,
+        ge=1,
+        le=1000,
+        description="an instance whose load (in-flight requests per weight) would go over this multiple "
+        "of its role's mean load loses its cache credit for the request, so a hot prefix spills "
+        "onto another instance instead of melting one",
+    )
+    prefill_tokens_per_s: float = Field(
+        default=16000,
+        gt=0,
+        le=1e9,
+        description="the prefill rate of one P (at weight 1) the cost model assumes",
+    )
+    transfer_tokens_per_s: float = Field(
+        default=200000,
+        gt=0,
+        le=1e12,
+        description="the rate at which D pulls KV from P, in tokens, that the cost model assumes",
+    )
+    max_index_blocks: int = Field(
+        default=1_000_000,
+        ge=1,
+        le=1_000_000_000,
+        description="precise mode: (instance, block) entries the prefix index holds fleet-wide; the "
+        "least recently stored go first",
+    )
+    approx_block_chars: int = Field(
+        default=64,
+        ge=1,
+        le=1_000_000,
+        description="approximate mode: characters of prompt text per block of the prompt tree",
+    )
+    approx_chars_per_token: float = Field(
+        default=4.0,
+        gt=0,
+        le=1000,
+        description="approximate mode: characters per token, to estimate a prompt's tokens",
+    )
+    approx_ttl_s: float = Field(
+        default=300,
+        gt=0,
+        le=86400 * 7,
+        description="approximate mode: a prompt routed this long ago is assumed evicted",
+    )
+    approx_capacity_tokens: int = Field(
+        default=500000,
+        ge=1,
+        le=10**12,
+        description="approximate mode: the prompt tokens one instance is assumed to keep cached "
+        "(its KV capacity); past it, its least recently routed prompts are forgotten",
+    )
+    event_queue_max: int = Field(
+        default=10000,
+        ge=1,
+        le=10_000_000,
+        description="precise mode: KV event messages queued per instance before the newest are "
+        "dropped (a drop shows as a sequence gap)",
+    )
+    decode_only: DecodeOnlySettings = Field(
+        default=DecodeOnlySettings(), description="conditional disaggregation: when D alone serves a request"
+    )
+
+
 class ProxySettings(_Frozen):
     host: str = Field(default="127.0.0.1", description="address the client-facing API listens on")
     port: int = Field(default=8000, ge=1, le=65535, description="port of the client-facing API")
@@ -737,6 +851,10 @@ class ProxySettings(_Frozen):
         description=(
             "the model's context length; when set, max_tokens that cannot fit is a 400 before prefill"
         ),
+    )
+    kv_aware: KvAwareSettings = Field(
+        default=KvAwareSettings(),
+        description="KV-aware routing: P and D chosen by the KV cache they hold, bounded by load",
     )
 
     @model_validator(mode="before")
@@ -1020,6 +1138,20 @@ class Settings(_Frozen):
                     f"two routing polls (2 x proxy.routing_poll_s = {2 * self.proxy.routing_poll_s:g}): "
                     "a live proxy would be counted dead between its polls",
                     "loc": ("controller", "proxy_ttl_s"),
+                },
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _precise_needs_tokenizer(self) -> Settings:
+        if self.proxy.kv_aware.mode == "precise" and self.model.tokenizer is None:
+            raise PydanticCustomError(
+                "kv_aware_tokenizer",
+                "{message}",
+                {
+                    "message": "proxy.kv_aware.mode precise tokenizes prompts with model.tokenizer, "
+                    f"which is unset (set it to {SIM_TOKENIZER!r} or a tokenizer path, or use approximate)",
+                    "loc": ("proxy", "kv_aware", "mode"),
                 },
             )
         return self

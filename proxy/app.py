@@ -2,9 +2,17 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the P/D flow),
 ``GET /healthz`` (always 200 while the process serves; says which routing state is in
-force, which instances outlier detection has ejected, and each pool's limit in force with
-its adaptive part), ``GET /metrics`` (Prometheus text). Lifespan starts the routing poller and
-closes the shared upstream client and the span exporter.
+force, which instances outlier detection has ejected, each pool's limit in force with
+its adaptive part, and the KV-aware mode with, in precise mode, the KV events subscriber's
+state: a dead subscriber makes the status ``degraded``), ``GET /metrics`` (Prometheus text).
+Lifespan starts the routing poller (and the KV events subscriber's thread, in precise mode)
+and closes the shared upstream client and the span exporter.
+
+KV-aware routing (``proxy.kv_aware.mode``): :func:`build` makes the mode's cache view
+(``proxy.views.make_view``) -- in precise mode over a :class:`proxy.kvindex.PrefixIndex` that a
+:class:`proxy.kvsubscriber.KvEventsSubscriber` fills from every instance with a
+``kv_events_endpoint``, under one lock -- or takes the ``cache_view`` it is given (a benchmark's
+oracle), which then applies whatever the mode.
 
 While a request runs, a small watcher task waits for ``http.disconnect``; if the
 client goes away before the answer is complete it cancels the request task, whose
@@ -14,10 +22,12 @@ clean-up closes the upstream streams at once.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -27,14 +37,19 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from pdscope.config import Settings
+from pdscope.config import ConfigError, Settings
 from pdscope.routing import ProxyReport
 from proxy import protocol
 from proxy.admission import Admission
 from proxy.concurrency import AdaptiveLimits
 from proxy.flow import Flow
+from proxy.gate import KvRouting
+from proxy.kvaware import CostModel
+from proxy.kvindex import PrefixIndex
+from proxy.kvsubscriber import KvEventsSubscriber, sources_of
 from proxy.metrics import LiveSources, ProxyMetrics
 from proxy.outlier import OutlierDetector
+from proxy.prefixview import CacheView
 from proxy.request import FlowSettings, Gone
 from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
@@ -96,6 +111,8 @@ class Parts:
     provider: TracerProvider | None
     spans: BoundedSpanProcessor | None
     clock: Callable[[], float]
+    kv: KvRouting | None = None  # KV-aware routing, when a cache view is in use
+    kv_events: KvEventsSubscriber | None = None  # precise mode's subscriber (instances with events)
 
 
 class ProxyApp:
@@ -115,6 +132,8 @@ class ProxyApp:
 
     async def startup(self) -> None:
         p = self.parts
+        if p.kv_events is not None:
+            p.kv_events.start()
         if self.poll and self._poller is None:
             adm = p.admission
 
@@ -135,6 +154,8 @@ class ProxyApp:
             except asyncio.CancelledError:
                 pass
             self._poller = None
+        if self.parts.kv_events is not None:
+            await asyncio.to_thread(self.parts.kv_events.stop)
         await self.parts.upstream.aclose()
         if self.parts.provider is not None:
             await asyncio.to_thread(self.parts.provider.shutdown)
@@ -189,8 +210,9 @@ class ProxyApp:
                 "adaptive_limit": None if adaptive is None else adaptive.limit(pool, ceiling),
             }
         share = r.current_share(now)
+        kv_aware, degraded = self._kv_health()
         return {
-            "status": "ok",
+            "status": "degraded" if degraded else "ok",
             "routing": r.state,
             "version": r.view.version,
             "proxy_id": r.proxy_id,
@@ -200,7 +222,28 @@ class ProxyApp:
             "share_refused": r.share_refusal,
             "ejected": ejected,
             "pool_limits": limits,
+            "kv_aware": kv_aware,
         }
+
+    def _kv_health(self) -> tuple[dict[str, object], bool]:
+        """The KV-aware mode, and in precise mode the subscriber's state; whether it is degraded
+        (the subscriber's thread is not running: routing goes on, on a view that no longer learns)."""
+        p = self.parts
+        mode = p.settings.proxy.kv_aware.mode
+        out: dict[str, object] = {"mode": mode, "view": p.kv is not None}
+        sub = p.kv_events
+        if sub is None:
+            if mode == "precise":
+                out["subscriber"] = None  # no instance has a kv_events_endpoint
+            return out, False
+        c = sub.counts
+        out["subscriber"] = {
+            "alive": sub.alive,
+            "loop_errors": c.loop_errors,
+            "instances": len(sub.sources),
+            "stale": sorted(sub.index.stale),
+        }
+        return out, not sub.alive
 
     async def _proxy(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         # The time to receive the body is bounded by the server protocol (proxy.server), which
@@ -264,9 +307,12 @@ def build(
     rng: random.Random | None = None,
     poll: bool = True,
     upstream_client: str = "lean",
+    cache_view: CacheView | None = None,
 ) -> ProxyApp:
     """Assemble a proxy from the config. ``exporter`` replaces the OTLP/HTTP one (tests);
-    ``upstream_client="httpx"`` swaps the lean upstream client for httpx (benchmarks)."""
+    ``upstream_client="httpx"`` swaps the lean upstream client for httpx (benchmarks);
+    ``cache_view`` is the view KV-aware routing asks, overriding ``proxy.kv_aware.mode``'s
+    (a benchmark's oracle, tests' fakes); with it KV-aware routing is on whatever the mode."""
     ps = settings.proxy
     metrics = ProxyMetrics()
     routing = RoutingState(settings, clock())
@@ -305,6 +351,11 @@ def build(
         tracer = provider.get_tracer("pdscope.proxy")
     else:
         tracer = trace.NoOpTracer()
+    kv_events: KvEventsSubscriber | None = None
+    view = cache_view
+    if view is None and ps.kv_aware.mode != "off":
+        view, kv_events = _mode_view(settings, clock)
+    kv = None if view is None else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng)
     flow = Flow(
         FlowSettings.from_settings(settings),
         upstream,
@@ -315,9 +366,60 @@ def build(
         metrics,
         tracer,
         clock,
+        kv,
     )
-    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock))
+    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events))
     parts = Parts(
-        settings, flow, routing, selector, admission, budget, metrics, upstream, provider, spans, clock
+        settings,
+        flow,
+        routing,
+        selector,
+        admission,
+        budget,
+        metrics,
+        upstream,
+        provider,
+        spans,
+        clock,
+        kv,
+        kv_events,
     )
     return ProxyApp(parts, poll=poll)
+
+
+def _mode_view(
+    settings: Settings, clock: Callable[[], float]
+) -> tuple[CacheView | None, KvEventsSubscriber | None]:
+    """The cache view ``proxy.kv_aware.mode`` names, and in precise mode the KV events subscriber
+    that fills its index (None when no instance has a ``kv_events_endpoint``: the view then credits
+    nothing, and routing is load-only in effect)."""
+    kv, model = settings.proxy.kv_aware, settings.model
+    # proxy.views is the cache views' module (make_view); looked up by name here so that this
+    # module does not pin the views' import graph.
+    make_view = importlib.import_module("proxy.views").make_view
+    common: dict[str, Any] = {
+        "approx_block_chars": kv.approx_block_chars,
+        "approx_chars_per_token": kv.approx_chars_per_token,
+        "approx_ttl_s": kv.approx_ttl_s,
+        "approx_capacity_tokens": kv.approx_capacity_tokens,
+        "max_index_blocks": kv.max_index_blocks,
+        "clock": clock,
+    }
+    if kv.mode != "precise":
+        return make_view(kv.mode, **common), None
+    index = PrefixIndex(model.kv_block_size, kv.max_index_blocks)
+    lock = threading.Lock()  # the subscriber writes the index under it, the view reads under it
+    sources = sources_of(
+        {
+            inst.name: (inst.kv_events_endpoint, inst.kv_events_replay_endpoint, inst.kv_events_topic)
+            for _, inst in settings.instances()
+        }
+    )
+    subscriber = KvEventsSubscriber(sources, index, lock, queue_max=kv.event_queue_max) if sources else None
+    try:
+        view = make_view(
+            "precise", tokenizer=model.tokenizer, base_model=model.name, index=index, lock=lock, **common
+        )
+    except Exception as exc:  # the tokenizer could not be loaded: the file's fault, said as such
+        raise ConfigError([f"model.tokenizer: cannot load {model.tokenizer!r}: {exc}"]) from exc
+    return view, subscriber

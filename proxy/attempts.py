@@ -18,6 +18,14 @@ Why the rules are what they are: P's pinned KV blocks are meant to be read once,
   pool's adaptive limit (``proxy.concurrency``).
 
 Every retry pick goes through admission (:meth:`proxy.gate.Gate.retry`).
+
+The decode-only path (KV-aware routing's conditional disaggregation, :meth:`Attempts.decode_alone`):
+D gets the client's body as it came, without ``kv_transfer_params``, and computes the whole
+prompt itself (vLLM's own non-disaggregated path). No P holds blocks for it, so every failure
+before the first token -- refused, unreachable, or failed after accepting -- is retried on
+another D alone, like a refused decode (while decode attempts and the retry budget allow); it
+never falls back to a prefill, which would be a second routing decision for the same request.
+After the first byte: no retry, as on the P/D path.
 """
 
 from __future__ import annotations
@@ -272,6 +280,43 @@ class Attempts:
             if handoff.is_recording():  # not ended yet: no first token
                 handoff.end()
 
+    async def decode_alone(
+        self, req: RequestState, raw: bytes, ctx: Context, base: Headers, tp_in: str | None, reply: Reply
+    ) -> None:
+        """The decode-only path: ``req.d`` (or the D a retry moved it to) computes the prompt and
+        answers; the client's ``raw`` body goes as it came."""
+        req.stage = "decode"
+        tried: list[str] = []
+        attempt = 0
+        while True:
+            d = req.d
+            assert d is not None
+            req.d_sent_ns = time.time_ns()
+            span = self.tracer.start_span(
+                sc.SPAN_DECODE,
+                context=ctx,
+                kind=SpanKind.CLIENT,
+                attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
+                start_time=req.d_sent_ns,
+            )
+            try:
+                headers = with_traceparent(base, span, tp_in, req.sampled)
+                await self._decode_once(req, d, raw, headers, span, None, reply)
+                return
+            except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
+                kind = "connect" if isinstance(exc, ConnectFailed) else exc.kind
+                self._decode_failed(d, span, kind)
+                tried.append(d.name)
+                attempt += 1
+                nxt = None
+                if attempt < self.fs.max_decode_attempts:
+                    nxt = self.gate.retry(req, "decode", tried, spend=lambda: self.spend("decode"))
+                if nxt is None:
+                    raise upstream_error("decode", kind) from exc
+                req.retries += 1
+            finally:
+                span.end()
+
     def _decode_failed(self, d: Target, span: trace.Span, kind: str) -> None:
         span.set_attribute(sc.ERROR_TYPE, kind)
         self.metrics.upstream_failures.labels(d.name, "decode", kind).inc()
@@ -284,13 +329,15 @@ class Attempts:
         d_body: bytes,
         headers: Headers,
         span: trace.Span,
-        handoff: trace.Span,
+        handoff: trace.Span | None,
         reply: Reply,
     ) -> None:
+        """One call to D up to the end of its answer; ``handoff`` None on the decode-only path."""
         fs = self.fs
         loop = asyncio.get_running_loop()
         total_deadline = loop.time() + fs.decode_total_s
-        handoff.set_attribute(sc.D_INSTANCE, d.name)
+        if handoff is not None:
+            handoff.set_attribute(sc.D_INSTANCE, d.name)
         self.selector.acquire(d.name)
         resp: UpstreamResponse | None = None
         try:
@@ -300,7 +347,8 @@ class Attempts:
             req.stage = "decode"
             t_first = req.first_token_ns = time.time_ns()
             span.add_event(sc.EVENT_FIRST_TOKEN, timestamp=t_first)
-            handoff.end(end_time=t_first)
+            if handoff is not None:
+                handoff.end(end_time=t_first)
             now = self.clock()
             self.metrics.ttft_seconds.observe(now - req.started)
             self._sample(d.pool, now - req.admitted, now)
@@ -309,7 +357,9 @@ class Attempts:
             if req.stream:
                 await self._stream(req, d, resp, first, watch, out_headers, span, reply, total_deadline)
                 return
-            req.completion_tokens = protocol.completion_tokens(first)
+            usage = protocol.usage_of(first)
+            req.completion_tokens = usage.completion_tokens
+            req.d_prompt_tokens, req.d_cached_tokens = usage.prompt_tokens, usage.cached_tokens
             if req.completion_tokens is not None:
                 span.set_attribute(sc.COMPLETION_TOKENS, req.completion_tokens)
             out_headers.append((b"content-length", str(len(first)).encode()))
@@ -425,6 +475,7 @@ class Attempts:
             kind = "timeout" if isinstance(exc, TimeoutError) else "closed"
         if watch.completion_tokens is not None:  # D's usage event: the root carries it
             req.completion_tokens = watch.completion_tokens
+            req.d_prompt_tokens, req.d_cached_tokens = watch.prompt_tokens, watch.cached_tokens
             span.set_attribute(sc.COMPLETION_TOKENS, watch.completion_tokens)
         if kind is None and watch.error is not None:
             kind = "stream_error"  # D's own error event, already forwarded

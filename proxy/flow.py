@@ -8,6 +8,13 @@ the failure rules), and the full retry when D failed after it may have read P's 
 new prefill (another P when there is one) and another D, within the retry budget and
 through admission like every other pick.
 
+With KV-aware routing (``proxy.gate``) the prompt is keyed once, from the body already parsed,
+before admission; a request the cost model sends to D alone skips the prefill round trip
+(:meth:`proxy.attempts.Attempts.decode_alone`). The root span carries the route
+(``pdscope.route_path``, the predicted and reported cached tokens, the matched prefix, the
+reason); the reported ones (P's and D's ``usage.prompt_tokens_details.cached_tokens``) and the
+path are set whatever the mode, so records show vLLM's reuse under load-only routing too.
+
 The client goes away: the app cancels this task; every open upstream answer is closed at
 once (vLLM aborts the request) and the disconnect is counted by stage. Every stage has a
 timeout (connect, prefill, decode first token, decode total). Nothing here logs per
@@ -31,7 +38,7 @@ from pdscope import semconv as sc
 from proxy import protocol
 from proxy.admission import REASON_NO_INSTANCES, Admission, Rejection
 from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
-from proxy.gate import Gate
+from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import ProtocolError
 from proxy.request import ClientError, FlowSettings, Gone, NeedsPrefill, Reply, RequestState, client_error
@@ -54,8 +61,10 @@ class Flow:
         metrics: ProxyMetrics,
         tracer: trace.Tracer,
         clock: Callable[[], float] = time.monotonic,
+        kv: KvRouting | None = None,
     ) -> None:
         self.fs, self.upstream, self.routing, self.selector = fs, upstream, routing, selector
+        self.kv = kv
         self.admission, self.budget, self.metrics, self.tracer, self.clock = (
             admission,
             budget,
@@ -65,7 +74,7 @@ class Flow:
         )
         self._rng = random.Random()
         self.outliers = selector.outliers
-        self.gate = Gate(fs, routing, selector, admission, clock)
+        self.gate = Gate(fs, routing, selector, admission, clock, kv)
         self.attempts = Attempts(
             fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer, clock
         )
@@ -99,6 +108,8 @@ class Flow:
         try:
             body = self._checked_body(endpoint, raw)
             req.stream = body.get("stream") is True
+            if self.kv is not None:
+                self.gate.key_prompt(req, body)
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -154,6 +165,8 @@ class Flow:
                     attrs[sc.REMOTE_ENGINE_ID] = req.prefill.remote_engine_id
             if req.completion_tokens is not None:
                 attrs[sc.COMPLETION_TOKENS] = req.completion_tokens
+            if req.d is not None:
+                self._route_attrs(attrs, req)
             for key, ns in (
                 (sc.P_SENT_NS, req.p_sent_ns),
                 (sc.P_DONE_NS, req.p_done_ns),
@@ -172,6 +185,30 @@ class Flow:
             root.end(end_time=done_ns)
         else:
             root.end()
+
+    @staticmethod
+    def _route_attrs(attrs: dict[str, str | int | bool], req: RequestState) -> None:
+        """The route of an admitted request: its path, the view's predictions and the reason (when
+        routed with a view), and the cached tokens P and D reported."""
+        route = req.route
+        alone = route is not None and route.p is None
+        attrs[sc.ROUTE_PATH] = sc.ROUTE_DECODE_ONLY if alone else sc.ROUTE_PD
+        if route is not None:
+            if route.p is not None:
+                attrs[sc.P_PREDICTED_CACHED] = route.p_cached
+            attrs[sc.D_PREDICTED_CACHED] = route.d_cached
+            attrs[sc.PREFIX_TOKENS] = route.prefix_tokens
+            if route.prefix_key is not None:
+                attrs[sc.PREFIX_KEY] = route.prefix_key
+            attrs[sc.ROUTE_REASON] = route.reason
+        elif req.route_reason is not None:
+            attrs[sc.ROUTE_REASON] = req.route_reason
+        if req.prefill is not None and req.prefill.cached_tokens is not None:
+            attrs[sc.P_CACHED_TOKENS] = req.prefill.cached_tokens
+        if req.d_cached_tokens is not None:
+            attrs[sc.D_CACHED_TOKENS] = req.d_cached_tokens
+        if alone and req.d_prompt_tokens is not None:  # no P answer: D's usage counts the prompt
+            attrs[sc.PROMPT_TOKENS] = req.d_prompt_tokens
 
     def _keep_reason(self, req: RequestState, done_ns: int) -> str | None:
         """Why an unsampled request's child spans are kept anyway, or None: it failed, an attempt of
@@ -235,6 +272,9 @@ class Flow:
         tp_in: str | None,
         reply: Reply,
     ) -> None:
+        if req.p is None:  # the cost model sent it to D alone
+            await self.attempts.decode_alone(req, raw, ctx, base, tp_in, reply)
+            return
         p_body = json.dumps(protocol.prefill_body(body)).encode()
         tried_d: list[str] = []
         full_retries = 0

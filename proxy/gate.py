@@ -10,19 +10,91 @@ The request holds a request slot in its P pool until prefill is done and in its 
 until it ends, and, from P's answer to D's first token, its handoff KV bytes in both.
 :meth:`Gate.release` gives all of it back. A rejection names the pool(s) it counts against:
 the pool that was full, or every pool of a role that had no routable instance.
+
+KV-aware routing (``proxy.kv_aware.mode`` not off, or a view the app was given): the flow
+asks :meth:`Gate.key_prompt` once per request, before admission (CPU work bounded by the
+view's size cap, never a wait); a request the view keyed is admitted by the cost model
+(``proxy.kvaware``) over the same open pools and eligible instances the load-only pick would
+use, and may be admitted into a D pool alone (the decode-only path: no P slot, no handoff).
+Admitted, the view is told where it went (``routed``). A request the view cannot key, or a
+view that fails, is routed load-only (reason ``no_prompt`` / ``view_error``; failures counted in
+``pdscope_proxy_kv_view_errors_total``). Retries are always load-only picks
+(:meth:`proxy.selection.Selector.pick`): the first choice already spent the prefix's credit,
+and a retry's target is one the cost model did not prefer, so load is what is left to go by.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import Literal
+import logging
+import random
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Literal
 
+from pdscope import semconv as sc
 from proxy.admission import REASON_NO_INSTANCES, REASON_QUEUE_FULL, Admission, Rejection
+from proxy.kvaware import REASON_NO_PROMPT, REASON_VIEW_ERROR, Candidate, CostModel, Decision, choose
+from proxy.metrics import ProxyMetrics
+from proxy.prefixview import CacheView, Prompt
 from proxy.request import FlowSettings, RequestState
 from proxy.routing import RoutingState, RoutingView, Target
 from proxy.selection import Selector
 
+log = logging.getLogger(__name__)
+
 Role = Literal["prefill", "decode"]
+
+
+class KvRouting:
+    """A cache view and the cost model, as the gate uses them: every call to the view is caught
+    (counted, logged at debug) so that a failing view costs only the KV-aware part of a request.
+    ``backlog``: per P, the uncached prefill tokens sent to it and not yet answered."""
+
+    def __init__(
+        self, view: CacheView, model: CostModel, metrics: ProxyMetrics, rng: random.Random | None = None
+    ) -> None:
+        self.view, self.model, self.metrics = view, model, metrics
+        self.rng = rng or random.Random()
+        self.backlog: dict[str, int] = {}
+
+    def prompt(self, endpoint: str, body: Mapping[str, Any]) -> tuple[Prompt | None, str | None]:
+        """The request's prompt, or (None, why it routes load-only)."""
+        try:
+            prompt = self.view.prompt(endpoint, body)
+        except Exception as exc:  # a view's bug must not fail the request
+            self._failed("prompt", exc)
+            return None, REASON_VIEW_ERROR
+        if prompt is None:
+            return None, REASON_NO_PROMPT
+        return prompt, None
+
+    def cached(self, prompt: Prompt, instances: Sequence[str]) -> dict[str, int] | None:
+        try:
+            return self.view.cached(prompt, instances)
+        except Exception as exc:
+            self._failed("cached", exc)
+            return None
+
+    def routed(self, prompt: Prompt, instances: Sequence[str], now: float) -> None:
+        try:
+            self.view.routed(prompt, instances, now)
+        except Exception as exc:
+            self._failed("routed", exc)
+
+    def _failed(self, call: str, exc: Exception) -> None:
+        self.metrics.kv_view_errors.labels(call).inc()
+        log.debug("kv view: %s failed", call, exc_info=exc)
+
+    def count(self, req: RequestState) -> None:
+        """An admitted request's route, in ``pdscope_proxy_routes_total`` and the predictions' counters."""
+        m, route = self.metrics, req.route
+        if route is None:
+            m.routes.labels(sc.ROUTE_PD, req.route_reason or REASON_NO_PROMPT).inc()
+            return
+        m.routes.labels(sc.ROUTE_PD if route.p is not None else sc.ROUTE_DECODE_ONLY, route.reason).inc()
+        m.prompt_tokens_routed.inc(route.prompt_tokens)
+        if route.p is not None:
+            m.predicted_cached.labels("prefill").inc(route.p_cached)
+        m.predicted_cached.labels("decode").inc(route.d_cached)
 
 
 class Gate:
@@ -33,6 +105,7 @@ class Gate:
         selector: Selector,
         admission: Admission,
         clock: Callable[[], float],
+        kv: KvRouting | None = None,
     ) -> None:
         self.fs, self.routing, self.selector, self.admission, self.clock = (
             fs,
@@ -41,6 +114,7 @@ class Gate:
             admission,
             clock,
         )
+        self.kv = kv
         pools = routing.settings.pools
         self._pools_of: dict[str, tuple[str, ...]] = {
             role: tuple(name for name, p in pools.items() if p.role == role) for role in ("prefill", "decode")
@@ -48,11 +122,26 @@ class Gate:
 
     # -- the first pick ---------------------------------------------------------------
 
+    def key_prompt(self, req: RequestState, body: Mapping[str, Any]) -> None:
+        """With KV-aware routing: ``req``'s prompt as the view keys it (or why it routes load-only)."""
+        if self.kv is not None:
+            req.prompt, req.route_reason = self.kv.prompt(req.endpoint, body)
+
     async def admit(self, req: RequestState) -> Rejection | None:
-        """Admit ``req`` into a P and a D pool, waiting for room within the queue bound; or why not."""
+        """Admit ``req`` into a P and a D pool (or, decode-only, a D pool alone), waiting for room
+        within the queue bound; or why not."""
         rejection = await self._admit(req)
         self._count_demand(req, rejection)
+        if rejection is None and self.kv is not None:
+            self._routed(self.kv, req)
         return rejection
+
+    def _routed(self, kv: KvRouting, req: RequestState) -> None:
+        kv.count(req)
+        if req.prompt is not None and req.route is not None:
+            assert req.d is not None
+            names = [req.d.name] if req.p is None else [req.p.name, req.d.name]
+            kv.routed(req.prompt, names, self.clock())
 
     async def _admit(self, req: RequestState) -> Rejection | None:
         deadline = self.clock() + self.routing.view.queue_wait_s(self.fs.queue_timeout_s)
@@ -72,8 +161,9 @@ class Gate:
         the role it did not get to, every pool of that role in the view)."""
         demand = self.admission.demand
         if rejection is None:
-            assert req.p is not None and req.d is not None
-            demand[req.p.pool] += 1
+            assert req.d is not None
+            if req.p is not None:  # None: decode-only, it sought no P
+                demand[req.p.pool] += 1
             demand[req.d.pool] += 1
             return
         view = self.routing.view
@@ -82,6 +172,8 @@ class Gate:
                 demand[pool] += 1
 
     def _try_admit(self, req: RequestState, view: RoutingView, now: float) -> Rejection | None:
+        if req.prompt is not None and self.kv is not None:
+            return self._try_admit_kv(self.kv, req.prompt, req, view, now)
         for role, targets in (("prefill", view.prefill), ("decode", view.decode)):
             if not targets:
                 return Rejection(REASON_NO_INSTANCES, self._pools_of[role], role)
@@ -101,6 +193,73 @@ class Gate:
         self.admission.enter(d.pool)
         req.d_slot = d.pool
         return None
+
+    def _try_admit_kv(
+        self, kv: KvRouting, prompt: Prompt, req: RequestState, view: RoutingView, now: float
+    ) -> Rejection | None:
+        """The cost model's pick over the open pools' eligible instances; D alone when it says so
+        (then P's pools need no room). Rejections as the load-only path's, P's first."""
+        p_why: Rejection | None = None
+        p_cands: list[Candidate] = []
+        if not view.prefill:
+            p_why = Rejection(REASON_NO_INSTANCES, self._pools_of["prefill"], "prefill")
+        else:
+            p_pools, p_why = self._open_pools(view, "prefill")
+            if p_pools:
+                p_why = None
+                p_cands = self._candidates(view.prefill, now, p_pools, kv.backlog)
+        if not view.decode:
+            return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
+        d_pools, d_why = self._open_pools(view, "decode")
+        if not d_pools:
+            return p_why or d_why
+        d_cands = self._candidates(view.decode, now, d_pools, None)
+        cached = kv.cached(prompt, [c.target.name for c in (*p_cands, *d_cands)])
+        if cached is None:  # the view failed: this request goes load-only
+            req.prompt, req.route_reason = None, REASON_VIEW_ERROR
+            return self._try_admit(req, view, now)
+        decision = choose(prompt, cached, p_cands, d_cands, kv.model, kv.rng)
+        if decision is None:  # no P with room (or none routable), and not one for D alone; or no D
+            if not d_cands:
+                return Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
+            return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["prefill"], "prefill")
+        self._enter(req, decision, kv, now)
+        return None
+
+    def _candidates(
+        self, targets: Sequence[Target], now: float, pools: Collection[str], backlog: Mapping[str, int] | None
+    ) -> list[Candidate]:
+        load = self.selector.inflight
+        return [
+            Candidate(t, w, load.get(t.name, 0), backlog.get(t.name, 0) if backlog is not None else 0)
+            for t, w in self.selector.weighed(targets, now, pools)
+        ]
+
+    def _enter(self, req: RequestState, decision: Decision, kv: KvRouting, now: float) -> None:
+        req.route = decision
+        if decision.p is not None:
+            req.p = decision.p
+            self.admission.enter(decision.p.pool)
+            req.p_slot = decision.p.pool
+            n = decision.p_uncached
+            if n > 0:
+                kv.backlog[decision.p.name] = kv.backlog.get(decision.p.name, 0) + n
+                req.backlog = (decision.p.name, n)
+        req.d = decision.d
+        req.admitted = now
+        self.admission.enter(decision.d.pool)
+        req.d_slot = decision.d.pool
+
+    def _drop_backlog(self, req: RequestState) -> None:
+        """``req``'s prefill is answered (or moved, or over): its tokens leave its P's backlog."""
+        if req.backlog is not None and self.kv is not None:
+            name, n = req.backlog
+            req.backlog = None
+            left = self.kv.backlog.get(name, 0) - n
+            if left > 0:
+                self.kv.backlog[name] = left
+            else:
+                self.kv.backlog.pop(name, None)
 
     def _open_pools(
         self, view: RoutingView, role: Role, held: str | None = None
@@ -153,6 +312,8 @@ class Gate:
 
     def _take(self, req: RequestState, role: Role, target: Target) -> None:
         if role == "prefill":
+            if req.backlog is not None:
+                self._drop_backlog(req)
             req.p = target
             req.p_slot = self._move_slot(req.p_slot, target.pool)
             return
@@ -180,6 +341,8 @@ class Gate:
         self.admission.add_bytes(req.p.pool, kv)
         self.admission.add_bytes(req.d.pool, kv)
         req.kv_held = (req.p.pool, req.d.pool, kv)
+        if req.backlog is not None:
+            self._drop_backlog(req)
         if req.p_slot is not None:
             self.admission.leave(req.p_slot)
             req.p_slot = None
@@ -193,6 +356,8 @@ class Gate:
 
     def release(self, req: RequestState) -> None:
         self.drop_kv(req)
+        if req.backlog is not None:
+            self._drop_backlog(req)
         if req.p_slot is not None:
             self.admission.leave(req.p_slot)
             req.p_slot = None

@@ -6,15 +6,17 @@ One ZMQ SUB socket per instance with a ``kv_events_endpoint`` (the topic filter 
 index's lock. The proxy's event loop never waits on it: it only reads the index, under the
 same lock, for a few microseconds per request.
 
-Bounded: ZMQ keeps at most ``RCV_HWM`` messages per socket; a subscriber that falls behind
-loses the newest, which shows as a gap in the sequence. A gap with a
+Bounded: ZMQ keeps at most ``queue_max`` (``proxy.kv_aware.event_queue_max``) messages per
+socket; a subscriber that falls behind loses the newest, which shows as a gap in the sequence. A gap with a
 ``kv_events_replay_endpoint`` is asked for again (the replay socket answers the missed messages,
 then ``END_SEQ``), within ``REPLAY_TIMEOUT_S``; without one, or when the replay fails, the
 instance's entries are forgotten and rebuilt from what it stores next (a cache pdscope only
 partly knows would credit blocks vLLM has dropped). A publisher whose sequence restarts
 lower has restarted with an empty cache: its entries are forgotten too. Every drop, gap,
-replay and restart is counted per instance (:class:`Counts`); nothing here raises into the
-proxy, and a failure of the thread is logged and counted, and the thread goes on.
+replay and restart is counted per instance (:class:`Counts`), and so is a message for an
+instance the subscriber was not configured with (dropped, reason ``unknown_instance``); nothing
+here raises into the proxy, and a failure of the thread is logged and counted, and the thread
+goes on.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ class KvEventsSubscriber:
         lock: threading.Lock,
         *,
         clock: Callable[[], float] = time.time,
+        queue_max: int = RCV_HWM,
     ) -> None:
         self.sources = {s.instance: s for s in sources}
+        self.queue_max = queue_max  # proxy.kv_aware.event_queue_max: messages ZMQ queues per socket
         self.index = index
         self.lock = lock
         self.clock = clock
@@ -105,7 +109,7 @@ class KvEventsSubscriber:
         out: dict[zmq.Socket[bytes], str] = {}
         for s in self.sources.values():
             sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+            sock.setsockopt(zmq.RCVHWM, self.queue_max)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
             sock.connect(s.endpoint)
@@ -140,6 +144,10 @@ class KvEventsSubscriber:
 
     def receive(self, instance: str, frames: list[bytes]) -> None:
         c = self.counts
+        tracker = self.seq.get(instance)
+        if tracker is None:  # not an instance of the config: counted, never applied
+            c.dropped[(instance, "unknown_instance")] += 1
+            return
         try:
             msg = decode_message(frames)
         except BadMessage as exc:
@@ -148,7 +156,7 @@ class KvEventsSubscriber:
             return
         c.messages[instance] += 1
         c.last_message[instance] = self.clock()
-        seen = self.seq[instance].see(msg.seq)
+        seen = tracker.see(msg.seq)
         if seen == "duplicate":
             c.dropped[(instance, "duplicate")] += 1
             return
@@ -159,7 +167,7 @@ class KvEventsSubscriber:
             )
             self._rebuild(instance)
         elif seen == "gap":
-            first, last = self.seq[instance].gaps[-1]
+            first, last = tracker.gaps[-1]
             c.gaps[instance] += 1
             c.missed[instance] += last - first + 1
             if not self._replay(instance, first, last):

@@ -20,6 +20,7 @@ from proxy.routing import STATES
 
 if TYPE_CHECKING:
     from proxy.admission import Admission
+    from proxy.kvsubscriber import KvEventsSubscriber
     from proxy.routing import RoutingState
     from proxy.selection import RetryBudget, Selector
     from proxy.tracing import BoundedSpanProcessor
@@ -37,6 +38,7 @@ class LiveSources:
     budget: RetryBudget
     spans: BoundedSpanProcessor | None
     now: Callable[[], float]
+    kv_events: KvEventsSubscriber | None = None  # precise KV-aware routing's subscriber, when it runs
 
 
 class ProxyMetrics:
@@ -103,6 +105,33 @@ class ProxyMetrics:
         self.request_too_large = Counter(
             "pdscope_proxy_request_too_large",
             "Client bodies over proxy.max_request_bytes (413).",
+            registry=r,
+        )
+        # KV-aware routing (proxy.gate, proxy.kvaware); counted only while a cache view is in use
+        self.routes = Counter(
+            "pdscope_proxy_routes",
+            "Admitted requests routed with a cache view (proxy.kv_aware), by path (pd: P then D; "
+            "decode_only: D alone) and reason (affinity, load, affinity_bounded, no_prompt, view_error, "
+            "decode_only_short, decode_only_cached).",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "pdscope_proxy_predicted_cached_tokens",
+            "Prompt tokens the cache view predicted the chosen instance holds, by role (prefill, decode): "
+            "against vLLM's own prefix-cache hits.",
+            ["role"],
+            registry=r,
+        )
+        self.prompt_tokens_routed = Counter(
+            "pdscope_proxy_prompt_tokens_routed",
+            "Prompt tokens (as the view counts them) of the requests routed with a keyed prompt.",
+            registry=r,
+        )
+        self.kv_view_errors = Counter(
+            "pdscope_proxy_kv_view_errors",
+            "Cache view calls that failed (call: prompt, cached, routed); the request routed load-only.",
+            ["call"],
             registry=r,
         )
         self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
@@ -275,3 +304,94 @@ class _LiveCollector(Collector):
             q = GaugeMetricFamily("pdscope_proxy_spans_queued", "Spans waiting to be exported.")
             q.add_metric([], float(spans.queued))
             yield q
+        if self.sources.kv_events is not None:
+            yield from _kv_events(self.sources.kv_events)
+
+
+def _kv_events(sub: KvEventsSubscriber) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The KV events subscriber's counts and the prefix index, per instance, read at scrape time
+    (copies: the subscriber's thread writes them)."""
+    c = sub.counts
+    names = sorted(sub.sources)
+    by_instance = (
+        ("pdscope_proxy_kv_events_messages", dict(c.messages), "KV event messages decoded, per instance."),
+        (
+            "pdscope_proxy_kv_events_gaps",
+            dict(c.gaps),
+            "Gaps in an instance's event sequence (messages lost: replayed, or its view rebuilt).",
+        ),
+        (
+            "pdscope_proxy_kv_events_restarts",
+            dict(c.restarts),
+            "Publishers that restarted their sequence (a restarted instance: its view is forgotten).",
+        ),
+        (
+            "pdscope_proxy_kv_events_skipped_events",
+            dict(c.skipped_events),
+            "Events of a kind pdscope does not know, skipped inside decoded messages.",
+        ),
+        (
+            "pdscope_proxy_kv_events_rebuilds",
+            dict(c.rebuilds),
+            "Times an instance's view was forgotten to be rebuilt from its next events.",
+        ),
+    )
+    for name, counts, doc in by_instance:
+        fam = CounterMetricFamily(name, doc, labels=["instance"])
+        for inst in names:
+            fam.add_metric([inst], float(counts.get(inst, 0)))
+        yield fam
+    for name, pairs, label, doc in (
+        (
+            "pdscope_proxy_kv_events_dropped",
+            dict(c.dropped),
+            "reason",
+            "KV event messages dropped, per instance and reason (undecodable, duplicate, "
+            "unknown_instance, ...).",
+        ),
+        (
+            "pdscope_proxy_kv_events_replays",
+            dict(c.replays),
+            "outcome",
+            "Replays asked of an instance's replay socket after a gap, by outcome (ok, failed).",
+        ),
+    ):
+        fam = CounterMetricFamily(name, doc, labels=["instance", label])
+        for (inst, what), n in sorted(pairs.items()):
+            fam.add_metric([inst, what], float(n))
+        yield fam
+    loops = CounterMetricFamily(
+        "pdscope_proxy_kv_events_loop_errors", "Failures of the subscriber's loop (logged; it went on)."
+    )
+    loops.add_metric([], float(c.loop_errors))
+    yield loops
+    now = sub.clock()
+    last = dict(c.last_message)
+    age = GaugeMetricFamily(
+        "pdscope_proxy_kv_events_last_message_age_seconds",
+        "Seconds since the instance's last KV event message (-1: none yet). An idle instance publishes "
+        "nothing: read it with the instance's traffic.",
+        labels=["instance"],
+    )
+    for inst in names:
+        seen = last.get(inst)
+        age.add_metric([inst], -1.0 if seen is None else max(0.0, now - seen))
+    yield age
+    with sub.lock:  # the index is the thread's: its sizes are read under its lock (microseconds)
+        blocks = {inst: sub.index.blocks(inst) for inst in names}
+        stale = {inst: inst in sub.index.stale for inst in names}
+    held = GaugeMetricFamily(
+        "pdscope_proxy_kv_index_blocks",
+        "KV blocks the prefix index holds for the instance.",
+        labels=["instance"],
+    )
+    st = GaugeMetricFamily(
+        "pdscope_proxy_kv_index_stale",
+        "1 while the instance's view is stale (credited nothing until rebuilt).",
+        labels=["instance"],
+    )
+    for inst in names:
+        held.add_metric([inst], float(blocks[inst]))
+        st.add_metric([inst], 1.0 if stale[inst] else 0.0)
+    yield held
+    yield st

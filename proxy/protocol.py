@@ -39,6 +39,7 @@ class PrefillAnswer:
     prompt_tokens: int
     kv_blocks: int
     remote_engine_id: str | None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when P reported it
 
 
 def _no_constant(name: str) -> Any:
@@ -126,18 +127,51 @@ def parse_prefill_answer(raw: bytes) -> PrefillAnswer:
         prompt_tokens=prompt_tokens,
         kv_blocks=blocks,
         remote_engine_id=str(engine) if engine is not None else None,
+        cached_tokens=_cached_tokens(usage),
+    )
+
+
+def _count(value: Any) -> int | None:
+    """A token count as vLLM reports it: a non-negative int, else nothing."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _cached_tokens(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (vLLM: prefix-cache hits, and on D the pulled
+    tokens too), when the usage has it (``--enable-prompt-tokens-details``)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What the proxy reads of an answer's ``usage``: each count None when absent or not a count."""
+
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+NO_USAGE = Usage()
+
+
+def usage_of(raw: bytes) -> Usage:
+    """The ``usage`` of a non-streamed answer (or of one streamed event)."""
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return NO_USAGE
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return NO_USAGE
+    return Usage(
+        _count(usage.get("completion_tokens")), _count(usage.get("prompt_tokens")), _cached_tokens(usage)
     )
 
 
 def completion_tokens(raw: bytes) -> int | None:
     """``usage.completion_tokens`` of a non-streamed answer (or of one streamed event), if it has one."""
-    try:
-        answer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return value if isinstance(value, int) else None
+    return usage_of(raw).completion_tokens
 
 
 def error_body(message: str, err_type: str, code: str | None = None, param: str | None = None) -> bytes:
@@ -195,7 +229,17 @@ class SseWatch:
     counts as a data event when it completes.
     """
 
-    __slots__ = ("_carry", "_skipping", "completion_tokens", "done", "error", "events", "max_line")
+    __slots__ = (
+        "_carry",
+        "_skipping",
+        "cached_tokens",
+        "completion_tokens",
+        "done",
+        "error",
+        "events",
+        "max_line",
+        "prompt_tokens",
+    )
 
     def __init__(self, max_line: int = 1 << 20) -> None:
         self.max_line = max_line
@@ -207,6 +251,9 @@ class SseWatch:
         # usage.completion_tokens of the last event that had one (the client asked for
         # stream_options.include_usage); None when the stream carried no usage
         self.completion_tokens: int | None = None
+        # the same event's usage.prompt_tokens and prompt_tokens_details.cached_tokens
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
         if (
@@ -248,6 +295,7 @@ class SseWatch:
         elif not (self.events == 0 and is_preamble_event(payload)):
             self.events += 1
             if b'"completion_tokens"' in payload:  # only the usage events are parsed
-                tokens = completion_tokens(payload)
-                if tokens is not None:
-                    self.completion_tokens = tokens
+                usage = usage_of(payload)
+                if usage.completion_tokens is not None:
+                    self.completion_tokens = usage.completion_tokens
+                    self.prompt_tokens, self.cached_tokens = usage.prompt_tokens, usage.cached_tokens

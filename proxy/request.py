@@ -1,7 +1,8 @@
 """One request's values as it moves through the proxy, and the errors that end it.
 
 :class:`RequestState` is the mutable record the flow fills in (chosen instances, the pool
-slots and handoff KV bytes it holds, stage, outcome); :class:`ClientError` is an answer
+slots and handoff KV bytes it holds, stage, outcome, and with KV-aware routing its prompt as
+the cache view keyed it and the cost model's decision); :class:`ClientError` is an answer
 that ends the request; :class:`NeedsPrefill` says a retry must start from a new prefill.
 No I/O here.
 """
@@ -13,6 +14,8 @@ from typing import Protocol
 
 from pdscope.config import Settings
 from proxy import protocol
+from proxy.kvaware import Decision
+from proxy.prefixview import Prompt
 from proxy.protocol import PrefillAnswer
 from proxy.routing import PoolLimits, Target, fallback_limits
 
@@ -110,8 +113,11 @@ class Gone:
 class RequestState:
     __slots__ = (
         "admitted",
+        "backlog",
         "completion_tokens",
         "d",
+        "d_cached_tokens",
+        "d_prompt_tokens",
         "d_sent_ns",
         "d_slot",
         "endpoint",
@@ -123,8 +129,11 @@ class RequestState:
         "p_sent_ns",
         "p_slot",
         "prefill",
+        "prompt",
         "retries",
         "rid",
+        "route",
+        "route_reason",
         "sampled",
         "stage",
         "started",
@@ -146,6 +155,15 @@ class RequestState:
         self.retries = 0
         self.prefill: PrefillAnswer | None = None
         self.completion_tokens: int | None = None
+        # KV-aware routing (proxy.gate): the prompt as the view keyed it, the cost model's decision
+        # (its p None: D alone), or why the request was routed on load alone; the prefill tokens it
+        # added to its P's backlog; what D's usage reported
+        self.prompt: Prompt | None = None
+        self.route: Decision | None = None
+        self.route_reason: str | None = None
+        self.backlog: tuple[str, int] | None = None
+        self.d_cached_tokens: int | None = None
+        self.d_prompt_tokens: int | None = None
         self.started = 0.0
         self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
         # the trace: the head-sampling decision and the stage timestamps (Unix ns) the root carries

@@ -13,7 +13,9 @@ ejections), for baselines.
 
 Pure apart from the injected random source; the clock is passed in. The proxy picks P
 and D jointly by calling :meth:`Selector.pick` for each role with the pools admission
-allows (see ``proxy.gate``). Also here: :class:`RetryBudget`.
+allows (see ``proxy.gate``); with KV-aware routing on, the first pick is the cost model's
+(``proxy.kvaware``) over :meth:`Selector.weighed` instead, and retries stay here. Also here:
+:class:`RetryBudget`.
 """
 
 from __future__ import annotations
@@ -60,14 +62,10 @@ class Selector:
         pools: Collection[str] | None = None,
     ) -> Target | None:
         """One target of ``role`` not in ``exclude`` and (when given) in ``pools``, or None."""
-        candidates = [t for t in targets if t.name not in exclude and (pools is None or t.pool in pools)]
+        candidates = self._eligible(targets, now, exclude, pools)
         if not candidates:
             return None
         out = self.outliers
-        if out.any_ejected:
-            healthy = [t for t in candidates if not out.is_ejected(t.name, now)]
-            if healthy:
-                candidates = healthy
         if self.policy == "round-robin":
             return self._round_robin(role, targets, candidates)
         if len(candidates) == 1:
@@ -80,6 +78,28 @@ class Selector:
             else [t.weight for t in candidates]
         )
         return self._two_choices(candidates, weights)
+
+    def _eligible(
+        self, targets: Sequence[Target], now: float, exclude: Collection[str], pools: Collection[str] | None
+    ) -> list[Target]:
+        """The targets a pick chooses among: not excluded, in ``pools``, not ejected (unless all are)."""
+        candidates = [t for t in targets if t.name not in exclude and (pools is None or t.pool in pools)]
+        out = self.outliers
+        if candidates and out.any_ejected:
+            healthy = [t for t in candidates if not out.is_ejected(t.name, now)]
+            if healthy:
+                candidates = healthy
+        return candidates
+
+    def weighed(
+        self, targets: Sequence[Target], now: float, pools: Collection[str] | None = None
+    ) -> list[tuple[Target, float]]:
+        """The targets :meth:`pick` would choose among, each with the weight it would weigh it by
+        (its routing weight times its failure factor): what the KV-aware cost model (``proxy.kvaware``)
+        is given instead of a pick."""
+        candidates = self._eligible(targets, now, (), pools)
+        penalty = self.outliers.penalties(now) if candidates else {}
+        return [(t, t.weight * penalty.get(t.name, 1.0)) for t in candidates]
 
     def _two_choices(self, candidates: list[Target], weights: list[float]) -> Target:
         """Power of two choices: two distinct draws by weight, the one with less in flight per weight."""

@@ -3,14 +3,15 @@
 They speak the same wire protocol as vLLM's NIXL pull mode (P answers with
 ``kv_transfer_params``; D insists on them) and record what they received, so tests
 can check exactly what the proxy sent. Serve them with :func:`tests.support.serving.serve`;
-the fake controller is :class:`tests.support.controllers.FakeController`.
+the fake controller is :class:`tests.support.controllers.FakeController`. :class:`FakeView` is
+a cache view (``proxy.prefixview.CacheView``) with fixed holdings, for KV-aware routing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from proxy.prefixview import Prompt
 
 
 def completion_text(body: dict[str, Any]) -> str:
@@ -35,7 +38,9 @@ class FakeVLLM:
     Streams (decode): ``stream_error`` ``"first"`` sends vLLM's in-band error event
     (``data: {"error": {...}}``, then ``[DONE]``) instead of any token, ``"mid"`` sends it after
     the first token, ``"empty"`` ends the stream before any event; ``no_done`` ends the stream
-    cleanly without ``data: [DONE]``."""
+    cleanly without ``data: [DONE]``. ``serves_plain``: a D that answers a request without
+    ``kv_transfer_params`` by computing the prompt itself, as vLLM does (the decode-only path);
+    ``cached_tokens``: reported in ``usage.prompt_tokens_details`` (vLLM's prefix-cache hits)."""
 
     name: str
     role: str
@@ -45,6 +50,8 @@ class FakeVLLM:
     hang_after_first: bool = False
     stream_error: str = ""
     no_done: bool = False
+    serves_plain: bool = False
+    cached_tokens: int | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     aborted: int = 0
     finished: int = 0
@@ -79,7 +86,8 @@ class FakeVLLM:
         if self.role == "prefill":
             return 200, self.prefill_answer(rid, body)
         ktp = body.get("kv_transfer_params")
-        if not isinstance(ktp, dict) or ktp.get("do_remote_prefill") is not True:
+        plain = self.serves_plain and ktp is None
+        if not plain and (not isinstance(ktp, dict) or ktp.get("do_remote_prefill") is not True):
             return 422, {"error": {"message": "no kv_transfer_params"}}
         if body.get("stream"):
             return 200, None
@@ -94,8 +102,13 @@ class FakeVLLM:
         return 200, {
             "id": f"cmpl-{rid}",
             "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": len(text)},
+            "usage": self._usage({"prompt_tokens": 3, "completion_tokens": len(text)}),
         }
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
     def prefill_answer(self, rid: str, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt") or json.dumps(body.get("messages"))
@@ -104,7 +117,9 @@ class FakeVLLM:
             "id": f"cmpl-{rid}-0",
             "object": "text_completion",
             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": n_tokens, "completion_tokens": 1, "total_tokens": n_tokens + 1},
+            "usage": self._usage(
+                {"prompt_tokens": n_tokens, "completion_tokens": 1, "total_tokens": n_tokens + 1}
+            ),
             "kv_transfer_params": {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -176,7 +191,9 @@ class FakeVLLM:
                 if self.chunk_delay:
                     await asyncio.sleep(self.chunk_delay)  # the behaviour under test: a slow decode
             if (body.get("stream_options") or {}).get("include_usage"):  # vLLM's usage event
-                usage = {"prompt_tokens": 3, "completion_tokens": len(text), "total_tokens": 3 + len(text)}
+                usage = self._usage(
+                    {"prompt_tokens": 3, "completion_tokens": len(text), "total_tokens": 3 + len(text)}
+                )
                 yield b"data: " + json.dumps({"id": rid, "choices": [], "usage": usage}).encode() + b"\n\n"
             if not self.no_done:
                 yield b"data: [DONE]\n\n"
@@ -192,3 +209,33 @@ REFUSALS: dict[str, tuple[int, dict[str, Any]]] = {
     "error429": (429, {"error": {"message": "too many requests", "type": "RateLimitError"}}),
     "error400": (400, {"error": {"message": "bad prompt", "type": "BadRequestError"}}),
 }
+
+
+BLOCK = 16
+
+
+class FakeView:
+    """A cache view with fixed holdings: every keyed prompt is ``tokens`` long; ``fail`` names the
+    call that raises; a prompt of ``"unkeyable"`` is not keyed."""
+
+    def __init__(self, held: Mapping[str, int], tokens: int = 1024, fail: str | None = None) -> None:
+        self.held, self.tokens, self.fail = dict(held), tokens, fail
+        self.routed_to: list[list[str]] = []
+
+    def prompt(self, endpoint: str, body: Mapping[str, Any]) -> Prompt | None:
+        if self.fail == "prompt":
+            raise RuntimeError("view bug")
+        if body.get("prompt") == "unkeyable":
+            return None
+        keys = tuple(i.to_bytes(4, "big") * 4 for i in range(self.tokens // BLOCK))
+        return Prompt(keys=keys, tokens=self.tokens, block_tokens=BLOCK)
+
+    def cached(self, prompt: Prompt, instances: Sequence[str]) -> dict[str, int]:
+        if self.fail == "cached":
+            raise RuntimeError("view bug")
+        return {name: self.held.get(name, 0) for name in instances}
+
+    def routed(self, prompt: Prompt, instances: Sequence[str], now: float) -> None:
+        if self.fail == "routed":
+            raise RuntimeError("view bug")
+        self.routed_to.append(list(instances))

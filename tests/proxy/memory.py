@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdscope.config import Settings, parse_config
 from proxy.app import Parts, build
 from proxy.flow import Flow
+from proxy.prefixview import CacheView
 from proxy.request import Gone
 from proxy.tracing import BoundedSpanProcessor, make_provider
 from proxy.upstream import ConnectFailed, UpstreamTimeout
@@ -217,12 +218,14 @@ def memory_flow(
     instances: Iterable[MemVLLM],
     spans: InMemorySpanExporter | None = None,
     bounded: bool = False,
+    cache_view: CacheView | None = None,
 ) -> MemoryProxy:
     """The proxy's flow and parts from ``settings``, with its upstream calls going to ``instances``;
     with ``spans`` every span ends up there as it ends (no tracing otherwise). ``bounded``: through
     the proxy's own provider and processor instead (``proxy.tracing``: sampling applies; spans
-    arrive on ``processor.force_flush()``; shut it down at the end)."""
-    parts = build(settings, poll=False).parts
+    arrive on ``processor.force_flush()``; shut it down at the end). ``cache_view``: KV-aware routing
+    on, asking this view (as ``build(cache_view=...)``)."""
+    parts = build(settings, poll=False, cache_view=cache_view).parts
     upstream = MemoryUpstream(instances)
     tracer: trace.Tracer = trace.NoOpTracer()
     processor: BoundedSpanProcessor | None = None
@@ -243,6 +246,7 @@ def memory_flow(
         parts.metrics,
         tracer,
         parts.clock,
+        parts.kv,
     )
     return MemoryProxy(flow, parts, upstream, processor)
 

@@ -177,3 +177,22 @@ def test_the_thread_reads_a_real_publisher() -> None:
         sub.stop()
         pub.close(0)
     assert not sub.alive
+
+
+def test_the_queue_bound_is_each_socket_s_high_water_mark() -> None:
+    sub = KvEventsSubscriber(
+        [Source("p0", "tcp://127.0.0.1:9")], PrefixIndex(BS, 10), threading.Lock(), queue_max=7
+    )
+    sockets = sub._sockets()
+    try:
+        assert [s.getsockopt(zmq.RCVHWM) for s in sockets] == [7]
+    finally:
+        for s in sockets:
+            s.close(0)
+
+
+def test_a_message_for_an_instance_not_configured_is_counted_and_dropped() -> None:
+    sub, index = make()
+    sub.receive("elsewhere", encode_message("", 0, block(0)))
+    assert sub.counts.dropped[("elsewhere", "unknown_instance")] == 1
+    assert len(index) == 0 and sub.counts.messages["elsewhere"] == 0
