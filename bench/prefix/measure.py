@@ -4,8 +4,13 @@ A :class:`Snapshot` of every P's ``vllm:prefix_cache_hits_total`` / ``queries_to
 ``vllm:request_queue_time_seconds`` histogram, and of the proxy's ``pdscope_proxy_routes_total``
 by path, is taken at the start and at the end of the measured phase; the difference is the
 phase's. The P hit rate is hits / queries summed over the P instances (tokens, as vLLM counts
-them). Queue waits over the TTFT budget are counted from the histogram, whose bucket edges include
-the budget, so the count is exact; the largest wait is known only to its bucket.
+them). With conditional disaggregation a request D serves alone never reaches a P, so the P hit
+rate covers only the requests sent through P; the fleet's **reuse** covers them all: one minus the
+prompt tokens computed anywhere (``vllm:prompt_tokens_by_source{source="local_compute"}`` on P and
+D; vLLM counts them at a request's first token) over the prompt tokens of the requests whose first
+token came in the phase. Queue waits over the TTFT budget are counted
+from the histogram, whose bucket edges include the budget, so the count is exact; the largest
+wait is known only to its bucket.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pdscope.stats import percentile
 from simulator.workload import RequestResult, summarize
 
 QUEUE = "vllm:request_queue_time_seconds"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -43,17 +49,30 @@ class PStats:
     queries: float = 0.0
     queue_buckets: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
     queue_count: float = 0.0
+    computed: float = 0.0  # prompt tokens this instance computed itself (not cached, not pulled)
 
 
 @dataclass
 class Snapshot:
     p: dict[str, PStats] = field(default_factory=dict)
+    computed: float = 0.0  # prompt tokens computed anywhere in the fleet (P and D)
     routes: dict[str, float] = field(default_factory=dict)  # path -> requests
     errors: list[str] = field(default_factory=list)
 
 
-def snapshot(prefill_urls: dict[str, str], proxy_url: str | None) -> Snapshot:
+def _computed(s: dict[str, list[tuple[dict[str, str], float]]]) -> float:
+    return sum(v for lab, v in s.get(BY_SOURCE, []) if lab.get("source") == "local_compute")
+
+
+def snapshot(
+    prefill_urls: dict[str, str], proxy_url: str | None, decode_urls: dict[str, str] | None = None
+) -> Snapshot:
     snap = Snapshot()
+    for name, url in (decode_urls or {}).items():
+        try:
+            snap.computed += _computed(scrape(url))
+        except OSError as exc:
+            snap.errors.append(f"{name}: {exc}")
     for name, url in prefill_urls.items():
         try:
             s = scrape(url)
@@ -65,6 +84,8 @@ def snapshot(prefill_urls: dict[str, str], proxy_url: str | None) -> Snapshot:
             le = float(labels.get("le", "inf"))
             st.queue_buckets[le] = st.queue_buckets.get(le, 0.0) + v
         st.queue_count = _sum(s, QUEUE + "_count")
+        st.computed = _computed(s)
+        snap.computed += st.computed
         snap.p[name] = st
     if proxy_url is not None:
         try:
@@ -78,8 +99,11 @@ def snapshot(prefill_urls: dict[str, str], proxy_url: str | None) -> Snapshot:
     return snap
 
 
-def phase(a: Snapshot, b: Snapshot, ttft_budget_s: float) -> dict[str, Any]:
-    """The measured phase's fleet figures, from snapshots at its start (``a``) and end (``b``)."""
+def phase(
+    a: Snapshot, b: Snapshot, ttft_budget_s: float, prompt_tokens: float | None = None
+) -> dict[str, Any]:
+    """The measured phase's fleet figures, from snapshots at its start (``a``) and end (``b``);
+    ``prompt_tokens``: of the phase's requests (the client's), for the fleet's reuse."""
     hits = queries = 0.0
     per_p: dict[str, Any] = {}
     for name, end in b.p.items():
@@ -99,8 +123,11 @@ def phase(a: Snapshot, b: Snapshot, ttft_budget_s: float) -> dict[str, Any]:
     routes = {k: v - a.routes.get(k, 0.0) for k, v in b.routes.items()}
     total_routes = sum(routes.values())
     decode_only = sum(v for k, v in routes.items() if "decode" in k and "prefill" not in k)
+    computed = b.computed - a.computed
     return {
         "p_hit_rate": hits / queries if queries else None,
+        "reuse": max(0.0, 1.0 - computed / prompt_tokens) if prompt_tokens else None,
+        "computed_tokens": computed,
         "p_hits_tokens": hits,
         "p_queries_tokens": queries,
         "per_p": per_p,

@@ -51,11 +51,17 @@ class Missing(RuntimeError):
     """A contender needs something this checkout does not have."""
 
 
+APPROX_CHARS_PER_TOKEN = 6.8  # the workloads' words: "w" + 0-49999 + a space
+
+
 def kv_aware(mode: str) -> dict[str, Any]:
+    """The KV-aware router's settings, told the fleet's true figures (as an operator would)."""
     return {
         "mode": mode,
         "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
         "transfer_tokens_per_s": LINK_BYTES_PER_S / KV_BYTES_PER_TOKEN,
+        "approx_capacity_tokens": KV_CAPACITY_BLOCKS * BLOCK_SIZE,
+        "approx_chars_per_token": APPROX_CHARS_PER_TOKEN,
         "decode_only": {"enabled": True},
     }
 

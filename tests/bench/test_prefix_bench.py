@@ -117,6 +117,7 @@ def test_phase_figures_are_the_differences_over_the_measured_phase() -> None:
     inf = float("inf")
     a = Snapshot(
         p={"p0": _stats(100, 1000, {1.0: 5, 1.5: 5, inf: 5}), "p1": _stats(0, 0, {1.0: 0, 1.5: 0, inf: 0})},
+        computed=5000,
         routes={"pd": 10},
     )
     b = Snapshot(
@@ -124,9 +125,11 @@ def test_phase_figures_are_the_differences_over_the_measured_phase() -> None:
             "p0": _stats(700, 2000, {1.0: 9, 1.5: 10, inf: 12}),
             "p1": _stats(300, 1000, {1.0: 4, 1.5: 4, inf: 4}),
         },
+        computed=6500,
         routes={"pd": 16, "decode_only": 2},
     )
-    got = phase(a, b, ttft_budget_s=1.5)
+    got = phase(a, b, ttft_budget_s=1.5, prompt_tokens=4000)
+    assert got["reuse"] == pytest.approx(1 - 1500 / 4000)
     assert got["p_hit_rate"] == pytest.approx(900 / 2000)
     assert got["per_p"]["p0"]["hit_rate"] == pytest.approx(0.6)
     assert got["per_p"]["p0"]["queue_over_budget"] == 2  # 7 waits, 5 of them <= 1.5 s
@@ -139,11 +142,17 @@ def test_phase_figures_are_the_differences_over_the_measured_phase() -> None:
 
 def test_a_phase_without_queries_has_no_hit_rate() -> None:
     got = phase(Snapshot(p={"p0": PStats()}), Snapshot(p={"p0": PStats()}), 1.5)
-    assert got["p_hit_rate"] is None and got["decode_only_share"] is None
+    assert got["p_hit_rate"] is None and got["decode_only_share"] is None and got["reuse"] is None
 
 
-def _cell(hit: float, goodput: float, over: float = 0) -> dict[str, object]:
-    return {"p_hit_rate": hit, "goodput_rps": goodput, "queue_over_budget": over, "errors": {}}
+def _cell(reuse: float, goodput: float, over: float = 0) -> dict[str, object]:
+    return {
+        "reuse": reuse,
+        "p_hit_rate": reuse / 2,
+        "goodput_rps": goodput,
+        "queue_over_budget": over,
+        "errors": {},
+    }
 
 
 def test_targets_pass_and_miss_against_the_same_runs_baselines() -> None:
@@ -162,16 +171,17 @@ def test_targets_pass_and_miss_against_the_same_runs_baselines() -> None:
         (t["workload"], t["contender"], t["target"].split()[0]): t["verdict"]
         for t in summarize(cells)["targets"]
     }
-    assert got[("system_prompts", "precise", "hit")] == "PASS"  # 0.85 / 0.9 = 0.94
-    assert got[("system_prompts", "approximate", "hit")] == "MISS"  # 0.78
+    assert got[("system_prompts", "precise", "reuse")] == "PASS"  # 0.85 / 0.9 = 0.94
+    assert got[("system_prompts", "approximate", "reuse")] == "MISS"  # 0.78
     assert got[("system_prompts", "precise", "goodput")] == "PASS"  # 1.4
     assert got[("system_prompts", "approximate", "goodput")] == "MISS"  # 1.25
-    assert got[("multi_turn", "precise", "hit")] == "n/a"  # its run is missing; no oracle either
+    assert got[("multi_turn", "precise", "reuse")] == "n/a"  # its run is missing; no oracle either
     assert got[("unique", "precise", "goodput")] == "MISS"  # 0.925
     assert got[("unique", "approximate", "goodput")] == "PASS"  # 0.975
     assert got[("hot_prefix", "precise", "no")] == "PASS"
     assert got[("hot_prefix", "approximate", "no")] == "MISS"
     assert cells["system_prompts"]["precise"]["goodput_x_load_only"] == pytest.approx(1.4)
+    assert cells["system_prompts"]["precise"]["hit_rate_of_oracle"] == pytest.approx(0.85 / 0.9)
     text = table({"cells": cells, "workloads": {}, "summary": summarize(cells)})
     assert "| multi_turn (-/s) | precise | proxy.kv_aware |" in text
 
@@ -206,8 +216,8 @@ def test_quick_run_measures_every_contender_this_checkout_has(tmp_path: Path) ->
         if "missing" in cell:
             continue
         assert cell["requests"] > 0 and cell["completed"] == cell["requests"], (name, cell)
-        assert cell["p_queries_tokens"] > 0 and cell["p_hit_rate"] is not None
+        assert cell["p_queries_tokens"] > 0 and cell["reuse"] is not None
     assert "load_only" in cells and "missing" not in cells["load_only"]
     if "missing" not in cells.get("oracle", {"missing": ""}):
-        assert cells["oracle"]["p_hit_rate"] > 0  # the sixteen prompts repeat even in a few seconds
+        assert cells["oracle"]["reuse"] > 0  # the sixteen prompts repeat even in a few seconds
     assert "| target |" in proc.stdout
