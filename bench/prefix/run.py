@@ -17,11 +17,12 @@ Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py`
 - ``oracle``       pdscope's KV-aware proxy whose view is the simulator's true cache (``oracle.py``).
 
 Workloads (``workloads.py``): shared system prompts (Zipf), multi-turn chats, unique prompts (the
-control), and the hot prefix (one system prompt carrying half the traffic). Load: the offered rate
-is ``--load`` (shared workloads; ``--load-unique`` for the control) times the fleet's prefill
-capacity with nothing cached (P count x prefill tokens/s / mean prompt tokens), so a fleet that
-reuses nothing is at or past its limit and one that reuses the shared prefixes has room; the
-control is below the limit, where routing should cost nothing. Each run: ``--warm`` seconds
+control), and the hot prefix (one system prompt carrying half the traffic). Load, in multiples of
+the fleet's prefill capacity with nothing cached (P count x prefill tokens/s / mean prompt tokens):
+for each shared workload, calibrated in the same run (``calibrate``: the load at which load_only's
+P pool is 95 % busy given the reuse it gets by chance, i.e. the load it can almost sustain), or
+``--load``; the control at ``--load-unique`` (0.8: below the limit, where routing should cost
+nothing). Each run: ``--warm`` seconds
 (caches fill), then ``--measure`` seconds measured: goodput (requests/s meeting TTFT and TPOT
 SLOs, ``stack.py``), TTFT p50/p99 from the client, the P prefix hit rate from the simulated P's
 own counters, decode-only share from the proxy's routes metric, and P queue waits over the TTFT
@@ -65,6 +66,8 @@ from bench.prefix.workloads import WORKLOADS, Planned, mean_prompt_tokens  # noq
 
 OUT = REPO / "bench" / "results" / "prefix.json"
 HOT_CONTENDERS = ("load_only", "approximate", "precise", "oracle")
+CALIBRATED_BUSY = 0.95  # load_only's P pool this busy, at the reuse it gets
+MAX_CALIBRATED_REUSE = 0.8  # the load stays within 4.75 x the no-cache capacity (2 CPU cores)
 CLIENT_TIMEOUT_S = 30.0
 
 
@@ -228,6 +231,29 @@ def _run_one(
     return out
 
 
+def calibrate(
+    workload: str, args: argparse.Namespace, router: RouterChoice, t0: float
+) -> tuple[float, dict[str, Any]]:
+    """The shared workloads' load: load_only's P pool 95 % busy at the reuse load_only gets.
+
+    One load_only run at ``--calibration-load`` measures its reuse ``r``; a P then prefills
+    ``1 - r`` of each prompt, so load_only's P capacity is the no-cache capacity / (1 - r), and the
+    offered load is :data:`CALIBRATED_BUSY` of that: the load load_only can almost sustain."""
+    planned, rate = plan_for(workload, args.calibration_load, args.warm + args.measure, args.seed)
+    r = run_one(workload, "load_only", planned, args.warm, args.measure, args.seed, router)
+    reuse = r.get("reuse")
+    if reuse is None:
+        raise SystemExit(f"calibration of {workload} failed: {report.progress_line('load_only', r)}")
+    reuse = min(float(reuse), MAX_CALIBRATED_REUSE)
+    load = CALIBRATED_BUSY / (1.0 - reuse)
+    print(
+        f"== {workload}: calibration: load_only at {rate:.2f}/s reused {reuse:.2f} -> load {load:.2f} "
+        f"[{time.monotonic() - t0:5.0f}s]",
+        flush=True,
+    )
+    return load, {"load": args.calibration_load, "rate_rps": round(rate, 2), "reuse": reuse, "run": r}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
@@ -235,13 +261,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--warm", type=float, default=8.0, help="seconds before the measured phase")
     ap.add_argument("--measure", type=float, default=14.0, help="seconds measured")
-    ap.add_argument("--load", type=float, default=1.25, help="shared workloads: x no-cache P capacity")
+    ap.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="shared workloads: x no-cache P capacity (default: calibrated, see calibrate())",
+    )
+    ap.add_argument("--calibration-load", type=float, default=1.25, help="load of the calibration run")
     ap.add_argument("--load-unique", type=float, default=0.8, help="the control: x no-cache P capacity")
     ap.add_argument("--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.quick:
-        args.warm, args.measure, args.load, args.load_unique = 2.0, 4.0, 0.5, 0.4
+        args.warm, args.measure, args.load_unique = 2.0, 4.0, 0.4
+        args.load = 0.5 if args.load is None else args.load
     workloads = [w for w in args.workloads.split(",") if w]
     contenders = [c for c in args.contenders.split(",") if c]
     for w in workloads:
@@ -255,16 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {}
     t0 = time.monotonic()
     for w in workloads:
-        load = args.load_unique if w == "unique" else args.load
+        cal: dict[str, Any] | None = None
+        if w == "unique":
+            load = args.load_unique
+        elif args.load is not None:
+            load = args.load
+        else:
+            load, cal = calibrate(w, args, router, t0)
         planned, rate = plan_for(w, load, args.warm + args.measure, args.seed)
         meta[w] = {
             "rate_rps": round(rate, 2),
-            "load": load,
+            "load": round(load, 3),
             "requests": len(planned),
             "mean_prompt_tokens": round(mean_prompt_tokens(planned), 1),
         }
+        if cal is not None:
+            meta[w]["calibration"] = cal
         print(
-            f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:g} x no-cache P capacity), "
+            f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:.2f} x no-cache P capacity), "
             f"mean prompt {meta[w]['mean_prompt_tokens']:.0f} tokens",
             flush=True,
         )

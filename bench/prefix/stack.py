@@ -13,7 +13,6 @@ A contender that needs a feature this checkout lacks fails before anything start
 from __future__ import annotations
 
 import inspect
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 
 from bench.goodput.stack import PDSCOPE, REPO, free_port, http_json, wait_http
+from bench.proxy.run import vllm_router_binary
 
 MODEL = "sim-llama-8b"
 P_COUNT, D_COUNT = 4, 4
@@ -150,11 +150,8 @@ class Stack:
 
             if "cache_view" not in inspect.signature(build).parameters:
                 raise Missing("oracle: proxy.app.build(..., cache_view=...) is not in this checkout")
-        if (
-            self.spec.contender == "vllm_router"
-            and shutil.which("vllm-router", path=str(Path(PDSCOPE).parent)) is None
-        ):
-            raise Missing("vllm_router: no vllm-router in this venv (pip install vllm-router, or .[bench])")
+        if self.spec.contender == "vllm_router" and vllm_router_binary() is None:
+            raise Missing("vllm_router: no vllm-router binary (a dev dependency: make venv)")
 
     # -- life -------------------------------------------------------------------------------
 
@@ -185,9 +182,8 @@ class Stack:
         return self
 
     def _start_router(self) -> None:
-        exe = str(Path(PDSCOPE).with_name("vllm-router"))
         cmd = [
-            exe,
+            str(vllm_router_binary()),
             "--host",
             "127.0.0.1",
             "--port",

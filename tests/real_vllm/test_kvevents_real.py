@@ -4,8 +4,8 @@ The module starts its own pair (the session's shared one publishes no events) wi
 ``--kv-events-config`` (ZMQ PUB on an ``ipc://`` endpoint each instance binds, a replay ROUTER on
 a loopback port) and ``--enable-prompt-tokens-details``, and subscribes to both instances with
 :class:`proxy.kvsubscriber.KvEventsSubscriber` into one :class:`proxy.kvindex.PrefixIndex`.
-Prompt token ids come from vLLM's own ``POST /tokenize``, so the checks do not depend on
-pdscope's tokenizers. What it shows:
+Prompt token ids come from vLLM's own ``POST /tokenize``, so only the tokenizer's own check
+depends on pdscope's tokenizer. What it shows:
 
 - real ``BlockStored`` events decode (``pdscope.kvevents.decode_message``): 128-token blocks
   carrying the prompt's token ids, nothing dropped or skipped;
@@ -13,6 +13,8 @@ pdscope's tokenizers. What it shows:
   (``usage.prompt_tokens_details.cached_tokens`` and the rise of ``vllm:prefix_cache_hits_total``),
   and D, after pulling the prompt over NIXL, holds the same blocks (it caches them through the
   same path and publishes them);
+- pdscope's own tokenizer (``proxy.tokenize``, ``model.tokenizer`` = the model directory) gives
+  vLLM's ids for a completion and a chat, and the chat's blocks match P's events under them;
 - recovery after the subscriber stops: a subscriber that resumes with the old one's sequence
   state sees the gap and gets the missed messages from vLLM's replay socket; a fresh one (a
   restarted proxy) sees no gap, so it does not know the missed prompt's blocks; P reusing them
@@ -235,6 +237,30 @@ def test_repeated_prompt_predicted_with_the_tokens_vllm_reuses(
     assert predicted[kv_pair.p] == reported == hits == 2 * BLOCK_SIZE, (predicted, reported, hits)
     # D pulled the prompt over NIXL and cached what it received: the same blocks.
     assert predicted[kv_pair.d] == 2 * BLOCK_SIZE
+
+
+def test_pdscope_tokenizer_keys_prompts_as_vllm_caches_them(
+    kv_pair: KvPair, index: PrefixIndex, subscriber: RecordingSubscriber
+) -> None:
+    """``model.tokenizer`` pointed at the model's directory gives vLLM's own ids, for a completion and
+    for a chat (its template rendered by pdscope), so the precise view's keys are the events' keys."""
+    from proxy.tokenize import load_tokenizer
+
+    tok = load_tokenizer(str(kv_pair.pair.env_dir / "tiny-llama"))
+    completion, completion_ids = prompt_with_full_blocks(kv_pair, 2, "tok")
+    assert tok.ids("/v1/completions", completion) == completion_ids
+    chat = pc.request_body("chat", completion["prompt"], MAX_TOKENS)
+    chat_ids = kv_pair.tokenize(chat)
+    assert tok.ids("/v1/chat/completions", chat) == chat_ids
+    assert len(chat_ids) >= 2 * BLOCK_SIZE
+    first, _ = pc.two_step(kv_pair.client, kv_pair.pair.prefill.url, kv_pair.pair.decode.url, "chat", chat)
+    assert first.body["usage"]["prompt_tokens"] == len(chat_ids)
+    wait_until(
+        "P's events to hold the chat's blocks under the keys of pdscope's ids",
+        lambda: kv_pair.match(index, chat_ids)[kv_pair.p],
+        done=lambda n: n == (len(chat_ids) // BLOCK_SIZE) * BLOCK_SIZE,
+        timeout_s=EVENT_WAIT_S,
+    )
 
 
 def test_recovery_after_the_subscriber_restarts(
