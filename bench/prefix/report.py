@@ -156,6 +156,7 @@ def table(result: dict[str, Any]) -> str:
         offered = result["workloads"].get(w, {}).get("rate_rps")
         for c, r in row.items():
             name = c + (f" ({r['router_policy']})" if "router_policy" in r else "")
+            name += " !" if r.get("sim_trustworthy") is False else ""
             if not _ok(r):
                 why = r.get("missing") or r.get("error") or "?"
                 lines.append(f"| {w} ({_f(offered)}/s) | {name} | {why} |  |  |  |  |  |  |  |  |  |")
@@ -169,6 +170,11 @@ def table(result: dict[str, Any]) -> str:
                 f"| {_f(r.get('decode_only_share'), '{:.0%}')} | {_f(r.get('queue_over_budget'), '{:.0f}')} "
                 f"| {errors} |"
             )
+    if any(r.get("sim_trustworthy") is False for row in result["cells"].values() for r in row.values()):
+        lines += [
+            "",
+            "`!`: the simulator's event loop lagged past its threshold in that run (timings stretched).",
+        ]
     lines += ["", "| target | workload | contender | value | verdict |", "|---|---|---|---|---|"]
     for t in result.get("summary", {}).get("targets", []):
         lines.append(
