@@ -372,8 +372,9 @@ def _ints(a: np.ndarray) -> list[int | None]:
 
 
 def _route_paths(c: dict[str, np.ndarray], sl: slice) -> np.ndarray:
-    routed = ~c["rejected"][sl]
-    return np.where(routed, np.where(c["decode_only"][sl], "decode_only", "pd"), None).astype(object)
+    paths = np.where(c["decode_only"][sl], "decode_only", "pd").astype(object)
+    paths[c["rejected"][sl]] = None
+    return paths
 
 
 def _prefix_keys(c: dict[str, np.ndarray], sl: slice, seed: int) -> list[str | None]:
