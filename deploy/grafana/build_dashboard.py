@@ -605,7 +605,6 @@ def build() -> dict[str, Any]:
     }
 
 
-
 def _prefix_cache(g: _Layout) -> None:
     """vLLM's own prefix-cache hit rates, the proxy's KV-aware routes and predictions (proxy.kv_aware),
     and the health of its KV events streams and indexes (series per vLLM instance, no pool label)."""
@@ -618,7 +617,8 @@ def _prefix_cache(g: _Layout) -> None:
         "Prefix cache hit rate (vLLM)",
         [
             (
-                f"sum by (instance) (rate({hits}{{{PI}}}[5m])) / sum by (instance) (rate({queries}{{{PI}}}[5m]))",
+                f"sum by (instance) (rate({hits}{{{PI}}}[5m]))"
+                f" / sum by (instance) (rate({queries}{{{PI}}}[5m]))",
                 "{{instance}}",
             ),
             (
@@ -714,6 +714,7 @@ def _prefix_cache(g: _Layout) -> None:
         unit="ops",
         width=8,
     )
+
 
 def render() -> str:
     return json.dumps(build(), indent=2, sort_keys=False) + "\n"

@@ -220,7 +220,9 @@ def test_the_seeded_prefix_cache_counters_add_up_the_seeded_records(seeded_url: 
                 {"last": last},
             ).one()
             paths = dict(
-                conn.execute(text("SELECT route_path, count(*) FROM request_records GROUP BY route_path")).all()
+                conn.execute(
+                    text("SELECT route_path, count(*) FROM request_records GROUP BY route_path")
+                ).all()
             )
             stray = conn.execute(
                 text(
