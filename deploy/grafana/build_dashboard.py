@@ -675,7 +675,8 @@ def _prefix_cache(g: _Layout) -> None:
         width=8,
         thresholds=[("green", None), ("red", 120)],
         description="Seconds since the proxy's last KV events message from the instance (the oldest over "
-        "the proxies). Over 120 s while the instance serves: KVEventsStreamStale.",
+        "the proxies; -1: none since the proxy started). Over 120 s, or -1, while the instance serves: "
+        "KVEventsStreamStale.",
     )
     g.panel(
         "KV index stale",
