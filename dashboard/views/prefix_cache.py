@@ -5,7 +5,8 @@ share of requests served by D alone (``decode_only``).
 
 The hit rates read the snapshots; the rest reads a bounded sample of the window's request records
 (every k-th by id, as the other pages do), scaled back up by k. Records carry routing figures only
-from a proxy with ``proxy.kv_aware``; without any the page says so.
+from a proxy with ``proxy.kv_aware`` (without it a record has its route path but no predictions); without
+any the page says so.
 """
 
 from __future__ import annotations
@@ -150,12 +151,15 @@ def render() -> None:
     width = window.bucket_s(60)
     sample, step = data.prefix_sample(url, window.start, window.end)
     routed = sample[sample["route_path"].notna()] if not sample.empty else sample
+    predicted = ["p_predicted_cached_tokens", "d_predicted_cached_tokens"]
+    with_view = not routed.empty and bool(routed[predicted].notna().any(axis=None))
     metrics = st.container()
     window_rates = _hit_rates(window.start, window.end, width)
-    if routed.empty:
+    if not with_view:
         st.info(
-            "No request in the window carries KV-aware routing figures: the proxy routes with "
-            "`proxy.kv_aware` off, or no request arrived. vLLM's own hit rates are above.",
+            "No request in the window was routed with a cache view (the router's predicted cached "
+            "tokens): the proxy runs with `proxy.kv_aware` off, or no request arrived. vLLM's own "
+            "hit rates are above.",
             icon=":material/info:",
         )
         compared = pd.DataFrame(columns=["instance", "role", "predicted", "reported"])

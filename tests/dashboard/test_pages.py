@@ -187,12 +187,21 @@ def test_prefix_cache_page_without_kv_aware_routing_shows_vllms_rates_only(
     s = make_seeded(tmp_path, duration_s=600.0, rate_per_s=1.0)
     engine = make_engine(s.url)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE request_records SET route_path = NULL, prefix_key = NULL"))
+        # as a proxy without proxy.kv_aware writes them: a route path, reported cached tokens, no view
+        conn.execute(
+            text(
+                "UPDATE request_records"
+                " SET route_path = CASE WHEN route_path IS NULL THEN NULL ELSE 'pd' END,"
+                " p_predicted_cached_tokens = NULL, d_predicted_cached_tokens = NULL, prefix_key = NULL,"
+                " prefix_tokens = NULL"
+            )
+        )
     engine.dispose()
     at = open_page(s.config, "prefix_cache", monkeypatch)
     assert "proxy.kv_aware" in texts(at)
     figures = {m.label: m.value for m in at.metric}
-    assert figures["served without P"] == "—" and figures["P hit rate (vLLM)"] != "—"
+    assert figures["P reported / predicted"] == "—" and figures["P hit rate (vLLM)"] != "—"
+    assert figures["served without P"] == "0%"  # every routed request went P then D
     assert not at.dataframe and charts(at) == 2
 
 
