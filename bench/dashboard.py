@@ -46,7 +46,7 @@ logging.getLogger("streamlit.runtime.caching.cache_data_api").setLevel(logging.E
 import streamlit as st  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
-from dashboard import data, summaries  # noqa: E402
+from dashboard import data, prefix, summaries  # noqa: E402
 from dashboard.context import engine_for  # noqa: E402
 from dashboard.queries.common import Window  # noqa: E402
 from dashboard.seed import SeedSpec, bulk_seed_postgres, seed_store  # noqa: E402
@@ -59,7 +59,7 @@ SEED_NICE = 10
 # The pages pass the config's SLOs (verdicts recomputed under them); the defaults here.
 SLO = SLOSettings()
 # Bumped when the seed's content changes, so an older seeded PostgreSQL database is reseeded.
-SEED_FORMAT = 1
+SEED_FORMAT = 2  # 2: the KV-aware routing columns (migration 0009) and vLLM's prefix-cache counters
 TARGET_S = 1.0
 
 
@@ -102,6 +102,18 @@ def _slos(url: str, w: Window) -> None:
     data.recent_alerts(url, w.start, w.end)
 
 
+def _prefix(url: str, w: Window) -> None:
+    series = data.prefix_series(url, w.start, w.end)
+    rates = prefix.window_hit_rates(series)
+    prefix.hit_rates(series, w.start, w.bucket_s(60))
+    sample, step = data.prefix_sample(url, w.start, w.end)
+    routed = sample[sample["route_path"].notna()]
+    compared = prefix.predicted_vs_reported(routed, step)
+    prefix.hot_prefixes(routed, step)
+    prefix.decode_only_share(routed, w.start, w.bucket_s(60))
+    prefix.headline(rates, compared, routed)
+
+
 def _controller(url: str, w: Window) -> None:
     data.latest_mode(url)
     data.decisions(url, w.start, w.end)
@@ -121,6 +133,7 @@ PAGES: dict[str, Callable[[str, Window], None]] = {
     "fleet": _fleet,
     "requests": _requests,
     "kv_transfer": _kv,
+    "prefix_cache": _prefix,
     "slos": _slos,
     "controller": _controller,
     "capacity": _capacity,

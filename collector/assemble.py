@@ -27,12 +27,21 @@ Every value is coerced to its column's type: a number must be finite (NaN, ±Inf
 ``"inf"`` and ``"nan"`` count as absent), an integer must fit its column (32 or 64 bits),
 a string column takes a string (or a number, spelled out) cut to the column's length,
 anything else (a map, a list) counts as absent. A malformed attribute costs only itself.
+
+The KV-aware routing attributes of the root (``routing``) are checked against what they mean,
+not only their column's type: token counts are integers in [0, 10**9], the prefix key is 1 to
+16 hex digits (stored in lower case), the route path one of ``semconv.ROUTE_PATHS``. One that is
+present but fails its check is left out and named in the record's ``dropped`` notes, which the
+sink counts. A decode-only request (``route_path`` "decode_only") has no prefill span and no P
+instance: its record has no ``p_*`` stage, as a record from the root alone.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from collector.otlp import SpanData
@@ -77,6 +86,80 @@ def _str(value: Any, length: int) -> str | None:
     return None
 
 
+MAX_TOKENS = 10**9  # a token count above this is not one (no prompt is that long)
+_HEX_KEY = re.compile(r"[0-9a-fA-F]{1,16}")
+_TOKEN_KEYS = (
+    sc.P_PREDICTED_CACHED,
+    sc.D_PREDICTED_CACHED,
+    sc.P_CACHED_TOKENS,
+    sc.D_CACHED_TOKENS,
+    sc.PREFIX_TOKENS,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """The root's KV-aware routing attributes, each checked (None: absent or invalid)."""
+
+    route_path: str | None = None
+    p_predicted_cached_tokens: int | None = None
+    d_predicted_cached_tokens: int | None = None
+    p_cached_tokens: int | None = None
+    d_cached_tokens: int | None = None
+    prefix_tokens: int | None = None
+    prefix_key: str | None = None
+    dropped: tuple[str, ...] = ()  # the keys present but invalid, in semconv order
+
+
+def _token_count(value: Any) -> int | None:
+    """An integral token count in [0, MAX_TOKENS] (an int, or a float or string that is one), or None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float | str):
+        try:
+            f = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not math.isfinite(f) or f != int(f):
+            return None
+        n = int(f)
+    else:
+        return None
+    return n if 0 <= n <= MAX_TOKENS else None
+
+
+def routing(attrs: dict[str, Any]) -> Routing:
+    """The KV-aware routing fields of a root span's attributes, and the keys that were invalid."""
+    dropped: list[str] = []
+    path = attrs.get(sc.ROUTE_PATH)
+    if path is not None and path not in sc.ROUTE_PATHS:
+        dropped.append(sc.ROUTE_PATH)
+        path = None
+    tokens: dict[str, int | None] = {}
+    for key in _TOKEN_KEYS:
+        raw = attrs.get(key)
+        n = _token_count(raw) if raw is not None else None
+        if raw is not None and n is None:
+            dropped.append(key)
+        tokens[key] = n
+    key_raw = attrs.get(sc.PREFIX_KEY)
+    prefix_key = key_raw.lower() if isinstance(key_raw, str) and _HEX_KEY.fullmatch(key_raw) else None
+    if key_raw is not None and prefix_key is None:
+        dropped.append(sc.PREFIX_KEY)
+    return Routing(
+        route_path=path if isinstance(path, str) else None,
+        p_predicted_cached_tokens=tokens[sc.P_PREDICTED_CACHED],
+        d_predicted_cached_tokens=tokens[sc.D_PREDICTED_CACHED],
+        p_cached_tokens=tokens[sc.P_CACHED_TOKENS],
+        d_cached_tokens=tokens[sc.D_CACHED_TOKENS],
+        prefix_tokens=tokens[sc.PREFIX_TOKENS],
+        prefix_key=prefix_key,
+        dropped=tuple(dropped),
+    )
+
+
 def _unix_ns(attrs: dict[str, Any], key: str) -> float | None:
     """A stage timestamp the root carries (Unix ns) in Unix seconds, as a span's would be; or None."""
     n = _int(attrs, key, _INT64)
@@ -105,12 +188,15 @@ def _split_vllm(
     decode_ids: set[str],
     p_instance: str | None,
     d_instance: str | None,
+    decode_only: bool = False,
 ) -> tuple[SpanData | None, SpanData | None]:
     p_spans: list[SpanData] = []
     d_spans: list[SpanData] = []
     rest: list[SpanData] = []
     for s in vllm:
-        if s.parent_span_id in prefill_ids:
+        if decode_only:  # no P was asked: every vLLM span is D's (even one with max_tokens 1)
+            d_spans.append(s)
+        elif s.parent_span_id in prefill_ids:
             p_spans.append(s)
         elif s.parent_span_id in decode_ids:
             d_spans.append(s)
@@ -155,6 +241,7 @@ class _Trace:
             {s.span_id for s in decodes},
             self.p_instance,
             self.d_instance,
+            decode_only=ra.get(sc.ROUTE_PATH) == sc.ROUTE_DECODE_ONLY,
         )
 
 
@@ -228,6 +315,7 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
     verdict = slo_verdict(outcome, ttft_s, tpot_s, slo)
 
     stream = ra.get(sc.STREAM)
+    route = routing(ra)
     return AssembledRecord(
         request_id=request_id[:128],
         trace_id=root.trace_id,
@@ -251,6 +339,13 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
             if sc.KV_BYTES in ra
             else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)
         ),
+        route_path=route.route_path,
+        p_predicted_cached_tokens=route.p_predicted_cached_tokens,
+        d_predicted_cached_tokens=route.d_predicted_cached_tokens,
+        p_cached_tokens=route.p_cached_tokens,
+        d_cached_tokens=route.d_cached_tokens,
+        prefix_key=route.prefix_key,
+        prefix_tokens=route.prefix_tokens,
         proxy_in=proxy_in,
         p_sent=p_sent,
         p_done=p_done,
@@ -274,6 +369,7 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
             d_vllm=_vllm_side(d_llm, with_ttft=True),
             reject_reason=_str(ra.get(sc.REJECT_REASON), 256),
             remote_engine_id=_str(ra.get(sc.REMOTE_ENGINE_ID), 256),
+            dropped=route.dropped,
         ),
         sender=root.sender,
     )

@@ -178,6 +178,8 @@ class SpanBatcher:
         self.metrics.records.inc(result.records)
         if result.assemble_errors:
             self.metrics.records_failed.labels("assemble_error").inc(result.assemble_errors)
+        for key, n in result.attributes_dropped:
+            self.metrics.record_attributes_dropped.labels(key).inc(n)
         if result.failed:
             self.metrics.spans_dropped.labels("store_error").inc(result.failed)
             self.metrics.store_errors.labels("spans").inc()

@@ -51,6 +51,9 @@ class AssemblyNotes:
     d_vllm: VllmSide | None = None
     reject_reason: str | None = None
     remote_engine_id: str | None = None
+    # root attributes that were present but not valid (out of range, not hex, an unknown route
+    # path), left out of the record; the sink counts them (pdscope_collector_record_attributes_dropped)
+    dropped: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The keys as stored: a vLLM side's keys only with its span, a reason only when given."""
@@ -64,11 +67,21 @@ class AssemblyNotes:
             out["reject_reason"] = self.reject_reason
         if self.remote_engine_id:
             out["remote_engine_id"] = self.remote_engine_id
+        if self.dropped:
+            out["dropped_attributes"] = list(self.dropped)
         return out
 
 
 ASSEMBLY_KEYS: Final = frozenset(
-    {"spans", "p_vllm_request_id", "d_vllm_request_id", "d_ttft_s", "reject_reason", "remote_engine_id"}
+    {
+        "spans",
+        "p_vllm_request_id",
+        "d_vllm_request_id",
+        "d_ttft_s",
+        "reject_reason",
+        "remote_engine_id",
+        "dropped_attributes",
+    }
 )
 
 
@@ -92,6 +105,14 @@ class AssembledRecord:
     completion_tokens: int | None
     kv_blocks: int | None
     kv_bytes: int | None
+    # KV-aware routing, from the root (see collector.assemble.routing)
+    route_path: str | None
+    p_predicted_cached_tokens: int | None
+    d_predicted_cached_tokens: int | None
+    p_cached_tokens: int | None
+    d_cached_tokens: int | None
+    prefix_key: str | None
+    prefix_tokens: int | None
     # stage timestamps, Unix seconds
     proxy_in: float
     p_sent: float | None

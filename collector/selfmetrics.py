@@ -85,6 +85,12 @@ class CollectorMetrics:
             ["reason"],
             registry=r,
         )
+        self.record_attributes_dropped = Counter(
+            "pdscope_collector_record_attributes_dropped",
+            "Root span attributes left out of request records as invalid (out of range, not hex, unknown)",
+            ["attribute"],
+            registry=r,
+        )
         self.task_errors = Counter(
             "pdscope_collector_task_errors",
             "Failed turns of a background task (caught; the task goes on)",

@@ -53,6 +53,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -131,6 +132,8 @@ class WriteResult:
     records: int = 0
     error: str | None = None
     assemble_errors: int = 0
+    # root attributes left out of records as invalid, by key: counted once, when the root is written
+    attributes_dropped: tuple[tuple[str, int], ...] = ()
 
 
 class Sink(Protocol):
@@ -254,8 +257,13 @@ class StoreSink:
             self._lock(session, {s.trace_id for s in batch})
             stored = self._stored_spans(session, self._may_have_stored(batch))
             insert_rows(session, _SPANS, [span_row(s, now) for s in batch])
-            records, errors = self._assemble(session, batch, stored)
-        return WriteResult(len(batch), records=records, assemble_errors=errors)
+            records, errors, dropped = self._assemble(session, batch, stored)
+        return WriteResult(
+            len(batch),
+            records=records,
+            assemble_errors=errors,
+            attributes_dropped=tuple(sorted(dropped.items())),
+        )
 
     def _lock(self, session: Session, traces: set[str]) -> None:
         lock_traces(session, traces, idle_s=self.lock_idle_s)
@@ -266,6 +274,7 @@ class StoreSink:
         for s in batch:
             traces.setdefault(s.trace_id, []).append(s)
         written = failed = records = errors = 0
+        dropped: Counter[str] = Counter()
         last_error: str | None = None
         for spans in traces.values():
             try:
@@ -281,6 +290,7 @@ class StoreSink:
             written += r.written
             records += r.records
             errors += r.assemble_errors
+            dropped.update(dict(r.attributes_dropped))
         if failed:
             log.warning(
                 "%d of %d spans refused by the store (one trace at a time): %s",
@@ -288,7 +298,14 @@ class StoreSink:
                 len(batch),
                 last_error,
             )
-        return WriteResult(written, failed=failed, records=records, error=last_error, assemble_errors=errors)
+        return WriteResult(
+            written,
+            failed=failed,
+            records=records,
+            error=last_error,
+            assemble_errors=errors,
+            attributes_dropped=tuple(sorted(dropped.items())),
+        )
 
     def _remember(self, batch: Sequence[SpanData]) -> None:
         if self.shared:  # not used: every batch reads the stored spans of all its traces
@@ -325,8 +342,10 @@ class StoreSink:
 
     def _assemble(
         self, session: Session, batch: Sequence[SpanData], stored: dict[str, list[SpanData]]
-    ) -> tuple[int, int]:
-        """(records created or updated, traces whose record could not be assembled)."""
+    ) -> tuple[int, int, Counter[str]]:
+        """(records created or updated, traces whose record could not be assembled, the invalid root
+        attributes of the records whose root is in ``batch``: a root is written once, re-assembly
+        with later spans does not count them again)."""
         spans: dict[str, dict[str, SpanData]] = {}  # trace -> span id -> span (a resent span once)
         for trace, old in stored.items():
             spans[trace] = {s.span_id: s for s in old}
@@ -346,8 +365,13 @@ class StoreSink:
                 continue
             if a is not None:
                 assembled.append(a)
+        new_roots = {s.trace_id for s in batch if s.name == sc.SPAN_REQUEST}
+        dropped: Counter[str] = Counter()
+        for a in assembled:
+            if a.trace_id in new_roots:
+                dropped.update(a.attributes.dropped)
         if not assembled:
-            return 0, errors
+            return 0, errors, dropped
         existing = self._records_of(session, sorted({a.trace_id for a in assembled if a.trace_id in stored}))
         new_rows: dict[str, dict[str, Any]] = {}
         for a in assembled:
@@ -360,7 +384,7 @@ class StoreSink:
             # ON CONFLICT DO NOTHING: a reused X-Request-Id keeps its first record. In request id
             # order, so two transactions inserting the same ids wait for each other in one order.
             insert_rows(session, _RECORDS, [new_rows[k] for k in sorted(new_rows)], ignore_conflicts=True)
-        return len(assembled), errors
+        return len(assembled), errors, dropped
 
     def _records_of(self, session: Session, traces: Sequence[str]) -> dict[str, RequestRecord]:
         """The stored records of ``traces`` (only traces with spans stored before can have one),

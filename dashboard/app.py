@@ -43,6 +43,9 @@ nav = st.navigation(
             st.Page(
                 VIEWS / "kv_transfer.py", title="KV transfer", icon=":material/swap_horiz:", url_path="kv"
             ),
+            st.Page(
+                VIEWS / "prefix_cache.py", title="Prefix cache", icon=":material/cached:", url_path="prefix"
+            ),
         ],
         "Steer": [
             st.Page(

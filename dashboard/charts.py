@@ -168,3 +168,22 @@ def histogram(values: pd.DataFrame, column: str, title: str, maxbins: int = 40) 
         )
         .properties(height=200)
     )
+
+
+def paired_bars(
+    df: pd.DataFrame, category: str, value: str, series: str, title: str, x_title: str
+) -> ChartLike:
+    """Horizontal bars of ``value`` per ``category``, one bar per ``series`` side by side
+    (e.g. predicted and reported cached tokens per instance)."""
+    return _chart(
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y(f"{category}:N", title=None, axis=alt.Axis(labelLimit=200)),
+            yOffset=alt.YOffset(f"{series}:N"),
+            x=alt.X(f"{value}:Q", title=x_title, axis=alt.Axis(format="~s")),
+            color=alt.Color(f"{series}:N", title=None, scale=alt.Scale(range=["#4c78a8", "#f58518"])),
+            tooltip=[f"{category}:N", f"{series}:N", alt.Tooltip(f"{value}:Q", format=",.0f")],
+        )
+        .properties(title=title, height=alt.Step(14))
+    )

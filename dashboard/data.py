@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import summaries
+from dashboard import prefix, summaries
 from dashboard.api import ControllerClient, ControllerError
 from dashboard.context import engine_for
 from dashboard.queries import common, control, fleet, records
@@ -106,6 +106,20 @@ def request_sample(
     url: str, start: float, end: float, max_rows: int = 20_000, slo: SLOSettings | None = None
 ) -> tuple[pd.DataFrame, int]:
     return records.sample(engine_for(url), common.Window(start, end), max_rows, slo)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def prefix_sample(url: str, start: float, end: float, max_rows: int = 20_000) -> tuple[pd.DataFrame, int]:
+    """The window's records as the Prefix cache page reads them (every k-th by id; k returned)."""
+    return records.sample(
+        engine_for(url), common.Window(start, end), max_rows, columns=records.PREFIX_COLUMNS
+    )
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def prefix_series(url: str, start: float, end: float) -> pd.DataFrame:
+    """The snapshots' prefix-cache counters in the window (thinned like ``snapshot_series``)."""
+    return fleet.snapshot_series(engine_for(url), common.Window(start, end), prefix.SERIES_COLUMNS)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)

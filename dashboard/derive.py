@@ -85,7 +85,47 @@ class Stage:
         return self.end_ms - self.start_ms
 
 
-STAGE_ORDER = ("proxy", "P queue", "P prefill", "handoff (D queue incl. KV pull)", "first token", "decode")
+D_ALONE = "D queue and prefill (decode only)"
+STAGE_ORDER = (
+    "proxy",
+    "P queue",
+    "P prefill",
+    "handoff (D queue incl. KV pull)",
+    D_ALONE,
+    "first token",
+    "decode",
+)
+
+
+def _cached(rec: Mapping[str, Any], side: str) -> str:
+    """ "; 512 of 900 prompt tokens cached (predicted 528)" for P or D, or "" without figures."""
+    reported, predicted = rec.get(f"{side}_cached_tokens"), rec.get(f"{side}_predicted_cached_tokens")
+    if reported is None and predicted is None:
+        return ""
+    prompt = rec.get("prompt_tokens")
+    of = f" of {prompt}" if prompt is not None else ""
+    said = f"{reported}{of} prompt tokens cached" if reported is not None else "cached tokens not reported"
+    return f"; {said} (predicted {predicted if predicted is not None else '—'})"
+
+
+def cache_summary(rec: Mapping[str, Any]) -> str | None:
+    """One line on a record's KV-aware routing: path, cached tokens on P and D (reported, then the
+    router's prediction) and the matched prefix; None for a record without any of it."""
+    path = rec.get("route_path")
+    parts: list[str] = []
+    if path is not None:
+        parts.append("route **decode only** (no P)" if path == "decode_only" else f"route **{path}**")
+    for side, name in (("p", "P"), ("d", "D")):
+        reported, predicted = rec.get(f"{side}_cached_tokens"), rec.get(f"{side}_predicted_cached_tokens")
+        if reported is not None or predicted is not None:
+            parts.append(
+                f"{name} cached **{'—' if reported is None else reported}** "
+                f"(predicted {'—' if predicted is None else predicted})"
+            )
+    if rec.get("prefix_key") is not None:
+        tokens = rec.get("prefix_tokens")
+        parts.append(f"prefix `{rec['prefix_key']}`" + (f" ({tokens} tokens)" if tokens is not None else ""))
+    return " · ".join(parts) if parts else None
 
 
 def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
@@ -93,7 +133,10 @@ def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
 
     proxy = proxy_in→p_sent; P queue and P prefill split p_sent→p_done using vLLM's own
     ``p_queue_s`` (the rest is prefill) when known; handoff = p_done→first_token (D's queue
-    and the NIXL pull); first token is a marker; decode = first_token→done.
+    and the NIXL pull); first token is a marker; decode = first_token→done. A decode-only request
+    (``route_path`` "decode_only": no P) has proxy = proxy_in→d_sent, then D's queue and prefill to
+    the first token. P's and D's notes say the cached prompt tokens they reported and the router's
+    prediction, when the record has them.
     """
     t0 = rec.get("proxy_in")
     if t0 is None:
@@ -105,22 +148,35 @@ def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
     p_sent, p_done = ms(rec.get("p_sent")), ms(rec.get("p_done"))
     d_sent, first, done = ms(rec.get("d_sent")), ms(rec.get("first_token")), ms(rec.get("done"))
     stages: list[Stage] = []
-    if p_sent is not None:
+    if rec.get("route_path") == "decode_only":  # no P: D computed the uncached part itself
+        if d_sent is not None:
+            stages.append(Stage("proxy", 0.0, d_sent, "admission and routing (to D alone)"))
+            if first is not None:
+                stages.append(Stage(D_ALONE, d_sent, first, "D's queue and its prefill" + _cached(rec, "d")))
+    elif p_sent is not None:
         stages.append(Stage("proxy", 0.0, p_sent, "admission and routing"))
     if p_sent is not None and p_done is not None:
         queue = rec.get("p_queue_s")
         if queue is not None and 0 <= queue * 1000.0 <= p_done - p_sent:
             split = p_sent + float(queue) * 1000.0
             stages.append(Stage("P queue", p_sent, split, "vLLM time_in_queue on P"))
-            stages.append(Stage("P prefill", split, p_done, "prefill and response to the proxy"))
+            stages.append(
+                Stage("P prefill", split, p_done, "prefill and response to the proxy" + _cached(rec, "p"))
+            )
         else:
-            stages.append(Stage("P prefill", p_sent, p_done, "queue and prefill (no split recorded)"))
+            stages.append(
+                Stage(
+                    "P prefill", p_sent, p_done, "queue and prefill (no split recorded)" + _cached(rec, "p")
+                )
+            )
     handoff_start = p_done if p_done is not None else d_sent
-    if handoff_start is not None and first is not None:
+    if rec.get("route_path") != "decode_only" and handoff_start is not None and first is not None:
         note = "D queue incl. NIXL KV pull"
         if d_sent is not None and p_done is not None:
             note += f"; sent to D after {d_sent - p_done:.1f} ms"
-        stages.append(Stage("handoff (D queue incl. KV pull)", handoff_start, first, note))
+        stages.append(
+            Stage("handoff (D queue incl. KV pull)", handoff_start, first, note + _cached(rec, "d"))
+        )
     if first is not None:
         stages.append(Stage("first token", first, first, "TTFT"))
     if first is not None and done is not None:

@@ -3,7 +3,11 @@ dashboard benchmark. Never imported by the dashboard app (which only reads).
 
 One decode instance's NIXL link degrades part-way through: its KV pulls slow down,
 handoff and TTFT grow, some leases expire on P, the controller steps its weight down
-and alerts fire. Everything else is steady Poisson-ish traffic. Numbers are
+and alerts fire. Everything else is steady Poisson-ish traffic. Requests share 16 system
+prompts (Zipf-weighted, each with a home prefill instance the KV-aware router prefers); prompts
+whose uncached part is short on a D holding their prefix go to D alone (``decode_only``); and
+prefill-1's cache is cleared for two minutes late in the window, so vLLM reports far fewer cached
+tokens than the router predicted there. Numbers are
 self-consistent: snapshot counters and histograms are accumulated from the same
 generated requests, so the pages' totals agree with each other.
 
@@ -101,6 +105,11 @@ class SeedSpec:
     tpot_target_s: float = 0.1
     seed: int = 7
     chunk: int = 20_000
+    shared_prefixes: int = 16
+    keyed_share: float = 0.65  # requests whose prompt starts with one of the shared prefixes
+    cache_clear: str | None = "prefill-1"  # its cache is emptied at cache_clear_at for cache_clear_s
+    cache_clear_at: float = 0.75
+    cache_clear_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,64 @@ class _Requests:
     n: int
 
 
+BLOCK = 16  # tokens per KV block
+
+
+def prefix_key(k: int, seed: int) -> str:
+    """The chain key (16 hex digits) of the ``k``-th shared prefix's deepest block."""
+    return f"{(k * 0x9E3779B97F4A7C15 + seed * 0xBF58476D1CE4E5B9 + 1) % 2**64:016x}"
+
+
+def _kv_routing(
+    spec: SeedSpec, prompt: np.ndarray, p_idx: np.ndarray, proxy_in: np.ndarray, degraded_now: np.ndarray
+) -> dict[str, np.ndarray]:
+    """What KV-aware routing predicted and vLLM reported, per request (-1: none). Its own generator,
+    so the rest of the history is the one it was before these columns existed."""
+    rng = np.random.default_rng(spec.seed + 101)
+    n, n_p, k_max = len(prompt), max(len(spec.prefill), 1), max(spec.shared_prefixes, 1)
+    lengths = BLOCK * rng.integers(16, 97, k_max)  # 256 .. 1536 tokens
+    zipf = 1.0 / np.arange(1, k_max + 1) ** 1.1
+    k = rng.choice(k_max, n, p=zipf / zipf.sum())
+    # most keyed requests are on the prefix's home P (k % n_p); the rest spilled to another P
+    home = rng.random(n) < 0.85
+    k_home = (k // n_p) * n_p + p_idx
+    k_home = np.where(k_home >= k_max, k_home - n_p, k_home)
+    k = np.where(home & (k_home >= 0), k_home, k)
+    tokens = np.minimum(lengths[k], BLOCK * np.floor(0.85 * prompt / BLOCK).astype(np.int64))
+    keyed = (rng.random(n) < spec.keyed_share) & (tokens >= BLOCK)
+    tokens = np.where(keyed, tokens, -1)
+    on_home = keyed & ((k % n_p) == p_idx)
+    hot = keyed & (k < n_p)  # the hottest prefixes are held by every P (a second P took them)
+    p_pred = np.where(on_home | hot, tokens, np.where(keyed, 0, 0))
+    # vLLM's report: mostly what was predicted; some evicted since the router saw them; a few more
+    r = rng.random(n)
+    evicted = BLOCK * np.floor(rng.random(n) * np.maximum(p_pred, 0) / BLOCK).astype(np.int64)
+    p_cached = np.where(r < 0.06, evicted, np.where((r > 0.97) & keyed, p_pred + BLOCK, p_pred))
+    if spec.cache_clear in spec.prefill:
+        at = spec.end - spec.duration_s + spec.cache_clear_at * spec.duration_s
+        cleared = (p_idx == spec.prefill.index(spec.cache_clear)) & (proxy_in >= at)
+        p_cached = np.where(cleared & (proxy_in < at + spec.cache_clear_s), 0, p_cached)
+    d_holds = keyed & (rng.random(n) < 0.3)
+    d_pred = np.where(d_holds, tokens, 0)
+    # conditional disaggregation: D holds the prefix and the rest of the prompt is short
+    decode_only = keyed & (prompt - tokens <= 96) & ~degraded_now & (rng.random(n) < 0.6)
+    d_pred = np.where(decode_only, tokens, d_pred)
+    d_local = np.where(decode_only & (rng.random(n) < 0.05), np.maximum(tokens - BLOCK, 0), d_pred)
+    pulled = np.maximum(BLOCK * ((prompt - 1) // BLOCK) - d_local, 0)  # on the P/D path D pulls the rest
+    return {
+        "decode_only": decode_only,
+        "prefix_k": np.where(keyed, k, -1),
+        "prefix_tokens": tokens,
+        "p_pred": np.where(decode_only, -1, p_pred),
+        "p_cached": np.where(decode_only, -1, np.minimum(p_cached, BLOCK * (prompt // BLOCK))),
+        "d_pred": d_pred,
+        "d_local": d_local,
+        "d_pulled": np.where(decode_only, 0, pulled),
+        # D's usage.prompt_tokens_details.cached_tokens: its local hits plus what it pulled
+        "d_cached": np.where(decode_only, d_local, d_local + pulled),
+    }
+
+
 def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     start = spec.end - spec.duration_s
     n = spec.requests if spec.requests is not None else int(rng.poisson(spec.rate_per_s * spec.duration_s))
@@ -190,6 +257,8 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
         if others:
             d_idx[moved] = rng.choice(others, int(moved.sum()))
     degraded_now = (d_idx == deg) & (proxy_in >= degrade_ts)
+    kv = _kv_routing(spec, prompt, p_idx, proxy_in, degraded_now)
+    via_p = ~kv["decode_only"]
 
     in_burst = (proxy_in >= start + 0.30 * spec.duration_s) & (proxy_in < start + 0.38 * spec.duration_s)
     p_sent = proxy_in + rng.uniform(0.0008, 0.003, n)
@@ -202,6 +271,10 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     pull = kv_bytes / bandwidth + rng.uniform(0.001, 0.004, n)
     d_queue = rng.exponential(0.01, n)
     first_step = rng.uniform(0.015, 0.035, n)
+    # decode only: sent to D when it would have gone to P; no pull, D prefills the uncached part
+    d_sent = np.where(via_p, d_sent, p_sent)
+    pull = np.where(via_p, pull, 0.0)
+    first_step = np.where(via_p, first_step, first_step + (prompt - kv["d_local"]) * 0.00011)
     first_token = d_sent + d_queue + pull + first_step
     tpot = rng.normal(0.032, 0.006, n).clip(0.012) + np.where(degraded_now, 0.015, 0.0)
     tpot = np.where(rng.random(n) < 0.01, tpot * 4, tpot)
@@ -221,8 +294,8 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     rejected = status == "rejected"
     failed = np.isin(status, ("error", "timeout"))
     nan = np.full(n, np.nan)
-    p_sent = np.where(rejected, nan, p_sent)
-    p_done = np.where(rejected, nan, p_done)
+    p_sent = np.where(rejected | ~via_p, nan, p_sent)
+    p_done = np.where(rejected | ~via_p, nan, p_done)
     d_sent = np.where(rejected, nan, d_sent)
     first_token = np.where(rejected | failed, nan, first_token)
     done = np.where(rejected, proxy_in + 0.001, np.where(failed, d_sent + pull, done))
@@ -238,8 +311,8 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
             "d_sent": d_sent,
             "first_token": first_token,
             "done": done,
-            "p_queue_s": np.where(rejected, nan, p_queue),
-            "p_prefill_s": np.where(rejected, nan, p_prefill),
+            "p_queue_s": np.where(rejected | ~via_p, nan, p_queue),
+            "p_prefill_s": np.where(rejected | ~via_p, nan, p_prefill),
             "d_queue_s": np.where(rejected, nan, d_queue),
             "d_prefill_s": np.where(rejected, nan, pull + first_step),
             "d_decode_s": done - first_token,
@@ -256,8 +329,56 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
             "lease": lease,
             "kv_bytes": kv_bytes,
             "rejected": rejected,
+            "via_p": via_p,
+            **_routing_columns(kv, rejected, failed),
         },
     )
+
+
+def _routing_columns(
+    kv: dict[str, np.ndarray], rejected: np.ndarray, failed: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The request records' routing columns as int arrays (-1: null): none for a rejected request
+    (never routed), no D report for one D did not answer."""
+
+    def unless(a: np.ndarray, gone: np.ndarray) -> np.ndarray:
+        return np.where(gone, -1, a).astype(np.int64)
+
+    return {
+        "decode_only": kv["decode_only"] & ~rejected,
+        "prefix_k": unless(kv["prefix_k"], rejected),
+        "prefix_tokens_col": unless(kv["prefix_tokens"], rejected),
+        "p_pred": unless(kv["p_pred"], rejected),
+        "p_cached": unless(kv["p_cached"], rejected),
+        "d_pred": unless(kv["d_pred"], rejected),
+        "d_cached": unless(kv["d_cached"], rejected | failed),
+        "d_local": kv["d_local"],
+        "d_pulled": kv["d_pulled"],
+    }
+
+
+ROUTING_INT_COLUMNS = {
+    "p_predicted_cached_tokens": "p_pred",
+    "d_predicted_cached_tokens": "d_pred",
+    "p_cached_tokens": "p_cached",
+    "d_cached_tokens": "d_cached",
+    "prefix_tokens": "prefix_tokens_col",
+}
+
+
+def _ints(a: np.ndarray) -> list[int | None]:
+    """An int column as Python values, -1 as None."""
+    return [None if v < 0 else v for v in a.tolist()]
+
+
+def _route_paths(c: dict[str, np.ndarray], sl: slice) -> np.ndarray:
+    paths = np.where(c["decode_only"][sl], "decode_only", "pd").astype(object)
+    paths[c["rejected"][sl]] = None
+    return paths
+
+
+def _prefix_keys(c: dict[str, np.ndarray], sl: slice, seed: int) -> list[str | None]:
+    return [None if k < 0 else prefix_key(k, seed) for k in c["prefix_k"][sl].tolist()]
 
 
 def _floats(a: np.ndarray) -> list[float | None]:
@@ -285,18 +406,19 @@ def _request_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> I
         prompt = c["prompt"][sl]
         http = c["http"][sl]
         served = ~rejected
+        via_p = served & c["via_p"][sl]
         cols: dict[str, list[Any]] = {
             "request_id": [request_id(i, spec.seed) for i in idx],
             "trace_id": [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in idx],
             "endpoint": ["/v1/chat/completions" if i % 3 else "/v1/completions" for i in idx],
             "stream": [bool(i % 4) for i in idx],
             "p_instance": [
-                spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), served, strict=True)
+                spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), via_p, strict=True)
             ],
             "d_instance": [
                 spec.decode[k] if s else None for k, s in zip(c["d_idx"][sl].tolist(), served, strict=True)
             ],
-            "p_pool": [spec.prefill_pool if s else None for s in served],
+            "p_pool": [spec.prefill_pool if s else None for s in via_p],
             "d_pool": [spec.decode_pool if s else None for s in served],
             "status": status.tolist(),
             "http_status": http.tolist(),
@@ -307,10 +429,11 @@ def _request_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> I
             "retries": [0] * (hi - lo),
             "prompt_tokens": prompt.tolist(),
             "completion_tokens": c["completion"][sl].tolist(),
-            "kv_blocks": [
-                (p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), served, strict=True)
-            ],
-            "kv_bytes": [b if s else None for b, s in zip(c["kv_bytes"][sl].tolist(), served, strict=True)],
+            "kv_blocks": [(p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), via_p, strict=True)],
+            "kv_bytes": [b if s else None for b, s in zip(c["kv_bytes"][sl].tolist(), via_p, strict=True)],
+            "route_path": _route_paths(c, sl).tolist(),
+            "prefix_key": _prefix_keys(c, sl, spec.seed),
+            **{col: _ints(c[key][sl]) for col, key in ROUTING_INT_COLUMNS.items()},
             "d_decode_s": _floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
             "ttft_s": _floats(ttft),
             "tpot_s": _floats(tpot),
@@ -375,6 +498,8 @@ def _snapshot_rows(
     for role, names in (("prefill", spec.prefill), ("decode", spec.decode)):
         for idx, name in enumerate(names):
             mine = served & ((c["p_idx"] if role == "prefill" else c["d_idx"]) == idx)
+            if role == "prefill":
+                mine = mine & c["via_p"]
             mine_ok = mine & ok
             rows: list[dict[str, Any]] = []
             if role == "prefill":
@@ -393,6 +518,8 @@ def _snapshot_rows(
                 expired_t = c["p_done"][c["lease"] & mine] + 30.0
                 counters = {
                     "prompt_tokens": _cum(t_end, ticks, c["prompt"][mine]),
+                    "prefix_cache_queries": _cum(t_end, ticks, c["prompt"][mine]),
+                    "prefix_cache_hits": _cum(t_end, ticks, np.maximum(c["p_cached"][mine], 0)),
                     "generation_tokens": _cum(t_end, ticks),
                     "requests_length": _cum(t_end, ticks),
                     "nixl_kv_expired_reqs": _cum(expired_t, ticks),
@@ -402,17 +529,25 @@ def _snapshot_rows(
                 }
                 ttft_src = (t_end, t_end - c["p_sent"][mine])
             else:
+                # decode-only requests pulled nothing: NIXL's figures count the P/D path only
+                pulls = mine & c["via_p"]
+                mine_all, mine = mine, pulls
+                seen_t = c["d_sent"][mine_all] + c["d_queue_s"][mine_all] + c["pull"][mine_all]
+                local = c["d_local"][mine_all]
                 xfer_t = c["d_sent"][mine] + c["d_queue_s"][mine] + c["pull"][mine]
                 t_first = c["first_token"][mine_ok]
-                t_done = c["done"][mine]
-                running = _inflight(c["d_sent"][mine], t_done, ticks)
-                waiting = _inflight(c["d_sent"][mine], c["d_sent"][mine] + c["d_queue_s"][mine], ticks)
+                t_done = c["done"][mine_all]
+                running = _inflight(c["d_sent"][mine_all], t_done, ticks)
+                waiting = _inflight(
+                    c["d_sent"][mine_all], c["d_sent"][mine_all] + c["d_queue_s"][mine_all], ticks
+                )
                 tokens_live = np.clip(running * 1100 / 120000.0, 0, 0.98)
                 kv = tokens_live
                 post = rng.uniform(0.0006, 0.004, int(mine.sum()))
                 nbytes = c["kv_bytes"][mine].astype(float)
                 descs = np.ceil(c["prompt"][mine] / 16) * 4
-                failed_t = c["done"][mine & np.isin(c["status"], ("error", "timeout"))]
+                failed_t = c["done"][mine_all & np.isin(c["status"], ("error", "timeout"))]
+                pulled = c["d_pulled"][mine]
                 ttft_d = t_first - c["d_sent"][mine_ok]
                 hist = {
                     "vllm:time_to_first_token_seconds": _hist_series(t_first, ttft_d, ticks, TTFT_LE),
@@ -425,8 +560,15 @@ def _snapshot_rows(
                     "vllm:nixl_num_descriptors": _hist_series(xfer_t, descs, ticks, DESC_LE),
                 }
                 counters = {
-                    "prompt_tokens": _cum(xfer_t, ticks, c["prompt"][mine]),
+                    "prompt_tokens": _cum(seen_t, ticks, c["prompt"][mine_all]),
                     "prompt_tokens_external_kv_transfer": _cum(xfer_t, ticks, c["prompt"][mine]),
+                    # vLLM's prefix cache on D: its own blocks first, then the connector's (pulled)
+                    "prefix_cache_queries": _cum(seen_t, ticks, c["prompt"][mine_all]),
+                    "prefix_cache_hits": _cum(seen_t, ticks, local),
+                    "external_prefix_cache_queries": _cum(
+                        xfer_t, ticks, c["prompt"][mine] - c["d_local"][mine]
+                    ),
+                    "external_prefix_cache_hits": _cum(xfer_t, ticks, pulled),
                     "generation_tokens": _cum(c["done"][mine_ok], ticks, c["completion"][mine_ok]),
                     "requests_stop": _cum(c["done"][mine_ok], ticks),
                     "requests_error": _cum(failed_t, ticks),
@@ -785,6 +927,7 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
     status = c["status"][sl].astype(str)
     ok = status == "ok"
     served = ~c["rejected"][sl]
+    via_p = served & c["via_p"][sl]
     ttft, tpot = c["ttft_s"][sl], c["tpot_s"][sl]
     prompt = c["prompt"][sl]
     http = c["http"][sl]
@@ -803,9 +946,9 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
         ),
         "endpoint": pa.array(np.where(idx % 3 != 0, "/v1/chat/completions", "/v1/completions")),
         "stream": pa.array(idx % 4 != 0),
-        "p_instance": _nullable(prefill, served),
+        "p_instance": _nullable(prefill, via_p),
         "d_instance": _nullable(decode, served),
-        "p_pool": _nullable(np.full(hi - lo, spec.prefill_pool, dtype=object), served),
+        "p_pool": _nullable(np.full(hi - lo, spec.prefill_pool, dtype=object), via_p),
         "d_pool": _nullable(np.full(hi - lo, spec.decode_pool, dtype=object), served),
         "status": pa.array(status),
         "http_status": pa.array(http.astype(np.int64)),
@@ -813,8 +956,11 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
         "retries": pa.array(np.zeros(hi - lo, dtype=np.int64)),
         "prompt_tokens": pa.array(prompt.astype(np.int64)),
         "completion_tokens": pa.array(c["completion"][sl].astype(np.int64)),
-        "kv_blocks": _nullable((prompt + 15) // 16, served),
-        "kv_bytes": _nullable(c["kv_bytes"][sl].astype(np.int64), served),
+        "kv_blocks": _nullable((prompt + 15) // 16, via_p),
+        "kv_bytes": _nullable(c["kv_bytes"][sl].astype(np.int64), via_p),
+        "route_path": pa.array(_route_paths(c, sl).tolist(), type=pa.string()),
+        "prefix_key": pa.array(_prefix_keys(c, sl, spec.seed), type=pa.string()),
+        **{col: _nullable(c[key][sl], c[key][sl] >= 0) for col, key in ROUTING_INT_COLUMNS.items()},
         "d_decode_s": floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
         "ttft_s": floats(ttft),
         "tpot_s": floats(tpot),

@@ -22,7 +22,6 @@ clean-up closes the upstream streams at once.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
 from proxy.tracing import BoundedSpanProcessor, make_provider, otlp_endpoint, otlp_exporter
 from proxy.upstream import Upstream, UpstreamClient
+from proxy.views import make_view
 
 log = logging.getLogger(__name__)
 
@@ -394,9 +394,6 @@ def _mode_view(
     that fills its index (None when no instance has a ``kv_events_endpoint``: the view then credits
     nothing, and routing is load-only in effect)."""
     kv, model = settings.proxy.kv_aware, settings.model
-    # proxy.views is the cache views' module (make_view); looked up by name here so that this
-    # module does not pin the views' import graph.
-    make_view = importlib.import_module("proxy.views").make_view
     common: dict[str, Any] = {
         "approx_block_chars": kv.approx_block_chars,
         "approx_chars_per_token": kv.approx_chars_per_token,

@@ -255,6 +255,17 @@ class RequestRecord(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     kv_blocks: Mapped[int | None] = mapped_column(Integer)
     kv_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # KV-aware routing (from the proxy's root span): the path taken ("pd" | "decode_only", see
+    # pdscope.semconv.ROUTE_PATHS), the prompt tokens the router predicted the chosen P and D held,
+    # the ones P and D reported they reused (usage.prompt_tokens_details.cached_tokens), and the
+    # deepest matched block's chain key (hex) with the tokens of that prefix
+    route_path: Mapped[str | None] = mapped_column(String(16))
+    p_predicted_cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    d_predicted_cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    p_cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    d_cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    prefix_key: Mapped[str | None] = mapped_column(String(16))
+    prefix_tokens: Mapped[int | None] = mapped_column(Integer)
 
     proxy_in: Mapped[float] = mapped_column(Float, index=True)
     p_sent: Mapped[float | None] = mapped_column(Float)

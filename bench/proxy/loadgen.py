@@ -23,7 +23,7 @@ async def main(a: argparse.Namespace) -> dict[str, object]:
     body = json.dumps(
         {
             "model": "bench",
-            "prompt": "lorem ipsum dolor sit amet " * 24,
+            "prompt": "lorem ipsum dolor sit amet " * (a.prompt_words // 5),
             "max_tokens": a.tokens,
             "stream": a.stream,
             "temperature": 0,
@@ -99,6 +99,7 @@ if __name__ == "__main__":
     ap.add_argument("--duration", type=float, default=5.0, help="upper bound on the run, seconds")
     ap.add_argument("--max-requests", type=int, default=100_000)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompt-words", type=int, default=120, help="prompt length in words (rounded to 5)")
     ap.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--request-timeout", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=1)

@@ -120,6 +120,7 @@ def start_pdscope(
     ratio: float = 1.0,
     name: str | None = None,
     wrap: list[str] | None = None,
+    kv_aware: str = "off",
 ) -> Contender:
     """``pdscope proxy`` with tracing on at ``proxy.trace_sample_ratio`` = ``ratio`` (every request's
     root span is exported whatever the ratio; children for the sampled share). ``wrap`` goes before
@@ -144,8 +145,11 @@ def start_pdscope(
             "tracing": True,
             "otlp_endpoint": fleet["otlp"] + "/v1/traces",
             "trace_sample_ratio": ratio,
+            "kv_aware": {"mode": kv_aware},
         },
     }
+    if kv_aware == "precise":  # the simulator's tokenizer; no instance publishes events, so every
+        config["model"]["tokenizer"] = "pdscope-sim"  # request pays tokenize, key, match and choose
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     pdscope = str(Path(PY).with_name("pdscope"))
@@ -200,6 +204,50 @@ def _metric(url: str, name: str) -> float:
     return float("nan")
 
 
+def _start_contenders(
+    a: argparse.Namespace, fleet: dict[str, Any], tmp: Path, procs: list[subprocess.Popen[Any]]
+) -> list[Contender]:
+    """Every contender the flags ask for, started (their processes appended to ``procs``)."""
+    toy = start_toy(fleet, tmp / "toy.log")
+    procs.append(toy.proc)  # type: ignore[arg-type]
+    pds = start_pdscope(fleet, tmp / "pdscope.log", tmp)
+    procs.append(pds.proc)  # type: ignore[arg-type]
+    contenders = [toy, pds]
+    sampled: Contender | None = None
+    if 0.0 <= a.sample_ratio < 1.0:
+        sampled = start_pdscope(fleet, tmp / "pdscope-sampled.log", tmp, ratio=a.sample_ratio, name=SAMPLED)
+        procs.append(sampled.proc)  # type: ignore[arg-type]
+        contenders.append(sampled)
+    for mode in a.kv_aware:  # KV-aware routing's per-request cost, beside pdscope-sampled (load-only)
+        kv = start_pdscope(
+            fleet,
+            tmp / f"pdscope-{mode}.log",
+            tmp,
+            ratio=max(a.sample_ratio, 0.0),
+            name=f"pdscope-{mode}",
+            kv_aware=mode,
+        )
+        procs.append(kv.proc)  # type: ignore[arg-type]
+        contenders.append(kv)
+    if a.with_httpx:
+        pdx = start_pdscope(fleet, tmp / "pdscope-httpx.log", tmp, client="httpx")
+        procs.append(pdx.proc)  # type: ignore[arg-type]
+        contenders.append(pdx)
+    if a.with_vllm_router:
+        binary = vllm_router_binary()
+        if binary is None:
+            print(
+                f"!! {VLLM_ROUTER} not found (make venv installs it): that contender is SKIPPED",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            vr = start_vllm_router(fleet, tmp / "vllm-router.log", binary)
+            procs.append(vr.proc)  # type: ignore[arg-type]
+            contenders.append(vr)
+    return contenders
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pdscope-bench-"))
     fleet_proc = subprocess.Popen(
@@ -224,35 +272,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         assert fleet_proc.stdout is not None
         fleet = json.loads(fleet_proc.stdout.readline())
-        toy = start_toy(fleet, tmp / "toy.log")
-        procs.append(toy.proc)  # type: ignore[arg-type]
-        pds = start_pdscope(fleet, tmp / "pdscope.log", tmp)
-        procs.append(pds.proc)  # type: ignore[arg-type]
-        contenders = [toy, pds]
-        sampled: Contender | None = None
-        if 0.0 <= a.sample_ratio < 1.0:
-            sampled = start_pdscope(
-                fleet, tmp / "pdscope-sampled.log", tmp, ratio=a.sample_ratio, name=SAMPLED
-            )
-            procs.append(sampled.proc)  # type: ignore[arg-type]
-            contenders.append(sampled)
-        if a.with_httpx:
-            pdx = start_pdscope(fleet, tmp / "pdscope-httpx.log", tmp, client="httpx")
-            procs.append(pdx.proc)  # type: ignore[arg-type]
-            contenders.append(pdx)
-        if a.with_vllm_router:
-            binary = vllm_router_binary()
-            if binary is None:
-                print(
-                    f"!! {VLLM_ROUTER} not found (make venv installs it): that contender is SKIPPED",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                vr = start_vllm_router(fleet, tmp / "vllm-router.log", binary)
-                procs.append(vr.proc)  # type: ignore[arg-type]
-                contenders.append(vr)
-        common = {"tokens": a.tokens, "request_timeout": 10}
+        contenders = _start_contenders(a, fleet, tmp, procs)
+        common = {"tokens": a.tokens, "request_timeout": 10, "prompt_words": a.prompt_words}
 
         def latency(url: str, seed: int) -> dict[str, Any]:
             if a.rate > 0:  # open loop, Poisson arrivals
@@ -324,8 +345,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 key: _metric(c.url, f"pdscope_proxy_spans_{key}_total")
                 for key in ("exported", "dropped", "unsampled")
             }
-            for c in (pds, sampled)
-            if c is not None
+            for c in contenders
+            if c.name.startswith("pdscope")
         }
     finally:
         for p in reversed(procs):
@@ -431,6 +452,15 @@ def summarize(
         else None,
         "ceiling_ratio_vs_vllm_router": vs_vr,
         "sampled_ceiling_ratio_vs_vllm_router": smp_vs_vr,
+        # KV-aware routing's cost per request: its ceiling against load-only's at the same sample ratio
+        "kv_aware_ceiling_ratio_vs_load_only": {
+            name[len("pdscope-") :]: (c["ceiling_rps"] / smp["ceiling_rps"])
+            if smp is not None and smp["ceiling_rps"] and c["ceiling_rps"]
+            else None
+            for name, c in out.items()
+            if name in ("pdscope-precise", "pdscope-approximate")
+        },
+        "prompt_words": a.prompt_words,
         "target": {
             "ceiling_ratio_vs_toy": ">= 1.5",
             "p99_overhead": "<= toy's",
@@ -502,6 +532,15 @@ def main() -> int:
         default=0.05,
         help=f"also run pdscope at this trace_sample_ratio (the {SAMPLED!r} row; >= 1 or < 0: not run)",
     )
+    ap.add_argument(
+        "--kv-aware",
+        action="append",
+        default=[],
+        choices=["approximate", "precise"],
+        help="also run pdscope at --sample-ratio with proxy.kv_aware.mode MODE (the pdscope-MODE row; "
+        "its ceiling against pdscope-sampled's is KV-aware routing's per-request CPU cost)",
+    )
+    ap.add_argument("--prompt-words", type=int, default=120, help="prompt length in words (~tokens)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
     a = ap.parse_args()
     load_start = Path("/proc/loadavg").read_text().split()[:3]

@@ -36,6 +36,23 @@ SAMPLE_COLUMNS = (
 )
 
 
+# what the Prefix cache page reads of each sampled record (dashboard.prefix)
+PREFIX_COLUMNS = (
+    "proxy_in",
+    "status",
+    "p_instance",
+    "d_instance",
+    "route_path",
+    "prompt_tokens",
+    "p_predicted_cached_tokens",
+    "d_predicted_cached_tokens",
+    "p_cached_tokens",
+    "d_cached_tokens",
+    "prefix_key",
+    "prefix_tokens",
+)
+
+
 def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]]:
     return (RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
 
@@ -57,18 +74,23 @@ EDGE_S = 300.0
 
 
 def sample(
-    engine: Engine, window: Window, max_rows: int = 20_000, slo: SLOSettings | None = None
+    engine: Engine,
+    window: Window,
+    max_rows: int = 20_000,
+    slo: SLOSettings | None = None,
+    columns: tuple[str, ...] = SAMPLE_COLUMNS,
 ) -> tuple[pd.DataFrame, int]:
     """Per-request figures in the window, every k-th row (``id % k == 0``) when there are more
     than ``max_rows``, in arrival order.
 
     Returns the frame and k (1 = every row), so callers can scale counts back up. With ``slo``, the
     ``slo_met`` column is each record's verdict under it (a changed ``slo.*`` applies at once), else
-    the verdict stored when the record was assembled.
+    the verdict stored when the record was assembled. ``columns``: which (``SAMPLE_COLUMNS``, or
+    ``PREFIX_COLUMNS`` for the Prefix cache page); the rows kept are the same for any.
     """
     cols: list[Any] = [
         getattr(RequestRecord, c) if c != "slo_met" or slo is None else slo_met_clause(slo).label("slo_met")
-        for c in SAMPLE_COLUMNS
+        for c in columns
     ]
     span = _id_span(engine, window) if engine.dialect.name == "postgresql" and max_rows > 0 else None
     if span is not None:

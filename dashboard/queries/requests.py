@@ -33,6 +33,7 @@ LIST_COLUMNS = (
     "slo_met",
     "lease_expiry_suspect",
     "retries",
+    "route_path",
 )
 
 NIXL_COLUMNS = (

@@ -1,6 +1,6 @@
 """How a data page opens: the window, the title line, and the empty state when the store
-has nothing of the kind the page draws. Shared by the Fleet, KV transfer, Requests and
-Capacity pages.
+has nothing of the kind the page draws. Shared by the Fleet, KV transfer, Prefix cache,
+Requests and Capacity pages.
 
 Not a page itself (``app.py`` lists the pages by hand); it queries only presence and the
 newest timestamp, and draws only the header and the empty states.

@@ -1,6 +1,8 @@
 """Requests: search request records (id, status, instance, SLO miss, lease expiry) and
 follow one request through proxy → P queue → P prefill → handoff → first token →
-decode, beside the NIXL figures of its decode instance at that moment.
+decode (or, served by D alone, proxy → D queue and prefill → first token → decode), with its
+route path and the cached prompt tokens P and D reported (and the router predicted), beside
+the NIXL figures of its decode instance at that moment.
 """
 
 from __future__ import annotations
@@ -130,12 +132,18 @@ def render() -> None:
     with left:
         st.subheader(f"Waterfall · {rec['request_id']}")
         stages = derive.waterfall(rec)
+        decode_only = rec.get("route_path") == "decode_only"
         flags = [
             f"status **{rec['status']}** (HTTP {rec['http_status']})",
-            f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
+            f"D **{rec['d_instance']}** alone"
+            if decode_only
+            else f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
             f"{rec['prompt_tokens']} prompt / {rec['completion_tokens']} output tokens",
         ]
         st.markdown(" · ".join(flags))
+        cache = derive.cache_summary(rec)
+        if cache:
+            st.markdown(cache)
         if rec.get("lease_expiry_suspect"):
             st.warning(
                 "Flagged as a likely KV-lease expiry: P released the blocks before D's pull finished.",

@@ -1,7 +1,7 @@
 """Builds deploy/grafana/pdscope-dashboard.json, the Grafana view of a P/D fleet on Prometheus.
 
-Its rows mirror the Streamlit pages (fleet, KV transfer, SLOs & alerts, controller,
-capacity) on the series that deploy/prometheus/ scrapes and records. The JSON is the
+Its rows mirror the Streamlit pages (fleet, KV transfer, prefix cache, SLOs & alerts,
+controller, capacity) on the series that deploy/prometheus/ scrapes and records. The JSON is the
 artifact Grafana loads; this script is the source it is generated from, so panels stay
 consistent (ids, grid, datasource, variables). Edit here, then run
 ``python deploy/grafana/build_dashboard.py`` (``--check`` exits 1 if the JSON is stale).
@@ -274,6 +274,9 @@ def build() -> dict[str, Any]:
         ],
         width=8,
     )
+
+    g.row("Prefix cache & KV-aware routing")
+    _prefix_cache(g)
 
     g.row("SLOs & alerts")
     g.panel(
@@ -600,6 +603,118 @@ def build() -> dict[str, Any]:
         },
         "panels": g.panels,
     }
+
+
+def _prefix_cache(g: _Layout) -> None:
+    """vLLM's own prefix-cache hit rates, the proxy's KV-aware routes and predictions (proxy.kv_aware),
+    and the health of its KV events streams and indexes (series per vLLM instance, no pool label)."""
+    hits = "vllm:prefix_cache_hits_total"
+    queries = "vllm:prefix_cache_queries_total"
+    ext_hits = "vllm:external_prefix_cache_hits_total"
+    ext_queries = "vllm:external_prefix_cache_queries_total"
+    inst = 'instance=~"$instance"'
+    g.panel(
+        "Prefix cache hit rate (vLLM)",
+        [
+            (
+                f"sum by (instance) (rate({hits}{{{PI}}}[5m]))"
+                f" / sum by (instance) (rate({queries}{{{PI}}}[5m]))",
+                "{{instance}}",
+            ),
+            (
+                f'sum by (instance) (rate({ext_hits}{{role="decode",{PI}}}[5m]))'
+                f' / sum by (instance) (rate({ext_queries}{{role="decode",{PI}}}[5m]))',
+                "external {{instance}}",
+            ),
+        ],
+        unit="percentunit",
+        width=8,
+        description="Share of queried prompt tokens found in the instance's own prefix cache; for D, "
+        "external: the share found by its KV connector (pulled from P). A sudden fall: "
+        "PrefixCacheHitRateCollapsed.",
+    )
+    g.panel(
+        "Routes by path",
+        [
+            (f"sum by (path, reason) (rate(pdscope_proxy_routes_total[{RI}]))", "{{path}} {{reason}}"),
+            (
+                f'sum(rate(pdscope_proxy_routes_total{{path="decode_only"}}[{RI}]))'
+                f" / sum(rate(pdscope_proxy_routes_total[{RI}]))",
+                "share served without P",
+            ),
+        ],
+        unit="ops",
+        width=8,
+        description="pd: P then D; decode_only: D alone computed the uncached part of the prompt "
+        "(conditional disaggregation). The reason says why the router chose as it did.",
+    )
+    g.panel(
+        "Predicted cached tokens vs vLLM's hits",
+        [
+            (
+                f"sum by (role) (rate(pdscope_proxy_predicted_cached_tokens_total[{RI}]))",
+                "predicted {{role}}",
+            ),
+            (f"sum by (role) (rate({hits}{{{P}}}[{RI}]))", "vLLM prefix hits {{role}}"),
+            (f"sum(rate(pdscope_proxy_prompt_tokens_routed_total[{RI}]))", "prompt tokens routed"),
+        ],
+        unit="short",
+        width=8,
+        description="Tokens per second: what the router predicted the chosen P and D held, beside the "
+        "prefix hits vLLM counted. Predictions well above the hits: the router's view lags the caches.",
+    )
+    g.panel(
+        "KV events stream age",
+        [
+            (
+                f"max by (instance) (pdscope_proxy_kv_events_last_message_age_seconds{{{inst}}})",
+                "{{instance}}",
+            ),
+        ],
+        unit="s",
+        width=8,
+        thresholds=[("green", None), ("red", 120)],
+        description="Seconds since the proxy's last KV events message from the instance (the oldest over "
+        "the proxies; -1: none since the proxy started). Over 120 s, or -1, while the instance serves: "
+        "KVEventsStreamStale.",
+    )
+    g.panel(
+        "KV index stale",
+        [(f"max by (instance) (pdscope_proxy_kv_index_stale{{{inst}}})", "{{instance}}")],
+        kind="stat",
+        width=8,
+        instant=True,
+        thresholds=[("green", None), ("red", 1)],
+        description="1: the proxy does not trust its index of the instance's cache (a gap not "
+        "replayed, drops) and routes to it on load alone. For 5 minutes: KVIndexStale.",
+    )
+    g.panel(
+        "KV events: messages, drops, gaps, replays",
+        [
+            (
+                f"sum by (instance) (rate(pdscope_proxy_kv_events_messages_total{{{inst}}}[{RI}]))",
+                "messages {{instance}}",
+            ),
+            (
+                f"sum by (instance, reason) (rate(pdscope_proxy_kv_events_dropped_total{{{inst}}}[{RI}]))",
+                "dropped {{reason}} {{instance}}",
+            ),
+            (
+                f"sum by (instance) (rate(pdscope_proxy_kv_events_gaps_total{{{inst}}}[{RI}]))",
+                "gaps {{instance}}",
+            ),
+            (
+                f"sum by (instance, outcome) (rate(pdscope_proxy_kv_events_replays_total{{{inst}}}[{RI}]))",
+                "replays {{outcome}} {{instance}}",
+            ),
+            (
+                f"sum by (instance) (rate(pdscope_proxy_kv_events_restarts_total{{{inst}}}[{RI}]))",
+                "publisher restarts {{instance}}",
+            ),
+        ],
+        unit="ops",
+        width=8,
+    )
 
 
 def render() -> str:

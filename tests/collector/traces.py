@@ -31,8 +31,11 @@ def request_spans(
     with_vllm: bool = True,
     parent_vllm: bool = True,
     stream: bool = True,
+    root_attributes: dict[str, Any] | None = None,
 ) -> list[SpanData]:
     """proxy root + admission + prefill + handoff + decode (+ P's and D's llm_request spans).
+
+    ``root_attributes`` are added to (or replace) the root's; a value of None removes the key.
 
     Timeline (s after t0): prefill 0.01-0.21, handoff 0.21-0.51, decode 0.22-1.51, first token 0.51.
     ``t0`` defaults to a minute ago (whole seconds), a time the receiver finds plausible. The root
@@ -65,6 +68,11 @@ def request_spans(
     }
     if not stream:
         attrs[sc.COMPLETION_TOKENS] = tokens
+    for key, value in (root_attributes or {}).items():
+        if value is None:
+            attrs.pop(key, None)
+        else:
+            attrs[key] = value
 
     def span(
         sid: str,
@@ -146,6 +154,39 @@ def request_spans(
             )
         )
     return spans
+
+
+def decode_only_spans(
+    *, t0: float, request_id: str, d: str = "d0", parent_vllm: bool = True, tokens: int = 11
+) -> list[SpanData]:
+    """A request the KV-aware router sent to D alone (route path "decode_only"): no prefill, no
+    handoff, no P instance; D computed the prompt (reusing 96 cached tokens of 100) and decoded."""
+    spans = request_spans(
+        t0=t0,
+        request_id=request_id,
+        d=d,
+        tokens=tokens,
+        parent_vllm=parent_vllm,
+        root_attributes={
+            sc.P_INSTANCE: None,
+            sc.P_POOL: None,
+            sc.P_SENT_NS: None,
+            sc.P_DONE_NS: None,
+            sc.KV_BLOCKS: None,
+            sc.KV_BYTES: None,
+            sc.ROUTE_PATH: sc.ROUTE_DECODE_ONLY,
+            sc.D_PREDICTED_CACHED: 96,
+            sc.D_CACHED_TOKENS: 96,
+            sc.PREFIX_KEY: "00c0ffee00c0ffee",
+            sc.PREFIX_TOKENS: 96,
+        },
+    )
+    out: list[SpanData] = []
+    for s in spans:
+        if s.name in (sc.SPAN_PREFILL, sc.SPAN_HANDOFF) or (s.name == sc.VLLM_SPAN and s.service != d):
+            continue
+        out.append(s)
+    return out
 
 
 def _any(v: Any) -> AnyValue:

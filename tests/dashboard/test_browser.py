@@ -31,6 +31,7 @@ PAGES = {
     "fleet": "Fleet",
     "requests": "Requests",
     "kv": "KV transfer",
+    "prefix": "Prefix cache",
     "slos": "SLOs & alerts",
     "controller": "Controller",
     "capacity": "Capacity",
@@ -115,7 +116,7 @@ def test_page_renders_in_chromium(
         url += f"&request={seeded.summary.slow_request_id}"
     shot = browser.shoot(url, timeout_s=180)
     probe = shot.probe
-    name = "kv_transfer" if path == "kv" else path
+    name = {"kv": "kv_transfer", "prefix": "prefix_cache"}.get(path, path)
     out = tmp_path / f"{name}.png"
     out.write_bytes(shot.png)
     if os.environ.get("PDSCOPE_SAVE_SCREENSHOTS") == "1":

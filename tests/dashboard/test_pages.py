@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import text
 from streamlit.testing.v1 import AppTest
 
+from dashboard.derive import D_ALONE
 from dashboard.seed import SeedSpec, fleet_config_yaml
+from store.db import make_engine
 from store.migrate import upgrade
 from tests.support.controllers import FakeController
 
@@ -22,6 +25,15 @@ PAGES = {
     "slos": ("SLOs & alerts", ["Firing now", "Recent alerts"]),
     "requests": ("Requests", ["Decode side at that time", "Flagged lease-expiry requests"]),
     "kv_transfer": ("KV transfer", ["Handoff time per (P, D) pair"]),
+    "prefix_cache": (
+        "Prefix cache",
+        [
+            "Hit rate per instance (vLLM)",
+            "Predicted vs reported cached tokens",
+            "Hottest prefixes",
+            "Served without P (decode only)",
+        ],
+    ),
     "controller": ("Controller", ["Decisions", "Overrides in force", "Audit trail", "Change routing"]),
     "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
 }
@@ -141,6 +153,79 @@ def test_kv_page_has_the_pair_heatmap_and_per_instance_table(
     assert "slowest D (xfer p99)" in {m.label for m in at.metric}
     assert str(next(m.value for m in at.metric if m.label.startswith("slowest"))).startswith("decode-2")
     assert charts(at) >= 3
+
+
+def test_prefix_cache_page_shows_hit_rates_predictions_hot_prefixes_and_decode_only(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = open_page(seeded.config, "prefix_cache", monkeypatch)
+    figures = {m.label: m.value for m in at.metric}
+    assert set(figures) == {
+        "P hit rate (vLLM)",
+        "D external hit rate",
+        "P reported / predicted",
+        "served without P",
+    }
+    assert all(v != "—" for v in figures.values()), figures
+    assert float(str(figures["P reported / predicted"])) < 1.0  # prefill-1's cache was cleared a while
+    compared = at.dataframe[0].value.set_index("instance")
+    assert set(compared.index) == {"prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"}
+    # the router kept predicting prefill-1's prefixes while its cache was empty
+    ratio = compared["reported_per_predicted"]
+    assert ratio["prefill-1"] < ratio["prefill-0"] <= 1.0
+    assert compared.loc["decode-0", "external_hit_rate"] > 0.9  # D pulls what P computed
+    hot = at.dataframe[1].value
+    assert len(hot) == 10 and hot["requests"].is_monotonic_decreasing
+    assert hot.iloc[0]["share"] > hot.iloc[-1]["share"] > 0
+    assert all(str(s).startswith("prefill-") for s in hot["p_instances"])
+    assert charts(at) >= 4  # P and D hit rates, predicted vs reported, the decode-only share
+
+
+def test_prefix_cache_page_without_kv_aware_routing_shows_vllms_rates_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = make_seeded(tmp_path, duration_s=600.0, rate_per_s=1.0)
+    engine = make_engine(s.url)
+    with engine.begin() as conn:
+        # as a proxy without proxy.kv_aware writes them: a route path, reported cached tokens, no view
+        conn.execute(
+            text(
+                "UPDATE request_records"
+                " SET route_path = CASE WHEN route_path IS NULL THEN NULL ELSE 'pd' END,"
+                " p_predicted_cached_tokens = NULL, d_predicted_cached_tokens = NULL, prefix_key = NULL,"
+                " prefix_tokens = NULL"
+            )
+        )
+    engine.dispose()
+    at = open_page(s.config, "prefix_cache", monkeypatch)
+    assert "proxy.kv_aware" in texts(at)
+    figures = {m.label: m.value for m in at.metric}
+    assert figures["P reported / predicted"] == "—" and figures["P hit rate (vLLM)"] != "—"
+    assert figures["served without P"] == "0%"  # every routed request went P then D
+    assert not at.dataframe and charts(at) == 2
+
+
+def test_requests_page_draws_a_decode_only_request_without_p(
+    seeded: Seeded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(seeded.url)
+    with engine.connect() as conn:
+        rid = conn.execute(
+            text(
+                "SELECT request_id FROM request_records WHERE route_path = 'decode_only' AND status = 'ok'"
+                " ORDER BY proxy_in DESC LIMIT 1"
+            )
+        ).scalar()
+    engine.dispose()
+    assert rid
+    at = open_page(seeded.config, "requests", monkeypatch)
+    at.text_input(key="q_id").input(str(rid)).run()
+    assert not at.exception
+    stages = at.dataframe[1].value
+    assert list(stages["stage"]) == ["proxy", D_ALONE, "first token", "decode"]
+    assert "prompt tokens cached (predicted" in " ".join(stages["note"])
+    body = texts(at)
+    assert "alone" in body and "route **decode only** (no P)" in body and "D cached **" in body
 
 
 def test_capacity_what_if_scales_the_needed_fleet(seeded: Seeded, monkeypatch: pytest.MonkeyPatch) -> None:

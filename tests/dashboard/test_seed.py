@@ -198,3 +198,39 @@ def test_status_counts_of_a_large_window_estimate_only_the_statuses_over_the_bou
         assert list(got["requests"]) == sorted(got["requests"], reverse=True)
     finally:
         engine.dispose()
+
+
+def test_the_seeded_prefix_cache_counters_add_up_the_seeded_records(seeded_url: str) -> None:
+    """vLLM's prefix-cache counters in the snapshots are accumulated from the same requests the
+    records hold: P's hits are the cached tokens P reported; decode-only records have no P."""
+    engine = make_engine(seeded_url)
+    try:
+        with engine.connect() as conn:
+            last, hits, queries = conn.execute(
+                text(
+                    "SELECT ts, prefix_cache_hits, prefix_cache_queries FROM snapshots"
+                    " WHERE instance = 'prefill-0' ORDER BY ts DESC LIMIT 1"
+                )
+            ).one()
+            reported, prompts = conn.execute(
+                text(
+                    "SELECT sum(p_cached_tokens), sum(prompt_tokens) FROM request_records"
+                    " WHERE p_instance = 'prefill-0' AND p_done <= :last"
+                ),
+                {"last": last},
+            ).one()
+            paths = dict(
+                conn.execute(
+                    text("SELECT route_path, count(*) FROM request_records GROUP BY route_path")
+                ).all()
+            )
+            stray = conn.execute(
+                text(
+                    "SELECT count(*) FROM request_records WHERE route_path = 'decode_only'"
+                    " AND (p_instance IS NOT NULL OR p_sent IS NOT NULL OR p_cached_tokens IS NOT NULL)"
+                )
+            ).scalar()
+    finally:
+        engine.dispose()
+    assert hits == reported > 0 and queries == prompts
+    assert paths["pd"] > paths["decode_only"] > 0 and stray == 0

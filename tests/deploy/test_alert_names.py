@@ -76,6 +76,7 @@ def test_prometheus_alerts_say_their_source_and_share_one_naming_scheme() -> Non
         assert alert["labels"].get("source") == "prometheus", name
         # words and the acronyms the controller spells in capitals; "Nixl" as the controller writes it
         assert re.fullmatch(r"(?:[A-Z][a-z]+|TTFT|ITL|TPOT|KV)+", name), name
+        assert "Kv" not in name, f"{name}: KV in capitals, as the controller writes it"
         assert not OLD_PREFIXES.search(name), f"{name}: product prefix or NIXL/VLLM spelling"
 
 

@@ -1124,7 +1124,14 @@ def test_grafana_dashboard_is_fresh_and_well_formed() -> None:
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in panels if p["type"] == "row"]
-    assert rows == ["Fleet", "KV transfer (NIXL)", "SLOs & alerts", "Controller & proxy", "Capacity"]
+    assert rows == [
+        "Fleet",
+        "KV transfer (NIXL)",
+        "Prefix cache & KV-aware routing",
+        "SLOs & alerts",
+        "Controller & proxy",
+        "Capacity",
+    ]
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert {"datasource", "pool", "instance"} <= set(variables)
     for p in panels:
@@ -1144,6 +1151,37 @@ def test_grafana_dashboard_is_fresh_and_well_formed() -> None:
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, p["title"]
                 cells.add((x, y))
+
+
+def _row_exprs(title: str) -> list[str]:
+    """The PromQL of the panels under the row ``title`` (up to the next row)."""
+    exprs: list[str] = []
+    inside = False
+    for p in _dashboard()["panels"]:
+        if p["type"] == "row":
+            inside = p["title"] == title
+        elif inside:
+            exprs.extend(t["expr"] for t in p["targets"])
+    return exprs
+
+
+def test_grafana_prefix_cache_row_shows_hit_rates_routes_predictions_and_stream_health() -> None:
+    exprs = _row_exprs("Prefix cache & KV-aware routing")
+    hit_rate = re.compile(
+        r"rate\(vllm:prefix_cache_hits_total\{[^}]*\}\[5m\]\)\) / sum by \(instance\) "
+        r"\(rate\(vllm:prefix_cache_queries_total"
+    )
+    assert any(hit_rate.search(e) for e in exprs), exprs
+    assert any("vllm:external_prefix_cache_hits_total" in e and 'role="decode"' in e for e in exprs)
+    for series in (
+        "pdscope_proxy_routes_total",
+        "pdscope_proxy_predicted_cached_tokens_total",
+        "pdscope_proxy_prompt_tokens_routed_total",
+        "pdscope_proxy_kv_events_last_message_age_seconds",
+        "pdscope_proxy_kv_index_stale",
+    ):
+        assert any(series in e for e in exprs), series
+    assert any('path="decode_only"' in e for e in exprs), "the share served without P"
 
 
 def test_grafana_panels_filter_vllm_series_by_the_pool_variable() -> None:

@@ -510,8 +510,21 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
 
     # 6. every Grafana expression evaluates; with the whole stack running, they have data
     empty = [expr for expr in dashboard_expressions() if not prometheus.query(expr)]
-    # series that exist only after their event (a rejection, a retry, an admitted handoff)
-    event_only = ("rejections", "retries", "pool_inflight")
+    # series that exist only after their event (a rejection, a retry, an admitted handoff, a KV
+    # events message dropped or out of sequence, a replay, a publisher restart)
+    event_only = (
+        "rejections",
+        "retries",
+        "pool_inflight",
+        "kv_events_dropped",
+        "kv_events_gaps",
+        "kv_events_replays",
+        "kv_events_restarts",
+    )
+    # the proxy's KV-aware routing series need proxy.kv_aware and a kv_events_endpoint per instance,
+    # which this stack does not configure (its proxy routes on load): they are evaluated (a query
+    # error fails above), not required to have data
+    event_only += KV_AWARE_SERIES
     must_have_data = [
         e
         for e in dashboard_expressions()
@@ -543,6 +556,15 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     )
     assert stale[0]["labels"]["state"] in {"static", "fallback"}
     assert prometheus.firing("ProxyDown") == []
+
+
+KV_AWARE_SERIES = (
+    "pdscope_proxy_routes_total",
+    "pdscope_proxy_predicted_cached_tokens_total",
+    "pdscope_proxy_prompt_tokens_routed_total",
+    "pdscope_proxy_kv_events_",
+    "pdscope_proxy_kv_index_",
+)
 
 
 def dashboard_expressions() -> list[str]:

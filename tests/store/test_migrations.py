@@ -37,3 +37,35 @@ def test_indexes_for_time_window_queries(store_url: str) -> None:
     assert ("ts",) in snap_ix
     assert ("proxy_in",) in req_ix
     assert ("d_instance", "proxy_in") in req_ix
+
+
+def test_0009_adds_the_routing_columns_to_stored_records_and_takes_them_back(store_url: str) -> None:
+    """Records stored before 0009 keep every value and get the new columns as null; a downgrade to
+    0008 drops only those columns."""
+    from sqlalchemy import text
+
+    upgrade(store_url, "0008")
+    engine = make_engine(store_url)
+    insert = text(
+        "INSERT INTO request_records"
+        " (request_id, status, retries, proxy_in, lease_expiry_suspect, attributes)"
+        " VALUES (:rid, 'ok', 0, :t, false, '{}')"
+    )
+    new = ("route_path", "p_predicted_cached_tokens", "d_cached_tokens", "prefix_key", "prefix_tokens")
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert, {"rid": "old", "t": 1.0})
+        upgrade(store_url, "0009")
+        with engine.begin() as conn:
+            row = conn.execute(text(f"SELECT request_id, {', '.join(new)} FROM request_records")).one()
+            assert tuple(row) == ("old", None, None, None, None, None)
+            conn.execute(
+                text("UPDATE request_records SET route_path = 'decode_only', prefix_key = 'abcdef0123456789'")
+            )
+        downgrade(store_url, "0008")
+        cols = {c["name"] for c in inspect(engine).get_columns("request_records")}
+        assert not cols & set(new) and {"request_id", "sender"} <= cols
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT request_id FROM request_records")).scalar() == "old"
+    finally:
+        engine.dispose()

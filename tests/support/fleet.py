@@ -513,7 +513,9 @@ class Load:
         self.proxies = list(proxies)
         self.excluded: set[str] = set()
         self.rate, self.max_requests, self.duration_s = rate, max_requests, duration_s
-        self.body = {"model": MODEL, "prompt": " ".join(["hi"] * prompt_tokens), "max_tokens": max_tokens}
+        # Every prompt starts with its own number, so no two share a cached prefix (the simulator caches
+        # prefixes like vLLM: a repeated prompt would make P's prefill and D's pull nearly free).
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.rng = random.Random(seed)
         self.timeout_s = request_timeout_s
         self.results: list[Sent] = []
@@ -586,7 +588,9 @@ class Load:
 
     async def _one(self, client: httpx.AsyncClient, rec: Sent) -> None:
         try:
-            r = await client.post(rec.proxy + "/v1/completions", json=self.body)
+            prompt = " ".join([f"req{rec.index}", *["hi"] * (self.prompt_tokens - 1)])
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": self.max_tokens}
+            r = await client.post(rec.proxy + "/v1/completions", json=body)
             rec.status = r.status_code
             if r.status_code != 200:
                 rec.error = r.text[:200]
