@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.prefix                          # everything (~11 min on 2 cores)
     .venv/bin/python -m bench.prefix --workloads system_prompts --contenders load_only,precise,oracle
-    .venv/bin/python -m bench.prefix --quick                  # the smoke: short phases, low load
+    .venv/bin/python -m bench.prefix --quick                  # the smoke: one workload, short, low load
 
 Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py``):
 - ``round_robin``  pdscope's proxy, ``policy: round-robin``, no admission limit (the toy proxy);
@@ -256,7 +256,9 @@ def calibrate(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
+    ap.add_argument(
+        "--workloads", default=None, help="comma-separated (default: all; with --quick: system_prompts)"
+    )
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated (default: all)")
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--warm", type=float, default=8.0, help="seconds before the measured phase")
@@ -269,12 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--calibration-load", type=float, default=1.25, help="load of the calibration run")
     ap.add_argument("--load-unique", type=float, default=0.8, help="the control: x no-cache P capacity")
-    ap.add_argument("--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load, one workload"
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     if args.quick:
         args.warm, args.measure, args.load_unique = 2.0, 4.0, 0.4
         args.load = 0.5 if args.load is None else args.load
+    if args.workloads is None:
+        args.workloads = "system_prompts" if args.quick else ",".join(WORKLOADS)
     workloads = [w for w in args.workloads.split(",") if w]
     contenders = [c for c in args.contenders.split(",") if c]
     for w in workloads:
