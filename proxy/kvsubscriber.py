@@ -11,7 +11,10 @@ socket; a subscriber that falls behind loses the newest, which shows as a gap in
 ``kv_events_replay_endpoint`` is asked for again (the replay socket answers the missed messages,
 then ``END_SEQ``), within ``REPLAY_TIMEOUT_S``; without one, or when the replay fails, the
 instance's entries are forgotten and rebuilt from what it stores next (a cache pdscope only
-partly knows would credit blocks vLLM has dropped). A publisher whose sequence restarts
+partly knows would credit blocks vLLM has dropped). The first message heard from an instance
+(a proxy that just started, or restarted) is preceded by a catch-up replay of what the
+instance's buffer still holds before it, so a restarted proxy knows the blocks vLLM stored
+before it subscribed, not only what it stores next. A publisher whose sequence restarts
 lower has restarted with an empty cache: its entries are forgotten too. Every drop, gap,
 replay and restart is counted per instance (:class:`Counts`), and so is a message for an
 instance the subscriber was not configured with (dropped, reason ``unknown_instance``); nothing
@@ -58,7 +61,7 @@ class Counts:
     skipped_events: Counter[str] = field(default_factory=Counter)
     gaps: Counter[str] = field(default_factory=Counter)
     missed: Counter[str] = field(default_factory=Counter)
-    replays: Counter[tuple[str, str]] = field(default_factory=Counter)  # (instance, ok|failed)
+    replays: Counter[tuple[str, str]] = field(default_factory=Counter)  # (instance, ok|catch_up|failed)
     restarts: Counter[str] = field(default_factory=Counter)
     rebuilds: Counter[str] = field(default_factory=Counter)
     last_message: dict[str, float] = field(default_factory=dict)
@@ -89,7 +92,10 @@ class KvEventsSubscriber:
     # -- life -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the thread (again, after :meth:`stop`: the sequences seen so far are kept, so what
+        was published meanwhile shows as a gap and is replayed)."""
         if self._thread is None and self.sources:
+            self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
             self._thread.start()
 
@@ -156,6 +162,8 @@ class KvEventsSubscriber:
             return
         c.messages[instance] += 1
         c.last_message[instance] = self.clock()
+        if tracker.expected is None and msg.seq > 0:  # the first message heard from this instance
+            self._catch_up(instance, msg.seq)
         seen = tracker.see(msg.seq)
         if seen == "duplicate":
             c.dropped[(instance, "duplicate")] += 1
@@ -188,11 +196,46 @@ class KvEventsSubscriber:
         with self.lock:
             self.index.clear(instance)
 
+    def _catch_up(self, instance: str, seq: int) -> None:
+        """Before the first message heard from ``instance`` (this proxy just started, or the instance
+        was added): replay what its buffer still holds before ``seq``, so the index knows the blocks
+        it stored before we subscribed (vLLM keeps its last ``buffer_steps`` batches, 10,000 by
+        default). Only a contiguous run ending at ``seq - 1`` is applied: an older block whose
+        storing is no longer buffered stays unknown (its children are orphans, never a false hit).
+        Without a replay endpoint, or when the replay fails, the index starts from what comes next."""
+        got = self._fetch(instance, max(0, seq - MAX_REPLAY), seq - 1)
+        if got is None:
+            return
+        run: list[tuple[int, bytes]] = []
+        for s, payload in sorted(got, reverse=True):
+            if s != seq - 1 - len(run):
+                break
+            run.append((s, payload))
+        if not run:
+            self.counts.replays[(instance, "failed")] += 1
+            return
+        if self._apply_replayed(instance, sorted(run)):
+            self.counts.replays[(instance, "catch_up")] += 1
+
     def _replay(self, instance: str, first: int, last: int) -> bool:
         """Ask the instance's replay socket for ``first``..``last`` and apply them; False when it cannot."""
+        got = self._fetch(instance, first, last)
+        if got is None:
+            return False
+        if {s for s, _ in got} != set(range(first, last + 1)):
+            self.counts.replays[(instance, "failed")] += 1
+            return False
+        if not self._apply_replayed(instance, sorted(got)):
+            return False
+        self.counts.replays[(instance, "ok")] += 1
+        return True
+
+    def _fetch(self, instance: str, first: int, last: int) -> list[tuple[int, bytes]] | None:
+        """The messages ``first``..``last`` the instance's replay socket still has (bounded in count and
+        time), or None when there is no replay endpoint or the replay failed (counted)."""
         src = self.sources[instance]
         if src.replay_endpoint is None:
-            return False
+            return None
         sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         got: list[tuple[int, bytes]] = []
@@ -212,22 +255,24 @@ class KvEventsSubscriber:
         except (zmq.ZMQError, BadMessage, TimeoutError) as exc:
             self.counts.replays[(instance, "failed")] += 1
             log.info("kv events: replay from %s failed: %s", src.replay_endpoint, exc)
-            return False
+            return None
         finally:
             sock.close(0)
-        if {s for s, _ in got} != set(range(first, last + 1)):
-            self.counts.replays[(instance, "failed")] += 1
-            return False
-        for _seq, payload in sorted(got):
+        return got
+
+    def _apply_replayed(self, instance: str, got: list[tuple[int, bytes]]) -> bool:
+        """Decode every replayed message before applying any (a bad one fails the replay whole)."""
+        batches = []
+        for _seq, payload in got:
             try:
-                batch = decode_batch(payload)
+                batches.append(decode_batch(payload))
             except BadMessage as exc:
                 self.counts.dropped[(instance, exc.reason)] += 1
                 self.counts.replays[(instance, "failed")] += 1
                 return False
-            with self.lock:
+        with self.lock:
+            for batch in batches:
                 self.index.apply(instance, batch)
-        self.counts.replays[(instance, "ok")] += 1
         return True
 
 

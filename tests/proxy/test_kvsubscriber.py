@@ -173,6 +173,17 @@ def test_the_thread_reads_a_real_publisher() -> None:
             assert index.blocks("p0") >= 1
         assert sub.alive and sub.counts.loop_errors == 0
         assert all(inst == "p0" for inst in sub.counts.messages)
+        sub.stop()
+        assert not sub.alive
+        heard = sub.counts.messages["p0"]
+        sub.start()  # again, after a stop: a new thread that reads on
+        wait_until(
+            "the restarted subscriber to read",
+            lambda: published_and_seen() and sub.counts.messages["p0"] > heard,
+            timeout_s=30,
+            every_s=0.05,
+        )
+        assert sub.alive
     finally:
         sub.stop()
         pub.close(0)
@@ -196,3 +207,41 @@ def test_a_message_for_an_instance_not_configured_is_counted_and_dropped() -> No
     sub.receive("elsewhere", encode_message("", 0, block(0)))
     assert sub.counts.dropped[("elsewhere", "unknown_instance")] == 1
     assert len(index) == 0 and sub.counts.messages["elsewhere"] == 0
+
+
+def test_the_first_message_heard_is_preceded_by_what_the_buffer_holds(
+    replay_server: tuple[str, dict[int, bytes], list[int]],
+) -> None:
+    """A proxy that starts (or restarts) while the instance already holds blocks learns them from
+    the replay buffer before the first message it hears, not only what is stored afterwards."""
+    url, buffer, asked = replay_server
+    sub, index = make(replay=url)
+    for i in range(5):
+        buffer[i] = encode_batch(block(i, i - 1 if i else None))
+    sub.receive("p0", encode_message("", 5, block(5, 4)))
+    assert asked == [0] and sub.counts.replays[("p0", "catch_up")] == 1
+    assert cached(index, 6) == 24 and sub.counts.gaps["p0"] == 0 and sub.counts.rebuilds["p0"] == 0
+
+
+def test_a_catch_up_applies_only_the_run_that_ends_just_before_the_first_message(
+    replay_server: tuple[str, dict[int, bytes], list[int]],
+) -> None:
+    """The buffer has rolled past the chain's start, and has a hole: only the contiguous tail is
+    applied, and blocks whose parents it never saw are orphans (no credit), never a false hit."""
+    url, buffer, _ = replay_server
+    sub, index = make(replay=url)
+    buffer[1] = encode_batch(block(1, 0))  # 0 is gone; 1 is before the hole at 2
+    buffer[3] = encode_batch(block(10))  # a new root chain, stored after the hole
+    buffer[4] = encode_batch(block(11, 10))
+    sub.receive("p0", encode_message("", 5, block(12, 11)))
+    assert sub.counts.replays[("p0", "catch_up")] == 1
+    assert index.blocks("p0") == 3  # 10, 11, 12; not 1 (before the hole)
+    chain = list(range(40, 52))  # block 10's tokens, then 11's and 12's
+    assert index.match(chain_keys(chain, BS)).get("p0") == 12
+    assert cached(index, 2) == 0
+
+
+def test_a_catch_up_that_fails_starts_from_the_first_message() -> None:
+    sub, index = make(replay=f"tcp://127.0.0.1:{free_port()}")  # nothing answers
+    sub.receive("p0", encode_message("", 9, block(0)))
+    assert sub.counts.replays[("p0", "failed")] == 1 and index.blocks("p0") == 1

@@ -15,11 +15,11 @@ depends on pdscope's tokenizer. What it shows:
   same path and publishes them);
 - pdscope's own tokenizer (``proxy.tokenize``, ``model.tokenizer`` = the model directory) gives
   vLLM's ids for a completion and a chat, and the chat's blocks match P's events under them;
-- recovery after the subscriber stops: a subscriber that resumes with the old one's sequence
-  state sees the gap and gets the missed messages from vLLM's replay socket; a fresh one (a
-  restarted proxy) sees no gap, so it does not know the missed prompt's blocks; P reusing them
-  publishes nothing by default, only for a request that asks (``vllm_xargs``
-  ``kv_cache_report_mode: full``), and then the fresh index learns them.
+- recovery after the subscriber stops: a fresh subscriber and index (a restarted proxy) catch up
+  from vLLM's replay buffer before the first message they hear, so they know the prompt sent
+  while none ran (without that they never would: P reusing a prefix publishes nothing unless the
+  request asks, ``vllm_xargs`` ``kv_cache_report_mode: full``); a subscriber that resumes with the
+  old one's sequence state sees the gap and gets the missed messages from the replay socket.
 """
 
 from __future__ import annotations
@@ -272,51 +272,33 @@ def test_recovery_after_the_subscriber_restarts(
     pc.two_step(client, p_url, d_url, "completions", missed_body)
     assert kv_pair.match(index, missed)[kv_pair.p] == 0
 
-    # 1. A fresh subscriber and index (a restarted proxy) know nothing of what was missed: with no
-    # sequence to compare it sees no gap, so there is nothing to replay.
+    # 1. A fresh subscriber and index (a restarted proxy): before the first message it hears from an
+    # instance it replays what that instance's buffer holds, so it learns the prompt it missed.
     fresh_index = PrefixIndex(BLOCK_SIZE, max_blocks=100_000)
     fresh = kv_pair.subscriber(fresh_index)
+    nonce = uuid.uuid4().hex[:8]
     try:
-        nonce = uuid.uuid4().hex[:8]
 
-        def caught_up(tag: str) -> None:
-            """Send new prompts until the fresh index holds one on P: it is up to date then."""
+        def sent_and_indexed() -> bool:
+            """Send a new prompt; True once the fresh index holds one on P (it is listening then)."""
+            body, ids = prompt_with_full_blocks(kv_pair, 1, f"join-{nonce}-{uuid.uuid4().hex[:4]}")
+            pc.two_step(client, p_url, d_url, "completions", body)
+            try:
+                wait_until(
+                    "one new prompt in the fresh index",
+                    lambda: kv_pair.match(fresh_index, ids)[kv_pair.p],
+                    timeout_s=5,
+                )
+            except AssertionError:
+                return False  # published before the SUB had joined: send another
+            return True
 
-            def sent_and_indexed() -> bool:
-                body, ids = prompt_with_full_blocks(kv_pair, 1, f"{tag}-{nonce}")
-                pc.two_step(client, p_url, d_url, "completions", body)
-                try:
-                    wait_until(
-                        "one new prompt in the fresh index",
-                        lambda: kv_pair.match(fresh_index, ids)[kv_pair.p],
-                        timeout_s=5,
-                    )
-                except AssertionError:
-                    return False  # published before the SUB had joined: send another
-                return True
-
-            wait_until(
-                f"the fresh subscriber to be caught up ({tag})", sent_and_indexed, timeout_s=120, every_s=0.2
-            )
-
-        caught_up("join")
-        assert kv_pair.match(fresh_index, missed)[kv_pair.p] == 0
-        assert not fresh.counts.gaps and not fresh.counts.replays
-        # P reusing the missed prompt publishes nothing by default: vLLM re-publishes a prefix hit's
-        # blocks only for a request that asks for it (vllm_xargs kv_cache_report_mode=full).
+        wait_until("the fresh subscriber to be listening", sent_and_indexed, timeout_s=120, every_s=0.2)
+        assert fresh.counts.replays[(kv_pair.p, "catch_up")] == 1, fresh.counts
+        assert not fresh.counts.gaps[kv_pair.p] and not fresh.counts.rebuilds[kv_pair.p]
+        assert kv_pair.match(fresh_index, missed)[kv_pair.p] == 2 * BLOCK_SIZE
         second, _ = pc.two_step(client, p_url, d_url, "completions", missed_body)
-        assert cached_tokens(second.body) == 2 * BLOCK_SIZE
-        caught_up("after-reuse")
-        assert kv_pair.match(fresh_index, missed)[kv_pair.p] == 0
-        full = dict(missed_body, vllm_xargs={"kv_cache_report_mode": "full"})
-        third, _ = pc.two_step(client, p_url, d_url, "completions", full)
-        assert cached_tokens(third.body) == 2 * BLOCK_SIZE
-        wait_until(
-            "the fresh index to learn the missed prompt from P's reported reuse",
-            lambda: kv_pair.match(fresh_index, missed)[kv_pair.p],
-            done=lambda n: n == 2 * BLOCK_SIZE,
-            timeout_s=EVENT_WAIT_S,
-        )
+        assert cached_tokens(second.body) == 2 * BLOCK_SIZE  # what the index predicted, vLLM reused
     finally:
         fresh.stop()
 
