@@ -245,14 +245,7 @@ class Attempts:
             while True:
                 d = req.d
                 assert d is not None
-                req.d_sent_ns = time.time_ns()
-                span = self.tracer.start_span(
-                    sc.SPAN_DECODE,
-                    context=ctx,
-                    kind=SpanKind.CLIENT,
-                    attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
-                    start_time=req.d_sent_ns,
-                )
+                span = self._decode_span(req, d, attempt, ctx)
                 try:
                     headers = with_traceparent(base, span, tp_in, req.sampled)
                     await self._decode_once(req, d, d_body, headers, span, handoff, reply)
@@ -291,14 +284,7 @@ class Attempts:
         while True:
             d = req.d
             assert d is not None
-            req.d_sent_ns = time.time_ns()
-            span = self.tracer.start_span(
-                sc.SPAN_DECODE,
-                context=ctx,
-                kind=SpanKind.CLIENT,
-                attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
-                start_time=req.d_sent_ns,
-            )
+            span = self._decode_span(req, d, attempt, ctx)
             try:
                 headers = with_traceparent(base, span, tp_in, req.sampled)
                 await self._decode_once(req, d, raw, headers, span, None, reply)
@@ -316,6 +302,17 @@ class Attempts:
                 req.retries += 1
             finally:
                 span.end()
+
+    def _decode_span(self, req: RequestState, d: Target, attempt: int, ctx: Context) -> trace.Span:
+        """The span of one decode attempt on ``d``, started now (also D's sent time on the request)."""
+        req.d_sent_ns = time.time_ns()
+        return self.tracer.start_span(
+            sc.SPAN_DECODE,
+            context=ctx,
+            kind=SpanKind.CLIENT,
+            attributes={sc.ATTEMPT: attempt, sc.INSTANCE: d.name},
+            start_time=req.d_sent_ns,
+        )
 
     def _decode_failed(self, d: Target, span: trace.Span, kind: str) -> None:
         span.set_attribute(sc.ERROR_TYPE, kind)
