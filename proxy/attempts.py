@@ -254,15 +254,8 @@ class Attempts:
                     # D never saw the request, or refused it up front (vLLM's 503 comes before
                     # scheduling): P's blocks are unread, another D may pull them.
                     kind = exc.kind if isinstance(exc, DecodeRefused) else "connect"
-                    self._decode_failed(d, span, kind)
-                    tried.append(d.name)
                     attempt += 1
-                    nxt = None
-                    if attempt < self.fs.max_decode_attempts:
-                        nxt = self.gate.retry(req, "decode", tried, spend=lambda: self.spend("decode"))
-                    if nxt is None:
-                        raise upstream_error("decode", kind) from exc
-                    req.retries += 1
+                    nxt = self._next_decode(req, d, span, kind, tried, attempt, exc)
                     handoff.set_attribute(sc.D_INSTANCE, nxt.name)
                 except NeedsPrefill as exc:
                     self._decode_failed(d, span, exc.kind)
@@ -291,17 +284,32 @@ class Attempts:
                 return
             except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
                 kind = "connect" if isinstance(exc, ConnectFailed) else exc.kind
-                self._decode_failed(d, span, kind)
-                tried.append(d.name)
                 attempt += 1
-                nxt = None
-                if attempt < self.fs.max_decode_attempts:
-                    nxt = self.gate.retry(req, "decode", tried, spend=lambda: self.spend("decode"))
-                if nxt is None:
-                    raise upstream_error("decode", kind) from exc
-                req.retries += 1
+                self._next_decode(req, d, span, kind, tried, attempt, exc)
             finally:
                 span.end()
+
+    def _next_decode(
+        self,
+        req: RequestState,
+        d: Target,
+        span: trace.Span,
+        kind: str,
+        tried: list[str],
+        attempt: int,
+        exc: Exception,
+    ) -> Target:
+        """Decode attempt ``attempt`` failed on ``d`` (``kind``): the D the request moves to, within
+        ``max_decode_attempts`` and the retry budget; else the failure as the client's 502/504."""
+        self._decode_failed(d, span, kind)
+        tried.append(d.name)
+        nxt = None
+        if attempt < self.fs.max_decode_attempts:
+            nxt = self.gate.retry(req, "decode", tried, spend=lambda: self.spend("decode"))
+        if nxt is None:
+            raise upstream_error("decode", kind) from exc
+        req.retries += 1
+        return nxt
 
     def _decode_span(self, req: RequestState, d: Target, attempt: int, ctx: Context) -> trace.Span:
         """The span of one decode attempt on ``d``, started now (also D's sent time on the request)."""
