@@ -156,6 +156,8 @@ class ProxyApp:
             self._poller = None
         if self.parts.kv_events is not None:
             await asyncio.to_thread(self.parts.kv_events.stop)
+        if self.parts.kv is not None:
+            self.parts.kv.close()
         await self.parts.upstream.aclose()
         if self.parts.provider is not None:
             await asyncio.to_thread(self.parts.provider.shutdown)
@@ -355,7 +357,13 @@ def build(
     view = cache_view
     if view is None and ps.kv_aware.mode != "off":
         view, kv_events = _mode_view(settings, clock)
-    kv = None if view is None else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng)
+    # Only the precise view built here is known to key prompts safely on a worker thread.
+    offload = cache_view is None and ps.kv_aware.mode == "precise"
+    kv = (
+        None
+        if view is None
+        else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng, offload=offload)
+    )
     flow = Flow(
         FlowSettings.from_settings(settings),
         upstream,

@@ -109,7 +109,7 @@ class Flow:
             body = self._checked_body(endpoint, raw)
             req.stream = body.get("stream") is True
             if self.kv is not None:
-                self.gate.key_prompt(req, body)
+                await self.gate.key_prompt(req, body, len(raw))
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:

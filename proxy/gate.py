@@ -25,14 +25,24 @@ and a retry's target is one the cost model did not prefer, so load is what is le
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from pdscope import semconv as sc
 from proxy.admission import REASON_NO_INSTANCES, REASON_QUEUE_FULL, Admission, Rejection
-from proxy.kvaware import REASON_NO_PROMPT, REASON_VIEW_ERROR, Candidate, CostModel, Decision, choose
+from proxy.kvaware import (
+    REASON_KEYING_BUSY,
+    REASON_NO_PROMPT,
+    REASON_VIEW_ERROR,
+    Candidate,
+    CostModel,
+    Decision,
+    choose,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.prefixview import CacheView, Prompt
 from proxy.request import FlowSettings, RequestState
@@ -44,17 +54,55 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 
 
+OFFLOAD_BYTES = 32 * 1024  # a body this large is keyed off the event loop (when the view allows it)
+OFFLOAD_MAX = 32  # long prompts being keyed at once; past it a request routes load-only (keying_busy)
+
+
 class KvRouting:
     """A cache view and the cost model, as the gate uses them: every call to the view is caught
     (counted, logged at debug) so that a failing view costs only the KV-aware part of a request.
-    ``backlog``: per P, the uncached prefill tokens sent to it and not yet answered."""
+    ``backlog``: per P, the uncached prefill tokens sent to it and not yet answered.
+
+    With ``offload`` (the precise view: its tokenizer runs in Rust without the GIL), a body of
+    ``OFFLOAD_BYTES`` or more is keyed on a worker thread, so a long prompt (up to the tokenizer's
+    size cap, a second of tokenizing or more) never stalls the event loop and every other request
+    on it; at most ``OFFLOAD_MAX`` at once, and past that the request routes load-only."""
 
     def __init__(
-        self, view: CacheView, model: CostModel, metrics: ProxyMetrics, rng: random.Random | None = None
+        self,
+        view: CacheView,
+        model: CostModel,
+        metrics: ProxyMetrics,
+        rng: random.Random | None = None,
+        offload: bool = False,
     ) -> None:
         self.view, self.model, self.metrics = view, model, metrics
         self.rng = rng or random.Random()
         self.backlog: dict[str, int] = {}
+        self.offload = offload
+        self.offloaded = 0  # keyings on the worker threads now
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def prompt_of(
+        self, endpoint: str, body: Mapping[str, Any], size: int
+    ) -> tuple[Prompt | None, str | None]:
+        """:meth:`prompt`, on a worker thread when the body is long and the view allows it."""
+        if not self.offload or size < OFFLOAD_BYTES:
+            return self.prompt(endpoint, body)
+        if self.offloaded >= OFFLOAD_MAX:
+            return None, REASON_KEYING_BUSY
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-keying")
+        self.offloaded += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.prompt, endpoint, body)
+        finally:
+            self.offloaded -= 1
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def prompt(self, endpoint: str, body: Mapping[str, Any]) -> tuple[Prompt | None, str | None]:
         """The request's prompt, or (None, why it routes load-only)."""
@@ -122,10 +170,11 @@ class Gate:
 
     # -- the first pick ---------------------------------------------------------------
 
-    def key_prompt(self, req: RequestState, body: Mapping[str, Any]) -> None:
-        """With KV-aware routing: ``req``'s prompt as the view keys it (or why it routes load-only)."""
+    async def key_prompt(self, req: RequestState, body: Mapping[str, Any], size: int) -> None:
+        """With KV-aware routing: ``req``'s prompt as the view keys it (or why it routes load-only);
+        ``size``: the body's length in bytes (a long one may be keyed off the event loop)."""
         if self.kv is not None:
-            req.prompt, req.route_reason = self.kv.prompt(req.endpoint, body)
+            req.prompt, req.route_reason = await self.kv.prompt_of(req.endpoint, body, size)
 
     async def admit(self, req: RequestState) -> Rejection | None:
         """Admit ``req`` into a P and a D pool (or, decode-only, a D pool alone), waiting for room

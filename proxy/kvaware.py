@@ -59,6 +59,7 @@ REASON_LOAD = "load"  # no P's cache made a difference: the least loaded won
 REASON_AFFINITY_BOUNDED = "affinity_bounded"  # a P holding more lost its credit to the load bound
 REASON_NO_PROMPT = "no_prompt"  # the view could not key the prompt: load-only
 REASON_VIEW_ERROR = "view_error"  # the view failed on this request: load-only
+REASON_KEYING_BUSY = "keying_busy"  # too many long prompts were being tokenized already: load-only
 REASON_DECODE_ONLY_SHORT = "decode_only_short"  # D alone: what D lacks is short
 REASON_DECODE_ONLY_CACHED = "decode_only_cached"  # D alone: D holds nearly all of the prompt
 REASONS = (
@@ -67,6 +68,7 @@ REASONS = (
     REASON_AFFINITY_BOUNDED,
     REASON_NO_PROMPT,
     REASON_VIEW_ERROR,
+    REASON_KEYING_BUSY,
     REASON_DECODE_ONLY_SHORT,
     REASON_DECODE_ONLY_CACHED,
 )
