@@ -67,7 +67,7 @@ def test_a_tagged_map_batch() -> None:
     assert b.dp_rank is None
 
 
-@pytest.mark.parametrize("encoding", ["array", "map"])
+@pytest.mark.parametrize("encoding", ["array", "map", "vllm"])
 def test_encode_then_decode_is_the_same_batch(encoding: str) -> None:
     batch = Batch(
         3.25,
