@@ -5,7 +5,7 @@ is three frames: ``[topic, seq, payload]`` -- ``seq`` 8 bytes big-endian, counti
 ``payload`` a msgpack ``EventBatch``. The batch and its events are msgspec structs, encoded in
 one of two ways vLLM has used:
 
-- **array-like** (older vLLM, and what pdscope wrote before): a batch is ``[ts, events, data_parallel_rank]``, an event
+- **array-like** (older vLLM): a batch is ``[ts, events, data_parallel_rank]``, an event
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, ...]`` (the tag first, then the fields in declaration order; trailing defaults
   omitted, fields after ``lora_name`` ignored here), ``["BlockRemoved", block_hashes, medium,

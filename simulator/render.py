@@ -65,27 +65,26 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def sampling_params(data: dict[str, Any], max_tokens: int, chat: bool) -> dict[str, Any]:
-    """The request's sampling fields over vLLM's defaults; a field of the wrong type is refused."""
-    out = dict(SAMPLING_DEFAULTS)
-    for key in _NUMBERS:
-        v = data.get(key)
-        if v is not None:
-            if not isinstance(v, int | float) or isinstance(v, bool):
-                raise RenderError(f"{key} must be a number", key)
-            out[key] = float(v)
-    for key in _INTS:
-        v = data.get(key)
-        if v is not None:
-            if not _is_int(v):
-                raise RenderError(f"{key} must be an integer", key)
-            out[key] = v
-    for key in _BOOLS:
-        v = data.get(key)
-        if v is not None:
-            if not isinstance(v, bool):
-                raise RenderError(f"{key} must be a boolean", key)
-            out[key] = v
+def _typed(data: dict[str, Any], key: str) -> Any:
+    """``data[key]`` checked against the type its default has (None: absent)."""
+    v = data.get(key)
+    if v is None:
+        return None
+    if key in _NUMBERS:
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise RenderError(f"{key} must be a number", key)
+        return float(v)
+    if key in _INTS:
+        if not _is_int(v):
+            raise RenderError(f"{key} must be an integer", key)
+        return v
+    if not isinstance(v, bool):
+        raise RenderError(f"{key} must be a boolean", key)
+    return v
+
+
+def _stops(data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     stop = data.get("stop")
     if isinstance(stop, str):
         out["stop"] = [stop]
@@ -98,12 +97,11 @@ def sampling_params(data: dict[str, Any], max_tokens: int, chat: bool) -> dict[s
         if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
             raise RenderError("stop_token_ids must be a list of integers", "stop_token_ids")
         out["stop_token_ids"] = list(ids)
-    n = data.get("n")
-    if n is not None:
-        if not _is_int(n) or n < 1:
-            raise RenderError("n must be a positive integer", "n")
-        out["n"] = n
-    # chat: logprobs is a flag and top_logprobs the count; completion: logprobs is the count
+    return out
+
+
+def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
+    """chat: ``logprobs`` is a flag and ``top_logprobs`` the count; completion: ``logprobs`` is the count."""
     if chat:
         flag, count, name = data.get("logprobs"), data.get("top_logprobs"), "top_logprobs"
         if flag is not None and not isinstance(flag, bool):
@@ -111,10 +109,27 @@ def sampling_params(data: dict[str, Any], max_tokens: int, chat: bool) -> dict[s
         count = (0 if count is None else count) if flag else None
     else:
         count, name = data.get("logprobs"), "logprobs"
-    if count is not None:
-        if not _is_int(count) or count < 0:
-            raise RenderError(f"{name} must be a non-negative integer", name)
-        out["logprobs"] = count
+    if count is not None and (not _is_int(count) or count < 0):
+        raise RenderError(f"{name} must be a non-negative integer", name)
+    return count if count is None else int(count)
+
+
+def sampling_params(data: dict[str, Any], max_tokens: int, chat: bool) -> dict[str, Any]:
+    """The request's sampling fields over vLLM's defaults; a field of the wrong type is refused."""
+    out = dict(SAMPLING_DEFAULTS)
+    for key in (*_NUMBERS, *_INTS, *_BOOLS):
+        v = _typed(data, key)
+        if v is not None:
+            out[key] = v
+    out.update(_stops(data))
+    n = data.get("n")
+    if n is not None:
+        if not _is_int(n) or n < 1:
+            raise RenderError("n must be a positive integer", "n")
+        out["n"] = n
+    logprobs = _logprobs(data, chat)
+    if logprobs is not None:
+        out["logprobs"] = logprobs
     out["max_tokens"] = max_tokens
     return out
 

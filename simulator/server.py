@@ -3,9 +3,10 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming and not, vLLM's JSON and SSE
 chunk shapes, ``X-Request-Id`` as vLLM uses it: ``cmpl-<id>-0`` / ``chatcmpl-<id>``),
 ``/health``, ``/v1/models``, ``/version`` and ``/metrics``, and the render endpoints
-(``/v1/completions/render``, ``/v1/chat/completions/render``: the prompt's token ids, ``render.py``). A prefill instance honours
-``kv_transfer_params.do_remote_decode`` and answers with the keys real P returns; a
-decode instance honours ``do_remote_prefill`` and pulls the KV before its first token.
+(``/v1/completions/render``, ``/v1/chat/completions/render``: the prompt's token ids,
+``render.py``). A prefill instance honours ``kv_transfer_params.do_remote_decode`` and answers
+with the keys real P returns; a decode instance honours ``do_remote_prefill`` and pulls the KV
+before its first token.
 The app does per-request work only in proportion to the tokens it sends; all modelling
 is the engine's. It must not block the loop or keep state beyond the request.
 """

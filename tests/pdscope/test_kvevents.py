@@ -84,6 +84,26 @@ def test_encode_then_decode_is_the_same_batch(encoding: str) -> None:
     assert (msg.topic, msg.seq, msg.batch) == ("kv", 41, batch)
 
 
+def test_the_vllm_encoding_is_an_array_batch_of_tagged_map_events() -> None:
+    """vLLM 0.32: ``EventBatch`` is array_like, ``KVCacheEvent`` tag=True (maps); omit_defaults
+    leaves out only fields that have a default, so the ones without are sent even when null."""
+    batch = Batch(2.0, (BlockStored((7,), None, tuple(range(16)), 16), AllBlocksCleared()), dp_rank=0)
+    raw = msgpack.unpackb(encode_batch(batch, "vllm"), raw=False)
+    assert raw[0] == 2.0 and raw[2] == 0
+    stored, cleared = raw[1]
+    assert stored == {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": None,
+        "lora_name": None,
+    }
+    assert cleared == {"type": "AllBlocksCleared"}
+
+
 @pytest.mark.parametrize(
     "event",
     [
