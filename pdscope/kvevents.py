@@ -5,13 +5,17 @@ is three frames: ``[topic, seq, payload]`` -- ``seq`` 8 bytes big-endian, counti
 ``payload`` a msgpack ``EventBatch``. The batch and its events are msgspec structs, encoded in
 one of two ways vLLM has used:
 
-- **array-like** (the current one): a batch is ``[ts, events, data_parallel_rank]``, an event
+- **array-like** (older vLLM): a batch is ``[ts, events, data_parallel_rank]``, an event
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, ...]`` (the tag first, then the fields in declaration order; trailing defaults
   omitted, fields after ``lora_name`` ignored here), ``["BlockRemoved", block_hashes, medium,
   ...]``, ``["AllBlocksCleared"]``;
 - **tagged maps**: ``{"ts", "events", "data_parallel_rank"}``, an event ``{"type": "BlockStored",
-  "block_hashes": ..., ...}``.
+  "block_hashes": ..., ...}``;
+- and the two mixed, as vLLM 0.32 publishes (``EventBatch`` is ``array_like``, ``KVCacheEvent`` is
+  ``tag=True`` without it): an array-like batch of tagged-map events. Events are decoded one by
+  one, so any mix reads; the simulator publishes this one (``encoding="vllm"``), which is also
+  what vLLM's own Rust router (``vllm-router``) accepts.
 
 A block hash is an int or bytes (vLLM has sent both); it names a block only within one
 instance's stream, so pdscope keys cached prefixes by token ids instead (``BlockStored``
@@ -234,13 +238,13 @@ def _opt_str(v: Any) -> str | None:
 
 # -- encoding (the simulator's publisher; tests) ------------------------------------------------
 
-Encoding = Literal["array", "map"]
+Encoding = Literal["array", "map", "vllm"]  # vllm: an array-like batch of tagged-map events
 
 
 def encode_batch(batch: Batch, encoding: Encoding = "array") -> bytes:
     """``batch`` as vLLM would publish it, in either encoding."""
     events = [_encode_event(e, encoding) for e in batch.events]
-    if encoding == "map":
+    if encoding == "map":  # "vllm" keeps the array-like batch
         obj: Any = {"ts": batch.ts, "events": events, "data_parallel_rank": batch.dp_rank}
     else:
         obj = [batch.ts, events, batch.dp_rank]
@@ -271,6 +275,8 @@ def _encode_event(e: Event, encoding: Encoding) -> Any:
         tag, fields = "AllBlocksCleared", {}
     if encoding == "map":
         return {"type": tag, **{k: v for k, v in fields.items() if v is not None}}
+    if encoding == "vllm":  # msgspec omit_defaults: fields without a default are sent even when null
+        return {"type": tag, **fields}
     values = [fields[name] for name in _ORDER[tag]]
     while values and values[-1] is None:  # omit_defaults: trailing defaults are left out
         values.pop()

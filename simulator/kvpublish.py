@@ -2,7 +2,8 @@
 
 A PUB socket bound at the instance's ``kv_events_endpoint`` sends each engine step's events as
 one message ``[topic, seq (8 bytes big-endian), msgpack EventBatch]`` encoded by
-``pdscope.kvevents.encode_message`` (array-like, as vLLM's msgspec structs are), ``seq`` counting
+``pdscope.kvevents.encode_message`` (an array-like batch of tagged-map events, as vLLM 0.32's msgspec
+structs encode), ``seq`` counting
 from 0. The last ``buffer_steps`` messages are kept in a ring; with a ``replay_endpoint`` a ROUTER
 socket answers a request ``[start seq (8 bytes big-endian)]`` (from a DEALER: ``[b"", start]``) with
 every kept message from ``start`` on, each ``[b"", topic, seq, payload]``, then ``[b"", END_SEQ,
@@ -92,7 +93,7 @@ class KvEventPublisher:
         seq = self.seq
         self.seq += 1
         try:
-            frames = encode_message(self.topic, seq, Batch(self.clock(), tuple(events), self.dp_rank))
+            frames = encode_message(self.topic, seq, Batch(self.clock(), tuple(events), self.dp_rank), "vllm")
         except (ValueError, TypeError, OverflowError):
             self.dropped += 1
             logger.exception("kv events: could not encode a batch of %d event(s)", len(events))

@@ -2,9 +2,11 @@
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming and not, vLLM's JSON and SSE
 chunk shapes, ``X-Request-Id`` as vLLM uses it: ``cmpl-<id>-0`` / ``chatcmpl-<id>``),
-``/health``, ``/v1/models``, ``/version`` and ``/metrics``. A prefill instance honours
-``kv_transfer_params.do_remote_decode`` and answers with the keys real P returns; a
-decode instance honours ``do_remote_prefill`` and pulls the KV before its first token.
+``/health``, ``/v1/models``, ``/version`` and ``/metrics``, and the render endpoints
+(``/v1/completions/render``, ``/v1/chat/completions/render``: the prompt's token ids,
+``render.py``). A prefill instance honours ``kv_transfer_params.do_remote_decode`` and answers
+with the keys real P returns; a decode instance honours ``do_remote_prefill`` and pulls the KV
+before its first token.
 The app does per-request work only in proportion to the tokens it sends; all modelling
 is the engine's. It must not block the loop or keep state beyond the request.
 """
@@ -24,6 +26,7 @@ from pdscope import simtokenizer
 from simulator.instance import SimInstance
 from simulator.metrics import CONTENT_TYPE
 from simulator.model import RemoteKV, SimRequest
+from simulator.render import RenderError, render
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,8 @@ _KEPT_HEADERS = frozenset((b"x-request-id", *_TRACE_HEADERS))  # read from each 
 # prometheus-fastapi-instrumentator as vLLM configures it: these handlers are not metered,
 # and a path that matches no route is grouped under handler "none"
 _UNMETERED = ("/metrics", "/health", "/ping", "/version", "/load")
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_RENDER = ("/v1/completions/render", "/v1/chat/completions/render")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", *_RENDER)
 
 
 class ClientDisconnected(Exception):
@@ -170,6 +174,10 @@ class InstanceApp:
                 await self._generate(
                     scope, body, receive, metered_send, chat=path.endswith("chat/completions")
                 )
+            elif path in _RENDER and method == "POST":
+                body = await _read_body(receive)
+                req_bytes = len(body)
+                await _json(metered_send, 200, self._render(body, chat=path.startswith("/v1/chat/")))
             elif path in ("/health", "/ping") and method == "GET":
                 await _respond(metered_send, 200, b"", [])
             elif path == "/metrics" and method == "GET":
@@ -231,6 +239,23 @@ class InstanceApp:
                 }
             ],
         }
+
+    def _render(self, body: bytes, chat: bool) -> dict[str, Any] | list[dict[str, Any]]:
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise BadRequest(f"invalid JSON body: {exc}") from exc
+        try:
+            return render(
+                data,
+                chat,
+                self.inst.model_name,
+                self.inst.cfg.max_model_len,
+                prompt_ids_of,
+                lambda: uuid.UUID(int=self.inst.rng.getrandbits(128)).hex,
+            )
+        except RenderError as exc:
+            raise BadRequest(str(exc), exc.status, exc.kind, exc.param) from exc
 
     # -- generation ----------------------------------------------------------------
 
@@ -533,5 +558,5 @@ async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body})
 
 
-async def _json(send: Send, status: int, payload: dict[str, Any]) -> None:
+async def _json(send: Send, status: int, payload: dict[str, Any] | list[dict[str, Any]]) -> None:
     await _respond(send, status, _dumps(payload).encode(), _JSON)

@@ -13,7 +13,10 @@ Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py`
                    events (``--pd-kv-events``) when it can use them, else ``--policy cache_aware`` (its
                    approximate prefix tree over the prompt text), the reason in the results: one probe
                    request first, and kv_aware is kept only if the router keyed it (its
-                   ``vllm_router_kv_routing_inputs_total`` says no ``*_unavailable``);
+                   ``vllm_router_kv_routing_inputs_total`` counts ``result="render"``: the simulator's
+                   ``/v1/*/render`` answered with the token ids it caches, and no ``*_unavailable``);
+                   the results keep its KV counters (placement hits, credited prefix tokens) and the
+                   count of KV event batches its log says it could not decode;
 - ``oracle``       pdscope's KV-aware proxy whose view is the simulator's true cache (``oracle.py``).
 
 Workloads (``workloads.py``): shared system prompts (Zipf), multi-turn chats, unique prompts (the
@@ -98,14 +101,36 @@ class RouterChoice:
         except (OSError, ValueError) as exc:
             self.why = f"kv_aware answered {type(exc).__name__}: {exc}"
             return False
-        unavailable = {k: v for k, v in router_kv_metrics(stack).items() if "unavailable" in k and v}
-        if unavailable:
+        got = router_kv_metrics(stack)
+        unavailable = {k: v for k, v in got.items() if "unavailable" in k and v}
+        rendered = sum(v for k, v in got.items() if k.startswith(ROUTER_INPUTS) and "result=render," in k)
+        if unavailable or not rendered:
             self.why = (
-                "kv_aware could not key the prompt (it asks the worker's /v1/*/render endpoints for token "
-                f"ids, which the simulator does not serve): {unavailable}; ran cache_aware instead"
+                "kv_aware could not key the prompt (it asks the worker's /v1/completions/render and "
+                f"/v1/chat/completions/render for token ids): {unavailable or got}; ran cache_aware instead"
             )
             return False
         return True
+
+
+ROUTER_INPUTS = "vllm_router_kv_routing_inputs_total"
+ROUTER_METRIC_PREFIXES = (
+    "vllm_router_kv",
+    "vllm_router_cache",
+    "vllm_router_policy",
+    "vllm_router_prefix",
+    "vllm_router_pd_credited",
+)
+EVENT_DECODE_WARNING = "kv_index decode batch"  # vllm-router's log line for a KV event it cannot read
+
+
+def router_event_warnings(stack: Stack) -> int:
+    """Lines in vllm-router's log saying it could not decode a KV event batch (0: it read them all)."""
+    try:
+        text = (stack.tmp / "proxy.log").read_text(errors="replace")
+    except OSError:
+        return -1
+    return sum(EVENT_DECODE_WARNING in line for line in text.splitlines())
 
 
 def router_kv_metrics(stack: Stack) -> dict[str, float]:
@@ -118,7 +143,7 @@ def router_kv_metrics(stack: Stack) -> dict[str, float]:
     except OSError as exc:
         return {f"unavailable: {exc}": 0.0}
     for name, rows in samples.items():
-        if name.startswith(("vllm_router_kv", "vllm_router_cache", "vllm_router_policy")):
+        if name.startswith(ROUTER_METRIC_PREFIXES):
             for labels, v in rows:
                 key = name + "{" + ",".join(f"{k}={x}" for k, x in sorted(labels.items())) + "}"
                 out[key] = out.get(key, 0.0) + v
@@ -214,6 +239,7 @@ def _run_one(
                 out.update(phase(snaps["start"], snaps["end"], SLO_TTFT_S, tokens))
             if contender == "vllm_router":
                 out["router_kv_metrics"] = router_kv_metrics(stack)
+                out["router_event_decode_warnings"] = router_event_warnings(stack)
             lag = http_json(stack.admin_url + "/stats", timeout=5)
             out["sim_loop_lag_p99_s"] = lag.get("loop_lag_p99_s")
             out["sim_trustworthy"] = lag.get("trustworthy")

@@ -67,7 +67,7 @@ def test_a_tagged_map_batch() -> None:
     assert b.dp_rank is None
 
 
-@pytest.mark.parametrize("encoding", ["array", "map"])
+@pytest.mark.parametrize("encoding", ["array", "map", "vllm"])
 def test_encode_then_decode_is_the_same_batch(encoding: str) -> None:
     batch = Batch(
         3.25,
@@ -82,6 +82,26 @@ def test_encode_then_decode_is_the_same_batch(encoding: str) -> None:
     assert decode_batch(encode_batch(batch, encoding)) == batch  # type: ignore[arg-type]
     msg = decode_message(encode_message("kv", 41, batch, encoding))  # type: ignore[arg-type]
     assert (msg.topic, msg.seq, msg.batch) == ("kv", 41, batch)
+
+
+def test_the_vllm_encoding_is_an_array_batch_of_tagged_map_events() -> None:
+    """vLLM 0.32: ``EventBatch`` is array_like, ``KVCacheEvent`` tag=True (maps); omit_defaults
+    leaves out only fields that have a default, so the ones without are sent even when null."""
+    batch = Batch(2.0, (BlockStored((7,), None, tuple(range(16)), 16), AllBlocksCleared()), dp_rank=0)
+    raw = msgpack.unpackb(encode_batch(batch, "vllm"), raw=False)
+    assert raw[0] == 2.0 and raw[2] == 0
+    stored, cleared = raw[1]
+    assert stored == {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": None,
+        "lora_name": None,
+    }
+    assert cleared == {"type": "AllBlocksCleared"}
 
 
 @pytest.mark.parametrize(
