@@ -20,6 +20,8 @@ window's healthy requests (those that met every SLO) where that stage was measur
 
 * **No healthy request** (every request missed): the baselines are zero, so a miss's excess is the
   whole of each stage; the result says so (``baseline_source``).
+* **Noise.** Every stage varies about its median: in one miss, a stage whose excess is under
+  :data:`NOISE_SHARE` (5%) of that miss's excess is not charged.
 * **Unsampled records** (the proxy's root span only: no in-vLLM durations): P's queue and prefill
   are not split; the whole P time is compared with the healthy P time and charged to ``prefill``
   (``split: false`` on that stage). A stage whose timestamps are missing is not measured and
@@ -74,6 +76,8 @@ P_TOTAL: Final = "p_total"
 TPOT: Final = "tpot"
 TOP_N: Final = 3
 PROXY: Final = "proxy"
+# a stage whose excess is under this share of its miss's excess is noise (every stage varies about its median)
+NOISE_SHARE: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +329,8 @@ def _excess(
             add("prefill", d[P_TOTAL], base.get(P_TOTAL, 0.0), split=False)
     if tpot and TPOT in d:
         add("decode", d[TPOT], base.get(TPOT, 0.0), scale=float((r.completion_tokens or 2) - 1))
-    return out
+    total = sum(s.excess_s for s in out)
+    return [s for s in out if s.excess_s >= NOISE_SHARE * total]
 
 
 # -- link or D queue -----------------------------------------------------------------------------

@@ -221,7 +221,9 @@ def test_all_misses_fall_back_to_zero_baselines() -> None:
     assert a.top[0].stage == "prefill" and a.top[0].place == "prefill-0"
     m = a.misses[0]
     assert all(s.baseline_s == 0.0 for s in m.stages)
-    assert m.excess_s == approx(0.01 + 0.02 + 0.9 + 0.05)
+    # the whole of each stage, but for those under 5% of the miss's excess (admission, P queue): noise
+    assert m.excess_s == approx(0.9 + 0.05)
+    assert [s.stage for s in m.stages] == ["prefill", "handoff"]
 
 
 def test_unsampled_records_charge_the_whole_p_time_to_prefill_unsplit() -> None:
@@ -275,3 +277,17 @@ def test_as_dict_is_bounded_and_carries_the_top() -> None:
 )
 def test_group_message(args: tuple[str, str, str, float, int, float], text: str) -> None:
     assert group_message(*args) == text
+
+
+def test_a_stage_barely_over_its_median_is_noise_not_a_reason() -> None:
+    # a slow P whose handoff is also a hair over the healthy median: only prefill is charged
+    slow = [rec(100 + k, "prefill-1", "decode-0", prefill=0.9, handoff=0.051) for k in range(5)]
+    a = run(healthy(30) + slow)
+    assert [(g.stage, g.place) for g in a.groups] == [("prefill", "prefill-1")]
+    # at 5% of the miss's excess or more it is charged
+    slower = [rec(200 + k, "prefill-1", "decode-0", prefill=0.9, handoff=0.05 + 0.05) for k in range(5)]
+    b = run(healthy(30) + slower)
+    assert {(g.stage, g.place) for g in b.groups} == {
+        ("prefill", "prefill-1"),
+        ("handoff", "prefill-1->decode-0"),
+    }
