@@ -104,6 +104,7 @@ def _stage_record(row: Any) -> StageRecord:
         completion_tokens=row.completion_tokens,
         lease_expired=bool(row.lease_expiry_suspect),
         transfer_failed=_transfer_failed(row.attributes),
+        retries=row.retries or 0,
     )
 
 
@@ -130,6 +131,7 @@ def read_records(
             r.completion_tokens,
             r.lease_expiry_suspect,
             r.attributes,
+            r.retries,
         )
         .where(r.proxy_in >= lo, r.proxy_in <= hi)
         .order_by(r.proxy_in.desc(), r.id.desc())

@@ -32,7 +32,8 @@ window's healthy requests (those that met every SLO) where that stage was measur
 Each stage's excess is charged to a place and a cause: admission to the proxy, P queue and prefill
 to the P, handoff to the P×D pair, D queue and decode to the D; the cause is ``lease_expired``
 (``lease_expiry_suspect``) or ``transfer_failed`` (a NIXL failure on the D during the handoff) for
-a handoff, else ``slow``. **Link or D queue:** the slow-handoff excess on one D is a bad link when
+a handoff, else ``retried`` for a request the proxy retried (its record keeps the last attempt's
+P and D, and its stage times may hold the failed attempts' time), else ``slow``. **Link or D queue:** the slow-handoff excess on one D is a bad link when
 one pair carries at least ``link_concentration`` of it (or the D was reached from one P only), and
 the D's own queue when it is spread over the handoffs of several P's: then it is charged as
 ``d_queue`` on the D.
@@ -58,7 +59,7 @@ from pdscope.config import SLOSettings
 from pdscope.slo import slo_verdict
 
 Stage = Literal["admission", "p_queue", "prefill", "handoff", "d_queue", "decode", "outcome", "unmeasured"]
-Cause = str  # "slow" | "lease_expired" | "transfer_failed" | "status:<status>" | "unknown"
+Cause = str  # "slow" | "lease_expired" | "transfer_failed" | "retried" | "status:<status>" | "unknown"
 
 STAGE_LABELS: Final[dict[str, str]] = {
     "admission": "admission wait",
@@ -100,6 +101,7 @@ class StageRecord:
     completion_tokens: int | None = None
     lease_expired: bool = False
     transfer_failed: bool = False
+    retries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +298,7 @@ def _cause(stage: str, r: StageRecord) -> Cause:
             return "lease_expired"
         if r.transfer_failed:
             return "transfer_failed"
-    return "slow"
+    return "retried" if r.retries > 0 else "slow"
 
 
 def _excess(
@@ -372,6 +374,7 @@ def _clock(ts: float) -> str:
 CAUSE_WORDS: Final[dict[str, str]] = {
     "lease_expired": "expired KV leases",
     "transfer_failed": "failed KV transfers",
+    "retried": "after retries",
 }
 
 

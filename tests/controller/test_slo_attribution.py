@@ -291,3 +291,11 @@ def test_a_stage_barely_over_its_median_is_noise_not_a_reason() -> None:
         ("prefill", "prefill-1"),
         ("handoff", "prefill-1->decode-0"),
     }
+
+
+def test_a_retried_request_says_so() -> None:
+    retried = [rec(300 + k, "prefill-1", "decode-0", prefill=0.9, retries=1) for k in range(3)]
+    a = run(healthy(30) + retried)
+    g = a.top[0]
+    assert (g.stage, g.place, g.cause) == ("prefill", "prefill-1", "retried")
+    assert g.message.startswith("prefill on prefill-1, after retries: 100% of the excess")
