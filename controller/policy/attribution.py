@@ -33,10 +33,11 @@ Each stage's excess is charged to a place and a cause: admission to the proxy, P
 to the P, handoff to the P×D pair, D queue and decode to the D; the cause is ``lease_expired``
 (``lease_expiry_suspect``) or ``transfer_failed`` (a NIXL failure on the D during the handoff) for
 a handoff, else ``retried`` for a request the proxy retried (its record keeps the last attempt's
-P and D, and its stage times may hold the failed attempts' time), else ``slow``. **Link or D queue:** the slow-handoff excess on one D is a bad link when
-one pair carries at least ``link_concentration`` of it (or the D was reached from one P only), and
-the D's own queue when it is spread over the handoffs of several P's: then it is charged as
-``d_queue`` on the D.
+P and D, and its stage times may hold the failed attempts' time), else ``slow``.
+
+**Link or D queue:** the slow-handoff excess on one D is a bad link when one pair carries at least
+``link_concentration`` of it (or the D was reached from one P only), and the D's own queue when it
+is spread over the handoffs of several P's: then it is charged as ``d_queue`` on the D.
 
 Misses are grouped by (stage, place, cause); a group's share is its part of the window's total
 excess (of its count, when no miss has any excess), and its ``since`` the first miss in it. The
