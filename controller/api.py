@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, history, ops, overrides, proxies, routing
+from controller.endpoints import alerts, attribution, history, ops, overrides, proxies, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.forward import Forwarder
@@ -47,6 +47,7 @@ ROUTERS = (
     proxies,
     history,
     alerts,
+    attribution,
     ops,
     overrides,
 )  # reads first, as the OpenAPI document lists them

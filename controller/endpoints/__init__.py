@@ -4,6 +4,7 @@
 * :mod:`.overrides`: operator overrides: instance weight, drain/undrain, pool weight (mutations).
 * :mod:`.history`: the policy's stored decisions.
 * :mod:`.alerts`: alerts, the alert rules as configured, SLO status.
+* :mod:`.attribution`: why the SLO was missed over a range (stages, instances, pairs, causes).
 * :mod:`.ops`: health, the caller's identity, Prometheus metrics.
 
 Routers read through :class:`.context.ApiContext` and render with :class:`.views.Views`;

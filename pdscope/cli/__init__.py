@@ -9,7 +9,7 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db`` and ``pdscope.cli.configcheck``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck`` and ``pdscope.cli.explain``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "pdscope.cli.db",
         "manage the store: upgrade, downgrade, check, current",
         "Applies pdscope's Alembic migrations to the configured store (SQLite or PostgreSQL).",
+    ),
+    "explain": (
+        "pdscope.cli.explain",
+        "why the requests of a range missed their SLO: the top three reasons, from the store",
+        "Splits every SLO miss of the range over its stages (admission wait, P queue, prefill, handoff "
+        "incl. the KV pull, D queue, decode) against the healthy requests' medians and groups the excess "
+        "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON.",
     ),
     "config": (
         "pdscope.cli.configcheck",

@@ -1,0 +1,168 @@
+"""The SLO-miss attribution of a stored window: the range asked for, the records read, the pure attribution.
+
+Shared by ``GET /v1/slo/attribution`` and ``pdscope explain``. A range is either ``since`` (a
+duration back from now: ``90``, ``90s``, ``30m``, ``2h``, ``1d``) or ``from`` / ``until`` (Unix
+seconds; ``until`` defaults to now); it spans at most :data:`MAX_RANGE_S`. A bad one raises
+:class:`BadRange` naming the parameter. The records read are those the controller believes
+(``controller.trusted_span_senders``, :func:`controller.observe.trusted_filter`), requests refused
+as invalid (a 4xx other than 429, the client's fault) left out, at most ``limit`` of them: the
+newest, the answer saying when older ones were left out (``truncated``). The attribution itself is
+:func:`controller.policy.attribution.attribute` under the configured ``slo.*``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from controller.observe import trusted_filter
+from controller.policy.attribution import Attribution, StageRecord, attribute
+from pdscope.config import Settings
+from store import queries as q
+from store.db import transaction
+from store.models import RequestRecord
+
+MAX_RANGE_S: Final = 7 * 86400.0
+MAX_RECORDS: Final = 200_000
+DEFAULT_RECORDS: Final = 50_000
+_UNITS: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+class BadRange(ValueError):
+    """A range parameter that is not valid: ``param`` names it."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+def parse_duration(text: str, param: str = "since") -> float:
+    """Seconds of ``90``, ``90s``, ``30m``, ``2h``, ``1d``: more than 0, at most :data:`MAX_RANGE_S`."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise BadRange(param, f"{text[:40]!r} is not a duration (a number with s, m, h or d: 30m)")
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not 0 < seconds <= MAX_RANGE_S:
+        raise BadRange(param, f"must be more than 0 and at most {MAX_RANGE_S / 86400:.0f}d")
+    return seconds
+
+
+def resolve_range(
+    now: float, *, since: str | None = None, from_: float | None = None, until: float | None = None
+) -> tuple[float, float]:
+    """The range (lo, hi) in Unix seconds: ``since`` back from ``now``, or ``from`` .. ``until``."""
+    if since is not None and from_ is not None:
+        raise BadRange("since", "give either since or from, not both")
+    for name, v in (("from", from_), ("until", until)):
+        if v is not None and not math.isfinite(v):
+            raise BadRange(name, "must be a finite number of Unix seconds")
+    hi = now if until is None else until
+    if since is not None:
+        lo = hi - parse_duration(since)
+    elif from_ is not None:
+        lo = from_
+    else:
+        raise BadRange("since", "give since (a duration such as 30m) or from (Unix seconds)")
+    if lo >= hi:
+        raise BadRange("from" if from_ is not None else "until", "the range must start before it ends")
+    if hi - lo > MAX_RANGE_S:
+        raise BadRange("from", f"the range spans at most {MAX_RANGE_S / 86400:.0f}d")
+    return lo, hi
+
+
+def _transfer_failed(attributes: Mapping[str, Any] | None) -> bool:
+    """A NIXL transfer failed on the D during this request's handoff (forensics' ``nixl`` join)."""
+    nixl = (attributes or {}).get("nixl")
+    d = nixl.get("d") if isinstance(nixl, dict) else None
+    n = d.get("nixl_failed_transfers") if isinstance(d, dict) else None
+    return isinstance(n, int | float) and not isinstance(n, bool) and n > 0
+
+
+def _stage_record(row: Any) -> StageRecord:
+    return StageRecord(
+        request_id=row.request_id,
+        proxy_in=row.proxy_in,
+        status=row.status,
+        p_instance=row.p_instance,
+        d_instance=row.d_instance,
+        p_sent=row.p_sent,
+        p_done=row.p_done,
+        d_sent=row.d_sent,
+        first_token=row.first_token,
+        done=row.done,
+        p_queue_s=row.p_queue_s,
+        ttft_s=row.ttft_s,
+        tpot_s=row.tpot_s,
+        completion_tokens=row.completion_tokens,
+        lease_expired=bool(row.lease_expiry_suspect),
+        transfer_failed=_transfer_failed(row.attributes),
+        retries=row.retries or 0,
+    )
+
+
+def read_records(
+    session: Session, lo: float, hi: float, *, only: q.RecordFilter, limit: int
+) -> tuple[list[StageRecord], bool]:
+    """The newest ``limit`` records of the range, oldest first; True when older ones were left out."""
+    r = RequestRecord
+    stmt = only.apply(
+        select(
+            r.request_id,
+            r.proxy_in,
+            r.status,
+            r.p_instance,
+            r.d_instance,
+            r.p_sent,
+            r.p_done,
+            r.d_sent,
+            r.first_token,
+            r.done,
+            r.p_queue_s,
+            r.ttft_s,
+            r.tpot_s,
+            r.completion_tokens,
+            r.lease_expiry_suspect,
+            r.attributes,
+            r.retries,
+        )
+        .where(r.proxy_in >= lo, r.proxy_in <= hi)
+        .order_by(r.proxy_in.desc(), r.id.desc())
+        .limit(limit + 1)
+    )
+    rows = session.connection().execute(stmt).all()
+    truncated = len(rows) > limit
+    return [_stage_record(x) for x in reversed(rows[:limit])], truncated
+
+
+@dataclass(frozen=True)
+class WindowAttribution:
+    """The attribution of a stored range, and whether its oldest records were left out."""
+
+    attribution: Attribution
+    truncated: bool
+    limit: int
+
+    def as_dict(self, max_misses: int = 100) -> dict[str, Any]:
+        return {
+            **self.attribution.as_dict(max_misses),
+            "truncated": self.truncated,
+            "record_limit": self.limit,
+        }
+
+
+def window_attribution(
+    factory: sessionmaker[Session], settings: Settings, lo: float, hi: float, *, limit: int = DEFAULT_RECORDS
+) -> WindowAttribution:
+    """Read the range's records (at most ``limit``) and attribute its misses under ``settings.slo``."""
+    only = q.RecordFilter(trusted_filter(settings).senders, charged_only=True)
+    with transaction(factory) as session:
+        records, truncated = read_records(session, lo, hi, only=only, limit=limit)
+    return WindowAttribution(attribute(records, settings.slo, since=lo, until=hi), truncated, limit)

@@ -1,0 +1,84 @@
+"""``pdscope explain``: why the requests of a range missed their SLO, from the store.
+
+Prints the top reasons (``controller.policy.attribution``: each stage's excess over the healthy
+requests' median, grouped by stage, instance or P×D pair and cause), or with ``--json`` the same
+JSON as ``GET /v1/slo/attribution``. The range is ``--since`` (a duration back from now, default
+30m) or ``--from`` / ``--until`` (Unix seconds). Exit codes: 0 an answer (misses or none), 1 no
+request record in the range or the store cannot be read, 2 a bad range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+
+from pdscope.config import load_settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--since", help="a duration back from now: 90s, 30m, 2h, 1d (default 30m)")
+    parser.add_argument("--from", dest="from_", type=float, help="start, Unix seconds (instead of --since)")
+    parser.add_argument("--until", type=float, help="end, Unix seconds (default: now)")
+    parser.add_argument("--json", action="store_true", help="print the JSON of GET /v1/slo/attribution")
+    parser.add_argument("--misses", type=int, default=20, help="misses listed with --json (default 20)")
+    parser.add_argument("--limit", type=int, help="records read at most, the newest (default 50000)")
+    parser.add_argument("--store", help="store URL (default: store.url)")
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def run(args: argparse.Namespace) -> int:
+    from controller.attribution import (
+        DEFAULT_RECORDS,
+        MAX_RECORDS,
+        BadRange,
+        resolve_range,
+        window_attribution,
+    )
+    from store.db import StoreError, make_engine, session_factory
+
+    settings = load_settings(args)
+    since = args.since if args.since is not None or args.from_ is not None else "30m"
+    limit = DEFAULT_RECORDS if args.limit is None else args.limit
+    try:
+        lo, hi = resolve_range(time.time(), since=since, from_=args.from_, until=args.until)
+        if not 1 <= limit <= MAX_RECORDS:
+            raise BadRange("limit", f"must be 1 to {MAX_RECORDS}")
+        if not 0 <= args.misses <= 1000:
+            raise BadRange("misses", "must be 0 to 1000")
+    except BadRange as exc:
+        print(f"pdscope explain: --{exc.param}: {exc.reason}", file=sys.stderr)
+        return 2
+    url = args.store or settings.store.url
+    try:
+        engine = make_engine(url)
+        try:
+            result = window_attribution(session_factory(engine), settings, lo, hi, limit=limit)
+        finally:
+            engine.dispose()
+    except StoreError as exc:
+        print(f"pdscope explain: the store cannot be read: {exc}", file=sys.stderr)
+        return 1
+    a = result.attribution
+    if a.requests == 0:
+        print(f"pdscope explain: no request records from {_when(lo)} to {_when(hi)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.as_dict(max_misses=args.misses), indent=2, sort_keys=True))
+        return 0
+    print(f"{_when(lo)} .. {_when(hi)}: {a.summary()}")
+    if result.truncated:
+        print(f"(only the newest {limit} records were read: raise --limit or narrow the range)")
+    if a.top:
+        print("The top reasons we missed:")
+        for k, g in enumerate(a.top, 1):
+            print(f"  {k}. {g.message}")
+        rest = len(a.groups) - len(a.top)
+        if rest > 0:
+            print(f"  (and {rest} more group(s): --json lists them)")
+    return 0

@@ -1,0 +1,301 @@
+"""SLO-miss attribution as a pure function: tables of request records -> where the excess went."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from controller.policy.attribution import (
+    Attribution,
+    StageRecord,
+    attribute,
+    group_message,
+    stage_durations,
+)
+from pdscope.config import LatencySLO, SLOSettings
+
+SLO = SLOSettings(ttft=LatencySLO(target_ms=500.0), tpot=LatencySLO(target_ms=50.0))
+T0 = 1_700_000_000.0  # 22:13:20 UTC
+PS = ("prefill-0", "prefill-1")
+
+
+def approx(x: float) -> object:
+    """Timestamps near 1.7e9 s carry about 1e-7 s of float error."""
+    return pytest.approx(x, abs=1e-5)
+
+
+DS = ("decode-0", "decode-1", "decode-2")
+
+
+def rec(
+    i: int,
+    p: str | None = "prefill-0",
+    d: str = "decode-0",
+    *,
+    admission: float = 0.01,
+    p_queue: float | None = 0.02,
+    prefill: float = 0.1,
+    handoff: float = 0.05,
+    tpot: float = 0.02,
+    tokens: int = 11,
+    status: str = "ok",
+    first_token: bool = True,
+    **kw: object,
+) -> StageRecord:
+    """A record with these stage durations; TTFT and TPOT follow from them, as the collector derives them."""
+    t = T0 + i
+    if p is None:  # decode-only: admission then D's wait
+        d_sent = t + admission
+        first = d_sent + handoff
+        p_sent = p_done = None
+    else:
+        p_sent = t + admission
+        p_done = p_sent + (p_queue or 0.0) + prefill
+        d_sent = p_done
+        first = p_done + handoff
+    done = first + tpot * (tokens - 1)
+    ft = first if first_token else None
+    return StageRecord(
+        request_id=f"r{i}",
+        proxy_in=t,
+        status=status,
+        p_instance=p,
+        d_instance=d,
+        p_sent=p_sent,
+        p_done=p_done,
+        d_sent=d_sent,
+        first_token=ft,
+        done=done,
+        p_queue_s=p_queue,
+        ttft_s=None if ft is None else ft - t,
+        tpot_s=tpot if ft is not None else None,
+        completion_tokens=tokens,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def healthy(n: int, start: int = 0) -> list[StageRecord]:
+    """n healthy requests spread over every P x D pair."""
+    return [rec(start + k, PS[k % 2], DS[k % 3]) for k in range(n)]
+
+
+def run(records: list[StageRecord]) -> Attribution:
+    return attribute(records, SLO, since=T0, until=T0 + 3600)
+
+
+def test_stage_durations_of_a_sampled_record() -> None:
+    d = stage_durations(rec(0, admission=0.01, p_queue=0.02, prefill=0.1, handoff=0.05, tpot=0.02))
+    assert d["admission"] == approx(0.01)
+    assert d["p_queue"] == approx(0.02)
+    assert d["prefill"] == approx(0.1)
+    assert d["p_total"] == approx(0.12)
+    assert d["handoff"] == approx(0.05)
+    assert d["tpot"] == approx(0.02)
+    assert "d_queue" not in d
+
+
+def test_decode_only_record_has_a_d_queue_and_no_p_stage() -> None:
+    d = stage_durations(rec(0, None, "decode-1", admission=0.03, handoff=0.2))
+    assert d["admission"] == approx(0.03)
+    assert d["d_queue"] == approx(0.2)
+    assert not {"p_total", "p_queue", "prefill", "handoff"} & d.keys()
+
+
+def test_no_misses_is_an_empty_result() -> None:
+    a = run(healthy(30))
+    assert (a.requests, a.healthy, a.missed) == (30, 30, 0)
+    assert a.groups == () and a.top == () and a.total_excess_s == 0.0
+    assert a.baseline_source == "healthy"
+    assert a.summary().startswith("no request missed")
+
+
+def test_no_records_says_so() -> None:
+    a = run([])
+    assert a.requests == 0 and a.groups == ()
+    assert a.summary() == "no request records in the range"
+
+
+def test_a_slow_p_concentrates_the_excess_on_prefill_at_that_p() -> None:
+    slow = [rec(100 + k, "prefill-1", DS[k % 3], prefill=0.9) for k in range(12)]
+    a = run(healthy(30) + slow)
+    assert a.missed == 12
+    top = a.top[0]
+    assert (top.stage, top.place, top.cause) == ("prefill", "prefill-1", "slow")
+    assert top.share > 0.95
+    assert top.count == 12
+    assert top.since == T0 + 100
+    assert top.excess_s == approx(12 * 0.8)  # 0.9 over the healthy median 0.1
+    assert top.message.startswith("prefill on prefill-1: ")
+    assert "since 22:15:00 UTC (12 misses)" in top.message
+
+
+def test_a_bad_link_charges_the_handoff_of_that_pair() -> None:
+    bad = [rec(200 + k, "prefill-0", "decode-2", handoff=0.8) for k in range(10)]
+    a = run(healthy(30) + bad)
+    top = a.top[0]
+    assert (top.stage, top.place, top.cause) == ("handoff", "prefill-0->decode-2", "slow")
+    assert top.share == approx(1.0)
+    assert top.excess_s == approx(10 * 0.75)
+
+
+def test_a_d_slow_on_every_p_is_its_queue_not_a_link() -> None:
+    busy = [rec(300 + k, PS[k % 2], "decode-2", handoff=0.8) for k in range(10)]
+    a = run(healthy(30) + busy)
+    assert len(a.groups) == 1
+    g = a.top[0]
+    assert (g.stage, g.place, g.cause) == ("d_queue", "decode-2", "slow")
+    assert g.message.startswith("D queue on decode-2: 100% of the excess since ")
+
+
+def test_expired_leases_are_flagged_on_the_pair() -> None:
+    lost = [
+        rec(
+            400 + k,
+            "prefill-1",
+            "decode-1",
+            handoff=6.0,
+            status="timeout",
+            first_token=False,
+            lease_expired=True,
+        )
+        for k in range(4)
+    ]
+    slow = [rec(500 + k, "prefill-0", DS[k % 3], prefill=0.5) for k in range(3)]
+    a = run(healthy(30) + lost + slow)
+    top = a.top[0]
+    assert (top.stage, top.place, top.cause) == ("handoff", "prefill-1->decode-1", "lease_expired")
+    assert top.count == 4
+    assert "expired KV leases" in top.message
+    # a request without a first token waited on its handoff until it ended
+    miss = next(m for m in a.misses if m.request_id == "r400")
+    assert miss.missed == ("outcome",)
+    assert miss.stages[0].duration_s == approx(6.0 + 0.02 * 10)
+
+
+def test_transfer_failures_are_their_own_cause() -> None:
+    failed = [rec(600 + k, "prefill-0", "decode-0", handoff=0.7, transfer_failed=True) for k in range(5)]
+    slow = [rec(700 + k, "prefill-1", "decode-1", handoff=0.7) for k in range(5)]
+    a = run(healthy(30) + failed + slow)
+    keys = {(g.stage, g.place, g.cause) for g in a.groups}
+    assert keys == {
+        ("handoff", "prefill-0->decode-0", "transfer_failed"),
+        ("handoff", "prefill-1->decode-1", "slow"),
+    }
+
+
+def test_a_missed_tpot_charges_decode_only() -> None:
+    slow = [rec(800 + k, "prefill-0", "decode-1", tpot=0.08, handoff=0.3) for k in range(6)]
+    a = run(healthy(30) + slow)
+    assert len(a.groups) == 1
+    g = a.top[0]
+    assert (g.stage, g.place) == ("decode", "decode-1")
+    # (0.08 - 0.02) per token over 10 tokens after the first; the slower handoff is not what it missed
+    assert g.excess_s == approx(6 * 0.06 * 10)
+
+
+def test_shares_sum_to_one_and_groups_are_sorted() -> None:
+    a = run(
+        healthy(40)
+        + [rec(900 + k, "prefill-1", "decode-0", prefill=0.9) for k in range(6)]
+        + [rec(950 + k, "prefill-0", "decode-2", handoff=0.9) for k in range(3)]
+        + [rec(980 + k, "prefill-0", "decode-1", admission=0.7) for k in range(2)]
+    )
+    assert sum(g.share for g in a.groups) == approx(1.0)
+    assert [g.share for g in a.groups] == sorted((g.share for g in a.groups), reverse=True)
+    assert [(g.stage, g.place) for g in a.top] == [
+        ("prefill", "prefill-1"),
+        ("handoff", "prefill-0->decode-2"),
+        ("admission", "proxy"),
+    ]
+    assert a.total_excess_s == approx(sum(m.excess_s for m in a.misses))
+
+
+def test_all_misses_fall_back_to_zero_baselines() -> None:
+    # no healthy part: each stage's whole time is its excess, and the result says so
+    slow = [rec(k, "prefill-0", DS[k % 3], prefill=0.9) for k in range(5)]
+    a = run(slow)
+    assert a.healthy == 0 and a.missed == 5
+    assert a.baseline_source == "zero" and a.baselines == {}
+    assert "baselines are zero" in a.summary()
+    assert a.top[0].stage == "prefill" and a.top[0].place == "prefill-0"
+    m = a.misses[0]
+    assert all(s.baseline_s == 0.0 for s in m.stages)
+    # the whole of each stage, but for those under 5% of the miss's excess (admission, P queue): noise
+    assert m.excess_s == approx(0.9 + 0.05)
+    assert [s.stage for s in m.stages] == ["prefill", "handoff"]
+
+
+def test_unsampled_records_charge_the_whole_p_time_to_prefill_unsplit() -> None:
+    unsampled = [
+        replace(rec(1000 + k, "prefill-1", "decode-0", p_queue=0.6), p_queue_s=None) for k in range(4)
+    ]
+    a = run(healthy(30) + unsampled)
+    g = a.top[0]
+    assert (g.stage, g.place) == ("prefill", "prefill-1")
+    stage = a.misses[0].stages[0]
+    assert stage.split is False
+    assert stage.baseline_s == approx(0.12)  # the healthy P time, queue and prefill together
+    assert stage.excess_s == approx(0.6 + 0.1 - 0.12)
+
+
+def test_a_record_with_no_stage_timestamps_is_counted_unmeasured() -> None:
+    bare = StageRecord(
+        "x1", T0 + 5, "ok", "prefill-0", "decode-0", ttft_s=0.9, tpot_s=0.01, completion_tokens=5
+    )
+    failed = StageRecord("x2", T0 + 6, "error", "prefill-0", "decode-1")
+    a = run([*healthy(10), bare, failed])
+    assert a.missed == 2 and a.total_excess_s == 0.0
+    keys = {(g.stage, g.place, g.cause): g for g in a.groups}
+    assert set(keys) == {("unmeasured", "decode-0", "unknown"), ("outcome", "decode-1", "status:error")}
+    assert all(g.share == approx(0.5) for g in keys.values())  # no excess: shares by count
+    assert "status error" in keys[("outcome", "decode-1", "status:error")].message
+
+
+def test_as_dict_is_bounded_and_carries_the_top() -> None:
+    slow = [rec(100 + k, "prefill-1", "decode-0", prefill=0.5 + k * 0.1) for k in range(8)]
+    out = run(healthy(20) + slow).as_dict(max_misses=3)
+    assert out["missed"] == 8 and out["misses_shown"] == 3
+    assert [m["request_id"] for m in out["misses"]] == ["r107", "r106", "r105"]  # most excess first
+    assert out["top"][0]["message"].startswith("prefill on prefill-1")
+    assert out["baseline_source"] == "healthy"
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (
+            ("d_queue", "decode-2", "slow", 0.61, 14, 1_700_000_580.0),
+            "D queue on decode-2: 61% of the excess since 22:23:00 UTC (14 misses)",
+        ),
+        (
+            ("handoff", "p->d", "lease_expired", 0.2, 1, T0),
+            "handoff (incl. KV pull) on p->d, expired KV leases: "
+            "20% of the excess since 22:13:20 UTC (1 miss)",
+        ),
+    ],
+)
+def test_group_message(args: tuple[str, str, str, float, int, float], text: str) -> None:
+    assert group_message(*args) == text
+
+
+def test_a_stage_barely_over_its_median_is_noise_not_a_reason() -> None:
+    # a slow P whose handoff is also a hair over the healthy median: only prefill is charged
+    slow = [rec(100 + k, "prefill-1", "decode-0", prefill=0.9, handoff=0.051) for k in range(5)]
+    a = run(healthy(30) + slow)
+    assert [(g.stage, g.place) for g in a.groups] == [("prefill", "prefill-1")]
+    # at 5% of the miss's excess or more it is charged
+    slower = [rec(200 + k, "prefill-1", "decode-0", prefill=0.9, handoff=0.05 + 0.05) for k in range(5)]
+    b = run(healthy(30) + slower)
+    assert {(g.stage, g.place) for g in b.groups} == {
+        ("prefill", "prefill-1"),
+        ("handoff", "prefill-1->decode-0"),
+    }
+
+
+def test_a_retried_request_says_so() -> None:
+    retried = [rec(300 + k, "prefill-1", "decode-0", prefill=0.9, retries=1) for k in range(3)]
+    a = run(healthy(30) + retried)
+    g = a.top[0]
+    assert (g.stage, g.place, g.cause) == ("prefill", "prefill-1", "retried")
+    assert g.message.startswith("prefill on prefill-1, after retries: 100% of the excess")
