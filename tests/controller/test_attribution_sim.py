@@ -14,7 +14,6 @@ import logging
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from controller.attribution import window_attribution
@@ -25,36 +24,11 @@ from store.migrate import upgrade
 from tests.support.collector import CollectorThread
 from tests.support.serving import serve
 from tests.support.sockets import bound_socket, url_of
+from tests.support.traffic import traffic
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
-
-
-async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, int]:
-    """Closed-loop load; every prompt starts differently, so no D holds its prefix and each pulls its KV."""
-    counts: dict[str, int] = {}
-    seq = iter(range(10**9))
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
-            body = {
-                "model": "sim-llama-70b",
-                "prompt": f"request {next(seq)} " + "hello world " * 300,
-                "max_tokens": 6,
-            }
-            try:
-                key = str((await client.post(f"{url}/v1/completions", json=body)).status_code)
-            except httpx.HTTPError as exc:
-                key = type(exc).__name__
-                await asyncio.sleep(
-                    0.1
-                )  # a load generator's back-off after an error, not a wait for anything
-            counts[key] = counts.get(key, 0) + 1
-
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        await asyncio.gather(*(worker(client) for _ in range(workers)))
-    return counts
 
 
 async def test_attribution_names_the_broken_stage_and_place(tmp_path: Path) -> None:

@@ -21,31 +21,11 @@ from pdscope.config import Settings, parse_config
 from tests.support.collector import CollectorThread
 from tests.support.serving import serve
 from tests.support.sockets import bound_socket, url_of
+from tests.support.traffic import traffic
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
 log = logging.getLogger(__name__)
-
-
-async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    body = {"model": "sim-llama-70b", "prompt": "hello world " * 300, "max_tokens": 6}
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
-            try:
-                r = await client.post(f"{url}/v1/completions", json=body)
-                key = str(r.status_code)
-            except httpx.HTTPError as exc:
-                key = type(exc).__name__
-                await asyncio.sleep(
-                    0.1
-                )  # a load generator's back-off after an error, not a wait for anything
-            counts[key] = counts.get(key, 0) + 1
-
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        await asyncio.gather(*(worker(client) for _ in range(workers)))
-    return counts
 
 
 async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(tmp_path: Path) -> None:
