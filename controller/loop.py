@@ -72,6 +72,7 @@ from controller.policy import (
     default_rules,
 )
 from controller.policy.reasons import Reason
+from controller.ticklog import record_tick
 from pdscope.config import Settings
 from pdscope.routing import RoutingTable
 from store.db import StoreError, transaction
@@ -100,6 +101,7 @@ class View:
     leader: LeaderInfo | None = None  # the store's leader as last read (None: not read yet)
     takeovers: int = 0
     deposed: int = 0
+    tick_record_bytes: int | None = None  # the newest tick record's compressed size (None: none written)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class _Stats:
     last_ok: float | None = None
     last_error: str | None = None
     tick_seconds: float | None = None
+    tick_record_bytes: int | None = None  # the newest tick record's compressed size
     takeovers: int = 0
     deposed: int = 0
 
@@ -243,6 +246,10 @@ class Reconciler:
             out = decide(inp, self.cfg, self.rules, self.alert_config)
             ids = dict(self._alert_ids)
             rows = persist_tick(session, out, self._served, ids, self._state, self.policy, epoch=epoch)
+            if self.settings.controller.record_ticks:
+                self._stats.tick_record_bytes = record_tick(
+                    session, inp, self._served, self.alert_config, out, self.policy, epoch
+                )
         # committed: now serve it
         self._alert_ids = ids
         self._state = out.state
@@ -420,6 +427,7 @@ class Reconciler:
                 seen,
                 s.takeovers,
                 s.deposed,
+                s.tick_record_bytes,
             )
 
     @property

@@ -42,6 +42,11 @@ class ControllerCollector(Collector):
             value=v.tick_seconds or 0.0,
         )
         yield GaugeMetricFamily(
+            "pdscope_controller_tick_record_bytes",
+            "Compressed size of the newest tick record (the replay log; 0: none written).",
+            value=v.tick_record_bytes or 0,
+        )
+        yield GaugeMetricFamily(
             "pdscope_controller_enforce",
             "1 in enforce mode, 0 in advisory mode.",
             value=1.0 if v.table.enforce else 0.0,

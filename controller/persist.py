@@ -41,6 +41,7 @@ from controller.policy import (
     TickOutput,
     WeightState,
 )
+from controller.policy.changes import Change, changes
 from controller.policy.reasons import Reason
 from store.models import Alert, Decision, PolicyConfigRow, PolicyStateRow, WeightOverride
 
@@ -248,36 +249,21 @@ def _changed_states(out: TickOutput, prev: PolicyState | None) -> list[dict[str,
     return rows
 
 
-def _decision(
-    out: TickOutput,
-    mode: str,
-    kind: str,
-    subject: str,
-    field: str,
-    old: float | None,
-    new: float | None,
-    reason: str,
-    message: str,
-    arithmetic: str,
-    inputs: Mapping[str, Any],
-    scores: Mapping[str, Any],
-    policy: str | None,
-    epoch: int | None,
-) -> Decision:
+def _decision(out: TickOutput, c: Change, policy: str | None, epoch: int | None) -> Decision:
     return Decision(
         ts=out.table.generated_at,
         tick=out.tick,
-        mode=mode,
-        subject_kind=kind,
-        subject=subject,
-        field=field,
-        old_value=old,
-        new_value=new,
-        reason=reason,
-        message=message,
-        arithmetic=arithmetic,
-        inputs=dict(inputs),
-        scores=dict(scores),
+        mode=out.table.mode,
+        subject_kind=c.subject_kind,
+        subject=c.subject,
+        field=c.field,
+        old_value=c.old,
+        new_value=c.new,
+        reason=c.reason,
+        message=c.message,
+        arithmetic=c.arithmetic,
+        inputs=dict(c.inputs),
+        scores=dict(c.scores),
         routing_version=out.table.version,
         policy=policy,
         leader_epoch=epoch,
@@ -298,90 +284,9 @@ def persist_tick(
 
     ``prev_state`` is the state the tick started from (a subject's state is stored when it differs;
     None: every subject's), ``policy`` the fingerprint of the config it ran under (:func:`record_policy`),
-    ``epoch`` the leader epoch it was taken under (the caller has fenced the transaction with it)."""
-    mode = out.table.mode
-    rows: list[Decision] = []
-    for d in out.weights:
-        if d.changed:
-            rows.append(
-                _decision(
-                    out,
-                    mode,
-                    "instance",
-                    d.instance,
-                    "weight",
-                    d.old_weight,
-                    d.weight,
-                    d.reason,
-                    d.message,
-                    d.arithmetic,
-                    d.inputs,
-                    d.scores,
-                    policy,
-                    epoch,
-                )
-            )
-    for name, s in out.served.items():
-        before = prev_served.get(name)
-        if before is None or (abs(before.weight - s.weight) < 1e-9 and before.source == s.source):
-            continue
-        if s.source == "policy" and before.source == "policy":
-            continue  # the policy's own change is recorded above
-        if s.source == "policy":
-            reason, msg = (
-                str(Reason.OVERRIDE_ENDED),
-                (f"{name}: {before.source} override ended; policy weight {s.weight:.2f} applies"),
-            )
-        else:
-            ov = s.override
-            who = f" by {ov.actor}: {ov.reason}" if ov is not None else ""
-            reason, msg = (
-                s.reason,
-                f"{name}: {s.source}{who}; served weight {before.weight:.2f} -> {s.weight:.2f}",
-            )
-        rows.append(
-            _decision(
-                out,
-                mode,
-                "instance",
-                name,
-                "served_weight",
-                before.weight,
-                s.weight,
-                reason,
-                msg,
-                f"served = {s.source} {s.weight:.2f} (policy {s.policy_weight:.2f})",
-                {
-                    "override_id": None if s.override is None else s.override.id,
-                    "policy_weight": s.policy_weight,
-                },
-                {},
-                policy,
-                epoch,
-            )
-        )
-    for p in out.pools:
-        for field in ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s"):
-            if p.changed(field):
-                old = None if p.old is None else getattr(p.old, field)
-                rows.append(
-                    _decision(
-                        out,
-                        mode,
-                        "pool",
-                        p.pool,
-                        field,
-                        old,
-                        getattr(p.new, field),
-                        p.reason,
-                        p.message,
-                        p.arithmetic,
-                        p.inputs,
-                        p.scores,
-                        policy,
-                        epoch,
-                    )
-                )
+    ``epoch`` the leader epoch it was taken under (the caller has fenced the transaction with it).
+    One ``Decision`` row per :func:`controller.policy.changes.changes`."""
+    rows = [_decision(out, c, policy, epoch) for c in changes(out, prev_served)]
     session.add_all(rows)
     _upsert_states(session, _changed_states(out, prev_state))
     for st in out.alerts.changed:

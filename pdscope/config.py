@@ -461,6 +461,12 @@ class ControllerSettings(_Frozen):
         "http://<this host's address>:<port>, the address being controller.host unless that is a "
         "wildcard, then the host name's address (a pod's IP)",
     )
+    record_ticks: bool = Field(
+        default=True,
+        description="store each tick's whole input and resulting state (tick_records, compressed, "
+        "deleted with the raw rows): what pdscope replay re-runs the policy from. Off: replay has "
+        "nothing to read for the ticks taken meanwhile",
+    )
     forward_changes: bool = Field(
         default=True,
         description="a standby forwards an operator change to the leader's advertise_url (once: a "

@@ -19,6 +19,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -321,6 +322,29 @@ class Decision(Base):
     policy: Mapped[str | None] = mapped_column(String(40))
     # the epoch of the leader that took it (``controller_leader.epoch``); null: stored before leadership
     leader_epoch: Mapped[int | None] = mapped_column(Integer)
+
+
+class TickRecord(Base):
+    """One controller tick's whole input and its resulting state, for replay (``pdscope replay``).
+
+    ``payload`` is zlib-compressed JSON (``codec``, ``format``): the observation, the state carried
+    into the tick, the overrides, the fleet, the mode, the served weights before it, the alert config
+    and the state the tick left. ``policy_version`` is ``POLICY_VERSION`` of the pdscope that wrote it:
+    a replay under another version refuses. Deleted with the raw rows (``store.retention_raw_s``).
+    """
+
+    __tablename__ = "tick_records"
+    __table_args__ = (Index("ix_tick_records_epoch_tick", "leader_epoch", "tick"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    tick: Mapped[int] = mapped_column(Integer)
+    leader_epoch: Mapped[int | None] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(40))
+    policy_version: Mapped[int] = mapped_column(Integer)
+    format: Mapped[int] = mapped_column(Integer)
+    codec: Mapped[str] = mapped_column(String(16))
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class PolicyConfigRow(Base):

@@ -9,7 +9,8 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck`` and ``pdscope.cli.explain``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and
+``pdscope.cli.replay``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Splits every SLO miss of the range over its stages (admission wait, P queue, prefill, handoff "
         "incl. the KV pull, D queue, decode) against the healthy requests' medians and groups the excess "
         "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON.",
+    ),
+    "replay": (
+        "pdscope.cli.replay",
+        "re-run the controller's policy over a stored window, as it was (exactly) or under a candidate",
+        "Replays every recorded tick of the range through the policy. With the stored config it checks "
+        "that the stored decisions come out exactly; with --candidate FILE or --set name=value it says "
+        "where the candidate's decisions part from the run's: the first divergence, how long each "
+        "instance would have been at what weight, the pools' limits and the alerts.",
     ),
     "config": (
         "pdscope.cli.configcheck",

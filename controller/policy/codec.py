@@ -1,0 +1,170 @@
+"""The policy's values as JSON and back, exactly: what a stored tick is replayed from.
+
+:func:`dump` turns a frozen policy value (an ``Observation``, a ``PolicyState``, an ``Override``, ...)
+into plain JSON types; :func:`load` rebuilds it from its type's annotations, so a value survives
+the trip bit for bit (floats are written with ``repr``'s shortest round-trip form, and the
+non-finite ones as JSON's ``NaN``/``Infinity`` extensions, which Python reads back).
+
+Decoding is strict: a missing field, an unknown field or a value of the wrong kind raises
+:class:`CodecError` naming the path to it (``state.weights.decode-0.smoothed``), so a tick written
+by a pdscope with other types is refused rather than replayed as something it was not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T")
+
+
+class CodecError(ValueError):
+    """A stored value does not fit the type it is read as; ``path`` says where."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path or '<root>'}: {why}")
+        self.path = path
+
+
+def dump(value: Any) -> Any:
+    """``value`` as JSON types (dicts, lists, str, int, float, bool, None)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value.value if isinstance(value, enum.Enum) else value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="python")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: dump(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): dump(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [dump(v) for v in value]
+    if isinstance(value, frozenset | set):
+        return sorted(dump(v) for v in value)
+    raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
+def load(cls: type[T], data: Any) -> T:
+    """Rebuild a ``cls`` from what :func:`dump` wrote; raises :class:`CodecError`."""
+    return typing.cast(T, _load(cls, data, ""))
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _load(tp: Any, data: Any, path: str) -> Any:  # noqa: C901 - one branch per kind of annotation
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return data
+    if origin is typing.Union or origin is types.UnionType:
+        return _union(typing.get_args(tp), data, path)
+    if origin is typing.Literal:
+        if data not in typing.get_args(tp):
+            raise CodecError(path, f"{data!r} is not one of {typing.get_args(tp)}")
+        return data
+    if origin is tuple:
+        args = typing.get_args(tp)
+        items = _list(data, path)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_load(args[0], v, f"{path}[{i}]") for i, v in enumerate(items))
+        if len(args) != len(items):
+            raise CodecError(path, f"expected {len(args)} items, got {len(items)}")
+        return tuple(_load(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, items, strict=True)))
+    if origin in (frozenset, set):
+        (arg,) = typing.get_args(tp)
+        return frozenset(_load(arg, v, f"{path}[{i}]") for i, v in enumerate(_list(data, path)))
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        args = typing.get_args(tp) or (str, Any)
+        if not isinstance(data, dict):
+            raise CodecError(path, f"expected an object, got {type(data).__name__}")
+        return {k: _load(args[1], v, f"{path}.{k}") for k, v in data.items()}
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        try:
+            return tp.model_validate(data)
+        except ValidationError as exc:
+            raise CodecError(path, f"not a {tp.__name__}: {exc.errors()[0]['msg']}") from None
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _dataclass(tp, data, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(data)
+        except ValueError:
+            raise CodecError(path, f"{data!r} is not a {tp.__name__}") from None
+    return _scalar(tp, data, path)
+
+
+def _union(args: tuple[Any, ...], data: Any, path: str) -> Any:
+    if data is None and type(None) in args:
+        return None
+    problems = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _load(arg, data, path)
+        except CodecError as exc:
+            problems.append(str(exc))
+    raise CodecError(path, "; ".join(problems) or f"{data!r} fits none of {args}")
+
+
+def _list(data: Any, path: str) -> list[Any]:
+    if not isinstance(data, list):
+        raise CodecError(path, f"expected a list, got {type(data).__name__}")
+    return data
+
+
+def _dataclass(tp: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise CodecError(path, f"expected a {tp.__name__} object, got {type(data).__name__}")
+    hints = _hints(tp)
+    fields = {f.name for f in dataclasses.fields(tp) if f.init}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise CodecError(path, f"unknown field(s) of {tp.__name__}: {', '.join(unknown)}")
+    missing = sorted(fields - set(data))
+    if missing:
+        raise CodecError(path, f"missing field(s) of {tp.__name__}: {', '.join(missing)}")
+    kwargs = {name: _load(hints[name], data[name], f"{path}.{name}" if path else name) for name in fields}
+    return tp(**kwargs)
+
+
+def _scalar(tp: Any, data: Any, path: str) -> Any:
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            raise CodecError(path, f"expected a number, got {type(data).__name__}")
+        return float(data)
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise CodecError(path, f"expected an integer, got {type(data).__name__}")
+        return data
+    if tp is bool:
+        if not isinstance(data, bool):
+            raise CodecError(path, f"expected true/false, got {type(data).__name__}")
+        return data
+    if tp is str:
+        if not isinstance(data, str):
+            raise CodecError(path, f"expected a string, got {type(data).__name__}")
+        return data
+    if tp is type(None):
+        if data is not None:
+            raise CodecError(path, f"expected null, got {type(data).__name__}")
+        return None
+    raise CodecError(path, f"no decoder for {tp!r}")
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """``x`` when it is a finite number (for summaries that go into strict JSON)."""
+    return x if x is not None and math.isfinite(x) else None
