@@ -5,7 +5,8 @@ are in) is rolled up once: per instance, counters become their increase over the
 (baseline: the last snapshot before it; resets handled by ``pdscope.stats``), gauges
 their average and maximum, histograms their bucket increases; per (P, D) pair, request
 records become counts and sums. Then raw snapshots, spans and request records older than
-``retention_raw_s`` and rollups older than ``retention_rollup_s`` are deleted.
+``retention_raw_s`` (and the controller's tick records, which replay reads with them) and rollups
+older than ``retention_rollup_s`` are deleted.
 
 The walk over minutes never starts before the rollup horizon (``now - retention_rollup_s``:
 nothing older would be kept) nor after the newest complete minute, and it jumps over
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pdscope.stats import counter_increase, histogram_increase
 from store.db import transaction
 from store.families import COUNTER_COLUMNS, GAUGE_COLUMNS, histogram_of, shape_of
-from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow
+from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow, TickRecord
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class Retention:
             snaps = session.execute(delete(Snapshot).where(Snapshot.ts < cutoff)).rowcount  # type: ignore[attr-defined]
             spans = session.execute(delete(SpanRow).where(SpanRow.received_ts < cutoff)).rowcount  # type: ignore[attr-defined]
             recs = session.execute(delete(RequestRecord).where(RequestRecord.proxy_in < cutoff)).rowcount  # type: ignore[attr-defined]
+            # the controller's tick records are replayed with the raw rows' window: kept as long
+            session.execute(delete(TickRecord).where(TickRecord.ts < now - self.raw_s))
             roll_cut = now - self.rollup_s
             rollups = session.execute(delete(SnapshotRollup).where(SnapshotRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]
             rollups += session.execute(delete(RequestRollup).where(RequestRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]

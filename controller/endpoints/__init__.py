@@ -5,6 +5,7 @@
 * :mod:`.history`: the policy's stored decisions.
 * :mod:`.alerts`: alerts, the alert rules as configured, SLO status.
 * :mod:`.attribution`: why the SLO was missed over a range (stages, instances, pairs, causes).
+* :mod:`.replay`: the policy re-run over a stored window, as it was or with changed settings.
 * :mod:`.ops`: health, the caller's identity, Prometheus metrics.
 
 Routers read through :class:`.context.ApiContext` and render with :class:`.views.Views`;

@@ -13,7 +13,7 @@ from collector.forensics import overlaps
 from collector.retention import Retention
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
-from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow
+from store.models import RequestRecord, RequestRollup, Snapshot, SnapshotRollup, SpanRow, TickRecord
 from store.queries import CounterStep
 
 NOW = 1_800_000_000.0
@@ -292,6 +292,18 @@ def test_retention_rolls_up_then_deletes_and_stays_bounded(factory: sessionmaker
             )
         for k in range(20):
             s.add(_rec(f"r{k}", start + 60 * k + 1, start + 60 * k + 2))
+            s.add(
+                TickRecord(
+                    ts=start + 60 * k,
+                    tick=k,
+                    leader_epoch=1,
+                    policy="v1:x",
+                    policy_version=1,
+                    format=1,
+                    codec="json+zlib",
+                    payload=b"",
+                )
+            )
     retention = Retention(factory, raw_s=raw_s, rollup_s=rollup_s, lag_s=60.0)
     result = retention.run(NOW)
     assert result.minutes_rolled >= 18
@@ -301,6 +313,11 @@ def test_retention_rolls_up_then_deletes_and_stays_bounded(factory: sessionmaker
         oldest_snap = s.scalar(select(func.min(Snapshot.ts)))
         spans = s.scalar(select(func.count()).select_from(SpanRow))
         recs = s.scalar(select(func.count()).select_from(RequestRecord))
+        oldest_tick = s.scalar(select(func.min(TickRecord.ts)))
+        ticks = s.scalar(select(func.count()).select_from(TickRecord))
+    assert oldest_tick is not None and oldest_tick >= NOW - raw_s and ticks == 10, (
+        "tick records: the raw window"
+    )
     first = rollups[start]
     assert first.scrapes == 12
     assert first.increases["nixl_xfer_time_count"] == 11.0  # no baseline before the first minute

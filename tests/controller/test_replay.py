@@ -50,7 +50,9 @@ def test_the_stored_config_reproduces_every_stored_decision(world: World) -> Non
     assert result.mismatches == () and result.reproduced is True
     assert result.identical and result.first_divergence is None
     assert sum(a for a, _ in result.decisions.values()) == n_decisions
-    assert {k: a for k, (a, _) in result.decisions.items()} == {k: b for k, (_, b) in result.decisions.items()}
+    assert {k: a for k, (a, _) in result.decisions.items()} == {
+        k: b for k, (_, b) in result.decisions.items()
+    }
     assert any(k.startswith("KVLeaseExpired{") for k in result.alerts)
 
 
@@ -90,7 +92,9 @@ def test_a_candidate_says_where_it_parts_from_the_run(world: World) -> None:
     slow = gentle.weights["decode-2"]
     assert slow.replayed.mean is not None and slow.actual.mean is not None
     assert slow.replayed.mean > slow.actual.mean
-    assert stored.weights["decode-2"].actual == slow.actual, "the run's side is the run, whatever the candidate"
+    assert stored.weights["decode-2"].actual == slow.actual, (
+        "the run's side is the run, whatever the candidate"
+    )
     assert gentle.weights["decode-0"].actual == gentle.weights["decode-0"].replayed
     assert 0 < gentle.divergent_ticks < gentle.ticks
 
@@ -117,7 +121,10 @@ def test_ticks_of_another_policy_version_are_refused_naming_it(world: World) -> 
         row = s.scalars(select(TickRecord).order_by(TickRecord.id)).first()
         assert row is not None
         row.policy_version = 0
-    with transaction(world.factory) as s, pytest.raises(ReplayError, match="policy version 0; this pdscope runs"):
+    with (
+        transaction(world.factory) as s,
+        pytest.raises(ReplayError, match="policy version 0; this pdscope runs"),
+    ):
         replay_window(s, lo, hi)
 
 
@@ -198,7 +205,9 @@ def test_a_stored_decision_unlike_the_policy_is_found(world: World) -> None:
     lo, hi = _window(world)
     with transaction(world.factory) as s:
         row = s.scalars(
-            select(Decision).where(Decision.subject == "decode-2", Decision.field == "weight").order_by(Decision.id)
+            select(Decision)
+            .where(Decision.subject == "decode-2", Decision.field == "weight")
+            .order_by(Decision.id)
         ).first()
         assert row is not None and row.new_value is not None
         row.new_value += 0.01
