@@ -141,6 +141,18 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
                 assert "pdscope_controller_ticks_total" in metrics
                 health = (await http.get(f"{ctl_url}/healthz")).json()
                 assert health["status"] == "ok", health
+                # (c) the recorded run replays: the stored config reproduces every stored decision
+                # (the slow-NIC cut, the recovery, the lease alert), a gentler step parts from it
+                replayed = (await http.get(f"{ctl_url}/v1/replay", params={"since": "1h"})).json()
+                assert replayed["reproduced"] is True, replayed["mismatches"][:3]
+                assert replayed["ticks"] > 10 and replayed["decisions"], replayed["decisions"]
+                assert any(k.startswith("KVLeaseExpired{") for k in replayed["alerts"]), replayed["alerts"]
+                gentle = (
+                    await http.get(
+                        f"{ctl_url}/v1/replay", params={"since": "1h", "set": "max_weight_step=0.05"}
+                    )
+                ).json()
+                assert gentle["first_divergence"]["subject"] == "decode-2", gentle["first_divergence"]
         finally:
             stop_traffic.set()
             if load is not None:
