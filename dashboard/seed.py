@@ -110,6 +110,9 @@ class SeedSpec:
     cache_clear: str | None = "prefill-1"  # its cache is emptied at cache_clear_at for cache_clear_s
     cache_clear_at: float = 0.75
     cache_clear_s: float = 120.0
+    # the controller's history (decisions, overrides, audit events, alerts) written by hand; False: none,
+    # for a real controller to be run over the seeded window (tests/controller/test_replay_seed.py)
+    controller_history: bool = True
 
 
 @dataclass(frozen=True)
@@ -865,6 +868,9 @@ def _instance_rows(spec: SeedSpec, start: float) -> list[dict[str, Any]]:
     ]
 
 
+_CONTROLLER_MODELS: tuple[type, ...] = (Decision, WeightOverride, AuditEvent, Alert)
+
+
 def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
     rng = np.random.default_rng(spec.seed)
     req = _gen_requests(spec, rng)
@@ -877,8 +883,8 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
         for rows in _snapshot_rows(spec, req, rng):
             conn.execute(insert(Snapshot), rows)
             n_snap += len(rows)
-        ctrl = _controller_rows(spec)
-        for model in (Decision, WeightOverride, AuditEvent, Alert):
+        ctrl = _controller_rows(spec) if spec.controller_history else dict.fromkeys(_CONTROLLER_MODELS, [])
+        for model in _CONTROLLER_MODELS:
             if ctrl[model]:
                 conn.execute(insert(model), ctrl[model])
     return _summary(spec, req, n_snap, len(ctrl[Decision]))
