@@ -883,7 +883,7 @@ def _seed(engine: Engine, spec: SeedSpec) -> SeedSummary:
         for rows in _snapshot_rows(spec, req, rng):
             conn.execute(insert(Snapshot), rows)
             n_snap += len(rows)
-        ctrl = _controller_rows(spec) if spec.controller_history else dict.fromkeys(_CONTROLLER_MODELS, [])
+        ctrl = _controller_rows(spec) if spec.controller_history else {m: [] for m in _CONTROLLER_MODELS}
         for model in _CONTROLLER_MODELS:
             if ctrl[model]:
                 conn.execute(insert(model), ctrl[model])
