@@ -11,8 +11,10 @@ input). Calls block for at most ``timeout_s``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -99,6 +101,15 @@ class ControllerClient:
     def routing(self) -> dict[str, Any]:
         """The current routing table (``GET /v1/routing``)."""
         return self._request("GET", "/v1/routing").body
+
+    def replay(self, start: float, end: float, changes: Sequence[str] = ()) -> dict[str, Any]:
+        """The policy re-run over ``start``..``end`` (``GET /v1/replay``), with each instance's served
+        weights; ``changes`` (``name=value``) make it a candidate's replay."""
+        query = urlencode(
+            [("from", repr(start)), ("until", repr(end)), ("timeline", "true")]
+            + [("set", c) for c in changes]
+        )
+        return self._request("GET", f"/v1/replay?{query}").body
 
     def whoami(self) -> str:
         """The identity the controller gives this client's token (``GET /v1/whoami``)."""

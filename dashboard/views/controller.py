@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import auth, charts, context, data, ui
+from dashboard import auth, charts, context, data, replayview, ui
 from dashboard.api import ApiResult, ControllerError
 
 view = context.current()
@@ -210,6 +210,7 @@ def render() -> None:
         st.dataframe(served[keep], hide_index=True, width="stretch")
     _proxies(routing)
     _history()
+    replayview.render(settings.controller_url, window.start, window.end)
 
 
 def _proxies(routing: dict[str, Any] | None) -> None:
