@@ -51,7 +51,7 @@ def side_by_side(df: pd.DataFrame) -> ChartLike:
             ),
             tooltip=["instance:N", "series:N", alt.Tooltip("time:T", format="%H:%M:%S"), "weight:Q"],
         )
-        .properties(height=90)
+        .properties(height=90, width=820)
     )
     chart: ChartLike = base.facet(row=alt.Row("instance:N", title=None)).properties(
         title="Served weight: the run and the replay"

@@ -9,13 +9,22 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from websockets.sync.client import connect
+
+from tests.support.sockets import free_port
+from tests.support.waiting import WaitTimeout, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -45,7 +54,8 @@ PROBE = (
     charts: document.querySelectorAll('[data-testid="stVegaLiteChart"]').length,
     drawn: document.querySelectorAll('[data-testid="stVegaLiteChart"] canvas, """
     """[data-testid="stVegaLiteChart"] svg').length,
-    text: main.innerText.slice(0, 4000),
+    text: main.innerText.length > 8000
+      ? main.innerText.slice(0, 4000) + '\\n…\\n' + main.innerText.slice(-4000) : main.innerText,
   });
 })()"""
 )
@@ -130,8 +140,11 @@ class Browser:
                 return msg.get("result", {})
         raise TimeoutError(method)
 
-    def shoot(self, url: str, *, timeout_s: float = 60.0, settle_s: float = 2.0) -> PageShot:
-        """Open ``url`` in a new tab, wait for the script run to finish and render, screenshot it."""
+    def shoot(
+        self, url: str, *, timeout_s: float = 60.0, settle_s: float = 2.0, scroll_to: str | None = None
+    ) -> PageShot:
+        """Open ``url`` in a new tab, wait for the script run to finish and render, screenshot it
+        (with ``scroll_to``: scrolled to the first heading that starts with that text)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/json/new?about:blank", method="PUT")
         with urllib.request.urlopen(req, timeout=10) as resp:
             target = json.loads(resp.read())
@@ -161,6 +174,13 @@ class Browser:
                     else:
                         done_since = None
                     time.sleep(0.25)
+                if scroll_to is not None:
+                    found = self._call(
+                        ws,
+                        "Runtime.evaluate",
+                        {"expression": _scroll(scroll_to), "awaitPromise": True, "returnByValue": True},
+                    )
+                    probe["scrolled"] = found.get("result", {}).get("value")
                 shot = self._call(ws, "Page.captureScreenshot", {"format": "png"})
         finally:
             with urllib.request.urlopen(
@@ -168,3 +188,53 @@ class Browser:
             ):
                 pass
         return PageShot(url, base64.b64decode(shot["data"]), probe, time.monotonic() - started)
+
+
+def _scroll(heading: str) -> str:
+    """JS: scroll the first heading starting with ``heading`` to the top, resolved two frames later."""
+    return (
+        "new Promise(done => { const h = Array.from(document.querySelectorAll('h1, h2, h3'))"
+        f".find(e => e.innerText.startsWith({json.dumps(heading)}));"
+        " if (h) h.scrollIntoView(); requestAnimationFrame(() => requestAnimationFrame(() => done(!!h))); })"
+    )
+
+
+@contextmanager
+def running_dashboard(config: Path, log: Path) -> Iterator[str]:
+    """``pdscope dashboard`` on a free port with ``config`` until the block ends; yields its base URL."""
+    port = free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdscope.cli", "--config", str(config), "dashboard", "--port", str(port)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def health() -> bytes:
+            if proc.poll() is not None:
+                pytest.fail(f"dashboard exited before it was healthy:\n{log.read_text()[-3000:]}")
+            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
+                return bytes(resp.read().strip())
+
+        try:
+            wait_until(
+                "the dashboard to become healthy",
+                health,
+                done=lambda body: body == b"ok",
+                timeout_s=60,
+                every_s=0.3,
+                ignore=(OSError,),
+            )
+        except WaitTimeout as exc:
+            pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

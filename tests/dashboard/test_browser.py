@@ -9,19 +9,13 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image, ImageStat
 
-from tests.support.sockets import free_port
-from tests.support.waiting import WaitTimeout, wait_until
-
-from .browser import Browser, chromium_path
+from .browser import Browser, chromium_path, running_dashboard
 from .conftest import Seeded
 
 pytestmark = pytest.mark.browser
@@ -41,52 +35,8 @@ PAGES = {
 @pytest.fixture(scope="module")
 def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``pdscope dashboard`` on a free port against the seeded store; yields its base URL."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("dash") / "dashboard.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdscope.cli",
-                "--config",
-                str(seeded.config),
-                "dashboard",
-                "--port",
-                str(port),
-            ],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-
-        def health() -> bytes:
-            if proc.poll() is not None:
-                pytest.fail(f"dashboard exited before it was healthy:\n{log.read_text()[-3000:]}")
-            with urllib.request.urlopen(f"{base}/_stcore/health", timeout=2) as resp:
-                return bytes(resp.read().strip())
-
-        try:
-            wait_until(
-                "the dashboard to become healthy",
-                health,
-                done=lambda body: body == b"ok",
-                timeout_s=60,
-                every_s=0.3,
-                ignore=(OSError,),
-            )
-        except WaitTimeout as exc:
-            pytest.fail(f"{exc}\n{log.read_text()[-3000:]}")
+    with running_dashboard(seeded.config, tmp_path_factory.mktemp("dash") / "dashboard.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
