@@ -13,6 +13,10 @@ instance, tick CPU as a share of ``controller.interval_s`` (target: under 20% at
 instances), the ratio to the baseline, and the growth exponent between sizes
 (log(cost ratio) / log(size ratio); 1.0 is linear).
 
+The tick record (``controller.ticklog``, what ``pdscope replay`` reads; included in the tick's CPU
+above) is measured apart on the last tick's inputs: its encoding CPU as a share of the tick, its
+compressed size (and per day at the interval), and the CPU to decode it back for a replay.
+
     .venv/bin/python bench/controller_cost.py [--sizes 12,100,300,1000] [--ticks 5]
 
 Writes bench/results/controller_cost.json and prints a table.
@@ -40,6 +44,8 @@ sys.path.insert(0, str(REPO))
 from sqlalchemy import select  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
+from controller.policy import TickInput  # noqa: E402
+from controller.ticklog import decode_payload, encode  # noqa: E402
 from dashboard.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
 from pdscope.config import parse_config  # noqa: E402
 from store.db import make_engine, session_factory  # noqa: E402
@@ -69,6 +75,25 @@ def cpu(fn: Any) -> tuple[float, Any]:
     t0 = time.process_time()
     out = fn()
     return time.process_time() - t0, out
+
+
+def tick_record_cost(rec: Reconciler, repeats: int) -> dict[str, Any]:
+    """Encode the last tick's record ``repeats`` times and decode it back: median CPU, size."""
+    v = rec.view()
+    assert v.obs is not None and v.last is not None
+    inp = TickInput(v.obs, v.last.state, (), rec.instances, rec.pools, rec.mode)
+    enc, dec = [], []
+    payload = b""
+    for _ in range(max(1, repeats)):
+        spent, payload = cpu(lambda: encode(inp, v.served, rec.alert_config, v.last))
+        enc.append(spent)
+        spent, _ = cpu(lambda p=payload: decode_payload(p))
+        dec.append(spent)
+    return {
+        "record_cpu_s": statistics.median(enc),
+        "record_bytes": len(payload),
+        "replay_decode_cpu_s": statistics.median(dec),
+    }
 
 
 def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -108,6 +133,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         now = start + (i + 1) * interval
         spent, rows = cpu(lambda now=now: window_scan(factory, now - window, now))
         scans.append(spent)
+    record = tick_record_cost(rec, args.ticks)
     engine.dispose()
     tick = statistics.median(ticks)
     scan = statistics.median(scans)
@@ -127,6 +153,9 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "tick_share_of_interval": tick / interval,
         "baseline_scan_cpu_s": scan,
         "tick_vs_scan": tick / scan if scan > 0 else None,
+        **record,
+        "record_share_of_tick": record["record_cpu_s"] / tick if tick > 0 else None,
+        "record_mb_per_day": record["record_bytes"] * 86400 / interval / 1e6,
     }
     print(
         f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
@@ -174,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
             f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
             f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} |"
+        )
+    print("\n| instances | tick record (kB) | per day (MB) | encode (ms) | share of tick | decode (ms) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['instances']:,} | {r['record_bytes'] / 1000:.1f} | {r['record_mb_per_day']:.0f} | "
+            f"{r['record_cpu_s'] * 1000:.1f} | {r['record_share_of_tick']:.1%} | "
+            f"{r['replay_decode_cpu_s'] * 1000:.1f} |"
         )
     big = max(rows, key=lambda r: r["instances"])
     verdict = "MET" if big["tick_share_of_interval"] < 0.2 else "MISSED"

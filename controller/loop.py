@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -72,6 +72,7 @@ from controller.policy import (
     default_rules,
 )
 from controller.policy.reasons import Reason
+from controller.shadow import Shadow, shadow_config
 from controller.ticklog import record_tick
 from pdscope.config import Settings
 from pdscope.routing import RoutingTable
@@ -154,6 +155,8 @@ class Reconciler:
         self._served: dict[str, ServedInstance] = {}
         self._loaded = False
         self.policy = self.cfg.fingerprint()  # recorded in the store when it is first read
+        shadow = shadow_config(self.cfg, settings.controller.shadow)  # raises ConfigError naming the field
+        self.shadow: Shadow | None = None if shadow is None else Shadow(*shadow)
         self.leadership: Leadership = leadership or SoleLeader()
         self.lease_s = lease_for(settings.controller.interval_s)
         self._leading = self.leadership.held()  # no I/O: a PostgreSQL lock is only tried by step()
@@ -178,6 +181,8 @@ class Reconciler:
         self._table = self._initial_table(max(version, floor))
         self._state = replace(state, table=self._table)
         self._loaded = True
+        if self.shadow is not None:
+            self.shadow.restart()
         log.info(
             "controller state loaded: %s weights, %s active alerts, routing version %s",
             len(state.weights),
@@ -258,6 +263,8 @@ class Reconciler:
         self._served = dict(out.served)
         self._table = _stamped(out.table, epoch)
         self.notifier.send(out.alerts.notify)
+        if self.shadow is not None:
+            self.shadow.step(inp, out, self.rules, self.alert_config)
         changed = [d for d in out.weights if d.changed]
         log.info(
             "tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s",
@@ -405,6 +412,11 @@ class Reconciler:
         return self._table
 
     # -- reads ------------------------------------------------------------------------
+
+    def shadow_status(self) -> dict[str, Any] | None:
+        """The shadow policy's comparison with the live one (``GET /v1/shadow``); None: no shadow."""
+        with self._lock:
+            return None if self.shadow is None else self.shadow.as_dict()
 
     def view(self) -> View:
         with self._lock:

@@ -10,6 +10,7 @@ evaluates no rule), so two replicas never double an alert's series.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +19,35 @@ from prometheus_client.registry import Collector
 from controller.loop import Reconciler
 from controller.notify import Notifier
 from controller.proxies import OUTCOMES, ProxyRegistry
+
+
+def _shadow(status: dict[str, Any] | None) -> Iterator[Metric]:
+    """The shadow policy's series (``controller.shadow``); none without a shadow."""
+    if status is None:
+        return
+    yield CounterMetricFamily(
+        "pdscope_controller_shadow_ticks",
+        "Ticks the shadow policy decided beside the live one.",
+        value=status["ticks"],
+    )
+    yield CounterMetricFamily(
+        "pdscope_controller_shadow_divergent_ticks",
+        "Ticks where the shadow policy would have served or fired differently from the live one.",
+        value=status["divergent_ticks"],
+    )
+    yield CounterMetricFamily(
+        "pdscope_controller_shadow_failures",
+        "Shadow policy steps that raised (the live tick went on).",
+        value=status["failures"],
+    )
+    w = GaugeMetricFamily(
+        "pdscope_controller_shadow_weight",
+        "The weight the shadow policy would serve each instance now.",
+        labels=["instance"],
+    )
+    for name, pair in status["weights"].items():
+        w.add_metric([name], pair["shadow"])
+    yield w
 
 
 class ControllerCollector(Collector):
@@ -41,6 +71,7 @@ class ControllerCollector(Collector):
             "Duration of the last successful tick.",
             value=v.tick_seconds or 0.0,
         )
+        yield from _shadow(self.reconciler.shadow_status())
         yield GaugeMetricFamily(
             "pdscope_controller_tick_record_bytes",
             "Compressed size of the newest tick record (the replay log; 0: none written).",

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from controller.policy import AlertConfig, PolicyConfig
+from controller.policy.config import setting_value
 from controller.policy.replay import Compared, Levels, ReplayResult, config_changes, replay
 from controller.ticklog import TickLogError, read_ticks
 
@@ -41,30 +42,16 @@ class Candidate:
     changes: Mapping[str, float | int] = field(default_factory=dict)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(PolicyConfig)}
-
-
 def parse_change(text: str) -> tuple[str, float | int]:
-    """``name=value`` for a policy config field (``min_weight=0.05``); raises :class:`ReplayError`."""
+    """``name=value`` for a policy setting (``min_weight=0.05``); raises :class:`ReplayError`."""
     name, sep, raw = text.partition("=")
     name = name.strip()
     if not sep:
         raise ReplayError(f"--set {text[:60]!r}: expected name=value, e.g. min_weight=0.05")
-    f = _FIELDS.get(name)
-    if f is None:
-        near = sorted(n for n in _FIELDS if name[:4] and name[:4] in n)[:5]
-        hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise ReplayError(f"--set {name[:60]}: not a policy setting{hint}; see docs/policy.md")
-    kind = str(f.type)
     try:
-        value: float | int = int(raw) if kind == "int" else float(raw)
-    except ValueError:
-        raise ReplayError(
-            f"--set {name}: {raw[:40]!r} is not {'an integer' if kind == 'int' else 'a number'}"
-        ) from None
-    if not math.isfinite(value) or value < 0:
-        raise ReplayError(f"--set {name}: must be a finite number at least 0, not {raw[:40]!r}")
-    return name, value
+        return name, setting_value(name, raw.strip())
+    except ValueError as exc:
+        raise ReplayError(f"--set {exc}") from None
 
 
 def parse_changes(texts: Sequence[str]) -> dict[str, float | int]:

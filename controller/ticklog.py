@@ -47,6 +47,17 @@ def encode(
     return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 1)
 
 
+def decode_payload(payload: bytes) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, PolicyState]:
+    """What :func:`encode` wrote, typed; raises ``zlib.error``, ``ValueError`` or ``CodecError``."""
+    doc = json.loads(zlib.decompress(payload))
+    return (
+        load(TickInput, doc["input"]),
+        load(dict[str, ServedInstance], doc["prev_served"]),
+        load(AlertConfig, doc["alerts"]),
+        load(PolicyState, doc["after"]),
+    )
+
+
 def record_tick(
     session: Session,
     inp: TickInput,

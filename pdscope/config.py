@@ -461,6 +461,15 @@ class ControllerSettings(_Frozen):
         "http://<this host's address>:<port>, the address being controller.host unless that is a "
         "wildcard, then the host name's address (a pod's IP)",
     )
+    shadow: dict[Annotated[str, Field(min_length=1, max_length=64)], float] | None = Field(
+        default=None,
+        max_length=64,
+        description="policy settings (fields of the policy config: min_weight, max_weight_step, "
+        "recover_ticks, noise_z, ...) a shadow policy runs with beside the live one: it decides every "
+        "tick on the same observation, is never served or stored, and GET /v1/shadow and "
+        "pdscope_controller_shadow_* say where it parts from the live decisions (docs/policy.md). "
+        "Unset: no shadow",
+    )
     record_ticks: bool = Field(
         default=True,
         description="store each tick's whole input and resulting state (tick_records, compressed, "

@@ -1,4 +1,5 @@
-"""The policy replayed over a stored window: ``GET /v1/replay`` (see :mod:`controller.replay`)."""
+"""The policy replayed over a stored window, ``GET /v1/replay`` (see :mod:`controller.replay`), and the
+shadow policy beside the live one, ``GET /v1/shadow`` (see :mod:`controller.shadow`)."""
 
 from __future__ import annotations
 
@@ -66,5 +67,16 @@ def router(ctx: ApiContext) -> APIRouter:
         except ReplayError as exc:
             return _bad("window", str(exc), 422)
         return as_dict(result, timeline=timeline)
+
+    @r.get(
+        "/v1/shadow",
+        tags=["decisions"],
+        summary="The shadow policy (controller.shadow: changed policy settings deciding every tick "
+        "beside the live policy, never served): where it parts from the live decisions since the "
+        "controller started",
+    )
+    def get_shadow() -> Any:
+        status = reconciler.shadow_status()
+        return {"enabled": False} if status is None else status
 
     return r

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,34 @@ class PolicyConfig:
         """``v<POLICY_VERSION>:<hash>``: names the policy version and every value of this config."""
         blob = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
         return f"v{POLICY_VERSION}:{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(PolicyConfig)}
+
+
+def setting_value(name: str, raw: object) -> float | int:
+    """``raw`` (text or a number) as the value of policy setting ``name`` (a :class:`PolicyConfig`
+    field, e.g. ``min_weight``): a finite number at least 0, an integer for an integer field.
+    Raises ``ValueError("<name>: why")``; a name that is not a setting says the nearest ones."""
+    f = _FIELDS.get(name)
+    if f is None:
+        near = sorted(n for n in _FIELDS if name[:4] and name[:4] in n)[:5]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ValueError(f"{name[:60]}: not a policy setting{hint}; see docs/policy.md")
+    integer = str(f.type) == "int"
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+        raise ValueError(f"{name}: expected a number, got {type(raw).__name__}")
+    try:
+        value: float | int = int(raw) if integer else float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{name}: {str(raw)[:40]!r} is not {'an integer' if integer else 'a number'}"
+        ) from None
+    if integer and isinstance(raw, float) and raw != value:
+        raise ValueError(f"{name}: {raw!r} is not an integer")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: must be a finite number at least 0, not {str(raw)[:40]!r}")
+    return value
 
 
 def _default_of(section: str, name: str) -> Any:

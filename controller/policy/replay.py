@@ -132,7 +132,7 @@ def reloaded(carried: PolicyState, stored: PolicyState) -> PolicyState:
     return PolicyState(stored.tick, carried.weights, carried.limits, alerts, stored.table)
 
 
-def _served(state: PolicyState) -> dict[str, float]:
+def served_weights(state: PolicyState) -> dict[str, float]:
     table = state.table
     return {} if table is None else {r.name: r.weight for r in table.instances}
 
@@ -159,35 +159,23 @@ def _fmt(v: float | None) -> str:
     return "none" if v is None else f"{v:.4g}"
 
 
-def _served_diffs(t: RecordedTick, replayed: PolicyState) -> list[Divergence]:
+def differences(ts: float, tick: int, actual: PolicyState, other: PolicyState) -> list[Divergence]:
+    """Where ``other`` serves or fires differently from ``actual``: served weights, pool limits, alerts."""
     out: list[Divergence] = []
-    a, r = _served(t.after), _served(replayed)
+    a, r = served_weights(actual), served_weights(other)
     for name in sorted(set(a) | set(r)):
         if a.get(name) != r.get(name):
             out.append(
-                Divergence(
-                    t.ts, t.tick, "weight", name, "served_weight", _fmt(a.get(name)), _fmt(r.get(name))
-                )
+                Divergence(ts, tick, "weight", name, "served_weight", _fmt(a.get(name)), _fmt(r.get(name)))
             )
-    al, rl = _limits(t.after), _limits(replayed)
+    al, rl = _limits(actual), _limits(other)
     for key in sorted(set(al) | set(rl)):
         if al.get(key) != rl.get(key):
-            out.append(
-                Divergence(t.ts, t.tick, "limit", key[0], key[1], _fmt(al.get(key)), _fmt(rl.get(key)))
-            )
-    af, rf = _firing(t.after), _firing(replayed)
+            out.append(Divergence(ts, tick, "limit", key[0], key[1], _fmt(al.get(key)), _fmt(rl.get(key))))
+    af, rf = _firing(actual), _firing(other)
     for alert in sorted(set(af) ^ set(rf)):
-        out.append(
-            Divergence(
-                t.ts,
-                t.tick,
-                "alert",
-                alert,
-                "state",
-                af.get(alert, "not firing"),
-                rf.get(alert, "not firing"),
-            )
-        )
+        not_a, not_r = af.get(alert, "not firing"), rf.get(alert, "not firing")
+        out.append(Divergence(ts, tick, "alert", alert, "state", not_a, not_r))
     return out
 
 
@@ -257,7 +245,7 @@ class _Tally:
         prev: Mapping[str, ServedInstance],
         dt: float,
     ) -> None:
-        a, r = _served(t.after), _served(replayed)
+        a, r = served_weights(t.after), served_weights(replayed)
         for name in set(a) | set(r):
             self.weights[name][0].add(a.get(name), dt)
             self.weights[name][1].add(r.get(name), dt)
@@ -315,7 +303,7 @@ def replay(
             miss.append(Divergence(t.ts, t.tick, "state", "*", "state after", "stored", "replayed differs"))
         n_mismatch += len(miss)
         mismatches.extend(miss[: max(0, MAX_LISTED - len(mismatches))])
-        diffs = _served_diffs(t, out.state)
+        diffs = differences(t.ts, t.tick, t.after, out.state)
         if diffs:
             divergent += 1
             divergences.extend(diffs[: max(0, MAX_LISTED - len(divergences))])
