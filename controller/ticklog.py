@@ -6,23 +6,24 @@ stored with its decisions or not at all); :func:`read_ticks` reads a window of t
 cannot replay faithfully: another policy version, another payload format, a payload that does not
 decode into this pdscope's types.
 
-The payload is JSON (:mod:`controller.policy.codec`, exact for floats) compressed with zlib: a tick
-of a 1,000-instance fleet is a few hundred kB of JSON and compresses about tenfold.
+The payload is JSON (:mod:`controller.policy.codec`, exact for floats; fields at their defaults left
+out) compressed with zlib (``bench/controller_cost.py`` measures its size and cost by fleet size).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from controller.policy import AlertConfig, PolicyConfig, PolicyState, ServedInstance, TickInput, TickOutput
-from controller.policy.codec import CodecError, dump, load
+from controller.policy import AlertConfig, PolicyConfig, ServedInstance, TickInput, TickOutput
+from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.replay import RecordedTick, StoredChange
 from store.models import Decision, PolicyConfigRow, TickRecord
@@ -38,23 +39,33 @@ class TickLogError(ValueError):
 def encode(
     inp: TickInput, prev_served: Mapping[str, ServedInstance], ac: AlertConfig, out: TickOutput
 ) -> bytes:
+    """The record's payload. The observation's P×D pairs are left out: the policy reads none of them
+    (they are most of an observation's size, growing as P×D), and a replay under the stored config
+    checks that the decisions still come out without them. The state after the tick is kept as its
+    digest: a replay re-derives it and compares."""
+    obs = dataclasses.replace(inp.obs, pairs=())
     doc = {
-        "input": dump(inp),
-        "prev_served": dump(prev_served),
+        "input": dump(dataclasses.replace(inp, obs=obs), compact=True),
+        "prev_served": dump(prev_served, compact=True),
         "alerts": dump(ac),
-        "after": dump(out.state),
+        "after": digest(out.state),
     }
-    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 1)
+    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
 
 
-def decode_payload(payload: bytes) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, PolicyState]:
+def decode_payload(payload: bytes) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, str]:
     """What :func:`encode` wrote, typed; raises ``zlib.error``, ``ValueError`` or ``CodecError``."""
     doc = json.loads(zlib.decompress(payload))
+    if not isinstance(doc, dict):
+        raise ValueError("not an object")
+    after = doc.get("after")
+    if not isinstance(after, str):
+        raise CodecError("after", "expected the digest of the state after the tick")
     return (
-        load(TickInput, doc["input"]),
-        load(dict[str, ServedInstance], doc["prev_served"]),
-        load(AlertConfig, doc["alerts"]),
-        load(PolicyState, doc["after"]),
+        load(TickInput, doc.get("input")),
+        load(dict[str, ServedInstance], doc.get("prev_served")),
+        load(AlertConfig, doc.get("alerts")),
+        after,
     )
 
 
@@ -93,44 +104,30 @@ class StoredWindow:
     first_recorded: float | None  # the oldest tick record in the store (None: none at all)
 
 
-def _decode(row: TickRecord) -> dict[str, Any]:
-    where = f"tick record {row.id} (tick {row.tick} at {row.ts:.3f})"
+def _where(row: TickRecord) -> str:
+    return f"tick record {row.id} (tick {row.tick} at {row.ts:.3f})"
+
+
+def _tick(row: TickRecord, stored: Sequence[StoredChange]) -> RecordedTick:
     if row.policy_version != POLICY_VERSION:
         raise TickLogError(
-            f"{where} was decided by policy version {row.policy_version}; this pdscope runs policy "
+            f"{_where(row)} was decided by policy version {row.policy_version}; this pdscope runs policy "
             f"version {POLICY_VERSION}, whose maths differ: replay refuses (use the pdscope release that "
             f"wrote it, or a window recorded by this one)"
         )
     if row.format != FORMAT or row.codec != CODEC:
         raise TickLogError(
-            f"{where} is in format {row.format}/{row.codec}; this pdscope reads {FORMAT}/{CODEC}"
+            f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads {FORMAT}/{CODEC}"
         )
     try:
-        doc = json.loads(zlib.decompress(row.payload))
-    except (zlib.error, ValueError) as exc:
-        raise TickLogError(f"{where} is corrupt: {exc}") from None
-    if not isinstance(doc, dict):
-        raise TickLogError(f"{where} is corrupt: not an object")
-    return doc
-
-
-def _tick(row: TickRecord, doc: dict[str, Any], stored: Sequence[StoredChange]) -> RecordedTick:
-    try:
-        return RecordedTick(
-            ts=row.ts,
-            tick=row.tick,
-            epoch=row.leader_epoch,
-            policy=row.policy,
-            inp=load(TickInput, doc.get("input")),
-            prev_served=load(Mapping[str, ServedInstance], doc.get("prev_served")),  # type: ignore[type-abstract]
-            alerts=load(AlertConfig, doc.get("alerts")),
-            after=load(PolicyState, doc.get("after")),
-            stored=tuple(stored),
-        )
-    except (CodecError, ValueError) as exc:
-        raise TickLogError(
-            f"tick record {row.id} (tick {row.tick} at {row.ts:.3f}) does not fit this pdscope's types: {exc}"
-        ) from None
+        inp, prev_served, alerts, after = decode_payload(row.payload)
+    except (zlib.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TickLogError(f"{_where(row)} is corrupt: {exc}") from None
+    except ValueError as exc:  # CodecError included, and AlertConfig's unknown rule names
+        raise TickLogError(f"{_where(row)} does not fit this pdscope's types: {exc}") from None
+    return RecordedTick(
+        row.ts, row.tick, row.leader_epoch, row.policy, inp, prev_served, alerts, after, tuple(stored)
+    )
 
 
 def _config(row: PolicyConfigRow | None, fp: str) -> PolicyConfig:
@@ -189,6 +186,6 @@ def read_ticks(session: Session, since: float, until: float, *, limit: int) -> S
             f"controller.record_ticks off); the oldest tick record is "
             f"{'none' if first is None else f'at {first:.3f}'}: start the window after them"
         )
-    ticks = tuple(_tick(r, _decode(r), stored.get((r.leader_epoch, r.tick, r.ts), ())) for r in rows)
+    ticks = tuple(_tick(r, stored.get((r.leader_epoch, r.tick, r.ts), ())) for r in rows)
     configs = {fp: _config(session.get(PolicyConfigRow, fp), fp) for fp in {t.policy for t in ticks}}
     return StoredWindow(ticks, configs, first)

@@ -78,16 +78,14 @@ def weights_table(weights: dict[str, Any]) -> pd.DataFrame:
 def headline(body: dict[str, Any]) -> tuple[str, str]:
     """``(kind, text)``: kind is success, error or info, for the banner over the chart."""
     n = body["ticks"]
-    if body["candidate"] is None:
-        if body["reproduced"]:
-            return (
-                "success",
-                f"The stored config reproduces all {n} ticks exactly: every decision, every state.",
-            )
+    if not body["reproduced"]:
+        first = _divergence(body["mismatches"][0]) if body["mismatches"] else "n/a"
         return "error", (
             f"The stored config did NOT reproduce the run: {body['mismatch_count']} mismatch(es) over "
-            f"{n} ticks (first: {_divergence(body['mismatches'][0]) if body['mismatches'] else 'n/a'})."
+            f"{n} ticks (first: {first}); no comparison with it holds."
         )
+    if body["candidate"] is None:
+        return "success", f"The stored config reproduces all {n} ticks exactly: every decision, every state."
     first = body["first_divergence"]
     if first is None:
         return "success", f"The candidate decides as the run did over all {n} ticks."

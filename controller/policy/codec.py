@@ -5,7 +5,7 @@ into plain JSON types; :func:`load` rebuilds it from its type's annotations, so 
 the trip bit for bit (floats are written with ``repr``'s shortest round-trip form, and the
 non-finite ones as JSON's ``NaN``/``Infinity`` extensions, which Python reads back).
 
-Decoding is strict: a missing field, an unknown field or a value of the wrong kind raises
+Decoding is strict: a missing field without a default, an unknown field or a value of the wrong kind raises
 :class:`CodecError` naming the path to it (``state.weights.decode-0.smoothed``), so a tick written
 by a pdscope with other types is refused rather than replayed as something it was not.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
+import hashlib
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -34,8 +35,9 @@ class CodecError(ValueError):
         self.path = path
 
 
-def dump(value: Any) -> Any:
-    """``value`` as JSON types (dicts, lists, str, int, float, bool, None)."""
+def dump(value: Any, *, compact: bool = False) -> Any:
+    """``value`` as JSON types (dicts, lists, str, int, float, bool, None). ``compact``: a dataclass
+    field equal to its default is left out (:func:`load` fills it in again)."""
     if value is None or isinstance(value, bool | int | str):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, float):
@@ -45,14 +47,27 @@ def dump(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="python")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: dump(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        out = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if compact and f.default is not dataclasses.MISSING and _same(v, f.default):
+                continue
+            out[f.name] = dump(v, compact=compact)
+        return out
     if isinstance(value, Mapping):
-        return {str(k): dump(v) for k, v in value.items()}
+        return {str(k): dump(v, compact=compact) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return [dump(v) for v in value]
+        return [dump(v, compact=compact) for v in value]
     if isinstance(value, frozenset | set):
-        return sorted(dump(v) for v in value)
+        return sorted(dump(v, compact=compact) for v in value)
     raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
+def _same(v: Any, default: Any) -> bool:
+    """``v`` is its field's default exactly (a float NaN is never, 0.0 is not -0.0, 1 is not 1.0)."""
+    return (
+        type(v) is type(default) and v == default and (not isinstance(v, float) or repr(v) == repr(default))
+    )
 
 
 def load(cls: type[T], data: Any) -> T:
@@ -130,15 +145,19 @@ def _dataclass(tp: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise CodecError(path, f"expected a {tp.__name__} object, got {type(data).__name__}")
     hints = _hints(tp)
-    fields = {f.name for f in dataclasses.fields(tp) if f.init}
-    unknown = sorted(set(data) - fields)
+    fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise CodecError(path, f"unknown field(s) of {tp.__name__}: {', '.join(unknown)}")
-    missing = sorted(fields - set(data))
+    missing = sorted(n for n, f in fields.items() if n not in data and not _has_default(f))
     if missing:
         raise CodecError(path, f"missing field(s) of {tp.__name__}: {', '.join(missing)}")
-    kwargs = {name: _load(hints[name], data[name], f"{path}.{name}" if path else name) for name in fields}
+    kwargs = {n: _load(hints[n], data[n], f"{path}.{n}" if path else n) for n in fields if n in data}
     return tp(**kwargs)
+
+
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
 def _scalar(tp: Any, data: Any, path: str) -> Any:
@@ -165,6 +184,7 @@ def _scalar(tp: Any, data: Any, path: str) -> Any:
     raise CodecError(path, f"no decoder for {tp!r}")
 
 
-def finite_or_none(x: float | None) -> float | None:
-    """``x`` when it is a finite number (for summaries that go into strict JSON)."""
-    return x if x is not None and math.isfinite(x) else None
+def digest(value: Any) -> str:
+    """A short stable hash of ``value``'s exact encoding (what a stored state is checked by)."""
+    blob = json.dumps(dump(value), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]

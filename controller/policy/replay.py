@@ -8,9 +8,11 @@ to tick, and compares what it decides with what the run decided:
 * under the stored config (each tick's own) it must reproduce the run exactly: the same decisions
   (subject, field, old and new value, reason, routing version) and the same state after every tick.
   That is the test of the replay itself (:attr:`ReplayResult.reproduced`).
-* under a candidate config it says where the decisions part: the first divergence, how many ticks
-  differ, how long each instance would have been served at what weight, each pool's limits, and the
-  alerts that would have fired.
+* under a candidate config it says where the candidate's decisions part from the run's: the first
+  divergence, how many ticks differ, how long each instance would have been served at what weight,
+  each pool's limits, and the alerts that would have fired. The run's side is the run re-derived
+  under its stored configs (checked against what was stored, as above): a tick record keeps only a
+  digest of the state a tick left, and the re-derived run is what that digest is checked against.
 
 A replay is open-loop: the observations are the ones the run saw. It answers "what would this
 policy have decided on the same evidence", not "what would the fleet have done" (that is the
@@ -33,6 +35,7 @@ from typing import Literal
 
 from controller.policy.alerts import AlertConfig, default_rules
 from controller.policy.changes import changes
+from controller.policy.codec import digest
 from controller.policy.config import PolicyConfig
 from controller.policy.routes import ServedInstance
 from controller.policy.tick import PolicyState, TickInput, TickOutput, decide
@@ -62,7 +65,7 @@ class RecordedTick:
     inp: TickInput
     prev_served: Mapping[str, ServedInstance]
     alerts: AlertConfig
-    after: PolicyState
+    after: str  # digest of the state the tick left (controller.policy.codec.digest)
     stored: tuple[StoredChange, ...] = ()
 
 
@@ -108,8 +111,9 @@ class ReplayResult:
     policies: tuple[str, ...]  # the stored configs the window ran under, in order of first use
     candidate: str | None  # the candidate's fingerprint; None: the stored configs
     restarts: int  # controller restarts inside the window
-    # decisions and carried state exactly as stored, every tick (None: a candidate's replay, which differs)
-    reproduced: bool | None
+    # the run re-derived under its stored configs: every decision and carried state exactly as stored
+    # (a candidate is compared with this re-derived run, so its comparison holds only when this is true)
+    reproduced: bool
     divergent_ticks: int  # ticks where what was served or firing differs from the run
     first_divergence: Divergence | None
     divergences: tuple[Divergence, ...]
@@ -240,12 +244,13 @@ class _Tally:
     def add(
         self,
         t: RecordedTick,
+        actual: PolicyState,
         replayed: PolicyState,
         out: TickOutput,
         prev: Mapping[str, ServedInstance],
         dt: float,
     ) -> None:
-        a, r = served_weights(t.after), served_weights(replayed)
+        a, r = served_weights(actual), served_weights(replayed)
         for name in set(a) | set(r):
             self.weights[name][0].add(a.get(name), dt)
             self.weights[name][1].add(r.get(name), dt)
@@ -253,11 +258,11 @@ class _Tally:
             series = self.timeline[name]
             if not series or series[-1][1:] != point[1:]:
                 series.append(point)
-        al, rl = _limits(t.after), _limits(replayed)
+        al, rl = _limits(actual), _limits(replayed)
         for key in set(al) | set(rl):
             self.limits[key][0].add(al.get(key), dt)
             self.limits[key][1].add(rl.get(key), dt)
-        for side, firing in enumerate((_firing(t.after), _firing(replayed))):
+        for side, firing in enumerate((_firing(actual), _firing(replayed))):
             for alert in firing:
                 self.firing_s[alert][side] += dt
                 if alert not in self.was_firing[side]:
@@ -281,36 +286,59 @@ def replay(
     tally = _Tally()
     divergences: list[Divergence] = []
     mismatches: list[Divergence] = []
-    n_mismatch = divergent = restarts = 0
-    carried: PolicyState | None = None
-    served: Mapping[str, ServedInstance] = {}
-    prev: RecordedTick | None = None
+    n_mismatch = divergent = 0
+    run, cand = _Carried(), _Carried()
     for i, t in enumerate(ticks):
-        if prev is None or carried is None:
-            state, prev_served = t.inp.state, t.prev_served
-        elif t.epoch != prev.epoch or t.tick != prev.tick + 1:
-            restarts += 1
-            state, prev_served = reloaded(carried, t.inp.state), t.prev_served
-        else:
-            state, prev_served = carried, served
-        cfg = candidate if candidate is not None else configs[t.policy]
-        ac = candidate_alerts if candidate_alerts is not None else t.alerts
-        out = decide(dataclasses.replace(t.inp, state=state), cfg, default_rules(ac), ac)
+        # the run, re-derived under its stored config and checked against what was stored
+        cfg = configs[t.policy]
+        out, prev_served = run.step(t, cfg, t.alerts)
         miss = _decision_diffs(t, out, prev_served)
-        if state != t.inp.state:
+        if run.state_in != t.inp.state:
             miss.append(Divergence(t.ts, t.tick, "state", "*", "state before", "stored", "replayed differs"))
-        if out.state != t.after:
+        if digest(out.state) != t.after:
             miss.append(Divergence(t.ts, t.tick, "state", "*", "state after", "stored", "replayed differs"))
         n_mismatch += len(miss)
         mismatches.extend(miss[: max(0, MAX_LISTED - len(mismatches))])
-        diffs = differences(t.ts, t.tick, t.after, out.state)
+        if candidate is None and candidate_alerts is None:
+            c_out, c_prev = out, prev_served
+        else:
+            c_cfg = candidate if candidate is not None else cfg
+            c_out, c_prev = cand.step(
+                t, c_cfg, candidate_alerts if candidate_alerts is not None else t.alerts
+            )
+        diffs = differences(t.ts, t.tick, out.state, c_out.state)
         if diffs:
             divergent += 1
             divergences.extend(diffs[: max(0, MAX_LISTED - len(divergences))])
         nxt = ticks[i + 1].ts if i + 1 < len(ticks) else t.ts + cfg.interval_s
-        tally.add(t, out.state, out, prev_served, max(0.0, min(nxt - t.ts, 10 * cfg.interval_s)))
-        carried, served, prev = out.state, out.served, t
-    return _result(ticks, candidate, tally, divergences, mismatches, n_mismatch, divergent, restarts)
+        tally.add(t, out.state, c_out.state, c_out, c_prev, max(0.0, min(nxt - t.ts, 10 * cfg.interval_s)))
+    return _result(ticks, candidate, tally, divergences, mismatches, n_mismatch, divergent, run.restarts)
+
+
+class _Carried:
+    """One policy's state carried across the replayed ticks (the run's, or the candidate's)."""
+
+    def __init__(self) -> None:
+        self.state: PolicyState | None = None
+        self.served: Mapping[str, ServedInstance] = {}
+        self.prev: RecordedTick | None = None
+        self.state_in: PolicyState | None = None
+        self.restarts = 0
+
+    def step(
+        self, t: RecordedTick, cfg: PolicyConfig, ac: AlertConfig
+    ) -> tuple[TickOutput, Mapping[str, ServedInstance]]:
+        """Decide ``t`` from the carried state; ``(output, what was served before it)``."""
+        if self.prev is None or self.state is None:
+            state, prev_served = t.inp.state, t.prev_served
+        elif t.epoch != self.prev.epoch or t.tick != self.prev.tick + 1:
+            self.restarts += 1
+            state, prev_served = reloaded(self.state, t.inp.state), t.prev_served
+        else:
+            state, prev_served = self.state, self.served
+        out = decide(dataclasses.replace(t.inp, state=state), cfg, default_rules(ac), ac)
+        self.state_in, self.state, self.served, self.prev = state, out.state, out.served, t
+        return out, prev_served
 
 
 def _result(
@@ -338,7 +366,7 @@ def _result(
         policies=policies,
         candidate=None if candidate is None else candidate.fingerprint(),
         restarts=restarts,
-        reproduced=None if candidate is not None else n_mismatch == 0,
+        reproduced=n_mismatch == 0,
         divergent_ticks=divergent,
         first_divergence=divergences[0] if divergences else None,
         divergences=tuple(divergences),

@@ -1,7 +1,7 @@
 """``pdscope replay``: re-run the controller's policy over a stored window, as it was or changed.
 
-Without a candidate it replays every tick under the config it was decided by and checks that the
-stored decisions come out exactly (exit 3 when they do not: the replay itself is wrong). With
+It replays every tick under the config it was decided by and checks that the stored decisions come
+out exactly (exit 3 when they do not: the replay itself is wrong, and so would be any comparison). With
 ``--candidate FILE`` (a pdscope config file: its controller, slo, admission and alerts settings) and/or
 ``--set name=value`` (a policy setting, e.g. ``min_weight=0.05``, on top of the stored config or the
 file's) it says where the candidate's decisions part from the run's: the first divergence, the
@@ -11,7 +11,7 @@ and the alerts. The observations are the run's (an open-loop replay: see docs/po
 The range is ``--since`` (a duration back from now, default 30m) or ``--from`` / ``--until`` (Unix
 seconds). Exit codes: 0 replayed, 1 no tick recorded in the range or the store cannot be read, 2 a
 bad range, a candidate that fails validation or a window that cannot be replayed (the message says
-why), 3 the stored config did not reproduce the stored decisions.
+why), 3 the stored configs did not reproduce the stored decisions.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(as_dict(result, timeline=args.timeline), indent=2, sort_keys=True))
     else:
         _print(result)
-    return 3 if result.reproduced is False else 0
+    return 0 if result.reproduced else 3
 
 
 def _print(r: Any) -> None:
@@ -114,14 +114,16 @@ def _print(r: Any) -> None:
         f"replayed {r.ticks} ticks, {_when(r.since)} .. {_when(r.until)}, under {under} "
         f"(ran under {', '.join(r.policies)}; {r.restarts} restart(s))"
     )
-    if r.reproduced is not None:
-        if r.reproduced:
-            print("the stored decisions are reproduced exactly (every decision and every tick's state)")
-        else:
-            print(f"NOT REPRODUCED: {r.mismatch_count} mismatch(es) with what was stored; the first:")
-            for d in r.mismatches[:5]:
-                where = f"{_when(d.ts)} tick {d.tick}: {d.subject} {d.field}"
-                print(f"  {where}: stored {d.actual}, replayed {d.replayed}")
+    if r.reproduced:
+        print("the stored decisions are reproduced exactly (every decision and every tick's state)")
+    else:
+        print(f"NOT REPRODUCED: {r.mismatch_count} mismatch(es) with what was stored; the first:")
+        for d in r.mismatches[:5]:
+            where = f"{_when(d.ts)} tick {d.tick}: {d.subject} {d.field}"
+            print(f"  {where}: stored {d.actual}, replayed {d.replayed}")
+        if r.candidate is not None:
+            print("(the candidate is compared with the run as replayed: the comparison below does not hold)")
+    if r.candidate is None:
         return
     if r.first_divergence is None:
         print("the candidate decides as the run did: nothing served or firing would have differed")

@@ -39,7 +39,7 @@ def test_the_stored_config_reproduces_and_a_change_parts(client: TestClient, wor
     r = client.get(URL, params={"since": "1h", "set": ["max_weight_step=0.05"], "timeline": "true"})
     assert r.status_code == 200, r.text
     cand = r.json()
-    assert cand["reproduced"] is None and cand["identical"] is False
+    assert cand["reproduced"] is True and cand["identical"] is False
     assert cand["candidate"].startswith("v1:") and cand["candidate"] not in cand["policies"]
     first = cand["first_divergence"]
     assert (first["what"], first["subject"]) == ("weight", "decode-2")

@@ -84,8 +84,8 @@ def test_a_candidate_says_where_it_parts_from_the_run(world: World) -> None:
         stored = replay_window(s, lo, hi)
         gentle = replay_window(s, lo, hi, Candidate(changes={"max_weight_step": 0.05}))
         same = replay_window(s, lo, hi, Candidate(changes={"band_up": 0.10}))  # the stored value
-    assert same.identical and same.reproduced is None
-    assert not gentle.identical and gentle.reproduced is None
+    assert same.identical and same.reproduced is True
+    assert not gentle.identical and gentle.reproduced is True, "the run it is compared with holds"
     first = gentle.first_divergence
     assert first is not None and first.what == "weight" and first.subject == "decode-2"
     assert float(first.replayed) > float(first.actual), "a smaller step cuts less at once"
@@ -216,3 +216,22 @@ def test_a_stored_decision_unlike_the_policy_is_found(world: World) -> None:
     assert result.reproduced is False and result.mismatch_count == 1
     (m,) = result.mismatches
     assert (m.what, m.subject, m.field) == ("decision", "decode-2", "weight")
+
+
+def test_the_record_leaves_out_defaults_and_pairs_and_still_reproduces(world: World) -> None:
+    """The tick record drops the observation's P×D pairs (the policy reads none) and every field at its
+    default; the decode must give back the same input, and replay reproduces (the tests above)."""
+    from controller.ticklog import decode_payload
+
+    world.step()
+    world.step(handoff_s={"decode-2": 0.5})
+    assert world.reconciler.view().obs is not None and world.reconciler.view().obs.pairs, "the run saw pairs"  # type: ignore[union-attr]
+    with transaction(world.factory) as s:
+        row = s.scalars(select(TickRecord).order_by(TickRecord.id.desc())).first()
+        assert row is not None
+        inp, _, _, after = decode_payload(row.payload)
+    assert inp.obs.pairs == () and len(after) == 32
+    obs = world.reconciler.view().obs
+    assert obs is not None and inp.obs == dataclasses.replace(obs, pairs=())
+    compact, full = dump(obs, compact=True), dump(obs)
+    assert len(str(compact)) < len(str(full)) and load(Observation, compact) == obs

@@ -57,7 +57,7 @@ def test_a_candidate_file_and_set_say_where_they_part(
     assert "decode-2: mean " in out
     assert replay(recorded, *RANGE, "--set", "max_weight_step=0.05", "--json") == 0
     body = json.loads(capsys.readouterr().out)
-    assert body["first_divergence"]["subject"] == "decode-2" and body["reproduced"] is None
+    assert body["first_divergence"]["subject"] == "decode-2" and body["reproduced"] is True
 
 
 def test_an_invalid_candidate_names_the_field(
