@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, attribution, history, ops, overrides, proxies, routing
+from controller.endpoints import alerts, attribution, bundles, history, ops, overrides, proxies, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.forward import Forwarder
@@ -48,6 +48,7 @@ ROUTERS = (
     history,
     alerts,
     attribution,
+    bundles,
     ops,
     overrides,
 )  # reads first, as the OpenAPI document lists them

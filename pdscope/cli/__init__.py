@@ -9,7 +9,8 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck`` and ``pdscope.cli.explain``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and
+``pdscope.cli.bundle``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Splits every SLO miss of the range over its stages (admission wait, P queue, prefill, handoff "
         "incl. the KV pull, D queue, decode) against the healthy requests' medians and groups the excess "
         "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON.",
+    ),
+    "bundle": (
+        "pdscope.cli.bundle",
+        "write an incident bundle of a range: records, snapshots, decisions, alerts, config, report",
+        "One .tar.gz with the range's request records, snapshots, decisions, alerts and overrides, the "
+        "policy config and settings in force, the SLO-miss attribution and a self-contained HTML report; "
+        "bounded by controller.bundles.max_records / max_bytes and written atomically (the controller "
+        "writes one by itself when an SLO or P/D-health alert starts firing).",
     ),
     "config": (
         "pdscope.cli.configcheck",
