@@ -41,7 +41,7 @@ from typing import IO, Any, Final, Protocol
 from sqlalchemy import ColumnElement, Table, and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from controller.attribution import window_attribution
+from controller.attribution import DEFAULT_RECORDS, MAX_RECORDS, window_attribution
 from controller.bundlepack import (
     BundleTooLarge,
     Contents,
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 STALE_TEMP_S: Final = 3600.0  # a temporary file older than this was left by a crash: deleted
 MAX_REFS: Final = 1024  # alerts whose bundle name is remembered for the webhook
-ANNOTATION_MISSES: Final = 100
+ATTRIBUTION_MISSES: Final = 100  # the misses with the most excess in attribution.json
 
 
 class BundleError(Exception):
@@ -176,26 +176,33 @@ def contents(
         )
     if require_data and not any(tables[t].total for t in ("records", "snapshots", "decisions", "alerts")):
         raise NoData("no request record, snapshot, decision or alert is stored in the range")
-    attribution = window_attribution(factory, settings, lo, hi, limit=min(lim.max_records * 5, 200_000))
-    attr = attribution.as_dict(max_misses=ANNOTATION_MISSES)
+    limit = min(max(lim.max_records, DEFAULT_RECORDS), MAX_RECORDS)
+    attribution = window_attribution(factory, settings, lo, hi, limit=limit)
+    attr = attribution.as_dict(max_misses=ATTRIBUTION_MISSES)
     notes = []
+    used = sorted({str(x.get("policy")) for x in tables["decisions"].rows if x.get("policy")})
+    if len(used) > 1:
+        notes.append(f"the policy config changed in the window: decisions ran under {', '.join(used)}")
     if attribution.truncated:
         notes.append(f"attribution: only the newest {attribution.limit} request records were attributed")
-    report = render(
-        ReportInput(
-            name=name,
-            lo=lo,
-            hi=hi,
-            created_at=created_at,
-            attribution=attr,
-            records=tables["records"].rows,
-            decisions=tables["decisions"].rows,
-            alerts=tables["alerts"].rows,
-            ttft_target_s=settings.slo.ttft.target_ms / 1000.0,
-            trigger=None if trigger is None else trigger.as_dict(),
-            notes=[*notes, *_table_notes(tables.values())],
+
+    def report(cut: Sequence[str]) -> str:
+        return render(
+            ReportInput(
+                name=name,
+                lo=lo,
+                hi=hi,
+                created_at=created_at,
+                attribution=attr,
+                records=tables["records"].rows,
+                decisions=tables["decisions"].rows,
+                alerts=tables["alerts"].rows,
+                ttft_target_s=settings.slo.ttft.target_ms / 1000.0,
+                trigger=None if trigger is None else trigger.as_dict(),
+                notes=cut,
+            )
         )
-    )
+
     return Contents(
         name=name,
         lo=lo,
@@ -203,7 +210,7 @@ def contents(
         created_at=created_at,
         trigger=trigger,
         tables=[tables[t] for t in ("alerts", "decisions", "overrides", "records", "snapshots")],
-        report_html=report,
+        report=report,
         attribution=attr,
         settings=redact(settings.model_dump(mode="json")),
         policy_configs=policies,
@@ -212,12 +219,6 @@ def contents(
         notes=notes,
         version=__version__,
     )
-
-
-def _table_notes(tables: Iterable[TableRead]) -> list[str]:
-    return [
-        f"{t.name}: {t.total} rows in the window, 1 in every {t.every} shown" for t in tables if t.every > 1
-    ]
 
 
 # -- writing the archive --------------------------------------------------------------------------
@@ -543,7 +544,6 @@ class BundleWriter:
                 limits=self.cfg,
                 clock=self.clock,
             )
-            gone = prune(self.folder, self.cfg.keep, time.time())
         except Exception as exc:
             with self._cond:
                 self.failed += 1
@@ -556,6 +556,11 @@ class BundleWriter:
             self.last_written = job.name
             self.last_error = None
             self._mark(job.trigger.fingerprint, job.name, "written")
+        try:
+            gone = prune(self.folder, self.cfg.keep, time.time())
+        except OSError as exc:  # the bundle is whole; only the old ones stay a while longer
+            gone = []
+            log.warning("bundle: cannot delete old bundles in %s: %s", self.folder, exc)
         log.info(
             "bundle %s written (%s bytes%s)", w.path, w.bytes, f", {len(gone)} old deleted" if gone else ""
         )

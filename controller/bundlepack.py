@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -36,6 +36,7 @@ TABLES: Final = ("alerts", "decisions", "overrides", "records", "snapshots")
 # the members a bundle always has, besides the tables' .jsonl
 FIXED: Final = ("manifest.json", "report.html", "attribution.json", "settings.json", "policy_configs.json")
 MANIFEST_RESERVE: Final = 64 * 1024  # bytes kept for the manifest, written last
+NOTES_RESERVE: Final = 16 * 1024  # bytes kept for the report's notes on what was cut, known last
 NAME_RE: Final = re.compile(r"^pdscope-[A-Za-z0-9._-]{1,200}\.tar\.gz$")
 _UNSAFE: Final = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -118,6 +119,14 @@ def redact(value: Any) -> Any:
     return value
 
 
+def _sample_note(name: str, total: int, every: int, read: int) -> list[str]:
+    if every == 1:
+        return []
+    return [
+        f"{name}: {total} rows in the window, over max_records: 1 row in every {every} was kept ({read} rows)"
+    ]
+
+
 @dataclass(frozen=True)
 class TableRead:
     """One table's rows of the window as read: ``total`` in the store, every ``every``-th one read."""
@@ -126,6 +135,9 @@ class TableRead:
     rows: Sequence[Mapping[str, Any]]
     total: int
     every: int = 1
+
+    def sample_note(self) -> list[str]:
+        return _sample_note(self.name, self.total, self.every, len(self.rows))
 
 
 @dataclass(frozen=True)
@@ -149,12 +161,7 @@ class TablePacked:
         }
 
     def notes(self) -> list[str]:
-        out = []
-        if self.every > 1:
-            out.append(
-                f"{self.name}: {self.total} rows in the window, over max_records: 1 row in every "
-                f"{self.every} was kept ({self.read} rows)"
-            )
+        out = _sample_note(self.name, self.total, self.every, self.read)
         if self.byte_cut:
             out.append(
                 f"{self.name}: cut to fit max_bytes: the newest {self.included} of {self.read} rows kept"
@@ -229,7 +236,7 @@ class Contents:
     created_at: float
     trigger: Trigger | None
     tables: Sequence[TableRead]
-    report_html: str
+    report: Callable[[Sequence[str]], str]  # the report's HTML, given the notes on what was cut
     attribution: Mapping[str, Any]
     settings: Mapping[str, Any] | None
     policy_configs: Sequence[Mapping[str, Any]]
@@ -239,8 +246,9 @@ class Contents:
     version: str = ""
 
 
-def manifest(c: Contents, packed: Sequence[TablePacked], sizes: Mapping[str, int]) -> dict[str, Any]:
-    notes = [*c.notes, *(n for p in packed for n in p.notes())]
+def manifest(
+    c: Contents, packed: Sequence[TablePacked], sizes: Mapping[str, int], notes: Sequence[str]
+) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -257,30 +265,36 @@ def manifest(c: Contents, packed: Sequence[TablePacked], sizes: Mapping[str, int
         "policy_configs": [str(p.get("fingerprint")) for p in c.policy_configs],
         "settings_included": c.settings is not None,
         "truncated": any(p.every > 1 or p.byte_cut for p in packed),
-        "notes": notes,
+        "notes": list(notes),
     }
 
 
 def pack(c: Contents) -> list[tuple[str, bytes]]:
     """The archive's members (path inside it, bytes), every one under the bundle's folder; the
-    content is at most ``c.max_bytes``. Raises :class:`BundleTooLarge` when the fixed members alone
-    do not fit."""
+    content is at most ``c.max_bytes``. The report is drawn twice: once to size it, then with the
+    notes on what the tables lost. Raises :class:`BundleTooLarge` when the members other than the
+    tables alone do not fit."""
     fixed: dict[str, bytes] = {
-        "report.html": c.report_html.encode(),
         "attribution.json": dumps(c.attribution, indent=1),
         "settings.json": dumps(c.settings, indent=1),
         "policy_configs.json": dumps(list(c.policy_configs), indent=1),
     }
-    used = sum(len(b) for b in fixed.values()) + MANIFEST_RESERVE
+    sampled = [n for t in c.tables for n in t.sample_note()]
+    report_reserve = len(c.report([*c.notes, *sampled]).encode()) + NOTES_RESERVE
+    used = sum(len(b) for b in fixed.values()) + report_reserve + MANIFEST_RESERVE
     if used > c.max_bytes:
         raise BundleTooLarge(
             f"max_bytes {c.max_bytes} is too small: the report, attribution and config alone take {used}"
         )
     packed = pack_tables(c.tables, c.max_bytes - used)
-    members = {**fixed, **{f"{p.name}.jsonl": p.data for p in packed}}
+    notes = [*c.notes, *(n for p in packed for n in p.notes())]
+    report = c.report(notes).encode()
+    if len(report) > report_reserve:  # the notes are a few short lines; this guards the bound all the same
+        raise BundleTooLarge(f"the report takes {len(report)} bytes, over its {report_reserve}")
+    members = {"report.html": report, **fixed, **{f"{p.name}.jsonl": p.data for p in packed}}
     sizes = {n: len(b) for n, b in members.items()}
-    man = dumps(manifest(c, packed, sizes), indent=1)
-    if len(man) > MANIFEST_RESERVE:  # notes and members are few; this guards the bound all the same
+    man = dumps(manifest(c, packed, sizes, notes), indent=1)
+    if len(man) > MANIFEST_RESERVE:
         raise BundleTooLarge(f"the manifest takes {len(man)} bytes, over its {MANIFEST_RESERVE}")
     folder = folder_of(c.name)
     return [(f"{folder}/manifest.json", man), *((f"{folder}/{n}", b) for n, b in members.items())]

@@ -209,7 +209,7 @@ def test_rows_past_max_records_are_sampled_and_the_manifest_says_so(world: World
     assert len({r["id"] % 7 for r in records}) == 1, "1 row in every 7, by id"
     assert w.manifest["truncated"] is True
     assert any(n.startswith("records: 32 rows in the window, over max_records") for n in w.manifest["notes"])
-    assert "1 in every 7 shown" in got["pdscope-range-test/report.html"].decode()
+    assert "over max_records: 1 row in every 7 was kept" in got["pdscope-range-test/report.html"].decode()
 
 
 def test_a_full_disk_fails_the_bundle_leaves_nothing_and_is_counted(
@@ -365,3 +365,24 @@ def test_a_bundle_is_never_partial_when_it_replaces_one(
         write_bundle(world.factory, settings, hi - 60, hi, folder, name="pdscope-range-x.tar.gz")
     assert [p.name for p in folder.iterdir()] == ["pdscope-range-x.tar.gz"]
     assert first.path.read_bytes() == before
+
+
+def test_a_window_that_straddles_a_config_change_holds_both_configs_and_says_so(
+    world: World, tmp_path: Path
+) -> None:
+    for _ in range(3):
+        world.step(prefill_s={"prefill-1": 2.5})
+    c = world.settings.controller
+    changed = world.settings.model_copy(update={"controller": c.model_copy(update={"max_weight_step": 0.5})})
+    rec = Reconciler(changed, world.factory, clock=world.clock, notifier=world.notifier)
+    w2 = dataclasses.replace(world, settings=changed, reconciler=rec)
+    for _ in range(3):
+        w2.step(prefill_s={"prefill-1": 2.5})
+    assert rec.policy != world.reconciler.policy
+    hi = world.clock()
+    w = write_bundle(world.factory, changed, hi - 900, hi, tmp_path / "out", name="pdscope-range-cfg.tar.gz")
+    got = members(w.path)
+    policies = {p["fingerprint"] for p in json.loads(got["pdscope-range-cfg/policy_configs.json"])}
+    decided = {d["policy"] for d in jsonl(got["pdscope-range-cfg/decisions.jsonl"])}
+    assert policies == decided == {world.reconciler.policy, rec.policy}
+    assert any(n.startswith("the policy config changed in the window") for n in w.manifest["notes"])

@@ -132,7 +132,7 @@ def _contents(**kw: Any) -> Contents:
             TableRead(n, rows(3), total=3)
             for n in ("alerts", "decisions", "overrides", "records", "snapshots")
         ],
-        report_html="<html></html>",
+        report=lambda notes: "<html>" + "".join(f"<li>{n}</li>" for n in notes) + "</html>",
         attribution={"requests": 3},
         settings={"store": {"url": "sqlite:///x.db"}},
         policy_configs=[{"fingerprint": "v1:abc", "config": {}}],
@@ -190,11 +190,13 @@ def test_pack_stays_under_max_bytes_and_the_manifest_says_what_was_cut() -> None
     assert entry["cut_to_fit_bytes"] is True and 0 < entry["rows_included"] < 20_000
     assert any("1 row in every 3" in n for n in man["notes"])
     assert any("cut to fit max_bytes" in n for n in man["notes"])
+    report = dict(members)[f"{c.name.removesuffix('.tar.gz')}/report.html"].decode()
+    assert all(f"<li>{n}</li>" in report for n in man["notes"]), "the report lists every cut"
 
 
 def test_fixed_members_over_max_bytes_are_refused() -> None:
     with pytest.raises(BundleTooLarge, match="max_bytes 1048576 is too small"):
-        pack(_contents(report_html="x" * (2**20 - MANIFEST_RESERVE)))
+        pack(_contents(report=lambda notes: "x" * (2**20 - MANIFEST_RESERVE)))
 
 
 def test_json_is_strict() -> None:
