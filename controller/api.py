@@ -28,7 +28,17 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, attribution, history, ops, overrides, proxies, replay, routing
+from controller.endpoints import (
+    alerts,
+    attribution,
+    bundles,
+    history,
+    ops,
+    overrides,
+    proxies,
+    replay,
+    routing,
+)
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.forward import Forwarder
@@ -49,6 +59,7 @@ ROUTERS = (
     alerts,
     attribution,
     replay,
+    bundles,
     ops,
     overrides,
 )  # reads first, as the OpenAPI document lists them

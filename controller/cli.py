@@ -118,6 +118,7 @@ def _serve(
     from sqlalchemy.exc import SQLAlchemyError
 
     from controller.api import create_app
+    from controller.bundle import make_bundler
     from controller.loop import Reconciler
     from controller.notify import NullNotifier, WebhookNotifier
     from controller.policy import AlertConfig
@@ -137,13 +138,20 @@ def _serve(
                 time.sleep(1.0)
     engine = make_engine(settings.store.url)
     external = f"http://{c.host}:{c.port}"
-    notifier = WebhookNotifier(c.alert_webhook_url, external) if c.alert_webhook_url else NullNotifier()
+    factory = session_factory(engine)
+    bundler = make_bundler(settings, factory, url_base=f"{external}/v1/bundles")
+    notifier = (
+        WebhookNotifier(c.alert_webhook_url, external, annotate=bundler.annotations)
+        if c.alert_webhook_url
+        else NullNotifier()
+    )
     reconciler = Reconciler(
         settings,
-        session_factory(engine),
+        factory,
         notifier=notifier,
         alert_config=AlertConfig.from_settings(settings),
         leadership=leadership,
+        bundler=bundler,
     )
     app = create_app(reconciler, token=token, tokens=tokens, notifier=notifier, run_loop=True)
     names = sorted({*(tokens or {}), *(["api"] if token else [])})
@@ -160,5 +168,6 @@ def _serve(
     try:
         uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)
     finally:
+        bundler.close()  # the bundles queued are written first (a few seconds at most)
         engine.dispose()
     return 0

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller import observe as observe_mod
+from controller.bundle import Bundler, make_bundler
 from controller.leader import (
     Deposed,
     LeaderInfo,
@@ -128,13 +129,16 @@ class Reconciler:
         alert_config: AlertConfig | None = None,
         mode: Literal["advisory", "enforce"] | None = None,
         leadership: Leadership | None = None,
+        bundler: Bundler | None = None,
     ) -> None:
         """``leadership`` None: :class:`controller.leader.SoleLeader` (always leads, still claims an epoch
-        and fences every tick)."""
+        and fences every tick). ``bundler`` None: :func:`controller.bundle.make_bundler` (a writer when
+        ``controller.bundles.enabled``)."""
         self.settings = settings
         self.factory = factory
         self.clock = clock
         self.notifier: Notifier = notifier or NullNotifier()
+        self.bundler: Bundler = bundler or make_bundler(settings, factory, clock=clock)
         self.cfg = PolicyConfig.from_settings(settings)
         self.alert_config = alert_config or AlertConfig.from_settings(settings)
         self.rules = default_rules(self.alert_config)
@@ -262,6 +266,7 @@ class Reconciler:
         self._obs = obs
         self._served = dict(out.served)
         self._table = _stamped(out.table, epoch)
+        self.bundler.alerts_changed(out.alerts.changed)  # queues only: the bundle is written elsewhere
         self.notifier.send(out.alerts.notify)
         if self.shadow is not None:
             self.shadow.step(inp, out, self.rules, self.alert_config)

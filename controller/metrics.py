@@ -203,6 +203,17 @@ class ControllerCollector(Collector):
         yield CounterMetricFamily(
             "pdscope_alert_webhook_dropped", "Webhook batches dropped (queue full).", value=n.dropped
         )
+        b = self.reconciler.bundler
+        yield CounterMetricFamily("pdscope_bundles_written", "Incident bundles written.", value=b.written)
+        yield CounterMetricFamily(
+            "pdscope_bundles_failed", "Incident bundles that failed (see the log).", value=b.failed
+        )
+        yield CounterMetricFamily(
+            "pdscope_bundles_dropped", "Incident bundles dropped unwritten (queue full).", value=b.dropped
+        )
+        yield GaugeMetricFamily(
+            "pdscope_bundles_pending", "Incident bundles queued or being written.", value=b.pending
+        )
 
 
 class ProxiesCollector(Collector):

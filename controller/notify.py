@@ -12,6 +12,10 @@ The payload is what Alertmanager sends to a ``webhook_config`` receiver::
      "truncatedAlerts": 0,
      "alerts": [{"status", "labels": {"alertname", "severity", ...}, "annotations",
                  "startsAt", "endsAt", "generatorURL", "fingerprint"}]}
+
+An alert with an incident bundle (``controller.bundle``) carries where it is in its annotations:
+``bundle`` (the path on the controller's host), ``bundle_name`` and, when the controller serves it,
+``bundle_url`` (``GET /v1/bundles/<name>``); ``bundle_error`` when it could not be written.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -30,6 +34,8 @@ from controller.policy import AlertState
 log = logging.getLogger(__name__)
 
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's "no end yet"
+
+Annotate = Callable[[AlertState], Mapping[str, str]]  # more annotations for an alert (its bundle)
 
 
 class Notifier(Protocol):
@@ -48,12 +54,18 @@ def _rfc3339(ts: float | None) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-def alert_json(st: AlertState, external_url: str) -> dict[str, Any]:
+def alert_json(st: AlertState, external_url: str, annotate: Annotate | None = None) -> dict[str, Any]:
     status = "resolved" if st.state == "resolved" else "firing"
+    extra = dict(annotate(st)) if annotate is not None else {}
     return {
         "status": status,
         "labels": {"alertname": st.rule, "severity": st.severity, "source": "controller", **st.labels},
-        "annotations": {"summary": st.summary, "description": st.description, "value": f"{st.value:g}"},
+        "annotations": {
+            **extra,
+            "summary": st.summary,
+            "description": st.description,
+            "value": f"{st.value:g}",
+        },
         "startsAt": _rfc3339(st.fired_at or st.active_since),
         "endsAt": _rfc3339(st.resolved_at) if status == "resolved" else ZERO_TIME,
         "generatorURL": f"{external_url}/v1/alerts",
@@ -69,9 +81,12 @@ def _common(dicts: list[dict[str, str]]) -> dict[str, str]:
 
 
 def webhook_payload(
-    alerts: Sequence[AlertState], external_url: str, receiver: str = "pdscope"
+    alerts: Sequence[AlertState],
+    external_url: str,
+    receiver: str = "pdscope",
+    annotate: Annotate | None = None,
 ) -> dict[str, Any]:
-    items = [alert_json(a, external_url) for a in alerts]
+    items = [alert_json(a, external_url, annotate) for a in alerts]
     status = "firing" if any(i["status"] == "firing" for i in items) else "resolved"
     return {
         "version": "4",
@@ -98,9 +113,12 @@ class WebhookNotifier:
         max_batches: int = 256,
         timeout_s: float = 5.0,
         transport: httpx.BaseTransport | None = None,
+        annotate: Annotate | None = None,
     ) -> None:
+        """``annotate``: more annotations per alert, asked when its batch is POSTed (never raises)."""
         self.url = url
         self.external_url = external_url
+        self.annotate = annotate
         self.sent = 0
         self.failed = 0
         self.dropped = 0
@@ -142,7 +160,8 @@ class WebhookNotifier:
 
     def _post(self, batch: list[AlertState]) -> None:
         try:
-            resp = self._client.post(self.url, json=webhook_payload(batch, self.external_url))
+            payload = webhook_payload(batch, self.external_url, annotate=self.annotate)
+            resp = self._client.post(self.url, json=payload)
             resp.raise_for_status()
             self.sent += 1
         except httpx.HTTPError as exc:

@@ -226,6 +226,30 @@ class NotLeaderOut(BaseModel):
     leader: LeaderOut | None = Field(description="the leader to send it to (null: none has taken over yet)")
 
 
+class BundlesHealthOut(BaseModel):
+    """The incident-bundle writer (``controller.bundles``): a failure here does not degrade the health."""
+
+    enabled: bool
+    written: int = Field(description="bundles written since this controller started")
+    failed: int = Field(description="bundles that failed (folder full or read-only, store error)")
+    dropped: int = Field(description="bundles dropped unwritten: the queue was full")
+    pending: int = Field(description="bundles queued or being written now")
+    last_error: str | None = Field(description="why the last bundle failed; null once one is written")
+
+
+class BundleOut(BaseModel):
+    name: str
+    bytes: int
+    mtime: float = Field(description="Unix seconds the bundle was written")
+    url: str = Field(description="where to download it (GET /v1/bundles/<name>)")
+
+
+class BundlesOut(BaseModel):
+    enabled: bool = Field(description="controller.bundles.enabled: alerts write bundles")
+    dir: str = Field(description="the folder the bundles are in, on the controller's host")
+    bundles: list[BundleOut] = Field(description="newest first")
+
+
 class HealthOut(BaseModel):
     status: Literal["ok", "starting", "degraded"]
     mode: Literal["advisory", "enforce"]
@@ -244,6 +268,9 @@ class HealthOut(BaseModel):
         "by (null: none yet)"
     )
     leader: LeaderOut | None = Field(description="the store's leader as this controller last read it")
+    bundles: BundlesHealthOut | None = Field(
+        default=None, description="the incident-bundle writer's counters"
+    )
 
 
 class ProxyPoolOut(BaseModel):

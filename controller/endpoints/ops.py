@@ -1,5 +1,5 @@
-"""Operations: health (503 when degraded; leader or standby, and the leader epoch), the bearer token's
-identity, Prometheus metrics."""
+"""Operations: health (503 when degraded; leader or standby, and the leader epoch; the bundle writer's
+counters), the bearer token's identity, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from fastapi import APIRouter, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import AuthError
+from controller.bundle import Bundler
 from controller.endpoints.context import ApiContext
 from controller.leader import LeaderInfo, leader_url
-from controller.schemas import HealthOut, LeaderOut, WhoAmIOut
+from controller.schemas import BundlesHealthOut, HealthOut, LeaderOut, WhoAmIOut
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -44,6 +45,7 @@ def router(ctx: ApiContext) -> APIRouter:
             role=view.role,
             leader_epoch=view.epoch,
             leader=_leader(view.leader),
+            bundles=_bundles(reconciler.bundler),
         )
 
     @r.get(
@@ -65,6 +67,17 @@ def router(ctx: ApiContext) -> APIRouter:
         return Response(generate_latest(ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
     return r
+
+
+def _bundles(b: Bundler) -> BundlesHealthOut:
+    return BundlesHealthOut(
+        enabled=b.folder is not None,
+        written=b.written,
+        failed=b.failed,
+        dropped=b.dropped,
+        pending=b.pending,
+        last_error=b.last_error,
+    )
 
 
 def _leader(info: LeaderInfo | None) -> LeaderOut | None:

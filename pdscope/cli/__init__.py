@@ -9,8 +9,8 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and
-``pdscope.cli.replay``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain``,
+``pdscope.cli.replay`` and ``pdscope.cli.bundle``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "that the stored decisions come out exactly; with --candidate FILE or --set name=value it says "
         "where the candidate's decisions part from the run's: the first divergence, how long each "
         "instance would have been at what weight, the pools' limits and the alerts.",
+    ),
+    "bundle": (
+        "pdscope.cli.bundle",
+        "write an incident bundle of a range: records, snapshots, decisions, alerts, config, report",
+        "One .tar.gz with the range's request records, snapshots, decisions, alerts and overrides, the "
+        "policy config and settings in force, the SLO-miss attribution and a self-contained HTML report; "
+        "bounded by controller.bundles.max_records / max_bytes and written atomically (the controller "
+        "writes one by itself when an SLO or P/D-health alert starts firing).",
     ),
     "config": (
         "pdscope.cli.configcheck",

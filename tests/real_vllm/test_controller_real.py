@@ -3,12 +3,14 @@
 The collector scrapes the real P and D into a store; the controller reconciles over that
 store. A prefill whose decode never comes pins its KV blocks on P for the pair's short
 lease; when the lease runs out P counts ``vllm:nixl_num_kv_expired_reqs_total``. The
-controller sees the counter rise in its window and fires ``KVLeaseExpired`` for P; once the
-window no longer holds the expiry the alert resolves.
+controller sees the counter rise in its window and fires ``KVLeaseExpired`` for P, which writes
+its incident bundle; once the window no longer holds the expiry the alert resolves.
 """
 
 from __future__ import annotations
 
+import json
+import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import yaml
 from sqlalchemy import select
 
+from controller.bundlepack import alert_bundle_name
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
 from pdscope.config import parse_config
@@ -50,7 +53,11 @@ def controlled(real_pd: RealPD, tmp_path: Path) -> Iterator[tuple[Reconciler, An
     cfg = real_pd.config_dict(
         store={"url": url},
         collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
-        controller={"interval_s": 1.0, "window_s": WINDOW_S},
+        controller={
+            "interval_s": 1.0,
+            "window_s": WINDOW_S,
+            "bundles": {"enabled": True, "dir": str(tmp_path / "bundles")},
+        },
     )
     settings = parse_config(yaml.safe_dump(cfg), "real.yaml")
     engine = make_engine(url)
@@ -58,6 +65,7 @@ def controlled(real_pd: RealPD, tmp_path: Path) -> Iterator[tuple[Reconciler, An
     rec = Reconciler(settings, factory, alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}))
     with CollectorThread(settings):
         yield rec, factory
+    rec.bundler.close()
     engine.dispose()
 
 
@@ -98,6 +106,22 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
     with transaction(factory) as s:
         row = s.scalars(select(Alert).where(Alert.rule == "KVLeaseExpired")).one()
         assert row.state == "firing" and row.fired_at is not None
+    # ... and its incident bundle is written, in the background, with the window and the report in it
+    assert rec.bundler.folder is not None and alert.fired_at is not None
+    path = rec.bundler.folder / alert_bundle_name("KVLeaseExpired", alert.labels, alert.fired_at)
+    wait_until(f"the alert's bundle {path.name}", path.is_file, timeout_s=60)
+    with tarfile.open(path, "r:gz") as tar:
+        got = {m.name.split("/", 1)[1]: m for m in tar.getmembers()}
+        manifest = json.load(tar.extractfile(got["manifest.json"]))  # type: ignore[arg-type]
+        report = tar.extractfile(got["report.html"]).read().decode()  # type: ignore[union-attr]
+    assert {"records.jsonl", "snapshots.jsonl", "decisions.jsonl", "alerts.jsonl", "attribution.json"} <= set(
+        got
+    )
+    assert (
+        manifest["trigger"]["alertname"] == "KVLeaseExpired"
+        and manifest["tables"]["snapshots"]["rows_included"]
+    )
+    assert "<b>KVLeaseExpired</b>" in report and "<svg" in report
 
     # The window slides past the expiry: the alert resolves and the resolution is stored.
     tick_until("KVLeaseExpired to resolve", rec, lambda out: not _lease_alerts(out), WINDOW_S + 20)
