@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse
 
 from controller.attribution import DEFAULT_RECORDS, MAX_RECORDS, BadRange, resolve_range, window_attribution
-from controller.endpoints.context import ApiContext
+from controller.endpoints.context import ApiContext, From, Since, Until, bad_param
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -24,13 +23,9 @@ def router(ctx: ApiContext) -> APIRouter:
         "share and since when. 400 names a bad range parameter",
     )
     def get_attribution(
-        since: Annotated[
-            str | None, Query(max_length=32, description="a duration back from now: 30m, 2h, 90s")
-        ] = None,
-        from_: Annotated[
-            float | None, Query(alias="from", description="Unix seconds (instead of since)")
-        ] = None,
-        until: Annotated[float | None, Query(description="Unix seconds (default: now)")] = None,
+        since: Since = None,
+        from_: From = None,
+        until: Until = None,
         misses: Annotated[int, Query(ge=0, le=1000, description="misses listed, most excess first")] = 100,
         limit: Annotated[
             int, Query(ge=1, le=MAX_RECORDS, description="records read at most (the newest)")
@@ -39,9 +34,7 @@ def router(ctx: ApiContext) -> APIRouter:
         try:
             lo, hi = resolve_range(reconciler.clock(), since=since, from_=from_, until=until)
         except BadRange as exc:
-            return JSONResponse(
-                status_code=400, content={"detail": [{"field": exc.param, "reason": exc.reason}]}
-            )
+            return bad_param(exc.param, exc.reason)
         result = window_attribution(reconciler.factory, reconciler.settings, lo, hi, limit=limit)
         return result.as_dict(max_misses=misses)
 

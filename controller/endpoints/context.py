@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request
+from fastapi import Depends, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 
 from controller.auth import Authenticator, audit_actor
@@ -22,6 +23,17 @@ XActor = Annotated[
         "as identity:X-Actor in the audit trail"
     ),
 ]
+
+
+# The range parameters of the reads over a window of the store (attribution, replay)
+Since = Annotated[str | None, Query(max_length=32, description="a duration back from now: 30m, 2h, 90s")]
+From = Annotated[float | None, Query(alias="from", description="Unix seconds (instead of since)")]
+Until = Annotated[float | None, Query(description="Unix seconds (default: now)")]
+
+
+def bad_param(field: str, reason: str, status: int = 400) -> JSONResponse:
+    """The error answer naming the parameter at fault: ``{"detail": [{"field", "reason"}]}``."""
+    return JSONResponse(status_code=status, content={"detail": [{"field": field, "reason": reason}]})
 
 
 @dataclass(frozen=True)

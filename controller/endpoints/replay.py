@@ -6,18 +6,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse
 
 from controller.attribution import BadRange, resolve_range
-from controller.endpoints.context import ApiContext
+from controller.endpoints.context import ApiContext, From, Since, Until, bad_param
 from controller.replay import Candidate, NoTicks, ReplayError, as_dict, parse_changes, replay_window
 from store.db import transaction
 
 MAX_API_TICKS = 5_000  # a request answers within seconds; the CLI reads more
-
-
-def _bad(field: str, reason: str, status: int = 400) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"detail": [{"field": field, "reason": reason}]})
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -33,13 +28,9 @@ def router(ctx: ApiContext) -> APIRouter:
         "cannot be replayed (another policy version, ticks without records, a config change)",
     )
     def get_replay(
-        since: Annotated[
-            str | None, Query(max_length=32, description="a duration back from now: 30m, 2h, 90s")
-        ] = None,
-        from_: Annotated[
-            float | None, Query(alias="from", description="Unix seconds (instead of since)")
-        ] = None,
-        until: Annotated[float | None, Query(description="Unix seconds (default: now)")] = None,
+        since: Since = None,
+        from_: From = None,
+        until: Until = None,
         set_: Annotated[
             list[str] | None,
             Query(
@@ -53,19 +44,19 @@ def router(ctx: ApiContext) -> APIRouter:
         try:
             lo, hi = resolve_range(reconciler.clock(), since=since, from_=from_, until=until)
         except BadRange as exc:
-            return _bad(exc.param, exc.reason)
+            return bad_param(exc.param, exc.reason)
         try:
             changes = parse_changes([s[:200] for s in set_ or []])
         except ReplayError as exc:
-            return _bad("set", str(exc))
+            return bad_param("set", str(exc))
         candidate = Candidate(changes=changes) if changes else None
         try:
             with transaction(reconciler.factory) as session:
                 result = replay_window(session, lo, hi, candidate, max_ticks=MAX_API_TICKS)
         except NoTicks as exc:
-            return _bad("since", str(exc), 404)
+            return bad_param("since", str(exc), 404)
         except ReplayError as exc:
-            return _bad("window", str(exc), 422)
+            return bad_param("window", str(exc), 422)
         return as_dict(result, timeline=timeline)
 
     @r.get(

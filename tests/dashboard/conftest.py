@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from dashboard.seed import SeedSpec, SeedSummary, fleet_config_yaml, seed_store
+from tests.dashboard.browser import Browser, chromium_path
 from tests.support.controllers import FakeController
 from tests.support.serving import serve_in_thread
 
@@ -71,3 +72,12 @@ def fake_controller() -> Iterator[FakeController]:
     with serve_in_thread(ctl.app()) as url:
         ctl.url = url
         yield ctl
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    """A headless Chromium for the ``browser`` tier (skipped, saying why, without one)."""
+    if chromium_path() is None:
+        pytest.skip("browser tier skipped: no chromium on PATH (apt-get install chromium)")
+    with Browser(tmp_path_factory.mktemp("chromium-profile")) as b:
+        yield b

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageStat
 
-from .browser import Browser, chromium_path, running_dashboard
+from .browser import Browser, running_dashboard
 from .conftest import Seeded
 
 pytestmark = pytest.mark.browser
@@ -37,14 +37,6 @@ def dashboard(seeded: Seeded, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """``pdscope dashboard`` on a free port against the seeded store; yields its base URL."""
     with running_dashboard(seeded.config, tmp_path_factory.mktemp("dash") / "dashboard.log") as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
-    if chromium_path() is None:
-        pytest.skip("browser tier skipped: no chromium on PATH (apt-get install chromium)")
-    with Browser(tmp_path_factory.mktemp("chromium-profile")) as b:
-        yield b
 
 
 def _not_blank(png: bytes) -> tuple[float, float]:

@@ -26,7 +26,7 @@ from tests.controller.replay import VirtualClock
 from tests.support.serving import serve_in_thread
 from tests.support.sockets import bound_socket
 
-from .browser import REPO, Browser, chromium_path, running_dashboard
+from .browser import REPO, Browser, running_dashboard
 
 pytestmark = pytest.mark.browser
 
@@ -54,14 +54,6 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             yield path
     finally:
         engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
-    if chromium_path() is None:
-        pytest.skip("browser tier skipped: no chromium on PATH (apt-get install chromium)")
-    with Browser(tmp_path_factory.mktemp("chromium-profile")) as b:
-        yield b
 
 
 def test_the_controller_page_draws_the_replay_beside_the_run(
