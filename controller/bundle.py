@@ -54,6 +54,7 @@ from controller.bundlepack import (
 )
 from controller.bundlereport import ReportInput, render
 from controller.policy.alerts import AlertState
+from controller.replay import ReplayError, replay_window
 from pdscope import __version__
 from pdscope.config import BundleSettings, Settings
 from store.db import transaction
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 STALE_TEMP_S: Final = 3600.0  # a temporary file older than this was left by a crash: deleted
 MAX_REFS: Final = 1024  # alerts whose bundle name is remembered for the webhook
+REPLAY_TICKS: Final = 1_000  # a bundle checks the replay of at most this many ticks
 ATTRIBUTION_MISSES: Final = 100  # the misses with the most excess in attribution.json
 
 
@@ -185,6 +187,7 @@ def contents(
         notes.append(f"the policy config changed in the window: decisions ran under {', '.join(used)}")
     if attribution.truncated:
         notes.append(f"attribution: only the newest {attribution.limit} request records were attributed")
+    notes.append(replay_note(factory, lo, hi))
 
     def report(cut: Sequence[str]) -> str:
         return render(
@@ -219,6 +222,18 @@ def contents(
         notes=notes,
         version=__version__,
     )
+
+
+def replay_note(factory: sessionmaker[Session], lo: float, hi: float) -> str:
+    """Whether the stored config reproduces the window's decisions (``pdscope replay``), in one line."""
+    try:
+        with transaction(factory) as session:
+            r = replay_window(session, lo, hi, max_ticks=REPLAY_TICKS)
+    except ReplayError as exc:
+        return f"replay: not checked: {exc}"
+    if r.reproduced:
+        return f"replay: the stored config reproduces the window's {r.ticks} ticks exactly (pdscope replay)"
+    return f"replay: the stored config does NOT reproduce the window: {r.mismatch_count} mismatch(es)"
 
 
 # -- writing the archive --------------------------------------------------------------------------
