@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from controller.auth import API_IDENTITY, Authenticator
-from controller.endpoints import alerts, attribution, history, ops, overrides, proxies, routing
+from controller.endpoints import alerts, attribution, history, ops, overrides, proxies, regret, routing
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
 from controller.forward import Forwarder
@@ -46,6 +46,7 @@ ROUTERS = (
     routing,
     proxies,
     history,
+    regret,
     alerts,
     attribution,
     ops,
