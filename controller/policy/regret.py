@@ -481,29 +481,36 @@ def regret(
 @dataclass(frozen=True)
 class ReadPlan:
     """What to read for the cuts of ``[since, until]``: decisions from ``since`` on, records over
-    ``[records_from, data_until]``, the cut instances' scrapes over ``[since, data_until]``, bucketed
-    by ``bucket_s``."""
+    ``[records_from, data_until]``, the cut instances' scrapes over ``[since, data_until]``; signals
+    bucketed by ``bucket_s``, the SLO by the finer ``slo_bucket_s`` (a tick), so the requests just
+    before a cut count before it."""
 
     since: float
     until: float
     records_from: float
     data_until: float
     bucket_s: float
+    slo_bucket_s: float
 
 
 LOOKAHEAD_S: Final = 3600.0  # how long after the range's end a cut's recovery is looked for
 MIN_BUCKET_S: Final = 30.0
-MAX_BUCKETS: Final = 1000
+MAX_BUCKETS: Final = 1000  # per instance
+MAX_SLO_BUCKETS: Final = 20_000
 
 
 def plan(since: float, until: float, now: float, cfg: RegretConfig) -> ReadPlan:
     """The reads for the cuts of ``[since, until]`` with data up to ``now``: the SLO window before the
-    first cut, up to :data:`LOOKAHEAD_S` (at least the SLO window and ``flap_ticks``) after the last,
-    buckets of at least :data:`MIN_BUCKET_S` and at most :data:`MAX_BUCKETS` of them."""
+    first cut, up to :data:`LOOKAHEAD_S` (at least the SLO window and ``flap_ticks``) after the last;
+    signal buckets of at least :data:`MIN_BUCKET_S` and at most :data:`MAX_BUCKETS` of them, SLO
+    buckets of a tick, at most :data:`MAX_SLO_BUCKETS`."""
     ahead = max(LOOKAHEAD_S, cfg.slo_window_s, cfg.flap_ticks * cfg.tick_s)
     lo = since - cfg.slo_window_s
     hi = max(until, min(now, until + ahead))
-    return ReadPlan(since, until, lo, hi, max(MIN_BUCKET_S, (hi - lo) / MAX_BUCKETS))
+    span = hi - lo
+    return ReadPlan(
+        since, until, lo, hi, max(MIN_BUCKET_S, span / MAX_BUCKETS), max(cfg.tick_s, span / MAX_SLO_BUCKETS)
+    )
 
 
 def cut_instances(decisions: Iterable[DecisionFact], since: float, until: float) -> frozenset[str]:
@@ -527,7 +534,7 @@ def regret_of(
     return regret(
         decisions,
         signal_samples(records, scrapes, p.since, end, p.bucket_s),
-        slo_buckets(records, p.records_from, end, p.bucket_s),
+        slo_buckets(records, p.records_from, end, p.slo_bucket_s),
         since=p.since,
         until=p.until,
         observed_until=observed_until,

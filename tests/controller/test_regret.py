@@ -322,7 +322,7 @@ def test_slo_buckets_count_completed_and_met() -> None:
 def test_plan_and_regret_of_end_to_end() -> None:
     cfg = RegretConfig(flap_ticks=3, tick_s=2.0, slo_window_s=60.0, min_requests=1)
     p = plan(1000.0, 1100.0, now=1200.0, cfg=cfg)
-    assert (p.records_from, p.data_until, p.bucket_s) == (940.0, 1200.0, 30.0)
+    assert (p.records_from, p.data_until, p.bucket_s, p.slo_bucket_s) == (940.0, 1200.0, 30.0, 2.0)
     assert plan(0.0, 100.0, now=10_000.0, cfg=cfg).data_until == 3700.0  # an hour after the range
     records = [rec(t, "p1", "d1" if t % 2 else "d2", h_s=0.2) for t in range(950, 1190)]
     decisions = [
