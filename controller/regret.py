@@ -7,13 +7,21 @@ the ones the controller believes (``controller.trusted_span_senders``), requests
 left out; each read is bounded and the answer says when one was cut short (``truncated``). The
 analysis is :func:`controller.policy.regret.regret_of` with the flap horizon given, ticks of
 ``controller.interval_s`` and the SLO window ``slo.window_s``.
+
+:class:`FlapTally` is the live part for ``/metrics``: the last hour's cuts and flaps per reason,
+from the decisions alone (no records or scrapes are read at scrape time), recomputed at most every
+``every_s``; a store error keeps the last tally (and is logged), never failing the scrape.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.observe import trusted_filter
@@ -25,11 +33,14 @@ from controller.policy.regret import (
     ScrapeFact,
     cut_instances,
     plan,
+    regret,
     regret_of,
 )
 from pdscope.config import Settings
 from store import regret as reads
-from store.db import transaction
+from store.db import StoreError, transaction
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FLAP_TICKS: Final = 10
 MAX_DECISIONS: Final = 100_000
@@ -100,3 +111,66 @@ def window_regret(
     """:func:`read_regret` in a transaction of its own."""
     with transaction(factory) as session:
         return read_regret(session, settings, lo, hi, now=now, cfg=config_for(settings, flap_ticks))
+
+
+class FlapTally(Collector):
+    """``pdscope_decision_cuts{reason}``, ``pdscope_decision_flapped{reason}`` and
+    ``pdscope_decision_flap_rate{reason}`` over the last :attr:`WINDOW_S` seconds."""
+
+    WINDOW_S: Final = 3600.0
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        settings: Settings,
+        clock: Callable[[], float],
+        *,
+        flap_ticks: int = DEFAULT_FLAP_TICKS,
+        every_s: float = 30.0,
+    ) -> None:
+        self.factory = factory
+        self.clock = clock
+        self.cfg = config_for(settings, flap_ticks)
+        self.every_s = every_s
+        self._at: float | None = None
+        self._tally: Regret | None = None
+
+    def _refresh(self, now: float) -> None:
+        if self._at is not None and now - self._at < self.every_s:
+            return
+        since = now - self.WINDOW_S
+        try:
+            with transaction(self.factory) as session:
+                rows = reads.decisions(session, since, self.cfg.cut_fields, limit=MAX_DECISIONS).rows
+        except StoreError as exc:
+            log.warning("decision regret for /metrics: %s (keeping the last tally)", exc)
+            return
+        facts = [DecisionFact(*row) for row in rows]
+        self._tally = regret(facts, (), (), since=since, until=now, observed_until=now, cfg=self.cfg)
+        self._at = now
+
+    def collect(self) -> Iterator[Metric]:
+        self._refresh(self.clock())
+        labels = ["reason"]
+        window = f"the last {self.WINDOW_S / 60:.0f} min"
+        cuts = GaugeMetricFamily(
+            "pdscope_decision_cuts", f"Weight and limit cuts the policy made in {window}.", labels=labels
+        )
+        flapped = GaugeMetricFamily(
+            "pdscope_decision_flapped",
+            f"Cuts of {window} undone within {self.cfg.flap_ticks} ticks (flapping).",
+            labels=labels,
+        )
+        rate = GaugeMetricFamily(
+            "pdscope_decision_flap_rate",
+            f"Flapped over the cuts of {window} whose {self.cfg.flap_ticks} ticks have passed.",
+            labels=labels,
+        )
+        for t in () if self._tally is None else self._tally.reasons:
+            cuts.add_metric([t.reason], t.cuts)
+            flapped.add_metric([t.reason], t.flapped)
+            if t.flap_rate is not None:
+                rate.add_metric([t.reason], t.flap_rate)
+        yield cuts
+        yield flapped
+        yield rate

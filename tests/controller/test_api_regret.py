@@ -241,3 +241,77 @@ def test_the_route_is_an_open_read_in_the_openapi_document(client: TestClient) -
         "cuts",
     }
     assert client.get(URL, headers={"Authorization": "Bearer wrong"}).status_code == 200
+
+
+def _metric(text: str, name: str, reason: str) -> float | None:
+    prefix = f'{name}{{reason="{reason}"}} '
+    line = next((x for x in text.splitlines() if x.startswith(prefix)), None)
+    return None if line is None else float(line[len(prefix) :])
+
+
+def test_metrics_carry_the_live_flapping_tally(
+    client: TestClient, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t0 = world.clock() - 600.0
+    flap = [
+        {
+            "ts": t0,
+            "tick": 10,
+            "subject": "decode-1",
+            "field": "weight",
+            "old_value": 1.0,
+            "new_value": 0.5,
+            "reason": "Backlog",
+        },
+        {
+            "ts": t0 + 4.0,
+            "tick": 12,
+            "subject": "decode-1",
+            "field": "weight",
+            "old_value": 0.5,
+            "new_value": 1.0,
+            "reason": "Recovering",
+        },
+        {
+            "ts": t0 + 10.0,
+            "tick": 15,
+            "subject": "decode-2",
+            "field": "weight",
+            "old_value": 1.0,
+            "new_value": 0.5,
+            "reason": "Backlog",
+        },
+    ]
+    _store(world, flap)
+    text = client.get("/metrics").text
+    assert _metric(text, "pdscope_decision_cuts", "Backlog") == 2.0
+    assert _metric(text, "pdscope_decision_flapped", "Backlog") == 1.0
+    assert _metric(text, "pdscope_decision_flap_rate", "Backlog") == 0.5
+    _store(
+        world,
+        [
+            {
+                "ts": t0 + 20.0,
+                "tick": 20,
+                "subject": "decode-3",
+                "field": "weight",
+                "old_value": 1.0,
+                "new_value": 0.2,
+                "reason": "SlowHandoff",
+            }
+        ],
+    )
+    assert _metric(client.get("/metrics").text, "pdscope_decision_cuts", "SlowHandoff") is None  # kept 30 s
+    world.clock.advance(31.0)
+    assert _metric(client.get("/metrics").text, "pdscope_decision_cuts", "SlowHandoff") == 1.0
+
+    from controller import regret as mod
+    from store.db import StoreError
+
+    def down(*a: object, **k: object) -> None:
+        raise StoreError("connection refused")
+
+    monkeypatch.setattr(mod.reads, "decisions", down)
+    world.clock.advance(31.0)
+    r = client.get("/metrics")
+    assert r.status_code == 200 and _metric(r.text, "pdscope_decision_cuts", "SlowHandoff") == 1.0  # the last
