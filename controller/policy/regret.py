@@ -36,9 +36,10 @@ from statistics import median
 from typing import Any, Final
 
 from controller.policy.evidence import FAILED
+from controller.policy.reasons import Reason
 
 EPS: Final = 1e-9
-SCRAPE_REASONS: Final = frozenset({"InstanceDown", "KVCachePressure"})
+SCRAPE_REASONS: Final = frozenset({Reason.INSTANCE_DOWN.value, Reason.KV_CACHE_PRESSURE.value})
 
 
 @dataclass(frozen=True)
