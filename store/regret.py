@@ -61,7 +61,7 @@ def records(
     session: Session, lo: float, hi: float, slo: SLOSettings, *, only: RecordFilter, limit: int
 ) -> Rows:
     """The records that came in over ``[lo, hi]`` (``only`` those), oldest first: ``(proxy_in, status,
-    p_instance, d_instance, p_sent, p_done, first_token, met)``, ``met`` the verdict under ``slo``."""
+    p_instance, d_instance, p_sent, p_done, d_sent, first_token, met)``, ``met`` the verdict under ``slo``."""
     r = RequestRecord
     stmt = only.apply(
         select(
@@ -71,6 +71,7 @@ def records(
             r.d_instance,
             r.p_sent,
             r.p_done,
+            r.d_sent,
             r.first_token,
             r.ttft_s,
             r.tpot_s,
@@ -80,7 +81,7 @@ def records(
         .limit(limit + 1)
     )
     rows = [
-        (*row[:7], slo_verdict(row[1], row[7], row[8], slo).met)
+        (*row[:8], slo_verdict(row[1], row[8], row[9], slo).met)
         for row in session.connection().execute(stmt).all()
     ]
     return _bounded(rows, limit)

@@ -76,6 +76,7 @@ class RecordFact:
     d_instance: str | None
     p_sent: float | None
     p_done: float | None
+    d_sent: float | None
     first_token: float | None
     met: bool
 
@@ -95,10 +96,11 @@ class SignalSample:
     """One instance's signals over one bucket ``[start, end)``.
 
     ``stage_s`` is the median of its own stage over the requests through it (P: sent → prefill done;
-    D: prefill done → first token, the handoff incl. the KV pull), ``peer_stage_s`` the median of the
-    same stage over the other instances in the same role in the bucket. ``failed``: its requests that
-    failed in its stage (before prefill was done: P's; after: D's). ``up``: every scrape in the bucket
-    was up (None: not scraped), ``kv_usage`` the highest reading.
+    D: prefill done → first token, the handoff incl. the KV pull; sent to D → first token on the
+    decode-only path), ``peer_stage_s`` the median of the same stage over the other instances in the
+    same role in the bucket. ``failed``: its requests that failed (errors, timeouts) in its stage
+    (before the request was sent to D: P's; after: D's, as the policy charges them). ``up``: every
+    scrape in the bucket was up (None: not scraped), ``kv_usage`` the highest reading.
     """
 
     subject: str
@@ -291,13 +293,14 @@ def signal_samples(
         failed = r.status in FAILED  # errors and timeouts, as the policy charges them
         for role, inst, began, ended in (
             ("prefill", r.p_instance, r.p_sent, r.p_done),
-            ("decode", r.d_instance, r.p_done, r.first_token),
+            # the decode-only path has no prefill done: its D stage begins when it was sent to D
+            ("decode", r.d_instance, r.p_done if r.p_done is not None else r.d_sent, r.first_token),
         ):
             if not inst:
                 continue
             c = counts[(inst, b)]
             c[0] += 1
-            mine = (role == "prefill") == (r.p_done is None)
+            mine = (role == "prefill") == (r.d_sent is None)  # D's once the decode stage began
             c[1] += int(failed and mine)
             if began is not None and ended is not None:
                 stages[(role, b)][inst].append(max(0.0, ended - began))

@@ -275,7 +275,8 @@ def rec(
     prefilled: bool = True,
 ) -> RecordFact:
     p_done = t + p_s if prefilled else None
-    return RecordFact(t, status, p, d, t, p_done, None if p_done is None else p_done + h_s, met)
+    d_sent = None if p_done is None else p_done + 0.001
+    return RecordFact(t, status, p, d, t, p_done, d_sent, None if p_done is None else p_done + h_s, met)
 
 
 def test_signal_samples_per_instance_and_bucket_with_peer_medians() -> None:
@@ -287,6 +288,7 @@ def test_signal_samples_per_instance_and_bucket_with_peer_medians() -> None:
         rec(5.0, "p2", "d1", status="error", prefilled=False),  # failed before prefill: P's failure
         rec(6.0, "p2", "d2", status="timeout"),  # failed after: D's
         rec(12.0, "p1", "d1"),  # the next bucket
+        RecordFact(15.0, "ok", None, "d3", None, None, 15.0, 15.3, True),  # decode-only: sent to D -> first
         rec(25.0, "p1", "d1"),  # past hi
     ]
     scrapes = [
@@ -303,6 +305,9 @@ def test_signal_samples_per_instance_and_bucket_with_peer_medians() -> None:
     assert out[("d2", 0.0)].failed == 1 and out[("p2", 0.0)].failed == 1 and out[("p1", 0.0)].failed == 0
     assert out[("p1", 0.0)].stage_s == pytest.approx(0.1)
     assert out[("d1", 10.0)].requests == 1 and out[("d1", 10.0)].end == 20.0
+    assert out[("d3", 10.0)].stage_s == pytest.approx(0.3) and out[
+        ("d1", 10.0)
+    ].peer_stage_s == pytest.approx(0.3)
     assert out[("d4", 0.0)].requests == 0 and out[("d4", 0.0)].up is True
     with pytest.raises(ValueError, match="bucket_s"):
         signal_samples([], [], 0.0, 1.0, 0.0)

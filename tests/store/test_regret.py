@@ -37,6 +37,7 @@ def _record(i: int, t: float, status: str, ttft: float | None, sender: str | Non
         d_instance="d1",
         p_sent=t,
         p_done=t + 0.1,
+        d_sent=t + 0.2,
         first_token=None if ttft is None else t + ttft,
         ttft_s=ttft,
         tpot_s=0.01,
@@ -98,7 +99,7 @@ def test_the_reads_are_ordered_bounded_and_shaped_like_the_facts(store_url: str)
                 (101.0, "ok", False),
                 (102.0, "error", False),
             ]
-            assert r.rows[0][2:7] == ("p1", "d1", 100.0, 100.1, 100.5)
+            assert r.rows[0][2:8] == ("p1", "d1", 100.0, 100.1, 100.2, 100.5)
             assert reads.records(s, 100.0, 200.0, slo, only=RecordFilter(), limit=4).truncated
             sc = reads.scrapes(s, ["d1"], 0.0, 10.0, limit=10)
             assert sc.rows == (("d1", 1.0, True, 0.2), ("d1", 2.0, False, None))
