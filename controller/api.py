@@ -36,6 +36,7 @@ from controller.endpoints import (
     ops,
     overrides,
     proxies,
+    regret,
     replay,
     routing,
 )
@@ -56,6 +57,7 @@ ROUTERS = (
     routing,
     proxies,
     history,
+    regret,
     alerts,
     attribution,
     replay,

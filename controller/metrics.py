@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from controller.loop import Reconciler
 from controller.notify import Notifier
 from controller.proxies import OUTCOMES, ProxyRegistry
+from controller.regret import FlapTally
 
 
 def _shadow(status: dict[str, Any] | None) -> Iterator[Metric]:
@@ -251,6 +252,7 @@ def make_registry(
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ControllerCollector(reconciler, notifier))
+    registry.register(FlapTally(reconciler.factory, reconciler.settings, reconciler.clock))
     if proxies is not None:
         registry.register(ProxiesCollector(proxies))
     return registry

@@ -39,6 +39,12 @@ nav = st.navigation(
             ),
         ],
         "Investigate": [
+            st.Page(
+                VIEWS / "attribution.py",
+                title="Why we missed",
+                icon=":material/troubleshoot:",
+                url_path="why",
+            ),
             st.Page(VIEWS / "requests.py", title="Requests", icon=":material/timeline:", url_path="requests"),
             st.Page(
                 VIEWS / "kv_transfer.py", title="KV transfer", icon=":material/swap_horiz:", url_path="kv"

@@ -187,3 +187,35 @@ def paired_bars(
         )
         .properties(title=title, height=alt.Step(14))
     )
+
+
+def share_bars(
+    df: pd.DataFrame, category: str, share: str, color: str, title: str, order: list[str]
+) -> ChartLike:
+    """Horizontal bars of ``share`` (0..1) per ``category`` in ``order``, stacked by ``color``."""
+    return _chart(
+        alt.Chart(df, title=title)
+        .mark_bar()
+        .encode(
+            y=alt.Y(f"{category}:N", sort=order, title=None, axis=alt.Axis(labelLimit=200)),
+            x=alt.X(f"{share}:Q", title="share", axis=alt.Axis(format="%")),
+            color=alt.Color(f"{color}:N", title=color),
+            tooltip=[f"{category}:N", f"{color}:N", alt.Tooltip(f"{share}:Q", format=".1%")],
+        )
+        .properties(height=alt.Step(26))
+    )
+
+
+def stacked_counts(df: pd.DataFrame, count: str, color: str, title: str) -> ChartLike:
+    """Bars of ``count`` over ``time``, stacked by ``color``."""
+    return _chart(
+        alt.Chart(df, title=title)
+        .mark_bar()
+        .encode(
+            x=alt.X("time:T", title=None, axis=alt.Axis(format="%H:%M", labelAngle=0)),
+            y=alt.Y(f"{count}:Q", title=count, stack="zero"),
+            color=alt.Color(f"{color}:N", title=color),
+            tooltip=[alt.Tooltip("time:T", format="%H:%M:%S"), f"{color}:N", f"{count}:Q"],
+        )
+        .properties(height=240)
+    )

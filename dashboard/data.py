@@ -15,7 +15,7 @@ import streamlit as st
 from dashboard import prefix, summaries
 from dashboard.api import ControllerClient, ControllerError
 from dashboard.context import engine_for
-from dashboard.queries import common, control, fleet, records
+from dashboard.queries import common, control, fleet, investigate, records
 from dashboard.queries import requests as rq
 from pdscope.config import SLOSettings
 
@@ -202,3 +202,26 @@ def proxies(url: str, now: float, ttl_s: float) -> pd.DataFrame:
     from dashboard.queries import proxies as px
 
     return px.proxies(engine_for(url), now, ttl_s)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def attribution(
+    url: str, start: float, end: float, slo: SLOSettings, senders: tuple[str, ...] | None
+) -> investigate.WindowAttribution:
+    """Why the window's requests missed their SLO (``dashboard.queries.investigate.attribution``)."""
+    return investigate.attribution(engine_for(url), start, end, slo, senders)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def regret(
+    url: str,
+    start: float,
+    end: float,
+    slo: SLOSettings,
+    senders: tuple[str, ...] | None,
+    interval_s: float,
+    flap_ticks: int = 10,
+) -> investigate.WindowRegret:
+    """What followed the controller's cuts in the window, judged on the data up to its end."""
+    cfg = investigate.regret_config(flap_ticks=flap_ticks, tick_s=interval_s, slo_window_s=slo.window_s)
+    return investigate.regret(engine_for(url), start, end, end, slo, senders, cfg)

@@ -3,6 +3,7 @@
 * :mod:`.routing`: the routing table proxies poll, pools and instance weights (reads).
 * :mod:`.overrides`: operator overrides: instance weight, drain/undrain, pool weight (mutations).
 * :mod:`.history`: the policy's stored decisions.
+* :mod:`.regret`: what followed the policy's cuts over a range (recovered, undone, flapping).
 * :mod:`.alerts`: alerts, the alert rules as configured, SLO status.
 * :mod:`.attribution`: why the SLO was missed over a range (stages, instances, pairs, causes).
 * :mod:`.replay`: the policy re-run over a stored window, as it was or with changed settings.

@@ -15,6 +15,7 @@ import streamlit as st
 
 from dashboard import auth, charts, context, data, replayview, ui
 from dashboard.api import ApiResult, ControllerError
+from dashboard.views import regret
 
 view = context.current()
 url = view.store_url
@@ -181,6 +182,8 @@ def _history() -> None:
                 charts.lines(w, "weight", "subject", "Policy weights over time", "weight", step=True),
                 width="stretch",
             )
+    if presence.decisions:
+        regret.section(view, window)
 
     left, right = st.columns(2)
     with left:

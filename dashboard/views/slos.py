@@ -1,5 +1,5 @@
 """SLOs & alerts: TTFT and TPOT against their targets, goodput and SLO attainment over
-time, and the alerts firing now and recently.
+time, and the alerts firing now and recently, each linked to "Why we missed" for its window.
 
 Headline figures come from ``store.queries.slo_summary``, the same computation the
 controller uses, so the page and the controller never disagree.
@@ -50,6 +50,21 @@ def _headline(summary: dict[str, object] | None, sample: pd.DataFrame) -> None:
     )
 
 
+def why_link(rule: str, active_since: float, resolved_at: float | None, *, key: str) -> None:
+    """A link to the "Why we missed" page for an alert's window: from one SLO window before it became
+    active (what its rule looked at) to when it resolved (still active: now)."""
+    params = {"from": f"{active_since - slo.window_s:.3f}", "alert": rule}
+    if resolved_at is not None:
+        params["until"] = f"{resolved_at:.3f}"
+    with st.container(key=key):
+        st.page_link(
+            "views/attribution.py",
+            label=f"Why we missed: {rule}'s window",
+            icon=":material/troubleshoot:",
+            query_params=params,
+        )
+
+
 def _latency_over_time(sample: pd.DataFrame, step: int, width_s: float, start: float) -> pd.DataFrame:
     ok = sample[sample["status"] == "ok"]
     if ok.empty:
@@ -94,6 +109,7 @@ def render() -> None:
                 f"since {ui.fmt_ts(row.active_since)}"
             )
             (st.error if row.state == "firing" else st.warning)(msg, icon=":material/notifications_active:")
+            why_link(str(row.rule), float(row.active_since), None, key=f"why_firing_{row.Index}")
 
     if not presence.requests:
         ui.no_data(view, "request records", None)
@@ -171,6 +187,18 @@ def render() -> None:
         st.dataframe(
             ui.to_time(recent, "active_since", "fired_at", "resolved_at"), hide_index=True, width="stretch"
         )
+        choices = [
+            f"{r.rule} ({r.state}) since {ui.fmt_ts(r.active_since)}"
+            + ("" if pd.isna(r.resolved_at) else f" until {ui.fmt_ts(r.resolved_at)}")
+            for r in recent.itertuples()
+        ]
+        pick = st.selectbox(
+            "Why we missed during", range(len(choices)), format_func=choices.__getitem__, key="why_pick"
+        )
+        if pick is not None:
+            row = recent.iloc[int(pick)]
+            resolved = None if pd.isna(row["resolved_at"]) else float(row["resolved_at"])
+            why_link(str(row["rule"]), float(row["active_since"]), resolved, key="why_recent")
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

@@ -23,12 +23,19 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 PAGES = {
     "fleet": "Fleet",
+    "why": "Why we missed",
     "requests": "Requests",
     "kv": "KV transfer",
     "prefix": "Prefix cache",
     "slos": "SLOs & alerts",
     "controller": "Controller",
     "capacity": "Capacity",
+}
+# what a page must say once drawn (its text as the browser renders it)
+CONTENT = {
+    "why": ["Top reasons we missed", "of the excess since", "By instance, P×D pair and cause"],
+    "slos": ["Why we missed: TTFTSLOBurn's window"],
+    "controller": ["Decision regret", "flapping rate"],
 }
 
 
@@ -58,7 +65,7 @@ def test_page_renders_in_chromium(
         url += f"&request={seeded.summary.slow_request_id}"
     shot = browser.shoot(url, timeout_s=180)
     probe = shot.probe
-    name = {"kv": "kv_transfer", "prefix": "prefix_cache"}.get(path, path)
+    name = {"kv": "kv_transfer", "prefix": "prefix_cache", "why": "why_we_missed"}.get(path, path)
     out = tmp_path / f"{name}.png"
     out.write_bytes(shot.png)
     if os.environ.get("PDSCOPE_SAVE_SCREENSHOTS") == "1":
@@ -73,3 +80,17 @@ def test_page_renders_in_chromium(
     std, ink = _not_blank(shot.png)
     assert std > 8.0 and ink > 0.03, (std, ink, out)
     assert probe["charts"] >= (0 if path == "controller" else 1), probe
+    for words in CONTENT.get(path, []):
+        assert words in probe["text"], (words, probe["text"])
+
+
+def test_an_alerts_link_opens_why_we_missed_on_its_window(
+    dashboard: str, browser: Browser, seeded: Seeded
+) -> None:
+    # the URL the SLOs page's link for a firing alert points at (views/slos.py: why_link)
+    lo = seeded.spec.end - 600.0
+    shot = browser.shoot(f"{dashboard}/why?from={lo:.3f}&alert=TTFTSLOBurn&live=0", timeout_s=180)
+    probe = shot.probe
+    assert probe["title"] == "Why we missed" and probe["exceptions"] == 0, probe
+    assert "Showing the window of alert TTFTSLOBurn" in probe["text"], probe["text"]
+    assert "Top reasons we missed" in probe["text"] and probe["charts"] >= 2, probe

@@ -23,6 +23,7 @@ TIMEOUT = 60
 PAGES = {
     "fleet": ("Fleet", ["Instances", "Admission limits", "Manual overrides in force"]),
     "slos": ("SLOs & alerts", ["Firing now", "Recent alerts"]),
+    "attribution": ("Why we missed", ["Top reasons we missed", "By instance, P×D pair and cause"]),
     "requests": ("Requests", ["Decode side at that time", "Flagged lease-expiry requests"]),
     "kv_transfer": ("KV transfer", ["Handoff time per (P, D) pair"]),
     "prefix_cache": (
@@ -34,7 +35,10 @@ PAGES = {
             "Served without P (decode only)",
         ],
     ),
-    "controller": ("Controller", ["Decisions", "Overrides in force", "Audit trail", "Change routing"]),
+    "controller": (
+        "Controller",
+        ["Decisions", "Decision regret", "Overrides in force", "Audit trail", "Change routing"],
+    ),
     "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
 }
 
