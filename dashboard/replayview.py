@@ -20,6 +20,21 @@ from dashboard.api import ControllerClient, ControllerError
 from dashboard.charts import ChartLike
 
 SERIES = ("run", "replay")
+# what the section reads of GET /v1/replay's answer (a controller of another version may lack some)
+REQUIRED = frozenset(
+    [
+        "ticks",
+        "candidate",
+        "reproduced",
+        "mismatch_count",
+        "mismatches",
+        "first_divergence",
+        "divergent_ticks",
+        "weights",
+        "decisions",
+        "alerts",
+    ]
+)
 
 
 def timeline_frame(timeline: dict[str, list[list[Any]]], only: set[str] | None = None) -> pd.DataFrame:
@@ -122,6 +137,10 @@ def render(controller_url: str, start: float, end: float) -> None:
         body = ControllerClient(controller_url, None, timeout_s=20.0).replay(start, end, changes)
     except ControllerError as exc:
         st.warning(f"**Replay not available.** {exc}", icon=":material/history:")
+        return
+    missing = sorted(REQUIRED - set(body))
+    if missing:
+        st.warning(f"**Replay not available.** The controller's answer lacks {', '.join(missing)}.")
         return
     kind, msg = headline(body)
     getattr(st, kind)(msg)

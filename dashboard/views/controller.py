@@ -213,7 +213,6 @@ def render() -> None:
         st.dataframe(served[keep], hide_index=True, width="stretch")
     _proxies(routing)
     _history()
-    replayview.render(settings.controller_url, window.start, window.end)
 
 
 def _proxies(routing: dict[str, Any] | None) -> None:
@@ -276,3 +275,6 @@ st.fragment(run_every=view.refresh_s if view.live else None)(render)()
 with st.container(border=True):
     st.subheader("Change routing")
     _forms()
+# last and outside the live fragment: a replay runs when asked, not on every refresh
+_window = view.window(context.now(), data.latest_ts(url))
+replayview.render(settings.controller_url, _window.start, _window.end)

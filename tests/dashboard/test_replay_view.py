@@ -11,6 +11,7 @@ from controller.api import create_app
 from dashboard.replayview import headline, timeline_frame
 from tests.controller.conftest import World, world  # noqa: F401 - a fixture, used by name
 from tests.controller.replay import T0
+from tests.support.controllers import FakeController
 from tests.support.serving import serve_in_thread
 
 TIMEOUT = 60
@@ -84,3 +85,11 @@ def test_headline_and_frame_from_a_body() -> None:
     assert kind == "error" and "did NOT reproduce" in text and "d-1 weight" in text
     df = timeline_frame({"d-1": [[T0, 1.0, 1.0], [T0 + 2, 0.5, 0.75]], "d-2": [[T0, 1.0, 1.0]]}, {"d-1"})
     assert list(df["series"]) == ["run", "replay", "run", "replay"] and set(df["instance"]) == {"d-1"}
+
+
+def test_an_answer_that_is_not_a_replay_is_a_warning(fake_controller: FakeController) -> None:
+    """A controller of another version (here the fake one, answering every GET with its own body)."""
+    at = _app(fake_controller.url)
+    at.query_params["replay"] = "min_weight=0.1"
+    at.run()
+    assert not at.exception and "lacks" in at.warning[0].value
