@@ -9,7 +9,7 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck`` and ``pdscope.cli.explain``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and ``pdscope.cli.whatif``.
 """
 
 from __future__ import annotations
@@ -85,6 +85,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Splits every SLO miss of the range over its stages (admission wait, P queue, prefill, handoff "
         "incl. the KV pull, D queue, decode) against the healthy requests' medians and groups the excess "
         "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON.",
+    ),
+    "whatif": (
+        "pdscope.cli.whatif",
+        "what a candidate policy config would have done to a stored window, on the fitted simulator",
+        "Fits the simulator to the fleet that ran in the range (workload, per-instance rates, link "
+        "bandwidth, degradations as faults), replays it under the policy config that ran and under "
+        "--candidate, and prints goodput, SLO attainment and p99 TTFT beside the observed ones with "
+        "the fit's error; a candidate that would have cut goodput gets a WORSE line and exit code 3.",
     ),
     "config": (
         "pdscope.cli.configcheck",
