@@ -21,7 +21,8 @@ values: one :class:`RequestObs` per request record and one :class:`SnapshotObs` 
   TPOT) is ``degraded_ratio`` times its own normal for a while, ``slow_link`` on a P x D pair
   whose handoff (P done to D's first token) is that much over the fleet's typical handoff.
 
-"Normal" is the instance's best per-bucket median (``normal_quantile`` 0), so an instance degraded
+A bucket's level is the low quartile of its samples (queueing only adds time). "Normal" is the
+instance's best bucket level (``normal_quantile`` 0), so an instance degraded
 for part of the window, even most of it, is judged against its own healthy buckets, and one slow for the whole
 window is fitted as a slower engine (the same thing to the simulator). Known limits, stated in
 ``FittedFleet.notes`` when they apply: prefill batching is not separated from prefill rate (at
@@ -33,6 +34,7 @@ No I/O, no clock: the window comes in as arguments.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import defaultdict
@@ -78,12 +80,14 @@ class SnapshotObs:
 class FitParams:
     bucket_s: float = 5.0
     degraded_ratio: float = 1.5  # a bucket this many times the normal is degraded
-    min_samples: int = 2  # per bucket and instance (or pair) for a median to count
+    min_samples: int = 3  # per bucket for its level to count; in a row for a degradation
     # of an instance's bucket medians: its normal (0: its best bucket, so that a degradation over most
     # of the window is still found against the few healthy buckets before it)
     normal_quantile: float = 0.0
     low_quantile: float = 0.25  # of a degraded run's samples: the degraded engine's own time
-    max_gap_buckets: int = 2  # degraded buckets this far apart (empty between) are one fault
+    # a degradation shorter than this is no fault: a burst of batched prefills or queued handoffs,
+    # which the replay's own load reproduces
+    min_spell_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ def _quantiles(xs: Sequence[float]) -> dict[str, float]:
 
 
 def _cv(times: Sequence[float]) -> float | None:
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     if len(gaps) < 2:
         return None
     mean = statistics.fmean(gaps)
@@ -217,60 +221,59 @@ def _cv(times: Sequence[float]) -> float | None:
 
 
 class _Series:
-    """Per-key, per-bucket samples of one figure."""
+    """Per-key samples of one figure, with their times."""
 
-    def __init__(self, since: float, params: FitParams) -> None:
+    def __init__(self, since: float, until: float, params: FitParams) -> None:
         self.since = since
+        self.until = until
         self.p = params
-        self.by: dict[Any, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.by: dict[Any, list[tuple[float, float]]] = defaultdict(list)
 
     def add(self, key: Any, ts: float, value: float) -> None:
-        self.by[key][int((ts - self.since) // self.p.bucket_s)].append(value)
+        self.by[key].append((ts, value))
 
-    def medians(self, key: Any) -> dict[int, float]:
+    def levels(self, key: Any) -> dict[int, float]:
+        """Each bucket's level: the ``low_quantile`` of its samples (a bucket with fewer than
+        ``min_samples`` counts for nothing). A low quantile, not the median: queueing only adds time."""
+        buckets: dict[int, list[float]] = defaultdict(list)
+        for ts, v in self.by[key]:
+            buckets[int((ts - self.since) // self.p.bucket_s)].append(v)
         return {
-            b: statistics.median(v) for b, v in sorted(self.by[key].items()) if len(v) >= self.p.min_samples
+            b: float(_quantile(v, self.p.low_quantile) or 0.0)
+            for b, v in sorted(buckets.items())
+            if len(v) >= self.p.min_samples
         }
 
     def normal(self, key: Any) -> float | None:
-        return _quantile(list(self.medians(key).values()), self.p.normal_quantile)
+        """The key's normal: the ``normal_quantile`` of its bucket levels."""
+        return _quantile(list(self.levels(key).values()), self.p.normal_quantile)
 
     def all_values(self, key: Any) -> list[float]:
-        return [x for v in self.by[key].values() for x in v]
+        return [v for _, v in self.by[key]]
 
-    def low(self, key: Any, first: int, last: int) -> float:
-        """The ``low_quantile`` of the samples in buckets ``first..last``: queueing only adds
-        time, so a low quantile is the degraded engine's (or link's) own time."""
-        got = [x for b in range(first, last + 1) for x in self.by[key].get(b, [])]
-        return float(_quantile(got, self.p.low_quantile) or 0.0)
-
-
-def _runs(buckets: dict[int, float], threshold: float, max_gap: int) -> list[tuple[int, int, list[float]]]:
-    """Runs of buckets whose value is at least ``threshold``: (first, last, values); a run survives
-    up to ``max_gap`` buckets without a value, and ends at a bucket under the threshold."""
-    runs: list[tuple[int, int, list[float]]] = []
-    cur: tuple[int, int, list[float]] | None = None
-    for b in sorted(buckets):
-        v = buckets[b]
-        if v >= threshold:
-            if cur is not None and b - cur[1] - 1 <= max_gap:
-                cur = (cur[0], b, [*cur[2], v])
-            else:
-                if cur is not None:
-                    runs.append(cur)
-                cur = (b, b, [v])
-        elif cur is not None:
-            runs.append(cur)
-            cur = None
-    if cur is not None:
-        runs.append(cur)
-    return runs
-
-
-def _fault_window(first: int, last: int, p: FitParams, duration_s: float) -> tuple[float, float]:
-    at = max(0.0, first * p.bucket_s)
-    end = min(duration_s, (last + 1) * p.bucket_s)
-    return at, max(end - at, p.bucket_s / 10)
+    def spells(self, key: Any, base: float) -> list[tuple[float, float, float]]:
+        """Spells of ``min_samples`` or more consecutive samples at ``degraded_ratio`` x ``base`` or
+        over: (start, end) as offsets from the window's start, each halfway to the neighbouring
+        healthy sample (the window's edge where there is none), and the spell's ``low_quantile``
+        over ``base``. Samples, not buckets: a degraded instance the controller drained gets a
+        trickle, too few a bucket."""
+        rows = sorted(self.by[key])
+        out: list[tuple[float, float, float]] = []
+        i = 0
+        while i < len(rows):
+            if rows[i][1] < self.p.degraded_ratio * base:
+                i += 1
+                continue
+            j = i
+            while j + 1 < len(rows) and rows[j + 1][1] >= self.p.degraded_ratio * base:
+                j += 1
+            lo = self.since if i == 0 else (rows[i - 1][0] + rows[i][0]) / 2
+            hi = self.until if j == len(rows) - 1 else (rows[j][0] + rows[j + 1][0]) / 2
+            if j - i + 1 >= self.p.min_samples and hi - lo >= self.p.min_spell_s:
+                low = float(_quantile([v for _, v in rows[i : j + 1]], self.p.low_quantile) or 0.0)
+                out.append((lo - self.since, hi - self.since, low / base))
+            i = j + 1
+        return out
 
 
 def _bandwidth(snaps: Iterable[SnapshotObs]) -> float | None:
@@ -290,18 +293,9 @@ def _bandwidth(snaps: Iterable[SnapshotObs]) -> float | None:
     return best
 
 
-def fit(
-    requests: Sequence[RequestObs],
-    roles: dict[str, str],
-    since: float,
-    until: float,
-    *,
-    snapshots: Sequence[SnapshotObs] = (),
-    params: FitParams | None = None,
-) -> FittedFleet:
-    """The fitted fleet of the window ``[since, until]``. ``roles``: instance name -> prefill|decode
-    (every instance that ran, also those no request reached)."""
-    p = params or FitParams()
+def _check(
+    requests: Sequence[RequestObs], roles: dict[str, str], since: float, until: float
+) -> list[RequestObs]:
     if until <= since:
         raise FitError("the window is empty (until <= since)")
     reqs = sorted((r for r in requests if since <= r.arrival <= until), key=lambda r: r.arrival)
@@ -309,9 +303,19 @@ def fit(
         raise FitError("no request record in the window")
     if not any(v == "prefill" for v in roles.values()) or not any(v == "decode" for v in roles.values()):
         raise FitError("the window names no prefill or no decode instance")
-    duration = until - since
-    notes: list[str] = []
+    return reqs
 
+
+@dataclass(frozen=True)
+class _Workload:
+    arrivals: tuple[Arrival, ...]
+    rates: tuple[float, ...]
+    prompts: list[float]
+    outputs: list[float]
+    med_prompt: int
+
+
+def _workload(reqs: Sequence[RequestObs], since: float, until: float, p: FitParams) -> _Workload:
     prompts = [float(r.prompt_tokens) for r in reqs if r.prompt_tokens]
     outputs = [float(r.output_tokens) for r in reqs if r.output_tokens]
     med_prompt = int(_median(prompts) or 1)
@@ -319,61 +323,69 @@ def fit(
     arrivals = tuple(
         Arrival(r.arrival - since, r.prompt_tokens or med_prompt, r.output_tokens or med_output) for r in reqs
     )
-    n_buckets = max(1, math.ceil(duration / p.bucket_s))
+    n_buckets = max(1, math.ceil((until - since) / p.bucket_s))
     counts = [0] * n_buckets
     for a in arrivals:
         counts[min(n_buckets - 1, int(a.at // p.bucket_s))] += 1
-    rates = tuple(c / p.bucket_s for c in counts)
+    return _Workload(arrivals, tuple(c / p.bucket_s for c in counts), prompts, outputs, med_prompt)
 
-    ok = [r for r in reqs if r.status == "ok"]
-    # D: TPOT is one decode step; its normal is the D's step overhead
-    tpot = _Series(since, p)
+
+def _slow_faults(series: _Series, name: str, base: float | None, p: FitParams) -> list[FaultSpec]:
+    out: list[FaultSpec] = []
+    if base is None or base <= 0:
+        return out
+    for at, end, factor in series.spells(name, base):
+        if factor >= p.degraded_ratio:  # else only some samples were slow: batching or queueing
+            out.append(
+                FaultSpec(kind="slow", instance=name, factor=round(factor, 3), at=round(at, 3),
+                          duration=round(end - at, 3))
+            )  # fmt: skip
+    return out
+
+
+def _engines(
+    ok: Sequence[RequestObs], roles: dict[str, str], w: _Workload, series: tuple[_Series, _Series],
+    notes: list[str],
+) -> tuple[dict[str, InstanceFit], float, list[FaultSpec]]:  # fmt: skip
+    """Each instance's engine knobs, the fleet's step overhead, the slow spells as faults."""
+    tpot, per_tok = series
+    p = tpot.p
     for r in ok:
-        if r.d and r.tpot_s is not None and r.tpot_s > 0:
+        if r.d and r.tpot_s is not None and r.tpot_s > 0:  # D: TPOT is one decode step
             tpot.add(r.d, r.arrival, r.tpot_s)
+        if r.p and r.p_prefill_s and r.prompt_tokens:  # P: prefill time per prompt token
+            per_tok.add(r.p, r.arrival, r.p_prefill_s / r.prompt_tokens)
     d_normal = {d: tpot.normal(d) for d in roles if roles[d] == "decode"}
     known = [v for v in d_normal.values() if v is not None]
     step_overhead = _median(known) or DEFAULT_STEP_OVERHEAD_S
     if not known:
         notes.append(f"no TPOT in the window: step overhead is the simulator's default {step_overhead}s")
-
-    # P: prefill time per prompt token
-    per_tok = _Series(since, p)
-    for r in ok:
-        if r.p and r.p_prefill_s and r.prompt_tokens:
-            per_tok.add(r.p, r.arrival, r.p_prefill_s / r.prompt_tokens)
     instances: dict[str, InstanceFit] = {}
     faults: list[FaultSpec] = []
     for name, role in sorted(roles.items()):
-        if role == "prefill":
-            normal = per_tok.normal(name)
-            rate = None
-            if normal is not None:
-                # one step: overhead + tokens / rate, at the median prompt
-                net = normal * med_prompt - step_overhead
-                rate = med_prompt / net if net > 0 else 1.0 / normal
-            else:
-                notes.append(f"{name}: no prefill time measured: the simulator's default rate")
-            instances[name] = InstanceFit(name, role, len(per_tok.all_values(name)), prefill_tokens_per_s=rate)
-            series, base = per_tok, normal
-        else:
+        if role != "prefill":
             normal = d_normal.get(name)
             instances[name] = InstanceFit(name, role, len(tpot.all_values(name)), step_overhead_s=normal)
-            series, base = tpot, normal
-        if base is None or base <= 0:
+            faults += _slow_faults(tpot, name, normal, p)
             continue
-        ratios = {b: m / base for b, m in series.medians(name).items()}
-        for first, last, _ in _runs(ratios, p.degraded_ratio, p.max_gap_buckets):
-            factor = series.low(name, first, last) / base
-            if factor < p.degraded_ratio:  # only some samples were slow: batching or queueing, not the engine
-                continue
-            at, dur = _fault_window(first, last, p, duration)
-            faults.append(
-                FaultSpec(kind="slow", instance=name, factor=round(factor, 3), at=round(at, 3), duration=dur)
-            )
+        normal = per_tok.normal(name)
+        rate = None
+        if normal is not None:  # one step: overhead + tokens / rate, at the median prompt
+            net = normal * w.med_prompt - step_overhead
+            rate = w.med_prompt / net if net > 0 else 1.0 / normal
+        else:
+            notes.append(f"{name}: no prefill time measured: the simulator's default rate")
+        instances[name] = InstanceFit(name, role, len(per_tok.all_values(name)), prefill_tokens_per_s=rate)
+        faults += _slow_faults(per_tok, name, normal, p)
+    return instances, step_overhead, faults
 
-    # P x D: handoff time (P done to D's first token) against the fleet's typical handoff
-    hand = _Series(since, p)
+
+def _links(
+    ok: Sequence[RequestObs], hand: _Series, snapshots: Sequence[SnapshotObs], step_overhead: float,
+    notes: list[str],
+) -> tuple[float, float | None, list[FaultSpec]]:  # fmt: skip
+    """The link bandwidth, the typical handoff, the slow-link spells as faults."""
+    p = hand.p
     kv_bytes = [float(r.kv_bytes) for r in ok if r.kv_bytes]
     for r in ok:
         if r.p and r.d and r.handoff_s is not None and r.handoff_s >= 0:
@@ -393,36 +405,51 @@ def fit(
         notes.append("no KV transfer measured: the simulator's default link bandwidth")
     elif from_snaps is None:
         notes.append("no NIXL figures in the snapshots: link bandwidth from the handoff time")
-    if typical is not None and typical > 0:
-        wire_base = (med_bytes / bw) if med_bytes else typical / 2
-        other = max(typical - wire_base, 0.0)
-        for key in sorted(hand.by):
-            ratios = {b: m / typical for b, m in hand.medians(key).items()}
-            for first, last, _ in _runs(ratios, p.degraded_ratio, p.max_gap_buckets):
-                factor = (hand.low(key, first, last) - other) / wire_base if wire_base > 0 else 1.0
-                if factor < p.degraded_ratio:  # queueing behind busy peers, not a slow link
-                    continue
-                at, dur = _fault_window(first, last, p, duration)
+    faults: list[FaultSpec] = []
+    if typical is None or typical <= 0:
+        return bw, typical, faults
+    wire_base = (med_bytes / bw) if med_bytes else typical / 2
+    other = max(typical - wire_base, 0.0)
+    for key in sorted(hand.by):
+        for at, end, ratio in hand.spells(key, typical):
+            factor = (ratio * typical - other) / wire_base
+            if factor >= p.degraded_ratio:  # else queueing behind busy peers, not a slow link
                 faults.append(
-                    FaultSpec(
-                        kind="slow_link",
-                        prefill=key[0],
-                        decode=key[1],
-                        factor=round(factor, 3),
-                        at=round(at, 3),
-                        duration=dur,
-                    )
-                )
-    faults.sort(key=lambda f: (f.at, f.kind, sorted(f.instances())))
+                    FaultSpec(kind="slow_link", prefill=key[0], decode=key[1], factor=round(factor, 3),
+                              at=round(at, 3), duration=round(end - at, 3))
+                )  # fmt: skip
+    return bw, typical, faults
+
+
+def fit(
+    requests: Sequence[RequestObs],
+    roles: dict[str, str],
+    since: float,
+    until: float,
+    *,
+    snapshots: Sequence[SnapshotObs] = (),
+    params: FitParams | None = None,
+) -> FittedFleet:
+    """The fitted fleet of the window ``[since, until]``. ``roles``: instance name -> prefill|decode
+    (every instance that ran, also those no request reached)."""
+    p = params or FitParams()
+    reqs = _check(requests, roles, since, until)
+    notes: list[str] = []
+    w = _workload(reqs, since, until, p)
+    ok = [r for r in reqs if r.status == "ok"]
+    series = (_Series(since, until, p), _Series(since, until, p))
+    instances, step_overhead, faults = _engines(ok, roles, w, series, notes)
+    bw, typical, link_faults = _links(ok, _Series(since, until, p), snapshots, step_overhead, notes)
+    faults = sorted([*faults, *link_faults], key=lambda f: (f.at, f.kind, sorted(f.instances())))
     return FittedFleet(
         since=since,
         until=until,
         bucket_s=p.bucket_s,
-        arrivals=arrivals,
-        rate_per_bucket=rates,
-        interarrival_cv=_cv([a.at for a in arrivals]),
-        prompt_quantiles=_quantiles(prompts),
-        output_quantiles=_quantiles(outputs),
+        arrivals=w.arrivals,
+        rate_per_bucket=w.rates,
+        interarrival_cv=_cv([a.at for a in w.arrivals]),
+        prompt_quantiles=_quantiles(w.prompts),
+        output_quantiles=_quantiles(w.outputs),
         instances=instances,
         step_overhead_s=step_overhead,
         link_bandwidth_bytes_per_s=float(bw),

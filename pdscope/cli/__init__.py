@@ -9,7 +9,8 @@ store), 2 usage errors.
 This package sits above everything: it may import any service, the store and the kernel
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
-``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and ``pdscope.cli.whatif``.
+``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain`` and
+``pdscope.cli.whatif``.
 """
 
 from __future__ import annotations

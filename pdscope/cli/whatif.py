@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -164,7 +164,7 @@ def read_window(url: str, settings: Settings, lo: float, hi: float) -> Window:
         for row in rows
         if not q.is_client_error(row.status, row.http_status)
     ]
-    roles = {name: settings.pools[pool].role for pool, inst in settings.instances() for name in [inst.name]}
+    roles: dict[str, str] = {inst.name: str(settings.pools[pool].role) for pool, inst in settings.instances()}
     for sn in snaps:
         roles.setdefault(sn.instance, sn.role)
     seen = {n for rq in reqs for n in (rq.p, rq.d) if n}
@@ -411,7 +411,9 @@ def figures(url: str, settings: Settings, lo: float, hi: float) -> Figures:
     engine = make_engine(url)
     try:
         with transaction(session_factory(engine)) as s:
-            got = q.slo_summary(s, lo, hi, only=q.RecordFilter(charged_only=True), slo=settings.slo).get("all")
+            got = q.slo_summary(s, lo, hi, only=q.RecordFilter(charged_only=True), slo=settings.slo).get(
+                "all"
+            )
     finally:
         engine.dispose()
     if got is None:
@@ -463,7 +465,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-s", type=float, default=5.0, help="the fit's time bucket (default 5 s)")
     parser.add_argument("--fit-only", action="store_true", help="print the fitted fleet; replay nothing")
     parser.add_argument("--store", help="store URL (default: store.url)")
-    parser.add_argument("--workdir", help="keep each replay's config, store and logs here (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", help="keep each replay's config, store and logs here (default: a temp dir)"
+    )
 
 
 def _when(ts: float) -> str:
@@ -480,7 +484,7 @@ def _num(x: float | None, fmt: str) -> str:
 
 def _table(cols: dict[str, Figures]) -> list[str]:
     names = list(cols)
-    rows = [
+    rows: list[tuple[str, Callable[[Figures], str]]] = [
         ("requests", lambda f: str(f.requests)),
         ("goodput (req/s)", lambda f: _num(f.goodput_per_s, ".3f")),
         ("SLO attainment", lambda f: _num(None if f.attainment is None else 100 * f.attainment, ".1f") + "%"),
@@ -545,8 +549,27 @@ def _resolve(args: argparse.Namespace) -> Plan | int:
     overlay = None if args.candidate is None else load_candidate(args.candidate)
     cand = None
     if overlay is not None:  # validated before anything runs: the error names the field
-        cand = validate(_merge(settings.model_dump(mode="json", exclude_defaults=True), overlay), args.candidate)
+        cand = validate(
+            _merge(settings.model_dump(mode="json", exclude_defaults=True), overlay), args.candidate
+        )
     return Plan(settings, cand, overlay, lo, hi)
+
+
+def _policies(plan: Plan, window: Window) -> dict[str, Any]:
+    """The policy fingerprints: the window's decisions', the config file's and the candidate's; a note
+    when the config file's is not among the window's (the replay runs the config file's)."""
+    from controller.policy.config import PolicyConfig
+
+    old = PolicyConfig.from_settings(plan.settings).fingerprint()
+    out: dict[str, Any] = {"policies_in_window": window.policies, "policy_old": old}
+    if plan.candidate is not None:
+        out["policy_candidate"] = PolicyConfig.from_settings(plan.candidate).fingerprint()
+    if window.policies and old not in window.policies:
+        out["policy_note"] = (
+            f"the config file's policy {old} took none of the window's decisions "
+            f"({', '.join(window.policies)}): the replay runs the config file's"
+        )
+    return out
 
 
 @contextmanager
@@ -584,7 +607,7 @@ def run(args: argparse.Namespace) -> int:
     k = fitted.compression(args.max_replay_s)
     result: dict[str, Any] = {"window": {"since": plan.lo, "until": plan.hi}, "fit": fitted.summary()}
     result["compression"] = k
-    result["policies_in_window"] = window.policies
+    result |= _policies(plan, window)
     if args.fit_only:
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
         return 0
@@ -629,7 +652,7 @@ def _report(
         print(f"(thinned {k}x to {old_run.until - old_run.since:.0f} s of load; controller times not scaled)")
     for f in result["fit"]["faults"]:
         print(f"fitted fault: {json.dumps(f, sort_keys=True)}")
-    for n in result["fit"]["notes"]:
+    for n in [*result["fit"]["notes"], *([result["policy_note"]] if "policy_note" in result else [])]:
         print(f"note: {n}")
     for row in _table(cols):
         print(row)

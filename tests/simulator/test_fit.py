@@ -224,6 +224,8 @@ def test_compression_needs_a_positive_bound() -> None:
         (records(World(seconds=5.0)), {"p0": "prefill"}, T0, T0 + 5, "no prefill or no decode"),
     ],
 )
-def test_nothing_to_fit(recs: list[RequestObs], roles: dict[str, str], lo: float, hi: float, message: str) -> None:
+def test_nothing_to_fit(
+    recs: list[RequestObs], roles: dict[str, str], lo: float, hi: float, message: str
+) -> None:
     with pytest.raises(FitError, match=message):
         fit(recs, roles, lo, hi)
