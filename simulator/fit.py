@@ -13,21 +13,26 @@ values: one :class:`RequestObs` per request record and one :class:`SnapshotObs` 
 * the fleet's ``link_bandwidth_bytes_per_s``: the higher of the D snapshots' NIXL bytes over
   NIXL transfer time (the fastest D) and the median KV bytes over the typical handoff less 1.5
   steps (both are lower bounds: waits only add time);
-* a degradation's factor: the low quantile (``low_quantile``) of its samples over the normal,
-  since queueing behind a slow engine or link only adds time; a run of slow buckets whose low
-  quantile is not itself degraded (some requests batched or queued, the engine fine) is no fault;
 * time-varying degradations as the simulator's own fault specs (simulator/faults.py), at their
   offsets from the window's start: ``slow`` on a P whose prefill time per token (or a D whose
   TPOT) is ``degraded_ratio`` times its own normal for a while, ``slow_link`` on a P x D pair
   whose handoff (P done to D's first token) is that much over the fleet's typical handoff.
 
-A bucket's level is the low quartile of its samples (queueing only adds time). "Normal" is the
-instance's best bucket level (``normal_quantile`` 0), so an instance degraded
-for part of the window, even most of it, is judged against its own healthy buckets, and one slow for the whole
-window is fitted as a slower engine (the same thing to the simulator). Known limits, stated in
-``FittedFleet.notes`` when they apply: prefill batching is not separated from prefill rate (at
-high load the fitted rate is low), decode slowing with batch size is folded into the step
-overhead, the fitted fault spans whole buckets.
+A bucket's level is the low decile (``low_quantile``) of its samples: queueing only adds time.
+An instance's normal is its best bucket level (``normal_quantile`` 0), so an instance degraded
+for part of the window, even most of it, is judged against its own healthy buckets, and one slow
+for the whole window is fitted as a slower engine (the same thing to the simulator).
+
+A degradation is a spell of ``min_samples`` or more consecutive samples at ``degraded_ratio`` x
+normal or over, lasting ``min_spell_s`` or more: samples, not buckets, since an instance the
+controller drained gets only a trickle. Its factor is the spell's low decile over the normal; a
+spell whose low decile is not itself degraded (some requests batched or queued, the engine fine)
+or a shorter one is no fault: the replay's own load reproduces those.
+
+Known limits: prefill batching is not separated from prefill rate (at high load the fitted rate
+is low), decode slowing with batch size is folded into the step overhead, and a degradation
+shorter than ``min_spell_s`` is not fitted. What could not be fitted is said in
+``FittedFleet.notes``.
 
 No I/O, no clock: the window comes in as arguments.
 """
@@ -84,7 +89,8 @@ class FitParams:
     # of an instance's bucket medians: its normal (0: its best bucket, so that a degradation over most
     # of the window is still found against the few healthy buckets before it)
     normal_quantile: float = 0.0
-    low_quantile: float = 0.25  # of a degraded run's samples: the degraded engine's own time
+    # of a bucket's or a degraded spell's samples: the engine's (or link's) own time, short of the waits
+    low_quantile: float = 0.1
     # a degradation shorter than this is no fault: a burst of batched prefills or queued handoffs,
     # which the replay's own load reproduces
     min_spell_s: float = 5.0

@@ -58,6 +58,7 @@ EXIT_WORSE = 3
 CANDIDATE_SECTIONS = ("controller", "proxy", "alerts")
 MAX_CANDIDATE_BYTES = 1 << 20
 REPLAY_SEED = 0
+LOOP_LAG_TRUST_S = 0.05  # simulator.loop_lag_threshold_s's default: past it simulated timings are suspect
 
 
 # -- the candidate --------------------------------------------------------------------------
@@ -297,8 +298,11 @@ class Stack:
             self._start("collect")
             _wait_http(self.controller_url + "/healthz", self._start("control"))
             _wait_http(self.proxy_url + "/healthz", self._start("proxy"))
-        except BaseException:
+        except BaseException as exc:
             self.__exit__()
+            if isinstance(exc, RuntimeError | TimeoutError):
+                tails = [f"{n}.log: {t}" for n in self.procs if (t := self.log_tail(n, 5))]
+                raise RuntimeError("; ".join([str(exc), *tails])) from exc
             raise
         return self
 
@@ -528,6 +532,8 @@ def _replay(
     faults = [f.model_dump(exclude_none=True) for f in fitted.scenario(k)]
     logger.info("whatif: replaying %d requests under %s (%s)", len(trace), label, tmp)
     run = run_load(cfg, tmp, trace, faults)
+    # judged over the window's span on the replay's clock (goodput is per second of the window)
+    run = RunResult(run.since, run.since + fitted.duration_s / k, run.store_url, run.sent, run.loop_lag_max_s)
     return figures(run.store_url, settings, run.since, run.until), run
 
 
@@ -652,7 +658,13 @@ def _report(
         print(f"(thinned {k}x to {old_run.until - old_run.since:.0f} s of load; controller times not scaled)")
     for f in result["fit"]["faults"]:
         print(f"fitted fault: {json.dumps(f, sort_keys=True)}")
-    for n in [*result["fit"]["notes"], *([result["policy_note"]] if "policy_note" in result else [])]:
+    notes = [*result["fit"]["notes"], *([result["policy_note"]] if "policy_note" in result else [])]
+    lag = old_run.loop_lag_max_s
+    if lag is not None and lag > LOOP_LAG_TRUST_S:
+        notes.append(
+            f"the replay's simulator lagged {lag:.3f}s (over {LOOP_LAG_TRUST_S}s): its timings are suspect"
+        )
+    for n in notes:
         print(f"note: {n}")
     for row in _table(cols):
         print(row)

@@ -52,7 +52,9 @@ BASE: dict[str, Any] = {
 }
 
 
-def _record(tmp: Path, fault: dict[str, Any]) -> tuple[Path, float, float]:
+def _record(
+    tmp: Path, fault: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> tuple[Path, float, float]:
     base = validate(BASE, "base")
     rec = tmp / "recorded"
     rec.mkdir()
@@ -69,6 +71,8 @@ def _record(tmp: Path, fault: dict[str, Any]) -> tuple[Path, float, float]:
     ran = {k: v for k, v in cfg.items() if k != "simulator"}
     path = tmp / "ran.yaml"
     path.write_text(yaml.safe_dump(ran), encoding="utf-8")
+    with capsys.disabled():
+        print(f"recorded: {len(plan)} requests, simulator loop lag max {run.loop_lag_max_s}s")
     return path, run.since, run.until
 
 
@@ -93,10 +97,11 @@ def _found(result: dict[str, Any], fault: dict[str, Any], where: Callable[[dict[
     assert all(f["duration"] < 10.0 for f in faults if f is not hit), faults
 
 
-def _check(result: dict[str, Any]) -> None:
+def _check(result: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     err = result["fit_error"]
     fig = result["figures"]
-    print(json.dumps({"figures": fig, "fit_error": err, "faults": result["fit"]["faults"]}, indent=1))
+    with capsys.disabled():
+        print(json.dumps({"figures": fig, "fit_error": err, "faults": result["fit"]["faults"]}, indent=1))
     assert fig["observed"]["requests"] > 100
     assert err["goodput"] is not None and abs(err["goodput"]) <= GOODPUT_BOUND, err
     assert err["ttft_p99"] is not None and abs(err["ttft_p99"]) <= TTFT_BOUND, err
@@ -106,13 +111,13 @@ def _check(result: dict[str, Any]) -> None:
 @pytest.mark.timeout(420)
 def test_whatif_reproduces_a_degraded_d_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fault = {"kind": "slow_link", "prefill": "prefill-0", "decode": "decode-1", "factor": 8.0, "at": 10.0}
-    config, lo, hi = _record(tmp_path, fault)
+    config, lo, hi = _record(tmp_path, fault, capsys)
     result = _whatif(capsys, config, lo, hi)
     links = [f for f in result["fit"]["faults"] if f["kind"] == "slow_link"]
     assert [(f["prefill"], f["decode"]) for f in links] == [("prefill-0", "decode-1")], result["fit"][
         "faults"
     ]
-    _check(result)
+    _check(result, capsys)
 
 
 @pytest.mark.slow
@@ -121,10 +126,10 @@ def test_whatif_reproduces_a_slow_p(tmp_path: Path, capsys: pytest.CaptureFixtur
     """... and a candidate that routes round robin (no weights, no outlier ejection) past the slow P
     is flagged: it would have cut goodput."""
     fault = {"kind": "slow", "instance": "prefill-1", "factor": 5.0, "at": 10.0}
-    config, lo, hi = _record(tmp_path, fault)
+    config, lo, hi = _record(tmp_path, fault, capsys)
     candidate = tmp_path / "candidate.yaml"
     candidate.write_text("proxy:\n  policy: round-robin\n")
     result = _whatif(capsys, config, lo, hi, "--candidate", str(candidate), code=EXIT_WORSE)
     _found(result, fault, lambda f: f.get("instance") == "prefill-1")
-    _check(result)
+    _check(result, capsys)
     assert result["worse"] is True and result["verdict"].startswith("WORSE"), result["verdict"]

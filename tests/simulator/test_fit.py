@@ -229,3 +229,29 @@ def test_nothing_to_fit(
 ) -> None:
     with pytest.raises(FitError, match=message):
         fit(recs, roles, lo, hi)
+
+
+def test_a_drained_instance_s_trickle_still_shows_its_degradation() -> None:
+    """After the controller cuts a slow P, it gets one request in eight: too few for any bucket, a
+    spell of consecutive slow samples all the same."""
+    w = World((Deg("p1", 5.0, 10.0),))
+    recs = [
+        r
+        for i, r in enumerate(records(w))
+        if not (r.p == "p1" and r.arrival >= T0 + 10.0 and i % 16 not in (1, 3))
+    ]
+    sparse = [r for r in recs if r.p == "p1" and r.arrival >= T0 + 10.0]
+    assert 0 < len(sparse) / 6 < FitParams().min_samples  # per 5 s bucket
+    got = fit(recs, ROLES, T0, T0 + w.seconds, snapshots=snapshots(w))
+    assert _kinds(got.faults) == [("slow", ("p1",))]
+    assert got.faults[0].factor == pytest.approx(5.0, rel=0.05)
+    assert got.faults[0].at == pytest.approx(10.0, abs=1.0)
+
+
+def test_a_blip_shorter_than_the_spell_is_no_fault() -> None:
+    w = World((Deg(("p0", "d0"), 8.0, 10.0, 13.0),))
+    assert fit(records(w), ROLES, T0, T0 + w.seconds, snapshots=snapshots(w)).faults == ()
+    got = fit(
+        records(w), ROLES, T0, T0 + w.seconds, snapshots=snapshots(w), params=FitParams(min_spell_s=2.0)
+    )
+    assert _kinds(got.faults) == [("slow_link", ("d0", "p0"))]
