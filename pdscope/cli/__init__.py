@@ -10,7 +10,7 @@ This package sits above everything: it may import any service, the store and the
 (``pdscope.config``, ``pdscope.routing``, ...), and nothing outside it imports it (an
 import-linter contract in pyproject.toml). Its own commands live beside it:
 ``pdscope.cli.demo``, ``pdscope.cli.db``, ``pdscope.cli.configcheck``, ``pdscope.cli.explain``,
-``pdscope.cli.replay`` and ``pdscope.cli.bundle``.
+``pdscope.cli.replay``, ``pdscope.cli.bundle`` and ``pdscope.cli.whatif``.
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "policy config and settings in force, the SLO-miss attribution and a self-contained HTML report; "
         "bounded by controller.bundles.max_records / max_bytes and written atomically (the controller "
         "writes one by itself when an SLO or P/D-health alert starts firing).",
+    ),
+    "whatif": (
+        "pdscope.cli.whatif",
+        "what a candidate policy config would have done to a stored window, on the fitted simulator",
+        "Fits the simulator to the fleet that ran in the range (workload, per-instance rates, link "
+        "bandwidth, degradations as faults), replays it under the policy config that ran and under "
+        "--candidate, and prints goodput, SLO attainment and p99 TTFT beside the observed ones with "
+        "the fit's error; a candidate that would have cut goodput gets a WORSE line and exit code 3.",
     ),
     "config": (
         "pdscope.cli.configcheck",
