@@ -14,6 +14,7 @@ Nothing here reads files or the environment.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -168,7 +169,7 @@ def setting_value(name: str, raw: object) -> float | int:
     Raises ``ValueError("<name>: why")``; a name that is not a setting says the nearest ones."""
     f = _FIELDS.get(name)
     if f is None:
-        near = sorted(n for n in _FIELDS if name[:4] and name[:4] in n)[:5]
+        near = difflib.get_close_matches(name, list(_FIELDS), n=3, cutoff=0.6)
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise ValueError(f"{name[:60]}: not a policy setting{hint}; see docs/policy.md")
     integer = str(f.type) == "int"

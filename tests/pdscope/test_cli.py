@@ -51,6 +51,20 @@ def test_config_check_ok_and_failing(tmp_path: Path) -> None:
     assert len(problems) == 3, out.stderr
 
 
+def test_config_check_names_a_shadow_setting_that_is_not_one(tmp_path: Path) -> None:
+    text = (REPO / "examples" / "pdscope.yaml").read_text()
+    bad = tmp_path / "shadow.yaml"
+    bad.write_text(
+        text.replace("controller:\n", "controller:\n  shadow: {min_wieght: 0.1, recover_ticks: 2}\n", 1)
+    )
+    out = pdscope("config", "check", str(bad))
+    assert out.returncode == 1
+    assert f"{bad}: controller.shadow.min_wieght: not a policy setting (did you mean min_weight" in out.stderr
+    good = tmp_path / "good.yaml"
+    good.write_text(text.replace("controller:\n", "controller:\n  shadow: {min_weight: 0.1}\n", 1))
+    assert pdscope("config", "check", str(good)).returncode == 0
+
+
 def test_db_upgrade_and_check_through_the_cli(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     up = pdscope("--config", "examples/pdscope.yaml", "db", "--url", url, "upgrade")
