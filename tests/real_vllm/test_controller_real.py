@@ -24,6 +24,7 @@ from sqlalchemy import select
 from controller.bundlepack import alert_bundle_name
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
+from controller.replay import replay_window
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
@@ -130,3 +131,7 @@ def test_real_lease_expiry_fires_and_resolves_kv_lease_expired(real_pd: RealPD, 
         assert (
             row.state == "resolved" and row.resolved_at is not None and row.resolved_at > (row.fired_at or 0)
         )
+        # every tick of this run on real vLLM's figures replays exactly, the alert's life included
+        replayed = replay_window(s, 0.0, time.time() + 1.0)
+    assert replayed.reproduced is True, replayed.mismatches[:3]
+    assert any(k.startswith("KVLeaseExpired{") for k in replayed.alerts), replayed.alerts
