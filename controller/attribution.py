@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.observe import trusted_filter
+from controller.policy.alerts import AlertState
 from controller.policy.attribution import Attribution, StageRecord, attribute
 from pdscope.config import Settings
 from store import queries as q
@@ -166,3 +167,13 @@ def window_attribution(
     with transaction(factory) as session:
         records, truncated = read_records(session, lo, hi, only=only, limit=limit)
     return WindowAttribution(attribute(records, settings.slo, since=lo, until=hi), truncated, limit)
+
+
+def attribution_link(base_url: str, st: AlertState, window_s: float) -> dict[str, str]:
+    """An alert's annotation pointing at why the SLO was missed around it (``attribution_url``):
+    ``GET /v1/slo/attribution`` from one SLO window before the alert became active to when it
+    resolved (while firing: to when it fired), a range that stays the same on every re-send."""
+    lo = st.active_since - window_s
+    hi = st.resolved_at or st.fired_at or st.last_eval
+    hi = max(hi, lo + 1.0)
+    return {"attribution_url": f"{base_url}/v1/slo/attribution?from={lo:.3f}&until={hi:.3f}"}

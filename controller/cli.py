@@ -118,6 +118,7 @@ def _serve(
     from sqlalchemy.exc import SQLAlchemyError
 
     from controller.api import create_app
+    from controller.attribution import attribution_link
     from controller.bundle import make_bundler
     from controller.loop import Reconciler
     from controller.notify import NullNotifier, WebhookNotifier
@@ -141,7 +142,14 @@ def _serve(
     factory = session_factory(engine)
     bundler = make_bundler(settings, factory, url_base=f"{external}/v1/bundles")
     notifier = (
-        WebhookNotifier(c.alert_webhook_url, external, annotate=bundler.annotations)
+        WebhookNotifier(
+            c.alert_webhook_url,
+            external,
+            annotate=lambda st: {
+                **attribution_link(external, st, settings.slo.window_s),
+                **bundler.annotations(st),
+            },
+        )
         if c.alert_webhook_url
         else NullNotifier()
     )

@@ -98,6 +98,11 @@ controller:
         with tarfile.open(fileobj=BytesIO(body), mode="r:gz") as tar:
             inside = {m.name.split("/", 1)[1] for m in tar.getmembers()}
         assert {"manifest.json", "report.html", "alerts.jsonl", "settings.json"} <= inside
+        # ... and why the SLO was missed around it, from the controller's attribution, a fixed range
+        why = ann["attribution_url"]
+        assert why.startswith(f"{base}/v1/slo/attribution?from=") and "&until=" in why
+        answer = httpx.get(why, timeout=10)
+        assert answer.status_code == 200 and "top" in answer.json(), answer.text[:300]
         health = httpx.get(f"{base}/healthz", timeout=5).json()
         assert health["bundles"]["written"] >= 1 and health["bundles"]["failed"] == 0
     finally:
