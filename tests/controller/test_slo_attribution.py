@@ -396,7 +396,7 @@ def test_a_failed_request_counts_at_least_the_ttft_target_where_it_ended() -> No
     assert a.groups[1].stage == "prefill" and a.groups[1].excess_s == approx(3 * 0.4)
     # a P that never answered: the failure is its prefill's
     no_p = replace(refused[0], request_id="np", p_done=None, d_sent=None, error="timeout")
-    b = run(healthy(30) + [no_p])
+    b = run([*healthy(30), no_p])
     assert [(g.stage, g.place, g.cause) for g in b.groups] == [("prefill", "prefill-0", "failed:timeout")]
 
 
@@ -425,3 +425,16 @@ def test_failures_into_one_d_from_every_p_name_every_link_into_it() -> None:
     # from one P only: that pair
     one = [replace(r, p_instance="prefill-0") for r in refused]
     assert [g.place for g in run(healthy(30) + one).groups] == ["prefill-0->decode-1"]
+
+
+def test_a_failed_request_with_no_token_ended_in_its_handoff() -> None:
+    # the collector's first-token time of a failed request may be where its handoff span ended
+    broke = rec(800, "prefill-0", "decode-2", handoff=0.01, status="error", tokens=0, error="status_500")
+    assert broke.first_token is not None
+    a = run([*healthy(30), broke])
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [
+        ("handoff", "prefill-0->decode-2", "failed:status_500")
+    ]
+    # one that streamed tokens before it broke ended in decode
+    streamed = replace(broke, completion_tokens=4, tpot_s=0.02)
+    assert [g.stage for g in run([*healthy(30), streamed]).groups] == ["decode"]
