@@ -48,13 +48,13 @@ their durations: a decode attempt to its pair (the P whose blocks it was to pull
 prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), ``transfer_failed``
 (its D counted NIXL failures while it ran) or ``failed:<the proxy's error kind>``.
 
-**Link, D or D queue:** the pair-charged excess on one D (handoffs, failed attempts) is a bad link
-when one pair carries at least ``link_concentration`` of it (or the D was reached from one P only).
-Spread over the pairs of several P's it is the D's: a slow handoff is charged to ``*->D`` (every
-link into the D: its NIC) when the D's KV pulls were slow (the median, over those handoffs, of the
-D's mean NIXL transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO`
-times the healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a
-flagged or failed handoff, to ``*->D``.
+**Link, D or D queue:** the pair-charged excess of one kind (a slow handoff, or one cause) on one
+D (handoffs, failed attempts) is a bad link when one pair carries at least ``link_concentration``
+of it (or the D was reached from one P only). Spread over the pairs of several P's it is the D's:
+a slow handoff is charged to ``*->D`` (every link into the D: its NIC) when the D's KV pulls were
+slow (the median, over those handoffs, of the D's mean NIXL transfer time in the scrape window of
+each is at least :data:`SLOW_TRANSFER_RATIO` times the healthy requests'), else to the D's queue
+(``d_queue`` on the D); a failed attempt, or a flagged or failed handoff, to ``*->D``.
 
 Misses are grouped by (stage, place, cause); a group's share is its part of the window's total
 excess (of its count, when no miss has any excess), and its ``since`` the first miss in it. The
@@ -490,24 +490,32 @@ def _pair_ends(place: str) -> tuple[str, str] | None:
     return (p, d) if sep and p != EVERY_P else None
 
 
-def spread_ds(misses: Sequence[Sequence[StageExcess]], link_concentration: float) -> set[str]:
-    """The D's whose pair-charged excess (handoffs, failed decode attempts) is spread over the pairs
-    of several P's: no pair carries ``link_concentration`` of it."""
-    by_d: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+def _kind(s: StageExcess) -> str:
+    """What a pair-charged excess is, for its concentration: a slow handoff, else its cause."""
+    return "slow" if _slow_handoff(s) else s.cause
+
+
+def spread_ds(misses: Sequence[Sequence[StageExcess]], link_concentration: float) -> set[tuple[str, str]]:
+    """The (D, kind) whose pair-charged excess (handoffs, failed decode attempts) of that kind (a slow
+    handoff, or its cause) is spread over the pairs of several P's: no pair carries
+    ``link_concentration`` of it."""
+    by_d: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for stages in misses:
         for s in stages:
             if s.stage in ("handoff", "retry") and (ends := _pair_ends(s.place)) is not None:
-                by_d[ends[1]][ends[0]] += s.excess_s
-    out: set[str] = set()
-    for d, per_p in by_d.items():
+                by_d[(ends[1], _kind(s))][ends[0]] += s.excess_s
+    out: set[tuple[str, str]] = set()
+    for key, per_p in by_d.items():
         total = sum(per_p.values())
         if len(per_p) >= 2 and total > 0 and max(per_p.values()) / total < link_concentration:
-            out.add(d)
+            out.add(key)
     return out
 
 
 def slow_pulls(
-    raw: Sequence[tuple[StageRecord, Sequence[StageExcess]]], spread: set[str], base: dict[str, float]
+    raw: Sequence[tuple[StageRecord, Sequence[StageExcess]]],
+    spread: set[tuple[str, str]],
+    base: dict[str, float],
 ) -> set[str]:
     """The spread D's whose KV pulls were slow: over their slow handoffs, the D's median NIXL transfer
     time is at least :data:`SLOW_TRANSFER_RATIO` times the healthy requests' (``transfer``)."""
@@ -517,7 +525,7 @@ def slow_pulls(
     seen: dict[str, list[float]] = defaultdict(list)
     for r, stages in raw:
         d = r.d_instance
-        if d in spread and r.transfer_s is not None and any(_slow_handoff(s) for s in stages):
+        if (d, "slow") in spread and r.transfer_s is not None and any(_slow_handoff(s) for s in stages):
             seen[d].append(r.transfer_s)
     return {d for d, xs in seen.items() if median(xs) >= SLOW_TRANSFER_RATIO * healthy}
 
@@ -526,13 +534,15 @@ def _slow_handoff(s: StageExcess) -> bool:
     return s.stage == "handoff" and s.cause in ("slow", "retried")
 
 
-def _relabel(stages: Sequence[StageExcess], spread: set[str], slow_pull: set[str]) -> tuple[StageExcess, ...]:
+def _relabel(
+    stages: Sequence[StageExcess], spread: set[tuple[str, str]], slow_pull: set[str]
+) -> tuple[StageExcess, ...]:
     """Charge a spread D's excess to the D: a slow handoff to every link into it when its KV pulls
     were slow, else to its queue; a failed attempt or a flagged or failed handoff to every link."""
     out: list[StageExcess] = []
     for s in stages:
         ends = _pair_ends(s.place) if s.stage in ("handoff", "retry") else None
-        if ends is None or ends[1] not in spread:
+        if ends is None or (ends[1], _kind(s)) not in spread:
             out.append(s)
         elif _slow_handoff(s) and ends[1] not in slow_pull:
             out.append(replace(s, stage="d_queue", place=ends[1]))

@@ -438,3 +438,16 @@ def test_a_failed_request_with_no_token_ended_in_its_handoff() -> None:
     # one that streamed tokens before it broke ended in decode
     streamed = replace(broke, completion_tokens=4, tpot_s=0.02)
     assert [g.stage for g in run([*healthy(30), streamed]).groups] == ["decode"]
+
+
+def test_a_cause_on_one_pair_stays_on_it_while_slow_handoffs_spread_over_the_d() -> None:
+    failed = [rec(900 + k, "prefill-0", "decode-1", handoff=0.7, transfer_failed=True) for k in range(4)]
+    slow = [rec(950 + k, PS[k % 2], "decode-1", handoff=0.7) for k in range(4)]
+    a = run(healthy(30) + failed + slow)
+    assert {(g.stage, g.place, g.cause) for g in a.groups} == {
+        ("handoff", "prefill-0->decode-1", "transfer_failed"),
+        ("d_queue", "decode-1", "slow"),
+    }
+    # expired leases on the handoffs of every P into one D: every link into it
+    lost = [replace(r, lease_expired=True, transfer_failed=False) for r in slow]
+    assert [(g.place, g.cause) for g in run(healthy(30) + lost).groups] == [("*->decode-1", "lease_expired")]
