@@ -48,13 +48,14 @@ their durations: a decode attempt to its pair (the P whose blocks it was to pull
 prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), ``transfer_failed``
 (its D counted NIXL failures while it ran) or ``failed:<the proxy's error kind>``.
 
-**Link, D or D queue:** the pair-charged excess of one kind (a slow handoff, or one cause) on one
-D (handoffs, failed attempts) is a bad link when one pair carries at least ``link_concentration``
-of it (or the D was reached from one P only). Spread over the pairs of several P's it is the D's:
-a slow handoff is charged to ``*->D`` (every link into the D: its NIC) when the D's KV pulls were
-slow (the median, over those handoffs, of the D's mean NIXL transfer time in the scrape window of
-each is at least :data:`SLOW_TRANSFER_RATIO` times the healthy requests'), else to the D's queue
-(``d_queue`` on the D); a failed attempt, or a flagged or failed handoff, to ``*->D``.
+**Link, D or D queue:** the misses with pair-charged excess of one kind (a slow handoff, or one
+cause) on one D (handoffs, failed attempts) are a bad link when one pair has at least
+``link_concentration`` of them (or the D was reached from one P only). Spread over the pairs of
+several P's they are the D's: a slow handoff is charged to ``*->D`` (every link into the D: its
+NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
+transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
+healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a flagged or
+failed handoff, to ``*->D``.
 
 Misses are grouped by (stage, place, cause); a group's share is its part of the window's total
 excess (of its count, when no miss has any excess), and its ``since`` the first miss in it. The
@@ -496,18 +497,22 @@ def _kind(s: StageExcess) -> str:
 
 
 def spread_ds(misses: Sequence[Sequence[StageExcess]], link_concentration: float) -> set[tuple[str, str]]:
-    """The (D, kind) whose pair-charged excess (handoffs, failed decode attempts) of that kind (a slow
-    handoff, or its cause) is spread over the pairs of several P's: no pair carries
-    ``link_concentration`` of it."""
-    by_d: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
+    kind (a slow handoff, or its cause) are spread over the pairs of several P's: no pair has
+    ``link_concentration`` of them (counted, not weighed: the excess of one miss varies with its place
+    in a queue, the pair it was on does not)."""
+    by_d: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
-        for s in stages:
-            if s.stage in ("handoff", "retry") and (ends := _pair_ends(s.place)) is not None:
-                by_d[(ends[1], _kind(s))][ends[0]] += s.excess_s
+        pairs = {
+            ((ends[1], _kind(s)), ends[0])
+            for s in stages
+            if s.stage in ("handoff", "retry") and (ends := _pair_ends(s.place)) is not None
+        }
+        for key, p in pairs:
+            by_d[key][p] += 1
     out: set[tuple[str, str]] = set()
     for key, per_p in by_d.items():
-        total = sum(per_p.values())
-        if len(per_p) >= 2 and total > 0 and max(per_p.values()) / total < link_concentration:
+        if len(per_p) >= 2 and max(per_p.values()) / sum(per_p.values()) < link_concentration:
             out.add(key)
     return out
 

@@ -16,7 +16,10 @@ must name, as its top reason, the stage and the instance or pair that was broken
     stop_pulling      a D stops pulling            the handoff (or failed attempts) on every link
                                                    into that D, expired KV leases
     down              a D is gone                  the same, failed requests (``failed:<error>``)
-    kv_capacity       a D holds one request only   D queue on that D (12 clients: a queue to see)
+    kv_capacity       a D holds one request only   D queue on that D (12 clients, 64-token answers:
+                                                   a queue to see)
+    kv_capacity       a D holds no request         the handoff on every link into that D, expired
+                                                   KV leases (as when it stops pulling)
 
 For ``transfer_failure`` and ``down`` the proxy neither retries nor ejects (:data:`STAY`). The
 attribution asserted on is that of the fault's whole span, taken once the collector's forensics has
@@ -71,6 +74,7 @@ class Scenario:
     min_share: float = 0.5
     proxy: dict[str, Any] = field(default_factory=dict)  # the proxy's settings over the defaults below
     workers: int = 4  # closed-loop clients
+    max_tokens: int = 6  # of each request
 
     def matches(self, g: MissGroup) -> bool:
         return g.place == self.place and g.stage in self.stages and g.cause.startswith(self.causes)
@@ -109,11 +113,16 @@ SCENARIOS: dict[str, Scenario] = {
         proxy=STAY,
     ),
     "kv_capacity": Scenario(
-        {"kind": "kv_capacity", "instance": "decode-1", "blocks": 48},
+        {"kind": "kv_capacity", "instance": "decode-1", "blocks": 56},
         "decode-1",
         ("d_queue",),
-        min_share=0.4,  # the other D takes on the load the power of two choices moves off this one
+        max_tokens=64,  # a D that holds one request at a time queues when each holds it a while
         workers=12,
+    ),
+    "kv_capacity_below_one_request": Scenario(
+        {"kind": "kv_capacity", "instance": "decode-1", "blocks": 16},
+        "*->decode-1",
+        ("handoff",),
     ),
 }
 
@@ -155,7 +164,7 @@ class Harness:
 
 
 @asynccontextmanager
-async def simulated(tmp_path: Path, proxy: dict[str, Any], workers: int) -> AsyncIterator[Harness]:
+async def simulated(tmp_path: Path, sc: Scenario) -> AsyncIterator[Harness]:
     from proxy.app import build as build_proxy
     from simulator.testing import running_fleet
 
@@ -178,7 +187,7 @@ async def simulated(tmp_path: Path, proxy: dict[str, Any], workers: int) -> Asyn
                     "controller_url": url_of(nobody),
                     "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
                     "timeouts": {"decode_first_token_s": 20.0, "prefill_s": 20.0},
-                    **proxy,
+                    **sc.proxy,
                 },
             ),
             "attr-proxy.yaml",
@@ -194,7 +203,9 @@ async def simulated(tmp_path: Path, proxy: dict[str, Any], workers: int) -> Asyn
 
         try:
             async with serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15):
-                load = asyncio.create_task(traffic(proxy_url, stop, workers=workers))
+                load = asyncio.create_task(
+                    traffic(proxy_url, stop, workers=sc.workers, max_tokens=sc.max_tokens)
+                )
                 t_healthy = time.time()
 
                 async def healthy() -> Attribution | None:
@@ -226,7 +237,7 @@ async def simulated(tmp_path: Path, proxy: dict[str, Any], workers: int) -> Asyn
 @pytest.mark.parametrize("kind", list(SCENARIOS))
 async def test_attribution_names_the_broken_stage_and_place(kind: str, tmp_path: Path) -> None:
     sc = SCENARIOS[kind]
-    async with simulated(tmp_path, sc.proxy, sc.workers) as h:
+    async with simulated(tmp_path, sc) as h:
         t_fault = time.time()
         fid = h.fleet.inject(sc.fault)
         await h.misses_at(t_fault, lambda g: g.place == sc.place)
