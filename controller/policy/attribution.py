@@ -530,7 +530,12 @@ def slow_pulls(
     seen: dict[str, list[float]] = defaultdict(list)
     for r, stages in raw:
         d = r.d_instance
-        if (d, "slow") in spread and r.transfer_s is not None and any(_slow_handoff(s) for s in stages):
+        if (
+            d is not None
+            and (d, "slow") in spread
+            and r.transfer_s is not None
+            and any(_slow_handoff(s) for s in stages)
+        ):
             seen[d].append(r.transfer_s)
     return {d for d, xs in seen.items() if median(xs) >= SLOW_TRANSFER_RATIO * healthy}
 
