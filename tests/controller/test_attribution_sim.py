@@ -18,8 +18,9 @@ must name, as its top reason, the stage and the instance or pair that was broken
     down              a D is gone                  the same, failed requests (``failed:<error>``)
     kv_capacity       a D holds one request only   D queue on that D (12 clients, 64-token answers:
                                                    a queue to see)
-    kv_capacity       a D holds no request         the handoff on every link into that D, expired
-                                                   KV leases (as when it stops pulling)
+    kv_capacity       a D holds no request         the handoff on every link into that D (expired
+                                                   KV leases or client disconnects, as when it
+                                                   stops pulling)
 
 For ``transfer_failure`` and ``down`` the proxy neither retries nor ejects (:data:`STAY`). The
 attribution asserted on is that of the fault's whole span, taken once the collector's forensics has
