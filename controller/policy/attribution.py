@@ -4,6 +4,8 @@ Every request record is cut into the stages it went through, from its stored tim
 in-vLLM durations::
 
     admission  proxy_in -> p_sent (d_sent on the decode-only path): waiting for admission at the proxy
+    retry      the same span instead of admission when failed attempts came before the record's
+               own path (a new prefill after a failed handoff, another P): their time (below)
     p_queue    P's queue (vLLM's ``time_in_queue``, ``p_queue_s``)
     prefill    P's time not queued: p_done - p_sent - p_queue_s
     handoff    p_done -> first token: D's wait incl. the KV pull (vLLM counts the pull in D's queue
@@ -16,7 +18,8 @@ A request *missed* when its verdict under the SLO settings (:func:`pdscope.slo.s
 met. Its excess is counted only over the stages that make up what it missed: the TTFT stages
 (admission .. handoff) for a missed TTFT, decode for a missed TPOT, all of them for a failed
 request. A stage's excess is its duration over the same stage's *baseline*: the median over the
-window's healthy requests (those that met every SLO) where that stage was measured.
+window's healthy requests (those that met every SLO) where that stage was measured (``retry``'s
+is admission's).
 
 * **No healthy request** (every request missed): the baselines are zero, so a miss's excess is the
   whole of each stage; the result says so (``baseline_source``).
@@ -25,19 +28,34 @@ window's healthy requests (those that met every SLO) where that stage was measur
 * **Unsampled records** (the proxy's root span only: no in-vLLM durations): P's queue and prefill
   are not split; the whole P time is compared with the healthy P time and charged to ``prefill``
   (``split: false`` on that stage). A stage whose timestamps are missing is not measured and
-  charges nothing; a miss with no measured stage over its baseline is still counted, under
-  ``outcome`` for a failed request, else ``unmeasured``.
-* **A failed request without a first token** waited on its handoff until it ended (``done``).
+  charges nothing; a miss with no measured stage is still counted, under ``outcome`` for a failed
+  request, else ``unmeasured``.
+* **A failed request** ended in the stage it did not finish: prefill (no P answer), the handoff
+  (no token; it waited there until it ended, ``done``), else decode. It counts at least
+  ``failure_s`` of excess (default: the TTFT target; it gave no answer in time), what its measured
+  stages leave charged to that stage, so failures that fail fast are not lost among slow misses.
 
 Each stage's excess is charged to a place and a cause: admission to the proxy, P queue and prefill
-to the P, handoff to the P×D pair, D queue and decode to the D; the cause is ``lease_expired``
-(``lease_expiry_suspect``) or ``transfer_failed`` (a NIXL failure on the D during the handoff) for
-a handoff, else ``retried`` for a request the proxy retried (its record keeps the last attempt's
-P and D, and its stage times may hold the failed attempts' time), else ``slow``.
+to the P, handoff to the P×D pair, D queue and decode to the D. The cause is ``lease_expired``
+(``lease_expiry_suspect``, its expired lease waiting on this D) or ``transfer_failed`` (a NIXL
+failure on the D during the handoff) for a handoff, else ``failed:<error>`` for the stage a failed
+request ended in, ``retried`` for a request the proxy retried, else ``slow``.
 
-**Link or D queue:** the slow-handoff excess on one D is a bad link when one pair carries at least
-``link_concentration`` of it (or the D was reached from one P only), and the D's own queue when it
-is spread over the handoffs of several P's: then it is charged as ``d_queue`` on the D.
+**Failed attempts** (a retried request: the collector's ``failed_attempts``; its record keeps the
+last attempt's P and D): the ``retry`` span over admission's baseline, and the part of a handoff a
+decode attempt passed on to the next D took, are charged as ``retry`` to those attempts, split by
+their durations: a decode attempt to its pair (the P whose blocks it was to pull -> its D), a
+prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), ``transfer_failed``
+(its D counted NIXL failures while it ran) or ``failed:<the proxy's error kind>``.
+
+**Link, D or D queue:** the misses with pair-charged excess of one kind (a slow handoff, or one
+cause) on one D (handoffs, failed attempts) are a bad link when one pair has at least
+``link_concentration`` of them (or the D was reached from one P only). Spread over the pairs of
+several P's they are the D's: a slow handoff is charged to ``*->D`` (every link into the D: its
+NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
+transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
+healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a flagged or
+failed handoff, to ``*->D``.
 
 Misses are grouped by (stage, place, cause); a group's share is its part of the window's total
 excess (of its count, when no miss has any excess), and its ``since`` the first miss in it. The
@@ -59,11 +77,16 @@ from typing import Any, Final, Literal
 from pdscope.config import SLOSettings
 from pdscope.slo import slo_verdict
 
-Stage = Literal["admission", "p_queue", "prefill", "handoff", "d_queue", "decode", "outcome", "unmeasured"]
-Cause = str  # "slow" | "lease_expired" | "transfer_failed" | "retried" | "status:<status>" | "unknown"
+Stage = Literal[
+    "admission", "retry", "p_queue", "prefill", "handoff", "d_queue", "decode", "outcome", "unmeasured"
+]
+# "slow" | "lease_expired" | "transfer_failed" | "failed:<error kind>" | "retried" | "status:<status>"
+# | "unknown"
+Cause = str
 
 STAGE_LABELS: Final[dict[str, str]] = {
     "admission": "admission wait",
+    "retry": "failed attempts",
     "p_queue": "P queue",
     "prefill": "prefill",
     "handoff": "handoff (incl. KV pull)",
@@ -73,13 +96,31 @@ STAGE_LABELS: Final[dict[str, str]] = {
     "unmeasured": "unmeasured stages",
 }
 TTFT_STAGES: Final = ("admission", "p_queue", "prefill", "handoff", "d_queue")
-# internal baseline keys besides the stages: P's whole time (for unsampled records), TPOT per token
+# internal baseline keys besides the stages: P's whole time (for unsampled records), TPOT per token,
+# the D's mean NIXL transfer time over the handoff
 P_TOTAL: Final = "p_total"
 TPOT: Final = "tpot"
+TRANSFER: Final = "transfer"
 TOP_N: Final = 3
 PROXY: Final = "proxy"
+EVERY_P: Final = "*"  # a place "*->decode-1": every link into decode-1
 # a stage whose excess is under this share of its miss's excess is noise (every stage varies about its median)
 NOISE_SHARE: Final = 0.05
+# a D's KV pulls are slow when they take this many times the healthy requests' (its NIC, its links)
+SLOW_TRANSFER_RATIO: Final = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """A failed attempt of a retried request (the collector's ``failed_attempts``): not the record's own."""
+
+    stage: str  # "prefill" | "decode"
+    instance: str
+    kind: str  # the proxy's error kind: timeout, connect, status_500, stream_error, ...
+    start: float
+    end: float
+    p_instance: str | None = None  # a decode attempt: the P whose blocks it was to pull
+    transfer_failed: bool = False  # its D counted NIXL failures while it ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +144,10 @@ class StageRecord:
     lease_expired: bool = False
     transfer_failed: bool = False
     retries: int = 0
+    lease_expired_ds: tuple[str, ...] = ()  # the D's its expired leases were waiting on (forensics)
+    attempts: tuple[Attempt, ...] = ()  # its failed attempts, oldest first
+    transfer_s: float | None = None  # the D's mean NIXL transfer time over the handoff (forensics)
+    error: str | None = None  # the proxy's error kind of a failed request
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,25 +280,52 @@ def _miss_json(m: Miss) -> dict[str, Any]:
 
 # -- stages of one record ------------------------------------------------------------------------
 
+EPS_S: Final = 1e-3  # span ends and the record's timestamps come from different clocks' rounding
+
 
 def _span(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else max(0.0, b - a)
 
 
+def _pd_path(r: StageRecord) -> bool:
+    return r.p_sent is not None or r.p_done is not None
+
+
+def _handoff_end(r: StageRecord) -> float | None:
+    return r.first_token if r.first_token is not None else (None if r.status == "ok" else r.done)
+
+
+def front_attempts(r: StageRecord) -> tuple[Attempt, ...]:
+    """The failed attempts before the record's own path began (before ``p_sent``, or ``d_sent``)."""
+    start = r.p_sent if _pd_path(r) else r.d_sent
+    if start is None:
+        return ()
+    return tuple(a for a in r.attempts if a.end <= start + EPS_S)
+
+
+def handoff_attempts(r: StageRecord) -> tuple[Attempt, ...]:
+    """The failed decode attempts within the record's own handoff (passed on to the next D)."""
+    if r.p_done is None:
+        return ()
+    return tuple(a for a in r.attempts if a.stage == "decode" and a.start >= r.p_done - EPS_S)
+
+
 def stage_durations(r: StageRecord) -> dict[str, float]:
-    """The measured stages of ``r`` (seconds; ``p_total`` when P's split is unknown, ``tpot`` per token)."""
+    """The measured stages of ``r`` (seconds; ``p_total`` when P's split is unknown, ``tpot`` per token,
+    ``transfer`` the D's mean KV transfer time; ``retry`` instead of ``admission`` when failed
+    attempts came before the record's own path)."""
     out: dict[str, float] = {}
-    pd_path = r.p_sent is not None or r.p_done is not None
+    pd_path = _pd_path(r)
     admitted = r.p_sent if pd_path else r.d_sent
     if (adm := _span(r.proxy_in, admitted)) is not None:
-        out["admission"] = adm
+        out["retry" if front_attempts(r) else "admission"] = adm
     if (p_total := _span(r.p_sent, r.p_done)) is not None:
         out[P_TOTAL] = p_total
         if r.p_queue_s is not None and r.p_queue_s >= 0:
             q = min(r.p_queue_s, p_total)
             out["p_queue"] = q
             out["prefill"] = p_total - q
-    end = r.first_token if r.first_token is not None else (None if r.status == "ok" else r.done)
+    end = _handoff_end(r)
     if pd_path:
         if (h := _span(r.p_done, end)) is not None:
             out["handoff"] = h
@@ -261,6 +333,8 @@ def stage_durations(r: StageRecord) -> dict[str, float]:
         out["d_queue"] = dq
     if r.tpot_s is not None and r.tpot_s >= 0 and (r.completion_tokens or 0) > 1:
         out[TPOT] = r.tpot_s
+    if r.transfer_s is not None and r.transfer_s >= 0:
+        out[TRANSFER] = r.transfer_s
     return out
 
 
@@ -275,12 +349,18 @@ def _missed(r: StageRecord, slo: SLOSettings) -> tuple[str, ...]:
 
 
 def baselines_of(durations: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Each stage's median over the (healthy) records that measured it."""
+    """Each stage's median over the (healthy) records that measured it (``retry`` has none: see
+    ``admission``)."""
     values: dict[str, list[float]] = defaultdict(list)
     for d in durations:
         for k, v in d.items():
-            values[k].append(v)
+            if k != "retry":
+                values[k].append(v)
     return {k: median(v) for k, v in sorted(values.items())}
+
+
+def _pair(p: str | None, d: str | None) -> str:
+    return f"{p or '?'}->{d or '?'}"
 
 
 def _place(stage: str, r: StageRecord) -> str:
@@ -289,21 +369,77 @@ def _place(stage: str, r: StageRecord) -> str:
     if stage in ("p_queue", "prefill"):
         return r.p_instance or "unknown P"
     if stage == "handoff":
-        return f"{r.p_instance or '?'}->{r.d_instance or '?'}"
+        return _pair(r.p_instance, r.d_instance)
     return r.d_instance or "unknown D"
 
 
 def _cause(stage: str, r: StageRecord) -> Cause:
     if stage == "handoff":
-        if r.lease_expired:
+        if r.lease_expired and (not r.lease_expired_ds or r.d_instance in r.lease_expired_ds):
             return "lease_expired"
         if r.transfer_failed:
             return "transfer_failed"
+    if r.status != "ok" and stage == failed_stage(r):
+        return f"failed:{r.error or r.status}"
     return "retried" if r.retries > 0 else "slow"
 
 
+def attempt_place(a: Attempt) -> str:
+    """A failed decode attempt's pair, a failed prefill attempt's P."""
+    return _pair(a.p_instance, a.instance) if a.stage == "decode" else a.instance
+
+
+def attempt_cause(a: Attempt, r: StageRecord) -> Cause:
+    """Why an attempt failed: its lease ran out (forensics named its D), its D's KV reads failed, else
+    the proxy's error kind."""
+    if a.stage == "decode":
+        if a.instance in r.lease_expired_ds:
+            return "lease_expired"
+        if a.transfer_failed:
+            return "transfer_failed"
+    return f"failed:{a.kind}"
+
+
+def _on_attempts(
+    r: StageRecord, attempts: Sequence[Attempt], duration: float, baseline: float
+) -> list[StageExcess]:
+    """``duration`` (over ``baseline``) spent on failed attempts: split over them by their own durations."""
+    if duration <= baseline or not attempts:
+        return []
+    weights = [max(a.end - a.start, EPS_S) for a in attempts]
+    total = sum(weights)
+    return [
+        StageExcess(
+            "retry",
+            attempt_place(a),
+            attempt_cause(a, r),
+            duration * w / total,
+            baseline * w / total,
+            (duration - baseline) * w / total,
+        )
+        for a, w in zip(attempts, weights, strict=True)
+    ]
+
+
+def failed_stage(r: StageRecord) -> str:
+    """The stage a failed request ended in: prefill (no P answer), the handoff (no token: the record's
+    first-token time may be where its handoff span ended), else decode."""
+    if _pd_path(r) and r.p_done is None:
+        return "prefill"
+    if r.first_token is None or not r.completion_tokens:
+        return "handoff" if _pd_path(r) else "d_queue"
+    return "decode"
+
+
+def _failure(r: StageRecord, shortfall: float) -> StageExcess:
+    """What a failed request's measured stages leave of :func:`attribute`'s ``failure_s``: charged to
+    the stage it ended in."""
+    stage = failed_stage(r)
+    return StageExcess(stage, _place(stage, r), _cause(stage, r), shortfall, 0.0, shortfall)
+
+
 def _excess(
-    r: StageRecord, d: dict[str, float], base: dict[str, float], missed: tuple[str, ...]
+    r: StageRecord, d: dict[str, float], base: dict[str, float], missed: tuple[str, ...], failure_s: float
 ) -> list[StageExcess]:
     """The stages of one miss that went over their baseline, in what it missed."""
     ttft = "ttft" in missed or "outcome" in missed
@@ -325,44 +461,104 @@ def _excess(
             )
 
     if ttft:
+        if "retry" in d:
+            out.extend(_on_attempts(r, front_attempts(r), d["retry"], base.get("admission", 0.0)))
         for stage in TTFT_STAGES:
-            if stage in d:
-                add(stage, d[stage], base.get(stage, 0.0))
+            if stage not in d:
+                continue
+            dur, b = d[stage], base.get(stage, 0.0)
+            if stage == "handoff" and (passed := handoff_attempts(r)):
+                part = min(max(0.0, dur - b), sum(a.end - a.start for a in passed))
+                out.extend(_on_attempts(r, passed, part, 0.0))
+                dur -= part
+            add(stage, dur, b)
         if P_TOTAL in d and "p_queue" not in d:
             add("prefill", d[P_TOTAL], base.get(P_TOTAL, 0.0), split=False)
     if tpot and TPOT in d:
         add("decode", d[TPOT], base.get(TPOT, 0.0), scale=float((r.completion_tokens or 2) - 1))
     total = sum(s.excess_s for s in out)
+    if "outcome" in missed and total < failure_s and any(k in d for k in (*TTFT_STAGES, "retry", P_TOTAL)):
+        out.append(_failure(r, failure_s - total))
+        total = failure_s
     return [s for s in out if s.excess_s >= NOISE_SHARE * total]
 
 
-# -- link or D queue -----------------------------------------------------------------------------
+# -- link, NIC or D queue ------------------------------------------------------------------------
 
 
-def _queued_ds(
-    misses: Sequence[tuple[StageRecord, list[StageExcess]]], link_concentration: float
-) -> set[str]:
-    """The D's whose slow-handoff excess is spread over the handoffs of several P's (its queue)."""
-    by_d: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for r, stages in misses:
-        for s in stages:
-            if s.stage == "handoff" and s.cause == "slow" and r.d_instance:
-                by_d[r.d_instance][r.p_instance or "?"] += s.excess_s
-    out: set[str] = set()
-    for d, per_p in by_d.items():
-        total = sum(per_p.values())
-        if len(per_p) >= 2 and total > 0 and max(per_p.values()) / total < link_concentration:
-            out.add(d)
+def _pair_ends(place: str) -> tuple[str, str] | None:
+    p, sep, d = place.rpartition("->")
+    return (p, d) if sep and p != EVERY_P else None
+
+
+def _kind(s: StageExcess) -> str:
+    """What a pair-charged excess is, for its concentration: a slow handoff, else its cause."""
+    return "slow" if _slow_handoff(s) else s.cause
+
+
+def spread_ds(misses: Sequence[Sequence[StageExcess]], link_concentration: float) -> set[tuple[str, str]]:
+    """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
+    kind (a slow handoff, or its cause) are spread over the pairs of several P's: no pair has
+    ``link_concentration`` of them (counted, not weighed: the excess of one miss varies with its place
+    in a queue, the pair it was on does not)."""
+    by_d: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for stages in misses:
+        pairs = {
+            ((ends[1], _kind(s)), ends[0])
+            for s in stages
+            if s.stage in ("handoff", "retry") and (ends := _pair_ends(s.place)) is not None
+        }
+        for key, p in pairs:
+            by_d[key][p] += 1
+    out: set[tuple[str, str]] = set()
+    for key, per_p in by_d.items():
+        if len(per_p) >= 2 and max(per_p.values()) / sum(per_p.values()) < link_concentration:
+            out.add(key)
     return out
 
 
-def _relabel(r: StageRecord, stages: list[StageExcess], queued: set[str]) -> tuple[StageExcess, ...]:
-    if r.d_instance not in queued:
-        return tuple(stages)
-    return tuple(
-        replace(s, stage="d_queue", place=r.d_instance) if s.stage == "handoff" and s.cause == "slow" else s
-        for s in stages
-    )
+def slow_pulls(
+    raw: Sequence[tuple[StageRecord, Sequence[StageExcess]]],
+    spread: set[tuple[str, str]],
+    base: dict[str, float],
+) -> set[str]:
+    """The spread D's whose KV pulls were slow: over their slow handoffs, the D's median NIXL transfer
+    time is at least :data:`SLOW_TRANSFER_RATIO` times the healthy requests' (``transfer``)."""
+    healthy = base.get(TRANSFER, 0.0)
+    if healthy <= 0:
+        return set()
+    seen: dict[str, list[float]] = defaultdict(list)
+    for r, stages in raw:
+        d = r.d_instance
+        if (
+            d is not None
+            and (d, "slow") in spread
+            and r.transfer_s is not None
+            and any(_slow_handoff(s) for s in stages)
+        ):
+            seen[d].append(r.transfer_s)
+    return {d for d, xs in seen.items() if median(xs) >= SLOW_TRANSFER_RATIO * healthy}
+
+
+def _slow_handoff(s: StageExcess) -> bool:
+    return s.stage == "handoff" and s.cause in ("slow", "retried")
+
+
+def _relabel(
+    stages: Sequence[StageExcess], spread: set[tuple[str, str]], slow_pull: set[str]
+) -> tuple[StageExcess, ...]:
+    """Charge a spread D's excess to the D: a slow handoff to every link into it when its KV pulls
+    were slow, else to its queue; a failed attempt or a flagged or failed handoff to every link."""
+    out: list[StageExcess] = []
+    for s in stages:
+        ends = _pair_ends(s.place) if s.stage in ("handoff", "retry") else None
+        if ends is None or (ends[1], _kind(s)) not in spread:
+            out.append(s)
+        elif _slow_handoff(s) and ends[1] not in slow_pull:
+            out.append(replace(s, stage="d_queue", place=ends[1]))
+        else:
+            out.append(replace(s, place=f"{EVERY_P}->{ends[1]}"))
+    return tuple(out)
 
 
 # -- grouping ------------------------------------------------------------------------------------
@@ -379,13 +575,27 @@ CAUSE_WORDS: Final[dict[str, str]] = {
 }
 
 
+def _cause_words(cause: Cause) -> str:
+    if cause in CAUSE_WORDS:
+        return CAUSE_WORDS[cause]
+    if cause.startswith("status:"):
+        return f"status {cause.split(':', 1)[1]}"
+    if cause.startswith("failed:"):
+        return f"failed ({cause.split(':', 1)[1]})"
+    return ""
+
+
+def _place_words(place: str) -> str:
+    if place.startswith(f"{EVERY_P}->"):
+        return f"every link into {place[len(EVERY_P) + 2 :]}"
+    return place
+
+
 def group_message(stage: str, place: str, cause: Cause, share: float, count: int, since: float) -> str:
     """What a group is, in words: "D queue on decode-2: 61% of the excess since 12:03:05 (14 misses)"."""
     label = STAGE_LABELS.get(stage, stage)
-    what = CAUSE_WORDS.get(cause) or (
-        f"status {cause.split(':', 1)[1]}" if cause.startswith("status:") else ""
-    )
-    head = f"{label} on {place}" + (f", {what}" if what else "")
+    what = _cause_words(cause)
+    head = f"{label} on {_place_words(place)}" + (f", {what}" if what else "")
     noun = "miss" if count == 1 else "misses"
     return f"{head}: {share:.0%} of the excess since {_clock(since)} UTC ({count} {noun})"
 
@@ -441,18 +651,28 @@ def attribute(
     since: float,
     until: float,
     link_concentration: float = 0.7,
+    failure_s: float | None = None,
 ) -> Attribution:
-    """The attribution of ``records`` (one window, ``since``..``until``) under ``slo``."""
+    """The attribution of ``records`` (one window, ``since``..``until``) under ``slo``.
+
+    ``failure_s``: the least excess a failed request counts (default: the TTFT target).
+    """
+    floor = slo.ttft.target_ms / 1000.0 if failure_s is None else failure_s
     durations = [stage_durations(r) for r in records]
     verdicts = [_missed(r, slo) for r in records]
     healthy = [d for d, v in zip(durations, verdicts, strict=True) if not v]
     source: Literal["healthy", "zero"] = "healthy" if healthy else "zero"
     base = baselines_of(healthy)
-    raw = [(r, _excess(r, d, base, v), v) for r, d, v in zip(records, durations, verdicts, strict=True) if v]
-    queued = _queued_ds([(r, s) for r, s, _ in raw], link_concentration)
+    raw = [
+        (r, _excess(r, d, base, v, floor), v)
+        for r, d, v in zip(records, durations, verdicts, strict=True)
+        if v
+    ]
+    spread = spread_ds([s for _, s, _ in raw], link_concentration)
+    slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:
-        charged = _relabel(r, stages, queued) or (_placeholder(r, v),)
+        charged = _relabel(stages, spread, slow_pull) or (_placeholder(r, v),)
         misses.append(Miss(r.request_id, r.proxy_in, v, sum(s.excess_s for s in charged), charged))
     groups, total = _group(misses)
     return Attribution(

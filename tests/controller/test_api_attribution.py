@@ -50,10 +50,8 @@ def test_expired_leases_name_the_pairs_into_the_stuck_d(client: TestClient, worl
     steps(world, 2, handoff_s={"decode-2": 3.0}, suspect={"decode-2"})
     body = client.get(URL, params={"since": "1h", "misses": 0}).json()
     groups = {(g["stage"], g["place"], g["cause"]) for g in body["groups"]}
-    assert groups == {
-        ("handoff", "prefill-0->decode-2", "lease_expired"),
-        ("handoff", "prefill-1->decode-2", "lease_expired"),
-    }
+    # the expiries on the handoffs of both P's alike: every link into that D
+    assert groups == {("handoff", "*->decode-2", "lease_expired")}
     assert body["misses"] == [] and body["missed"] == 4
 
 

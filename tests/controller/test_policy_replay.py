@@ -18,7 +18,12 @@ from controller.policy.replay import RecordedTick, StoredChange, reloaded, repla
 from controller.policy.routes import ServedInstance
 from tests.controller.replay import VirtualClock, fleet, pool_specs, specs
 
-SLOW: dict[str, Any] = {"nixl_xfer_mean_s": 0.5, "nixl_recent_s": 0.5, "handoff_p50_s": 0.6, "handoff_p99_s": 0.8}
+SLOW: dict[str, Any] = {
+    "nixl_xfer_mean_s": 0.5,
+    "nixl_recent_s": 0.5,
+    "handoff_p50_s": 0.6,
+    "handoff_p99_s": 0.8,
+}
 CFG = PolicyConfig.defaults()
 AC = AlertConfig()
 

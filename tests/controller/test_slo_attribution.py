@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from controller.policy.attribution import (
+    Attempt,
     Attribution,
     StageRecord,
     attribute,
@@ -273,6 +274,11 @@ def test_as_dict_is_bounded_and_carries_the_top() -> None:
             "handoff (incl. KV pull) on p->d, expired KV leases: "
             "20% of the excess since 22:13:20 UTC (1 miss)",
         ),
+        (
+            ("retry", "*->decode-1", "failed:connect", 0.5, 2, T0),
+            "failed attempts on every link into decode-1, failed (connect): "
+            "50% of the excess since 22:13:20 UTC (2 misses)",
+        ),
     ],
 )
 def test_group_message(args: tuple[str, str, str, float, int, float], text: str) -> None:
@@ -299,3 +305,149 @@ def test_a_retried_request_says_so() -> None:
     g = a.top[0]
     assert (g.stage, g.place, g.cause) == ("prefill", "prefill-1", "retried")
     assert g.message.startswith("prefill on prefill-1, after retries: 100% of the excess")
+
+
+# -- failed attempts, failed requests, a D's links or its queue ---------------------------------
+
+
+def retried(i: int, attempt: Attempt, **kw: object) -> StageRecord:
+    """A request that met a failed attempt, then went through prefill-1 -> decode-0 (its record's own)."""
+    return rec(i, "prefill-1", "decode-0", retries=1, attempts=(attempt,), **kw)  # type: ignore[arg-type]
+
+
+def decode_attempt(
+    i: int, d: str = "decode-1", p: str = "prefill-0", *, at: float, took: float, **kw: object
+) -> Attempt:
+    t = T0 + i + at
+    return Attempt("decode", d, "status_500", t, t + took, p, **kw)  # type: ignore[arg-type]
+
+
+def test_failed_attempts_before_the_kept_path_are_charged_to_their_pair() -> None:
+    # a transfer on prefill-0 -> decode-1 failed; the retry's new prefill began 0.71 s after proxy_in
+    failed = [
+        retried(100 + k, decode_attempt(100 + k, at=0.5, took=0.2, transfer_failed=True), admission=0.71)
+        for k in range(4)
+    ]
+    a = run(healthy(30) + failed)
+    top = a.top[0]
+    assert (top.stage, top.place, top.cause) == ("retry", "prefill-0->decode-1", "transfer_failed")
+    assert top.share == approx(1.0) and top.count == 4
+    assert top.excess_s == approx(4 * (0.71 - 0.01))  # over the healthy admission wait
+    assert "failed attempts on prefill-0->decode-1, failed KV transfers" in top.message
+    assert not [g for g in a.groups if g.stage == "admission"]
+
+
+def test_an_attempt_whose_lease_expired_names_its_d_not_the_records() -> None:
+    lost = [
+        retried(
+            200 + k,
+            decode_attempt(200 + k, at=0.1, took=3.0),
+            admission=3.2,
+            lease_expired=True,
+            lease_expired_ds=("decode-1",),
+        )
+        for k in range(3)
+    ]
+    a = run(healthy(30) + lost)
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [
+        ("retry", "prefill-0->decode-1", "lease_expired")
+    ]
+
+
+def test_an_attempt_passed_on_within_the_handoff_is_cut_out_of_it() -> None:
+    # decode-1 refused the connection after 0.4 s; decode-0 then pulled P's blocks: handoff 0.5 s
+    passed = [
+        retried(
+            300 + k,
+            replace(decode_attempt(300 + k, p="prefill-1", at=0.14, took=0.4), kind="connect"),
+            handoff=0.5,
+        )
+        for k in range(3)
+    ]
+    a = run(healthy(30) + passed)
+    keys = {(g.stage, g.place, g.cause): g for g in a.groups}
+    assert set(keys) == {
+        ("retry", "prefill-1->decode-1", "failed:connect"),
+        ("handoff", "prefill-1->decode-0", "retried"),
+    }
+    assert keys[("retry", "prefill-1->decode-1", "failed:connect")].excess_s == approx(3 * 0.4)
+    assert keys[("handoff", "prefill-1->decode-0", "retried")].excess_s == approx(3 * (0.1 - 0.05))
+
+
+def test_a_failed_request_counts_at_least_the_ttft_target_where_it_ended() -> None:
+    # D refused at once: no stage over its median, yet each failure weighs the TTFT target (0.5 s)
+    refused = [
+        rec(
+            400 + k,
+            "prefill-0",
+            "decode-2",
+            handoff=0.001,
+            status="error",
+            first_token=False,
+            error="connect",
+        )
+        for k in range(3)
+    ]
+    slow = [rec(500 + k, "prefill-1", "decode-0", prefill=0.5) for k in range(3)]
+    a = run(healthy(30) + refused + slow)
+    top = a.top[0]
+    assert (top.stage, top.place, top.cause) == ("handoff", "prefill-0->decode-2", "failed:connect")
+    assert top.excess_s == approx(3 * 0.5)
+    assert a.groups[1].stage == "prefill" and a.groups[1].excess_s == approx(3 * 0.4)
+    # a P that never answered: the failure is its prefill's
+    no_p = replace(refused[0], request_id="np", p_done=None, d_sent=None, error="timeout")
+    b = run([*healthy(30), no_p])
+    assert [(g.stage, g.place, g.cause) for g in b.groups] == [("prefill", "prefill-0", "failed:timeout")]
+
+
+def test_a_d_slow_on_every_p_is_its_links_when_its_kv_pulls_are_slow() -> None:
+    base = [replace(r, transfer_s=0.01) for r in healthy(30)]
+    # a slow NIC: D's KV pulls take 0.6 s where the healthy take 0.01 s
+    nic = [replace(rec(600 + k, PS[k % 2], "decode-2", handoff=0.8), transfer_s=0.6) for k in range(10)]
+    a = run(base + nic)
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [("handoff", "*->decode-2", "slow")]
+    assert a.top[0].excess_s == approx(10 * 0.75)
+    assert a.top[0].message.startswith("handoff (incl. KV pull) on every link into decode-2: 100% ")
+    # pulls under three times the healthy ones (a scrape window's mean): the D's queue
+    queue = [replace(r, transfer_s=0.029) for r in nic]
+    assert [(g.stage, g.place) for g in run(base + queue).groups] == [("d_queue", "decode-2")]
+    # no transfer figures on the healthy requests: nothing to compare, its queue
+    assert [(g.stage, g.place) for g in run(healthy(30) + nic).groups] == [("d_queue", "decode-2")]
+
+
+def test_failures_into_one_d_from_every_p_name_every_link_into_it() -> None:
+    refused = [
+        rec(700 + k, PS[k % 2], "decode-1", handoff=0.001, status="error", first_token=False, error="connect")
+        for k in range(6)
+    ]
+    a = run(healthy(30) + refused)
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [("handoff", "*->decode-1", "failed:connect")]
+    # from one P only: that pair
+    one = [replace(r, p_instance="prefill-0") for r in refused]
+    assert [g.place for g in run(healthy(30) + one).groups] == ["prefill-0->decode-1"]
+
+
+def test_a_failed_request_with_no_token_ended_in_its_handoff() -> None:
+    # the collector's first-token time of a failed request may be where its handoff span ended
+    broke = rec(800, "prefill-0", "decode-2", handoff=0.01, status="error", tokens=0, error="status_500")
+    assert broke.first_token is not None
+    a = run([*healthy(30), broke])
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [
+        ("handoff", "prefill-0->decode-2", "failed:status_500")
+    ]
+    # one that streamed tokens before it broke ended in decode
+    streamed = replace(broke, completion_tokens=4, tpot_s=0.02)
+    assert [g.stage for g in run([*healthy(30), streamed]).groups] == ["decode"]
+
+
+def test_a_cause_on_one_pair_stays_on_it_while_slow_handoffs_spread_over_the_d() -> None:
+    failed = [rec(900 + k, "prefill-0", "decode-1", handoff=0.7, transfer_failed=True) for k in range(4)]
+    slow = [rec(950 + k, PS[k % 2], "decode-1", handoff=0.7) for k in range(4)]
+    a = run(healthy(30) + failed + slow)
+    assert {(g.stage, g.place, g.cause) for g in a.groups} == {
+        ("handoff", "prefill-0->decode-1", "transfer_failed"),
+        ("d_queue", "decode-1", "slow"),
+    }
+    # expired leases on the handoffs of every P into one D: every link into it
+    lost = [replace(r, lease_expired=True, transfer_failed=False) for r in slow]
+    assert [(g.place, g.cause) for g in run(healthy(30) + lost).groups] == [("*->decode-1", "lease_expired")]

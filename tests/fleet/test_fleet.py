@@ -149,7 +149,9 @@ def test_the_standby_takes_over_from_a_killed_leader_and_the_proxies_keep_servin
     # the killed leader's ticks and the new leader's, across the takeover, replay exactly as stored
     replayed = standby.get("/v1/replay?since=1h", timeout_s=60).json()
     assert replayed["reproduced"] is True, replayed["mismatches"][:3]
-    assert replayed["restarts"] >= 1 and replayed["ticks"] > 5, {k: replayed[k] for k in ("restarts", "ticks")}
+    assert replayed["restarts"] >= 1 and replayed["ticks"] > 5, {
+        k: replayed[k] for k in ("restarts", "ticks")
+    }
 
 
 # -- b. the leader paused past its lock, then resumed -------------------------------------

@@ -15,14 +15,18 @@ import httpx
 MODEL = "sim-llama-70b"
 
 
-async def traffic(url: str, stop: asyncio.Event, workers: int = 4) -> dict[str, int]:
+async def traffic(url: str, stop: asyncio.Event, workers: int = 4, max_tokens: int = 6) -> dict[str, int]:
     """Send completions to ``url`` from ``workers`` loops until ``stop``; counts by status (or error)."""
     counts: dict[str, int] = {}
     seq = itertools.count()
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
-            body = {"model": MODEL, "prompt": f"request {next(seq)} " + "hello world " * 300, "max_tokens": 6}
+            body = {
+                "model": MODEL,
+                "prompt": f"request {next(seq)} " + "hello world " * 300,
+                "max_tokens": max_tokens,
+            }
             try:
                 key = str((await client.post(f"{url}/v1/completions", json=body)).status_code)
             except httpx.HTTPError as exc:
