@@ -11,14 +11,14 @@ them, so the page and the API agree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from controller.policy.attribution import STAGE_LABELS, Attribution, StageRecord, attribute
+from controller.policy.attribution import STAGE_LABELS, Attribution, attribute
+from controller.policy.attribution_records import FailureSteps, stage_record
 from controller.policy.regret import (
     DecisionFact,
     RecordFact,
@@ -32,7 +32,7 @@ from controller.policy.regret import (
 from dashboard.queries.common import connect
 from pdscope.config import SLOSettings
 from store import regret as reads
-from store.models import RequestRecord
+from store.attribution import read_stage_rows
 from store.queries import RecordFilter
 
 __all__ = [
@@ -55,14 +55,6 @@ def believed(senders: tuple[str, ...] | None) -> RecordFilter:
     return RecordFilter(None if senders is None else frozenset(senders), charged_only=True)
 
 
-def _transfer_failed(attributes: Mapping[str, Any] | None) -> bool:
-    """A NIXL transfer failed on the D during the handoff (the collector's ``nixl`` join)."""
-    nixl = (attributes or {}).get("nixl")
-    d = nixl.get("d") if isinstance(nixl, dict) else None
-    n = d.get("nixl_failed_transfers") if isinstance(d, dict) else None
-    return isinstance(n, int | float) and not isinstance(n, bool) and n > 0
-
-
 @dataclass(frozen=True)
 class WindowAttribution:
     attribution: Attribution
@@ -79,56 +71,11 @@ def attribution(
     limit: int = DEFAULT_RECORDS,
 ) -> WindowAttribution:
     """The attribution of the newest ``limit`` believed records of ``[start, end]`` under ``slo``."""
-    r = RequestRecord
-    stmt = believed(senders).apply(
-        select(
-            r.request_id,
-            r.proxy_in,
-            r.status,
-            r.p_instance,
-            r.d_instance,
-            r.p_sent,
-            r.p_done,
-            r.d_sent,
-            r.first_token,
-            r.done,
-            r.p_queue_s,
-            r.ttft_s,
-            r.tpot_s,
-            r.completion_tokens,
-            r.lease_expiry_suspect,
-            r.attributes,
-            r.retries,
-        )
-        .where(r.proxy_in >= start, r.proxy_in <= end)
-        .order_by(r.proxy_in.desc(), r.id.desc())
-        .limit(limit + 1)
-    )
     with connect(engine) as conn:
-        rows = conn.execute(stmt).all()
-    records = [
-        StageRecord(
-            request_id=x.request_id,
-            proxy_in=x.proxy_in,
-            status=x.status,
-            p_instance=x.p_instance,
-            d_instance=x.d_instance,
-            p_sent=x.p_sent,
-            p_done=x.p_done,
-            d_sent=x.d_sent,
-            first_token=x.first_token,
-            done=x.done,
-            p_queue_s=x.p_queue_s,
-            ttft_s=x.ttft_s,
-            tpot_s=x.tpot_s,
-            completion_tokens=x.completion_tokens,
-            lease_expired=bool(x.lease_expiry_suspect),
-            transfer_failed=_transfer_failed(x.attributes),
-            retries=x.retries or 0,
-        )
-        for x in reversed(rows[:limit])
-    ]
-    return WindowAttribution(attribute(records, slo, since=start, until=end), len(rows) > limit, limit)
+        rows, spans, truncated = read_stage_rows(conn, start, end, only=believed(senders), limit=limit)
+    failures = FailureSteps(spans)
+    records = [stage_record(x, failures) for x in rows]
+    return WindowAttribution(attribute(records, slo, since=start, until=end), truncated, limit)
 
 
 def regret_config(*, flap_ticks: int, tick_s: float, slo_window_s: float) -> RegretConfig:

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from controller.api import create_app
-from controller.attribution import BadRange, _transfer_failed, parse_duration, resolve_range
+from controller.attribution import BadRange, parse_duration, resolve_range
+from controller.policy.attribution_records import transfer_failed
 from store.db import transaction
 from store.models import RequestRecord
 from tests.controller.conftest import World
@@ -164,7 +165,7 @@ def test_resolve_range() -> None:
     ],
 )
 def test_transfer_failed_reads_only_a_positive_count(attributes: dict[str, Any] | None, failed: bool) -> None:
-    assert _transfer_failed(attributes) is failed
+    assert transfer_failed(attributes) is failed
 
 
 def test_the_route_is_an_open_read_in_the_openapi_document(client: TestClient) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from controller.attribution import FailureSteps, _attempts, _handoff_failed, _lease_ds, _transfer_s
+from controller.policy.attribution_records import (
+    FailureSteps,
+    _attempts,
+    _handoff_failed,
+    _lease_ds,
+    _transfer_s,
+)
 
 STEPS = FailureSteps({"decode-1": ((100.0, 101.0),)})
 
