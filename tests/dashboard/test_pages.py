@@ -58,13 +58,22 @@ def sign_in(at: AppTest, token: str) -> AppTest:
     return at
 
 
-def open_page(config: Path, page: str, monkeypatch: pytest.MonkeyPatch, token: str | None = None) -> AppTest:
+def open_page(
+    config: Path,
+    page: str,
+    monkeypatch: pytest.MonkeyPatch,
+    token: str | None = None,
+    params: dict[str, str] | None = None,
+) -> AppTest:
+    """The page as a user opens it (``params``: the URL's query, e.g. a time range)."""
     monkeypatch.setenv("PDSCOPE_CONFIG", str(config))
     if token is None:
         monkeypatch.delenv("PDSCOPE_API_TOKEN", raising=False)
     else:
         monkeypatch.setenv("PDSCOPE_API_TOKEN", token)
     at = AppTest.from_file(str(APP), default_timeout=TIMEOUT)
+    for k, v in (params or {}).items():
+        at.query_params[k] = v
     at.run()
     assert not at.exception, at.exception
     if page != "fleet":  # the default page lives at the root URL
@@ -162,7 +171,9 @@ def test_kv_page_has_the_pair_heatmap_and_per_instance_table(
 def test_prefix_cache_page_shows_hit_rates_predictions_hot_prefixes_and_decode_only(
     seeded: Seeded, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    at = open_page(seeded.config, "prefix_cache", monkeypatch)
+    # the whole seeded half hour, however long ago the session's seed was written (the default range,
+    # the last 15 min up to now, slides off decode-2's decode-only requests as the suite runs)
+    at = open_page(seeded.config, "prefix_cache", monkeypatch, params={"range": "1h", "anchor": "latest"})
     figures = {m.label: m.value for m in at.metric}
     assert set(figures) == {
         "P hit rate (vLLM)",
