@@ -17,7 +17,9 @@ finished, this pass
   ``lease_s`` before the rise (a D heartbeat may set a lease to two thirds of its length from
   then) and no first token before both that time and the rise's scrape step (no first token
   at all, a timeout, or one later than the lease). Each expired lease is assigned to one such
-  handoff (those with no first token first, then the oldest), which flags its record
+  handoff (first those D refused as the client's error -- a 4xx but 429: D never pulls them, so their
+  lease must run out, and the controller charges nobody for them -- then those with no first token,
+  then the oldest), which flags its record
   ``lease_expiry_suspect`` and names, in ``attributes["lease_expiry"]``, the D the handoff was
   sent to (for a retried attempt: the D of that attempt, not the record's last one) and the
   step (``to_ts``) the expiry was counted in. Expiries no waiting handoff explains stay
@@ -48,7 +50,7 @@ from sqlalchemy.orm import Session
 from collector.record import flag_lease_expiry, note_forensics
 from pdscope import semconv as sc
 from store.models import RequestRecord, Snapshot, SpanRow
-from store.queries import CounterStep, counter_steps
+from store.queries import CounterStep, counter_steps, is_client_error
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class Handoff:
     p_done: float
     first_token: float | None
     assigned: bool = False
+    refused: bool = False  # D refused the request as the client's error: it never pulls, the lease runs out
 
     def waiting_at(self, ts: float) -> bool:
         return self.first_token is None or self.first_token > ts
@@ -236,7 +239,8 @@ def handoffs_of(rec: RequestRecord) -> list[Handoff]:
     """The record's own handoff and those of its failed decode attempts that pinned a lease of their own."""
     out: list[Handoff] = []
     if rec.p_instance and rec.p_done is not None:
-        out.append(Handoff(rec, rec.p_instance, rec.d_instance, rec.p_done, rec.first_token))
+        refused = is_client_error(rec.status, rec.http_status)
+        out.append(Handoff(rec, rec.p_instance, rec.d_instance, rec.p_done, rec.first_token, refused=refused))
     for a in (rec.attributes or {}).get("failed_attempts") or []:
         if (
             isinstance(a, dict)
@@ -292,7 +296,9 @@ def join_expiries(
             for h in by_p.get(st.instance, [])
             if (id(h.rec), h.p_done) not in taken and expiry_could_be(h, st, lease_s)
         ]
-        eligible.sort(key=lambda h: (h.first_token is not None, h.p_done))
+        # A handoff D refused is a certain expiry: it explains one before any handoff that may still be
+        # pulled, so the D of a genuine handoff is not charged for the client's error.
+        eligible.sort(key=lambda h: (not h.refused, h.first_token is not None, h.p_done))
         for h in eligible[:want]:
             taken.add((id(h.rec), h.p_done))
             flag_lease_expiry(

@@ -12,12 +12,15 @@
 5. a body that is not an OTLP trace export: 400 with the reason; one malformed or
    implausible span costs only itself (``collector.ingest``; dropped spans counted by
    reason and reported to the sender as an OTLP partial success);
-6. a span queue without room for the export: 503 with ``Retry-After`` (OTLP senders
-   retry it later; nothing of it is queued).
+6. the admitted spans go into the spool (``collector.spool``: on disk, fsynced per policy,
+   before the answer); a spool past its bound (bytes or the age of its oldest batch), or a
+   disk that refuses the write: 503 with ``Retry-After`` (OTLP senders retry it later;
+   nothing of it is kept). A 2xx means the spans are kept.
 
-A ``SpanBatcher`` task drains the queue in batches, on size or every ``flush_s``, into a
-``Sink`` in a worker thread, and flushes once more at shutdown; a failing turn is
-caught, counted and logged (rate-limited), and the loop goes on. ``/healthz`` answers
+A ``SpanBatcher`` task drains the spool in batches, on size or every ``flush_s``, into a
+``Sink`` in a worker thread, and gives a batch back to the spool only once the sink has it:
+while the store is down or locked the batch is retried with a backoff and nothing is dropped.
+A failing turn is caught, counted and logged (rate-limited), and the loop goes on. ``/healthz`` answers
 503 when a background task is dead or stuck (``collector.health``); with ``collectors`` given
 it also says who this collector is, which collectors are live and its share of the instances
 (``collector.membership``; informational: it never makes /healthz fail).
@@ -30,8 +33,8 @@ import hmac
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -55,7 +58,9 @@ from collector.otlp import (
     inflate,
 )
 from collector.selfmetrics import CollectorMetrics
-from collector.sink import Sink
+from collector.sink import Sink, WriteResult
+from collector.spool import Entry, Spool, SpoolFull
+from pdscope.auththrottle import AuthThrottle, bearer_failure
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,7 @@ class ReceiverConfig:
     retry_after_s: int = 1
     limits: SpanLimits = field(default_factory=SpanLimits)
     tokens: Mapping[str, str] = field(default_factory=dict)  # token -> sender; empty: no auth
+    auth_throttle: AuthThrottle = field(default_factory=lambda: AuthThrottle("OTLP receiver"))
 
 
 class ByteBudget:
@@ -112,42 +118,24 @@ class Lease:
             self.closed = True
 
 
-class SpanQueue:
-    """A bounded FIFO of spans that drops the oldest when full."""
-
-    def __init__(self, maxlen: int) -> None:
-        self._q: deque[SpanData] = deque(maxlen=maxlen)
-        self.maxlen = maxlen
-        self.dropped = 0
-        self.ready = asyncio.Event()
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def has_room(self, n: int) -> bool:
-        """Room for ``n`` more spans (an export larger than the whole queue fits an empty one)."""
-        return not self._q or len(self._q) + n <= self.maxlen
-
-    def put(self, spans: Sequence[SpanData]) -> int:
-        """Enqueue; returns how many older spans were dropped to make room."""
-        overflow = max(0, len(self._q) + len(spans) - self.maxlen)
-        self._q.extend(spans)
-        self.dropped += overflow
-        if spans:
-            self.ready.set()
-        return overflow
-
-    def take(self, n: int) -> list[SpanData]:
-        out = [self._q.popleft() for _ in range(min(n, len(self._q)))]
-        if not self._q:
-            self.ready.clear()
-        return out
+RETRY_MIN_S, RETRY_MAX_S = 0.25, 5.0
+MAX_WRITER_ERRORS = 3  # a batch the sink raises on this many times in a row is dropped (counted)
 
 
 class SpanBatcher:
+    """Drains the spool into the sink, oldest batches first, in batches of up to ``batch_size`` spans.
+
+    A batch leaves the spool (``ack``) only once the sink has it. While the store is unavailable
+    (``WriteResult.retry``) the batch stays and is written again after a backoff (``RETRY_MIN_S``
+    doubling to ``RETRY_MAX_S``); what arrives meanwhile waits behind it, up to the spool's bound.
+    Spans the store refuses for their data are dropped and counted (``store_error``); a batch on
+    which the sink itself raises ``MAX_WRITER_ERRORS`` times in a row is dropped and counted
+    (``writer_error``), so one poison batch cannot stop the spool.
+    """
+
     def __init__(
         self,
-        queue: SpanQueue,
+        spool: Spool,
         sink: Sink,
         metrics: CollectorMetrics,
         *,
@@ -155,7 +143,7 @@ class SpanBatcher:
         flush_s: float = 0.25,
         health: TaskHealth | None = None,
     ) -> None:
-        self.queue = queue
+        self.spool = spool
         self.sink = sink
         self.metrics = metrics
         self.batch_size = batch_size
@@ -163,42 +151,95 @@ class SpanBatcher:
         self.health = health or TaskHealth()
         self.health.register(SPAN_WRITER, max(60.0, 40 * flush_s))
         self._warn = RateLimitedLog(log)
+        self.backoff_s = 0.0  # > 0 while the store is unavailable: the wait before the next try
+        self.behind = False  # the store was unavailable and the spool is not yet empty again
+        if spool.ready is None:
+            spool.ready = asyncio.Event()
 
-    async def _write(self, batch: list[SpanData]) -> None:
-        """One batch into the sink; whatever goes wrong costs this batch only (counted, logged)."""
+    async def _write(self, batch: list[Entry]) -> bool:
+        """One batch into the sink. True when it left the spool (stored, or dropped and counted)."""
+        spans = [s for e in batch for s in (e.spans or ())]
         try:
-            result = await asyncio.to_thread(self.sink.write, batch)
+            result = await asyncio.to_thread(self.sink.write, spans)
         except Exception as exc:  # a sink must not raise; if one does, the writer goes on
             self.metrics.task_errors.labels(SPAN_WRITER, type(exc).__name__).inc()
-            self.metrics.spans_dropped.labels("writer_error").inc(len(batch))
             self.health.error(SPAN_WRITER, exc)
-            self._warn.warning(SPAN_WRITER, "span batch of %d lost: %r", len(batch), exc, exc_info=exc)
-            return
-        self.metrics.spans_written.inc(result.written)
-        self.metrics.records.inc(result.records)
-        if result.assemble_errors:
-            self.metrics.records_failed.labels("assemble_error").inc(result.assemble_errors)
-        for key, n in result.attributes_dropped:
-            self.metrics.record_attributes_dropped.labels(key).inc(n)
-        if result.failed:
-            self.metrics.spans_dropped.labels("store_error").inc(result.failed)
+            batch[0].attempts += 1
+            if batch[0].attempts < MAX_WRITER_ERRORS:
+                self._warn.warning(
+                    SPAN_WRITER, "span batch of %d not written, will retry: %r", len(spans), exc
+                )
+                return False
+            self.metrics.spans_dropped.labels("writer_error").inc(len(spans))
+            self._warn.warning(SPAN_WRITER, "span batch of %d lost: %r", len(spans), exc, exc_info=exc)
+            self._ack(batch)
+            return True
+        if result.retry:
+            self.behind = True
+            for e in batch:
+                e.attempts += 1
             self.metrics.store_errors.labels("spans").inc()
+            self.health.store(False, result.error or "store unavailable")
+            self._warn.warning(
+                "spool_retry", "store unavailable, %d spans stay in the spool: %s", len(spans), result.error
+            )
+            return False
+        self._count(result, batch)
+        self._ack(batch)
+        return True
+
+    def _count(self, result: WriteResult, batch: list[Entry]) -> None:
+        m = self.metrics
+        m.spans_written.inc(result.written)
+        m.records.inc(result.records)
+        replayed = sum(e.count for e in batch if e.attempts or e.recovered or self.behind)
+        if replayed:
+            m.spool_replayed.inc(replayed)
+        if result.assemble_errors:
+            m.records_failed.labels("assemble_error").inc(result.assemble_errors)
+        for key, n in result.attributes_dropped:
+            m.record_attributes_dropped.labels(key).inc(n)
+        if result.failed:
+            m.spans_dropped.labels("store_error").inc(result.failed)
+            m.store_errors.labels("spans").inc()
         self.health.store(not result.failed or bool(result.written), result.error or "")
 
-    async def flush(self) -> None:
-        while len(self.queue):
-            await self._write(self.queue.take(self.batch_size))
-            self.metrics.queue.set(len(self.queue))
+    def _ack(self, batch: list[Entry]) -> None:
+        try:
+            self.spool.ack(batch)
+        except OSError as exc:  # the ack position not saved: a restart writes these again (harmless)
+            self.metrics.task_errors.labels(SPAN_WRITER, "spool_ack").inc()
+            self._warn.warning("spool_ack", "spool ack position not saved: %r", exc)
+        self.metrics.queue.set(len(self.spool))
+
+    async def flush(self) -> bool:
+        """Write what the spool holds. False when the store is unavailable (the rest stays)."""
+        while self.spool.batches:
+            batch = await asyncio.to_thread(self.spool.peek, self.batch_size)
+            done = await self._write(batch)
             self.health.beat(SPAN_WRITER)
+            if not done:
+                self.backoff_s = min(RETRY_MAX_S, max(RETRY_MIN_S, 2 * self.backoff_s))
+                return False
+            self.backoff_s = 0.0
+        self.behind = False
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
+        ready = self.spool.ready
         while not stop.is_set():
             self.health.beat(SPAN_WRITER)
+            wait = self.backoff_s or self.flush_s
             try:
-                await asyncio.wait_for(self.queue.ready.wait(), timeout=self.flush_s)
+                if self.backoff_s:
+                    await asyncio.wait_for(stop.wait(), timeout=wait)
+                else:
+                    await asyncio.wait_for(ready.wait(), timeout=wait)
             except TimeoutError:
-                continue
-            if len(self.queue) < self.batch_size:
+                if not self.spool.batches:
+                    continue
+            ready.clear()
+            if not self.backoff_s and len(self.spool) < self.batch_size:
                 await asyncio.sleep(self.flush_s)  # let a batch build up
             await self.flush()
         await self.flush()
@@ -251,9 +292,9 @@ class _TracesEndpoint:
     queue the admitted spans and answer OTLP's (partial) success. Every refusal is counted and logged."""
 
     def __init__(
-        self, queue: SpanQueue, metrics: CollectorMetrics, cfg: ReceiverConfig, clock: Callable[[], float]
+        self, spool: Spool, metrics: CollectorMetrics, cfg: ReceiverConfig, clock: Callable[[], float]
     ) -> None:
-        self.queue, self.metrics, self.cfg, self.clock = queue, metrics, cfg, clock
+        self.spool, self.metrics, self.cfg, self.clock = spool, metrics, cfg, clock
         self.budget = ByteBudget(cfg.inflight_bytes)
         self.refused = Tally(log, "OTLP requests refused")
         self.spans_refused = Tally(log, "OTLP spans dropped")
@@ -278,18 +319,46 @@ class _TracesEndpoint:
         try:
             sender = self._sender(request)
             spans, dropped, truncated = await self._decoded(request, sender)
-            if not self.queue.has_room(len(spans)):
-                raise self.refuse("queue_full", 503, "span queue full: retry later", self.retry_after)
+            await self._keep(spans, _content_length(request) or 0)
         except _Refused as refusal:
             return refusal.response
-        self._enqueue(spans, dropped, truncated)
+        self._count(spans, dropped, truncated)
         return self._answer(dropped, request.headers.get("content-type"))
+
+    async def _keep(self, spans: list[SpanData], size_hint: int) -> None:
+        """Put the batch in the spool, or refuse the export (503: nothing of it is kept)."""
+        spool = self.spool
+        if not spans:
+            return
+        try:
+            refused = spool.refusal(len(spans), size_hint)
+            if refused is not None:
+                raise refused
+            if spool.durable:
+                await asyncio.to_thread(spool.append, spans)
+            else:
+                spool.append(spans)
+        except SpoolFull as exc:
+            spool.refusing = True
+            self.metrics.spool_refused.labels(exc.reason).inc(len(spans))
+            raise self.refuse(exc.reason, 503, f"{exc}: retry later", self.retry_after) from None
+        except OSError as exc:
+            self.metrics.spool_refused.labels("spool_error").inc(len(spans))
+            raise self.refuse("spool_error", 503, f"spool write failed: {exc}", self.retry_after) from None
+        if spool.ready is not None:
+            spool.ready.set()
 
     def _sender(self, request: Request) -> str | None:
         if not self.cfg.tokens:
             return None
-        sender = _sender(self.cfg.tokens, request.headers.get("authorization"))
+        source = request.client.host if request.client else "unknown"
+        header = request.headers.get("authorization")
+        wait = self.cfg.auth_throttle.blocked(source)  # past its limit: its token is not compared
+        if wait is not None:
+            raise self.refuse("throttled", 429, "too many wrong tokens", {"Retry-After": str(wait)})
+        sender = _sender(self.cfg.tokens, header)
         if sender is None:
+            self.cfg.auth_throttle.failed(source, bearer_failure(header))
             raise self.refuse(
                 "unauthorized",
                 401,
@@ -340,17 +409,14 @@ class _TracesEndpoint:
         finally:
             lease.close()
 
-    def _enqueue(self, spans: list[SpanData], dropped: Counter[str], truncated: int) -> None:
+    def _count(self, spans: list[SpanData], dropped: Counter[str], truncated: int) -> None:
         m = self.metrics
-        overflow = self.queue.put(spans)
         m.spans_received.inc(len(spans))
-        if overflow:
-            dropped["queue_full"] += overflow
         for reason, n in dropped.items():
             m.spans_dropped.labels(reason).inc(n)
         if truncated:
             m.spans_truncated.inc(truncated)
-        m.queue.set(len(self.queue))
+        m.queue.set(len(self.spool))
         m.otlp_requests.labels("ok").inc()
         for reason, n in dropped.items():
             self.spans_refused.note(reason, f"{n} span(s) of one export", n=n)
@@ -373,7 +439,7 @@ class _TracesEndpoint:
 
 
 def build_app(
-    queue: SpanQueue,
+    spool: Spool,
     metrics: CollectorMetrics,
     config: ReceiverConfig | None = None,
     *,
@@ -381,7 +447,8 @@ def build_app(
     clock: Callable[[], float] = time.time,
     collectors: Callable[[], Mapping[str, object]] | None = None,
 ) -> Starlette:
-    traces = _TracesEndpoint(queue, metrics, config or ReceiverConfig(), clock)
+    traces = _TracesEndpoint(spool, metrics, config or ReceiverConfig(), clock)
+    metrics.watch_spool(spool)
 
     async def prom(_request: Request) -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -389,8 +456,15 @@ def build_app(
     async def healthz(_request: Request) -> Response:
         ok, tasks = health.report() if health is not None else (True, {})
         store = health.store_report() if health is not None else {"state": "ok"}
-        status = "unhealthy" if not ok else ("degraded" if store["state"] != "ok" else "ok")
-        doc = {"status": status, "span_queue": len(queue), "tasks": tasks, "store": store}
+        refusing = spool.refusing or spool.refusal(1) is not None
+        status = "unhealthy" if not ok else ("degraded" if store["state"] != "ok" or refusing else "ok")
+        doc = {
+            "status": status,
+            "span_queue": len(spool),
+            "spool": {**spool.report(), "refusing": refusing},
+            "tasks": tasks,
+            "store": store,
+        }
         if collectors is not None:
             doc["collectors"] = dict(collectors())
         return JSONResponse(doc, status_code=200 if ok else 503)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from collector.scraper import ScrapeResult
+from collector.spool import Spool
 from collector.targets import Target
 
 
@@ -118,7 +119,44 @@ class CollectorMetrics:
             ["reason"],
             registry=r,
         )
+        self.spool_refused = Counter(
+            "pdscope_collector_spool_refused_spans",
+            "Spans of exports answered 503 because the spool was past its bound "
+            "(spool_full: bytes or spans; spool_age: its oldest batch) or the disk refused (spool_error)",
+            ["reason"],
+            registry=r,
+        )
+        self.spool_replayed = Counter(
+            "pdscope_collector_spool_replayed_spans",
+            "Spans written to the store after a store outage, or read back from the spool at start up",
+            registry=r,
+        )
+        self.spool_bytes = Gauge(
+            "pdscope_collector_spool_bytes",
+            "Bytes of span batches in the spool, not yet in the store",
+            registry=r,
+        )
+        self.spool_batches = Gauge(
+            "pdscope_collector_spool_batches", "Span batches in the spool, not yet in the store", registry=r
+        )
+        self.spool_oldest_age = Gauge(
+            "pdscope_collector_spool_oldest_age_seconds",
+            "Age of the oldest batch in the spool (0 when empty): how long the store has been behind",
+            registry=r,
+        )
+        self.spool_corrupt = Gauge(
+            "pdscope_collector_spool_corrupt_records",
+            "Spool records (or torn tails) skipped as unreadable since this collector started",
+            registry=r,
+        )
         self._errors: dict[str, str] = {}
+
+    def watch_spool(self, spool: Spool) -> None:
+        """The spool's gauges, read when /metrics is scraped."""
+        self.spool_bytes.set_function(lambda: float(spool.pending_bytes))
+        self.spool_batches.set_function(lambda: float(spool.batches))
+        self.spool_oldest_age.set_function(spool.oldest_age_s)
+        self.spool_corrupt.set_function(lambda: float(spool.corrupt))
 
     def observe_round(self, results: Sequence[ScrapeResult]) -> None:
         for res in results:

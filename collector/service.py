@@ -23,10 +23,14 @@ service refuses to bind a non-loopback ``collector.host`` (``InsecureBind``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,14 +42,17 @@ from collector.health import RateLimitedLog, TaskHealth
 from collector.ingest import SpanLimits
 from collector.membership import LIVE_INTERVALS, Membership, Shard, shared_store
 from collector.promsource import PromSource
-from collector.receiver import ReceiverConfig, SpanBatcher, SpanQueue, build_app
+from collector.receiver import ReceiverConfig, SpanBatcher, build_app
 from collector.retention import Retention
 from collector.scraper import PerOriginTransport, Scraper, ScrapeResult
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import Sink, StoreSink
 from collector.snapshot_store import SnapshotStore
+from collector.spool import Spool, SpoolConfig, SpoolLocked
 from collector.targets import Target, targets_from_settings
+from pdscope.auththrottle import AuthFailureCollector, AuthThrottle
 from pdscope.config import Settings, is_loopback
+from pdscope.httpserve import server_options
 from store.db import StoreError, make_engine, session_factory, transaction
 
 log = logging.getLogger(__name__)
@@ -83,6 +90,36 @@ def receiver_config(settings: Settings, tokens: Mapping[str, str]) -> ReceiverCo
             max_age_s=settings.store.retention_raw_s,
         ),
         tokens=dict(tokens),
+        auth_throttle=AuthThrottle.from_settings("OTLP receiver", cs.auth_throttle),
+    )
+
+
+class SpoolUnusable(RuntimeError):
+    """The spool folder cannot be used (in use by another process, or the disk refuses)."""
+
+
+def default_spool_dir(store_url: str, collector_id: str) -> Path:
+    """<temp dir>/pdscope-spool/<hash>: one folder per store and collector id, found again after a
+    restart of the process on the same host."""
+    key = hashlib.sha256(f"{store_url}\0{collector_id}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "pdscope-spool" / key
+
+
+def spool_config(settings: Settings, collector_id: str, memory_spans: int | None = None) -> SpoolConfig:
+    cs = settings.collector
+    if cs.spool_dir == ":memory:":
+        directory = None
+    elif cs.spool_dir:
+        directory = Path(cs.spool_dir).expanduser()
+    else:
+        directory = default_spool_dir(settings.store.url, collector_id)
+    return SpoolConfig(
+        directory=directory,
+        max_bytes=cs.spool_max_bytes,
+        max_age_s=cs.spool_max_age_s,
+        max_memory_spans=cs.span_queue_spans if memory_spans is None else memory_spans,
+        segment_bytes=cs.spool_segment_bytes,
+        fsync=cs.spool_fsync,
     )
 
 
@@ -115,20 +152,20 @@ class CollectorService:
         self.targets = list(targets if targets is not None else targets_from_settings(settings))
         self.metrics = CollectorMetrics()
         self.snapshots = SnapshotStore(self.factory)
-        self.queue = SpanQueue(cs.span_queue_spans if queue_spans is None else queue_spans)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((cs.host, cs.port if port is None else port))  # port 0: any free one
+        self.port = self.sock.getsockname()[1]
+        self.id = cs.id or f"{socket.gethostname()}:{self.port}"
+        self.spool = Spool(spool_config(settings, self.id, queue_spans), clock)
         # a shared store (PostgreSQL): a trace's spans may reach any collector, so every batch
         # reads the stored spans of all its traces (collector.sink)
         self.sink = sink or StoreSink(self.factory, settings.slo, clock, shared=shared_store(self.factory))
-        self.batcher = SpanBatcher(self.queue, self.sink, self.metrics, health=self.health)
+        self.batcher = SpanBatcher(self.spool, self.sink, self.metrics, health=self.health)
         self.retention = Retention(
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s
         )
         self.clock = clock
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((cs.host, cs.port if port is None else port))  # port 0: any free one
-        self.port: int = self.sock.getsockname()[1]
-        self.id = cs.id or f"{socket.gethostname()}:{self.port}"
         self.shard = Shard(
             self.targets,
             self.id,
@@ -142,10 +179,14 @@ class CollectorService:
             metrics=self.metrics,
             clock=clock,
         )
+        receiver = receiver_config(settings, tokens)
+        self.metrics.registry.register(
+            AuthFailureCollector(receiver.auth_throttle, "pdscope_collector_auth_failures")
+        )
         self.app = build_app(
-            self.queue,
+            self.spool,
             self.metrics,
-            receiver_config(settings, tokens),
+            receiver,
             health=self.health,
             clock=clock,
             collectors=self.shard.report,
@@ -284,12 +325,61 @@ class CollectorService:
         task.add_done_callback(done)
         return task
 
+    def open_spool(self) -> None:
+        """Take the spool folder and read back what a previous process left (written to the store
+        first, in order). Raises SpoolUnusable naming ``collector.spool_dir``."""
+        d = self.spool.cfg.directory
+        try:
+            rec = self.spool.open()
+        except (SpoolLocked, OSError) as exc:
+            raise SpoolUnusable(f"collector.spool_dir: cannot use {d}: {exc}") from exc
+        for note in rec.notes:
+            log.warning("spool %s: %s", d, note)
+        if rec.batches or rec.corrupt:
+            log.warning(
+                "spool %s: %d span batches (%d spans) from before the restart go to the store first; "
+                "%d unreadable records skipped",
+                d,
+                rec.batches,
+                rec.spans,
+                rec.corrupt,
+            )
+        self.metrics.queue.set(len(self.spool))
+
+    def close_spool(self) -> None:
+        d = self.spool.cfg.directory
+        left = self.spool.pending_spans
+        self.spool.close()
+        if left and d is None:
+            log.error("collector stopped with %d spans not in the store (in-memory spool: lost)", left)
+        elif left:
+            log.warning(
+                "collector stopped with %d spans in the spool %s: the next start writes them", left, d
+            )
+        elif d is not None and d == default_spool_dir(self.settings.store.url, self.id):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
     async def run(self, stop: asyncio.Event) -> None:
+        self.open_spool()
+        try:
+            await self._run(stop)
+        finally:
+            self.close_spool()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         try:
             await asyncio.to_thread(self.snapshots.ensure_instances, self.targets, self.clock())
         except StoreError as exc:
             log.warning("instances not recorded: %s", exc)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        cs = self.settings.collector
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            **server_options(cs.header_timeout_s, cs.max_connections),
+        )
         server = uvicorn.Server(config)
         server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
         for name in (SCRAPER, SNAPSHOTS, MAINTENANCE, "span_writer"):

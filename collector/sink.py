@@ -2,7 +2,9 @@
 
 ``Sink.write(batch) -> WriteResult`` is the one method the receiver calls, from a worker
 thread, with a batch of decoded spans. A sink reports failure in the result; it does
-not raise into the receiver (the receiver counts the failed spans as dropped).
+not raise into the receiver. ``retry`` says the store was unavailable (down, locked, unreachable):
+the span writer keeps the batch in the spool and writes it again later (``collector.spool``);
+otherwise ``failed`` spans were refused for their data and are counted as dropped.
 
 ``StoreSink`` inserts the spans, then (re)assembles the request record of every trace
 the batch touched whose proxy root span is in the store: a record is created when the
@@ -134,6 +136,9 @@ class WriteResult:
     assemble_errors: int = 0
     # root attributes left out of records as invalid, by key: counted once, when the root is written
     attributes_dropped: tuple[tuple[str, int], ...] = ()
+    # the store is down, locked or unreachable (not: refused the data): write the whole batch again
+    # later (a span written twice is counted once); ``failed`` then says how many are not stored yet
+    retry: bool = False
 
 
 class Sink(Protocol):
@@ -242,8 +247,8 @@ class StoreSink:
             result = self._write(batch)
         except Exception as exc:  # StoreError, or a value the driver cannot bind (OverflowError...)
             if not _refused_data(exc) or len({s.trace_id for s in batch}) < 2:
-                log.warning("span batch of %d not stored: %r", len(batch), exc)
-                return WriteResult(0, failed=len(batch), error=str(exc))
+                log.warning("span batch of %d not stored yet (store unavailable): %r", len(batch), exc)
+                return WriteResult(0, failed=len(batch), error=str(exc), retry=True)
             return self._write_each_trace(batch)
         self._remember(batch)
         return result
@@ -276,14 +281,15 @@ class StoreSink:
         written = failed = records = errors = 0
         dropped: Counter[str] = Counter()
         last_error: str | None = None
+        down = False
         for spans in traces.values():
             try:
                 r = self._write(spans)
             except Exception as exc:
                 failed += len(spans)
                 last_error = str(exc)
-                if not _refused_data(exc):  # the store went down meanwhile: stop trying
-                    failed = len(batch) - written
+                if not _refused_data(exc):  # the store went down meanwhile: the batch goes again later
+                    failed, down = len(batch) - written, True
                     break
                 continue
             self._remember(spans)
@@ -305,6 +311,7 @@ class StoreSink:
             error=last_error,
             assemble_errors=errors,
             attributes_dropped=tuple(sorted(dropped.items())),
+            retry=down,
         )
 
     def _remember(self, batch: Sequence[SpanData]) -> None:

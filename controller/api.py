@@ -49,6 +49,7 @@ from controller.loop import Reconciler
 from controller.notify import Notifier, NullNotifier
 from controller.overrides import NothingToClear, OverridesService, UnknownSubject
 from controller.proxies import ProxyRegistry
+from pdscope.auththrottle import AuthFailureCollector, AuthThrottle
 from store.db import StoreError
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ def create_app(
     ids = dict(tokens or {})
     if token:
         ids[API_IDENTITY] = token
+    throttle = AuthThrottle.from_settings("controller API", settings.controller.auth_throttle)
     authn = Authenticator(
         ids,
         disabled_detail=f"mutations are disabled: no API token is configured "
         f"(set ${settings.controller.api_token_env} or ${settings.controller.api_tokens_env})",
+        throttle=throttle,
     )
     notif = notifier or NullNotifier()
     registry_of_proxies = ProxyRegistry(
@@ -96,12 +99,14 @@ def create_app(
         settings,
         me=reconciler.leadership.holder,
         tokens=settings.proxy_tokens() if proxy_tokens is None else proxy_tokens,
+        secret=settings.proxy_secret(),
         clock=reconciler.clock,
     )
     if registry is None:
         from controller.metrics import make_registry
 
         registry = make_registry(reconciler, notif, registry_of_proxies)
+    registry.register(AuthFailureCollector(throttle, "pdscope_controller_auth_failures"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

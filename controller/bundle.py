@@ -27,6 +27,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import tarfile
 import tempfile
 import threading
@@ -354,6 +355,39 @@ def list_bundles(folder: Path) -> list[BundleFile]:
             st = e.stat(follow_symlinks=False)
             out.append(BundleFile(e.name, st.st_size, st.st_mtime))
     return sorted(out, key=lambda b: (b.mtime, b.name), reverse=True)
+
+
+class BundleRefused(Exception):
+    """A bundle that is not served: ``reason`` is ``bad_name``, ``symlink``, ``not_a_file`` or ``missing``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def open_bundle(folder: Path, name: str) -> tuple[IO[bytes], int]:
+    """Open bundle ``name`` for reading: (file, size). Only a regular file directly in ``folder`` is
+    opened: a name this module would not make (a path, ``..``, absolute), a symlink (even one to a
+    file inside), a FIFO or folder raise :class:`BundleRefused`. The name is opened relative to the
+    folder without following a link (``O_NOFOLLOW``), and what was opened is checked, so a file
+    swapped for a link between a check and the open is never served. Blocks on the disk only."""
+    if not is_bundle_name(name) or "/" in name or os.sep in name:
+        raise BundleRefused("bad_name")
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        raise BundleRefused("missing") from None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        raise BundleRefused("symlink" if exc.errno == errno.ELOOP else "missing") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BundleRefused("not_a_file")
+    return os.fdopen(fd, "rb"), st.st_size
 
 
 def prune(folder: Path, keep: int, now: float) -> list[str]:

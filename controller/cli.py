@@ -123,6 +123,7 @@ def _serve(
     from controller.loop import Reconciler
     from controller.notify import NullNotifier, WebhookNotifier
     from controller.policy import AlertConfig
+    from pdscope.httpserve import server_options
     from store.db import StoreError, make_engine, session_factory
     from store.migrate import upgrade
 
@@ -174,7 +175,14 @@ def _serve(
         "leads" if reconciler.role == "leader" else "standby until it takes the lock",
     )
     try:
-        uvicorn.run(app, host=c.host, port=c.port, log_level="warning", access_log=False)
+        uvicorn.run(
+            app,
+            host=c.host,
+            port=c.port,
+            log_level="warning",
+            access_log=False,
+            **server_options(c.header_timeout_s, c.max_connections),
+        )
     finally:
         bundler.close()  # the bundles queued are written first (a few seconds at most)
         engine.dispose()

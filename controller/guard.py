@@ -4,7 +4,8 @@ For every request that may change something (any method but GET, HEAD and OPTION
 this order, before the application sees it:
 
 1. the bearer token is checked (401, or 403 when no token is configured): nothing of the
-   body is read for a caller without a valid token;
+   body is read for a caller without a valid token; a client address past its wrong-token
+   limit gets 429 with ``Retry-After``, its token not compared (``pdscope.auththrottle``);
 2. ``X-Actor`` must be UTF-8 (400 naming the header);
 3. the body is read up to ``max_body_bytes`` (413 past it, by ``Content-Length`` at once or
    while reading), within ``read_timeout_s`` (408);
@@ -51,6 +52,12 @@ def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
         elif b in (0x5D, 0x7D):
             depth -= 1
     return False
+
+
+def client_address(scope: Scope) -> str:
+    """The peer's address (behind a reverse proxy: the proxy's), the key wrong tokens are counted by."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
 
 
 class _Refused(Exception):
@@ -106,10 +113,11 @@ class RequestGuard:
             headers.setdefault(k.lower(), v)
         auth_raw = headers.get(b"authorization")
         try:
-            identity = self.auth.identify(None if auth_raw is None else auth_raw.decode("latin-1"))
+            identity = self.auth.identify(
+                None if auth_raw is None else auth_raw.decode("latin-1"), source=client_address(scope)
+            )
         except AuthError as exc:
-            extra = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-            raise _Refused(exc.status, exc.detail, extra) from None
+            raise _Refused(exc.status, exc.detail, exc.headers()) from None
         try:
             actor = sanitise_actor(headers.get(b"x-actor"))
         except ValueError as exc:

@@ -8,11 +8,13 @@ writes the store takes:
   (its own engine without a pool, never a session's), with ``idle_session_timeout`` set to the
   lease. The leader pings that connection every interval (:meth:`PgAdvisoryLock.held`); one that
   stops (killed, paused, cut off) loses its session, and the lock with it, within the lease.
-* :class:`FileLock` (a SQLite file): an OS lock (``flock``) on ``<database>.controller.lock``,
-  which names the holder's pid. SQLite takes exactly one controller: a second one refuses to
+* :class:`FileLock` (a SQLite file): an OS lock (``flock``) on a lock file beside the database,
+  named by the database file's identity (device and inode, :func:`lock_path_for`), not by the path
+  it was given: a symlink, a hard link or ``./x/../s.db`` to the same file finds the same lock. The
+  lock file names the holder's pid. SQLite takes exactly one controller: a second one refuses to
   start (:class:`AlreadyRunning`). The OS drops the lock when the process ends, however it ends.
-* :class:`SoleLeader`: always leads (in-memory SQLite, where no other process can share the
-  store; tests).
+* :class:`SoleLeader`: always leads (in-memory SQLite, where each process has a store of its own
+  that no other process can share; tests).
 
 The epoch is one row of ``controller_leader`` (:class:`store.models.ControllerLeader`).
 :func:`claim`, on each takeover, bumps it under the row's write lock, so it waits for an
@@ -35,7 +37,7 @@ import hashlib
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -95,14 +97,28 @@ def advertise_url(host: str, port: int, configured: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LeaderInfo:
-    """The store's leader: the epoch, who took it and when (Unix seconds)."""
+    """The store's leader: the epoch, who took it and when (Unix seconds), and the mode it took over in
+    (``advisory``/``enforce``; None: not stored, a leader from before the column). The mode is not part
+    of the leader's identity (equality)."""
 
     epoch: int
     holder: str
     since: float
+    mode: str | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict[str, object]:
         return {"holder": self.holder, "epoch": self.epoch, "since": self.since}
+
+
+def mode_warning(role: str, configured: str, leader: LeaderInfo | None) -> str | None:
+    """What a standby configured in ``configured`` mode says while its leader leads in another (it
+    serves the leader's); None when the modes agree, the leader's is not stored, or on the leader."""
+    if role != "standby" or leader is None or leader.mode is None or leader.mode == configured:
+        return None
+    return (
+        f"configured mode {configured} differs from the leader's ({leader.mode}, epoch {leader.epoch}): "
+        f"serving the leader's mode"
+    )
 
 
 class LeadershipError(Exception):
@@ -157,28 +173,31 @@ def read_leader(session: Session, *, share: bool = False) -> LeaderInfo | None:
     if share:
         stmt = stmt.with_for_update(read=True)  # FOR SHARE on PostgreSQL; SQLite has one writer anyway
     row = session.scalars(stmt).one_or_none()
-    return None if row is None else LeaderInfo(row.epoch, row.holder, row.since)
+    return None if row is None else LeaderInfo(row.epoch, row.holder, row.since, row.mode)
 
 
-def claim(session: Session, holder: str, now: float, lease_s: float) -> tuple[LeaderInfo | None, LeaderInfo]:
-    """Take the next epoch for ``holder``: ``(the previous leader, the new one)``. Call it first in the
-    transaction; the caller must hold the leadership lock. The update's row lock waits for a tick that
-    holds the row's share lock to commit (at most the lease on PostgreSQL, then a ``StoreError``)."""
+def claim(
+    session: Session, holder: str, now: float, lease_s: float, mode: str | None = None
+) -> tuple[LeaderInfo | None, LeaderInfo]:
+    """Take the next epoch for ``holder``, leading in ``mode`` (which standbys serve): ``(the previous
+    leader, the new one)``. Call it first in the transaction; the caller must hold the leadership lock.
+    The update's row lock waits for a tick that holds the row's share lock to commit (at most the lease
+    on PostgreSQL, then a ``StoreError``)."""
     _timeouts(session, lease_s, "lock_timeout")
     before = read_leader(session)
     stmt = (
         update(ControllerLeader)
         .where(ControllerLeader.id == LEADER_ROW)
-        .values(epoch=ControllerLeader.epoch + 1, holder=holder, since=now)
+        .values(epoch=ControllerLeader.epoch + 1, holder=holder, since=now, mode=mode)
         .returning(ControllerLeader.epoch)
         .execution_options(synchronize_session=False)
     )
     epoch = session.scalars(stmt).one_or_none()
     if epoch is None:  # a store built without the migration's row
-        session.add(ControllerLeader(id=LEADER_ROW, epoch=1, holder=holder, since=now))
+        session.add(ControllerLeader(id=LEADER_ROW, epoch=1, holder=holder, since=now, mode=mode))
         session.flush()
         epoch = 1
-    return before, LeaderInfo(int(epoch), holder, now)
+    return before, LeaderInfo(int(epoch), holder, now, mode)
 
 
 def fence(session: Session, mine: int, lease_s: float) -> LeaderInfo:
@@ -231,14 +250,30 @@ class SoleLeader:
         return None
 
 
+def lock_path_for(database: Path) -> Path:
+    """The controller lock of a SQLite database file: ``.pdscope-controller-<device>-<inode>.lock`` in
+    the directory of the file ``database`` resolves to (symlinks followed), created empty first when
+    it does not exist (SQLite takes an empty file as an empty database). Every path to one file, hard
+    links in that directory included, gives one lock. Raises :class:`LeadershipError` when the file
+    cannot be created or read."""
+    real = database.resolve()
+    try:
+        os.close(os.open(real, os.O_RDWR | os.O_CREAT, 0o644))
+        st = os.stat(real)
+    except OSError as exc:
+        raise LeadershipError(f"cannot open the store file {real}: {exc.strerror}") from exc
+    return real.with_name(f".pdscope-controller-{st.st_dev}-{st.st_ino}.lock")
+
+
 class FileLock:
-    """SQLite's one controller: an exclusive ``flock`` on ``<database>.controller.lock``, taken at
-    construction, or :class:`AlreadyRunning` naming the pid that holds it."""
+    """SQLite's one controller: an exclusive ``flock`` on the database file's lock
+    (:func:`lock_path_for`), taken at construction, or :class:`AlreadyRunning` naming the pid that
+    holds it."""
 
     def __init__(self, database: Path, holder: str) -> None:
         self.holder = holder
         self.database = database
-        self.path = database.with_name(database.name + ".controller.lock")
+        self.path = lock_path_for(database)
         self._fh: IO[str] | None = None
         self._lock()
 
@@ -262,7 +297,7 @@ class FileLock:
             ) from None
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()}, {self.holder}\n")
+        fh.write(f"pid {os.getpid()}, {self.holder}, on {self.database}\n")
         fh.flush()
         self._fh = fh
 
@@ -369,5 +404,5 @@ def open_leadership(url: str, holder: str, lease_s: float) -> Leadership:
         or parsed.query.get("mode") == "memory"
     )
     if backend == "sqlite" and not in_memory:
-        return FileLock(Path(database).resolve(), holder)
+        return FileLock(Path(database), holder)
     return SoleLeader(holder)

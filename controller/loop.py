@@ -8,8 +8,10 @@ carried state stay as they were, and the next tick starts fresh from the store.
 
 :meth:`Reconciler.refresh` recomposes the table from the current policy output and the
 overrides now in the store, without advancing the policy: the API calls it after a
-mutation so an override is served at once. Both hold one lock; reads of the served
-values take a consistent snapshot (:meth:`Reconciler.view`).
+mutation so an override is served at once. The next tick starts from that table, so its
+record keeps the refreshes since the tick before (:mod:`controller.policy.refresh`) for a
+replay to re-derive. Both hold one lock; reads of the served values take a consistent
+snapshot (:meth:`Reconciler.view`).
 
 Leadership (:mod:`controller.leader`): only the leader ticks. Every interval :meth:`Reconciler.step`
 keeps or seeks the lock; the first tick after taking it claims the next leader epoch in the store
@@ -73,6 +75,7 @@ from controller.policy import (
     default_rules,
 )
 from controller.policy.reasons import Reason
+from controller.policy.refresh import Between, Refresh, recompose
 from controller.shadow import Shadow, shadow_config
 from controller.ticklog import record_tick
 from pdscope.config import Settings
@@ -157,6 +160,7 @@ class Reconciler:
         self._last: TickOutput | None = None
         self._obs: Observation | None = None
         self._served: dict[str, ServedInstance] = {}
+        self._between = Between()  # the refreshes since the last committed tick, for its record
         self._loaded = False
         self.policy = self.cfg.fingerprint()  # recorded in the store when it is first read
         shadow = shadow_config(self.cfg, settings.controller.shadow)  # raises ConfigError naming the field
@@ -166,6 +170,7 @@ class Reconciler:
         self._leading = self.leadership.held()  # no I/O: a PostgreSQL lock is only tried by step()
         self._epoch: int | None = None  # claimed by the first tick after taking the lock
         self._leader: LeaderInfo | None = None
+        self._mode_warned: int | None = None  # the leader epoch whose other mode was last warned about
         self._table = self._initial_table(0)
 
     def _initial_table(self, version: int) -> RoutingTable:
@@ -184,6 +189,7 @@ class Reconciler:
         floor = self._table.version + 1 if self._table.version > 0 else 0
         self._table = self._initial_table(max(version, floor))
         self._state = replace(state, table=self._table)
+        self._between = Between()  # a replay takes a restart's first tick as recorded
         self._loaded = True
         if self.shadow is not None:
             self.shadow.restart()
@@ -230,7 +236,7 @@ class Reconciler:
         """Claim the next epoch (waiting for the previous leader's tick in flight to commit) and reload
         the carried state as it stands after that commit."""
         with transaction(self.factory) as session:
-            before, mine = claim(session, self.leadership.holder, self.clock(), self.lease_s)
+            before, mine = claim(session, self.leadership.holder, self.clock(), self.lease_s, self.mode)
             self._load(session)
         self._epoch, self._leader = mine.epoch, mine
         self._stats.takeovers += 1
@@ -257,9 +263,10 @@ class Reconciler:
             rows = persist_tick(session, out, self._served, ids, self._state, self.policy, epoch=epoch)
             if self.settings.controller.record_ticks:
                 self._stats.tick_record_bytes = record_tick(
-                    session, inp, self._served, self.alert_config, out, self.policy, epoch
+                    session, inp, self._served, self.alert_config, out, self.policy, epoch, self._between
                 )
         # committed: now serve it
+        self._between = Between()
         self._alert_ids = ids
         self._state = out.state
         self._last = out
@@ -301,11 +308,9 @@ class Reconciler:
                 if not self._loaded:
                     self._load(session)
                 overrides = load_overrides(session, now)
-            reasons = {d.instance: d.reason for d in self._last.weights} if self._last else {}
-            limit_reasons = {d.pool: d.reason for d in self._last.pools} if self._last else {}
-            table, served, _ = compose(
-                self._state, overrides, self.instances, self.pools, self.mode, now, reasons, limit_reasons
-            )
+            refresh = Refresh(now, overrides)
+            table, served = recompose(self._state, self._last, refresh, self.instances, self.pools, self.mode)
+            self._between = self._between.add(refresh)  # the next tick's record: a replay re-derives it
             self._table = _stamped(table, self._epoch)
             self._served = served
             self._state = replace(self._state, table=table)
@@ -401,7 +406,7 @@ class Reconciler:
             overrides,
             self.instances,
             self.pools,
-            self.mode,
+            self._leaders_mode(leader),
             now,
             {},
             limit_reasons,
@@ -415,6 +420,24 @@ class Reconciler:
         self._stats.last_ok = now
         self._stats.last_error = None
         return self._table
+
+    def _leaders_mode(self, leader: LeaderInfo | None) -> Literal["advisory", "enforce"]:
+        """The mode a standby serves: the leader's as stored (its own when the store names none), with
+        one WARNING per leader epoch whose mode differs from this controller's configured one."""
+        mode = leader.mode if leader is not None else None
+        if mode not in ("advisory", "enforce"):
+            return self.mode
+        if mode != self.mode and leader is not None and self._mode_warned != leader.epoch:
+            self._mode_warned = leader.epoch
+            log.warning(
+                "standby: configured mode %s differs from the leader's (%s, epoch %s, %s): serving the "
+                "leader's mode; make controller.mode the same on every replica",
+                self.mode,
+                mode,
+                leader.epoch,
+                leader.holder,
+            )
+        return "enforce" if mode == "enforce" else "advisory"
 
     # -- reads ------------------------------------------------------------------------
 

@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.leader import mode_warning
 from controller.loop import Reconciler
 from controller.notify import Notifier
-from controller.proxies import OUTCOMES, ProxyRegistry
+from controller.proxies import CLAIMS, OUTCOMES, ProxyRegistry
 from controller.regret import FlapTally
 
 
@@ -95,6 +96,11 @@ class ControllerCollector(Collector):
             "pdscope_controller_epoch",
             "The leader epoch: this controller's as leader, the store's leader's as standby (0: none yet).",
             value=v.epoch or 0,
+        )
+        yield GaugeMetricFamily(
+            "pdscope_controller_mode_mismatch",
+            "1 while this standby's configured mode differs from the leader's (it serves the leader's).",
+            value=0.0 if mode_warning(v.role, self.reconciler.mode, v.leader) is None else 1.0,
         )
         yield CounterMetricFamily(
             "pdscope_controller_takeovers", "Times this controller took over as leader.", value=v.takeovers
@@ -227,13 +233,25 @@ class ProxiesCollector(Collector):
         polls = CounterMetricFamily(
             "pdscope_controller_proxy_polls",
             "Routing polls with a proxy report, by outcome (ok, new, restarted, bad_report, "
-            "duplicate_id: refused, another process holds the id; store_error: served without a share).",
+            "unauthenticated: 401, wrong_id: 403, the credential is another id's; duplicate_id: the table "
+            "without a part, another live process holds the id; over_limit: no seat for a new id; "
+            "store_error: served without a share).",
             labels=["outcome"],
         )
         counts = dict(self.proxies.polls)
         for outcome in OUTCOMES:
             polls.add_metric([outcome], float(counts.get(outcome, 0)))
         yield polls
+        clipped = CounterMetricFamily(
+            "pdscope_controller_proxy_claims_clipped",
+            "Pools of proxy reports whose claim was clipped to what the controller can grant, by kind "
+            "(inflight: past the part last granted plus a margin; demand: growth past the rate bound).",
+            labels=["kind"],
+        )
+        held = dict(self.proxies.clipped)
+        for kind in CLAIMS:
+            clipped.add_metric([kind], float(held.get(kind, 0)))
+        yield clipped
         yield GaugeMetricFamily(
             "pdscope_controller_live_proxies",
             "Live proxies the pools' limits were split among at the last poll this replica answered.",

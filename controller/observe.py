@@ -30,6 +30,7 @@ from controller.policy.signals import InstanceSignals, Observation, PairSignals,
 from pdscope.config import Settings
 from pdscope.stats import counter_increase
 from store import queries as q
+from store.attribution import trusted_records
 from store.models import RequestRecord, Snapshot
 
 
@@ -87,24 +88,30 @@ def _failed_attempts(session: Session, since: float, until: float, only: q.Recor
 
 def _lease_suspects(
     session: Session, since: float, until: float, lookback_s: float, only: q.RecordFilter
-) -> Iterable[tuple[object, float | None, object]]:
-    """``(d_instance, ended at, attributed expiries)`` of the lease-expiry suspects that may count now."""
+) -> Iterable[tuple[object, float | None, object, bool]]:
+    """``(d_instance, ended at, attributed expiries, refused as the client's error)`` of the lease-expiry
+    suspects that may count now."""
     stmt = select(
-        RequestRecord.d_instance, RequestRecord.done, RequestRecord.proxy_in, RequestRecord.attributes
+        RequestRecord.d_instance,
+        RequestRecord.done,
+        RequestRecord.proxy_in,
+        RequestRecord.attributes,
+        RequestRecord.status,
+        RequestRecord.http_status,
     ).where(
         RequestRecord.proxy_in >= since - lookback_s,
         RequestRecord.proxy_in <= until,
         RequestRecord.lease_expiry_suspect.is_(True),
     )
-    for d_inst, done, t_in, attrs in session.execute(only.apply(stmt)):
+    for d_inst, done, t_in, attrs, status, http in session.execute(only.apply(stmt)):
         at = done if isinstance(done, float) else t_in if isinstance(t_in, float) else None
-        yield d_inst, at, attrs.get("lease_expiry") if isinstance(attrs, dict) else None
+        invalid = q.is_client_error(status, http)
+        yield d_inst, at, attrs.get("lease_expiry") if isinstance(attrs, dict) else None, invalid
 
 
 def trusted_filter(settings: Settings) -> q.RecordFilter:
     """The records the controller believes (``controller.trusted_span_senders``)."""
-    senders = settings.controller.trusted_span_senders
-    return q.RecordFilter(None if senders is None else frozenset(senders))
+    return trusted_records(settings.controller.trusted_span_senders)
 
 
 def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter) -> SLOFigures:
@@ -159,10 +166,11 @@ def observe(
             ),
         )
     tally.charge_failed_attempts(_failed_attempts(session, since, now, charged))
-    for d_inst, ended, entries in _lease_suspects(
-        session, since, now, cfg.lease_lookback * cfg.kv_lease_s, charged
+    # Every trusted suspect: one D refused as the client's error explains its P's expiry, charging nobody.
+    for d_inst, ended, entries, invalid in _lease_suspects(
+        session, since, now, cfg.lease_lookback * cfg.kv_lease_s, trusted
     ):
-        tally.charge_lease_expiries(d_inst, ended, entries, since, now)
+        tally.charge_lease_expiries(d_inst, ended, entries, since, now, invalid)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
     by_d, by_p, pairs = hand["d_instance"], hand["p_instance"], hand["pair"]
 

@@ -4,21 +4,29 @@ Every routing poll that says who it is (:class:`pdscope.routing.ProxyReport`) is
 here, by whichever controller replica it reaches: the leader and the standbys write the same
 table, so a proxy may poll any of them and the parts stay consistent. One transaction per
 poll, and one poll at a time (a PostgreSQL advisory lock across replicas): the proxy's row is
-read, its demand rates smoothed, the live peers read, the part granted within the room the
-others leave (``controller.policy.shares``), and the row written back with it.
+read, its claims bounded (``controller.proxy_claims``), its demand rates smoothed, the live
+peers read, the part granted within the room the others leave (``controller.policy.shares``),
+and the row written back with it.
 
-A poll under an id whose row holds another process (``boot``): a process started later
-takes the id over (a restart); one started earlier while the later one is still live is a
-duplicate and is refused (:class:`DuplicateProxy`, a 409): two processes under one id would
-each get that id's part and together admit twice it.
+Who may claim: the endpoint checks the poll's credentials for the id first
+(``controller.proxy_auth``). Which ids count: at most ``controller.max_proxies`` live ones, and
+with no proxy credentials configured at most ``proxy.expected_replicas`` (anyone who reaches the
+controller could make ids up); a new id past the seats gets the table without a part
+(``over_limit``), so made-up ids never dilute the parts of the proxies already counted.
 
-Rows of proxies not seen for an hour are deleted, at most once a minute.
+One id, two processes (``boot``): the one that holds the row keeps it while it polls; the other
+gets the table (weights, drains) but no part, and a flag saying why (``duplicate_id``), until the
+holder has been silent for ``controller.proxy_ttl_s`` -- then it takes the id over (a restart).
+A poll is never refused its table for this: a process that squats an id cannot freeze the real
+one on an old table, nor take its part; two live processes never get one id's part twice.
+
+Refusals are counted by outcome and logged once per episode. Rows of proxies not seen for an
+hour are deleted, at most once a minute.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -31,6 +39,8 @@ from sqlalchemy import delete, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller.policy.shares import apportion, prior_rate, smoothed_rate, split, within_room
+from controller.proxy_auth import EpisodeLog, ProxyCredentials, Refusal
+from controller.proxy_claims import clip_demand, clip_inflight, inflight_cap, unshared_part
 from pdscope.config import Settings
 from pdscope.routing import PoolShare, ProxyReport, ProxyShare, RoutingTable
 from store.db import transaction
@@ -46,10 +56,12 @@ OUTCOMES = (
     "restarted",
     "bad_report",
     "unauthenticated",
+    "wrong_id",
     "duplicate_id",
     "over_limit",
     "store_error",
 )
+CLAIMS = ("inflight", "demand")  # what a report's claims may be clipped in
 
 
 # pg_advisory_xact_lock(int4, int4): a class of its own (the collector's trace locks and the
@@ -65,15 +77,13 @@ def _serialise(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:cls, 0)"), {"cls": POLL_LOCK_CLASS})
 
 
-class DuplicateProxy(Exception):
-    """Another, later-started process polls under this id and is live."""
+@dataclass(frozen=True, slots=True)
+class PollAnswer:
+    """What a report earns: its part, or why it gets none (``withheld``, sent to the proxy).
+    Both None: a poll the store could not answer (the endpoint's concern)."""
 
-    def __init__(self, proxy_id: str, other_started: float, other_seen_s: float) -> None:
-        self.detail = (
-            f"proxy id {proxy_id!r} is in use by another process (started at {other_started:.0f}, "
-            f"last poll {other_seen_s:.1f} s ago): give every proxy process its own proxy.id"
-        )
-        super().__init__(self.detail)
+    share: ProxyShare | None
+    withheld: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,22 +142,28 @@ class ProxyRegistry:
         *,
         me: str,
         tokens: Mapping[str, str] | None = None,
+        secret: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.factory = factory
-        self.tokens = dict(tokens or {})  # token -> identity; empty: reports are not authenticated
+        cs = settings.controller
+        # token -> name; secret: the fleet's proxy secret. Neither: reports are not authenticated
+        self.credentials = ProxyCredentials(
+            tokens, secret, tokens_env=cs.proxy_tokens_env, secret_env=cs.proxy_secret_env
+        )
         self.settings = settings
         self.me = me[:256]
         self.clock = clock
-        cs = settings.controller
         self.ttl_s, self.floor, self.window_s = cs.proxy_ttl_s, cs.proxy_share_floor, cs.proxy_share_window_s
-        self.max_proxies = cs.max_proxies
-        self.tokens_env = cs.proxy_tokens_env
+        self.expected = settings.proxy.expected_replicas
+        # the seats: with credentials, ids are bound to their holders; without, anyone can make one up
+        self.max_proxies = cs.max_proxies if self.credentials.required else min(cs.max_proxies, self.expected)
         self.polls: Counter[str] = Counter()
+        self.clipped: Counter[str] = Counter()  # report claims clipped, by kind (CLAIMS)
         self.live = 0  # live proxies at the last poll this replica answered
         self.departed = 0  # proxies that left the live set (no poll within the ttl), seen here
         self._live_ids: set[str] = set()
-        self._over_limit_warned = False
+        self._episodes = EpisodeLog(log, self.ttl_s, clock)
         self._poll_lock = threading.Lock()  # one poll at a time in this process (SQLite, and fewer waits)
         self._lock = threading.Lock()
         self._pruned = 0.0
@@ -158,27 +174,32 @@ class ProxyRegistry:
 
     # -- a poll -------------------------------------------------------------------------
 
-    def authenticate(self, authorization: str | None) -> str | None:
-        """Why a report's credentials are refused, or None when they pass (or none are required)."""
-        if not self.tokens:
-            return None
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() == "bearer" and token:
-            for known in self.tokens:
-                if hmac.compare_digest(known.encode(), token.strip().encode()):
-                    return None
-        self.count("unauthenticated")
-        return (
-            f"a routing poll that reports a proxy needs Authorization: Bearer <a token of "
-            f"${self.tokens_env}> (set proxy.controller_token_env's variable on the proxy)"
-        )
+    def authenticate(self, authorization: str | None, proxy_id: str) -> Refusal | None:
+        """Why a report under ``proxy_id`` is refused for its credentials (counted, logged once per
+        episode), or None when they pass (or none are required)."""
+        refusal = self.credentials.check(authorization, proxy_id)
+        if refusal is not None:
+            self.count(refusal.outcome)
+            self._episodes.note(
+                refusal.outcome,
+                logging.WARNING,
+                "routing report of proxy %s refused (%s, HTTP %d): %s (logged once while it goes on; "
+                "counted as %s)",
+                proxy_id,
+                refusal.outcome,
+                refusal.status,
+                refusal.detail,
+                refusal.outcome,
+            )
+        return refusal
 
-    def poll(self, report: ProxyReport, table: RoutingTable) -> ProxyShare | None:
-        """Record ``report`` and return the proxy's part (None: a new id past ``max_proxies``, not
-        recorded). Raises DuplicateProxy, StoreError."""
+    def poll(self, report: ProxyReport, table: RoutingTable) -> PollAnswer:
+        """Record ``report`` and return the proxy's part, or why it gets none: a new id past the
+        seats (not recorded), or an id another live process holds (that one's row untouched).
+        Raises StoreError."""
         now = self.clock()
         pools = pool_totals(table, self.settings)
-        share: ProxyShare | None = None
+        answer: PollAnswer | None = None
         live_ids: dict[str, float] = {}
         with self._poll_lock, transaction(self.factory) as session:
             _serialise(session)  # the parts are granted one poll at a time, on every replica
@@ -188,8 +209,7 @@ class ProxyRegistry:
             outcome = self._check_identity(row, report, now)
             if row is not None and outcome == "duplicate_id":
                 row.duplicates += 1  # committed: GET /v1/proxies shows the refusals
-                refused = DuplicateProxy(report.id, row.started, now - row.last_seen)
-                other = (row.boot, row.started)
+                answer = self._withhold(row, report, now)
             else:
                 peers = [
                     p
@@ -200,27 +220,52 @@ class ProxyRegistry:
                 ]
                 if row is None and len(peers) >= self.max_proxies:
                     outcome = "over_limit"
+                    answer = self._over_limit(report.id)
                 else:
-                    share = self._record(session, row, report, peers, now, pools, outcome)
+                    answer = PollAnswer(self._record(session, row, report, peers, now, pools, outcome))
                     live_ids = {p.id: p.last_seen for p in peers}
         self.count(outcome)
-        if outcome == "over_limit":
-            self._warn_over_limit(report.id)
-            return None
-        if share is None:
-            log.warning(
-                "proxy id %r polled by two processes (boot %s started %.0f, and boot %s started %.0f): "
-                "refusing the earlier one",
-                report.id,
-                report.boot,
-                report.started,
-                *other,
-            )
-            raise refused
-        self._note_live({report.id, *live_ids}, now)
-        if outcome != "ok":
-            log.info("proxy %s: %s (%d live)", report.id, outcome, share.live)
-        return share
+        if answer.share is not None:
+            self._note_live({report.id, *live_ids}, now)
+            if outcome != "ok":
+                log.info("proxy %s: %s (%d live)", report.id, outcome, answer.share.live)
+        return answer
+
+    def _withhold(self, row: ProxyMember, report: ProxyReport, now: float) -> PollAnswer:
+        """Another live process holds ``report.id``: the table, no part, and why."""
+        detail = (
+            f"proxy id {report.id!r} is held by another live process (boot {row.boot}, started at "
+            f"{row.started:.0f}, last poll {now - row.last_seen:.1f} s ago): this process gets the table "
+            f"but no part until that one has been silent for {self.ttl_s:g} s "
+            "(give every proxy process its own proxy.id)"
+        )
+        self._episodes.note(
+            f"duplicate_id:{report.id}",
+            logging.WARNING,
+            "proxy id %r polled by two processes (holder boot %s; boot %s started %.0f gets no part; "
+            "logged once while it goes on, counted as duplicate_id)",
+            report.id,
+            row.boot,
+            report.boot,
+            report.started,
+        )
+        return PollAnswer(None, detail)
+
+    def _over_limit(self, pid: str) -> PollAnswer:
+        self._episodes.note(
+            "over_limit",
+            logging.WARNING,
+            "proxy %s is a new proxy past the %d seat(s) (controller.max_proxies%s): it gets no part and "
+            "admits limit / proxy.expected_replicas (logged once while it goes on; counted as over_limit)",
+            pid,
+            self.max_proxies,
+            "" if self.credentials.required else ", and proxy.expected_replicas without proxy credentials",
+        )
+        return PollAnswer(
+            None,
+            f"no seat for a new proxy id: {self.max_proxies} live proxies are counted already "
+            "(controller.max_proxies; without proxy credentials, proxy.expected_replicas)",
+        )
 
     def _record(
         self,
@@ -232,27 +277,55 @@ class ProxyRegistry:
         pools: Mapping[str, tuple[int, int]],
         outcome: str,
     ) -> ProxyShare:
-        rates = self._smooth(row, report, peers, now, pools)
+        inflight, demand = self._claims(row, report, now, pools)
+        rates = self._smooth(row, report, demand, peers, now, pools)
         live_rates = {p.id: _rates(p) for p in peers}
         live_rates[report.id] = rates
         share = self._share(report.id, live_rates, pools, peers)
-        self._write(session, row, report, now, rates, share, restarted=outcome == "restarted")
+        claims = (inflight, demand)
+        self._write(session, row, report, now, rates, share, claims, restarted=outcome == "restarted")
         if now - self._pruned > PRUNE_EVERY_S:
             self._pruned = now
             session.execute(delete(ProxyMember).where(ProxyMember.last_seen < now - FORGET_AFTER_S))
         return share
 
-    def _warn_over_limit(self, pid: str) -> None:
-        with self._lock:
-            first = not self._over_limit_warned
-            self._over_limit_warned = True
-        if first:
-            log.warning(
-                "proxy %s is a new proxy past controller.max_proxies (%d live): it gets no part and "
-                "admits limit / proxy.expected_replicas (logged once; counted as over_limit)",
-                pid,
-                self.max_proxies,
+    def _claims(
+        self, row: ProxyMember | None, report: ProxyReport, now: float, pools: Mapping[str, tuple[int, int]]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The report's in-flight and demand figures within what the controller can check."""
+        served = {} if row is None else _pools(row.served)
+        held = {} if row is None else _ints(row.inflight)
+        caps = {}
+        for pool, (max_req, _) in pools.items():
+            part = served.get(pool)
+            last = _int(part.get("max_inflight_requests")) if isinstance(part, dict) else None
+            caps[pool] = inflight_cap(last, held.get(pool, 0), unshared_part(max_req, self.expected))
+        inflight, n_inflight = clip_inflight(report.inflight, caps)
+        same = row is not None and row.boot == report.boot
+        totals = _ints(row.demand) if row is not None and same else {}
+        dt = 0.0 if row is None else now - row.last_seen
+        demand = {
+            pool: clip_demand(n, totals.get(pool), dt, pools[pool][0])
+            for pool, n in report.demand.items()
+            if pool in pools
+        }
+        n_demand = sum(demand[p] < report.demand[p] for p in demand)
+        if n_inflight or n_demand:
+            with self._lock:
+                self.clipped["inflight"] += n_inflight
+                self.clipped["demand"] += n_demand
+            self._episodes.note(
+                f"clipped:{report.id}",
+                logging.WARNING,
+                "proxy %s reported more than the controller can grant it (in flight %s, demand %s): "
+                "clipped to %s and %s (logged once while it goes on)",
+                report.id,
+                dict(report.inflight),
+                dict(report.demand),
+                inflight,
+                demand,
             )
+        return inflight, demand
 
     def _note_live(self, live: set[str], now: float) -> None:
         """Log and count the proxies that left the live set since this replica's last poll."""
@@ -271,11 +344,13 @@ class ProxyRegistry:
             )
 
     def _check_identity(self, row: ProxyMember | None, report: ProxyReport, now: float) -> str:
+        """new, ok (the holder), duplicate_id (another process while the holder is live) or
+        restarted (the holder has been silent for the ttl: this process takes the id over)."""
         if row is None:
             return "new"
         if row.boot == report.boot:
             return "ok"
-        if report.started < row.started and now - row.last_seen < self.ttl_s:
+        if now - row.last_seen < self.ttl_s:
             return "duplicate_id"
         return "restarted"
 
@@ -283,6 +358,7 @@ class ProxyRegistry:
         self,
         row: ProxyMember | None,
         report: ProxyReport,
+        demand: Mapping[str, int],
         peers: list[ProxyMember],
         now: float,
         pools: Mapping[str, tuple[int, int]],
@@ -294,7 +370,7 @@ class ProxyRegistry:
             prev = old.get(pool)
             if prev is None:
                 prev = prior_rate([r for p in peers if (r := _rates(p).get(pool)) is not None])
-            total = report.demand.get(pool, 0)
+            total = demand.get(pool, 0)
             out[pool] = smoothed_rate(
                 prev, totals.get(pool), None if row is None else row.last_seen, total, now, self.window_s
             )
@@ -333,6 +409,7 @@ class ProxyRegistry:
         now: float,
         rates: dict[str, float],
         share: ProxyShare,
+        claims: tuple[dict[str, int], dict[str, int]],
         *,
         restarted: bool,
     ) -> None:
@@ -341,9 +418,8 @@ class ProxyRegistry:
             session.add(row)
         row.boot, row.started, row.last_seen, row.served_by = report.boot, report.started, now, self.me
         row.applied_version = report.applied
-        row.demand = dict(report.demand)
+        row.inflight, row.demand = claims  # as clipped: what the next poll's bounds start from
         row.rates = {k: round(v, 6) for k, v in rates.items()}
-        row.inflight = dict(report.inflight)
         row.served = {k: v.model_dump() for k, v in share.pools.items()}
         if restarted:
             row.first_seen = now

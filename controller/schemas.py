@@ -2,8 +2,9 @@
 
 Request bodies forbid unknown fields and non-finite numbers, so a typo is a 422 that
 names the field instead of a silently ignored setting. Types are strict: a number must be a
-JSON number (not ``"0.5"``, not ``true``), and a reason must have visible text (surrounding
-whitespace is dropped) without control characters, at most 500 characters.
+JSON number (not ``"0.5"``, not ``true``), and a reason (NFC-normalised, surrounding whitespace
+dropped, at most 500 characters) must have visible text, without control or bidi override
+characters (:func:`pdscope.text.check_reason`).
 """
 
 from __future__ import annotations
@@ -13,21 +14,16 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from controller.policy import Override
+from pdscope.text import check_reason
 
 MAX_TTL_S = 7 * 86400.0
 MAX_REASON_CHARS = 500
 
 
-def _no_control(text: str) -> str:
-    if any((ord(c) < 0x20 and c not in "\t\n") or 0x7F <= ord(c) < 0xA0 for c in text):
-        raise ValueError("control characters are not allowed")
-    return text
-
-
 Reason = Annotated[
     str,
     StringConstraints(strict=True, strip_whitespace=True, min_length=1, max_length=MAX_REASON_CHARS),
-    AfterValidator(_no_control),
+    AfterValidator(check_reason),
     Field(description="why; stored in the audit trail"),
 ]
 
@@ -217,6 +213,9 @@ class LeaderOut(BaseModel):
     epoch: int = Field(description="bumped on each takeover")
     since: float = Field(description="when it took over (Unix seconds)")
     url: str | None = Field(default=None, description="its API address (controller.advertise_url)")
+    mode: Literal["advisory", "enforce"] | None = Field(
+        default=None, description="the mode it leads in, which standbys serve (null: not stored)"
+    )
 
 
 class NotLeaderOut(BaseModel):
@@ -268,6 +267,11 @@ class HealthOut(BaseModel):
         "by (null: none yet)"
     )
     leader: LeaderOut | None = Field(description="the store's leader as this controller last read it")
+    mode_warning: str | None = Field(
+        default=None,
+        description="a standby whose configured mode differs from the leader's says so here (it serves "
+        "the leader's); null otherwise",
+    )
     bundles: BundlesHealthOut | None = Field(
         default=None, description="the incident-bundle writer's counters"
     )

@@ -8,6 +8,8 @@ decode into this pdscope's types.
 
 The payload is JSON (:mod:`controller.policy.codec`, exact for floats; fields at their defaults left
 out) compressed with zlib (``bench/controller_cost.py`` measures its size and cost by fleet size).
+It keeps the tables the controller recomposed after operator changes since the tick before
+(:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sqlalchemy.orm import Session
 from controller.policy import AlertConfig, PolicyConfig, ServedInstance, TickInput, TickOutput
 from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
+from controller.policy.refresh import NOTHING_BETWEEN, Between
 from controller.policy.replay import RecordedTick, StoredChange
 from store.models import Decision, PolicyConfigRow, TickRecord
 
@@ -37,12 +40,18 @@ class TickLogError(ValueError):
 
 
 def encode(
-    inp: TickInput, prev_served: Mapping[str, ServedInstance], ac: AlertConfig, out: TickOutput
+    inp: TickInput,
+    prev_served: Mapping[str, ServedInstance],
+    ac: AlertConfig,
+    out: TickOutput,
+    between: Between = NOTHING_BETWEEN,
 ) -> bytes:
     """The record's payload. The observation's P×D pairs are left out: the policy reads none of them
     (they are most of an observation's size, growing as P×D), and a replay under the stored config
     checks that the decisions still come out without them. The state after the tick is kept as its
-    digest: a replay re-derives it and compares."""
+    digest: a replay re-derives it and compares. ``between``: the tables recomposed since the tick
+    before (operator changes served at once), which the tick's state and served weights start from;
+    left out when there were none (a record without it reads as none)."""
     obs = dataclasses.replace(inp.obs, pairs=())
     doc = {
         "input": dump(dataclasses.replace(inp, obs=obs), compact=True),
@@ -50,14 +59,33 @@ def encode(
         "alerts": dump(ac),
         "after": digest(out.state),
     }
+    if between != NOTHING_BETWEEN:
+        doc["between"] = dump(between, compact=True)
     return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
+
+
+def _doc(payload: bytes) -> dict[str, object]:
+    doc = json.loads(zlib.decompress(payload))
+    if not isinstance(doc, dict):
+        raise ValueError("not an object")
+    return doc
+
+
+def decode_between(payload: bytes) -> Between:
+    """The refreshes :func:`encode` kept (none when it kept none); raises as :func:`decode_payload`."""
+    return _between(_doc(payload))
+
+
+def _between(doc: Mapping[str, object]) -> Between:
+    return load(Between, doc["between"]) if "between" in doc else NOTHING_BETWEEN
 
 
 def decode_payload(payload: bytes) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, str]:
     """What :func:`encode` wrote, typed; raises ``zlib.error``, ``ValueError`` or ``CodecError``."""
-    doc = json.loads(zlib.decompress(payload))
-    if not isinstance(doc, dict):
-        raise ValueError("not an object")
+    return _fields(_doc(payload))
+
+
+def _fields(doc: Mapping[str, object]) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, str]:
     after = doc.get("after")
     if not isinstance(after, str):
         raise CodecError("after", "expected the digest of the state after the tick")
@@ -77,9 +105,10 @@ def record_tick(
     out: TickOutput,
     policy: str,
     epoch: int | None,
+    between: Between = NOTHING_BETWEEN,
 ) -> int:
     """Store one tick's record; the payload's size in bytes."""
-    payload = encode(inp, prev_served, ac, out)
+    payload = encode(inp, prev_served, ac, out, between)
     session.add(
         TickRecord(
             ts=out.table.generated_at,
@@ -120,13 +149,24 @@ def _tick(row: TickRecord, stored: Sequence[StoredChange]) -> RecordedTick:
             f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads {FORMAT}/{CODEC}"
         )
     try:
-        inp, prev_served, alerts, after = decode_payload(row.payload)
+        doc = _doc(row.payload)
+        inp, prev_served, alerts, after = _fields(doc)
+        between = _between(doc)
     except (zlib.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TickLogError(f"{_where(row)} is corrupt: {exc}") from None
     except ValueError as exc:  # CodecError included, and AlertConfig's unknown rule names
         raise TickLogError(f"{_where(row)} does not fit this pdscope's types: {exc}") from None
     return RecordedTick(
-        row.ts, row.tick, row.leader_epoch, row.policy, inp, prev_served, alerts, after, tuple(stored)
+        row.ts,
+        row.tick,
+        row.leader_epoch,
+        row.policy,
+        inp,
+        prev_served,
+        alerts,
+        after,
+        tuple(stored),
+        between,
     )
 
 

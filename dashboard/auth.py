@@ -16,7 +16,6 @@ session's state (server memory), never in the URL or the store.
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import streamlit as st
 
 from dashboard.api import ControllerClient, ControllerError
 from pdscope.config import Settings
+from pdscope.text import clean_name
 
 _LOGIN_KEY = "_pdscope_login"
 MAX_IDENTITY_CHARS = 64
@@ -43,11 +43,11 @@ class Identity:
 
 
 def clean_identity(raw: str | None) -> str | None:
-    """An identity from a header: NFC, printable characters only, at most 64 characters."""
+    """An identity from a header: NFC, printable characters only, at most 64 characters; None when
+    nothing visible is left (:func:`pdscope.text.clean_name`, the controller's X-Actor rule)."""
     if raw is None:
         return None
-    text = "".join(ch for ch in unicodedata.normalize("NFC", raw) if ch.isprintable()).strip()
-    return text[:MAX_IDENTITY_CHARS] or None
+    return clean_name(raw, MAX_IDENTITY_CHARS)
 
 
 def request_headers() -> Mapping[str, str]:

@@ -18,6 +18,7 @@ from dashboard.context import engine_for
 from dashboard.queries import common, control, fleet, investigate, records
 from dashboard.queries import requests as rq
 from pdscope.config import SLOSettings
+from store.attribution import trusted_records
 
 CACHE_TTL_S = 5.0
 
@@ -75,12 +76,19 @@ def handoff(url: str, start: float, end: float, by: str) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def slo_summary(url: str, start: float, end: float, slo: SLOSettings | None = None) -> dict[str, Any] | None:
+def slo_summary(
+    url: str,
+    start: float,
+    end: float,
+    slo: SLOSettings | None = None,
+    senders: tuple[str, ...] | None = None,
+) -> dict[str, Any] | None:
     """The window's SLO headline (same definitions as ``store.queries.slo_summary``, computed
-    from bounded reads so a million-row window stays under a second); verdicts under ``slo``."""
+    from bounded reads so a million-row window stays under a second); verdicts under ``slo``; only
+    records from ``senders`` (``store.attribution.trusted_senders``; None: every record)."""
     width = common.Window(start, end).bucket_s(60)
-    sample, _ = request_sample(url, start, end, slo=slo)
-    return summaries.slo_figures(sample, slo_buckets(url, start, end, width, slo), end - start)
+    sample, _ = request_sample(url, start, end, slo=slo, senders=senders)
+    return summaries.slo_figures(sample, slo_buckets(url, start, end, width, slo, senders), end - start)
 
 
 # Above this many requests in a range, per-bucket counts are estimated from the sample.
@@ -89,23 +97,37 @@ EXACT_BUCKETS_MAX_ROWS = 250_000
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def slo_buckets(
-    url: str, start: float, end: float, width_s: float, slo: SLOSettings | None = None
+    url: str,
+    start: float,
+    end: float,
+    width_s: float,
+    slo: SLOSettings | None = None,
+    senders: tuple[str, ...] | None = None,
 ) -> pd.DataFrame:
     """Per-bucket request counts: exact, or scaled from the sample for very large ranges
-    (then every row has ``estimated`` True); verdicts under ``slo`` (None: as stored)."""
-    sample, step = request_sample(url, start, end, slo=slo)
+    (then every row has ``estimated`` True); verdicts under ``slo`` (None: as stored); only records
+    from ``senders`` (None: every record)."""
+    sample, step = request_sample(url, start, end, slo=slo, senders=senders)
     if step * len(sample) > EXACT_BUCKETS_MAX_ROWS:
         return summaries.buckets_from_sample(sample, step, start, width_s).assign(estimated=True)
-    return records.slo_buckets(engine_for(url), common.Window(start, end), width_s, slo).assign(
+    only = trusted_records(senders)
+    return records.slo_buckets(engine_for(url), common.Window(start, end), width_s, slo, only).assign(
         estimated=False
     )
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def request_sample(
-    url: str, start: float, end: float, max_rows: int = 20_000, slo: SLOSettings | None = None
+    url: str,
+    start: float,
+    end: float,
+    max_rows: int = 20_000,
+    slo: SLOSettings | None = None,
+    senders: tuple[str, ...] | None = None,
 ) -> tuple[pd.DataFrame, int]:
-    return records.sample(engine_for(url), common.Window(start, end), max_rows, slo)
+    """``records.sample`` of the window; only records from ``senders`` (None: every record)."""
+    window = common.Window(start, end)
+    return records.sample(engine_for(url), window, max_rows, slo, only=trusted_records(senders))
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)

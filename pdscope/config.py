@@ -449,7 +449,49 @@ class BundleSettings(_Frozen):
         return rules
 
 
-class ControllerSettings(_Frozen):
+class AuthThrottleSettings(_Frozen):
+    """How wrong bearer tokens from one client address are throttled (``pdscope.auththrottle``)."""
+
+    max_failures: int = Field(
+        default=20,
+        ge=1,
+        le=100_000,
+        description="wrong tokens one client address may send within window_s; past it, 429 "
+        "with Retry-After for block_s, its token not even compared",
+    )
+    window_s: float = Field(default=60.0, gt=0, le=86_400, description="the window max_failures counts in")
+    block_s: float = Field(default=300.0, gt=0, le=86_400, description="how long an address is refused")
+    max_sources: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="client addresses remembered; past it the least recently seen is forgotten",
+    )
+
+
+class _HTTPServerSettings(_Frozen):
+    """What a pdscope HTTP server (the controller's API, the collector's receiver) bounds per client."""
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="time a client has to send a request's headers (from its first byte, or from "
+        "connecting); then the connection is closed",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="open connections served at once; a request past it is answered 503",
+    )
+    auth_throttle: AuthThrottleSettings = Field(
+        default=AuthThrottleSettings(),
+        description="wrong bearer tokens from one client address: counted, logged once per window, throttled",
+    )
+
+
+class ControllerSettings(_HTTPServerSettings):
     host: str = Field(
         default="127.0.0.1",
         description="address the control API listens on; a non-loopback "
@@ -565,17 +607,26 @@ class ControllerSettings(_Frozen):
     proxy_tokens_env: str = Field(
         default="PDSCOPE_PROXY_TOKENS",
         min_length=1,
-        description="the NAME of an env variable holding name:token[,name:token...]: when it is set, a "
-        "routing poll that reports a proxy (and so claims a part of the limits) needs Authorization: "
-        "Bearer <one of them> (401 otherwise; a poll without a report stays open). Unset: any poll may "
-        "report, so keep the controller reachable by the proxies only",
+        description="the NAME of an env variable holding name:token[,name:token...]: a token speaks for "
+        "the proxy id equal to its name or beginning with <name>: or <name>/ (a report under another id: "
+        "403). With it or proxy_secret_env set, a routing poll that reports a proxy needs Authorization: "
+        "Bearer <its token> (401 otherwise; a poll without a report stays open). Neither set: any poll "
+        "may report, so keep the controller reachable by the proxies only",
+    )
+    proxy_secret_env: str = Field(
+        default="PDSCOPE_PROXY_SECRET",
+        min_length=1,
+        description="the NAME of an env variable holding the fleet's proxy secret (at least 16 "
+        "characters): when it is set, the token of proxy id X is hex HMAC-SHA256(secret, X), which each "
+        "proxy derives from its own id (proxy.controller_secret_env); a token speaks for its id only",
     )
     max_proxies: int = Field(
         default=256,
         ge=1,
         le=100_000,
-        description="most live proxies the limits are split among; a new id beyond them gets the table "
-        "without a part (it admits limit / proxy.expected_replicas) and is counted (over_limit)",
+        description="most live proxies the limits are split among (with no proxy credentials "
+        "configured: at most proxy.expected_replicas); a new id beyond them gets the table without a "
+        "part (it admits limit / proxy.expected_replicas) and is counted (over_limit)",
     )
     proxy_share_window_s: float = Field(
         default=30.0,
@@ -828,6 +879,13 @@ class ProxySettings(_Frozen):
         description="env variable whose value the routing poll sends as Authorization: Bearer <value> "
         "(needed when the controller sets controller.proxy_tokens_env; unset: no header)",
     )
+    controller_secret_env: str = Field(
+        default="PDSCOPE_PROXY_SECRET",
+        min_length=1,
+        description="env variable holding the fleet's proxy secret (controller.proxy_secret_env): when "
+        "set, the routing poll sends the token derived from it and this proxy's id, and "
+        "controller_token_env is not read",
+    )
     expected_replicas: int = Field(
         default=1,
         ge=1,
@@ -935,8 +993,23 @@ class ProxySettings(_Frozen):
         default=None,
         gt=1,
         description=(
-            "the model's context length; when set, max_tokens that cannot fit is a 400 before prefill"
+            "the model's context length; when set, max_tokens that cannot fit is a 400 before prefill. "
+            "Unset: the smallest max_model_len the instances report on GET /v1/models"
         ),
+    )
+    max_tokens_overflow: Literal["refuse", "clamp"] = Field(
+        default="refuse",
+        description=(
+            "a prompt plus max_tokens over the context: refuse (a 400 before prefill, as OpenAI and "
+            "older vLLM do) or clamp (let it through: vLLM 0.32 and the simulator cut max_tokens to the "
+            "room left; only a prompt that leaves no room is refused)"
+        ),
+    )
+    model_info_refresh_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="how often the proxy asks every instance for GET /v1/models and GET /version",
     )
     kv_aware: KvAwareSettings = Field(
         default=KvAwareSettings(),
@@ -954,7 +1027,7 @@ class ProxySettings(_Frozen):
         return data
 
 
-class CollectorSettings(_Frozen):
+class CollectorSettings(_HTTPServerSettings):
     host: str = Field(
         default="127.0.0.1",
         description="address of the OTLP/HTTP receiver, /metrics and "
@@ -1020,7 +1093,42 @@ class CollectorSettings(_Frozen):
     )
     otlp_retry_after_s: int = Field(default=1, ge=1, le=3600, description="Retry-After of a 429/503")
     span_queue_spans: int = Field(
-        default=200_000, gt=0, description="spans waiting for the store; a full queue answers 503"
+        default=200_000,
+        gt=0,
+        description="spans waiting for the store held decoded in memory; past it they wait on disk only "
+        "(with spool_dir ':memory:' this is the spool's bound: a full spool answers 503)",
+    )
+    spool_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="folder of the durable span spool: every accepted OTLP export is written here "
+        "before its 2xx and kept until the store has it, so a store outage loses nothing; one "
+        "collector process per folder. Unset: <temp dir>/pdscope-spool/<hash of store url and "
+        "collector id> (survives a restart of the process, not of the host: set a persistent "
+        "volume in production). ':memory:': in memory only (lost when the process stops)",
+    )
+    spool_max_bytes: int = Field(
+        default=2**30,
+        ge=2**20,
+        description="bytes of span batches the spool holds for the store; past it OTLP exports get "
+        "503 with Retry-After (never 2xx and dropped). Disk use can exceed it by one segment",
+    )
+    spool_max_age_s: float = Field(
+        default=3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="while the spool's oldest batch has waited longer than this for the store, new "
+        "exports get 503 with Retry-After",
+    )
+    spool_fsync: Literal["always", "never"] = Field(
+        default="always",
+        description="always: each export is fsynced before its 2xx (survives a host crash); never: "
+        "left to the OS (survives the collector's crash or kill, not the host's)",
+    )
+    spool_segment_bytes: int = Field(
+        default=64 * 2**20,
+        ge=2**16,
+        description="size of one spool file; a file goes once the store has all of it",
     )
     span_max_attributes: int = Field(default=128, gt=0, le=10_000, description="attribute keys kept per span")
     span_max_value_chars: int = Field(default=2048, gt=0, description="longest attribute string kept")
@@ -1064,6 +1172,7 @@ class CollectorSettings(_Frozen):
 # Names of token holders (API identities, span senders): they end up in audit rows and in
 # request records, so they are short and plain.
 MAX_TOKEN_NAME_CHARS = 63
+MIN_PROXY_SECRET_CHARS = 16
 
 
 def parse_named_tokens(raw: str, env_name: str) -> dict[str, str]:
@@ -1269,6 +1378,17 @@ class Settings(_Frozen):
         except ValueError as exc:
             raise ConfigError([str(exc)]) from exc
         return {token: who for who, token in by_name.items()}
+
+    def proxy_secret(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The fleet's proxy secret from ``$controller.proxy_secret_env``; None when unset or empty.
+
+        Raises ConfigError naming the variable when it is shorter than 16 characters.
+        """
+        name = self.controller.proxy_secret_env
+        raw = (os.environ if environ is None else environ).get(name, "").strip()
+        if raw and len(raw) < MIN_PROXY_SECRET_CHARS:
+            raise ConfigError([f"${name}: a proxy secret of at least {MIN_PROXY_SECRET_CHARS} characters"])
+        return raw or None
 
     def api_token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The controller API token, read from the variable named in the file."""

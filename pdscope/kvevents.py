@@ -99,12 +99,12 @@ class _BadEvent(ValueError):
 # -- decoding -----------------------------------------------------------------------------
 
 
-def decode_message(frames: Sequence[bytes]) -> Message:
+def decode_message(frames: Sequence[bytes], max_bytes: int = MAX_PAYLOAD_BYTES) -> Message:
     """One PUB message (``[topic, seq, payload]``). Raises BadMessage."""
     if len(frames) != 3:
         raise BadMessage("frames", f"expected [topic, seq, payload], got {len(frames)} frame(s)")
     topic, seq, payload = frames
-    return Message(topic.decode("utf-8", "replace")[:256], decode_seq(seq), decode_batch(payload))
+    return Message(topic.decode("utf-8", "replace")[:256], decode_seq(seq), decode_batch(payload, max_bytes))
 
 
 def decode_seq(raw: bytes) -> int:
@@ -113,10 +113,14 @@ def decode_seq(raw: bytes) -> int:
     return int.from_bytes(raw, "big", signed=True)
 
 
-def decode_batch(payload: bytes) -> Batch:
-    """A msgpack ``EventBatch`` in either encoding. Raises BadMessage."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise BadMessage("size", f"payload of {len(payload)} bytes (limit {MAX_PAYLOAD_BYTES})")
+def decode_batch(payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> Batch:
+    """A msgpack ``EventBatch`` in either encoding, of at most ``max_bytes``. Raises BadMessage.
+
+    The subscriber's sockets refuse a larger message before reading it (ZMQ ``MAXMSGSIZE``); this
+    check is the second line, for a payload that came another way (a replay, a test)."""
+    limit = min(max_bytes, MAX_PAYLOAD_BYTES)
+    if len(payload) > limit:
+        raise BadMessage("size", f"payload of {len(payload)} bytes (limit {limit})")
     try:
         obj = msgpack.unpackb(
             payload,

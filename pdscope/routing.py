@@ -25,6 +25,7 @@ person with curl) gets the table without a share.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
 import re
 from collections.abc import Mapping
@@ -108,6 +109,12 @@ class RoutingTable(BaseModel):
         description="the polling proxy's part of the pools' limits; None: the poll did not say "
         "who it is, or the controller could not work the share out (the proxy keeps its last)",
     )
+    proxy_withheld: str | None = Field(
+        default=None,
+        max_length=500,
+        description="why the polling proxy's report got no part although the table is served "
+        "(another live process holds its id, or no seat is free); the proxy then drops its part",
+    )
 
 
 def routing_etag(epoch: str, version: int, share: ProxyShare | None = None) -> str:
@@ -129,6 +136,16 @@ MAX_REPORT_POOLS = 64
 _MAX_COUNT = 2**62
 
 
+def proxy_token(secret: str, proxy_id: str) -> str:
+    """The bearer token of ``proxy_id`` under the fleet's proxy secret: hex HMAC-SHA256 of the id.
+
+    A proxy derives its own from its id; the controller checks a report's token against the id
+    it reports under, so a token speaks for one id only.
+    """
+    msg = b"pdscope-proxy-token\x00" + proxy_id.encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
 class BadReport(ValueError):
     """A poll's report that cannot be read; ``param`` names the query parameter."""
 
@@ -141,9 +158,10 @@ class BadReport(ValueError):
 class ProxyReport:
     """Who polls and what it holds, sent as the query parameters of ``GET /v1/routing``.
 
-    ``boot`` is random per process and ``started`` its start time (unix seconds): a process
-    started later under the same id replaces an earlier one (a restart); an earlier one that
-    still polls is a duplicate. ``demand`` counts, per pool, the requests that sought
+    ``boot`` is random per process and ``started`` its start time (unix seconds): the process
+    that holds an id keeps it while it polls; another one under the same id gets the table
+    without a part until the holder has been silent for ``controller.proxy_ttl_s`` (then it
+    takes the id over: a restart). ``demand`` counts, per pool, the requests that sought
     admission into it since the process started (admitted or rejected); ``inflight`` is what
     the proxy holds now; ``applied`` the table version it applies.
     """

@@ -4,9 +4,12 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the P/D flow),
 ``GET /healthz`` (always 200 while the process serves; says which routing state is in
 force, which instances outlier detection has ejected, each pool's limit in force with
 its adaptive part, and the KV-aware mode with, in precise mode, the KV events subscriber's
-state: a dead subscriber makes the status ``degraded``), ``GET /metrics`` (Prometheus text).
-Lifespan starts the routing poller (and the KV events subscriber's thread, in precise mode)
-and closes the shared upstream client and the span exporter.
+state: a dead subscriber makes the status ``degraded``), ``GET /metrics`` (Prometheus text);
+``GET /v1/models``, ``GET /health`` (``/ping``) and ``GET /version`` as vLLM answers them, and a 404
+naming the route for every other (``proxy.surface``). Lifespan starts the routing poller, the
+learner of what the instances serve (``proxy.models``: ``max_model_len`` for the context check,
+``proxy.context``) and, in precise mode, the KV events subscriber's thread, and closes the shared
+upstream client and the span exporter.
 
 KV-aware routing (``proxy.kv_aware.mode``): :func:`build` makes the mode's cache view
 (``proxy.views.make_view``) -- in precise mode over a :class:`proxy.kvindex.PrefixIndex` that a
@@ -29,29 +32,34 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import Counter
 
 from pdscope.config import ConfigError, Settings
 from pdscope.routing import ProxyReport
-from proxy import protocol
+from proxy import protocol, surface
 from proxy.admission import Admission
 from proxy.concurrency import AdaptiveLimits
+from proxy.context import ContextCheck
 from proxy.flow import Flow
 from proxy.gate import KvRouting
 from proxy.kvaware import CostModel
 from proxy.kvindex import PrefixIndex
 from proxy.kvsubscriber import KvEventsSubscriber, sources_of
 from proxy.metrics import LiveSources, ProxyMetrics
+from proxy.models import ModelCatalog, learn_forever, members_of
 from proxy.outlier import OutlierDetector
+from proxy.precise import PreciseView
 from proxy.prefixview import CacheView
 from proxy.request import FlowSettings, Gone
 from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
+from proxy.tokenize import Tokenizer, load_tokenizer
 from proxy.tracing import BoundedSpanProcessor, make_provider, otlp_endpoint, otlp_exporter
 from proxy.upstream import Upstream, UpstreamClient
 from proxy.views import make_view
@@ -113,6 +121,7 @@ class Parts:
     clock: Callable[[], float]
     kv: KvRouting | None = None  # KV-aware routing, when a cache view is in use
     kv_events: KvEventsSubscriber | None = None  # precise mode's subscriber (instances with events)
+    catalog: ModelCatalog = field(default_factory=ModelCatalog)  # what the instances serve (/v1/models)
 
 
 class ProxyApp:
@@ -120,6 +129,7 @@ class ProxyApp:
         self.parts = parts
         self.poll = poll
         self._poller: asyncio.Task[None] | None = None
+        self._learner: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -134,6 +144,16 @@ class ProxyApp:
         p = self.parts
         if p.kv_events is not None:
             p.kv_events.start()
+        if self._learner is None:  # what the instances serve, asked in the background (proxy.models)
+            view = p.routing
+            self._learner = asyncio.create_task(
+                learn_forever(
+                    p.catalog,
+                    lambda: members_of(view.view.prefill, view.view.decode),
+                    p.settings.proxy.model_info_refresh_s,
+                    p.clock,
+                )
+            )
         if self.poll and self._poller is None:
             adm = p.admission
 
@@ -147,13 +167,14 @@ class ProxyApp:
             )
 
     async def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            try:
-                await self._poller
-            except asyncio.CancelledError:
-                pass
-            self._poller = None
+        for task in (self._poller, self._learner):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._poller = self._learner = None
         if self.parts.kv_events is not None:
             await asyncio.to_thread(self.parts.kv_events.stop)
         if self.parts.kv is not None:
@@ -186,8 +207,21 @@ class ProxyApp:
             await _simple(send, 200, json.dumps(self.health()).encode())
         elif path == "/metrics" and method == "GET":
             await _simple(send, 200, self.parts.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        elif path in surface.SURFACE.get(method, ()):
+            await self._surface(path, send)
         else:
-            await _simple(send, 404, protocol.error_body(f"no route {method} {path}", "not_found_error"))
+            await _simple(send, 404, surface.not_served(method, path))
+
+    async def _surface(self, path: str, send: Send) -> None:
+        """``/v1/models``, ``/health`` (``/ping``), ``/version`` as vLLM answers them (``proxy.surface``)."""
+        p = self.parts
+        if path == "/v1/models":
+            await _simple(send, 200, surface.models_body(p.catalog))
+        elif path == "/version":
+            await _simple(send, 200, surface.version_body(p.catalog))
+        else:
+            status, body = surface.health(p.routing.view, p.selector.outliers, p.catalog, p.clock())
+            await _simple(send, status, body)
 
     def health(self) -> dict[str, object]:
         """``/healthz``: the routing state, the ejected instances, each pool's request limit in force."""
@@ -364,6 +398,7 @@ def build(
         if view is None
         else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng, offload=offload)
     )
+    catalog, context = _context_check(settings, metrics, view)
     flow = Flow(
         FlowSettings.from_settings(settings),
         upstream,
@@ -375,8 +410,10 @@ def build(
         tracer,
         clock,
         kv,
+        context,
     )
-    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events))
+    trust = view.trust if isinstance(view, PreciseView) else None
+    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))
     parts = Parts(
         settings,
         flow,
@@ -391,8 +428,49 @@ def build(
         clock,
         kv,
         kv_events,
+        catalog,
     )
     return ProxyApp(parts, poll=poll)
+
+
+def _context_check(
+    settings: Settings, metrics: ProxyMetrics, view: CacheView | None
+) -> tuple[ModelCatalog, ContextCheck]:
+    """The catalog of what the instances serve and the context check over it, both counted in the
+    proxy's metrics; the tokenizer is the precise view's when there is one (one load), else
+    ``model.tokenizer``'s when set, else none (the check counts a floor)."""
+    errors = Counter(
+        "pdscope_proxy_model_info_errors",
+        "Failed asks of an instance's GET /v1/models or /version, by instance and reason.",
+        ["instance", "reason"],
+        registry=metrics.registry,
+    )
+    refused = Counter(
+        "pdscope_proxy_context_rejections",
+        "Requests refused (400) before prefill: prompt and max_tokens over the model's context, by how "
+        "the prompt was counted (tokenizer: exact; floor: a bound from its bytes).",
+        ["counted"],
+        registry=metrics.registry,
+    )
+    catalog = ModelCatalog(on_error=lambda inst, reason: errors.labels(inst, reason).inc())
+    tokenizer: Tokenizer | None = None
+    spec = settings.model.tokenizer
+    if isinstance(view, PreciseView):
+        tokenizer = view.tokenizer
+    elif spec is not None:
+        try:
+            tokenizer = load_tokenizer(spec)
+        except Exception as exc:  # the file's fault, said as such
+            raise ConfigError([f"model.tokenizer: cannot load {spec!r}: {exc}"]) from exc
+    ps = settings.proxy
+    check = ContextCheck(
+        catalog,
+        ps.max_model_len,
+        tokenizer,
+        on_reject=lambda how: refused.labels(how).inc(),
+        clamp=ps.max_tokens_overflow == "clamp",
+    )
+    return catalog, check
 
 
 def _mode_view(

@@ -1,7 +1,8 @@
 """One client request through the proxy: admission -> prefill -> KV handoff -> decode.
 
 This module is the chain: the body checked before anything is spent (``proxy.validate``:
-what D would refuse is a 400 naming the field, and P is never called), admission
+what D would refuse is a 400 naming the field, and P is never called; ``proxy.context``: a
+prompt and ``max_tokens`` over the model's context, the same), admission
 (:class:`proxy.gate.Gate`: a P and a D pool with room, or a 429/503 naming the pool and
 the reason), the prefill and decode attempts (:class:`proxy.attempts.Attempts`, which hold
 the failure rules), and the full retry when D failed after it may have read P's blocks: one
@@ -38,6 +39,7 @@ from pdscope import semconv as sc
 from proxy import protocol
 from proxy.admission import REASON_NO_INSTANCES, Admission, Rejection
 from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
+from proxy.context import ContextCheck
 from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import ProtocolError
@@ -62,9 +64,11 @@ class Flow:
         tracer: trace.Tracer,
         clock: Callable[[], float] = time.monotonic,
         kv: KvRouting | None = None,
+        context: ContextCheck | None = None,
     ) -> None:
         self.fs, self.upstream, self.routing, self.selector = fs, upstream, routing, selector
         self.kv = kv
+        self.context = context
         self.admission, self.budget, self.metrics, self.tracer, self.clock = (
             admission,
             budget,
@@ -110,6 +114,8 @@ class Flow:
             req.stream = body.get("stream") is True
             if self.kv is not None:
                 await self.gate.key_prompt(req, body, len(raw))
+            if self.context is not None:
+                await self._check_context(req, body, len(raw))
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -127,6 +133,8 @@ class Flow:
             raise
         finally:
             self.gate.release(req)
+            if self.kv is not None:
+                self.kv.settled(req)
             self._finish_root(root, req, reply.status)
             self.metrics.count_request(endpoint, req.outcome)
 
@@ -141,6 +149,16 @@ class Flow:
                 400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param
             ) from exc
         return body
+
+    async def _check_context(self, req: RequestState, body: dict[str, object], size: int) -> None:
+        """A prompt and ``max_tokens`` the model's context cannot hold: a 400 before P is called."""
+        assert self.context is not None
+        try:
+            await self.context.check(req.endpoint, body, size, req.prompt)
+        except InvalidRequest as exc:
+            raise client_error(
+                400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param
+            ) from exc
 
     def _finish_root(self, root: trace.Span, req: RequestState, http_status: int | None) -> None:
         if root.is_recording():

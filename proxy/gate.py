@@ -128,6 +128,23 @@ class KvRouting:
         except Exception as exc:
             self._failed("routed", exc)
 
+    def settled(self, req: RequestState) -> None:
+        """A finished request's credited prediction against the cached tokens vLLM reported, for a
+        view that checks them (the precise view: ``proxy.kvtrust``); only the instance the cost model
+        chose and the request kept (no retry): P on the P/D path, D alone on the decode-only path
+        (on the P/D path D's count includes the KV it pulled from P)."""
+        verify = getattr(self.view, "verify", None)
+        route = req.route
+        if verify is None or route is None:
+            return
+        try:
+            if route.p is not None and req.p is route.p and req.prefill is not None:
+                verify(route.p.name, route.p_cached, req.prefill.cached_tokens)
+            elif route.p is None and req.d is route.d:
+                verify(route.d.name, route.d_cached, req.d_cached_tokens)
+        except Exception as exc:
+            self._failed("verify", exc)
+
     def _failed(self, call: str, exc: Exception) -> None:
         self.metrics.kv_view_errors.labels(call).inc()
         log.debug("kv view: %s failed", call, exc_info=exc)

@@ -8,12 +8,17 @@ block's seeded with its LoRA adapter's name. Two instances holding the same toke
 same adapter hold the same chain keys, and a request's prompt, cut into blocks of the fleet's
 block size, is matched by computing the same keys (:func:`chain_keys`).
 
-Bounded: at most ``max_blocks`` (instance, block) entries fleet-wide; past that the least
-recently stored go first (counted in ``evicted``). A block whose parent the index does not know
-(evicted, or stored before the subscriber started) cannot be keyed and is counted in
-``orphans``; so is a removal of a block it never saw (``unknown_removed``). An instance marked
-stale (a gap in its event stream) keeps its entries but :meth:`PrefixIndex.match` credits it
-nothing until it is cleared and rebuilt. Pure: no I/O, no clock; one thread.
+Bounded: at most ``max_blocks`` (instance, block) entries fleet-wide; past that the instance
+holding the most entries loses its least recently stored one (counted in ``evicted``), so an
+instance that floods the index with blocks evicts its own entries, never those of an instance
+holding fewer: each keeps at least its fair share (``max_blocks`` over the publishing instances).
+A block whose parent the index does not know (evicted, or stored before the subscriber started)
+cannot be keyed and is counted in ``orphans``; so is a removal of a block it never saw
+(``unknown_removed``). An instance marked stale (a gap in its event stream, being replayed) keeps
+its entries but :meth:`PrefixIndex.match` credits it nothing until it is unmarked, or cleared and
+rebuilt; an instance marked distrusted (its predicted hits did not come true: ``proxy.kvtrust``)
+is credited nothing until it is trusted again, whatever its events say, and a rebuild does not
+end that. Pure: no I/O, no clock; one thread.
 """
 
 from __future__ import annotations
@@ -66,8 +71,12 @@ class PrefixIndex:
         self._by_hash: dict[str, dict[BlockHash, ChainKey]] = {}  # instance -> vLLM hash -> chain key
         self._holders: dict[ChainKey, set[str]] = {}
         self._refs: dict[tuple[str, ChainKey], int] = {}  # (instance, chain key) -> its vLLM hashes
-        self._lru: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
-        self.stale: set[str] = set()
+        # per instance, its blocks' store stamps, least recently stored first
+        self._lru: dict[str, OrderedDict[BlockHash, int]] = {}
+        self._size = 0
+        self._stamp = 0
+        self._stale: set[str] = set()
+        self.distrusted: set[str] = set()
         self.evicted = 0
         self.orphans = 0
         self.unknown_removed = 0
@@ -117,16 +126,25 @@ class PrefixIndex:
                 ref = (instance, key)
                 self._refs[ref] = self._refs.get(ref, 0) + 1
                 self._holders.setdefault(key, set()).add(instance)
-            self._lru[(instance, h)] = None
-            self._lru.move_to_end((instance, h))
+            self._touch(instance, h)
             parent = key
             out.stored += 1
+
+    def _touch(self, instance: str, h: BlockHash) -> None:
+        lru = self._lru.setdefault(instance, OrderedDict())
+        if h not in lru:
+            self._size += 1
+        self._stamp += 1
+        lru[h] = self._stamp
+        lru.move_to_end(h)
 
     def _drop(self, instance: str, blocks: dict[BlockHash, ChainKey], h: BlockHash) -> bool:
         key = blocks.pop(h, None)
         if key is None:
             return False
-        self._lru.pop((instance, h), None)
+        lru = self._lru.get(instance)
+        if lru is not None and lru.pop(h, None) is not None:
+            self._size -= 1
         ref = (instance, key)
         left = self._refs.get(ref, 1) - 1  # the same tokens under two of vLLM's hashes (two media)
         if left > 0:
@@ -141,11 +159,21 @@ class PrefixIndex:
         return True
 
     def _bound(self) -> None:
-        while len(self._lru) > self.max_blocks:
-            (instance, h), _ = self._lru.popitem(last=False)
-            blocks = self._by_hash.get(instance)
-            if blocks is not None and self._drop(instance, blocks, h):
+        while self._size > self.max_blocks:
+            instance = self._largest()
+            h = next(iter(self._lru[instance]))
+            if self._drop(instance, self._by_hash.get(instance, {}), h):
                 self.evicted += 1
+            else:  # not indexed under that hash (cannot happen): the stamp goes anyway
+                del self._lru[instance][h]
+                self._size -= 1
+
+    def _largest(self) -> str:
+        """The instance holding the most entries (of those, the one whose oldest is oldest)."""
+        return max(
+            (inst for inst, lru in self._lru.items() if lru),
+            key=lambda inst: (len(self._lru[inst]), -next(iter(self._lru[inst].values()))),
+        )
 
     def clear(self, instance: str) -> int:
         """Forget everything ``instance`` holds (it cleared its cache, restarted, or its view went
@@ -154,11 +182,21 @@ class PrefixIndex:
         n = len(blocks)
         for h in list(blocks):
             self._drop(instance, blocks, h)
-        self.stale.discard(instance)
+        self._lru.pop(instance, None)
+        self._stale.discard(instance)
         return n
 
+    @property
+    def stale(self) -> frozenset[str]:
+        """The instances credited nothing now: stale (being replayed) or distrusted."""
+        return frozenset(self._stale | self.distrusted)
+
     def mark_stale(self, instance: str) -> None:
-        self.stale.add(instance)
+        self._stale.add(instance)
+
+    def unmark_stale(self, instance: str) -> None:
+        """Its gap was replayed: its view is whole again (a distrust stays)."""
+        self._stale.discard(instance)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -166,7 +204,7 @@ class PrefixIndex:
         return len(self._by_hash.get(instance, {}))
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._size
 
     def match(self, keys: Sequence[ChainKey], instances: Iterable[str] | None = None) -> dict[str, int]:
         """Cached prompt tokens per instance: the longest run of ``keys`` from the first that it holds,
@@ -179,7 +217,8 @@ class PrefixIndex:
             if not holders:
                 break
             live = set(holders) if live is None else live & holders
-            live -= self.stale
+            live -= self._stale
+            live -= self.distrusted
             if wanted is not None:
                 live &= wanted
             if not live:

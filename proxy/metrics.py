@@ -21,6 +21,7 @@ from proxy.routing import STATES
 if TYPE_CHECKING:
     from proxy.admission import Admission
     from proxy.kvsubscriber import KvEventsSubscriber
+    from proxy.kvtrust import HitCheck
     from proxy.routing import RoutingState
     from proxy.selection import RetryBudget, Selector
     from proxy.tracing import BoundedSpanProcessor
@@ -39,6 +40,7 @@ class LiveSources:
     spans: BoundedSpanProcessor | None
     now: Callable[[], float]
     kv_events: KvEventsSubscriber | None = None  # precise KV-aware routing's subscriber, when it runs
+    kv_trust: HitCheck | None = None  # precise KV-aware routing's check of predicted against reported hits
 
 
 class ProxyMetrics:
@@ -304,8 +306,26 @@ class _LiveCollector(Collector):
             q = GaugeMetricFamily("pdscope_proxy_spans_queued", "Spans waiting to be exported.")
             q.add_metric([], float(spans.queued))
             yield q
+        yield from self._kv()
+
+    def _kv(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         if self.sources.kv_events is not None:
             yield from _kv_events(self.sources.kv_events)
+        if self.sources.kv_trust is not None:
+            yield _kv_trust(self.sources.kv_trust)
+
+
+def _kv_trust(check: HitCheck) -> CounterMetricFamily:
+    fam = CounterMetricFamily(
+        "pdscope_proxy_kv_hit_checks",
+        "Precise KV-aware routing's predictions checked against the cached tokens the instance reported, "
+        "per instance and verdict: hit, miss (less than half came true), distrusted (its events no longer "
+        "credited, see docs/trust.md), trusted (credited again after probation).",
+        labels=["instance", "verdict"],
+    )
+    for (inst, verdict), n in sorted(dict(check.counts).items()):
+        fam.add_metric([inst, verdict], float(n))
+    return fam
 
 
 def _kv_events(sub: KvEventsSubscriber) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

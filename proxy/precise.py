@@ -11,6 +11,12 @@ A request names its adapter in ``model``; a ``model`` that is neither absent nor
 ``base_model`` is taken to be an adapter's name (:func:`adapter_of`), which is how vLLM serves
 adapters (``--lora-modules name=path``, requested as ``"model": "name"``).
 
+Trust but verify (:mod:`proxy.kvtrust`): :meth:`PreciseView.verify` checks each credited
+prediction against the cached tokens vLLM reported for the request; an instance whose predicted
+hits keep failing to come true (forged events, a cache lost without an event) is distrusted,
+credited nothing for a backoff (logged as a warning; ``pdscope_proxy_kv_index_stale`` is 1 for
+it), then on probation until a prediction comes true.
+
 Never raises into a request: a prompt it cannot key is ``None`` (counted in ``refused``).
 """
 
@@ -18,11 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from proxy.kvindex import PrefixIndex, chain_keys
+from proxy.kvtrust import HitCheck, Verdict
 from proxy.prefixview import Prompt
 from proxy.tokenize import Tokenizer
 
@@ -47,13 +55,16 @@ class PreciseView:
         lock: threading.Lock,
         *,
         base_model: str | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock
         self.index = index
         self.lock = lock
         self.base_model = base_model
         self.block_size = index.block_size  # one truth: the size the index keys events in
         self.refused: Counter[str] = Counter()
+        self.trust = HitCheck(self.block_size)
 
     def prompt(self, endpoint: str, body: Mapping[str, Any]) -> Prompt | None:
         try:
@@ -69,8 +80,29 @@ class PreciseView:
             return None
 
     def cached(self, prompt: Prompt, instances: Sequence[str]) -> dict[str, int]:
+        now = self.clock()
         with self.lock:
+            self.index.distrusted = self.trust.distrusted(now)
             return self.index.match(prompt.keys, instances)
+
+    def verify(self, instance: str, predicted: int, reported: int | None) -> Verdict:
+        """A finished request's check: the cached tokens credited to ``instance`` when it was routed
+        against those vLLM ``reported`` (None: not reported, nothing checked)."""
+        now = self.clock()
+        with self.lock:
+            verdict = self.trust.observe(instance, predicted, reported, now)
+            self.index.distrusted = self.trust.distrusted(now)
+        if verdict == "distrusted":
+            log.warning(
+                "kv events: %s's predicted prefix hits did not come true (%d predicted, %d reported): "
+                "its events are not trusted for now",
+                instance,
+                predicted,
+                reported,
+            )
+        elif verdict == "trusted":
+            log.info("kv events: %s's predicted hits come true again: its events are trusted", instance)
+        return verdict
 
     def routed(self, prompt: Prompt, instances: Sequence[str], now: float) -> None:
         """Nothing to learn: the instances' own events will say what they stored."""

@@ -21,7 +21,11 @@ version it applies) and the table comes back with its part (``RoutingTable.proxy
 is the limit this proxy enforces. A table without a part (the controller could not work it
 out) keeps the last part for ``fail_static_s``; then, as when the controller is unreachable,
 the config's limits divided by ``expected_replicas`` -- never the whole limit, which every
-proxy would admit at once. The poller fails over between ``proxy.controller_urls``.
+proxy would admit at once. A table that says the part is withheld (``proxy_withheld``: another
+live process holds this id, or no seat is free) drops the part at once. A report the controller
+refuses (401/403: credentials; 409: an older controller's duplicate id) is polled again without
+the report, so the table, its weights and drains, still apply, without a part. Each such
+episode is logged once, when it starts. The poller fails over between ``proxy.controller_urls``.
 
 An ``advisory`` table is recorded but not applied. The proxy never stops
 serving because of the controller. State changes are logged (WARNING into a degraded
@@ -38,7 +42,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -47,7 +51,7 @@ import httpx
 from pydantic import ValidationError
 
 from pdscope.config import Settings
-from pdscope.routing import ProxyReport, ProxyShare, RoutingTable
+from pdscope.routing import ProxyReport, ProxyShare, RoutingTable, proxy_token
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +179,7 @@ class RoutingState:
         self.started_unix = time.time()
         self.share: ProxyShare | None = None  # the last part of the limits the controller gave
         self.share_at: float | None = None
-        self.share_refusal: str | None = None  # why the controller refused this proxy's report
+        self.share_refusal: str | None = None  # why the controller gives this proxy no part, while so
         self.fail_static_s = settings.proxy.fail_static_s
         self.view = config_view(settings, "default")
         self.etag: str | None = None
@@ -214,9 +218,13 @@ class RoutingState:
         self.table = table
         self.etag = etag
         self.last_ok = now
-        self.share_refusal = None
         if table.proxy is not None and table.proxy.id == self.proxy_id:
             self.share, self.share_at = table.proxy, now
+            if self.share_refusal is not None:
+                log.info("routing: the controller gives this proxy its part of the limits again")
+            self.share_refusal = None
+        elif table.proxy_withheld is not None:
+            self._no_part(table.proxy_withheld, logging.WARNING)
         if table.enforce:
             self._set(table_view(table, self.settings, self.current_share(now)))
         else:
@@ -229,12 +237,25 @@ class RoutingState:
         return self.share
 
     def on_refused(self, detail: str, now: float) -> None:
-        """The controller refused this proxy's report (409: another process polls under its id; 401:
-        the controller requires a token this proxy did not send or that it does not know)."""
-        if detail != self.share_refusal:
-            log.error("routing: the controller refused this proxy's report: %s", detail)
+        """The controller refused this proxy's report (401: no credential it knows; 403: one that does
+        not speak for this id; 409: an older controller, another process under this id). The poller
+        then fetches the table without a report; the part is dropped."""
+        self._no_part(detail, logging.ERROR)
+
+    def _no_part(self, detail: str, level: int) -> None:
+        """No part from the controller now: drop the last one (it may be another process's); log the
+        episode once, when it starts."""
+        if self.share_refusal is None:
+            log.log(
+                level,
+                "routing: the controller gives this proxy (%s) no part of the limits: %s; it admits the "
+                "limits divided by proxy.expected_replicas and keeps applying tables (logged once while "
+                "this goes on)",
+                self.proxy_id,
+                detail,
+            )
         self.share_refusal = detail
-        self.on_failure(now)
+        self.share = self.share_at = None
 
     def report(self, demand: dict[str, int], inflight: dict[str, int]) -> ProxyReport:
         """What the next poll tells the controller."""
@@ -297,9 +318,9 @@ async def poll_once(
     if resp.status_code == 304:
         state.on_not_modified(now())
         return True
-    if resp.status_code in (401, 409) and report is not None:
+    if resp.status_code in (401, 403, 409) and report is not None:
         state.on_refused(_detail(resp), now())
-        return False
+        return await poll_once(state, client, url, now)  # the table, weights and drains still apply
     if resp.status_code != 200:
         log.debug("routing poll of %s: HTTP %s", url, resp.status_code)
         state.on_failure(now())
@@ -320,6 +341,16 @@ def _detail(resp: httpx.Response) -> str:
     except (ValueError, AttributeError):
         detail = None
     return str(detail)[:300] if detail else f"HTTP {resp.status_code}"
+
+
+def report_auth(state: RoutingState, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Authorization header of this proxy's reports: the token derived from the fleet's proxy
+    secret and this proxy's id when the secret is set, else ``$proxy.controller_token_env``'s."""
+    env = os.environ if environ is None else environ
+    ps = state.settings.proxy
+    secret = env.get(ps.controller_secret_env, "").strip()
+    token = proxy_token(secret, state.proxy_id) if secret else env.get(ps.controller_token_env, "").strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def quiet_httpx() -> None:
@@ -344,9 +375,7 @@ async def poll_forever(
     at = 0
     quiet_httpx()
     timeout = httpx.Timeout(max(0.2, min(2.0, interval_s)))
-    token = os.environ.get(state.settings.proxy.controller_token_env, "").strip()
-    auth = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx.AsyncClient(timeout=timeout, headers=auth) as client:
+    async with httpx.AsyncClient(timeout=timeout, headers=report_auth(state)) as client:
         while True:
             for i in range(len(urls)):
                 url = urls[(at + i) % len(urls)]

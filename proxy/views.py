@@ -63,6 +63,10 @@ def make_view(
         if index is None or lock is None:
             raise ValueError("the precise view needs the KV-events prefix index and its lock")
         return PreciseView(
-            load_tokenizer(tokenizer, max_chars=max_prompt_chars), index, lock, base_model=base_model
+            load_tokenizer(tokenizer, max_chars=max_prompt_chars),
+            index,
+            lock,
+            base_model=base_model,
+            clock=clock,
         )
     raise ValueError(f"proxy.kv_aware.mode: {mode!r} is not one of off, approximate, precise")

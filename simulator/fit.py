@@ -195,7 +195,33 @@ class FittedFleet:
 
 
 class FitError(ValueError):
-    """Nothing to fit (no request in the window, no instance seen)."""
+    """Nothing to fit (no request in the window, no instance seen), or a parameter out of its bounds
+    (the message names it)."""
+
+
+MAX_BUCKETS = 100_000  # time buckets over the window at most: each series holds one value per bucket
+# each parameter's bounds (inclusive); NaN and infinities are refused
+PARAM_BOUNDS: dict[str, tuple[float, float]] = {
+    "bucket_s": (0.1, 3600.0),
+    "degraded_ratio": (1.0, 100.0),
+    "min_samples": (1, 100_000),
+    "normal_quantile": (0.0, 1.0),
+    "low_quantile": (0.0, 1.0),
+    "min_spell_s": (0.0, 86_400.0),
+}
+
+
+def check_params(p: FitParams, since: float, until: float) -> None:
+    """Raise :class:`FitError` naming the first parameter out of :data:`PARAM_BOUNDS`, the window when it
+    is not finite, or ``bucket_s`` when the window holds more than :data:`MAX_BUCKETS` buckets."""
+    if not (math.isfinite(since) and math.isfinite(until)):
+        raise FitError("the window's ends must be finite")
+    for name, (lo, hi) in PARAM_BOUNDS.items():
+        value = getattr(p, name)
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise FitError(f"{name}: must be a finite number from {lo:g} to {hi:g} (got {value!r})")
+    if (until - since) / p.bucket_s > MAX_BUCKETS:
+        raise FitError(f"bucket_s: {until - since:g} s / {p.bucket_s:g} s is over {MAX_BUCKETS} buckets")
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -439,6 +465,7 @@ def fit(
     """The fitted fleet of the window ``[since, until]``. ``roles``: instance name -> prefill|decode
     (every instance that ran, also those no request reached)."""
     p = params or FitParams()
+    check_params(p, since, until)
     reqs = _check(requests, roles, since, until)
     notes: list[str] = []
     w = _workload(reqs, since, until, p)

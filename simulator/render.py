@@ -12,8 +12,8 @@ Routers key their prefix-cache view with these ids (vllm-router's ``kv_aware`` p
 worker's render endpoint before it picks the prefill instance), so they must be the ids the
 instance caches and publishes in its KV events: :func:`simulator.server.prompt_ids_of`, the
 simulated tokenizer (``pdscope.simtokenizer``). ``sampling_params`` carries the fields the
-request sets, over vLLM's ``SamplingParams`` defaults; ``max_tokens`` defaults to the room the
-prompt leaves in ``max_model_len``, as vLLM's ``get_max_tokens`` does. A bad request is the
+request sets, over vLLM's ``SamplingParams`` defaults; ``max_tokens`` defaults to, and is cut to, the
+room the prompt leaves in ``max_model_len``, as vLLM's ``get_max_tokens`` does. A bad request is the
 same 400 the generating endpoints give, naming the field; fields the simulator does not model
 (``echo``, ``skip_special_tokens`` and the like, which vllm-router sends) are ignored, as vLLM
 accepts them.
@@ -135,22 +135,30 @@ def sampling_params(data: dict[str, Any], max_tokens: int, chat: bool) -> dict[s
 
 
 def _max_tokens(data: dict[str, Any], chat: bool, prompt_tokens: int, max_model_len: int) -> int:
-    """The request's ``max_tokens`` (``max_completion_tokens`` first for chat) checked against the
-    context, or the room the prompt leaves (vLLM's default)."""
+    """The request's ``max_tokens`` (``max_completion_tokens`` first for chat) as vLLM 0.32 takes it:
+    more than ``max_model_len`` on its own, or a prompt longer than the context, is a 400; otherwise it
+    is cut to the room the prompt leaves (``get_max_tokens``), which is also the default."""
     asked = data.get("max_completion_tokens") if chat else None
+    param = "max_completion_tokens" if asked is not None else "max_tokens"
     if asked is None:
         asked = data.get("max_tokens")
     if asked is not None and (not _is_int(asked) or asked < 1):
         raise RenderError("max_tokens must be a positive integer", "max_tokens")
-    room = max_model_len - prompt_tokens
-    if room < 1 or (asked is not None and asked > room):
+    if asked is not None and asked > max_model_len:
         raise RenderError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + (asked or 0)} tokens ({prompt_tokens} in the messages, "
-            f"{asked or 0} in the completion).",
-            "max_tokens",
+            f"{param}={asked} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param,
         )
-    return int(asked) if asked is not None else room
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise RenderError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"contains {prompt_tokens} input tokens, which exceeds this limit even without any output "
+            "tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+        )
+    return min(int(asked), room) if asked is not None else room
 
 
 def _generate_request(

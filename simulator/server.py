@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pdscope import simtokenizer
+from pdscope.vllmapi import model_card
 from simulator.instance import SimInstance
 from simulator.metrics import CONTENT_TYPE
 from simulator.model import RemoteKV, SimRequest
@@ -209,36 +210,13 @@ class InstanceApp:
 
     def _models(self) -> dict[str, Any]:
         inst = self.inst
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": inst.model_name,
-                    "object": "model",
-                    "created": inst.created,
-                    "owned_by": "vllm",
-                    "root": inst.model_name,
-                    "parent": None,
-                    "max_model_len": inst.cfg.max_model_len,
-                    "permission": [
-                        {
-                            "id": f"modelperm-{uuid.UUID(int=inst.rng.getrandbits(128)).hex}",
-                            "object": "model_permission",
-                            "created": inst.created,
-                            "allow_create_engine": False,
-                            "allow_sampling": True,
-                            "allow_logprobs": True,
-                            "allow_search_indices": False,
-                            "allow_view": True,
-                            "allow_fine_tuning": False,
-                            "organization": "*",
-                            "group": None,
-                            "is_blocking": False,
-                        }
-                    ],
-                }
-            ],
-        }
+        card = model_card(
+            inst.model_name,
+            created=inst.created,
+            max_model_len=inst.cfg.max_model_len,
+            permission_id=uuid.UUID(int=inst.rng.getrandbits(128)).hex,
+        )
+        return {"object": "list", "data": [card]}
 
     def _render(self, body: bytes, chat: bool) -> dict[str, Any] | list[dict[str, Any]]:
         try:

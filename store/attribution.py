@@ -7,11 +7,12 @@ in ``controller.policy.attribution_records``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from sqlalchemy import Connection, select
 
+from pdscope.config import Settings
 from store import queries as q
 from store.models import RequestRecord
 
@@ -38,6 +39,20 @@ STAGE_COLUMNS: Final = (
     _R.retries,
     _R.error,
 )
+
+
+def trusted_senders(settings: Settings) -> tuple[str, ...] | None:
+    """``controller.trusted_span_senders`` as a sorted tuple (hashable: a cache key); None: every sender."""
+    senders = settings.controller.trusted_span_senders
+    return None if senders is None else tuple(sorted(senders))
+
+
+def trusted_records(senders: Iterable[str] | None, *, charged_only: bool = False) -> q.RecordFilter:
+    """The request records a reader believes: those whose ``sender`` (the OTLP token name of the proxy
+    root span) is one of ``senders`` (None: every record; a record without a sender never matches a
+    list), and with ``charged_only`` none refused as invalid. The one rule for the controller's
+    observation and attribution and the dashboard's SLO and *Why we missed* pages."""
+    return q.RecordFilter(None if senders is None else frozenset(senders), charged_only=charged_only)
 
 
 def failure_spans(conn: Connection, lo: float, hi: float) -> dict[str, tuple[tuple[float, float], ...]]:

@@ -368,6 +368,8 @@ class ControllerLeader(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     holder: Mapped[str] = mapped_column(String(256))  # who took it: "host:port (pid N)"; "" before any
     since: Mapped[float] = mapped_column(Float)
+    # the mode it took over in ("advisory" or "enforce"), which standbys serve; null before 0011
+    mode: Mapped[str | None] = mapped_column(String(16))
 
 
 class PolicyStateRow(Base):

@@ -27,8 +27,12 @@ XActor = Annotated[
 
 # The range parameters of the reads over a window of the store (attribution, replay)
 Since = Annotated[str | None, Query(max_length=32, description="a duration back from now: 30m, 2h, 90s")]
-From = Annotated[float | None, Query(alias="from", description="Unix seconds (instead of since)")]
-Until = Annotated[float | None, Query(description="Unix seconds (default: now)")]
+# Unix seconds from 0 to 1e11 (the year 5138): NaN and infinities are a 422 naming the field
+MAX_UNIX_S = 1e11
+From = Annotated[
+    float | None, Query(alias="from", ge=0, le=MAX_UNIX_S, description="Unix seconds (instead of since)")
+]
+Until = Annotated[float | None, Query(ge=0, le=MAX_UNIX_S, description="Unix seconds (default: now)")]
 
 
 def bad_param(field: str, reason: str, status: int = 400) -> JSONResponse:

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query
 from sqlalchemy import select
 
-from controller.endpoints.context import ApiContext
+from controller.endpoints.context import MAX_UNIX_S, ApiContext
 from controller.schemas import DecisionOut, PolicyOut
 from store.db import transaction
 from store.models import Decision, PolicyConfigRow
@@ -21,7 +21,7 @@ def router(ctx: ApiContext) -> APIRouter:
     def get_decisions(
         subject: str | None = None,
         field: str | None = None,
-        since: Annotated[float | None, Query(description="Unix seconds")] = None,
+        since: Annotated[float | None, Query(ge=0, le=MAX_UNIX_S, description="Unix seconds")] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[DecisionOut]:
         stmt = select(Decision).order_by(Decision.id.desc()).limit(limit)

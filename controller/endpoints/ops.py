@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, HTTPException, Response
+from fastapi import APIRouter, Header, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import AuthError
 from controller.bundle import Bundler
 from controller.endpoints.context import ApiContext
-from controller.leader import LeaderInfo, leader_url
+from controller.guard import client_address
+from controller.leader import LeaderInfo, leader_url, mode_warning
 from controller.schemas import BundlesHealthOut, HealthOut, LeaderOut, WhoAmIOut
 
 
@@ -45,6 +46,7 @@ def router(ctx: ApiContext) -> APIRouter:
             role=view.role,
             leader_epoch=view.epoch,
             leader=_leader(view.leader),
+            mode_warning=mode_warning(view.role, reconciler.mode, view.leader),
             bundles=_bundles(reconciler.bundler),
         )
 
@@ -54,13 +56,12 @@ def router(ctx: ApiContext) -> APIRouter:
         tags=["ops"],
         summary="The identity of the bearer token sent (401 without a valid one)",
     )
-    def whoami(authorization: Annotated[str | None, Header()] = None) -> WhoAmIOut:
+    def whoami(request: Request, authorization: Annotated[str | None, Header()] = None) -> WhoAmIOut:
+        source = client_address(request.scope)
         try:
-            return WhoAmIOut(identity=ctx.authn.identify(authorization, missing_status=401))
+            return WhoAmIOut(identity=ctx.authn.identify(authorization, missing_status=401, source=source))
         except AuthError as exc:
-            raise HTTPException(
-                exc.status, detail=exc.detail, headers={"WWW-Authenticate": "Bearer"}
-            ) from None
+            raise HTTPException(exc.status, detail=exc.detail, headers=exc.headers()) from None
 
     @r.get("/metrics", tags=["ops"], response_class=Response)
     def metrics() -> Response:
@@ -83,4 +84,11 @@ def _bundles(b: Bundler) -> BundlesHealthOut:
 def _leader(info: LeaderInfo | None) -> LeaderOut | None:
     if info is None or not info.holder:  # the row before any takeover
         return None
-    return LeaderOut(holder=info.holder, epoch=info.epoch, since=info.since, url=leader_url(info.holder))
+    mode = info.mode if info.mode in ("advisory", "enforce") else None
+    return LeaderOut(
+        holder=info.holder,
+        epoch=info.epoch,
+        since=info.since,
+        url=leader_url(info.holder),
+        mode=mode,  # type: ignore[arg-type]  # narrowed to the Literal just above
+    )

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from controller.attribution import BadRange, resolve_range
-from controller.endpoints.context import ApiContext
+from controller.endpoints.context import MAX_UNIX_S, ApiContext
 from controller.regret import DEFAULT_FLAP_TICKS, window_regret
 
 
@@ -30,9 +30,12 @@ def router(ctx: ApiContext) -> APIRouter:
             str | None, Query(max_length=32, description="a duration back from now: 30m, 2h (default 1h)")
         ] = None,
         from_: Annotated[
-            float | None, Query(alias="from", description="Unix seconds (instead of since)")
+            float | None,
+            Query(alias="from", ge=0, le=MAX_UNIX_S, description="Unix seconds (instead of since)"),
         ] = None,
-        until: Annotated[float | None, Query(description="Unix seconds (default: now)")] = None,
+        until: Annotated[
+            float | None, Query(ge=0, le=MAX_UNIX_S, description="Unix seconds (default: now)")
+        ] = None,
         flap_ticks: Annotated[
             int, Query(ge=1, le=100_000, description="a cut undone within this many ticks flapped")
         ] = DEFAULT_FLAP_TICKS,

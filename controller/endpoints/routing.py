@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from controller.endpoints.context import ApiContext
-from controller.proxies import DuplicateProxy
 from controller.schemas import InstanceWeightOut, PoolOut
+from pdscope.auththrottle import bearer_failure
 from pdscope.routing import BadReport, ProxyReport, ProxyShare, RoutingTable, routing_etag
 from store.db import StoreError
 
@@ -28,9 +28,10 @@ def router(ctx: ApiContext) -> APIRouter:
         tags=["routing"],
         summary="The routing table proxies apply (ETag = version and share; If-None-Match -> 304). "
         "A proxy sends its report as query parameters (proxy, boot, started, applied, demand, "
-        "inflight) and gets its part of every pool's limits in `proxy`; 400 names a bad parameter, "
-        "401: a report without the token controller.proxy_tokens_env requires, "
-        "409 refuses a second process under one proxy id",
+        "inflight) and gets its part of every pool's limits in `proxy`, or the table without one and "
+        "`proxy_withheld` saying why (another live process holds the id; no seat for a new id); "
+        "400 names a bad parameter, 401: a report without the credential the controller requires, "
+        "403: a credential that does not speak for the reported id",
     )
     def get_routing(request: Request, response: Response) -> Any:
         table = reconciler.table
@@ -42,23 +43,31 @@ def router(ctx: ApiContext) -> APIRouter:
                 status_code=400, content={"detail": [{"field": exc.param, "reason": str(exc)}]}
             )
         share: ProxyShare | None = None
+        throttle, source = ctx.authn.throttle, request.client.host if request.client else "?"
+        if report is not None and throttle is not None and throttle.blocked(source) is not None:
+            # an address that guessed report credentials: its report is not read, its table still served
+            return _served(request, response, table.model_copy(update={"proxy_withheld": "throttled"}))
         if report is not None:
-            refusal = ctx.proxies.authenticate(request.headers.get("authorization"))
+            refusal = ctx.proxies.authenticate(request.headers.get("authorization"), report.id)
             if refusal is not None:
+                if throttle is not None:
+                    throttle.failed(source, bearer_failure(request.headers.get("authorization")))
+                headers = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
                 return JSONResponse(
-                    status_code=401, content={"detail": refusal}, headers={"WWW-Authenticate": "Bearer"}
+                    status_code=refusal.status, content={"detail": refusal.detail}, headers=headers
                 )
             try:
-                share = ctx.proxies.poll(report, table)
-            except DuplicateProxy as exc:
-                return JSONResponse(status_code=409, content={"detail": exc.detail})
+                answer = ctx.proxies.poll(report, table)
             except StoreError as exc:  # the table is still right; the proxy keeps its last part
                 ctx.proxies.count("store_error")
                 log.warning("proxy %s: its share not worked out (store: %s)", report.id, exc)
             else:
-                if share is not None:
-                    table = table.model_copy(update={"proxy": share})
-        etag = routing_etag(reconciler.epoch, table.version, share)
+                share = answer.share
+                table = table.model_copy(update={"proxy": share, "proxy_withheld": answer.withheld})
+        return _served(request, response, table)
+
+    def _served(request: Request, response: Response, table: RoutingTable) -> Any:
+        etag = routing_etag(reconciler.epoch, table.version, table.proxy)
         inm = request.headers.get("if-none-match")
         if inm is not None:
             tags = {t.strip().removeprefix("W/") for t in inm.split(",")}

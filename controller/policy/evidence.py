@@ -135,6 +135,9 @@ class InstanceTally:
     refused: int = 0
     lease_charged: int = 0
     lease_on_p: int = 0  # P: lease expiries of this P the collector attributed to a waiting handoff
+    # P: lease expiries of this P explained by a request D refused as the client's error (a 4xx but
+    # 429): D never pulls such a handoff, so its lease must run out; evidence against nobody
+    lease_refused: int = 0
 
 
 @dataclass
@@ -257,11 +260,22 @@ class WindowTally:
                 self.instances[inst].failed += 1
 
     def charge_lease_expiries(
-        self, d_instance: object, ended_at: float | None, entries: object, since: float, until: float
+        self,
+        d_instance: object,
+        ended_at: float | None,
+        entries: object,
+        since: float,
+        until: float,
+        invalid: bool = False,
     ) -> None:
         """A lease-expiry suspect: each attributed expiry (``attributes["lease_expiry"]``) counted in the
         window is charged to the D its handoff was sent to and counted on the P whose lease it was. A
-        suspect without that detail is charged to its record's D when the record ended in the window."""
+        suspect without that detail is charged to its record's D when the record ended in the window.
+        ``invalid``: the request ended as the client's error at D (``store.queries.is_client_error``):
+        its expiries are explained on their P (``lease_refused``) and charged to nobody."""
+        if invalid:
+            self._explained(entries, since, until)
+            return
         if not entries:
             if isinstance(d_instance, str) and ended_at is not None and since <= ended_at <= until:
                 self.instances[d_instance].lease_charged += 1
@@ -274,6 +288,12 @@ class WindowTally:
                 self.instances[e["d_instance"]].lease_charged += 1
             if isinstance(e.get("p_instance"), str):
                 self.instances[e["p_instance"]].lease_on_p += 1
+
+    def _explained(self, entries: object, since: float, until: float) -> None:
+        for e in entries if isinstance(entries, list) else []:
+            ts = e.get("to_ts") if isinstance(e, dict) else None
+            if isinstance(ts, int | float) and since <= ts <= until and isinstance(e.get("p_instance"), str):
+                self.instances[e["p_instance"]].lease_refused += 1
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -405,7 +425,7 @@ def instance_signals(
         nixl_recent_s=None if r is None else r.mean_nixl_xfer_s,
         nixl_recent_count=0.0 if r is None else r.increases.get("nixl_xfer_time_count", 0.0),
         failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
-        expired_leases_per_min=(s.expired_leases_per_min or 0.0) if s is not None else 0.0,
+        expired_leases_per_min=expired_per_min(s, rec),
         contribution_s=None if rec is None else mean(rec.contribution),
         handoff_p50_s=None if handoff is None else handoff.p50_s,
         handoff_p99_s=None if handoff is None else handoff.p99_s,
@@ -421,11 +441,23 @@ def instance_signals(
 
 
 def unattributed_expiries(role: Role, window: ScrapeFigures | None, tally: InstanceTally | None) -> int:
-    """P: its own lease expiries (vLLM's counter) in the window that no waiting handoff explains."""
+    """P: its own lease expiries (vLLM's counter) in the window that no waiting handoff explains (a
+    handoff D refused as the client's error explains one too)."""
     if window is None or role != "prefill":
         return 0
     expired = round(window.increases.get("nixl_kv_expired_reqs", 0.0))
-    return max(0, expired - (0 if tally is None else tally.lease_on_p))
+    return max(0, expired - (0 if tally is None else tally.lease_on_p + tally.lease_refused))
+
+
+def expired_per_min(window: ScrapeFigures | None, tally: InstanceTally | None) -> float:
+    """Lease expiries per minute that count as evidence (the ``KVLeaseExpired`` alert's): vLLM's rate
+    less the share explained by requests D refused as the client's error."""
+    rate = (window.expired_leases_per_min or 0.0) if window is not None else 0.0
+    refused = 0 if tally is None else tally.lease_refused
+    if not rate or not refused or window is None:
+        return rate
+    expired = window.increases.get("nixl_kv_expired_reqs", 0.0)
+    return 0.0 if expired <= refused else rate * (expired - refused) / expired
 
 
 def pool_signals(

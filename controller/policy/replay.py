@@ -3,7 +3,8 @@
 Every tick the controller takes is recorded whole (``controller.ticklog``): the observation, the
 state it carried in, the overrides, the fleet, the mode, what was served before it, and the state it
 left. :func:`replay` feeds those inputs through the policy again, carrying its *own* state from tick
-to tick, and compares what it decides with what the run decided:
+to tick (and, between two ticks, recomposing its table after each operator change as the controller
+did: :mod:`controller.policy.refresh`), and compares what it decides with what the run decided:
 
 * under the stored config (each tick's own) it must reproduce the run exactly: the same decisions
   (subject, field, old and new value, reason, routing version) and the same state after every tick.
@@ -37,6 +38,7 @@ from controller.policy.alerts import AlertConfig, default_rules
 from controller.policy.changes import changes
 from controller.policy.codec import digest
 from controller.policy.config import PolicyConfig
+from controller.policy.refresh import NOTHING_BETWEEN, Between, recompose
 from controller.policy.routes import ServedInstance
 from controller.policy.tick import PolicyState, TickInput, TickOutput, decide
 
@@ -67,6 +69,7 @@ class RecordedTick:
     alerts: AlertConfig
     after: str  # digest of the state the tick left (controller.policy.codec.digest)
     stored: tuple[StoredChange, ...] = ()
+    between: Between = NOTHING_BETWEEN  # the tables recomposed since the tick before (operator changes)
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,7 @@ def replay(
     divergences: list[Divergence] = []
     mismatches: list[Divergence] = []
     n_mismatch = divergent = 0
-    run, cand = _Carried(), _Carried()
+    run, cand = _Carried(adopts=True), _Carried(adopts=False)
     for i, t in enumerate(ticks):
         # the run, re-derived under its stored config and checked against what was stored
         cfg = configs[t.policy]
@@ -318,10 +321,12 @@ def replay(
 class _Carried:
     """One policy's state carried across the replayed ticks (the run's, or the candidate's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, adopts: bool) -> None:
+        self.adopts = adopts  # the run's side: takes a table it cannot re-derive from the record
         self.state: PolicyState | None = None
         self.served: Mapping[str, ServedInstance] = {}
         self.prev: RecordedTick | None = None
+        self.last: TickOutput | None = None
         self.state_in: PolicyState | None = None
         self.restarts = 0
 
@@ -335,10 +340,24 @@ class _Carried:
             self.restarts += 1
             state, prev_served = reloaded(self.state, t.inp.state), t.prev_served
         else:
-            state, prev_served = self.state, self.served
+            state, prev_served = self._between(t, self.state)
         out = decide(dataclasses.replace(t.inp, state=state), cfg, default_rules(ac), ac)
-        self.state_in, self.state, self.served, self.prev = state, out.state, out.served, t
+        self.state_in, self.state, self.served, self.prev, self.last = state, out.state, out.served, t, out
         return out, prev_served
+
+    def _between(
+        self, t: RecordedTick, state: PolicyState
+    ) -> tuple[PolicyState, Mapping[str, ServedInstance]]:
+        """The carried state and served weights after the operator changes served since the tick before,
+        re-derived in order as the controller composed them. When the record kept only the newest of
+        them (``dropped``), the run's table and served weights before the tick are the recorded ones."""
+        served = self.served
+        for r in t.between.refreshes:
+            table, served = recompose(state, self.last, r, t.inp.instances, t.inp.pools, t.inp.mode)
+            state = dataclasses.replace(state, table=table)
+        if t.between.dropped and self.adopts:
+            return dataclasses.replace(state, table=t.inp.state.table), t.prev_served
+        return state, served
 
 
 def _result(

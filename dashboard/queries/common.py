@@ -81,7 +81,8 @@ def fast_frame(engine: Engine, stmt: Select[Any], bool_columns: tuple[str, ...] 
     Only for columns that need no result processing (numbers, strings); booleans, which
     SQLite returns as 0/1, are converted for the columns named in ``bool_columns``.
     """
-    compiled = stmt.compile(dialect=engine.dialect)
+    # render_postcompile: an IN list (a sender filter) becomes plain parameters the cursor takes
+    compiled = stmt.compile(dialect=engine.dialect, compile_kwargs={"render_postcompile": True})
     params: Any = compiled.params
     if compiled.positional:
         params = tuple(compiled.params[name] for name in (compiled.positiontup or ()))

@@ -32,7 +32,7 @@ from controller.policy.regret import (
 from dashboard.queries.common import connect
 from pdscope.config import SLOSettings
 from store import regret as reads
-from store.attribution import read_stage_rows
+from store.attribution import read_stage_rows, trusted_records
 from store.queries import RecordFilter
 
 __all__ = [
@@ -52,7 +52,7 @@ MAX_READ: Final = 200_000
 
 def believed(senders: tuple[str, ...] | None) -> RecordFilter:
     """The records the controller believes: from ``senders`` (None: any), refused ones left out."""
-    return RecordFilter(None if senders is None else frozenset(senders), charged_only=True)
+    return trusted_records(senders, charged_only=True)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from dashboard.queries.common import Window, bucket_index, connect, fast_frame, frame
 from pdscope.config import SLOSettings
 from store.models import RequestRecord
-from store.queries import slo_met_clause
+from store.queries import EVERY_RECORD, RecordFilter, slo_met_clause
 
 SAMPLE_COLUMNS = (
     "proxy_in",
@@ -57,12 +57,11 @@ def _in_window(window: Window) -> tuple[ColumnElement[bool], ColumnElement[bool]
     return (RequestRecord.proxy_in >= window.start, RequestRecord.proxy_in < window.end)
 
 
-def count(engine: Engine, window: Window) -> int:
+def count(engine: Engine, window: Window, only: RecordFilter = EVERY_RECORD) -> int:
+    """The records in the window that ``only`` keeps."""
+    stmt = only.apply(select(func.count()).select_from(RequestRecord).where(*_in_window(window)))
     with connect(engine) as conn:
-        return int(
-            conn.execute(select(func.count()).select_from(RequestRecord).where(*_in_window(window))).scalar()
-            or 0
-        )
+        return int(conn.execute(stmt).scalar() or 0)
 
 
 # On PostgreSQL a window holding more requests than this is sampled without counting it row by
@@ -79,6 +78,7 @@ def sample(
     max_rows: int = 20_000,
     slo: SLOSettings | None = None,
     columns: tuple[str, ...] = SAMPLE_COLUMNS,
+    only: RecordFilter = EVERY_RECORD,
 ) -> tuple[pd.DataFrame, int]:
     """Per-request figures in the window, every k-th row (``id % k == 0``) when there are more
     than ``max_rows``, in arrival order.
@@ -86,7 +86,8 @@ def sample(
     Returns the frame and k (1 = every row), so callers can scale counts back up. With ``slo``, the
     ``slo_met`` column is each record's verdict under it (a changed ``slo.*`` applies at once), else
     the verdict stored when the record was assembled. ``columns``: which (``SAMPLE_COLUMNS``, or
-    ``PREFIX_COLUMNS`` for the Prefix cache page); the rows kept are the same for any.
+    ``PREFIX_COLUMNS`` for the Prefix cache page); the rows kept are the same for any. ``only``: the
+    records read (``store.attribution.trusted_records``; default every one).
     """
     cols: list[Any] = [
         getattr(RequestRecord, c) if c != "slo_met" or slo is None else slo_met_clause(slo).label("slo_met")
@@ -95,9 +96,9 @@ def sample(
     span = _id_span(engine, window) if engine.dialect.name == "postgresql" and max_rows > 0 else None
     if span is not None:
         step, kept_ids = _span_ids(span, max_rows)
-        stmt = select(*cols).where(RequestRecord.id.in_(kept_ids), *_in_window(window))
+        stmt = only.apply(select(*cols).where(RequestRecord.id.in_(kept_ids), *_in_window(window)))
         return _sampled(engine, stmt), step
-    total = count(engine, window)
+    total = count(engine, window, only)
     step = max(1, math.ceil(total / max_rows)) if max_rows > 0 else 1
     if step > 1:
         # The kept ids come from the window index alone (ix_request_records_window); only those
@@ -106,7 +107,7 @@ def sample(
         stmt = select(*cols).where(RequestRecord.id.in_(kept))
     else:
         stmt = select(*cols).where(*_in_window(window))
-    return _sampled(engine, stmt), step
+    return _sampled(engine, only.apply(stmt)), step
 
 
 def _span_ids(span: tuple[int, int], max_rows: int) -> tuple[int, Select[Any]]:
@@ -172,12 +173,17 @@ def _id_span(engine: Engine, window: Window) -> tuple[int, int] | None:
 
 
 def slo_buckets(
-    engine: Engine, window: Window, width_s: float, slo: SLOSettings | None = None
+    engine: Engine,
+    window: Window,
+    width_s: float,
+    slo: SLOSettings | None = None,
+    only: RecordFilter = EVERY_RECORD,
 ) -> pd.DataFrame:
     """Per time bucket: arrivals, completed (status ok), met every SLO, TTFT and TPOT misses.
 
     Columns: t (bucket start, Unix s), arrivals, completed, met, ttft_miss, tpot_miss,
-    errors, rejected. With ``slo``, verdicts are recomputed under it; else the stored ones.
+    errors, rejected. With ``slo``, verdicts are recomputed under it; else the stored ones. ``only``:
+    the records counted (default every one).
     """
     met: ColumnElement[bool]
     ttft_miss: ColumnElement[bool]
@@ -197,7 +203,7 @@ def slo_buckets(
     def n_if(cond: ColumnElement[bool]) -> ColumnElement[Any]:
         return func.sum(case((cond, 1), else_=0))
 
-    stmt = (
+    stmt = only.apply(
         select(
             b,
             func.count().label("arrivals"),

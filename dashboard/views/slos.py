@@ -2,7 +2,9 @@
 time, and the alerts firing now and recently, each linked to "Why we missed" for its window.
 
 Headline figures come from ``store.queries.slo_summary``, the same computation the
-controller uses, so the page and the controller never disagree.
+controller uses, so the page and the controller never disagree; like the controller, the page counts
+only the records of ``controller.trusted_span_senders`` when that is set
+(``store.attribution.trusted_records``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from store.attribution import trusted_senders
 
 view = context.current()
 url = view.store_url
 slo = view.settings.slo
+SENDERS = trusted_senders(view.settings)  # forged records from other senders are not counted
 
 
 def _headline(summary: dict[str, object] | None, sample: pd.DataFrame) -> None:
@@ -114,14 +118,14 @@ def render() -> None:
     if not presence.requests:
         ui.no_data(view, "request records", None)
     else:
-        sample, step = data.request_sample(url, window.start, window.end, slo=slo)
-        summary = data.slo_summary(url, window.start, window.end, slo)
+        sample, step = data.request_sample(url, window.start, window.end, slo=slo, senders=SENDERS)
+        summary = data.slo_summary(url, window.start, window.end, slo, SENDERS)
         if sample.empty:
             ui.no_data(view, "requests", latest)
         else:
             _headline(summary, sample)
             width = window.bucket_s(60)
-            buckets = data.slo_buckets(url, window.start, window.end, width, slo)
+            buckets = data.slo_buckets(url, window.start, window.end, width, slo, SENDERS)
             left, right = st.columns(2)
             with left:
                 lat = _latency_over_time(sample, step, width, window.start)

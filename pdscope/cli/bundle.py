@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdscope.cli.bounds import WINDOW, refuse
 from pdscope.config import BundleSettings, load_settings
 
 
@@ -47,7 +48,12 @@ def _limits(args: argparse.Namespace, current: BundleSettings) -> BundleSettings
         raise BadRange(field, e.get("msg", "invalid")) from exc
 
 
+BOUNDS = {**WINDOW, "max_records": (1, 1_000_000), "max_bytes": (2**20, 2**31)}
+
+
 def run(args: argparse.Namespace) -> int:
+    if (code := refuse("bundle", args, BOUNDS)) is not None:
+        return code
     from controller.attribution import BadRange, resolve_range
     from controller.bundle import BundleError, NoData, write_bundle
     from controller.bundlepack import range_bundle_name

@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from pdscope.cli.bounds import refuse
 from pdscope.config import Settings, load_config, parse_config, resolve_config_path
 from pdscope.simconfig import DEFAULT_ADMIN_PORT
 
@@ -511,7 +512,12 @@ def _watch(stack: Stack, demo: _Demo, t0: float, stopping: dict[str, bool]) -> i
     return 0
 
 
+BOUNDS = {"rate": (0.01, 1000.0), "fault_after": (-86_400.0, 86_400.0), "duration": (1.0, 7 * 86_400.0)}
+
+
 def run(args: argparse.Namespace) -> int:
+    if (code := refuse("demo", args, BOUNDS)) is not None:
+        return code
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     try:

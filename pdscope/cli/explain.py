@@ -15,6 +15,7 @@ import sys
 import time
 from datetime import UTC, datetime
 
+from pdscope.cli.bounds import WINDOW, refuse
 from pdscope.config import load_settings
 
 
@@ -32,7 +33,12 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+BOUNDS = {**WINDOW, "misses": (0, 1000), "limit": (1, 200_000)}
+
+
 def run(args: argparse.Namespace) -> int:
+    if (code := refuse("explain", args, BOUNDS)) is not None:
+        return code
     from controller.attribution import (
         DEFAULT_RECORDS,
         MAX_RECORDS,

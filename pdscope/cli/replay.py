@@ -23,6 +23,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from pdscope.cli.bounds import WINDOW, refuse
 from pdscope.config import ConfigError, load_config, load_settings
 
 PROG = "pdscope replay"
@@ -64,6 +65,8 @@ def _candidate(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (code := refuse("replay", args, WINDOW)) is not None:
+        return code
     from controller.attribution import BadRange, resolve_range
     from controller.replay import NoTicks, ReplayError, as_dict, replay_window
     from store.db import StoreError, make_engine, session_factory, transaction

@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, refuse
 from pdscope.config import ConfigError, Settings, load_settings
 from simulator.fit import FitError, FitParams, FittedFleet, RequestObs, SnapshotObs, fit
 
@@ -537,9 +538,14 @@ def _replay(
     return figures(run.store_url, settings, run.since, run.until), run
 
 
+BOUNDS = {**WINDOW, "max_replay_s": (1.0, 86_400.0), "tolerance": (0.0, 0.99), "bucket_s": (0.1, 3600.0)}
+
+
 def _resolve(args: argparse.Namespace) -> Plan | int:
     from controller.attribution import BadRange, resolve_range
 
+    if (code := refuse("whatif", args, BOUNDS)) is not None:
+        return code
     settings = load_settings(args)
     try:
         lo, hi = resolve_range(time.time(), since=args.since, from_=args.from_, until=args.until)
@@ -549,6 +555,8 @@ def _resolve(args: argparse.Namespace) -> Plan | int:
             raise BadRange("tolerance", "must be 0 to 1")
         if not args.bucket_s > 0:
             raise BadRange("bucket-s", "must be more than 0")
+        if (hi - lo) / args.bucket_s > MAX_BUCKETS:
+            raise BadRange("bucket-s", f"{hi - lo:g} s / {args.bucket_s:g} s is over {MAX_BUCKETS} buckets")
     except BadRange as exc:
         print(f"pdscope whatif: --{exc.param}: {exc.reason}", file=sys.stderr)
         return 2

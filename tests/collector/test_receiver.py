@@ -11,10 +11,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from collector.otlp import SpanData, decode
-from collector.receiver import SpanBatcher, SpanQueue, build_app
+from collector.receiver import SpanBatcher, build_app
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import WriteResult
-from tests.collector.traces import request_spans, to_json, to_proto
+from collector.spool import Spool
+from tests.collector.traces import request_spans, take, to_json, to_proto
 from tests.support.waiting import async_wait_until
 
 PROTO = "application/x-protobuf"
@@ -32,7 +33,7 @@ class FakeSink:
         return WriteResult(len(batch))
 
 
-def _client(queue: SpanQueue, metrics: CollectorMetrics) -> httpx.AsyncClient:
+def _client(queue: Spool, metrics: CollectorMetrics) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=build_app(queue, metrics)), base_url="http://collector"
     )
@@ -61,11 +62,11 @@ async def test_accepts_protobuf_and_json_plain_and_gzip(encoding: str, gz: bool)
     if gz:
         body = gzip.compress(body)
         headers["content-encoding"] = "gzip"
-    queue, metrics = SpanQueue(100), CollectorMetrics()
+    queue, metrics = Spool.memory(100), CollectorMetrics()
     async with _client(queue, metrics) as client:
         resp = await client.post("/v1/traces", content=body, headers=headers)
     assert resp.status_code == 200
-    got = queue.take(100)
+    got = take(queue, 100)
     assert sorted(map(_key, got)) == sorted(map(_key, spans))
 
 
@@ -81,7 +82,7 @@ async def test_accepts_protobuf_and_json_plain_and_gzip(encoding: str, gz: bool)
     ],
 )
 async def test_garbage_gets_400_with_a_reason(body: bytes, headers: dict[str, str], reason: str) -> None:
-    queue, metrics = SpanQueue(100), CollectorMetrics()
+    queue, metrics = Spool.memory(100), CollectorMetrics()
     async with _client(queue, metrics) as client:
         resp = await client.post("/v1/traces", content=body, headers=headers)
     assert resp.status_code == 400
@@ -109,40 +110,44 @@ def test_short_ids_in_protobuf_cost_only_their_span() -> None:
 
 async def test_full_queue_answers_503_with_retry_after_and_keeps_what_it_has() -> None:
     # was: 200 and the oldest queued spans dropped; now the sender is told to retry (OTLP: 503 is retryable)
-    queue, metrics = SpanQueue(10), CollectorMetrics()
+    queue, metrics = Spool.memory(10), CollectorMetrics()
     first, second = request_spans(), request_spans()  # 7 spans each
     async with _client(queue, metrics) as client:
         resp = await client.post("/v1/traces", content=to_proto(first), headers={"content-type": PROTO})
         assert resp.status_code == 200
         resp = await client.post("/v1/traces", content=to_proto(second), headers={"content-type": PROTO})
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
-    assert [s.span_id for s in queue.take(100)] == [s.span_id for s in first]
+    assert [s.span_id for s in take(queue, 100)] == [s.span_id for s in first]
     text = metrics.exposition().decode()
-    assert 'pdscope_collector_otlp_requests_total{result="queue_full"} 1.0' in text
+    assert 'pdscope_collector_otlp_requests_total{result="spool_full"} 1.0' in text
+    assert 'pdscope_collector_spool_refused_spans_total{reason="spool_full"} 7.0' in text
     assert "pdscope_collector_spans_received_total 7.0" in text
 
 
-async def test_export_larger_than_the_whole_queue_keeps_the_newest_and_counts() -> None:
-    queue, metrics = SpanQueue(5), CollectorMetrics()
+async def test_an_export_larger_than_the_whole_spool_is_kept_whole_when_it_is_empty() -> None:
+    # was: the oldest spans dropped to make room (200, then lost); an empty spool takes any one batch
+    queue, metrics = Spool.memory(5), CollectorMetrics()
     spans = request_spans()  # 7 spans
     async with _client(queue, metrics) as client:
         resp = await client.post("/v1/traces", content=to_proto(spans), headers={"content-type": PROTO})
     assert resp.status_code == 200
-    assert [s.span_id for s in queue.take(100)] == [s.span_id for s in spans[2:]]
-    assert 'pdscope_collector_spans_dropped_total{reason="queue_full"} 2.0' in metrics.exposition().decode()
+    assert [s.span_id for s in take(queue, 100)] == [s.span_id for s in spans]
+    assert "pdscope_collector_spans_dropped_total" not in metrics.exposition().decode().replace(
+        "# HELP pdscope_collector_spans_dropped_total", ""
+    ).replace("# TYPE pdscope_collector_spans_dropped_total", "")
 
 
 async def test_batcher_writes_in_batches_and_flushes_at_stop() -> None:
-    queue, metrics, sink = SpanQueue(1000), CollectorMetrics(), FakeSink()
+    queue, metrics, sink = Spool.memory(1000), CollectorMetrics(), FakeSink()
     batcher = SpanBatcher(queue, sink, metrics, batch_size=10, flush_s=0.05)
     stop = asyncio.Event()
     task = asyncio.create_task(batcher.run(stop))
     for _ in range(5):
-        queue.put(request_spans())  # 35 spans
+        queue.append(request_spans())  # 35 spans
     await async_wait_until(
         "the 35 spans written while running", lambda: sum(len(b) for b in sink.batches) == 35
     )
-    queue.put(request_spans()[:3])
+    queue.append(request_spans()[:3])
     stop.set()
     await asyncio.wait_for(task, timeout=5)
     assert sum(len(b) for b in sink.batches) == 38
@@ -151,15 +156,15 @@ async def test_batcher_writes_in_batches_and_flushes_at_stop() -> None:
 
 
 async def test_sink_failure_is_counted_not_raised() -> None:
-    queue, metrics, sink = SpanQueue(100), CollectorMetrics(), FakeSink(fail=True)
-    queue.put(request_spans())
+    queue, metrics, sink = Spool.memory(100), CollectorMetrics(), FakeSink(fail=True)
+    queue.append(request_spans())
     await SpanBatcher(queue, sink, metrics).flush()
     text = metrics.exposition().decode()
     assert 'pdscope_collector_spans_dropped_total{reason="store_error"} 7.0' in text
 
 
 async def test_metrics_and_healthz() -> None:
-    queue, metrics = SpanQueue(10), CollectorMetrics()
+    queue, metrics = Spool.memory(10), CollectorMetrics()
     async with _client(queue, metrics) as client:
         assert (await client.get("/healthz")).json()["status"] == "ok"
         resp = await client.get("/metrics")
@@ -204,7 +209,7 @@ async def test_large_export_is_decoded_off_the_event_loop() -> None:
     spans = [s for _ in range(400) for s in request_spans()]
     body = to_proto(spans)
     assert len(body) > THREAD_DECODE_BYTES
-    queue, metrics = SpanQueue(10_000), CollectorMetrics()
+    queue, metrics = Spool.memory(10_000), CollectorMetrics()
     async with _client(queue, metrics) as client:
         resp = await client.post("/v1/traces", content=body, headers={"content-type": PROTO})
     assert resp.status_code == 200 and len(queue) == len(spans)

@@ -14,10 +14,11 @@ from sqlalchemy import select
 
 from collector.assemble import MAX_TOKENS, Routing, assemble, routing
 from collector.otlp import SpanData
-from collector.receiver import SpanBatcher, SpanQueue
+from collector.receiver import SpanBatcher
 from collector.record import AssembledRecord
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import StoreSink, WriteResult
+from collector.spool import Spool
 from pdscope import semconv as sc
 from pdscope.config import LatencySLO, SLOSettings
 from store.db import make_engine, session_factory
@@ -181,8 +182,8 @@ class _DroppingSink:
 
 
 def test_the_collector_exposes_the_dropped_attributes_by_key() -> None:
-    queue, metrics = SpanQueue(10), CollectorMetrics()
-    queue.put(request_spans(t0=T0))
+    queue, metrics = Spool.memory(10), CollectorMetrics()
+    queue.append(request_spans(t0=T0))
     asyncio.run(SpanBatcher(queue, _DroppingSink(), metrics).flush())
     text = metrics.exposition().decode()
     assert f'pdscope_collector_record_attributes_dropped_total{{attribute="{sc.PREFIX_KEY}"}} 2.0' in text

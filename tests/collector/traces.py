@@ -13,6 +13,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
 from collector.otlp import SpanData, SpanEvent
+from collector.spool import Spool
 from pdscope import semconv as sc
 
 
@@ -283,3 +284,11 @@ def to_json(spans: Sequence[SpanData]) -> bytes:
             }
         )
     return json.dumps({"resourceSpans": resource_spans}).encode()
+
+
+def take(spool: Spool, n: int = 1_000_000) -> list[SpanData]:
+    """The oldest spooled spans (whole batches, up to ``n`` spans), taken out of the spool."""
+    batch = spool.peek(n)
+    spans = [s for e in batch for s in (e.spans or ())]
+    spool.ack(batch)
+    return spans

@@ -21,6 +21,7 @@ from controller.leader import (
     NotLeader,
     PgAdvisoryLock,
     SoleLeader,
+    lock_path_for,
     open_leadership,
 )
 from controller.loop import Reconciler
@@ -261,7 +262,7 @@ def test_the_sqlite_file_lock_names_its_holder_and_is_released(tmp_path: Path) -
     first = FileLock(db, "ctl-a:8300 (pid 1)")
     with pytest.raises(AlreadyRunning) as err:
         FileLock(db, "ctl-b:8300")
-    assert str(tmp_path / "s.db.controller.lock") in err.value.detail and "ctl-a:8300" in err.value.detail
+    assert str(lock_path_for(db)) in err.value.detail and "ctl-a:8300" in err.value.detail
     assert first.held() and first.acquire()
     first.release()
     assert not first.held()

@@ -178,3 +178,24 @@ def test_unattributed_expiries_are_the_p_counter_less_the_attributed_ones() -> N
     assert ev.unattributed_expiries("prefill", Scrapes(increases={"nixl_kv_expired_reqs": 5.0}), tally) == 3
     assert ev.unattributed_expiries("prefill", Scrapes(increases={"nixl_kv_expired_reqs": 1.0}), tally) == 0
     assert ev.unattributed_expiries("decode", Scrapes(increases={"nixl_kv_expired_reqs": 5.0}), None) == 0
+
+
+def test_an_expiry_explained_by_a_request_d_refused_as_invalid_is_evidence_against_nobody() -> None:
+    t = ev.WindowTally({}, now=10.0)
+    entries = [{"to_ts": 5.0, "d_instance": "d0", "p_instance": "p0"}]
+    t.charge_lease_expiries("d0", 5.0, entries, since=0.0, until=10.0, invalid=True)
+    t.charge_lease_expiries("d0", 5.0, None, since=0.0, until=10.0, invalid=True)  # no detail: nobody
+    assert t.instances["d0"].lease_charged == 0 and t.instances["p0"].lease_on_p == 0
+    p0 = t.instances["p0"]
+    assert p0.lease_refused == 1
+    window = Scrapes(increases={"nixl_kv_expired_reqs": 1.0}, seconds=60.0, expired_leases_per_min=1.0)
+    sig = ev.instance_signals("p0", "P", "prefill", CFG, window, None, None, p0, None)
+    assert sig.unattributed_lease_expiries == 0  # explained, not a mystery on P
+    assert sig.expired_leases_per_min == 0.0  # nothing for the KVLeaseExpired alert
+    d0 = ev.instance_signals("d0", "D", "decode", CFG, Scrapes(), None, None, t.instances["d0"], None)
+    assert d0.lease_expiry_suspects == 0
+    two = Scrapes(increases={"nixl_kv_expired_reqs": 2.0}, seconds=60.0, expired_leases_per_min=2.0)
+    assert (
+        ev.instance_signals("p0", "P", "prefill", CFG, two, None, None, p0, None).expired_leases_per_min
+        == 1.0
+    )

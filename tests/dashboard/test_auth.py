@@ -157,6 +157,8 @@ def test_clean_identity() -> None:
     assert auth.clean_identity("Jose\u0301") == "Jos\u00e9"  # NFC
     assert auth.clean_identity("a\r\nX-Evil: 1") == "aX-Evil: 1"
     assert len(auth.clean_identity("é" * 100) or "") == auth.MAX_IDENTITY_CHARS
+    for blank in ("\u3164", "\u2800", "\u200b\u202e", "\u0301\u0301"):  # nothing visible: read-only
+        assert auth.clean_identity(blank) is None, repr(blank)
 
 
 MINIMAL = """model: {name: tiny, kv_bytes_per_token: 1024}

@@ -37,7 +37,14 @@ COMPOSE = DEPLOY / "compose"
 K8S_VERSION = "1.30.0"
 # Secrets the operator creates (documented in deploy/k8s/pdscope.yaml); never committed.
 EXTERNAL_SECRETS = {
-    "pdscope-secrets": {"api-token", "db-password", "hf-token", "otlp-proxy-token", "otlp-vllm-token"}
+    "pdscope-secrets": {
+        "api-token",
+        "db-password",
+        "hf-token",
+        "otlp-proxy-token",
+        "otlp-vllm-token",
+        "proxy-secret",
+    }
 }
 WORKLOADS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
 
@@ -653,10 +660,11 @@ def _controller_paths() -> set[str]:
 
 
 def _collector_paths() -> set[str]:
-    from collector.receiver import SpanQueue, build_app
+    from collector.receiver import build_app
     from collector.selfmetrics import CollectorMetrics
+    from collector.spool import Spool
 
-    app = build_app(SpanQueue(10), CollectorMetrics())
+    app = build_app(Spool.memory(10), CollectorMetrics())
     return {route.path for route in app.routes}  # type: ignore[attr-defined]
 
 

@@ -114,6 +114,8 @@ def test_the_vllm_encoding_is_an_array_batch_of_tagged_map_events() -> None:
         ["BlockStored", [1], None, [-1] * 16, 16],  # a negative token
         ["BlockStored", [1], None, ["a"] * 16, 16],
         ["BlockRemoved", "not-a-list"],
+        ["BlockRemoved", list(range(65_537))],  # more hashes than one event may carry
+        ["BlockStored", [1], None, list(range(4097)), 4097],  # a block over 4,096 tokens
         {"no": "type"},
         42,
     ],
@@ -133,6 +135,7 @@ def test_a_bad_event_is_skipped_and_counted_the_rest_kept(event: object) -> None
         (msgpack.packb([float("nan"), []]), "shape"),
         (msgpack.packb([1.0, "events"]), "shape"),
         (b"\x00" * (16 * 2**20 + 1), "size"),
+        (msgpack.packb([1.0, [42] * 100_001]), "size"),  # more events than one batch may carry
     ],
 )
 def test_an_unreadable_batch_is_a_bad_message_with_its_reason(payload: bytes, reason: str) -> None:
@@ -178,3 +181,11 @@ def test_seq_tracker_sees_gaps_restarts_and_duplicates() -> None:
     assert t.see(10) == "duplicate" and t.expected == 11
     assert t.see(0) == "restart" and t.restarts == 1
     assert t.see(1) == "ok"
+
+
+def test_the_payload_bound_is_the_callers_when_lower() -> None:
+    payload = msgpack.packb([1.0, [["BlockRemoved", [1]]] * 100])
+    assert len(decode_batch(payload).events) == 100
+    with pytest.raises(BadMessage) as err:
+        decode_batch(payload, max_bytes=len(payload) - 1)
+    assert err.value.reason == "size"

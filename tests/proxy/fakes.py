@@ -52,6 +52,9 @@ class FakeVLLM:
     no_done: bool = False
     serves_plain: bool = False
     cached_tokens: int | None = None
+    model: str = "fake"  # what GET /v1/models lists, with max_model_len
+    max_model_len: int = 4096
+    models_status: int = 200  # GET /v1/models answers this status (200: the model list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     aborted: int = 0
     finished: int = 0
@@ -62,8 +65,29 @@ class FakeVLLM:
             routes=[
                 Route("/v1/completions", self._handle, methods=["POST"]),
                 Route("/v1/chat/completions", self._handle, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/version", self._version, methods=["GET"]),
             ]
         )
+
+    async def _models(self, request: Request) -> Response:
+        """vLLM's /v1/models shape (``vllm/entrypoints/openai``: a list of model cards)."""
+        if self.models_status != 200:
+            return JSONResponse({"detail": "Not Found"}, status_code=self.models_status)
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": 1700000000,
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [],
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": "0.32.0"})
 
     async def _handle(self, request: Request) -> Response:
         body = await request.json()

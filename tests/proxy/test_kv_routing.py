@@ -281,3 +281,25 @@ async def test_precise_mode_runs_the_subscriber_for_the_instances_with_events() 
     finally:
         await app.shutdown()
     assert not sub.alive
+
+
+def test_the_kv_hit_checks_are_read_at_scrape() -> None:
+    """The approximate/precise view's own health: each prediction checked against what the instance
+    reported (``proxy.kvtrust``), per instance and verdict, on the proxy's /metrics."""
+    from proxy.kvtrust import HitCheck
+
+    m = ProxyMetrics()
+    p, d = fleet(1, 1)
+    pp = proxy_for(p, d, None).parts
+    check = HitCheck(BLOCK)
+    m.watch(LiveSources(pp.routing, pp.admission, pp.selector, pp.budget, None, pp.clock, None, check))
+    check.observe("p0", 4 * BLOCK, 4 * BLOCK, 1.0)
+    for t in range(3):
+        check.observe("p1", 8 * BLOCK, 0, 2.0 + t)
+    got = {
+        (inst, v): m.registry.get_sample_value(
+            "pdscope_proxy_kv_hit_checks_total", {"instance": inst, "verdict": v}
+        )
+        for inst, v in (("p0", "hit"), ("p1", "miss"), ("p1", "distrusted"))
+    }
+    assert got == {("p0", "hit"): 1.0, ("p1", "miss"): 3.0, ("p1", "distrusted"): 1.0}

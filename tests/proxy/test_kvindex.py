@@ -107,3 +107,26 @@ def test_blocks_stored_after_a_clear_in_the_same_batch_count() -> None:
     batch = Batch(2.0, (AllBlocksCleared(), BlockStored((5,), None, tuple(PROMPT[:4]), BS)))
     assert idx.apply("p0", batch).cleared == 1
     assert idx.blocks("p0") == 1 and idx.match(chain_keys(PROMPT, BS)) == {"p0": 4}
+
+
+def test_an_instance_flooding_the_index_evicts_its_own_entries_not_others() -> None:
+    """The fleet-wide bound takes from the instance holding the most (was: the least recently
+    stored fleet-wide, so a flood of forged blocks from one instance evicted every other's)."""
+    idx = PrefixIndex(BS, 10)
+    idx.apply("p0", stored([1, 2], PROMPT[:8]))
+    for i in range(100):  # one instance stores 100 unrelated blocks
+        idx.apply("p1", Batch(1.0, (BlockStored((1000 + i,), None, (9000 + i,) * BS, BS),)))
+    assert idx.blocks("p0") == 2 and idx.blocks("p1") == 8 and len(idx) == 10
+    assert idx.match(chain_keys(PROMPT, BS))["p0"] == 8 and idx.evicted == 92
+
+
+def test_a_distrusted_instance_gets_no_credit_and_a_rebuild_does_not_end_it() -> None:
+    idx = PrefixIndex(BS, 1000)
+    idx.apply("p0", stored([1, 2], PROMPT[:8]))
+    idx.distrusted = {"p0"}
+    assert idx.match(chain_keys(PROMPT, BS)) == {} and "p0" in idx.stale
+    idx.clear("p0")
+    idx.apply("p0", stored([1, 2], PROMPT[:8]))
+    assert idx.match(chain_keys(PROMPT, BS)) == {}
+    idx.distrusted = set()
+    assert idx.match(chain_keys(PROMPT, BS)) == {"p0": 8}

@@ -4,12 +4,13 @@ stream goes wrong -- garbage, gaps with and without a replay, a publisher that r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
 
-from pdscope.kvevents import END_SEQ, Batch, BlockStored, encode_batch, encode_message
+from pdscope.kvevents import END_SEQ, MAX_PAYLOAD_BYTES, Batch, BlockStored, encode_batch, encode_message
+from proxy import kvsubscriber
 from proxy.kvindex import PrefixIndex, chain_keys
 from proxy.kvsubscriber import KvEventsSubscriber, Source
 from tests.support.sockets import free_port
@@ -31,6 +32,16 @@ def make(replay: str | None = None) -> tuple[KvEventsSubscriber, PrefixIndex]:
     index = PrefixIndex(BS, 10_000)
     sub = KvEventsSubscriber([Source("p0", "tcp://127.0.0.1:9", replay)], index, threading.Lock())
     return sub, index
+
+
+def settle(sub: KvEventsSubscriber) -> None:
+    """Drive the subscriber's poll (no thread in these tests) until no replay runs."""
+
+    def ended() -> bool:
+        sub.step(20)
+        return not sub.replays.by_instance
+
+    wait_until("the replays to end", ended, timeout_s=30, every_s=0)
 
 
 def cached(index: PrefixIndex, n_blocks: int) -> int:
@@ -125,6 +136,7 @@ def test_a_gap_is_replayed_from_the_replay_socket(
     sub.receive("p0", encode_message("", 0, block(0)))
     sub.receive("p0", encode_message("", 1, block(1, 0)))
     sub.receive("p0", encode_message("", 5, block(5, 4)))  # 2..4 lost, and replayed
+    settle(sub)
     assert asked == [2] and sub.counts.replays[("p0", "ok")] == 1
     assert sub.counts.rebuilds["p0"] == 0 and cached(index, 6) == 24
 
@@ -139,6 +151,7 @@ def test_a_replay_that_cannot_give_the_gap_rebuilds(
     sub.receive("p0", encode_message("", 0, block(0)))
     sub.receive("p0", encode_message("", 1, block(1, 0)))
     sub.receive("p0", encode_message("", 4, block(4, 3)))
+    settle(sub)
     assert sub.counts.replays[("p0", "failed")] == 1 and sub.counts.rebuilds["p0"] == 1
 
 
@@ -146,6 +159,7 @@ def test_a_replay_socket_that_does_not_answer_rebuilds_within_the_timeout() -> N
     sub, _ = make(replay=f"tcp://127.0.0.1:{free_port()}")
     sub.receive("p0", encode_message("", 0, block(0)))
     sub.receive("p0", encode_message("", 3, block(3)))
+    settle(sub)
     assert sub.counts.replays[("p0", "failed")] == 1 and sub.counts.rebuilds["p0"] == 1
 
 
@@ -219,6 +233,7 @@ def test_the_first_message_heard_is_preceded_by_what_the_buffer_holds(
     for i in range(5):
         buffer[i] = encode_batch(block(i, i - 1 if i else None))
     sub.receive("p0", encode_message("", 5, block(5, 4)))
+    settle(sub)
     assert asked == [0] and sub.counts.replays[("p0", "catch_up")] == 1
     assert cached(index, 6) == 24 and sub.counts.gaps["p0"] == 0 and sub.counts.rebuilds["p0"] == 0
 
@@ -234,6 +249,7 @@ def test_a_catch_up_applies_only_the_run_that_ends_just_before_the_first_message
     buffer[3] = encode_batch(block(10))  # a new root chain, stored after the hole
     buffer[4] = encode_batch(block(11, 10))
     sub.receive("p0", encode_message("", 5, block(12, 11)))
+    settle(sub)
     assert sub.counts.replays[("p0", "catch_up")] == 1
     assert index.blocks("p0") == 3  # 10, 11, 12; not 1 (before the hole)
     chain = list(range(40, 52))  # block 10's tokens, then 11's and 12's
@@ -244,4 +260,123 @@ def test_a_catch_up_applies_only_the_run_that_ends_just_before_the_first_message
 def test_a_catch_up_that_fails_starts_from_the_first_message() -> None:
     sub, index = make(replay=f"tcp://127.0.0.1:{free_port()}")  # nothing answers
     sub.receive("p0", encode_message("", 9, block(0)))
+    settle(sub)
     assert sub.counts.replays[("p0", "failed")] == 1 and index.blocks("p0") == 1
+
+
+@pytest.fixture
+def silent_replay() -> Iterator[tuple[str, zmq.Socket[bytes]]]:
+    """A ROUTER replay socket that takes the question and never answers."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}", sock
+    sock.close(0)
+
+
+def _publish_until(pub: zmq.Socket[bytes], frames: list[bytes], seen: Callable[[], bool]) -> None:
+    """A SUB socket misses what was sent before it joined: send until the subscriber has it."""
+
+    def sent_and_seen() -> bool:
+        pub.send_multipart(frames)
+        return seen()
+
+    wait_until("the subscriber to read it", sent_and_seen, timeout_s=30, every_s=0.05)
+
+
+def test_a_silent_replay_on_one_instance_never_delays_another_s_events(
+    silent_replay: tuple[str, zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's gap is asked of a replay socket that never answers; B's events are applied while A's
+    replay is still pending (was: the one thread waited out A's replay before reading B)."""
+    monkeypatch.setattr(kvsubscriber, "REPLAY_TIMEOUT_S", 120.0)  # A's replay outlives the test
+    url, router = silent_replay
+    ctx = zmq.Context.instance()
+    pubs = {name: ctx.socket(zmq.PUB) for name in ("A", "B")}
+    ports = {name: pub.bind_to_random_port("tcp://127.0.0.1") for name, pub in pubs.items()}
+    index, lock = PrefixIndex(BS, 10_000), threading.Lock()
+    sub = KvEventsSubscriber(
+        [Source("A", f"tcp://127.0.0.1:{ports['A']}", url), Source("B", f"tcp://127.0.0.1:{ports['B']}")],
+        index,
+        lock,
+    )
+    sub.start()
+    try:
+        _publish_until(pubs["A"], encode_message("", 0, block(0)), lambda: sub.counts.messages["A"] > 0)
+        pubs["A"].send_multipart(encode_message("", 5, block(5)))  # 1..4 lost: A's replay is asked
+        wait_until("A's replay to be asked", lambda: router.poll(0), timeout_s=30)
+        with lock:
+            b_before = index.blocks("B")
+        assert b_before == 0
+        _publish_until(pubs["B"], encode_message("", 0, block(7)), lambda: sub.counts.messages["B"] > 0)
+        wait_until("B's event applied", lambda: index.blocks("B") == 1, timeout_s=30)
+        assert "A" in sub.replays.by_instance and sub.counts.replays[("A", "failed")] == 0
+        assert "A" in index.stale and "B" not in index.stale  # A's view has a hole: no credit meanwhile
+        assert index.blocks("A") == 1  # A's own message after the gap waits for its replay
+    finally:
+        sub.stop()
+        for pub in pubs.values():
+            pub.close(0)
+
+
+def test_a_message_over_the_size_bound_never_arrives_and_is_counted() -> None:
+    """17 MiB where the bound is 16 MiB: ZMQ cuts the connection before reading it (MAXMSGSIZE);
+    it is never decoded (was: received whole, then dropped as ``size``), and the cut is counted."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index, lock = PrefixIndex(BS, 10_000), threading.Lock()
+    sub = KvEventsSubscriber([Source("p0", f"tcp://127.0.0.1:{port}")], index, lock)
+    sub.start()
+    try:
+        _publish_until(pub, encode_message("", 0, block(0)), lambda: sub.counts.messages["p0"] > 0)
+        assert sub.counts.dropped[("p0", "disconnected")] == 0
+        pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\x00" * (MAX_PAYLOAD_BYTES + 2**20)])
+        wait_until("the cut", lambda: sub.counts.dropped[("p0", "disconnected")] >= 1, timeout_s=30)
+        # the publisher is read again after ZMQ reconnects; the oversized message never arrived
+        _publish_until(pub, encode_message("", 2, block(1)), lambda: sub.counts.gaps["p0"] > 0)
+        assert sub.counts.dropped[("p0", "size")] == 0  # seq 1 never arrived: it shows as a gap
+        assert sub.counts.missed["p0"] == 1 and sub.counts.loop_errors == 0
+    finally:
+        sub.stop()
+        pub.close(0)
+
+
+def test_a_failed_replay_is_not_asked_again_until_its_backoff_ends() -> None:
+    """Nothing answers: the first gap's replay fails; the next gap, within the backoff, is not asked
+    (counted ``backoff``; rebuilt at once); after the backoff it is asked again."""
+    now = [0.0]
+    index = PrefixIndex(BS, 10_000)
+    sub = KvEventsSubscriber(
+        [Source("p0", "tcp://127.0.0.1:9", f"tcp://127.0.0.1:{free_port()}")],
+        index,
+        threading.Lock(),
+        replay_timeout_s=0.05,
+        monotonic=lambda: now[0],
+    )
+    sub.receive("p0", encode_message("", 0, block(0)))
+    sub.receive("p0", encode_message("", 3, block(3)))
+    now[0] += 1.0  # past the replay's deadline
+    settle(sub)
+    assert sub.counts.replays[("p0", "failed")] == 1 and sub.counts.rebuilds["p0"] == 1
+    sub.receive("p0", encode_message("", 6, block(6)))  # within the backoff (1 s)
+    assert sub.counts.replays[("p0", "backoff")] == 1 and sub.counts.rebuilds["p0"] == 2
+    assert not sub.replays.by_instance
+    now[0] += 1.5
+    sub.receive("p0", encode_message("", 9, block(9)))
+    assert "p0" in sub.replays.by_instance
+    sub.replays.close()
+
+
+def test_messages_held_during_a_replay_are_bounded_and_counted() -> None:
+    sub = KvEventsSubscriber(
+        [Source("p0", "tcp://127.0.0.1:9", f"tcp://127.0.0.1:{free_port()}")],
+        PrefixIndex(BS, 10_000),
+        threading.Lock(),
+        queue_max=3,
+    )
+    sub.receive("p0", encode_message("", 0, block(0)))
+    for seq in range(5, 12):  # the gap's replay runs (nothing answers): these are held
+        sub.receive("p0", encode_message("", seq, block(seq)))
+    assert len(sub.replays.by_instance["p0"].held) == 3
+    assert sub.counts.dropped[("p0", "held_overflow")] == 4
+    sub.replays.close()

@@ -90,15 +90,16 @@ def test_unreachable_keeps_the_part_then_falls_back_to_the_divided_config_never_
     assert state.state == "fallback" and state.view.limits["prefill"].max_inflight_requests == 30
 
 
-def test_a_refused_report_is_logged_once_and_counts_as_a_failed_poll(
+def test_a_refused_report_is_logged_once_and_drops_the_part(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     state = _state()
     state.on_table(_table(_share("me:1", 40)), '"1"', now=1.0)
     for t in (2.0, 3.0):
-        state.on_refused("proxy id 'me:1' is in use by another process", now=t)
-    assert state.state == "static" and state.poll_failures == 2
-    assert [r.levelname for r in caplog.records if "refused" in r.getMessage()] == ["ERROR"]
+        state.on_refused(f"proxy id 'me:1' is in use by another process ({t} s)", now=t)
+    # the poller then fetches the table without the report (tests/proxy/test_routing_refusals.py)
+    assert state.share is None and state.poll_failures == 0
+    assert [r.levelname for r in caplog.records if "in use" in r.getMessage()] == ["ERROR"]
 
 
 async def test_the_poller_reports_itself_and_fails_over_to_the_next_controller(

@@ -190,7 +190,9 @@ def test_a_body_that_is_not_json_or_not_an_object_is_a_400(fleet: RunningFleet, 
 def test_a_prompt_over_the_context_is_refused(fleet: RunningFleet, client: httpx.Client) -> None:
     long_prompt = " ".join(["w"] * (MAX_MODEL_LEN + 1))
     r = post(client, fleet, "/v1/completions/render", {"prompt": long_prompt})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert (
+        r.status_code == 400 and r.json()["error"]["param"] == "input_tokens"
+    )  # vLLM 0.32 names the prompt: input_tokens
 
 
 # -- the pure function ---------------------------------------------------------------------
@@ -249,3 +251,28 @@ def test_sampling_params_refuse_a_negative_logprobs() -> None:
     with pytest.raises(RenderError) as exc:
         sampling_params({"logprobs": -1}, 5, False)
     assert exc.value.param == "logprobs"
+
+
+@pytest.mark.parametrize(
+    ("prompt_words", "max_tokens", "want"),
+    [
+        # vLLM 0.32 (get_max_tokens): prompt + max_tokens past the context is cut to the room left
+        (10, MAX_MODEL_LEN - 5, "clamped"),
+        (10, 5, 5),
+        # max_tokens alone past the context, or a prompt that fills it: 400 naming the field
+        (10, MAX_MODEL_LEN + 1, "max_tokens"),
+        (MAX_MODEL_LEN, 5, "input_tokens"),
+    ],
+)
+def test_the_context_is_checked_as_vllm_does(prompt_words: int, max_tokens: int, want: int | str) -> None:
+    body = {"prompt": " ".join(["w"] * prompt_words), "max_tokens": max_tokens}
+    prompt_len = len(prompt_ids_of(body, False))
+    if want in ("max_tokens", "input_tokens"):
+        with pytest.raises(RenderError) as exc:
+            render(body, False, "m", MAX_MODEL_LEN, prompt_ids_of)
+        assert exc.value.param == want
+        return
+    got = render(body, False, "m", MAX_MODEL_LEN, prompt_ids_of)
+    assert isinstance(got, list)
+    expect = MAX_MODEL_LEN - prompt_len if want == "clamped" else want
+    assert got[0]["sampling_params"]["max_tokens"] == expect
