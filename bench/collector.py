@@ -59,7 +59,7 @@ from collector.scraper import PerOriginTransport, Scraper, ScrapeResult  # noqa:
 from collector.signals import Signals, from_page  # noqa: E402
 from collector.sink import EVENTS_KEY, StoreSink, WriteResult, span_row  # noqa: E402
 from collector.snapshot_store import SnapshotStore  # noqa: E402
-from collector.targets import Target  # noqa: E402
+from collector.targets import ScrapeTarget  # noqa: E402
 from pdscope.config import SLOSettings  # noqa: E402
 from store.db import make_engine, session_factory, transaction  # noqa: E402
 from store.migrate import upgrade  # noqa: E402
@@ -123,7 +123,7 @@ async def scrape_store_cpu(
     upgrade(db_url)
     store = SnapshotStore(session_factory(make_engine(db_url)))
     targets = [
-        Target(
+        ScrapeTarget(
             f"i{i}",
             "pd",
             "decode" if i % 2 else "prefill",

@@ -1,6 +1,6 @@
 """What one controller tick costs, by fleet size, on a seeded SQLite store.
 
-For each fleet size it seeds a store with ``dashboard/seed.py`` (a third of the instances
+For each fleet size it seeds a store with ``devdata/seed.py`` (a third of the instances
 prefill, the rest decode; ``--history-s`` of history at ``--rate`` requests per second per
 instance, scraped every ``--scrape-s``), then runs the controller's real tick
 (``controller.loop.Reconciler.tick``: observe the window, decide, persist) ``--ticks`` times
@@ -46,7 +46,8 @@ from sqlalchemy import select  # noqa: E402
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
 from controller.ticklog import decode_payload, encode  # noqa: E402
-from dashboard.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
+from controller.wiring import default_effects  # noqa: E402
+from devdata.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
 from pdscope.config import parse_config  # noqa: E402
 from store.db import make_engine, session_factory  # noqa: E402
 from store.models import RequestRecord, Snapshot  # noqa: E402
@@ -121,7 +122,12 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # the clock starts one window before the end and advances an interval per tick
     start = end - args.ticks * interval
     clock_now = [start]
-    rec = Reconciler(settings, factory, clock=lambda: clock_now[0])
+    rec = Reconciler(
+        settings,
+        factory,
+        effects=default_effects(settings, factory, clock=lambda: clock_now[0]),
+        clock=lambda: clock_now[0],
+    )
     ticks: list[float] = []
     for i in range(args.ticks + 1):  # the first tick also loads the stored state: not counted
         clock_now[0] = start + i * interval

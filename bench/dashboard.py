@@ -49,7 +49,7 @@ from sqlalchemy import text  # noqa: E402
 from dashboard import data, prefix, summaries  # noqa: E402
 from dashboard.context import engine_for  # noqa: E402
 from dashboard.queries.common import Window  # noqa: E402
-from dashboard.seed import SeedSpec, bulk_seed_postgres, seed_store  # noqa: E402
+from devdata.seed import SeedSpec, bulk_seed_postgres, seed_store  # noqa: E402
 from pdscope.config import SLOSettings  # noqa: E402
 from store.db import make_engine  # noqa: E402
 from store.migrate import upgrade  # noqa: E402

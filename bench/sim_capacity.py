@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pdscope.stats import percentile  # noqa: E402
-from simulator.loadgen import Target, run_load  # noqa: E402
+from simulator.loadgen import LoadTarget, run_load  # noqa: E402
 from simulator.workload import LengthDist, plan, summarize  # noqa: E402
 
 
@@ -133,7 +133,7 @@ def main() -> int:
         time.sleep(2.0)
         idle = lag(admin)
         idle_p99 = max(idle["loop_lag_p99_s"], 1e-4)
-        target = Target(
+        target = LoadTarget(
             False,
             "sim-llama-70b",
             None,

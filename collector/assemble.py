@@ -261,59 +261,96 @@ def _vllm_num(span: SpanData | None, key: str) -> float | None:
     return _num(span.attributes, key) if span is not None else None
 
 
+def _first_token(t: _Trace, root: SpanData) -> float | None:
+    """The first token: the decode span's event, the root's, D's vLLM TTFT, the handoff's end, or the
+    timestamp the root carries (a record from the root alone), the first that says."""
+    first_token = _event_ts(t.decode, sc.EVENT_FIRST_TOKEN) or _event_ts(root, sc.EVENT_FIRST_TOKEN)
+    d_ttft = _vllm_num(t.d_llm, sc.GEN_AI_TTFT)
+    if first_token is None and t.d_llm is not None and d_ttft is not None:
+        first_token = t.d_llm.start_ts + d_ttft
+    if first_token is None and t.handoff is not None and t.handoff.end_ts > t.handoff.start_ts:
+        first_token = t.handoff.end_ts
+    if first_token is None:
+        first_token = _unix_ns(root.attributes, sc.FIRST_TOKEN_NS)
+    return first_token
+
+
+def _p_done(t: _Trace, ra: dict[str, Any]) -> float | None:
+    """P done: the prefill span's end, the handoff's start, or the timestamp the root carries."""
+    if t.prefill:
+        return t.prefill.end_ts
+    if t.handoff is not None:
+        return t.handoff.start_ts
+    return _unix_ns(ra, sc.P_DONE_NS)
+
+
+def _outcome(root: SpanData) -> str:
+    outcome = root.attributes.get(sc.OUTCOME)
+    if not isinstance(outcome, str) or outcome not in sc.OUTCOMES:
+        return "error" if root.status_code == STATUS_ERROR else "ok"
+    return outcome
+
+
+def _tokens(t: _Trace, ra: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens: from D's vLLM span, else P's (prompt), else the proxy's (the usage)."""
+    prompt = _int(t.d_llm.attributes, sc.GEN_AI_PROMPT_TOKENS) if t.d_llm else None
+    if prompt is None and t.p_llm is not None:
+        prompt = _int(t.p_llm.attributes, sc.GEN_AI_PROMPT_TOKENS)
+    if prompt is None:  # no vLLM span: what the proxy read from P's usage
+        prompt = _int(ra, sc.PROMPT_TOKENS)
+    completion = _int(t.d_llm.attributes, sc.GEN_AI_COMPLETION_TOKENS) if t.d_llm else None
+    if completion is None:
+        completion = _int(ra, sc.COMPLETION_TOKENS)
+    return prompt, completion
+
+
+def _tpot(
+    completion_tokens: int | None, first_token: float | None, done: float | None, d_decode: float | None
+) -> float | None:
+    """Time per output token: first token to done over the tokens after the first, else vLLM's decode."""
+    if completion_tokens is None or completion_tokens <= 1:
+        return None
+    if first_token is not None and done is not None:
+        return max(0.0, done - first_token) / (completion_tokens - 1)
+    if d_decode is not None:
+        return d_decode / (completion_tokens - 1)
+    return None
+
+
+def _kv_size(ra: dict[str, Any], handoff: SpanData | None) -> tuple[int | None, int | None]:
+    """(blocks, bytes) of the KV handed off: the root's, else the handoff span's."""
+    blocks = (
+        _int(ra, sc.KV_BLOCKS)
+        if sc.KV_BLOCKS in ra
+        else (_int(handoff.attributes, sc.KV_BLOCKS) if handoff else None)
+    )
+    size = (
+        _int(ra, sc.KV_BYTES, _INT64)
+        if sc.KV_BYTES in ra
+        else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)
+    )
+    return blocks, size
+
+
 def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | None:
     """The record for one trace's spans, or None while the proxy's root span is missing."""
     t = _Trace(spans)
     root = t.root
-    if root is None:
+    if root is None or not math.isfinite(root.start_ts):
         return None
     ra = root.attributes
     prefill, decode, handoff, p_llm, d_llm = t.prefill, t.decode, t.handoff, t.p_llm, t.d_llm
     request_id = _str(ra.get(sc.REQUEST_ID), 128) or root.trace_id
-
     proxy_in = root.start_ts
-    if not math.isfinite(proxy_in):
-        return None
     done = root.end_ts if root.end_ts >= root.start_ts else None
-    p_sent = prefill.start_ts if prefill else _unix_ns(ra, sc.P_SENT_NS)
-    p_done = prefill.end_ts if prefill else None
-    d_sent = decode.start_ts if decode else _unix_ns(ra, sc.D_SENT_NS)
-    first_token = _event_ts(decode, sc.EVENT_FIRST_TOKEN) or _event_ts(root, sc.EVENT_FIRST_TOKEN)
-    d_ttft = _vllm_num(d_llm, sc.GEN_AI_TTFT)
-    if first_token is None and d_llm is not None and d_ttft is not None:
-        first_token = d_llm.start_ts + d_ttft
-    if first_token is None and handoff is not None and handoff.end_ts > handoff.start_ts:
-        first_token = handoff.end_ts
-    if first_token is None:  # no child says: what the root carries (a record from the root alone)
-        first_token = _unix_ns(ra, sc.FIRST_TOKEN_NS)
-    if p_done is None and handoff is not None:
-        p_done = handoff.start_ts
-    if p_done is None:
-        p_done = _unix_ns(ra, sc.P_DONE_NS)
-
-    outcome = ra.get(sc.OUTCOME)
-    if not isinstance(outcome, str) or outcome not in sc.OUTCOMES:
-        outcome = "error" if root.status_code == STATUS_ERROR else "ok"
-    prompt_tokens = _int(d_llm.attributes, sc.GEN_AI_PROMPT_TOKENS) if d_llm else None
-    if prompt_tokens is None and p_llm is not None:
-        prompt_tokens = _int(p_llm.attributes, sc.GEN_AI_PROMPT_TOKENS)
-    if prompt_tokens is None:  # no vLLM span: what the proxy read from P's usage
-        prompt_tokens = _int(ra, sc.PROMPT_TOKENS)
-    completion_tokens = _int(d_llm.attributes, sc.GEN_AI_COMPLETION_TOKENS) if d_llm else None
-    if completion_tokens is None:
-        completion_tokens = _int(ra, sc.COMPLETION_TOKENS)
-
+    first_token = _first_token(t, root)
+    outcome = _outcome(root)
+    prompt_tokens, completion_tokens = _tokens(t, ra)
     ttft_s = first_token - proxy_in if first_token is not None else None
-    e2e_s = done - proxy_in if done is not None else None
-    tpot_s: float | None = None
     d_decode = _vllm_num(d_llm, sc.GEN_AI_DECODE)
-    if completion_tokens is not None and completion_tokens > 1:
-        if first_token is not None and done is not None:
-            tpot_s = max(0.0, done - first_token) / (completion_tokens - 1)
-        elif d_decode is not None:
-            tpot_s = d_decode / (completion_tokens - 1)
+    tpot_s = _tpot(completion_tokens, first_token, done, d_decode)
     verdict = slo_verdict(outcome, ttft_s, tpot_s, slo)
-
+    kv_blocks, kv_bytes = _kv_size(ra, handoff)
     stream = ra.get(sc.STREAM)
     route = routing(ra)
     return AssembledRecord(
@@ -331,14 +368,8 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         retries=_int(ra, sc.RETRIES) or 0,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
-        kv_blocks=_int(ra, sc.KV_BLOCKS)
-        if sc.KV_BLOCKS in ra
-        else (_int(handoff.attributes, sc.KV_BLOCKS) if handoff else None),
-        kv_bytes=(
-            _int(ra, sc.KV_BYTES, _INT64)
-            if sc.KV_BYTES in ra
-            else (_int(handoff.attributes, sc.KV_BYTES, _INT64) if handoff else None)
-        ),
+        kv_blocks=kv_blocks,
+        kv_bytes=kv_bytes,
         route_path=route.route_path,
         p_predicted_cached_tokens=route.p_predicted_cached_tokens,
         d_predicted_cached_tokens=route.d_predicted_cached_tokens,
@@ -347,9 +378,9 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         prefix_key=route.prefix_key,
         prefix_tokens=route.prefix_tokens,
         proxy_in=proxy_in,
-        p_sent=p_sent,
-        p_done=p_done,
-        d_sent=d_sent,
+        p_sent=prefill.start_ts if prefill else _unix_ns(ra, sc.P_SENT_NS),
+        p_done=_p_done(t, ra),
+        d_sent=decode.start_ts if decode else _unix_ns(ra, sc.D_SENT_NS),
         first_token=first_token,
         done=done,
         p_queue_s=_vllm_num(p_llm, sc.GEN_AI_QUEUE),
@@ -359,7 +390,7 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         d_decode_s=d_decode,
         ttft_s=ttft_s,
         tpot_s=tpot_s,
-        e2e_s=e2e_s,
+        e2e_s=done - proxy_in if done is not None else None,
         slo_ttft_met=verdict.ttft_met,
         slo_tpot_met=verdict.tpot_met,
         slo_met=verdict.met,

@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from collector import shards
 from collector.health import RateLimitedLog
 from collector.selfmetrics import CollectorMetrics
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from store.db import StoreError, transaction
 from store.models import CollectorMember
 
@@ -141,7 +141,7 @@ class Shard:
 
     def __init__(
         self,
-        targets: Sequence[Target],
+        targets: Sequence[ScrapeTarget],
         me: str,
         *,
         membership: Heartbeats | None,
@@ -160,7 +160,7 @@ class Shard:
         self.clock = clock
         self.state = SOLO if membership is None else STARTING
         self.live: tuple[str, ...] = (me,) if membership is None else ()
-        self.owned: list[Target] = list(self.targets) if membership is None else []
+        self.owned: list[ScrapeTarget] = list(self.targets) if membership is None else []
         self.last_ok: float | None = None
         self.last_error: str | None = None
         self._pending: asyncio.Future[Beat] | None = None
@@ -168,7 +168,7 @@ class Shard:
         self.metrics.owned_targets.set(len(self.owned))
         self.metrics.live_collectors.set(len(self.live))
 
-    async def refresh(self) -> list[Target]:
+    async def refresh(self) -> list[ScrapeTarget]:
         """This round's targets. Never raises."""
         if self.membership is None:
             return self.owned

@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from collector.scraper import Scraper, ScrapeResult
 from collector.signals import HistogramAcc, Signals, finish
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, SPECS, Spec
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class PromSource(Scraper):
 
     def __init__(
         self,
-        targets: Sequence[Target],
+        targets: Sequence[ScrapeTarget],
         prometheus_url: str,
         *,
         interval_s: float,
@@ -221,7 +221,7 @@ class PromSource(Scraper):
         client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.time,
         on_tick: Callable[[], None] | None = None,
-        assign: Callable[[], Awaitable[Sequence[Target]]] | None = None,
+        assign: Callable[[], Awaitable[Sequence[ScrapeTarget]]] | None = None,
     ) -> None:
         client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False)
         super().__init__(

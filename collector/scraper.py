@@ -34,7 +34,7 @@ import httpx
 from collector.fastparse import extract_signals
 from collector.health import RateLimitedLog
 from collector.signals import Signals
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class PerOriginTransport(httpx.AsyncBaseTransport):
 
 @dataclass(frozen=True)
 class ScrapeResult:
-    target: Target
+    target: ScrapeTarget
     ts: float  # wall clock when the scrape started
     duration_s: float
     signals: Signals | None
@@ -99,7 +99,7 @@ async def _read_capped(response: httpx.Response, cap: int) -> bytes:
 
 async def scrape_one(
     client: httpx.AsyncClient,
-    target: Target,
+    target: ScrapeTarget,
     timeout_s: float,
     max_body_bytes: int,
     clock: Callable[[], float] = time.time,
@@ -140,7 +140,7 @@ class Scraper:
 
     def __init__(
         self,
-        targets: Sequence[Target],
+        targets: Sequence[ScrapeTarget],
         client: httpx.AsyncClient,
         *,
         interval_s: float,
@@ -152,7 +152,7 @@ class Scraper:
         on_tick: Callable[[], None] | None = None,
         clock: Callable[[], float] | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-        assign: Callable[[], Awaitable[Sequence[Target]]] | None = None,
+        assign: Callable[[], Awaitable[Sequence[ScrapeTarget]]] | None = None,
     ) -> None:
         """``clock`` (monotonic seconds; default the running loop's ``time()``) and ``sleep``
         pace the rounds and the jitter; ``stop`` interrupts a pause between rounds. ``assign``
@@ -177,7 +177,7 @@ class Scraper:
         self._down: frozenset[str] = frozenset()
         self._warn = RateLimitedLog(log)
 
-    async def _jittered(self, target: Target) -> ScrapeResult:
+    async def _jittered(self, target: ScrapeTarget) -> ScrapeResult:
         if self.jitter_s > 0:
             await self._sleep(self.rng.uniform(0, self.jitter_s))
         return await scrape_one(self.client, target, self.timeout_s, self.max_body_bytes)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from collector.scraper import ScrapeResult
 from collector.spool import Spool
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 
 
 class CollectorMetrics:
@@ -175,7 +175,7 @@ class CollectorMetrics:
                 self._errors[t.name] = err
                 self.last_error.labels(t.name, err).set(1.0)
 
-    def forget(self, targets: Sequence[Target]) -> None:
+    def forget(self, targets: Sequence[ScrapeTarget]) -> None:
         """Drop the per-target gauges of instances another collector now scrapes (its figures win)."""
         for t in targets:
             for gauge, labels in (

@@ -49,7 +49,7 @@ from collector.selfmetrics import CollectorMetrics
 from collector.sink import Sink, StoreSink
 from collector.snapshot_store import SnapshotStore
 from collector.spool import Spool, SpoolConfig, SpoolLocked
-from collector.targets import Target, targets_from_settings
+from collector.targets import ScrapeTarget, targets_from_settings
 from pdscope.auththrottle import AuthFailureCollector, AuthThrottle
 from pdscope.config import Settings, is_loopback
 from pdscope.httpserve import server_options
@@ -129,7 +129,7 @@ class CollectorService:
         settings: Settings,
         *,
         factory: sessionmaker[Session] | None = None,
-        targets: Sequence[Target] | None = None,
+        targets: Sequence[ScrapeTarget] | None = None,
         sink: Sink | None = None,
         queue_spans: int | None = None,
         port: int | None = None,

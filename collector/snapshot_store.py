@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from collector.bulk import insert_rows
 from collector.scraper import ScrapeResult
-from collector.targets import Target, snapshot_row
+from collector.targets import ScrapeTarget, snapshot_row
 from store.db import transaction
 from store.families import RESET_WATCH
 from store.models import InstanceRow, Snapshot
@@ -55,7 +55,7 @@ class SnapshotStore:
         self._last: dict[str, dict[str, Any]] = {}
         self.resets: dict[str, int] = {}
 
-    def ensure_instances(self, targets: Sequence[Target], now: float) -> None:
+    def ensure_instances(self, targets: Sequence[ScrapeTarget], now: float) -> None:
         with transaction(self.factory) as session:
             known = {row.name: row for row in session.scalars(select(InstanceRow))}
             for t in targets:

@@ -1,8 +1,10 @@
 """Scrape targets and the snapshot rows the collector writes for them.
 
-A ``Target`` is one configured P or D instance. ``snapshot_row`` turns one scrape's
-outcome (signals, or an error) into the column values of one ``store.models.Snapshot``.
-Nothing here does I/O.
+A ``ScrapeTarget`` is one configured P or D instance as the collector scrapes it: where its
+``/metrics`` page is and which pool and role its rows are filed under (the proxy's
+``proxy.routing.Target`` is another thing: where to send work, and with what weight).
+``snapshot_row`` turns one scrape's outcome (signals, or an error) into the column values of
+one ``store.models.Snapshot``. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -12,29 +14,28 @@ from typing import Any
 
 from collector.signals import Signals
 from pdscope.config import Settings
-
-ROLE_OF_POOL = {"prefill": "prefill", "decode": "decode"}
+from pdscope.routing import Role
 
 
 @dataclass(frozen=True)
-class Target:
+class ScrapeTarget:
     name: str
     pool: str
-    role: str
+    role: Role
     url: str
     metrics_url: str
 
 
-def targets_from_settings(settings: Settings) -> list[Target]:
-    out: list[Target] = []
+def targets_from_settings(settings: Settings) -> list[ScrapeTarget]:
+    out: list[ScrapeTarget] = []
     for pool_name, inst in settings.instances():
         role = settings.pools[pool_name].role
-        out.append(Target(inst.name, pool_name, role, inst.url, inst.scrape_url))
+        out.append(ScrapeTarget(inst.name, pool_name, role, inst.url, inst.scrape_url))
     return out
 
 
 def snapshot_row(
-    target: Target,
+    target: ScrapeTarget,
     ts: float,
     duration_s: float | None,
     signals: Signals | None,

@@ -11,7 +11,7 @@ newest, the answer saying when older ones were left out (``truncated``). Of each
 (failed transfers, the mean transfer time), the D's its expired leases waited on, and its failed
 attempts; a failed decode attempt is marked a transfer failure when its D's
 ``nixl_failed_transfers`` counter rose in a scrape step overlapping it. The attribution itself is
-:func:`controller.policy.attribution.attribute` under the configured ``slo.*``.
+:func:`analysis.attribution.attribute` under the configured ``slo.*``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any, Final
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from analysis.attribution import Attribution, StageRecord, attribute
+from analysis.attribution_records import FailureSteps, stage_record
 from controller.observe import trusted_filter
 from controller.policy.alerts import AlertState
-from controller.policy.attribution import Attribution, StageRecord, attribute
-from controller.policy.attribution_records import FailureSteps, stage_record
 from pdscope.config import Settings
 from store import queries as q
 from store.attribution import read_stage_rows

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
-from typing import IO, Any, Final, Protocol
+from typing import IO, Any, Final
 
 from sqlalchemy import ColumnElement, Table, and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,6 +54,7 @@ from controller.bundlepack import (
     redact,
 )
 from controller.bundlereport import ReportInput, render
+from controller.effects import Bundler
 from controller.policy.alerts import AlertState
 from controller.replay import ReplayError, replay_window
 from pdscope import __version__
@@ -420,25 +421,6 @@ class BundleJob:
     lo: float
     hi: float
     trigger: Trigger
-
-
-class Bundler(Protocol):
-    """What the controller loop and the webhook see of the bundle writer."""
-
-    written: int
-    failed: int
-    dropped: int
-    last_error: str | None
-    folder: Path | None
-
-    def alerts_changed(self, alerts: Sequence[AlertState]) -> None: ...
-
-    def annotations(self, alert: AlertState) -> dict[str, str]: ...
-
-    @property
-    def pending(self) -> int: ...
-
-    def close(self, timeout: float = 5.0) -> None: ...
 
 
 class NullBundler:

@@ -123,6 +123,7 @@ def _serve(
     from controller.loop import Reconciler
     from controller.notify import NullNotifier, WebhookNotifier
     from controller.policy import AlertConfig
+    from controller.wiring import default_effects
     from pdscope.httpserve import server_options
     from store.db import StoreError, make_engine, session_factory
     from store.migrate import upgrade
@@ -154,13 +155,13 @@ def _serve(
         if c.alert_webhook_url
         else NullNotifier()
     )
+    effects = default_effects(settings, factory, notifier=notifier, bundler=bundler)
     reconciler = Reconciler(
         settings,
         factory,
-        notifier=notifier,
+        effects=effects,
         alert_config=AlertConfig.from_settings(settings),
         leadership=leadership,
-        bundler=bundler,
     )
     app = create_app(reconciler, token=token, tokens=tokens, notifier=notifier, run_loop=True)
     names = sorted({*(tokens or {}), *(["api"] if token else [])})

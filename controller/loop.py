@@ -22,6 +22,11 @@ reloads the carried state and the overrides from the store and serves the table 
 (:meth:`Reconciler.reload`), and it retries the lock. Every decision and the served table carry
 the epoch.
 
+Side effects go through :mod:`controller.effects`, wired by the caller: the recorders write inside the
+tick's transaction (the decisions, the tick log), the observers hear of it after the commit (the webhook,
+the bundle writer, the shadow policy) and of each reload of the carried state. The loop imports none of
+them.
+
 ``run_forever`` is the asyncio driver (steps run in a worker thread); tests call ``tick``,
 ``step`` and ``reload`` directly with a virtual clock.
 """
@@ -40,7 +45,7 @@ from typing import Any, Literal
 from sqlalchemy.orm import Session, sessionmaker
 
 from controller import observe as observe_mod
-from controller.bundle import Bundler, make_bundler
+from controller.effects import Bundler, Effects, Tick
 from controller.leader import (
     Deposed,
     LeaderInfo,
@@ -52,14 +57,7 @@ from controller.leader import (
     lease_for,
     read_leader,
 )
-from controller.notify import Notifier, NullNotifier
-from controller.persist import (
-    latest_limit_reasons,
-    load_overrides,
-    load_state,
-    persist_tick,
-    record_policy,
-)
+from controller.persist import latest_limit_reasons, load_overrides, load_state, record_policy
 from controller.policy import (
     AlertConfig,
     InstanceSpec,
@@ -74,11 +72,9 @@ from controller.policy import (
     decide,
     default_rules,
 )
-from controller.policy.reasons import Reason
 from controller.policy.refresh import Between, Refresh, recompose
-from controller.shadow import Shadow, shadow_config
-from controller.ticklog import record_tick
 from pdscope.config import Settings
+from pdscope.reasons import Reason
 from pdscope.routing import RoutingTable
 from store.db import StoreError, transaction
 
@@ -127,21 +123,20 @@ class Reconciler:
         settings: Settings,
         factory: sessionmaker[Session],
         *,
+        effects: Effects,
         clock: Clock = time.time,
-        notifier: Notifier | None = None,
         alert_config: AlertConfig | None = None,
         mode: Literal["advisory", "enforce"] | None = None,
         leadership: Leadership | None = None,
-        bundler: Bundler | None = None,
     ) -> None:
-        """``leadership`` None: :class:`controller.leader.SoleLeader` (always leads, still claims an epoch
-        and fences every tick). ``bundler`` None: :func:`controller.bundle.make_bundler` (a writer when
-        ``controller.bundles.enabled``)."""
+        """``effects``: what a tick stores and who hears of it (:mod:`controller.effects`; the usual set:
+        :func:`controller.wiring.default_effects`). ``leadership`` None: :class:`controller.leader.SoleLeader`
+        (always leads, still claims an epoch and fences every tick)."""
         self.settings = settings
         self.factory = factory
         self.clock = clock
-        self.notifier: Notifier = notifier or NullNotifier()
-        self.bundler: Bundler = bundler or make_bundler(settings, factory, clock=clock)
+        self.effects = effects
+        self.bundler: Bundler = effects.bundler  # read by the API (bundles, /metrics)
         self.cfg = PolicyConfig.from_settings(settings)
         self.alert_config = alert_config or AlertConfig.from_settings(settings)
         self.rules = default_rules(self.alert_config)
@@ -163,8 +158,6 @@ class Reconciler:
         self._between = Between()  # the refreshes since the last committed tick, for its record
         self._loaded = False
         self.policy = self.cfg.fingerprint()  # recorded in the store when it is first read
-        shadow = shadow_config(self.cfg, settings.controller.shadow)  # raises ConfigError naming the field
-        self.shadow: Shadow | None = None if shadow is None else Shadow(*shadow)
         self.leadership: Leadership = leadership or SoleLeader()
         self.lease_s = lease_for(settings.controller.interval_s)
         self._leading = self.leadership.held()  # no I/O: a PostgreSQL lock is only tried by step()
@@ -191,8 +184,8 @@ class Reconciler:
         self._state = replace(state, table=self._table)
         self._between = Between()  # a replay takes a restart's first tick as recorded
         self._loaded = True
-        if self.shadow is not None:
-            self.shadow.restart()
+        for observer in self.effects.observers:
+            observer.restart()
         log.info(
             "controller state loaded: %s weights, %s active alerts, routing version %s",
             len(state.weights),
@@ -259,30 +252,24 @@ class Reconciler:
             overrides = load_overrides(session, now)
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)
-            ids = dict(self._alert_ids)
-            rows = persist_tick(session, out, self._served, ids, self._state, self.policy, epoch=epoch)
-            if self.settings.controller.record_ticks:
-                self._stats.tick_record_bytes = record_tick(
-                    session, inp, self._served, self.alert_config, out, self.policy, epoch, self._between
-                )
+            tick = self._tick_of(inp, out, epoch)
+            written = self._record(session, tick)
         # committed: now serve it
         self._between = Between()
-        self._alert_ids = ids
+        self._alert_ids = tick.alert_ids
         self._state = out.state
         self._last = out
         self._obs = obs
         self._served = dict(out.served)
         self._table = _stamped(out.table, epoch)
-        self.bundler.alerts_changed(out.alerts.changed)  # queues only: the bundle is written elsewhere
-        self.notifier.send(out.alerts.notify)
-        if self.shadow is not None:
-            self.shadow.step(inp, out, self.rules, self.alert_config)
+        for observer in self.effects.observers:
+            observer.observe(tick)
         changed = [d for d in out.weights if d.changed]
         log.info(
             "tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s",
             out.tick,
             len(changed),
-            len(rows),
+            written.get("decisions", 0),
             len(out.alerts.active),
             out.table.version,
             " (new)" if out.table_changed else "",
@@ -290,6 +277,29 @@ class Reconciler:
         for d in changed:
             log.info("decision %s %s: %s", d.instance, d.reason, d.message)
         return out
+
+    def _tick_of(self, inp: TickInput, out: TickOutput, epoch: int) -> Tick:
+        return Tick(
+            inp,
+            out,
+            self._served,
+            self._state,
+            self.rules,
+            self.alert_config,
+            self.policy,
+            epoch,
+            self._between,
+            dict(self._alert_ids),
+        )
+
+    def _record(self, session: Session, tick: Tick) -> dict[str, int]:
+        """Run the recorders in the tick's transaction; what they wrote, counted by name."""
+        written: dict[str, int] = {}
+        for recorder in self.effects.recorders:
+            written.update(recorder.record(session, tick))
+        if "tick_record_bytes" in written:
+            self._stats.tick_record_bytes = written["tick_record_bytes"]
+        return written
 
     def tick_safe(self) -> TickOutput | None:
         try:
@@ -444,7 +454,7 @@ class Reconciler:
     def shadow_status(self) -> dict[str, Any] | None:
         """The shadow policy's comparison with the live one (``GET /v1/shadow``); None: no shadow."""
         with self._lock:
-            return None if self.shadow is None else self.shadow.as_dict()
+            return self.effects.shadow_status()
 
     def view(self) -> View:
         with self._lock:

@@ -9,7 +9,9 @@ evaluates no rule), so two replicas never double an alert's series.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from functools import cached_property
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -19,37 +21,318 @@ from prometheus_client.registry import Collector
 from controller.leader import mode_warning
 from controller.loop import Reconciler
 from controller.notify import Notifier
+from controller.policy.alerts import AlertState
+from controller.policy.routes import ServedInstance
+from controller.policy.signals import SLOFigures
 from controller.proxies import CLAIMS, OUTCOMES, ProxyRegistry
 from controller.regret import FlapTally
+from pdscope.metricfamilies import Family, Sample, Samples, families, one
+from pdscope.routing import InstanceRoute, PoolRoute
 
 
-def _shadow(status: dict[str, Any] | None) -> Iterator[Metric]:
-    """The shadow policy's series (``controller.shadow``); none without a shadow."""
-    if status is None:
-        return
-    yield CounterMetricFamily(
+class _Scrape:
+    """One scrape's reads of the reconciler: its view once, the shadow's status once."""
+
+    def __init__(self, reconciler: Reconciler, notifier: Notifier) -> None:
+        self.reconciler = reconciler
+        self.notifier = notifier
+        self.v = reconciler.view()
+
+    @cached_property
+    def shadow(self) -> dict[str, Any] | None:
+        """The shadow policy's status (``controller.shadow``); None without a shadow."""
+        return self.reconciler.shadow_status()
+
+    @cached_property
+    def served(self) -> list[tuple[str, InstanceRoute, ServedInstance]]:
+        """The served instances that are in the table, with their route."""
+        by_name = {r.name: r for r in self.v.table.instances}
+        return [(name, by_name[name], s) for name, s in self.v.served.items() if name in by_name]
+
+    @cached_property
+    def active(self) -> tuple[AlertState, ...]:
+        return tuple(self.v.last.alerts.active) if self.v.last is not None else ()
+
+    @cached_property
+    def alert_keys(self) -> list[str]:
+        """The alerts' own label names, after the fixed three."""
+        return sorted({k for a in self.active for k in a.labels})
+
+
+def _shadow(read: Callable[[dict[str, Any]], float]) -> Callable[[_Scrape], Samples]:
+    """A figure of the shadow policy's, absent without a shadow."""
+    return lambda s: None if s.shadow is None else one(read(s.shadow))
+
+
+def _shadow_weights(s: _Scrape) -> Samples:
+    if s.shadow is None:
+        return None
+    return [((name,), pair["shadow"]) for name, pair in s.shadow["weights"].items()]
+
+
+def _pool_limit(read: Callable[[PoolRoute], float | None]) -> Callable[[_Scrape], Samples]:
+    """An admission limit per pool: the pools that have one."""
+    return lambda s: [((p.name, p.role), v) for p in s.v.table.pools if (v := read(p)) is not None]
+
+
+def _mode_mismatch(s: _Scrape) -> list[Sample]:
+    return one(0.0 if mode_warning(s.v.role, s.reconciler.mode, s.v.leader) is None else 1.0)
+
+
+def _alerts(s: _Scrape) -> list[Sample]:
+    return [
+        ((a.rule, a.state, a.severity, *(a.labels.get(k, "") for k in s.alert_keys)), 1.0) for a in s.active
+    ]
+
+
+def _firing(s: _Scrape) -> list[Sample]:
+    counts = Counter(a.rule for a in s.active if a.state == "firing")
+    return [((rule.name,), counts.get(rule.name, 0)) for rule in s.reconciler.rules]
+
+
+def _observed(read: Callable[[SLOFigures], float | None]) -> Callable[[_Scrape], Samples]:
+    """An SLO figure of the last observation (absent before one; no sample while it is None)."""
+    return lambda s: None if s.v.obs is None else [((), v) for v in (read(s.v.obs.slo),) if v is not None]
+
+
+_INSTANCE, _POOL = ("instance", "pool", "role"), ("pool", "role")
+# The controller's families, in the order they are exported: one row a metric.
+CONTROLLER_FAMILIES: tuple[Family[_Scrape], ...] = (
+    Family("pdscope_controller_ticks", "Reconcile ticks attempted.", "counter", (), lambda s: one(s.v.ticks)),
+    Family(
+        "pdscope_controller_tick_failures",
+        "Reconcile ticks that failed.",
+        "counter",
+        (),
+        lambda s: one(s.v.failed_ticks),
+    ),
+    Family(
+        "pdscope_controller_last_success_timestamp_seconds",
+        "Unix time of the last successful tick (0 if none).",
+        "gauge",
+        (),
+        lambda s: one(s.v.last_ok or 0.0),
+    ),
+    Family(
+        "pdscope_controller_tick_duration_seconds",
+        "Duration of the last successful tick.",
+        "gauge",
+        (),
+        lambda s: one(s.v.tick_seconds or 0.0),
+    ),
+    Family(
         "pdscope_controller_shadow_ticks",
         "Ticks the shadow policy decided beside the live one.",
-        value=status["ticks"],
-    )
-    yield CounterMetricFamily(
+        "counter",
+        (),
+        _shadow(lambda st: st["ticks"]),
+    ),
+    Family(
         "pdscope_controller_shadow_divergent_ticks",
         "Ticks where the shadow policy would have served or fired differently from the live one.",
-        value=status["divergent_ticks"],
-    )
-    yield CounterMetricFamily(
+        "counter",
+        (),
+        _shadow(lambda st: st["divergent_ticks"]),
+    ),
+    Family(
         "pdscope_controller_shadow_failures",
         "Shadow policy steps that raised (the live tick went on).",
-        value=status["failures"],
-    )
-    w = GaugeMetricFamily(
+        "counter",
+        (),
+        _shadow(lambda st: st["failures"]),
+    ),
+    Family(
         "pdscope_controller_shadow_weight",
         "The weight the shadow policy would serve each instance now.",
-        labels=["instance"],
-    )
-    for name, pair in status["weights"].items():
-        w.add_metric([name], pair["shadow"])
-    yield w
+        "gauge",
+        ("instance",),
+        _shadow_weights,
+    ),
+    Family(
+        "pdscope_controller_tick_record_bytes",
+        "Compressed size of the newest tick record (the replay log; 0: none written).",
+        "gauge",
+        (),
+        lambda s: one(s.v.tick_record_bytes or 0),
+    ),
+    Family(
+        "pdscope_controller_enforce",
+        "1 in enforce mode, 0 in advisory mode.",
+        "gauge",
+        (),
+        lambda s: one(1.0 if s.v.table.enforce else 0.0),
+    ),
+    Family(
+        "pdscope_routing_version",
+        "Version of the served routing table.",
+        "gauge",
+        (),
+        lambda s: one(s.v.table.version),
+    ),
+    Family(
+        "pdscope_controller_leader",
+        "1 while this controller leads (runs the policy, writes), 0 while it stands by.",
+        "gauge",
+        (),
+        lambda s: one(1.0 if s.v.role == "leader" else 0.0),
+    ),
+    Family(
+        "pdscope_controller_epoch",
+        "The leader epoch: this controller's as leader, the store's leader's as standby (0: none yet).",
+        "gauge",
+        (),
+        lambda s: one(s.v.epoch or 0),
+    ),
+    Family(
+        "pdscope_controller_mode_mismatch",
+        "1 while this standby's configured mode differs from the leader's (it serves the leader's).",
+        "gauge",
+        (),
+        _mode_mismatch,
+    ),
+    Family(
+        "pdscope_controller_takeovers",
+        "Times this controller took over as leader.",
+        "counter",
+        (),
+        lambda s: one(s.v.takeovers),
+    ),
+    Family(
+        "pdscope_controller_deposed",
+        "Ticks that found another leader's epoch in the store (nothing written; now standby).",
+        "counter",
+        (),
+        lambda s: one(s.v.deposed),
+    ),
+    Family(
+        "pdscope_controller_untrusted_records",
+        "Request records in the last tick's window left out of the observation: their "
+        "sender is not in controller.trusted_span_senders.",
+        "gauge",
+        (),
+        lambda s: one(0 if s.v.obs is None else s.v.obs.untrusted_records),
+    ),
+    Family(
+        "pdscope_instance_weight",
+        "Served routing weight per instance.",
+        "gauge",
+        (*_INSTANCE, "source"),
+        lambda s: [((name, r.pool, r.role, x.source), x.weight) for name, r, x in s.served],
+    ),
+    Family(
+        "pdscope_instance_policy_weight",
+        "The policy's weight per instance.",
+        "gauge",
+        _INSTANCE,
+        lambda s: [((name, r.pool, r.role), x.policy_weight) for name, r, x in s.served],
+    ),
+    Family(
+        "pdscope_instance_drained",
+        "1 if the instance is drained.",
+        "gauge",
+        _INSTANCE,
+        lambda s: [((name, r.pool, r.role), 1.0 if x.drained else 0.0) for name, r, x in s.served],
+    ),
+    Family(
+        "pdscope_pool_weight",
+        "Served pool weight.",
+        "gauge",
+        _POOL,
+        lambda s: [((p.name, p.role), p.weight) for p in s.v.table.pools],
+    ),
+    Family(
+        "pdscope_pool_max_inflight_requests",
+        "Admission limit: in-flight requests.",
+        "gauge",
+        _POOL,
+        _pool_limit(lambda p: p.max_inflight_requests),
+    ),
+    Family(
+        "pdscope_pool_max_inflight_kv_bytes",
+        "Admission limit: handoff KV bytes.",
+        "gauge",
+        _POOL,
+        _pool_limit(lambda p: p.max_inflight_kv_bytes),
+    ),
+    Family(
+        "pdscope_pool_max_queue_wait_seconds",
+        "Longest wait for an admission slot (the TTFT budget left).",
+        "gauge",
+        _POOL,
+        _pool_limit(lambda p: p.max_queue_wait_s),
+    ),
+    Family(
+        "pdscope_alerts",
+        "Active alerts (pending or firing), like Prometheus' ALERTS.",
+        "gauge",
+        lambda s: ["alertname", "alertstate", "severity", *s.alert_keys],
+        _alerts,
+    ),
+    Family("pdscope_alerts_firing", "Firing alerts per rule.", "gauge", ("alertname",), _firing),
+    Family(
+        "pdscope_slo_attainment",
+        "Share of completed requests meeting every SLO.",
+        "gauge",
+        (),
+        _observed(lambda slo: slo.attainment),
+    ),
+    Family(
+        "pdscope_goodput_requests_per_second",
+        "Requests meeting every SLO per second.",
+        "gauge",
+        (),
+        _observed(lambda slo: slo.goodput_rps),
+    ),
+    Family(
+        "pdscope_alert_webhook_sent",
+        "Webhook batches delivered.",
+        "counter",
+        (),
+        lambda s: one(s.notifier.sent),
+    ),
+    Family(
+        "pdscope_alert_webhook_failed",
+        "Webhook batches that failed.",
+        "counter",
+        (),
+        lambda s: one(s.notifier.failed),
+    ),
+    Family(
+        "pdscope_alert_webhook_dropped",
+        "Webhook batches dropped (queue full).",
+        "counter",
+        (),
+        lambda s: one(s.notifier.dropped),
+    ),
+    Family(
+        "pdscope_bundles_written",
+        "Incident bundles written.",
+        "counter",
+        (),
+        lambda s: one(s.reconciler.bundler.written),
+    ),
+    Family(
+        "pdscope_bundles_failed",
+        "Incident bundles that failed (see the log).",
+        "counter",
+        (),
+        lambda s: one(s.reconciler.bundler.failed),
+    ),
+    Family(
+        "pdscope_bundles_dropped",
+        "Incident bundles dropped unwritten (queue full).",
+        "counter",
+        (),
+        lambda s: one(s.reconciler.bundler.dropped),
+    ),
+    Family(
+        "pdscope_bundles_pending",
+        "Incident bundles queued or being written.",
+        "gauge",
+        (),
+        lambda s: one(s.reconciler.bundler.pending),
+    ),
+)
 
 
 class ControllerCollector(Collector):
@@ -58,169 +341,7 @@ class ControllerCollector(Collector):
         self.notifier = notifier
 
     def collect(self) -> Iterator[Metric]:
-        v = self.reconciler.view()
-        yield CounterMetricFamily("pdscope_controller_ticks", "Reconcile ticks attempted.", value=v.ticks)
-        yield CounterMetricFamily(
-            "pdscope_controller_tick_failures", "Reconcile ticks that failed.", value=v.failed_ticks
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_last_success_timestamp_seconds",
-            "Unix time of the last successful tick (0 if none).",
-            value=v.last_ok or 0.0,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_tick_duration_seconds",
-            "Duration of the last successful tick.",
-            value=v.tick_seconds or 0.0,
-        )
-        yield from _shadow(self.reconciler.shadow_status())
-        yield GaugeMetricFamily(
-            "pdscope_controller_tick_record_bytes",
-            "Compressed size of the newest tick record (the replay log; 0: none written).",
-            value=v.tick_record_bytes or 0,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_enforce",
-            "1 in enforce mode, 0 in advisory mode.",
-            value=1.0 if v.table.enforce else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_routing_version", "Version of the served routing table.", value=v.table.version
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_leader",
-            "1 while this controller leads (runs the policy, writes), 0 while it stands by.",
-            value=1.0 if v.role == "leader" else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_epoch",
-            "The leader epoch: this controller's as leader, the store's leader's as standby (0: none yet).",
-            value=v.epoch or 0,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_mode_mismatch",
-            "1 while this standby's configured mode differs from the leader's (it serves the leader's).",
-            value=0.0 if mode_warning(v.role, self.reconciler.mode, v.leader) is None else 1.0,
-        )
-        yield CounterMetricFamily(
-            "pdscope_controller_takeovers", "Times this controller took over as leader.", value=v.takeovers
-        )
-        yield CounterMetricFamily(
-            "pdscope_controller_deposed",
-            "Ticks that found another leader's epoch in the store (nothing written; now standby).",
-            value=v.deposed,
-        )
-        yield GaugeMetricFamily(
-            "pdscope_controller_untrusted_records",
-            "Request records in the last tick's window left out of the observation: their "
-            "sender is not in controller.trusted_span_senders.",
-            value=0 if v.obs is None else v.obs.untrusted_records,
-        )
-
-        served = GaugeMetricFamily(
-            "pdscope_instance_weight",
-            "Served routing weight per instance.",
-            labels=["instance", "pool", "role", "source"],
-        )
-        policy = GaugeMetricFamily(
-            "pdscope_instance_policy_weight",
-            "The policy's weight per instance.",
-            labels=["instance", "pool", "role"],
-        )
-        drained = GaugeMetricFamily(
-            "pdscope_instance_drained", "1 if the instance is drained.", labels=["instance", "pool", "role"]
-        )
-        by_name = {r.name: r for r in v.table.instances}
-        for name, s in v.served.items():
-            r = by_name.get(name)
-            if r is None:
-                continue
-            served.add_metric([name, r.pool, r.role, s.source], s.weight)
-            policy.add_metric([name, r.pool, r.role], s.policy_weight)
-            drained.add_metric([name, r.pool, r.role], 1.0 if s.drained else 0.0)
-        yield served
-        yield policy
-        yield drained
-
-        reqs = GaugeMetricFamily(
-            "pdscope_pool_max_inflight_requests",
-            "Admission limit: in-flight requests.",
-            labels=["pool", "role"],
-        )
-        kvb = GaugeMetricFamily(
-            "pdscope_pool_max_inflight_kv_bytes",
-            "Admission limit: handoff KV bytes.",
-            labels=["pool", "role"],
-        )
-        wait = GaugeMetricFamily(
-            "pdscope_pool_max_queue_wait_seconds",
-            "Longest wait for an admission slot (the TTFT budget left).",
-            labels=["pool", "role"],
-        )
-        pw = GaugeMetricFamily("pdscope_pool_weight", "Served pool weight.", labels=["pool", "role"])
-        for p in v.table.pools:
-            pw.add_metric([p.name, p.role], p.weight)
-            if p.max_inflight_requests is not None:
-                reqs.add_metric([p.name, p.role], p.max_inflight_requests)
-            if p.max_inflight_kv_bytes is not None:
-                kvb.add_metric([p.name, p.role], p.max_inflight_kv_bytes)
-            if p.max_queue_wait_s is not None:
-                wait.add_metric([p.name, p.role], p.max_queue_wait_s)
-        yield pw
-        yield reqs
-        yield kvb
-        yield wait
-
-        active = v.last.alerts.active if v.last is not None else ()
-        keys = sorted({k for a in active for k in a.labels})
-        alerts = GaugeMetricFamily(
-            "pdscope_alerts",
-            "Active alerts (pending or firing), like Prometheus' ALERTS.",
-            labels=["alertname", "alertstate", "severity", *keys],
-        )
-        for a in active:
-            alerts.add_metric([a.rule, a.state, a.severity, *(a.labels.get(k, "") for k in keys)], 1.0)
-        yield alerts
-        firing = GaugeMetricFamily("pdscope_alerts_firing", "Firing alerts per rule.", labels=["alertname"])
-        counts: dict[str, int] = {}
-        for a in active:
-            if a.state == "firing":
-                counts[a.rule] = counts.get(a.rule, 0) + 1
-        for rule in self.reconciler.rules:
-            firing.add_metric([rule.name], counts.get(rule.name, 0))
-        yield firing
-
-        if v.obs is not None:
-            slo = v.obs.slo
-            g = GaugeMetricFamily("pdscope_slo_attainment", "Share of completed requests meeting every SLO.")
-            if slo.attainment is not None:
-                g.add_metric([], slo.attainment)
-            yield g
-            yield GaugeMetricFamily(
-                "pdscope_goodput_requests_per_second",
-                "Requests meeting every SLO per second.",
-                value=slo.goodput_rps,
-            )
-
-        n = self.notifier
-        yield CounterMetricFamily("pdscope_alert_webhook_sent", "Webhook batches delivered.", value=n.sent)
-        yield CounterMetricFamily(
-            "pdscope_alert_webhook_failed", "Webhook batches that failed.", value=n.failed
-        )
-        yield CounterMetricFamily(
-            "pdscope_alert_webhook_dropped", "Webhook batches dropped (queue full).", value=n.dropped
-        )
-        b = self.reconciler.bundler
-        yield CounterMetricFamily("pdscope_bundles_written", "Incident bundles written.", value=b.written)
-        yield CounterMetricFamily(
-            "pdscope_bundles_failed", "Incident bundles that failed (see the log).", value=b.failed
-        )
-        yield CounterMetricFamily(
-            "pdscope_bundles_dropped", "Incident bundles dropped unwritten (queue full).", value=b.dropped
-        )
-        yield GaugeMetricFamily(
-            "pdscope_bundles_pending", "Incident bundles queued or being written.", value=b.pending
-        )
+        return families(CONTROLLER_FAMILIES, _Scrape(self.reconciler, self.notifier))
 
 
 class ProxiesCollector(Collector):

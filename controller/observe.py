@@ -145,12 +145,12 @@ def observe(
     cfg: PolicyConfig | None = None,
 ) -> Observation:
     """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``)."""
-    cfg = cfg or PolicyConfig.from_settings(settings)
+    evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
     snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
     sigs = q.signals_of_rows(snaps)
-    recent = q.signals_of_rows(snaps, since=now - cfg.recent_s)
+    recent = q.signals_of_rows(snaps, since=now - evc.recent_s)
     latest = _latest_gauges(snaps, since, now)
     trusted = trusted_filter(settings)
     charged = replace(trusted, charged_only=True)
@@ -168,7 +168,7 @@ def observe(
     tally.charge_failed_attempts(_failed_attempts(session, since, now, charged))
     # Every trusted suspect: one D refused as the client's error explains its P's expiry, charging nobody.
     for d_inst, ended, entries, invalid in _lease_suspects(
-        session, since, now, cfg.lease_lookback * cfg.kv_lease_s, trusted
+        session, since, now, evc.lease_lookback * evc.kv_lease_s, trusted
     ):
         tally.charge_lease_expiries(d_inst, ended, entries, since, now, invalid)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
@@ -183,7 +183,7 @@ def observe(
                 inst.name,
                 pool_name,
                 role,
-                cfg,
+                evc,
                 sigs.get(inst.name),
                 recent.get(inst.name),
                 latest.get(inst.name),
@@ -196,13 +196,13 @@ def observe(
     if newest is None:
         newest = session.scalar(select(func.max(Snapshot.ts)))
 
-    rate_span = ev.rate_span_s(window, since, tally.first_in, now, cfg)
+    rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
     # How long the store has watched the fleet: since its first snapshot (retention keeps the newest; by
     # then the start-up is long over). A window that holds any of the start-up is a start-up window.
     first_ever = session.scalar(select(func.min(Snapshot.ts)))
     history = max(0.0, now - first_ever) if first_ever is not None else 0.0
     pool_sigs: list[PoolSignals] = [
-        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, cfg)
+        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)
         for name, agg in tally.pools.items()
     ]
     pair_sigs = tuple(

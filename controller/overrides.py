@@ -1,11 +1,10 @@
 """Operator overrides: who may change what, and how a change is stored and audited.
 
-The one shape of an override inside the controller is :class:`controller.policy.Override`;
-each boundary has its converter: the store's ``WeightOverride`` row to and from it
-(:func:`controller.persist.to_override`, :func:`controller.persist.to_row`), and the API's
-``OverrideOut`` from it (:meth:`controller.schemas.OverrideOut.of`). A request to set one
-is an :class:`Change` (what the operator asked for, ``created``/``expires`` not known until
-``now`` is read inside the transaction).
+The one shape of an override is :class:`controller.policy.Override`: the store's
+``WeightOverride`` row converts to and from it (:func:`controller.persist.to_override`,
+:func:`controller.persist.to_row`), and the API serves it as it is (``controller.schemas``). A
+request to set one is a :class:`Change` (what the operator asked for, ``created``/``expires`` not
+known until ``now`` is read inside the transaction).
 
 A change to one subject (an instance or a pool) is serialised: an in-process lock per
 subject and, in the same transaction, the store's lock for it
@@ -41,8 +40,6 @@ audit_log = logging.getLogger("controller.audit")
 
 Kind = Literal["instance", "pool"]
 Slot = Literal["drain", "weight"]
-
-AUDIT_ACTIONS = ("weight.set", "weight.clear", "drain", "undrain", "pool_weight.set", "pool_weight.clear")
 
 
 class OverrideError(Exception):

@@ -31,6 +31,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from controller.effects import Tick
 from controller.policy import (
     AlertState,
     LimitState,
@@ -42,7 +43,7 @@ from controller.policy import (
     WeightState,
 )
 from controller.policy.changes import Change, changes
-from controller.policy.reasons import Reason
+from pdscope.reasons import Reason
 from store.models import Alert, Decision, PolicyConfigRow, PolicyStateRow, WeightOverride
 
 
@@ -326,3 +327,20 @@ def _store_alert(session: Session, st: AlertState, ids: dict[str, int]) -> None:
         ids[st.fingerprint] = row.id
     else:
         ids.pop(st.fingerprint, None)
+
+
+class DecisionRecorder:
+    """:func:`persist_tick` as a tick recorder (:class:`controller.effects.TickRecorder`): counts
+    ``decisions`` (the rows stored) and updates the tick's ``alert_ids`` in place."""
+
+    def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
+        rows = persist_tick(
+            session,
+            tick.out,
+            tick.prev_served,
+            tick.alert_ids,
+            tick.prev_state,
+            tick.policy,
+            epoch=tick.epoch,
+        )
+        return {"decisions": len(rows)}

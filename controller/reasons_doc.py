@@ -1,4 +1,4 @@
-"""Keep docs/policy.md's reasons table equal to ``controller.policy.reasons``.
+"""Keep docs/policy.md's reasons table equal to ``pdscope.reasons``.
 
     python -m controller.reasons_doc            # print the table
     python -m controller.reasons_doc --write    # rewrite it in docs/policy.md, between its markers
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from controller.policy.reasons import reasons_markdown, splice
+from pdscope.reasons import reasons_markdown, splice
 
 POLICY_DOC = Path(__file__).resolve().parents[1] / "docs" / "policy.md"
 

@@ -2,11 +2,11 @@
 
 Serves ``GET /v1/decisions/regret`` and the controller's live flapping tally. The range is the one
 :mod:`controller.attribution` parses (``since`` back from now, or ``from`` / ``until``); a cut of it
-is judged on the data after it up to now (``controller.policy.regret.plan``). The records read are
+is judged on the data after it up to now (``analysis.regret.plan``). The records read are
 the ones the controller believes (``controller.trusted_span_senders``), requests refused as invalid
 left out; each read is bounded and the answer says when one was cut short (``truncated``). The
-analysis is :func:`controller.policy.regret.regret_of` with the flap horizon given, ticks of
-``controller.interval_s`` and the SLO window ``slo.window_s``.
+reads and the analysis are :func:`analysis.regret_window.judge_window` (the dashboard's too) with
+the flap horizon given, ticks of ``controller.interval_s`` and the SLO window ``slo.window_s``.
 
 :class:`FlapTally` is the live part for ``/metrics``: the last hour's cuts and flaps per reason,
 from the decisions alone (no records or scrapes are read at scrape time), recomputed at most every
@@ -17,25 +17,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
-from typing import Any, Final
+from dataclasses import replace
+from typing import Final
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 
+from analysis.regret import DecisionFact, Regret, RegretConfig, regret
+from analysis.regret_window import WindowRegret, judge_window
 from controller.observe import trusted_filter
-from controller.policy.regret import (
-    DecisionFact,
-    RecordFact,
-    Regret,
-    RegretConfig,
-    ScrapeFact,
-    cut_instances,
-    plan,
-    regret,
-    regret_of,
-)
 from pdscope.config import Settings
 from store import regret as reads
 from store.db import StoreError, transaction
@@ -55,48 +46,20 @@ def config_for(settings: Settings, flap_ticks: int = DEFAULT_FLAP_TICKS) -> Regr
     )
 
 
-@dataclass(frozen=True)
-class WindowRegret:
-    """The regret of a stored range, and which of its reads were cut short."""
-
-    regret: Regret
-    truncated: tuple[str, ...]  # "decisions", "records", "scrapes"
-
-    def as_dict(self, max_cuts: int = 200) -> dict[str, Any]:
-        return {**self.regret.as_dict(max_cuts), "truncated": list(self.truncated)}
-
-
 def read_regret(
     session: Session, settings: Settings, lo: float, hi: float, *, now: float, cfg: RegretConfig
 ) -> WindowRegret:
     """Read what the cuts of ``[lo, hi]`` are judged on (in ``session``) and judge them."""
-    p = plan(lo, hi, now, cfg)
-    d_rows = reads.decisions(session, lo, cfg.cut_fields, limit=MAX_DECISIONS)
-    decisions = [DecisionFact(*row) for row in d_rows.rows]
     only = replace(trusted_filter(settings), charged_only=True)
-    r_rows = reads.records(
+    reader = reads.Reader(
         session,
-        p.records_from,
-        p.data_until,
         settings.slo,
-        only=only,
-        limit=MAX_RECORDS,
+        only,
+        max_decisions=MAX_DECISIONS,
+        max_records=MAX_RECORDS,
+        max_scrapes=MAX_SCRAPES,
     )
-    s_rows = reads.scrapes(session, cut_instances(decisions, lo, hi), lo, p.data_until, limit=MAX_SCRAPES)
-    result = regret_of(
-        p,
-        decisions,
-        [RecordFact(*row) for row in r_rows.rows],
-        [ScrapeFact(*row) for row in s_rows.rows],
-        observed_until=min(now, p.data_until),
-        cfg=cfg,
-    )
-    cut_short = tuple(
-        name
-        for name, rows in (("decisions", d_rows), ("records", r_rows), ("scrapes", s_rows))
-        if rows.truncated
-    )
-    return WindowRegret(result, cut_short)
+    return judge_window(reader, lo, hi, now=now, cfg=cfg)
 
 
 def window_regret(

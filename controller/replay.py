@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from controller.policy import AlertConfig, PolicyConfig
-from controller.policy.config import setting_value
+from controller.policy.config import decision_setting_value
 from controller.policy.replay import Compared, Levels, ReplayResult, config_changes, replay
 from controller.ticklog import TickLogError, read_ticks
 
@@ -43,13 +43,14 @@ class Candidate:
 
 
 def parse_change(text: str) -> tuple[str, float | int]:
-    """``name=value`` for a policy setting (``min_weight=0.05``); raises :class:`ReplayError`."""
+    """``name=value`` for a policy setting (``min_weight=0.05``); raises :class:`ReplayError`, also
+    for a setting that acts only in the evidence step (the replay decides on the recorded observation)."""
     name, sep, raw = text.partition("=")
     name = name.strip()
     if not sep:
         raise ReplayError(f"--set {text[:60]!r}: expected name=value, e.g. min_weight=0.05")
     try:
-        return name, setting_value(name, raw.strip())
+        return name, decision_setting_value(name, raw.strip())
     except ValueError as exc:
         raise ReplayError(f"--set {exc}") from None
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from controller.policy import Override
+from pdscope.routing import Role
 from pdscope.text import check_reason
 
 MAX_TTL_S = 7 * 86400.0
@@ -70,46 +71,18 @@ class WhoAmIOut(BaseModel):
     identity: str = Field(description='the name of the bearer token\'s identity ("api" for the single token)')
 
 
-class OverrideOut(BaseModel):
-    id: int
-    subject_kind: Literal["instance", "pool"]
-    subject: str
-    weight: float | None
-    drained: bool
-    reason: str
-    actor: str
-    created: float
-    expires: float | None
-
-    @classmethod
-    def of(cls, o: Override | None) -> OverrideOut | None:
-        """The API's view of the controller's override (None stays None)."""
-        if o is None:
-            return None
-        return cls(
-            id=o.id,
-            subject_kind=o.subject_kind,
-            subject=o.subject,
-            weight=o.weight,
-            drained=o.drained,
-            reason=o.reason,
-            actor=o.actor,
-            created=o.created,
-            expires=o.expires,
-        )
-
-
 class InstanceWeightOut(BaseModel):
     name: str
     pool: str
-    role: Literal["prefill", "decode"]
+    role: Role
     weight: float = Field(description="served weight")
     policy_weight: float = Field(description="what the policy computed (overrides win over it)")
     drained: bool
     source: Literal["policy", "override", "drain"]
     reason: str
-    override: OverrideOut | None = None
-    drain: OverrideOut | None = None
+    # the controller's own override, served field for field (its one shape, controller.policy.Override)
+    override: Override | None = None
+    drain: Override | None = None
     decision: dict[str, Any] | None = Field(
         default=None, description="the policy's latest step: scores, arithmetic, reason, message, inputs"
     )
@@ -118,14 +91,14 @@ class InstanceWeightOut(BaseModel):
 
 class PoolOut(BaseModel):
     name: str
-    role: Literal["prefill", "decode"]
+    role: Role
     configured_weight: float
     weight: float
     reason: str
     max_inflight_requests: int | None
     max_inflight_kv_bytes: int | None
     max_queue_wait_s: float | None = None
-    override: OverrideOut | None = None
+    override: Override | None = None
     decision: dict[str, Any] | None = None
     instances: list[InstanceWeightOut]
     audit_id: int | None = None

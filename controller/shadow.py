@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from controller.effects import Tick
 from controller.policy import AlertConfig, AlertRule, PolicyConfig, PolicyState, TickInput, TickOutput, decide
-from controller.policy.config import setting_value
+from controller.policy.config import decision_setting_value
 from controller.policy.replay import Divergence, differences, served_weights
 from pdscope.config import ConfigError
 
@@ -33,14 +34,15 @@ def shadow_config(
     live: PolicyConfig, changes: Mapping[str, float] | None
 ) -> tuple[PolicyConfig, dict[str, Any]] | None:
     """The shadow's config from ``controller.shadow``; None when unset. Raises :class:`ConfigError`
-    naming ``controller.shadow.<name>`` for a setting that does not exist or a bad value."""
+    naming ``controller.shadow.<name>`` for a setting that does not exist, a bad value, or one that acts
+    only in the evidence step (the shadow decides on the live observation, which it does not re-derive)."""
     if not changes:
         return None
     problems: list[str] = []
     values: dict[str, Any] = {}
     for name, raw in changes.items():
         try:
-            values[name] = setting_value(name, raw)
+            values[name] = decision_setting_value(name, raw)
         except ValueError as exc:
             problems.append(f"controller.shadow.{exc}")
     if problems:
@@ -94,6 +96,10 @@ class Shadow:
             st.newest = (st.newest + diffs)[-MAX_KEPT:]
         a, s = served_weights(live.state), served_weights(out.state)
         st.weights = {n: (a[n], s.get(n, a[n])) for n in a}
+
+    def observe(self, tick: Tick) -> None:
+        """The tick observer (:class:`controller.effects.TickObserver`): :meth:`step` on the live tick."""
+        self.step(tick.inp, tick.out, tick.rules, tick.alert_config)
 
     def as_dict(self) -> dict[str, Any]:
         st = self.stats

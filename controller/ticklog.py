@@ -24,6 +24,7 @@ from typing import Literal
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from controller.effects import Tick
 from controller.policy import AlertConfig, PolicyConfig, ServedInstance, TickInput, TickOutput
 from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
@@ -122,6 +123,24 @@ def record_tick(
         )
     )
     return len(payload)
+
+
+class TickLogRecorder:
+    """:func:`record_tick` as a tick recorder (:class:`controller.effects.TickRecorder`): counts
+    ``tick_record_bytes`` (the compressed payload's size)."""
+
+    def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
+        size = record_tick(
+            session,
+            tick.inp,
+            tick.prev_served,
+            tick.alert_config,
+            tick.out,
+            tick.policy,
+            tick.epoch,
+            tick.between,
+        )
+        return {"tick_record_bytes": size}
 
 
 @dataclass(frozen=True)

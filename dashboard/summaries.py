@@ -60,7 +60,7 @@ def instance_health(
                 "role": snap["role"],
                 "up": bool(snap["up"]),
                 "weight": weight_of.get(name),
-                "kv_usage_pct": None
+                "kv_cache_usage_pct": None
                 if pd.isna(snap["kv_cache_usage"])
                 else 100.0 * float(snap["kv_cache_usage"]),
                 "running": snap["num_running"],
@@ -81,13 +81,15 @@ def instance_health(
 def pool_totals(health: pd.DataFrame) -> pd.DataFrame:
     """Per pool: instances up/total, running, waiting, mean KV usage."""
     if health.empty:
-        return pd.DataFrame(columns=["pool", "role", "up", "instances", "running", "waiting", "kv_usage_pct"])
+        return pd.DataFrame(
+            columns=["pool", "role", "up", "instances", "running", "waiting", "kv_cache_usage_pct"]
+        )
     grouped = health.groupby(["pool", "role"], as_index=False).agg(
         up=("up", "sum"),
         instances=("instance", "count"),
         running=("running", "sum"),
         waiting=("waiting", "sum"),
-        kv_usage_pct=("kv_usage_pct", "mean"),
+        kv_cache_usage_pct=("kv_cache_usage_pct", "mean"),
     )
     return grouped
 

@@ -1,7 +1,7 @@
 """The configuration reference, docs/configuration.md, generated from the config models.
 
 Every row comes from a pydantic field: its dotted key, type, default, declared bounds and
-``description``. ``Settings`` (pdscope/config.py, with its ``simulator:`` section from
+``description``. ``Settings`` (the pdscope/config package, with its ``simulator:`` section from
 pdscope/simconfig.py) is walked section by section. A field without a description is an error,
 so the reference cannot silently fall behind the code.
 

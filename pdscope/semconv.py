@@ -80,6 +80,7 @@ ERROR_TYPE = "error.type"
 # a 4xx that P or D answered); not a failure of any instance, and not a served request.
 OUTCOME_CLIENT_ERROR = "client_error"
 OUTCOMES = ("ok", "error", "rejected", "client_disconnect", "timeout", OUTCOME_CLIENT_ERROR)
+FAILED_OUTCOMES = frozenset({"error", "timeout"})  # charged to the instance that failed them
 
 # vLLM's per-request span and attributes
 VLLM_SPAN = "llm_request"

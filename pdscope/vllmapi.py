@@ -1,9 +1,22 @@
 """Shapes of vLLM's OpenAI-compatible API that pdscope serves as vLLM does (the simulator as an
-instance, the proxy in front of both pools), so the two cannot drift apart."""
+instance, the proxy in front of both pools), so the two cannot drift apart; and the bucket bounds
+of vLLM's latency histograms on ``/metrics`` (the simulator's, the seeded history's)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
+
+# vLLM's histogram bucket bounds, in seconds (vllm:time_to_first_token_seconds,
+# vllm:inter_token_latency_seconds, vllm:nixl_xfer_time_seconds).
+TTFT_BUCKETS: Final = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+ITL_BUCKETS: Final = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
+    *(0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+NIXL_XFER_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 
 
 def model_card(

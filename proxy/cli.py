@@ -6,9 +6,12 @@ Import-light: only argparse and the config at module level.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdscope.config import Settings
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyApp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,10 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(settings: Settings, upstream_client: str, sockets: list[Any] | None = None) -> None:
     """Run one proxy process until it is stopped (on ``sockets`` when given, else on host:port)."""
-    import uvicorn
-
     from proxy.app import build
-    from proxy.server import uvicorn_config
 
     if settings.proxy.tracing:
         import sys
@@ -101,7 +101,19 @@ def serve(settings: Settings, upstream_client: str, sockets: list[Any] | None = 
         # The span exporter thread encodes batches while holding the GIL; a 1 ms switch
         # interval (Python's default: 5 ms) bounds how long a request waits behind it.
         sys.setswitchinterval(0.001)
-    app = build(settings, upstream_client=upstream_client)
+    serve_app(build(settings, upstream_client=upstream_client), settings, sockets)
+
+
+def serve_app(
+    app: ProxyApp, settings: Settings, sockets: list[Any] | None = None, *, graceful_s: float = 10.0
+) -> None:
+    """Run a built proxy app until it is stopped, as ``pdscope proxy`` serves it (uvloop when built,
+    httptools with the client read bound counted in the app's metrics, no access log); open streams
+    get ``graceful_s`` at shutdown, then are closed. Blocks; raises what uvicorn raises."""
+    import uvicorn
+
+    from proxy.server import uvicorn_config
+
     try:
         import uvloop  # noqa: F401
 
@@ -117,6 +129,6 @@ def serve(settings: Settings, upstream_client: str, sockets: list[Any] | None = 
         on_read_timeout=lambda phase: app.parts.metrics.client_read_timeouts.labels(phase).inc(),
         log_level="warning",
         timeout_keep_alive=30,
-        timeout_graceful_shutdown=10,  # open streams get this long at shutdown, then are closed
+        timeout_graceful_shutdown=graceful_s,
     )
     uvicorn.Server(config).run(sockets=sockets)

@@ -30,9 +30,10 @@ import logging
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 from pdscope import semconv as sc
+from pdscope.routing import Role
 from proxy.admission import REASON_NO_INSTANCES, REASON_QUEUE_FULL, Admission, Rejection
 from proxy.kvaware import (
     REASON_KEYING_BUSY,
@@ -50,8 +51,6 @@ from proxy.routing import RoutingState, RoutingView, Target
 from proxy.selection import Selector
 
 log = logging.getLogger(__name__)
-
-Role = Literal["prefill", "decode"]
 
 
 OFFLOAD_BYTES = 32 * 1024  # a body this large is keyed off the event loop (when the view allows it)

@@ -8,19 +8,22 @@ time by :class:`_LiveCollector`, so the request path never updates them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from pdscope.metricfamilies import Family, Sample, Samples, by_key, families, one
 from proxy.routing import STATES
 
 if TYPE_CHECKING:
+    from pdscope.routing import ProxyShare
     from proxy.admission import Admission
-    from proxy.kvsubscriber import KvEventsSubscriber
+    from proxy.kvsubscriber import Counts, KvEventsSubscriber
     from proxy.kvtrust import HitCheck
     from proxy.routing import RoutingState
     from proxy.selection import RetryBudget, Selector
@@ -152,266 +155,377 @@ class ProxyMetrics:
         return generate_latest(self.registry)
 
 
-class _LiveCollector(Collector):
+class _Scrape:
+    """One scrape's reads of the live sources: the clock once, the proxy's part of the limits once, and
+    the prefix index's sizes once, under its lock (the subscriber's thread writes it)."""
+
     def __init__(self, sources: LiveSources) -> None:
-        self.sources = sources
+        self.src = sources
+        self.now = sources.now()
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        routing, admission, spans = self.sources.routing, self.sources.admission, self.sources.spans
-        state = GaugeMetricFamily(
-            "pdscope_proxy_routing_state",
-            "1 for the routing state in force: fresh (controller's table), static (last table kept, "
-            "controller unreachable), fallback (equal weights), default (no table yet, no poll failed), "
-            "never_reached (no controller answered since start: equal weights), advisory.",
-            labels=["state"],
-        )
-        for s in STATES:
-            state.add_metric([s], 1.0 if routing.state == s else 0.0)
-        yield state
-        version = GaugeMetricFamily(
-            "pdscope_proxy_routing_table_version", "Version of the table in force (-1: none)."
-        )
-        v = routing.view.version
-        version.add_metric([], float(-1 if v is None else v))
-        yield version
-        age = GaugeMetricFamily(
-            "pdscope_proxy_routing_table_age_seconds", "Seconds since the last good poll (-1: never)."
-        )
-        a = routing.age(self.sources.now())
-        age.add_metric([], -1.0 if a is None else a)
-        yield age
-        polls = CounterMetricFamily(
-            "pdscope_proxy_routing_poll_failures", "Failed polls of the routing table."
-        )
-        polls.add_metric([], float(routing.poll_failures))
-        yield polls
-        req = GaugeMetricFamily(
-            "pdscope_proxy_pool_inflight_requests", "Admitted requests per pool.", labels=["pool"]
-        )
-        for pool, n in sorted(admission.requests.items()):
-            req.add_metric([pool], float(n))
-        yield req
-        kvb = GaugeMetricFamily(
-            "pdscope_proxy_pool_inflight_kv_bytes", "Handoff KV bytes in flight per pool.", labels=["pool"]
-        )
-        for pool, n in sorted(admission.kv_bytes.items()):
-            kvb.add_metric([pool], float(n))
-        yield kvb
-        dem = CounterMetricFamily(
-            "pdscope_proxy_pool_demand",
-            "Requests that sought admission into each pool (admitted or not): what the controller "
-            "splits the pools' limits among proxies by.",
-            labels=["pool"],
-        )
-        for pool, n in sorted(admission.demand.items()):
-            dem.add_metric([pool], float(n))
-        yield dem
-        lim_in_force = GaugeMetricFamily(
-            "pdscope_proxy_pool_limit",
-            "The limits this proxy enforces per pool (its part of the pool's, or the config's "
-            "divided by proxy.expected_replicas), kind requests or kv_bytes.",
-            labels=["pool", "kind"],
-        )
-        for pool, limits in sorted(routing.view.limits.items()):
-            lim_in_force.add_metric([pool, "requests"], float(limits.max_inflight_requests))
-            lim_in_force.add_metric([pool, "kv_bytes"], float(limits.max_inflight_kv_bytes))
-        yield lim_in_force
-        share = routing.current_share(self.sources.now())
-        frac = GaugeMetricFamily(
-            "pdscope_proxy_limit_share",
-            "This proxy's fraction of each pool's limits as the controller last gave it "
-            "(absent: no part, the config's limits divided by proxy.expected_replicas apply).",
-            labels=["pool"],
-        )
-        for pool, part in sorted(({} if share is None else share.pools).items()):
-            frac.add_metric([pool], part.share)
-        yield frac
-        yield GaugeMetricFamily(
-            "pdscope_proxy_live_proxies",
-            "Live proxies the controller split the limits among at this proxy's last part (0: none).",
-            value=0.0 if share is None else float(share.live),
-        )
-        waiting = GaugeMetricFamily("pdscope_proxy_admission_waiting", "Requests waiting for admission.")
-        waiting.add_metric([], float(admission.waiting))
-        yield waiting
-        inst = GaugeMetricFamily(
-            "pdscope_proxy_instance_inflight", "In-flight upstream calls per instance.", labels=["instance"]
-        )
-        for name, n in sorted(self.sources.selector.inflight.items()):
-            inst.add_metric([name], float(n))
-        yield inst
-        now = self.sources.now()
-        outliers = self.sources.selector.outliers
-        ej = CounterMetricFamily(
-            "pdscope_proxy_outlier_ejections",
-            "Outlier ejections by instance and reason (consecutive_failures, "
-            "failure_ratio, probation: the first failure after a return).",
-            labels=["instance", "reason"],
-        )
-        for (name, reason), n in sorted(outliers.ejections.items()):
-            ej.add_metric([name, reason], float(n))
-        yield ej
-        out = GaugeMetricFamily(
-            "pdscope_proxy_instance_ejected",
-            "1 while outlier detection keeps the instance out of selection.",
-            labels=["instance"],
-        )
-        for name in outliers.instances():
-            out.add_metric([name], 1.0 if outliers.is_ejected(name, now) else 0.0)
-        yield out
-        adaptive = admission.adaptive
-        if adaptive is not None:
-            lim = GaugeMetricFamily(
-                "pdscope_proxy_pool_adaptive_limit",
-                "Requests a pool admits now: its adaptive limit (AIMD on the "
-                "proxy's own TTFT), never above the limit in force.",
-                labels=["pool"],
+    @cached_property
+    def share(self) -> ProxyShare | None:
+        return self.src.routing.current_share(self.now)
+
+    @cached_property
+    def kv_names(self) -> list[str]:
+        return sorted(self.src.kv_events.sources) if self.src.kv_events is not None else []
+
+    @cached_property
+    def kv_index(self) -> tuple[dict[str, int], dict[str, bool]]:
+        """(blocks, stale) per instance: read under the index's lock (microseconds)."""
+        sub = self.src.kv_events
+        if sub is None:
+            return {}, {}
+        with sub.lock:
+            return (
+                {inst: sub.index.blocks(inst) for inst in self.kv_names},
+                {inst: inst in sub.index.stale for inst in self.kv_names},
             )
-            for pool, limits in sorted(routing.view.limits.items()):
-                lim.add_metric([pool], float(adaptive.limit(pool, limits.max_inflight_requests)))
-            yield lim
-        bal = GaugeMetricFamily("pdscope_proxy_retry_budget_balance", "Retries the budget allows now.")
-        bal.add_metric([], self.sources.budget.balance)
-        yield bal
-        if spans is not None:
-            for name, value, doc in (
-                (
-                    "pdscope_proxy_spans_dropped",
-                    spans.dropped,
-                    "Spans lost because the queue or the buffer of unsampled traces' children was "
-                    "full (or still there at shutdown).",
-                ),
-                (
-                    "pdscope_proxy_spans_unsampled",
-                    spans.unsampled,
-                    "Child spans not exported by sampling (proxy.trace_sample_ratio): their trace was "
-                    "not sampled, did not fail and met the TTFT SLO.",
-                ),
-                ("pdscope_proxy_spans_exported", spans.exported, "Spans the collector accepted."),
-                (
-                    "pdscope_proxy_spans_export_failed",
-                    spans.failed,
-                    "Spans in failed export tries (a batch retried n times counts n times).",
-                ),
-                (
-                    "pdscope_proxy_spans_rejected",
-                    spans.rejected,
-                    "Spans in batches the collector refused for good (4xx other than 408/429): lost.",
-                ),
-                ("pdscope_proxy_spans_export_retries", spans.retries, "Retried tries of a held span batch."),
-            ):
-                c = CounterMetricFamily(name, doc)
-                c.add_metric([], float(value))
-                yield c
-            q = GaugeMetricFamily("pdscope_proxy_spans_queued", "Spans waiting to be exported.")
-            q.add_metric([], float(spans.queued))
-            yield q
-        yield from self._kv()
-
-    def _kv(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        if self.sources.kv_events is not None:
-            yield from _kv_events(self.sources.kv_events)
-        if self.sources.kv_trust is not None:
-            yield _kv_trust(self.sources.kv_trust)
 
 
-def _kv_trust(check: HitCheck) -> CounterMetricFamily:
-    fam = CounterMetricFamily(
+Read = Callable[[_Scrape], Samples]
+
+
+def _table_age(s: _Scrape) -> list[Sample]:
+    age = s.src.routing.age(s.now)
+    return one(-1.0 if age is None else age)
+
+
+def _pool_limits(s: _Scrape) -> list[Sample]:
+    return [
+        sample
+        for pool, lim in sorted(s.src.routing.view.limits.items())
+        for sample in (
+            ((pool, "requests"), float(lim.max_inflight_requests)),
+            ((pool, "kv_bytes"), float(lim.max_inflight_kv_bytes)),
+        )
+    ]
+
+
+def _adaptive_limits(s: _Scrape) -> Samples:
+    adaptive = s.src.admission.adaptive
+    if adaptive is None:
+        return None
+    limits = sorted(s.src.routing.view.limits.items())
+    return [((pool,), float(adaptive.limit(pool, lim.max_inflight_requests))) for pool, lim in limits]
+
+
+def _ejected(s: _Scrape) -> list[Sample]:
+    outliers = s.src.selector.outliers
+    return [((name,), 1.0 if outliers.is_ejected(name, s.now) else 0.0) for name in outliers.instances()]
+
+
+def _spans(read: Callable[[BoundedSpanProcessor], int]) -> Read:
+    """A count of the span exporter's, absent without one."""
+    return lambda s: None if s.src.spans is None else one(float(read(s.src.spans)))
+
+
+def _kv_count(read: Callable[[Counts], Mapping[str, int]]) -> Read:
+    """A per-instance count of the KV events subscriber's (0 for an instance not counted yet)."""
+
+    def samples(s: _Scrape) -> Samples:
+        if s.src.kv_events is None:
+            return None
+        counts = dict(read(s.src.kv_events.counts))  # a copy: the subscriber's thread writes it
+        return [((inst,), float(counts.get(inst, 0))) for inst in s.kv_names]
+
+    return samples
+
+
+def _kv_pairs(read: Callable[[Counts], Mapping[tuple[str, str], int]]) -> Read:
+    """A per-instance count of the KV events subscriber's with a second label (a reason, an outcome)."""
+    return lambda s: (
+        None
+        if s.src.kv_events is None
+        else [(pair, float(n)) for pair, n in sorted(dict(read(s.src.kv_events.counts)).items())]
+    )
+
+
+def _kv_age(s: _Scrape) -> Samples:
+    sub = s.src.kv_events
+    if sub is None:
+        return None
+    now, last = sub.clock(), dict(sub.counts.last_message)
+    seen = {inst: last.get(inst) for inst in s.kv_names}
+    return [((inst,), -1.0 if t is None else max(0.0, now - t)) for inst, t in seen.items()]
+
+
+def _kv_index(pick: Callable[[tuple[dict[str, int], dict[str, bool]]], Mapping[str, float]]) -> Read:
+    return lambda s: (
+        None if s.src.kv_events is None else [((inst,), float(pick(s.kv_index)[inst])) for inst in s.kv_names]
+    )
+
+
+def _hit_checks(s: _Scrape) -> Samples:
+    check = s.src.kv_trust
+    return None if check is None else [(pair, float(n)) for pair, n in sorted(dict(check.counts).items())]
+
+
+_INSTANCE, _POOL = ("instance",), ("pool",)
+# The scrape-time families, in the order they are exported: one row a metric.
+LIVE_FAMILIES: tuple[Family[_Scrape], ...] = (
+    Family(
+        "pdscope_proxy_routing_state",
+        "1 for the routing state in force: fresh (controller's table), static (last table kept, "
+        "controller unreachable), fallback (equal weights), default (no table yet, no poll failed), "
+        "never_reached (no controller answered since start: equal weights), advisory.",
+        "gauge",
+        ("state",),
+        lambda s: [((st,), 1.0 if s.src.routing.state == st else 0.0) for st in STATES],
+    ),
+    Family(
+        "pdscope_proxy_routing_table_version",
+        "Version of the table in force (-1: none).",
+        "gauge",
+        (),
+        lambda s: one(float(-1 if s.src.routing.view.version is None else s.src.routing.view.version)),
+    ),
+    Family(
+        "pdscope_proxy_routing_table_age_seconds",
+        "Seconds since the last good poll (-1: never).",
+        "gauge",
+        (),
+        _table_age,
+    ),
+    Family(
+        "pdscope_proxy_routing_poll_failures",
+        "Failed polls of the routing table.",
+        "counter",
+        (),
+        lambda s: one(float(s.src.routing.poll_failures)),
+    ),
+    Family(
+        "pdscope_proxy_pool_inflight_requests",
+        "Admitted requests per pool.",
+        "gauge",
+        _POOL,
+        lambda s: by_key(s.src.admission.requests.items()),
+    ),
+    Family(
+        "pdscope_proxy_pool_inflight_kv_bytes",
+        "Handoff KV bytes in flight per pool.",
+        "gauge",
+        _POOL,
+        lambda s: by_key(s.src.admission.kv_bytes.items()),
+    ),
+    Family(
+        "pdscope_proxy_pool_demand",
+        "Requests that sought admission into each pool (admitted or not): what the controller "
+        "splits the pools' limits among proxies by.",
+        "counter",
+        _POOL,
+        lambda s: by_key(s.src.admission.demand.items()),
+    ),
+    Family(
+        "pdscope_proxy_pool_limit",
+        "The limits this proxy enforces per pool (its part of the pool's, or the config's "
+        "divided by proxy.expected_replicas), kind requests or kv_bytes.",
+        "gauge",
+        ("pool", "kind"),
+        _pool_limits,
+    ),
+    Family(
+        "pdscope_proxy_limit_share",
+        "This proxy's fraction of each pool's limits as the controller last gave it "
+        "(absent: no part, the config's limits divided by proxy.expected_replicas apply).",
+        "gauge",
+        _POOL,
+        lambda s: by_key(
+            (pool, part.share) for pool, part in ({} if s.share is None else s.share.pools).items()
+        ),
+    ),
+    Family(
+        "pdscope_proxy_live_proxies",
+        "Live proxies the controller split the limits among at this proxy's last part (0: none).",
+        "gauge",
+        (),
+        lambda s: one(0.0 if s.share is None else float(s.share.live)),
+    ),
+    Family(
+        "pdscope_proxy_admission_waiting",
+        "Requests waiting for admission.",
+        "gauge",
+        (),
+        lambda s: one(float(s.src.admission.waiting)),
+    ),
+    Family(
+        "pdscope_proxy_instance_inflight",
+        "In-flight upstream calls per instance.",
+        "gauge",
+        _INSTANCE,
+        lambda s: by_key(s.src.selector.inflight.items()),
+    ),
+    Family(
+        "pdscope_proxy_outlier_ejections",
+        "Outlier ejections by instance and reason (consecutive_failures, "
+        "failure_ratio, probation: the first failure after a return).",
+        "counter",
+        ("instance", "reason"),
+        lambda s: [(pair, float(n)) for pair, n in sorted(s.src.selector.outliers.ejections.items())],
+    ),
+    Family(
+        "pdscope_proxy_instance_ejected",
+        "1 while outlier detection keeps the instance out of selection.",
+        "gauge",
+        _INSTANCE,
+        _ejected,
+    ),
+    Family(
+        "pdscope_proxy_pool_adaptive_limit",
+        "Requests a pool admits now: its adaptive limit (AIMD on the "
+        "proxy's own TTFT), never above the limit in force.",
+        "gauge",
+        _POOL,
+        _adaptive_limits,
+    ),
+    Family(
+        "pdscope_proxy_retry_budget_balance",
+        "Retries the budget allows now.",
+        "gauge",
+        (),
+        lambda s: one(s.src.budget.balance),
+    ),
+    Family(
+        "pdscope_proxy_spans_dropped",
+        "Spans lost because the queue or the buffer of unsampled traces' children was "
+        "full (or still there at shutdown).",
+        "counter",
+        (),
+        _spans(lambda p: p.dropped),
+    ),
+    Family(
+        "pdscope_proxy_spans_unsampled",
+        "Child spans not exported by sampling (proxy.trace_sample_ratio): their trace was "
+        "not sampled, did not fail and met the TTFT SLO.",
+        "counter",
+        (),
+        _spans(lambda p: p.unsampled),
+    ),
+    Family(
+        "pdscope_proxy_spans_exported",
+        "Spans the collector accepted.",
+        "counter",
+        (),
+        _spans(lambda p: p.exported),
+    ),
+    Family(
+        "pdscope_proxy_spans_export_failed",
+        "Spans in failed export tries (a batch retried n times counts n times).",
+        "counter",
+        (),
+        _spans(lambda p: p.failed),
+    ),
+    Family(
+        "pdscope_proxy_spans_rejected",
+        "Spans in batches the collector refused for good (4xx other than 408/429): lost.",
+        "counter",
+        (),
+        _spans(lambda p: p.rejected),
+    ),
+    Family(
+        "pdscope_proxy_spans_export_retries",
+        "Retried tries of a held span batch.",
+        "counter",
+        (),
+        _spans(lambda p: p.retries),
+    ),
+    Family(
+        "pdscope_proxy_spans_queued", "Spans waiting to be exported.", "gauge", (), _spans(lambda p: p.queued)
+    ),
+    Family(
+        "pdscope_proxy_kv_events_messages",
+        "KV event messages decoded, per instance.",
+        "counter",
+        _INSTANCE,
+        _kv_count(lambda c: c.messages),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_gaps",
+        "Gaps in an instance's event sequence (messages lost: replayed, or its view rebuilt).",
+        "counter",
+        _INSTANCE,
+        _kv_count(lambda c: c.gaps),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_restarts",
+        "Publishers that restarted their sequence (a restarted instance: its view is forgotten).",
+        "counter",
+        _INSTANCE,
+        _kv_count(lambda c: c.restarts),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_skipped_events",
+        "Events of a kind pdscope does not know, skipped inside decoded messages.",
+        "counter",
+        _INSTANCE,
+        _kv_count(lambda c: c.skipped_events),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_rebuilds",
+        "Times an instance's view was forgotten to be rebuilt from its next events.",
+        "counter",
+        _INSTANCE,
+        _kv_count(lambda c: c.rebuilds),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_dropped",
+        "KV event messages dropped, per instance and reason (undecodable, duplicate, unknown_instance, ...).",
+        "counter",
+        ("instance", "reason"),
+        _kv_pairs(lambda c: c.dropped),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_replays",
+        "Replays asked of an instance's replay socket after a gap, by outcome (ok, failed).",
+        "counter",
+        ("instance", "outcome"),
+        _kv_pairs(lambda c: c.replays),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_loop_errors",
+        "Failures of the subscriber's loop (logged; it went on).",
+        "counter",
+        (),
+        lambda s: None if s.src.kv_events is None else one(float(s.src.kv_events.counts.loop_errors)),
+    ),
+    Family(
+        "pdscope_proxy_kv_events_last_message_age_seconds",
+        "Seconds since the instance's last KV event message (-1: none yet). An idle instance publishes "
+        "nothing: read it with the instance's traffic.",
+        "gauge",
+        _INSTANCE,
+        _kv_age,
+    ),
+    Family(
+        "pdscope_proxy_kv_index_blocks",
+        "KV blocks the prefix index holds for the instance.",
+        "gauge",
+        _INSTANCE,
+        _kv_index(lambda index: index[0]),
+    ),
+    Family(
+        "pdscope_proxy_kv_index_stale",
+        "1 while the instance's view is stale (credited nothing until rebuilt).",
+        "gauge",
+        _INSTANCE,
+        _kv_index(lambda index: index[1]),
+    ),
+    Family(
         "pdscope_proxy_kv_hit_checks",
         "Precise KV-aware routing's predictions checked against the cached tokens the instance reported, "
         "per instance and verdict: hit, miss (less than half came true), distrusted (its events no longer "
         "credited, see docs/trust.md), trusted (credited again after probation).",
-        labels=["instance", "verdict"],
-    )
-    for (inst, verdict), n in sorted(dict(check.counts).items()):
-        fam.add_metric([inst, verdict], float(n))
-    return fam
+        "counter",
+        ("instance", "verdict"),
+        _hit_checks,
+    ),
+)
 
 
-def _kv_events(sub: KvEventsSubscriber) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """The KV events subscriber's counts and the prefix index, per instance, read at scrape time
-    (copies: the subscriber's thread writes them)."""
-    c = sub.counts
-    names = sorted(sub.sources)
-    by_instance = (
-        ("pdscope_proxy_kv_events_messages", dict(c.messages), "KV event messages decoded, per instance."),
-        (
-            "pdscope_proxy_kv_events_gaps",
-            dict(c.gaps),
-            "Gaps in an instance's event sequence (messages lost: replayed, or its view rebuilt).",
-        ),
-        (
-            "pdscope_proxy_kv_events_restarts",
-            dict(c.restarts),
-            "Publishers that restarted their sequence (a restarted instance: its view is forgotten).",
-        ),
-        (
-            "pdscope_proxy_kv_events_skipped_events",
-            dict(c.skipped_events),
-            "Events of a kind pdscope does not know, skipped inside decoded messages.",
-        ),
-        (
-            "pdscope_proxy_kv_events_rebuilds",
-            dict(c.rebuilds),
-            "Times an instance's view was forgotten to be rebuilt from its next events.",
-        ),
-    )
-    for name, counts, doc in by_instance:
-        fam = CounterMetricFamily(name, doc, labels=["instance"])
-        for inst in names:
-            fam.add_metric([inst], float(counts.get(inst, 0)))
-        yield fam
-    for name, pairs, label, doc in (
-        (
-            "pdscope_proxy_kv_events_dropped",
-            dict(c.dropped),
-            "reason",
-            "KV event messages dropped, per instance and reason (undecodable, duplicate, "
-            "unknown_instance, ...).",
-        ),
-        (
-            "pdscope_proxy_kv_events_replays",
-            dict(c.replays),
-            "outcome",
-            "Replays asked of an instance's replay socket after a gap, by outcome (ok, failed).",
-        ),
-    ):
-        fam = CounterMetricFamily(name, doc, labels=["instance", label])
-        for (inst, what), n in sorted(pairs.items()):
-            fam.add_metric([inst, what], float(n))
-        yield fam
-    loops = CounterMetricFamily(
-        "pdscope_proxy_kv_events_loop_errors", "Failures of the subscriber's loop (logged; it went on)."
-    )
-    loops.add_metric([], float(c.loop_errors))
-    yield loops
-    now = sub.clock()
-    last = dict(c.last_message)
-    age = GaugeMetricFamily(
-        "pdscope_proxy_kv_events_last_message_age_seconds",
-        "Seconds since the instance's last KV event message (-1: none yet). An idle instance publishes "
-        "nothing: read it with the instance's traffic.",
-        labels=["instance"],
-    )
-    for inst in names:
-        seen = last.get(inst)
-        age.add_metric([inst], -1.0 if seen is None else max(0.0, now - seen))
-    yield age
-    with sub.lock:  # the index is the thread's: its sizes are read under its lock (microseconds)
-        blocks = {inst: sub.index.blocks(inst) for inst in names}
-        stale = {inst: inst in sub.index.stale for inst in names}
-    held = GaugeMetricFamily(
-        "pdscope_proxy_kv_index_blocks",
-        "KV blocks the prefix index holds for the instance.",
-        labels=["instance"],
-    )
-    st = GaugeMetricFamily(
-        "pdscope_proxy_kv_index_stale",
-        "1 while the instance's view is stale (credited nothing until rebuilt).",
-        labels=["instance"],
-    )
-    for inst in names:
-        held.add_metric([inst], float(blocks[inst]))
-        st.add_metric([inst], 1.0 if stale[inst] else 0.0)
-    yield held
-    yield st
+class _LiveCollector(Collector):
+    def __init__(self, sources: LiveSources) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        return families(LIVE_FAMILIES, _Scrape(self.sources))

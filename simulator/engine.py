@@ -113,7 +113,7 @@ class Engine:
         return self.pool.active
 
     @property
-    def kv_usage(self) -> float:
+    def kv_cache_usage(self) -> float:
         cap = self.capacity_blocks
         return min(1.0, self.used_blocks / cap) if cap else 1.0
 
@@ -486,7 +486,7 @@ class Engine:
             "waiting_to_start": float(stalled),
             "in_progress": float(len(self.loading)),
             "completed_waiting": float(len(self.ready)),
-            "kv_usage": self.kv_usage,
+            "kv_cache_usage": self.kv_cache_usage,
         }
 
 

@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdscope.stats import percentile
 from simulator.faults import FaultSpec
 
 # The simulator's defaults the fit falls back on (pdscope.simconfig.SimulatorConfig's).
@@ -229,13 +230,8 @@ def _median(xs: Sequence[float]) -> float | None:
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    """The kernel's percentile of ``xs`` at ``q`` in 0..1 (None for no values)."""
+    return percentile(xs, 100.0 * q)
 
 
 def _quantiles(xs: Sequence[float]) -> dict[str, float]:

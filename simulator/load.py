@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from simulator.loadgen import Progress, Target, run_load
+    from simulator.loadgen import LoadTarget, Progress, run_load
     from simulator.workload import LengthDist, format_summary, load_trace, plan, summarize
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the summary
@@ -83,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
         )
         if not p_urls or not d_urls:
             raise ConfigError(["pdscope load --direct: need prefill and decode URLs (config pools or flags)"])
-        target = Target(chat, model, None, tuple(p_urls), tuple(d_urls))
+        target = LoadTarget(chat, model, None, tuple(p_urls), tuple(d_urls))
     else:
         url = args.url or (f"http://{settings.proxy.host}:{settings.proxy.port}" if settings else None)
         if not url:
             raise ConfigError(["pdscope load: give --url, --direct, or a config with a proxy section"])
-        target = Target(chat, model, url)
+        target = LoadTarget(chat, model, url)
     try:
         if args.trace:
             planned = load_trace(args.trace, args.rate, args.num_requests, args.duration, args.seed)

@@ -22,12 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from simulator.httpclient import HttpClientError, Pool
+from simulator.httpclient import HttpClientError, Pool, Response
 from simulator.workload import Planned, RequestResult
 
 
 @dataclass(frozen=True)
-class Target:
+class LoadTarget:
+    """Where the load goes: one OpenAI-compatible URL (the proxy), or, with no ``url``, the P and D
+    URLs the client drives itself (``direct``). It names no instance, unlike the proxy's ``Target``
+    (where to send work) and the collector's ``ScrapeTarget`` (what to scrape)."""
+
     chat: bool = False
     model: str = "sim-llama-70b"
     url: str | None = None
@@ -77,7 +81,7 @@ class Progress:
 
 @dataclass
 class _Run:
-    target: Target
+    target: LoadTarget
     client: Pool
     start: float
     seed: int
@@ -89,7 +93,7 @@ class _Run:
     results: list[RequestResult] = field(default_factory=list)
 
 
-def _body(target: Target, p: Planned, tag: str) -> dict[str, Any]:
+def _body(target: LoadTarget, p: Planned, tag: str) -> dict[str, Any]:
     # the first word is the request's own tag, so no two prompts share a prefix block: the load's
     # timings stay those of uncached prefills (prefix caching is measured by workloads that share)
     n = max(1, p.prompt_tokens - (4 if target.chat else 0))
@@ -136,14 +140,13 @@ async def _one(run: _Run, index: int, p: Planned) -> None:
 
 async def _exchange(
     run: _Run,
-    target: Target,
+    target: LoadTarget,
     index: int,
     res: RequestResult,
     body: dict[str, Any],
     headers: dict[str, str],
     t_send: float,
 ) -> None:
-    now = time.perf_counter
     if target.direct:
         url = target.decode_urls[index % len(target.decode_urls)] + target.path
         prefill_url = target.prefill_urls[index % len(target.prefill_urls)] + target.path
@@ -169,48 +172,63 @@ async def _exchange(
     else:
         url = str(target.url).rstrip("/") + target.path
     async with run.client.post(url, body, headers) as resp:
-        res.status = resp.status_code
-        if resp.status_code != 200:
-            await resp.aread()
-            res.error = f"HTTP {resp.status_code}"
-            return
-        counted = 0
-        done = False
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                done = True  # read on to the end of the body so the connection can be reused
-                continue
-            if data.startswith('{"error"'):
-                res.error = "stream error"
-                continue
-            if res.ttft_s is None or '"usage"' in data:
-                obj = json.loads(data)
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                choices = obj.get("choices") or []
-                if choices:
-                    c = choices[0]
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if text:
-                        if res.ttft_s is None:
-                            res.ttft_s = now() - t_send
-                        counted += 1
-            else:
-                counted += 1
-        res.e2e_s = now() - t_send
-        if not res.output_tokens:
-            res.output_tokens = counted
-        res.ok = done and res.error is None and res.ttft_s is not None
-        if not done and res.error is None:
-            res.error = "stream ended early"
+        await read_stream(resp, res, t_send)
+
+
+async def read_stream(resp: Response, res: RequestResult, t_send: float) -> None:
+    """Read one streamed completion (OpenAI SSE) into ``res``: the status, TTFT (``t_send``, a
+    ``time.perf_counter()`` reading, to the first content chunk), e2e, the output tokens (the usage
+    chunk's, else the content chunks counted), and ``ok`` or the error. Reads the body to its end,
+    so the connection can be reused; raises what the client raises (``HttpClientError``)."""
+    res.status = resp.status_code
+    if resp.status_code != 200:
+        await resp.aread()
+        res.error = f"HTTP {resp.status_code}"
+        return
+    counted = 0
+    done = False
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True  # read on to the end of the body so the connection can be reused
+        elif data.startswith('{"error"'):
+            res.error = "stream error"
+        else:
+            counted += _chunk(data, res, t_send)
+    res.e2e_s = time.perf_counter() - t_send
+    if not res.output_tokens:
+        res.output_tokens = counted
+    res.ok = done and res.error is None and res.ttft_s is not None
+    if not done and res.error is None:
+        res.error = "stream ended early"
+
+
+def _chunk(data: str, res: RequestResult, t_send: float) -> int:
+    """One chunk into ``res`` (its usage's output tokens; TTFT at the first text); 1 if it carries
+    text. Past the first token only usage chunks are parsed (JSON costs the client CPU it measures
+    with): any other chunk is counted as one token."""
+    if res.ttft_s is not None and '"usage"' not in data:
+        return 1
+    obj = json.loads(data)
+    usage = obj.get("usage")
+    if usage:
+        res.output_tokens = int(usage.get("completion_tokens") or 0)
+    choices = obj.get("choices") or []
+    if not choices:
+        return 0
+    c = choices[0]
+    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+    if not text:
+        return 0
+    if res.ttft_s is None:
+        res.ttft_s = time.perf_counter() - t_send
+    return 1
 
 
 async def run_load(
-    target: Target,
+    target: LoadTarget,
     planned: list[Planned],
     *,
     timeout_s: float = 60.0,

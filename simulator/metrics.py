@@ -27,6 +27,7 @@ from prometheus_client import (
 )
 
 from pdscope.simconfig import SimulatorConfig
+from pdscope.vllmapi import ITL_BUCKETS, NIXL_XFER_BUCKETS, TTFT_BUCKETS
 from simulator.model import FINISH_REASONS, STAGES, SimRequest, Transfer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,55 +55,12 @@ REQUEST_LATENCY = [
     1920.0,
     7680.0,
 ]
-TTFT = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]
-ITL = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+TTFT = list(TTFT_BUCKETS)
+ITL = list(ITL_BUCKETS)
 ITERATION_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 PARAMS_N = [1, 2, 5, 10, 20]
 NUM_PREEMPTIONS = [1, 2, 3, 4, 5, 10, 20]
-NIXL_XFER = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+NIXL_XFER = list(NIXL_XFER_BUCKETS)
 NIXL_POST = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 NIXL_BYTES = [float(2 ** (10 + i)) for i in range(1, 25, 2)]
 NIXL_DESCRIPTORS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
@@ -281,7 +239,7 @@ class VllmMetrics:
         sleep.labels(*lv, "awake").set(1)
         sleep.labels(*lv, "weights_offloaded")
         sleep.labels(*lv, "discard_all")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -478,7 +436,7 @@ class VllmMetrics:
         self.waiting.set(gauges["waiting_capacity"] + gauges["waiting_deferred"])
         for stage in STAGES:
             self.stages[stage].set(gauges[stage])
-        self.kv_usage.set(gauges["kv_usage"])
+        self.kv_cache_usage.set(gauges["kv_cache_usage"])
         return generate_latest(self.registry)
 
     # -- EngineObserver ------------------------------------------------------------

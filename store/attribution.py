@@ -2,7 +2,7 @@
 :data:`STAGE_COLUMNS`) and, for the failed or retried ones, the steps of the D's
 ``nixl_failed_transfers`` counter around them. One read for the controller's API and CLI
 (``controller.attribution``) and the dashboard's *Why we missed* page; the rows become stage records
-in ``controller.policy.attribution_records``.
+in ``analysis.attribution_records``.
 """
 
 from __future__ import annotations

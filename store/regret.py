@@ -1,10 +1,11 @@
 """The reads decision regret needs, shared by the controller's endpoint and the dashboard.
 
-Decision regret (``controller.policy.regret``) judges every cut the controller stored against
+Decision regret (``analysis.regret``) judges every cut the controller stored against
 what followed it. These functions read what it judges from, each as plain tuples in the order of
 the pure module's fact types (``DecisionFact``, ``RecordFact``, ``ScrapeFact``), so each caller
 builds those with ``Fact(*row)`` and this module needs nothing above the store. Every read is
-bounded (``limit``) and says when it was cut short (:class:`Rows`). None writes.
+bounded (``limit``) and says when it was cut short (:class:`Rows`). None writes. :class:`Reader`
+is the three over one session, as ``analysis.regret_window.judge_window`` reads them.
 """
 
 from __future__ import annotations
@@ -100,3 +101,25 @@ def scrapes(session: Session, instances: Iterable[str], lo: float, hi: float, *,
         .limit(limit + 1)
     )
     return _bounded(session.connection().execute(stmt).all(), limit)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """The reads of one regret judgement over ``session``: records ``only`` those, met under ``slo``;
+    each read bounded by its own limit."""
+
+    session: Session
+    slo: SLOSettings
+    only: RecordFilter
+    max_decisions: int
+    max_records: int
+    max_scrapes: int
+
+    def decisions(self, since: float, fields: Iterable[str]) -> Rows:
+        return decisions(self.session, since, fields, limit=self.max_decisions)
+
+    def records(self, lo: float, hi: float) -> Rows:
+        return records(self.session, lo, hi, self.slo, only=self.only, limit=self.max_records)
+
+    def scrapes(self, instances: Iterable[str], lo: float, hi: float) -> Rows:
+        return scrapes(self.session, instances, lo, hi, limit=self.max_scrapes)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from pdscope import stats
+
 OVERSHOOT_TARGET = 0.10  # the in-flight sum within 10% of each pool's limit
 GOODPUT_TARGET = 0.10  # 3 proxies within 10% of one proxy's goodput
 
@@ -75,19 +77,18 @@ def overshoot(peak: float, limit: int) -> float:
 
 
 def percentiles(xs: Sequence[float], ps: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
-    """Nearest-rank percentiles (``p50`` ...); empty when there is nothing to rank."""
-    s = sorted(xs)
-    if not s:
+    """The kernel's percentiles (``p50`` ...: :func:`pdscope.stats.percentiles`, interpolated between
+    order statistics, as every pdscope figure); empty when there is nothing to rank."""
+    if not xs:
         return {}
-    return {f"p{p}": s[min(len(s) - 1, max(0, -(-p * len(s) // 100) - 1))] for p in ps}
+    return {f"p{p}": float(v or 0.0) for p, v in zip(ps, stats.percentiles(xs, ps), strict=True)}
 
 
 def median(xs: Sequence[float]) -> float:
+    """The kernel's 50th percentile: the middle value, or the mean of the two middle ones."""
     if not xs:
         raise ValueError("median of nothing")
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+    return float(stats.percentile(xs, 50.0) or 0.0)
 
 
 @dataclass(frozen=True)

@@ -8,21 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.goodput.catalogue import CONTROLLED, FleetShape
+from pdscope.stack import Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
 
 REPO = Path(__file__).resolve().parents[2]
-PDSCOPE = str(Path(sys.executable).with_name("pdscope"))
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1
 PROMPT, OUTPUT = "fixed:2048", "fixed:32"
 MODEL = "sim-llama-70b"
@@ -33,31 +27,11 @@ STARTUP_HOLD_S = 2 * CONTROLLER_WINDOW_S  # controller.noise.startup_s's default
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http_json(url: str, method: str = "GET", body: Any = None, timeout: float = 5.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read() or b"null")
-
-
-def wait_http(url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status < 500:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {timeout_s}s")
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -94,20 +68,20 @@ class Stack:
         self.spec = spec
         self.contender = spec.contender
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.children = ChildGroup(grace_s=15.0)
         self.cpu_at_kill: dict[str, float | None] = {}
-        self.ports = {k: free_port() for k in ("proxy", "collector", "controller", "admin")}
-        self.inst = [
-            (n, "prefill", "prefill", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.prefills()
+        names = [
+            *((n, "prefill") for n in spec.fleet.prefills()),
+            *((n, "decode") for n in spec.fleet.decodes()),
         ]
-        self.inst += [
-            (n, "decode", "decode", f"http://127.0.0.1:{free_port()}") for n in spec.fleet.decodes()
-        ]
+        ports = iter(free_ports(len(names) + 5))
+        self.ports = {k: next(ports) for k in ("proxy", "collector", "controller", "admin")}
+        self.inst = [(n, role, role, loopback_url(next(ports))) for n, role in names]
         self.store_url = f"sqlite:///{tmp / 'store.db'}"
         controlled = spec.contender in CONTROLLED
-        dead = f"http://127.0.0.1:{free_port()}"  # no controller: the proxy never reaches one
+        dead = loopback_url(next(ports))  # no controller: the proxy never reaches one
         controller_url = (
-            f"http://127.0.0.1:{self.ports['controller']}"
+            loopback_url(self.ports["controller"])
             if controlled
             else spec.oracle_url
             if spec.contender == "oracle"
@@ -162,59 +136,41 @@ class Stack:
                 "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
             },
         }
-        self.config = tmp / "pdscope.yaml"
-        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.config = write_config(tmp / "pdscope.yaml", cfg)
         self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
         self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
         self.controller_url = f"http://127.0.0.1:{self.ports['controller']}"
 
-    def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"{name}.log").open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [PDSCOPE, "--config", str(self.config), "--log-level", "WARNING", *args],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.procs[name] = proc
-        return proc
+    def _start(self, command: str, ready_url: str | None = None) -> None:
+        argv = pdscope_argv(self.config, command, log_level="WARNING")
+        self.children.start(Child(command, argv, self.tmp / f"{command}.log", ready_url=ready_url, cwd=REPO))
 
     def __enter__(self) -> Stack:
         from store.migrate import upgrade
 
         try:
             upgrade(self.store_url)  # once, before the services that share the store
-            wait_http(self.admin_url + "/instances", proc=self._start("sim", "sim"))
+            self._start("sim", self.admin_url + "/instances")
             if self.contender in CONTROLLED:
-                self._start("collect", "collect")
-                wait_http(self.controller_url + "/healthz", proc=self._start("control", "control"))
-            wait_http(self.proxy_url + "/healthz", proc=self._start("proxy", "proxy"))
+                self._start("collect")
+                self._start("control", self.controller_url + "/healthz")
+            self._start("proxy", self.proxy_url + "/healthz")
         except BaseException:
-            self.__exit__()
+            self.children.stop()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for p in reversed(list(self.procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        self.children.stop()
 
     def inject(self, fault: dict[str, Any]) -> None:
         http_json(self.admin_url + "/faults", "POST", fault)
 
     def kill_controller(self) -> None:
         """SIGKILL ``pdscope control``: no clean shutdown, the proxy finds out by its polls failing."""
-        proc = self.procs["control"]
-        self.cpu_at_kill["control"] = cpu_seconds(proc.pid)
-        proc.send_signal(signal.SIGKILL)
+        control = self.children["control"]
+        self.cpu_at_kill["control"] = cpu_seconds(control.pid)
+        control.signal(signal.SIGKILL)
 
     def expired_leases(self) -> float:
         return sum(
@@ -224,8 +180,8 @@ class Stack:
     def cpu(self) -> dict[str, float | None]:
         """CPU seconds each service has used so far (the killed controller: up to its kill)."""
         return {
-            name: self.cpu_at_kill.get(name) if name in self.cpu_at_kill else cpu_seconds(p.pid)
-            for name, p in self.procs.items()
+            c.name: self.cpu_at_kill.get(c.name) if c.name in self.cpu_at_kill else cpu_seconds(c.pid)
+            for c in self.children
         }
 
     def proxy_state(self) -> str | None:

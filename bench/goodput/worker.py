@@ -38,7 +38,7 @@ from bench.goodput.stack import (  # noqa: E402
     StackSpec,
 )
 from pdscope.stats import percentile  # noqa: E402
-from simulator.loadgen import Target, run_load  # noqa: E402
+from simulator.loadgen import LoadTarget, run_load  # noqa: E402
 from simulator.workload import LengthDist, Planned, RequestResult, plan, summarize  # noqa: E402
 
 
@@ -167,7 +167,7 @@ async def load_phase(
         probe.start()
         load_from = time.time()
         results, _ = await run_load(
-            Target(url=stack.proxy_url, model=MODEL),
+            LoadTarget(url=stack.proxy_url, model=MODEL),
             planned,
             timeout_s=float(spec["client_timeout_s"]),
             max_inflight=4096,

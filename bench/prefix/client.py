@@ -1,8 +1,9 @@
 """The prefix benchmark's open-loop client: planned bodies, streamed, timed per request.
 
 Every planned request goes out at its time whether or not earlier ones finished; each streams
-(``stream_options.include_usage``) and records TTFT (send to first content chunk), e2e and output
-tokens in a :class:`simulator.workload.RequestResult`, so ``simulator.workload.summarize`` computes
+(``stream_options.include_usage``) and is read as ``pdscope load`` reads it
+(``simulator.loadgen.read_stream``: TTFT from send to first content chunk, e2e and output tokens) into
+a :class:`simulator.workload.RequestResult`, so ``simulator.workload.summarize`` computes
 goodput and percentiles as every other benchmark here does. Bounded: per-request timeout, at most
 ``max_inflight`` open (a request past it is recorded as dropped), and a finite schedule. Hooks at
 given offsets (``at``) let the caller scrape metrics at the start and end of the measured phase.
@@ -11,13 +12,13 @@ given offsets (``at``) let the caller scrape metrics at the start and end of the
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bench.prefix.workloads import Planned
 from simulator.httpclient import HttpClientError, Pool
+from simulator.loadgen import read_stream
 from simulator.workload import RequestResult
 
 
@@ -35,40 +36,12 @@ def request_body(p: Planned, model: str, max_tokens: int) -> dict[str, Any]:
 async def _one(
     client: Pool, url: str, body: dict[str, Any], res: RequestResult, timeout_s: float, t0: float
 ) -> None:
-    now = time.perf_counter
     try:
         async with (
             asyncio.timeout(timeout_s),
             client.post(url, body, {"X-Request-Id": res.request_id}) as resp,
         ):
-            res.status = resp.status_code
-            if resp.status_code != 200:
-                await resp.aread()
-                res.error = f"HTTP {resp.status_code}"
-                return
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = "stream error"
-                    continue
-                usage = obj.get("usage")
-                if usage:
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                for c in obj.get("choices") or []:
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if text and res.ttft_s is None:
-                        res.ttft_s = now() - t0
-            res.e2e_s = now() - t0
-            res.ok = done and res.error is None and res.ttft_s is not None
-            if not done and res.error is None:
-                res.error = "stream ended early"
+            await read_stream(resp, res, t0)
     except TimeoutError:
         res.error = "timeout"
     except (HttpClientError, OSError, ValueError) as exc:

@@ -86,33 +86,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m bench.prefix.oracle CONFIG ADMIN_URL", file=sys.stderr)
         return 2
-    import uvicorn
-
     from pdscope.config import load_config
     from proxy.app import build
-    from proxy.server import uvicorn_config
+    from proxy.cli import serve_app
 
     settings = load_config(argv[0])
     view = OracleView(argv[1], settings.simulator.block_size)
-    app = build(settings, cache_view=view)  # type: ignore[call-arg]  # hR's injection point
-    try:
-        import uvloop  # noqa: F401
-
-        loop = "uvloop"  # as pdscope proxy serves
-    except ImportError:
-        loop = "asyncio"
-    config = uvicorn_config(
-        app,
-        settings.proxy.host,
-        settings.proxy.port,
-        loop=loop,
-        read_timeout_s=settings.proxy.client_read_timeout_s,
-        on_read_timeout=lambda phase: None,
-        log_level="warning",
-        timeout_keep_alive=30,
-        timeout_graceful_shutdown=5,
-    )
-    uvicorn.Server(config).run()
+    serve_app(build(settings, cache_view=view), settings, graceful_s=5.0)  # as pdscope proxy serves
     return 0
 
 

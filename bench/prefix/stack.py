@@ -13,17 +13,14 @@ A contender that needs a feature this checkout lacks fails before anything start
 from __future__ import annotations
 
 import inspect
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from bench.goodput.stack import PDSCOPE, REPO, free_port, http_json, wait_http
+from bench.goodput.stack import REPO, http_json
 from bench.proxy.run import vllm_router_binary
+from pdscope.stack import Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
 
 MODEL = "sim-llama-8b"
 P_COUNT, D_COUNT = 4, 4
@@ -81,19 +78,19 @@ class Stack:
             raise ValueError(f"unknown contender {spec.contender!r} (known: {', '.join(CONTENDERS)})")
         self.spec = spec
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.ports = {k: free_port() for k in ("proxy", "admin", "router_metrics")}
+        self.children = ChildGroup(grace_s=15.0)
+        ports = iter(free_ports(4 + 2 * (P_COUNT + D_COUNT)))
+        self.ports = {k: next(ports) for k in ("proxy", "admin", "router_metrics", "dead")}
         events = spec.contender in EVENTS
         self.inst: list[dict[str, Any]] = []
         for role, n in (("prefill", P_COUNT), ("decode", D_COUNT)):
             for i in range(n):
-                entry: dict[str, Any] = {"name": f"{role[0]}{i}", "url": f"http://127.0.0.1:{free_port()}"}
+                entry: dict[str, Any] = {"name": f"{role[0]}{i}", "url": loopback_url(next(ports))}
                 if events:
-                    entry["kv_events_endpoint"] = f"tcp://127.0.0.1:{free_port()}"
+                    entry["kv_events_endpoint"] = f"tcp://127.0.0.1:{next(ports)}"
                 self.inst.append({"role": role, **entry})
         self.cfg = self._config()
-        self.config = tmp / "pdscope.yaml"
-        self.config.write_text(yaml.safe_dump(self.cfg, sort_keys=False))
+        self.config = write_config(tmp / "pdscope.yaml", self.cfg)
         self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
         self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
 
@@ -105,7 +102,7 @@ class Stack:
         proxy: dict[str, Any] = {
             "port": self.ports["proxy"],
             "policy": "round-robin" if c == "round_robin" else "weighted",
-            "controller_url": f"http://127.0.0.1:{free_port()}",  # no controller: equal weights
+            "controller_url": loopback_url(self.ports["dead"]),  # no controller: equal weights
             "tracing": False,
             "admission": {
                 "max_inflight_requests": 10**6 if c == "round_robin" else 256,
@@ -155,33 +152,33 @@ class Stack:
 
     # -- life -------------------------------------------------------------------------------
 
-    def _start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"{name}.log").open("wb")
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs[name] = proc
-        return proc
-
-    def _pdscope(self, *args: str) -> list[str]:
-        return [PDSCOPE, "--config", str(self.config), "--log-level", "WARNING", *args]
+    def _start(self, name: str, argv: list[str], ready_url: str, timeout_s: float = 60.0) -> None:
+        self.children.start(
+            Child(name, argv, self.tmp / f"{name}.log", ready_url=ready_url, cwd=REPO), timeout_s
+        )
 
     def __enter__(self) -> Stack:
         self.check()
         try:
-            wait_http(self.admin_url + "/instances", proc=self._start("sim", self._pdscope("sim")))
+            self._start(
+                "sim", pdscope_argv(self.config, "sim", log_level="WARNING"), self.admin_url + "/instances"
+            )
             c = self.spec.contender
             if c == "vllm_router":
-                self._start_router()
+                self._start("proxy", self._router_argv(), self.proxy_url + "/health", timeout_s=30)
             elif c == "oracle":
                 cmd = [sys.executable, "-m", "bench.prefix.oracle", str(self.config), self.admin_url]
-                wait_http(self.proxy_url + "/healthz", proc=self._start("proxy", cmd))
+                self._start("proxy", cmd, self.proxy_url + "/healthz")
             else:
-                wait_http(self.proxy_url + "/healthz", proc=self._start("proxy", self._pdscope("proxy")))
+                cmd = pdscope_argv(self.config, "proxy", log_level="WARNING")
+                self._start("proxy", cmd, self.proxy_url + "/healthz")
         except BaseException:
-            self.__exit__()
+            self.children.stop()
             raise
         return self
 
-    def _start_router(self) -> None:
+    def _router_argv(self) -> list[str]:
+        """vLLM's router in front of the fleet (its own flags)."""
         cmd = [
             str(vllm_router_binary()),
             "--host",
@@ -204,26 +201,17 @@ class Stack:
             for e in self.inst:
                 if e["role"] == "prefill":
                     cmd += ["--pd-kv-events", f"{e['url']}={e['kv_events_endpoint']}"]
-        proc = self._start("proxy", cmd)
-        wait_http(self.proxy_url + "/health", timeout_s=30, proc=proc)
+        return cmd
 
     def __exit__(self, *exc: object) -> None:
-        for p in reversed(list(self.procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        self.children.stop()
 
     def log_tail(self, name: str, lines: int = 20) -> str:
+        """The end of a service's log ("" for one that was never started)."""
         try:
-            text = (self.tmp / f"{name}.log").read_text(errors="replace")
-        except OSError:
+            return self.children[name].tail(lines)
+        except KeyError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
 
     # -- what the fleet says --------------------------------------------------------------------
 

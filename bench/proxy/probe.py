@@ -25,7 +25,7 @@ from bench.proxy.run import (
     REPO,
     Contender,
     _pin,
-    cpu_seconds,
+    closed_loop,
     loadgen,
     start_pdscope,
     start_vllm_router,
@@ -104,19 +104,7 @@ def main() -> int:
         per: dict[str, list[float]] = {c.name: [] for c in contenders}
         for rnd in range(a.rounds):
             for c in contenders if rnd % 2 == 0 else contenders[::-1]:
-                assert c.proc is not None
-                cpu0 = cpu_seconds(c.proc.pid)
-                res = loadgen(
-                    c.url,
-                    "/v1/completions",
-                    mode="closed",
-                    core=1,
-                    timeout_s=a.duration + 60,
-                    concurrency=a.concurrency,
-                    duration=a.duration,
-                    **common,
-                )
-                cpu = cpu_seconds(c.proc.pid) - cpu0
+                res, cpu = closed_loop(c, "/v1/completions", a, common)
                 per[c.name].append(res["ok"] / cpu if cpu > 0 else 0.0)
                 if res["errors"]:
                     print(f"{c.name}: {res['errors']} errors", file=sys.stderr)

@@ -91,6 +91,27 @@ class Contender:
         self.name, self.url, self.proc = name, url, proc
 
 
+def closed_loop(
+    c: Contender, path: str, a: argparse.Namespace, common: dict[str, Any]
+) -> tuple[dict[str, Any], float]:
+    """One closed-loop run against a started contender (``a.concurrency`` clients for ``a.duration``
+    seconds, the load generator pinned to core 1): the load generator's result and the CPU seconds
+    the contender's process spent meanwhile."""
+    assert c.proc is not None
+    cpu0 = cpu_seconds(c.proc.pid)
+    res = loadgen(
+        c.url,
+        path,
+        mode="closed",
+        core=1,
+        timeout_s=a.duration + 60,
+        concurrency=a.concurrency,
+        duration=a.duration,
+        **common,
+    )
+    return res, cpu_seconds(c.proc.pid) - cpu0
+
+
 def start_toy(fleet: dict[str, Any], log: Path) -> Contender:
     port = _free_port()
     cmd = [
@@ -309,19 +330,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             res: dict[str, dict[str, Any]] = {}
             res["direct"] = {"latency": latency(fleet["decode"][0], r)}
             for c in contenders if r % 2 == 0 else contenders[::-1]:
-                assert c.proc is not None
-                cpu0 = cpu_seconds(c.proc.pid)
-                closed = loadgen(
-                    c.url,
-                    a.path,
-                    mode="closed",
-                    core=1,
-                    timeout_s=a.duration + 60,
-                    concurrency=a.concurrency,
-                    duration=a.duration,
-                    **common,
-                )
-                cpu = cpu_seconds(c.proc.pid) - cpu0
+                closed, cpu = closed_loop(c, a.path, a, common)
                 # httpx as pdscope's client is only there to price the client: ceiling only
                 lat = latency(c.url, r) if c.name != "pdscope-httpx" else None
                 res[c.name] = {

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.auth import AuthError
-from controller.bundle import Bundler
+from controller.effects import Bundler
 from controller.endpoints.context import ApiContext
 from controller.guard import client_address
 from controller.leader import LeaderInfo, leader_url, mode_warning

@@ -9,17 +9,23 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from controller.endpoints.context import MUTATION, ApiContext, caller
-from controller.overrides import Change
+from controller.overrides import Change, Kind
 from controller.schemas import (
     ClearIn,
     DrainIn,
     InstanceWeightOut,
     NotLeaderOut,
-    OverrideOut,
     PoolOut,
     UndrainIn,
     WeightIn,
 )
+
+
+def weight_change(kind: Kind, subject: str, action: str, body: WeightIn, actor: str) -> Change:
+    """The weight override of ``subject`` that ``body`` asks for (until ``body.ttl_s`` passes)."""
+    return Change(
+        kind, subject, "weight", action, body.reason, actor, sets=True, weight=body.weight, ttl_s=body.ttl_s
+    )
 
 
 def instance_change(ctx: ApiContext, change: Change) -> InstanceWeightOut:
@@ -35,7 +41,7 @@ def pool_change(ctx: ApiContext, change: Change) -> PoolOut:
     audit event."""
     res = ctx.overrides.change_pool(change)
     out = next(p for p in ctx.views.pools() if p.name == change.subject)
-    out.override = OverrideOut.of(res.override)
+    out.override = res.override
     out.audit_id = res.audit_id
     return out
 
@@ -56,20 +62,7 @@ def router(ctx: ApiContext) -> APIRouter:
         summary="Override an instance's weight until ttl_s passes",
     )
     def put_weight(name: str, body: WeightIn, actor: str = Depends(caller)) -> InstanceWeightOut:
-        return instance_change(
-            ctx,
-            Change(
-                "instance",
-                name,
-                "weight",
-                "weight.set",
-                body.reason,
-                actor,
-                sets=True,
-                weight=body.weight,
-                ttl_s=body.ttl_s,
-            ),
-        )
+        return instance_change(ctx, weight_change("instance", name, "weight.set", body, actor))
 
     @r.delete(
         "/v1/instances/{name}/weight",
@@ -104,20 +97,7 @@ def router(ctx: ApiContext) -> APIRouter:
         summary="Override a pool's weight (relative to pools of the same role) until ttl_s passes",
     )
     def put_pool_weight(pool: str, body: WeightIn, actor: str = Depends(caller)) -> PoolOut:
-        return pool_change(
-            ctx,
-            Change(
-                "pool",
-                pool,
-                "weight",
-                "pool_weight.set",
-                body.reason,
-                actor,
-                sets=True,
-                weight=body.weight,
-                ttl_s=body.ttl_s,
-            ),
-        )
+        return pool_change(ctx, weight_change("pool", pool, "pool_weight.set", body, actor))
 
     @r.delete(
         "/v1/pools/{pool}/weight",

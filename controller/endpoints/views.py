@@ -8,7 +8,7 @@ from controller.loop import Reconciler, View
 from controller.overrides import OverridesService
 from controller.policy import Override, ServedInstance
 from controller.policy.routes import OverrideKey, serve_instance
-from controller.schemas import InstanceWeightOut, OverrideOut, PoolOut
+from controller.schemas import InstanceWeightOut, PoolOut
 
 
 class Views:
@@ -42,8 +42,8 @@ class Views:
             drained=s.drained,
             source=s.source,
             reason=s.reason,
-            override=OverrideOut.of(weight),
-            drain=OverrideOut.of(drain),
+            override=weight,
+            drain=drain,
             decision=_decision_of(view, name),
         )
 
@@ -64,7 +64,7 @@ class Views:
                     max_inflight_requests=p.max_inflight_requests,
                     max_inflight_kv_bytes=p.max_inflight_kv_bytes,
                     max_queue_wait_s=p.max_queue_wait_s,
-                    override=OverrideOut.of(acts.get(("pool", p.name, "weight"))),
+                    override=acts.get(("pool", p.name, "weight")),
                     decision=None
                     if d is None
                     else {

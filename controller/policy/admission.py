@@ -48,8 +48,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
-from controller.policy.reasons import Reason
 from controller.policy.signals import Observation, PoolSignals, Role
+from pdscope.reasons import Reason
 
 PRESSURE_REASONS = {
     "kv": Reason.KV_HEADROOM_LOW,
@@ -157,113 +157,194 @@ def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tupl
     return round(wait, 3), arith
 
 
-def decide_pool(
-    pool: PoolSignals, prev: LimitState | None, cfg: PolicyConfig, stale: bool, warming: bool = False
-) -> PoolDecision:
-    default_req = cfg.default_max_inflight_requests
-    default_kv = cfg.default_max_inflight_kv_bytes
-    base = prev or LimitState(default_req, default_kv)
-    if stale:
-        return PoolDecision(
-            pool.name,
-            pool.role,
-            prev,
-            base,
-            Reason.STALE_DATA,
-            f"{pool.name}: collector behind; limits held",
-            "limits held",
+@dataclass(frozen=True)
+class _Tick:
+    """One pool's inputs to its request limit this tick."""
+
+    pool: PoolSignals
+    base: LimitState
+    cfg: PolicyConfig
+    factors: dict[str, float]
+    pressure: float
+    inflight: float | None
+
+    @property
+    def worst(self) -> str:
+        """The factor with the most pressure (raises where there is none: asked only under pressure)."""
+        return min(self.factors, key=lambda k: self.factors[k])
+
+    @property
+    def cooldown(self) -> int:
+        return max(0, self.base.cooldown - 1)
+
+    @property
+    def pressured(self) -> int:
+        return self.base.pressured + 1 if self.pressure < self.cfg.cut_below else 0
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """What one step decides for the request limit, and why."""
+
+    req: int
+    reason: Reason
+    message: str
+    arith: str
+    cooldown: int
+    pressured: int
+    calm: int = 0
+
+
+def _warming(t: _Tick) -> _Limit:
+    """The start-up window: pressure (other than KV) is not acted on."""
+    req, worst, name = t.base.max_inflight_requests, t.worst, t.pool.name
+    return _Limit(
+        req,
+        Reason.WARMING_UP,
+        f"{name}: start-up window; {worst} pressure {t.pressure:.2f} not acted on",
+        f"requests = {req} (start-up window: {worst} pressure {t.pressure:.2f} not acted on)",
+        t.cooldown,
+        0,
+    )
+
+
+def _confirm_queue(t: _Tick) -> _Limit:
+    """One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks."""
+    req, cfg = t.base.max_inflight_requests, t.cfg
+    return _Limit(
+        req,
+        PRESSURE_REASONS["queue"],
+        f"{t.pool.name}: queue pressure {t.pressure:.2f}; confirming before a cut",
+        f"requests = {req} (P queue pressure {t.pressure:.2f}: confirming, {t.pressured}/"
+        f"{cfg.queue_confirm_ticks} ticks)",
+        t.cooldown,
+        t.pressured,
+    )
+
+
+def _queue_cut(t: _Tick) -> _Limit:
+    """P's queue is the worst pressure: a level cut to what fits the TTFT budget left, no cooldown."""
+    old = t.base.max_inflight_requests
+    new_req, text = _drain_queue(t.pool, old, t.inflight, t.cfg)
+    req = min(old, new_req)
+    message = f"{t.pool.name}: P queue over the TTFT budget left; request limit {old} -> {req}"
+    return _Limit(req, PRESSURE_REASONS["queue"], message, text, t.cooldown, t.pressured)
+
+
+def _cooling(t: _Tick) -> _Limit:
+    req, worst = t.base.max_inflight_requests, t.worst
+    return _Limit(
+        req,
+        PRESSURE_REASONS[worst],
+        f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; waiting for the last cut to show",
+        f"requests = {req} (cooldown {t.cooldown} ticks after the last cut)",
+        t.cooldown,
+        t.pressured,
+    )
+
+
+def _confirm(t: _Tick) -> _Limit:
+    req, worst = t.base.max_inflight_requests, t.worst
+    return _Limit(
+        req,
+        PRESSURE_REASONS[worst],
+        f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; confirming before a cut",
+        f"requests = {req} (pressure {t.pressure:.2f}: confirming, {t.pressured}/2 ticks)",
+        t.cooldown,
+        t.pressured,
+    )
+
+
+def _gradient_cut(t: _Tick) -> _Limit:
+    """What is in flight, scaled by the pressure, plus 2 sqrt(basis) of headroom for bursts."""
+    cfg, old, inflight, worst = t.cfg, t.base.max_inflight_requests, t.inflight, t.worst
+    cut = max(cfg.limit_cut_floor, t.pressure)
+    basis = min(old, math.ceil(inflight)) if inflight is not None else old
+    new_req = max(cfg.min_inflight_requests, math.floor(basis * cut + 2 * math.sqrt(basis)))
+    arith = (
+        f"requests = max({cfg.min_inflight_requests}, floor(b × max({cfg.limit_cut_floor}, "
+        f"{t.pressure:.2f}) + 2 sqrt(b))) = {new_req} with b = min(limit {old}, in flight "
+        f"{'?' if inflight is None else math.ceil(inflight)})"
+    )
+    cooldown = cfg.limit_cut_cooldown_ticks if new_req < old else t.cooldown
+    req = min(old, new_req)
+    message = f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; request limit {old} -> {req}"
+    return _Limit(req, PRESSURE_REASONS[worst], message, arith, cooldown, t.pressured)
+
+
+def _under_pressure(t: _Tick) -> _Limit:
+    """Pressure under ``cut_below``: cut, or confirm first, or wait out the last cut's cooldown."""
+    if t.worst == "queue":
+        return _confirm_queue(t) if t.pressured < t.cfg.queue_confirm_ticks else _queue_cut(t)
+    if t.cooldown > 0:
+        return _cooling(t)
+    if t.pressure > t.cfg.limit_cut_floor and t.pressured < 2:
+        return _confirm(t)
+    return _gradient_cut(t)
+
+
+def _hold(t: _Tick) -> _Limit:
+    """Mild pressure, between ``cut_below`` and ``grow_above``: the band in which nothing moves."""
+    req, cfg = t.base.max_inflight_requests, t.cfg
+    return _Limit(
+        req,
+        Reason.HOLDING,
+        f"{t.pool.name}: mild {t.worst} pressure {t.pressure:.2f}; request limit held at {req}",
+        f"requests = {req} (pressure {t.pressure:.2f} between {cfg.cut_below} and {cfg.grow_above}: hold)",
+        t.cooldown,
+        t.pressured,
+    )
+
+
+def _calm(t: _Tick) -> _Limit:
+    """No pressure: a cut limit grows back additively after ``recover_ticks`` calm ticks (AIMD)."""
+    req, cfg, name = t.base.max_inflight_requests, t.cfg, t.pool.name
+    default_req, calm = cfg.default_max_inflight_requests, t.base.calm + 1
+    if req >= default_req:
+        return _Limit(
+            req, Reason.HEALTHY, f"{name}: no pressure", f"requests = {req} (default)", t.cooldown, 0, calm
         )
-    wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
-    factors = pressure_factors(pool, cfg)
-    pressure = min(factors.values(), default=1.0)
-    cooldown = max(0, base.cooldown - 1)
-    inflight = _inflight(pool)
-    arith: list[str] = []
-    req = base.max_inflight_requests
-    pressured = base.pressured + 1 if pressure < cfg.cut_below else 0
-    calm = 0
-    if pressure < cfg.cut_below and warming and min(factors, key=lambda k: factors[k]) != "kv":
-        worst = min(factors, key=lambda k: factors[k])
-        arith.append(f"requests = {req} (start-up window: {worst} pressure {pressure:.2f} not acted on)")
-        reason, message = (
-            Reason.WARMING_UP,
-            f"{pool.name}: start-up window; {worst} pressure {pressure:.2f} not acted on",
+    if calm < cfg.recover_ticks:
+        return _Limit(
+            req,
+            Reason.HOLDING_FOR_HYSTERESIS,
+            f"{name}: no pressure for {calm} ticks; limit held at {req}",
+            f"requests = {req} (calm {calm}/{cfg.recover_ticks} ticks before growing)",
+            t.cooldown,
+            0,
+            calm,
         )
-        pressured = 0
-    elif pressure < cfg.cut_below:
-        worst = min(factors, key=lambda k: factors[k])
-        reason = PRESSURE_REASONS[worst]
-        if worst == "queue" and pressured < cfg.queue_confirm_ticks:
-            # One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks.
-            arith.append(
-                f"requests = {req} (P queue pressure {pressure:.2f}: confirming, {pressured}/"
-                f"{cfg.queue_confirm_ticks} ticks)"
-            )
-            message = f"{pool.name}: queue pressure {pressure:.2f}; confirming before a cut"
-        elif worst == "queue":
-            new_req, text = _drain_queue(pool, req, inflight, cfg)
-            arith.append(text)
-            req = min(req, new_req)
-            message = (
-                f"{pool.name}: P queue over the TTFT budget left; request limit {base.max_inflight_requests}"
-                f" -> {req}"
-            )
-        elif cooldown > 0:
-            arith.append(f"requests = {req} (cooldown {cooldown} ticks after the last cut)")
-            message = f"{pool.name}: {worst} pressure {pressure:.2f}; waiting for the last cut to show"
-        elif pressure > cfg.limit_cut_floor and pressured < 2:
-            arith.append(f"requests = {req} (pressure {pressure:.2f}: confirming, {pressured}/2 ticks)")
-            message = f"{pool.name}: {worst} pressure {pressure:.2f}; confirming before a cut"
-        else:
-            cut = max(cfg.limit_cut_floor, pressure)
-            basis = min(req, math.ceil(inflight)) if inflight is not None else req
-            # gradient: what is in flight, scaled by the pressure, plus 2 sqrt(basis) of headroom for bursts
-            new_req = max(cfg.min_inflight_requests, math.floor(basis * cut + 2 * math.sqrt(basis)))
-            arith.append(
-                f"requests = max({cfg.min_inflight_requests}, floor(b × max({cfg.limit_cut_floor}, "
-                f"{pressure:.2f}) + 2 sqrt(b))) = {new_req} with b = min(limit {req}, in flight "
-                f"{'?' if inflight is None else math.ceil(inflight)})"
-            )
-            if new_req < req:
-                cooldown = cfg.limit_cut_cooldown_ticks
-            req = min(req, new_req)
-            message = (
-                f"{pool.name}: {worst} pressure {pressure:.2f}; request limit {base.max_inflight_requests}"
-                f" -> {req}"
-            )
-    elif pressure < cfg.grow_above:
-        arith.append(
-            f"requests = {req} (pressure {pressure:.2f} between {cfg.cut_below} and {cfg.grow_above}: hold)"
-        )
-        worst = min(factors, key=lambda k: factors[k])
-        reason, message = (
-            Reason.HOLDING,
-            f"{pool.name}: mild {worst} pressure {pressure:.2f}; request limit held at {req}",
-        )
-    else:
-        calm = base.calm + 1
-        if req < default_req and calm < cfg.recover_ticks:
-            arith.append(f"requests = {req} (calm {calm}/{cfg.recover_ticks} ticks before growing)")
-            reason, message = (
-                Reason.HOLDING_FOR_HYSTERESIS,
-                f"{pool.name}: no pressure for {calm} ticks; limit held at {req}",
-            )
-        elif req < default_req:
-            step = max(1, math.ceil(cfg.limit_increase * req))
-            new_req = min(default_req, req + step)
-            arith.append(f"requests = min({default_req}, {req} + {step}) = {new_req}")
-            reason, message = Reason.RECOVERING, f"{pool.name}: no pressure; request limit {req} -> {new_req}"
-            req = new_req
-        else:
-            arith.append(f"requests = {req} (default)")
-            reason, message = Reason.HEALTHY, f"{pool.name}: no pressure"
-    kvf = factors.get("kv", 1.0)
+    step = max(1, math.ceil(cfg.limit_increase * req))
+    new_req = min(default_req, req + step)
+    return _Limit(
+        new_req,
+        Reason.RECOVERING,
+        f"{name}: no pressure; request limit {req} -> {new_req}",
+        f"requests = min({default_req}, {req} + {step}) = {new_req}",
+        t.cooldown,
+        0,
+        calm,
+    )
+
+
+def _request_limit(t: _Tick, warming: bool) -> _Limit:
+    """The request limit: cut under pressure, held in the band, grown back when calm."""
+    if t.pressure < t.cfg.cut_below:
+        return _warming(t) if warming and t.worst != "kv" else _under_pressure(t)
+    if t.pressure < t.cfg.grow_above:
+        return _hold(t)
+    return _calm(t)
+
+
+def _kv_limit(factors: Mapping[str, float], cfg: PolicyConfig) -> tuple[int, str]:
+    """The KV-bytes limit: the configured budget scaled by the ``kv`` factor, with a floor."""
+    default_kv, kvf = cfg.default_max_inflight_kv_bytes, factors.get("kv", 1.0)
     kv_limit = round(default_kv * max(cfg.min_kv_bytes_fraction, kvf))
-    arith.append(f"kv_bytes = {default_kv} × max({cfg.min_kv_bytes_fraction}, kv {kvf:.2f}) = {kv_limit}")
-    arith.append(wait_arith)
-    if wait != base.max_queue_wait_s and wait is not None:
-        message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
-    inputs: dict[str, Any] = {
+    return kv_limit, f"kv_bytes = {default_kv} × max({cfg.min_kv_bytes_fraction}, kv {kvf:.2f}) = {kv_limit}"
+
+
+def _inputs(pool: PoolSignals, cfg: PolicyConfig, inflight: float | None) -> dict[str, Any]:
+    return {
         "inflight_requests": inflight,
         "completed_per_s": pool.completed_per_s,
         "ttft_at_slo_s": pool.ttft_at_slo_s,
@@ -276,16 +357,34 @@ def decide_pool(
         "ttft_target_s": cfg.ttft_target_s,
         "handoff_budget_s": cfg.handoff_budget_s,
     }
+
+
+def decide_pool(
+    pool: PoolSignals, prev: LimitState | None, cfg: PolicyConfig, stale: bool, warming: bool = False
+) -> PoolDecision:
+    base = prev or LimitState(cfg.default_max_inflight_requests, cfg.default_max_inflight_kv_bytes)
+    if stale:
+        message = f"{pool.name}: collector behind; limits held"
+        return PoolDecision(pool.name, pool.role, prev, base, Reason.STALE_DATA, message, "limits held")
+    factors = pressure_factors(pool, cfg)
+    pressure = min(factors.values(), default=1.0)
+    inflight = _inflight(pool)
+    limit = _request_limit(_Tick(pool, base, cfg, factors, pressure, inflight), warming)
+    kv_limit, kv_arith = _kv_limit(factors, cfg)
+    wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
+    message = limit.message
+    if wait != base.max_queue_wait_s and wait is not None:
+        message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
     return PoolDecision(
         pool=pool.name,
         role=pool.role,
         old=prev,
-        new=LimitState(req, kv_limit, cooldown, wait, pressured, calm),
-        reason=reason,
+        new=LimitState(limit.req, kv_limit, limit.cooldown, wait, limit.pressured, limit.calm),
+        reason=limit.reason,
         message=message,
-        arithmetic="; ".join(arith),
+        arithmetic="; ".join((limit.arith, kv_arith, wait_arith)),
         scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)},
-        inputs=inputs,
+        inputs=_inputs(pool, cfg, inflight),
     )
 
 

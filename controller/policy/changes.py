@@ -17,9 +17,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from controller.policy.reasons import Reason
 from controller.policy.routes import ServedInstance
 from controller.policy.tick import TickOutput
+from pdscope.reasons import Reason
 
 LIMIT_FIELDS = ("max_inflight_requests", "max_inflight_kv_bytes", "max_queue_wait_s")
 

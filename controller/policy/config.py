@@ -8,6 +8,13 @@ place (``pdscope/config.py``). The rest are the policy's constants, chosen here 
 next to each field. Every decision records the config it was taken under
 (:meth:`PolicyConfig.fingerprint`, with :data:`POLICY_VERSION`).
 
+:class:`EvidenceConfig` is what the evidence step reads (how a window's records become the
+observation: ``controller/observe.py`` and ``controller/policy/evidence.py``). Its fields that act
+there only (:data:`EVIDENCE_ONLY`) cannot act in a replay or a shadow, which decide on the
+recorded observation: :func:`decision_setting_value` refuses them. A ``PolicyConfig`` carries them
+too (:attr:`PolicyConfig.evidence`), so the stored record of a config, and its fingerprint, name
+everything a decision was taken under.
+
 Nothing here reads files or the environment.
 """
 
@@ -19,13 +26,33 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from pdscope.config import AdmissionDefaults, ControllerSettings, Settings, SLOSettings
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
 POLICY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EvidenceConfig:
+    """The evidence step's knobs: what a window's aggregate needs before it says something."""
+
+    recent_s: float  # "the last three scrapes": the span of the fast signals
+    kv_lease_s: float  # how long P holds a request's KV blocks for D (lease expiries are looked for back)
+    ttft_percentile: float  # the SLO's TTFT percentile (the policy's too)
+    pair_min_samples: int = 10  # a P x D pair's TTFT percentile needs this many requests in the window
+    pool_min_requests: int = 20  # a pool's completion rate (and so its backlog in seconds) needs this many
+    min_rate_span_s: float = 2.0  # rates over the span the records cover are never over a shorter one
+    # the window's first record later than this share of it into the window: rates over the covered span
+    coverage_start_fraction: float = 0.25
+    lease_lookback: float = 4.0  # an expired lease is counted a lease after its request: look this many back
+
+
+# The evidence step's fields that no decision reads: changed in a replay or a shadow (which decide on
+# the recorded observation) they could not act.
+EVIDENCE_ONLY: Final = frozenset(f.name for f in dataclasses.fields(EvidenceConfig)) - {"ttft_percentile"}
 
 
 @dataclass(frozen=True)
@@ -49,8 +76,8 @@ class PolicyConfig:
     queue_confirm_ticks: int  # ticks in a row a P-queue pressure must hold before a limit cut
     stale_after_s: float  # newest snapshot older than this: hold everything
     down_after_s: float  # failed scrapes for this long before an instance counts as down
-    recent_s: float  # "the last three scrapes": the span of the fast signals
-    kv_lease_s: float  # how long P holds a request's KV blocks for D (lease expiries are looked for back)
+    recent_s: float  # EvidenceConfig's
+    kv_lease_s: float  # EvidenceConfig's
     ttft_target_s: float
     ttft_percentile: float
     tpot_target_s: float
@@ -83,13 +110,12 @@ class PolicyConfig:
     error_rate_ref_per_min: float = 1.0  # failures+expiries per minute that halve the error score
     kv_soft: float = 0.85  # KV usage above which the kv score falls ...
     kv_floor_score: float = 0.2  # ... to this at 100%
-    # the observation: how much evidence a window's aggregate needs
-    pair_min_samples: int = 10  # a P x D pair's TTFT percentile needs this many requests in the window
-    pool_min_requests: int = 20  # a pool's completion rate (and so its backlog in seconds) needs this many
-    min_rate_span_s: float = 2.0  # rates over the span the records cover are never over a shorter one
-    # the window's first record later than this share of it into the window: rates over the covered span
-    coverage_start_fraction: float = 0.25
-    lease_lookback: float = 4.0  # an expired lease is counted a lease after its request: look this many back
+    # the observation: how much evidence a window's aggregate needs (EvidenceConfig's, with its defaults)
+    pair_min_samples: int = EvidenceConfig.pair_min_samples
+    pool_min_requests: int = EvidenceConfig.pool_min_requests
+    min_rate_span_s: float = EvidenceConfig.min_rate_span_s
+    coverage_start_fraction: float = EvidenceConfig.coverage_start_fraction
+    lease_lookback: float = EvidenceConfig.lease_lookback
     # admission
     kv_admit_full: float = 0.80  # D pool KV usage at which admission starts to shrink ...
     kv_admit_zero: float = 0.95  # ... reaching the floor here
@@ -151,6 +177,11 @@ class PolicyConfig:
             default_queue_wait_s=a.queue_timeout_s,
         )
 
+    @property
+    def evidence(self) -> EvidenceConfig:
+        """The evidence step's part of this config."""
+        return EvidenceConfig(**{name: getattr(self, name) for name in _EVIDENCE_FIELDS})
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -161,6 +192,7 @@ class PolicyConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(PolicyConfig)}
+_EVIDENCE_FIELDS = tuple(f.name for f in dataclasses.fields(EvidenceConfig))
 
 
 def setting_value(name: str, raw: object) -> float | int:
@@ -186,6 +218,18 @@ def setting_value(name: str, raw: object) -> float | int:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}: must be a finite number at least 0, not {str(raw)[:40]!r}")
     return value
+
+
+def decision_setting_value(name: str, raw: object) -> float | int:
+    """:func:`setting_value` for a replay or a shadow, which decide on the recorded observation:
+    an :data:`EVIDENCE_ONLY` field could not act there, and raises ``ValueError("<name>: why")``."""
+    if name in EVIDENCE_ONLY:
+        raise ValueError(
+            f"{name}: acts only in the evidence step (how a window's records become the observation); "
+            "a replay or a shadow decides on the recorded observation, so it cannot act here "
+            "(pdscope whatif re-runs the evidence)"
+        )
+    return setting_value(name, raw)
 
 
 def _default_of(section: str, name: str) -> Any:

@@ -23,7 +23,7 @@ about whom. This is where the controller's robustness to one bad instance lives:
 * **Sample minimums** (``pair_min_samples``, ``pool_min_requests``): a figure from fewer
   samples is ``None``, which the policy reads as "not observed".
 
-Pure: no I/O, no clock; every threshold is a :class:`PolicyConfig` field.
+Pure: no I/O, no clock; every threshold is an :class:`EvidenceConfig` field.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 from statistics import median_low
 from typing import NamedTuple, Protocol
 
-from controller.policy.config import PolicyConfig
+from controller.policy.config import EvidenceConfig
 from controller.policy.signals import InstanceSignals, PoolSignals, Role
+from pdscope.semconv import FAILED_OUTCOMES
 from pdscope.stats import percentile
 
-# Failed request outcomes charged to the instance that failed them; a 503 refusal is overload, like a 429.
-FAILED = frozenset({"error", "timeout"})
+# Failed request outcomes (FAILED_OUTCOMES) are charged to the instance that failed them; a 503
+# refusal is overload, like a 429.
 NOT_CHARGED_ERRORS = frozenset({"upstream_status_503"})
 
 Pair = tuple[str, str]
@@ -193,7 +194,7 @@ class WindowTally:
         for inst in (p_inst, d_inst):
             if inst is not None:
                 self.instances[inst].requests += 1
-        if r.status not in FAILED or r.error in NOT_CHARGED_ERRORS:
+        if r.status not in FAILED_OUTCOMES or r.error in NOT_CHARGED_ERRORS:
             return
         decoded = r.d_sent is not None
         if d_inst is not None and decoded:
@@ -361,7 +362,7 @@ def pairs_percentile(
     side: int,
     members: set[str],
     pct: float,
-    cfg: PolicyConfig,
+    cfg: EvidenceConfig,
     pooled: Sequence[float] | None = None,
 ) -> float | None:
     """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
@@ -380,7 +381,7 @@ def pairs_percentile(
     return None
 
 
-def rate_span_s(window_s: float, since: float, first_in: float, now: float, cfg: PolicyConfig) -> float:
+def rate_span_s(window_s: float, since: float, first_in: float, now: float, cfg: EvidenceConfig) -> float:
     """The span completion rates are taken over: the window, or (when its first record is late in it, right
     after a start) the span the records cover, never under ``min_rate_span_s``."""
     if first_in - since <= window_s * cfg.coverage_start_fraction:
@@ -392,7 +393,7 @@ def instance_signals(
     name: str,
     pool: str,
     role: Role,
-    cfg: PolicyConfig,
+    cfg: EvidenceConfig,
     window: ScrapeFigures | None,
     recent: ScrapeFigures | None,
     latest: LatestGauges | None,
@@ -466,7 +467,7 @@ def pool_signals(
     members: Sequence[InstanceSignals],
     tally: WindowTally,
     rate_span: float,
-    cfg: PolicyConfig,
+    cfg: EvidenceConfig,
 ) -> PoolSignals:
     """One pool's load from its members' signals and the records through it."""
     usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.policy.admission import LimitState
-from controller.policy.reasons import Reason
 from controller.policy.signals import Role
+from pdscope.reasons import Reason
 from pdscope.routing import InstanceRoute, PoolRoute, RoutingTable
 
 

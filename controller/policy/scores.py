@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from controller.policy.config import PolicyConfig
-from controller.policy.reasons import Reason
 from controller.policy.signals import InstanceSignals
+from pdscope.reasons import Reason
 
 SIGNAL_REASONS: dict[str, Reason] = {
     "ttft": Reason.SLOW_PREFILL,

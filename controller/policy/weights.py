@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller.policy.config import PolicyConfig
-from controller.policy.reasons import Reason
 from controller.policy.scores import PeerIndex, Score, error_events, reason_for, score_instance, worst
 from controller.policy.signals import InstanceSignals, Observation, Role
+from pdscope.reasons import Reason
 
 EPS = 1e-9
 LATENCY = ("ttft", "ttft_now", "speed", "handoff", "nixl", "nixl_now", "load")

@@ -2,9 +2,9 @@
 cuts, each the controller's own pure analysis over the rows read here.
 
 The dashboard reads the store itself (it must work with the controller down), and runs the same
-pure functions the controller's ``GET /v1/slo/attribution`` and ``GET /v1/decisions/regret`` run
-(``controller.policy.attribution``, ``controller.policy.regret``: no I/O, so the dashboard may
-import them; this is the one module that does). The records are those the controller believes
+pure analyses the controller's ``GET /v1/slo/attribution`` and ``GET /v1/decisions/regret`` run
+(``analysis.attribution``; ``analysis.regret_window``, the regret's reads and analysis in one) over
+the same store reads (``store.attribution``, ``store.regret``). The records are those the controller believes
 (``controller.trusted_span_senders``), requests refused as invalid left out, as the controller reads
 them, so the page and the API agree.
 """
@@ -17,18 +17,10 @@ from typing import Final
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from controller.policy.attribution import STAGE_LABELS, Attribution, attribute
-from controller.policy.attribution_records import FailureSteps, stage_record
-from controller.policy.regret import (
-    DecisionFact,
-    RecordFact,
-    Regret,
-    RegretConfig,
-    ScrapeFact,
-    cut_instances,
-    plan,
-    regret_of,
-)
+from analysis.attribution import STAGE_LABELS, Attribution, attribute
+from analysis.attribution_records import FailureSteps, stage_record
+from analysis.regret import Regret, RegretConfig
+from analysis.regret_window import WindowRegret, judge_window
 from dashboard.queries.common import connect
 from pdscope.config import SLOSettings
 from store import regret as reads
@@ -83,12 +75,6 @@ def regret_config(*, flap_ticks: int, tick_s: float, slo_window_s: float) -> Reg
     return RegretConfig(flap_ticks=flap_ticks, tick_s=tick_s, slo_window_s=slo_window_s)
 
 
-@dataclass(frozen=True)
-class WindowRegret:
-    regret: Regret
-    truncated: tuple[str, ...]  # which reads were cut short: "decisions", "records", "scrapes"
-
-
 def regret(
     engine: Engine,
     start: float,
@@ -99,25 +85,13 @@ def regret(
     cfg: RegretConfig,
 ) -> WindowRegret:
     """The regret of the cuts of ``[start, end]``, judged on the data up to ``now``."""
-    p = plan(start, end, now, cfg)
     with connect(engine) as conn, Session(bind=conn) as session:
-        d_rows = reads.decisions(session, start, cfg.cut_fields, limit=MAX_READ)
-        decisions = [DecisionFact(*row) for row in d_rows.rows]
-        r_rows = reads.records(
-            session, p.records_from, p.data_until, slo, only=believed(senders), limit=MAX_READ
+        reader = reads.Reader(
+            session,
+            slo,
+            believed(senders),
+            max_decisions=MAX_READ,
+            max_records=MAX_READ,
+            max_scrapes=MAX_READ,
         )
-        s_rows = reads.scrapes(
-            session, cut_instances(decisions, start, end), start, p.data_until, limit=MAX_READ
-        )
-    result = regret_of(
-        p,
-        decisions,
-        [RecordFact(*row) for row in r_rows.rows],
-        [ScrapeFact(*row) for row in s_rows.rows],
-        observed_until=min(now, p.data_until),
-        cfg=cfg,
-    )
-    cut_short = tuple(
-        n for n, rows in (("decisions", d_rows), ("records", r_rows), ("scrapes", s_rows)) if rows.truncated
-    )
-    return WindowRegret(result, cut_short)
+        return judge_window(reader, start, end, now=now, cfg=cfg)

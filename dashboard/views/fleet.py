@@ -71,7 +71,10 @@ def render() -> None:
             a.metric("up", f"{int(pool['up'])}/{int(pool['instances'])}")
             b.metric("running", f"{pool['running']:.0f}")
             c.metric("waiting", f"{pool['waiting']:.0f}")
-            d.metric("KV used", "—" if pd.isna(pool["kv_usage_pct"]) else f"{pool['kv_usage_pct']:.0f}%")
+            d.metric(
+                "KV used",
+                "—" if pd.isna(pool["kv_cache_usage_pct"]) else f"{pool['kv_cache_usage_pct']:.0f}%",
+            )
 
     st.subheader("Instances")
     st.caption(
@@ -89,7 +92,7 @@ def render() -> None:
         column_config={
             "up": st.column_config.CheckboxColumn("up"),
             "weight": st.column_config.NumberColumn("weight", format="%.2f"),
-            "kv_usage_pct": st.column_config.ProgressColumn(
+            "kv_cache_usage_pct": st.column_config.ProgressColumn(
                 "KV used", min_value=0, max_value=100, format="%.0f%%"
             ),
             "ttft_p50_ms": st.column_config.NumberColumn("TTFT p50 ms", format="%.0f"),
@@ -108,11 +111,11 @@ def render() -> None:
     st.subheader("Over the window")
     series = data.snapshot_series(url, window.start, window.end)
     if not series.empty:
-        series = series.assign(kv_used=series["kv_cache_usage"] * 100.0)
+        series = series.assign(kv_cache_usage_pct=series["kv_cache_usage"] * 100.0)
         xfer = summaries.interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
         long = series.melt(
             id_vars=["ts", "instance", "role"],
-            value_vars=["kv_used", "num_running", "num_waiting"],
+            value_vars=["kv_cache_usage_pct", "num_running", "num_waiting"],
             var_name="metric",
         )
         if not xfer.empty:
@@ -120,7 +123,7 @@ def render() -> None:
             long = pd.concat([long, xfer.assign(metric="nixl_xfer_ms")], ignore_index=True)
         long["metric"] = long["metric"].map(
             {
-                "kv_used": "KV used %",
+                "kv_cache_usage_pct": "KV used %",
                 "num_running": "running",
                 "num_waiting": "waiting",
                 "nixl_xfer_ms": "NIXL xfer ms",

@@ -4,7 +4,7 @@ the cut undone and after how many ticks), and the tally per reason with its flap
 the controller's tuning can be judged by.
 
 Not a page itself: :func:`section` is called from ``views/controller.py``. The figures are the
-controller's own (``GET /v1/decisions/regret``, ``controller.policy.regret``) over the same store
+controller's own (``GET /v1/decisions/regret``, ``analysis.regret``) over the same store
 (``dashboard.queries.investigate``).
 """
 

@@ -7,9 +7,9 @@ steady open-loop load through the proxy. After ``--fault-after`` seconds one dec
 link is made 10x slower; the supervisor prints every routing-weight change the
 controller makes, so the reaction is visible in the terminal as well as the dashboard.
 
-Every child runs in its own process group and is stopped by PID (TERM, then KILL) on
-Ctrl-C, on SIGTERM, when ``--duration`` ends or when a child dies; nothing is left
-behind. A child that dies -- the load generator included -- stops the demo with its exit
+Every child (the launcher's, :mod:`pdscope.stack`) runs in its own process group and is stopped
+by PID (TERM, then KILL) on Ctrl-C, on SIGTERM, when ``--duration`` ends or when a child dies;
+nothing is left behind. A child that dies -- the load generator included -- stops the demo with its exit
 status and the end of its log: the demo never reports load that is not running. Each run
 starts on a fresh store: an earlier run's store, logs and results move to
 ``<workdir>/previous/``. ``--real-vllm --prefill-url URL --decode-url URL`` attaches to a
@@ -31,8 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ import yaml
 from pdscope.cli.bounds import refuse
 from pdscope.config import Settings, load_config, parse_config, resolve_config_path
 from pdscope.simconfig import DEFAULT_ADMIN_PORT
+from pdscope.stack import Child, ChildGroup, child_env, pdscope_argv, probe, succeeded, write_config
 
 log = logging.getLogger(__name__)
 
@@ -79,101 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    health_url: str | None
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, env: dict[str, str]) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-        )
-        out.close()
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:  # say so, and let the stack stop the others
-                print(
-                    f"{self.name} (pid {self.proc.pid}) still runs after SIGKILL", file=sys.stderr, flush=True
-                )
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-@dataclass
-class Stack:
-    children: list[Child] = field(default_factory=list)
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-
-
-def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            status: int = resp.status
-            return 200 <= status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def _http_json(url: str, timeout_s: float = 2.0) -> Any:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
-
-
-def _wait_healthy(child: Child, timeout_s: float, stopping: dict[str, bool] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if stopping is not None and stopping.get("signal"):
-            return  # Ctrl-C during start-up: the caller stops what it started
-        if not child.alive():
-            raise RuntimeError(f"{child.name} exited during start-up:\n{child.tail()}")
-        if child.health_url is None or _http_ok(child.health_url):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(
-        f"{child.name} not healthy at {child.health_url} after {timeout_s:.0f}s:\n{child.tail()}"
-    )
 
 
 # What one run leaves in its work folder; the next run moves it to ``previous/``.
@@ -206,12 +117,8 @@ def load_argv(
     cfg_path: Path, proxy_url: str, rate: float, duration_s: float, workdir: Path, real_vllm: bool
 ) -> list[str]:
     """The ``pdscope load`` command line the demo runs (length syntax: simulator.workload)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "pdscope.cli",
-        "--config",
-        str(cfg_path),
+    argv = pdscope_argv(
+        cfg_path,
         "load",
         "--url",
         proxy_url,
@@ -224,7 +131,7 @@ def load_argv(
         "--no-progress",
         "--output",
         str(workdir / "load-results.json"),
-    ]
+    )
     if real_vllm:  # short requests: the tiny CPU model answers each within the SLOs
         argv += ["--prompt-len", "uniform:16,200", "--output-len", "fixed:16"]
     return argv
@@ -259,86 +166,52 @@ def real_vllm_config(
     return cfg
 
 
-def _services(
-    settings: Settings,
-    cfg_path: Path,
-    workdir: Path,
-    args: argparse.Namespace,
-    vllm_ports: dict[str, int] | None,
-) -> list[Child]:
-    py = sys.executable
-    base = [py, "-m", "pdscope.cli", "--config", str(cfg_path)]
-    logs = workdir / "logs"
+def _child(demo: _Demo, name: str, argv: list[str], ready_url: str | None) -> Child:
+    """One of the demo's children: its log in ``<workdir>/logs``, the demo's environment."""
+    log_path = demo.workdir / "logs" / f"{name}.log"
+    return Child(name, argv, log_path, ready_url=ready_url, env=demo.env, cwd=REPO)
+
+
+def _vllm_pair(demo: _Demo, ports: dict[str, int]) -> list[Child]:
+    """The real CPU 1P1D pair, started by ``deploy/vllm/launch-cpu.sh``."""
+    launch = str(REPO / "deploy" / "vllm" / "launch-cpu.sh")
+    otlp, venv = f"{demo.settings.collector_url}/v1/traces", str(Path(demo.args.vllm_env).resolve())
+    pair: list[Child] = []
+    for role, key, side, core, name in (
+        ("prefill", "p", "ps", 0, "real-p0"),
+        ("decode", "d", "ds", 1, "real-d0"),
+    ):
+        argv = ["bash", launch, "--role", role, "--port", str(ports[key]), "--side-port", str(ports[side]),
+                "--core", str(core), "--name", name, "--otlp", otlp, "--env", venv]  # fmt: skip
+        pair.append(_child(demo, name, argv, f"http://127.0.0.1:{ports[key]}/health"))
+    return pair
+
+
+def _services(demo: _Demo, vllm_ports: dict[str, int] | None) -> list[Child]:
+    """The children to start, in order: the fleet (simulated, or the real pair unless attached),
+    the collector, the controller, the proxy and the dashboard."""
+    settings, args = demo.settings, demo.args
     children: list[Child] = []
     if not args.real_vllm:
         admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
-        children.append(
-            Child(
-                "simulator",
-                [*base, "sim", "--admin-port", str(admin_port)],
-                f"http://127.0.0.1:{admin_port}/instances",
-                logs / "simulator.log",
-            )
-        )
+        argv = pdscope_argv(demo.cfg_path, "sim", "--admin-port", str(admin_port))
+        children.append(_child(demo, "simulator", argv, f"http://127.0.0.1:{admin_port}/instances"))
     elif vllm_ports is not None:  # else: attached to a pair someone else runs
-        launch = str(REPO / "deploy" / "vllm" / "launch-cpu.sh")
-        otlp = f"{settings.collector_url}/v1/traces"
-        for role, key, side, core, name in (
-            ("prefill", "p", "ps", 0, "real-p0"),
-            ("decode", "d", "ds", 1, "real-d0"),
-        ):
-            children.append(
-                Child(
-                    name,
-                    [
-                        "bash",
-                        launch,
-                        "--role",
-                        role,
-                        "--port",
-                        str(vllm_ports[key]),
-                        "--side-port",
-                        str(vllm_ports[side]),
-                        "--core",
-                        str(core),
-                        "--name",
-                        name,
-                        "--otlp",
-                        otlp,
-                        "--env",
-                        str(Path(args.vllm_env).resolve()),
-                    ],
-                    f"http://127.0.0.1:{vllm_ports[key]}/health",
-                    logs / f"{name}.log",
-                )
-            )
+        children += _vllm_pair(demo, vllm_ports)
     c, ctl, px, db = settings.collector, settings.controller, settings.proxy, settings.dashboard
-    children.append(
-        Child("collector", [*base, "collect"], f"http://{c.host}:{c.port}/healthz", logs / "collector.log")
-    )
-    children.append(
-        Child(
-            "controller", [*base, "control"], f"http://{ctl.host}:{ctl.port}/healthz", logs / "controller.log"
-        )
-    )
-    children.append(
-        Child("proxy", [*base, "proxy"], f"http://{px.host}:{px.port}/healthz", logs / "proxy.log")
-    )
+    services = [
+        ("collector", "collect", f"http://{c.host}:{c.port}/healthz"),
+        ("controller", "control", f"http://{ctl.host}:{ctl.port}/healthz"),
+        ("proxy", "proxy", f"http://{px.host}:{px.port}/healthz"),
+    ]
     if not args.no_dashboard:
-        children.append(
-            Child(
-                "dashboard",
-                [*base, "dashboard"],
-                f"http://{db.host}:{db.port}/_stcore/health",
-                logs / "dashboard.log",
-            )
-        )
-    return children
+        services.append(("dashboard", "dashboard", f"http://{db.host}:{db.port}/_stcore/health"))
+    return children + [_child(demo, n, pdscope_argv(demo.cfg_path, cmd), url) for n, cmd, url in services]
 
 
-def _dead_child(stack: Stack, load_done: bool) -> Child | None:
+def _dead_child(stack: ChildGroup, load_done: bool) -> Child | None:
     """The first child that is no longer running (a load generator that finished is not news twice)."""
-    for child in stack.children:
+    for child in stack:
         if child.name == "load" and load_done:
             continue
         if not child.alive():
@@ -393,12 +266,9 @@ def _config_for(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any]
 
 
 def _child_env(token_var: str) -> dict[str, str]:
-    """This process's environment, with an API token for the controller when none is set."""
-    env = dict(os.environ)
-    if not env.get(token_var):
-        env[token_var] = secrets.token_urlsafe(18)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    """The children's environment (:func:`child_env`), with an API token for the controller when
+    none is set."""
+    return child_env({token_var: os.environ.get(token_var) or secrets.token_urlsafe(18)})
 
 
 @dataclass(frozen=True)
@@ -413,21 +283,20 @@ class _Demo:
 
 
 def _start_services(
-    stack: Stack, demo: _Demo, vllm_ports: dict[str, int] | None, stopping: dict[str, bool]
+    stack: ChildGroup, demo: _Demo, vllm_ports: dict[str, int] | None, stopping: dict[str, bool]
 ) -> bool:
-    """Start the services one by one, each healthy before the next; False on Ctrl-C meanwhile.
+    """Start the services one by one, each healthy (2xx) before the next; False on Ctrl-C meanwhile.
     Raises RuntimeError when one dies or stays unhealthy, or an attached vLLM does not answer."""
     args = demo.args
-    for child in _services(demo.settings, demo.cfg_path, demo.workdir, args, vllm_ports):
+    for child in _services(demo, vllm_ports):
         print(f"starting {child.name:<11} (log: {child.log_path})", flush=True)
-        child.start(demo.env)
-        stack.children.append(child)
-        _wait_healthy(child, 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0, stopping)
-        if stopping["signal"]:
+        timeout_s = 240.0 if args.real_vllm and child.name.startswith("real-") else 60.0
+        ready = stack.start(child, timeout_s, ready=succeeded, abort=lambda: stopping["signal"])
+        if not ready or stopping["signal"]:
             return False
     if args.prefill_url or args.decode_url:
         for role, url in (("prefill", args.prefill_url), ("decode", args.decode_url)):
-            if not _http_ok(f"{url.rstrip('/')}/health"):
+            if not probe(f"{url.rstrip('/')}/health", succeeded):
                 raise RuntimeError(f"the running {role} vLLM at {url} does not answer /health")
     return True
 
@@ -477,7 +346,7 @@ def _print_weight_changes(
     return now or last
 
 
-def _watch(stack: Stack, demo: _Demo, t0: float, stopping: dict[str, bool]) -> int:
+def _watch(stack: ChildGroup, demo: _Demo, t0: float, stopping: dict[str, bool]) -> int:
     """Once a second until ``--duration`` or a signal: stop (exit 1) when a child dies, inject
     the fault once when it is due, print the controller's weight changes."""
     args = demo.args
@@ -528,8 +397,7 @@ def run(args: argparse.Namespace) -> int:
     previous = fresh_workdir(workdir)
     if previous is not None:
         print(f"fresh store: the previous run's store and logs are now in {previous}", flush=True)
-    cfg_path = workdir / "pdscope.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cfg_path = write_config(workdir / "pdscope.yaml", cfg)
     settings = parse_config(cfg_path.read_text(), str(cfg_path))
 
     from store import migrate
@@ -537,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
     migrate.upgrade(settings.store.url)
     demo = _Demo(args, settings, cfg_path, workdir, _child_env(settings.controller.api_token_env))
 
-    stack = Stack()
+    stack = ChildGroup()
     stopping = {"signal": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -552,14 +420,8 @@ def run(args: argparse.Namespace) -> int:
         proxy_url = f"http://{settings.proxy.host}:{settings.proxy.port}"
         rate = args.rate if args.rate is not None else (1.0 if args.real_vllm else 4.0)
         remaining = max(1.0, args.duration - (time.monotonic() - t0))
-        load = Child(
-            "load",
-            load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm),
-            None,
-            workdir / "logs" / "load.log",
-        )
-        load.start(demo.env)
-        stack.children.append(load)
+        load_cmd = load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm)
+        stack.start(_child(demo, "load", load_cmd, None))
         _print_banner(demo, proxy_url, rate)
         return _watch(stack, demo, t0, stopping)
     except RuntimeError as exc:
@@ -567,7 +429,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         print("stopping the demo...", flush=True)
-        stack.stop()
+        for child in stack.stop():  # say so, and let the stack stop the others
+            print(f"{child.name} (pid {child.pid}) still runs after SIGKILL", file=sys.stderr, flush=True)
         print("stopped.", flush=True)
 
 
@@ -580,24 +443,11 @@ def _inject_fault(
         return True
     target = decodes[0]
     admin_port = settings.simulator.admin_port or DEFAULT_ADMIN_PORT
-    argv: Sequence[str] = [
-        sys.executable,
-        "-m",
-        "pdscope.cli",
-        "--config",
-        str(cfg_path),
-        "sim",
-        "--admin-url",
-        f"http://127.0.0.1:{admin_port}",
-        "fault",
-        "add",
-        "slow_nic",
-        "--decode",
-        target,
-        "--factor",
-        "10",
-    ]
-    out = subprocess.run(list(argv), env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
+    admin = ["--admin-url", f"http://127.0.0.1:{admin_port}"]
+    argv = pdscope_argv(
+        cfg_path, "sim", *admin, "fault", "add", "slow_nic", "--decode", target, "--factor", "10"
+    )
+    out = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=30)
     if out.returncode != 0:
         print(
             f"fault injection failed: {out.stderr.strip() or out.stdout.strip()}", file=sys.stderr, flush=True

@@ -1,6 +1,6 @@
 """``pdscope explain``: why the requests of a range missed their SLO, from the store.
 
-Prints the top reasons (``controller.policy.attribution``: each stage's excess over the healthy
+Prints the top reasons (``analysis.attribution``: each stage's excess over the healthy
 requests' median, grouped by stage, instance or P×D pair and cause), or with ``--json`` the same
 JSON as ``GET /v1/slo/attribution``. The range is ``--since`` (a duration back from now, default
 30m) or ``--from`` / ``--until`` (Unix seconds). Exit codes: 0 an answer (misses or none), 1 no

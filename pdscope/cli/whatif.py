@@ -30,11 +30,6 @@ import asyncio
 import json
 import logging
 import math
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +46,7 @@ from pydantic import ValidationError
 
 from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, refuse
 from pdscope.config import ConfigError, Settings, load_settings
+from pdscope.stack import LOOPBACK, Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
 from simulator.fit import FitError, FitParams, FittedFleet, RequestObs, SnapshotObs, fit
 
 logger = logging.getLogger(__name__)
@@ -182,12 +178,6 @@ def read_window(url: str, settings: Settings, lo: float, hi: float) -> Window:
 # -- one run of the services ------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _http_json(url: str, body: Any = None, timeout: float = 5.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
@@ -197,55 +187,42 @@ def _http_json(url: str, body: Any = None, timeout: float = 5.0) -> Any:
         return json.loads(resp.read() or b"null")
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with {proc.returncode}")  # type: ignore[arg-type]
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status < 500:
-                    return
-        except OSError:
-            time.sleep(0.2)  # polling a service that is starting, bounded by the deadline
-    raise TimeoutError(f"{url} did not answer in {timeout_s:.0f}s")
-
-
 def stack_config(
     base: Settings, roles: dict[str, str], simulator: dict[str, Any], store_url: str
 ) -> dict[str, Any]:
     """A pdscope.yaml for one run on 127.0.0.1: ``base``'s model, SLOs, alerts and its controller,
     proxy and collector settings; ``roles``' instances on free ports (in their pools where ``base``
     has them); ``simulator`` as the simulator section; every service on a free port."""
+    ports = iter(free_ports(len(roles) + 4))
     pools: dict[str, dict[str, Any]] = {}
     for name, role in sorted(roles.items()):
         pool = base.pool_of(name)
         if pool is None or base.pools[pool].role != role:
             pool = role
         pools.setdefault(pool, {"role": role, "instances": []})["instances"].append(
-            {"name": name, "url": f"http://127.0.0.1:{free_port()}"}
+            {"name": name, "url": loopback_url(next(ports))}
         )
 
     def section(name: str) -> dict[str, Any]:
         dumped: dict[str, Any] = getattr(base, name).model_dump(mode="json", exclude_defaults=True)
         return dumped
 
-    ports = {k: free_port() for k in ("proxy", "collector", "controller", "admin")}
-    collector = f"http://127.0.0.1:{ports['collector']}"
+    port = {k: next(ports) for k in ("proxy", "collector", "controller", "admin")}
+    collector = loopback_url(port["collector"])
     return {
         "model": section("model"),
         "pools": pools,
         "slo": section("slo"),
         "alerts": section("alerts"),
         "store": {"url": store_url},
-        "simulator": {**simulator, "admin_port": ports["admin"], "tracing": True},
-        "collector": {**section("collector"), "host": "127.0.0.1", "port": ports["collector"]},
-        "controller": {**section("controller"), "host": "127.0.0.1", "port": ports["controller"]},
+        "simulator": {**simulator, "admin_port": port["admin"], "tracing": True},
+        "collector": {**section("collector"), "host": LOOPBACK, "port": port["collector"]},
+        "controller": {**section("controller"), "host": LOOPBACK, "port": port["controller"]},
         "proxy": {
             **section("proxy"),
-            "host": "127.0.0.1",
-            "port": ports["proxy"],
-            "controller_url": f"http://127.0.0.1:{ports['controller']}",
+            "host": LOOPBACK,
+            "port": port["proxy"],
+            "controller_url": loopback_url(port["controller"]),
             "tracing": True,
             "otlp_endpoint": f"{collector}/v1/traces",
         },
@@ -264,66 +241,39 @@ class RunResult:
 class Stack:
     """``with Stack(config, tmp) as s:`` starts ``pdscope sim``, ``collect``, ``control`` and
     ``proxy`` from one pdscope.yaml and waits until each answers; stops them on exit (SIGTERM,
-    then SIGKILL after 15 s)."""
+    then SIGKILL after 15 s). A service that does not start raises :class:`pdscope.stack.StartError`."""
 
     def __init__(self, config: dict[str, Any], tmp: Path) -> None:
         self.config = config
         self.tmp = tmp
-        self.path = tmp / "pdscope.yaml"
-        self.path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.admin_url = f"http://127.0.0.1:{config['simulator']['admin_port']}"
-        self.proxy_url = f"http://127.0.0.1:{config['proxy']['port']}"
-        self.controller_url = f"http://127.0.0.1:{config['controller']['port']}"
-
-    def _start(self, name: str) -> subprocess.Popen[bytes]:
-        exe = shutil.which("pdscope", path=str(Path(sys.executable).parent)) or "pdscope"
-        log = (self.tmp / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [exe, "--config", str(self.path), "--log-level", "WARNING", name],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
+        self.path = write_config(tmp / "pdscope.yaml", config)
+        self.children = ChildGroup(grace_s=15.0)
+        self.admin_url = loopback_url(config["simulator"]["admin_port"])
+        self.proxy_url = loopback_url(config["proxy"]["port"])
+        self.controller_url = loopback_url(config["controller"]["port"])
 
     def __enter__(self) -> Stack:
         from store.migrate import upgrade
 
         try:
             upgrade(self.config["store"]["url"])
-            _wait_http(self.admin_url + "/instances", self._start("sim"))
-            self._start("collect")
-            _wait_http(self.controller_url + "/healthz", self._start("control"))
-            _wait_http(self.proxy_url + "/healthz", self._start("proxy"))
-        except BaseException as exc:
-            self.__exit__()
-            if isinstance(exc, RuntimeError | TimeoutError):
-                tails = [f"{n}.log: {t}" for n in self.procs if (t := self.log_tail(n, 5))]
-                raise RuntimeError("; ".join([str(exc), *tails])) from exc
+            for command, ready_url in (
+                ("sim", self.admin_url + "/instances"),
+                ("collect", None),
+                ("control", self.controller_url + "/healthz"),
+                ("proxy", self.proxy_url + "/healthz"),
+            ):
+                argv = pdscope_argv(self.path, command, log_level="WARNING")
+                self.children.start(
+                    Child(command, argv, self.tmp / f"{command}.log", ready_url=ready_url), 90.0
+                )
+        except BaseException:
+            self.children.stop()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for p in reversed(list(self.procs.values())):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        try:
-            text = (self.tmp / f"{name}.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        self.children.stop()
 
 
 def _records_settled(url: str, since: float, expected: int, timeout_s: float) -> int:
@@ -362,7 +312,7 @@ def run_load(
     """Start the services of ``config``, send ``planned`` (offset s, prompt tokens, output tokens)
     open-loop through the proxy and inject ``faults`` (their ``at`` counted from the first send);
     wait for the records; stop everything. The run's window is [first send, last planned offset]."""
-    from simulator.loadgen import Target
+    from simulator.loadgen import LoadTarget
     from simulator.loadgen import run_load as send
     from simulator.workload import Planned
 
@@ -376,7 +326,7 @@ def run_load(
             for f in faults:
                 _http_json(stack.admin_url + "/faults", f)
 
-        target = Target(model=str(config["model"]["name"]), url=stack.proxy_url)
+        target = LoadTarget(model=str(config["model"]["name"]), url=stack.proxy_url)
         timeout = float(config.get("proxy", {}).get("timeouts", {}).get("decode_total_s", 60.0))
         asyncio.run(send(target, plan, timeout_s=timeout, seed=REPLAY_SEED, on_start=on_start))
         since = t0[0]

@@ -53,9 +53,9 @@ def test_overshoot_is_the_share_over_the_limit_and_never_negative() -> None:
     assert overshoot(10, 16) == 0.0
 
 
-def test_percentiles_are_nearest_rank() -> None:
+def test_percentiles_are_the_kernels_interpolated_ones() -> None:
     xs = [float(i) for i in range(1, 101)]
-    assert percentiles(xs) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles(xs) == pytest.approx({"p50": 50.5, "p90": 90.1, "p99": 99.01})
     assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0} and percentiles([]) == {}
 
 

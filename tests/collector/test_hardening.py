@@ -623,9 +623,9 @@ async def test_scrape_rounds_log_info_only_when_the_down_set_changes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from collector.scraper import Scraper, ScrapeResult
-    from collector.targets import Target
+    from collector.targets import ScrapeTarget
 
-    target = Target(
+    target = ScrapeTarget(
         name="d0",
         pool="decode",
         role="decode",

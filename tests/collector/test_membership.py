@@ -27,7 +27,7 @@ from collector.membership import (
     shared_store,
 )
 from collector.selfmetrics import CollectorMetrics
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from store.db import StoreError, make_engine, session_factory
 from store.migrate import upgrade
 from store.models import CollectorMember
@@ -37,7 +37,7 @@ INTERVAL_S = 5.0
 WINDOW_S = 3 * INTERVAL_S
 T0 = 1_800_000_000.0
 TARGETS = [
-    Target(f"{pool}-{i}", pool, pool, f"http://10.0.0.{i}:8000", f"http://10.0.0.{i}:8000/metrics")
+    ScrapeTarget(f"{pool}-{i}", pool, pool, f"http://10.0.0.{i}:8000", f"http://10.0.0.{i}:8000/metrics")
     for pool in ("prefill", "decode")
     for i in range(6)
 ]
@@ -75,7 +75,7 @@ def _shard(factory: sessionmaker[Session], me: str, clock: Clock) -> Shard:
     )
 
 
-def _names(targets: list[Target]) -> set[str]:
+def _names(targets: list[ScrapeTarget]) -> set[str]:
     return {t.name for t in targets}
 
 
@@ -358,7 +358,7 @@ def test_handing_a_target_over_drops_its_per_target_series() -> None:
     metrics.forget([gone])  # twice is harmless
     value = metrics.registry.get_sample_value
 
-    def series(t: Target) -> list[float | None]:
+    def series(t: ScrapeTarget) -> list[float | None]:
         return [
             value("pdscope_collector_target_up", {"instance": t.name, "pool": t.pool, "role": t.role}),
             value("pdscope_collector_scrape_duration_seconds", {"instance": t.name}),

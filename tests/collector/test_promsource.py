@@ -28,7 +28,7 @@ from collector.promsource import PromSource, Series, build_queries, host_port, s
 from collector.scraper import ScrapeResult
 from collector.service import CollectorService
 from collector.snapshot_store import SnapshotStore
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.families import SPECS
@@ -153,9 +153,9 @@ def _dead_url() -> str:
     return closed_port_url()
 
 
-D0 = Target("d0", "decode", "decode", "http://10.0.0.7:8200", "http://10.0.0.7:8200/metrics")
-P0 = Target("p0", "prefill", "prefill", "http://10.0.0.5:8100", "http://10.0.0.5:8100/metrics")
-GONE = Target("gone", "decode", "decode", "http://10.0.0.9:8200", "http://10.0.0.9:8200/metrics")
+D0 = ScrapeTarget("d0", "decode", "decode", "http://10.0.0.7:8200", "http://10.0.0.7:8200/metrics")
+P0 = ScrapeTarget("p0", "prefill", "prefill", "http://10.0.0.5:8100", "http://10.0.0.5:8100/metrics")
+GONE = ScrapeTarget("gone", "decode", "decode", "http://10.0.0.9:8200", "http://10.0.0.9:8200/metrics")
 
 
 def _fleet(fake: FakePrometheus) -> None:
@@ -179,7 +179,7 @@ def _fleet(fake: FakePrometheus) -> None:
     )
 
 
-def _source(fake: FakePrometheus, targets: list[Target], **kw: Any) -> PromSource:
+def _source(fake: FakePrometheus, targets: list[ScrapeTarget], **kw: Any) -> PromSource:
     async def ignore(results: list[ScrapeResult]) -> None:
         return None
 

@@ -13,7 +13,7 @@ import pytest
 
 from collector.scraper import Scraper, ScrapeResult, scrape_one
 from collector.selfmetrics import CollectorMetrics
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from tests.captures import SCRAPE_PAGES
 from tests.support.sockets import free_port
 from tests.support.waiting import async_wait_until
@@ -111,8 +111,8 @@ async def server() -> AsyncIterator[str]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _target(name: str, url: str) -> Target:
-    return Target(name, "pool", "decode", url, url)
+def _target(name: str, url: str) -> ScrapeTarget:
+    return ScrapeTarget(name, "pool", "decode", url, url)
 
 
 async def _one(base: str, kind: str, limit_s: float = 2.0, cap: int = 8 * 2**20) -> ScrapeResult:
@@ -348,7 +348,7 @@ async def test_each_round_scrapes_the_targets_assign_names() -> None:
         fetched.append(request.url.host)
         return httpx.Response(200, content=DECODE)
 
-    async def assign() -> list[Target]:
+    async def assign() -> list[ScrapeTarget]:
         return shares[len(rounds)]
 
     async def on_round(results: list[ScrapeResult]) -> None:

@@ -7,7 +7,7 @@ from sqlalchemy import select
 from collector.fastparse import extract_signals
 from collector.scraper import ScrapeResult
 from collector.snapshot_store import SnapshotStore, counter_reset
-from collector.targets import Target
+from collector.targets import ScrapeTarget
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
 from store.models import InstanceRow, Snapshot
@@ -15,8 +15,8 @@ from tests.captures import SCRAPE_PAGES
 
 FIXTURES = SCRAPE_PAGES
 DECODE = (FIXTURES / "decode_metrics.txt").read_text()
-D0 = Target("d0", "decode", "decode", "http://d0", "http://d0/metrics")
-P0 = Target("p0", "prefill", "prefill", "http://p0", "http://p0/metrics")
+D0 = ScrapeTarget("d0", "decode", "decode", "http://d0", "http://d0/metrics")
+P0 = ScrapeTarget("p0", "prefill", "prefill", "http://p0", "http://p0/metrics")
 
 
 def test_counter_reset_rule() -> None:

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
+from controller.wiring import default_effects
 from pdscope.config import Settings
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
@@ -75,8 +76,8 @@ def world(store_url: str) -> Iterator[World]:
     rec = Reconciler(
         settings,
         factory,
+        effects=default_effects(settings, factory, clock=clock, notifier=notifier),
         clock=clock,
-        notifier=notifier,
         alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
     )
     yield World(settings, factory, clock, Seeder(factory, settings), rec, notifier)

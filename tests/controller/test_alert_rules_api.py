@@ -13,6 +13,7 @@ from sqlalchemy import select
 from controller.api import create_app
 from controller.cli import serve
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
 from store.models import Alert
@@ -73,7 +74,8 @@ def test_handoff_budget_defaults_to_half_the_ttft_target(tmp_path: Path) -> None
     upgrade(store)
     engine = make_engine(store)
     try:
-        rec = Reconciler(settings_yaml(store), session_factory(engine))
+        settings, factory = settings_yaml(store), session_factory(engine)
+        rec = Reconciler(settings, factory, effects=default_effects(settings, factory))
         assert rec.cfg.handoff_budget_s == 1.0  # slo.ttft.target_ms 2000 in settings_yaml
         with TestClient(create_app(rec, token=None)) as c:
             assert c.get("/v1/slo").json()["handoff_budget_ms"] == 1000.0
@@ -93,7 +95,8 @@ def test_the_loop_uses_the_config_without_an_explicit_alert_config(store_url: st
     settings = settings_yaml(store_url, extra=extra)
     clock = VirtualClock()
     seeder = Seeder(session_factory(engine), settings)
-    rec = Reconciler(settings, session_factory(engine), clock=clock)
+    factory = session_factory(engine)
+    rec = Reconciler(settings, factory, effects=default_effects(settings, factory, clock=clock), clock=clock)
     try:
         for i in range(4):
             now = clock.advance(2.0)

@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
+from analysis.attribution_records import transfer_failed
 from controller.api import create_app
 from controller.attribution import BadRange, parse_duration, resolve_range
-from controller.policy.attribution_records import transfer_failed
 from store.db import transaction
 from store.models import RequestRecord
 from tests.controller.conftest import World

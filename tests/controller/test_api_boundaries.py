@@ -21,6 +21,7 @@ from sqlalchemy import func, select
 from controller.api import create_app
 from controller.bundle import BundleRefused, open_bundle
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from store.db import transaction
 from store.models import AuditEvent, WeightOverride
 from tests.controller.conftest import World
@@ -148,7 +149,12 @@ def bundle_folder(world: World, tmp_path: Path) -> tuple[TestClient, Path, Path]
     )
     secret = tmp_path / "secret.txt"
     secret.write_bytes(b"not a bundle")
-    rec = Reconciler(settings, world.factory, clock=world.clock, notifier=world.notifier)
+    rec = Reconciler(
+        settings,
+        world.factory,
+        effects=default_effects(settings, world.factory, clock=world.clock, notifier=world.notifier),
+        clock=world.clock,
+    )
     return TestClient(create_app(rec, token=TOKEN), raise_server_exceptions=False), folder, secret
 
 
@@ -224,7 +230,10 @@ controller: {{port: {port}, interval_s: 5, header_timeout_s: 0.5}}
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until(
-            "the controller", lambda: httpx.get(f"{base}/healthz", timeout=1), ignore=(httpx.HTTPError,)
+            "the controller",
+            lambda: httpx.get(f"{base}/healthz", timeout=1),
+            ignore=(httpx.HTTPError,),
+            timeout_s=60,  # a process start: slow on a loaded 2-core machine
         )
         with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
             s.sendall(b"PUT /v1/instances/d0/weight HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n")

@@ -15,6 +15,7 @@ from sqlalchemy import select
 from controller.api import create_app
 from controller.loop import Reconciler
 from controller.persist import load_overrides
+from controller.wiring import default_effects
 from store.db import transaction
 from store.models import AuditEvent, WeightOverride
 from tests.controller.conftest import World
@@ -130,7 +131,12 @@ def test_two_controller_processes_on_one_store_are_serialised_by_the_store(world
     """Two apps with their own reconcilers (as two processes would be): only the store's lock
     (BEGIN IMMEDIATE on SQLite, an advisory lock on PostgreSQL) keeps them from interleaving."""
     world.step()
-    other = Reconciler(world.settings, world.factory, clock=world.clock)
+    other = Reconciler(
+        world.settings,
+        world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock),
+        clock=world.clock,
+    )
     apps = [create_app(world.reconciler, token=TOKEN), create_app(other, token=TOKEN)]
     puts = [
         ("PUT", "/v1/instances/decode-3/weight", {"weight": 0.5, "ttl_s": 30.0 + i, "reason": f"r{i}"})

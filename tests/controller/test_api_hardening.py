@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from controller.api import create_app
 from controller.auth import IdentityConfigError, load_tokens, sanitise_actor
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from proxy.routing import RoutingState, poll_once
 from store.db import session_factory, transaction
 from store.models import AuditEvent, WeightOverride
@@ -309,7 +310,13 @@ def test_a_restarted_controller_never_answers_304_to_a_stale_table(world: World)
     assert "decode-1" not in {t.name for t in state.view.decode}
     world.clock.advance(4.0)  # the override has ended; controller 1 stops before its next tick
 
-    rec2 = Reconciler(world.settings, session_factory(world.factory.kw["bind"]), clock=world.clock)
+    factory2 = session_factory(world.factory.kw["bind"])
+    rec2 = Reconciler(
+        world.settings,
+        factory2,
+        effects=default_effects(world.settings, factory2, clock=world.clock),
+        clock=world.clock,
+    )
     rec2.tick()
     assert rec2.table.version == first_version  # the number repeats ...
     asyncio.run(poll(create_app(rec2, token=TOKEN)))

@@ -10,6 +10,7 @@ import pytest
 from collector import forensics
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
+from controller.wiring import default_effects
 from store.db import transaction
 from tests.controller.conftest import World
 from tests.controller.seed import Seeder, all_pairs, settings_yaml
@@ -23,7 +24,13 @@ def _world(store_url: str, world: World) -> World:
     settings = settings.model_copy(
         update={"controller": settings.controller.model_copy(update={"kv_lease_s": LEASE_S})}
     )
-    rec = Reconciler(settings, world.factory, clock=world.clock, alert_config=AlertConfig(for_s={}))
+    rec = Reconciler(
+        settings,
+        world.factory,
+        effects=default_effects(settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        alert_config=AlertConfig(for_s={}),
+    )
     return World(settings, world.factory, world.clock, Seeder(world.factory, settings), rec, world.notifier)
 
 

@@ -41,8 +41,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from analysis.attribution import Attribution, MissGroup
 from controller.attribution import window_attribution
-from controller.policy.attribution import Attribution, MissGroup
 from pdscope.config import LatencySLO, Settings, parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade

@@ -33,6 +33,7 @@ from controller.loop import Reconciler
 from controller.notify import WebhookNotifier
 from controller.policy import AlertConfig
 from controller.policy.alerts import AlertState
+from controller.wiring import default_effects
 from tests.controller.conftest import World
 
 URL_BASE = "http://ctl:8300/v1/bundles"
@@ -69,10 +70,11 @@ def _bundled(world: World, folder: Path, **cfg: Any) -> Bundled:
     rec = Reconciler(
         settings,
         world.factory,
+        effects=default_effects(
+            settings, world.factory, clock=world.clock, notifier=world.notifier, bundler=writer
+        ),
         clock=world.clock,
-        notifier=world.notifier,
         alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
-        bundler=writer,
     )
     return Bundled(dataclasses.replace(world, settings=settings, reconciler=rec), writer, folder)
 
@@ -374,7 +376,12 @@ def test_a_window_that_straddles_a_config_change_holds_both_configs_and_says_so(
         world.step(prefill_s={"prefill-1": 2.5})
     c = world.settings.controller
     changed = world.settings.model_copy(update={"controller": c.model_copy(update={"max_weight_step": 0.5})})
-    rec = Reconciler(changed, world.factory, clock=world.clock, notifier=world.notifier)
+    rec = Reconciler(
+        changed,
+        world.factory,
+        effects=default_effects(changed, world.factory, clock=world.clock, notifier=world.notifier),
+        clock=world.clock,
+    )
     w2 = dataclasses.replace(world, settings=changed, reconciler=rec)
     for _ in range(3):
         w2.step(prefill_s={"prefill-1": 2.5})

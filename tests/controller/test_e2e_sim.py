@@ -32,6 +32,7 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
     from controller.api import create_app
     from controller.loop import Reconciler
     from controller.policy import AlertConfig
+    from controller.wiring import default_effects
     from proxy.app import build as build_proxy
     from simulator.testing import running_fleet
     from store.db import make_engine, session_factory
@@ -68,8 +69,12 @@ async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(
             "e2e-proxy.yaml",
         )
         engine = make_engine(url)
+        factory = session_factory(engine)
         reconciler = Reconciler(
-            settings, session_factory(engine), alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0})
+            settings,
+            factory,
+            effects=default_effects(settings, factory),
+            alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}),
         )
         stop_traffic = asyncio.Event()
         collector.__enter__()

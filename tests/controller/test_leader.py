@@ -25,6 +25,7 @@ from controller.leader import (
     open_leadership,
 )
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from store.db import transaction
 from store.models import ControllerLeader
 from tests.controller.conftest import World
@@ -42,6 +43,7 @@ def pair(world: World) -> tuple[HandLock, Reconciler, Reconciler]:
         Reconciler(
             world.settings,
             world.factory,
+            effects=default_effects(world.settings, world.factory, clock=world.clock),
             clock=world.clock,
             alert_config=world.reconciler.alert_config,
             leadership=HandLeadership(lock, name),

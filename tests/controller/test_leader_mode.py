@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from controller.api import create_app
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from tests.controller.conftest import World
 from tests.controller.leaders import HandLeadership, HandLock, feed, served
 
@@ -23,6 +24,7 @@ def replicas(world: World, leader_mode: Mode, standby_mode: Mode) -> tuple[HandL
         Reconciler(
             world.settings,
             world.factory,
+            effects=default_effects(world.settings, world.factory, clock=world.clock),
             clock=world.clock,
             alert_config=world.reconciler.alert_config,
             leadership=HandLeadership(lock, name),

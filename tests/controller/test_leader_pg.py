@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from controller.api import create_app
 from controller.leader import Deposed, LeaderInfo, PgAdvisoryLock, claim, fence, read_leader
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from store.db import StoreError, make_engine, session_factory, transaction
 from store.migrate import upgrade
 from store.models import Decision
@@ -82,6 +83,7 @@ def contenders(world: World, store_url: str) -> Iterator[tuple[Reconciler, Recon
         Reconciler(
             world.settings,
             world.factory,
+            effects=default_effects(world.settings, world.factory, clock=world.clock),
             clock=world.clock,
             alert_config=world.reconciler.alert_config,
             leadership=lock,
@@ -340,7 +342,16 @@ def test_a_standby_forwards_an_operator_change_to_the_leader_once(world: World, 
         PgAdvisoryLock(store_url, default_holder(8300, leader_api), world.reconciler.lease_s),
         PgAdvisoryLock(store_url, default_holder(8301, "http://127.0.0.1:9"), world.reconciler.lease_s),
     ]
-    a, b = (Reconciler(world.settings, world.factory, clock=world.clock, leadership=lock) for lock in locks)
+    a, b = (
+        Reconciler(
+            world.settings,
+            world.factory,
+            effects=default_effects(world.settings, world.factory, clock=world.clock),
+            clock=world.clock,
+            leadership=lock,
+        )
+        for lock in locks
+    )
     try:
         feed(world)
         assert a.step() is not None and a.role == "leader"

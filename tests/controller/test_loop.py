@@ -7,6 +7,7 @@ from sqlalchemy import func, select
 
 from controller.loop import Reconciler
 from controller.policy import TickInput, decide
+from controller.wiring import default_effects
 from store.db import StoreError, transaction
 from store.models import Alert, Decision, PolicyConfigRow, WeightOverride
 from tests.controller.conftest import World
@@ -111,7 +112,11 @@ def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
     w = world.weight("decode-2")
     version = world.reconciler.table.version
     fresh = Reconciler(
-        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+        world.settings,
+        world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        alert_config=world.reconciler.alert_config,
     )
     cut = world.reconciler._state.weights["decode-2"]
     out = fresh.tick()
@@ -143,7 +148,11 @@ def test_restart_carries_the_whole_policy_state_and_decisions_name_their_policy(
     before = world.reconciler._state
     assert before.weights["decode-2"].healthy_streak > 0 and before.weights["decode-2"].ceiling < 1.0
     fresh = Reconciler(
-        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+        world.settings,
+        world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        alert_config=world.reconciler.alert_config,
     )
     with transaction(world.factory) as s:
         from controller.persist import load_state
@@ -214,7 +223,11 @@ def test_a_stored_state_that_does_not_fit_is_not_loaded_and_costs_only_itself(
     assert state_after.weights["decode-2"].healthy_streak == 0
     assert state_after.weights["decode-1"] == good
     fresh = Reconciler(
-        world.settings, world.factory, clock=world.clock, alert_config=world.reconciler.alert_config
+        world.settings,
+        world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        alert_config=world.reconciler.alert_config,
     )
     world.clock.advance(2.0)
     assert fresh.tick() is not None
@@ -246,7 +259,13 @@ def test_override_expiry_is_a_stored_decision(world: World) -> None:
 
 
 def test_advisory_mode_decides_but_says_so(world: World) -> None:
-    rec = Reconciler(world.settings, world.factory, clock=world.clock, mode="advisory")
+    rec = Reconciler(
+        world.settings,
+        world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        mode="advisory",
+    )
     world.step(tick=False)
     out = rec.tick()
     assert out.table.mode == "advisory" and out.table.enforce is False

@@ -13,6 +13,7 @@ from controller.loop import Reconciler
 from controller.metrics import make_registry
 from controller.notify import NullNotifier
 from controller.policy import AlertConfig
+from controller.wiring import default_effects
 from pdscope.config import Settings
 from store import queries as q
 from store.db import transaction
@@ -136,7 +137,13 @@ def _forged_run(world: World, senders: list[str] | None, ticks: int = 10) -> Rec
     """Good traffic from the proxy (sender "proxy"); forged slow handoffs through decode-2, unsigned and
     from an unknown token, flagged as lease-expiry suspects."""
     settings = _trusting(world.settings, senders)
-    rec = Reconciler(settings, world.factory, clock=world.clock, alert_config=AlertConfig(for_s={}))
+    rec = Reconciler(
+        settings,
+        world.factory,
+        effects=default_effects(settings, world.factory, clock=world.clock),
+        clock=world.clock,
+        alert_config=AlertConfig(for_s={}),
+    )
     seeder = Seeder(world.factory, settings)
     for _ in range(ticks):
         now = world.clock.advance(2.0)

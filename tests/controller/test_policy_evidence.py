@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from controller.policy import evidence as ev
-from controller.policy.config import PolicyConfig
+from controller.policy.config import EVIDENCE_ONLY, EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals
 
-CFG = PolicyConfig.defaults()
+CFG = PolicyConfig.defaults().evidence
 
 
 @dataclass(frozen=True)
@@ -199,3 +199,10 @@ def test_an_expiry_explained_by_a_request_d_refused_as_invalid_is_evidence_again
         ev.instance_signals("p0", "P", "prefill", CFG, two, None, None, p0, None).expired_leases_per_min
         == 1.0
     )
+
+
+def test_the_evidence_config_is_the_policy_configs_evidence_part() -> None:
+    cfg = PolicyConfig.defaults(pair_min_samples=3, recent_s=7.0)
+    assert cfg.evidence == EvidenceConfig(7.0, cfg.kv_lease_s, cfg.ttft_percentile, pair_min_samples=3)
+    assert "ttft_percentile" not in EVIDENCE_ONLY  # the policy reads it too
+    assert len(EVIDENCE_ONLY) == 7

@@ -145,7 +145,7 @@ def test_advisory_table_says_so() -> None:
 def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> None:
     from controller.overrides import Change
     from controller.persist import to_override, to_row
-    from controller.schemas import OverrideOut
+    from controller.schemas import PoolOut
 
     weight = Change(
         "instance", "decode-1", "weight", "weight.set", "hot", "api", sets=True, weight=0.4, ttl_s=60.0
@@ -159,8 +159,10 @@ def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> 
     row.id = 7  # what the store assigns
     back = to_override(row)
     assert back == Override(7, "instance", "decode-1", 0.4, False, "hot", "api", 100.0, 160.0)
-    out = OverrideOut.of(back)
-    assert out is not None and out.model_dump() == {
+    pool = {"name": "p", "role": "decode", "configured_weight": 1.0, "weight": 1.0, "reason": "x"}
+    pool |= {"max_inflight_requests": None, "max_inflight_kv_bytes": None, "instances": []}
+    out = PoolOut(**pool, override=back).model_dump(mode="json")["override"]
+    assert out == {
         "id": 7,
         "subject_kind": "instance",
         "subject": "decode-1",
@@ -171,4 +173,4 @@ def test_a_change_becomes_one_override_shape_through_the_store_and_the_api() -> 
         "created": 100.0,
         "expires": 160.0,
     }
-    assert OverrideOut.of(None) is None
+    assert PoolOut(**pool).model_dump(mode="json")["override"] is None

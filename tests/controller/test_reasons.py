@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from controller import reasons_doc
-from controller.policy.reasons import BEGIN, END, Reason, reasons_markdown, splice
+from pdscope.reasons import BEGIN, END, Reason, reasons_markdown, splice
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,9 @@ from sqlalchemy import func, select
 from controller.loop import Reconciler
 from controller.policy import AlertConfig, InstanceSignals, Observation, PolicyConfig, PolicyState
 from controller.policy.codec import CodecError, dump, load
+from controller.policy.config import EVIDENCE_ONLY
 from controller.replay import Candidate, NoTicks, ReplayError, parse_change, replay_window
+from controller.wiring import default_effects
 from store.db import transaction
 from store.models import Decision, TickRecord
 from tests.controller.conftest import World
@@ -64,8 +66,8 @@ def test_a_restart_inside_the_window_is_replayed_as_it_happened(world: World) ->
     world.reconciler = Reconciler(
         world.settings,
         world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock, notifier=world.notifier),
         clock=world.clock,
-        notifier=world.notifier,
         alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
     )
     for _ in range(6):
@@ -134,8 +136,8 @@ def test_a_candidate_across_a_config_change_is_refused(world: World) -> None:
     world.reconciler = Reconciler(
         world.settings,
         world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock, notifier=world.notifier),
         clock=world.clock,
-        notifier=world.notifier,
         alert_config=AlertConfig(),
     )
     world.reconciler.cfg = dataclasses.replace(world.reconciler.cfg, band_up=0.2)
@@ -158,6 +160,7 @@ def test_a_candidate_across_a_config_change_is_refused(world: World) -> None:
         ("min_weight=abc", "not a number"),
         ("min_weight=nan", "finite"),
         ("min_weight=-1", "at least 0"),
+        *((f"{name}=3", "acts only in the evidence step") for name in sorted(EVIDENCE_ONLY)),
     ],
 )
 def test_a_bad_setting_is_refused_naming_it(text: str, problem: str) -> None:

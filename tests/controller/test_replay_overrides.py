@@ -19,6 +19,7 @@ from controller.policy import AlertConfig
 from controller.policy.refresh import MAX_REFRESHES, Between, Refresh
 from controller.replay import Candidate, replay_window
 from controller.ticklog import decode_between
+from controller.wiring import default_effects
 from store.db import transaction
 from store.models import AuditEvent, TickRecord
 from tests.controller.conftest import World
@@ -136,8 +137,10 @@ def run(world: World, steps: Sequence[str]) -> None:
             world.reconciler = Reconciler(
                 world.settings,
                 world.factory,
+                effects=default_effects(
+                    world.settings, world.factory, clock=world.clock, notifier=world.notifier
+                ),
                 clock=world.clock,
-                notifier=world.notifier,
                 alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
             )
             service = OverridesService(world.reconciler)

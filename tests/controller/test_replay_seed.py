@@ -10,7 +10,8 @@ from sqlalchemy import func, select
 
 from controller.loop import Reconciler
 from controller.replay import Candidate, replay_window
-from dashboard.seed import SeedSpec, fleet_config_yaml, seed_store
+from controller.wiring import default_effects
+from devdata.seed import SeedSpec, fleet_config_yaml, seed_store
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.models import Decision
@@ -29,7 +30,12 @@ def test_a_controller_run_over_the_seed_is_replayed_exactly(tmp_path: Path) -> N
     factory = session_factory(engine)
     start = T0 - spec.duration_s
     clock = VirtualClock(start + 120.0)
-    rec = Reconciler(settings, factory, clock=clock, notifier=RecordingNotifier())
+    rec = Reconciler(
+        settings,
+        factory,
+        effects=default_effects(settings, factory, clock=clock, notifier=RecordingNotifier()),
+        clock=clock,
+    )
     while clock.now < T0 - 60.0:  # through the degradation at half-way and two minutes past it
         rec.tick()
         clock.advance(settings.controller.interval_s)

@@ -12,6 +12,7 @@ from controller import shadow as shadow_mod
 from controller.api import create_app
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
+from controller.wiring import default_effects
 from pdscope.config import ConfigError
 from tests.controller.conftest import World
 
@@ -22,8 +23,8 @@ def _with_shadow(world: World, changes: dict[str, float] | None) -> Reconciler:
     world.reconciler = Reconciler(
         world.settings,
         world.factory,
+        effects=default_effects(world.settings, world.factory, clock=world.clock, notifier=world.notifier),
         clock=world.clock,
-        notifier=world.notifier,
         alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
     )
     return world.reconciler
@@ -67,6 +68,8 @@ def test_without_a_shadow_it_says_so(world: World) -> None:
         ({"min_wieght": 0.1}, "controller.shadow.min_wieght: not a policy setting"),
         ({"recover_ticks": 1.5}, "controller.shadow.recover_ticks: 1.5 is not an integer"),
         ({"min_weight": -1.0}, "controller.shadow.min_weight: must be a finite number at least 0"),
+        ({"pair_min_samples": 3}, "controller.shadow.pair_min_samples: acts only in the evidence step"),
+        ({"recent_s": 5.0}, "controller.shadow.recent_s: acts only in the evidence step"),
     ],
 )
 def test_a_bad_shadow_setting_is_a_config_error_naming_it(

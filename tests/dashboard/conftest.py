@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dashboard.seed import SeedSpec, SeedSummary, fleet_config_yaml, seed_store
+from devdata.seed import SeedSpec, SeedSummary, fleet_config_yaml, seed_store
 from tests.dashboard.browser import Browser, chromium_path
 from tests.support.controllers import FakeController
 from tests.support.serving import serve_in_thread

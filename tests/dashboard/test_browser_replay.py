@@ -18,7 +18,8 @@ import pytest
 
 from controller.api import create_app
 from controller.loop import Reconciler
-from dashboard.seed import SeedSpec, fleet_config_yaml, seed_store
+from controller.wiring import default_effects
+from devdata.seed import SeedSpec, fleet_config_yaml, seed_store
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from tests.controller.conftest import RecordingNotifier
@@ -45,7 +46,9 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     settings = parse_config(path.read_text(), str(path))
     engine = make_engine(url)
     clock = VirtualClock(spec.end - spec.duration_s + 120.0)
-    rec = Reconciler(settings, session_factory(engine), clock=clock, notifier=RecordingNotifier())
+    factory = session_factory(engine)
+    effects = default_effects(settings, factory, clock=clock, notifier=RecordingNotifier())
+    rec = Reconciler(settings, factory, effects=effects, clock=clock)
     while clock.now < spec.end - 30.0:  # a real controller over the seeded window, ticking on its clock
         rec.tick()
         clock.advance(settings.controller.interval_s)

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from dashboard import cli
-from dashboard.seed import SeedSpec, fleet_config_yaml
+from devdata.seed import SeedSpec, fleet_config_yaml
 from pdscope.cli import build_parser
 
 

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from controller.api import create_app
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from dashboard.api import ControllerClient, ControllerError
 from dashboard.queries import control, fleet
 from dashboard.queries.common import Window
@@ -24,7 +25,8 @@ def test_every_form_action_is_accepted_and_audited(tmp_path: Path) -> None:
     """Header mode's calls: the server token on behalf of the proxy's user (X-Actor)."""
     seeded = make_seeded(tmp_path, duration_s=300.0)
     engine = make_engine(seeded.url)
-    reconciler = Reconciler(load_config(seeded.config), session_factory(engine))
+    settings, factory = load_config(seeded.config), session_factory(engine)
+    reconciler = Reconciler(settings, factory, effects=default_effects(settings, factory))
     with TestClient(create_app(reconciler, token=TOKEN)) as tc:
         client = ControllerClient("http://testserver", TOKEN, transport=tc._transport, actor="carol")
         assert client.routing()["version"] >= 0
@@ -63,7 +65,8 @@ def test_login_mode_whoami_and_the_users_own_token(tmp_path: Path) -> None:
     with it is audited as that identity alone (no X-Actor is sent)."""
     seeded = make_seeded(tmp_path, duration_s=300.0)
     engine = make_engine(seeded.url)
-    reconciler = Reconciler(load_config(seeded.config), session_factory(engine))
+    settings, factory = load_config(seeded.config), session_factory(engine)
+    reconciler = Reconciler(settings, factory, effects=default_effects(settings, factory))
     with TestClient(create_app(reconciler, token=TOKEN, tokens={"carol": USER_TOKEN})) as tc:
         client = ControllerClient("http://testserver", USER_TOKEN, transport=tc._transport)
         assert client.whoami() == "carol"

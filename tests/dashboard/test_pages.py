@@ -11,7 +11,7 @@ from sqlalchemy import text
 from streamlit.testing.v1 import AppTest
 
 from dashboard.derive import D_ALONE
-from dashboard.seed import SeedSpec, fleet_config_yaml
+from devdata.seed import SeedSpec, fleet_config_yaml
 from store.db import make_engine
 from store.migrate import upgrade
 from tests.support.controllers import FakeController

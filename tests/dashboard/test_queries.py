@@ -11,8 +11,8 @@ from sqlalchemy import func, select, text
 from dashboard.context import ReadOnlyViolation, _refuse_writes
 from dashboard.queries import common, control, fleet, records
 from dashboard.queries import requests as rq
-from dashboard.seed import SeedSpec, request_id, seed_store
 from dashboard.summaries import instance_health, nixl_per_instance
+from devdata.seed import SeedSpec, request_id, seed_store
 from store.db import make_engine
 from store.migrate import upgrade
 from store.models import RequestRecord

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine, select, text
 
 from dashboard.queries import common, fleet, records
-from dashboard.seed import SeedSpec, bulk_seed_postgres, seed_store
+from devdata.seed import SeedSpec, bulk_seed_postgres, seed_store
 from store.db import make_engine
 from store.models import Base
 

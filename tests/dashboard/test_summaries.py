@@ -116,7 +116,7 @@ def test_instance_health_and_pool_totals() -> None:
     weights = pd.DataFrame({"subject": ["d0"], "weight": [0.75]})
     health = instance_health(series, latest, edges, weights).set_index("instance")
     assert health.loc["d0", "weight"] == 0.75 and pd.isna(health.loc["d1", "weight"])
-    assert health.loc["d0", "kv_usage_pct"] == 50.0
+    assert health.loc["d0", "kv_cache_usage_pct"] == 50.0
     assert health.loc["d0", "ttft_p50_ms"] == pytest.approx(100.0)
     assert health.loc["d0", "nixl_xfer_mean_ms"] == pytest.approx(20.0)
     totals = pool_totals(health.reset_index())

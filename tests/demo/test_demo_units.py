@@ -14,6 +14,7 @@ import yaml
 
 from pdscope.cli import build_parser, demo
 from pdscope.config import parse_config
+from pdscope.stack import Child, ChildGroup
 from simulator.workload import LengthDist
 
 
@@ -70,19 +71,17 @@ def test_fresh_workdir_moves_the_earlier_runs_store_aside(tmp_path: Path) -> Non
 
 
 def test_dead_child_includes_a_failed_load_generator(tmp_path: Path) -> None:
-    ok = demo.Child(
-        "collector", [sys.executable, "-c", "import time; time.sleep(60)"], None, tmp_path / "c.log"
-    )
-    load = demo.Child(
+    ok = Child("collector", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "c.log", env={})
+    load = Child(
         "load",
         [sys.executable, "-c", "import sys; print('bad length distribution'); sys.exit(1)"],
-        None,
         tmp_path / "load.log",
+        env={},
     )
-    stack = demo.Stack([ok, load])
+    stack = ChildGroup([ok, load])
     try:
-        ok.start({})
-        load.start({})
+        ok.start()
+        load.start()
         assert load.proc is not None
         load.proc.wait(timeout=60)
         dead = demo._dead_child(stack, load_done=False)

@@ -71,6 +71,13 @@ def test_an_invalid_candidate_names_the_field(
     assert "--set max_step: not a policy setting" in capsys.readouterr().err
 
 
+def test_an_evidence_setting_is_refused_naming_it(recorded: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # the replay decides on the recorded observation: a setting of the evidence step could not act
+    assert replay(recorded, *RANGE, "--set", "pair_min_samples=3") == 2
+    err = capsys.readouterr().err
+    assert "--set pair_min_samples: acts only in the evidence step" in err and "whatif" in err
+
+
 def test_no_ticks_bad_ranges_and_other_versions_exit_non_zero(
     recorded: str, world: World, capsys: pytest.CaptureFixture[str]
 ) -> None:

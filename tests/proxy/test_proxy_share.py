@@ -17,6 +17,7 @@ import pytest
 
 from controller.api import create_app
 from controller.loop import Reconciler
+from controller.wiring import default_effects
 from pdscope.routing import PoolShare, ProxyShare, RoutingTable
 from proxy.routing import RoutingState, poll_forever
 from store.db import make_engine, session_factory
@@ -135,7 +136,8 @@ async def test_two_proxies_against_a_real_controller_split_the_limit_and_count_d
     engine = make_engine(url)
     async with fake_fleet(1, 1) as fleet:
         base = make_settings([fleet.prefill[0].url], [fleet.decode[0].url], proxy={"expected_replicas": 2})
-        reconciler = Reconciler(base, session_factory(engine))
+        factory = session_factory(engine)
+        reconciler = Reconciler(base, factory, effects=default_effects(base, factory))
         reconciler.tick()
         with serve_in_thread(create_app(reconciler, token=None)) as ctl_url:
 

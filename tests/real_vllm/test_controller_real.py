@@ -25,6 +25,7 @@ from controller.bundlepack import alert_bundle_name
 from controller.loop import Reconciler
 from controller.policy import AlertConfig
 from controller.replay import replay_window
+from controller.wiring import default_effects
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory, transaction
 from store.migrate import upgrade
@@ -63,7 +64,12 @@ def controlled(real_pd: RealPD, tmp_path: Path) -> Iterator[tuple[Reconciler, An
     settings = parse_config(yaml.safe_dump(cfg), "real.yaml")
     engine = make_engine(url)
     factory = session_factory(engine)
-    rec = Reconciler(settings, factory, alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}))
+    rec = Reconciler(
+        settings,
+        factory,
+        effects=default_effects(settings, factory),
+        alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}),
+    )
     with CollectorThread(settings):
         yield rec, factory
     rec.bundler.close()

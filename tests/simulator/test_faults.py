@@ -190,8 +190,9 @@ def _up(client: httpx.Client, fleet: RunningFleet) -> bool:
 
 
 def test_kv_capacity_shrink_raises_usage_and_queues() -> None:
-    # its own fleet with a 3 s lease: the queued request must be seen before the first lease expires
-    with running_fleet(1, 1, seed=5, lease_duration_s=3.0) as fleet, httpx.Client(timeout=20) as client:
+    # its own fleet with a 10 s lease: the queued request must be seen before the first lease expires
+    # (long enough that a loaded machine still sees it; the request then waits out the lease)
+    with running_fleet(1, 1, seed=5, lease_duration_s=10.0) as fleet, httpx.Client(timeout=30) as client:
         _kv_capacity_case(fleet, client)
 
 
@@ -214,11 +215,11 @@ def _kv_capacity_case(fleet: RunningFleet, client: httpx.Client) -> None:
     )
     worker.start()
     wait_until(
-        "the request queued for capacity",  # before the first lease expires (3 s)
+        "the request queued for capacity",  # before the first lease expires (10 s)
         lambda: value(client, p0, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1,
-        timeout_s=2.5,
+        timeout_s=8.0,
     )
-    worker.join(10)  # the first lease expires after 3 s, then the second request fits
+    worker.join(30)  # the first lease expires after 10 s, then the second request fits
     assert result["r"].status_code == 200
 
 

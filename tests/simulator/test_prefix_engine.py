@@ -46,7 +46,7 @@ class Observer(VllmMetrics):
                 "running": 0,
                 "waiting_capacity": 0,
                 "waiting_deferred": 0,
-                "kv_usage": 0,
+                "kv_cache_usage": 0,
                 **dict.fromkeys(("waiting_to_start", "in_progress", "completed_waiting"), 0.0),
             }
         ).decode()

@@ -5,7 +5,8 @@
 fleet (``pdscope sim``), N controllers, N collectors and N proxies sharing one store (PostgreSQL
 in the tier), and waits until each answers (no fixed sleeps). Every process runs in a session of
 its own and is stopped by its PID (SIGCONT, SIGTERM, then SIGKILL): nothing is left behind.
-:class:`Service` exposes ``kill9`` / ``pause`` (SIGSTOP) / ``resume`` (SIGCONT) per process.
+:class:`Service` is the launcher's child (:class:`pdscope.stack.Child`) with ``kill9`` / ``pause``
+(SIGSTOP) / ``resume`` (SIGCONT) and its HTTP API.
 
 :class:`Load` is the bounded client: open loop (seeded Poisson arrivals), round-robin over the
 proxies it is given, bounded by a count and a duration, each request's outcome recorded
@@ -23,11 +24,9 @@ import copy
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdscope.stack import Child, ChildGroup, Ready, StartError, answered, pdscope_argv, write_config
 from tests.support.sockets import free_ports
 from tests.support.waiting import wait_until
 
@@ -84,76 +84,39 @@ class FleetShape:
     collector: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class Service:
-    """One child process: ``pdscope --config <its file> <command>``."""
+class Service(Child):
+    """One child process, ``pdscope --config <its file> <command>`` (:class:`pdscope.stack.Child`),
+    with the signals a test sends it and its HTTP API."""
 
-    name: str
-    kind: str  # sim, collector, controller, proxy
-    argv: list[str]
-    url: str  # base URL of its HTTP API
-    health_path: str
-    log_path: Path
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        out = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=REPO,
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: a signal to it reaches only it
-        )
-        out.close()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, f"{self.name} was never started"
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def _signal(self, sig: signal.Signals) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        argv: list[str],
+        url: str,
+        health_path: str,
+        log_path: Path,
+        env: dict[str, str],
+    ) -> None:
+        super().__init__(name, argv, log_path, ready_url=url + health_path, env=env, cwd=REPO)
+        self.kind = kind  # sim, collector, controller, proxy
+        self.url = url  # base URL of its HTTP API
+        self.health_path = health_path
 
     def kill9(self) -> None:
         """SIGKILL, and reap it: its sockets (and PostgreSQL sessions) close with it."""
-        self._signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(timeout=30)
 
     def pause(self) -> None:
-        self._signal(signal.SIGSTOP)
+        self.signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        self.signal(signal.SIGCONT)
 
     def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
+        return super().tail(n)
 
     def get(self, path: str, timeout_s: float = 2.0) -> httpx.Response:
         return httpx.get(self.url + path, timeout=timeout_s)
@@ -296,6 +259,11 @@ class Fleet:
                     "queue_timeout_s": s.queue_timeout_s,
                 },
                 "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
+                # one config for the whole fleet, as deploy/ ships it: the controller reads the proxies'
+                # replica count too (without proxy credentials it is the number of seats it gives)
+                **(
+                    {"expected_replicas": max(1, s.proxies)} if "expected_replicas" in _proxy_fields() else {}
+                ),
                 **s.proxy,
             },
         }
@@ -326,20 +294,9 @@ class Fleet:
             cfg[section] = {**cfg.get(section, {}), **values}
         if cfg.get("proxy", {}).get("controller_url", "") is None:
             del cfg["proxy"]["controller_url"]
-        path = self.workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        argv = [
-            sys.executable,
-            "-m",
-            "pdscope.cli",
-            "--config",
-            str(path),
-            "--log-level",
-            "INFO",
-            kind_cmd(kind),
-        ]
-        if kind == "sim":
-            argv += ["--admin-port", str(port)]
+        path = write_config(self.workdir / f"{name}.yaml", cfg)
+        extra = ["--admin-port", str(port)] if kind == "sim" else []
+        argv = pdscope_argv(path, kind_cmd(kind), *extra, log_level="INFO")
         return Service(
             name, kind, argv, f"http://127.0.0.1:{port}", health, self.workdir / f"{name}.log", self.env
         )
@@ -369,12 +326,12 @@ class Fleet:
         from store.migrate import upgrade
 
         upgrade(self.store_url)  # once, before the services that share the store
-        self._start_and_wait([self.sim], lambda s: s.get("/instances").status_code == 200)
-        self._start_and_wait(self.collectors, lambda s: s.get("/healthz").status_code == 200)
+        self._start_and_wait([self.sim], _ok)
+        self._start_and_wait(self.collectors, _ok)
         if self.controllers:
-            self._start_and_wait(self.controllers, lambda s: "role" in s.health())
+            self._start_and_wait(self.controllers, _has_role)
             self.wait_for_leader()
-        self._start_and_wait(self.proxies, lambda s: s.get("/healthz").status_code == 200)
+        self._start_and_wait(self.proxies, _ok)
         if self.controllers:
             wait_until(
                 "every proxy to apply a table from the controller",
@@ -385,34 +342,28 @@ class Fleet:
                 ignore=HTTP_ERRORS,
             )
 
-    def _start_and_wait(self, group: Sequence[Service], ready: Callable[[Service], bool]) -> None:
+    def _start_and_wait(self, group: Sequence[Service], ready: Ready) -> None:
         for s in group:
             s.start()
         for s in group:
             self.wait_ready(s, ready)
 
-    def wait_ready(
-        self, s: Service, ready: Callable[[Service], bool], timeout_s: float = START_TIMEOUT_S
-    ) -> None:
-        def probe() -> bool:
-            if not s.alive():
-                raise AssertionError(f"{s.name} exited ({s.proc and s.proc.returncode}):\n{s.tail()}")
-            return ready(s)
-
+    def wait_ready(self, s: Service, ready: Ready, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until ``ready`` holds for its health path's answer; an AssertionError with its log when it
+        exits first or the deadline passes."""
         try:
-            wait_until(f"{s.name} to answer", probe, timeout_s=timeout_s, every_s=0.1, ignore=HTTP_ERRORS)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- {s.name} log:\n{s.tail()}") from None
+            s.wait_ready(timeout_s, ready=ready, every_s=0.1)
+        except StartError as exc:
+            raise AssertionError(str(exc)) from None
 
     def restart(self, s: Service) -> None:
         """Start a stopped (killed) service again on the same config and wait until it answers."""
         s.stop()
         s.start()
-        self.wait_ready(s, lambda x: x.get(x.health_path).status_code < 500 or "role" in x.health())
+        self.wait_ready(s, lambda r: answered(r) or _has_role(r))
 
     def close(self) -> None:
-        for s in reversed(self.services):
-            s.stop()
+        ChildGroup(self.services).stop()
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
@@ -466,6 +417,15 @@ class Fleet:
         self, c: Service, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> httpx.Response:
         return httpx.post(c.url + path, json=body, headers={**AUTH, **(headers or {})}, timeout=5)
+
+
+def _ok(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+def _has_role(response: httpx.Response) -> bool:
+    """A controller's ``/healthz`` names its role (leader or standby) once it runs, whatever its status."""
+    return "role" in response.json()
 
 
 def kind_cmd(kind: str) -> str:

@@ -1,32 +1,20 @@
 """Free 127.0.0.1 TCP ports and bound sockets for tests that start servers.
 
 Other engineers run tests on the same machine at once, so a test never picks a fixed port.
-:func:`free_ports` asks the OS (bind port 0) and closes: the ports are free now, not reserved;
-it holds every socket until all are picked so the ports differ (separate :func:`free_port`
-calls may return the same port twice). Where a server takes a socket, :func:`bound_socket`
-is race-free: the port stays held until the server listens on it. No servers here, no waiting.
+:func:`free_ports` and :func:`free_port` are the launcher's (:mod:`pdscope.stack`): they ask the OS
+(bind port 0) and close, so the ports are free now, not reserved; ``free_ports(n)`` holds every
+socket until all are picked so the ports differ (separate :func:`free_port` calls may return the
+same port twice). Where a server takes a socket, :func:`bound_socket` is race-free: the port stays
+held until the server listens on it. No servers here, no waiting.
 """
 
 from __future__ import annotations
 
 import socket
 
+from pdscope.stack import free_port, free_ports
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports that were free a moment ago."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    """One port that was free a moment ago (also: a port nothing listens on)."""
-    return free_ports(1)[0]
+__all__ = ["bound_socket", "closed_port_url", "free_port", "free_ports", "url_of"]
 
 
 def bound_socket() -> socket.socket:

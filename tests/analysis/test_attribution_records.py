@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from controller.policy.attribution_records import (
+from analysis.attribution_records import (
     FailureSteps,
     _attempts,
     _handoff_failed,

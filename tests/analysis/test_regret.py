@@ -1,11 +1,11 @@
-"""Decision regret (controller.policy.regret) as tables: undo and flapping, ticks across epochs,
+"""Decision regret (analysis.regret) as tables: undo and flapping, ticks across epochs,
 recovery of the signals, the SLO before and after, the per-reason tally, and the bucketing."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller.policy.regret import (
+from analysis.regret import (
     DecisionFact,
     RecordFact,
     RegretConfig,

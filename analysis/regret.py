@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Final
 
-from controller.policy.evidence import FAILED
-from controller.policy.reasons import Reason
+from pdscope.reasons import Reason
+from pdscope.semconv import FAILED_OUTCOMES
 
 EPS: Final = 1e-9
 SCRAPE_REASONS: Final = frozenset({Reason.INSTANCE_DOWN.value, Reason.KV_CACHE_PRESSURE.value})
@@ -290,7 +290,7 @@ def signal_samples(
         if not lo <= r.proxy_in < hi:
             continue
         b = _bucket(r.proxy_in, lo, bucket_s)
-        failed = r.status in FAILED  # errors and timeouts, as the policy charges them
+        failed = r.status in FAILED_OUTCOMES  # errors and timeouts, as the policy charges them
         for role, inst, began, ended in (
             ("prefill", r.p_instance, r.p_sent, r.p_done),
             # the decode-only path has no prefill done: its D stage begins when it was sent to D

@@ -6,7 +6,8 @@ limit is what it is. The values are stored and served as plain strings, so a ``R
 equal to its string. The docs table (docs/policy.md, between the ``reasons`` markers) is
 generated from this module (:func:`reasons_markdown`; a unit test fails when the docs are stale).
 
-Pure: no I/O.
+Kernel vocabulary, beside :mod:`pdscope.semconv`: the policy gives these reasons, the store keeps
+them, the API serves them and the analyses read them. Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A realistic P/D fleet history written into a store, for tests, screenshots and the
-dashboard benchmark. Never imported by the dashboard app (which only reads).
+dashboard benchmark. Never imported by the services (the dashboard only reads).
 
 One decode instance's NIXL link degrades part-way through: its KV pulls slow down,
 handoff and TTFT grow, some leases expire on P, the controller steps its weight down
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine, insert
 
+from pdscope.vllmapi import ITL_BUCKETS, NIXL_XFER_BUCKETS, TTFT_BUCKETS
 from store.db import make_engine
 from store.migrate import upgrade
 from store.models import Alert, AuditEvent, Decision, InstanceRow, RequestRecord, Snapshot, WeightOverride
@@ -43,28 +44,10 @@ _FLOAT_COLUMNS = (
     "e2e_s",
 )
 
-TTFT_LE = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-)
-ITL_LE = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-XFER_LE = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+# vLLM's bounds, the seeded history's up to 40 s (TTFT) and 5 s (ITL)
+TTFT_LE = tuple(b for b in TTFT_BUCKETS if b <= 40.0)
+ITL_LE = tuple(b for b in ITL_BUCKETS if b <= 5.0)
+XFER_LE = NIXL_XFER_BUCKETS
 POST_LE = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 BYTES_LE = tuple(float(2 ** (10 + i)) for i in range(1, 24, 2))
 DESC_LE = (

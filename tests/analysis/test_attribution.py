@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from controller.policy.attribution import (
+from analysis.attribution import (
     Attempt,
     Attribution,
     StageRecord,

@@ -1,6 +1,6 @@
 """A stored request record as SLO-miss attribution reads it: its row, and the forensics the collector
 joined to it (the D's NIXL figures over its handoff, the leases it left waiting, its failed attempts),
-into a :class:`controller.policy.attribution.StageRecord`.
+into a :class:`analysis.attribution.StageRecord`.
 
 Pure: the row is any object with the columns ``store.attribution.STAGE_COLUMNS`` names, read by
 the controller (``controller.attribution``) and by the dashboard (``dashboard.queries.investigate``)
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from controller.policy.attribution import Attempt, StageRecord
+from analysis.attribution import Attempt, StageRecord
 
 
 def _num(x: object) -> float | None:

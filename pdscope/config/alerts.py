@@ -1,0 +1,80 @@
+"""The ``alerts`` section and the one list of the controller's alert rule names."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from pdscope.config.base import PositiveFloat, PositiveFraction, _Frozen
+
+# The controller's built-in alert rules, in the order it evaluates them. The one list of
+# names: ``controller.policy.alerts`` builds exactly these (a unit test checks both agree).
+ALERT_RULE_NAMES: tuple[str, ...] = (
+    "TTFTOverTarget",
+    "TPOTOverTarget",
+    "GoodputAttainmentLow",
+    "NixlTransferFailures",
+    "KVLeaseExpired",
+    "KVCacheNearlyFull",
+    "InstanceDown",
+    "HandoffP99OverBudget",
+    "CollectorBehind",
+)
+
+Severity = Literal["info", "warning", "critical"]
+
+
+def _known_rule(name: str) -> str:
+    if name not in ALERT_RULE_NAMES:
+        raise ValueError(f"unknown alert rule {name!r}; known rules: {', '.join(ALERT_RULE_NAMES)}")
+    return name
+
+
+AlertRuleName = Annotated[str, AfterValidator(_known_rule)]
+
+
+class AlertRuleSettings(_Frozen):
+    """Overrides for one built-in rule; an unset field keeps the rule's default."""
+
+    for_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="seconds the condition must hold before "
+        "the alert fires (pending until then); default: the rule's own",
+    )
+    severity: Severity | None = Field(
+        default=None, description="severity label sent with the alert; default: the rule's own"
+    )
+    enabled: bool = Field(
+        default=True, description="false: the rule resolves the alerts it had and raises no new ones"
+    )
+
+
+class AlertSettings(_Frozen):
+    """The top-level ``alerts`` section: when and how loudly the controller alerts.
+
+    It is not part of ``slo`` on purpose: ``slo`` holds what the service promises (targets
+    agreed with its users), ``alerts`` holds the paging policy, which also covers fleet
+    health that no SLO names (KV cache full, an instance down, a stale collector) -- the
+    same split as SLO targets versus alerting rules in Prometheus. SLO rules take their
+    thresholds from ``slo``; here they only get ``for`` durations, severities and switches.
+    """
+
+    resend_s: PositiveFloat = Field(
+        default=60.0, description="a firing alert is POSTed to the webhook again this often"
+    )
+    min_requests: int = Field(
+        default=10,
+        ge=1,
+        description="fewer completed requests than this in slo.window_s: the SLO "
+        "rules hold their state instead of judging",
+    )
+    kv_full: PositiveFraction = Field(
+        default=0.95, description="KVCacheNearlyFull fires when an instance's KV usage (0-1) is above this"
+    )
+    rules: dict[AlertRuleName, AlertRuleSettings] = Field(
+        default_factory=dict,
+        description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
+        "enabled; an unknown rule name is an error",
+    )

@@ -1,0 +1,78 @@
+"""What every section of the config is made of: the error, the frozen base model, the bounded types.
+
+A bounded type is a type with its bounds (``Annotated[float, Field(gt=0, le=3600)]``); a field
+declares it and keeps only its default and description in ``Field(...)``. The bounds land in the
+field's metadata exactly as if written in its ``Field``, so validation, the error messages and the
+generated reference (``pdscope.configdoc``) do not tell the two apart. A bound used once stays in
+its field's ``Field``; so does one on an optional field (``float | None``), where a bounded type
+would bound only one branch of the union.
+
+Imports nothing of pdscope: the sections build on it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConfigError(Exception):
+    """The configuration file is missing, unreadable or invalid.
+
+    ``problems`` holds one human-readable line per problem; ``str()`` joins them.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+class _Frozen(BaseModel):
+    # allow_inf_nan=False: every float in the file must be finite (``.inf``, ``.nan`` and
+    # ``1e400`` are refused for intervals, weights and targets alike). One rule, every section.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# -- numbers -------------------------------------------------------------------------------
+
+# > 0, no upper bound: an interval, a target, a timeout that is the operator's call.
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+# >= 0, no upper bound: a wait or a margin that may be none.
+NonNegative = Annotated[float, Field(ge=0)]
+
+# A duration in (0, 1 hour].
+Seconds = Annotated[float, Field(gt=0, le=3600)]
+
+# A duration in (0, 1 day].
+DaySeconds = Annotated[float, Field(gt=0, le=86400)]
+
+# A share in [0, 1]; 0 is allowed (it turns the thing off, or gives nothing).
+Fraction = Annotated[float, Field(ge=0, le=1)]
+
+# A share in (0, 1].
+PositiveFraction = Annotated[float, Field(gt=0, le=1)]
+
+# > 0, no upper bound: a size in bytes or characters, a limit.
+PositiveInt = Annotated[int, Field(gt=0)]
+
+# A count in [1, 10,000].
+Count10k = Annotated[int, Field(ge=1, le=10_000)]
+
+# A count in [1, 100,000].
+Count100k = Annotated[int, Field(ge=1, le=100_000)]
+
+# A count in [1, 1,000,000].
+Count1M = Annotated[int, Field(ge=1, le=1_000_000)]
+
+# A TCP port a service listens on.
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+# -- strings -------------------------------------------------------------------------------
+
+# A string of at least one character: a name, the NAME of an environment variable.
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+# An item of a list or a key of a map that names something: 1-64 characters.
+ShortName = Annotated[str, Field(min_length=1, max_length=64)]
