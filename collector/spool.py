@@ -459,10 +459,12 @@ class Spool:
         tmp = d / (ACKED_FILE + ".tmp")
         tmp.write_bytes(orjson.dumps({"segment": segment, "offset": offset}))
         os.replace(tmp, d / ACKED_FILE)
+        moved_on = segment > self._acked[0]
         self._acked = (segment, offset)
-        for n in _segments(d):
-            if n < segment and n != self._active:
-                (d / _segment_name(n)).unlink(missing_ok=True)
+        if moved_on:  # the folder is listed only when the ack enters a newer segment
+            for n in _segments(d):
+                if n < segment and n != self._active:
+                    (d / _segment_name(n)).unlink(missing_ok=True)
 
     def report(self) -> dict[str, Any]:
         return {

@@ -37,7 +37,11 @@ class ModelSettings(_Frozen):
     def _tokenizer_exists(cls, value: str | None) -> str | None:
         if value is None or value == SIM_TOKENIZER:
             return value
-        if not Path(value).exists():
+        try:
+            found = Path(value).exists()
+        except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
+            raise ValueError(f"no tokenizer at {value[:200]!r}: {exc.__class__.__name__}") from None
+        if not found:
             raise ValueError(
                 f"no tokenizer at {value!r} (not {SIM_TOKENIZER!r}, and no such file or directory)"
             )

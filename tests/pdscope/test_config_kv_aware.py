@@ -84,3 +84,9 @@ def test_bad_values_name_the_field(snippet: str, field: str) -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config(snippet, "f.yaml")
     assert any(f": {field}: " in line for line in exc.value.problems), exc.value.problems
+
+
+def test_a_tokenizer_path_the_file_system_cannot_hold_is_a_config_error() -> None:
+    # was: OSError (File name too long) out of config loading
+    with pytest.raises(ConfigError, match="tokenizer"):
+        parse_config(_with_model(", tokenizer: " + "x" * 300))
