@@ -189,7 +189,7 @@ class OrmSink(StoreSink):
                 objs.append(SpanRow(**row))
             session.add_all(objs)
             session.flush()
-            records, _ = self._assemble(session, batch, stored)
+            records, _, _ = self._assemble(session, batch, stored)
         return WriteResult(len(batch), records=records)
 
 
@@ -379,15 +379,17 @@ def drop_pg_database(admin_url: str, url: str) -> None:
 # -- main --------------------------------------------------------------------------------------
 
 
-def part_a(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
-    """(a) parse, and scrape + parse + store: table rows and JSON keys."""
-    d_page = (FIXTURES / "decode_metrics.txt").read_bytes()
-    parse_ms = {
+def _parse_ms(d_page: bytes) -> dict[str, float]:
+    return {
         "prometheus_client": per_page_ms(lambda: list(text_string_to_metric_families(d_page.decode()))),
         "prometheus_client + signals": per_page_ms(lambda: prometheus_client_signals(d_page)),
         "collector.parse (general)": per_page_ms(lambda: parse_text(d_page)),
         "collector.fastparse (hot path)": per_page_ms(lambda: extract_signals(d_page)),
     }
+
+
+def _scrape_store(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
+    """The scrape+parse+store loop against a page server, with the hot path and with the baseline."""
     server = subprocess.Popen(
         [
             sys.executable,
@@ -417,6 +419,13 @@ def part_a(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[s
     finally:
         server.terminate()
         server.wait(timeout=10)
+    return fast, base
+
+
+def part_a(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(a) parse, and scrape + parse + store: table rows and JSON keys."""
+    parse_ms = _parse_ms((FIXTURES / "decode_metrics.txt").read_bytes())
+    fast, base = _scrape_store(args)
     ipc = INTERVAL_S * 1000 / fast["cpu_ms_per_scrape"]
     ipc_base = INTERVAL_S * 1000 / base["cpu_ms_per_scrape"]
     rows = [("(a) parse one 60 KiB vLLM page", "ms CPU", "")]
@@ -448,11 +457,14 @@ def _best(runs: list[tuple[float, float, int]], traces: int) -> tuple[float, flo
     return max(r[0] for r in runs), max(r[1] for r in runs)
 
 
-def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
-    """(b) OTLP ingest per store and sink: table rows and JSON keys."""
-    exports = make_exports(args.traces)
-    # store -> sink name -> (wall spans/s, spans per CPU second of this process)
-    got: dict[str, dict[str, tuple[float, float]]] = {}
+# store -> sink name -> (wall spans/s, spans per CPU second of this process)
+_Ingest = dict[str, dict[str, tuple[float, float]]]
+_DEFAULT_SINK = {"sqlite": "alone", "postgresql": "shared"}  # what the collector runs on each store
+
+
+def _ingest(args: argparse.Namespace, exports: list[bytes]) -> _Ingest:
+    """Every sink on SQLite, and on PostgreSQL with ``--pg-url``; the best of ``--repeat`` runs each."""
+    got: _Ingest = {}
     # each round runs every sink once, so that a change in the machine's load hits them alike
     with tempfile.TemporaryDirectory() as tmp:
         runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in INGEST_SINKS}
@@ -476,37 +488,42 @@ def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[s
             "!! no PostgreSQL URL (--pg-url or $PDSCOPE_TEST_PG_URL): postgresql ingest not measured",
             file=sys.stderr,
         )
-    default = {"sqlite": "alone", "postgresql": "shared"}  # what the collector runs on each store
+    return got
+
+
+def _ingest_rows(db: str, got: _Ingest) -> list[tuple[str, str, str]]:
+    """One store's rows of the (b) table."""
+    if db not in got:
+        return [(f"    {db}", "not measured", "")]
+    orm, before = got[db]["orm"], got[db]["before"]
+    mine = got[db][_DEFAULT_SINK[db]]
+    rows = [
+        (f"    {db}, baseline ORM objects: per CPU s / wall", f"{orm[1]:.0f} / {orm[0]:.0f}", "1.0x"),
+        (
+            f"    {db}, pdscope sink: per CPU s / wall",
+            f"{mine[1]:.0f} / {mine[0]:.0f}",
+            f"{mine[1] / orm[1]:.1f}x",
+        ),
+    ]
+    for name, what in (
+        ("before", "before issue 16 (no lock, one process)"),
+        ("alone", "trace locks, one collector"),
+        ("shared", "trace locks, shared (reads every trace)"),
+    ):
+        v = got[db][name]
+        rows.append(
+            (f"      {what}: per CPU s / wall", f"{v[1]:.0f} / {v[0]:.0f}", f"{v[0] / before[0]:.2f}x wall")
+        )
+    return rows
+
+
+def part_b(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(b) OTLP ingest per store and sink: table rows and JSON keys."""
+    got = _ingest(args, make_exports(args.traces))
+    default = _DEFAULT_SINK
     rows = [(f"(b) OTLP ingest, {args.traces * 7} spans ({args.traces} traces)", "spans/s", "")]
     for db in ("sqlite", "postgresql"):
-        if db not in got:
-            rows.append((f"    {db}", "not measured", ""))
-            continue
-        orm, before = got[db]["orm"], got[db]["before"]
-        rows.append(
-            (f"    {db}, baseline ORM objects: per CPU s / wall", f"{orm[1]:.0f} / {orm[0]:.0f}", "1.0x")
-        )
-        mine = got[db][default[db]]
-        rows.append(
-            (
-                f"    {db}, pdscope sink: per CPU s / wall",
-                f"{mine[1]:.0f} / {mine[0]:.0f}",
-                f"{mine[1] / orm[1]:.1f}x",
-            )
-        )
-        for name, what in (
-            ("before", "before issue 16 (no lock, one process)"),
-            ("alone", "trace locks, one collector"),
-            ("shared", "trace locks, shared (reads every trace)"),
-        ):
-            v = got[db][name]
-            rows.append(
-                (
-                    f"      {what}: per CPU s / wall",
-                    f"{v[1]:.0f} / {v[0]:.0f}",
-                    f"{v[0] / before[0]:.2f}x wall",
-                )
-            )
+        rows += _ingest_rows(db, got)
     result = {
         # spans per second of the collector process's CPU (SQLite runs in-process, so that is
         # all of the work there; PostgreSQL's server CPU is not in it), and per wall second,
@@ -558,7 +575,7 @@ def part_c(args: argparse.Namespace) -> tuple[list[tuple[str, str, str]], dict[s
     return rows, result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, set[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--targets", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=10)
@@ -574,7 +591,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - {"a", "b", "c"}:
         ap.error(f"--parts: a comma-separated subset of a,b,c, not {args.parts!r}")
+    return args, parts
 
+
+def _print_table(rows: list[tuple[str, str, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    print(f"{'collector benchmark':<{width}}  {'value':>16}  {'vs baseline':>11}")
+    for name, value, ratio in rows:
+        print(f"{name:<{width}}  {value:>16}  {ratio:>11}")
+
+
+def _merged(
+    args: argparse.Namespace, parts: set[str], previous: dict[str, Any], result: dict[str, Any], load: float
+) -> dict[str, Any]:
+    """This run's figures over those of the file it replaces (the parts not run keep theirs)."""
+    params = {
+        "targets": args.targets,
+        "rounds": args.rounds,
+        "traces": args.traces,
+        "fleet_traces": args.fleet_traces,
+        "interval_s": INTERVAL_S,
+    }
+    earlier = previous.get("load_average_by_part") or {
+        p: previous["load_average"] for p in "abc" if "load_average" in previous
+    }
+    loads = {**earlier, **{p: round(load, 1) for p in sorted(parts)}}
+    return {
+        **previous,
+        **result,
+        "load_average": round(load, 1),  # this run's
+        "load_average_by_part": loads,  # the run each part's figures come from
+        "params": {**previous.get("params", {}), **params},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, parts = _parse(argv)
     out = Path(args.out)
     previous: dict[str, Any] = {}
     if parts != {"a", "b", "c"} and out.exists():  # keep the figures of the parts not run
@@ -588,29 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result.update(part_result)
     load = os.getloadavg()[0]
     rows.append((f"(machine: {os.cpu_count()} CPUs, load average {load:.1f} during the run)", "", ""))
-    width = max(len(r[0]) for r in rows)
-    print(f"{'collector benchmark':<{width}}  {'value':>16}  {'vs baseline':>11}")
-    for name, value, ratio in rows:
-        print(f"{name:<{width}}  {value:>16}  {ratio:>11}")
-
-    params = {
-        "targets": args.targets,
-        "rounds": args.rounds,
-        "traces": args.traces,
-        "fleet_traces": args.fleet_traces,
-        "interval_s": INTERVAL_S,
-    }
-    earlier = previous.get("load_average_by_part") or {
-        p: previous["load_average"] for p in "abc" if "load_average" in previous
-    }
-    loads = {**earlier, **{p: round(load, 1) for p in sorted(parts)}}
-    result = {
-        **previous,
-        **result,
-        "load_average": round(load, 1),  # this run's
-        "load_average_by_part": loads,  # the run each part's figures come from
-        "params": {**previous.get("params", {}), **params},
-    }
+    _print_table(rows)
+    result = _merged(args, parts, previous, result, load)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -97,12 +97,12 @@ def tick_record_cost(rec: Reconciler, repeats: int) -> dict[str, Any]:
     }
 
 
-def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def _seed(n: int, args: argparse.Namespace, workdir: Path) -> tuple[SeedSpec, str, Any, float]:
+    """A store of ``n`` instances' history ending now: its spec, URL, seed summary and seconds taken."""
     prefill, decode = fleet(n)
-    end = time.time()
     url = f"sqlite:///{workdir / f'cost-{n}.db'}"
     spec = SeedSpec(
-        end=end,
+        end=time.time(),
         duration_s=args.history_s,
         rate_per_s=args.rate * n,
         scrape_interval_s=args.scrape_s,
@@ -113,14 +113,12 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     t0 = time.monotonic()
     summary = seed_store(url, spec)
-    seed_s = time.monotonic() - t0
-    settings = parse_config(fleet_config_yaml(spec, url))
+    return spec, url, summary, time.monotonic() - t0
+
+
+def _ticks(settings: Any, factory: Any, start: float, n_ticks: int) -> tuple[Reconciler, list[float]]:
+    """The controller's CPU per tick, the clock advancing an interval per tick from ``start``."""
     interval = settings.controller.interval_s
-    window = settings.controller.window_s
-    engine = make_engine(url)
-    factory = session_factory(engine)
-    # the clock starts one window before the end and advances an interval per tick
-    start = end - args.ticks * interval
     clock_now = [start]
     rec = Reconciler(
         settings,
@@ -129,16 +127,38 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         clock=lambda: clock_now[0],
     )
     ticks: list[float] = []
-    for i in range(args.ticks + 1):  # the first tick also loads the stored state: not counted
+    for i in range(n_ticks + 1):  # the first tick also loads the stored state: not counted
         clock_now[0] = start + i * interval
         spent, _ = cpu(rec.tick)
         if i:
             ticks.append(spent)
+    return rec, ticks
+
+
+def _scans(
+    factory: Any, start: float, interval: float, window: float, n_ticks: int
+) -> tuple[list[float], int]:
+    """The baseline's CPU per tick (a plain read of each tick's window), and the last window's rows."""
     scans = []
-    for i in range(args.ticks):
+    for i in range(n_ticks):
         now = start + (i + 1) * interval
         spent, rows = cpu(lambda now=now: window_scan(factory, now - window, now))
         scans.append(spent)
+    return scans, rows
+
+
+def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    spec, url, summary, seed_s = _seed(n, args, workdir)
+    prefill, decode = spec.prefill, spec.decode
+    settings = parse_config(fleet_config_yaml(spec, url))
+    interval = settings.controller.interval_s
+    window = settings.controller.window_s
+    engine = make_engine(url)
+    factory = session_factory(engine)
+    # the clock starts one window before the end and advances an interval per tick
+    start = spec.end - args.ticks * interval
+    rec, ticks = _ticks(settings, factory, start, args.ticks)
+    scans, rows = _scans(factory, start, interval, window, args.ticks)
     record = tick_record_cost(rec, args.ticks)
     engine.dispose()
     tick = statistics.median(ticks)
@@ -171,7 +191,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="12,100,300,1000", help="fleet sizes (instances), comma-separated")
     ap.add_argument("--ticks", type=int, default=5, help="measured ticks per size (median)")
@@ -179,24 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=0.5, help="requests per second per instance")
     ap.add_argument("--scrape-s", type=float, default=5.0, help="seeded scrape interval")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "controller_cost.json"))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(
-        f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
-        f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s",
-        flush=True,
-    )
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
-        for n in sizes:
-            rows.append(measure(n, args, Path(tmp)))
+    return ap.parse_args(argv)
+
+
+def _add_growth(rows: list[dict[str, Any]]) -> None:
+    """Each size's growth exponent against the size before it."""
     for a, b in itertools.pairwise(rows):
         b["growth_exponent_vs_previous"] = (
             math.log(b["tick_cpu_s"] / a["tick_cpu_s"]) / math.log(b["instances"] / a["instances"])
             if a["tick_cpu_s"] > 0
             else None
         )
+
+
+def _print_tables(rows: list[dict[str, Any]]) -> None:
     print()
     print(
         "| instances | tick CPU (ms) | per instance (ms) | share of interval "
@@ -218,6 +234,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['record_cpu_s'] * 1000:.1f} | {r['record_share_of_tick']:.1%} | "
             f"{r['replay_decode_cpu_s'] * 1000:.1f} |"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    print(
+        f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
+        f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
+        for n in sizes:
+            rows.append(measure(n, args, Path(tmp)))
+    _add_growth(rows)
+    _print_tables(rows)
     big = max(rows, key=lambda r: r["instances"])
     verdict = "MET" if big["tick_share_of_interval"] < 0.2 else "MISSED"
     print(

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +275,7 @@ def _server_settings(url: str) -> dict[str, Any]:
         engine.dispose()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -293,48 +294,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", default=",".join(PAGES), help="comma-separated pages to time")
     parser.add_argument("--ranges", default=",".join(RANGES), help="comma-separated ranges to time")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    logging.getLogger("streamlit").setLevel(logging.ERROR)
-    logging.getLogger("streamlit.runtime.caching.cache_data_api").setLevel(logging.ERROR)
+    return parser.parse_args(argv)
 
+
+@dataclass(frozen=True)
+class _Store:
+    """The measured store: where, what it holds, and its full-scan baseline (median wall, CPU s)."""
+
+    backend: str
+    url: str
+    seed_s: float | None
+    n_req: int
+    n_snap: int
+    baseline: float
+    baseline_cpu: float
+
+
+def _store(args: argparse.Namespace) -> _Store:
+    """The seeded store (seeded now unless reused), migrated, counted and its baseline timed."""
     backend = "postgresql" if args.store_url else "sqlite"
     url, seed_s = _pg_store(args) if args.store_url else _sqlite_store(args)
-    out = args.out or REPO / "bench" / "results" / (
-        "dashboard-pg.json" if backend == "postgresql" else "dashboard.json"
-    )
     upgrade(url)  # a store seeded before a newer migration gets its indexes now
     engine = engine_for(url)
     with engine.connect() as conn:
         n_req = conn.execute(text("SELECT count(*) FROM request_records")).scalar_one()
         n_snap = conn.execute(text("SELECT count(*) FROM snapshots")).scalar_one()
-    latest = data.latest_ts(url) or time.time()
-    end = latest + 1.0
+    return _Store(backend, url, seed_s, n_req, n_snap, *_timed(_baseline(url), args.repeat))
 
-    baseline, baseline_cpu = _timed(_baseline(url), args.repeat)
+
+def _time_pages(
+    store: _Store,
+    end: float,
+    pages: dict[str, Callable[[str, Window], None]],
+    ranges: dict[str, float],
+    repeat: int,
+) -> list[dict[str, Any]]:
+    """Each page's reads over each range ending at ``end``: one row each."""
     rows: list[dict[str, Any]] = []
-    pages = {p: PAGES[p] for p in args.pages.split(",")}
-    ranges = {r: RANGES[r] for r in args.ranges.split(",")}
     for page, fn in pages.items():
         for label, seconds in ranges.items():
             w = Window(end - seconds, end)
-            t, cpu = _timed(lambda fn=fn, w=w: fn(url, w), args.repeat)
+            t, cpu = _timed(lambda fn=fn, w=w: fn(store.url, w), repeat)
             rows.append(
                 {
                     "page": page,
                     "range": label,
                     "seconds": round(t, 4),
                     "cpu_seconds": round(cpu, 4),
-                    "ratio_to_full_scan": round(t / baseline, 3),
-                    "cpu_ratio_to_full_scan": round(cpu / max(baseline_cpu, 1e-9), 3),
+                    "ratio_to_full_scan": round(t / store.baseline, 3),
+                    "cpu_ratio_to_full_scan": round(cpu / max(store.baseline_cpu, 1e-9), 3),
                     "under_target": t < TARGET_S,
                 }
             )
+    return rows
 
-    print(f"\nstore: {n_req:,} request records, {n_snap:,} snapshots ({backend})")
+
+def _print_table(
+    store: _Store, rows: list[dict[str, Any]], pages: list[str], ranges: list[str], repeat: int
+) -> None:
+    print(f"\nstore: {store.n_req:,} request records, {store.n_snap:,} snapshots ({store.backend})")
     print(
-        f"baseline: full scan of request_records = {baseline * 1000:.0f} ms wall, "
-        f"{baseline_cpu * 1000:.0f} ms CPU "
-        f"(median of {args.repeat})\n"
+        f"baseline: full scan of request_records = {store.baseline * 1000:.0f} ms wall, "
+        f"{store.baseline_cpu * 1000:.0f} ms CPU "
+        f"(median of {repeat})\n"
     )
     print(f"{'page':<12}" + "".join(f"{'range ' + r + ' wall / CPU':>34}" for r in ranges))
     for page in pages:
@@ -349,23 +371,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{page:<12}" + "".join(f"{c:>34}" for c in cells))
     print(f"\n(x = page wall time / full-scan baseline wall time; ! = over the {TARGET_S:g} s target)")
 
-    result = {
+
+def _result(args: argparse.Namespace, store: _Store, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "benchmark": "dashboard page query time",
         "store": {
-            "backend": backend,
-            "request_records": n_req,
-            "snapshots": n_snap,
-            "where": url.split("@")[-1],
+            "backend": store.backend,
+            "request_records": store.n_req,
+            "snapshots": store.n_snap,
+            "where": store.url.split("@")[-1],
             "seed": _seed_key(args),
-            "server": _server_settings(url),
+            "server": _server_settings(store.url),
         },
-        "seed_seconds": None if seed_s is None else round(seed_s, 1),
+        "seed_seconds": None if store.seed_s is None else round(store.seed_s, 1),
         "seed_note": "wall seconds of the seeding run (child process at niceness 10); on PostgreSQL "
         "recorded in the seeded database and reported again when it is reused",
         "baseline": {
             "what": "full scan of request_records (count, sums; NOT INDEXED)",
-            "seconds": round(baseline, 4),
-            "cpu_seconds": round(baseline_cpu, 4),
+            "seconds": round(store.baseline, 4),
+            "cpu_seconds": round(store.baseline_cpu, 4),
         },
         "cpu_note": "cpu_seconds is this process's CPU time: all of a query on SQLite (in-process), "
         "only the client's share on PostgreSQL (the server's CPU is not counted)",
@@ -374,6 +398,23 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "pages": rows,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.getLogger("streamlit").setLevel(logging.ERROR)
+    logging.getLogger("streamlit.runtime.caching.cache_data_api").setLevel(logging.ERROR)
+    store = _store(args)
+    out = args.out or REPO / "bench" / "results" / (
+        "dashboard-pg.json" if store.backend == "postgresql" else "dashboard.json"
+    )
+    latest = data.latest_ts(store.url) or time.time()
+    end = latest + 1.0
+    pages = {p: PAGES[p] for p in args.pages.split(",")}
+    ranges = {r: RANGES[r] for r in args.ranges.split(",")}
+    rows = _time_pages(store, end, pages, ranges, args.repeat)
+    _print_table(store, rows, list(pages), list(ranges), args.repeat)
+    result = _result(args, store, rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

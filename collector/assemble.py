@@ -33,7 +33,8 @@ not only their column's type: token counts are integers in [0, 10**9], the prefi
 16 hex digits (stored in lower case), the route path one of ``semconv.ROUTE_PATHS``. One that is
 present but fails its check is left out and named in the record's ``dropped`` notes, which the
 sink counts. A decode-only request (``route_path`` "decode_only") has no prefill span and no P
-instance: its record has no ``p_*`` stage, as a record from the root alone.
+instance: its record has no ``p_*`` stage, as a record from the root alone. The TTFT predictor's
+attributes of the root are checked the same way, in ``collector.predicted``.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from collector.otlp import SpanData
+from collector.predicted import Predicted, predicted
 from collector.record import AssembledRecord, AssemblyNotes, VllmSide
 from pdscope import semconv as sc
 from pdscope.config import SLOSettings
@@ -339,20 +341,14 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
     if root is None or not math.isfinite(root.start_ts):
         return None
     ra = root.attributes
-    prefill, decode, handoff, p_llm, d_llm = t.prefill, t.decode, t.handoff, t.p_llm, t.d_llm
     request_id = _str(ra.get(sc.REQUEST_ID), 128) or root.trace_id
-    proxy_in = root.start_ts
-    done = root.end_ts if root.end_ts >= root.start_ts else None
-    first_token = _first_token(t, root)
     outcome = _outcome(root)
     prompt_tokens, completion_tokens = _tokens(t, ra)
-    ttft_s = first_token - proxy_in if first_token is not None else None
-    d_decode = _vllm_num(d_llm, sc.GEN_AI_DECODE)
-    tpot_s = _tpot(completion_tokens, first_token, done, d_decode)
-    verdict = slo_verdict(outcome, ttft_s, tpot_s, slo)
-    kv_blocks, kv_bytes = _kv_size(ra, handoff)
+    stages = _stages(t, root, completion_tokens)
+    verdict = slo_verdict(outcome, stages["ttft_s"], stages["tpot_s"], slo)
+    kv_blocks, kv_bytes = _kv_size(ra, t.handoff)
     stream = ra.get(sc.STREAM)
-    route = routing(ra)
+    route, pred = routing(ra), predicted(ra)
     return AssembledRecord(
         request_id=request_id[:128],
         trace_id=root.trace_id,
@@ -360,8 +356,8 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         stream=stream if isinstance(stream, bool) else None,
         p_instance=t.p_instance,
         d_instance=t.d_instance,
-        p_pool=_str(ra.get(sc.P_POOL), 128) or _name_of(prefill, sc.P_POOL),
-        d_pool=_str(ra.get(sc.D_POOL), 128) or _name_of(decode, sc.D_POOL),
+        p_pool=_str(ra.get(sc.P_POOL), 128) or _name_of(t.prefill, sc.P_POOL),
+        d_pool=_str(ra.get(sc.D_POOL), 128) or _name_of(t.decode, sc.D_POOL),
         status=outcome,
         http_status=_int(ra, sc.HTTP_STATUS),
         error=_str(ra.get(sc.ERROR_TYPE), 1024),
@@ -370,37 +366,55 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
         completion_tokens=completion_tokens,
         kv_blocks=kv_blocks,
         kv_bytes=kv_bytes,
-        route_path=route.route_path,
-        p_predicted_cached_tokens=route.p_predicted_cached_tokens,
-        d_predicted_cached_tokens=route.d_predicted_cached_tokens,
-        p_cached_tokens=route.p_cached_tokens,
-        d_cached_tokens=route.d_cached_tokens,
-        prefix_key=route.prefix_key,
-        prefix_tokens=route.prefix_tokens,
-        proxy_in=proxy_in,
-        p_sent=prefill.start_ts if prefill else _unix_ns(ra, sc.P_SENT_NS),
-        p_done=_p_done(t, ra),
-        d_sent=decode.start_ts if decode else _unix_ns(ra, sc.D_SENT_NS),
-        first_token=first_token,
-        done=done,
-        p_queue_s=_vllm_num(p_llm, sc.GEN_AI_QUEUE),
-        p_prefill_s=_vllm_num(p_llm, sc.GEN_AI_PREFILL),
-        d_queue_s=_vllm_num(d_llm, sc.GEN_AI_QUEUE),
-        d_prefill_s=_vllm_num(d_llm, sc.GEN_AI_PREFILL),
-        d_decode_s=d_decode,
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        e2e_s=done - proxy_in if done is not None else None,
+        **_same_named(route, _ROUTING_COLUMNS),
+        **stages,
         slo_ttft_met=verdict.ttft_met,
         slo_tpot_met=verdict.tpot_met,
         slo_met=verdict.met,
         attributes=AssemblyNotes(
             spans=t.count,
-            p_vllm=_vllm_side(p_llm, with_ttft=False),
-            d_vllm=_vllm_side(d_llm, with_ttft=True),
+            p_vllm=_vllm_side(t.p_llm, with_ttft=False),
+            d_vllm=_vllm_side(t.d_llm, with_ttft=True),
             reject_reason=_str(ra.get(sc.REJECT_REASON), 256),
             remote_engine_id=_str(ra.get(sc.REMOTE_ENGINE_ID), 256),
-            dropped=route.dropped,
+            dropped=route.dropped + pred.dropped,
         ),
         sender=root.sender,
+        **_same_named(pred, _PREDICTED_COLUMNS),
     )
+
+
+# The fields of the root's checked attributes that are record columns of the same name (all but
+# ``dropped``, which goes to the record's notes).
+_ROUTING_COLUMNS = tuple(f.name for f in fields(Routing) if f.name != "dropped")
+_PREDICTED_COLUMNS = tuple(f.name for f in fields(Predicted) if f.name != "dropped")
+
+
+def _same_named(checked: Routing | Predicted, names: tuple[str, ...]) -> dict[str, Any]:
+    """The record's columns named ``names``, as ``checked`` holds them."""
+    return {name: getattr(checked, name) for name in names}
+
+
+def _stages(t: _Trace, root: SpanData, completion_tokens: int | None) -> dict[str, Any]:
+    """The record's stage timestamps, the durations vLLM measured, and those derived from the stages."""
+    ra = root.attributes
+    proxy_in = root.start_ts
+    done = root.end_ts if root.end_ts >= root.start_ts else None
+    first_token = _first_token(t, root)
+    d_decode = _vllm_num(t.d_llm, sc.GEN_AI_DECODE)
+    return {
+        "proxy_in": proxy_in,
+        "p_sent": t.prefill.start_ts if t.prefill else _unix_ns(ra, sc.P_SENT_NS),
+        "p_done": _p_done(t, ra),
+        "d_sent": t.decode.start_ts if t.decode else _unix_ns(ra, sc.D_SENT_NS),
+        "first_token": first_token,
+        "done": done,
+        "p_queue_s": _vllm_num(t.p_llm, sc.GEN_AI_QUEUE),
+        "p_prefill_s": _vllm_num(t.p_llm, sc.GEN_AI_PREFILL),
+        "d_queue_s": _vllm_num(t.d_llm, sc.GEN_AI_QUEUE),
+        "d_prefill_s": _vllm_num(t.d_llm, sc.GEN_AI_PREFILL),
+        "d_decode_s": d_decode,
+        "ttft_s": first_token - proxy_in if first_token is not None else None,
+        "tpot_s": _tpot(completion_tokens, first_token, done, d_decode),
+        "e2e_s": done - proxy_in if done is not None else None,
+    }

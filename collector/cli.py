@@ -9,6 +9,11 @@ Import-light on purpose: the service (httpx, uvicorn, SQLAlchemy) is imported in
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdscope.config import Settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,18 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-    import signal
     import sys
-    import time
 
-    from collector.service import CollectorService, InsecureBind, check_bind
-    from pdscope.config import ConfigError, load_settings
-    from store import migrate
-    from store.db import StoreError
+    from collector.service import InsecureBind, check_bind
+    from pdscope.config import ConfigError
 
-    log = logging.getLogger("collector")
+    settings = _settings(args)
+    try:
+        tokens = settings.collector.otlp_tokens()
+        check_bind(settings.collector.host, tokens, settings.collector.otlp_tokens_env)
+    except (ConfigError, InsecureBind) as exc:
+        print(f"pdscope collect: {exc}", file=sys.stderr)
+        return 1
+    if not args.no_migrate and not _migrate(settings.store.url):
+        return 1
+    return _serve(args, settings, tokens)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The config file's settings with the command line's overrides."""
+    from pdscope.config import load_settings
+
     settings = load_settings(args)
     if args.host is not None:
         settings = settings.model_copy(
@@ -61,24 +75,41 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(
             update={"store": settings.store.model_copy(update={"url": args.store_url})}
         )
-    try:
-        tokens = settings.collector.otlp_tokens()
-        check_bind(settings.collector.host, tokens, settings.collector.otlp_tokens_env)
-    except (ConfigError, InsecureBind) as exc:
-        print(f"pdscope collect: {exc}", file=sys.stderr)
-        return 1
-    if not args.no_migrate:
-        # Another service (the controller) may be migrating the same store at this moment:
-        # a second try finds it at head.
-        for attempt in range(3):
-            try:
-                migrate.upgrade(settings.store.url)
-                break
-            except StoreError as exc:
-                if attempt == 2:
-                    print(f"pdscope collect: cannot prepare the store: {exc}", file=sys.stderr)
-                    return 1
-                time.sleep(1.0)
+    return settings
+
+
+def _migrate(url: str) -> bool:
+    """Apply the store's migrations; False (said on stderr) when the store cannot be prepared."""
+    import sys
+    import time
+
+    from store import migrate
+    from store.db import StoreError
+
+    # Another service (the controller) may be migrating the same store at this moment:
+    # a second try finds it at head.
+    for attempt in range(3):
+        try:
+            migrate.upgrade(url)
+            break
+        except StoreError as exc:
+            if attempt == 2:
+                print(f"pdscope collect: cannot prepare the store: {exc}", file=sys.stderr)
+                return False
+            time.sleep(1.0)
+    return True
+
+
+def _serve(args: argparse.Namespace, settings: Settings, tokens: Mapping[str, str]) -> int:
+    """Run the collector until Ctrl-C, SIGTERM or ``--duration``; 1 when its socket fails."""
+    import asyncio
+    import logging
+    import signal
+    import sys
+
+    from collector.service import CollectorService
+
+    log = logging.getLogger("collector")
 
     async def main() -> None:
         stop = asyncio.Event()

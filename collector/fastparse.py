@@ -53,7 +53,30 @@ def extract_signals(data: str | bytes) -> Signals:
     scalars: dict[str, list[float]] = {}
     hists: dict[str, HistogramAcc] = {}
     engines: set[str] = set()
-    # Blocks by (normalised) family name; aliases resolved once all names are known.
+    blocks = _kept_blocks(text)
+    present = {b[0] for b in blocks}
+    for family, mtype, start, end in blocks:
+        if family in ALIASES:
+            if ALIASES[family] in present:
+                continue
+            family = ALIASES[family]
+        local: dict[str, list[float]] = {}
+        try:
+            _block(family, mtype, text, start, end, local, hists, engines, signals)
+        except (ValueError, IndexError) as exc:
+            signals.errors.append(f"{family}: malformed sample ({exc}); family skipped")
+            hists.pop(family, None)
+            continue
+        for column, vals in local.items():
+            scalars.setdefault(column, []).extend(vals)
+    if engines:
+        signals.engines = len(engines)
+    return finish(signals, scalars, hists)
+
+
+def _kept_blocks(text: str) -> list[tuple[str, str, int, int]]:
+    """The blocks of the families pdscope keeps, as (normalised family name, type, start, end) of their
+    sample lines, in page order; aliases are resolved by the caller once all names are known."""
     blocks: list[tuple[str, str, int, int]] = []
     pos = text.find(_TYPE)
     if pos > 0 and text[pos - 1] != "\n":
@@ -75,24 +98,7 @@ def extract_signals(data: str | bytes) -> Signals:
             ):
                 blocks.append((family, header[1], eol + 1, end))
         pos = -1 if nxt < 0 else nxt + 1
-    present = {b[0] for b in blocks}
-    for family, mtype, start, end in blocks:
-        if family in ALIASES:
-            if ALIASES[family] in present:
-                continue
-            family = ALIASES[family]
-        local: dict[str, list[float]] = {}
-        try:
-            _block(family, mtype, text, start, end, local, hists, engines, signals)
-        except (ValueError, IndexError) as exc:
-            signals.errors.append(f"{family}: malformed sample ({exc}); family skipped")
-            hists.pop(family, None)
-            continue
-        for column, vals in local.items():
-            scalars.setdefault(column, []).extend(vals)
-    if engines:
-        signals.engines = len(engines)
-    return finish(signals, scalars, hists)
+    return blocks
 
 
 def _series_key(name: str, labels: str) -> tuple[str, str | tuple[str, ...]]:
@@ -145,26 +151,7 @@ def _block(
     if spec is None:  # any other vllm:nixl_* family
         spec = Spec(family, "histogram" if mtype == "histogram" else "scalar", column=family)
     if spec.kind == "histogram":
-        acc = hists.setdefault(family, HistogramAcc())
-        buckets = acc.buckets
-        rows = [(name, labels, value) for name, _kind, labels, value in _HIST_RE.findall(text, start, end)]
-        for name, labels, value in _first_of_each(rows, family, signals):
-            kind = name[name.rfind("_") + 1 :]
-            if kind == "bucket":
-                i = labels.find('le="')
-                while i > 0 and labels[i - 1] not in "{,":
-                    i = labels.find('le="', i + 1)
-                if i < 0:
-                    raise ValueError("bucket without le")
-                le = float(labels[i + 4 : labels.index('"', i + 4)])
-                if le == math.inf:
-                    acc.add_bucket(le, float(value))
-                else:
-                    buckets[le] = buckets.get(le, 0.0) + float(value)
-            elif kind == "sum":
-                acc.add_sum(float(value))
-            else:
-                acc.add_count(float(value))
+        _histogram_block(family, text, start, end, hists.setdefault(family, HistogramAcc()), signals)
         return
     samples = _first_of_each(
         [
@@ -188,3 +175,28 @@ def _block(
         for _name, labels, _value in samples:
             m = _ENGINE_RE.search(labels)
             engines.add(m.group(1) if m else "")
+
+
+def _histogram_block(
+    family: str, text: str, start: int, end: int, acc: HistogramAcc, signals: Signals
+) -> None:
+    """A histogram family's samples into ``acc`` (the same family's other blocks add to it)."""
+    buckets = acc.buckets
+    rows = [(name, labels, value) for name, _kind, labels, value in _HIST_RE.findall(text, start, end)]
+    for name, labels, value in _first_of_each(rows, family, signals):
+        kind = name[name.rfind("_") + 1 :]
+        if kind == "bucket":
+            i = labels.find('le="')
+            while i > 0 and labels[i - 1] not in "{,":
+                i = labels.find('le="', i + 1)
+            if i < 0:
+                raise ValueError("bucket without le")
+            le = float(labels[i + 4 : labels.index('"', i + 4)])
+            if le == math.inf:
+                acc.add_bucket(le, float(value))
+            else:
+                buckets[le] = buckets.get(le, 0.0) + float(value)
+        elif kind == "sum":
+            acc.add_sum(float(value))
+        else:
+            acc.add_count(float(value))

@@ -360,7 +360,22 @@ def run_pass(
     instances = {r.p_instance for r in records if r.p_instance} | {
         r.d_instance for r in records if r.d_instance
     }
-    series = _series(session, instances, lo, hi)
+    linked = _link_nixl(records, _series(session, instances, lo, hi))
+    suspects = sum(1 for r in records if r.lease_expiry_suspect)
+    if join.suspects or join.unattributed:
+        log.info(
+            "lease-expiry forensics: %d newly attributed requests, %d expiries unattributed in [%.0f, %.0f]",
+            len(join.suspects),
+            join.unattributed,
+            since,
+            until,
+        )
+    return ForensicsResult(linked, suspects, join.unattributed, attempts)
+
+
+def _link_nixl(records: Iterable[RequestRecord], series: dict[str, _Series]) -> int:
+    """Note on each record not yet linked the NIXL counters' moves over its handoff, on D (and P when
+    its series covers it); returns how many records were linked (those with D's)."""
     linked = 0
     for rec in records:
         p_done = rec.p_done
@@ -376,13 +391,4 @@ def run_pass(
         if "d" in nixl:
             note_forensics(rec, "nixl", nixl)
             linked += 1
-    suspects = sum(1 for r in records if r.lease_expiry_suspect)
-    if join.suspects or join.unattributed:
-        log.info(
-            "lease-expiry forensics: %d newly attributed requests, %d expiries unattributed in [%.0f, %.0f]",
-            len(join.suspects),
-            join.unattributed,
-            since,
-            until,
-        )
-    return ForensicsResult(linked, suspects, join.unattributed, attempts)
+    return linked

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 MAX_DECOMPRESSED = 64 * 2**20
 INFLATE_CHUNK = 256 * 2**10
@@ -177,52 +178,60 @@ def _decode_proto(raw: bytes | bytearray, sender: str | None) -> Decoded:
                 service = kv.value.string_value or None
         for ss in rs.scope_spans:
             for s in ss.spans:
-                trace_id, span_id = s.trace_id, s.span_id
-                if len(trace_id) != 16:
-                    result.dropped["invalid_trace_id"] += 1
+                bad = _proto_bad_id(s)
+                if bad is not None:
+                    result.dropped[bad] += 1
                     continue
-                if len(span_id) != 8:
-                    result.dropped["invalid_span_id"] += 1
-                    continue
-                parent = s.parent_span_id
-                if parent and len(parent) != 8:
-                    result.dropped["invalid_parent_span_id"] += 1
-                    continue
-                attrs: dict[str, Any] = {}
-                for kv in s.attributes:
-                    v = kv.value
-                    which = v.WhichOneof("value")
-                    attrs[kv.key] = getattr(v, which) if which in _SCALARS else _any_value(v)
-                events = (
-                    tuple(
-                        SpanEvent(
-                            e.name,
-                            e.time_unix_nano / 1e9,
-                            {kv.key: _any_value(kv.value) for kv in e.attributes},
-                        )
-                        for e in s.events
-                    )
-                    if len(s.events)
-                    else ()
-                )
-                status = s.status.code if s.HasField("status") else None
-                out.append(
-                    SpanData(
-                        trace_id=trace_id.hex(),
-                        span_id=span_id.hex(),
-                        parent_span_id=parent.hex() or None,
-                        name=s.name,
-                        service=service,
-                        kind=s.kind,
-                        start_ts=s.start_time_unix_nano / 1e9,
-                        end_ts=s.end_time_unix_nano / 1e9,
-                        status_code=status,
-                        attributes=attrs,
-                        events=events,
-                        sender=sender,
-                    )
-                )
+                out.append(_proto_span(s, service, sender))
     return result
+
+
+def _proto_bad_id(s: Span) -> str | None:
+    """Why a protobuf span's ids make it unusable (the drop reason), or None when they are sound."""
+    if len(s.trace_id) != 16:
+        return "invalid_trace_id"
+    if len(s.span_id) != 8:
+        return "invalid_span_id"
+    parent = s.parent_span_id
+    if parent and len(parent) != 8:
+        return "invalid_parent_span_id"
+    return None
+
+
+def _proto_span(s: Span, service: str | None, sender: str | None) -> SpanData:
+    """One protobuf span (its ids checked by :func:`_proto_bad_id`)."""
+    attrs: dict[str, Any] = {}
+    for kv in s.attributes:
+        v = kv.value
+        which = v.WhichOneof("value")
+        attrs[kv.key] = getattr(v, which) if which in _SCALARS else _any_value(v)
+    events = (
+        tuple(
+            SpanEvent(
+                e.name,
+                e.time_unix_nano / 1e9,
+                {kv.key: _any_value(kv.value) for kv in e.attributes},
+            )
+            for e in s.events
+        )
+        if len(s.events)
+        else ()
+    )
+    status = s.status.code if s.HasField("status") else None
+    return SpanData(
+        trace_id=s.trace_id.hex(),
+        span_id=s.span_id.hex(),
+        parent_span_id=s.parent_span_id.hex() or None,
+        name=s.name,
+        service=service,
+        kind=s.kind,
+        start_ts=s.start_time_unix_nano / 1e9,
+        end_ts=s.end_time_unix_nano / 1e9,
+        status_code=status,
+        attributes=attrs,
+        events=events,
+        sender=sender,
+    )
 
 
 # -- JSON ------------------------------------------------------------------------------------

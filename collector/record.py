@@ -135,6 +135,13 @@ class AssembledRecord:
     slo_met: bool
     attributes: AssemblyNotes
     sender: str | None
+    # the proxy's TTFT predictor, from the root (see collector.predicted); last, with defaults, so a
+    # record built without a predictor leaves them null
+    predicted_ttft_s: float | None = None
+    ttft_target_s: float | None = None
+    predict_tokens_ahead: int | None = None
+    predict_tokens: int | None = None
+    predict_source: str | None = None
 
     def row(self) -> dict[str, Any]:
         """Column name -> value, ``attributes`` as stored (assembly's keys only)."""

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import uvicorn
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
 
 from collector import forensics
 from collector.health import RateLimitedLog, TaskHealth
@@ -166,7 +167,19 @@ class CollectorService:
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s
         )
         self.clock = clock
-        self.shard = Shard(
+        self.shard = self._shard()
+        self.app = self._app(receiver_config(settings, tokens))
+        self._register_tasks()
+        self.client = httpx.AsyncClient(
+            transport=PerOriginTransport(), timeout=httpx.Timeout(cs.scrape_timeout_s), follow_redirects=False
+        )
+        self.scraper, self.promsource = self._sources()
+        self.started = asyncio.Event()
+
+    def _shard(self) -> Shard:
+        """This collector's share of the targets: all of them unless the store is shared."""
+        cs = self.settings.collector
+        return Shard(
             self.targets,
             self.id,
             membership=(
@@ -177,28 +190,36 @@ class CollectorService:
             interval_s=cs.scrape_interval_s,
             timeout_s=cs.scrape_timeout_s,
             metrics=self.metrics,
-            clock=clock,
+            clock=self.clock,
         )
-        receiver = receiver_config(settings, tokens)
+
+    def _app(self, receiver: ReceiverConfig) -> Starlette:
+        """The receiver app (OTLP, /metrics with the auth failures, /healthz)."""
         self.metrics.registry.register(
             AuthFailureCollector(receiver.auth_throttle, "pdscope_collector_auth_failures")
         )
-        self.app = build_app(
+        return build_app(
             self.spool,
             self.metrics,
             receiver,
             health=self.health,
-            clock=clock,
+            clock=self.clock,
             collectors=self.shard.report,
         )
+
+    def _register_tasks(self) -> None:
+        """The background tasks' bounds on the time between beats."""
+        cs = self.settings.collector
         interval = cs.scrape_interval_s
         self.health.register(SCRAPER, 3 * interval + cs.scrape_timeout_s + 30.0)
         self.health.register(SNAPSHOTS, max(120.0, 6 * interval))
         self.health.register(MAINTENANCE, max(600.0, 5 * interval))
-        self.client = httpx.AsyncClient(
-            transport=PerOriginTransport(), timeout=httpx.Timeout(cs.scrape_timeout_s), follow_redirects=False
-        )
-        self.scraper = Scraper(
+
+    def _sources(self) -> tuple[Scraper, PromSource | None]:
+        """The scraper and, with ``collector.prometheus_url``, the source the rounds come from instead
+        (``collector.promsource``)."""
+        cs = self.settings.collector
+        scraper = Scraper(
             self.targets,
             self.client,
             interval_s=cs.scrape_interval_s,
@@ -208,24 +229,23 @@ class CollectorService:
             on_tick=lambda: self.health.beat(SCRAPER),
             assign=self.shard.refresh,
         )
-        # collector.prometheus_url: rounds come from Prometheus instead (collector.promsource)
-        self.promsource: PromSource | None = None
-        if cs.prometheus_url:
-            self.promsource = PromSource(
-                self.targets,
-                cs.prometheus_url,
-                interval_s=cs.scrape_interval_s,
-                timeout_s=cs.scrape_timeout_s,
-                max_body_bytes=8 * cs.max_body_bytes,  # one answer covers the whole fleet
-                on_round=self.store_round,
-                instance_label=cs.prometheus_instance_label,
-                selector=cs.prometheus_selector,
-                registry=self.metrics.registry,
-                clock=clock,
-                on_tick=lambda: self.health.beat(SCRAPER),
-                assign=self.shard.refresh,
-            )
-        self.started = asyncio.Event()
+        if not cs.prometheus_url:
+            return scraper, None
+        promsource = PromSource(
+            self.targets,
+            cs.prometheus_url,
+            interval_s=cs.scrape_interval_s,
+            timeout_s=cs.scrape_timeout_s,
+            max_body_bytes=8 * cs.max_body_bytes,  # one answer covers the whole fleet
+            on_round=self.store_round,
+            instance_label=cs.prometheus_instance_label,
+            selector=cs.prometheus_selector,
+            registry=self.metrics.registry,
+            clock=self.clock,
+            on_tick=lambda: self.health.beat(SCRAPER),
+            assign=self.shard.refresh,
+        )
+        return scraper, promsource
 
     def _task_error(self, task: str, exc: BaseException) -> None:
         self.metrics.task_errors.labels(task, type(exc).__name__).inc()

@@ -25,12 +25,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from analysis.attribution import Attribution, StageRecord, attribute
 from analysis.attribution_records import FailureSteps, stage_record
+from analysis.prediction import ErrorFigures, PredictionFacts, measure
 from controller.observe import trusted_filter
 from controller.policy.alerts import AlertState
 from pdscope.config import Settings
 from store import queries as q
 from store.attribution import read_stage_rows
 from store.db import transaction
+from store.prediction import prediction_rows
 
 MAX_RANGE_S: Final = 7 * 86400.0
 MAX_RECORDS: Final = 200_000
@@ -115,6 +117,17 @@ def window_attribution(
     with transaction(factory) as session:
         records, truncated = read_records(session, lo, hi, only=only, limit=limit)
     return WindowAttribution(attribute(records, settings.slo, since=lo, until=hi), truncated, limit)
+
+
+def window_prediction(
+    factory: sessionmaker[Session], settings: Settings, lo: float, hi: float, *, limit: int = DEFAULT_RECORDS
+) -> ErrorFigures:
+    """The proxy's TTFT predictions over the same records as :func:`window_attribution` (at most ``limit``,
+    the newest): how far off they were, and which TTFT misses were mispredicted (``analysis.prediction``)."""
+    only = q.RecordFilter(trusted_filter(settings).senders, charged_only=True)
+    with transaction(factory) as session:
+        rows = prediction_rows(session, lo, hi, only=only, limit=limit).rows
+    return measure(PredictionFacts(*r) for r in rows).fleet
 
 
 def attribution_link(base_url: str, st: AlertState, window_s: float) -> dict[str, str]:

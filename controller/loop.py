@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from analysis.rates import RateFacts, fit_rates
 from controller import observe as observe_mod
 from controller.effects import Bundler, Effects, Tick
 from controller.leader import (
@@ -73,6 +74,7 @@ from controller.policy import (
     default_rules,
 )
 from controller.policy.refresh import Between, Refresh, recompose
+from controller.rates import RatesGate
 from pdscope.config import Settings
 from pdscope.reasons import Reason
 from pdscope.routing import RoutingTable
@@ -165,6 +167,7 @@ class Reconciler:
         self._leader: LeaderInfo | None = None
         self._mode_warned: int | None = None  # the leader epoch whose other mode was last warned about
         self._table = self._initial_table(0)
+        self._rates = RatesGate()  # the leader's fitted rates, served beside the table (controller.rates)
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(
@@ -248,7 +251,8 @@ class Reconciler:
             fence(session, epoch, self.lease_s)  # first: a deposed leader reads and writes nothing more
             if not self._loaded:
                 self._load(session)
-            obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg)
+            facts: list[RateFacts] = []
+            obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg, rate_facts=facts)
             overrides = load_overrides(session, now)
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)
@@ -262,6 +266,7 @@ class Reconciler:
         self._obs = obs
         self._served = dict(out.served)
         self._table = _stamped(out.table, epoch)
+        self._fit_rates(facts, now)
         for observer in self.effects.observers:
             observer.observe(tick)
         changed = [d for d in out.weights if d.changed]
@@ -277,6 +282,14 @@ class Reconciler:
         for d in changed:
             log.info("decision %s %s: %s", d.instance, d.reason, d.message)
         return out
+
+    def _fit_rates(self, facts: list[RateFacts], now: float) -> None:
+        """Fit the rates of the window just read and offer them to the gate. They are no decision: a fit
+        that fails is logged and the served rates stay; the tick stands."""
+        try:
+            self._rates.offer(fit_rates(facts, now, self.settings.controller.window_s), now)
+        except ValueError as exc:  # a figure out of the wire's bounds (pydantic's error is one)
+            log.warning("rates not fitted at %.3f: %s", now, exc)
 
     def _tick_of(self, inp: TickInput, out: TickOutput, epoch: int) -> Tick:
         return Tick(
@@ -378,6 +391,7 @@ class Reconciler:
         self._leading, self._epoch, self._loaded = False, None, False
         self._leader = leader
         self._last = self._obs = None  # a standby serves what is stored, not its last tick
+        self._rates.clear()  # and no rates: only the leader reads the window and fits them
         self.leadership.release()
         log.warning(
             "standby: %s; this controller (epoch %s) writes nothing from now on and serves what the "
@@ -482,8 +496,18 @@ class Reconciler:
 
     @property
     def table(self) -> RoutingTable:
+        """The served table without the rates (what the policy composed)."""
         with self._lock:
             return self._table
+
+    def routing(self) -> tuple[RoutingTable, str]:
+        """The table as ``GET /v1/routing`` serves it, with the rates, and the rates' digest for its ETag
+        (``""``: no rates served)."""
+        with self._lock:
+            served = self._rates.served
+            if served is None:
+                return self._table, ""
+            return self._table.model_copy(update={"rates": served.rates}), served.tag
 
     def policy_of(self, name: str) -> tuple[float, str]:
         """The policy's own weight and reason for an instance now (what applies without overrides)."""

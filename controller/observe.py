@@ -11,6 +11,10 @@ lower median over the P×D pairs, coverage and sample minimums), is the pure
 What it believes: with ``controller.trusted_span_senders`` set, only request records whose
 ``sender`` is in that list (the rest are counted, ``Observation.untrusted_records``).
 
+The same read of the records gives the served records' facts the rates' fit reads
+(``analysis.rates``, on request: ``observe(..., rate_facts=[])``); they are no part of the
+``Observation``: the rates are served beside the table, not decided on.
+
 It reads; it never writes and never decides. Errors from the database surface as
 ``store.StoreError`` through ``store.transaction`` in the caller.
 """
@@ -24,6 +28,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from analysis import rates
+from analysis.prediction import PredictionFacts, measure
 from controller.policy import evidence as ev
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, PoolSignals, SLOFigures
@@ -32,6 +38,7 @@ from pdscope.stats import counter_increase
 from store import queries as q
 from store.attribution import trusted_records
 from store.models import RequestRecord, Snapshot
+from store.prediction import prediction_rows
 
 
 def _latest_gauges(
@@ -68,13 +75,45 @@ def _latest_gauges(
     return out
 
 
-# the columns of ev.RecordFacts, in its order
+# the columns of ev.RecordFacts, in its order, then those the rates' fit reads besides (rates.EXTRA_FIELDS)
 _RECORD_COLUMNS = tuple(getattr(RequestRecord, name) for name in ev.RecordFacts._fields)
+_FACTS = len(_RECORD_COLUMNS)
+_RATE_COLUMNS = tuple(getattr(RequestRecord, name) for name in rates.EXTRA_FIELDS)
 
 
 def _records(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[Any]:
-    stmt = select(*_RECORD_COLUMNS).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    stmt = select(*_RECORD_COLUMNS, *_RATE_COLUMNS).where(
+        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until
+    )
     return session.connection().execute(only.apply(stmt)).all()  # Core rows at once
+
+
+def _tally(
+    session: Session,
+    settings: Settings,
+    since: float,
+    now: float,
+    trusted: q.RecordFilter,
+    rate_facts: list[rates.RateFacts] | None,
+) -> ev.WindowTally:
+    """The window's records, charged; each served one's rate facts appended to ``rate_facts`` (if given)."""
+    tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now)
+    for row in _records(session, since, now, trusted):
+        r = ev.RecordFacts._make(row[:_FACTS])
+        tally.add(
+            r,
+            q.is_client_error(
+                r.status if isinstance(r.status, str) else None,
+                r.http_status if isinstance(r.http_status, int) else None,
+            ),
+        )
+        if rate_facts is not None and r.status == "ok":
+            rate_facts.append(
+                rates.RateFacts(
+                    r.p_instance, r.d_instance, r.status, r.p_sent, r.p_done, r.first_token, *row[_FACTS:]
+                )
+            )
+    return tally
 
 
 def _failed_attempts(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[object]:
@@ -124,10 +163,17 @@ def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter)
         slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile),
         slo=settings.slo,
     ).get("all")
+    # the proxy's TTFT predictor over the same records (the TTFTMispredicted alert)
+    predictor = measure(
+        PredictionFacts(*r) for r in prediction_rows(session, now - window, now, only=only).rows
+    )
+    measured, error = predictor.fleet.measured, predictor.fleet.error_p50
     if summary is None:
-        return SLOFigures(window_s=window)
+        return SLOFigures(window_s=window, predictions=measured, prediction_error_p50=error)
     return SLOFigures(
         window_s=window,
+        predictions=measured,
+        prediction_error_p50=error,
         completed=summary.completed,
         met=summary.slo_met,
         rejected=summary.statuses.get("rejected", 0),
@@ -143,8 +189,13 @@ def observe(
     now: float,
     window_s: float | None = None,
     cfg: PolicyConfig | None = None,
+    rate_facts: list[rates.RateFacts] | None = None,
 ) -> Observation:
-    """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``)."""
+    """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``).
+
+    ``rate_facts``: where to append the served records' facts the rates' fit reads
+    (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
+    observation (the rates are not a decision)."""
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
@@ -155,16 +206,7 @@ def observe(
     trusted = trusted_filter(settings)
     charged = replace(trusted, charged_only=True)
 
-    tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now)
-    for row in _records(session, since, now, trusted):
-        r = ev.RecordFacts._make(row)
-        tally.add(
-            r,
-            q.is_client_error(
-                r.status if isinstance(r.status, str) else None,
-                r.http_status if isinstance(r.http_status, int) else None,
-            ),
-        )
+    tally = _tally(session, settings, since, now, trusted, rate_facts)
     tally.charge_failed_attempts(_failed_attempts(session, since, now, charged))
     # Every trusted suspect: one D refused as the client's error explains its P's expiry, charging nobody.
     for d_inst, ended, entries, invalid in _lease_suspects(

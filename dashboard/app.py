@@ -52,6 +52,9 @@ nav = st.navigation(
             st.Page(
                 VIEWS / "prefix_cache.py", title="Prefix cache", icon=":material/cached:", url_path="prefix"
             ),
+            st.Page(
+                VIEWS / "predictor.py", title="Predictor", icon=":material/query_stats:", url_path="predictor"
+            ),
         ],
         "Steer": [
             st.Page(

@@ -170,6 +170,19 @@ def histogram(values: pd.DataFrame, column: str, title: str, maxbins: int = 40) 
     )
 
 
+def boxplot(values: pd.DataFrame, column: str, group: str, title: str) -> ChartLike:
+    """One box per ``group`` of ``column`` (median, quartiles, 1.5 IQR whiskers, outliers)."""
+    return _chart(
+        alt.Chart(values)
+        .mark_boxplot(extent=1.5)
+        .encode(
+            x=alt.X(f"{column}:Q", title=title, scale=alt.Scale(zero=False)),
+            y=alt.Y(f"{group}:N", title=None),
+        )
+        .properties(height=40 + 28 * max(values[group].nunique(), 1))
+    )
+
+
 def paired_bars(
     df: pd.DataFrame, category: str, value: str, series: str, title: str, x_title: str
 ) -> ChartLike:

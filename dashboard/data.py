@@ -15,7 +15,7 @@ import streamlit as st
 from dashboard import prefix, summaries
 from dashboard.api import ControllerClient, ControllerError
 from dashboard.context import engine_for
-from dashboard.queries import common, control, fleet, investigate, records
+from dashboard.queries import common, control, fleet, investigate, predictor, records
 from dashboard.queries import requests as rq
 from pdscope.config import SLOSettings
 from store.attribution import trusted_records
@@ -247,3 +247,11 @@ def regret(
     """What followed the controller's cuts in the window, judged on the data up to its end."""
     cfg = investigate.regret_config(flap_ticks=flap_ticks, tick_s=interval_s, slo_window_s=slo.window_s)
     return investigate.regret(engine_for(url), start, end, end, slo, senders, cfg)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def prediction(
+    url: str, start: float, end: float, senders: tuple[str, ...] | None
+) -> predictor.WindowPrediction:
+    """The TTFT predictions of the window against the observed TTFT (``dashboard.queries.predictor``)."""
+    return predictor.prediction(engine_for(url), start, end, senders)

@@ -128,6 +128,74 @@ def cache_summary(rec: Mapping[str, Any]) -> str | None:
     return " · ".join(parts) if parts else None
 
 
+@dataclass(frozen=True)
+class _Marks:
+    """A record's timestamps in milliseconds after ``proxy_in`` (None: not recorded)."""
+
+    p_sent: float | None
+    p_done: float | None
+    d_sent: float | None
+    first: float | None
+    done: float | None
+
+    @classmethod
+    def of(cls, rec: Mapping[str, Any], t0: Any) -> _Marks:
+        def ms(key: str) -> float | None:
+            ts = rec.get(key)
+            return None if ts is None else (float(ts) - float(t0)) * 1000.0
+
+        return cls(ms("p_sent"), ms("p_done"), ms("d_sent"), ms("first_token"), ms("done"))
+
+
+def _entry_stages(rec: Mapping[str, Any], m: _Marks) -> list[Stage]:
+    """The proxy's stage, and for a decode-only request D's queue and prefill."""
+    if rec.get("route_path") == "decode_only":  # no P: D computed the uncached part itself
+        if m.d_sent is None:
+            return []
+        out = [Stage("proxy", 0.0, m.d_sent, "admission and routing (to D alone)")]
+        if m.first is not None:
+            out.append(Stage(D_ALONE, m.d_sent, m.first, "D's queue and its prefill" + _cached(rec, "d")))
+        return out
+    if m.p_sent is not None:
+        return [Stage("proxy", 0.0, m.p_sent, "admission and routing")]
+    return []
+
+
+def _p_stages(rec: Mapping[str, Any], m: _Marks) -> list[Stage]:
+    """P's queue and prefill, split by vLLM's ``p_queue_s`` when it fits in p_sent→p_done."""
+    if m.p_sent is None or m.p_done is None:
+        return []
+    queue = rec.get("p_queue_s")
+    if queue is not None and 0 <= queue * 1000.0 <= m.p_done - m.p_sent:
+        split = m.p_sent + float(queue) * 1000.0
+        return [
+            Stage("P queue", m.p_sent, split, "vLLM time_in_queue on P"),
+            Stage("P prefill", split, m.p_done, "prefill and response to the proxy" + _cached(rec, "p")),
+        ]
+    return [
+        Stage("P prefill", m.p_sent, m.p_done, "queue and prefill (no split recorded)" + _cached(rec, "p"))
+    ]
+
+
+def _handoff_stages(rec: Mapping[str, Any], m: _Marks) -> list[Stage]:
+    handoff_start = m.p_done if m.p_done is not None else m.d_sent
+    if rec.get("route_path") == "decode_only" or handoff_start is None or m.first is None:
+        return []
+    note = "D queue incl. NIXL KV pull"
+    if m.d_sent is not None and m.p_done is not None:
+        note += f"; sent to D after {m.d_sent - m.p_done:.1f} ms"
+    return [Stage("handoff (D queue incl. KV pull)", handoff_start, m.first, note + _cached(rec, "d"))]
+
+
+def _token_stages(m: _Marks) -> list[Stage]:
+    if m.first is None:
+        return []
+    stages = [Stage("first token", m.first, m.first, "TTFT")]
+    if m.done is not None:
+        stages.append(Stage("decode", m.first, m.done, "streamed tokens"))
+    return stages
+
+
 def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
     """The stages of one request record, in order; stages without timestamps are left out.
 
@@ -141,47 +209,8 @@ def waterfall(rec: Mapping[str, Any]) -> list[Stage]:
     t0 = rec.get("proxy_in")
     if t0 is None:
         return []
-
-    def ms(ts: Any) -> float | None:
-        return None if ts is None else (float(ts) - float(t0)) * 1000.0
-
-    p_sent, p_done = ms(rec.get("p_sent")), ms(rec.get("p_done"))
-    d_sent, first, done = ms(rec.get("d_sent")), ms(rec.get("first_token")), ms(rec.get("done"))
-    stages: list[Stage] = []
-    if rec.get("route_path") == "decode_only":  # no P: D computed the uncached part itself
-        if d_sent is not None:
-            stages.append(Stage("proxy", 0.0, d_sent, "admission and routing (to D alone)"))
-            if first is not None:
-                stages.append(Stage(D_ALONE, d_sent, first, "D's queue and its prefill" + _cached(rec, "d")))
-    elif p_sent is not None:
-        stages.append(Stage("proxy", 0.0, p_sent, "admission and routing"))
-    if p_sent is not None and p_done is not None:
-        queue = rec.get("p_queue_s")
-        if queue is not None and 0 <= queue * 1000.0 <= p_done - p_sent:
-            split = p_sent + float(queue) * 1000.0
-            stages.append(Stage("P queue", p_sent, split, "vLLM time_in_queue on P"))
-            stages.append(
-                Stage("P prefill", split, p_done, "prefill and response to the proxy" + _cached(rec, "p"))
-            )
-        else:
-            stages.append(
-                Stage(
-                    "P prefill", p_sent, p_done, "queue and prefill (no split recorded)" + _cached(rec, "p")
-                )
-            )
-    handoff_start = p_done if p_done is not None else d_sent
-    if rec.get("route_path") != "decode_only" and handoff_start is not None and first is not None:
-        note = "D queue incl. NIXL KV pull"
-        if d_sent is not None and p_done is not None:
-            note += f"; sent to D after {d_sent - p_done:.1f} ms"
-        stages.append(
-            Stage("handoff (D queue incl. KV pull)", handoff_start, first, note + _cached(rec, "d"))
-        )
-    if first is not None:
-        stages.append(Stage("first token", first, first, "TTFT"))
-    if first is not None and done is not None:
-        stages.append(Stage("decode", first, done, "streamed tokens"))
-    return stages
+    m = _Marks.of(rec, t0)
+    return _entry_stages(rec, m) + _p_stages(rec, m) + _handoff_stages(rec, m) + _token_stages(m)
 
 
 # -- capacity ----------------------------------------------------------------------------

@@ -148,6 +148,11 @@ def render(controller_url: str, start: float, end: float) -> None:
     df = timeline_frame(body.get("timeline", {}), moved or None)
     if not df.empty:
         st.altair_chart(side_by_side(df), width="stretch")
+    _tables(body)
+
+
+def _tables(body: dict[str, Any]) -> None:
+    """The weights and decision counts side by side, then the alerts, run against replay."""
     left, right = st.columns(2)
     with left:
         st.dataframe(weights_table(body["weights"]), hide_index=True, width="stretch")

@@ -17,6 +17,7 @@ Usage: ``seed_store(url, SeedSpec(end=time.time()))`` (the schema is migrated fi
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,24 +229,69 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     u[burst] = 0.30 + 0.08 * rng.random(int(burst.sum()))
     proxy_in = np.sort(start + u * spec.duration_s)
     degrade_ts = start + spec.degrade_at * spec.duration_s
-    react_ts = degrade_ts + 60.0
 
     prompt = np.clip(rng.lognormal(math.log(900), 0.7, n), 16, 16000).astype(np.int64)
     output = np.clip(rng.lognormal(math.log(160), 0.8, n), 1, 4000).astype(np.int64)
     p_idx = rng.integers(0, len(spec.prefill), n)
+    deg = spec.decode.index(spec.degraded) if spec.degraded in spec.decode else -1
+    d_idx = _decode_choice(spec, rng, proxy_in, deg, degrade_ts + 60.0)
+    degraded_now = (d_idx == deg) & (proxy_in >= degrade_ts)
+    kv = _kv_routing(spec, prompt, p_idx, proxy_in, degraded_now)
+    via_p = ~kv["decode_only"]
+    t = _timings(spec, rng, _Load(start, proxy_in, prompt, output, degraded_now, kv))
+    status, http, lease = _outcomes(rng, degraded_now, t["pull"])
+    return _Requests(
+        n=n,
+        cols={
+            **_timing_columns(proxy_in, t, status, via_p),
+            "pull": t["pull"],
+            "prompt": prompt,
+            "completion": np.where(status == "ok", output, 0),
+            "p_idx": p_idx,
+            "d_idx": d_idx,
+            "status": status,
+            "http": http,
+            "lease": lease,
+            "kv_bytes": t["kv_bytes"],
+            "rejected": status == "rejected",
+            "via_p": via_p,
+            **_routing_columns(kv, status == "rejected", np.isin(status, ("error", "timeout"))),
+        },
+    )
+
+
+def _decode_choice(
+    spec: SeedSpec, rng: np.random.Generator, proxy_in: np.ndarray, deg: int, react_ts: float
+) -> np.ndarray:
+    """Each request's D (an index into ``spec.decode``): after the controller reacts (``react_ts``),
+    the degraded D (``deg``, -1: none) gets a quarter of its share."""
+    n = len(proxy_in)
     d_weights = np.ones(len(spec.decode))
     d_idx = rng.choice(len(spec.decode), n, p=d_weights / d_weights.sum())
-    deg = spec.decode.index(spec.degraded) if spec.degraded in spec.decode else -1
     if deg >= 0:
-        # After the controller reacts the degraded D gets a quarter of its share.
         moved = (proxy_in >= react_ts) & (d_idx == deg) & (rng.random(n) < 0.75)
         others = [i for i in range(len(spec.decode)) if i != deg]
         if others:
             d_idx[moved] = rng.choice(others, int(moved.sum()))
-    degraded_now = (d_idx == deg) & (proxy_in >= degrade_ts)
-    kv = _kv_routing(spec, prompt, p_idx, proxy_in, degraded_now)
-    via_p = ~kv["decode_only"]
+    return d_idx
 
+
+@dataclass(frozen=True)
+class _Load:
+    """The drawn requests the timings are drawn for."""
+
+    start: float
+    proxy_in: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    degraded_now: np.ndarray  # sent to the degraded D after it degraded
+    kv: dict[str, np.ndarray]  # :func:`_kv_routing`'s columns
+
+
+def _timings(spec: SeedSpec, rng: np.random.Generator, ld: _Load) -> dict[str, np.ndarray]:
+    """Each request's timestamps and durations, as if every request were served."""
+    n, start, proxy_in, prompt = len(ld.proxy_in), ld.start, ld.proxy_in, ld.prompt
+    via_p = ~ld.kv["decode_only"]
     in_burst = (proxy_in >= start + 0.30 * spec.duration_s) & (proxy_in < start + 0.38 * spec.duration_s)
     p_sent = proxy_in + rng.uniform(0.0008, 0.003, n)
     p_queue = rng.exponential(0.02, n) + np.where(in_burst, rng.exponential(0.25, n), 0.0)
@@ -253,19 +299,39 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     p_done = p_sent + p_queue + p_prefill
     d_sent = p_done + rng.uniform(0.0005, 0.002, n)
     kv_bytes = prompt * spec.kv_bytes_per_token
-    bandwidth = np.where(degraded_now, rng.uniform(0.12e9, 0.3e9, n), rng.uniform(15e9, 25e9, n))
+    bandwidth = np.where(ld.degraded_now, rng.uniform(0.12e9, 0.3e9, n), rng.uniform(15e9, 25e9, n))
     pull = kv_bytes / bandwidth + rng.uniform(0.001, 0.004, n)
     d_queue = rng.exponential(0.01, n)
     first_step = rng.uniform(0.015, 0.035, n)
     # decode only: sent to D when it would have gone to P; no pull, D prefills the uncached part
     d_sent = np.where(via_p, d_sent, p_sent)
     pull = np.where(via_p, pull, 0.0)
-    first_step = np.where(via_p, first_step, first_step + (prompt - kv["d_local"]) * 0.00011)
+    first_step = np.where(via_p, first_step, first_step + (prompt - ld.kv["d_local"]) * 0.00011)
     first_token = d_sent + d_queue + pull + first_step
-    tpot = rng.normal(0.032, 0.006, n).clip(0.012) + np.where(degraded_now, 0.015, 0.0)
+    tpot = rng.normal(0.032, 0.006, n).clip(0.012) + np.where(ld.degraded_now, 0.015, 0.0)
     tpot = np.where(rng.random(n) < 0.01, tpot * 4, tpot)
-    done = first_token + tpot * np.maximum(output - 1, 0)
+    done = first_token + tpot * np.maximum(ld.output - 1, 0)
+    return {
+        "p_sent": p_sent,
+        "p_queue": p_queue,
+        "p_prefill": p_prefill,
+        "p_done": p_done,
+        "d_sent": d_sent,
+        "kv_bytes": kv_bytes,
+        "pull": pull,
+        "d_queue": d_queue,
+        "first_step": first_step,
+        "first_token": first_token,
+        "tpot": tpot,
+        "done": done,
+    }
 
+
+def _outcomes(
+    rng: np.random.Generator, degraded_now: np.ndarray, pull: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each request's status and HTTP status, and whether its lease expired on P (a timeout)."""
+    n = len(pull)
     status = np.full(n, "ok", dtype=object)
     r = rng.random(n)
     status[r < 0.006] = "rejected"
@@ -276,49 +342,36 @@ def _gen_requests(spec: SeedSpec, rng: np.random.Generator) -> _Requests:
     http = np.where(
         status == "ok", 200, np.where(status == "rejected", 429, np.where(status == "timeout", 504, 502))
     )
+    return status, http, lease
 
+
+def _timing_columns(
+    proxy_in: np.ndarray, t: dict[str, np.ndarray], status: np.ndarray, via_p: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The request records' time and duration columns (NaN: null) once the outcomes are known: none
+    on P for a request P did not see, no first token for one that failed."""
     rejected = status == "rejected"
     failed = np.isin(status, ("error", "timeout"))
-    nan = np.full(n, np.nan)
-    p_sent = np.where(rejected | ~via_p, nan, p_sent)
-    p_done = np.where(rejected | ~via_p, nan, p_done)
-    d_sent = np.where(rejected, nan, d_sent)
-    first_token = np.where(rejected | failed, nan, first_token)
-    done = np.where(rejected, proxy_in + 0.001, np.where(failed, d_sent + pull, done))
-    completion = np.where(status == "ok", output, 0)
-    ttft = first_token - proxy_in
-    tpot_ok = np.where(status == "ok", tpot, nan)
-    return _Requests(
-        n=n,
-        cols={
-            "proxy_in": proxy_in,
-            "p_sent": p_sent,
-            "p_done": p_done,
-            "d_sent": d_sent,
-            "first_token": first_token,
-            "done": done,
-            "p_queue_s": np.where(rejected | ~via_p, nan, p_queue),
-            "p_prefill_s": np.where(rejected | ~via_p, nan, p_prefill),
-            "d_queue_s": np.where(rejected, nan, d_queue),
-            "d_prefill_s": np.where(rejected, nan, pull + first_step),
-            "d_decode_s": done - first_token,
-            "ttft_s": ttft,
-            "tpot_s": tpot_ok,
-            "e2e_s": done - proxy_in,
-            "pull": pull,
-            "prompt": prompt,
-            "completion": completion,
-            "p_idx": p_idx,
-            "d_idx": d_idx,
-            "status": status,
-            "http": http,
-            "lease": lease,
-            "kv_bytes": kv_bytes,
-            "rejected": rejected,
-            "via_p": via_p,
-            **_routing_columns(kv, rejected, failed),
-        },
-    )
+    nan = np.full(len(proxy_in), np.nan)
+    d_sent = np.where(rejected, nan, t["d_sent"])
+    first_token = np.where(rejected | failed, nan, t["first_token"])
+    done = np.where(rejected, proxy_in + 0.001, np.where(failed, d_sent + t["pull"], t["done"]))
+    return {
+        "proxy_in": proxy_in,
+        "p_sent": np.where(rejected | ~via_p, nan, t["p_sent"]),
+        "p_done": np.where(rejected | ~via_p, nan, t["p_done"]),
+        "d_sent": d_sent,
+        "first_token": first_token,
+        "done": done,
+        "p_queue_s": np.where(rejected | ~via_p, nan, t["p_queue"]),
+        "p_prefill_s": np.where(rejected | ~via_p, nan, t["p_prefill"]),
+        "d_queue_s": np.where(rejected, nan, t["d_queue"]),
+        "d_prefill_s": np.where(rejected, nan, t["pull"] + t["first_step"]),
+        "d_decode_s": done - first_token,
+        "ttft_s": first_token - proxy_in,
+        "tpot_s": np.where(status == "ok", t["tpot"], nan),
+        "e2e_s": done - proxy_in,
+    }
 
 
 def _routing_columns(
@@ -374,67 +427,81 @@ def _floats(a: np.ndarray) -> list[float | None]:
 
 def _request_rows(spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> Iterator[list[dict[str, Any]]]:
     """Request-record rows in chunks, built column-wise (a million rows in seconds, not minutes)."""
-    c = req.cols
     for lo in range(0, req.n, spec.chunk):
         hi = min(lo + spec.chunk, req.n)
-        sl = slice(lo, hi)
-        idx = range(lo, hi)
-        status = c["status"][sl]
-        ok = status == "ok"
-        rejected = c["rejected"][sl]
-        ttft, tpot = c["ttft_s"][sl], c["tpot_s"][sl]
-        ttft_ok = (ttft <= spec.ttft_target_s).tolist()
-        tpot_ok = (tpot <= spec.tpot_target_s).tolist()
-        all_ok = ((ttft <= spec.ttft_target_s) & ~(tpot > spec.tpot_target_s)).tolist()
-        ttft_met = [None if nan else v for nan, v in zip(np.isnan(ttft).tolist(), ttft_ok, strict=True)]
-        tpot_met = [None if nan else v for nan, v in zip(np.isnan(tpot).tolist(), tpot_ok, strict=True)]
-        slo_met = [v if good else None for good, v in zip(ok.tolist(), all_ok, strict=True)]
-        prompt = c["prompt"][sl]
-        http = c["http"][sl]
-        served = ~rejected
-        via_p = served & c["via_p"][sl]
-        cols: dict[str, list[Any]] = {
-            "request_id": [request_id(i, spec.seed) for i in idx],
-            "trace_id": [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in idx],
-            "endpoint": ["/v1/chat/completions" if i % 3 else "/v1/completions" for i in idx],
-            "stream": [bool(i % 4) for i in idx],
-            "p_instance": [
-                spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), via_p, strict=True)
-            ],
-            "d_instance": [
-                spec.decode[k] if s else None for k, s in zip(c["d_idx"][sl].tolist(), served, strict=True)
-            ],
-            "p_pool": [spec.prefill_pool if s else None for s in via_p],
-            "d_pool": [spec.decode_pool if s else None for s in served],
-            "status": status.tolist(),
-            "http_status": http.tolist(),
-            "error": [
-                None if st in ("ok", "client_disconnect") else f"http {h}"
-                for st, h in zip(status.tolist(), http.tolist(), strict=True)
-            ],
-            "retries": [0] * (hi - lo),
-            "prompt_tokens": prompt.tolist(),
-            "completion_tokens": c["completion"][sl].tolist(),
-            "kv_blocks": [(p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), via_p, strict=True)],
-            "kv_bytes": [b if s else None for b, s in zip(c["kv_bytes"][sl].tolist(), via_p, strict=True)],
-            "route_path": _route_paths(c, sl).tolist(),
-            "prefix_key": _prefix_keys(c, sl, spec.seed),
-            **{col: _ints(c[key][sl]) for col, key in ROUTING_INT_COLUMNS.items()},
-            "d_decode_s": _floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
-            "ttft_s": _floats(ttft),
-            "tpot_s": _floats(tpot),
-            "slo_ttft_met": ttft_met,
-            "slo_tpot_met": tpot_met,
-            "slo_met": slo_met,
-            "lease_expiry_suspect": c["lease"][sl].tolist(),
-        }
-        for name in _FLOAT_COLUMNS:
-            cols[name] = _floats(c[name][sl])
+        cols = _request_columns(spec, req.cols, lo, hi)
         keys = list(cols)
         rows = [dict(zip(keys, values, strict=True)) for values in zip(*cols.values(), strict=True)]
         for row in rows:
             row["attributes"] = {}
         yield rows
+
+
+def _slo_flags(spec: SeedSpec, c: dict[str, np.ndarray], sl: slice) -> dict[str, list[bool | None]]:
+    """The SLO columns as Python values: None where the figure is NaN (or, for both, the request failed)."""
+    ttft, tpot, ok = c["ttft_s"][sl], c["tpot_s"][sl], c["status"][sl] == "ok"
+    ttft_ok = (ttft <= spec.ttft_target_s).tolist()
+    tpot_ok = (tpot <= spec.tpot_target_s).tolist()
+    all_ok = ((ttft <= spec.ttft_target_s) & ~(tpot > spec.tpot_target_s)).tolist()
+    return {
+        "slo_ttft_met": [None if nan else v for nan, v in zip(np.isnan(ttft).tolist(), ttft_ok, strict=True)],
+        "slo_tpot_met": [None if nan else v for nan, v in zip(np.isnan(tpot).tolist(), tpot_ok, strict=True)],
+        "slo_met": [v if good else None for good, v in zip(ok.tolist(), all_ok, strict=True)],
+    }
+
+
+def _id_columns(spec: SeedSpec, lo: int, hi: int) -> dict[str, list[Any]]:
+    """Requests ``lo``..``hi``: ids, endpoint and stream flag (for the insert path and the bulk load)."""
+    idx = range(lo, hi)
+    return {
+        "request_id": [request_id(i, spec.seed) for i in idx],
+        "trace_id": [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in idx],
+        "endpoint": ["/v1/chat/completions" if i % 3 else "/v1/completions" for i in idx],
+        "stream": [bool(i % 4) for i in idx],
+    }
+
+
+def _request_columns(spec: SeedSpec, c: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, list[Any]]:
+    """Request records ``lo``..``hi`` as Python values, column by column (the rows' key order)."""
+    sl = slice(lo, hi)
+    status = c["status"][sl]
+    prompt = c["prompt"][sl]
+    http = c["http"][sl]
+    served = ~c["rejected"][sl]
+    via_p = served & c["via_p"][sl]
+    cols: dict[str, list[Any]] = {
+        **_id_columns(spec, lo, hi),
+        "p_instance": [
+            spec.prefill[k] if s else None for k, s in zip(c["p_idx"][sl].tolist(), via_p, strict=True)
+        ],
+        "d_instance": [
+            spec.decode[k] if s else None for k, s in zip(c["d_idx"][sl].tolist(), served, strict=True)
+        ],
+        "p_pool": [spec.prefill_pool if s else None for s in via_p],
+        "d_pool": [spec.decode_pool if s else None for s in served],
+        "status": status.tolist(),
+        "http_status": http.tolist(),
+        "error": [
+            None if st in ("ok", "client_disconnect") else f"http {h}"
+            for st, h in zip(status.tolist(), http.tolist(), strict=True)
+        ],
+        "retries": [0] * (hi - lo),
+        "prompt_tokens": prompt.tolist(),
+        "completion_tokens": c["completion"][sl].tolist(),
+        "kv_blocks": [(p + 15) // 16 if s else None for p, s in zip(prompt.tolist(), via_p, strict=True)],
+        "kv_bytes": [b if s else None for b, s in zip(c["kv_bytes"][sl].tolist(), via_p, strict=True)],
+        "route_path": _route_paths(c, sl).tolist(),
+        "prefix_key": _prefix_keys(c, sl, spec.seed),
+        **{col: _ints(c[key][sl]) for col, key in ROUTING_INT_COLUMNS.items()},
+        "d_decode_s": _floats(np.where(status == "ok", c["d_decode_s"][sl], np.nan)),
+        "ttft_s": _floats(c["ttft_s"][sl]),
+        "tpot_s": _floats(c["tpot_s"][sl]),
+        **_slo_flags(spec, c, sl),
+        "lease_expiry_suspect": c["lease"][sl].tolist(),
+    }
+    for name in _FLOAT_COLUMNS:
+        cols[name] = _floats(c[name][sl])
+    return cols
 
 
 # -- snapshots -----------------------------------------------------------------------------
@@ -485,125 +552,167 @@ def _snapshot_rows(
         for idx, name in enumerate(names):
             mine = served & ((c["p_idx"] if role == "prefill" else c["d_idx"]) == idx)
             if role == "prefill":
-                mine = mine & c["via_p"]
-            mine_ok = mine & ok
-            rows: list[dict[str, Any]] = []
-            if role == "prefill":
-                t_end = c["p_done"][mine]
-                running = _inflight(c["p_sent"][mine] + c["p_queue_s"][mine], t_end, ticks)
-                waiting = _inflight(c["p_sent"][mine], c["p_sent"][mine] + c["p_queue_s"][mine], ticks)
-                kv = np.clip(running * 900 / 60000.0, 0, 1)
-                hist = {
-                    "vllm:time_to_first_token_seconds": _hist_series(
-                        t_end, (t_end - c["p_sent"][mine]), ticks, TTFT_LE
-                    ),
-                    "vllm:request_queue_time_seconds": _hist_series(
-                        t_end, c["p_queue_s"][mine], ticks, TTFT_LE
-                    ),
-                }
-                expired_t = c["p_done"][c["lease"] & mine] + 30.0
-                counters = {
-                    "prompt_tokens": _cum(t_end, ticks, c["prompt"][mine]),
-                    "prefix_cache_queries": _cum(t_end, ticks, c["prompt"][mine]),
-                    "prefix_cache_hits": _cum(t_end, ticks, np.maximum(c["p_cached"][mine], 0)),
-                    "generation_tokens": _cum(t_end, ticks),
-                    "requests_length": _cum(t_end, ticks),
-                    "nixl_kv_expired_reqs": _cum(expired_t, ticks),
-                    "nixl_xfer_time_sum": np.zeros(len(ticks)),
-                    "nixl_xfer_time_count": np.zeros(len(ticks)),
-                    "nixl_failed_transfers": np.zeros(len(ticks)),
-                }
-                ttft_src = (t_end, t_end - c["p_sent"][mine])
+                series = _prefill_series(c, mine & c["via_p"], ticks)
             else:
-                # decode-only requests pulled nothing: NIXL's figures count the P/D path only
-                pulls = mine & c["via_p"]
-                mine_all, mine = mine, pulls
-                seen_t = c["d_sent"][mine_all] + c["d_queue_s"][mine_all] + c["pull"][mine_all]
-                local = c["d_local"][mine_all]
-                xfer_t = c["d_sent"][mine] + c["d_queue_s"][mine] + c["pull"][mine]
-                t_first = c["first_token"][mine_ok]
-                t_done = c["done"][mine_all]
-                running = _inflight(c["d_sent"][mine_all], t_done, ticks)
-                waiting = _inflight(
-                    c["d_sent"][mine_all], c["d_sent"][mine_all] + c["d_queue_s"][mine_all], ticks
-                )
-                tokens_live = np.clip(running * 1100 / 120000.0, 0, 0.98)
-                kv = tokens_live
-                post = rng.uniform(0.0006, 0.004, int(mine.sum()))
-                nbytes = c["kv_bytes"][mine].astype(float)
-                descs = np.ceil(c["prompt"][mine] / 16) * 4
-                failed_t = c["done"][mine_all & np.isin(c["status"], ("error", "timeout"))]
-                pulled = c["d_pulled"][mine]
-                ttft_d = t_first - c["d_sent"][mine_ok]
-                hist = {
-                    "vllm:time_to_first_token_seconds": _hist_series(t_first, ttft_d, ticks, TTFT_LE),
-                    "vllm:inter_token_latency_seconds": _hist_series(
-                        c["done"][mine_ok], c["tpot_s"][mine_ok], ticks, ITL_LE
-                    ),
-                    "vllm:nixl_xfer_time_seconds": _hist_series(xfer_t, c["pull"][mine], ticks, XFER_LE),
-                    "vllm:nixl_post_time_seconds": _hist_series(xfer_t, post, ticks, POST_LE),
-                    "vllm:nixl_bytes_transferred": _hist_series(xfer_t, nbytes, ticks, BYTES_LE),
-                    "vllm:nixl_num_descriptors": _hist_series(xfer_t, descs, ticks, DESC_LE),
-                }
-                counters = {
-                    "prompt_tokens": _cum(seen_t, ticks, c["prompt"][mine_all]),
-                    "prompt_tokens_external_kv_transfer": _cum(xfer_t, ticks, c["prompt"][mine]),
-                    # vLLM's prefix cache on D: its own blocks first, then the connector's (pulled)
-                    "prefix_cache_queries": _cum(seen_t, ticks, c["prompt"][mine_all]),
-                    "prefix_cache_hits": _cum(seen_t, ticks, local),
-                    "external_prefix_cache_queries": _cum(
-                        xfer_t, ticks, c["prompt"][mine] - c["d_local"][mine]
-                    ),
-                    "external_prefix_cache_hits": _cum(xfer_t, ticks, pulled),
-                    "generation_tokens": _cum(c["done"][mine_ok], ticks, c["completion"][mine_ok]),
-                    "requests_stop": _cum(c["done"][mine_ok], ticks),
-                    "requests_error": _cum(failed_t, ticks),
-                    "nixl_xfer_time_sum": _cum(xfer_t, ticks, c["pull"][mine]),
-                    "nixl_xfer_time_count": _cum(xfer_t, ticks),
-                    "nixl_post_time_sum": _cum(xfer_t, ticks, post),
-                    "nixl_post_time_count": _cum(xfer_t, ticks),
-                    "nixl_bytes_sum": _cum(xfer_t, ticks, nbytes),
-                    "nixl_bytes_count": _cum(xfer_t, ticks),
-                    "nixl_descriptors_sum": _cum(xfer_t, ticks, descs),
-                    "nixl_descriptors_count": _cum(xfer_t, ticks),
-                    "nixl_failed_transfers": _cum(failed_t, ticks),
-                    "nixl_kv_expired_reqs": np.zeros(len(ticks)),
-                }
-                ttft_src = (t_first, ttft_d)
-            ttft_sum = _cum(ttft_src[0], ticks, ttft_src[1])
-            ttft_count = _cum(ttft_src[0], ticks)
-            pull_live = (
-                _inflight(c["d_sent"][mine], c["d_sent"][mine] + c["pull"][mine], ticks)
-                if role == "decode"
-                else None
-            )
-            for k, ts in enumerate(ticks):
-                row: dict[str, Any] = {
-                    "instance": name,
-                    "pool": spec.prefill_pool if role == "prefill" else spec.decode_pool,
-                    "role": role,
-                    "ts": float(ts),
-                    "up": True,
-                    "scrape_duration_s": 0.004,
-                    "error": None,
-                    "engines": 1,
-                    "process_start_ts": start - 3600.0,
-                    "kv_cache_usage": float(kv[k]),
-                    "num_running": float(running[k]),
-                    "num_waiting": float(waiting[k]),
-                    "kv_fetch_in_progress": None if pull_live is None else float(pull_live[k]),
-                    "ttft_sum": float(ttft_sum[k]),
-                    "ttft_count": float(ttft_count[k]),
-                    "histograms": {fam: series[k] for fam, series in hist.items()},
-                }
-                for col, values in counters.items():
-                    row[col] = float(values[k])
-                rows.append(row)
-                if len(rows) >= spec.chunk:
-                    yield rows
-                    rows = []
-            if rows:
-                yield rows
+                series = _decode_series(c, mine, mine & ok, ticks, rng)
+            pool = spec.prefill_pool if role == "prefill" else spec.decode_pool
+            yield from _instance_snapshots(spec, (name, pool, role), start, ticks, series)
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One instance's figures at every tick, as its snapshots carry them."""
+
+    running: np.ndarray
+    waiting: np.ndarray
+    kv: np.ndarray  # KV cache usage
+    hist: dict[str, list[dict[str, Any]]]  # family -> one cumulative histogram per tick
+    counters: dict[str, np.ndarray]  # column -> value per tick
+    ttft_src: tuple[np.ndarray, np.ndarray]  # (time, value) of the TTFT observations
+    pull_live: np.ndarray | None = None  # KV pulls in progress (D only)
+
+
+def _prefill_series(c: dict[str, np.ndarray], mine: np.ndarray, ticks: np.ndarray) -> _Series:
+    """A P's figures: ``mine``, the requests it prefilled."""
+    t_end = c["p_done"][mine]
+    running = _inflight(c["p_sent"][mine] + c["p_queue_s"][mine], t_end, ticks)
+    hist = {
+        "vllm:time_to_first_token_seconds": _hist_series(t_end, (t_end - c["p_sent"][mine]), ticks, TTFT_LE),
+        "vllm:request_queue_time_seconds": _hist_series(t_end, c["p_queue_s"][mine], ticks, TTFT_LE),
+    }
+    expired_t = c["p_done"][c["lease"] & mine] + 30.0
+    counters = {
+        "prompt_tokens": _cum(t_end, ticks, c["prompt"][mine]),
+        "prefix_cache_queries": _cum(t_end, ticks, c["prompt"][mine]),
+        "prefix_cache_hits": _cum(t_end, ticks, np.maximum(c["p_cached"][mine], 0)),
+        "generation_tokens": _cum(t_end, ticks),
+        "requests_length": _cum(t_end, ticks),
+        "nixl_kv_expired_reqs": _cum(expired_t, ticks),
+        "nixl_xfer_time_sum": np.zeros(len(ticks)),
+        "nixl_xfer_time_count": np.zeros(len(ticks)),
+        "nixl_failed_transfers": np.zeros(len(ticks)),
+    }
+    return _Series(
+        running=running,
+        waiting=_inflight(c["p_sent"][mine], c["p_sent"][mine] + c["p_queue_s"][mine], ticks),
+        kv=np.clip(running * 900 / 60000.0, 0, 1),
+        hist=hist,
+        counters=counters,
+        ttft_src=(t_end, t_end - c["p_sent"][mine]),
+    )
+
+
+def _decode_series(
+    c: dict[str, np.ndarray],
+    mine_all: np.ndarray,
+    mine_ok: np.ndarray,
+    ticks: np.ndarray,
+    rng: np.random.Generator,
+) -> _Series:
+    """A D's figures: ``mine_all``, the requests it served, ``mine_ok`` those that succeeded."""
+    # decode-only requests pulled nothing: NIXL's figures count the P/D path only
+    mine = mine_all & c["via_p"]
+    xfer_t = c["d_sent"][mine] + c["d_queue_s"][mine] + c["pull"][mine]
+    t_first = c["first_token"][mine_ok]
+    running = _inflight(c["d_sent"][mine_all], c["done"][mine_all], ticks)
+    post = rng.uniform(0.0006, 0.004, int(mine.sum()))
+    nbytes = c["kv_bytes"][mine].astype(float)
+    descs = np.ceil(c["prompt"][mine] / 16) * 4
+    ttft_d = t_first - c["d_sent"][mine_ok]
+    hist = {
+        "vllm:time_to_first_token_seconds": _hist_series(t_first, ttft_d, ticks, TTFT_LE),
+        "vllm:inter_token_latency_seconds": _hist_series(
+            c["done"][mine_ok], c["tpot_s"][mine_ok], ticks, ITL_LE
+        ),
+        "vllm:nixl_xfer_time_seconds": _hist_series(xfer_t, c["pull"][mine], ticks, XFER_LE),
+        "vllm:nixl_post_time_seconds": _hist_series(xfer_t, post, ticks, POST_LE),
+        "vllm:nixl_bytes_transferred": _hist_series(xfer_t, nbytes, ticks, BYTES_LE),
+        "vllm:nixl_num_descriptors": _hist_series(xfer_t, descs, ticks, DESC_LE),
+    }
+    return _Series(
+        running=running,
+        waiting=_inflight(c["d_sent"][mine_all], c["d_sent"][mine_all] + c["d_queue_s"][mine_all], ticks),
+        kv=np.clip(running * 1100 / 120000.0, 0, 0.98),
+        hist=hist,
+        counters=_decode_counters(c, mine_all, mine_ok, ticks, post, nbytes, descs),
+        ttft_src=(t_first, ttft_d),
+        pull_live=_inflight(c["d_sent"][mine], c["d_sent"][mine] + c["pull"][mine], ticks),
+    )
+
+
+def _decode_counters(
+    c: dict[str, np.ndarray],
+    mine_all: np.ndarray,
+    mine_ok: np.ndarray,
+    ticks: np.ndarray,
+    post: np.ndarray,
+    nbytes: np.ndarray,
+    descs: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """A D's counters at every tick (``post``, ``nbytes``, ``descs``: its pulls' NIXL figures)."""
+    mine = mine_all & c["via_p"]
+    seen_t = c["d_sent"][mine_all] + c["d_queue_s"][mine_all] + c["pull"][mine_all]
+    xfer_t = c["d_sent"][mine] + c["d_queue_s"][mine] + c["pull"][mine]
+    failed_t = c["done"][mine_all & np.isin(c["status"], ("error", "timeout"))]
+    return {
+        "prompt_tokens": _cum(seen_t, ticks, c["prompt"][mine_all]),
+        "prompt_tokens_external_kv_transfer": _cum(xfer_t, ticks, c["prompt"][mine]),
+        # vLLM's prefix cache on D: its own blocks first, then the connector's (pulled)
+        "prefix_cache_queries": _cum(seen_t, ticks, c["prompt"][mine_all]),
+        "prefix_cache_hits": _cum(seen_t, ticks, c["d_local"][mine_all]),
+        "external_prefix_cache_queries": _cum(xfer_t, ticks, c["prompt"][mine] - c["d_local"][mine]),
+        "external_prefix_cache_hits": _cum(xfer_t, ticks, c["d_pulled"][mine]),
+        "generation_tokens": _cum(c["done"][mine_ok], ticks, c["completion"][mine_ok]),
+        "requests_stop": _cum(c["done"][mine_ok], ticks),
+        "requests_error": _cum(failed_t, ticks),
+        "nixl_xfer_time_sum": _cum(xfer_t, ticks, c["pull"][mine]),
+        "nixl_xfer_time_count": _cum(xfer_t, ticks),
+        "nixl_post_time_sum": _cum(xfer_t, ticks, post),
+        "nixl_post_time_count": _cum(xfer_t, ticks),
+        "nixl_bytes_sum": _cum(xfer_t, ticks, nbytes),
+        "nixl_bytes_count": _cum(xfer_t, ticks),
+        "nixl_descriptors_sum": _cum(xfer_t, ticks, descs),
+        "nixl_descriptors_count": _cum(xfer_t, ticks),
+        "nixl_failed_transfers": _cum(failed_t, ticks),
+        "nixl_kv_expired_reqs": np.zeros(len(ticks)),
+    }
+
+
+def _instance_snapshots(
+    spec: SeedSpec, who: tuple[str, str, str], start: float, ticks: np.ndarray, s: _Series
+) -> Iterator[list[dict[str, Any]]]:
+    """One instance's snapshot rows (``who``: its name, pool and role), in chunks of ``spec.chunk``."""
+    name, pool, role = who
+    ttft_sum = _cum(s.ttft_src[0], ticks, s.ttft_src[1])
+    ttft_count = _cum(s.ttft_src[0], ticks)
+    rows: list[dict[str, Any]] = []
+    for k, ts in enumerate(ticks):
+        row: dict[str, Any] = {
+            "instance": name,
+            "pool": pool,
+            "role": role,
+            "ts": float(ts),
+            "up": True,
+            "scrape_duration_s": 0.004,
+            "error": None,
+            "engines": 1,
+            "process_start_ts": start - 3600.0,
+            "kv_cache_usage": float(s.kv[k]),
+            "num_running": float(s.running[k]),
+            "num_waiting": float(s.waiting[k]),
+            "kv_fetch_in_progress": None if s.pull_live is None else float(s.pull_live[k]),
+            "ttft_sum": float(ttft_sum[k]),
+            "ttft_count": float(ttft_count[k]),
+            "histograms": {fam: series[k] for fam, series in s.hist.items()},
+        }
+        for col, values in s.counters.items():
+            row[col] = float(values[k])
+        rows.append(row)
+        if len(rows) >= spec.chunk:
+            yield rows
+            rows = []
+    if rows:
+        yield rows
 
 
 # -- controller history ------------------------------------------------------------------
@@ -612,11 +721,27 @@ def _snapshot_rows(
 def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
     start = spec.end - spec.duration_s
     degrade_ts = start + spec.degrade_at * spec.duration_s
-    decisions: list[dict[str, Any]] = []
-    tick = 0
-    weights = {n: 1.0 for n in (*spec.prefill, *spec.decode)}
+    log = _DecisionLog(start)
+    _initial_decisions(spec, log)
+    if spec.degraded:
+        _degraded_decisions(spec, spec.degraded, log, degrade_ts)
+    return {
+        Decision: log.decisions,
+        WeightOverride: _overrides(spec, start),
+        AuditEvent: _audit_events(spec, start),
+        Alert: _alerts(spec, start, degrade_ts),
+    }
+
+
+@dataclass
+class _DecisionLog:
+    """The seeded decisions, in order (the controller's ticks are 2 s apart from ``start``)."""
+
+    start: float
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     def decide(
+        self,
         ts: float,
         kind: str,
         subject: str,
@@ -628,10 +753,10 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
         arithmetic: str,
         inputs: dict[str, Any],
     ) -> None:
-        decisions.append(
+        self.decisions.append(
             {
                 "ts": ts,
-                "tick": int((ts - start) / 2.0),
+                "tick": int((ts - self.start) / 2.0),
                 "mode": "enforce",
                 "subject_kind": kind,
                 "subject": subject,
@@ -643,92 +768,66 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
                 "arithmetic": arithmetic,
                 "inputs": inputs,
                 "scores": {},
-                "routing_version": len(decisions) + 1,
+                "routing_version": len(self.decisions) + 1,
             }
         )
 
+
+def _initial_decisions(spec: SeedSpec, log: _DecisionLog) -> None:
+    """The first tick's: each pool's limits and weight from the config, every instance at weight 1."""
+    ts = log.start + 2.0
     for pool, limit in ((spec.prefill_pool, 256.0), (spec.decode_pool, 256.0)):
-        decide(
-            start + 2.0,
-            "pool",
-            pool,
-            "max_inflight_requests",
-            None,
-            limit,
-            "Initial",
-            "admission limit from config",
-            f"limit = config {limit:g}",
-            {},
+        # (field, value, message, arithmetic), one row a decision
+        for fld, value, message, arithmetic in (
+            ("max_inflight_requests", limit, "admission limit from config", f"limit = config {limit:g}"),
+            ("max_inflight_kv_bytes", 64 * 2**30, "handoff KV budget from config", "budget = config 64 GiB"),
+            ("weight", 1.0, "pool weight from config", "w = 1.0"),
+        ):
+            log.decide(ts, "pool", pool, fld, None, value, "Initial", message, arithmetic, {})
+    for name in {n: 1.0 for n in (*spec.prefill, *spec.decode)}:
+        log.decide(
+            ts, "instance", name, "weight", None, 1.0, "Initial", "all instances healthy", "w = 1.0", {}
         )
-        decide(
-            start + 2.0,
-            "pool",
-            pool,
-            "max_inflight_kv_bytes",
-            None,
-            64 * 2**30,
-            "Initial",
-            "handoff KV budget from config",
-            "budget = config 64 GiB",
-            {},
-        )
-        decide(
-            start + 2.0,
-            "pool",
-            pool,
-            "weight",
-            None,
-            1.0,
-            "Initial",
-            "pool weight from config",
-            "w = 1.0",
-            {},
-        )
-    for name in weights:
-        decide(
-            start + 2.0,
+
+
+def _degraded_decisions(spec: SeedSpec, degraded: str, log: _DecisionLog, degrade_ts: float) -> None:
+    """The degraded D's weight stepped down to 0.25, then the decode pool's KV budget cut."""
+    ts = degrade_ts + 20.0
+    w = 1.0
+    tick = 0
+    while w > 0.25 + 1e-9:
+        new = max(w - 0.25, 0.25)
+        handoff_ms = 2400.0 + 200 * tick
+        log.decide(
+            ts,
             "instance",
-            name,
+            degraded,
             "weight",
-            None,
-            1.0,
-            "Initial",
-            "all instances healthy",
-            "w = 1.0",
-            {},
+            w,
+            new,
+            "NixlSlowTransfers",
+            f"{degraded}: mean NIXL xfer {handoff_ms:.0f} ms vs pool median 25 ms",
+            f"w = max({w:.2f} - step 0.25, target 0.25) = {new:.2f}",
+            {"nixl_xfer_mean_ms": handoff_ms, "pool_median_ms": 25.0},
         )
-    if spec.degraded:
-        ts = degrade_ts + 20.0
-        w = 1.0
-        while w > 0.25 + 1e-9:
-            new = max(w - 0.25, 0.25)
-            handoff_ms = 2400.0 + 200 * tick
-            decide(
-                ts,
-                "instance",
-                spec.degraded,
-                "weight",
-                w,
-                new,
-                "NixlSlowTransfers",
-                f"{spec.degraded}: mean NIXL xfer {handoff_ms:.0f} ms vs pool median 25 ms",
-                f"w = max({w:.2f} - step 0.25, target 0.25) = {new:.2f}",
-                {"nixl_xfer_mean_ms": handoff_ms, "pool_median_ms": 25.0},
-            )
-            w, ts, tick = new, ts + 10.0, tick + 1
-        decide(
-            ts + 5.0,
-            "pool",
-            spec.decode_pool,
-            "max_inflight_kv_bytes",
-            64 * 2**30,
-            48 * 2**30,
-            "HandoffBacklog",
-            "KV bytes in flight to D above 75% of budget",
-            "budget = 64 GiB * 0.75 = 48 GiB",
-            {"inflight_kv_bytes": 52 * 2**30},
-        )
-    overrides = [
+        w, ts, tick = new, ts + 10.0, tick + 1
+    log.decide(
+        ts + 5.0,
+        "pool",
+        spec.decode_pool,
+        "max_inflight_kv_bytes",
+        64 * 2**30,
+        48 * 2**30,
+        "HandoffBacklog",
+        "KV bytes in flight to D above 75% of budget",
+        "budget = 64 GiB * 0.75 = 48 GiB",
+        {"inflight_kv_bytes": 52 * 2**30},
+    )
+
+
+def _overrides(spec: SeedSpec, start: float) -> list[dict[str, Any]]:
+    """A drain of the last P (cleared) and a weight canary on the first D (live)."""
+    return [
         {
             "id": 1,
             "subject_kind": "instance",
@@ -754,7 +853,11 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
             "cleared": None,
         },
     ]
-    audit = [
+
+
+def _audit_events(spec: SeedSpec, start: float) -> list[dict[str, Any]]:
+    """The operators' actions behind the overrides."""
+    return [
         {
             "ts": start + 60.0,
             "actor": "alice",
@@ -786,6 +889,10 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
             "override_id": 2,
         },
     ]
+
+
+def _alerts(spec: SeedSpec, start: float, degrade_ts: float) -> list[dict[str, Any]]:
+    """The drained P's InstanceDown (resolved); with a degraded D, its NIXL and TTFT alerts (firing)."""
     alerts = [
         {
             "rule": "InstanceDown",
@@ -830,7 +937,7 @@ def _controller_rows(spec: SeedSpec) -> dict[type, list[dict[str, Any]]]:
                 "last_eval": spec.end,
             },
         ]
-    return {Decision: decisions, WeightOverride: overrides, AuditEvent: audit, Alert: alerts}
+    return alerts
 
 
 def _instance_rows(spec: SeedSpec, start: float) -> list[dict[str, Any]]:
@@ -905,6 +1012,13 @@ def _nullable(values: np.ndarray, keep: np.ndarray) -> Any:
     return pa.array(values, mask=~keep)
 
 
+def _arrow_floats(a: np.ndarray) -> Any:
+    """A float column as an Arrow array, NaN as null."""
+    import pyarrow as pa
+
+    return pa.array(a.astype(float), mask=np.isnan(a.astype(float)))
+
+
 def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
     """Request records ``lo``..``hi`` as an Arrow table: the same values :func:`_request_rows` builds
     row by row (ids ``lo + 1``.. as the insert path gets them), column-wise for COPY."""
@@ -912,7 +1026,6 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
 
     c = req.cols
     sl = slice(lo, hi)
-    idx = np.arange(lo, hi)
     status = c["status"][sl].astype(str)
     ok = status == "ok"
     served = ~c["rejected"][sl]
@@ -923,18 +1036,9 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
     prefill = np.array(spec.prefill, dtype=object)[c["p_idx"][sl]]
     decode = np.array(spec.decode, dtype=object)[c["d_idx"][sl]]
     plain_error = np.isin(status, ("ok", "client_disconnect"))
-
-    def floats(a: np.ndarray) -> Any:
-        return pa.array(a.astype(float), mask=np.isnan(a.astype(float)))
-
     cols: dict[str, Any] = {
-        "id": pa.array(idx + 1, type=pa.int64()),
-        "request_id": pa.array([request_id(int(i), spec.seed) for i in range(lo, hi)]),
-        "trace_id": pa.array(
-            [f"{(i * 0x9E3779B97F4A7C15 + spec.seed) % 2**128:032x}" for i in range(lo, hi)]
-        ),
-        "endpoint": pa.array(np.where(idx % 3 != 0, "/v1/chat/completions", "/v1/completions")),
-        "stream": pa.array(idx % 4 != 0),
+        "id": pa.array(np.arange(lo, hi) + 1, type=pa.int64()),
+        **{name: pa.array(values) for name, values in _id_columns(spec, lo, hi).items()},
         "p_instance": _nullable(prefill, via_p),
         "d_instance": _nullable(decode, served),
         "p_pool": _nullable(np.full(hi - lo, spec.prefill_pool, dtype=object), via_p),
@@ -950,9 +1054,9 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
         "route_path": pa.array(_route_paths(c, sl).tolist(), type=pa.string()),
         "prefix_key": pa.array(_prefix_keys(c, sl, spec.seed), type=pa.string()),
         **{col: _nullable(c[key][sl], c[key][sl] >= 0) for col, key in ROUTING_INT_COLUMNS.items()},
-        "d_decode_s": floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
-        "ttft_s": floats(ttft),
-        "tpot_s": floats(tpot),
+        "d_decode_s": _arrow_floats(np.where(ok, c["d_decode_s"][sl], np.nan)),
+        "ttft_s": _arrow_floats(ttft),
+        "tpot_s": _arrow_floats(tpot),
         "slo_ttft_met": _nullable(ttft <= spec.ttft_target_s, ~np.isnan(ttft)),
         "slo_tpot_met": _nullable(tpot <= spec.tpot_target_s, ~np.isnan(tpot)),
         "slo_met": _nullable((ttft <= spec.ttft_target_s) & ~(tpot > spec.tpot_target_s), ok),
@@ -960,7 +1064,7 @@ def _request_table(spec: SeedSpec, req: _Requests, lo: int, hi: int) -> Any:
         "attributes": pa.array(np.full(hi - lo, "{}", dtype=object)),
     }
     for name in _FLOAT_COLUMNS:
-        cols[name] = floats(c[name][sl])
+        cols[name] = _arrow_floats(c[name][sl])
     return pa.table(cols)
 
 
@@ -1034,16 +1138,13 @@ def bulk_seed_postgres(
     chunks into tables without indexes, which are built after the load; then VACUUM ANALYZE.
     The store is migrated first and must hold no request records or snapshots yet. With
     ``backend_nice``, the server process doing the load runs at that niceness too."""
-    import time
-
-    say = progress or (lambda _msg: None)
     upgrade(url)
     engine = make_engine(url)
-    t0 = time.perf_counter()
+    load = _BulkLoad(progress or (lambda _msg: None), backend_nice, time.perf_counter())
     try:
         rng = np.random.default_rng(spec.seed)
         req = _gen_requests(spec, rng)
-        say(f"generated {req.n:,} requests in {time.perf_counter() - t0:.0f} s")
+        load.say(f"generated {req.n:,} requests in {load.elapsed()}")
         ctrl = _controller_rows(spec)
         start = spec.end - spec.duration_s
         with engine.begin() as conn:
@@ -1053,37 +1154,56 @@ def bulk_seed_postgres(
                     conn.execute(insert(model), ctrl[model])
         raw = engine.raw_connection()
         try:
-            cur = raw.cursor()
-            cur.execute("SET maintenance_work_mem = '256MB'")
-            if backend_nice is not None:
-                say(_renice_backend(cur, backend_nice))
-            rebuild = [ddl for t in _BULK_TABLES for ddl in _drop_keys_and_indexes(cur, t)]
-            chunk = max(spec.chunk, 100_000)
-            for lo in range(0, req.n, chunk):
-                hi = min(lo + chunk, req.n)
-                _copy_table(cur, "request_records", _request_table(spec, req, lo, hi))
-                say(
-                    f"requests {hi:,} / {req.n:,} ({hi / max(req.n, 1):.0%}) {time.perf_counter() - t0:.0f} s"
-                )
-            n_snap = 0
-            for rows in _snapshot_rows(spec, req, rng):
-                _copy_table(cur, "snapshots", _snapshot_table(rows, n_snap + 1))
-                n_snap += len(rows)
-                say(f"snapshots {n_snap:,} {time.perf_counter() - t0:.0f} s")
-            for ddl in rebuild:
-                say(f"{ddl[:100]} ... {time.perf_counter() - t0:.0f} s")
-                cur.execute(ddl)
-            for t in _BULK_TABLES:
-                cur.execute(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))")
+            n_snap = load.copy(raw.cursor(), spec, req, rng)
             raw.commit()
         finally:
             raw.close()
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            say(f"VACUUM ANALYZE ... {time.perf_counter() - t0:.0f} s")
-            if backend_nice is not None:
-                _renice_backend(conn.connection.dbapi_connection.cursor(), backend_nice)  # type: ignore[union-attr]
-            for t in (*_BULK_TABLES, "decisions", "instances"):
-                conn.exec_driver_sql(f"VACUUM ANALYZE {t}")
+        load.vacuum(engine)
     finally:
         engine.dispose()
     return _summary(spec, req, n_snap, len(ctrl[Decision]))
+
+
+@dataclass(frozen=True)
+class _BulkLoad:
+    """One bulk load's progress reports (``say``, with the seconds since ``t0``) and server niceness."""
+
+    say: Callable[[str], None]
+    backend_nice: int | None
+    t0: float
+
+    def elapsed(self) -> str:
+        return f"{time.perf_counter() - self.t0:.0f} s"
+
+    def copy(self, cur: Any, spec: SeedSpec, req: _Requests, rng: np.random.Generator) -> int:
+        """COPY the request records and snapshots into their tables without keys or indexes, then
+        rebuild those and the id sequences; returns the number of snapshots."""
+        cur.execute("SET maintenance_work_mem = '256MB'")
+        if self.backend_nice is not None:
+            self.say(_renice_backend(cur, self.backend_nice))
+        rebuild = [ddl for t in _BULK_TABLES for ddl in _drop_keys_and_indexes(cur, t)]
+        chunk = max(spec.chunk, 100_000)
+        for lo in range(0, req.n, chunk):
+            hi = min(lo + chunk, req.n)
+            _copy_table(cur, "request_records", _request_table(spec, req, lo, hi))
+            self.say(f"requests {hi:,} / {req.n:,} ({hi / max(req.n, 1):.0%}) {self.elapsed()}")
+        n_snap = 0
+        for rows in _snapshot_rows(spec, req, rng):
+            _copy_table(cur, "snapshots", _snapshot_table(rows, n_snap + 1))
+            n_snap += len(rows)
+            self.say(f"snapshots {n_snap:,} {self.elapsed()}")
+        for ddl in rebuild:
+            self.say(f"{ddl[:100]} ... {self.elapsed()}")
+            cur.execute(ddl)
+        for t in _BULK_TABLES:
+            cur.execute(f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), (SELECT max(id) FROM {t}))")
+        return n_snap
+
+    def vacuum(self, engine: Engine) -> None:
+        """VACUUM ANALYZE the loaded tables (outside a transaction)."""
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            self.say(f"VACUUM ANALYZE ... {self.elapsed()}")
+            if self.backend_nice is not None:
+                _renice_backend(conn.connection.dbapi_connection.cursor(), self.backend_nice)  # type: ignore[union-attr]
+            for t in (*_BULK_TABLES, "decisions", "instances"):
+                conn.exec_driver_sql(f"VACUUM ANALYZE {t}")

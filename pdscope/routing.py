@@ -87,6 +87,53 @@ class ProxyShare(BaseModel):
     pools: dict[str, PoolShare]
 
 
+MAX_RATE_ROWS = 100_000  # rows of a served rate table (instances, pairs): a bound on what a proxy accepts
+
+
+class InstanceRate(BaseModel):
+    """What the controller fitted for one instance from the stored traces of its window.
+
+    P: the time a request spends in P (P's queue and its prefill, ``p_done - p_sent``) as
+    ``prefill_base_s + prefill_s_per_token x tokens``, where ``tokens`` is the uncached prefill
+    tokens ahead of it on P when it was sent plus its own. D: ``handoff_s``, the median time from
+    P's answer to D's first token of the handoffs D served. ``samples``: the records the fit used;
+    ``error``: the median absolute relative error of the fit on those records (None: too few)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str = Field(min_length=1, max_length=256)
+    prefill_base_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    prefill_s_per_token: float | None = Field(default=None, ge=0.0, le=60.0)
+    handoff_s: float | None = Field(default=None, ge=0.0, le=3600.0)
+    samples: int = Field(default=0, ge=0)
+    error: float | None = Field(default=None, ge=0.0)
+
+
+class PairRate(BaseModel):
+    """One P x D link: the median P-answer-to-D-first-token time of the handoffs it carried."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prefill: str = Field(min_length=1, max_length=256)
+    decode: str = Field(min_length=1, max_length=256)
+    handoff_s: float = Field(ge=0.0, le=3600.0)
+    samples: int = Field(ge=0)
+
+
+class Rates(BaseModel):
+    """The controller's fit of the fleet's rates (the TTFT predictor's prior, ``proxy.predict``),
+    fitted at ``fitted_at`` over the ``window_s`` seconds before it. A proxy corrects it online
+    from what it sees complete; an instance or pair missing here falls back to the proxy's own
+    fit, then to the configured priors."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    fitted_at: float
+    window_s: float = Field(ge=0.0)
+    instances: list[InstanceRate] = Field(default_factory=list, max_length=MAX_RATE_ROWS)
+    pairs: list[PairRate] = Field(default_factory=list, max_length=MAX_RATE_ROWS)
+
+
 class RoutingTable(BaseModel):
     """What the proxy should do now. ``enforce=False`` means advisory: show, don't apply."""
 
@@ -109,6 +156,12 @@ class RoutingTable(BaseModel):
         description="the polling proxy's part of the pools' limits; None: the poll did not say "
         "who it is, or the controller could not work the share out (the proxy keeps its last)",
     )
+    rates: Rates | None = Field(
+        default=None,
+        description="the rates the controller fitted from the stored traces, with their age and "
+        "error: the prior of the proxy's TTFT predictor; None: none fitted (an older controller, "
+        "or too few records)",
+    )
     proxy_withheld: str | None = Field(
         default=None,
         max_length=500,
@@ -117,13 +170,21 @@ class RoutingTable(BaseModel):
     )
 
 
-def routing_etag(epoch: str, version: int, share: ProxyShare | None = None) -> str:
+def routing_etag(epoch: str, version: int, share: ProxyShare | None = None, rates_tag: str = "") -> str:
     """The strong ETag of table ``version`` served by the controller process ``epoch``, with the
-    polling proxy's ``share`` (a proxy whose part changed gets the table again)."""
+    polling proxy's ``share`` (a proxy whose part changed gets the table again) and the served
+    rates' ``rates_tag`` (:func:`rates_digest`, computed once when they change; a proxy gets new
+    rates although the table's version is the same)."""
+    tail = "" if not rates_tag else f"-r{rates_tag}"
     if share is None:
-        return f'"{epoch}-{version}"'
+        return f'"{epoch}-{version}{tail}"'
     digest = hashlib.blake2b(share.model_dump_json().encode(), digest_size=6).hexdigest()
-    return f'"{epoch}-{version}-{digest}"'
+    return f'"{epoch}-{version}-{digest}{tail}"'
+
+
+def rates_digest(rates: Rates) -> str:
+    """A short digest of ``rates``' content, for :func:`routing_etag`."""
+    return hashlib.blake2b(rates.model_dump_json().encode(), digest_size=6).hexdigest()
 
 
 # -- the proxy's report on each poll ----------------------------------------------------

@@ -67,6 +67,21 @@ D_CACHED_TOKENS = "pdscope.d_cached_tokens"  # from D's usage (local hits plus, 
 PREFIX_KEY = "pdscope.prefix_key"  # hex, the deepest matched block's chain key (first 8 bytes)
 PREFIX_TOKENS = "pdscope.prefix_tokens"  # tokens of that matched prefix
 ROUTE_REASON = "pdscope.route_reason"  # why this P (and D): see proxy.kvaware
+# The TTFT predictor (proxy.predict), on the root: the TTFT predicted at admission for the P and D it
+# was sent to (seconds from the proxy's receipt, the admission wait so far included), the target it was
+# admitted against (slo.ttft or the request's header), the uncached prefill tokens ahead of it on that P
+# (the proxy's count, scaled to the whole pool when several proxies share it), its own uncached tokens,
+# and where the rates came from (see PREDICT_SOURCES). A rejected request carries the prediction that
+# rejected it (reject reason "predicted_late").
+PREDICTED_TTFT_S = "pdscope.predicted_ttft_s"
+TTFT_TARGET_S = "pdscope.ttft_target_s"
+PREDICT_TOKENS_AHEAD = "pdscope.predict.tokens_ahead"
+PREDICT_TOKENS = "pdscope.predict.tokens"
+PREDICT_SOURCE = "pdscope.predict.source"
+PREDICT_ONLINE = "online"  # fitted by this proxy from what it saw complete
+PREDICT_TABLE = "table"  # the controller's fit, served in the routing table
+PREDICT_PRIOR = "prior"  # the configured priors: nothing fitted yet
+PREDICT_SOURCES = (PREDICT_ONLINE, PREDICT_TABLE, PREDICT_PRIOR)
 SAMPLED = "pdscope.sampled"  # on the root: the head-sampling decision (the traceparent flag sent on)
 KEEP = "pdscope.keep"  # on an unsampled root whose children were kept anyway: see KEEP_REASONS
 KEEP_FAILED = "failed"  # outcome error or timeout

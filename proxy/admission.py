@@ -11,13 +11,17 @@ above the view's.
 
 When no pool of a role has room, the request waits for any release (bounded by
 ``queue_timeout_s``, or the shorter ``max_queue_wait_s`` the controller sets from the
-TTFT budget left), then is rejected with a reason. The number of waiters is bounded too.
+TTFT budget left, or, with admission by prediction, the time it can still wait and make its
+target), then is rejected with a reason. Waiters are woken in deadline order. The number of
+waiters is bounded too.
 One event loop, no locks; :meth:`Admission.wait` is the only thing that blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -29,7 +33,15 @@ REASON_KV_BYTES = "inflight_kv_bytes"
 REASON_QUEUE_FULL = "queue_full"
 REASON_NO_INSTANCES = "no_instances"
 REASON_ADAPTIVE = "adaptive_limit"
-REASONS = (REASON_REQUESTS, REASON_KV_BYTES, REASON_QUEUE_FULL, REASON_NO_INSTANCES, REASON_ADAPTIVE)
+REASON_PREDICTED_LATE = "predicted_late"  # every P's predicted TTFT is over the request's target
+REASONS = (
+    REASON_REQUESTS,
+    REASON_KV_BYTES,
+    REASON_QUEUE_FULL,
+    REASON_NO_INSTANCES,
+    REASON_ADAPTIVE,
+    REASON_PREDICTED_LATE,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +52,7 @@ class Rejection:
     reason: str
     pools: tuple[str, ...]
     role: str
+    retry_after_s: float | None = None  # predicted_late: when a request like it would make it again
 
 
 class Admission:
@@ -51,7 +64,9 @@ class Admission:
         # controller splits the pools' limits among proxies by (``pdscope.routing.ProxyReport``)
         self.demand: Counter[str] = Counter()
         self.max_waiters = max_waiters
-        self._waiters: list[asyncio.Future[None]] = []
+        # (deadline, arrival, future): woken in deadline order, so the most urgent waiter takes a slot first
+        self._waiters: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._arrivals = 0
 
     def blocked(self, pool: str, limits: PoolLimits) -> str | None:
         """Why ``pool`` cannot take one more request now, or None when it can."""
@@ -91,12 +106,15 @@ class Admission:
     def can_wait(self) -> bool:
         return len(self._waiters) < self.max_waiters
 
-    async def wait(self, within_s: float) -> bool:
-        """Wait until something is released or ``within_s`` passes; True if woken."""
+    async def wait(self, within_s: float, deadline: float = math.inf) -> bool:
+        """Wait until something is released or ``within_s`` passes; True if woken. Waiters are woken
+        in the order of their ``deadline`` (the time by which the request must be on its way)."""
         if within_s <= 0:
             return False
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._arrivals += 1
+        entry = (deadline, self._arrivals, fut)
+        bisect.insort(self._waiters, entry, key=lambda w: (w[0], w[1]))
         try:
             await asyncio.wait_for(fut, within_s)
             return True
@@ -104,13 +122,13 @@ class Admission:
             return False
         finally:
             try:
-                self._waiters.remove(fut)
+                self._waiters.remove(entry)
             except ValueError:
                 pass
 
     def _notify(self) -> None:
         if self._waiters:
             waiters, self._waiters = self._waiters, []
-            for fut in waiters:
+            for _, _, fut in waiters:  # deadline order: the earliest runs first and takes the slot
                 if not fut.done():
                     fut.set_result(None)

@@ -356,6 +356,7 @@ class Attempts:
                 handoff.end(end_time=t_first)
             now = self.clock()
             self.metrics.ttft_seconds.observe(now - req.started)
+            self.gate.first_token(req, now)
             self._sample(d.pool, now - req.admitted, now)
             ctype = resp.header(b"content-type") or (b"text/event-stream" if req.stream else JSON)
             out_headers = [(b"content-type", ctype), (b"x-request-id", req.rid.encode())]

@@ -32,6 +32,7 @@ Never raises but :class:`proxy.validate.InvalidRequest`; never blocks the loop f
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,17 +58,17 @@ class Count:
     exact: bool  # from the tokenizer; else a floor
 
 
-def _text_floor(text: str) -> int:
-    return -(-len(text.encode("utf-8", "surrogatepass")) // MAX_BYTES_PER_TOKEN)
+def _text_floor(text: str, per_token: float = MAX_BYTES_PER_TOKEN) -> int:
+    return math.ceil(len(text.encode("utf-8", "surrogatepass")) / per_token)
 
 
-def _prompt_floor(prompt: Any) -> int | None:
+def _prompt_floor(prompt: Any, per_token: float = MAX_BYTES_PER_TOKEN) -> int | None:
     if isinstance(prompt, str):
-        return _text_floor(prompt)
+        return _text_floor(prompt, per_token)
     if not isinstance(prompt, list) or not prompt:
         return None
     if all(isinstance(p, str) for p in prompt):  # a batch: each prompt must fit on its own
-        return max(_text_floor(p) for p in prompt)
+        return max(_text_floor(p, per_token) for p in prompt)
     if all(isinstance(p, list) for p in prompt):
         return max(len(p) for p in prompt)
     return len(prompt)  # token ids
@@ -83,8 +84,10 @@ def _content_bytes(content: Any) -> int:
     return 0
 
 
-def token_floor(endpoint: str, body: Mapping[str, Any]) -> int | None:
-    """A count the prompt's tokens are at least (see the module docstring), or None when unknown."""
+def token_floor(endpoint: str, body: Mapping[str, Any], per_token: float = MAX_BYTES_PER_TOKEN) -> int | None:
+    """A count the prompt's tokens are at least (see the module docstring), or None when unknown.
+    With ``per_token`` (bytes of text per token) under the longest token's, an estimate instead:
+    the TTFT predictor's (``proxy.predict.chars_per_token``)."""
     if endpoint == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -94,11 +97,11 @@ def token_floor(endpoint: str, body: Mapping[str, Any]) -> int | None:
             for m in messages
             if isinstance(m, dict) and m.get("role") != "assistant"
         )
-        floor: int | None = -(-size // MAX_BYTES_PER_TOKEN)
+        floor: int | None = math.ceil(size / per_token)
     elif body.get("prompt_embeds") is not None:
         return None
     else:
-        floor = _prompt_floor(body.get("prompt"))
+        floor = _prompt_floor(body.get("prompt"), per_token)
     keep = body.get("truncate_prompt_tokens")
     if keep is None or floor is None:
         return floor

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 import uuid
@@ -37,9 +38,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdscope import semconv as sc
 from proxy import protocol
-from proxy.admission import REASON_NO_INSTANCES, Admission, Rejection
+from proxy.admission import REASON_NO_INSTANCES, REASON_PREDICTED_LATE, Admission, Rejection
 from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
-from proxy.context import ContextCheck
+from proxy.context import ContextCheck, token_floor
 from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import ProtocolError
@@ -78,7 +79,8 @@ class Flow:
         )
         self._rng = random.Random()
         self.outliers = selector.outliers
-        self.gate = Gate(fs, routing, selector, admission, clock, kv)
+        self.gate = Gate(fs, routing, selector, admission, clock, kv, metrics)
+        self._target_header = fs.predict.target_header.lower().encode("latin-1")
         self.attempts = Attempts(
             fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer, clock
         )
@@ -116,6 +118,10 @@ class Flow:
                 await self.gate.key_prompt(req, body, len(raw))
             if self.context is not None:
                 await self._check_context(req, body, len(raw))
+            req.target_s = self._target_of(headers)
+            req.tokens = (
+                req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
+            )
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -160,9 +166,31 @@ class Flow:
                 400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param
             ) from exc
 
+    def _target_of(self, headers: dict[bytes, bytes]) -> float:
+        """The request's TTFT target in seconds: its header's (bounded), else slo.ttft's."""
+        raw = headers.get(self._target_header)
+        ps = self.fs.predict
+        if raw is None:
+            return self.fs.ttft_slo_s or ps.max_target_ms / 1000.0
+        try:
+            ms = float(raw.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            ms = math.nan
+        if not (ps.min_target_ms <= ms <= ps.max_target_ms):
+            raise client_error(
+                400,
+                f"header {ps.target_header}: a TTFT target in ms "
+                f"from {ps.min_target_ms:g} to {ps.max_target_ms:g}",
+                "invalid_request_error",
+                CLIENT_ERROR,
+                "invalid_value",
+                param=ps.target_header,
+            )
+        return ms / 1000.0
+
     def _finish_root(self, root: trace.Span, req: RequestState, http_status: int | None) -> None:
         if root.is_recording():
-            attrs: dict[str, str | int | bool] = {
+            attrs: dict[str, str | int | bool | float] = {
                 sc.REQUEST_ID: req.rid,
                 sc.ENDPOINT: req.endpoint,
                 sc.STREAM: req.stream,
@@ -185,6 +213,8 @@ class Flow:
                 attrs[sc.COMPLETION_TOKENS] = req.completion_tokens
             if req.d is not None:
                 self._route_attrs(attrs, req)
+            if req.predicted is not None:
+                self._predict_attrs(attrs, req)
             for key, ns in (
                 (sc.P_SENT_NS, req.p_sent_ns),
                 (sc.P_DONE_NS, req.p_done_ns),
@@ -205,7 +235,17 @@ class Flow:
             root.end()
 
     @staticmethod
-    def _route_attrs(attrs: dict[str, str | int | bool], req: RequestState) -> None:
+    def _predict_attrs(attrs: dict[str, str | int | bool | float], req: RequestState) -> None:
+        assert req.predicted is not None
+        attrs[sc.PREDICTED_TTFT_S] = round(req.predicted, 6)
+        attrs[sc.TTFT_TARGET_S] = req.target_s
+        if req.predicted_source is not None:  # admitted (a rejection's prediction has no chosen P)
+            attrs[sc.PREDICT_TOKENS_AHEAD] = req.tokens_ahead
+            attrs[sc.PREDICT_TOKENS] = req.predicted_x - req.tokens_ahead
+            attrs[sc.PREDICT_SOURCE] = req.predicted_source
+
+    @staticmethod
+    def _route_attrs(attrs: dict[str, str | int | bool | float], req: RequestState) -> None:
         """The route of an admitted request: its path, the view's predictions and the reason (when
         routed with a view), and the cached tokens P and D reported."""
         route = req.route
@@ -259,7 +299,19 @@ class Flow:
             self.metrics.rejections.labels(pool, rejection.reason).inc()
         span.set_attribute(sc.REJECT_REASON, rejection.reason)
         root.set_attribute(sc.REJECT_REASON, rejection.reason)
-        retry_after = [(b"retry-after", str(self.fs.retry_after_s).encode())]
+        wait = self.fs.retry_after_s
+        if rejection.retry_after_s is not None:  # predicted_late: when a request like it would make it
+            wait = min(max(math.ceil(rejection.retry_after_s), 1), 3600)
+        retry_after = [(b"retry-after", str(wait).encode())]
+        if rejection.reason == REASON_PREDICTED_LATE:
+            return client_error(
+                429,
+                f"no prefill instance can give a first token within the target now; retry in {wait} s",
+                "rate_limit_error",
+                "rejected",
+                rejection.reason,
+                retry_after,
+            )
         if rejection.reason == REASON_NO_INSTANCES:
             return client_error(
                 503,
@@ -322,3 +374,9 @@ class Flow:
         if self.gate.retry(req, "prefill", (req.p.name,), spend=lambda: True, or_same=True) is None:
             raise upstream_error("decode", exc.kind) from exc  # no P pool has room for the new prefill
         req.retries += 1
+
+
+def prompt_tokens(endpoint: str, body: dict[str, object], fs: FlowSettings) -> int:
+    """The predictor's count of a prompt no KV view keyed: its text at ``chars_per_token`` (token ids
+    count one each); 0 when unknown."""
+    return token_floor(endpoint, body, fs.predict.chars_per_token) or 0

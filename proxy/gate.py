@@ -34,7 +34,14 @@ from typing import Any
 
 from pdscope import semconv as sc
 from pdscope.routing import Role
-from proxy.admission import REASON_NO_INSTANCES, REASON_QUEUE_FULL, Admission, Rejection
+from proxy.admission import (
+    REASON_NO_INSTANCES,
+    REASON_PREDICTED_LATE,
+    REASON_QUEUE_FULL,
+    REASON_REQUESTS,
+    Admission,
+    Rejection,
+)
 from proxy.kvaware import (
     REASON_KEYING_BUSY,
     REASON_NO_PROMPT,
@@ -45,6 +52,7 @@ from proxy.kvaware import (
     choose,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.predict import Outlook, Predictor, late_decodes, outlook
 from proxy.prefixview import CacheView, Prompt
 from proxy.request import FlowSettings, RequestState
 from proxy.routing import RoutingState, RoutingView, Target
@@ -65,7 +73,10 @@ class KvRouting:
     With ``offload`` (the precise view: its tokenizer runs in Rust without the GIL), a body of
     ``OFFLOAD_BYTES`` or more is keyed on a worker thread, so a long prompt (up to the tokenizer's
     size cap, a second of tokenizing or more) never stalls the event loop and every other request
-    on it; at most ``OFFLOAD_MAX`` at once, and past that the request routes load-only."""
+    on it; at most ``OFFLOAD_MAX`` at once, and past that the request routes load-only.
+
+    P's backlog (uncached prefill tokens sent and not yet answered) is the predictor's
+    (:attr:`proxy.predict.Predictor.backlog`), for every request, keyed or not."""
 
     def __init__(
         self,
@@ -77,7 +88,6 @@ class KvRouting:
     ) -> None:
         self.view, self.model, self.metrics = view, model, metrics
         self.rng = rng or random.Random()
-        self.backlog: dict[str, int] = {}
         self.offload = offload
         self.offloaded = 0  # keyings on the worker threads now
         self._pool: ThreadPoolExecutor | None = None
@@ -170,6 +180,7 @@ class Gate:
         admission: Admission,
         clock: Callable[[], float],
         kv: KvRouting | None = None,
+        metrics: ProxyMetrics | None = None,
     ) -> None:
         self.fs, self.routing, self.selector, self.admission, self.clock = (
             fs,
@@ -179,6 +190,11 @@ class Gate:
             clock,
         )
         self.kv = kv
+        self.metrics = metrics
+        self.predictor = Predictor(fs.predict, fs.prefill_tokens_per_s)
+        # admission by prediction: the weighted proxy only (round-robin stays the toy proxy's baseline)
+        self.by_prediction = fs.predict.admit and selector.policy == "weighted"
+        self._table: object = None
         pools = routing.settings.pools
         self._pools_of: dict[str, tuple[str, ...]] = {
             role: tuple(name for name, p in pools.items() if p.role == role) for role in ("prefill", "decode")
@@ -209,17 +225,101 @@ class Gate:
             kv.routed(req.prompt, names, self.clock())
 
     async def _admit(self, req: RequestState) -> Rejection | None:
+        """Admit ``req`` now, or wait for a pool's room while it can still make its target (with
+        admission by prediction) and the queue bound allows; or why not."""
         deadline = self.clock() + self.routing.view.queue_wait_s(self.fs.queue_timeout_s)
+        self._sync_table()
         while True:
-            rejection = self._try_admit(req, self.routing.view, self.clock())
-            if rejection is None or rejection.reason == REASON_NO_INSTANCES:
+            now, view = self.clock(), self.routing.view
+            look = self._outlook(req, view, now)
+            if look is not None and look.hopeless:
+                return self._late(req, view, look)
+            late = look.late if look is not None else frozenset()
+            rejection = self._try_admit(req, view, now, late)
+            if rejection is None:
+                self._predicted(req, now)
+                return None
+            if rejection.reason == REASON_NO_INSTANCES:
                 return rejection
-            remaining = deadline - self.clock()
-            if remaining <= 0:
+            until = deadline if look is None else min(deadline, now + look.slack_s)
+            if until - now <= 0:
                 return rejection
             if not self.admission.can_wait():
                 return Rejection(REASON_QUEUE_FULL, rejection.pools, rejection.role)
-            await self.admission.wait(remaining)
+            await self.admission.wait(until - now, until)
+
+    # -- the predictor ----------------------------------------------------------------
+
+    def _sync_table(self) -> None:
+        """A new routing table: its rates are the predictor's prior, this proxy's share its scale."""
+        table = self.routing.table
+        if table is self._table:
+            return
+        self._table = table
+        share = self.routing.share
+        parts = (
+            []
+            if share is None
+            else [share.pools[p].share for p in self._pools_of["prefill"] if p in share.pools]
+        )
+        self.predictor.use_table(
+            table.rates if table is not None else None, sum(parts) / len(parts) if parts else None
+        )
+
+    def _outlook(self, req: RequestState, view: RoutingView, now: float) -> Outlook | None:
+        """Which Ps the request would be late through, with admission by prediction; else None."""
+        if not self.by_prediction or not view.prefill:
+            return None
+        ps = [t.name for t, _ in self.selector.weighed(view.prefill, now)]
+        ds = [t.name for t, _ in self.selector.weighed(view.decode, now)]
+        pred, elapsed = self.predictor, now - req.started
+        look = outlook(pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s)
+        if look.hopeless and req.prompt is not None and self.kv is not None:
+            cached = self.kv.cached(req.prompt, ps) or {}  # a P holding the prefix computes less
+            own = {p: req.tokens - min(max(int(cached.get(p, 0)), 0), req.tokens) for p in ps}
+            look = outlook(pred, own, ps, ds, elapsed, req.target_s)
+        return look
+
+    def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
+        """Every P is predicted late: rejected now, with when a request like it would make it."""
+        req.predicted = look.best_s
+        return Rejection(
+            REASON_PREDICTED_LATE,
+            view.prefill_pools or self._pools_of["prefill"],
+            "prefill",
+            retry_after_s=look.best_s - look.budget_s,
+        )
+
+    def _predicted(self, req: RequestState, now: float) -> None:
+        """Admitted: the predicted TTFT of the chosen P and D, and its tokens join P's backlog."""
+        p, d = req.p, req.d
+        if p is None or d is None:  # D alone computes the prompt: no P part to predict with
+            return
+        pred = self.predictor
+        own = req.route.p_uncached if req.route is not None else req.tokens
+        est = pred.prefill(p.name, own)
+        req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name)
+        req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
+        if own > 0:
+            pred.add_backlog(p.name, own)
+            req.backlog = (p.name, own)
+
+    def first_token(self, req: RequestState, now: float) -> None:
+        """D's first token: the handoff's time teaches the pair, the TTFT the predictor's error."""
+        pred = self.predictor
+        if (
+            req.p is not None
+            and req.d is not None
+            and req.retries == 0
+            and req.p_done_ns
+            and req.first_token_ns
+        ):
+            pred.observe_handoff(req.p.name, req.d.name, (req.first_token_ns - req.p_done_ns) / 1e9)
+        if req.predicted is not None:
+            ratio = pred.observe_ttft(req.predicted, now - req.started)
+            if ratio is not None and self.metrics is not None and req.d is not None:
+                pool = req.p.pool if req.p is not None else req.d.pool
+                self.metrics.ttft_prediction_ratio.labels(pool).observe(ratio)
 
     def _count_demand(self, req: RequestState, rejection: Rejection | None) -> None:
         """One demand per role: the pool admitted into, else the pools the rejection names (or, for
@@ -236,9 +336,12 @@ class Gate:
             for pool in rejection.pools if rejection.role == role else pools:
                 demand[pool] += 1
 
-    def _try_admit(self, req: RequestState, view: RoutingView, now: float) -> Rejection | None:
+    def _try_admit(
+        self, req: RequestState, view: RoutingView, now: float, late: frozenset[str] = frozenset()
+    ) -> Rejection | None:
+        """Into the open pools, never through a P in ``late`` (predicted to miss the target)."""
         if req.prompt is not None and self.kv is not None:
-            return self._try_admit_kv(self.kv, req.prompt, req, view, now)
+            return self._try_admit_kv(self.kv, req.prompt, req, view, now, late)
         for role, targets in (("prefill", view.prefill), ("decode", view.decode)):
             if not targets:
                 return Rejection(REASON_NO_INSTANCES, self._pools_of[role], role)
@@ -248,9 +351,13 @@ class Gate:
         d_pools, d_why = self._open_pools(view, "decode")
         if not d_pools:
             return d_why
-        p = self.selector.pick("prefill", view.prefill, now, pools=p_pools)
-        d = self.selector.pick("decode", view.decode, now, pools=d_pools)
-        assert p is not None and d is not None
+        p = self.selector.pick("prefill", view.prefill, now, exclude=late, pools=p_pools)
+        if p is None:  # the open pools' Ps are all late; one in time is in a full pool
+            return p_why or Rejection(REASON_REQUESTS, tuple(p_pools), "prefill")
+        d = self.selector.pick(
+            "decode", view.decode, now, exclude=self._late_ds(req, p, view, now), pools=d_pools
+        )
+        assert d is not None
         req.p, req.d = p, d
         req.admitted = now
         self.admission.enter(p.pool)
@@ -260,7 +367,13 @@ class Gate:
         return None
 
     def _try_admit_kv(
-        self, kv: KvRouting, prompt: Prompt, req: RequestState, view: RoutingView, now: float
+        self,
+        kv: KvRouting,
+        prompt: Prompt,
+        req: RequestState,
+        view: RoutingView,
+        now: float,
+        late: frozenset[str] = frozenset(),
     ) -> Rejection | None:
         """The cost model's pick over the open pools' eligible instances; D alone when it says so
         (then P's pools need no room). Rejections as the load-only path's, P's first."""
@@ -272,17 +385,21 @@ class Gate:
             p_pools, p_why = self._open_pools(view, "prefill")
             if p_pools:
                 p_why = None
-                p_cands = self._candidates(view.prefill, now, p_pools, kv.backlog)
+                p_cands = [
+                    c for c in self._candidates(view.prefill, now, p_pools, True) if c.target.name not in late
+                ]
+                if not p_cands:  # the open pools' Ps are all late; one in time is in a full pool
+                    p_why = Rejection(REASON_REQUESTS, tuple(p_pools), "prefill")
         if not view.decode:
             return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
         d_pools, d_why = self._open_pools(view, "decode")
         if not d_pools:
             return p_why or d_why
-        d_cands = self._candidates(view.decode, now, d_pools, None)
+        d_cands = self._candidates(view.decode, now, d_pools, False)
         cached = kv.cached(prompt, [c.target.name for c in (*p_cands, *d_cands)])
         if cached is None:  # the view failed: this request goes load-only
             req.prompt, req.route_reason = None, REASON_VIEW_ERROR
-            return self._try_admit(req, view, now)
+            return self._try_admit(req, view, now, late)
         decision = choose(prompt, cached, p_cands, d_cands, kv.model, kv.rng)
         if decision is None:  # no P with room (or none routable), and not one for D alone; or no D
             if not d_cands:
@@ -292,13 +409,26 @@ class Gate:
         return None
 
     def _candidates(
-        self, targets: Sequence[Target], now: float, pools: Collection[str], backlog: Mapping[str, int] | None
+        self, targets: Sequence[Target], now: float, pools: Collection[str], p: bool
     ) -> list[Candidate]:
-        load = self.selector.inflight
+        """The cost model's candidates; a P's with its backlog and the predictor's rate for it."""
+        load, pred = self.selector.inflight, self.predictor
+        if not p:
+            return [
+                Candidate(t, w, load.get(t.name, 0)) for t, w in self.selector.weighed(targets, now, pools)
+            ]
         return [
-            Candidate(t, w, load.get(t.name, 0), backlog.get(t.name, 0) if backlog is not None else 0)
+            Candidate(t, w, load.get(t.name, 0), pred.tokens_ahead(t.name), pred.rate(t.name))
             for t, w in self.selector.weighed(targets, now, pools)
         ]
+
+    def _late_ds(self, req: RequestState, p: Target, view: RoutingView, now: float) -> set[str]:
+        """The Ds through which ``p`` would be late (none when admission is not by prediction)."""
+        if not self.by_prediction:
+            return set()
+        est = self.predictor.prefill(p.name, req.tokens)
+        ds = [t.name for t in view.decode]
+        return late_decodes(self.predictor, p.name, est.seconds, ds, now - req.started, req.target_s)
 
     def _enter(self, req: RequestState, decision: Decision, kv: KvRouting, now: float) -> None:
         req.route = decision
@@ -306,10 +436,6 @@ class Gate:
             req.p = decision.p
             self.admission.enter(decision.p.pool)
             req.p_slot = decision.p.pool
-            n = decision.p_uncached
-            if n > 0:
-                kv.backlog[decision.p.name] = kv.backlog.get(decision.p.name, 0) + n
-                req.backlog = (decision.p.name, n)
         req.d = decision.d
         req.admitted = now
         self.admission.enter(decision.d.pool)
@@ -317,14 +443,10 @@ class Gate:
 
     def _drop_backlog(self, req: RequestState) -> None:
         """``req``'s prefill is answered (or moved, or over): its tokens leave its P's backlog."""
-        if req.backlog is not None and self.kv is not None:
+        if req.backlog is not None:
             name, n = req.backlog
             req.backlog = None
-            left = self.kv.backlog.get(name, 0) - n
-            if left > 0:
-                self.kv.backlog[name] = left
-            else:
-                self.kv.backlog.pop(name, None)
+            self.predictor.drop_backlog(name, n)
 
     def _open_pools(
         self, view: RoutingView, role: Role, held: str | None = None
@@ -406,6 +528,8 @@ class Gate:
         self.admission.add_bytes(req.p.pool, kv)
         self.admission.add_bytes(req.d.pool, kv)
         req.kv_held = (req.p.pool, req.d.pool, kv)
+        if req.retries == 0 and req.predicted is not None and req.p_sent_ns and req.p_done_ns:
+            self.predictor.observe_prefill(req.p.name, req.predicted_x, (req.p_done_ns - req.p_sent_ns) / 1e9)
         if req.backlog is not None:
             self._drop_backlog(req)
         if req.p_slot is not None:

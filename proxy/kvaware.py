@@ -9,7 +9,9 @@ a hard constraint, decided before this), the expected TTFT of sending it to P th
   + transfer     (prompt - cached(D)) / transfer_rate  the blocks D lacks and pulls from P
   + D queue      D_INFLIGHT_S x inflight(D) / w(D)     a small per-request term
 
-``rate`` is ``proxy.kv_aware.prefill_tokens_per_s``, ``transfer_rate`` its
+``rate`` is P's prefill rate as the TTFT predictor fitted it (``proxy.predict``: this proxy's own
+fit, else the controller's from the stored traces), else ``proxy.kv_aware.prefill_tokens_per_s``
+(the predictor's prior too), and ``backlog`` the predictor's count of P; ``transfer_rate`` its
 ``transfer_tokens_per_s``, and ``w`` an instance's routing weight (times its outlier factor)
 relative to the mean weight of its role's candidates. Weights apply as in the load-only
 selector (``proxy.selection``): they scale the load terms (an instance of twice the weight
@@ -81,7 +83,8 @@ class Candidate:
     target: Target
     weight: float  # its routing weight, times its outlier factor (> 0)
     inflight: int  # upstream calls in flight on it
-    backlog_tokens: int = 0  # P only: uncached prefill tokens sent to it and not yet done
+    backlog_tokens: int = 0  # P only: uncached prefill tokens ahead of it (the predictor's backlog)
+    rate: float | None = None  # P only: its prefill tokens/s as the predictor fitted it (None: the prior)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +161,9 @@ def _score_p(
 ) -> list[_Scored]:
     raw = [_clamp(cached.get(c.target.name, 0), prompt) for c in cands]
     credit, rel = _credits(cands, raw, m.affinity_bound)
-    rate = m.prefill_tokens_per_s
+    prior = m.prefill_tokens_per_s
     return [
-        _Scored(c, r, k, w, (max(c.backlog_tokens, 0) / w + prompt - k) / rate)
+        _Scored(c, r, k, w, (max(c.backlog_tokens, 0) / w + prompt - k) / (c.rate or prior))
         for c, r, k, w in zip(cands, raw, credit, rel, strict=True)
     ]
 

@@ -46,6 +46,9 @@ class LiveSources:
     kv_trust: HitCheck | None = None  # precise KV-aware routing's check of predicted against reported hits
 
 
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -98,6 +101,14 @@ class ProxyMetrics:
             "pdscope_proxy_time_to_first_token_seconds",
             "Proxy arrival to D's first byte.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_prediction_ratio = Histogram(
+            "pdscope_proxy_ttft_prediction_ratio",
+            "Observed over predicted TTFT of each request admitted with a prediction (1: exact), by its "
+            "P pool (D's when it went to D alone): the TTFT predictor's error (proxy.predict).",
+            ["pool"],
+            buckets=PREDICTION_RATIO_BUCKETS,
             registry=r,
         )
         self.client_read_timeouts = Counter(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdscope.config import Settings
+from pdscope.config import PredictSettings, Settings
 from proxy import protocol
 from proxy.kvaware import Decision
 from proxy.prefixview import Prompt
@@ -20,6 +20,7 @@ from proxy.protocol import PrefillAnswer
 from proxy.routing import PoolLimits, Target, fallback_limits
 
 JSON = b"application/json"
+DEFAULT_PREDICT = PredictSettings()
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,8 @@ class FlowSettings:
     max_model_len: int | None = None
     trace_sample_ratio: float = 1.0
     ttft_slo_s: float | None = None  # slo.ttft.target_ms in seconds: an unsampled trace over it is kept
+    predict: PredictSettings = DEFAULT_PREDICT
+    prefill_tokens_per_s: float = 16000.0  # the predictor's prior rate (proxy.kv_aware.prefill_tokens_per_s)
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -52,6 +55,8 @@ class FlowSettings:
             max_model_len=s.proxy.max_model_len,
             trace_sample_ratio=s.proxy.trace_sample_ratio,
             ttft_slo_s=s.slo.ttft.target_ms / 1000.0,
+            predict=s.proxy.predict,
+            prefill_tokens_per_s=s.proxy.kv_aware.prefill_tokens_per_s,
         )
 
 
@@ -128,6 +133,9 @@ class RequestState:
         "p_done_ns",
         "p_sent_ns",
         "p_slot",
+        "predicted",
+        "predicted_source",
+        "predicted_x",
         "prefill",
         "prompt",
         "retries",
@@ -139,6 +147,9 @@ class RequestState:
         "started",
         "started_ns",
         "stream",
+        "target_s",
+        "tokens",
+        "tokens_ahead",
     )
 
     def __init__(self, endpoint: str, rid: str) -> None:
@@ -164,6 +175,16 @@ class RequestState:
         self.backlog: tuple[str, int] | None = None
         self.d_cached_tokens: int | None = None
         self.d_prompt_tokens: int | None = None
+        # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the
+        # best count known before P), and at admission the predicted TTFT of the chosen P and D (from
+        # ``started``), the tokens ahead of it on that P, ahead + own uncached (what P's fit learns from)
+        # and where the rates came from
+        self.target_s = 0.0
+        self.tokens = 0
+        self.predicted: float | None = None
+        self.tokens_ahead = 0
+        self.predicted_x = 0
+        self.predicted_source: str | None = None
         self.started = 0.0
         self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
         # the trace: the head-sampling decision and the stage timestamps (Unix ns) the root carries

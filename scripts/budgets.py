@@ -1,4 +1,4 @@
-"""The house's budgets: two counts that may only go down, checked by `make lint` (so `make check`, CI).
+"""The house's budgets: three counts that may only go down, checked by `make lint` (so `make check`, CI).
 
 - **Duplicates.** Runs of 6 or more identical lines (comments, docstrings, imports and function
   signatures left out) shared by two or more files of the service packages and bench: pylint's
@@ -7,6 +7,9 @@
 - **Long and branchy service functions.** ruff's C901 (cyclomatic complexity over 12), PLR0912
   (over 12 branches) and PLR0915 (over 50 statements) over the service packages. Each finding must
   be on the allow list `[complexity.allowed]` in `budgets.toml`: functions to split; never add one.
+- **Long functions.** Functions (and methods) over `LONG_LINES` lines, from the `def` to their last
+  line, in the service packages and bench (tests left out). Their number must not exceed
+  `[length] max_over_50` in `budgets.toml`.
 
 Below budget (a duplicate mended, a listed function split), the check passes and says how to lower
 the budget. It reads the tree and writes nothing; it exits 1 when a budget is exceeded.
@@ -126,6 +129,34 @@ def complexity_findings(root: Path, dirs: Iterable[str]) -> set[tuple[str, str]]
     return found
 
 
+LONG_LINES = 50
+
+
+def long_functions(root: Path, files: list[Path]) -> list[str]:
+    """Each function of ``files`` over ``LONG_LINES`` lines, as "file::function (N lines)"."""
+    out = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > LONG_LINES:
+                    out.append(f"{path.relative_to(root)}::{node.name} ({n} lines)")
+    return sorted(out)
+
+
+def check_length(packages: list[str], budget: int) -> bool:
+    found = long_functions(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
+    print(f"length: {len(found)} functions over {LONG_LINES} lines (budget {budget})")
+    if len(found) > budget:
+        print("\n".join(f"  {f}" for f in found))
+        print(f"!! over budget: split the new long function, do not raise {BUDGET_FILE.name}")
+        return False
+    if len(found) < budget:
+        print(f"   below budget: set [length] max_over_50 = {len(found)} in {BUDGET_FILE.name}")
+    return True
+
+
 def check_duplicates(packages: list[str], budget: int) -> bool:
     blocks = duplicate_blocks(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
     print(f"duplicates: {len(blocks)} identical runs of {MIN_DUPLICATE_LINES}+ lines (budget {budget})")
@@ -157,6 +188,7 @@ def main(packages: list[str]) -> int:
     budgets = tomllib.loads(BUDGET_FILE.read_text(encoding="utf-8"))
     ok = check_duplicates(packages, budgets["duplicates"]["max"])
     ok = check_complexity(packages, budgets["complexity"]["allowed"]) and ok
+    ok = check_length(packages, budgets["length"]["max_over_50"]) and ok
     return 0 if ok else 1
 
 

@@ -141,12 +141,58 @@ def _local_zmq(pool: str, name: str, key: str, endpoint: str | None) -> str | No
     return f"tcp://127.0.0.1:{parts.port}"
 
 
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "sim_action", None) == "fault":
-        return run_fault(args)
-    from simulator.runtime import serve_fleet
+_Spec = tuple[
+    str, str, str, int, str | None, str | None, str
+]  # role, name, host, port, kv events, replay, topic
 
-    settings = _settings(args)
+
+def _flag_specs(args: argparse.Namespace) -> list[_Spec]:
+    """``--prefill``/``--decode`` instances on consecutive ports from ``--port`` (0: free ports)."""
+    specs: list[_Spec] = []
+    n_p = args.prefill if args.prefill is not None else 1
+    n_d = args.decode if args.decode is not None else 1
+    port = args.port
+    for role, count in (("prefill", n_p), ("decode", n_d)):
+        for i in range(count):
+            specs.append(
+                (
+                    role,
+                    f"{role}-{i}",
+                    "127.0.0.1",
+                    port if port == 0 else port + len(specs),
+                    None,
+                    None,
+                    "",
+                )
+            )
+    return specs
+
+
+def _config_specs(settings: Settings) -> list[_Spec]:
+    """The config's instances, which must be on 127.0.0.1."""
+    specs: list[_Spec] = []
+    for pool_name, inst in settings.instances():
+        parts = urlsplit(inst.url)
+        if parts.hostname not in ("127.0.0.1", "localhost"):
+            raise ConfigError(
+                [f"pools.{pool_name}: {inst.name}: the simulator binds 127.0.0.1 only, not {parts.hostname}"]
+            )
+        specs.append(
+            (
+                settings.pools[pool_name].role,
+                inst.name,
+                "127.0.0.1",
+                parts.port or 80,
+                _local_zmq(pool_name, inst.name, "kv_events_endpoint", inst.kv_events_endpoint),
+                _local_zmq(pool_name, inst.name, "kv_events_replay_endpoint", inst.kv_events_replay_endpoint),
+                inst.kv_events_topic,
+            )
+        )
+    return specs
+
+
+def _sim_section(args: argparse.Namespace, settings: Settings | None) -> dict[str, Any]:
+    """The config's ``simulator:`` section with the command line's overrides and the admin port."""
     overrides: dict[str, Any] = {}
     if args.seed is not None:
         overrides["seed"] = args.seed
@@ -154,47 +200,6 @@ def run(args: argparse.Namespace) -> int:
         overrides["latency_scale"] = args.latency_scale
     if args.scenario:
         overrides["scenario"] = args.scenario
-    specs: list[tuple[str, str, str, int, str | None, str | None, str]] = []
-    if args.prefill is not None or args.decode is not None or settings is None:
-        n_p = args.prefill if args.prefill is not None else 1
-        n_d = args.decode if args.decode is not None else 1
-        port = args.port
-        for role, count in (("prefill", n_p), ("decode", n_d)):
-            for i in range(count):
-                specs.append(
-                    (
-                        role,
-                        f"{role}-{i}",
-                        "127.0.0.1",
-                        port if port == 0 else port + len(specs),
-                        None,
-                        None,
-                        "",
-                    )
-                )
-    else:
-        for pool_name, inst in settings.instances():
-            parts = urlsplit(inst.url)
-            if parts.hostname not in ("127.0.0.1", "localhost"):
-                raise ConfigError(
-                    [
-                        f"pools.{pool_name}: {inst.name}: the simulator binds 127.0.0.1 only, "
-                        f"not {parts.hostname}"
-                    ]
-                )
-            specs.append(
-                (
-                    settings.pools[pool_name].role,
-                    inst.name,
-                    "127.0.0.1",
-                    parts.port or 80,
-                    _local_zmq(pool_name, inst.name, "kv_events_endpoint", inst.kv_events_endpoint),
-                    _local_zmq(
-                        pool_name, inst.name, "kv_events_replay_endpoint", inst.kv_events_replay_endpoint
-                    ),
-                    inst.kv_events_topic,
-                )
-            )
     sim_section = settings.simulator.model_dump(exclude_defaults=True) if settings else {}
     scenario = sim_section.get("scenario")
     if isinstance(scenario, str) and not Path(scenario).is_absolute():
@@ -207,6 +212,20 @@ def run(args: argparse.Namespace) -> int:
         else (sim_section.get("admin_port") or DEFAULT_ADMIN_PORT)
     )
     sim_section["admin_port"] = admin_port
+    return sim_section
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "sim_action", None) == "fault":
+        return run_fault(args)
+    from simulator.runtime import serve_fleet
+
+    settings = _settings(args)
+    if args.prefill is not None or args.decode is not None or settings is None:
+        specs = _flag_specs(args)
+    else:
+        specs = _config_specs(settings)
+    sim_section = _sim_section(args, settings)
     model = args.model or (settings.model.name if settings else "sim-llama-70b")
     kv_bytes = settings.model.kv_bytes_per_token if settings else None
     otlp = f"{settings.collector_url}/v1/traces" if settings else None

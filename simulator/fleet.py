@@ -188,8 +188,25 @@ class Fleet:
         self.fabric = Fabric(cfg, self.faults, kv_bytes_per_token, seed=cfg.seed)
         self.specs = specs
         self.instances: dict[str, SimInstance] = {}
+        self._build_instances(model_name, kv_bytes_per_token, otlp_endpoint)
+        self.listeners = {
+            s.name: _Listener(InstanceApp(self.instances[s.name]), s.host, s.port) for s in specs
+        }
+        self.admin = _Listener(AdminApp(self), admin_host, cfg.admin_port)
+        self.lag = LoopLagMonitor(cfg.loop_lag_threshold_s)
+        self._timers: list[asyncio.TimerHandle] = []
+        self._pending: dict[int, FaultSpec] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._down: set[str] = set()
+        self._down_locks: dict[str, asyncio.Lock] = {}
+        self.started_at = 0.0
+
+    def _build_instances(self, model_name: str, kv_bytes_per_token: int, otlp_endpoint: str | None) -> None:
+        """One SimInstance per spec, indexed per role; a KV events socket that cannot be bound closes
+        those made so far and is a ConfigError."""
+        cfg = self.cfg
         counters = {"prefill": 0, "decode": 0}
-        for spec in specs:
+        for spec in self.specs:
             index = counters[spec.role]
             counters[spec.role] += 1
             try:
@@ -214,17 +231,6 @@ class Fleet:
                 raise ConfigError(
                     [f"{spec.name}: kv_events_endpoint / kv_events_replay_endpoint cannot be bound: {exc}"]
                 ) from exc
-        self.listeners = {
-            s.name: _Listener(InstanceApp(self.instances[s.name]), s.host, s.port) for s in specs
-        }
-        self.admin = _Listener(AdminApp(self), admin_host, cfg.admin_port)
-        self.lag = LoopLagMonitor(cfg.loop_lag_threshold_s)
-        self._timers: list[asyncio.TimerHandle] = []
-        self._pending: dict[int, FaultSpec] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._down: set[str] = set()
-        self._down_locks: dict[str, asyncio.Lock] = {}
-        self.started_at = 0.0
 
     # -- addresses -----------------------------------------------------------------
 

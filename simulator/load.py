@@ -12,9 +12,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdscope.config import ConfigError, Settings, load_config, resolve_config_path
+
+if TYPE_CHECKING:
+    from simulator.loadgen import LoadTarget
+    from simulator.workload import Planned, RequestResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,18 +65,9 @@ def _settings(args: argparse.Namespace) -> Settings | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
+def _target(args: argparse.Namespace, settings: Settings | None, model: str) -> LoadTarget:
+    from simulator.loadgen import LoadTarget
 
-    import httpx
-
-    from simulator.loadgen import LoadTarget, Progress, run_load
-    from simulator.workload import LengthDist, format_summary, load_trace, plan, summarize
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the summary
-    settings = _settings(args)
-    model = args.model or (settings.model.name if settings else "sim-llama-70b")
     chat = args.endpoint == "chat"
     if args.direct:
         p_urls = list(args.prefill_url) or (
@@ -83,71 +78,56 @@ def run(args: argparse.Namespace) -> int:
         )
         if not p_urls or not d_urls:
             raise ConfigError(["pdscope load --direct: need prefill and decode URLs (config pools or flags)"])
-        target = LoadTarget(chat, model, None, tuple(p_urls), tuple(d_urls))
-    else:
-        url = args.url or (f"http://{settings.proxy.host}:{settings.proxy.port}" if settings else None)
-        if not url:
-            raise ConfigError(["pdscope load: give --url, --direct, or a config with a proxy section"])
-        target = LoadTarget(chat, model, url)
+        return LoadTarget(chat, model, None, tuple(p_urls), tuple(d_urls))
+    url = args.url or (f"http://{settings.proxy.host}:{settings.proxy.port}" if settings else None)
+    if not url:
+        raise ConfigError(["pdscope load: give --url, --direct, or a config with a proxy section"])
+    return LoadTarget(chat, model, url)
+
+
+def _planned(args: argparse.Namespace) -> list[Planned]:
+    from simulator.workload import LengthDist, load_trace, plan
+
     try:
         if args.trace:
-            planned = load_trace(args.trace, args.rate, args.num_requests, args.duration, args.seed)
-        else:
-            planned = plan(
-                args.arrival,
-                args.rate,
-                args.num_requests,
-                args.duration,
-                LengthDist.parse(args.prompt_len),
-                LengthDist.parse(args.output_len),
-                args.seed,
-                args.burst,
-            )
+            return load_trace(args.trace, args.rate, args.num_requests, args.duration, args.seed)
+        return plan(
+            args.arrival,
+            args.rate,
+            args.num_requests,
+            args.duration,
+            LengthDist.parse(args.prompt_len),
+            LengthDist.parse(args.output_len),
+            args.seed,
+            args.burst,
+        )
     except (ValueError, OSError) as exc:
         raise ConfigError([f"pdscope load: {exc}"]) from exc
-    slo_ttft = (args.slo_ttft_ms or (settings.slo.ttft.target_ms if settings else 2000.0)) / 1000.0
-    slo_tpot = (args.slo_tpot_ms or (settings.slo.tpot.target_ms if settings else 100.0)) / 1000.0
-    progress = None if args.no_progress else Progress(len(planned))
-    where = target.url or f"{len(target.prefill_urls)} P + {len(target.decode_urls)} D (direct)"
-    shape = f"replayed from {args.trace}" if args.trace else f"{args.arrival} at {args.rate:g}/s"
-    print(f"pdscope load: {len(planned)} requests, {shape}, to {where}", file=sys.stderr)
 
-    def sim_stats(reset: bool) -> dict[str, Any] | None:
-        if not args.sim_admin:
-            return None
-        try:
-            base = args.sim_admin.rstrip("/")
-            r = (
-                httpx.post(f"{base}/stats/reset", timeout=5)
-                if reset
-                else httpx.get(f"{base}/stats", timeout=5)
-            )
-            return dict(r.json())
-        except (httpx.HTTPError, ValueError):
-            return None
 
-    sim_stats(reset=True)
-    results, wall = asyncio.run(
-        run_load(
-            target,
-            planned,
-            timeout_s=args.timeout,
-            max_inflight=args.max_inflight,
-            seed=args.seed,
-            progress=progress,
-        )
-    )
-    summary = summarize(results, wall, slo_ttft, slo_tpot)
-    sim = sim_stats(reset=False)
-    if sim is not None:
-        summary["simulator"] = sim
-    print(format_summary(summary))
-    if sim is not None and not sim.get("trustworthy", True):
-        print(
-            f"WARNING: the simulator's event loop lagged {sim['loop_lag_max_s'] * 1000:.0f} ms "
-            f"(threshold {sim['loop_lag_threshold_s'] * 1000:.0f} ms): timings are untrustworthy"
-        )
-    out = {
+def _sim_stats(args: argparse.Namespace, reset: bool) -> dict[str, Any] | None:
+    """The simulator's event-loop lag stats (``--sim-admin``), reset first; None without it or on error."""
+    import httpx
+
+    if not args.sim_admin:
+        return None
+    try:
+        base = args.sim_admin.rstrip("/")
+        r = httpx.post(f"{base}/stats/reset", timeout=5) if reset else httpx.get(f"{base}/stats", timeout=5)
+        return dict(r.json())
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _results_doc(
+    args: argparse.Namespace,
+    target: LoadTarget,
+    model: str,
+    summary: dict[str, Any],
+    results: list[RequestResult],
+) -> dict[str, Any]:
+    """The JSON results file: target, workload, summary and every request's record."""
+    return {
         "target": {
             "url": target.url,
             "prefill_urls": target.prefill_urls,
@@ -168,6 +148,49 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "requests": [r.to_dict() for r in results],
     }
-    Path(args.output).write_text(json.dumps(out, indent=1), encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from simulator.loadgen import Progress, run_load
+    from simulator.workload import format_summary, summarize
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the summary
+    settings = _settings(args)
+    model = args.model or (settings.model.name if settings else "sim-llama-70b")
+    target = _target(args, settings, model)
+    planned = _planned(args)
+    slo_ttft = (args.slo_ttft_ms or (settings.slo.ttft.target_ms if settings else 2000.0)) / 1000.0
+    slo_tpot = (args.slo_tpot_ms or (settings.slo.tpot.target_ms if settings else 100.0)) / 1000.0
+    progress = None if args.no_progress else Progress(len(planned))
+    where = target.url or f"{len(target.prefill_urls)} P + {len(target.decode_urls)} D (direct)"
+    shape = f"replayed from {args.trace}" if args.trace else f"{args.arrival} at {args.rate:g}/s"
+    print(f"pdscope load: {len(planned)} requests, {shape}, to {where}", file=sys.stderr)
+    _sim_stats(args, reset=True)
+    results, wall = asyncio.run(
+        run_load(
+            target,
+            planned,
+            timeout_s=args.timeout,
+            max_inflight=args.max_inflight,
+            seed=args.seed,
+            progress=progress,
+        )
+    )
+    summary = summarize(results, wall, slo_ttft, slo_tpot)
+    sim = _sim_stats(args, reset=False)
+    if sim is not None:
+        summary["simulator"] = sim
+    print(format_summary(summary))
+    if sim is not None and not sim.get("trustworthy", True):
+        print(
+            f"WARNING: the simulator's event loop lagged {sim['loop_lag_max_s'] * 1000:.0f} ms "
+            f"(threshold {sim['loop_lag_threshold_s'] * 1000:.0f} ms): timings are untrustworthy"
+        )
+    Path(args.output).write_text(
+        json.dumps(_results_doc(args, target, model, summary, results), indent=1), encoding="utf-8"
+    )
     print(f"results written to {args.output}")
     return 0 if summary["completed"] > 0 or not results else 1

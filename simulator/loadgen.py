@@ -18,7 +18,7 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -244,36 +244,8 @@ async def run_load(
         ticker = asyncio.get_running_loop().create_task(_tick(progress)) if progress else None
         if on_start is not None:
             on_start()
-        tasks = []
-        for i, p in enumerate(planned):
-            delay = run.start + p.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if run.inflight >= max_inflight:
-                run.results.append(
-                    RequestResult(
-                        i,
-                        f"load-{seed}-{i}",
-                        p.at,
-                        time.perf_counter() - run.start,
-                        p.prompt_tokens,
-                        p.output_tokens,
-                        error="dropped: max in-flight",
-                    )
-                )
-                if progress:
-                    progress.done += 1
-                    progress.failed += 1
-                continue
-            run.inflight += 1
-            if progress:
-                progress.sent += 1
-            tasks.append(asyncio.create_task(_one(run, i, p)))
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s + 5.0)
-            for task in pending:  # per-request timeouts should have ended them; never hang
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        tasks = [task async for task in _send(run, planned, max_inflight)]
+        await settle(tasks, timeout_s + 5.0)
         wall = time.perf_counter() - run.start
         if ticker is not None:
             ticker.cancel()
@@ -282,6 +254,48 @@ async def run_load(
     finally:
         await client.aclose()
     return sorted(run.results, key=lambda r: r.index), wall
+
+
+async def settle(tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` for ``tasks``, then cancel those still running and wait them out (the
+    requests' own timeouts should have ended them: this only keeps a run from hanging)."""
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _send(run: _Run, planned: list[Planned], max_inflight: int) -> AsyncIterator[asyncio.Task[None]]:
+    """Start each planned request at its time (one task each); drop those over ``max_inflight``."""
+    for i, p in enumerate(planned):
+        delay = run.start + p.at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if run.inflight >= max_inflight:
+            _drop(run, i, p)
+            continue
+        run.inflight += 1
+        if run.progress:
+            run.progress.sent += 1
+        yield asyncio.create_task(_one(run, i, p))
+
+
+def _drop(run: _Run, i: int, p: Planned) -> None:
+    run.results.append(
+        RequestResult(
+            i,
+            f"load-{run.seed}-{i}",
+            p.at,
+            time.perf_counter() - run.start,
+            p.prompt_tokens,
+            p.output_tokens,
+            error="dropped: max in-flight",
+        )
+    )
+    if run.progress:
+        run.progress.done += 1
+        run.progress.failed += 1
 
 
 async def _tick(progress: Progress | None) -> None:

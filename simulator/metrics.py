@@ -12,7 +12,8 @@ This module must not model anything: it only records what the engine reports.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -141,8 +142,457 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
+_BASE = ("model_name", "engine")
+_TOKENS: Final = "tokens"  # stands for the request-token buckets, which follow --max-model-len
+_WAITING_BY_REASON = (
+    "Number of waiting requests by reason. Reason labels: "
+    "'capacity' = waiting for scheduling capacity; "
+    "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
+    "Sum of all reasons equals vllm:num_requests_waiting."
+)
+_KV_FETCH_BY_STAGE = (
+    "Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = needs an "
+    "async KV load that has not started; 'in_progress' = load started and not yet reported finished; "
+    "'completed_waiting' = load finished, request not running yet."
+)
+_SLEEP_STATE = (
+    "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2."
+)
+_CACHED_BY_SOURCE = (
+    "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+    "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+    "external_unspecified. Counted at admission; "
+    "sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits."
+)
+
+
+@dataclass(frozen=True)
+class _Fam:
+    """One family on the page. ``attr`` is the attribute that feeds it ("": exported, never fed).
+    Labels named ``model_name`` and ``engine`` take the instance's values; with ``children`` the last
+    label's series are created up front and ``attr`` holds them by value; a family with other labels
+    (or none) is kept whole and labelled as it is fed."""
+
+    attr: str
+    kind: Any  # Counter, Gauge, Histogram or Summary
+    name: str
+    help: str
+    buckets: Sequence[float] | Literal["tokens"] | None = (
+        None  # a histogram's; _TOKENS: the request-token ones
+    )
+    labels: Sequence[str] = _BASE
+    children: Sequence[str] = ()
+
+
+# vLLM's families (and NIXL's), in the order vLLM registers them.
+_VLLM: tuple[_Fam, ...] = (
+    _Fam(
+        "nixl_xfer",
+        Histogram,
+        "vllm:nixl_xfer_time_seconds",
+        f"Histogram of transfer duration for {_NIXL}",
+        NIXL_XFER,
+    ),
+    _Fam(
+        "nixl_post",
+        Histogram,
+        "vllm:nixl_post_time_seconds",
+        f"Histogram of transfer post time for {_NIXL}",
+        NIXL_POST,
+    ),
+    _Fam(
+        "nixl_bytes",
+        Histogram,
+        "vllm:nixl_bytes_transferred",
+        f"Histogram of bytes transferred per {_NIXL}",
+        NIXL_BYTES,
+    ),
+    _Fam(
+        "nixl_desc",
+        Histogram,
+        "vllm:nixl_num_descriptors",
+        "Histogram of number of descriptors per NIXL  KV Cache transfers.",
+        NIXL_DESCRIPTORS,
+    ),
+    _Fam(
+        "nixl_failed",
+        Counter,
+        "vllm:nixl_num_failed_transfers",
+        "Number of failed NIXL KV Cache transfers, including handshake and notification failures. "
+        "NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+    ),
+    _Fam(
+        "nixl_failed_notifs",
+        Counter,
+        "vllm:nixl_num_failed_notifications",
+        "Number of failed NIXL KV Cache notifications. Retained for compatibility; these failures are "
+        "also included in vllm:nixl_num_failed_transfers.",
+    ),
+    _Fam(
+        "nixl_expired",
+        Counter,
+        "vllm:nixl_num_kv_expired_reqs",
+        "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+    ),
+    _Fam(
+        "nixl_after_expiry",
+        Counter,
+        "vllm:nixl_num_notifications_after_expiry",
+        "Number of completion notifications for requests that were no longer tracked, usually because "
+        "their KV lease expired. The KV blocks may have been reused before the transfer finished. "
+        "Counted per notification (one per remote rank), not per request.",
+    ),
+    _Fam(
+        "",
+        Counter,
+        "vllm:estimated_flops_per_gpu",
+        f"Estimated number of floating point operations per GPU {_MFU}",
+    ),
+    _Fam(
+        "",
+        Counter,
+        "vllm:estimated_read_bytes_per_gpu",
+        f"Estimated number of bytes read from memory per GPU {_MFU}",
+    ),
+    _Fam(
+        "",
+        Counter,
+        "vllm:estimated_write_bytes_per_gpu",
+        f"Estimated number of bytes written to memory per GPU {_MFU}",
+    ),
+    _Fam("running", Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."),
+    _Fam("waiting", Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    _Fam(
+        "_waiting_by_reason",
+        Gauge,
+        "vllm:num_requests_waiting_by_reason",
+        _WAITING_BY_REASON,
+        labels=(*_BASE, "reason"),
+        children=("capacity", "deferred"),
+    ),
+    _Fam(
+        "stages",
+        Gauge,
+        "vllm:num_requests_kv_fetch_by_stage",
+        _KV_FETCH_BY_STAGE,
+        labels=(*_BASE, "stage"),
+        children=STAGES,
+    ),
+    _Fam(
+        "_sleep_state",
+        Gauge,
+        "vllm:engine_sleep_state",
+        _SLEEP_STATE,
+        labels=(*_BASE, "sleep_state"),
+        children=("awake", "weights_offloaded", "discard_all"),
+    ),
+    _Fam("kv_cache_usage", Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    _Fam(
+        "prefix_queries",
+        Counter,
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    _Fam(
+        "prefix_hits",
+        Counter,
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    _Fam(
+        "ext_queries",
+        Counter,
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, "
+        "in terms of number of queried tokens.",
+    ),
+    _Fam(
+        "ext_hits",
+        Counter,
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, "
+        "in terms of number of cached tokens.",
+    ),
+    _Fam(
+        "",
+        Counter,
+        "vllm:mm_cache_queries",
+        "Multi-modal cache queries, in terms of number of queried items.",
+    ),
+    _Fam("", Counter, "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
+    _Fam("preemptions", Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    _Fam("prompt_tokens", Counter, "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    _Fam(
+        "_prompt_by_source",
+        Counter,
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        labels=(*_BASE, "source"),
+        children=("local_compute", "local_cache_hit", "external_kv_transfer"),
+    ),
+    _Fam(
+        "cached", Counter, "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+    ),
+    _Fam(
+        "_cached_by_source",
+        Counter,
+        "vllm:prompt_tokens_cached_by_source",
+        _CACHED_BY_SOURCE,
+        labels=(*_BASE, "source"),
+        children=("device", "host", "p2p", "disk", "external_unspecified"),
+    ),
+    _Fam("generation_tokens", Counter, "vllm:generation_tokens", "Number of generation tokens processed."),
+    _Fam(
+        "success",
+        Counter,
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        labels=(*_BASE, "finished_reason"),
+        children=FINISH_REASONS,
+    ),
+    _Fam(
+        "rejections",
+        Counter,
+        "vllm:admission_rejections",
+        "Number of admission attempts rejected by a queue limit, by reason.",
+        labels=("model_name", "reason"),
+        children=("max_num_queued_reqs", "max_num_queued_tokens"),
+    ),
+    _Fam(
+        "req_prompt", Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKENS
+    ),
+    _Fam(
+        "req_generation",
+        Histogram,
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        _TOKENS,
+    ),
+    _Fam(
+        "iteration",
+        Histogram,
+        "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        ITERATION_TOKENS,
+    ),
+    _Fam(
+        "max_gen",
+        Histogram,
+        "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        _TOKENS,
+    ),
+    _Fam("params_n", Histogram, "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N),
+    _Fam(
+        "params_max_tokens",
+        Histogram,
+        "vllm:request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        _TOKENS,
+    ),
+    _Fam(
+        "ttft",
+        Histogram,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        TTFT,
+    ),
+    _Fam(
+        "itl",
+        Histogram,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        ITL,
+    ),
+    _Fam(
+        "tpot",
+        Histogram,
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        ITL,
+    ),
+    _Fam(
+        "e2e",
+        Histogram,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        REQUEST_LATENCY,
+    ),
+    _Fam(
+        "queue",
+        Histogram,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        REQUEST_LATENCY,
+    ),
+    _Fam(
+        "inference",
+        Histogram,
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        REQUEST_LATENCY,
+    ),
+    _Fam(
+        "prefill",
+        Histogram,
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        REQUEST_LATENCY,
+    ),
+    _Fam(
+        "decode",
+        Histogram,
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        REQUEST_LATENCY,
+    ),
+    _Fam(
+        "req_preemptions",
+        Histogram,
+        "vllm:request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        NUM_PREEMPTIONS,
+    ),
+    _Fam(
+        "kv_computed",
+        Histogram,
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        _TOKENS,
+    ),
+)
+
+# prometheus-fastapi-instrumentator's families, after vllm:cache_config_info.
+_HTTP: tuple[_Fam, ...] = (
+    _Fam(
+        "_http_requests",
+        Counter,
+        "http_requests_total",
+        "Total number of requests by method, status and handler.",
+        labels=("method", "status", "handler"),
+    ),
+    _Fam(
+        "_http_req_size",
+        Summary,
+        "http_request_size_bytes",
+        f"Content length of incoming requests by handler. {_HTTP_TAIL}",
+        labels=("handler",),
+    ),
+    _Fam(
+        "_http_resp_size",
+        Summary,
+        "http_response_size_bytes",
+        f"Content length of outgoing responses by handler. {_HTTP_TAIL}",
+        labels=("handler",),
+    ),
+    _Fam(
+        "_http_highr",
+        Histogram,
+        "http_request_duration_highr_seconds",
+        "Latency with many buckets but no API specific labels. Made for more accurate percentile "
+        "calculations. ",
+        HTTP_HIGHR,
+        labels=(),
+    ),
+    _Fam(
+        "_http_duration",
+        Histogram,
+        "http_request_duration_seconds",
+        "Latency with only few buckets by handler. Made to be only used if aggregation by handler is "
+        "important. ",
+        HTTP_FEW,
+        labels=("method", "handler"),
+    ),
+)
+
+
+def _family(fam: _Fam, registry: CollectorRegistry, known: dict[str, str], tokens: list[float]) -> Any:
+    """Register one family; what its ``attr`` holds (see :class:`_Fam`)."""
+    extra: dict[str, Any] = {}
+    if fam.buckets is not None:
+        extra["buckets"] = tokens if fam.buckets == _TOKENS else fam.buckets
+    metric = fam.kind(fam.name, fam.help, fam.labels, registry=registry, **extra)
+    values = [known[name] for name in fam.labels if name in known]
+    if fam.children:
+        return {child: metric.labels(*values, child) for child in fam.children}
+    if fam.labels and len(values) == len(fam.labels):
+        return metric.labels(*values)
+    return metric
+
+
+def _cache_config_info(
+    registry: CollectorRegistry, cfg: SimulatorConfig, kv_bytes_per_token: int, engine: str
+) -> None:
+    """vllm:cache_config_info: vLLM 0.32's labels, the ones the simulator models overridden."""
+    tokens_total = cfg.kv_capacity_blocks * cfg.block_size
+    info = dict(_CACHE_CONFIG)
+    info.update(
+        block_size=str(cfg.block_size),
+        effective_attention_block_size=str(cfg.block_size),
+        enable_prefix_caching=str(cfg.prefix_caching),
+        engine=engine,
+        num_gpu_blocks=str(cfg.kv_capacity_blocks),
+        kv_cache_size_tokens=str(tokens_total),
+        kv_cache_memory_bytes=str(tokens_total * kv_bytes_per_token),
+        kv_cache_max_concurrency=str(float(tokens_total) / cfg.max_model_len),
+    )
+    Gauge(
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=registry
+    ).labels(**info).set(1)
+
+
 class VllmMetrics:
     """Prometheus families of one instance, and the engine observer that feeds them."""
+
+    # set from the tables _VLLM and _HTTP by their ``attr``
+    nixl_xfer: Histogram
+    nixl_post: Histogram
+    nixl_bytes: Histogram
+    nixl_desc: Histogram
+    nixl_failed: Counter
+    nixl_failed_notifs: Counter
+    nixl_expired: Counter
+    nixl_after_expiry: Counter
+    running: Gauge
+    waiting: Gauge
+    _waiting_by_reason: dict[str, Gauge]
+    stages: dict[str, Gauge]
+    _sleep_state: dict[str, Gauge]
+    kv_cache_usage: Gauge
+    prefix_queries: Counter
+    prefix_hits: Counter
+    ext_queries: Counter
+    ext_hits: Counter
+    preemptions: Counter
+    prompt_tokens: Counter
+    _prompt_by_source: dict[str, Counter]
+    cached: Counter
+    _cached_by_source: dict[str, Counter]
+    generation_tokens: Counter
+    success: dict[str, Counter]
+    rejections: dict[str, Counter]
+    req_prompt: Histogram
+    req_generation: Histogram
+    iteration: Histogram
+    max_gen: Histogram
+    params_n: Histogram
+    params_max_tokens: Histogram
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    inference: Histogram
+    prefill: Histogram
+    decode: Histogram
+    req_preemptions: Histogram
+    kv_computed: Histogram
+    _http_requests: Counter
+    _http_req_size: Summary
+    _http_resp_size: Summary
+    _http_highr: Histogram
+    _http_duration: Histogram
 
     def __init__(
         self, model_name: str, cfg: SimulatorConfig, kv_bytes_per_token: int, engine: str = "0"
@@ -150,271 +600,26 @@ class VllmMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)
         for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
             r.register(collector)
-        base = ["model_name", "engine"]
-        lv = (model_name, engine)
-        self._lv = lv
-
-        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(name, doc, base, buckets=buckets, registry=r).labels(*lv)
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, base, registry=r).labels(*lv)
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, base, registry=r).labels(*lv)
-
-        self.nixl_xfer = hist(
-            "vllm:nixl_xfer_time_seconds", f"Histogram of transfer duration for {_NIXL}", NIXL_XFER
-        )
-        self.nixl_post = hist(
-            "vllm:nixl_post_time_seconds", f"Histogram of transfer post time for {_NIXL}", NIXL_POST
-        )
-        self.nixl_bytes = hist(
-            "vllm:nixl_bytes_transferred", f"Histogram of bytes transferred per {_NIXL}", NIXL_BYTES
-        )
-        self.nixl_desc = hist(
-            "vllm:nixl_num_descriptors",
-            "Histogram of number of descriptors per NIXL  KV Cache transfers.",
-            NIXL_DESCRIPTORS,
-        )
-        self.nixl_failed = counter(
-            "vllm:nixl_num_failed_transfers",
-            "Number of failed NIXL KV Cache transfers, including handshake and notification failures. "
-            "NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
-        )
-        self.nixl_failed_notifs = counter(
-            "vllm:nixl_num_failed_notifications",
-            "Number of failed NIXL KV Cache notifications. Retained for compatibility; these failures are "
-            "also included in vllm:nixl_num_failed_transfers.",
-        )
-        self.nixl_expired = counter(
-            "vllm:nixl_num_kv_expired_reqs",
-            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
-        )
-        self.nixl_after_expiry = counter(
-            "vllm:nixl_num_notifications_after_expiry",
-            "Number of completion notifications for requests that were no longer tracked, usually because "
-            "their KV lease expired. The KV blocks may have been reused before the transfer finished. "
-            "Counted per notification (one per remote rank), not per request.",
-        )
-        counter(
-            "vllm:estimated_flops_per_gpu", f"Estimated number of floating point operations per GPU {_MFU}"
-        )
-        counter(
-            "vllm:estimated_read_bytes_per_gpu", f"Estimated number of bytes read from memory per GPU {_MFU}"
-        )
-        counter(
-            "vllm:estimated_write_bytes_per_gpu",
-            f"Estimated number of bytes written to memory per GPU {_MFU}",
-        )
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        by_reason = Gauge(
-            "vllm:num_requests_waiting_by_reason",
-            "Number of waiting requests by reason. Reason labels: "
-            "'capacity' = waiting for scheduling capacity; "
-            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
-            "Sum of all reasons equals vllm:num_requests_waiting.",
-            [*base, "reason"],
-            registry=r,
-        )
-        self.waiting_capacity = by_reason.labels(*lv, "capacity")
-        self.waiting_deferred = by_reason.labels(*lv, "deferred")
-        by_stage = Gauge(
-            "vllm:num_requests_kv_fetch_by_stage",
-            "Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = needs an "
-            "async KV load that has not started; 'in_progress' = load started and not yet reported finished; "
-            "'completed_waiting' = load finished, request not running yet.",
-            [*base, "stage"],
-            registry=r,
-        )
-        self.stages = {stage: by_stage.labels(*lv, stage) for stage in STAGES}
-        sleep = Gauge(
-            "vllm:engine_sleep_state",
-            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
-            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
-            [*base, "sleep_state"],
-            registry=r,
-        )
-        sleep.labels(*lv, "awake").set(1)
-        sleep.labels(*lv, "weights_offloaded")
-        sleep.labels(*lv, "discard_all")
-        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        self.ext_queries = counter(
-            "vllm:external_prefix_cache_queries",
-            "External prefix cache queries from KV connector cross-instance cache sharing, "
-            "in terms of number of queried tokens.",
-        )
-        self.ext_hits = counter(
-            "vllm:external_prefix_cache_hits",
-            "External prefix cache hits from KV connector cross-instance cache sharing, "
-            "in terms of number of cached tokens.",
-        )
-        counter("vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of queried items.")
-        counter("vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        by_source = Counter(
-            "vllm:prompt_tokens_by_source",
-            "Number of prompt tokens by source.",
-            [*base, "source"],
-            registry=r,
-        )
-        self.src_local = by_source.labels(*lv, "local_compute")
-        self.src_cache = by_source.labels(*lv, "local_cache_hit")
-        self.src_external = by_source.labels(*lv, "external_kv_transfer")
-        self.cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
-        )
-        cached_by = Counter(
-            "vllm:prompt_tokens_cached_by_source",
-            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
-            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
-            "external_unspecified. Counted at admission; "
-            "sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
-            [*base, "source"],
-            registry=r,
-        )
-        cached_children = {
-            s: cached_by.labels(*lv, s) for s in ("device", "host", "p2p", "disk", "external_unspecified")
-        }
-        self.cached_p2p = cached_children["p2p"]
-        self.cached_device = cached_children["device"]
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            [*base, "finished_reason"],
-            registry=r,
-        )
-        self.success = {reason: success.labels(*lv, reason) for reason in FINISH_REASONS}
-        rejections = Counter(
-            "vllm:admission_rejections",
-            "Number of admission attempts rejected by a queue limit, by reason.",
-            ["model_name", "reason"],
-            registry=r,
-        )
-        self.rejections = {
-            reason: rejections.labels(model_name, reason)
-            for reason in ("max_num_queued_reqs", "max_num_queued_tokens")
-        }
+        self._lv = (model_name, engine)
+        known = {"model_name": model_name, "engine": engine}
         tokens = build_1_2_5_buckets(cfg.max_model_len)
-        self.req_prompt = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.req_generation = hist(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
-        )
-        self.iteration = hist(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS
-        )
-        self.max_gen = hist(
-            "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.",
-            tokens,
-        )
-        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N)
-        self.params_max_tokens = hist(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
-        )
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT
-        )
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL
-        )
-        self.tpot = hist(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            ITL,
-        )
-        self.e2e = hist(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY,
-        )
-        self.queue = hist(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY,
-        )
-        self.inference = hist(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY,
-        )
-        self.prefill = hist(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY,
-        )
-        self.decode = hist(
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY,
-        )
-        self.req_preemptions = hist(
-            "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.",
-            NUM_PREEMPTIONS,
-        )
-        self.kv_computed = hist(
-            "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            tokens,
-        )
-        tokens_total = cfg.kv_capacity_blocks * cfg.block_size
-        info = dict(_CACHE_CONFIG)
-        info.update(
-            block_size=str(cfg.block_size),
-            effective_attention_block_size=str(cfg.block_size),
-            enable_prefix_caching=str(cfg.prefix_caching),
-            engine=engine,
-            num_gpu_blocks=str(cfg.kv_capacity_blocks),
-            kv_cache_size_tokens=str(tokens_total),
-            kv_cache_memory_bytes=str(tokens_total * kv_bytes_per_token),
-            kv_cache_max_concurrency=str(float(tokens_total) / cfg.max_model_len),
-        )
-        Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info), registry=r
-        ).labels(**info).set(1)
-        self._http_requests = Counter(
-            "http_requests_total",
-            "Total number of requests by method, status and handler.",
-            ["method", "status", "handler"],
-            registry=r,
-        )
-        self._http_req_size = Summary(
-            "http_request_size_bytes",
-            f"Content length of incoming requests by handler. {_HTTP_TAIL}",
-            ["handler"],
-            registry=r,
-        )
-        self._http_resp_size = Summary(
-            "http_response_size_bytes",
-            f"Content length of outgoing responses by handler. {_HTTP_TAIL}",
-            ["handler"],
-            registry=r,
-        )
-        self._http_highr = Histogram(
-            "http_request_duration_highr_seconds",
-            "Latency with many buckets but no API specific labels. Made for more accurate percentile "
-            "calculations. ",
-            buckets=HTTP_HIGHR,
-            registry=r,
-        )
-        self._http_duration = Histogram(
-            "http_request_duration_seconds",
-            "Latency with only few buckets by handler. Made to be only used if aggregation by handler is "
-            "important. ",
-            ["method", "handler"],
-            buckets=HTTP_FEW,
-            registry=r,
-        )
+        self._register(_VLLM, known, tokens)
+        self._sleep_state["awake"].set(1)
+        self.waiting_capacity = self._waiting_by_reason["capacity"]
+        self.waiting_deferred = self._waiting_by_reason["deferred"]
+        self.src_local = self._prompt_by_source["local_compute"]
+        self.src_cache = self._prompt_by_source["local_cache_hit"]
+        self.src_external = self._prompt_by_source["external_kv_transfer"]
+        self.cached_p2p = self._cached_by_source["p2p"]
+        self.cached_device = self._cached_by_source["device"]
+        _cache_config_info(r, cfg, kv_bytes_per_token, engine)
+        self._register(_HTTP, known, tokens)
+
+    def _register(self, table: Sequence[_Fam], known: dict[str, str], tokens: list[float]) -> None:
+        for fam in table:
+            held = _family(fam, self.registry, known, tokens)
+            if fam.attr:
+                setattr(self, fam.attr, held)
 
     # -- HTTP (prometheus-fastapi-instrumentator's families) ---------------------------
 

@@ -150,6 +150,59 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+class _FleetThread:
+    """The fleet's background thread and its event loop: started, waited for, stopped."""
+
+    def __init__(
+        self, fleet: Fleet, loop: asyncio.AbstractEventLoop, scenario: list[FaultSpec] | None
+    ) -> None:
+        self.fleet = fleet
+        self.loop = loop
+        self.scenario = scenario
+        self.ready = threading.Event()
+        self.failure: list[BaseException] = []
+        self.stop_future: list[asyncio.Future[None]] = []
+        self.thread = threading.Thread(target=self._thread_main, name="sim-fleet", daemon=True)
+
+    async def _main(self) -> None:
+        self.stop_future.append(self.loop.create_future())
+        try:
+            await self.fleet.start(self.scenario)
+        except BaseException as exc:
+            self.failure.append(exc)
+            self.ready.set()
+            await self.fleet.stop()
+            return
+        self.ready.set()
+        try:
+            await self.stop_future[0]
+        finally:
+            await self.fleet.stop()
+
+    def _thread_main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self, timeout_s: float) -> None:
+        """Start the fleet; raises TimeoutError, or what the fleet's start raised."""
+        self.thread.start()
+        if not self.ready.wait(timeout_s):
+            raise TimeoutError("the simulated fleet did not start in time")
+        if self.failure:
+            self.thread.join(timeout_s)
+            raise self.failure[0]
+
+    def stop(self, timeout_s: float) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.stop_future[0])
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError("the simulated fleet did not stop in time")
+
+
 @contextlib.contextmanager
 def running_fleet(
     n_prefill: int = 1,
@@ -174,44 +227,9 @@ def running_fleet(
     ]
     loop = loop_factory()()
     fleet = Fleet(specs, model_name=model_name, kv_bytes_per_token=kv_bytes_per_token, cfg=cfg)
-    ready = threading.Event()
-    failure: list[BaseException] = []
-    stop_future: list[asyncio.Future[None]] = []
-
-    async def main() -> None:
-        stop_future.append(loop.create_future())
-        try:
-            await fleet.start(scenario)
-        except BaseException as exc:
-            failure.append(exc)
-            ready.set()
-            await fleet.stop()
-            return
-        ready.set()
-        try:
-            await stop_future[0]
-        finally:
-            await fleet.stop()
-
-    def thread_main() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(main())
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-
-    thread = threading.Thread(target=thread_main, name="sim-fleet", daemon=True)
-    thread.start()
-    if not ready.wait(timeout_s):
-        raise TimeoutError("the simulated fleet did not start in time")
-    if failure:
-        thread.join(timeout_s)
-        raise failure[0]
+    runner = _FleetThread(fleet, loop, scenario)
+    runner.start(timeout_s)
     try:
         yield RunningFleet(fleet, loop, params, kv_bytes_per_token, timeout_s)
     finally:
-        loop.call_soon_threadsafe(_resolve, stop_future[0])
-        thread.join(timeout_s)
-        if thread.is_alive():
-            raise TimeoutError("the simulated fleet did not stop in time")
+        runner.stop(timeout_s)

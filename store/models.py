@@ -267,6 +267,15 @@ class RequestRecord(Base):
     d_cached_tokens: Mapped[int | None] = mapped_column(Integer)
     prefix_key: Mapped[str | None] = mapped_column(String(16))
     prefix_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The proxy's TTFT predictor (from its root span, see pdscope.semconv.PREDICTED_TTFT_S): the TTFT
+    # predicted at admission for the chosen P and D (seconds from proxy_in), the target it was admitted
+    # against, the uncached prefill tokens ahead of it on that P when sent, its own, and where the
+    # rates came from (pdscope.semconv.PREDICT_SOURCES)
+    predicted_ttft_s: Mapped[float | None] = mapped_column(Float)
+    ttft_target_s: Mapped[float | None] = mapped_column(Float)
+    predict_tokens_ahead: Mapped[int | None] = mapped_column(Integer)
+    predict_tokens: Mapped[int | None] = mapped_column(Integer)
+    predict_source: Mapped[str | None] = mapped_column(String(8))
 
     proxy_in: Mapped[float] = mapped_column(Float, index=True)
     p_sent: Mapped[float | None] = mapped_column(Float)

@@ -127,32 +127,38 @@ def _by_column(rows: Sequence[Any]) -> dict[str, Sequence[Any]]:
     return dict(zip(rows[0]._fields, zip(*rows, strict=True), strict=True))
 
 
-def _signals_of(name: str, rows: Sequence[Any]) -> ScrapeFigures:
-    last = rows[-1]
-    up_rows = [r for r in rows if r.up]
-    seconds = (up_rows[-1].ts - up_rows[0].ts) if len(up_rows) >= 2 else None
-    columns = _by_column(up_rows)
+# The counters of finished requests, one per finish reason
+_FINISHED = ("requests_stop", "requests_length", "requests_abort", "requests_error", "requests_repetition")
+
+
+def _increases(columns: dict[str, Sequence[Any]]) -> dict[str, float]:
+    """Each counter's increase over the rows (those it cannot tell left out)."""
     incs: dict[str, float] = {}
     for col in COUNTERS:
         inc = counter_increase(columns[col])
         if inc is not None:
             incs[col] = inc
+    return incs
+
+
+def _latest(columns: dict[str, Sequence[Any]]) -> dict[str, float]:
+    """Each gauge's last value that is not null (gauges never set left out)."""
     latest: dict[str, float] = {}
     for col in GAUGES:
         v = next((x for x in reversed(columns[col]) if x is not None), None)
         if v is not None:
             latest[col] = v
-    finished = [
-        incs[c]
-        for c in (
-            "requests_stop",
-            "requests_length",
-            "requests_abort",
-            "requests_error",
-            "requests_repetition",
-        )
-        if c in incs
-    ]
+    return latest
+
+
+def _signals_of(name: str, rows: Sequence[Any]) -> ScrapeFigures:
+    last = rows[-1]
+    up_rows = [r for r in rows if r.up]
+    seconds = (up_rows[-1].ts - up_rows[0].ts) if len(up_rows) >= 2 else None
+    columns = _by_column(up_rows)
+    incs = _increases(columns)
+    latest = _latest(columns)
+    finished = [incs[c] for c in _FINISHED if c in incs]
     requests = sum(finished) if finished else None
     rejections = [incs[c] for c in ("admission_rejections_reqs", "admission_rejections_tokens") if c in incs]
     usage = latest.get("kv_cache_usage")
@@ -494,6 +500,15 @@ def slo_summary(
     ``slo_percentiles`` = (TTFT's, TPOT's): also fill ``ttft_at_slo_s`` / ``tpot_at_slo_s``. With ``slo``,
     each record's verdict is recomputed under it (``pdscope.slo``) rather than read as stored, so a
     changed ``slo.*`` applies to the whole window at once."""
+    rows = _slo_rows(session, since, until, by, only)
+    span = max(until - since, 1e-9)
+    return {key: _slo_summary_of(key, group, span, slo_percentiles, slo) for key, group in rows.items()}
+
+
+def _slo_rows(
+    session: Session, since: float, until: float, by: str, only: RecordFilter
+) -> dict[str, list[Any]]:
+    """The window's (status, slo_met, ttft_s, tpot_s, e2e_s[, group]) rows by group (``"all"``: one)."""
     # only the grouping column is read besides the figures: the controller's 300 s "all" read
     # at 1,000 instances spent most of its time decoding four instance and pool names per row
     group_col = None if by == "all" else getattr(RequestRecord, by)
@@ -520,39 +535,46 @@ def slo_summary(
         for row in result:
             key = row[5]
             rows[key if isinstance(key, str) else ""].append(row)
-    span = max(until - since, 1e-9)
-    out: dict[str, SLOSummary] = {}
-    for key, group in rows.items():
-        statuses: dict[str, int] = defaultdict(int)
-        for r in group:
-            statuses[r[0]] += 1
-        completed = [r for r in group if r[0] == "ok"]
-        if slo is None:
-            met = sum(1 for r in completed if r[1])
-        else:
-            met = sum(1 for r in completed if slo_verdict(r[0], r[2], r[3], slo).met)
-        ttfts = [r[2] for r in completed if r[2] is not None]
-        tpots = [r[3] for r in completed if r[3] is not None]
-        e2es = [r[4] for r in completed if r[4] is not None]
-        at_ttft, at_tpot = (None, None) if slo_percentiles is None else slo_percentiles
-        ttft_p50, ttft_p99, ttft_at = percentiles(ttfts, (50, 99, 99 if at_ttft is None else at_ttft))
-        tpot_p99, tpot_at = percentiles(tpots, (99, 99 if at_tpot is None else at_tpot))
-        out[key] = SLOSummary(
-            key=key,
-            requests=len(group),
-            completed=len(completed),
-            slo_met=met,
-            attainment=met / len(completed) if completed else None,
-            goodput_per_s=met / span,
-            ttft_p50_s=ttft_p50,
-            ttft_p99_s=ttft_p99,
-            tpot_p99_s=tpot_p99,
-            e2e_p99_s=percentile(e2es, 99),
-            statuses=dict(statuses),
-            ttft_at_slo_s=None if at_ttft is None else ttft_at,
-            tpot_at_slo_s=None if at_tpot is None else tpot_at,
-        )
-    return out
+    return rows
+
+
+def _slo_summary_of(
+    key: str,
+    group: list[Any],
+    span: float,
+    slo_percentiles: tuple[float, float] | None,
+    slo: SLOSettings | None,
+) -> SLOSummary:
+    """One group's summary (:func:`slo_summary`) of its rows over ``span`` seconds."""
+    statuses: dict[str, int] = defaultdict(int)
+    for r in group:
+        statuses[r[0]] += 1
+    completed = [r for r in group if r[0] == "ok"]
+    if slo is None:
+        met = sum(1 for r in completed if r[1])
+    else:
+        met = sum(1 for r in completed if slo_verdict(r[0], r[2], r[3], slo).met)
+    ttfts = [r[2] for r in completed if r[2] is not None]
+    tpots = [r[3] for r in completed if r[3] is not None]
+    e2es = [r[4] for r in completed if r[4] is not None]
+    at_ttft, at_tpot = (None, None) if slo_percentiles is None else slo_percentiles
+    ttft_p50, ttft_p99, ttft_at = percentiles(ttfts, (50, 99, 99 if at_ttft is None else at_ttft))
+    tpot_p99, tpot_at = percentiles(tpots, (99, 99 if at_tpot is None else at_tpot))
+    return SLOSummary(
+        key=key,
+        requests=len(group),
+        completed=len(completed),
+        slo_met=met,
+        attainment=met / len(completed) if completed else None,
+        goodput_per_s=met / span,
+        ttft_p50_s=ttft_p50,
+        ttft_p99_s=ttft_p99,
+        tpot_p99_s=tpot_p99,
+        e2e_p99_s=percentile(e2es, 99),
+        statuses=dict(statuses),
+        ttft_at_slo_s=None if at_ttft is None else ttft_at,
+        tpot_at_slo_s=None if at_tpot is None else tpot_at,
+    )
 
 
 @dataclass(frozen=True)

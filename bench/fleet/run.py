@@ -165,6 +165,67 @@ def records_of(f: Fleet, results: list[Sent]) -> tuple[int, int]:
     return len(rids), stored()
 
 
+def kill_leader_mid_burst(f: Fleet, contender: str, plan: Plan, t0: float) -> float:
+    """Kill the leader controller (-9) half-way through the burst; seconds until the standby leads."""
+    wait_until("half the burst", time.monotonic, done=lambda t: t >= t0 + plan.burst_s / 2, every_s=0.1)
+    leader = f.wait_for_leader()
+    standby = next(c for c in f.controllers if c is not leader)
+    t_kill = time.monotonic()
+    leader.kill9()
+    wait_until(
+        "the standby to take over",
+        standby.health,
+        done=lambda h: h["role"] == "leader" and h["last_success"] is not None,
+        timeout_s=60,
+        every_s=0.05,
+        ignore=(OSError, ValueError, Exception),
+    )
+    takeover = time.monotonic() - t_kill
+    log(f"{contender}: leader takeover {takeover:.2f}s after kill -9")
+    return takeover
+
+
+def run_result(
+    plan: Plan,
+    contender: str,
+    f: Fleet,
+    rate: float,
+    wall: float,
+    results: list[Sent],
+    sampler: InflightSampler,
+    takeover: float | None,
+) -> RunResult:
+    """One contender's figures, once its burst is over."""
+    sim_stats = httpx.get(f.admin_url + "/stats", timeout=5).json()
+    reasons: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = f"{r.status}:{reason_of(r.error)}"
+            reasons[key] = reasons.get(key, 0) + 1
+    expected, stored = records_of(f, results) if f.collectors else (0, 0)
+    ok = [r for r in results if r.ok]
+    return RunResult(
+        contender=contender,
+        proxies=len(f.proxies),
+        rate=rate,
+        sent=len(results),
+        ok=len(ok),
+        rejected=sum(1 for r in results if r.status == 429),
+        failed=sum(1 for r in results if not r.ok and r.status != 429),
+        good=sum(1 for r in ok if r.ended - r.sent <= plan.slo_e2e_s),
+        wall_s=wall,
+        burst_s=plan.burst_s,
+        not_ok=reasons,
+        sim_loop_lag_max_s=float(sim_stats.get("loop_lag_max_s", 0.0)),
+        e2e_ok_s=percentiles([r.ended - r.sent for r in ok]),
+        peak_inflight={pool: sampler.peak(pool) for pool in ("prefill", "decode")},
+        samples=len(sampler.samples),
+        takeover_s=takeover,
+        records_expected=expected if contender == "apportioned" else None,
+        records_stored=stored if contender == "apportioned" else None,
+    )
+
+
 def one_run(
     plan: Plan, contender: str, admin: str, workdir: Path, rate: float | None
 ) -> tuple[RunResult, float]:
@@ -189,53 +250,9 @@ def one_run(
             ) as load,
         ):
             if f.controllers:  # the same fault for the fleet and for one proxy: the leader killed mid-burst
-                wait_until(
-                    "half the burst", time.monotonic, done=lambda t: t >= t0 + plan.burst_s / 2, every_s=0.1
-                )
-                leader = f.wait_for_leader()
-                standby = next(c for c in f.controllers if c is not leader)
-                t_kill = time.monotonic()
-                leader.kill9()
-                wait_until(
-                    "the standby to take over",
-                    standby.health,
-                    done=lambda h: h["role"] == "leader" and h["last_success"] is not None,
-                    timeout_s=60,
-                    every_s=0.05,
-                    ignore=(OSError, ValueError, Exception),
-                )
-                takeover = time.monotonic() - t_kill
-                log(f"{contender}: leader takeover {takeover:.2f}s after kill -9")
+                takeover = kill_leader_mid_burst(f, contender, plan, t0)
         wall = time.monotonic() - t0
-        results = load.results
-        sim_stats = httpx.get(f.admin_url + "/stats", timeout=5).json()
-        reasons: dict[str, int] = {}
-        for r in results:
-            if not r.ok:
-                key = f"{r.status}:{reason_of(r.error)}"
-                reasons[key] = reasons.get(key, 0) + 1
-        expected, stored = records_of(f, results) if f.collectors else (0, 0)
-        ok = [r for r in results if r.ok]
-        res = RunResult(
-            contender=contender,
-            proxies=len(f.proxies),
-            rate=rate,
-            sent=len(results),
-            ok=len(ok),
-            rejected=sum(1 for r in results if r.status == 429),
-            failed=sum(1 for r in results if not r.ok and r.status != 429),
-            good=sum(1 for r in ok if r.ended - r.sent <= plan.slo_e2e_s),
-            wall_s=wall,
-            burst_s=plan.burst_s,
-            not_ok=reasons,
-            sim_loop_lag_max_s=float(sim_stats.get("loop_lag_max_s", 0.0)),
-            e2e_ok_s=percentiles([r.ended - r.sent for r in ok]),
-            peak_inflight={pool: sampler.peak(pool) for pool in ("prefill", "decode")},
-            samples=len(sampler.samples),
-            takeover_s=takeover,
-            records_expected=expected if contender == "apportioned" else None,
-            records_stored=stored if contender == "apportioned" else None,
-        )
+        res = run_result(plan, contender, f, rate, wall, load.results, sampler, takeover)
         log(
             f"{contender}: {res.ok}/{res.sent} ok, peaks {dict(res.peak_inflight)}, "
             f"e2e of the ok {res.e2e_ok_s}"

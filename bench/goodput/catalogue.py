@@ -1,10 +1,12 @@
-"""What the goodput bench can run: fleet shapes, loads, faults, contenders, and cell names.
+"""What the goodput bench can run: fleet shapes, workload mixes, loads, faults, contenders, cell names.
 
 Pure values and functions (no I/O, no clock). A *cell* is one fleet x one load x one fault,
-named ``FLEET:LOAD:FAULT`` (``2p4d:75:slow_prefill``); every contender runs once per cell on
-a fresh fleet. ``fault_plan`` turns a fault name into the simulator fault specs to inject at
-onset, the instances the fault is about (a cut of any other instance's weight is a cut of a
-healthy one), and the pools whose limit cuts are an expected answer to it.
+named ``FLEET:LOAD:FAULT`` (``2p4d:75:slow_prefill``); every contender runs once per cell and seed
+on a fresh fleet. ``fault_plan`` turns a fault name into the simulator fault specs to inject at
+onset (``at`` delays one past onset), the instances the fault is about (a cut of any other
+instance's weight is a cut of a healthy one), the pools whose limit cuts are an expected answer
+to it, the extra load it adds, and the workload mix of the cell (the capacity is measured per
+fleet and mix).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ FAULTS = (
     "decode_down",
     "kv_capacity",
     "burst",
+    # overload: more offered than the fleet (or what is left of it) can serve in time
+    "surge",
+    "p_down",
+    "d_lost",
+    "degrade",
+    "prefill_heavy",
 )
+OVERLOAD = ("burst", "surge", "p_down", "d_lost", "degrade", "prefill_heavy")
 # the old bench's scenario letters, still accepted by --faults
 LETTERS = {"a": "degraded_decode_link", "b": "burst", "c": "slow_prefill"}
 HEALTHY = "healthy"  # the fault name of a --healthy run: nothing is injected
@@ -61,7 +70,33 @@ class FleetShape:
         return f"decode-{self.n_d - 1}"
 
 
-FLEETS = {"2p4d": FleetShape("2p4d", 2, 4), "3p6d": FleetShape("3p6d", 3, 6)}
+FLEETS = {
+    "2p4d": FleetShape("2p4d", 2, 4),
+    "3p6d": FleetShape("3p6d", 3, 6),
+    "4p2d": FleetShape("4p2d", 4, 2),  # P:D 2:1
+    "3p3d": FleetShape("3p3d", 3, 3),  # P:D 1:1
+}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A workload's prompt and output lengths (``simulator.workload.LengthDist`` text) and
+    ``rate_scale``: the capacity steps' rates (given for the chat mix) times this, about the chat
+    mix's mean prompt over this mix's (prefill work per request sets P's capacity)."""
+
+    name: str
+    prompt: str
+    output: str
+    rate_scale: float = 1.0
+
+
+CHAT = "chat"
+MIXES = {
+    CHAT: Mix(CHAT, "fixed:2048", "fixed:32"),
+    # long prompts of spread lengths, short answers: P is the bottleneck, and a request's cost is
+    # its tokens, not one request's worth
+    "prefill_heavy": Mix("prefill_heavy", "uniform:4096,8192", "fixed:8", rate_scale=2048 / 6144),
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +111,7 @@ class FaultPlan:
     limit_pools: frozenset[str] = frozenset()
     burst: tuple[float, float] | None = None
     ends_after_s: float | None = None  # the fault is cleared this long after onset (decode_down)
+    mix: str = CHAT  # the workload of the cell (MIXES)
     about: str = ""
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +124,10 @@ SLOW_LINK_FACTOR = 10.0
 SLOW_PREFILL_FACTOR = 3.0
 TRANSFER_FAILURE_RATE = 0.3
 KV_FRACTION = 0.1
+SURGE_MULTIPLE = 2.0  # total offered load during the surge, times the measured capacity
+SURGE_SHARE = 0.6  # of the measured phase
+DEGRADE_STEPS = (1.5, 2.0, 3.0)  # the P's slowdown, stepped up at equal thirds of the measured phase
+HEAVY_MULTIPLE = 1.3  # prefill_heavy: total offered load over the whole measured phase, times capacity
 
 
 def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
@@ -157,7 +197,72 @@ def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
             burst=(BURST_MULTIPLE, burst_s),
             about=f"{BURST_MULTIPLE:g}x capacity for {burst_s:g} s",
         )
-    raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
+    plan = _overload_plan(fault, fleet, measure_s)
+    if plan is None:
+        raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
+    return plan
+
+
+def degrade_steps(measure_s: float) -> list[tuple[float, float]]:
+    """(seconds after onset, the P's total slowdown from then): ``DEGRADE_STEPS`` at 0, 1/3, 2/3."""
+    return [(round(i * measure_s / len(DEGRADE_STEPS), 1), f) for i, f in enumerate(DEGRADE_STEPS)]
+
+
+def _degrade(fleet: FleetShape, measure_s: float) -> FaultPlan:
+    # the simulator multiplies the factors of a P's active `slow` faults: each step adds the ratio
+    p, before, injections = fleet.bad_p, 1.0, []
+    for at, total in degrade_steps(measure_s):
+        injections.append({"kind": "slow", "instance": p, "factor": round(total / before, 6), "at": at})
+        before = total
+    return FaultPlan(
+        "degrade",
+        tuple(injections),
+        frozenset({p}),
+        limit_pools=frozenset({"prefill"}),
+        about=f"{p} slows in steps: "
+        + ", ".join(f"{f:g}x at +{at:g} s" for at, f in degrade_steps(measure_s)),
+    )
+
+
+def _overload_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan | None:
+    """The overload faults: more offered than the fleet, or what is left of it, serves in time."""
+    d, p = fleet.bad_d, fleet.bad_p
+    if fault == "surge":
+        surge_s = round(max(2.0, SURGE_SHARE * measure_s), 1)
+        return FaultPlan(
+            fault,
+            limit_pools=frozenset({"prefill", "decode"}),
+            burst=(SURGE_MULTIPLE, surge_s),
+            about=f"{SURGE_MULTIPLE:g}x capacity for {surge_s:g} s",
+        )
+    if fault == "p_down":
+        return FaultPlan(
+            fault,
+            ({"kind": "down", "instance": p},),
+            frozenset({p}),
+            limit_pools=frozenset({"prefill"}),
+            about=f"{p} down for good: the P pool keeps {fleet.n_p - 1} of {fleet.n_p}",
+        )
+    if fault == "d_lost":
+        return FaultPlan(
+            fault,
+            ({"kind": "down", "instance": d},),
+            frozenset({d}),
+            limit_pools=frozenset({"decode"}),
+            about=f"{d} down for good: the D pool keeps {fleet.n_d - 1} of {fleet.n_d}",
+        )
+    if fault == "degrade":
+        return _degrade(fleet, measure_s)
+    if fault == "prefill_heavy":
+        return FaultPlan(
+            fault,
+            limit_pools=frozenset({"prefill"}),
+            burst=(HEAVY_MULTIPLE, round(measure_s, 1)),
+            mix="prefill_heavy",
+            about=f"prompts {MIXES['prefill_heavy'].prompt}, outputs {MIXES['prefill_heavy'].output}; "
+            f"{HEAVY_MULTIPLE:g}x that mix's capacity over the measured phase",
+        )
+    return None
 
 
 @dataclass(frozen=True, order=True)

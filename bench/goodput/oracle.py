@@ -138,4 +138,36 @@ def oracle_schedule(
         return [(None, {}, {"prefill": max(2, round(capacity_rps)), "decode": None})]
     if plan.name == HEALTHY:
         return [(None, {}, none)]
+    return _overload_schedule(plan, fleet, capacity_rps)
+
+
+def _p_limit(capacity_rps: float, share: float = 1.0) -> Limits:
+    """One second of the (remaining) capacity in flight on prefill, nothing on decode."""
+    return {"prefill": max(2, round(capacity_rps * share)), "decode": None}
+
+
+def _overload_schedule(
+    plan: FaultPlan, fleet: FleetShape, capacity_rps: float
+) -> list[tuple[float | None, Weights, Limits]]:
+    """What an expert sets for the overload faults, from the fault's first second: no work for a
+    dead instance, a slow P weighted by its speed, and the prefill pool held to one second of what
+    the fleet can still prefill (``capacity_rps`` is the healthy fleet's for the cell's mix)."""
+    p, d = fleet.bad_p, fleet.bad_d
+    if plan.name in ("surge", "prefill_heavy"):
+        return [(None, {}, _p_limit(capacity_rps))]
+    if plan.name == "p_down":
+        return [(None, {p: 0.0}, _p_limit(capacity_rps, (fleet.n_p - 1) / fleet.n_p))]
+    if plan.name == "d_lost":
+        # P is the bottleneck of these mixes: the other Ds have the compute and KV for its share, so
+        # the dead D gets no work and no limit is cut
+        return [(None, {d: 0.0}, {"prefill": None, "decode": None})]
+    if plan.name == "degrade":
+        # a step's table is set at the step (the first from the start: the P's first slowdown is known)
+        out: list[tuple[float | None, Weights, Limits]] = []
+        factor = 1.0
+        for step in plan.injections:  # the simulator multiplies a P's active slowdowns
+            at, factor = float(step.get("at", 0.0)), factor * float(step["factor"])
+            share = (fleet.n_p - 1 + 1 / factor) / fleet.n_p
+            out.append((None if at == 0 else at, {p: round(1 / factor, 4)}, _p_limit(capacity_rps, share)))
+        return out
     raise ValueError(f"no oracle table for fault {plan.name!r}")

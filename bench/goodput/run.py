@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -50,8 +51,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.goodput.catalogue import (  # noqa: E402
+    CHAT,
     FLEETS,
     HEALTHY,
+    MIXES,
     RUN_ORDER,
     Cell,
     fault_plan,
@@ -60,7 +63,7 @@ from bench.goodput.catalogue import (  # noqa: E402
 )
 from bench.goodput.report import (  # noqa: E402
     budget_s,
-    cell_targets,
+    combine_seeds,
     contender_line,
     healthy_table,
     run_seconds,
@@ -70,8 +73,6 @@ from bench.goodput.report import (  # noqa: E402
 from bench.goodput.stack import (  # noqa: E402
     CONTROLLER_WINDOW_S,
     INTERVAL_S,
-    OUTPUT,
-    PROMPT,
     SIM,
     SLO_TPOT_S,
     SLO_TTFT_S,
@@ -79,6 +80,7 @@ from bench.goodput.stack import (  # noqa: E402
 )
 
 CAPACITY_WARM_S = 2.0
+DOWN_STEPS = (0.8, 0.6, 0.4)  # of the first capacity step, tried in turn when the fleet does not sustain it
 
 
 @dataclass
@@ -210,8 +212,11 @@ def base_spec(
     measure: float,
     seed: int,
     sim_seed: int,
+    mix: str | None = None,
 ) -> dict[str, Any]:
+    """A worker's spec; ``mix`` overrides the fault's workload mix (a capacity step's)."""
     return {
+        "mix": mix,
         "fleet": fleet,
         "contender": contender,
         "fault": fault,
@@ -227,82 +232,107 @@ def base_spec(
     }
 
 
-def measure_capacity(a: argparse.Namespace, fleets: list[str], work: Path) -> dict[str, dict[str, Any]]:
-    """Per fleet: the highest offered rate (``--rates-per-p`` x P count) at which the static proxy keeps
-    >= 90% SLO attainment and completes >= 90% of a healthy fleet's requests. Fleets run side by side
-    when ``--jobs`` allows; each fleet's steps in order, stopping at the first it does not sustain."""
-    out: dict[str, dict[str, Any]] = {}
-    for f in fleets:
-        if f in a.capacity:
-            out[f] = {"capacity_rps": a.capacity[f], "capacity_steps": [], "given": True}
+def capacity_key(fleet: str, mix: str) -> str:
+    """The capacity's key: the fleet for the chat mix, ``FLEET/MIX`` for another."""
+    return fleet if mix == CHAT else f"{fleet}/{mix}"
 
-    def one_fleet(f: str) -> None:
-        steps: list[dict[str, Any]] = []
-        best = 0.0
-        for per_p in a.rates_per_p:
-            rate = round(per_p * FLEETS[f].n_p, 2)
-            job = Job(
-                f"capacity-{f}-{rate:g}",
-                base_spec(
-                    a, f, "static", HEALTHY, rate, rate, CAPACITY_WARM_S, a.capacity_s, a.seed, a.sim_seed
-                ),
-            )
-            r = run_job(job, work)
-            if "error" in r:
-                raise SystemExit(f"capacity step {f} {rate:g} req/s failed: {r['error']}")
-            planned = r["requests"]
-            ok = r["slo_attainment"] >= 0.9 and r["completed"] >= 0.9 * planned
-            steps.append(
-                {
-                    "offered_rps": rate,
-                    "goodput_rps": r["goodput_rps"],
-                    "slo_attainment": r["slo_attainment"],
-                    "ttft_p99_s": r["ttft_p99_s"],
-                    "sustained": ok,
-                    "sim_lag": r.get("sim_lag"),
-                }
-            )
-            print(
-                f"  capacity {f} {rate:5.1f} req/s: attainment {r['slo_attainment'] * 100:5.1f}%  p99 TTFT "
-                f"{r['ttft_p99_s'] or 0:5.2f}s  {'ok' if ok else 'over'}",
-                file=sys.stderr,
-                flush=True,
-            )
-            if not ok:
-                break
-            best = rate
-        if best <= 0:
-            raise SystemExit(
-                f"{f}: the healthy fleet sustained none of the capacity steps {a.rates_per_p} per P"
-            )
+
+def _split_key(key: str) -> tuple[str, str]:
+    fleet, _, mix = key.partition("/")
+    return fleet, mix or CHAT
+
+
+def _capacity_step(a: argparse.Namespace, key: str, rate: float, work: Path) -> dict[str, Any]:
+    fleet, mix = _split_key(key)
+    job = Job(
+        f"capacity-{key.replace('/', '-')}-{rate:g}",
+        base_spec(
+            a, fleet, "static", HEALTHY, rate, rate, CAPACITY_WARM_S, a.capacity_s, a.seed, a.sim_seed, mix
+        ),
+    )
+    r = run_job(job, work)
+    if "error" in r:
+        raise SystemExit(f"capacity step {key} {rate:g} req/s failed: {r['error']}")
+    ok = r["slo_attainment"] >= 0.9 and r["completed"] >= 0.9 * r["requests"]
+    print(
+        f"  capacity {key} {rate:5.1f} req/s: attainment {r['slo_attainment'] * 100:5.1f}%  p99 TTFT "
+        f"{r['ttft_p99_s'] or 0:5.2f}s  {'ok' if ok else 'over'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "offered_rps": rate,
+        "goodput_rps": r["goodput_rps"],
+        "slo_attainment": r["slo_attainment"],
+        "ttft_p99_s": r["ttft_p99_s"],
+        "sustained": ok,
+        "sim_lag": r.get("sim_lag"),
+    }
+
+
+def _one_capacity(a: argparse.Namespace, key: str, work: Path) -> dict[str, Any]:
+    """``key``'s steps in order, stopping at the first it does not sustain; where that is the first,
+    ``DOWN_STEPS`` of it in turn, down to the first it sustains."""
+    fleet, mix = _split_key(key)
+    steps: list[dict[str, Any]] = []
+    best = 0.0
+    for per_p in a.rates_per_p:
+        rate = round(per_p * FLEETS[fleet].n_p * MIXES[mix].rate_scale, 2)
+        steps.append(_capacity_step(a, key, rate, work))
+        if not steps[-1]["sustained"]:
+            break
+        best = rate
+    first = steps[0]["offered_rps"]
+    for frac in DOWN_STEPS if best <= 0 else ():  # the first step was over: try below it
+        steps.append(_capacity_step(a, key, round(first * frac, 2), work))
         if steps[-1]["sustained"]:
-            print(
-                f"  capacity {f}: the last step was sustained too; "
-                "the capacity may be higher (--rates-per-p)",
-                file=sys.stderr,
-                flush=True,
-            )
-        out[f] = {
-            "capacity_rps": best,
-            "capacity_steps": steps,
-            "given": False,
-            "at_last_step": bool(steps[-1]["sustained"]),
-        }
+            best = steps[-1]["offered_rps"]
+            break
+    if best <= 0:
+        raise SystemExit(
+            f"{key}: the healthy fleet sustained none of the capacity steps {a.rates_per_p} per P"
+        )
+    if all(x["sustained"] for x in steps):
+        print(
+            f"  capacity {key}: the last step was sustained too; the capacity may be higher (--rates-per-p)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "capacity_rps": best,
+        "capacity_steps": steps,
+        "given": False,
+        "at_last_step": steps[-1]["sustained"],
+    }
 
-    todo = [f for f in fleets if f not in out]
+
+def measure_capacity(a: argparse.Namespace, keys: list[str], work: Path) -> dict[str, dict[str, Any]]:
+    """Per fleet and mix (``capacity_key``): the highest offered rate (``--rates-per-p`` x P count x the
+    mix's ``rate_scale``) at which the static proxy keeps >= 90% SLO attainment and completes >= 90%
+    of a healthy fleet's requests. Keys run side by side when ``--jobs`` allows."""
+    out: dict[str, dict[str, Any]] = {
+        k: {"capacity_rps": a.capacity[k], "capacity_steps": [], "given": True}
+        for k in keys
+        if k in a.capacity
+    }
+    todo = [k for k in keys if k not in out]
+
+    def one(key: str) -> None:
+        out[key] = _one_capacity(a, key, work)
+
     with ThreadPoolExecutor(max_workers=max(1, min(a.jobs, len(todo) or 1))) as pool:
-        list(pool.map(one_fleet, todo))
-    return {f: out[f] for f in fleets}
+        list(pool.map(one, todo))
+    return {k: out[k] for k in keys}
 
 
-def capacity_estimate_s(a: argparse.Namespace, fleets: list[str]) -> float:
-    todo = [f for f in fleets if f not in a.capacity]
+def capacity_estimate_s(a: argparse.Namespace, keys: list[str]) -> float:
+    todo = [k for k in keys if k not in a.capacity]
     if not todo:
         return 0.0
     # the steps stop at the first the fleet does not sustain: about six of the default eight here
     steps = min(len(a.rates_per_p), 6)
-    per_fleet = steps * run_seconds("static", CAPACITY_WARM_S, float(a.capacity_s))
-    return float(per_fleet * len(todo) / max(1, min(int(a.jobs), len(todo))))
+    per_key = steps * run_seconds("static", CAPACITY_WARM_S, float(a.capacity_s))
+    return float(per_key * len(todo) / max(1, min(int(a.jobs), len(todo))))
 
 
 def header(a: argparse.Namespace) -> dict[str, Any]:
@@ -312,8 +342,8 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         "generated_at": time.time(),
         "argv": sys.argv[1:],
         "simulator": {**SIM, "seed": a.sim_seed},
-        "prompt": PROMPT,
-        "output": OUTPUT,
+        "mixes": {m.name: {"prompt": m.prompt, "output": m.output} for m in MIXES.values()},
+        "seeds": a.seeds,
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
         "warm_s": a.warm,
         "seed": a.seed,
@@ -325,31 +355,23 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def matrix(a: argparse.Namespace) -> dict[str, Any]:
-    cells = select_cells(a.cells, a.fleets, a.loads, a.faults)
-    contenders = select_contenders(a.contenders)
-    fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
-    runs = [(c, a.warm, a.measure) for _ in cells for c in contenders]
-    est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
-    print(
-        f"{len(cells)} cells x {len(contenders)} contenders = {len(runs)} runs of "
-        f"{a.warm:g} + {a.measure:g} s, "
-        f"{a.jobs} at a time: about {est / 60:.0f} min",
-        file=sys.stderr,
-        flush=True,
-    )
-    if a.dry_run:
-        print("\n".join(c.name for c in cells))
-        raise SystemExit(0)
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="goodput-bench-") as tmp:
-        work = Path(tmp)
-        caps = measure_capacity(a, fleets, work)
-        for f, v in caps.items():
-            print(f"capacity {f}: {v['capacity_rps']:g} req/s", file=sys.stderr, flush=True)
-        jobs: list[Job] = []
-        for cell in cells:
-            cap = caps[cell.fleet]["capacity_rps"]
+def _cell_keys(cells: list[Cell], measure_s: float) -> dict[Cell, str]:
+    """Each cell's capacity key (its fleet and its fault's workload mix)."""
+    return {c: capacity_key(c.fleet, fault_plan(c.fault, FLEETS[c.fleet], measure_s).mix) for c in cells}
+
+
+def _matrix_jobs(
+    a: argparse.Namespace,
+    cells: list[Cell],
+    contenders: list[str],
+    caps: dict[str, Any],
+    keys: dict[Cell, str],
+) -> list[Job]:
+    """One job per cell, seed and contender; seed i runs the simulator at ``--sim-seed`` + i."""
+    jobs: list[Job] = []
+    for cell in cells:
+        cap = caps[keys[cell]]["capacity_rps"]
+        for i, seed in enumerate(a.seeds):
             for c in sorted(contenders, key=RUN_ORDER.index):
                 spec = base_spec(
                     a,
@@ -360,55 +382,86 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
                     cap,
                     a.warm,
                     a.measure,
-                    a.seed,
-                    a.sim_seed,
+                    seed,
+                    a.sim_seed + i,
                 )
+                tag = f"{cell.name.replace(':', '-')}-s{seed}-{c}"
                 spec["cell"] = cell.name
                 if a.save_decisions and c in ("controller", "killed"):
-                    spec["save_decisions"] = str(
-                        Path(a.save_decisions) / f"{cell.name.replace(':', '-')}-{c}.json"
-                    )
-                jobs.append(Job(f"{cell.name.replace(':', '-')}-{c}", spec))
+                    spec["save_decisions"] = str(Path(a.save_decisions) / f"{tag}.json")
+                jobs.append(Job(tag, spec))
+    return jobs
+
+
+def _matrix_cells(
+    a: argparse.Namespace, cells: list[Cell], contenders: list[str], jobs: list[Job]
+) -> dict[str, Any]:
+    """Each cell's figures over its seeds (``report.combine_seeds``)."""
+    out: dict[str, Any] = {}
+    for cell in cells:
+        mine = [j for j in jobs if j.spec["cell"] == cell.name]
+        by_seed: dict[str, dict[str, dict[str, Any]]] = {}
+        for j in sorted(mine, key=lambda j: contenders.index(j.spec["contender"])):
+            by_seed.setdefault(str(j.spec["seed"]), {})[j.spec["contender"]] = j.result
+        for res in by_seed.values():
+            rr = res.get("round_robin", {}).get("goodput_rps")
+            orc = res.get("oracle", {}).get("goodput_rps")
+            for r in res.values():
+                if "goodput_rps" in r:
+                    r["goodput_ratio_vs_round_robin"] = r["goodput_rps"] / rr if rr else None
+                    r["goodput_ratio_vs_oracle"] = r["goodput_rps"] / orc if orc else None
+        plan = fault_plan(cell.fault, FLEETS[cell.fleet], a.measure)
+        combined = combine_seeds(cell.fault, by_seed, SLO_TTFT_S)
+        out[cell.name] = {
+            "fleet": cell.fleet,
+            "load_pct": cell.load,
+            "fault": cell.fault,
+            "mix": plan.mix,
+            "about": plan.about,
+            "injections": list(plan.injections),
+            "faulty": sorted(plan.faulty),
+            "offered_rps": mine[0].spec["rate_rps"],
+            **combined,
+            "reaction_ticks": combined["contenders"].get("controller", {}).get("reaction_ticks"),
+        }
+    return out
+
+
+def matrix(a: argparse.Namespace) -> dict[str, Any]:
+    cells = select_cells(a.cells, a.fleets, a.loads, a.faults)
+    contenders = select_contenders(a.contenders)
+    keys = _cell_keys(cells, a.measure)
+    cap_keys = list(dict.fromkeys(sorted(keys.values(), key=lambda k: list(FLEETS).index(k.split("/")[0]))))
+    runs = [(c, a.warm, a.measure) for _ in cells for _ in a.seeds for c in contenders]
+    est = budget_s(runs, a.jobs, capacity_estimate_s(a, cap_keys))
+    print(
+        f"{len(cells)} cells x {len(a.seeds)} seed(s) x {len(contenders)} contenders = {len(runs)} runs of "
+        f"{a.warm:g} + {a.measure:g} s, {a.jobs} at a time: about {est / 60:.0f} min",
+        file=sys.stderr,
+        flush=True,
+    )
+    if a.dry_run:
+        print("\n".join(c.name for c in cells))
+        raise SystemExit(0)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="goodput-bench-") as tmp:
+        work = Path(tmp)
+        caps = measure_capacity(a, cap_keys, work)
+        for k, v in caps.items():
+            print(f"capacity {k}: {v['capacity_rps']:g} req/s", file=sys.stderr, flush=True)
+        jobs = _matrix_jobs(a, cells, contenders, caps, keys)
         run_all(
             jobs,
             a.jobs,
             work,
-            lambda j: contender_line(j.spec["cell"], j.spec["contender"], j.result),
+            lambda j: contender_line(f"{j.spec['cell']} s{j.spec['seed']}", j.spec["contender"], j.result),
             a.retry_starved,
         )
     out = header(a) | {"measured_s": a.measure, "fleets": {}, "cells": {}}
-    for f, v in caps.items():
-        out["fleets"][f] = {"fleet": f"{FLEETS[f].label} simulated", **v}
-    by_cell: dict[str, list[Job]] = {}
-    for j in jobs:
-        by_cell.setdefault(j.spec["cell"], []).append(j)
-    for cell in cells:
-        res = {
-            j.spec["contender"]: j.result
-            for j in sorted(by_cell[cell.name], key=lambda j: contenders.index(j.spec["contender"]))
-        }
-        rr = res.get("round_robin", {}).get("goodput_rps")
-        orc = res.get("oracle", {}).get("goodput_rps")
-        for r in res.values():
-            if "goodput_rps" in r:
-                r["goodput_ratio_vs_round_robin"] = r["goodput_rps"] / rr if rr else None
-                r["goodput_ratio_vs_oracle"] = r["goodput_rps"] / orc if orc else None
-        ratios, targets = cell_targets(cell.fault, res, SLO_TTFT_S)
-        plan = fault_plan(cell.fault, FLEETS[cell.fleet], a.measure)
-        first = next(iter(by_cell[cell.name]))
-        out["cells"][cell.name] = {
-            "fleet": cell.fleet,
-            "load_pct": cell.load,
-            "fault": cell.fault,
-            "about": plan.about,
-            "injections": list(plan.injections),
-            "faulty": sorted(plan.faulty),
-            "offered_rps": first.spec["rate_rps"],
-            "contenders": res,
-            "ratios": ratios,
-            "targets": targets,
-            "reaction_ticks": res.get("controller", {}).get("reaction_ticks"),
-        }
+    for k, v in caps.items():
+        fleet, mix = _split_key(k)
+        out["fleets"][k] = {"fleet": f"{FLEETS[fleet].label} simulated", "mix": mix, **v}
+    out["cells"] = _matrix_cells(a, cells, contenders, jobs)
     out["summary"] = summary(out["cells"])
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["estimated_s"] = round(est, 1)
@@ -496,11 +549,17 @@ def _capacities(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         name, sep, value = item.partition("=")
-        if not sep or name not in FLEETS:
+        fleet, _, mix = name.partition("/")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = math.nan
+        if not sep or fleet not in FLEETS or (mix and mix not in MIXES) or not 0 < rate < 1e6:
             raise argparse.ArgumentTypeError(
-                f"--capacity: {item!r} is not FLEET=REQ_PER_S ({', '.join(FLEETS)})"
+                f"--capacity: {item!r} is not FLEET[/MIX]=REQ_PER_S, 0 < REQ_PER_S < 1e6 "
+                f"(fleets {', '.join(FLEETS)}; mixes {', '.join(MIXES)})"
             )
-        out[name] = float(value)
+        out[capacity_key(fleet, mix or CHAT)] = rate
     return out
 
 
@@ -509,9 +568,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--cells", help="FLEET:LOAD:FAULT patterns, globs allowed (2p4d:75:slow_prefill,*:90:burst)"
     )
-    ap.add_argument("--fleets", help="2p4d, 3p6d (default both)")
+    ap.add_argument("--fleets", help="2p4d, 3p6d, 4p2d, 3p3d (default all)")
     ap.add_argument("--loads", help="75, 90 (default both; percent of the measured capacity)")
-    ap.add_argument("--faults", help="names or globs (default all eight); a, b, c = the old scenarios")
+    ap.add_argument("--faults", help="names or globs (default all); a, b, c = the old scenarios")
     ap.add_argument("--contenders", help="round_robin, static, controller, oracle, killed (default all)")
     ap.add_argument(
         "--warm",
@@ -549,7 +608,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--capacity",
         type=_capacities,
         default={},
-        help="skip the capacity steps for these fleets: 2p4d=14,3p6d=21 (tuning runs only)",
+        help="skip the capacity steps for these fleets (and mixes): 2p4d=14,3p6d=21,2p4d/prefill_heavy=5 "
+        "(tuning runs only)",
     )
     ap.add_argument(
         "--client-timeout",
@@ -574,8 +634,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--seeds",
-        default="1,2",
-        help="--healthy: workload seeds (default 1,2; the simulator's seed is --sim-seed + the seed's index)",
+        default=None,
+        help="workload seeds, each cell run once per seed, the report over them (mean, min); default "
+        "--seed alone (the issue's targets ask for three: 1,2,3); --healthy: default 1,2. The simulator's "
+        "seed is --sim-seed + the seed's index",
     )
     ap.add_argument("--save-decisions", help="directory: write each controlled run's decisions there as JSON")
     ap.add_argument(
@@ -588,7 +650,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.rates_per_p = [float(x) for x in a.rates_per_p.split(",") if x.strip()]
+        if a.seeds is None:
+            a.seeds = "1,2" if a.healthy else str(a.seed)
         a.seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        if len(set(a.seeds)) != len(a.seeds) or len(a.seeds) > 10:
+            raise ValueError(f"--seeds: at most 10, each once (got {a.seeds})")
         select_cells(a.cells, a.fleets, a.loads, a.faults)
         select_contenders(a.contenders)
     except ValueError as exc:

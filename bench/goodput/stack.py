@@ -18,7 +18,6 @@ from pdscope.stack import Child, ChildGroup, free_ports, loopback_url, pdscope_a
 
 REPO = Path(__file__).resolve().parents[2]
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1
-PROMPT, OUTPUT = "fixed:2048", "fixed:32"
 MODEL = "sim-llama-70b"
 SIM = {"link_bandwidth_bytes_per_s": 2.5e9, "lease_duration_s": 3.0}
 INTERVAL_S = 1.0
@@ -172,9 +171,13 @@ class Stack:
         self.cpu_at_kill["control"] = cpu_seconds(control.pid)
         control.signal(signal.SIGKILL)
 
-    def expired_leases(self) -> float:
+    def expired_leases(self, without: frozenset[str] = frozenset()) -> float:
+        """P's expired KV leases so far, over the Ps not in ``without`` (a P that is down answers no
+        scrape: leave it out of both ends of a difference)."""
         return sum(
-            metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total") for _, _, r, u in self.inst if r == "prefill"
+            metric_sum(u, "vllm:nixl_num_kv_expired_reqs_total")
+            for n, _, r, u in self.inst
+            if r == "prefill" and n not in without
         )
 
     def cpu(self) -> dict[str, float | None]:

@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,21 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.goodput.catalogue import CONTROLLED, FLEETS, HEALTHY, FaultPlan, FleetShape, fault_plan  # noqa: E402
+from bench.goodput.catalogue import (  # noqa: E402
+    CONTROLLED,
+    FLEETS,
+    HEALTHY,
+    MIXES,
+    FaultPlan,
+    FleetShape,
+    fault_plan,
+)
 from bench.goodput.decisions import analyse, jsonable, read_decisions  # noqa: E402
 from bench.goodput.oracle import ORACLE_WAIT_S, StaticTable, oracle_schedule, oracle_table  # noqa: E402
+from bench.goodput.predictor import prediction_error, read_predictions  # noqa: E402
 from bench.goodput.stack import (  # noqa: E402
     INTERVAL_S,
     MODEL,
-    OUTPUT,
-    PROMPT,
     SLO_TPOT_S,
     SLO_TTFT_S,
     Stack,
@@ -45,7 +53,9 @@ from simulator.workload import LengthDist, Planned, RequestResult, plan, summari
 def workload(
     rate: float, capacity: float, duration: float, warm: float, seed: int, fault: FaultPlan
 ) -> list[Planned]:
-    p, o = LengthDist.parse(PROMPT), LengthDist.parse(OUTPUT)
+    """The cell's open-loop schedule in its mix; a burst's extra load from onset (``warm``)."""
+    mix = MIXES[fault.mix]
+    p, o = LengthDist.parse(mix.prompt), LengthDist.parse(mix.output)
     base = plan("poisson", rate, 10**7, duration, p, o, seed)
     if fault.burst is None:
         return base
@@ -59,11 +69,27 @@ def workload(
     )
 
 
+def meets_slo(r: RequestResult) -> bool:
+    return (
+        r.ok
+        and r.ttft_s is not None
+        and r.ttft_s <= SLO_TTFT_S
+        and (r.tpot_s is None or r.tpot_s <= SLO_TPOT_S)
+    )
+
+
 def measure(results: list[RequestResult], warm: float, measured_s: float) -> dict[str, Any]:
+    """The client's figures over the measured phase. ``admitted``: the requests not answered 429/503
+    (a request the proxy let in and then failed counts against ``admitted_attainment``)."""
     phase = [r for r in results if r.scheduled_s >= warm]
     s = summarize(phase, measured_s, SLO_TTFT_S, SLO_TPOT_S)
     rejected = sum(1 for r in phase if r.status in (429, 503))
+    admitted = [r for r in phase if r.status not in (429, 503)]
     return {
+        "admitted": len(admitted),
+        "admitted_attainment": (sum(1 for r in admitted if meets_slo(r)) / len(admitted))
+        if admitted
+        else None,
         "requests": s["requests"],
         "completed": s["completed"],
         "goodput_rps": s["goodput_rps"],
@@ -131,6 +157,7 @@ async def load_phase(
             set_table(weights, limits)
     onset: list[float] = []
     expired0 = [0.0]
+    gone = frozenset(str(f["instance"]) for f in fault.injections if f["kind"] == "down")  # answer no scrape
     proxy_states: list[tuple[float | None, str | None]] = []
     inject_errors: list[str] = []
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -150,7 +177,7 @@ async def load_phase(
                 for at, weights, limits in schedule:
                     if at is not None:
                         loop.call_later(at, set_table, weights, limits)
-                expired0[0] = stack.expired_leases()
+                expired0[0] = stack.expired_leases(gone)
             except Exception as exc:  # a callback's exception would only be logged: fail the run instead
                 inject_errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -176,7 +203,7 @@ async def load_phase(
         if inject_errors:
             raise RuntimeError(f"the fault could not be injected: {inject_errors[0]}")
         out = measure(results, warm, measured)
-        out["expired_leases"] = stack.expired_leases() - expired0[0]
+        out["expired_leases"] = stack.expired_leases(gone) - expired0[0]
         out["client_lag"] = probe.stop()
         lag = stack.sim_lag() or {}
         out["sim_lag"] = {k: lag.get(k) for k in ("loop_lag_p99_s", "loop_lag_max_s", "trustworthy")}
@@ -196,6 +223,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     fleet = FLEETS[spec["fleet"]]
     contender = spec["contender"]
     fault = fault_plan(spec["fault"], fleet, float(spec["measure_s"]))
+    fault = replace(fault, mix=str(spec.get("mix") or fault.mix))  # a capacity step's mix
     tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{spec['fleet']}-{spec['fault']}-{contender}-"))
     table: StaticTable | None = StaticTable() if contender == "oracle" else None
     stack = Stack(
@@ -218,6 +246,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         if contender in CONTROLLED:
             decisions = read_decisions(stack.store_url)
             out.update(analyse(decisions, fault, onset, INTERVAL_S, out["load_from"]))
+            since = onset if onset is not None else out["load_from"]
+            out["prediction_error"] = prediction_error(read_predictions(stack.store_url, since))
             if spec.get("save_decisions"):
                 path = Path(spec["save_decisions"])
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.prefix.workloads import Planned
 from simulator.httpclient import HttpClientError, Pool
-from simulator.loadgen import read_stream
+from simulator.loadgen import read_stream, settle
 from simulator.workload import RequestResult
 
 
@@ -48,6 +49,44 @@ async def _one(
         res.error = f"{type(exc).__name__}: {exc}"
 
 
+@dataclass
+class _OpenLoop:
+    """One open-loop run's sends: every planned request at its time, at most ``max_inflight`` open."""
+
+    client: Pool
+    start: float
+    timeout_s: float
+    max_inflight: int
+    results: list[RequestResult] = field(default_factory=list)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    inflight: int = 0
+
+    async def send_all(
+        self, base_url: str, planned: list[Planned], model: str, max_tokens: int, tag: str
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for i, p in enumerate(planned):
+            delay = self.start + p.at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res = RequestResult(
+                i, f"{tag}-{i}", p.at, time.perf_counter() - self.start, p.prompt_tokens, max_tokens
+            )
+            self.results.append(res)
+            if self.inflight >= self.max_inflight:
+                res.error = "dropped: max in-flight"
+                continue
+            self.inflight += 1
+            url = base_url.rstrip("/") + p.endpoint
+            self.tasks.append(loop.create_task(self._send(res, url, request_body(p, model, max_tokens))))
+
+    async def _send(self, res: RequestResult, url: str, body: dict[str, Any]) -> None:
+        try:
+            await _one(self.client, url, body, res, self.timeout_s, time.perf_counter())
+        finally:
+            self.inflight -= 1
+
+
 async def run_open_loop(
     base_url: str,
     planned: list[Planned],
@@ -67,42 +106,16 @@ async def run_open_loop(
     hook_tasks = [
         loop.create_task(_hook(start + at, fn)) for at, fn in sorted(hooks or [], key=lambda h: h[0])
     ]
-    results: list[RequestResult] = []
-    tasks: list[asyncio.Task[None]] = []
-    inflight = [0]
-
-    async def send(res: RequestResult, url: str, body: dict[str, Any]) -> None:
-        try:
-            await _one(client, url, body, res, timeout_s, time.perf_counter())
-        finally:
-            inflight[0] -= 1
-
+    run = _OpenLoop(client, start, timeout_s, max_inflight)
     try:
-        for i, p in enumerate(planned):
-            delay = start + p.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            res = RequestResult(
-                i, f"{tag}-{i}", p.at, time.perf_counter() - start, p.prompt_tokens, max_tokens
-            )
-            results.append(res)
-            if inflight[0] >= max_inflight:
-                res.error = "dropped: max in-flight"
-                continue
-            inflight[0] += 1
-            url = base_url.rstrip("/") + p.endpoint
-            tasks.append(loop.create_task(send(res, url, request_body(p, model, max_tokens))))
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout_s + 5.0)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        await run.send_all(base_url, planned, model, max_tokens, tag)
+        await settle(run.tasks, timeout_s + 5.0)
         await asyncio.gather(*hook_tasks, return_exceptions=True)
     finally:
         for t in hook_tasks:
             t.cancel()
         await client.aclose()
-    return results
+    return run.results
 
 
 async def _hook(at: float, fn: Callable[[], None]) -> None:

@@ -77,71 +77,53 @@ def _verdict(value: float | None, floor: float) -> str:
     return "PASS" if value >= floor else "MISS"
 
 
+def _add_ratios(row: dict[str, Any]) -> None:
+    """Each run of one workload against load_only and the oracle of the same workload."""
+    base = row.get("load_only")
+    oracle = row.get("oracle")
+    for r in row.values():
+        if not _ok(r):
+            continue
+        r["goodput_x_load_only"] = ratio(r.get("goodput_rps"), base.get("goodput_rps")) if _ok(base) else None
+        r["hit_rate_of_oracle"] = (
+            ratio(r.get("p_hit_rate"), oracle.get("p_hit_rate")) if _ok(oracle) else None
+        )
+        r["reuse_of_oracle"] = ratio(r.get("reuse"), oracle.get("reuse")) if _ok(oracle) else None
+
+
+def _target(w: str, c: str, target: str, value: Any, verdict: str) -> dict[str, Any]:
+    return {"workload": w, "contender": c, "target": target, "value": value, "verdict": verdict}
+
+
+def _targets(w: str, c: str, got: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets a KV-aware contender's run of workload ``w`` is held to."""
+    if w in SHARED:
+        hr = got.get("reuse_of_oracle")
+        gx = got.get("goodput_x_load_only")
+        return [
+            _target(w, c, f"reuse >= {HIT_OF_ORACLE} x oracle", hr, _verdict(hr, HIT_OF_ORACLE)),
+            _target(w, c, f"goodput >= {GOODPUT_GAIN} x load_only", gx, _verdict(gx, GOODPUT_GAIN)),
+        ]
+    if w == "unique":
+        gx = got.get("goodput_x_load_only")
+        return [_target(w, c, f"goodput >= {CONTROL_FLOOR} x load_only", gx, _verdict(gx, CONTROL_FLOOR))]
+    if w == "hot_prefix":
+        over = got.get("queue_over_budget")
+        verdict = "n/a" if over is None else ("PASS" if over == 0 else "MISS")
+        return [_target(w, c, f"no P queue wait > {SLO_TTFT_S} s", over, verdict)]
+    return []
+
+
 def summarize(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Ratios per cell (vs load_only and the oracle of the same workload) and the targets."""
     targets: list[dict[str, Any]] = []
     for w, row in cells.items():
-        base = row.get("load_only")
-        oracle = row.get("oracle")
-        for r in row.values():
-            if not _ok(r):
-                continue
-            r["goodput_x_load_only"] = (
-                ratio(r.get("goodput_rps"), base.get("goodput_rps")) if _ok(base) else None
-            )
-            r["hit_rate_of_oracle"] = (
-                ratio(r.get("p_hit_rate"), oracle.get("p_hit_rate")) if _ok(oracle) else None
-            )
-            r["reuse_of_oracle"] = ratio(r.get("reuse"), oracle.get("reuse")) if _ok(oracle) else None
+        _add_ratios(row)
         for c in KV_AWARE:
             r = row.get(c)
             if r is None:
                 continue
-            got = r if _ok(r) else {}
-            if w in SHARED:
-                hr = got.get("reuse_of_oracle")
-                gx = got.get("goodput_x_load_only")
-                targets.append(
-                    {
-                        "workload": w,
-                        "contender": c,
-                        "target": f"reuse >= {HIT_OF_ORACLE} x oracle",
-                        "value": hr,
-                        "verdict": _verdict(hr, HIT_OF_ORACLE),
-                    }
-                )
-                targets.append(
-                    {
-                        "workload": w,
-                        "contender": c,
-                        "target": f"goodput >= {GOODPUT_GAIN} x load_only",
-                        "value": gx,
-                        "verdict": _verdict(gx, GOODPUT_GAIN),
-                    }
-                )
-            elif w == "unique":
-                gx = got.get("goodput_x_load_only")
-                targets.append(
-                    {
-                        "workload": w,
-                        "contender": c,
-                        "target": f"goodput >= {CONTROL_FLOOR} x load_only",
-                        "value": gx,
-                        "verdict": _verdict(gx, CONTROL_FLOOR),
-                    }
-                )
-            elif w == "hot_prefix":
-                over = got.get("queue_over_budget")
-                verdict = "n/a" if over is None else ("PASS" if over == 0 else "MISS")
-                targets.append(
-                    {
-                        "workload": w,
-                        "contender": c,
-                        "target": f"no P queue wait > {SLO_TTFT_S} s",
-                        "value": over,
-                        "verdict": verdict,
-                    }
-                )
+            targets += _targets(w, c, r if _ok(r) else {})
     return {"targets": targets}
 
 

@@ -42,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ from bench.prefix.stack import (  # noqa: E402
     StackSpec,
 )
 from bench.prefix.workloads import WORKLOADS, Planned, mean_prompt_tokens  # noqa: E402
+from simulator.workload import RequestResult  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "prefix.json"
 HOT_CONTENDERS = ("load_only", "approximate", "precise", "oracle")
@@ -171,6 +173,93 @@ def run_one(
     return out
 
 
+@dataclass(frozen=True)
+class _Cell:
+    """One contender's run of one workload: what its helpers share."""
+
+    workload: str
+    contender: str
+    planned: list[Planned]
+    warm_s: float
+    measure_s: float
+
+
+def _start(stack: Stack, contender: str, policy: str, router: RouterChoice) -> bool:
+    """Start the stack; False when vllm-router's kv_aware did not start (cache_aware is chosen then)."""
+    try:
+        stack.__enter__()
+    except (RuntimeError, TimeoutError) as exc:
+        if contender != "vllm_router" or policy != "kv_aware" or isinstance(exc, Missing):
+            raise
+        router.policy, router.why = (
+            "cache_aware",
+            f"kv_aware did not start: {exc}; {stack.log_tail('proxy', 5)}",
+        )
+        return False
+    return True
+
+
+def _keep_policy(stack: Stack, cell: _Cell, router: RouterChoice) -> bool:
+    """vllm-router's first run settles its policy by a probe; False: kv_aware failed it (now cache_aware)."""
+    if cell.contender == "vllm_router" and router.policy is None:
+        if not router.probe(stack, cell.planned):
+            router.policy = "cache_aware"
+            return False
+        router.policy = "kv_aware"
+    return True
+
+
+def _drive(stack: Stack, cell: _Cell) -> tuple[list[RequestResult], dict[str, Any]]:
+    """The workload against the stack, with snapshots at the measured phase's start and end."""
+    prefills = {e["name"]: e["url"] for e in stack.inst if e["role"] == "prefill"}
+    decodes = {e["name"]: e["url"] for e in stack.inst if e["role"] == "decode"}
+    proxy_metrics = None if cell.contender == "vllm_router" else stack.proxy_url
+    snaps: dict[str, Any] = {}
+
+    def take(key: str) -> None:
+        snaps[key] = snapshot(prefills, proxy_metrics, decodes)
+        if key == "start":
+            http_json(stack.admin_url + "/stats/reset", "POST", {})
+
+    warm_s, measure_s = cell.warm_s, cell.measure_s
+    results = asyncio.run(
+        run_open_loop(
+            stack.proxy_url,
+            cell.planned,
+            model=MODEL,
+            max_tokens=OUTPUT_TOKENS,
+            timeout_s=CLIENT_TIMEOUT_S,
+            hooks=[(warm_s, lambda: take("start")), (warm_s + measure_s, lambda: take("end"))],
+            tag=f"{cell.workload}-{cell.contender}",
+        )
+    )
+    return results, snaps
+
+
+def _measure(out: dict[str, Any], stack: Stack, cell: _Cell, router: RouterChoice) -> None:
+    """Run the cell on the started stack; its figures into ``out``."""
+    warm_s, measure_s = cell.warm_s, cell.measure_s
+    if cell.contender == "vllm_router":
+        out["router_policy"] = router.policy
+        out["router_note"] = router.why
+    results, snaps = _drive(stack, cell)
+    out.update(figures(results, warm_s, measure_s, SLO_TTFT_S, SLO_TPOT_S))
+    if "start" in snaps and "end" in snaps:
+        # the requests whose first token came in the phase: vLLM counts prompt sources then
+        tokens = sum(
+            r.prompt_tokens
+            for r in results
+            if r.ttft_s is not None and warm_s <= r.sent_s + r.ttft_s < warm_s + measure_s
+        )
+        out.update(phase(snaps["start"], snaps["end"], SLO_TTFT_S, tokens))
+    if cell.contender == "vllm_router":
+        out["router_kv_metrics"] = router_kv_metrics(stack)
+        out["router_event_decode_warnings"] = router_event_warnings(stack)
+    lag = http_json(stack.admin_url + "/stats", timeout=5)
+    out["sim_loop_lag_p99_s"] = lag.get("loop_lag_p99_s")
+    out["sim_trustworthy"] = lag.get("trustworthy")
+
+
 def _run_one(
     workload: str,
     contender: str,
@@ -183,66 +272,18 @@ def _run_one(
     tmp = Path(tempfile.mkdtemp(prefix=f"prefix-{workload}-{contender}-"))
     out: dict[str, Any] = {}
     policy = router.policy or "kv_aware"
+    cell = _Cell(workload, contender, planned, warm_s, measure_s)
     t0 = time.monotonic()
     ok = False
     try:
         stack = Stack(StackSpec(contender, seed, policy), tmp)
-        try:
-            stack.__enter__()
-        except (RuntimeError, TimeoutError) as exc:
-            if contender != "vllm_router" or policy != "kv_aware" or isinstance(exc, Missing):
-                raise
-            router.policy, router.why = (
-                "cache_aware",
-                f"kv_aware did not start: {exc}; {stack.log_tail('proxy', 5)}",
-            )
+        if not _start(stack, contender, policy, router):
             return _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
         try:
-            if contender == "vllm_router" and router.policy is None:
-                if not router.probe(stack, planned):
-                    router.policy = "cache_aware"
-                    stack.__exit__()
-                    return _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
-                router.policy = "kv_aware"
-            if contender == "vllm_router":
-                out["router_policy"] = router.policy
-                out["router_note"] = router.why
-            prefills = {e["name"]: e["url"] for e in stack.inst if e["role"] == "prefill"}
-            decodes = {e["name"]: e["url"] for e in stack.inst if e["role"] == "decode"}
-            proxy_metrics = None if contender == "vllm_router" else stack.proxy_url
-            snaps: dict[str, Any] = {}
-
-            def take(key: str) -> None:
-                snaps[key] = snapshot(prefills, proxy_metrics, decodes)
-                if key == "start":
-                    http_json(stack.admin_url + "/stats/reset", "POST", {})
-
-            results = asyncio.run(
-                run_open_loop(
-                    stack.proxy_url,
-                    planned,
-                    model=MODEL,
-                    max_tokens=OUTPUT_TOKENS,
-                    timeout_s=CLIENT_TIMEOUT_S,
-                    hooks=[(warm_s, lambda: take("start")), (warm_s + measure_s, lambda: take("end"))],
-                    tag=f"{workload}-{contender}",
-                )
-            )
-            out.update(figures(results, warm_s, measure_s, SLO_TTFT_S, SLO_TPOT_S))
-            if "start" in snaps and "end" in snaps:
-                # the requests whose first token came in the phase: vLLM counts prompt sources then
-                tokens = sum(
-                    r.prompt_tokens
-                    for r in results
-                    if r.ttft_s is not None and warm_s <= r.sent_s + r.ttft_s < warm_s + measure_s
-                )
-                out.update(phase(snaps["start"], snaps["end"], SLO_TTFT_S, tokens))
-            if contender == "vllm_router":
-                out["router_kv_metrics"] = router_kv_metrics(stack)
-                out["router_event_decode_warnings"] = router_event_warnings(stack)
-            lag = http_json(stack.admin_url + "/stats", timeout=5)
-            out["sim_loop_lag_p99_s"] = lag.get("loop_lag_p99_s")
-            out["sim_trustworthy"] = lag.get("trustworthy")
+            if not _keep_policy(stack, cell, router):
+                stack.__exit__()
+                return _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+            _measure(out, stack, cell, router)
             ok = True
         finally:
             stack.__exit__()
@@ -280,7 +321,7 @@ def calibrate(
     return load, {"load": args.calibration_load, "rate_rps": round(rate, 2), "reuse": reuse, "run": r}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--workloads", default=None, help="comma-separated (default: all; with --quick: system_prompts)"
@@ -301,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load, one workload"
     )
     ap.add_argument("--out", type=Path, default=OUT)
+    return ap
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments (``--quick`` applied), the workloads and the contenders; exits on an unknown name."""
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.warm, args.measure, args.load_unique = 2.0, 4.0, 0.4
@@ -315,32 +362,45 @@ def main(argv: list[str] | None = None) -> int:
     for c in contenders:
         if c not in CONTENDERS:
             ap.error(f"unknown contender {c!r} (known: {', '.join(CONTENDERS)})")
+    return args, workloads, contenders
+
+
+def _plan_workload(
+    w: str, args: argparse.Namespace, router: RouterChoice, t0: float
+) -> tuple[list[Planned], dict[str, Any]]:
+    """Workload ``w``'s load (calibrated if need be), its plan and its entry in the results."""
+    cal: dict[str, Any] | None = None
+    if w == "unique":
+        load = args.load_unique
+    elif args.load is not None:
+        load = args.load
+    else:
+        load, cal = calibrate(w, args, router, t0)
+    planned, rate = plan_for(w, load, args.warm + args.measure, args.seed)
+    meta: dict[str, Any] = {
+        "rate_rps": round(rate, 2),
+        "load": round(load, 3),
+        "requests": len(planned),
+        "mean_prompt_tokens": round(mean_prompt_tokens(planned), 1),
+    }
+    if cal is not None:
+        meta["calibration"] = cal
+    print(
+        f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:.2f} x no-cache P capacity), "
+        f"mean prompt {meta['mean_prompt_tokens']:.0f} tokens",
+        flush=True,
+    )
+    return planned, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, workloads, contenders = _parse(argv)
     router = RouterChoice()
     cells: dict[str, dict[str, Any]] = {}
     meta: dict[str, Any] = {}
     t0 = time.monotonic()
     for w in workloads:
-        cal: dict[str, Any] | None = None
-        if w == "unique":
-            load = args.load_unique
-        elif args.load is not None:
-            load = args.load
-        else:
-            load, cal = calibrate(w, args, router, t0)
-        planned, rate = plan_for(w, load, args.warm + args.measure, args.seed)
-        meta[w] = {
-            "rate_rps": round(rate, 2),
-            "load": round(load, 3),
-            "requests": len(planned),
-            "mean_prompt_tokens": round(mean_prompt_tokens(planned), 1),
-        }
-        if cal is not None:
-            meta[w]["calibration"] = cal
-        print(
-            f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:.2f} x no-cache P capacity), "
-            f"mean prompt {meta[w]['mean_prompt_tokens']:.0f} tokens",
-            flush=True,
-        )
+        planned, meta[w] = _plan_workload(w, args, router, t0)
         cells[w] = {}
         for c in contenders:
             if w == "hot_prefix" and c not in HOT_CONTENDERS:

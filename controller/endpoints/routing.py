@@ -26,7 +26,7 @@ def router(ctx: ApiContext) -> APIRouter:
         "/v1/routing",
         response_model=RoutingTable,
         tags=["routing"],
-        summary="The routing table proxies apply (ETag = version and share; If-None-Match -> 304). "
+        summary="The routing table proxies apply (ETag = version, share and rates; If-None-Match -> 304). "
         "A proxy sends its report as query parameters (proxy, boot, started, applied, demand, "
         "inflight) and gets its part of every pool's limits in `proxy`, or the table without one and "
         "`proxy_withheld` saying why (another live process holds the id; no seat for a new id); "
@@ -34,7 +34,7 @@ def router(ctx: ApiContext) -> APIRouter:
         "403: a credential that does not speak for the reported id",
     )
     def get_routing(request: Request, response: Response) -> Any:
-        table = reconciler.table
+        table, rates_tag = reconciler.routing()
         try:
             report = ProxyReport.from_params(request.query_params)
         except BadReport as exc:
@@ -46,7 +46,8 @@ def router(ctx: ApiContext) -> APIRouter:
         throttle, source = ctx.authn.throttle, request.client.host if request.client else "?"
         if report is not None and throttle is not None and throttle.blocked(source) is not None:
             # an address that guessed report credentials: its report is not read, its table still served
-            return _served(request, response, table.model_copy(update={"proxy_withheld": "throttled"}))
+            throttled = table.model_copy(update={"proxy_withheld": "throttled"})
+            return _served(request, response, throttled, rates_tag)
         if report is not None:
             refusal = ctx.proxies.authenticate(request.headers.get("authorization"), report.id)
             if refusal is not None:
@@ -64,10 +65,10 @@ def router(ctx: ApiContext) -> APIRouter:
             else:
                 share = answer.share
                 table = table.model_copy(update={"proxy": share, "proxy_withheld": answer.withheld})
-        return _served(request, response, table)
+        return _served(request, response, table, rates_tag)
 
-    def _served(request: Request, response: Response, table: RoutingTable) -> Any:
-        etag = routing_etag(reconciler.epoch, table.version, table.proxy)
+    def _served(request: Request, response: Response, table: RoutingTable, rates_tag: str) -> Any:
+        etag = routing_etag(reconciler.epoch, table.version, table.proxy, rates_tag)
         inm = request.headers.get("if-none-match")
         if inm is not None:
             tags = {t.strip().removeprefix("W/") for t in inm.split(",")}

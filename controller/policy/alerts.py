@@ -62,6 +62,8 @@ class AlertConfig:
     for_s: Mapping[str, float] = field(default_factory=dict)
     kv_full: float = 0.95
     min_requests: int = 10  # fewer completed requests in the SLO window: SLO rules abstain
+    mispredicted_error: float = 0.3  # TTFTMispredicted: median |observed / predicted - 1| over this
+    mispredicted_min_records: int = 50  # ... over at least this many measured predictions
     resend_s: float = 60.0  # re-notify a firing alert this often
     severity: Mapping[str, Severity] = field(default_factory=dict)
     disabled: frozenset[str] = frozenset()
@@ -81,6 +83,8 @@ class AlertConfig:
             for_s={n: r.for_s for n, r in a.rules.items() if r.for_s is not None},
             kv_full=a.kv_full,
             min_requests=a.min_requests,
+            mispredicted_error=a.mispredicted_error,
+            mispredicted_min_records=a.mispredicted_min_records,
             resend_s=a.resend_s,
             severity={n: r.severity for n, r in a.rules.items() if r.severity is not None},
             disabled=frozenset(n for n, r in a.rules.items() if not r.enabled),
@@ -254,6 +258,24 @@ def _collector_behind(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> l
     return []
 
 
+def _mispredicted(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    """The proxy's TTFT predictions are off: the fleet changed under the predictor."""
+    s = obs.slo
+    err = s.prediction_error_p50
+    if s.predictions < ac.mispredicted_min_records or err is None:
+        return None
+    if err <= ac.mispredicted_error:
+        return []
+    return [
+        Sample(
+            {},
+            err,
+            f"TTFT predictions off by a median {100 * err:.0f}% > {100 * ac.mispredicted_error:.0f}% "
+            f"(|observed/predicted - 1| over {s.predictions} requests in {s.window_s:.0f}s)",
+        )
+    ]
+
+
 def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
     """Every built-in rule, in ``ALERT_RULE_NAMES`` order, with ``ac``'s overrides applied.
 
@@ -276,6 +298,7 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
             "stored data is stale: the collector is behind",
             _collector_behind,
         ),
+        ("TTFTMispredicted", "warning", 60.0, "the TTFT predictor is off: the fleet changed", _mispredicted),
     )
     return tuple(
         AlertRule(n, ac.severity_of(n, sev), ac.for_of(n, f), summ, ev, enabled=n not in ac.disabled)

@@ -113,6 +113,10 @@ class SLOFigures:
     tpot_at_slo_s: float | None = None
     handoff_p99_s: float | None = None
     goodput_rps: float = 0.0
+    # The proxy's TTFT predictor over the window (analysis.prediction): the records with a prediction
+    # and an observed TTFT, and the median |observed / predicted - 1| over them (None: none)
+    predictions: int = 0
+    prediction_error_p50: float | None = None
 
     @property
     def attainment(self) -> float | None:

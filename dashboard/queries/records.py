@@ -172,6 +172,23 @@ def _id_span(engine: Engine, window: Window) -> tuple[int, int] | None:
     return int(lo), int(hi)
 
 
+def _verdicts(
+    slo: SLOSettings | None,
+) -> tuple[ColumnElement[bool], ColumnElement[bool], ColumnElement[bool]]:
+    """Met every SLO, missed TTFT, missed TPOT: recomputed under ``slo``, else the stored verdicts."""
+    if slo is None:
+        return (
+            RequestRecord.slo_met.is_(True),
+            RequestRecord.slo_ttft_met.is_(False),
+            RequestRecord.slo_tpot_met.is_(False),
+        )
+    return (
+        slo_met_clause(slo),
+        RequestRecord.ttft_s * 1000.0 > slo.ttft.target_ms,
+        RequestRecord.tpot_s * 1000.0 > slo.tpot.target_ms,
+    )
+
+
 def slo_buckets(
     engine: Engine,
     window: Window,
@@ -185,19 +202,7 @@ def slo_buckets(
     errors, rejected. With ``slo``, verdicts are recomputed under it; else the stored ones. ``only``:
     the records counted (default every one).
     """
-    met: ColumnElement[bool]
-    ttft_miss: ColumnElement[bool]
-    tpot_miss: ColumnElement[bool]
-    if slo is None:
-        met, ttft_miss, tpot_miss = (
-            RequestRecord.slo_met.is_(True),
-            RequestRecord.slo_ttft_met.is_(False),
-            RequestRecord.slo_tpot_met.is_(False),
-        )
-    else:
-        met = slo_met_clause(slo)
-        ttft_miss = RequestRecord.ttft_s * 1000.0 > slo.ttft.target_ms
-        tpot_miss = RequestRecord.tpot_s * 1000.0 > slo.tpot.target_ms
+    met, ttft_miss, tpot_miss = _verdicts(slo)
     b = bucket_index(engine, RequestRecord.__table__.c.proxy_in, window.start, width_s).label("b")
 
     def n_if(cond: ColumnElement[bool]) -> ColumnElement[Any]:

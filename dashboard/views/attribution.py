@@ -20,7 +20,7 @@ import streamlit as st
 
 from dashboard import charts, context, data, ui
 from dashboard.queries.common import Window
-from dashboard.queries.investigate import STAGE_LABELS, Attribution
+from dashboard.queries.investigate import STAGE_LABELS, Attribution, WindowAttribution
 
 view = context.current()
 url = view.store_url
@@ -127,17 +127,8 @@ def _table(groups: pd.DataFrame) -> None:
     )
 
 
-def render() -> None:
-    presence = data.presence(url)
-    latest = data.latest_ts(url)
-    picked = picked_window(st.query_params.to_dict())
-    window = picked.window if isinstance(picked, Picked) else view.window(context.now(), latest)
-    ui.header(
-        "Why we missed",
-        view,
-        window,
-        "SLO misses split over stages against the healthy requests' medians",
-    )
+def _linked(picked: Picked | str | None, window: Window) -> None:
+    """Say which window a link picked (or why it was refused), with a way back to the sidebar's."""
     if isinstance(picked, str):
         st.warning(picked, icon=":material/link_off:")
     elif picked is not None:
@@ -151,13 +142,10 @@ def render() -> None:
             for k in ("from", "until", "alert"):
                 st.query_params.pop(k, None)
             st.rerun()
-    if not ui.need(presence, view, "request records", presence.requests, latest):
-        return
-    result = data.attribution(url, window.start, window.end, settings.slo, SENDERS)
+
+
+def _counts(result: WindowAttribution) -> None:
     a = result.attribution
-    if a.requests == 0:
-        ui.no_data(view, "request records", latest)
-        return
     cols = st.columns(4)
     cols[0].metric("requests", f"{a.requests:,}")
     cols[1].metric(
@@ -171,12 +159,9 @@ def render() -> None:
     cols[3].metric("excess over the baselines", f"{a.total_excess_s:,.1f} s")
     if result.truncated:
         st.caption(f"Only the newest {result.limit:,} records of the range were read: pick a shorter range.")
-    if a.missed == 0:
-        st.success(
-            f"No request missed its SLO in this range ({a.requests:,} requests).",
-            icon=":material/check_circle:",
-        )
-        return
+
+
+def _top_reasons(a: Attribution) -> None:
     st.subheader("Top reasons we missed")
     for i, g in enumerate(a.top, start=1):
         st.markdown(f"**{i}.** {g.message}")
@@ -186,7 +171,9 @@ def render() -> None:
             "whole of its stages.",
             icon=":material/warning:",
         )
-    groups = groups_frame(a)
+
+
+def _charts(a: Attribution, groups: pd.DataFrame, window: Window) -> None:
     left, right = st.columns(2)
     with left:
         by = groups.groupby(["stage", "cause"], as_index=False)["share"].sum()
@@ -204,7 +191,9 @@ def render() -> None:
             ),
             width="stretch",
         )
-    _table(groups)
+
+
+def _baselines(a: Attribution) -> None:
     base = ", ".join(
         f"{STAGE_LABELS.get(k, k)} {v * 1000:.0f} ms" for k, v in a.baselines.items() if k in STAGE_LABELS
     )
@@ -212,6 +201,39 @@ def render() -> None:
         f"Baselines (the healthy requests' medians): {base or 'none'}. A stage's excess is its time over "
         "its baseline, counted only over the stages of what the request missed (TTFT, TPOT or both)."
     )
+
+
+def render() -> None:
+    presence = data.presence(url)
+    latest = data.latest_ts(url)
+    picked = picked_window(st.query_params.to_dict())
+    window = picked.window if isinstance(picked, Picked) else view.window(context.now(), latest)
+    ui.header(
+        "Why we missed",
+        view,
+        window,
+        "SLO misses split over stages against the healthy requests' medians",
+    )
+    _linked(picked, window)
+    if not ui.need(presence, view, "request records", presence.requests, latest):
+        return
+    result = data.attribution(url, window.start, window.end, settings.slo, SENDERS)
+    a = result.attribution
+    if a.requests == 0:
+        ui.no_data(view, "request records", latest)
+        return
+    _counts(result)
+    if a.missed == 0:
+        st.success(
+            f"No request missed its SLO in this range ({a.requests:,} requests).",
+            icon=":material/check_circle:",
+        )
+        return
+    _top_reasons(a)
+    groups = groups_frame(a)
+    _charts(a, groups, window)
+    _table(groups)
+    _baselines(a)
 
 
 st.fragment(run_every=view.refresh_s if view.live and not st.query_params.get("from") else None)(render)()

@@ -9,11 +9,13 @@ a lower bound on capacity unless the fleet was saturated; the SRE can type bette
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, derive, summaries, ui
+from dashboard.queries.common import Window
 from dashboard.views.opening import open_page
 
 view = context.current()
@@ -43,15 +45,51 @@ def _observed_capacity(rates: pd.DataFrame, role: str, column: str) -> tuple[flo
     return _num(per["p95"].max()), per
 
 
-def render() -> None:
-    opened = open_page(view, "Capacity", "recorded load and the P:D ratio it implies", "request records")
-    if opened is None:
-        return
-    latest, window = opened.latest, opened.window
-    sample, step = data.request_sample(url, window.start, window.end, slo=view.settings.slo)
-    if sample.empty:
-        ui.no_data(view, "requests", latest)
-        return
+@dataclass(frozen=True)
+class _Load:
+    """What the window's records and scrapes say, shared by the page's sections."""
+
+    width: float
+    buckets: pd.DataFrame
+    served: pd.DataFrame
+    ok: pd.DataFrame
+    step: int
+    rate: float
+    mean_prompt: float
+    mean_output: float
+    lengths_from: str
+    rates: pd.DataFrame
+    c_p_obs: float
+    c_d_obs: float
+    per_p: pd.DataFrame
+    per_d: pd.DataFrame
+
+
+@dataclass(frozen=True)
+class _WhatIf:
+    """The capacities, utilization and changed load the SRE typed."""
+
+    c_p: float
+    c_d: float
+    util: float
+    factor: float
+    prompt: float
+    output: float
+
+
+def _lengths_from_counters(
+    rates: pd.DataFrame, rate: float, mean_prompt: float, mean_output: float
+) -> tuple[float, float]:
+    """E[prompt] and E[output] as the instances' token rates over the arrival rate, where missing."""
+    # Records without token counts (no vLLM spans): use the instances' token counters.
+    per_s = rates.groupby("instance").mean(numeric_only=True)
+    roles = rates.drop_duplicates("instance").set_index("instance")["role"]
+    p_tok = _num(per_s.loc[roles[roles == "prefill"].index, "prompt_tokens"].sum())
+    d_tok = _num(per_s.loc[roles[roles == "decode"].index, "generation_tokens"].sum())
+    return mean_prompt or p_tok / rate, mean_output or d_tok / rate
+
+
+def _measure(window: Window, sample: pd.DataFrame, step: int) -> _Load:
     width = window.bucket_s(60)
     buckets = data.slo_buckets(url, window.start, window.end, width, view.settings.slo)
     served = sample[sample["status"] != "rejected"]
@@ -67,68 +105,82 @@ def render() -> None:
 
     lengths_from = "request records"
     if (not mean_prompt or not mean_output) and not rates.empty and rate > 0:
-        # Records without token counts (no vLLM spans): use the instances' token counters.
-        per_s = rates.groupby("instance").mean(numeric_only=True)
-        roles = rates.drop_duplicates("instance").set_index("instance")["role"]
-        p_tok = _num(per_s.loc[roles[roles == "prefill"].index, "prompt_tokens"].sum())
-        d_tok = _num(per_s.loc[roles[roles == "decode"].index, "generation_tokens"].sum())
-        mean_prompt = mean_prompt or p_tok / rate
-        mean_output = mean_output or d_tok / rate
+        mean_prompt, mean_output = _lengths_from_counters(rates, rate, mean_prompt, mean_output)
         lengths_from = "token counters ÷ arrival rate (request records carry no token counts)"
+    return _Load(
+        width,
+        buckets,
+        served,
+        ok,
+        step,
+        rate,
+        mean_prompt,
+        mean_output,
+        lengths_from,
+        rates,
+        c_p_obs,
+        c_d_obs,
+        per_p,
+        per_d,
+    )
 
+
+def _headline(load: _Load) -> None:
     cols = st.columns(4)
-    cols[0].metric("arrival rate", f"{rate:.2f} req/s")
-    cols[1].metric("E[prompt]", f"{mean_prompt:,.0f} tokens")
-    cols[2].metric("E[output]", f"{mean_output:,.0f} tokens")
+    cols[0].metric("arrival rate", f"{load.rate:.2f} req/s")
+    cols[1].metric("E[prompt]", f"{load.mean_prompt:,.0f} tokens")
+    cols[2].metric("E[output]", f"{load.mean_output:,.0f} tokens")
     cols[3].metric("fleet now", f"{n_p_now} P : {n_d_now} D")
-    st.caption(f"E[prompt] and E[output] from {lengths_from}.")
+    st.caption(f"E[prompt] and E[output] from {load.lengths_from}.")
 
-    left, right = st.columns(2)
-    with left:
-        if not buckets.empty:
-            b = ui.to_time(
-                buckets.assign(rate=buckets["arrivals"] / width, series="arrivals").rename(
-                    columns={"t": "time"}
-                ),
-                "time",
-            )
-            st.altair_chart(
-                charts.lines(b, "rate", "series", "Arrival rate", "requests / s"), width="stretch"
-            )
-        if not rates.empty:
-            r = rates.assign(
-                tokens_per_s=rates["prompt_tokens"].where(
-                    rates["role"] == "prefill", rates["generation_tokens"]
-                )
-            )
-            r = ui.to_time(r.rename(columns={"ts": "time"}), "time")
-            st.altair_chart(
-                charts.lines(
-                    r,
-                    "tokens_per_s",
-                    "instance",
-                    "Per-instance rate (P: prompt tokens/s, D: output tokens/s)",
-                    "tokens / s",
-                ),
-                width="stretch",
-            )
-    with right:
+
+def _rate_charts(load: _Load) -> None:
+    buckets, rates = load.buckets, load.rates
+    if not buckets.empty:
+        b = ui.to_time(
+            buckets.assign(rate=buckets["arrivals"] / load.width, series="arrivals").rename(
+                columns={"t": "time"}
+            ),
+            "time",
+        )
+        st.altair_chart(charts.lines(b, "rate", "series", "Arrival rate", "requests / s"), width="stretch")
+    if not rates.empty:
+        r = rates.assign(
+            tokens_per_s=rates["prompt_tokens"].where(rates["role"] == "prefill", rates["generation_tokens"])
+        )
+        r = ui.to_time(r.rename(columns={"ts": "time"}), "time")
         st.altair_chart(
-            charts.histogram(served[["prompt_tokens"]].dropna(), "prompt_tokens", "prompt tokens"),
+            charts.lines(
+                r,
+                "tokens_per_s",
+                "instance",
+                "Per-instance rate (P: prompt tokens/s, D: output tokens/s)",
+                "tokens / s",
+            ),
             width="stretch",
         )
-        st.altair_chart(
-            charts.histogram(ok[["completion_tokens"]].dropna(), "completion_tokens", "output tokens"),
-            width="stretch",
-        )
-    if step > 1:
-        st.caption(f"Lengths from every {step}th request (window too large to read in full).")
-    if not per_p.empty or not per_d.empty:
+
+
+def _length_histograms(load: _Load) -> None:
+    st.altair_chart(
+        charts.histogram(load.served[["prompt_tokens"]].dropna(), "prompt_tokens", "prompt tokens"),
+        width="stretch",
+    )
+    st.altair_chart(
+        charts.histogram(load.ok[["completion_tokens"]].dropna(), "completion_tokens", "output tokens"),
+        width="stretch",
+    )
+
+
+def _per_instance_table(load: _Load) -> None:
+    if load.step > 1:
+        st.caption(f"Lengths from every {load.step}th request (window too large to read in full).")
+    if not load.per_p.empty or not load.per_d.empty:
         st.dataframe(
             pd.concat(
                 [
-                    per_p.assign(role="prefill", unit="prompt tok/s"),
-                    per_d.assign(role="decode", unit="output tok/s"),
+                    load.per_p.assign(role="prefill", unit="prompt tok/s"),
+                    load.per_d.assign(role="decode", unit="output tok/s"),
                 ],
                 ignore_index=True,
             ),
@@ -137,12 +189,13 @@ def render() -> None:
             column_config={c: st.column_config.NumberColumn(format="%.0f") for c in ("mean", "p95", "peak")},
         )
 
-    st.subheader("Implied P:D ratio and what-if")
+
+def _what_if_inputs(load: _Load) -> _WhatIf:
     a, b, c = st.columns(3)
     c_p = a.number_input(
         "C_P: prompt tokens/s one P sustains",
         min_value=1.0,
-        value=float(max(round(c_p_obs, -1), 1.0)),
+        value=float(max(round(load.c_p_obs, -1), 1.0)),
         step=100.0,
         key="c_p",
         help="Default: the busiest P's 95th-percentile rate in the window (a lower bound).",
@@ -150,7 +203,7 @@ def render() -> None:
     c_d = b.number_input(
         "C_D: output tokens/s one D sustains",
         min_value=1.0,
-        value=float(max(round(c_d_obs, -1), 1.0)),
+        value=float(max(round(load.c_d_obs, -1), 1.0)),
         step=100.0,
         key="c_d",
         help="Default: the busiest D's 95th-percentile rate in the window (a lower bound).",
@@ -159,17 +212,21 @@ def render() -> None:
     d, e, f = st.columns(3)
     factor = d.slider("Load × (what-if)", 0.25, 5.0, 1.0, 0.25, key="load_factor")
     prompt_w = e.number_input(
-        "E[prompt] (what-if)", min_value=1.0, value=float(max(round(mean_prompt), 1)), key="wi_prompt"
+        "E[prompt] (what-if)", min_value=1.0, value=float(max(round(load.mean_prompt), 1)), key="wi_prompt"
     )
     output_w = f.number_input(
-        "E[output] (what-if)", min_value=1.0, value=float(max(round(mean_output), 1)), key="wi_output"
+        "E[output] (what-if)", min_value=1.0, value=float(max(round(load.mean_output), 1)), key="wi_output"
     )
+    return _WhatIf(c_p, c_d, util, factor, prompt_w, output_w)
 
-    now_plan = derive.capacity_plan(rate, mean_prompt or 1.0, mean_output or 1.0, c_p, c_d, util)
-    what_if = derive.capacity_plan(rate * factor, prompt_w, output_w, c_p, c_d, util)
+
+def _plans(load: _Load, w: _WhatIf) -> None:
+    rate, mean_prompt, mean_output = load.rate, load.mean_prompt, load.mean_output
+    now_plan = derive.capacity_plan(rate, mean_prompt or 1.0, mean_output or 1.0, w.c_p, w.c_d, w.util)
+    what_if = derive.capacity_plan(rate * w.factor, w.prompt, w.output, w.c_p, w.c_d, w.util)
     st.latex(
         r"\frac{n_P}{n_D} \approx \frac{C_D}{C_P}\cdot\frac{E[prompt]}{E[output]} = "
-        rf"\frac{{{c_d:.0f}}}{{{c_p:.0f}}}\cdot\frac{{{mean_prompt:.0f}}}{{{mean_output:.0f}}} = "
+        rf"\frac{{{w.c_d:.0f}}}{{{w.c_p:.0f}}}\cdot\frac{{{mean_prompt:.0f}}}{{{mean_output:.0f}}} = "
         rf"{now_plan.pd_ratio:.2f}"
     )
     m = st.columns(4)
@@ -179,7 +236,7 @@ def render() -> None:
         f"fleet has {n_p_now} P : {n_d_now} D",
         delta_color="off",
     )
-    m[1].metric("what-if load", f"{rate * factor:.2f} req/s")
+    m[1].metric("what-if load", f"{rate * w.factor:.2f} req/s")
     m[2].metric(
         "needed at what-if",
         f"{what_if.n_prefill} P : {what_if.n_decode} D",
@@ -192,6 +249,27 @@ def render() -> None:
         "A starting point only: it ignores prefix-cache hits, queueing at high utilization and the handoff "
         "budget. Check the SLO page after changing the fleet."
     )
+
+
+def render() -> None:
+    opened = open_page(view, "Capacity", "recorded load and the P:D ratio it implies", "request records")
+    if opened is None:
+        return
+    latest, window = opened.latest, opened.window
+    sample, step = data.request_sample(url, window.start, window.end, slo=view.settings.slo)
+    if sample.empty:
+        ui.no_data(view, "requests", latest)
+        return
+    load = _measure(window, sample, step)
+    _headline(load)
+    left, right = st.columns(2)
+    with left:
+        _rate_charts(load)
+    with right:
+        _length_histograms(load)
+    _per_instance_table(load)
+    st.subheader("Implied P:D ratio and what-if")
+    _plans(load, _what_if_inputs(load))
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

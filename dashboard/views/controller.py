@@ -12,9 +12,10 @@ from typing import Any
 
 import pandas as pd
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from dashboard import auth, charts, context, data, replayview, ui
-from dashboard.api import ApiResult, ControllerError
+from dashboard.api import ApiResult, ControllerClient, ControllerError
 from dashboard.views import regret
 
 view = context.current()
@@ -72,17 +73,16 @@ def _report(action: str, call: Any) -> None:
     st.cache_data.clear()
 
 
-def _forms() -> None:
-    names = [inst.name for _, inst in settings.instances()]
-    why_not = auth.read_only_reason(settings, identity)
-    off = why_not is not None
-    if why_not is not None:
-        st.info(why_not, icon=":material/key:")
-    elif identity is not None:
-        st.caption(f"Changes are made and audited as **{identity.name}**.")
-    client = None if off or identity is None else identity.client(settings)
-    weight_tab, drain_tab, pool_tab = st.tabs(["Instance weight", "Drain / undrain", "Pool weight"])
-    with weight_tab, st.form("weight_form"):
+def _has_reason(reason: str) -> bool:
+    """False (after saying so) when the reason is blank: every change is audited with its reason."""
+    if not reason.strip():
+        st.error("A reason is required; it goes into the audit trail.")
+        return False
+    return True
+
+
+def _weight_form(tab: DeltaGenerator, names: list[str], off: bool, client: ControllerClient | None) -> None:
+    with tab, st.form("weight_form"):
         inst = st.selectbox("Instance", names, key="w_instance")
         weight = st.number_input(
             "Weight", min_value=0.0, max_value=100.0, value=0.5, step=0.05, key="w_weight"
@@ -92,10 +92,8 @@ def _forms() -> None:
         a, b = st.columns(2)
         set_clicked = a.form_submit_button("Set override", type="primary", disabled=off)
         clear_clicked = b.form_submit_button("Clear override", disabled=off)
-    if (set_clicked or clear_clicked) and client is not None:
-        if not reason.strip():
-            st.error("A reason is required; it goes into the audit trail.")
-        elif set_clicked:
+    if (set_clicked or clear_clicked) and client is not None and _has_reason(reason):
+        if set_clicked:
             _report(
                 f"Weight {weight:g} on {inst}",
                 lambda: client.set_instance_weight(str(inst), float(weight), ttl_min * 60.0, reason.strip()),
@@ -104,7 +102,10 @@ def _forms() -> None:
             _report(
                 f"Clear override on {inst}", lambda: client.clear_instance_weight(str(inst), reason.strip())
             )
-    with drain_tab, st.form("drain_form"):
+
+
+def _drain_form(tab: DeltaGenerator, names: list[str], off: bool, client: ControllerClient | None) -> None:
+    with tab, st.form("drain_form"):
         inst_d = st.selectbox("Instance", names, key="d_instance")
         ttl_d = st.number_input(
             "Drain for (minutes, 0 = until undrained)",
@@ -117,17 +118,18 @@ def _forms() -> None:
         a, b = st.columns(2)
         drain_clicked = a.form_submit_button("Drain", type="primary", disabled=off)
         undrain_clicked = b.form_submit_button("Undrain", disabled=off)
-    if (drain_clicked or undrain_clicked) and client is not None:
-        if not reason_d.strip():
-            st.error("A reason is required; it goes into the audit trail.")
-        elif drain_clicked:
+    if (drain_clicked or undrain_clicked) and client is not None and _has_reason(reason_d):
+        if drain_clicked:
             _report(
                 f"Drain {inst_d}",
                 lambda: client.drain(str(inst_d), reason_d.strip(), ttl_d * 60.0 if ttl_d else None),
             )
         else:
             _report(f"Undrain {inst_d}", lambda: client.undrain(str(inst_d), reason_d.strip()))
-    with pool_tab, st.form("pool_form"):
+
+
+def _pool_form(tab: DeltaGenerator, off: bool, client: ControllerClient | None) -> None:
+    with tab, st.form("pool_form"):
         pool = st.selectbox("Pool", list(settings.pools), key="p_pool")
         pweight = st.number_input(
             "Weight (relative to pools of the same role)",
@@ -140,14 +142,27 @@ def _forms() -> None:
         pttl = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="p_ttl")
         preason = st.text_input("Reason", key="p_reason", placeholder="why (required)")
         pool_clicked = st.form_submit_button("Set pool weight", type="primary", disabled=off)
-    if pool_clicked and client is not None:
-        if not preason.strip():
-            st.error("A reason is required; it goes into the audit trail.")
-        else:
-            _report(
-                f"Pool {pool} weight {pweight:g}",
-                lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()),
-            )
+    if pool_clicked and client is not None and _has_reason(preason):
+        _report(
+            f"Pool {pool} weight {pweight:g}",
+            lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()),
+        )
+
+
+def _forms() -> None:
+    names = [inst.name for _, inst in settings.instances()]
+    why_not = auth.read_only_reason(settings, identity)
+    off = why_not is not None
+    if why_not is not None:
+        st.info(why_not, icon=":material/key:")
+    elif identity is not None:
+        st.caption(f"Changes are made and audited as **{identity.name}**.")
+    client = None if off or identity is None else identity.client(settings)
+    weight_tab, drain_tab, pool_tab = st.tabs(["Instance weight", "Drain / undrain", "Pool weight"])
+    # each form's outcome is drawn below the tabs, not in its tab
+    _weight_form(weight_tab, names, off, client)
+    _drain_form(drain_tab, names, off, client)
+    _pool_form(pool_tab, off, client)
 
 
 def _history() -> None:
@@ -215,6 +230,35 @@ def render() -> None:
     _history()
 
 
+def _parts_chart(live: pd.DataFrame) -> None:
+    """Each live proxy's part of each pool's limits, as stacked bars."""
+    chart = live.assign(part=live["share"].fillna(0.0))
+    st.vega_lite_chart(
+        chart,
+        {
+            "mark": {"type": "bar"},
+            "encoding": {
+                "y": {"field": "pool", "type": "nominal", "title": None},
+                "x": {
+                    "field": "part",
+                    "type": "quantitative",
+                    "stack": "normalize",
+                    "title": "part of the limits",
+                },
+                "color": {"field": "proxy", "type": "nominal"},
+                "tooltip": [
+                    {"field": "proxy"},
+                    {"field": "max_inflight_requests", "title": "request slots"},
+                    {"field": "inflight"},
+                    {"field": "demand_per_s", "format": ".1f"},
+                ],
+            },
+            "height": 40 + 30 * live["pool"].nunique(),
+        },
+        width="stretch",
+    )
+
+
 def _proxies(routing: dict[str, Any] | None) -> None:
     """Who admits into the pools and with what part of their limits (``GET /v1/proxies``' rows)."""
     st.subheader("Proxies and their parts of the limits")
@@ -243,31 +287,7 @@ def _proxies(routing: dict[str, Any] | None) -> None:
             icon=":material/warning:",
         )
     if not live.empty:
-        chart = live.assign(part=live["share"].fillna(0.0))
-        st.vega_lite_chart(
-            chart,
-            {
-                "mark": {"type": "bar"},
-                "encoding": {
-                    "y": {"field": "pool", "type": "nominal", "title": None},
-                    "x": {
-                        "field": "part",
-                        "type": "quantitative",
-                        "stack": "normalize",
-                        "title": "part of the limits",
-                    },
-                    "color": {"field": "proxy", "type": "nominal"},
-                    "tooltip": [
-                        {"field": "proxy"},
-                        {"field": "max_inflight_requests", "title": "request slots"},
-                        {"field": "inflight"},
-                        {"field": "demand_per_s", "format": ".1f"},
-                    ],
-                },
-                "height": 40 + 30 * live["pool"].nunique(),
-            },
-            width="stretch",
-        )
+        _parts_chart(live)
     st.dataframe(rows, hide_index=True, width="stretch")
 
 

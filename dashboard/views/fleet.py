@@ -5,10 +5,13 @@ multiples over the window, pool totals and the admission limits now in force.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from dashboard.queries.common import Window
 from dashboard.views.opening import open_page
 
 view = context.current()
@@ -40,16 +43,16 @@ def _limits_frame(limits: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def render() -> None:
-    opened = open_page(view, "Fleet", "P and D instances", "snapshots")
-    if opened is None:
-        return
-    latest, window = opened.latest, opened.window
-    health = data.fleet_health(url, window.start, window.end)
-    if health.empty:
-        ui.no_data(view, "snapshots", latest)
-        return
+METRIC_NAMES = {
+    "kv_cache_usage_pct": "KV used %",
+    "num_running": "running",
+    "num_waiting": "waiting",
+    "nixl_xfer_ms": "NIXL xfer ms",
+}
 
+
+def _as_served(health: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """``health`` with the weights the proxy is served now; whether the controller said so."""
     routing = data.routing_table(view.settings.controller_url)
     served = {r["name"]: r for r in (routing or {}).get("instances", [])}
     if served:  # what the proxy is told now, overrides and drains included
@@ -62,6 +65,10 @@ def render() -> None:
         )
     else:  # no decision stored yet means the initial weight
         health = health.assign(weight=health["weight"].fillna(1.0))
+    return health, bool(served)
+
+
+def _pool_cards(health: pd.DataFrame) -> None:
     totals = summaries.pool_totals(health)
     cols = st.columns(max(len(totals), 1))
     for col, (_, pool) in zip(cols, totals.iterrows(), strict=False):
@@ -76,6 +83,26 @@ def render() -> None:
                 "—" if pd.isna(pool["kv_cache_usage_pct"]) else f"{pool['kv_cache_usage_pct']:.0f}%",
             )
 
+
+def _instance_columns() -> dict[str, Any]:
+    number = st.column_config.NumberColumn
+    return {
+        "up": st.column_config.CheckboxColumn("up"),
+        "weight": number("weight", format="%.2f"),
+        "kv_cache_usage_pct": st.column_config.ProgressColumn(
+            "KV used", min_value=0, max_value=100, format="%.0f%%"
+        ),
+        "ttft_p50_ms": number("TTFT p50 ms", format="%.0f"),
+        "ttft_p99_ms": number("TTFT p99 ms", format="%.0f"),
+        "itl_p50_ms": number("ITL p50 ms", format="%.1f"),
+        "itl_p99_ms": number("ITL p99 ms", format="%.1f"),
+        "nixl_xfer_mean_ms": number("NIXL xfer ms", format="%.1f"),
+        "nixl_failed": number("NIXL failed", format="%d"),
+        "expired_leases": number("lease expiries", format="%d"),
+    }
+
+
+def _instances(health: pd.DataFrame, served: bool) -> None:
     st.subheader("Instances")
     st.caption(
         "weight: "
@@ -89,49 +116,30 @@ def render() -> None:
         health.drop(columns=["last_scrape"]),
         hide_index=True,
         width="stretch",
-        column_config={
-            "up": st.column_config.CheckboxColumn("up"),
-            "weight": st.column_config.NumberColumn("weight", format="%.2f"),
-            "kv_cache_usage_pct": st.column_config.ProgressColumn(
-                "KV used", min_value=0, max_value=100, format="%.0f%%"
-            ),
-            "ttft_p50_ms": st.column_config.NumberColumn("TTFT p50 ms", format="%.0f"),
-            "ttft_p99_ms": st.column_config.NumberColumn("TTFT p99 ms", format="%.0f"),
-            "itl_p50_ms": st.column_config.NumberColumn("ITL p50 ms", format="%.1f"),
-            "itl_p99_ms": st.column_config.NumberColumn("ITL p99 ms", format="%.1f"),
-            "nixl_xfer_mean_ms": st.column_config.NumberColumn("NIXL xfer ms", format="%.1f"),
-            "nixl_failed": st.column_config.NumberColumn("NIXL failed", format="%d"),
-            "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d"),
-        },
+        column_config=_instance_columns(),
     )
     down = health[~health["up"]]
     if not down.empty:
         st.error("Down: " + ", ".join(down["instance"]), icon=":material/error:")
 
-    st.subheader("Over the window")
-    series = data.snapshot_series(url, window.start, window.end)
-    if not series.empty:
-        series = series.assign(kv_cache_usage_pct=series["kv_cache_usage"] * 100.0)
-        xfer = summaries.interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
-        long = series.melt(
-            id_vars=["ts", "instance", "role"],
-            value_vars=["kv_cache_usage_pct", "num_running", "num_waiting"],
-            var_name="metric",
-        )
-        if not xfer.empty:
-            xfer = xfer.merge(series[["instance", "role"]].drop_duplicates(), on="instance")
-            long = pd.concat([long, xfer.assign(metric="nixl_xfer_ms")], ignore_index=True)
-        long["metric"] = long["metric"].map(
-            {
-                "kv_cache_usage_pct": "KV used %",
-                "num_running": "running",
-                "num_waiting": "waiting",
-                "nixl_xfer_ms": "NIXL xfer ms",
-            }
-        )
-        long = ui.to_time(long.rename(columns={"ts": "time"}), "time")
-        st.altair_chart(charts.small_multiples(long), width="content")
 
+def _small_multiples_frame(series: pd.DataFrame) -> pd.DataFrame:
+    """One row per (time, instance, metric) for the small multiples."""
+    series = series.assign(kv_cache_usage_pct=series["kv_cache_usage"] * 100.0)
+    xfer = summaries.interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
+    long = series.melt(
+        id_vars=["ts", "instance", "role"],
+        value_vars=["kv_cache_usage_pct", "num_running", "num_waiting"],
+        var_name="metric",
+    )
+    if not xfer.empty:
+        xfer = xfer.merge(series[["instance", "role"]].drop_duplicates(), on="instance")
+        long = pd.concat([long, xfer.assign(metric="nixl_xfer_ms")], ignore_index=True)
+    long["metric"] = long["metric"].map(METRIC_NAMES)
+    return ui.to_time(long.rename(columns={"ts": "time"}), "time")
+
+
+def _limits_and_overrides(window: Window) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Admission limits")
@@ -148,6 +156,25 @@ def render() -> None:
             st.caption("None. Set one on the Controller page.")
         else:
             st.dataframe(ui.to_time(overrides, "created", "expires"), hide_index=True, width="stretch")
+
+
+def render() -> None:
+    opened = open_page(view, "Fleet", "P and D instances", "snapshots")
+    if opened is None:
+        return
+    latest, window = opened.latest, opened.window
+    health = data.fleet_health(url, window.start, window.end)
+    if health.empty:
+        ui.no_data(view, "snapshots", latest)
+        return
+    health, served = _as_served(health)
+    _pool_cards(health)
+    _instances(health, served)
+    st.subheader("Over the window")
+    series = data.snapshot_series(url, window.start, window.end)
+    if not series.empty:
+        st.altair_chart(charts.small_multiples(_small_multiples_frame(series)), width="content")
+    _limits_and_overrides(window)
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

@@ -8,49 +8,51 @@ roles appear in the table.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from dashboard.queries.common import Window
 from dashboard.views.opening import open_page
 
 view = context.current()
 url = view.store_url
 
 
-def render() -> None:
-    opened = open_page(view, "KV transfer", "NIXL figures from vLLM's vllm:nixl_* metrics", "snapshots")
-    if opened is None:
-        return
-    latest, window = opened.latest, opened.window
-    nixl = data.nixl_per_instance(url, window.start, window.end)
-    if nixl.empty:
-        ui.no_data(view, "NIXL transfers", latest)
-    else:
-        decode = nixl[nixl["transfers"].fillna(0) > 0]
-        cols = st.columns(4)
-        cols[0].metric("transfers", f"{decode['transfers'].sum():,.0f}")
-        cols[1].metric("failed transfers", f"{nixl['failed_transfers'].sum():,.0f}")
-        cols[2].metric("lease expiries (P)", f"{nixl['expired_leases'].sum():,.0f}")
-        worst = decode.sort_values("xfer_p99_ms", ascending=False).head(1)
-        cols[3].metric(
-            "slowest D (xfer p99)",
-            "—" if worst.empty else str(worst.iloc[0]["instance"]),
-            None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
-            delta_color="off",
-        )
-        fmt = {c: st.column_config.NumberColumn(format="%.1f") for c in nixl.columns if c.endswith("_ms")}
-        fmt |= {
-            "MB_per_s": st.column_config.NumberColumn("MB/s", format="%.0f"),
-            "MB_per_transfer": st.column_config.NumberColumn("MB / transfer", format="%.1f"),
-            "descriptors_per_transfer": st.column_config.NumberColumn(
-                "descriptors / transfer", format="%.0f"
-            ),
-            "transfers": st.column_config.NumberColumn(format="%d"),
-            "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
-            "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d"),
-        }
-        st.dataframe(nixl, hide_index=True, width="stretch", column_config=fmt)
+def _column_config(nixl: pd.DataFrame) -> dict[str, Any]:
+    fmt: dict[str, Any] = {
+        c: st.column_config.NumberColumn(format="%.1f") for c in nixl.columns if c.endswith("_ms")
+    }
+    fmt |= {
+        "MB_per_s": st.column_config.NumberColumn("MB/s", format="%.0f"),
+        "MB_per_transfer": st.column_config.NumberColumn("MB / transfer", format="%.1f"),
+        "descriptors_per_transfer": st.column_config.NumberColumn("descriptors / transfer", format="%.0f"),
+        "transfers": st.column_config.NumberColumn(format="%d"),
+        "failed_transfers": st.column_config.NumberColumn("failed", format="%d"),
+        "expired_leases": st.column_config.NumberColumn("lease expiries", format="%d"),
+    }
+    return fmt
 
+
+def _per_instance(nixl: pd.DataFrame) -> None:
+    decode = nixl[nixl["transfers"].fillna(0) > 0]
+    cols = st.columns(4)
+    cols[0].metric("transfers", f"{decode['transfers'].sum():,.0f}")
+    cols[1].metric("failed transfers", f"{nixl['failed_transfers'].sum():,.0f}")
+    cols[2].metric("lease expiries (P)", f"{nixl['expired_leases'].sum():,.0f}")
+    worst = decode.sort_values("xfer_p99_ms", ascending=False).head(1)
+    cols[3].metric(
+        "slowest D (xfer p99)",
+        "—" if worst.empty else str(worst.iloc[0]["instance"]),
+        None if worst.empty else f"p99 {ui.fmt_ms(worst.iloc[0]['xfer_p99_ms'])}",
+        delta_color="off",
+    )
+    st.dataframe(nixl, hide_index=True, width="stretch", column_config=_column_config(nixl))
+
+
+def _over_time(window: Window) -> None:
     series = data.snapshot_series(url, window.start, window.end)
     decode_series = series[series["role"] == "decode"] if not series.empty else series
     left, right = st.columns(2)
@@ -75,6 +77,8 @@ def render() -> None:
                 width="stretch",
             )
 
+
+def _pairs(window: Window, latest: float | None) -> None:
     st.subheader("Handoff time per (P, D) pair")
     st.caption("P done → D first token: D's queue and the NIXL pull. From request records.")
     pairs = data.handoff(url, window.start, window.end, "pair")
@@ -92,6 +96,20 @@ def render() -> None:
         charts.heatmap(pairs, str(stat or "p99_ms"), f"handoff {str(stat or 'p99_ms')[:-3]} (ms)"),
         width="stretch",
     )
+
+
+def render() -> None:
+    opened = open_page(view, "KV transfer", "NIXL figures from vLLM's vllm:nixl_* metrics", "snapshots")
+    if opened is None:
+        return
+    latest, window = opened.latest, opened.window
+    nixl = data.nixl_per_instance(url, window.start, window.end)
+    if nixl.empty:
+        ui.no_data(view, "NIXL transfers", latest)
+    else:
+        _per_instance(nixl)
+    _over_time(window)
+    _pairs(window, latest)
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

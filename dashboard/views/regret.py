@@ -65,6 +65,71 @@ def cuts_frame(r: Regret) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _totals(r: Regret) -> None:
+    total = r.total
+    cols = st.columns(4)
+    cols[0].metric("cuts", f"{total.cuts}")
+    for col, (label, value, delta) in zip(
+        cols[1:],
+        (
+            (
+                "flapping rate",
+                "—" if total.flap_rate is None else f"{total.flap_rate:.0%}",
+                f"{total.flapped} undone within {r.flap_ticks} ticks",
+            ),
+            ("undone", f"{total.undone}", f"{total.pending} too recent to say"),
+            ("signals recovered", f"{total.recovered}", "of the cuts of an instance"),
+        ),
+        strict=True,
+    ):
+        col.metric(label, value, delta, delta_color="off", delta_arrow="off")
+
+
+def _tables(r: Regret) -> None:
+    """The tally per reason, and every cut (in an expander)."""
+    st.dataframe(
+        tally_frame(r),
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "flap_rate": st.column_config.NumberColumn("flapping rate", format="percent"),
+            "median_s_to_undo": st.column_config.NumberColumn("median s to undo", format="%.0f"),
+            "median_ticks_to_undo": st.column_config.NumberColumn("median ticks to undo", format="%.0f"),
+            "slo_delta_pts": st.column_config.NumberColumn(
+                "SLO attainment after − before (pts)", format="%+.1f"
+            ),
+        },
+    )
+    with st.expander(f"{len(r.cuts)} cuts and what followed each"):
+        st.dataframe(
+            ui.to_time(cuts_frame(r), "ts"),
+            hide_index=True,
+            width="stretch",
+            column_config={
+                "slo_before": st.column_config.NumberColumn("SLO before", format="percent"),
+                "slo_after": st.column_config.NumberColumn("SLO after", format="percent"),
+                "recovered_after_s": st.column_config.NumberColumn("recovered after (s)", format="%.0f"),
+            },
+        )
+
+
+def _explained(view: View, result: investigate.WindowRegret) -> None:
+    settings = view.settings
+    cfg = investigate.regret_config(
+        flap_ticks=result.regret.flap_ticks,
+        tick_s=settings.controller.interval_s,
+        slo_window_s=settings.slo.window_s,
+    )
+    st.caption(
+        f"Recovered: in a bucket after the cut the instance's scrapes were up, its KV usage at most "
+        f"{cfg.max_kv_usage:.0%}, its failed share at most {cfg.max_failed_share:.0%} and its stage time "
+        f"within {cfg.stage_tolerance:g}× its peers' median (over at least {cfg.min_requests} requests). "
+        f"SLO: the fleet's attainment over slo.window_s = {cfg.slo_window_s:g} s before the cut and "
+        "after it. Undone: a later decision back at the value the cut started from."
+        + (f" Reads cut short: {', '.join(result.truncated)}." if result.truncated else "")
+    )
+
+
 def section(view: View, window: Window) -> None:
     """Draw the section for the cuts of ``window`` (judged on the data up to its end)."""
     st.subheader("Decision regret")
@@ -91,62 +156,6 @@ def section(view: View, window: Window) -> None:
     if not r.cuts:
         st.caption("The controller cut no weight or limit in this time range.")
         return
-    total = r.total
-    cols = st.columns(4)
-    cols[0].metric("cuts", f"{total.cuts}")
-    cols[1].metric(
-        "flapping rate",
-        "—" if total.flap_rate is None else f"{total.flap_rate:.0%}",
-        f"{total.flapped} undone within {r.flap_ticks} ticks",
-        delta_color="off",
-        delta_arrow="off",
-    )
-    cols[2].metric(
-        "undone",
-        f"{total.undone}",
-        f"{total.pending} too recent to say",
-        delta_color="off",
-        delta_arrow="off",
-    )
-    cols[3].metric(
-        "signals recovered",
-        f"{total.recovered}",
-        "of the cuts of an instance",
-        delta_color="off",
-        delta_arrow="off",
-    )
-    st.dataframe(
-        tally_frame(r),
-        hide_index=True,
-        width="stretch",
-        column_config={
-            "flap_rate": st.column_config.NumberColumn("flapping rate", format="percent"),
-            "median_s_to_undo": st.column_config.NumberColumn("median s to undo", format="%.0f"),
-            "median_ticks_to_undo": st.column_config.NumberColumn("median ticks to undo", format="%.0f"),
-            "slo_delta_pts": st.column_config.NumberColumn(
-                "SLO attainment after − before (pts)", format="%+.1f"
-            ),
-        },
-    )
-    with st.expander(f"{len(r.cuts)} cuts and what followed each"):
-        st.dataframe(
-            ui.to_time(cuts_frame(r), "ts"),
-            hide_index=True,
-            width="stretch",
-            column_config={
-                "slo_before": st.column_config.NumberColumn("SLO before", format="percent"),
-                "slo_after": st.column_config.NumberColumn("SLO after", format="percent"),
-                "recovered_after_s": st.column_config.NumberColumn("recovered after (s)", format="%.0f"),
-            },
-        )
-    cfg = investigate.regret_config(
-        flap_ticks=r.flap_ticks, tick_s=settings.controller.interval_s, slo_window_s=settings.slo.window_s
-    )
-    st.caption(
-        f"Recovered: in a bucket after the cut the instance's scrapes were up, its KV usage at most "
-        f"{cfg.max_kv_usage:.0%}, its failed share at most {cfg.max_failed_share:.0%} and its stage time "
-        f"within {cfg.stage_tolerance:g}× its peers' median (over at least {cfg.min_requests} requests). "
-        f"SLO: the fleet's attainment over slo.window_s = {cfg.slo_window_s:g} s before the cut and "
-        "after it. Undone: a later decision back at the value the cut started from."
-        + (f" Reads cut short: {', '.join(result.truncated)}." if result.truncated else "")
-    )
+    _totals(r)
+    _tables(r)
+    _explained(view, result)

@@ -13,6 +13,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, derive, summaries, ui
+from dashboard.queries.common import Window
 from dashboard.views.opening import open_page
 
 view = context.current()
@@ -89,30 +90,22 @@ def _nixl_panel(rec: dict[str, Any]) -> None:
         st.altair_chart(chart, width="stretch")
 
 
-def render() -> None:
-    opened = open_page(view, "Requests", "request records", "request records")
-    if opened is None:
-        return
-    latest, window = opened.latest, opened.window
-    flt = _filters()
-    found = data.search_requests(url, window.start, window.end, **flt)  # type: ignore[arg-type]
+def _status_counts(window: Window) -> None:
     counts = data.status_counts(url, window.start, window.end)
-    if not counts.empty:
-        approx = "estimated" in counts and bool(counts["estimated"].any())
-        st.caption(
-            " · ".join(
-                f"{r.status}: {'≈' * bool(getattr(r, 'estimated', False))}{r.requests:,}"
-                for r in counts.itertuples()
-            )
-            + " in the window"
-            + (" (≈: estimated from every k-th request, range too large to count)" if approx else "")
-        )
-    if found.empty:
-        if flt["request_id"]:
-            st.warning(f"No request with id or trace id starting {flt['request_id']!r}.")
-        else:
-            ui.no_data(view, "matching requests", latest)
+    if counts.empty:
         return
+    approx = "estimated" in counts and bool(counts["estimated"].any())
+    st.caption(
+        " · ".join(
+            f"{r.status}: {'≈' * bool(getattr(r, 'estimated', False))}{r.requests:,}"
+            for r in counts.itertuples()
+        )
+        + " in the window"
+        + (" (≈: estimated from every k-th request, range too large to count)" if approx else "")
+    )
+
+
+def _found_table(found: pd.DataFrame) -> None:
     st.dataframe(
         ui.to_time(found, "proxy_in"),
         hide_index=True,
@@ -124,64 +117,87 @@ def render() -> None:
     )
     st.caption(f"{len(found)} shown (newest first, at most 200).")
 
-    chosen = st.selectbox("Inspect request", list(found["request_id"]), key="inspect")
-    rec = data.get_request(url, str(chosen)) if chosen else None
-    if rec is None:
-        return
-    left, right = st.columns([3, 2])
-    with left:
-        st.subheader(f"Waterfall · {rec['request_id']}")
-        stages = derive.waterfall(rec)
-        decode_only = rec.get("route_path") == "decode_only"
-        flags = [
-            f"status **{rec['status']}** (HTTP {rec['http_status']})",
-            f"D **{rec['d_instance']}** alone"
-            if decode_only
-            else f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
-            f"{rec['prompt_tokens']} prompt / {rec['completion_tokens']} output tokens",
-        ]
-        st.markdown(" · ".join(flags))
-        cache = derive.cache_summary(rec)
-        if cache:
-            st.markdown(cache)
-        if rec.get("lease_expiry_suspect"):
-            st.warning(
-                "Flagged as a likely KV-lease expiry: P released the blocks before D's pull finished.",
-                icon=":material/timer_off:",
-            )
-        if stages:
-            st.altair_chart(charts.waterfall(stages), width="stretch")
-            st.dataframe(
-                pd.DataFrame(
-                    [
-                        {
-                            "stage": s.name,
-                            "start ms": s.start_ms,
-                            "duration ms": s.duration_ms,
-                            "note": s.note,
-                        }
-                        for s in stages
-                    ]
-                ),
-                hide_index=True,
-                width="stretch",
-                column_config={
-                    "start ms": st.column_config.NumberColumn(format="%.1f"),
-                    "duration ms": st.column_config.NumberColumn(format="%.1f"),
-                },
-            )
-        else:
-            st.caption("No stage timestamps were recorded for this request.")
-    with right:
-        st.subheader("Decode side at that time")
-        _nixl_panel(rec)
 
+def _stages_table(stages: list[derive.Stage]) -> None:
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {"stage": s.name, "start ms": s.start_ms, "duration ms": s.duration_ms, "note": s.note}
+                for s in stages
+            ]
+        ),
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "start ms": st.column_config.NumberColumn(format="%.1f"),
+            "duration ms": st.column_config.NumberColumn(format="%.1f"),
+        },
+    )
+
+
+def _waterfall(rec: dict[str, Any]) -> None:
+    """The request's route, tokens, cache and flags, then its stages as a chart and a table."""
+    st.subheader(f"Waterfall · {rec['request_id']}")
+    stages = derive.waterfall(rec)
+    decode_only = rec.get("route_path") == "decode_only"
+    flags = [
+        f"status **{rec['status']}** (HTTP {rec['http_status']})",
+        f"D **{rec['d_instance']}** alone"
+        if decode_only
+        else f"P **{rec['p_instance']}** → D **{rec['d_instance']}**",
+        f"{rec['prompt_tokens']} prompt / {rec['completion_tokens']} output tokens",
+    ]
+    st.markdown(" · ".join(flags))
+    cache = derive.cache_summary(rec)
+    if cache:
+        st.markdown(cache)
+    if rec.get("lease_expiry_suspect"):
+        st.warning(
+            "Flagged as a likely KV-lease expiry: P released the blocks before D's pull finished.",
+            icon=":material/timer_off:",
+        )
+    if stages:
+        st.altair_chart(charts.waterfall(stages), width="stretch")
+        _stages_table(stages)
+    else:
+        st.caption("No stage timestamps were recorded for this request.")
+
+
+def _lease_expiries(window: Window) -> None:
     st.subheader("Flagged lease-expiry requests")
     leases = data.search_requests(url, window.start, window.end, "", "", "", False, True, 50)
     if leases.empty:
         st.caption("None in the window.")
     else:
         st.dataframe(ui.to_time(leases, "proxy_in"), hide_index=True, width="stretch", height=200)
+
+
+def render() -> None:
+    opened = open_page(view, "Requests", "request records", "request records")
+    if opened is None:
+        return
+    latest, window = opened.latest, opened.window
+    flt = _filters()
+    found = data.search_requests(url, window.start, window.end, **flt)  # type: ignore[arg-type]
+    _status_counts(window)
+    if found.empty:
+        if flt["request_id"]:
+            st.warning(f"No request with id or trace id starting {flt['request_id']!r}.")
+        else:
+            ui.no_data(view, "matching requests", latest)
+        return
+    _found_table(found)
+    chosen = st.selectbox("Inspect request", list(found["request_id"]), key="inspect")
+    rec = data.get_request(url, str(chosen)) if chosen else None
+    if rec is None:
+        return
+    left, right = st.columns([3, 2])
+    with left:
+        _waterfall(rec)
+    with right:
+        st.subheader("Decode side at that time")
+        _nixl_panel(rec)
+    _lease_expiries(window)
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

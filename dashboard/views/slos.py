@@ -13,6 +13,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
+from dashboard.queries.common import Window
 from store.attribution import trusted_senders
 
 view = context.current()
@@ -84,6 +85,107 @@ def _latency_over_time(sample: pd.DataFrame, step: int, width_s: float, start: f
     return long
 
 
+def _firing_now() -> None:
+    firing = data.firing_alerts(url)
+    st.subheader("Firing now")
+    if firing.empty:
+        st.success("No alert is firing.", icon=":material/check_circle:")
+        return
+    for row in firing.itertuples():
+        text = (row.annotations or {}).get("summary", "") if isinstance(row.annotations, dict) else ""
+        labels = ", ".join(f"{k}={v}" for k, v in (row.labels or {}).items())
+        msg = (
+            f"**{row.rule}** ({row.severity}, {row.state}) {labels} — {text} "
+            f"since {ui.fmt_ts(row.active_since)}"
+        )
+        (st.error if row.state == "firing" else st.warning)(msg, icon=":material/notifications_active:")
+        why_link(str(row.rule), float(row.active_since), None, key=f"why_firing_{row.Index}")
+
+
+def _latency_charts(lat: pd.DataFrame) -> None:
+    """TTFT, then TPOT, against its target."""
+    if lat.empty:
+        return
+    for metric, target in (("ttft", slo.ttft), ("tpot", slo.tpot)):
+        df = ui.to_time(lat[lat["metric"] == metric].rename(columns={"ts": "time"}), "time")
+        st.altair_chart(
+            charts.lines(
+                df,
+                "ms",
+                "metric",
+                f"{metric.upper()} p{target.percentile:g} vs target",
+                "ms",
+                rule=target.target_ms,
+            ),
+            width="stretch",
+        )
+
+
+def _attainment_charts(buckets: pd.DataFrame, width: float) -> None:
+    if buckets.empty:
+        return
+    b = buckets.assign(
+        attainment=buckets["met"] / buckets["completed"].where(buckets["completed"] > 0),
+        goodput=buckets["met"] / width,
+        series="all",
+    )
+    b = ui.to_time(b.rename(columns={"t": "time"}), "time")
+    st.altair_chart(
+        charts.lines(b, "attainment", "series", "SLO attainment", "share", rule=slo.goodput_attainment),
+        width="stretch",
+    )
+    st.altair_chart(
+        charts.lines(b, "goodput", "series", "Goodput (requests meeting every SLO)", "req/s"),
+        width="stretch",
+    )
+
+
+def _performance(window: Window, latest: float | None) -> None:
+    """The headline figures and the latency and attainment charts of the window's records."""
+    sample, step = data.request_sample(url, window.start, window.end, slo=slo, senders=SENDERS)
+    summary = data.slo_summary(url, window.start, window.end, slo, SENDERS)
+    if sample.empty:
+        ui.no_data(view, "requests", latest)
+        return
+    _headline(summary, sample)
+    width = window.bucket_s(60)
+    buckets = data.slo_buckets(url, window.start, window.end, width, slo, SENDERS)
+    left, right = st.columns(2)
+    with left:
+        _latency_charts(_latency_over_time(sample, step, width, window.start))
+    with right:
+        _attainment_charts(buckets, width)
+    if step > 1:
+        counts = "estimated from it" if bool(buckets.get("estimated", pd.Series([False])).any()) else "exact"
+        st.caption(
+            f"Latency percentiles from every {step}th request (range too large to read in full); "
+            f"counts {counts}."
+        )
+
+
+def _recent_alerts(window: Window) -> None:
+    st.subheader("Recent alerts")
+    recent = data.recent_alerts(url, window.start, window.end)
+    if recent.empty:
+        st.caption("No alert was active in this time range.")
+        return
+    st.dataframe(
+        ui.to_time(recent, "active_since", "fired_at", "resolved_at"), hide_index=True, width="stretch"
+    )
+    choices = [
+        f"{r.rule} ({r.state}) since {ui.fmt_ts(r.active_since)}"
+        + ("" if pd.isna(r.resolved_at) else f" until {ui.fmt_ts(r.resolved_at)}")
+        for r in recent.itertuples()
+    ]
+    pick = st.selectbox(
+        "Why we missed during", range(len(choices)), format_func=choices.__getitem__, key="why_pick"
+    )
+    if pick is not None:
+        row = recent.iloc[int(pick)]
+        resolved = None if pd.isna(row["resolved_at"]) else float(row["resolved_at"])
+        why_link(str(row["rule"]), float(row["active_since"]), resolved, key="why_recent")
+
+
 def render() -> None:
     presence = data.presence(url)
     latest = data.latest_ts(url)
@@ -99,110 +201,12 @@ def render() -> None:
     if not presence.schema:
         ui.no_store(view)
         return
-
-    firing = data.firing_alerts(url)
-    st.subheader("Firing now")
-    if firing.empty:
-        st.success("No alert is firing.", icon=":material/check_circle:")
-    else:
-        for row in firing.itertuples():
-            text = (row.annotations or {}).get("summary", "") if isinstance(row.annotations, dict) else ""
-            labels = ", ".join(f"{k}={v}" for k, v in (row.labels or {}).items())
-            msg = (
-                f"**{row.rule}** ({row.severity}, {row.state}) {labels} — {text} "
-                f"since {ui.fmt_ts(row.active_since)}"
-            )
-            (st.error if row.state == "firing" else st.warning)(msg, icon=":material/notifications_active:")
-            why_link(str(row.rule), float(row.active_since), None, key=f"why_firing_{row.Index}")
-
+    _firing_now()
     if not presence.requests:
         ui.no_data(view, "request records", None)
     else:
-        sample, step = data.request_sample(url, window.start, window.end, slo=slo, senders=SENDERS)
-        summary = data.slo_summary(url, window.start, window.end, slo, SENDERS)
-        if sample.empty:
-            ui.no_data(view, "requests", latest)
-        else:
-            _headline(summary, sample)
-            width = window.bucket_s(60)
-            buckets = data.slo_buckets(url, window.start, window.end, width, slo, SENDERS)
-            left, right = st.columns(2)
-            with left:
-                lat = _latency_over_time(sample, step, width, window.start)
-                if not lat.empty:
-                    ttft = ui.to_time(lat[lat["metric"] == "ttft"].rename(columns={"ts": "time"}), "time")
-                    st.altair_chart(
-                        charts.lines(
-                            ttft,
-                            "ms",
-                            "metric",
-                            f"TTFT p{slo.ttft.percentile:g} vs target",
-                            "ms",
-                            rule=slo.ttft.target_ms,
-                        ),
-                        width="stretch",
-                    )
-                    tpot = ui.to_time(lat[lat["metric"] == "tpot"].rename(columns={"ts": "time"}), "time")
-                    st.altair_chart(
-                        charts.lines(
-                            tpot,
-                            "ms",
-                            "metric",
-                            f"TPOT p{slo.tpot.percentile:g} vs target",
-                            "ms",
-                            rule=slo.tpot.target_ms,
-                        ),
-                        width="stretch",
-                    )
-            with right:
-                if not buckets.empty:
-                    b = buckets.assign(
-                        attainment=buckets["met"] / buckets["completed"].where(buckets["completed"] > 0),
-                        goodput=buckets["met"] / width,
-                        series="all",
-                    )
-                    b = ui.to_time(b.rename(columns={"t": "time"}), "time")
-                    st.altair_chart(
-                        charts.lines(
-                            b, "attainment", "series", "SLO attainment", "share", rule=slo.goodput_attainment
-                        ),
-                        width="stretch",
-                    )
-                    st.altair_chart(
-                        charts.lines(b, "goodput", "series", "Goodput (requests meeting every SLO)", "req/s"),
-                        width="stretch",
-                    )
-            if step > 1:
-                counts = (
-                    "estimated from it"
-                    if bool(buckets.get("estimated", pd.Series([False])).any())
-                    else "exact"
-                )
-                st.caption(
-                    f"Latency percentiles from every {step}th request (range too large to read in full); "
-                    f"counts {counts}."
-                )
-
-    st.subheader("Recent alerts")
-    recent = data.recent_alerts(url, window.start, window.end)
-    if recent.empty:
-        st.caption("No alert was active in this time range.")
-    else:
-        st.dataframe(
-            ui.to_time(recent, "active_since", "fired_at", "resolved_at"), hide_index=True, width="stretch"
-        )
-        choices = [
-            f"{r.rule} ({r.state}) since {ui.fmt_ts(r.active_since)}"
-            + ("" if pd.isna(r.resolved_at) else f" until {ui.fmt_ts(r.resolved_at)}")
-            for r in recent.itertuples()
-        ]
-        pick = st.selectbox(
-            "Why we missed during", range(len(choices)), format_func=choices.__getitem__, key="why_pick"
-        )
-        if pick is not None:
-            row = recent.iloc[int(pick)]
-            resolved = None if pd.isna(row["resolved_at"]) else float(row["resolved_at"])
-            why_link(str(row["rule"]), float(row["active_since"]), resolved, key="why_recent")
+        _performance(window, latest)
+    _recent_alerts(window)
 
 
 st.fragment(run_every=view.refresh_s if view.live else None)(render)()

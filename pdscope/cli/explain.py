@@ -2,7 +2,9 @@
 
 Prints the top reasons (``analysis.attribution``: each stage's excess over the healthy
 requests' median, grouped by stage, instance or P×D pair and cause), or with ``--json`` the same
-JSON as ``GET /v1/slo/attribution``. The range is ``--since`` (a duration back from now, default
+JSON as ``GET /v1/slo/attribution``. When most TTFT misses of the range were mispredicted (the proxy's
+predictor put them within their target, they were served late: ``analysis.prediction``), it says so
+with the figures. The range is ``--since`` (a duration back from now, default
 30m) or ``--from`` / ``--until`` (Unix seconds). Exit codes: 0 an answer (misses or none), 1 no
 request record in the range or the store cannot be read, 2 a bad range.
 """
@@ -14,9 +16,13 @@ import json
 import sys
 import time
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from pdscope.cli.bounds import WINDOW, refuse
 from pdscope.config import load_settings
+
+if TYPE_CHECKING:  # the controller is imported when the command runs, not when the CLI starts
+    from controller.attribution import WindowAttribution
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +45,14 @@ BOUNDS = {**WINDOW, "misses": (0, 1000), "limit": (1, 200_000)}
 def run(args: argparse.Namespace) -> int:
     if (code := refuse("explain", args, BOUNDS)) is not None:
         return code
+    from analysis.prediction import mispredicted_misses
     from controller.attribution import (
         DEFAULT_RECORDS,
         MAX_RECORDS,
         BadRange,
         resolve_range,
         window_attribution,
+        window_prediction,
     )
     from store.db import StoreError, make_engine, session_factory
 
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         engine = make_engine(url)
         try:
             result = window_attribution(session_factory(engine), settings, lo, hi, limit=limit)
+            figures = window_prediction(session_factory(engine), settings, lo, hi, limit=limit)
+            predictor = mispredicted_misses(figures)
         finally:
             engine.dispose()
     except StoreError as exc:
@@ -77,6 +87,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict(max_misses=args.misses), indent=2, sort_keys=True))
         return 0
+    _print_text(result, lo, hi, limit, predictor)
+    return 0
+
+
+def _print_text(result: WindowAttribution, lo: float, hi: float, limit: int, predictor: str | None) -> None:
+    """The answer for a person: the summary, the top reasons, and what the predictor says, if anything."""
+    a = result.attribution
     print(f"{_when(lo)} .. {_when(hi)}: {a.summary()}")
     if result.truncated:
         print(f"(only the newest {limit} records were read: raise --limit or narrow the range)")
@@ -87,4 +104,5 @@ def run(args: argparse.Namespace) -> int:
         rest = len(a.groups) - len(a.top)
         if rest > 0:
             print(f"  (and {rest} more group(s): --json lists them)")
-    return 0
+    if predictor is not None:
+        print(f"The predictor: {predictor}.")

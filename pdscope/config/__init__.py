@@ -58,6 +58,7 @@ from pdscope.config.proxy import (
     AdaptiveLimitSettings,
     AdmissionDefaults,
     OutlierSettings,
+    PredictSettings,
     ProxySettings,
     ProxyTimeouts,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "NoiseSettings",
     "OutlierSettings",
     "Pool",
+    "PredictSettings",
     "ProbeSettings",
     "ProxySettings",
     "ProxyTimeouts",

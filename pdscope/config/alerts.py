@@ -20,6 +20,7 @@ ALERT_RULE_NAMES: tuple[str, ...] = (
     "InstanceDown",
     "HandoffP99OverBudget",
     "CollectorBehind",
+    "TTFTMispredicted",
 )
 
 Severity = Literal["info", "warning", "critical"]
@@ -72,6 +73,19 @@ class AlertSettings(_Frozen):
     )
     kv_full: PositiveFraction = Field(
         default=0.95, description="KVCacheNearlyFull fires when an instance's KV usage (0-1) is above this"
+    )
+    mispredicted_error: PositiveFloat = Field(
+        default=0.3,
+        le=100.0,
+        description="TTFTMispredicted fires when the median |observed / predicted - 1| of the TTFT "
+        "predictions in slo.window_s is over this (the fleet changed under the proxy's predictor)",
+    )
+    mispredicted_min_records: int = Field(
+        default=50,
+        ge=1,
+        le=1_000_000,
+        description="fewer records with a TTFT prediction and an observed TTFT than this in "
+        "slo.window_s: TTFTMispredicted holds its state instead of judging",
     )
     rules: dict[AlertRuleName, AlertRuleSettings] = Field(
         default_factory=dict,

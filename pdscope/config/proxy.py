@@ -125,6 +125,70 @@ class AdaptiveLimitSettings(_Frozen):
     )
 
 
+class PredictSettings(_Frozen):
+    """The TTFT predictor and admission by prediction (docs/proxy.md, Admission by prediction)."""
+
+    admit: bool = Field(
+        default=True,
+        description="reject at once (429 predicted_late, Retry-After from the predicted drain) a request "
+        "whose best predicted TTFT, times the predictor's recent error quantile, is over its target; and "
+        "let a request wait for a pool's room only while it can still make its target. Off: the "
+        "prediction is made, recorded and measured, and admission is by the pool limits alone",
+    )
+    quantile: float = Field(
+        default=0.98,
+        ge=0.5,
+        le=0.999,
+        description="the quantile of the recent observed/predicted TTFT ratios a prediction is "
+        "multiplied by before it is held against the target (the predictor's own error as the margin)",
+    )
+    margin: Fraction = Field(
+        default=0.05, description="share of the target held back besides the error quantile"
+    )
+    min_samples: Count1M = Field(
+        default=20,
+        description="completions of a P (or, at the table's prior, the controller's samples) before its "
+        "prediction may reject a request: a cold predictor routes and records, but does not reject",
+    )
+    forget: float = Field(
+        default=0.98,
+        gt=0.5,
+        lt=1.0,
+        description="the online fit's forgetting factor per completion (0.98: the last ~50 count most)",
+    )
+    chars_per_token: PositiveFloat = Field(
+        default=4.0,
+        le=1000,
+        description="characters per token, to estimate a prompt's tokens where no tokenizer or KV "
+        "view counted them",
+    )
+    prefill_base_s: NonNegative = Field(
+        default=0.02, le=3600, description="prior: a P's fixed time per request (a step, the round trip)"
+    )
+    handoff_s: NonNegative = Field(
+        default=0.05, le=3600, description="prior: P's answer to D's first token, before any is seen"
+    )
+    target_header: NonEmpty = Field(
+        default="x-pdscope-ttft-target-ms",
+        description="request header carrying the request's own TTFT target in ms (interactive vs "
+        "batch traffic), bounded by min_target_ms and max_target_ms; absent: slo.ttft.target_ms",
+    )
+    min_target_ms: PositiveFloat = Field(
+        default=100.0, le=86_400_000, description="the smallest TTFT target a request may ask for (400 below)"
+    )
+    max_target_ms: PositiveFloat = Field(
+        default=600_000.0,
+        le=86_400_000,
+        description="the largest TTFT target a request may ask for (400 above)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PredictSettings:
+        if self.min_target_ms > self.max_target_ms:
+            raise ValueError("min_target_ms must be at most max_target_ms")
+        return self
+
+
 class ProxySettings(_Frozen):
     host: str = Field(default="127.0.0.1", description="address the client-facing API listens on")
     port: Port = Field(default=8000, description="port of the client-facing API")
@@ -191,6 +255,11 @@ class ProxySettings(_Frozen):
     )
     adaptive_limit: AdaptiveLimitSettings = Field(
         default=AdaptiveLimitSettings(), description="the proxy's own AIMD limit per pool on its TTFT"
+    )
+    predict: PredictSettings = Field(
+        default=PredictSettings(),
+        description="the per-request TTFT predictor (fitted online, prior from the controller's "
+        "rates) and admission by prediction",
     )
     admission: AdmissionDefaults = Field(
         default=AdmissionDefaults(),

@@ -65,7 +65,7 @@ def test_serve_builds_the_controller_from_the_alerts_section(
         rules["InstanceDown"]["for_s"],
         rules["InstanceDown"]["enabled"],
     ) == ("critical", 10.0, True)
-    assert len(rules) == 9
+    assert len(rules) == 10  # ALERT_RULE_NAMES
     assert client.get("/v1/slo").json()["handoff_budget_ms"] == 750.0
 
 

@@ -132,3 +132,28 @@ def test_pool_ttft_is_the_lower_median_of_pairs_so_one_slow_instance_is_not_over
     for pool in ("prefill", "decode"):
         ttft = pools[pool].ttft_at_slo_s
         assert ttft is not None and (ttft > 3.0 if overloaded else ttft < 1.0), (pool, ttft)
+
+
+def test_the_observation_measures_the_ttft_predictions(world: World) -> None:
+    """The records' predicted TTFT against their observed one: how many, and the median error, for the
+    TTFTMispredicted alert; records without a prediction are not counted."""
+    from sqlalchemy import select, update
+
+    from store.models import RequestRecord
+
+    now = world.clock.advance(2.0)
+    world.seeder.scrape(now - 0.5)
+    world.seeder.requests(now - 1.9, all_pairs())
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, now)
+    assert obs.slo.predictions == 0 and obs.slo.prediction_error_p50 is None
+    rr = RequestRecord
+    with transaction(world.factory) as s:
+        ids = sorted(s.scalars(select(rr.id)))
+        # 5 predicted at half their TTFT (error 1.0), 2 exactly (error 0), the rest without a prediction
+        s.execute(update(rr).where(rr.id.in_(ids[:5])).values(predicted_ttft_s=rr.ttft_s / 2))
+        s.execute(update(rr).where(rr.id.in_(ids[5:7])).values(predicted_ttft_s=rr.ttft_s))
+    with transaction(world.factory) as s:
+        obs = observe(s, world.settings, now)
+    assert obs.slo.predictions == 7
+    assert obs.slo.prediction_error_p50 == pytest.approx(1.0)

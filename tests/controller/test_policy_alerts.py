@@ -292,3 +292,58 @@ def test_disabling_a_rule_resolves_its_firing_alert_and_a_new_severity_applies()
         ("InstanceDown", "resolved")
     ]
     assert [(a.rule, a.severity) for a in step.active] == [("KVCacheNearlyFull", "critical")]
+
+
+# -- TTFTMispredicted: the fleet changed under the proxy's TTFT predictor --------------------
+
+
+def _mispredicted(slo: SLOFigures, ac: AlertConfig) -> tuple[str | None, str]:
+    step = step_alerts(default_rules(ac), obs(0, slo=slo), CFG, ac, {})
+    alert = next((a for a in step.active if a.rule == "TTFTMispredicted"), None)
+    return (alert.state, alert.description) if alert is not None else (None, "")
+
+
+NOW_ALERT = AlertConfig(for_s={"TTFTMispredicted": 0.0})
+
+
+def test_ttft_mispredicted_fires_when_the_median_error_is_over_the_threshold() -> None:
+    state, text = _mispredicted(replace(GOOD_SLO, predictions=80, prediction_error_p50=0.45), NOW_ALERT)
+    assert state == "firing"
+    assert "median 45% > 30%" in text and "over 80 requests" in text
+    # a threshold of the alerts section moves it
+    looser = replace(NOW_ALERT, mispredicted_error=0.5)
+    assert _mispredicted(replace(GOOD_SLO, predictions=80, prediction_error_p50=0.45), looser)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("predictions", "error"),
+    [(80, 0.3), (80, 0.05), (49, 0.9), (0, None), (80, None)],
+)
+def test_ttft_mispredicted_stays_quiet_on_a_good_predictor_or_too_few_records(
+    predictions: int, error: float | None
+) -> None:
+    slo = replace(GOOD_SLO, predictions=predictions, prediction_error_p50=error)
+    assert _mispredicted(slo, NOW_ALERT)[0] is None
+
+
+def test_ttft_mispredicted_holds_its_state_when_it_cannot_judge() -> None:
+    timeline = [
+        (0.0, obs(0, slo=replace(GOOD_SLO, predictions=80, prediction_error_p50=0.6))),
+        (10.0, obs(10, slo=replace(GOOD_SLO, predictions=10, prediction_error_p50=0.0))),
+        (20.0, obs(20, slo=replace(GOOD_SLO, predictions=80, prediction_error_p50=0.1))),
+    ]
+    states = [h.get("TTFTMispredicted") for h in run(timeline, NOW_ALERT)]
+    assert states == ["firing", "firing", "resolved"]
+
+
+def test_the_alerts_section_sets_the_mispredicted_threshold_and_minimum() -> None:
+    from pdscope.config import ConfigError, parse_config
+    from tests.pdscope.test_config import MINIMAL
+
+    text = MINIMAL + "alerts:\n  mispredicted_error: 0.5\n  mispredicted_min_records: 200\n"
+    ac = AlertConfig.from_settings(parse_config(text))
+    assert (ac.mispredicted_error, ac.mispredicted_min_records) == (0.5, 200)
+    assert (AlertConfig().mispredicted_error, AlertConfig().mispredicted_min_records) == (0.3, 50)
+    for bad in ("mispredicted_error: 0", "mispredicted_min_records: 0"):
+        with pytest.raises(ConfigError, match=bad.split(":")[0]):
+            parse_config(MINIMAL + f"alerts:\n  {bad}\n", "f.yaml")

@@ -40,6 +40,7 @@ PAGES = {
         ["Decisions", "Decision regret", "Overrides in force", "Audit trail", "Change routing"],
     ),
     "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
+    "predictor": ("Predictor", []),  # the seed has no predictions: tests/dashboard/test_predictor_page.py
 }
 
 

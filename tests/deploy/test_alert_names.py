@@ -39,6 +39,7 @@ NO_TWIN: dict[str, str] = {
     "TPOTOverTarget": "ITLOverTarget reads vLLM's inter-token latency, a per-token gap, not TPOT",
     "HandoffP99OverBudget": "the handoff time exists only in pdscope's request records",
     "CollectorBehind": "ServiceDown and CollectorStoreErrors are causes, not the same condition",
+    "TTFTMispredicted": "the TTFT predictions exist only in pdscope's request records",
 }
 OLD_PREFIXES = re.compile(r"VLLM|NIXL|PDScope|Pdscope")
 

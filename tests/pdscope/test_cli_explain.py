@@ -99,3 +99,39 @@ def test_an_unreadable_store_fails(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_help_lists_explain() -> None:
     assert "    explain " in cli.build_parser().format_help()
+
+
+def _predict(url: str, *, slow_predicted_s: float) -> None:
+    """As a proxy with proxy.predict writes them: every request predicted at 0.2 s against a 1 s
+    target, the slow ones (over 2 s) at ``slow_predicted_s``."""
+    from sqlalchemy import text
+
+    engine = make_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE request_records SET ttft_target_s = 1.0, predict_source = 'table',"
+                " predicted_ttft_s = CASE WHEN ttft_s > 2 THEN :slow ELSE 0.2 END"
+            ),
+            {"slow": slow_predicted_s},
+        )
+    engine.dispose()
+
+
+def test_says_when_the_misses_were_mispredicted(store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    seed(store, slow_p="prefill-1")
+    _predict(store, slow_predicted_s=0.2)  # the slow ones were predicted within their target
+    assert explain(store, "--since", "30m") == 0
+    out = capsys.readouterr().out
+    assert "The predictor: 16 of 16 TTFT misses (100%) were mispredicted" in out
+    assert "over 64 requests): the fleet changed under the predictor." in out
+
+
+def test_is_quiet_about_the_predictor_when_the_misses_were_predicted_late(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(store, slow_p="prefill-1")
+    _predict(store, slow_predicted_s=2.6)  # predicted over the target, admitted anyway
+    assert explain(store, "--since", "30m") == 0
+    out = capsys.readouterr().out
+    assert "The top reasons we missed:" in out and "predictor" not in out

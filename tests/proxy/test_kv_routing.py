@@ -69,7 +69,7 @@ async def test_the_p_holding_the_prefix_gets_the_request_and_the_root_says_why()
     assert px.metric("pdscope_proxy_predicted_cached_tokens_total", role="prefill") == 800
     assert px.metric("pdscope_proxy_predicted_cached_tokens_total", role="decode") == 512
     assert px.metric("pdscope_proxy_prompt_tokens_routed_total") == 1024
-    assert px.parts.kv is not None and px.parts.kv.backlog == {}  # P answered: its backlog is empty
+    assert px.flow.gate.predictor.backlog == {}  # P answered: its backlog is empty
 
 
 async def test_backlog_counts_prefills_in_flight_and_spreads_them() -> None:
@@ -79,16 +79,15 @@ async def test_backlog_counts_prefills_in_flight_and_spreads_them() -> None:
     for inst in p:
         inst.mode = "hang"
     px = proxy_for(p, d, FakeView({}))
-    kv = px.parts.kv
-    assert kv is not None
+    backlog = px.flow.gate.predictor.backlog
     tasks = [asyncio.create_task(px.send()) for _ in range(2)]
     for inst in p:
         await asyncio.wait_for(inst.entered.wait(), 5)
-    assert kv.backlog == {"p0": 1024, "p1": 1024}
+    assert backlog == {"p0": 1024, "p1": 1024}
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert kv.backlog == {}
+    assert backlog == {}
     assert px.parts.admission.requests["prefill"] == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -186,8 +187,8 @@ def _record_waits(admission: Admission) -> list[tuple[float, bool]]:
     waits: list[tuple[float, bool]] = []
     wait = admission.wait
 
-    async def recording(within_s: float) -> bool:
-        woken = await wait(within_s)
+    async def recording(within_s: float, deadline: float = math.inf) -> bool:
+        woken = await wait(within_s, deadline)
         waits.append((within_s, woken))
         return woken
 

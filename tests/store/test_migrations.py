@@ -69,3 +69,40 @@ def test_0009_adds_the_routing_columns_to_stored_records_and_takes_them_back(sto
             assert conn.execute(text("SELECT request_id FROM request_records")).scalar() == "old"
     finally:
         engine.dispose()
+
+
+def test_0012_adds_the_prediction_columns_to_stored_records_and_takes_them_back(store_url: str) -> None:
+    """Records stored before 0012 keep every value and get the predictor's columns as null; a
+    downgrade to 0011 drops only those columns."""
+    from sqlalchemy import text
+
+    upgrade(store_url, "0011")
+    engine = make_engine(store_url)
+    insert = text(
+        "INSERT INTO request_records"
+        " (request_id, status, retries, proxy_in, lease_expiry_suspect, attributes, route_path)"
+        " VALUES (:rid, 'ok', 0, :t, false, '{}', 'pd')"
+    )
+    new = ("predicted_ttft_s", "ttft_target_s", "predict_tokens_ahead", "predict_tokens", "predict_source")
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert, {"rid": "old", "t": 1.0})
+        upgrade(store_url, "0012")
+        with engine.begin() as conn:
+            row = conn.execute(text(f"SELECT request_id, {', '.join(new)} FROM request_records")).one()
+            assert tuple(row) == ("old", None, None, None, None, None)
+            conn.execute(
+                text(
+                    "UPDATE request_records SET predicted_ttft_s = 0.25, ttft_target_s = 1.5,"
+                    " predict_tokens_ahead = 4096, predict_tokens = 512, predict_source = 'table'"
+                )
+            )
+            row = conn.execute(text(f"SELECT {', '.join(new)} FROM request_records")).one()
+            assert tuple(row) == (0.25, 1.5, 4096, 512, "table")
+        downgrade(store_url, "0011")
+        cols = {c["name"] for c in inspect(engine).get_columns("request_records")}
+        assert not cols & set(new) and {"request_id", "route_path", "sender"} <= cols
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT route_path FROM request_records")).scalar() == "pd"
+    finally:
+        engine.dispose()

@@ -1,0 +1,166 @@
+"""The TTFT predictor (``proxy.predict``) and admission by prediction through the gate and the flow."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from pdscope import semconv as sc
+from pdscope.config import PredictSettings
+from pdscope.routing import InstanceRate, PairRate, Rates
+from proxy.predict import MIN_RATIOS, Line, Predictor, late_decodes, outlook
+from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_settings
+
+PS = PredictSettings(min_samples=5)
+
+
+def test_the_online_line_finds_a_prefill_rate_and_base_from_noisy_completions() -> None:
+    rng = random.Random(7)
+    line = Line(0.02, 1 / 16.0, 0.98)  # a prior 4x too fast: 16 k tokens/s where P does 4 k
+    for _ in range(300):
+        x = rng.uniform(200, 20_000)
+        line.update(x, (0.05 + x / 4000.0) * rng.uniform(0.95, 1.05))
+    assert line(10_000) == pytest.approx(0.05 + 10_000 / 4000.0, rel=0.05)
+    assert line(500) == pytest.approx(0.05 + 500 / 4000.0, rel=0.15)
+
+
+def test_one_stall_moves_the_line_only_so_far_and_a_real_slowdown_is_followed() -> None:
+    line = Line(0.0, 1.0, 0.9)
+    for _ in range(50):
+        line.update(1000, 1.0)
+    line.update(1000, 1000.0)  # one stall
+    assert line(1000) < 5.0
+    for _ in range(60):  # P really became 3x slower
+        line.update(1000, 3.0)
+    assert line(1000) == pytest.approx(3.0, rel=0.05)
+
+
+def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_reject() -> None:
+    pred = Predictor(PS, prefill_tokens_per_s=10_000)
+    cold = pred.prefill("p0", 1000)
+    assert (cold.source, cold.confident) == (sc.PREDICT_PRIOR, False)
+    assert cold.seconds == pytest.approx(PS.prefill_base_s + 0.1)
+    rates = Rates(
+        fitted_at=0.0,
+        window_s=30.0,
+        instances=[InstanceRate(name="p0", prefill_base_s=0.1, prefill_s_per_token=0.001, samples=50)],
+        pairs=[PairRate(prefill="p0", decode="d0", handoff_s=0.4, samples=9)],
+    )
+    pred.use_table(rates, share=0.5)
+    pred.add_backlog("p0", 500)  # this proxy's 500 tokens, at half the pool: 1000 ahead
+    table = pred.prefill("p0", 1000)
+    assert (table.source, table.confident, table.ahead) == (sc.PREDICT_TABLE, True, 1000)
+    assert table.seconds == pytest.approx(0.1 + 0.001 * 2000)
+    assert pred.handoff("p0", "d0") == 0.4
+    for _ in range(PS.min_samples):
+        pred.observe_prefill("p0", 2000, 5.0)
+    online = pred.prefill("p0", 1000)
+    assert (online.source, online.confident) == (sc.PREDICT_ONLINE, True)
+    assert online.seconds > table.seconds  # it learnt that P is slower than the table said
+
+
+def test_the_error_factor_is_the_recent_ratio_quantile_and_one_while_few_are_known() -> None:
+    pred = Predictor(PredictSettings(quantile=0.9), 10_000)
+    for _ in range(MIN_RATIOS - 1):
+        pred.observe_ttft(1.0, 2.0)
+    assert pred.factor() == 1.0
+    pred = Predictor(PredictSettings(quantile=0.9), 10_000)
+    for i in range(100):
+        pred.observe_ttft(1.0, 1.0 + i / 100)
+    assert pred.factor() == pytest.approx(1.9, abs=0.05)
+    assert pred.observe_ttft(0.0, 1.0) is None and pred.observe_ttft(1.0, float("nan")) is None
+
+
+def _trained(per_token: dict[str, float], n: int = 10) -> Predictor:
+    pred = Predictor(PS, 10_000)
+    for p, s in per_token.items():
+        for x in (1000, 4000, 8000) * n:
+            pred.observe_prefill(p, x, x * s)
+    return pred
+
+
+def test_outlook_rejects_only_when_every_fitted_p_is_late_and_a_cold_one_is_never_late() -> None:
+    pred = _trained({"p0": 0.001, "p1": 0.0001})  # p0: 1 s per 1000 tokens; p1 ten times faster
+    look = outlook(pred, {"p0": 2000, "p1": 2000}, ["p0", "p1"], ["d0"], 0.0, target_s=1.0)
+    assert look.late == {"p0"} and not look.hopeless and look.slack_s > 0
+    late = outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=1.0)
+    assert late.hopeless and late.best_s > late.budget_s
+    with_cold = outlook(pred, {"p0": 2000, "p9": 2000}, ["p0", "p9"], ["d0"], 0.0, target_s=1.0)
+    assert with_cold.late == {"p0"} and not with_cold.hopeless  # p9 has no fit: it may serve
+
+
+def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
+    pred = _trained({"p0": 0.0001})
+    for _ in range(5):
+        pred.observe_handoff("p0", "d0", 3.0)
+        pred.observe_handoff("p0", "d1", 0.05)
+    assert late_decodes(pred, "p0", 0.2, ["d0", "d1"], 0.0, 1.0) == {"d0"}
+    assert late_decodes(pred, "p0", 0.2, ["d0"], 0.0, 1.0) == set()  # no D in time: the gate picks
+
+
+def _proxy(
+    n_p: int, spans: InMemorySpanExporter | None = None, **predict: object
+) -> tuple[MemoryProxy, list[MemVLLM]]:
+    p = [MemVLLM(f"p{i}", "prefill") for i in range(n_p)]
+    d = [MemVLLM("d0", "decode", serves_plain=True)]
+    settings = memory_settings(
+        {"prefill": ("prefill", p), "decode": ("decode", d)}, proxy={"predict": {"min_samples": 5, **predict}}
+    )
+    return memory_flow(settings, [*p, *d], spans), p
+
+
+def _slow(px: MemoryProxy, *names: str) -> None:
+    pred = px.flow.gate.predictor
+    for name in names:
+        for x in (10, 100, 1000) * 5:
+            pred.observe_prefill(name, x, 100.0)  # 100 s, whatever the prompt
+
+
+async def test_a_request_every_p_would_serve_late_is_rejected_at_once_with_the_drain_time() -> None:
+    spans = InMemorySpanExporter()
+    px, _ = _proxy(2, spans)
+    _slow(px, "p0", "p1")
+    reply = await px.send()
+    assert reply.status == 429
+    assert b"predicted_late" in reply.data
+    retry_after = int(dict(reply.headers)[b"retry-after"])
+    assert 60 <= retry_after <= 120  # ~100 s predicted against a 2 s target
+    assert px.metric("pdscope_proxy_rejections_total", pool="prefill", reason="predicted_late") == 1
+    (root,) = [s for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST]
+    assert root.attributes is not None and root.attributes[sc.PREDICTED_TTFT_S] > 90
+
+
+async def test_a_request_goes_to_the_p_in_time_and_records_its_prediction() -> None:
+    spans = InMemorySpanExporter()
+    px, p = _proxy(2, spans)
+    _slow(px, "p0")
+    for _ in range(4):
+        assert (await px.send()).status == 200
+    assert (len(p[0].calls), len(p[1].calls)) == (0, 4)
+    roots = [s.attributes for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST]
+    assert roots[0] is not None and roots[0][sc.PREDICT_SOURCE] == sc.PREDICT_PRIOR  # nothing fitted for p1
+    assert all(r is not None and r[sc.PREDICT_SOURCE] in sc.PREDICT_SOURCES for r in roots)
+    assert all(r is not None and 0 < r[sc.PREDICTED_TTFT_S] < 1 and r[sc.TTFT_TARGET_S] == 2.0 for r in roots)
+    assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 4
+
+
+async def test_admission_by_prediction_can_be_turned_off() -> None:
+    px, _ = _proxy(1, admit=False)
+    _slow(px, "p0")
+    assert (await px.send()).status == 200
+
+
+@pytest.mark.parametrize("value", [b"50", b"abc", b"1e12", b"nan"])
+async def test_a_target_header_out_of_bounds_is_a_400_naming_it(value: bytes) -> None:
+    px, _ = _proxy(1)
+    reply = await px.send(headers={b"x-pdscope-ttft-target-ms": value})
+    assert reply.status == 400 and b"x-pdscope-ttft-target-ms" in reply.data
+
+
+async def test_a_batch_request_with_a_long_target_is_admitted_where_an_interactive_one_is_not() -> None:
+    px, _ = _proxy(1)
+    _slow(px, "p0")
+    assert (await px.send(headers={b"x-pdscope-ttft-target-ms": b"1000"})).status == 429
+    assert (await px.send(headers={b"x-pdscope-ttft-target-ms": b"300000"})).status == 200
