@@ -55,6 +55,7 @@ from controller.bundlepack import (
 )
 from controller.bundlereport import ReportInput, render
 from controller.effects import Bundler
+from controller.notify import take_next
 from controller.policy.alerts import AlertState
 from controller.replay import ReplayError, replay_window
 from pdscope import __version__
@@ -548,11 +549,9 @@ class BundleWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
+                job = take_next(self._cond, self._queue, lambda: self._closed)
+                if job is None:
                     return
-                job = self._queue.popleft()
                 self._busy = True
             try:
                 self._write(job)

@@ -25,13 +25,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 from controller.policy import AlertState
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ZERO_TIME = "0001-01-01T00:00:00Z"  # Alertmanager's "no end yet"
 
@@ -102,6 +104,14 @@ def webhook_payload(
     }
 
 
+def take_next(cond: threading.Condition, queue: deque[T], closed: Callable[[], bool]) -> T | None:
+    """For a queue's worker thread, called holding ``cond``: wait for the next item and take it
+    (oldest first); None once ``closed()`` and the queue is drained (the worker then ends)."""
+    while not queue and not closed():
+        cond.wait()
+    return queue.popleft() if queue else None
+
+
 class WebhookNotifier:
     """POSTs batches of alerts from a background thread; bounded, drops the oldest."""
 
@@ -151,11 +161,9 @@ class WebhookNotifier:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                batch = self._queue.popleft()
+                batch = take_next(self._cond, self._queue, lambda: self._closed)
+            if batch is None:
+                return
             self._post(batch)
 
     def _post(self, batch: list[AlertState]) -> None:

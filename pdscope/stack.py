@@ -256,6 +256,16 @@ class ChildGroup:
         """Stop every child, last started first; the ones that outlived SIGKILL."""
         return [child for child in reversed(self.children) if not child.stop(self.grace_s)]
 
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[ChildGroup]:
+        """``with group.starting():`` around a stack's start: a start that raises stops every
+        child started so far, then the error goes on (nothing is left running half-started)."""
+        try:
+            yield self
+        except BaseException:
+            self.stop()
+            raise
+
     def __enter__(self) -> ChildGroup:
         return self
 

@@ -1,10 +1,23 @@
 """Shapes of vLLM's OpenAI-compatible API that pdscope serves as vLLM does (the simulator as an
-instance, the proxy in front of both pools), so the two cannot drift apart; and the bucket bounds
-of vLLM's latency histograms on ``/metrics`` (the simulator's, the seeded history's)."""
+instance, the proxy in front of both pools), so the two cannot drift apart; the
+``kv_transfer_params`` that ask a P for a NIXL prefill (the proxy's, the simulator's direct load);
+and the bucket bounds of vLLM's latency histograms on ``/metrics`` (the simulator's, the seeded
+history's)."""
 
 from __future__ import annotations
 
 from typing import Any, Final
+
+# What a prefill request carries in ``kv_transfer_params`` (vLLM's NIXL pull protocol): P computes
+# the prompt, keeps its blocks for a D to pull and answers with where they are. Copy it before use.
+PREFILL_KV_PARAMS: Final[dict[str, Any]] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 # vLLM's histogram bucket bounds, in seconds (vllm:time_to_first_token_seconds,
 # vllm:inter_token_latency_seconds, vllm:nixl_xfer_time_seconds).

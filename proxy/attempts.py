@@ -31,8 +31,10 @@ After the first byte: no retry, as on the P/D path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -43,6 +45,7 @@ from proxy import protocol
 from proxy.admission import Admission
 from proxy.gate import Gate
 from proxy.metrics import ProxyMetrics
+from proxy.outlier import OutlierDetector
 from proxy.protocol import PrefillAnswer, ProtocolError, SseWatch
 from proxy.request import (
     JSON,
@@ -86,31 +89,24 @@ def _end(span: trace.Span) -> int:
     return t
 
 
+@dataclass(eq=False)
 class Attempts:
     """Prefill and decode attempts for one proxy (shared by its requests)."""
 
-    def __init__(
-        self,
-        fs: FlowSettings,
-        upstream: UpstreamClient,
-        gate: Gate,
-        routing: RoutingState,
-        selector: Selector,
-        admission: Admission,
-        budget: RetryBudget,
-        metrics: ProxyMetrics,
-        tracer: trace.Tracer,
-        clock: Callable[[], float],
-    ) -> None:
-        self.fs, self.upstream, self.gate, self.routing, self.selector = fs, upstream, gate, routing, selector
-        self.admission, self.budget, self.metrics, self.tracer, self.clock = (
-            admission,
-            budget,
-            metrics,
-            tracer,
-            clock,
-        )
-        self.outliers = selector.outliers
+    fs: FlowSettings
+    upstream: UpstreamClient
+    gate: Gate
+    routing: RoutingState
+    selector: Selector
+    admission: Admission
+    budget: RetryBudget
+    metrics: ProxyMetrics
+    tracer: trace.Tracer
+    clock: Callable[[], float]
+    outliers: OutlierDetector = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outliers = self.selector.outliers
 
     def spend(self, stage: str) -> bool:
         """One retry at ``stage`` from the budget (counted either way)."""
@@ -243,25 +239,20 @@ class Attempts:
         attempt = 0
         try:
             while True:
-                d = req.d
-                assert d is not None
-                span = self._decode_span(req, d, attempt, ctx)
-                try:
-                    headers = with_traceparent(base, span, tp_in, req.sampled)
-                    await self._decode_once(req, d, d_body, headers, span, handoff, reply)
-                    return
-                except (ConnectFailed, DecodeRefused) as exc:
-                    # D never saw the request, or refused it up front (vLLM's 503 comes before
-                    # scheduling): P's blocks are unread, another D may pull them.
-                    kind = exc.kind if isinstance(exc, DecodeRefused) else "connect"
-                    attempt += 1
-                    nxt = self._next_decode(req, d, span, kind, tried, attempt, exc)
-                    handoff.set_attribute(sc.D_INSTANCE, nxt.name)
-                except NeedsPrefill as exc:
-                    self._decode_failed(d, span, exc.kind)
-                    raise
-                finally:
-                    span.end()
+                with self._decode_attempt(req, attempt, ctx, base, tp_in) as (d, span, headers):
+                    try:
+                        await self._decode_once(req, d, d_body, headers, span, handoff, reply)
+                        return
+                    except (ConnectFailed, DecodeRefused) as exc:
+                        # D never saw the request, or refused it up front (vLLM's 503 comes before
+                        # scheduling): P's blocks are unread, another D may pull them.
+                        kind = exc.kind if isinstance(exc, DecodeRefused) else "connect"
+                        attempt += 1
+                        nxt = self._next_decode(req, d, span, kind, tried, attempt, exc)
+                        handoff.set_attribute(sc.D_INSTANCE, nxt.name)
+                    except NeedsPrefill as exc:
+                        self._decode_failed(d, span, exc.kind)
+                        raise
         finally:
             if handoff.is_recording():  # not ended yet: no first token
                 handoff.end()
@@ -275,19 +266,14 @@ class Attempts:
         tried: list[str] = []
         attempt = 0
         while True:
-            d = req.d
-            assert d is not None
-            span = self._decode_span(req, d, attempt, ctx)
-            try:
-                headers = with_traceparent(base, span, tp_in, req.sampled)
-                await self._decode_once(req, d, raw, headers, span, None, reply)
-                return
-            except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
-                kind = "connect" if isinstance(exc, ConnectFailed) else exc.kind
-                attempt += 1
-                self._next_decode(req, d, span, kind, tried, attempt, exc)
-            finally:
-                span.end()
+            with self._decode_attempt(req, attempt, ctx, base, tp_in) as (d, span, headers):
+                try:
+                    await self._decode_once(req, d, raw, headers, span, None, reply)
+                    return
+                except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
+                    kind = "connect" if isinstance(exc, ConnectFailed) else exc.kind
+                    attempt += 1
+                    self._next_decode(req, d, span, kind, tried, attempt, exc)
 
     def _next_decode(
         self,
@@ -310,6 +296,20 @@ class Attempts:
             raise upstream_error("decode", kind) from exc
         req.retries += 1
         return nxt
+
+    @contextlib.contextmanager
+    def _decode_attempt(
+        self, req: RequestState, attempt: int, ctx: Context, base: Headers, tp_in: str | None
+    ) -> Iterator[tuple[Target, trace.Span, Headers]]:
+        """Decode attempt ``attempt`` on ``req.d``: D, the attempt's span and the headers naming it.
+        The span ends on leaving the block, after the block's own ``except`` clauses have run."""
+        d = req.d
+        assert d is not None
+        span = self._decode_span(req, d, attempt, ctx)
+        try:
+            yield d, span, with_traceparent(base, span, tp_in, req.sampled)
+        finally:
+            span.end()
 
     def _decode_span(self, req: RequestState, d: Target, attempt: int, ctx: Context) -> trace.Span:
         """The span of one decode attempt on ``d``, started now (also D's sent time on the request)."""

@@ -191,7 +191,7 @@ class Gate:
         )
         self.kv = kv
         self.metrics = metrics
-        self.predictor = Predictor(fs.predict, fs.prefill_tokens_per_s)
+        self.predictor = Predictor(fs.predict, fs.prefill_tokens_per_s, clock)
         # admission by prediction: the weighted proxy only (round-robin stays the toy proxy's baseline)
         self.by_prediction = fs.predict.admit and selector.policy == "weighted"
         self._table: object = None

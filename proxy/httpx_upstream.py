@@ -8,12 +8,12 @@ to the ``proxy.upstream`` tree; closing an unfinished answer closes its connecti
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from types import TracebackType
 
 import httpx
 
-from proxy.upstream import ConnectFailed, UpstreamClosed, UpstreamError, UpstreamTimeout
+from proxy.upstream import ConnectFailed, HeaderPairs, UpstreamClosed, UpstreamError, UpstreamTimeout
 
 
 def _translate(exc: httpx.HTTPError, where: str) -> UpstreamError:
@@ -75,13 +75,7 @@ class HttpxUpstream:
         self._closing: set[asyncio.Task[None]] = set()
 
     async def post(
-        self,
-        base_url: str,
-        path: str,
-        body: bytes,
-        headers: Iterable[tuple[str, str]] = (),
-        *,
-        within_s: float,
+        self, base_url: str, path: str, body: bytes, headers: HeaderPairs = (), *, within_s: float
     ) -> HttpxResponse:
         where = base_url + path
         req = self._client.build_request(

@@ -52,7 +52,14 @@ PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0,
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self._request_families(self.registry)
+        self._client_families(self.registry)
+        self._latency_families(self.registry)
+        self._kv_families(self.registry)
+        self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
+
+    def _request_families(self, r: CollectorRegistry) -> None:
+        """What became of the requests: outcomes, rejections, retries, failures, bad clients."""
         self.requests = Counter(
             "pdscope_proxy_requests",
             "Client requests by endpoint and outcome.",
@@ -91,6 +98,23 @@ class ProxyMetrics:
             ["stage"],
             registry=r,
         )
+
+    def _client_families(self, r: CollectorRegistry) -> None:
+        """Clients the proxy closed on: too slow to send, or too large."""
+        self.client_read_timeouts = Counter(
+            "pdscope_proxy_client_read_timeouts",
+            "Client connections closed because the request's headers "
+            "or body did not arrive within proxy.client_read_timeout_s.",
+            ["phase"],
+            registry=r,
+        )
+        self.request_too_large = Counter(
+            "pdscope_proxy_request_too_large",
+            "Client bodies over proxy.max_request_bytes (413).",
+            registry=r,
+        )
+
+    def _latency_families(self, r: CollectorRegistry) -> None:
         self.prefill_seconds = Histogram(
             "pdscope_proxy_prefill_seconds",
             "Proxy-observed prefill call time.",
@@ -111,19 +135,9 @@ class ProxyMetrics:
             buckets=PREDICTION_RATIO_BUCKETS,
             registry=r,
         )
-        self.client_read_timeouts = Counter(
-            "pdscope_proxy_client_read_timeouts",
-            "Client connections closed because the request's headers "
-            "or body did not arrive within proxy.client_read_timeout_s.",
-            ["phase"],
-            registry=r,
-        )
-        self.request_too_large = Counter(
-            "pdscope_proxy_request_too_large",
-            "Client bodies over proxy.max_request_bytes (413).",
-            registry=r,
-        )
-        # KV-aware routing (proxy.gate, proxy.kvaware); counted only while a cache view is in use
+
+    def _kv_families(self, r: CollectorRegistry) -> None:
+        """KV-aware routing (proxy.gate, proxy.kvaware): counted only while a cache view is in use."""
         self.routes = Counter(
             "pdscope_proxy_routes",
             "Admitted requests routed with a cache view (proxy.kv_aware), by path (pd: P then D; "
@@ -150,7 +164,6 @@ class ProxyMetrics:
             ["call"],
             registry=r,
         )
-        self._outcome_children: dict[tuple[str, str], Callable[[], None]] = {}
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         inc = self._outcome_children.get((endpoint, outcome))

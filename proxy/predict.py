@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdscope import semconv as sc
@@ -61,10 +61,11 @@ class Line:
     is weak (a large covariance): the first completions decide, so a prior 10x off (a CPU P against
     a GPU default) is left at once."""
 
-    __slots__ = ("a", "b", "drift", "n", "noise", "p00", "p01", "p11")
+    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11")
 
     def __init__(self, a: float, b: float, forget: float) -> None:
         self.a, self.b, self.n = a, max(b, 1e-9), 0
+        self.at = -math.inf  # when it last learnt (the predictor's clock)
         self.drift = (1.0 - forget) ** 2
         self.noise = 1.0  # s^2: a guess, replaced by the errors seen
         self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
@@ -94,13 +95,13 @@ class Mean:
     """A running mean that turns into an exponential one (weight :data:`ALPHA`) after a few samples."""
 
     ALPHA = 0.1
-    __slots__ = ("n", "value")
+    __slots__ = ("at", "n", "value")
 
     def __init__(self) -> None:
-        self.n, self.value = 0, 0.0
+        self.n, self.value, self.at = 0, 0.0, -math.inf
 
-    def add(self, y: float) -> None:
-        self.n += 1
+    def add(self, y: float, now: float) -> None:
+        self.n, self.at = self.n + 1, now
         self.value += (y - self.value) * max(1.0 / self.n, self.ALPHA)
 
 
@@ -116,8 +117,17 @@ class PEstimate:
 
 
 class Predictor:
-    def __init__(self, ps: PredictSettings, prefill_tokens_per_s: float) -> None:
+    """See the module docstring. ``clock``: the proxy's monotonic clock, for how old a fit is.
+
+    **A fit goes stale**: a P whose line has learnt nothing for ``predict.probe_s`` and that has
+    nothing of this proxy's in flight is not confident (so never late): the next request may go
+    there and teach it again; while that probe is in flight the P is judged by its old line. A P
+    that was slow and recovered is found again, not shunned for ever. A pair's or a D's handoff
+    mean that old falls back a level (D, then the table, then the prior)."""
+
+    def __init__(self, ps: PredictSettings, prefill_tokens_per_s: float, clock: Callable[[], float]) -> None:
         self.ps = ps
+        self.clock = clock
         self.backlog: dict[str, int] = {}  # P -> uncached prefill tokens sent and not yet answered
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
@@ -157,7 +167,8 @@ class Predictor:
         line = self._lines.get(p)
         min_n = self.ps.min_samples
         if line is not None and line.n >= min_n:
-            return PEstimate(line(x), ahead, sc.PREDICT_ONLINE, True)
+            fresh = ahead > 0 or self.clock() - line.at <= self.ps.probe_s
+            return PEstimate(line(x), ahead, sc.PREDICT_ONLINE, fresh)
         table = self._table_p.get(p)
         if table is not None:
             base, per_kt, samples = table
@@ -177,11 +188,12 @@ class Predictor:
 
     def handoff(self, p: str | None, d: str) -> float:
         """P's answer to D's first token through ``p`` x ``d`` (``p`` None: through D, any P)."""
+        oldest = self.clock() - self.ps.probe_s
         pair = self._pairs.get((p, d)) if p is not None else None
-        if pair is not None and pair.n >= HANDOFF_MIN:
+        if pair is not None and pair.n >= HANDOFF_MIN and pair.at >= oldest:
             return pair.value
         mean = self._ds.get(d)
-        if mean is not None and mean.n >= HANDOFF_MIN:
+        if mean is not None and mean.n >= HANDOFF_MIN and mean.at >= oldest:
             return mean.value
         table = self._table_pair.get((p, d)) if p is not None else None
         table = table if table is not None else self._table_d.get(d)
@@ -226,12 +238,14 @@ class Predictor:
             base, per_kt = (table[0], table[1]) if table is not None else self._prior
             line = self._lines[p] = Line(base, per_kt, self.ps.forget)
         line.update(tokens, seconds)
+        line.at = self.clock()
 
     def observe_handoff(self, p: str, d: str, seconds: float) -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
-        self._pairs.setdefault((p, d), Mean()).add(seconds)
-        self._ds.setdefault(d, Mean()).add(seconds)
+        now = self.clock()
+        self._pairs.setdefault((p, d), Mean()).add(seconds, now)
+        self._ds.setdefault(d, Mean()).add(seconds, now)
 
     def observe_ttft(self, predicted: float, observed: float) -> float | None:
         """A first token: the ratio observed / predicted (None when either is not a positive time)."""

@@ -17,14 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from pdscope.vllmapi import PREFILL_KV_PARAMS as PREFILL_KV_PARAMS
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

@@ -36,6 +36,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+HeaderPairs = Iterable[tuple[str, str]]  # a request's own headers, (name, value), after Content-Type
+
 
 class UpstreamError(Exception):
     """An upstream call failed. ``retry_safe``: the server never saw the request."""
@@ -79,13 +81,7 @@ class UpstreamClient(Protocol):
     """The seam the proxy's flow uses; :class:`Upstream` here, ``proxy.httpx_upstream`` for comparison."""
 
     async def post(
-        self,
-        base_url: str,
-        path: str,
-        body: bytes,
-        headers: Iterable[tuple[str, str]] = (),
-        *,
-        within_s: float,
+        self, base_url: str, path: str, body: bytes, headers: HeaderPairs = (), *, within_s: float
     ) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
@@ -358,13 +354,7 @@ class Upstream:
         return conn
 
     async def post(
-        self,
-        base_url: str,
-        path: str,
-        body: bytes,
-        headers: Iterable[tuple[str, str]] = (),
-        *,
-        within_s: float,
+        self, base_url: str, path: str, body: bytes, headers: HeaderPairs = (), *, within_s: float
     ) -> Response:
         """POST ``body`` (JSON) and wait at most ``within_s`` for the answer's headers."""
         if self._closed:

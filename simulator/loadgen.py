@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from pdscope.vllmapi import PREFILL_KV_PARAMS
 from simulator.httpclient import HttpClientError, Pool, Response
 from simulator.workload import Planned, RequestResult
 
@@ -154,14 +155,7 @@ async def _exchange(
         pbody.update(
             stream=False,
             max_tokens=1,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
+            kv_transfer_params=dict(PREFILL_KV_PARAMS),
         )
         async with run.client.post(prefill_url, pbody, headers) as presp:
             pdata = await presp.json()

@@ -147,16 +147,13 @@ class Stack:
     def __enter__(self) -> Stack:
         from store.migrate import upgrade
 
-        try:
+        with self.children.starting():
             upgrade(self.store_url)  # once, before the services that share the store
             self._start("sim", self.admin_url + "/instances")
             if self.contender in CONTROLLED:
                 self._start("collect")
                 self._start("control", self.controller_url + "/healthz")
             self._start("proxy", self.proxy_url + "/healthz")
-        except BaseException:
-            self.children.stop()
-            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -163,12 +163,13 @@ def run_one(
 ) -> dict[str, Any]:
     """One contender on one workload; a lost port race (a free port taken before the fleet bound it)
     is tried once more on fresh ports."""
-    out = _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+    cell = _Cell(workload, contender, planned, warm_s, measure_s)
+    out = _run_one(cell, seed, router)
     logs = out.get("logs")
     if logs and "Address already in use" in "".join(
         p.read_text(errors="replace") for p in Path(logs).glob("*.log")
     ):
-        out = _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+        out = _run_one(cell, seed, router)
         out["retried"] = "a port race on the first try"
     return out
 
@@ -260,29 +261,21 @@ def _measure(out: dict[str, Any], stack: Stack, cell: _Cell, router: RouterChoic
     out["sim_trustworthy"] = lag.get("trustworthy")
 
 
-def _run_one(
-    workload: str,
-    contender: str,
-    planned: list[Planned],
-    warm_s: float,
-    measure_s: float,
-    seed: int,
-    router: RouterChoice,
-) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix=f"prefix-{workload}-{contender}-"))
+def _run_one(cell: _Cell, seed: int, router: RouterChoice) -> dict[str, Any]:
+    contender = cell.contender
+    tmp = Path(tempfile.mkdtemp(prefix=f"prefix-{cell.workload}-{contender}-"))
     out: dict[str, Any] = {}
     policy = router.policy or "kv_aware"
-    cell = _Cell(workload, contender, planned, warm_s, measure_s)
     t0 = time.monotonic()
     ok = False
     try:
         stack = Stack(StackSpec(contender, seed, policy), tmp)
         if not _start(stack, contender, policy, router):
-            return _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+            return _run_one(cell, seed, router)
         try:
             if not _keep_policy(stack, cell, router):
                 stack.__exit__()
-                return _run_one(workload, contender, planned, warm_s, measure_s, seed, router)
+                return _run_one(cell, seed, router)
             _measure(out, stack, cell, router)
             ok = True
         finally:

@@ -67,6 +67,21 @@ def _json(status: int, obj: Any, extra: bytes = b"") -> bytes:
     ) + body
 
 
+def _completion(rid: str, req: dict[str, Any], text: str, prompt: int, completion: int) -> dict[str, Any]:
+    """A whole (non-streamed) completion of ``text`` for ``req``, as vLLM answers it."""
+    return {
+        "id": f"cmpl-{rid}-0",
+        "object": "text_completion",
+        "model": req.get("model"),
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
 class Node:
     def __init__(self, role: str, name: str, chunks: int) -> None:
         self.role, self.name, self.chunks = role, name, chunks
@@ -91,52 +106,26 @@ class Node:
         rid = headers.get(b"x-request-id", b"none").decode()
         if self.role == "prefill":
             n = len(str(req.get("prompt", ""))) // 4
-            tr.write(
-                _json(
-                    200,
-                    {
-                        "id": f"cmpl-{rid}-0",
-                        "object": "text_completion",
-                        "model": req.get("model"),
-                        "choices": [{"index": 0, "text": " the", "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
-                        "kv_transfer_params": {
-                            "do_remote_prefill": True,
-                            "do_remote_decode": False,
-                            "remote_block_ids": [[1, 2, 3]],
-                            "remote_engine_id": f"engine-{self.name}",
-                            "remote_request_id": f"cmpl-{rid}-0-0a1b2c3d",
-                            "remote_host": "127.0.0.1",
-                            "remote_port": 5600,
-                            "tp_size": 1,
-                            "dcp_size": 1,
-                            "pp_size": 1,
-                            "remote_num_tokens": n,
-                            "remote_blocks_expiry_time": None,
-                            "remote_registration_generation": 0,
-                            "transfer_mode": "pull",
-                        },
-                    },
-                )
-            )
+            kv = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": f"engine-{self.name}",
+                "remote_request_id": f"cmpl-{rid}-0-0a1b2c3d",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "dcp_size": 1,
+                "pp_size": 1,
+                "remote_num_tokens": n,
+                "remote_blocks_expiry_time": None,
+                "remote_registration_generation": 0,
+                "transfer_mode": "pull",
+            }
+            tr.write(_json(200, _completion(rid, req, " the", n, 1) | {"kv_transfer_params": kv}))
             return
         if not req.get("stream"):
-            tr.write(
-                _json(
-                    200,
-                    {
-                        "id": f"cmpl-{rid}-0",
-                        "object": "text_completion",
-                        "model": req.get("model"),
-                        "choices": [{"index": 0, "text": " the" * self.chunks, "finish_reason": "length"}],
-                        "usage": {
-                            "prompt_tokens": 10,
-                            "completion_tokens": self.chunks,
-                            "total_tokens": 10 + self.chunks,
-                        },
-                    },
-                )
-            )
+            tr.write(_json(200, _completion(rid, req, " the" * self.chunks, 10, self.chunks)))
             return
         tr.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"

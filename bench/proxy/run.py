@@ -142,10 +142,11 @@ def start_pdscope(
     name: str | None = None,
     wrap: list[str] | None = None,
     kv_aware: str = "off",
+    tree: str | None = None,
 ) -> Contender:
     """``pdscope proxy`` with tracing on at ``proxy.trace_sample_ratio`` = ``ratio`` (every request's
     root span is exported whatever the ratio; children for the sampled share). ``wrap`` goes before
-    the command (a profiler)."""
+    the command (a profiler). ``tree``: run another checkout's code (its path first on PYTHONPATH)."""
     port = _free_port()
     name = name or ("pdscope" if client == "lean" else f"pdscope-{client}")
     config = {
@@ -186,13 +187,15 @@ def start_pdscope(
         "--upstream-client",
         client,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.Popen(cmd, cwd=tree or REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/healthz")
     return Contender(name, url, proc)
 
 
 SAMPLED = "pdscope-sampled"  # pdscope at the fleet-scale trace_sample_ratio (--sample-ratio)
+BASE = "pdscope-base"  # pdscope-sampled's config run from --baseline-tree (another checkout's code)
 VLLM_ROUTER = "vllm-router"  # PyPI vllm-router (vLLM's Rust router), a dev dependency: .venv/bin/vllm-router
 
 
@@ -225,6 +228,16 @@ def _metric(url: str, name: str) -> float:
     return float("nan")
 
 
+def _start_base(
+    a: argparse.Namespace, fleet: dict[str, Any], tmp: Path, procs: list[subprocess.Popen[Any]]
+) -> Contender:
+    base = start_pdscope(
+        fleet, tmp / "pdscope-base.log", tmp, ratio=max(a.sample_ratio, 0.0), name=BASE, tree=a.baseline_tree
+    )
+    procs.append(base.proc)  # type: ignore[arg-type]
+    return base
+
+
 def _start_contenders(
     a: argparse.Namespace, fleet: dict[str, Any], tmp: Path, procs: list[subprocess.Popen[Any]]
 ) -> list[Contender]:
@@ -239,6 +252,8 @@ def _start_contenders(
         sampled = start_pdscope(fleet, tmp / "pdscope-sampled.log", tmp, ratio=a.sample_ratio, name=SAMPLED)
         procs.append(sampled.proc)  # type: ignore[arg-type]
         contenders.append(sampled)
+    if a.baseline_tree:  # the same proxy from another checkout (before a change), beside pdscope-sampled
+        contenders.append(_start_base(a, fleet, tmp, procs))
     for mode in a.kv_aware:  # KV-aware routing's per-request cost, beside pdscope-sampled (load-only)
         kv = start_pdscope(
             fleet,
@@ -548,6 +563,12 @@ def main() -> int:
         choices=["approximate", "precise"],
         help="also run pdscope at --sample-ratio with proxy.kv_aware.mode MODE (the pdscope-MODE row; "
         "its ceiling against pdscope-sampled's is KV-aware routing's per-request CPU cost)",
+    )
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        help="also run pdscope-sampled's config from this checkout (e.g. a git worktree of the commit "
+        "before a change): the pdscope-base row; its ceiling against pdscope-sampled's is the change's cost",
     )
     ap.add_argument("--prompt-words", type=int, default=120, help="prompt length in words (~tokens)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))

@@ -24,6 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from proxy.protocol import prefill_body
+
 
 def make_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
     app = FastAPI()
@@ -36,22 +38,7 @@ def make_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
     async def handle(path: str, request: Request) -> StreamingResponse:
         req_data: dict[str, Any] = await request.json()
         request_id = str(uuid.uuid4())
-        p_data = dict(req_data)
-        p_data["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-        p_data["stream"] = False
-        p_data["max_tokens"] = 1
-        if "max_completion_tokens" in p_data:
-            p_data["max_completion_tokens"] = 1
-        p_data.pop("stream_options", None)
-        p_data.pop("min_tokens", None)
-        p_data.pop("min_completion_tokens", None)
+        p_data = prefill_body(req_data)  # the prefill overrides, as the toy applies them
         p_client = next(prefill)
         p_resp = await p_client.post(path, json=p_data, headers=headers(request_id))
         p_resp.raise_for_status()

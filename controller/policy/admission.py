@@ -28,7 +28,8 @@ cut is a level, not a ratio: the limit becomes what is in flight minus the part 
 that does not fit the TTFT budget left (``waiting - budget x completion rate``), with no
 cooldown, because the gauges show its effect at the next scrape. Above
 ``grow_above`` for ``recover_ticks`` ticks in a row it grows additively back to the
-configured default (AIMD); in between it
+configured default (AIMD), one step per ``recover_ticks`` calm ticks, or in one step once the
+limit holds twice what is in flight plus twice its square root (it binds nothing); in between it
 holds (a band, so mild noise moves nothing). The KV-bytes limit of a pool is the configured budget
 scaled by the ``kv`` factor (never below ``min_kv_bytes_fraction`` of it).
 
@@ -37,6 +38,11 @@ its TTFT. So each pool also gets ``max_queue_wait_s``: the TTFT target minus the
 percentile of what the fleet itself takes (TTFT without the admission wait), never more
 than the proxy's configured queue timeout. When the fleet alone uses the whole budget, a
 request that cannot be admitted at once is rejected at once rather than served late.
+The measured budget is noisy (one slow request holds the window's percentile for a whole
+window), so the published one moves only past a dead band (``wait_band`` of the target) that
+the measure held on every tick for a window and one tick (``wait_confirm_windows``), to the
+value of that run nearest the published one; a tick that cuts the request limit (pressure that
+is real) lowers it at once.
 Pure: no I/O, no clock.
 """
 
@@ -67,6 +73,10 @@ class LimitState:
     max_queue_wait_s: float | None = None  # None: the proxy's configured queue timeout
     pressured: int = 0  # consecutive ticks of mild pressure (a mild one cuts on the second)
     calm: int = 0  # consecutive ticks without pressure (a cut limit grows back after recover_ticks)
+    # consecutive ticks the measured wait budget sat past the dead band: > 0 above the published one, < 0
+    # below; and the value of that run nearest the published one (where it moves once confirmed)
+    wait_streak: int = 0
+    wait_seen: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,22 +149,76 @@ def _inflight(pool: PoolSignals) -> float | None:
     return max(values) if values else None
 
 
-def queue_wait(pool: PoolSignals, prev: float | None, cfg: PolicyConfig) -> tuple[float | None, str]:
-    """``(max_queue_wait_s, arithmetic)``: the TTFT budget a request has left to wait for a slot."""
+def measured_wait(pool: PoolSignals, cfg: PolicyConfig) -> tuple[float | None, str]:
+    """``(budget, arithmetic)``: the TTFT budget a request has left to wait for a slot, this tick
+    (``wait_step_s`` steps; None: too few requests to measure)."""
     if pool.service_ttft_at_slo_s is None:
-        return (
-            prev,
-            f"wait = {'default' if prev is None else f'{prev:.2f}s'} (too few requests to measure; held)",
-        )
+        return None, "too few requests to measure"
     left = cfg.ttft_target_s - pool.service_ttft_at_slo_s
-    wait = max(0.0, math.floor(left / cfg.wait_step_s) * cfg.wait_step_s)
-    arith = (
-        f"wait = max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
+    wait = round(max(0.0, math.floor(left / cfg.wait_step_s) * cfg.wait_step_s), 3)
+    return wait, (
+        f"max(0, TTFT target {cfg.ttft_target_s:g}s - p{cfg.ttft_percentile:g} TTFT without admission "
         f"{pool.service_ttft_at_slo_s:.2f}s) = {wait:.2f}s"
     )
-    if wait >= cfg.default_queue_wait_s:  # the proxy's own timeout is the shorter: leave it to the proxy
-        return None, f"{arith} >= queue_timeout_s {cfg.default_queue_wait_s:g}s: the proxy's default"
-    return round(wait, 3), arith
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The published wait budget (None: the proxy's own timeout) and its dead-band streak."""
+
+    value: float | None
+    streak: int
+    seen: float | None
+    arith: str
+
+
+def _published(wait: float, cfg: PolicyConfig) -> float | None:
+    """The proxy's own timeout is the shorter: leave it to the proxy."""
+    return None if wait >= cfg.default_queue_wait_s else wait
+
+
+def queue_wait(pool: PoolSignals, base: LimitState, cfg: PolicyConfig, cut: bool = False) -> Wait:
+    """``max_queue_wait_s`` with its dead band: it moves to what was measured only when that sat at least
+    ``wait_band`` x the target away, on the same side, on every tick for ``wait_confirm_ticks`` (then to
+    the run's value nearest the published one), or at once downwards on a tick that cuts the request
+    limit (``cut``)."""
+    prev = base.max_queue_wait_s
+    shown = "default" if prev is None else f"{prev:.2f}s"
+    wait, text = measured_wait(pool, cfg)
+    if wait is None:
+        return Wait(prev, base.wait_streak, base.wait_seen, f"wait = {shown} ({text}; held)")
+    cur = cfg.default_queue_wait_s if prev is None else prev
+    if cut and wait < cur:
+        return Wait(_published(wait, cfg), 0, None, f"wait = {text} (the request limit is cut: at once)")
+    band = cfg.wait_band * cfg.ttft_target_s
+    side = -1 if wait <= cur - band else 1 if prev is not None and wait >= cur + band else 0
+    if side == 0:
+        return Wait(prev, 0, None, f"wait = {shown} (measured {text}: within ±{band:.2f}s, held)")
+    if base.wait_streak * side > 0 and base.wait_seen is not None:
+        streak, nearest = base.wait_streak + side, max if side < 0 else min
+        seen = nearest(base.wait_seen, wait)
+    else:
+        streak, seen = side, wait
+    need = cfg.wait_confirm_ticks
+    if abs(streak) < need:
+        return Wait(
+            prev,
+            streak,
+            seen,
+            f"wait = {shown} (measured {text}: {'below' if side < 0 else 'above'} by ±{band:.2f}s or more, "
+            f"{abs(streak)}/{need} ticks)",
+        )
+    return Wait(
+        _published(seen, cfg),
+        0,
+        None,
+        f"wait = {seen:.2f}s (nearest of {need} ticks in a row past ±{band:.2f}s of {shown}; now {text})"
+        + (
+            f" >= queue_timeout_s {cfg.default_queue_wait_s:g}s: the proxy's default"
+            if _published(seen, cfg) is None
+            else ""
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -314,16 +378,41 @@ def _calm(t: _Tick) -> _Limit:
             0,
             calm,
         )
+    home = _home(t, req, default_req, calm)
+    if home is not None:
+        return home
+    # one step per recover_ticks calm ticks (the count starts again): each step a decision worth reading
     step = max(1, math.ceil(cfg.limit_increase * req))
     new_req = min(default_req, req + step)
     return _Limit(
         new_req,
         Reason.RECOVERING,
-        f"{name}: no pressure; request limit {req} -> {new_req}",
+        f"{name}: no pressure for {calm} ticks; request limit {req} -> {new_req}",
         f"requests = min({default_req}, {req} + {step}) = {new_req}",
         t.cooldown,
         0,
-        calm,
+        0,
+    )
+
+
+def _home(t: _Tick, req: int, default_req: int, calm: int) -> _Limit | None:
+    """Calm, and the limit already holds twice what is in flight plus burst headroom: it binds nothing,
+    so it goes back to the default in one decision, not a staircase of small ones."""
+    if t.inflight is None:
+        return None
+    need = 2.0 * t.inflight + 2.0 * math.sqrt(max(t.inflight, 1.0))
+    if req < need:
+        return None
+    return _Limit(
+        default_req,
+        Reason.RECOVERING,
+        f"{t.pool.name}: no pressure for {calm} ticks and {t.inflight:.1f} in flight; request limit "
+        f"{req} -> {default_req} (the default)",
+        f"requests = {default_req} (limit {req} >= 2 x {t.inflight:.1f} in flight + 2 sqrt of it "
+        f"= {need:.1f}: it binds nothing)",
+        t.cooldown,
+        0,
+        0,
     )
 
 
@@ -371,18 +460,21 @@ def decide_pool(
     inflight = _inflight(pool)
     limit = _request_limit(_Tick(pool, base, cfg, factors, pressure, inflight), warming)
     kv_limit, kv_arith = _kv_limit(factors, cfg)
-    wait, wait_arith = queue_wait(pool, base.max_queue_wait_s, cfg)
+    wait = queue_wait(pool, base, cfg, cut=limit.req < base.max_inflight_requests)
     message = limit.message
-    if wait != base.max_queue_wait_s and wait is not None:
-        message += f"; a request may wait {wait:.2f}s for a slot (the TTFT budget left)"
+    if wait.value != base.max_queue_wait_s and wait.value is not None:
+        message += f"; a request may wait {wait.value:.2f}s for a slot (the TTFT budget left)"
+    new = LimitState(
+        limit.req, kv_limit, limit.cooldown, wait.value, limit.pressured, limit.calm, wait.streak, wait.seen
+    )
     return PoolDecision(
         pool=pool.name,
         role=pool.role,
         old=prev,
-        new=LimitState(limit.req, kv_limit, limit.cooldown, wait, limit.pressured, limit.calm),
+        new=new,
         reason=limit.reason,
         message=message,
-        arithmetic="; ".join((limit.arith, kv_arith, wait_arith)),
+        arithmetic="; ".join((limit.arith, kv_arith, wait.arith)),
         scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)},
         inputs=_inputs(pool, cfg, inflight),
     )

@@ -32,7 +32,7 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, Settings, SLOS
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 1
+POLICY_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,16 @@ class PolicyConfig:
     grow_above: float = 0.95  # ... over this grows it; in between it holds
     min_kv_bytes_fraction: float = 0.05  # never cut the KV-bytes budget below this share
     limit_cut_floor: float = 0.5  # one cut takes at most half away
-    limit_increase: float = 0.1  # additive increase: +10% (at least +1) per calm tick
+    # additive increase: +30% (at least +1) per recover_ticks calm ticks (one decision, not one per tick)
+    limit_increase: float = 0.3
     limit_cut_cooldown_ticks: int = 3  # wait for a cut to show in the window before cutting again
     queue_budget_floor: float = 0.1  # the queue factor's budget is never less than this share of the target
-    wait_step_s: float = 0.05  # the wait budget is published in steps of this, so noise does not churn
+    wait_step_s: float = 0.05  # the wait budget is measured in steps of this
+    # ... and published only when the measure moved by this share of the TTFT target or more ...
+    wait_band: float = 0.15
+    # ... on every tick for this many windows, plus one tick: one slow request holds the window's
+    # percentile for exactly a window, so a dip that outlasts it is more than one request
+    wait_confirm_windows: float = 1.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PolicyConfig:
@@ -176,6 +182,11 @@ class PolicyConfig:
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
             default_queue_wait_s=a.queue_timeout_s,
         )
+
+    @property
+    def wait_confirm_ticks(self) -> int:
+        """Ticks in a row a measured wait budget past the dead band must hold before it is published."""
+        return math.ceil(self.wait_confirm_windows * self.window_s / self.interval_s) + 1
 
     @property
     def evidence(self) -> EvidenceConfig:

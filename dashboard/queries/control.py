@@ -10,29 +10,58 @@ from sqlalchemy import Engine, func, or_, select
 from dashboard.queries.common import Window, connect, frame
 from store.models import Alert, AuditEvent, Decision
 
+# The columns each list shows, in its order.
+_DECISION_COLUMNS = (
+    Decision.id,
+    Decision.ts,
+    Decision.tick,
+    Decision.mode,
+    Decision.subject_kind,
+    Decision.subject,
+    Decision.field,
+    Decision.old_value,
+    Decision.new_value,
+    Decision.reason,
+    Decision.message,
+    Decision.arithmetic,
+)
+_FIRING_COLUMNS = (
+    Alert.rule,
+    Alert.state,
+    Alert.severity,
+    Alert.labels,
+    Alert.annotations,
+    Alert.value,
+    Alert.active_since,
+    Alert.fired_at,
+    Alert.last_eval,
+)
+_RECENT_ALERT_COLUMNS = (
+    Alert.rule,
+    Alert.state,
+    Alert.severity,
+    Alert.labels,
+    Alert.value,
+    Alert.active_since,
+    Alert.fired_at,
+    Alert.resolved_at,
+)
+_AUDIT_COLUMNS = (
+    AuditEvent.ts,
+    AuditEvent.actor,
+    AuditEvent.action,
+    AuditEvent.subject,
+    AuditEvent.before,
+    AuditEvent.after,
+    AuditEvent.reason,
+    AuditEvent.override_id,
+)
+
 
 def decisions(engine: Engine, window: Window, limit: int = 500) -> pd.DataFrame:
     """Decisions in the window, newest first."""
-    stmt = (
-        select(
-            Decision.id,
-            Decision.ts,
-            Decision.tick,
-            Decision.mode,
-            Decision.subject_kind,
-            Decision.subject,
-            Decision.field,
-            Decision.old_value,
-            Decision.new_value,
-            Decision.reason,
-            Decision.message,
-            Decision.arithmetic,
-        )
-        .where(Decision.ts >= window.start, Decision.ts < window.end)
-        .order_by(Decision.ts.desc(), Decision.id.desc())
-        .limit(limit)
-    )
-    return frame(engine, stmt)
+    stmt = select(*_DECISION_COLUMNS).where(Decision.ts >= window.start, Decision.ts < window.end)
+    return frame(engine, stmt.order_by(Decision.ts.desc(), Decision.id.desc()).limit(limit))
 
 
 def weight_history(
@@ -83,62 +112,20 @@ def latest_mode(engine: Engine) -> str | None:
 
 def firing_alerts(engine: Engine) -> pd.DataFrame:
     """Alerts firing or pending now, firing first."""
-    stmt = (
-        select(
-            Alert.rule,
-            Alert.state,
-            Alert.severity,
-            Alert.labels,
-            Alert.annotations,
-            Alert.value,
-            Alert.active_since,
-            Alert.fired_at,
-            Alert.last_eval,
-        )
-        .where(Alert.state.in_(("firing", "pending")))
-        .order_by(Alert.state, Alert.active_since.desc())
-    )
-    return frame(engine, stmt)
+    stmt = select(*_FIRING_COLUMNS).where(Alert.state.in_(("firing", "pending")))
+    return frame(engine, stmt.order_by(Alert.state, Alert.active_since.desc()))
 
 
 def recent_alerts(engine: Engine, window: Window, limit: int = 200) -> pd.DataFrame:
     """Alerts active at any point in the window (including those resolved), newest first."""
-    stmt = (
-        select(
-            Alert.rule,
-            Alert.state,
-            Alert.severity,
-            Alert.labels,
-            Alert.value,
-            Alert.active_since,
-            Alert.fired_at,
-            Alert.resolved_at,
-        )
-        .where(
-            Alert.active_since < window.end,
-            or_(Alert.resolved_at.is_(None), Alert.resolved_at >= window.start),
-        )
-        .order_by(Alert.active_since.desc())
-        .limit(limit)
+    stmt = select(*_RECENT_ALERT_COLUMNS).where(
+        Alert.active_since < window.end,
+        or_(Alert.resolved_at.is_(None), Alert.resolved_at >= window.start),
     )
-    return frame(engine, stmt)
+    return frame(engine, stmt.order_by(Alert.active_since.desc()).limit(limit))
 
 
 def audit_trail(engine: Engine, window: Window, limit: int = 200) -> pd.DataFrame:
     """Who changed what through the API, newest first."""
-    stmt = (
-        select(
-            AuditEvent.ts,
-            AuditEvent.actor,
-            AuditEvent.action,
-            AuditEvent.subject,
-            AuditEvent.before,
-            AuditEvent.after,
-            AuditEvent.reason,
-            AuditEvent.override_id,
-        )
-        .where(AuditEvent.ts >= window.start, AuditEvent.ts < window.end)
-        .order_by(AuditEvent.ts.desc())
-        .limit(limit)
-    )
-    return frame(engine, stmt)
+    stmt = select(*_AUDIT_COLUMNS).where(AuditEvent.ts >= window.start, AuditEvent.ts < window.end)
+    return frame(engine, stmt.order_by(AuditEvent.ts.desc()).limit(limit))

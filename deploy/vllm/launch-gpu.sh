@@ -29,6 +29,8 @@ set -euo pipefail
 ROLE="" MODEL="" NAME="" PORT=8000 HOST=0.0.0.0 SIDE_HOST="" SIDE_PORT=5600 OTLP="" LEASE=30 TP=1
 SERVED="" ENGINE_ID="" DRY=0 VLLM_BIN=${VLLM_BIN:-vllm}
 EXTRA=()
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 while [ $# -gt 0 ]; do
   case "$1" in
     --role) ROLE=$2; shift 2 ;;
@@ -49,11 +51,7 @@ while [ $# -gt 0 ]; do
     *) echo "launch-gpu.sh: unknown argument $1 (vLLM flags go after --)" >&2; exit 2 ;;
   esac
 done
-case "$ROLE" in
-  prefill) KV_ROLE=kv_producer ;;
-  decode) KV_ROLE=kv_consumer ;;
-  *) echo "launch-gpu.sh: --role must be prefill or decode" >&2; exit 2 ;;
-esac
+pd_kv_role launch-gpu.sh
 [ -n "$MODEL" ] && [ -n "$NAME" ] || { echo "launch-gpu.sh: --model and --name are required" >&2; exit 2; }
 SERVED=${SERVED:-$MODEL}
 if [ -z "$SIDE_HOST" ]; then
@@ -71,10 +69,7 @@ ARGS=(serve "$MODEL" --served-model-name "$SERVED"
   --host "$HOST" --port "$PORT"
   --tensor-parallel-size "$TP"
   --kv-transfer-config "$KV_CONFIG")
-if [ -n "$OTLP" ]; then
-  export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf
-  ARGS+=(--otlp-traces-endpoint "$OTLP")
-fi
+pd_otlp_args
 ARGS+=("${EXTRA[@]}")
 
 if [ "$DRY" = 1 ]; then

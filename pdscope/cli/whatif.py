@@ -255,7 +255,7 @@ class Stack:
     def __enter__(self) -> Stack:
         from store.migrate import upgrade
 
-        try:
+        with self.children.starting():
             upgrade(self.config["store"]["url"])
             for command, ready_url in (
                 ("sim", self.admin_url + "/instances"),
@@ -267,9 +267,6 @@ class Stack:
                 self.children.start(
                     Child(command, argv, self.tmp / f"{command}.log", ready_url=ready_url), 90.0
                 )
-        except BaseException:
-            self.children.stop()
-            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

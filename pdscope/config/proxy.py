@@ -156,6 +156,13 @@ class PredictSettings(_Frozen):
         lt=1.0,
         description="the online fit's forgetting factor per completion (0.98: the last ~50 count most)",
     )
+    probe_s: PositiveFloat = Field(
+        default=10.0,
+        le=3600,
+        description="a P whose fit learnt nothing for this long and has nothing of this proxy's in "
+        "flight may be sent one request to learn from again (so a P that was slow and recovered is "
+        "found again); a handoff mean this old falls back to the D's, the table's, the prior",
+    )
     chars_per_token: PositiveFloat = Field(
         default=4.0,
         le=1000,

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from controller.api import create_app
+from controller.policy.config import POLICY_VERSION
 from store.db import transaction
 from store.models import TickRecord
 from tests.controller.conftest import World
@@ -40,7 +41,7 @@ def test_the_stored_config_reproduces_and_a_change_parts(client: TestClient, wor
     assert r.status_code == 200, r.text
     cand = r.json()
     assert cand["reproduced"] is True and cand["identical"] is False
-    assert cand["candidate"].startswith("v1:") and cand["candidate"] not in cand["policies"]
+    assert cand["candidate"].startswith(f"v{POLICY_VERSION}:") and cand["candidate"] not in cand["policies"]
     first = cand["first_divergence"]
     assert (first["what"], first["subject"]) == ("weight", "decode-2")
     points = cand["timeline"]["decode-2"]

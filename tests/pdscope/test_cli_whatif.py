@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.policy.config import POLICY_VERSION
 from pdscope import cli
 from pdscope.cli.whatif import (
     CANDIDATE_SECTIONS,
@@ -116,7 +117,10 @@ def test_fit_only_says_when_the_config_file_is_not_the_policy_that_ran(
     body = json.loads(capsys.readouterr().out)
     assert body["policies_in_window"] == ["v1:0123456789abcdef"]
     assert body["policy_old"] in body["policy_note"] and "v1:0123456789abcdef" in body["policy_note"]
-    assert body["policy_candidate"].startswith("v1:") and body["policy_candidate"] != body["policy_old"]
+    assert (
+        body["policy_candidate"].startswith(f"v{POLICY_VERSION}:")
+        and body["policy_candidate"] != body["policy_old"]
+    )
 
 
 def test_a_long_window_is_thinned_to_the_bound(store: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,10 @@ from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_setting
 PS = PredictSettings(min_samples=5)
 
 
+def NOW() -> float:
+    return 0.0
+
+
 def test_the_online_line_finds_a_prefill_rate_and_base_from_noisy_completions() -> None:
     rng = random.Random(7)
     line = Line(0.02, 1 / 16.0, 0.98)  # a prior 4x too fast: 16 k tokens/s where P does 4 k
@@ -38,7 +42,7 @@ def test_one_stall_moves_the_line_only_so_far_and_a_real_slowdown_is_followed() 
 
 
 def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_reject() -> None:
-    pred = Predictor(PS, prefill_tokens_per_s=10_000)
+    pred = Predictor(PS, 10_000, NOW)
     cold = pred.prefill("p0", 1000)
     assert (cold.source, cold.confident) == (sc.PREDICT_PRIOR, False)
     assert cold.seconds == pytest.approx(PS.prefill_base_s + 0.1)
@@ -62,11 +66,11 @@ def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_r
 
 
 def test_the_error_factor_is_the_recent_ratio_quantile_and_one_while_few_are_known() -> None:
-    pred = Predictor(PredictSettings(quantile=0.9), 10_000)
+    pred = Predictor(PredictSettings(quantile=0.9), 10_000, NOW)
     for _ in range(MIN_RATIOS - 1):
         pred.observe_ttft(1.0, 2.0)
     assert pred.factor() == 1.0
-    pred = Predictor(PredictSettings(quantile=0.9), 10_000)
+    pred = Predictor(PredictSettings(quantile=0.9), 10_000, NOW)
     for i in range(100):
         pred.observe_ttft(1.0, 1.0 + i / 100)
     assert pred.factor() == pytest.approx(1.9, abs=0.05)
@@ -74,7 +78,7 @@ def test_the_error_factor_is_the_recent_ratio_quantile_and_one_while_few_are_kno
 
 
 def _trained(per_token: dict[str, float], n: int = 10) -> Predictor:
-    pred = Predictor(PS, 10_000)
+    pred = Predictor(PS, 10_000, NOW)
     for p, s in per_token.items():
         for x in (1000, 4000, 8000) * n:
             pred.observe_prefill(p, x, x * s)
@@ -98,6 +102,23 @@ def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
         pred.observe_handoff("p0", "d1", 0.05)
     assert late_decodes(pred, "p0", 0.2, ["d0", "d1"], 0.0, 1.0) == {"d0"}
     assert late_decodes(pred, "p0", 0.2, ["d0"], 0.0, 1.0) == set()  # no D in time: the gate picks
+
+
+def test_a_fit_that_learnt_nothing_for_probe_s_lets_one_request_through_to_learn_again() -> None:
+    t = [0.0]
+    pred = Predictor(PredictSettings(min_samples=5, probe_s=10.0), 10_000, lambda: t[0])
+    for _ in range(10):
+        pred.observe_prefill("p0", 1000, 50.0)  # p0 was very slow
+        pred.observe_handoff("p0", "d0", 9.0)
+    assert pred.prefill("p0", 1000).confident and pred.handoff("p0", "d0") == pytest.approx(9.0)
+    t[0] = 11.0  # nothing learnt since: p0 may get one request (a probe), d0's mean falls back
+    assert not pred.prefill("p0", 1000).confident
+    assert pred.handoff("p0", "d0") == PredictSettings().handoff_s
+    pred.add_backlog("p0", 1000)  # the probe is in flight: judged by its old line meanwhile
+    assert pred.prefill("p0", 1000).confident
+    pred.drop_backlog("p0", 1000)
+    pred.observe_prefill("p0", 1000, 0.2)
+    assert pred.prefill("p0", 1000).confident  # fresh again
 
 
 def _proxy(

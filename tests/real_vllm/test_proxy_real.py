@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pdscope import semconv as sc
+from pdscope.stats import percentile
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
@@ -134,3 +137,42 @@ def test_traceparent_reaches_vllm_llm_request_spans(real_pd: RealPD, proxy_url: 
     for s in vllm.values():
         assert s.attributes[sc.GEN_AI_REQUEST_ID] == f"cmpl-{rid}-0"
     assert vllm[real_pd.prefill_name].attributes[sc.GEN_AI_PROMPT_TOKENS] == root.attributes[sc.PROMPT_TOKENS]
+
+
+def test_the_ttft_predictor_on_the_real_pair_records_a_prediction_and_learns_it(
+    real_pd: RealPD, proxy_url: str
+) -> None:
+    """The predictor's error on real vLLM (CPU): 36 requests of 10 to 200 words, two at a time. Each
+    admitted root carries a prediction; once a dozen have completed, the predictions' median error is
+    printed with its p90 and must be under 50 % (the simulator's target is 10 %: on this CPU pair a
+    first token takes tens of ms and the noise of a shared 2-core host is of the same size)."""
+    rng = random.Random(28)
+    sizes = [rng.randint(10, 200) for _ in range(36)]
+
+    def one(words: int) -> int:
+        body = pc.request_body("completions", unique_prompt(words, "predict"), max_tokens=2, stream=True)
+        with httpx.Client(timeout=120) as client:
+            return client.post(proxy_url + "/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        statuses = list(pool.map(one, sizes))
+    assert statuses.count(200) == len(sizes), statuses  # a cold or learning predictor rejects nothing here
+    roots = real_pd.otlp.wait_for_spans(
+        lambda s: (
+            s.name == sc.SPAN_REQUEST
+            and sc.PREDICTED_TTFT_S in s.attributes
+            and sc.FIRST_TOKEN_NS in s.attributes
+        ),
+        count=len(sizes),
+        timeout_s=30.0,
+    )
+    roots.sort(key=lambda s: s.start_ns)
+    assert all(s.attributes[sc.PREDICT_SOURCE] in sc.PREDICT_SOURCES for s in roots)
+    errors = [
+        abs((s.attributes[sc.FIRST_TOKEN_NS] - s.start_ns) / 1e9 / s.attributes[sc.PREDICTED_TTFT_S] - 1.0)
+        for s in roots[12:]
+    ]
+    median, p90 = percentile(errors, 50), percentile(errors, 90)
+    assert median is not None and p90 is not None
+    print(f"real vLLM TTFT predictor: median |obs/pred - 1| {median:.1%}, p90 {p90:.1%} (n={len(errors)})")
+    assert median < 0.5
