@@ -130,6 +130,9 @@ class ProxyApp:
         self.poll = poll
         self._poller: asyncio.Task[None] | None = None
         self._learner: asyncio.Task[None] | None = None
+        # the request headers the flow reads: the trace's, the caller's token, and its own TTFT target
+        target = parts.settings.proxy.predict.target_header.lower().encode("latin-1")
+        self._wanted = frozenset((*_WANTED_HEADERS, target))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -310,7 +313,7 @@ class ProxyApp:
             if not msg.get("more_body", False):
                 break
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        headers = {k: v for k, v in scope["headers"] if k in _WANTED_HEADERS}
+        headers = {k: v for k, v in scope["headers"] if k in self._wanted}
         reply = _Reply(send)
         gone = Gone()
         task = asyncio.current_task()

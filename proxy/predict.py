@@ -47,6 +47,7 @@ _CLIP = 5.0  # one observation moves a line at most this factor from its predict
 _PRIOR_VAR = 100.0  # s^2 (base) and (s per thousand tokens)^2 (slope): the covariance's start and cap
 _NOISE_ALPHA = 0.05  # the noise estimate's weight per observation
 _MIN_NOISE = 1e-6  # s^2: a 1 ms error floor
+_RUN = 6  # errors in a row on one side that say the line is off, not noisy
 _SETTLED = 10  # observations before one is clipped (until then the prior may be far off)
 _KT = 1000.0  # the line's x is in thousands of tokens (conditioning)
 HANDOFF_MIN = 3  # handoffs of a pair (or D) before its own mean is used
@@ -61,7 +62,7 @@ class Line:
     is weak (a large covariance): the first completions decide, so a prior 10x off (a CPU P against
     a GPU default) is left at once."""
 
-    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11")
+    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11", "run")
 
     def __init__(self, a: float, b: float, forget: float) -> None:
         self.a, self.b, self.n = a, max(b, 1e-9), 0
@@ -69,6 +70,7 @@ class Line:
         self.drift = (1.0 - forget) ** 2
         self.noise = 1.0  # s^2: a guess, replaced by the errors seen
         self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
+        self.run = 0  # errors in a row of one sign (+ over, - under)
 
     def __call__(self, tokens: float) -> float:
         return self.a + self.b * tokens / _KT
@@ -87,8 +89,20 @@ class Line:
         self.a = max(self.a + k0 * err, 0.0)
         self.b = max(self.b + k1 * err, 1e-9)
         self.p00, self.p01, self.p11 = p00 - k0 * q0, p01 - k0 * q1, p11 - k1 * q1
-        self.noise = max(self.noise + (err * err - self.noise) * _NOISE_ALPHA, _MIN_NOISE)
+        sq = err * err if self.n < _SETTLED else min(err * err, 9.0 * self.noise)  # one stall: 3 sigma
+        self.noise = max(self.noise + (sq - self.noise) * _NOISE_ALPHA, _MIN_NOISE)
         self.n += 1
+        self._bias(err)
+
+    def _bias(self, err: float) -> None:
+        """``_RUN`` errors in a row on one side: the line is off (a warm-up it learnt from, a P that
+        changed), not noisy. Its covariance opens again, so the next completions decide afresh."""
+        side = 1 if err > 0 else -1
+        self.run = self.run + side if self.run * side > 0 else side
+        if abs(self.run) >= _RUN:
+            self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
+            self.noise = max(err * err, _MIN_NOISE)
+            self.run = 0
 
 
 class Mean:

@@ -175,8 +175,9 @@ class PredictSettings(_Frozen):
     handoff_s: NonNegative = Field(
         default=0.05, le=3600, description="prior: P's answer to D's first token, before any is seen"
     )
-    target_header: NonEmpty = Field(
+    target_header: str = Field(
         default="x-pdscope-ttft-target-ms",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$",
         description="request header carrying the request's own TTFT target in ms (interactive vs "
         "batch traffic), bounded by min_target_ms and max_target_ms; absent: slo.ttft.target_ms",
     )

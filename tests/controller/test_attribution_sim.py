@@ -1,12 +1,13 @@
 """Attribution against injected faults on a simulated fleet: simulator -> proxy -> collector -> store.
 
 A 2P+2D simulated fleet serves closed-loop traffic (:func:`tests.support.traffic.traffic`, every
-prompt its own) through pdscope's proxy (its configured weights: no controller, so nothing moves
-traffic away from the fault); the collector assembles request records from the proxy's and the
-simulated vLLM's spans and runs its forensics (NIXL figures, failed attempts, lease expiries). The
-TTFT target is set from the healthy phase (three times its slowest TTFT). Then one fault of the
-simulator is injected, one scenario per fault kind, and the attribution of the records since then
-must name, as its top reason, the stage and the instance or pair that was broken:
+prompt its own) through pdscope's proxy (its configured weights: no controller and no admission by
+prediction, so nothing moves traffic away from the fault); the collector assembles request records
+from the proxy's and the simulated vLLM's spans and runs its forensics (NIXL figures, failed
+attempts, lease expiries). The TTFT target is set from the healthy phase (three times its
+slowest TTFT). Then one fault of the simulator is injected, one scenario per fault kind, and the
+attribution of the records since then must name, as its top reason, the stage and the instance
+or pair that was broken:
 
     slow              a slow P                     prefill (or P's queue) on that P
     slow_link         one slow P x D link          the handoff of that pair
@@ -189,6 +190,8 @@ async def simulated(tmp_path: Path, sc: Scenario) -> AsyncIterator[Harness]:
                     "controller_url": url_of(nobody),
                     "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
                     "timeouts": {"decode_first_token_s": 20.0, "prefill_s": 20.0},
+                    # admission by prediction would route around the fault this test must see
+                    "predict": {"admit": False},
                     **sc.proxy,
                 },
             ),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -11,6 +12,7 @@ from pdscope import semconv as sc
 from pdscope.config import PredictSettings
 from pdscope.routing import InstanceRate, PairRate, Rates
 from proxy.predict import MIN_RATIOS, Line, Predictor, late_decodes, outlook
+from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_settings
 
 PS = PredictSettings(min_samples=5)
@@ -185,3 +187,25 @@ async def test_a_batch_request_with_a_long_target_is_admitted_where_an_interacti
     _slow(px, "p0")
     assert (await px.send(headers={b"x-pdscope-ttft-target-ms": b"1000"})).status == 429
     assert (await px.send(headers={b"x-pdscope-ttft-target-ms": b"300000"})).status == 200
+
+
+async def test_the_served_proxy_reads_the_target_header_named_in_the_config() -> None:
+    """Over HTTP (the ASGI app keeps only the headers the flow reads): the configured header's target
+    is the one held against, a bad one is a 400 naming it."""
+    async with fake_fleet(1, 1) as fleet:
+        settings = make_settings(
+            [i.url for i in fleet.prefill],
+            [i.url for i in fleet.decode],
+            {"predict": {"target_header": "X-Budget"}},
+        )
+        async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+            pred = app.parts.flow.gate.predictor
+            for x in (10, 100, 1000) * 10:  # past min_samples (20)
+                pred.observe_prefill("p0", x, 100.0)  # p0 takes 100 s, whatever the prompt
+            body = {"model": "fake", "prompt": "a b c", "max_tokens": 2}
+            late = await client.post(url + "/v1/completions", json=body)
+            batch = await client.post(url + "/v1/completions", json=body, headers={"x-budget": "300000"})
+            bad = await client.post(url + "/v1/completions", json=body, headers={"X-Budget": "soon"})
+    assert late.status_code == 429 and late.json()["error"]["code"] == "predicted_late"
+    assert batch.status_code == 200
+    assert bad.status_code == 400 and "X-Budget" in bad.json()["error"]["message"]
