@@ -44,7 +44,8 @@ types: venv
 contracts: venv
 	@echo ">> import-linter"; $(BIN)/lint-imports
 
-## budgets that only go down (budgets.toml): duplicate code (pylint R0801), over-long service functions
+## budgets that only go down (budgets.toml): identical copies (pylint R0801), same-shape copies,
+## complex and over-long functions
 budgets: venv
 	@echo ">> budgets";       $(BIN)/python scripts/budgets.py $(PACKAGES)
 

@@ -167,7 +167,8 @@ class Reconciler:
         self._leader: LeaderInfo | None = None
         self._mode_warned: int | None = None  # the leader epoch whose other mode was last warned about
         self._table = self._initial_table(0)
-        self._rates = RatesGate()  # the leader's fitted rates, served beside the table (controller.rates)
+        # the leader's fitted rates, served beside the table, fitted on their cadence (controller.rates)
+        self._rates = RatesGate(every_s=settings.controller.rates_every_s)
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(
@@ -251,7 +252,7 @@ class Reconciler:
             fence(session, epoch, self.lease_s)  # first: a deposed leader reads and writes nothing more
             if not self._loaded:
                 self._load(session)
-            facts: list[RateFacts] = []
+            facts: list[RateFacts] | None = [] if self._rates.due(now) else None  # a fit on its cadence
             obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg, rate_facts=facts)
             overrides = load_overrides(session, now)
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
@@ -266,18 +267,20 @@ class Reconciler:
         self._obs = obs
         self._served = dict(out.served)
         self._table = _stamped(out.table, epoch)
-        self._fit_rates(facts, now)
+        if facts is not None:
+            self._fit_rates(facts, now)
         for observer in self.effects.observers:
             observer.observe(tick)
         changed = [d for d in out.weights if d.changed]
         log.info(
-            "tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s",
+            "tick %s: %s weight changes, %s decisions stored, %s alerts active, routing v%s%s, %s",
             out.tick,
             len(changed),
             written.get("decisions", 0),
             len(out.alerts.active),
             out.table.version,
             " (new)" if out.table_changed else "",
+            self._rates_note(now),
         )
         for d in changed:
             log.info("decision %s %s: %s", d.instance, d.reason, d.message)
@@ -285,11 +288,21 @@ class Reconciler:
 
     def _fit_rates(self, facts: list[RateFacts], now: float) -> None:
         """Fit the rates of the window just read and offer them to the gate. They are no decision: a fit
-        that fails is logged and the served rates stay; the tick stands."""
+        that fails is logged and the served rates stay; the tick stands, and the next fit waits its
+        cadence (a fit that fails on this window would fail on the next tick's too)."""
         try:
             self._rates.offer(fit_rates(facts, now, self.settings.controller.window_s), now)
         except ValueError as exc:  # a figure out of the wire's bounds (pydantic's error is one)
+            self._rates.last_fit = now
             log.warning("rates not fitted at %.3f: %s", now, exc)
+
+    def _rates_note(self, now: float) -> str:
+        """What the tick's log line says of the rates: fitted by this tick, or the last fit's age."""
+        last, served = self._rates.last_fit, self._rates.served
+        if last is None:
+            return "rates not fitted"
+        fit = "rates fitted" if last == now else f"rates fitted {now - last:.1f} s ago"
+        return fit + ("" if served is None else f", served from {now - served.at:.1f} s ago")
 
     def _tick_of(self, inp: TickInput, out: TickOutput, epoch: int) -> Tick:
         return Tick(

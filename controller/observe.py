@@ -31,8 +31,8 @@ from sqlalchemy.orm import Session
 from analysis import rates
 from analysis.prediction import PredictionFacts, measure
 from controller.policy import evidence as ev
-from controller.policy.config import PolicyConfig
-from controller.policy.signals import InstanceSignals, Observation, PairSignals, PoolSignals, SLOFigures
+from controller.policy.config import EvidenceConfig, PolicyConfig
+from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
 from pdscope.config import Settings
 from pdscope.stats import counter_increase
 from store import queries as q
@@ -81,10 +81,13 @@ _FACTS = len(_RECORD_COLUMNS)
 _RATE_COLUMNS = tuple(getattr(RequestRecord, name) for name in rates.EXTRA_FIELDS)
 
 
-def _records(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[Any]:
-    stmt = select(*_RECORD_COLUMNS, *_RATE_COLUMNS).where(
-        RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until
-    )
+def _records(
+    session: Session, since: float, until: float, only: q.RecordFilter, rated: bool
+) -> Iterable[Any]:
+    """The window's records' facts, and (``rated``) the columns the rates' fit reads besides: only a tick
+    that fits reads them (they are most of what the fit adds to this read)."""
+    columns = (*_RECORD_COLUMNS, *_RATE_COLUMNS) if rated else _RECORD_COLUMNS
+    stmt = select(*columns).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
     return session.connection().execute(only.apply(stmt)).all()  # Core rows at once
 
 
@@ -98,7 +101,7 @@ def _tally(
 ) -> ev.WindowTally:
     """The window's records, charged; each served one's rate facts appended to ``rate_facts`` (if given)."""
     tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now)
-    for row in _records(session, since, now, trusted):
+    for row in _records(session, since, now, trusted, rated=rate_facts is not None):
         r = ev.RecordFacts._make(row[:_FACTS])
         tally.add(
             r,
@@ -183,39 +186,41 @@ def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter)
     )
 
 
-def observe(
+def _charged(
     session: Session,
     settings: Settings,
+    evc: EvidenceConfig,
+    since: float,
     now: float,
-    window_s: float | None = None,
-    cfg: PolicyConfig | None = None,
-    rate_facts: list[rates.RateFacts] | None = None,
-) -> Observation:
-    """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``).
-
-    ``rate_facts``: where to append the served records' facts the rates' fit reads
-    (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
-    observation (the rates are not a decision)."""
-    evc = (cfg or PolicyConfig.from_settings(settings)).evidence
-    window = window_s if window_s is not None else settings.controller.window_s
-    since = now - window
-    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
-    sigs = q.signals_of_rows(snaps)
-    recent = q.signals_of_rows(snaps, since=now - evc.recent_s)
-    latest = _latest_gauges(snaps, since, now)
+    rate_facts: list[rates.RateFacts] | None,
+) -> ev.WindowTally:
+    """The window's trusted records tallied, then charged their failed attempts and lease expiries."""
     trusted = trusted_filter(settings)
-    charged = replace(trusted, charged_only=True)
-
     tally = _tally(session, settings, since, now, trusted, rate_facts)
-    tally.charge_failed_attempts(_failed_attempts(session, since, now, charged))
+    tally.charge_failed_attempts(_failed_attempts(session, since, now, replace(trusted, charged_only=True)))
     # Every trusted suspect: one D refused as the client's error explains its P's expiry, charging nobody.
     for d_inst, ended, entries, invalid in _lease_suspects(
         session, since, now, evc.lease_lookback * evc.kv_lease_s, trusted
     ):
         tally.charge_lease_expiries(d_inst, ended, entries, since, now, invalid)
-    hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
-    by_d, by_p, pairs = hand["d_instance"], hand["p_instance"], hand["pair"]
+    return tally
 
+
+def _instances(
+    session: Session,
+    settings: Settings,
+    evc: EvidenceConfig,
+    since: float,
+    now: float,
+    tally: ev.WindowTally,
+    hand: dict[q.HandoffKey, dict[str, q.HandoffStats]],
+) -> tuple[list[InstanceSignals], float | None]:
+    """Every configured instance's signals from the window's snapshots and its charged records, and the
+    newest data seen (the newest snapshot stored, when no instance has one in the window)."""
+    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
+    sigs = q.signals_of_rows(snaps)
+    recent = q.signals_of_rows(snaps, since=now - evc.recent_s)
+    latest = _latest_gauges(snaps, since, now)
     instances: list[InstanceSignals] = []
     newest: float | None = None
     for pool_name, inst in settings.instances():
@@ -230,39 +235,68 @@ def observe(
                 recent.get(inst.name),
                 latest.get(inst.name),
                 tally.instances.get(inst.name),
-                (by_d if role == "decode" else by_p).get(inst.name),
+                hand["d_instance" if role == "decode" else "p_instance"].get(inst.name),
             )
         )
         if (s := sigs.get(inst.name)) is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
     if newest is None:
         newest = session.scalar(select(func.max(Snapshot.ts)))
+    return instances, newest
 
-    rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
-    # How long the store has watched the fleet: since its first snapshot (retention keeps the newest; by
-    # then the start-up is long over). A window that holds any of the start-up is a start-up window.
-    first_ever = session.scalar(select(func.min(Snapshot.ts)))
-    history = max(0.0, now - first_ever) if first_ever is not None else 0.0
-    pool_sigs: list[PoolSignals] = [
-        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)
-        for name, agg in tally.pools.items()
-    ]
-    pair_sigs = tuple(
+
+def _pairs(pairs: dict[str, q.HandoffStats]) -> tuple[PairSignals, ...]:
+    """The P×D pairs that carried a charged handoff in the window, by name."""
+    return tuple(
         PairSignals(p, d, hs.requests, hs.p50_s or 0.0, hs.p99_s or 0.0)
         for key, hs in sorted(pairs.items())
         for p, _, d in [key.partition("->")]
         if hs.requests
     )
+
+
+def _history_s(session: Session, now: float) -> float:
+    """How long the store has watched the fleet: since its first snapshot (retention keeps the newest; by
+    then the start-up is long over). A window that holds any of the start-up is a start-up window."""
+    first_ever = session.scalar(select(func.min(Snapshot.ts)))
+    return max(0.0, now - first_ever) if first_ever is not None else 0.0
+
+
+def observe(
+    session: Session,
+    settings: Settings,
+    now: float,
+    window_s: float | None = None,
+    cfg: PolicyConfig | None = None,
+    rate_facts: list[rates.RateFacts] | None = None,
+) -> Observation:
+    """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``).
+
+    ``rate_facts``: where to append the served records' facts the rates' fit reads
+    (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
+    observation (the rates are not a decision). None: the read leaves out the columns only the fit needs."""
+    evc = (cfg or PolicyConfig.from_settings(settings)).evidence
+    window = window_s if window_s is not None else settings.controller.window_s
+    since = now - window
+    tally = _charged(session, settings, evc, since, now, rate_facts)
+    hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
+    instances, newest = _instances(session, settings, evc, since, now, tally, hand)
+    rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
+    pool_sigs = tuple(
+        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)
+        for name, agg in tally.pools.items()
+    )
+    trusted = trusted_filter(settings)
     slo = replace(_slo(session, settings, now, trusted), handoff_p99_s=ev.fleet_handoff_p99(tally))
     return Observation(
         now=now,
         window_s=window,
         instances=tuple(instances),
-        pools=tuple(pool_sigs),
-        pairs=pair_sigs,
+        pools=pool_sigs,
+        pairs=_pairs(hand["pair"]),
         slo=slo,
         newest_data=newest,
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
-        history_s=history,
+        history_s=_history_s(session, now),
         unattributed_lease_expiries=sum(i.unattributed_lease_expiries for i in instances),
     )

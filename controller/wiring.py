@@ -25,7 +25,15 @@ from controller.ticklog import TickLogRecorder
 from pdscope.config import Settings
 
 
-class BundleObserver:
+class _Forwarder:
+    """An observer that only hands each tick's alerts on: it carries nothing from tick to tick, so a
+    restart (a start, a takeover) has nothing to drop."""
+
+    def restart(self) -> None:
+        return None
+
+
+class BundleObserver(_Forwarder):
     """Queues a bundle for each alert that changed (:meth:`controller.bundle.BundleWriter.alerts_changed`
     only queues: the bundle is written on the writer's thread)."""
 
@@ -35,11 +43,8 @@ class BundleObserver:
     def observe(self, tick: Tick) -> None:
         self.bundler.alerts_changed(tick.out.alerts.changed)
 
-    def restart(self) -> None:
-        return None
 
-
-class NotifyObserver:
+class NotifyObserver(_Forwarder):
     """Sends the alerts the policy says to notify (:meth:`controller.notify.Notifier.send` queues only)."""
 
     def __init__(self, notifier: Notifier) -> None:
@@ -47,9 +52,6 @@ class NotifyObserver:
 
     def observe(self, tick: Tick) -> None:
         self.notifier.send(tick.out.alerts.notify)
-
-    def restart(self) -> None:
-        return None
 
 
 def default_effects(

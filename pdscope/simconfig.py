@@ -42,132 +42,83 @@ _PER_INSTANCE = (
 class SimulatorConfig(BaseModel):
     """The simulated instances' model. ``latency_scale: 0`` makes every step take no time."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    vllm_version: Literal["0.32.0", "0.33.0"] = Field(
-        default="0.32.0", description="whose kv_transfer_params keys and /version to mimic"
-    )
-    seed: int = Field(
-        default=0,
-        description="seed of every random choice (transfer failures, token text): "
-        "the same seed and load give the same run",
-    )
-    latency_scale: float = Field(
-        default=1.0, ge=0.0, description="multiplies every modelled duration; 0 = zero-latency mode"
-    )
+    vllm_version: Literal["0.32.0", "0.33.0"] = "0.32.0"
+    """whose kv_transfer_params keys and /version to mimic"""
+    seed: int = 0
+    """seed of every random choice (transfer failures, token text): the same seed and load give the same run
+    """
+    latency_scale: float = Field(default=1.0, ge=0.0)
+    """multiplies every modelled duration; 0 = zero-latency mode"""
     # compute
-    prefill_tokens_per_s: float = Field(default=16000.0, gt=0, description="prefill throughput per instance")
-    step_overhead_s: float = Field(default=0.010, ge=0, description="fixed cost of one engine step")
-    decode_per_seq_s: float = Field(
-        default=0.0001,
-        ge=0,
-        description="extra step time per sequence in the batch (decode slows with batch)",
-    )
-    max_num_seqs: int = Field(default=256, gt=0, description="most sequences in one batch")
-    max_num_batched_tokens: int = Field(default=8192, gt=0, description="token budget of one step")
-    default_output_tokens: int = Field(
-        default=128, gt=0, description="output length when a request sets no max_tokens (ends with 'stop')"
-    )
-    max_model_len: int = Field(
-        default=32768,
-        gt=1,
-        description="context length the instances "
-        "advertise and enforce; also sets the request_tokens histogram buckets",
-    )
-    max_num_queued_reqs: int | None = Field(
-        default=None,
-        gt=0,
-        description="vLLM --max-num-queued-reqs: 503 and admission_rejections_total past it",
-    )
-    max_num_queued_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        description="vLLM --max-num-queued-tokens: prompt tokens of requests still in prefill",
-    )
-    request_id_headers: bool = Field(
-        default=False, description="echo X-Request-Id (vLLM --enable-request-id-headers)"
-    )
+    prefill_tokens_per_s: float = Field(default=16000.0, gt=0)
+    """prefill throughput per instance"""
+    step_overhead_s: float = Field(default=0.010, ge=0)
+    """fixed cost of one engine step"""
+    decode_per_seq_s: float = Field(default=0.0001, ge=0)
+    """extra step time per sequence in the batch (decode slows with batch)"""
+    max_num_seqs: int = Field(default=256, gt=0)
+    """most sequences in one batch"""
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    """token budget of one step"""
+    default_output_tokens: int = Field(default=128, gt=0)
+    """output length when a request sets no max_tokens (ends with 'stop')"""
+    max_model_len: int = Field(default=32768, gt=1)
+    """context length the instances advertise and enforce; also sets the request_tokens histogram buckets"""
+    max_num_queued_reqs: int | None = Field(default=None, gt=0)
+    """vLLM --max-num-queued-reqs: 503 and admission_rejections_total past it"""
+    max_num_queued_tokens: int | None = Field(default=None, gt=0)
+    """vLLM --max-num-queued-tokens: prompt tokens of requests still in prefill"""
+    request_id_headers: bool = False
+    """echo X-Request-Id (vLLM --enable-request-id-headers)"""
     # KV cache
-    block_size: int = Field(default=16, gt=0, description="tokens per KV block")
-    kv_capacity_blocks: int = Field(default=16384, gt=0, description="KV blocks per instance")
-    prefix_caching: bool = Field(
-        default=True,
-        description="vLLM --enable-prefix-caching: full prompt blocks stay cached (LRU under "
-        "kv_capacity_blocks) and a request reuses its longest cached prefix; "
-        "D pulls only the blocks it lacks",
-    )
-    kv_bytes_per_token: int | None = Field(
-        default=None,
-        gt=0,
-        description="KV bytes per token a simulated transfer moves; default: "
-        "model.kv_bytes_per_token of the config",
-    )
+    block_size: int = Field(default=16, gt=0)
+    """tokens per KV block"""
+    kv_capacity_blocks: int = Field(default=16384, gt=0)
+    """KV blocks per instance"""
+    prefix_caching: bool = True
+    """vLLM --enable-prefix-caching: full prompt blocks stay cached (LRU under kv_capacity_blocks) and a
+    request reuses its longest cached prefix; D pulls only the blocks it lacks"""
+    kv_bytes_per_token: int | None = Field(default=None, gt=0)
+    """KV bytes per token a simulated transfer moves; default: model.kv_bytes_per_token of the config"""
     # NIXL transfer (D pulls from P)
-    link_bandwidth_bytes_per_s: float = Field(
-        default=25e9, gt=0, description="bandwidth of one P x D link (a link serves one transfer at a time)"
-    )
-    descriptors_per_block: int = Field(
-        default=2,
-        gt=0,
-        description="NIXL descriptors per KV block moved "
-        "(each costs per_descriptor_s; vllm:nixl_num_descriptors)",
-    )
-    per_descriptor_s: float = Field(default=2e-6, ge=0, description="cost of one NIXL descriptor")
-    post_time_s: float = Field(default=0.0002, ge=0, description="time to post one NIXL transfer")
+    link_bandwidth_bytes_per_s: float = Field(default=25e9, gt=0)
+    """bandwidth of one P x D link (a link serves one transfer at a time)"""
+    descriptors_per_block: int = Field(default=2, gt=0)
+    """NIXL descriptors per KV block moved (each costs per_descriptor_s; vllm:nixl_num_descriptors)"""
+    per_descriptor_s: float = Field(default=2e-6, ge=0)
+    """cost of one NIXL descriptor"""
+    post_time_s: float = Field(default=0.0002, ge=0)
+    """time to post one NIXL transfer"""
     # lease (vLLM kv_lease_duration; D heartbeats every lease/6, each extends to now + lease*2/3)
-    lease_duration_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="P holds a request's KV blocks this long "
-        "for D to pull (vLLM kv_lease_duration); past it they expire "
-        "(nixl_num_kv_expired_reqs)",
-    )
-    heartbeat_interval_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="seconds between D's lease "
-        "heartbeats while it waits to pull; default lease_duration_s / 6",
-    )
+    lease_duration_s: float = Field(default=30.0, gt=0)
+    """P holds a request's KV blocks this long for D to pull (vLLM kv_lease_duration); past it they expire
+    (nixl_num_kv_expired_reqs)"""
+    heartbeat_interval_s: float | None = Field(default=None, gt=0)
+    """seconds between D's lease heartbeats while it waits to pull; default lease_duration_s / 6"""
     # identity as P returns it in kv_transfer_params
-    side_channel_host: str = Field(
-        default="localhost",
-        description="remote_host P returns in kv_transfer_params (the NIXL side channel it advertises)",
-    )
-    side_channel_port: int = Field(
-        default=5600,
-        ge=1,
-        le=65535,
-        description="remote_port P returns in kv_transfer_params; the i-th instance advertises this + i",
-    )
-    tp_size: int = Field(default=1, gt=0, description="tensor-parallel size P returns in kv_transfer_params")
+    side_channel_host: str = "localhost"
+    """remote_host P returns in kv_transfer_params (the NIXL side channel it advertises)"""
+    side_channel_port: int = Field(default=5600, ge=1, le=65535)
+    """remote_port P returns in kv_transfer_params; the i-th instance advertises this + i"""
+    tp_size: int = Field(default=1, gt=0)
+    """tensor-parallel size P returns in kv_transfer_params"""
     # tracing
-    tracing: bool = Field(
-        default=False,
-        description="emit vLLM's llm_request spans over OTLP/HTTP, parented by an incoming traceparent",
-    )
-    otlp_endpoint: str | None = Field(
-        default=None,
-        description="where llm_request spans go (with tracing: true); default: the collector's /v1/traces",
-    )
+    tracing: bool = False
+    """emit vLLM's llm_request spans over OTLP/HTTP, parented by an incoming traceparent"""
+    otlp_endpoint: str | None = None
+    """where llm_request spans go (with tracing: true); default: the collector's /v1/traces"""
     # honest timing
-    loop_lag_threshold_s: float = Field(
-        default=0.05, gt=0, description="event-loop lag above which results are marked untrustworthy"
-    )
-    admin_port: int = Field(
-        default=0,
-        ge=0,
-        le=65535,
-        description="port of the admin API (faults, stats); "
-        "0: pdscope sim takes DEFAULT_ADMIN_PORT 8399 (or --admin-port), an in-process fleet any free port",
-    )
-    scenario: str | None = Field(
-        default=None,
-        description="fault scenario file (faults at set times) applied at start, relative to the config file",
-    )
-    instances: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description="per-instance overrides of the engine knobs, e.g. {decode-2: {kv_capacity_blocks: 4096}}",
-    )
+    loop_lag_threshold_s: float = Field(default=0.05, gt=0)
+    """event-loop lag above which results are marked untrustworthy"""
+    admin_port: int = Field(default=0, ge=0, le=65535)
+    """port of the admin API (faults, stats); 0: pdscope sim takes DEFAULT_ADMIN_PORT 8399 (or --admin-port),
+    an in-process fleet any free port"""
+    scenario: str | None = None
+    """fault scenario file (faults at set times) applied at start, relative to the config file"""
+    instances: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """per-instance overrides of the engine knobs, e.g. {decode-2: {kv_capacity_blocks: 4096}}"""
 
     @model_validator(mode="after")
     def _overrides_are_engine_knobs(self) -> SimulatorConfig:

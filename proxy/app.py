@@ -337,6 +337,77 @@ class ProxyApp:
             watcher.cancel()
 
 
+def _selector(settings: Settings, policy: Policy, rng: random.Random | None) -> Selector:
+    """The instance selector, with an outlier detector over every pool's instances."""
+    pools = {name: [i.name for i in pool.instances] for name, pool in settings.pools.items()}
+    return Selector(policy, OutlierDetector(settings.proxy.outlier, pools), rng)
+
+
+def _admission(settings: Settings, policy: Policy) -> Admission:
+    """The admission gate, with the adaptive limit where it applies: it protects the weighted proxy;
+    round-robin stays the toy proxy's baseline."""
+    ps = settings.proxy
+    adaptive = None
+    if ps.adaptive_limit.enabled and policy == "weighted":
+        ttft = settings.slo.ttft
+        adaptive = AdaptiveLimits(ps.adaptive_limit, ttft.target_ms / 1000.0, ttft.percentile)
+    return Admission(adaptive=adaptive)
+
+
+def _upstream(settings: Settings, upstream_client: str) -> UpstreamClient:
+    """The lean upstream client, or httpx (imported only then: benchmarks price the client)."""
+    connect_s = settings.proxy.timeouts.connect_s
+    if upstream_client == "httpx":
+        from proxy.httpx_upstream import HttpxUpstream
+
+        return HttpxUpstream(connect_timeout=connect_s)
+    return Upstream(connect_timeout=connect_s)
+
+
+def _tracing(
+    settings: Settings, exporter: SpanExporter | None
+) -> tuple[TracerProvider | None, BoundedSpanProcessor | None, trace.Tracer]:
+    """The tracer the flow records with, and its provider and bounded span queue (None: tracing off,
+    a no-op tracer). ``exporter`` None: OTLP/HTTP to the configured endpoint."""
+    ps = settings.proxy
+    if not ps.tracing:
+        return None, None, trace.NoOpTracer()
+    exporter = exporter or otlp_exporter(
+        otlp_endpoint(ps.otlp_endpoint, settings.collector_url), token_env=ps.otlp_token_env
+    )
+    provider, spans = make_provider(
+        exporter,
+        max_queue=ps.span_queue_max,
+        max_buffered=ps.span_queue_max,
+        retry_max_s=ps.span_retry_max_s,
+    )
+    return provider, spans, provider.get_tracer("pdscope.proxy")
+
+
+def _kv_routing(
+    settings: Settings,
+    metrics: ProxyMetrics,
+    rng: random.Random | None,
+    clock: Callable[[], float],
+    cache_view: CacheView | None,
+) -> tuple[CacheView | None, KvEventsSubscriber | None, KvRouting | None]:
+    """The cache view KV-aware routing asks (``cache_view``, else the one ``proxy.kv_aware.mode`` names,
+    else none), the KV-events subscriber feeding it, and the routing over it (None: KV-aware off)."""
+    ps = settings.proxy
+    kv_events: KvEventsSubscriber | None = None
+    view = cache_view
+    if view is None and ps.kv_aware.mode != "off":
+        view, kv_events = _mode_view(settings, clock)
+    # Only the precise view built here is known to key prompts safely on a worker thread.
+    offload = cache_view is None and ps.kv_aware.mode == "precise"
+    kv = (
+        None
+        if view is None
+        else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng, offload=offload)
+    )
+    return view, kv_events, kv
+
+
 def build(
     settings: Settings,
     *,
@@ -356,64 +427,16 @@ def build(
     metrics = ProxyMetrics()
     routing = RoutingState(settings, clock())
     policy = policy or ps.policy
-    outliers = OutlierDetector(
-        ps.outlier, {name: [i.name for i in pool.instances] for name, pool in settings.pools.items()}
-    )
-    selector = Selector(policy, outliers, rng)
-    # The adaptive limit protects the weighted proxy; round-robin stays the toy proxy's baseline.
-    adaptive = None
-    if ps.adaptive_limit.enabled and policy == "weighted":
-        ttft = settings.slo.ttft
-        adaptive = AdaptiveLimits(ps.adaptive_limit, ttft.target_ms / 1000.0, ttft.percentile)
-    admission = Admission(adaptive=adaptive)
+    selector = _selector(settings, policy, rng)
+    admission = _admission(settings, policy)
     budget = RetryBudget(ps.retry_budget)
-    upstream: UpstreamClient
-    if upstream_client == "httpx":
-        from proxy.httpx_upstream import HttpxUpstream
-
-        upstream = HttpxUpstream(connect_timeout=ps.timeouts.connect_s)
-    else:
-        upstream = Upstream(connect_timeout=ps.timeouts.connect_s)
-    provider: TracerProvider | None = None
-    spans: BoundedSpanProcessor | None = None
-    tracer: trace.Tracer
-    if ps.tracing:
-        exporter = exporter or otlp_exporter(
-            otlp_endpoint(ps.otlp_endpoint, settings.collector_url), token_env=ps.otlp_token_env
-        )
-        provider, spans = make_provider(
-            exporter,
-            max_queue=ps.span_queue_max,
-            max_buffered=ps.span_queue_max,
-            retry_max_s=ps.span_retry_max_s,
-        )
-        tracer = provider.get_tracer("pdscope.proxy")
-    else:
-        tracer = trace.NoOpTracer()
-    kv_events: KvEventsSubscriber | None = None
-    view = cache_view
-    if view is None and ps.kv_aware.mode != "off":
-        view, kv_events = _mode_view(settings, clock)
-    # Only the precise view built here is known to key prompts safely on a worker thread.
-    offload = cache_view is None and ps.kv_aware.mode == "precise"
-    kv = (
-        None
-        if view is None
-        else KvRouting(view, CostModel.from_settings(ps.kv_aware), metrics, rng, offload=offload)
-    )
+    upstream = _upstream(settings, upstream_client)
+    provider, spans, tracer = _tracing(settings, exporter)
+    view, kv_events, kv = _kv_routing(settings, metrics, rng, clock, cache_view)
     catalog, context = _context_check(settings, metrics, view)
+    flow_settings = FlowSettings.from_settings(settings)
     flow = Flow(
-        FlowSettings.from_settings(settings),
-        upstream,
-        routing,
-        selector,
-        admission,
-        budget,
-        metrics,
-        tracer,
-        clock,
-        kv,
-        context,
+        flow_settings, upstream, routing, selector, admission, budget, metrics, tracer, clock, kv, context
     )
     trust = view.trust if isinstance(view, PreciseView) else None
     metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))

@@ -162,18 +162,22 @@ class ContextCheck:
         model = body.get("model")
         return self.catalog.max_model_len(model if isinstance(model, str) else None)
 
-    async def check(self, endpoint: str, body: Mapping[str, Any], size: int, keyed: Prompt | None) -> None:
+    async def check(
+        self, endpoint: str, body: Mapping[str, Any], size: int, keyed: Prompt | None
+    ) -> int | None:
         """Raise :class:`InvalidRequest` when the request cannot fit; ``keyed``: the prompt as the
-        precise view tokenized it (its ``token_ids`` set), if it was."""
+        precise view tokenized it (its ``token_ids`` set), if it was. Returns the prompt's exact token
+        count where it was counted (the TTFT predictor's best count), else None."""
         limit = self.limit(body)
         if limit is None:
-            return
+            return None
         floor = token_floor(endpoint, body)
         if floor is not None:
             self._raise(verdict(endpoint, body, limit, Count(floor, False), self.clamp), "floor")
         exact = await self._exact(endpoint, body, size, keyed)
         if exact is not None:
             self._raise(verdict(endpoint, body, limit, Count(exact, True), self.clamp), "tokenizer")
+        return exact
 
     def _raise(self, refusal: InvalidRequest | None, how: str) -> None:
         if refusal is None:

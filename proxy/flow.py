@@ -116,12 +116,13 @@ class Flow:
             req.stream = body.get("stream") is True
             if self.kv is not None:
                 await self.gate.key_prompt(req, body, len(raw))
-            if self.context is not None:
-                await self._check_context(req, body, len(raw))
+            exact = await self._check_context(req, body, len(raw)) if self.context is not None else None
             req.target_s = self._target_of(headers)
-            req.tokens = (
-                req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
-            )
+            if exact is None:
+                exact = (
+                    req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
+                )
+            req.tokens = exact
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -156,11 +157,12 @@ class Flow:
             ) from exc
         return body
 
-    async def _check_context(self, req: RequestState, body: dict[str, object], size: int) -> None:
-        """A prompt and ``max_tokens`` the model's context cannot hold: a 400 before P is called."""
+    async def _check_context(self, req: RequestState, body: dict[str, object], size: int) -> int | None:
+        """A prompt and ``max_tokens`` the model's context cannot hold: a 400 before P is called.
+        Returns the prompt's exact token count where the check counted it."""
         assert self.context is not None
         try:
-            await self.context.check(req.endpoint, body, size, req.prompt)
+            return await self.context.check(req.endpoint, body, size, req.prompt)
         except InvalidRequest as exc:
             raise client_error(
                 400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param

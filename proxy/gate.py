@@ -273,11 +273,11 @@ class Gate:
         ps = [t.name for t, _ in self.selector.weighed(view.prefill, now)]
         ds = [t.name for t, _ in self.selector.weighed(view.decode, now)]
         pred, elapsed = self.predictor, now - req.started
-        look = outlook(pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s)
+        look = outlook(pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s, req.tokens)
         if look.hopeless and req.prompt is not None and self.kv is not None:
             cached = self.kv.cached(req.prompt, ps) or {}  # a P holding the prefix computes less
             own = {p: req.tokens - min(max(int(cached.get(p, 0)), 0), req.tokens) for p in ps}
-            look = outlook(pred, own, ps, ds, elapsed, req.target_s)
+            look = outlook(pred, own, ps, ds, elapsed, req.target_s, req.tokens)
         return look
 
     def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
@@ -298,11 +298,16 @@ class Gate:
         pred = self.predictor
         own = req.route.p_uncached if req.route is not None else req.tokens
         est = pred.prefill(p.name, own)
-        req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name)
+        req.handoff_x = pred.handoff_x(d.name, req.tokens)
+        req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name, req.handoff_x)
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
+        req.predicted_sure = est.confident
         if own > 0:
-            pred.add_backlog(p.name, own)
+            pred.backlog.add(p.name, own)
             req.backlog = (p.name, own)
+        if req.tokens > 0:
+            pred.d_backlog.add(d.name, req.tokens)
+            req.d_backlog = (d.name, req.tokens)
 
     def first_token(self, req: RequestState, now: float) -> None:
         """D's first token: the handoff's time teaches the pair, the TTFT the predictor's error."""
@@ -314,12 +319,15 @@ class Gate:
             and req.p_done_ns
             and req.first_token_ns
         ):
-            pred.observe_handoff(req.p.name, req.d.name, (req.first_token_ns - req.p_done_ns) / 1e9)
-        if req.predicted is not None:
-            ratio = pred.observe_ttft(req.predicted, now - req.started)
-            if ratio is not None and self.metrics is not None and req.d is not None:
-                pool = req.p.pool if req.p is not None else req.d.pool
-                self.metrics.ttft_prediction_ratio.labels(pool).observe(ratio)
+            handoff_s = (req.first_token_ns - req.p_done_ns) / 1e9
+            pred.observe_handoff(req.p.name, req.d.name, req.handoff_x, handoff_s)
+        self._drop_d_backlog(req)
+        if req.predicted is not None and req.p is not None:
+            # a retry's TTFT holds a failure: it measures the fault, not the model (kept out of P's error)
+            sure = req.predicted_sure and req.retries == 0
+            ratio = pred.observe_ttft(req.p.name, req.predicted, now - req.started, sure)
+            if ratio is not None and self.metrics is not None:
+                self.metrics.ttft_prediction_ratio.labels(req.p.pool).observe(ratio)
 
     def _count_demand(self, req: RequestState, rejection: Rejection | None) -> None:
         """One demand per role: the pool admitted into, else the pools the rejection names (or, for
@@ -428,7 +436,8 @@ class Gate:
             return set()
         est = self.predictor.prefill(p.name, req.tokens)
         ds = [t.name for t in view.decode]
-        return late_decodes(self.predictor, p.name, est.seconds, ds, now - req.started, req.target_s)
+        elapsed = now - req.started
+        return late_decodes(self.predictor, p.name, est.seconds, ds, elapsed, req.target_s, req.tokens)
 
     def _enter(self, req: RequestState, decision: Decision, kv: KvRouting, now: float) -> None:
         req.route = decision
@@ -446,7 +455,14 @@ class Gate:
         if req.backlog is not None:
             name, n = req.backlog
             req.backlog = None
-            self.predictor.drop_backlog(name, n)
+            self.predictor.backlog.drop(name, n)
+
+    def _drop_d_backlog(self, req: RequestState) -> None:
+        """``req`` has its first token (or moved to another D, or is over): it leaves its D's backlog."""
+        if req.d_backlog is not None:
+            name, n = req.d_backlog
+            req.d_backlog = None
+            self.predictor.d_backlog.drop(name, n)
 
     def _open_pools(
         self, view: RoutingView, role: Role, held: str | None = None
@@ -505,6 +521,7 @@ class Gate:
             req.p_slot = self._move_slot(req.p_slot, target.pool)
             return
         req.d = target
+        self._drop_d_backlog(req)
         req.d_slot = self._move_slot(req.d_slot, target.pool)
         if req.kv_held is not None and req.kv_held[1] != target.pool:  # the handoff's bytes go with it
             p_pool, d_pool, n = req.kv_held
@@ -545,8 +562,8 @@ class Gate:
 
     def release(self, req: RequestState) -> None:
         self.drop_kv(req)
-        if req.backlog is not None:
-            self._drop_backlog(req)
+        self._drop_backlog(req)
+        self._drop_d_backlog(req)
         if req.p_slot is not None:
             self.admission.leave(req.p_slot)
             req.p_slot = None

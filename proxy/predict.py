@@ -17,13 +17,23 @@ base and slope, drifting as ``predict.forget`` says) on what this proxy saw comp
 the tokens the request was predicted with. Until a P has ``min_samples`` completions its line is
 the controller's (``RoutingTable.rates``, fitted from the stored traces, with the samples behind
 it), else the configured prior (``prefill_base_s`` and the KV-aware cost model's
-``prefill_tokens_per_s``); the source is recorded with each prediction. The handoff is a running
-mean per pair (then per D, then the table's pair or D, then ``handoff_s``).
+``prefill_tokens_per_s``); the source is recorded with each prediction. The handoff is a line too,
+per pair (then per D, then the table's pair or D, then ``handoff_s``), in the tokens of KV D has to
+pull for it: its own prompt's plus those of the requests this proxy sent to that D that have not
+had their first token yet (:attr:`Predictor.d_backlog`, over the share like P's). D pulls the whole
+prompt's KV, and pulls queue behind one another: on a simulated 2P+4D fleet at 90 % load the
+handoff's median went from 0.29 s with no other request pending at that D to 0.46 s with four
+(r = 0.59 against the count), where a mean per pair is wrong for both.
 
-**Its error is its margin**: every first token adds observed / predicted TTFT to a ring of the last
-:data:`RATIOS` ratios, and :meth:`Predictor.factor` is their ``quantile`` (at least 1): a
-prediction is multiplied by it before it is held against a target. A P is *confident* (may reject)
-once its line rests on ``min_samples`` completions, its own or the table's.
+**Its error is its margin**: every first token of a *confident* prediction adds observed / predicted
+TTFT to its P's ring of the last :data:`RATIOS` ratios, and :meth:`Predictor.factor` is their
+``quantile`` (at least 1): a prediction through that P is multiplied by it before it is held against
+a target. A P is *confident* (may reject) once its line rests on ``min_samples`` completions, its own
+or the table's. The margin measures the noise of a model that fits, so three kinds of error are kept
+out of it: a cold P's (the prior's or a few completions' guess: it rejects nothing anyway), another
+P's (one P slowing down must not widen the margin of every other), and the run of errors that made a
+line reopen (:class:`Line`: the P changed; those errors measured the change, not the noise). A P with
+fewer than :data:`MIN_RATIOS` of its own borrows the pooled ring of every P's.
 
 Pure: no I/O, no clock; every time is passed in.
 """
@@ -50,7 +60,8 @@ _MIN_NOISE = 1e-6  # s^2: a 1 ms error floor
 _RUN = 6  # errors in a row on one side that say the line is off, not noisy
 _SETTLED = 10  # observations before one is clipped (until then the prior may be far off)
 _KT = 1000.0  # the line's x is in thousands of tokens (conditioning)
-HANDOFF_MIN = 3  # handoffs of a pair (or D) before its own mean is used
+HANDOFF_MIN = 3  # handoffs of a pair (or D) before its own line is used
+B_MIN = 1e-9  # the least slope (s per thousand tokens): a line never falls with its backlog
 
 
 class Line:
@@ -58,19 +69,28 @@ class Line:
     observation first widens the covariance by a drift of ``(1 - forget)^2`` times the noise (so the
     newest ~``1 / (1 - forget)`` observations count most, in every direction, and a direction the
     load never varies in cannot lock), then weighs the observation against the noise, itself the
-    running mean of the squared errors. ``a >= 0``, ``b > 0``; ``n`` the observations seen. The prior
-    is weak (a large covariance): the first completions decide, so a prior 10x off (a CPU P against
-    a GPU default) is left at once."""
+    running mean of the squared errors. ``n`` the observations seen. The prior is weak (a large
+    covariance): the first completions decide, so a prior 10x off (a CPU P against a GPU default) is
+    left at once.
 
-    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11", "run")
+    **The bounds** ``a >= 0`` and ``b >= B_MIN`` are kept by the update itself: where the joint step
+    would cross one, that parameter stays on its bound and the observation is learnt by the other
+    alone, their correlation dropped. Clamping after a joint step instead (as this class once did)
+    leaves the filter believing in a move that did not happen: a P whose time does not grow with its
+    backlog (its slope on the floor) then pushed every error into ``a`` through their correlation,
+    and on a zero-latency fleet the line reached 770 s against observations of 10 ms."""
+
+    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11", "reopened", "run", "since")
 
     def __init__(self, a: float, b: float, forget: float) -> None:
-        self.a, self.b, self.n = a, max(b, 1e-9), 0
+        self.a, self.b, self.n = max(a, 0.0), max(b, B_MIN), 0
         self.at = -math.inf  # when it last learnt (the predictor's clock)
         self.drift = (1.0 - forget) ** 2
         self.noise = 1.0  # s^2: a guess, replaced by the errors seen
         self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
         self.run = 0  # errors in a row of one sign (+ over, - under)
+        self.reopened = 0  # times a run of one-sided errors opened it again
+        self.since = 0  # observations since it was opened (first or again): none is clipped before _SETTLED
 
     def __call__(self, tokens: float) -> float:
         return self.a + self.b * tokens / _KT
@@ -78,45 +98,58 @@ class Line:
     def update(self, tokens: float, y: float) -> None:
         x = tokens / _KT
         guess = self.a + self.b * x
-        if guess > 0 and self.n >= _SETTLED:  # one outlier (a stall, mixed times) moves it only so far
+        if guess > 0 and self.since >= _SETTLED:  # one outlier (a stall, mixed times) moves it only so far
             y = min(max(y, guess / _CLIP), guess * _CLIP)
         q = self.drift * self.noise
-        p00, p01, p11 = min(self.p00 + q, _PRIOR_VAR), self.p01, min(self.p11 + q, _PRIOR_VAR)
-        q0, q1 = p00 + p01 * x, p01 + p11 * x
+        p00, p11 = min(self.p00 + q, _PRIOR_VAR), min(self.p11 + q, _PRIOR_VAR)
+        limit = 0.999 * math.sqrt(p00 * p11)  # the caps above must leave the covariance positive
+        p01 = min(max(self.p01, -limit), limit)
         err = y - guess
+        q0, q1 = p00 + p01 * x, p01 + p11 * x
         denom = q0 + q1 * x + self.noise
         k0, k1 = q0 / denom, q1 / denom
-        self.a = max(self.a + k0 * err, 0.0)
-        self.b = max(self.b + k1 * err, 1e-9)
-        self.p00, self.p01, self.p11 = p00 - k0 * q0, p01 - k0 * q1, p11 - k1 * q1
-        sq = err * err if self.n < _SETTLED else min(err * err, 9.0 * self.noise)  # one stall: 3 sigma
+        a, b = self.a + k0 * err, self.b + k1 * err
+        if a >= 0.0 and b >= B_MIN:
+            self.a, self.b = a, b
+            self.p00, self.p01, self.p11 = p00 - k0 * q0, p01 - k0 * q1, p11 - k1 * q1
+        else:
+            self._bounded(x, y, p00, p11, b < B_MIN)
+        sq = err * err if self.since < _SETTLED else min(err * err, 9.0 * self.noise)  # one stall: 3 sigma
         self.noise = max(self.noise + (sq - self.noise) * _NOISE_ALPHA, _MIN_NOISE)
         self.n += 1
-        self._bias(err)
+        self.since += 1
+        self._bias(err, y)
 
-    def _bias(self, err: float) -> None:
+    def _bounded(self, x: float, y: float, p00: float, p11: float, slope_floor: bool) -> None:
+        """The step crossed a bound: that parameter stays on it, the other learns ``y`` alone."""
+        if slope_floor:  # b on its floor: a scalar update of a
+            self.b = B_MIN
+            k = p00 / (p00 + self.noise)
+            self.a = max(self.a + k * (y - self.a - self.b * x), 0.0)
+            self.p00 = p00 * (1.0 - k)
+        else:  # a at 0: a scalar update of b (x is never negative)
+            self.a = 0.0
+            k = p11 * x / (p11 * x * x + self.noise)
+            self.b = max(self.b + k * (y - self.b * x), B_MIN)
+            self.p11 = p11 * (1.0 - k * x)
+        self.p01 = 0.0
+
+    def _bias(self, err: float, y: float) -> None:
         """``_RUN`` errors in a row on one side: the line is off (a warm-up it learnt from, a P that
-        changed), not noisy. Its covariance opens again, so the next completions decide afresh."""
+        changed), not noisy. Its covariance opens again, so the next completions decide afresh, and
+        none of them is clipped against the line that was off. Its noise is at most what the last
+        observation itself is worth (an error larger than ``y`` says the line was wrong, not noisy)."""
+        if abs(err) * abs(err) <= _MIN_NOISE:  # a hit (within the 1 ms floor) is on neither side
+            self.run = 0
+            return
         side = 1 if err > 0 else -1
         self.run = self.run + side if self.run * side > 0 else side
         if abs(self.run) >= _RUN:
             self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
-            self.noise = max(err * err, _MIN_NOISE)
+            self.noise = max(min(self.noise, y * y), _MIN_NOISE)
             self.run = 0
-
-
-class Mean:
-    """A running mean that turns into an exponential one (weight :data:`ALPHA`) after a few samples."""
-
-    ALPHA = 0.1
-    __slots__ = ("at", "n", "value")
-
-    def __init__(self) -> None:
-        self.n, self.value, self.at = 0, 0.0, -math.inf
-
-    def add(self, y: float, now: float) -> None:
-        self.n, self.at = self.n + 1, now
-        self.value += (y - self.value) * max(1.0 / self.n, self.ALPHA)
+            self.reopened += 1
+            self.since = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,17 +175,17 @@ class Predictor:
     def __init__(self, ps: PredictSettings, prefill_tokens_per_s: float, clock: Callable[[], float]) -> None:
         self.ps = ps
         self.clock = clock
-        self.backlog: dict[str, int] = {}  # P -> uncached prefill tokens sent and not yet answered
+        self.backlog = Backlog()  # P -> uncached prefill tokens sent and not yet answered
+        self.d_backlog = Backlog()  # D -> prompt tokens sent to it (via P) without a first token yet
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
         self._lines: dict[str, Line] = {}
-        self._pairs: dict[tuple[str, str], Mean] = {}
-        self._ds: dict[str, Mean] = {}
+        self._pairs: dict[tuple[str, str], Line] = {}
+        self._ds: dict[str, Line] = {}
         self._table_p: dict[str, tuple[float, float, int]] = {}  # P -> (base, s per k-token, samples)
         self._table_pair: dict[tuple[str, str], float] = {}
         self._table_d: dict[str, float] = {}
-        self._ratios: deque[float] = deque(maxlen=RATIOS)
-        self._factor: float | None = None
+        self._errors = _Errors(ps.quantile)
 
     # -- the controller's prior ------------------------------------------------------
 
@@ -174,6 +207,10 @@ class Predictor:
 
     def tokens_ahead(self, p: str) -> int:
         return round(self.backlog.get(p, 0) / self.share)
+
+    def handoff_x(self, d: str, tokens: int) -> int:
+        """The tokens of KV ``d`` pulls for a prompt of ``tokens`` sent to it now: its own and those ahead."""
+        return tokens + round(self.d_backlog.get(d, 0) / self.share)
 
     def prefill(self, p: str, own: int) -> PEstimate:
         ahead = self.tokens_ahead(p)
@@ -200,45 +237,24 @@ class Predictor:
         table = self._table_p.get(p)
         return _KT / table[1] if table is not None else None
 
-    def handoff(self, p: str | None, d: str) -> float:
-        """P's answer to D's first token through ``p`` x ``d`` (``p`` None: through D, any P)."""
+    def handoff(self, p: str | None, d: str, x: int) -> float:
+        """P's answer to D's first token through ``p`` x ``d`` (``p`` None: through D, any P), with ``x``
+        tokens of KV for D to pull (:meth:`handoff_x`)."""
         oldest = self.clock() - self.ps.probe_s
-        pair = self._pairs.get((p, d)) if p is not None else None
-        if pair is not None and pair.n >= HANDOFF_MIN and pair.at >= oldest:
-            return pair.value
-        mean = self._ds.get(d)
-        if mean is not None and mean.n >= HANDOFF_MIN and mean.at >= oldest:
-            return mean.value
+        for line in (self._pairs.get((p, d)) if p is not None else None, self._ds.get(d)):
+            if line is not None and line.n >= HANDOFF_MIN and line.at >= oldest:
+                return line(x)
         table = self._table_pair.get((p, d)) if p is not None else None
         table = table if table is not None else self._table_d.get(d)
         return table if table is not None else self.ps.handoff_s
 
-    def factor(self) -> float:
-        """The recent error quantile the predictions are multiplied by (1 while too few are known)."""
-        if self._factor is None:
-            if len(self._ratios) < MIN_RATIOS:
-                self._factor = 1.0
-            else:
-                q = percentile(list(self._ratios), 100.0 * self.ps.quantile)
-                self._factor = min(max(q or 1.0, 1.0), MAX_FACTOR)
-        return self._factor
+    def factor(self, p: str) -> float:
+        """The recent error quantile a prediction through ``p`` is multiplied by (1 while few are known)."""
+        return self._errors.factor(p)
 
     def budget(self, target_s: float) -> float:
         """The part of ``target_s`` a prediction (times :meth:`factor`) must fit in."""
         return target_s * (1.0 - self.ps.margin)
-
-    # -- the backlog ------------------------------------------------------------------
-
-    def add_backlog(self, p: str, tokens: int) -> None:
-        if tokens > 0:
-            self.backlog[p] = self.backlog.get(p, 0) + tokens
-
-    def drop_backlog(self, p: str, tokens: int) -> None:
-        left = self.backlog.get(p, 0) - tokens
-        if left > 0:
-            self.backlog[p] = left
-        else:
-            self.backlog.pop(p, None)
 
     # -- learning from what completed -------------------------------------------------
 
@@ -251,27 +267,88 @@ class Predictor:
             table = self._table_p.get(p)
             base, per_kt = (table[0], table[1]) if table is not None else self._prior
             line = self._lines[p] = Line(base, per_kt, self.ps.forget)
+        opened = line.reopened
         line.update(tokens, seconds)
         line.at = self.clock()
+        if line.reopened != opened:  # P changed: the errors that showed it are not the model's noise
+            self._errors.forget(p)
 
-    def observe_handoff(self, p: str, d: str, seconds: float) -> None:
+    def observe_handoff(self, p: str, d: str, x: int, seconds: float) -> None:
+        """D's first token came ``seconds`` after P's answer, predicted with ``x`` tokens to pull."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
+        start = self._table_pair.get((p, d), self._table_d.get(d, self.ps.handoff_s))
+        pair = self._pairs.get((p, d)) or self._pairs.setdefault((p, d), Line(start, B_MIN, self.ps.forget))
+        each_d = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
         now = self.clock()
-        self._pairs.setdefault((p, d), Mean()).add(seconds, now)
-        self._ds.setdefault(d, Mean()).add(seconds, now)
+        for line in (pair, each_d):
+            line.update(x, seconds)
+            line.at = now
 
-    def observe_ttft(self, predicted: float, observed: float) -> float | None:
-        """A first token: the ratio observed / predicted (None when either is not a positive time)."""
+    def observe_ttft(self, p: str, predicted: float, observed: float, confident: bool) -> float | None:
+        """A first token through ``p``: the ratio observed / predicted (None when either is not a positive
+        time); a confident prediction's joins ``p``'s error ring."""
         if not (predicted > 0 and observed >= 0 and math.isfinite(observed) and math.isfinite(predicted)):
             return None
         ratio = observed / predicted
-        self._ratios.append(ratio)
-        self._factor = None
+        if confident:
+            self._errors.add(p, ratio)
         return ratio
 
     def lines(self) -> Mapping[str, Line]:
         return self._lines
+
+
+class Backlog(dict[str, int]):
+    """Tokens per instance sent and not yet through (P: answered; D: its first token)."""
+
+    def add(self, name: str, tokens: int) -> None:
+        if tokens > 0:
+            self[name] = self.get(name, 0) + tokens
+
+    def drop(self, name: str, tokens: int) -> None:
+        left = self.get(name, 0) - tokens
+        if left > 0:
+            self[name] = left
+        else:
+            self.pop(name, None)
+
+
+class _Errors:
+    """Observed / predicted TTFT ratios: a ring per P and a pooled ring of every P's (each of the last
+    :data:`RATIOS`), and their ``quantile``, cached until a ring changes."""
+
+    def __init__(self, quantile: float) -> None:
+        self.q = 100.0 * quantile
+        self._own: dict[str, deque[float]] = {}
+        self._pooled: deque[tuple[str, float]] = deque(maxlen=RATIOS)
+        self._cached: dict[str | None, float] = {}  # P (None: the pooled ring) -> its quantile
+
+    def add(self, p: str, ratio: float) -> None:
+        self._own.setdefault(p, deque(maxlen=RATIOS)).append(ratio)
+        self._pooled.append((p, ratio))
+        self._cached.pop(p, None)
+        self._cached.pop(None, None)
+
+    def forget(self, p: str) -> None:
+        """``p``'s errors leave both rings (a reopened line: they measured a change, not noise)."""
+        if self._own.pop(p, None) is not None:
+            self._pooled = deque(((q, r) for q, r in self._pooled if q != p), maxlen=RATIOS)
+            self._cached.pop(p, None)
+            self._cached.pop(None, None)
+
+    def factor(self, p: str) -> float:
+        own = self._own.get(p)
+        key: str | None = p
+        if own is None or len(own) < MIN_RATIOS:
+            if len(self._pooled) < MIN_RATIOS:
+                return 1.0
+            key = None
+        got = self._cached.get(key)
+        if got is None:
+            ratios = list(own) if key is not None and own is not None else [r for _, r in self._pooled]
+            got = self._cached[key] = min(max(percentile(ratios, self.q) or 1.0, 1.0), MAX_FACTOR)
+        return got
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,16 +375,18 @@ def outlook(
     ds: Sequence[str],
     elapsed: float,
     target_s: float,
+    tokens: int = 0,
 ) -> Outlook:
     """Each P in ``ps`` with its own uncached tokens ``own[p]``, its best D's handoff among ``ds`` (D
-    level: a pair's own is weighed when the D is chosen), held against ``target_s``."""
-    factor, budget = pred.factor(), pred.budget(target_s)
-    handoff = min((pred.handoff(None, d) for d in ds), default=pred.ps.handoff_s)
+    level: a pair's own is weighed when the D is chosen) for the prompt's ``tokens``, held against
+    ``target_s``."""
+    budget = pred.budget(target_s)
+    handoff = min((pred.handoff(None, d, pred.handoff_x(d, tokens)) for d in ds), default=pred.ps.handoff_s)
     late: set[str] = set()
     best = math.inf
     for p in ps:
         est = pred.prefill(p, own.get(p, 0))
-        total = elapsed + (est.seconds + handoff) * factor
+        total = elapsed + (est.seconds + handoff) * pred.factor(p)
         best = min(best, total)
         if total > budget and est.confident:
             late.add(p)
@@ -315,9 +394,18 @@ def outlook(
 
 
 def late_decodes(
-    pred: Predictor, p: str, p_s: float, ds: Sequence[str], elapsed: float, target_s: float
+    pred: Predictor,
+    p: str,
+    p_s: float,
+    ds: Sequence[str],
+    elapsed: float,
+    target_s: float,
+    tokens: int = 0,
 ) -> set[str]:
-    """The Ds through which ``p`` (its part ``p_s``) would be late, when at least one would not be."""
-    factor, budget = pred.factor(), pred.budget(target_s)
-    late = {d for d in ds if elapsed + (p_s + pred.handoff(p, d)) * factor > budget}
+    """The Ds through which ``p`` (its part ``p_s``) would be late for a prompt of ``tokens``, when at
+    least one would not be."""
+    factor, budget = pred.factor(p), pred.budget(target_s)
+    late = {
+        d for d in ds if elapsed + (p_s + pred.handoff(p, d, pred.handoff_x(d, tokens))) * factor > budget
+    }
     return late if len(late) < len(ds) else set()

@@ -174,15 +174,21 @@ def error_body(message: str, err_type: str, code: str | None = None, param: str 
     ).encode()
 
 
+def _event_with(data: bytes, marker: bytes) -> object:
+    """One SSE ``data:`` payload, parsed, when ``marker`` is in it; None when it is not (the cheap
+    test first: most events are tokens) or the payload is not JSON."""
+    if marker not in data:
+        return None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+
+
 def is_error_event(data: bytes) -> bool:
     """Whether one SSE ``data:`` payload is an in-band error: vLLM sends
     ``{"error": {...}}`` (older versions: ``{"object": "error", ...}``)."""
-    if b'"error"' not in data:  # the cheap test first: most events are tokens
-        return False
-    try:
-        event = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
+    event = _event_with(data, b'"error"')
     return isinstance(event, dict) and ("error" in event or event.get("object") == "error")
 
 
@@ -193,12 +199,7 @@ def is_preamble_event(data: bytes) -> bool:
     """Whether one SSE ``data:`` payload is vLLM's chat preamble, not a token: the chunk with
     the assistant ``role`` and empty content that vLLM sends with the first engine output --
     also when that output is an error (then the error event follows it)."""
-    if b'"role"' not in data:
-        return False
-    try:
-        event = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return False
+    event = _event_with(data, b'"role"')
     choices = event.get("choices") if isinstance(event, dict) else None
     if not isinstance(choices, list) or not choices:
         return False

@@ -121,12 +121,14 @@ class RequestState:
         "backlog",
         "completion_tokens",
         "d",
+        "d_backlog",
         "d_cached_tokens",
         "d_prompt_tokens",
         "d_sent_ns",
         "d_slot",
         "endpoint",
         "first_token_ns",
+        "handoff_x",
         "kv_held",
         "outcome",
         "p",
@@ -135,6 +137,7 @@ class RequestState:
         "p_slot",
         "predicted",
         "predicted_source",
+        "predicted_sure",
         "predicted_x",
         "prefill",
         "prompt",
@@ -173,18 +176,21 @@ class RequestState:
         self.route: Decision | None = None
         self.route_reason: str | None = None
         self.backlog: tuple[str, int] | None = None
+        self.d_backlog: tuple[str, int] | None = None  # (D, tokens): in its D's backlog until the first token
+        self.handoff_x = 0  # the tokens of KV D was predicted to pull for it (its own and those ahead)
         self.d_cached_tokens: int | None = None
         self.d_prompt_tokens: int | None = None
         # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the
         # best count known before P), and at admission the predicted TTFT of the chosen P and D (from
         # ``started``), the tokens ahead of it on that P, ahead + own uncached (what P's fit learns from)
-        # and where the rates came from
+        # and where the rates came from, and whether that P's fit was confident (may reject)
         self.target_s = 0.0
         self.tokens = 0
         self.predicted: float | None = None
         self.tokens_ahead = 0
         self.predicted_x = 0
         self.predicted_source: str | None = None
+        self.predicted_sure = False
         self.started = 0.0
         self.admitted = 0.0  # when admission let it in (the adaptive limit's D sample starts here)
         # the trace: the head-sampling decision and the stage timestamps (Unix ns) the root carries

@@ -7,6 +7,10 @@
 - **Long and branchy service functions.** ruff's C901 (cyclomatic complexity over 12), PLR0912
   (over 12 branches) and PLR0915 (over 50 statements) over the service packages. Each finding must
   be on the allow list `[complexity.allowed]` in `budgets.toml`: functions to split; never add one.
+- **Shape copies.** Pairs of places in the service packages and bench that share a run of
+  `SHAPE_WINDOW` logical lines of one shape: the same code with other names, strings and numbers.
+  Our own detector, `shape_pairs` (its docstring states the rule). Their number must not exceed
+  `[shapes] max` in `budgets.toml`.
 - **Long functions.** Functions (and methods) over `LONG_LINES` lines, from the `def` to their last
   line, in the service packages and bench (tests left out). Their number must not exceed
   `[length] max_over_50` in `budgets.toml`.
@@ -22,10 +26,15 @@ pylint is pinned (pyproject's dev extras): this script uses its detector's inter
 from __future__ import annotations
 
 import ast
+import hashlib
+import io
 import json
+import keyword
 import subprocess
 import sys
+import tokenize
 import tomllib
+from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -100,6 +109,131 @@ def format_block(block: Block) -> str:
     return f"  {lines} lines in {len(copies)} files: {where}"
 
 
+# -- shape copies ----------------------------------------------------------------------------
+
+SHAPE_WINDOW = 6
+SHAPE_MAX_PLACES = 8  # a window of one shape in more places than this is a house idiom, not a copy
+SHAPE_MIN_KINDS = 3  # a window of fewer distinct line shapes is a table (declarations, rows), not logic
+_NOT_CODE = ("import", "from", "class", "@")  # what a logical line starts with
+_SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+_FSTRING_START = getattr(tokenize, "FSTRING_START", -1)  # Python 3.12 splits an f-string in parts
+_FSTRING_END = getattr(tokenize, "FSTRING_END", -1)
+
+Line = tuple[int, int, str]  # first and last physical line (1-based), the normalised text
+Place = tuple[str, int, int]  # file, first line, last line
+ShapePair = tuple[Place, Place]
+
+
+def _placeholder(tok: tokenize.TokenInfo) -> str:
+    if tok.type == tokenize.NAME:
+        return tok.string if keyword.iskeyword(tok.string) else "N"
+    if tok.type == tokenize.NUMBER:
+        return "0"
+    return tok.string  # an operator
+
+
+def _logical_lines(source: str) -> Iterator[tuple[int, int, list[str]]]:
+    """Each logical line as (first line, last line, its tokens normalised); comments, indentation and
+    the breaks inside brackets left out. Adjacent strings (one implicit concatenation, an f-string's
+    parts) are one "S"."""
+    words: list[str] = []
+    first = depth = 0
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in _SKIPPED:
+            continue
+        if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            if words:
+                yield first, tok.start[0], words
+            words = []
+            continue
+        if not words:
+            first = tok.start[0]
+        depth += (tok.type == _FSTRING_START) - (tok.type == _FSTRING_END)
+        if tok.type in (tokenize.STRING, _FSTRING_END) or depth:
+            if not (words and words[-1] == "S"):
+                words.append("S")
+            continue
+        words.append(_placeholder(tok))
+
+
+def shape_lines(source: str) -> list[Line]:
+    """The logical lines of code that count for shape copies, names as "N", numbers as "0", strings
+    as "S", keywords (``True``, ``None``, ``return`` ...) and operators kept. Left out: imports,
+    string-only lines (docstrings, attribute docstrings), declarations (``name: type`` with or
+    without ``= value``: the fields of dataclasses, models and named tuples are data, not logic),
+    and the ``class`` and decorator lines around them (a run of small classes is not a copy)."""
+    out = []
+    for first, last, words in _logical_lines(source):
+        if words[0] in _NOT_CODE or set(words) == {"S"} or words[:2] == ["N", ":"]:
+            continue
+        out.append((first, last, " ".join(words)))
+    return out
+
+
+def _windows(name: str, lines: list[Line]) -> Iterator[tuple[str, Place]]:
+    """(digest, place) for each run of SHAPE_WINDOW lines that is logic, not a table."""
+    for i in range(len(lines) - SHAPE_WINDOW + 1):
+        run = lines[i : i + SHAPE_WINDOW]
+        if len({text for _, _, text in run}) < SHAPE_MIN_KINDS:
+            continue
+        digest = hashlib.blake2b("\n".join(t for _, _, t in run).encode(), digest_size=16).hexdigest()
+        yield digest, (name, run[0][0], run[-1][1])
+
+
+def _touch(a: Place, b: Place) -> bool:
+    """Same file, and the line ranges overlap or are adjacent."""
+    return a[0] == b[0] and a[1] <= b[2] + 1 and b[1] <= a[2] + 1
+
+
+def _merge(matches: list[ShapePair]) -> list[ShapePair]:
+    """Matches of one pair of files, merged while both sides overlap or adjoin: one pair of places."""
+    merged: list[ShapePair] = []
+    for a, b in sorted(matches):
+        for k, (ma, mb) in enumerate(merged):
+            if _touch(a, ma) and _touch(b, mb):
+                merged[k] = (
+                    (a[0], min(a[1], ma[1]), max(a[2], ma[2])),
+                    (b[0], min(b[1], mb[1]), max(b[2], mb[2])),
+                )
+                break
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def shape_pairs(root: Path, files: list[Path]) -> list[ShapePair]:
+    """Pairs of places that share a run of SHAPE_WINDOW logical lines of one shape, sorted.
+
+    The rule. Each file is read with the standard tokenizer; comments, docstrings (any line that is
+    only a string) and imports are left out, and every name becomes "N", every string "S", every
+    number "0" (keywords and operators stay). Each run of SHAPE_WINDOW consecutive logical lines is
+    hashed; two places with the same hash are a match, and the matches of two files that overlap or
+    adjoin on both sides are merged into one pair. Not counted, as boilerplate: a run with fewer than
+    SHAPE_MIN_KINDS distinct line shapes (a table of declarations or keyword arguments, a list of
+    rows: data, not logic), a run found in more than SHAPE_MAX_PLACES places (a house idiom), and a
+    run that overlaps its other place in the same file (a period shorter than the run).
+    """
+    places: dict[str, list[Place]] = defaultdict(list)
+    for path in files:
+        name = str(path.relative_to(root))
+        for digest, place in _windows(name, shape_lines(path.read_text(encoding="utf-8"))):
+            places[digest].append(place)
+    by_files: dict[tuple[str, str], list[ShapePair]] = defaultdict(list)
+    for found in places.values():
+        if len(found) > SHAPE_MAX_PLACES:
+            continue
+        for i, a in enumerate(found):
+            for b in found[i + 1 :]:
+                if not _touch(a, b):
+                    by_files[(a[0], b[0])].append((a, b))
+    return sorted(pair for matches in by_files.values() for pair in _merge(matches))
+
+
+def format_shape_pair(pair: ShapePair) -> str:
+    (fa, sa, ea), (fb, sb, eb) = pair
+    return f"  {fa}:{sa}-{ea} ~ {fb}:{sb}-{eb}"
+
+
 def _qualnames(tree: ast.AST, prefix: str = "") -> Iterator[tuple[int, str]]:
     """(line of the `def`, dotted name) for every function, methods under their class."""
     for node in ast.iter_child_nodes(tree):
@@ -169,6 +303,18 @@ def check_duplicates(packages: list[str], budget: int) -> bool:
     return True
 
 
+def check_shapes(packages: list[str], budget: int) -> bool:
+    pairs = shape_pairs(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
+    print(f"shapes: {len(pairs)} pairs of places sharing {SHAPE_WINDOW} lines of one shape (budget {budget})")
+    if len(pairs) > budget:
+        print("\n".join(format_shape_pair(p) for p in pairs))
+        print(f"!! over budget: one home for the logic (a helper, a table), do not raise {BUDGET_FILE.name}")
+        return False
+    if len(pairs) < budget:
+        print(f"   below budget: set [shapes] max = {len(pairs)} in {BUDGET_FILE.name}")
+    return True
+
+
 def check_complexity(packages: list[str], allowed: dict[str, list[str]]) -> bool:
     found = complexity_findings(ROOT, packages)
     listed = {(func, rule) for func, rules in allowed.items() for rule in rules}
@@ -187,6 +333,7 @@ def main(packages: list[str]) -> int:
         sys.exit("usage: budgets.py PACKAGE... (the service packages, as `make budgets` passes them)")
     budgets = tomllib.loads(BUDGET_FILE.read_text(encoding="utf-8"))
     ok = check_duplicates(packages, budgets["duplicates"]["max"])
+    ok = check_shapes(packages, budgets["shapes"]["max"]) and ok
     ok = check_complexity(packages, budgets["complexity"]["allowed"]) and ok
     ok = check_length(packages, budgets["length"]["max_over_50"]) and ok
     return 0 if ok else 1

@@ -284,9 +284,9 @@ def _start_contenders(
     return contenders
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="pdscope-bench-"))
-    fleet_proc = subprocess.Popen(
+def _start_fleet(a: argparse.Namespace) -> subprocess.Popen[str]:
+    """The zero-latency 2 P + 2 D fleet on core 1; it prints its addresses as one JSON line."""
+    return subprocess.Popen(
         [
             *_pin(1),
             PY,
@@ -304,96 +304,121 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _latency(a: argparse.Namespace, common: dict[str, Any], url: str, seed: int) -> dict[str, Any]:
+    """One latency run against ``url``: an open Poisson loop at ``a.rate``, else one request at a time."""
+    if a.rate > 0:  # open loop, Poisson arrivals
+        return loadgen(
+            url,
+            a.path,
+            mode="open",
+            core=1,
+            timeout_s=a.count / a.rate * 3 + 60,
+            rate=a.rate,
+            max_requests=a.count,
+            duration=a.count / a.rate * 2,
+            seed=seed,
+            **common,
+        )
+    # one request at a time: what a request sees with no queue in front of it
+    return loadgen(
+        url,
+        a.path,
+        mode="closed",
+        core=1,
+        timeout_s=180,
+        concurrency=1,
+        max_requests=a.count,
+        duration=120,
+        **common,
+    )
+
+
+def _one_round(
+    a: argparse.Namespace, r: int, fleet: dict[str, Any], contenders: list[Contender], common: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Round ``r``: direct to D, then every contender's ceiling and latency (order reversed on odd
+    rounds, so no contender always runs first)."""
+    res: dict[str, dict[str, Any]] = {}
+    res["direct"] = {"latency": _latency(a, common, fleet["decode"][0], r)}
+    for c in contenders if r % 2 == 0 else contenders[::-1]:
+        closed, cpu = closed_loop(c, a.path, a, common)
+        # httpx as pdscope's client is only there to price the client: ceiling only
+        lat = _latency(a, common, c.url, r) if c.name != "pdscope-httpx" else None
+        res[c.name] = {
+            "ceiling_rps": closed["ok"] / cpu if cpu > 0 else None,
+            "achieved_rps": closed["ok"] / closed["wall_s"],
+            "proxy_cpu_util": cpu / closed["wall_s"],
+            "errors": closed["errors"],
+            "latency": lat,
+        }
+    print(
+        f"round {r + 1}/{a.rounds}: "
+        + ", ".join(f"{k} ceiling {v['ceiling_rps']:.0f} rps" for k, v in res.items() if "ceiling_rps" in v),
+        file=sys.stderr,
+        flush=True,
+    )
+    return res
+
+
+def _spans(contenders: list[Contender]) -> dict[str, dict[str, float]]:
+    """Each pdscope contender's span counters (exported, dropped, unsampled) from its /metrics."""
+    return {
+        c.name: {
+            key: _metric(c.url, f"pdscope_proxy_spans_{key}_total")
+            for key in ("exported", "dropped", "unsampled")
+        }
+        for c in contenders
+        if c.name.startswith("pdscope")
+    }
+
+
+def _stop(procs: list[subprocess.Popen[Any]], fleet_proc: subprocess.Popen[str]) -> None:
+    """Stop every process, newest first: the fleet by closing its stdin (it then prints the sink's
+    counts), the others by SIGTERM, then SIGKILL after 10 s."""
+    for p in reversed(procs):
+        if p is fleet_proc:
+            assert fleet_proc.stdin is not None
+            fleet_proc.stdin.close()
+        else:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def _sink(fleet_proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The OTLP sink's counts, the fleet's last line once stopped ({} if it printed none)."""
+    if fleet_proc.stdout is None:
+        return {}
+    tail = fleet_proc.stdout.read().strip().splitlines()
+    return dict(json.loads(tail[-1])) if tail else {}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="pdscope-bench-"))
+    fleet_proc = _start_fleet(a)
     procs: list[subprocess.Popen[Any]] = [fleet_proc]
     try:
         assert fleet_proc.stdout is not None
         fleet = json.loads(fleet_proc.stdout.readline())
         contenders = _start_contenders(a, fleet, tmp, procs)
         common = {"tokens": a.tokens, "request_timeout": 10, "prompt_words": a.prompt_words}
-
-        def latency(url: str, seed: int) -> dict[str, Any]:
-            if a.rate > 0:  # open loop, Poisson arrivals
-                return loadgen(
-                    url,
-                    a.path,
-                    mode="open",
-                    core=1,
-                    timeout_s=a.count / a.rate * 3 + 60,
-                    rate=a.rate,
-                    max_requests=a.count,
-                    duration=a.count / a.rate * 2,
-                    seed=seed,
-                    **common,
-                )
-            # one request at a time: what a request sees with no queue in front of it
-            return loadgen(
-                url,
-                a.path,
-                mode="closed",
-                core=1,
-                timeout_s=180,
-                concurrency=1,
-                max_requests=a.count,
-                duration=120,
-                **common,
-            )
-
         for c in contenders:  # warm-up: connections, caches, lazy imports
             loadgen(c.url, a.path, mode="closed", core=1, timeout_s=60, concurrency=8, duration=1.5, **common)
-        rounds: list[dict[str, dict[str, Any]]] = []
-        for r in range(a.rounds):
-            res: dict[str, dict[str, Any]] = {}
-            res["direct"] = {"latency": latency(fleet["decode"][0], r)}
-            for c in contenders if r % 2 == 0 else contenders[::-1]:
-                closed, cpu = closed_loop(c, a.path, a, common)
-                # httpx as pdscope's client is only there to price the client: ceiling only
-                lat = latency(c.url, r) if c.name != "pdscope-httpx" else None
-                res[c.name] = {
-                    "ceiling_rps": closed["ok"] / cpu if cpu > 0 else None,
-                    "achieved_rps": closed["ok"] / closed["wall_s"],
-                    "proxy_cpu_util": cpu / closed["wall_s"],
-                    "errors": closed["errors"],
-                    "latency": lat,
-                }
-            rounds.append(res)
-            print(
-                f"round {r + 1}/{a.rounds}: "
-                + ", ".join(
-                    f"{k} ceiling {v['ceiling_rps']:.0f} rps" for k, v in res.items() if "ceiling_rps" in v
-                ),
-                file=sys.stderr,
-                flush=True,
-            )
-        spans = {
-            c.name: {
-                key: _metric(c.url, f"pdscope_proxy_spans_{key}_total")
-                for key in ("exported", "dropped", "unsampled")
-            }
-            for c in contenders
-            if c.name.startswith("pdscope")
-        }
+        rounds = [_one_round(a, r, fleet, contenders, common) for r in range(a.rounds)]
+        spans = _spans(contenders)
     finally:
-        for p in reversed(procs):
-            if p is fleet_proc:
-                assert fleet_proc.stdin is not None
-                fleet_proc.stdin.close()
-            else:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-    sink: dict[str, Any] = {}
-    if fleet_proc.stdout is not None:
-        tail = fleet_proc.stdout.read().strip().splitlines()
-        sink = json.loads(tail[-1]) if tail else {}
+        _stop(procs, fleet_proc)
     tracing = {
         "spans_exported": spans["pdscope"]["exported"],
         "spans_dropped": spans["pdscope"]["dropped"],
         "by_contender": spans,
-        **sink,
+        **_sink(fleet_proc),
     }
     return summarize(a, rounds, tracing)
 
@@ -403,73 +428,85 @@ def _med(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(
-    a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tracing: dict[str, Any]
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in rounds[0]:
-        per = [r[name] for r in rounds]
-        have = [p["latency"] is not None for p in per]
-        lat = {
-            m: {
-                q: _med([p["latency"][m][q] for p, h in zip(per, have, strict=True) if h])
-                for q in ("p50", "p99")
-            }
-            for m in ("e2e_ms", "ttft_ms")
-        }
-        over = {}
-        for m in ("e2e_ms", "ttft_ms"):
-            for q in ("p50", "p99"):
-                diffs = [
-                    p["latency"][m][q] - r["direct"]["latency"][m][q]
-                    for p, r in zip(per, rounds, strict=True)
-                    if p["latency"] is not None
-                    and p["latency"][m][q] is not None
-                    and r["direct"]["latency"][m][q] is not None
-                ]
-                over[f"{m[:-3]}_{q}_overhead_ms"] = _med(diffs)  # type: ignore[arg-type]
-        out[name] = {
-            "ceiling_rps": _med([p.get("ceiling_rps") for p in per]),
-            "achieved_rps": _med([p.get("achieved_rps") for p in per]),
-            "proxy_cpu_util": _med([p.get("proxy_cpu_util") for p in per]),
-            "p50_overhead_ms": over["e2e_p50_overhead_ms"],
-            "p99_overhead_ms": over["e2e_p99_overhead_ms"],
-            **over,
-            "latency_ms": lat,
-            "errors": sum(p.get("errors", 0) + (p["latency"]["errors"] if p["latency"] else 0) for p in per),
-            "rounds": [{k: v for k, v in p.items() if k != "latency"} for p in per],
-        }
-    out["direct"]["ceiling_rps"] = None  # no proxy: nothing to pin
-    out["direct"]["achieved_rps"] = out["direct"]["proxy_cpu_util"] = None
-    toy, pds = out["toy"], out["pdscope"]
-    ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
-    vr = out.get(VLLM_ROUTER)
-    vs_vr = pds["ceiling_rps"] / vr["ceiling_rps"] if vr is not None and vr["ceiling_rps"] else None
-    smp = out.get(SAMPLED)
-    smp_vs_vr = (
-        smp["ceiling_rps"] / vr["ceiling_rps"]
-        if smp is not None and vr is not None and vr["ceiling_rps"] and smp["ceiling_rps"]
-        else None
-    )
+def _latency_summary(per: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """The median over rounds of each latency percentile (rounds without a latency run left out)."""
+    have = [p["latency"] is not None for p in per]
     return {
-        "benchmark": "proxy",
-        "setup": {
-            "proxy_core": 0,
-            "fleet_and_load_core": 1,
-            "fleet": "bench/proxy/fleet.py, 2 P + 2 D, zero latency",
-            "request": f"{a.path}, stream, {a.tokens} output chunks",
-            "concurrency": a.concurrency,
-            "duration_s": a.duration,
-            "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
-            "latency_requests": a.count,
-            "rounds": a.rounds,
-            "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled; trace_sample_ratio 1.0",
-            SAMPLED: None
-            if smp is None
-            else f"the same at trace_sample_ratio {a.sample_ratio} (every request's root span and record, "
-            "children for the sampled share and failed/retried/slow requests)",
-        },
-        "contenders": out,
+        m: {
+            q: _med([p["latency"][m][q] for p, h in zip(per, have, strict=True) if h]) for q in ("p50", "p99")
+        }
+        for m in ("e2e_ms", "ttft_ms")
+    }
+
+
+def _overheads(per: list[dict[str, Any]], rounds: list[dict[str, dict[str, Any]]]) -> dict[str, float | None]:
+    """The median over rounds of each percentile minus direct-to-D's in the same round."""
+    over: dict[str, float | None] = {}
+    for m in ("e2e_ms", "ttft_ms"):
+        for q in ("p50", "p99"):
+            diffs = [
+                p["latency"][m][q] - r["direct"]["latency"][m][q]
+                for p, r in zip(per, rounds, strict=True)
+                if p["latency"] is not None
+                and p["latency"][m][q] is not None
+                and r["direct"]["latency"][m][q] is not None
+            ]
+            over[f"{m[:-3]}_{q}_overhead_ms"] = _med(diffs)
+    return over
+
+
+def _contender(name: str, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One contender's figures over the rounds: medians, overheads, errors, and each round's raw row."""
+    per = [r[name] for r in rounds]
+    over = _overheads(per, rounds)
+    return {
+        "ceiling_rps": _med([p.get("ceiling_rps") for p in per]),
+        "achieved_rps": _med([p.get("achieved_rps") for p in per]),
+        "proxy_cpu_util": _med([p.get("proxy_cpu_util") for p in per]),
+        "p50_overhead_ms": over["e2e_p50_overhead_ms"],
+        "p99_overhead_ms": over["e2e_p99_overhead_ms"],
+        **over,
+        "latency_ms": _latency_summary(per),
+        "errors": sum(p.get("errors", 0) + (p["latency"]["errors"] if p["latency"] else 0) for p in per),
+        "rounds": [{k: v for k, v in p.items() if k != "latency"} for p in per],
+    }
+
+
+def _setup(a: argparse.Namespace, sampled: bool) -> dict[str, Any]:
+    """The run's setup as the result states it."""
+    return {
+        "proxy_core": 0,
+        "fleet_and_load_core": 1,
+        "fleet": "bench/proxy/fleet.py, 2 P + 2 D, zero latency",
+        "request": f"{a.path}, stream, {a.tokens} output chunks",
+        "concurrency": a.concurrency,
+        "duration_s": a.duration,
+        "latency_runs": f"open loop at {a.rate} req/s" if a.rate > 0 else "one request at a time",
+        "latency_requests": a.count,
+        "rounds": a.rounds,
+        "pdscope": "tracing on (OTLP/HTTP to a sink), routing table polled; trace_sample_ratio 1.0",
+        SAMPLED: None
+        if not sampled
+        else f"the same at trace_sample_ratio {a.sample_ratio} (every request's root span and record, "
+        "children for the sampled share and failed/retried/slow requests)",
+    }
+
+
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> float | None:
+    """``num``'s ceiling over ``den``'s (None when either is missing or has none)."""
+    if num is None or den is None or not den["ceiling_rps"] or not num["ceiling_rps"]:
+        return None
+    ratio: float = num["ceiling_rps"] / den["ceiling_rps"]
+    return ratio
+
+
+def _ratios(out: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ceiling ratios and the overhead gap between contenders, with their targets."""
+    toy, pds, vr, smp = out["toy"], out["pdscope"], out.get(VLLM_ROUTER), out.get(SAMPLED)
+    ratio = pds["ceiling_rps"] / toy["ceiling_rps"] if toy["ceiling_rps"] else None
+    vs_vr = pds["ceiling_rps"] / vr["ceiling_rps"] if vr is not None and vr["ceiling_rps"] else None
+    smp_vs_vr = _ratio(smp, vr)
+    return {
         "ceiling_ratio_vs_toy": ratio,
         "p99_overhead_vs_toy_ms": (pds["p99_overhead_ms"] - toy["p99_overhead_ms"])
         if pds["p99_overhead_ms"] is not None and toy["p99_overhead_ms"] is not None
@@ -478,21 +515,41 @@ def summarize(
         "sampled_ceiling_ratio_vs_vllm_router": smp_vs_vr,
         # KV-aware routing's cost per request: its ceiling against load-only's at the same sample ratio
         "kv_aware_ceiling_ratio_vs_load_only": {
-            name[len("pdscope-") :]: (c["ceiling_rps"] / smp["ceiling_rps"])
-            if smp is not None and smp["ceiling_rps"] and c["ceiling_rps"]
-            else None
+            name[len("pdscope-") :]: _ratio(c, smp)
             for name, c in out.items()
             if name in ("pdscope-precise", "pdscope-approximate")
         },
+        "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
+        "vllm_router_target_met": None if vs_vr is None else vs_vr >= 0.5,
+        "sampled_vllm_router_target_met": None if smp_vs_vr is None else smp_vs_vr >= 0.5,
+    }
+
+
+def summarize(
+    a: argparse.Namespace, rounds: list[dict[str, dict[str, Any]]], tracing: dict[str, Any]
+) -> dict[str, Any]:
+    out = {name: _contender(name, rounds) for name in rounds[0]}
+    out["direct"]["ceiling_rps"] = None  # no proxy: nothing to pin
+    out["direct"]["achieved_rps"] = out["direct"]["proxy_cpu_util"] = None
+    ratios = _ratios(out)
+    return {
+        "benchmark": "proxy",
+        "setup": _setup(a, SAMPLED in out),
+        "contenders": out,
+        "ceiling_ratio_vs_toy": ratios["ceiling_ratio_vs_toy"],
+        "p99_overhead_vs_toy_ms": ratios["p99_overhead_vs_toy_ms"],
+        "ceiling_ratio_vs_vllm_router": ratios["ceiling_ratio_vs_vllm_router"],
+        "sampled_ceiling_ratio_vs_vllm_router": ratios["sampled_ceiling_ratio_vs_vllm_router"],
+        "kv_aware_ceiling_ratio_vs_load_only": ratios["kv_aware_ceiling_ratio_vs_load_only"],
         "prompt_words": a.prompt_words,
         "target": {
             "ceiling_ratio_vs_toy": ">= 1.5",
             "p99_overhead": "<= toy's",
             "ceiling_ratio_vs_vllm_router": ">= 0.5 (tracing on; issue 16)",
         },
-        "target_met": bool(ratio and ratio >= 1.5 and pds["p99_overhead_ms"] <= toy["p99_overhead_ms"]),
-        "vllm_router_target_met": None if vs_vr is None else vs_vr >= 0.5,
-        "sampled_vllm_router_target_met": None if smp_vs_vr is None else smp_vs_vr >= 0.5,
+        "target_met": ratios["target_met"],
+        "vllm_router_target_met": ratios["vllm_router_target_met"],
+        "sampled_vllm_router_target_met": ratios["sampled_vllm_router_target_met"],
         "tracing": tracing,
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3]},
     }

@@ -43,6 +43,15 @@ window), so the published one moves only past a dead band (``wait_band`` of the 
 the measure held on every tick for a window and one tick (``wait_confirm_windows``), to the
 value of that run nearest the published one; a tick that cuts the request limit (pressure that
 is real) lowers it at once.
+**With admission by prediction** (``proxies_predict``: pdscope's proxies hold each request's
+predicted TTFT against its target, ``proxy.predict.admit``), the latency pressures (``ttft``,
+``queue``) are the predictor's to act on: it sees P's backlog in tokens and its own error per
+request, where a pool limit cut on the window's percentile rejects what would have made it, and a
+published wait budget cuts short a wait the prediction says is in time. So they are computed and
+explained, but they cut nothing and no wait budget is published; the limits stay a hard ceiling
+for what the predictor cannot see (``kv``: D's KV blocks; ``backlog``: handoffs piling up at D), and
+the controller's rates (``controller.rates``) are the predictor's prior.
+
 Pure: no I/O, no clock.
 """
 
@@ -63,6 +72,7 @@ PRESSURE_REASONS = {
     "ttft": Reason.TTFT_OVER_BUDGET,
     "queue": Reason.PREFILL_QUEUEING,
 }
+LATENCY_PRESSURES = ("ttft", "queue")  # what the proxies' predictor acts on, with admission by prediction
 
 
 @dataclass(frozen=True)
@@ -456,12 +466,18 @@ def decide_pool(
         message = f"{pool.name}: collector behind; limits held"
         return PoolDecision(pool.name, pool.role, prev, base, Reason.STALE_DATA, message, "limits held")
     factors = pressure_factors(pool, cfg)
-    pressure = min(factors.values(), default=1.0)
+    acting = _acting(factors, cfg)
+    pressure = min(acting.values(), default=1.0)
     inflight = _inflight(pool)
-    limit = _request_limit(_Tick(pool, base, cfg, factors, pressure, inflight), warming)
+    limit = _request_limit(_Tick(pool, base, cfg, acting, pressure, inflight), warming)
     kv_limit, kv_arith = _kv_limit(factors, cfg)
-    wait = queue_wait(pool, base, cfg, cut=limit.req < base.max_inflight_requests)
+    if cfg.proxies_predict:
+        wait = Wait(None, 0, None, "wait = the proxy's: it waits while the request's prediction is in time")
+    else:
+        wait = queue_wait(pool, base, cfg, cut=limit.req < base.max_inflight_requests)
     message = limit.message
+    if acting.keys() != factors.keys():
+        message += "; TTFT and P's queue are left to the proxies' admission by prediction"
     if wait.value != base.max_queue_wait_s and wait.value is not None:
         message += f"; a request may wait {wait.value:.2f}s for a slot (the TTFT budget left)"
     new = LimitState(
@@ -478,6 +494,13 @@ def decide_pool(
         scores={k: round(v, 4) for k, v in factors.items()} | {"pressure": round(pressure, 4)},
         inputs=_inputs(pool, cfg, inflight),
     )
+
+
+def _acting(factors: dict[str, float], cfg: PolicyConfig) -> dict[str, float]:
+    """The factors that may move the request limit: with admission by prediction, not the latency ones."""
+    if not cfg.proxies_predict:
+        return factors
+    return {k: v for k, v in factors.items() if k not in LATENCY_PRESSURES}
 
 
 def decide_pools(

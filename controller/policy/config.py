@@ -28,11 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from pdscope.config import AdmissionDefaults, ControllerSettings, Settings, SLOSettings
+from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings, Settings, SLOSettings
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 2
+POLICY_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,9 @@ class PolicyConfig:
     default_max_inflight_requests: int
     default_max_inflight_kv_bytes: int
     default_queue_wait_s: float  # the proxy's queue timeout: the most the wait budget may be
+    # pdscope's proxies admit by prediction (proxy.predict.admit, weighted policy): TTFT and P's queue are
+    # theirs to act on, the pool limits a ceiling for what they cannot see (policy.admission)
+    proxies_predict: bool
     # -- the policy's constants
     smoothing: float = 0.5  # EWMA factor on the target: s = a*target + (1-a)*s_prev
     snap: float = 0.01  # a smoothed value this close to its target is the target (an EWMA never arrives)
@@ -138,19 +141,31 @@ class PolicyConfig:
     @classmethod
     def from_settings(cls, settings: Settings) -> PolicyConfig:
         return cls._derive(
-            settings.controller, settings.slo, settings.proxy.admission, settings.collector.scrape_interval_s
+            settings.controller,
+            settings.slo,
+            settings.proxy.admission,
+            settings.collector.scrape_interval_s,
+            _predicts(settings.proxy),
         )
 
     @classmethod
     def defaults(cls, **changes: Any) -> PolicyConfig:
         """The config a default ``pdscope.yaml`` gives, with ``changes`` (tests and tools)."""
         scrape = _default_of("collector", "scrape_interval_s")
-        cfg = cls._derive(ControllerSettings(), SLOSettings(), AdmissionDefaults(), float(scrape))
+        proxy = ProxySettings()
+        cfg = cls._derive(
+            ControllerSettings(), SLOSettings(), proxy.admission, float(scrape), _predicts(proxy)
+        )
         return dataclasses.replace(cfg, **changes)
 
     @classmethod
     def _derive(
-        cls, c: ControllerSettings, slo: SLOSettings, a: AdmissionDefaults, scrape_interval_s: float
+        cls,
+        c: ControllerSettings,
+        slo: SLOSettings,
+        a: AdmissionDefaults,
+        scrape_interval_s: float,
+        predicts: bool,
     ) -> PolicyConfig:
         ttft_s = slo.ttft.target_ms / 1000.0
         return cls(
@@ -181,6 +196,7 @@ class PolicyConfig:
             default_max_inflight_requests=a.max_inflight_requests,
             default_max_inflight_kv_bytes=a.max_inflight_kv_bytes,
             default_queue_wait_s=a.queue_timeout_s,
+            proxies_predict=predicts,
         )
 
     @property
@@ -241,6 +257,11 @@ def decision_setting_value(name: str, raw: object) -> float | int:
             "(pdscope whatif re-runs the evidence)"
         )
     return setting_value(name, raw)
+
+
+def _predicts(proxy: ProxySettings) -> bool:
+    """pdscope's proxies admit by prediction (as ``proxy.gate.Gate.by_prediction`` decides)."""
+    return proxy.predict.admit and proxy.policy == "weighted"
 
 
 def _default_of(section: str, name: str) -> Any:

@@ -38,18 +38,12 @@ AlertRuleName = Annotated[str, AfterValidator(_known_rule)]
 class AlertRuleSettings(_Frozen):
     """Overrides for one built-in rule; an unset field keeps the rule's default."""
 
-    for_s: float | None = Field(
-        default=None,
-        ge=0,
-        description="seconds the condition must hold before "
-        "the alert fires (pending until then); default: the rule's own",
-    )
-    severity: Severity | None = Field(
-        default=None, description="severity label sent with the alert; default: the rule's own"
-    )
-    enabled: bool = Field(
-        default=True, description="false: the rule resolves the alerts it had and raises no new ones"
-    )
+    for_s: float | None = Field(default=None, ge=0)
+    """seconds the condition must hold before the alert fires (pending until then); default: the rule's own"""
+    severity: Severity | None = None
+    """severity label sent with the alert; default: the rule's own"""
+    enabled: bool = True
+    """false: the rule resolves the alerts it had and raises no new ones"""
 
 
 class AlertSettings(_Frozen):
@@ -62,33 +56,19 @@ class AlertSettings(_Frozen):
     thresholds from ``slo``; here they only get ``for`` durations, severities and switches.
     """
 
-    resend_s: PositiveFloat = Field(
-        default=60.0, description="a firing alert is POSTed to the webhook again this often"
-    )
-    min_requests: int = Field(
-        default=10,
-        ge=1,
-        description="fewer completed requests than this in slo.window_s: the SLO "
-        "rules hold their state instead of judging",
-    )
-    kv_full: PositiveFraction = Field(
-        default=0.95, description="KVCacheNearlyFull fires when an instance's KV usage (0-1) is above this"
-    )
-    mispredicted_error: PositiveFloat = Field(
-        default=0.3,
-        le=100.0,
-        description="TTFTMispredicted fires when the median |observed / predicted - 1| of the TTFT "
-        "predictions in slo.window_s is over this (the fleet changed under the proxy's predictor)",
-    )
-    mispredicted_min_records: int = Field(
-        default=50,
-        ge=1,
-        le=1_000_000,
-        description="fewer records with a TTFT prediction and an observed TTFT than this in "
-        "slo.window_s: TTFTMispredicted holds its state instead of judging",
-    )
-    rules: dict[AlertRuleName, AlertRuleSettings] = Field(
-        default_factory=dict,
-        description="per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, "
-        "enabled; an unknown rule name is an error",
-    )
+    resend_s: PositiveFloat = 60.0
+    """a firing alert is POSTed to the webhook again this often"""
+    min_requests: int = Field(default=10, ge=1)
+    """fewer completed requests than this in slo.window_s: the SLO rules hold their state instead of judging
+    """
+    kv_full: PositiveFraction = 0.95
+    """KVCacheNearlyFull fires when an instance's KV usage (0-1) is above this"""
+    mispredicted_error: PositiveFloat = Field(default=0.3, le=100.0)
+    """TTFTMispredicted fires when the median |observed / predicted - 1| of the TTFT predictions in
+    slo.window_s is over this (the fleet changed under the proxy's predictor)"""
+    mispredicted_min_records: int = Field(default=50, ge=1, le=1_000_000)
+    """fewer records with a TTFT prediction and an observed TTFT than this in slo.window_s: TTFTMispredicted
+    holds its state instead of judging"""
+    rules: dict[AlertRuleName, AlertRuleSettings] = Field(default_factory=dict)
+    """per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, enabled; an unknown rule name is an
+    error"""

@@ -1,11 +1,14 @@
 """What every section of the config is made of: the error, the frozen base model, the bounded types.
 
-A bounded type is a type with its bounds (``Annotated[float, Field(gt=0, le=3600)]``); a field
-declares it and keeps only its default and description in ``Field(...)``. The bounds land in the
+A field is one line, ``name: Type = default``, with its description in the string right under it
+(an attribute docstring: ``use_attribute_docstrings``, which pydantic reads from the source into the
+field's ``description``). Written as ``Field(default=..., description=...)`` every field took four
+lines of one shape, and a section read as one long repetition. A bound goes in the type: a bounded
+type is a type with its bounds (``Annotated[float, Field(gt=0, le=3600)]``). The bounds land in the
 field's metadata exactly as if written in its ``Field``, so validation, the error messages and the
 generated reference (``pdscope.configdoc``) do not tell the two apart. A bound used once stays in
-its field's ``Field``; so does one on an optional field (``float | None``), where a bounded type
-would bound only one branch of the union.
+its field's ``Field(default=..., ge=...)``; so does one on an optional field (``float | None``),
+where a bounded type would bound only one branch of the union.
 
 Imports nothing of pdscope: the sections build on it.
 """
@@ -31,7 +34,8 @@ class ConfigError(Exception):
 class _Frozen(BaseModel):
     # allow_inf_nan=False: every float in the file must be finite (``.inf``, ``.nan`` and
     # ``1e400`` are refused for intervals, weights and targets alike). One rule, every section.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # use_attribute_docstrings: a field's description is the string under it (see above).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 # -- numbers -------------------------------------------------------------------------------

@@ -13,17 +13,13 @@ from pdscope.simtokenizer import NAME as SIM_TOKENIZER
 class ModelSettings(_Frozen):
     """The served model, as the instances know it."""
 
-    name: NonEmpty = Field(description="served model name (vLLM --served-model-name)")
-    kv_bytes_per_token: PositiveInt = Field(
-        description="KV-cache bytes per token across all layers "
-        "(2 * layers * kv_heads * head_dim * dtype bytes; Llama-3-70B BF16 = 327680)"
-    )
-    kv_block_size: int = Field(
-        default=16,
-        ge=1,
-        le=4096,
-        description="tokens per KV cache block (vLLM --block-size): the unit cached prefixes are matched in",
-    )
+    name: NonEmpty
+    """served model name (vLLM --served-model-name)"""
+    kv_bytes_per_token: PositiveInt
+    """KV-cache bytes per token across all layers (2 * layers * kv_heads * head_dim * dtype bytes; Llama-3-70B
+    BF16 = 327680)"""
+    kv_block_size: int = Field(default=16, ge=1, le=4096)
+    """tokens per KV cache block (vLLM --block-size): the unit cached prefixes are matched in"""
     tokenizer: str | None = Field(
         default=None,
         min_length=1,

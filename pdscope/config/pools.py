@@ -11,42 +11,28 @@ from pdscope.routing import Role
 class Instance(_Frozen):
     """One vLLM server (or one simulated one)."""
 
-    name: str = Field(
-        min_length=1,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="the instance's name, unique across all pools: it keys weights, decisions, "
-        "snapshots and spans (for vLLM, set OTEL_SERVICE_NAME to it)",
-    )
-    url: str = Field(
-        description="base URL the proxy sends requests to, e.g. http://10.0.0.5:8000 "
-        "(http:// or https://; a trailing / is dropped)"
-    )
-    metrics_url: str | None = Field(
-        default=None, description="where the collector scrapes vLLM's Prometheus page; default <url>/metrics"
-    )
-    labels: dict[str, str] = Field(
-        default_factory=dict,
-        description="free-form labels (e.g. rack: r1), kept "
-        "with the config for your own use; no pdscope service reads them",
-    )
-    kv_events_endpoint: str | None = Field(
-        default=None,
-        max_length=256,
-        pattern=r"^(tcp|ipc)://[^\s*]+$",
-        description="where the instance publishes its KV cache events (vLLM --kv-events-config "
-        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}), e.g. '
-        "tcp://10.0.0.5:5557; unset: no events from this instance",
-    )
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """the instance's name, unique across all pools: it keys weights, decisions, snapshots and spans (for
+    vLLM, set OTEL_SERVICE_NAME to it)"""
+    url: str
+    """base URL the proxy sends requests to, e.g. http://10.0.0.5:8000 (http:// or https://; a trailing / is
+    dropped)"""
+    metrics_url: str | None = None
+    """where the collector scrapes vLLM's Prometheus page; default <url>/metrics"""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """free-form labels (e.g. rack: r1), kept with the config for your own use; no pdscope service reads them
+    """
+    kv_events_endpoint: str | None = Field(default=None, max_length=256, pattern=r"^(tcp|ipc)://[^\s*]+$")
+    """where the instance publishes its KV cache events (vLLM --kv-events-config {"enable_kv_cache_events":
+    true, "publisher": "zmq", "endpoint": "tcp://*:5557"}), e.g. tcp://10.0.0.5:5557; unset: no events from
+    this instance"""
     kv_events_replay_endpoint: str | None = Field(
-        default=None,
-        max_length=256,
-        pattern=r"^(tcp|ipc)://[^\s*]+$",
-        description="the instance's replay socket (vLLM replay_endpoint): messages missed in a gap are "
-        "asked for again; unset: a gap makes pdscope forget this instance's cache and rebuild it",
+        default=None, max_length=256, pattern=r"^(tcp|ipc)://[^\s*]+$"
     )
-    kv_events_topic: str = Field(
-        default="", max_length=128, description="the topic the instance publishes under (vLLM topic)"
-    )
+    """the instance's replay socket (vLLM replay_endpoint): messages missed in a gap are asked for again;
+    unset: a gap makes pdscope forget this instance's cache and rebuild it"""
+    kv_events_topic: str = Field(default="", max_length=128)
+    """the topic the instance publishes under (vLLM topic)"""
 
     @field_validator("url", "metrics_url")
     @classmethod
@@ -65,19 +51,14 @@ class Instance(_Frozen):
 class Pool(_Frozen):
     """A named set of instances with one role; weights apply per pool and per instance."""
 
-    role: Role = Field(
-        description="prefill (P: gets the request with max_tokens=1) or decode (D: pulls the KV "
-        "cache and streams the tokens); the fleet needs at least one pool of each"
-    )
-    weight: float = Field(
-        default=1.0,
-        ge=0.0,
-        description="the pool's share of traffic relative to pools of "
-        "the same role; multiplies its instances' weights (0: the pool gets nothing)",
-    )
-    instances: list[Instance] = Field(min_length=1, description="the pool's vLLM servers (at least one)")
-    labels: dict[str, str] = Field(
-        default_factory=dict,
-        description="free-form labels (e.g. gpu: h100), kept "
-        "with the config for your own use; no pdscope service reads them",
-    )
+    role: Role
+    """prefill (P: gets the request with max_tokens=1) or decode (D: pulls the KV cache and streams the
+    tokens); the fleet needs at least one pool of each"""
+    weight: float = Field(default=1.0, ge=0.0)
+    """the pool's share of traffic relative to pools of the same role; multiplies its instances' weights (0:
+    the pool gets nothing)"""
+    instances: list[Instance] = Field(min_length=1)
+    """the pool's vLLM servers (at least one)"""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """free-form labels (e.g. gpu: h100), kept with the config for your own use; no pdscope service reads them
+    """

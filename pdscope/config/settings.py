@@ -27,46 +27,28 @@ from pdscope.simtokenizer import NAME as SIM_TOKENIZER
 class Settings(_Frozen):
     """The whole file. Sections other than ``model`` and ``pools`` have defaults."""
 
-    model: ModelSettings = Field(description="The served model, as every instance knows it. Required.")
-    pools: dict[str, Pool] = Field(
-        description="The fleet: named pools of instances, each pool prefill or "
-        "decode; at least one of each. Required."
-    )
-    slo: SLOSettings = Field(
-        default=SLOSettings(),
-        description="What the service promises its users: the "
-        "targets alerts, admission, the dashboard and the benchmarks judge against.",
-    )
-    alerts: AlertSettings = Field(
-        default=AlertSettings(),
-        description="The controller's paging policy: when "
-        "and how loudly the built-in rules (docs/alerts.md) alert.",
-    )
-    store: StoreSettings = Field(
-        default=StoreSettings(),
-        description="The database every service meets in, and how long it keeps what it holds.",
-    )
-    controller: ControllerSettings = Field(
-        default=ControllerSettings(),
-        description="The reconcile loop and its HTTP API (docs/policy.md, docs/api.md).",
-    )
-    proxy: ProxySettings = Field(
-        default=ProxySettings(), description="The P/D router, the data plane (docs/proxy.md)."
-    )
-    collector: CollectorSettings = Field(
-        default=CollectorSettings(),
-        description="The scraper, the OTLP receiver and the request-record builder (docs/collector.md).",
-    )
-    dashboard: DashboardSettings = Field(
-        default=DashboardSettings(),
-        description="The Streamlit dashboard and who may change things through it (docs/dashboard.md).",
-    )
-    simulator: SimulatorConfig = Field(
-        default_factory=SimulatorConfig,
-        description="The simulated "
-        "fleet's model (docs/simulator.md); only pdscope sim and the demo read "
-        "it. simulator: {} is a working fleet.",
-    )
+    model: ModelSettings
+    """The served model, as every instance knows it. Required."""
+    pools: dict[str, Pool]
+    """The fleet: named pools of instances, each pool prefill or decode; at least one of each. Required."""
+    slo: SLOSettings = SLOSettings()
+    """What the service promises its users: the targets alerts, admission, the dashboard and the benchmarks
+    judge against."""
+    alerts: AlertSettings = AlertSettings()
+    """The controller's paging policy: when and how loudly the built-in rules (docs/alerts.md) alert."""
+    store: StoreSettings = StoreSettings()
+    """The database every service meets in, and how long it keeps what it holds."""
+    controller: ControllerSettings = ControllerSettings()
+    """The reconcile loop and its HTTP API (docs/policy.md, docs/api.md)."""
+    proxy: ProxySettings = ProxySettings()
+    """The P/D router, the data plane (docs/proxy.md)."""
+    collector: CollectorSettings = CollectorSettings()
+    """The scraper, the OTLP receiver and the request-record builder (docs/collector.md)."""
+    dashboard: DashboardSettings = DashboardSettings()
+    """The Streamlit dashboard and who may change things through it (docs/dashboard.md)."""
+    simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
+    """The simulated fleet's model (docs/simulator.md); only pdscope sim and the demo read it. simulator: {}
+    is a working fleet."""
 
     @field_validator("pools")
     @classmethod

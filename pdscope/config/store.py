@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
 from pdscope.config.base import PositiveFloat, _Frozen
 
@@ -10,21 +10,14 @@ STORE_DRIVERS = ("sqlite", "sqlite+pysqlite", "postgresql", "postgres", "postgre
 
 
 class StoreSettings(_Frozen):
-    url: str = Field(
-        default="sqlite:///pdscope.db",
-        description="SQLAlchemy URL of the store shared by every service: sqlite:///FILE "
-        "or postgresql[+psycopg]://USER@HOST/DB (psycopg 3); another scheme is an error",
-    )
-    retention_raw_s: PositiveFloat = Field(
-        default=6 * 3600.0,
-        description="seconds raw snapshots, spans and "
-        "request records are kept (never deleted before their minute is rolled "
-        "up); also the collector's too_old horizon for incoming spans",
-    )
-    retention_rollup_s: PositiveFloat = Field(
-        default=30 * 86400.0,
-        description="seconds the per-minute rollups (per instance and per P x D pair) are kept",
-    )
+    url: str = "sqlite:///pdscope.db"
+    """SQLAlchemy URL of the store shared by every service: sqlite:///FILE or
+    postgresql[+psycopg]://USER@HOST/DB (psycopg 3); another scheme is an error"""
+    retention_raw_s: PositiveFloat = 6 * 3600.0
+    """seconds raw snapshots, spans and request records are kept (never deleted before their minute is rolled
+    up); also the collector's too_old horizon for incoming spans"""
+    retention_rollup_s: PositiveFloat = 30 * 86400.0
+    """seconds the per-minute rollups (per instance and per P x D pair) are kept"""
 
     @field_validator("url")
     @classmethod

@@ -10,12 +10,15 @@ import pytest
 from controller.policy import LimitState, PolicyConfig, PoolSignals
 from controller.policy.admission import decide_pool, measured_wait
 
+# the controller's own latency cuts: proxies that do not admit by prediction (PREDICTING: those that do)
 CFG = PolicyConfig.defaults(
     ttft_target_s=2.0,
     handoff_budget_s=1.0,
     default_max_inflight_requests=100,
     default_max_inflight_kv_bytes=1000,
+    proxies_predict=False,
 )
+PREDICTING = replace(CFG, proxies_predict=True)
 CALM = PoolSignals(
     "decode",
     "decode",
@@ -340,3 +343,19 @@ def test_stale_data_holds_limits() -> None:
 def test_worst_pressure_names_the_reason() -> None:
     d = decide_pool(replace(CALM_P, kv_usage=0.93, ttft_at_slo_s=2.2), None, CFG, stale=False)
     assert d.reason == "KVHeadroomLow"
+
+
+def test_with_admission_by_prediction_latency_pressures_are_explained_but_cut_nothing() -> None:
+    """TTFT over target and P's queue are the proxies' predictor's to act on; KV headroom still cuts."""
+    hot = replace(CALM_P, ttft_at_slo_s=6.0, waiting_now=200.0, service_ttft_at_slo_s=1.9)
+    own = decide_pool(hot, decide_pool(hot, None, CFG, stale=False).new, CFG, stale=False)
+    assert own.new.max_inflight_requests < 100, own.arithmetic  # the controller alone cuts on it
+    prev: LimitState | None = None
+    for _ in range(5):
+        d = decide_pool(hot, prev, PREDICTING, stale=False)
+        prev = d.new
+        assert d.new.max_inflight_requests == 100 and d.new.max_queue_wait_s is None, d.arithmetic
+        assert d.scores["ttft"] < 0.5 and "admission by prediction" in d.message
+    full = replace(hot, kv_usage=0.97)
+    full = decide_pool(full, decide_pool(full, None, PREDICTING, stale=False).new, PREDICTING, stale=False)
+    assert full.new.max_inflight_requests < 100 and full.new.max_inflight_kv_bytes < 1000

@@ -74,6 +74,25 @@ def test_an_empty_fit_keeps_the_served_rates() -> None:
     assert gate.offer(Rates(fitted_at=20.0, window_s=10.0), now=20.0) is first
 
 
+def test_the_cadence_fits_first_then_every_every_s() -> None:
+    gate = RatesGate(every_s=5.0)
+    assert gate.due(100.0), "nothing fitted yet: a restart or a new leader fits on its first tick"
+    gate.offer(_rates(at=100.0), 100.0)
+    assert not gate.due(102.0) and not gate.due(104.9)
+    assert gate.due(105.0) and gate.due(99.0), "due after every_s, and when the clock went back"
+    gate.clear()  # standing down
+    assert gate.due(101.0)
+
+
+def test_an_empty_fit_starts_no_cadence_while_nothing_is_served() -> None:
+    gate = RatesGate(every_s=5.0)
+    gate.offer(Rates(fitted_at=100.0, window_s=10.0), 100.0)
+    assert gate.served is None and gate.due(102.0), "the first rates are served at the first tick with any"
+    gate.offer(_rates(at=102.0), 102.0)
+    gate.offer(Rates(fitted_at=107.0, window_s=10.0), 107.0)  # an idle window: kept, and it waits again
+    assert gate.served is not None and not gate.due(109.0) and gate.due(112.0)
+
+
 # -- served by the controller from a seeded store ------------------------------------------------------
 
 
@@ -149,7 +168,8 @@ def test_the_etag_changes_with_the_rates_and_only_then(client: TestClient, world
     assert world.reconciler.table.version == first.json()["version"]
     assert client.get("/v1/routing", headers={"If-None-Match": etag}).status_code == 304
     _seed(world, world.clock() + 0.5, slope=0.001, n=300)  # P got 2x slower: most of the window says so
-    world.step(requests=False)
+    for _ in range(3):  # the next fit on the cadence (every 5 s, ticks 2 s apart) serves it
+        world.step(requests=False)
     again = client.get("/v1/routing", headers={"If-None-Match": etag})
     assert again.status_code == 200 and again.headers["etag"] != etag
     assert again.headers["etag"].rsplit("-r", 1)[1] != etag.rsplit("-r", 1)[1], "the rates' part moved"
@@ -178,3 +198,28 @@ def test_new_rates_alone_change_the_etag(client: TestClient, world: World) -> No
     with world.reconciler._lock:  # the same rates again: the same ETag
         gate.offer(_rates(at=1.0), world.clock() + 2.0)
     assert client.get("/v1/routing", headers={"If-None-Match": r1.headers["etag"]}).status_code == 304
+
+
+def test_between_fits_the_last_rates_are_served_and_not_refitted(client: TestClient, world: World) -> None:
+    _seed(world, world.clock() + 0.5, slope=0.0005)
+    world.step(requests=False)
+    fitted = client.get("/v1/routing").json()["rates"]["fitted_at"]
+    assert fitted == world.clock()
+    seen = []
+    for _ in range(4):
+        world.step(requests=False)
+        seen.append(world.reconciler._rates.last_fit)
+        assert client.get("/v1/routing").json()["rates"] is not None, "served between fits"
+    every = world.settings.controller.rates_every_s
+    assert seen == [fitted, fitted, fitted + 6.0, fitted + 6.0] and every == 5.0, "ticks 2 s apart: every 3rd"
+
+
+def test_a_new_leader_fits_on_its_first_tick(client: TestClient, world: World) -> None:
+    _seed(world, world.clock() + 0.5, slope=0.0005)
+    world.step(requests=False)
+    with world.reconciler._lock:
+        world.reconciler._stand_down_locked("test", None)
+        world.reconciler._leading = True  # the lock taken again
+    world.step(requests=False)
+    assert world.reconciler._rates.last_fit == world.clock()
+    assert client.get("/v1/routing").json()["rates"]["fitted_at"] == world.clock()

@@ -25,8 +25,9 @@ from pdscope.cli.whatif import EXIT_WORSE, run_load, stack_config, validate
 
 # The errors the what-if states for its fit (docs/whatif.md): relative, fitted(old) vs observed, per
 # recorded run. The degraded link's goodput is set by when the controller's admission limit cuts in
-# (a discrete decision: 42 vs 25 of 177 rejected in one pair of runs), so its error has been 8-30 %;
-# the slow P's has stayed under 2 %.
+# (a discrete decision: 42 vs 25 of 177 rejected in one pair of runs), so its error has been 8-30 %
+# (0.7 % with admission by prediction on, 2026-12-04); the slow P's, recorded without admission by
+# prediction, has stayed under 2 %.
 GOODPUT_BOUND = {"slow_link": 0.35, "slow": 0.10}
 TTFT_BOUND = 0.5
 
@@ -56,9 +57,10 @@ BASE: dict[str, Any] = {
 
 
 def _record(
-    tmp: Path, fault: dict[str, Any], capsys: pytest.CaptureFixture[str]
+    tmp: Path, fault: dict[str, Any], capsys: pytest.CaptureFixture[str], predict: bool = True
 ) -> tuple[Path, float, float]:
-    base = validate(BASE, "base")
+    raw = BASE if predict else {**BASE, "proxy": {**BASE["proxy"], "predict": {"admit": False}}}
+    base = validate(raw, "base")
     rec = tmp / "recorded"
     rec.mkdir()
     cfg = stack_config(base, ROLES, SIM, f"sqlite:///{rec / 'store.db'}")
@@ -129,7 +131,10 @@ def test_whatif_reproduces_a_slow_p(tmp_path: Path, capsys: pytest.CaptureFixtur
     """... and a candidate that routes round robin (no weights, no outlier ejection) past the slow P
     is flagged: it would have cut goodput."""
     fault = {"kind": "slow", "instance": "prefill-1", "factor": 5.0, "at": 10.0}
-    config, lo, hi = _record(tmp_path, fault, capsys)
+    # Without admission by prediction: its rejections are discrete decisions on a noisy margin (5 to
+    # 39 of 177 in one recording and its replays on a busy machine), like the link test's limit cut;
+    # this test holds the fit of a slow P to its 10 %, the link test covers the predictor's replay.
+    config, lo, hi = _record(tmp_path, fault, capsys, predict=False)
     candidate = tmp_path / "candidate.yaml"
     candidate.write_text("proxy:\n  policy: round-robin\n")
     result = _whatif(capsys, config, lo, hi, "--candidate", str(candidate), code=EXIT_WORSE)

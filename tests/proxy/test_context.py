@@ -151,3 +151,18 @@ async def test_clamp_lets_through_what_vllm_clamps_and_refuses_a_prompt_with_no_
     assert clamped.status_code == 200
     assert full.status_code == 400 and full.json()["error"]["param"] == "prompt"
     assert len(fleet.prefill[0].calls) == 1
+
+
+async def test_the_check_hands_the_tokenizers_exact_count_to_the_predictor() -> None:
+    """With a tokenizer the check counts the prompt exactly: that count, not a text estimate, is the
+    one the TTFT predictor is given (the flow's ``req.tokens``)."""
+    from proxy.context import ContextCheck
+    from proxy.models import ModelCatalog
+
+    tok = load_tokenizer(str(TOKENIZER))
+    body = {"model": "fake", "prompt": "hello world " * 40, "max_tokens": 8}
+    ids = tok.ids(COMPLETIONS, body)
+    assert ids is not None
+    counted = ContextCheck(ModelCatalog(), override=4096, tokenizer=tok)
+    assert await counted.check(COMPLETIONS, body, 480, None) == len(ids)
+    assert await ContextCheck(ModelCatalog(), override=4096).check(COMPLETIONS, body, 480, None) is None

@@ -70,6 +70,7 @@ async def test_the_p_holding_the_prefix_gets_the_request_and_the_root_says_why()
     assert px.metric("pdscope_proxy_predicted_cached_tokens_total", role="decode") == 512
     assert px.metric("pdscope_proxy_prompt_tokens_routed_total") == 1024
     assert px.flow.gate.predictor.backlog == {}  # P answered: its backlog is empty
+    assert px.flow.gate.predictor.d_backlog == {}  # D's first token: nor is D's
 
 
 async def test_backlog_counts_prefills_in_flight_and_spreads_them() -> None:
@@ -79,15 +80,16 @@ async def test_backlog_counts_prefills_in_flight_and_spreads_them() -> None:
     for inst in p:
         inst.mode = "hang"
     px = proxy_for(p, d, FakeView({}))
-    backlog = px.flow.gate.predictor.backlog
+    backlog, d_backlog = px.flow.gate.predictor.backlog, px.flow.gate.predictor.d_backlog
     tasks = [asyncio.create_task(px.send()) for _ in range(2)]
     for inst in p:
         await asyncio.wait_for(inst.entered.wait(), 5)
     assert backlog == {"p0": 1024, "p1": 1024}
+    assert d_backlog == {"d0": 2048}  # both are bound for d0: their KV is what it will pull
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert backlog == {}
+    assert backlog == {} and d_backlog == {}  # a request that ends leaves both
     assert px.parts.admission.requests["prefill"] == 0
 
 

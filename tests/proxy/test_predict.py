@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdscope import semconv as sc
 from pdscope.config import PredictSettings
 from pdscope.routing import InstanceRate, PairRate, Rates
-from proxy.predict import MIN_RATIOS, Line, Predictor, late_decodes, outlook
+from proxy.predict import B_MIN, MIN_RATIOS, Line, Predictor, late_decodes, outlook
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_settings
 
@@ -55,11 +55,11 @@ def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_r
         pairs=[PairRate(prefill="p0", decode="d0", handoff_s=0.4, samples=9)],
     )
     pred.use_table(rates, share=0.5)
-    pred.add_backlog("p0", 500)  # this proxy's 500 tokens, at half the pool: 1000 ahead
+    pred.backlog.add("p0", 500)  # this proxy's 500 tokens, at half the pool: 1000 ahead
     table = pred.prefill("p0", 1000)
     assert (table.source, table.confident, table.ahead) == (sc.PREDICT_TABLE, True, 1000)
     assert table.seconds == pytest.approx(0.1 + 0.001 * 2000)
-    assert pred.handoff("p0", "d0") == 0.4
+    assert pred.handoff("p0", "d0", 2000) == 0.4
     for _ in range(PS.min_samples):
         pred.observe_prefill("p0", 2000, 5.0)
     online = pred.prefill("p0", 1000)
@@ -70,13 +70,41 @@ def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_r
 def test_the_error_factor_is_the_recent_ratio_quantile_and_one_while_few_are_known() -> None:
     pred = Predictor(PredictSettings(quantile=0.9), 10_000, NOW)
     for _ in range(MIN_RATIOS - 1):
-        pred.observe_ttft(1.0, 2.0)
-    assert pred.factor() == 1.0
+        pred.observe_ttft("p0", 1.0, 2.0, True)
+    assert pred.factor("p0") == 1.0
     pred = Predictor(PredictSettings(quantile=0.9), 10_000, NOW)
     for i in range(100):
-        pred.observe_ttft(1.0, 1.0 + i / 100)
-    assert pred.factor() == pytest.approx(1.9, abs=0.05)
-    assert pred.observe_ttft(0.0, 1.0) is None and pred.observe_ttft(1.0, float("nan")) is None
+        pred.observe_ttft("p0", 1.0, 1.0 + i / 100, True)
+    assert pred.factor("p0") == pytest.approx(1.9, abs=0.05)
+    assert pred.observe_ttft("p0", 0.0, 1.0, True) is None
+    assert pred.observe_ttft("p0", 1.0, float("nan"), True) is None
+
+
+def test_one_ps_errors_do_not_widen_anothers_margin_and_a_cold_guess_widens_none() -> None:
+    """The held-out failure: a P that slowed five times over filled a shared ring with ratios near 2-4
+    while its line caught up, and the healthy P's predictions, times that factor, were rejected."""
+    pred = Predictor(PredictSettings(quantile=0.98), 10_000, NOW)
+    for _ in range(50):
+        pred.observe_ttft("p0", 1.0, 0.95, True)  # the healthy P: its model fits
+        pred.observe_ttft("p1", 1.0, 3.0, True)  # the P that slowed: its line lags
+        pred.observe_ttft("p0", 0.2, 0.5, False)  # a cold prediction: a guess, not the model's noise
+    assert pred.factor("p0") == 1.0
+    assert pred.factor("p1") == pytest.approx(3.0)
+    assert pred.factor("p2") > 1.0  # a P with no ratios of its own borrows the pooled ring
+
+
+def test_the_errors_that_reopened_a_line_leave_its_margin() -> None:
+    pred = _trained({"p0": 0.0001})
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p0", 1.0, 1.0, True)
+    for _ in range(5):
+        pred.observe_ttft("p0", 1.0, 4.0, True)  # P got slower: its first-token errors show it
+    assert pred.factor("p0") == pytest.approx(4.0)
+    line = pred.lines()["p0"]
+    opened = line.reopened
+    while line.reopened == opened:  # ... and its prefill times run one-sided until the line reopens
+        pred.observe_prefill("p0", 2000, 2.0)
+    assert pred.factor("p0") == 1.0  # those errors measured the change; none are left to borrow
 
 
 def _trained(per_token: dict[str, float], n: int = 10) -> Predictor:
@@ -100,10 +128,27 @@ def test_outlook_rejects_only_when_every_fitted_p_is_late_and_a_cold_one_is_neve
 def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
     pred = _trained({"p0": 0.0001})
     for _ in range(5):
-        pred.observe_handoff("p0", "d0", 3.0)
-        pred.observe_handoff("p0", "d1", 0.05)
-    assert late_decodes(pred, "p0", 0.2, ["d0", "d1"], 0.0, 1.0) == {"d0"}
-    assert late_decodes(pred, "p0", 0.2, ["d0"], 0.0, 1.0) == set()  # no D in time: the gate picks
+        pred.observe_handoff("p0", "d0", 2000, 3.0)
+        pred.observe_handoff("p0", "d1", 2000, 0.05)
+    assert late_decodes(pred, "p0", 0.2, ["d0", "d1"], 0.0, 1.0, 2000) == {"d0"}
+    assert late_decodes(pred, "p0", 0.2, ["d0"], 0.0, 1.0, 2000) == set()  # no D in time: the gate picks
+
+
+def test_the_handoff_grows_with_the_kv_d_pulls_its_own_and_what_is_ahead_of_it() -> None:
+    """D pulls the whole prompt's KV, behind the pulls of the requests sent to it before: one mean
+    per pair over mixed lengths and queues would be wrong for both the short and the long."""
+    pred = Predictor(PS, 10_000, NOW)
+    for _ in range(20):
+        for x in (1000, 4000, 8000):
+            pred.observe_handoff("p0", "d0", x, 0.05 + x * 50e-6)  # 50 us per token of KV
+    assert pred.handoff_x("d0", 2000) == 2000
+    pred.d_backlog.add("d0", 3000)  # a request already sent to d0, its first token still to come
+    x = pred.handoff_x("d0", 2000)
+    assert x == 5000 and pred.handoff_x("d1", 2000) == 2000
+    for p in ("p0", None):
+        assert pred.handoff(p, "d0", x) == pytest.approx(0.05 + 5000 * 50e-6, rel=0.05)
+    pred.d_backlog.drop("d0", 3000)
+    assert pred.handoff_x("d0", 2000) == 2000 and "d0" not in pred.d_backlog
 
 
 def test_a_fit_that_learnt_nothing_for_probe_s_lets_one_request_through_to_learn_again() -> None:
@@ -111,14 +156,16 @@ def test_a_fit_that_learnt_nothing_for_probe_s_lets_one_request_through_to_learn
     pred = Predictor(PredictSettings(min_samples=5, probe_s=10.0), 10_000, lambda: t[0])
     for _ in range(10):
         pred.observe_prefill("p0", 1000, 50.0)  # p0 was very slow
-        pred.observe_handoff("p0", "d0", 9.0)
-    assert pred.prefill("p0", 1000).confident and pred.handoff("p0", "d0") == pytest.approx(9.0)
+        pred.observe_handoff("p0", "d0", 1000, 9.0)
+    assert pred.prefill("p0", 1000).confident and pred.handoff("p0", "d0", 1000) == pytest.approx(
+        9.0, rel=0.01
+    )
     t[0] = 11.0  # nothing learnt since: p0 may get one request (a probe), d0's mean falls back
     assert not pred.prefill("p0", 1000).confident
-    assert pred.handoff("p0", "d0") == PredictSettings().handoff_s
-    pred.add_backlog("p0", 1000)  # the probe is in flight: judged by its old line meanwhile
+    assert pred.handoff("p0", "d0", 1000) == PredictSettings().handoff_s
+    pred.backlog.add("p0", 1000)  # the probe is in flight: judged by its old line meanwhile
     assert pred.prefill("p0", 1000).confident
-    pred.drop_backlog("p0", 1000)
+    pred.backlog.drop("p0", 1000)
     pred.observe_prefill("p0", 1000, 0.2)
     assert pred.prefill("p0", 1000).confident  # fresh again
 
@@ -209,3 +256,25 @@ async def test_the_served_proxy_reads_the_target_header_named_in_the_config() ->
     assert late.status_code == 429 and late.json()["error"]["code"] == "predicted_late"
     assert batch.status_code == 200
     assert bad.status_code == 400 and "X-Budget" in bad.json()["error"]["message"]
+
+
+def test_a_line_whose_slope_sits_on_its_floor_stays_near_what_it_sees() -> None:
+    """A P whose time does not grow with its backlog (a zero-latency fleet; a P that batches the whole
+    queue at once): the slope sits on its floor. The update used to clamp it after a joint step, and
+    the error it could not put there went into the base through their correlation, every step: the
+    line reached 770 s against observations of 2-32 ms, and every request was rejected."""
+    rng = random.Random(1)
+    line = Line(0.05, 0.0625, 0.98)
+    for i in range(400):
+        line.update(135 * (i % 64), 0.002 + rng.random() * 0.03)  # the backlog ramps, the time does not
+        if i >= 10:  # past the prior's first guesses
+            assert 0.0 <= line(0) <= 0.05 and line(135 * 63) <= 0.1, (i, line.a, line.b)
+    assert line.b >= B_MIN and line.p00 * line.p11 >= line.p01**2
+
+
+def test_a_line_at_zero_base_learns_its_slope_alone() -> None:
+    line = Line(0.0, 0.001, 0.98)
+    for i in range(100):
+        tokens = 1000 * (1 + i % 8)
+        line.update(tokens, 0.0005 * tokens / 1000)  # all slope, no base: a sits on its bound
+    assert line.a >= 0.0 and line(8000) == pytest.approx(0.004, rel=0.1)

@@ -57,3 +57,43 @@ def test_the_checked_in_budget_file_reads() -> None:
     assert isinstance(data["duplicates"]["max"], int)
     for func, rules in data["complexity"]["allowed"].items():
         assert "::" in func and set(rules) <= set(budgets.COMPLEXITY_RULES), func
+
+
+# A loop with a guard and an accumulator: six logical lines of logic, written twice with other names.
+SHAPE = """
+def {f}({xs}, {lim}):
+    {acc} = []
+    for {x} in {xs}:
+        if {x}.{attr} > {lim}:
+            continue
+        {acc}.append({x}.{attr} * {n})
+    return sorted({acc})
+"""
+
+
+def test_a_copy_with_other_names_and_values_is_one_shape_pair(tmp_path: Path) -> None:
+    a = _write(tmp_path, "pkg/a.py", SHAPE.format(f="f", xs="xs", lim="lim", acc="out", x="x", attr="s", n=2))
+    text = SHAPE.format(f="g", xs="rows", lim="cap", acc="kept", x="r", attr="ttft", n=1000)
+    b = _write(tmp_path, "pkg/b.py", '"""Another module."""\n\nimport os\n' + text)
+    assert budgets.shape_pairs(tmp_path, [a, b]) == [(("pkg/a.py", 2, 8), ("pkg/b.py", 5, 11))]
+
+
+def test_other_logic_and_tables_of_declarations_are_not_shape_copies(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.py", SHAPE.format(f="f", xs="xs", lim="lim", acc="out", x="x", attr="s", n=2))
+    other = (
+        "def f(xs):\n    n = 0\n    while n < 3:\n        n += len(xs)\n        xs = xs[1:]\n    return n\n"
+    )
+    b = _write(tmp_path, "b.py", other)
+    fields = "".join(f"    f{i}: int = {i}\n    '''field {i}'''\n" for i in range(8))
+    c = _write(tmp_path, "c.py", f"class A:\n{fields}\n\nclass B:\n{fields.replace('int', 'str')}")
+    assert budgets.shape_pairs(tmp_path, [a, b, c]) == []
+
+
+def test_shape_lines_normalise_names_strings_and_numbers() -> None:
+    source = 'import os\n"""Doc."""\nx: int = 1\ny = f(a, "s" "t", 2)  # why\nif y:\n    pass\n'
+    assert budgets.shape_lines(source) == [(4, 4, "N = N ( N , S , 0 )"), (5, 5, "if N :"), (6, 6, "pass")]
+
+
+def test_the_checked_in_shape_budget_is_a_count() -> None:
+    data = budgets.tomllib.loads(budgets.BUDGET_FILE.read_text())
+    assert isinstance(data["shapes"]["max"], int) and data["shapes"]["max"] >= 0
