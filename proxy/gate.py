@@ -437,7 +437,7 @@ class Gate:
         est = self.predictor.prefill(p.name, req.tokens)
         ds = [t.name for t in view.decode]
         elapsed = now - req.started
-        return late_decodes(self.predictor, p.name, est.seconds, ds, elapsed, req.target_s, req.tokens)
+        return late_decodes(self.predictor, p.name, est, ds, elapsed, req.target_s, req.tokens)
 
     def _enter(self, req: RequestState, decision: Decision, kv: KvRouting, now: float) -> None:
         req.route = decision

@@ -33,7 +33,9 @@ or the table's. The margin measures the noise of a model that fits, so three kin
 out of it: a cold P's (the prior's or a few completions' guess: it rejects nothing anyway), another
 P's (one P slowing down must not widen the margin of every other), and the run of errors that made a
 line reopen (:class:`Line`: the P changed; those errors measured the change, not the noise). A P with
-fewer than :data:`MIN_RATIOS` of its own borrows the pooled ring of every P's.
+fewer than :data:`MIN_RATIOS` of its own borrows the pooled ring of every P's. The margin is the
+queue model's: a request that meets no queue of this proxy's is judged by its own prediction alone
+(:meth:`Predictor.margin`).
 
 Pure: no I/O, no clock; every time is passed in.
 """
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdscope import semconv as sc
@@ -252,6 +254,19 @@ class Predictor:
         """The recent error quantile a prediction through ``p`` is multiplied by (1 while few are known)."""
         return self._errors.factor(p)
 
+    def margin(self, p: str, queued: bool) -> float:
+        """What a prediction through ``p`` is multiplied by: :meth:`factor` while anything of this proxy's
+        waits on the request's way (``queued``: tokens ahead on P, a backlog at its D), else 1. The
+        error quantile is the noise of the queue model; a request that meets no queue is judged by its
+        own prompt alone. Without this, the ratios of a saturation (observed up to 3x predicted) kept
+        the factor near 2 after it ended: every request was rejected, so no first token came to bring
+        it down, and an idle 4P+2D fleet was refused for the last 15 s of a simulated run."""
+        return self._errors.factor(p) if queued else 1.0
+
+    def d_queued(self, ds: Iterable[str]) -> bool:
+        """Whether this proxy has a request waiting for a first token at one of ``ds``."""
+        return any(self.d_backlog.get(d, 0) > 0 for d in ds)
+
     def budget(self, target_s: float) -> float:
         """The part of ``target_s`` a prediction (times :meth:`factor`) must fit in."""
         return target_s * (1.0 - self.ps.margin)
@@ -384,9 +399,10 @@ def outlook(
     handoff = min((pred.handoff(None, d, pred.handoff_x(d, tokens)) for d in ds), default=pred.ps.handoff_s)
     late: set[str] = set()
     best = math.inf
+    d_queued = pred.d_queued(ds)
     for p in ps:
         est = pred.prefill(p, own.get(p, 0))
-        total = elapsed + (est.seconds + handoff) * pred.factor(p)
+        total = elapsed + (est.seconds + handoff) * pred.margin(p, d_queued or est.ahead > 0)
         best = min(best, total)
         if total > budget and est.confident:
             late.add(p)
@@ -396,16 +412,19 @@ def outlook(
 def late_decodes(
     pred: Predictor,
     p: str,
-    p_s: float,
+    est: PEstimate,
     ds: Sequence[str],
     elapsed: float,
     target_s: float,
     tokens: int = 0,
 ) -> set[str]:
-    """The Ds through which ``p`` (its part ``p_s``) would be late for a prompt of ``tokens``, when at
+    """The Ds through which ``p`` (its part ``est``) would be late for a prompt of ``tokens``, when at
     least one would not be."""
-    factor, budget = pred.factor(p), pred.budget(target_s)
-    late = {
-        d for d in ds if elapsed + (p_s + pred.handoff(p, d, pred.handoff_x(d, tokens))) * factor > budget
-    }
+    budget = pred.budget(target_s)
+
+    def total(d: str) -> float:
+        margin = pred.margin(p, est.ahead > 0 or pred.d_queued((d,)))
+        return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(d, tokens))) * margin
+
+    late = {d for d in ds if total(d) > budget}
     return late if len(late) < len(ds) else set()

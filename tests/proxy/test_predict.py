@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdscope import semconv as sc
 from pdscope.config import PredictSettings
 from pdscope.routing import InstanceRate, PairRate, Rates
-from proxy.predict import B_MIN, MIN_RATIOS, Line, Predictor, late_decodes, outlook
+from proxy.predict import B_MIN, MIN_RATIOS, Line, PEstimate, Predictor, late_decodes, outlook
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_settings
 
@@ -130,8 +130,9 @@ def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
     for _ in range(5):
         pred.observe_handoff("p0", "d0", 2000, 3.0)
         pred.observe_handoff("p0", "d1", 2000, 0.05)
-    assert late_decodes(pred, "p0", 0.2, ["d0", "d1"], 0.0, 1.0, 2000) == {"d0"}
-    assert late_decodes(pred, "p0", 0.2, ["d0"], 0.0, 1.0, 2000) == set()  # no D in time: the gate picks
+    est = PEstimate(0.2, 0, sc.PREDICT_ONLINE, True)
+    assert late_decodes(pred, "p0", est, ["d0", "d1"], 0.0, 1.0, 2000) == {"d0"}
+    assert late_decodes(pred, "p0", est, ["d0"], 0.0, 1.0, 2000) == set()  # no D in time: the gate picks
 
 
 def test_the_handoff_grows_with_the_kv_d_pulls_its_own_and_what_is_ahead_of_it() -> None:
@@ -278,3 +279,21 @@ def test_a_line_at_zero_base_learns_its_slope_alone() -> None:
         tokens = 1000 * (1 + i % 8)
         line.update(tokens, 0.0005 * tokens / 1000)  # all slope, no base: a sits on its bound
     assert line.a >= 0.0 and line(8000) == pytest.approx(0.004, rel=0.1)
+
+
+def test_the_error_margin_is_for_a_queue_and_a_request_meeting_none_is_judged_by_its_own_prompt() -> None:
+    """A saturation's errors widen the margin; once nothing of this proxy's waits on the way, they must
+    not refuse a request to an idle fleet (nothing admitted, no first token would ever narrow it)."""
+    pred = _trained({"p0": 0.0004})  # 0.4 s per 1000 tokens
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p0", 1.0, 2.5, True)  # the saturation: 2.5x what was predicted
+    assert pred.factor("p0") == pytest.approx(2.5)
+    idle = outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0)
+    assert not idle.hopeless  # 0.8 s of its own prefill and the handoff: in time, with no queue
+    pred.backlog.add("p0", 1000)  # something of ours is ahead on P: the margin is the queue model's
+    assert outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless
+    pred.backlog.drop("p0", 1000)
+    pred.d_backlog.add("d0", 2000)  # or waits for D's first token
+    assert outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless
+    pred = _trained({"p0": 0.0004})
+    assert outlook(pred, {"p0": 6000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless  # too long for it alone
