@@ -310,8 +310,14 @@ class Gate:
             req.d_backlog = (d.name, req.tokens)
 
     def first_token(self, req: RequestState, now: float) -> None:
-        """D's first token: the handoff's time teaches the pair, the TTFT the predictor's error."""
+        """D's first token: the handoff's time teaches the pair, the TTFT the predictor's error. A
+        non-streamed answer arrives whole: what the proxy sees first is the end of its decode, which is
+        neither a handoff nor the TTFT predicted, so it teaches neither (one such answer of a few
+        seconds once counted as a handoff of that D)."""
         pred = self.predictor
+        self._drop_d_backlog(req)
+        if not req.stream:
+            return
         if (
             req.p is not None
             and req.d is not None
@@ -321,7 +327,6 @@ class Gate:
         ):
             handoff_s = (req.first_token_ns - req.p_done_ns) / 1e9
             pred.observe_handoff(req.p.name, req.d.name, req.handoff_x, handoff_s)
-        self._drop_d_backlog(req)
         if req.predicted is not None and req.p is not None:
             # a retry's TTFT holds a failure: it measures the fault, not the model (kept out of P's error)
             sure = req.predicted_sure and req.retries == 0

@@ -13,7 +13,7 @@ from pdscope.config import PredictSettings
 from pdscope.routing import InstanceRate, PairRate, Rates
 from proxy.predict import B_MIN, MIN_RATIOS, Line, PEstimate, Predictor, late_decodes, outlook
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
-from tests.proxy.memory import MemoryProxy, MemVLLM, memory_flow, memory_settings
+from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings
 
 PS = PredictSettings(min_samples=5)
 
@@ -182,6 +182,9 @@ def _proxy(
     return memory_flow(settings, [*p, *d], spans), p
 
 
+STREAMED = {**COMPLETION, "stream": True}
+
+
 def _slow(px: MemoryProxy, *names: str) -> None:
     pred = px.flow.gate.predictor
     for name in names:
@@ -208,7 +211,7 @@ async def test_a_request_goes_to_the_p_in_time_and_records_its_prediction() -> N
     px, p = _proxy(2, spans)
     _slow(px, "p0")
     for _ in range(4):
-        assert (await px.send()).status == 200
+        assert (await px.send(STREAMED)).status == 200
     assert (len(p[0].calls), len(p[1].calls)) == (0, 4)
     roots = [s.attributes for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST]
     assert roots[0] is not None and roots[0][sc.PREDICT_SOURCE] == sc.PREDICT_PRIOR  # nothing fitted for p1
@@ -297,3 +300,17 @@ def test_the_error_margin_is_for_a_queue_and_a_request_meeting_none_is_judged_by
     assert outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless
     pred = _trained({"p0": 0.0004})
     assert outlook(pred, {"p0": 6000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless  # too long for it alone
+
+
+async def test_a_non_streamed_answer_teaches_neither_the_handoff_nor_the_margin() -> None:
+    """What the proxy sees first of a non-streamed answer is its end: D's decode, not its handoff."""
+    px, _ = _proxy(1)
+    pred = px.flow.gate.predictor
+    assert (await px.send()).status == 200
+    assert pred.handoff("p0", "d0", 100) == pred.ps.handoff_s  # no handoff learnt: the prior still
+    assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 0
+    assert pred.d_backlog == {}  # it left D's backlog all the same
+    for _ in range(3):
+        assert (await px.send(STREAMED)).status == 200
+    assert pred.handoff("p0", "d0", 100) != pred.ps.handoff_s  # a streamed one's first token teaches it
+    assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 3
