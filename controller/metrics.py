@@ -10,12 +10,12 @@ evaluates no rule), so two replicas never double an alert's series.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from controller.leader import mode_warning
@@ -344,6 +344,50 @@ class ControllerCollector(Collector):
         return families(CONTROLLER_FAMILIES, _Scrape(self.reconciler, self.notifier))
 
 
+def _tally(keys: Sequence[str], counts: Mapping[str, int]) -> list[Sample]:
+    """One sample per key, in ``keys``' order (0 for a key not counted yet)."""
+    held = dict(counts)  # a copy: polls count it from other threads
+    return [((key,), float(held.get(key, 0))) for key in keys]
+
+
+# The routing polls' families, in the order they are exported: one row a metric.
+PROXIES_FAMILIES: tuple[Family[ProxyRegistry], ...] = (
+    Family(
+        "pdscope_controller_proxy_polls",
+        "Routing polls with a proxy report, by outcome (ok, new, restarted, bad_report, "
+        "unauthenticated: 401, wrong_id: 403, the credential is another id's; duplicate_id: the table "
+        "without a part, another live process holds the id; over_limit: no seat for a new id; "
+        "store_error: served without a share).",
+        "counter",
+        ("outcome",),
+        lambda p: _tally(OUTCOMES, p.polls),
+    ),
+    Family(
+        "pdscope_controller_proxy_claims_clipped",
+        "Pools of proxy reports whose claim was clipped to what the controller can grant, by kind "
+        "(inflight: past the part last granted plus a margin; demand: growth past the rate bound).",
+        "counter",
+        ("kind",),
+        lambda p: _tally(CLAIMS, p.clipped),
+    ),
+    Family(
+        "pdscope_controller_live_proxies",
+        "Live proxies the pools' limits were split among at the last poll this replica answered.",
+        "gauge",
+        (),
+        lambda p: one(p.live),
+    ),
+    Family(
+        "pdscope_controller_proxies_departed",
+        "Proxies that left the live set (no routing poll within controller.proxy_ttl_s), as this "
+        "replica's polls saw it; their parts went to the others.",
+        "counter",
+        (),
+        lambda p: one(p.departed),
+    ),
+)
+
+
 class ProxiesCollector(Collector):
     """The routing polls this replica answered, and the live proxies at the last one."""
 
@@ -351,39 +395,7 @@ class ProxiesCollector(Collector):
         self.proxies = proxies
 
     def collect(self) -> Iterator[Metric]:
-        polls = CounterMetricFamily(
-            "pdscope_controller_proxy_polls",
-            "Routing polls with a proxy report, by outcome (ok, new, restarted, bad_report, "
-            "unauthenticated: 401, wrong_id: 403, the credential is another id's; duplicate_id: the table "
-            "without a part, another live process holds the id; over_limit: no seat for a new id; "
-            "store_error: served without a share).",
-            labels=["outcome"],
-        )
-        counts = dict(self.proxies.polls)
-        for outcome in OUTCOMES:
-            polls.add_metric([outcome], float(counts.get(outcome, 0)))
-        yield polls
-        clipped = CounterMetricFamily(
-            "pdscope_controller_proxy_claims_clipped",
-            "Pools of proxy reports whose claim was clipped to what the controller can grant, by kind "
-            "(inflight: past the part last granted plus a margin; demand: growth past the rate bound).",
-            labels=["kind"],
-        )
-        held = dict(self.proxies.clipped)
-        for kind in CLAIMS:
-            clipped.add_metric([kind], float(held.get(kind, 0)))
-        yield clipped
-        yield GaugeMetricFamily(
-            "pdscope_controller_live_proxies",
-            "Live proxies the pools' limits were split among at the last poll this replica answered.",
-            value=self.proxies.live,
-        )
-        yield CounterMetricFamily(
-            "pdscope_controller_proxies_departed",
-            "Proxies that left the live set (no routing poll within controller.proxy_ttl_s), as this "
-            "replica's polls saw it; their parts went to the others.",
-            value=self.proxies.departed,
-        )
+        return families(PROXIES_FAMILIES, self.proxies)
 
 
 def make_registry(

@@ -8,7 +8,7 @@ small hand-made frames.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,18 @@ import pandas as pd
 
 from dashboard.derive import find_histogram, histogram_increase, histogram_quantile, ratio
 from pdscope.stats import counter_increase, percentile
+
+
+def attribute_frame(
+    items: Iterable[Any],
+    columns: Sequence[str],
+    computed: Mapping[str, Callable[[Any], object]] | None = None,
+) -> pd.DataFrame:
+    """One row per item: each of ``columns`` is the item's attribute of that name, or
+    ``computed[column](item)`` where ``computed`` has the column."""
+    made = computed or {}
+    rows = [{c: made[c](x) if c in made else getattr(x, c) for c in columns} for x in items]
+    return pd.DataFrame(rows, columns=list(columns))
 
 
 def _increase(df: pd.DataFrame, column: str) -> float:

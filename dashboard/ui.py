@@ -5,6 +5,7 @@ number formatting, and the per-page header. Streamlit calls only; no queries.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Literal
 
 import pandas as pd
 import streamlit as st
@@ -32,6 +33,16 @@ def to_time(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
         if c in out:
             out[c] = pd.to_datetime(out[c], unit="s", utc=True)
     return out
+
+
+def table_or_caption(
+    df: pd.DataFrame, empty: str, time_cols: tuple[str, ...] = (), height: int | Literal["auto"] = "auto"
+) -> None:
+    """``df`` as a table, its ``time_cols`` as datetimes; the caption ``empty`` when it has no rows."""
+    if df.empty:
+        st.caption(empty)
+    else:
+        st.dataframe(to_time(df, *time_cols), hide_index=True, width="stretch", height=height)
 
 
 def header(title: str, view: View, window: Window, what: str) -> None:

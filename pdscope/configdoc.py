@@ -152,24 +152,27 @@ def _default(field: FieldInfo, key: str) -> str:
     return _value(field.default, key)
 
 
+# a bound's annotation: its class, the attribute that holds the bound, how the reference writes it
+_BOUND_KINDS: tuple[tuple[type[Any], str, str], ...] = (
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Ge, "ge", "≥"),
+    (annotated_types.Lt, "lt", "<"),
+    (annotated_types.Le, "le", "≤"),
+    (annotated_types.MinLen, "min_length", "length ≥"),
+    (annotated_types.MaxLen, "max_length", "length ≤"),
+)
+
+
+def _constraint(m: Any) -> str | None:
+    for kind, attr, sign in _BOUND_KINDS:
+        if isinstance(m, kind):
+            return f"{sign} {_plain(getattr(m, attr))}"
+    pattern = getattr(m, "pattern", None)
+    return f"matches `{pattern}`" if pattern else None
+
+
 def _constraints(metadata: Sequence[Any]) -> list[str]:
-    out: list[str] = []
-    for m in metadata:
-        if isinstance(m, annotated_types.Gt):
-            out.append(f"> {_plain(m.gt)}")
-        elif isinstance(m, annotated_types.Ge):
-            out.append(f"≥ {_plain(m.ge)}")
-        elif isinstance(m, annotated_types.Lt):
-            out.append(f"< {_plain(m.lt)}")
-        elif isinstance(m, annotated_types.Le):
-            out.append(f"≤ {_plain(m.le)}")
-        elif isinstance(m, annotated_types.MinLen):
-            out.append(f"length ≥ {m.min_length}")
-        elif isinstance(m, annotated_types.MaxLen):
-            out.append(f"length ≤ {m.max_length}")
-        elif getattr(m, "pattern", None):
-            out.append(f"matches `{m.pattern}`")
-    return out
+    return [c for m in metadata if (c := _constraint(m)) is not None]
 
 
 def _bounds(field: FieldInfo) -> str:

@@ -27,10 +27,12 @@ counted in :attr:`Batch.skipped` (a bad event costs only itself).
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgpack
 
@@ -43,6 +45,32 @@ MAX_TOKENS_PER_EVENT = 4 * 2**20
 MAX_BLOCK_SIZE = 4096
 MAX_HASH_BYTES = 64
 END_SEQ = -1  # the replay socket's end of stream
+
+_K = TypeVar("_K")
+
+
+def chain_digest(
+    parent: bytes | None, tokens: Sequence[int], lora: str | None, *, root: bytes, size: int
+) -> bytes:
+    """The ``size``-byte blake2b digest naming one full block by its tokens after its prefix: over the
+    parent block's digest (a first block's: ``root`` and its LoRA adapter's name), then the tokens.
+    The scheme of the proxy's prefix index (``proxy.kvindex``) and the simulator's block pool."""
+    h = hashlib.blake2b(digest_size=size)
+    h.update(parent if parent is not None else root + (lora or "").encode() + b"\0")
+    h.update(array("I", tokens).tobytes())
+    return h.digest()
+
+
+def chained(
+    token_ids: Sequence[int], block_size: int, link: Callable[[_K | None, Sequence[int]], _K]
+) -> list[_K]:
+    """The key of every full block of ``token_ids``, first block first: ``link(parent's key, tokens)``."""
+    keys: list[_K] = []
+    parent: _K | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = link(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
 
 
 class BadMessage(ValueError):

@@ -13,7 +13,14 @@ from types import TracebackType
 
 import httpx
 
-from proxy.upstream import ConnectFailed, HeaderPairs, UpstreamClosed, UpstreamError, UpstreamTimeout
+from proxy.upstream import (
+    ConnectFailed,
+    HeaderPairs,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamTimeout,
+    read_all,
+)
 
 
 def _translate(exc: httpx.HTTPError, where: str) -> UpstreamError:
@@ -45,10 +52,7 @@ class HttpxResponse:
             raise _translate(exc, self._where) from exc
 
     async def read(self) -> bytes:
-        parts = []
-        while (chunk := await self.next_chunk()) is not None:
-            parts.append(chunk)
-        return b"".join(parts)
+        return await read_all(self)
 
     def close(self) -> None:
         # httpx closes asynchronously: schedule it (an unfinished answer drops its connection).

@@ -46,7 +46,7 @@ Pure: no I/O, no clock (nothing here depends on time), randomness only from the 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdscope.config import KvAwareSettings
@@ -156,28 +156,40 @@ def _credits(cands: Sequence[Candidate], raw: list[int], bound: float) -> tuple[
     return [r if x <= cap else 0 for r, x in zip(raw, load, strict=True)], rel
 
 
+def _score(
+    cands: Sequence[Candidate],
+    cached: Mapping[str, int],
+    prompt: int,
+    m: CostModel,
+    cost: Callable[[Candidate, int, float], float],
+) -> list[_Scored]:
+    """Each candidate scored: its cached tokens, their credit, its relative weight and
+    ``cost(candidate, credit, relative weight)``."""
+    raw = [_clamp(cached.get(c.target.name, 0), prompt) for c in cands]
+    credit, rel = _credits(cands, raw, m.affinity_bound)
+    return [_Scored(c, r, k, w, cost(c, k, w)) for c, r, k, w in zip(cands, raw, credit, rel, strict=True)]
+
+
 def _score_p(
     cands: Sequence[Candidate], cached: Mapping[str, int], prompt: int, m: CostModel
 ) -> list[_Scored]:
-    raw = [_clamp(cached.get(c.target.name, 0), prompt) for c in cands]
-    credit, rel = _credits(cands, raw, m.affinity_bound)
     prior = m.prefill_tokens_per_s
-    return [
-        _Scored(c, r, k, w, (max(c.backlog_tokens, 0) / w + prompt - k) / (c.rate or prior))
-        for c, r, k, w in zip(cands, raw, credit, rel, strict=True)
-    ]
+    return _score(
+        cands,
+        cached,
+        prompt,
+        m,
+        lambda c, k, w: (max(c.backlog_tokens, 0) / w + prompt - k) / (c.rate or prior),
+    )
 
 
 def _score_d(
     cands: Sequence[Candidate], cached: Mapping[str, int], prompt: int, m: CostModel
 ) -> list[_Scored]:
-    raw = [_clamp(cached.get(c.target.name, 0), prompt) for c in cands]
-    credit, rel = _credits(cands, raw, m.affinity_bound)
     rate = m.transfer_tokens_per_s
-    return [
-        _Scored(c, r, k, w, (prompt - k) / rate + D_INFLIGHT_S * c.inflight / w)
-        for c, r, k, w in zip(cands, raw, credit, rel, strict=True)
-    ]
+    return _score(
+        cands, cached, prompt, m, lambda c, k, w: (prompt - k) / rate + D_INFLIGHT_S * c.inflight / w
+    )
 
 
 def _cheapest(scored: list[_Scored], rng: random.Random | None) -> _Scored:

@@ -23,33 +23,31 @@ end that. Pure: no I/O, no clock; one thread.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdscope.kvevents import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
+from pdscope.kvevents import (
+    AllBlocksCleared,
+    Batch,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    chain_digest,
+    chained,
+)
 
 ChainKey = bytes
 _ROOT = b"pdscope-kv-root\0"
 
 
 def _key(parent: ChainKey | None, tokens: Sequence[int], lora: str | None) -> ChainKey:
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent if parent is not None else _ROOT + (lora or "").encode() + b"\0")
-    h.update(array("I", tokens).tobytes())
-    return h.digest()
+    return chain_digest(parent, tokens, lora, root=_ROOT, size=16)
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[ChainKey]:
     """The chain key of every full block of a prompt, first block first."""
-    keys: list[ChainKey] = []
-    parent: ChainKey | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _key(parent, token_ids[start : start + block_size], lora)
-        keys.append(parent)
-    return keys
+    return chained(token_ids, block_size, lambda parent, tokens: _key(parent, tokens, lora))
 
 
 @dataclass

@@ -77,6 +77,14 @@ class UpstreamResponse(Protocol):
     ) -> None: ...
 
 
+async def read_all(resp: UpstreamResponse) -> bytes:
+    """The rest of ``resp``'s body, whole."""
+    parts = []
+    while (chunk := await resp.next_chunk()) is not None:
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class UpstreamClient(Protocol):
     """The seam the proxy's flow uses; :class:`Upstream` here, ``proxy.httpx_upstream`` for comparison."""
 
@@ -189,10 +197,7 @@ class Response:
             yield chunk
 
     async def read(self) -> bytes:
-        parts = []
-        while (chunk := await self.next_chunk()) is not None:
-            parts.append(chunk)
-        return b"".join(parts)
+        return await read_all(self)
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None

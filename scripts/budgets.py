@@ -37,6 +37,7 @@ import tomllib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from pylint.checkers.symilar import LineSet, Symilar
 
@@ -279,39 +280,34 @@ def long_functions(root: Path, files: list[Path]) -> list[str]:
     return sorted(out)
 
 
-def check_length(packages: list[str], budget: int) -> bool:
-    found = long_functions(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
-    print(f"length: {len(found)} functions over {LONG_LINES} lines (budget {budget})")
+# each count: its budget's setting in budgets.toml ([name] key), what it counts, how to mend an excess
+_COUNTS: dict[str, tuple[str, str, str]] = {
+    "duplicates": (
+        "max",
+        f"identical runs of {MIN_DUPLICATE_LINES}+ lines",
+        "mend the new copy (one home per concept)",
+    ),
+    "shapes": (
+        "max",
+        f"pairs of places sharing {SHAPE_WINDOW} lines of one shape",
+        "one home for the logic (a helper, a table)",
+    ),
+    "length": ("max_over_50", f"functions over {LONG_LINES} lines", "split the new long function"),
+}
+
+
+def check_count(name: str, found: list[str], budgets: dict[str, Any]) -> bool:
+    """``found`` (a line a finding) against the budget of count ``name``: over it, list them and say how to
+    mend them (False); under it, say how to lower the budget."""
+    key, what, mend = _COUNTS[name]
+    budget = budgets[name][key]
+    print(f"{name}: {len(found)} {what} (budget {budget})")
     if len(found) > budget:
-        print("\n".join(f"  {f}" for f in found))
-        print(f"!! over budget: split the new long function, do not raise {BUDGET_FILE.name}")
+        print("\n".join(found))
+        print(f"!! over budget: {mend}, do not raise {BUDGET_FILE.name}")
         return False
     if len(found) < budget:
-        print(f"   below budget: set [length] max_over_50 = {len(found)} in {BUDGET_FILE.name}")
-    return True
-
-
-def check_duplicates(packages: list[str], budget: int) -> bool:
-    blocks = duplicate_blocks(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
-    print(f"duplicates: {len(blocks)} identical runs of {MIN_DUPLICATE_LINES}+ lines (budget {budget})")
-    if len(blocks) > budget:
-        print("\n".join(format_block(b) for b in blocks))
-        print(f"!! over budget: mend the new copy (one home per concept), do not raise {BUDGET_FILE.name}")
-        return False
-    if len(blocks) < budget:
-        print(f"   below budget: set [duplicates] max = {len(blocks)} in {BUDGET_FILE.name}")
-    return True
-
-
-def check_shapes(packages: list[str], budget: int) -> bool:
-    pairs = shape_pairs(ROOT, python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES]))
-    print(f"shapes: {len(pairs)} pairs of places sharing {SHAPE_WINDOW} lines of one shape (budget {budget})")
-    if len(pairs) > budget:
-        print("\n".join(format_shape_pair(p) for p in pairs))
-        print(f"!! over budget: one home for the logic (a helper, a table), do not raise {BUDGET_FILE.name}")
-        return False
-    if len(pairs) < budget:
-        print(f"   below budget: set [shapes] max = {len(pairs)} in {BUDGET_FILE.name}")
+        print(f"   below budget: set [{name}] {key} = {len(found)} in {BUDGET_FILE.name}")
     return True
 
 
@@ -332,10 +328,11 @@ def main(packages: list[str]) -> int:
     if not packages:
         sys.exit("usage: budgets.py PACKAGE... (the service packages, as `make budgets` passes them)")
     budgets = tomllib.loads(BUDGET_FILE.read_text(encoding="utf-8"))
-    ok = check_duplicates(packages, budgets["duplicates"]["max"])
-    ok = check_shapes(packages, budgets["shapes"]["max"]) and ok
+    files = python_files(ROOT, [*packages, *ALSO_FOR_DUPLICATES])
+    ok = check_count("duplicates", [format_block(b) for b in duplicate_blocks(ROOT, files)], budgets)
+    ok = check_count("shapes", [format_shape_pair(p) for p in shape_pairs(ROOT, files)], budgets) and ok
     ok = check_complexity(packages, budgets["complexity"]["allowed"]) and ok
-    ok = check_length(packages, budgets["length"]["max_over_50"]) and ok
+    ok = check_count("length", [f"  {f}" for f in long_functions(ROOT, files)], budgets) and ok
     return 0 if ok else 1
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdscope.config import ConfigError
+from pdscope.config import ConfigError, validated
 
 FaultKind = Literal[
     "slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow"
@@ -94,12 +94,7 @@ class FaultSpec(BaseModel):
 
 
 def parse_fault(data: dict[str, Any], source: str = "fault") -> FaultSpec:
-    try:
-        return FaultSpec.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(
-            [f"{source}: {'.'.join(str(p) for p in e['loc']) or 'fault'}: {e['msg']}" for e in exc.errors()]
-        ) from exc
+    return validated(FaultSpec, data, source, "fault")
 
 
 def load_scenario(path: str | Path) -> list[FaultSpec]:

@@ -20,12 +20,10 @@ the engine to publish. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdscope.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from pdscope.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, Event, chain_digest, chained
 
 MEDIUM = "GPU"
 _ROOT = b"pdscope-sim-block-root\0"
@@ -33,20 +31,15 @@ _ROOT = b"pdscope-sim-block-root\0"
 
 def chain_hash(parent: int | None, tokens: Sequence[int], lora: str | None = None) -> int:
     """The hash of one full block: 63 bits of blake2b over the parent's hash and the tokens."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "big") if parent is not None else _ROOT + (lora or "").encode() + b"\0")
-    h.update(array("I", tokens).tobytes())
-    return int.from_bytes(h.digest(), "big") >> 1  # non-negative, fits msgpack's int64 too
+    digest = chain_digest(
+        None if parent is None else parent.to_bytes(8, "big"), tokens, lora, root=_ROOT, size=8
+    )
+    return int.from_bytes(digest, "big") >> 1  # non-negative, fits msgpack's int64 too
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
     """The chain hash of every full block of ``token_ids``, first block first."""
-    out: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start : start + block_size], lora)
-        out.append(parent)
-    return out
+    return chained(token_ids, block_size, lambda parent, tokens: chain_hash(parent, tokens, lora))
 
 
 def hit_cap_blocks(num_tokens: int, block_size: int) -> int:

@@ -73,6 +73,16 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 @contextmanager
+def opened(url: str) -> Iterator[sessionmaker[Session]]:
+    """Sessions on an engine of their own for ``url``, disposed of on the way out (a command's store)."""
+    engine = make_engine(url)
+    try:
+        yield session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+@contextmanager
 def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """A session that commits on success and rolls back on error (translated to StoreError)."""
     session = factory()

@@ -7,7 +7,7 @@ these on made-up measurements.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from pdscope import stats
 
@@ -47,18 +47,7 @@ FULL = Plan(
     seed=16,
     calibrate_requests=32,
 )
-QUICK = Plan(
-    prefill=2,
-    decode=4,
-    limit=16,
-    factor=1.5,
-    burst_s=6.0,
-    max_tokens=16,
-    prompt_tokens=64,
-    slo_e2e_s=4.0,
-    seed=16,
-    calibrate_requests=20,
-)
+QUICK = replace(FULL, prefill=2, decode=4, limit=16, burst_s=6.0, calibrate_requests=20)
 
 
 def burst_rate(limit: int, service_s: float, factor: float) -> float:

@@ -12,7 +12,7 @@ fleet and mix).
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 CONTENDERS = ("round_robin", "static", "controller", "oracle", "killed")
@@ -131,76 +131,80 @@ HEAVY_MULTIPLE = 1.3  # prefill_heavy: total offered load over the whole measure
 
 
 def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
-    d, p = fleet.bad_d, fleet.bad_p
     if fault == HEALTHY:
         return FaultPlan(HEALTHY, about="no fault")
-    if fault == "degraded_decode_link":
-        return FaultPlan(
-            fault,
-            ({"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},),
-            frozenset({d}),
-            about=f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)",
-        )
-    if fault == "slow_prefill":
-        return FaultPlan(
-            fault,
-            ({"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},),
-            frozenset({p}),
-            limit_pools=frozenset({"prefill"}),
-            about=f"{p} {SLOW_PREFILL_FACTOR:g}x slower",
-        )
-    if fault == "transfer_failures":
-        return FaultPlan(
-            fault,
-            ({"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},),
-            frozenset({d}),
-            about=f"{TRANSFER_FAILURE_RATE:.0%} of {d}'s KV transfers fail",
-        )
-    if fault == "stuck_decode":
-        return FaultPlan(
-            fault,
-            ({"kind": "stop_pulling", "decode": d},),
-            frozenset({d}),
-            about=f"{d} stops pulling (P's leases for its requests expire)",
-        )
-    if fault == "bad_pair":
-        p0 = fleet.prefills()[0]
-        return FaultPlan(
-            fault,
-            ({"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},),
-            frozenset({p0, d}),
-            about=f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower",
-        )
+    d = fleet.bad_d
     if fault == "decode_down":
         down_s = round(max(2.0, DOWN_SHARE * measure_s), 1)
-        return FaultPlan(
+        plan = _hit(
             fault,
-            ({"kind": "down", "instance": d, "duration": down_s},),
-            frozenset({d}),
-            ends_after_s=down_s,
-            about=f"{d} down for {down_s:g} s, then back",
+            {"kind": "down", "instance": d, "duration": down_s},
+            f"{d} down for {down_s:g} s, then back",
         )
-    if fault == "kv_capacity":
-        return FaultPlan(
-            fault,
-            ({"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},),
-            frozenset({d}),
-            about=f"{d}'s KV capacity cut to {KV_FRACTION:.0%}",
-        )
-    if fault == "burst":
-        burst_s = round(max(2.0, BURST_SHARE * measure_s), 1)
-        return FaultPlan(
-            fault,
-            (),
-            frozenset(),
-            limit_pools=frozenset({"prefill", "decode"}),
-            burst=(BURST_MULTIPLE, burst_s),
-            about=f"{BURST_MULTIPLE:g}x capacity for {burst_s:g} s",
-        )
-    plan = _overload_plan(fault, fleet, measure_s)
+        return replace(plan, ends_after_s=down_s)
+    plan = _one_injection(fault, fleet) or _overload_plan(fault, fleet, measure_s)
     if plan is None:
         raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
     return plan
+
+
+def _hit(fault: str, injection: dict[str, Any], about: str, *limit_pools: str) -> FaultPlan:
+    """A fault of one injection: the instances it names are the faulty ones, and limit cuts of
+    ``limit_pools`` answer it."""
+    faulty = frozenset(injection[k] for k in ("prefill", "decode", "instance") if k in injection)
+    return FaultPlan(fault, (injection,), faulty, limit_pools=frozenset(limit_pools), about=about)
+
+
+def _one_injection(fault: str, fleet: FleetShape) -> FaultPlan | None:
+    """The faults that are one injection from onset on, hitting the last P or D (``bad_pair``: the
+    link between the first P and the last D)."""
+    d, p, p0 = fleet.bad_d, fleet.bad_p, fleet.prefills()[0]
+    rows: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
+        "degraded_decode_link": (
+            {"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},
+            f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)",
+            (),
+        ),
+        "slow_prefill": (
+            {"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},
+            f"{p} {SLOW_PREFILL_FACTOR:g}x slower",
+            ("prefill",),
+        ),
+        "transfer_failures": (
+            {"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},
+            f"{TRANSFER_FAILURE_RATE:.0%} of {d}'s KV transfers fail",
+            (),
+        ),
+        "stuck_decode": (
+            {"kind": "stop_pulling", "decode": d},
+            f"{d} stops pulling (P's leases for its requests expire)",
+            (),
+        ),
+        "bad_pair": (
+            {"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},
+            f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower",
+            (),
+        ),
+        "kv_capacity": (
+            {"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},
+            f"{d}'s KV capacity cut to {KV_FRACTION:.0%}",
+            (),
+        ),
+        "p_down": (
+            {"kind": "down", "instance": p},
+            f"{p} down for good: the P pool keeps {fleet.n_p - 1} of {fleet.n_p}",
+            ("prefill",),
+        ),
+        "d_lost": (
+            {"kind": "down", "instance": d},
+            f"{d} down for good: the D pool keeps {fleet.n_d - 1} of {fleet.n_d}",
+            ("decode",),
+        ),
+    }
+    if fault not in rows:
+        return None
+    injection, about, limit_pools = rows[fault]
+    return _hit(fault, injection, about, *limit_pools)
 
 
 def degrade_steps(measure_s: float) -> list[tuple[float, float]]:
@@ -225,32 +229,12 @@ def _degrade(fleet: FleetShape, measure_s: float) -> FaultPlan:
 
 
 def _overload_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan | None:
-    """The overload faults: more offered than the fleet, or what is left of it, serves in time."""
-    d, p = fleet.bad_d, fleet.bad_p
+    """The overload faults (but ``p_down`` and ``d_lost``, ``_one_injection``'s): more offered than the
+    fleet, or what is left of it, serves in time."""
+    if fault == "burst":
+        return _extra_load(fault, BURST_MULTIPLE, BURST_SHARE, measure_s)
     if fault == "surge":
-        surge_s = round(max(2.0, SURGE_SHARE * measure_s), 1)
-        return FaultPlan(
-            fault,
-            limit_pools=frozenset({"prefill", "decode"}),
-            burst=(SURGE_MULTIPLE, surge_s),
-            about=f"{SURGE_MULTIPLE:g}x capacity for {surge_s:g} s",
-        )
-    if fault == "p_down":
-        return FaultPlan(
-            fault,
-            ({"kind": "down", "instance": p},),
-            frozenset({p}),
-            limit_pools=frozenset({"prefill"}),
-            about=f"{p} down for good: the P pool keeps {fleet.n_p - 1} of {fleet.n_p}",
-        )
-    if fault == "d_lost":
-        return FaultPlan(
-            fault,
-            ({"kind": "down", "instance": d},),
-            frozenset({d}),
-            limit_pools=frozenset({"decode"}),
-            about=f"{d} down for good: the D pool keeps {fleet.n_d - 1} of {fleet.n_d}",
-        )
+        return _extra_load(fault, SURGE_MULTIPLE, SURGE_SHARE, measure_s)
     if fault == "degrade":
         return _degrade(fleet, measure_s)
     if fault == "prefill_heavy":
@@ -263,6 +247,18 @@ def _overload_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan
             f"{HEAVY_MULTIPLE:g}x that mix's capacity over the measured phase",
         )
     return None
+
+
+def _extra_load(fault: str, multiple: float, share: float, measure_s: float) -> FaultPlan:
+    """``multiple`` x the measured capacity offered in all from onset, for ``share`` of the measured
+    phase (2 s at least); cuts of either pool's limit answer it."""
+    for_s = round(max(2.0, share * measure_s), 1)
+    return FaultPlan(
+        fault,
+        limit_pools=frozenset({"prefill", "decode"}),
+        burst=(multiple, for_s),
+        about=f"{multiple:g}x capacity for {for_s:g} s",
+    )
 
 
 @dataclass(frozen=True, order=True)

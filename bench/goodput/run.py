@@ -335,6 +335,16 @@ def capacity_estimate_s(a: argparse.Namespace, keys: list[str]) -> float:
     return float(per_key * len(todo) / max(1, min(int(a.jobs), len(todo))))
 
 
+def _announce_budget(
+    a: argparse.Namespace, runs: list[tuple[str, float, float]], keys: list[str], what: str
+) -> float:
+    """The estimated wall seconds of ``runs`` after the capacity steps of ``keys``, said on stderr after
+    ``what`` (the runs in words)."""
+    est = budget_s(runs, a.jobs, capacity_estimate_s(a, keys))
+    print(f"{what}, {a.jobs} at a time: about {est / 60:.0f} min", file=sys.stderr, flush=True)
+    return est
+
+
 def header(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "goodput",
@@ -433,12 +443,12 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
     keys = _cell_keys(cells, a.measure)
     cap_keys = list(dict.fromkeys(sorted(keys.values(), key=lambda k: list(FLEETS).index(k.split("/")[0]))))
     runs = [(c, a.warm, a.measure) for _ in cells for _ in a.seeds for c in contenders]
-    est = budget_s(runs, a.jobs, capacity_estimate_s(a, cap_keys))
-    print(
+    est = _announce_budget(
+        a,
+        runs,
+        cap_keys,
         f"{len(cells)} cells x {len(a.seeds)} seed(s) x {len(contenders)} contenders = {len(runs)} runs of "
-        f"{a.warm:g} + {a.measure:g} s, {a.jobs} at a time: about {est / 60:.0f} min",
-        file=sys.stderr,
-        flush=True,
+        f"{a.warm:g} + {a.measure:g} s",
     )
     if a.dry_run:
         print("\n".join(c.name for c in cells))
@@ -472,12 +482,8 @@ def healthy(a: argparse.Namespace) -> dict[str, Any]:
     cells = [Cell(c.fleet, c.load, HEALTHY) for c in select_cells(None, a.fleets, a.loads, "burst")]
     fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
     runs = [("controller", a.warm, a.healthy_duration) for _ in cells for _ in a.seeds]
-    est = budget_s(runs, a.jobs, capacity_estimate_s(a, fleets))
-    print(
-        f"{len(runs)} healthy runs of {a.warm:g} + {a.healthy_duration:g} s, {a.jobs} at a time: about "
-        f"{est / 60:.0f} min",
-        file=sys.stderr,
-        flush=True,
+    est = _announce_budget(
+        a, runs, fleets, f"{len(runs)} healthy runs of {a.warm:g} + {a.healthy_duration:g} s"
     )
     if a.dry_run:
         raise SystemExit(0)

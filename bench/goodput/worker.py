@@ -21,11 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.goodput.catalogue import (  # noqa: E402
+from bench.goodput.catalogue import (
     CONTROLLED,
     FLEETS,
     HEALTHY,
@@ -34,10 +30,10 @@ from bench.goodput.catalogue import (  # noqa: E402
     FleetShape,
     fault_plan,
 )
-from bench.goodput.decisions import analyse, jsonable, read_decisions  # noqa: E402
-from bench.goodput.oracle import ORACLE_WAIT_S, StaticTable, oracle_schedule, oracle_table  # noqa: E402
-from bench.goodput.predictor import prediction_error, read_predictions  # noqa: E402
-from bench.goodput.stack import (  # noqa: E402
+from bench.goodput.decisions import analyse, jsonable, read_decisions
+from bench.goodput.oracle import ORACLE_WAIT_S, StaticTable, oracle_schedule, oracle_table
+from bench.goodput.predictor import prediction_error, read_predictions
+from bench.goodput.stack import (
     INTERVAL_S,
     MODEL,
     SLO_TPOT_S,
@@ -45,9 +41,9 @@ from bench.goodput.stack import (  # noqa: E402
     Stack,
     StackSpec,
 )
-from pdscope.stats import percentile  # noqa: E402
-from simulator.loadgen import LoadTarget, run_load  # noqa: E402
-from simulator.workload import LengthDist, Planned, RequestResult, plan, summarize  # noqa: E402
+from pdscope.stats import percentile
+from simulator.loadgen import LoadTarget, run_load
+from simulator.workload import LengthDist, Planned, RequestResult, plan, summarize
 
 
 def workload(

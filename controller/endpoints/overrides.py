@@ -6,7 +6,10 @@ into answers. Only the leader takes a change: a standby answers 409 naming the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Depends
+from fastapi.types import DecoratedCallable
 
 from controller.endpoints.context import MUTATION, ApiContext, caller
 from controller.overrides import Change, Kind
@@ -55,56 +58,47 @@ def router(ctx: ApiContext) -> APIRouter:
         responses={409: {"model": NotLeaderOut, "description": "a standby (or nothing to clear)"}},
     )
 
-    @r.put(
-        "/v1/instances/{name}/weight",
-        response_model=InstanceWeightOut,
-        tags=["instances"],
-        summary="Override an instance's weight until ttl_s passes",
-    )
+    def on_instance(
+        method: str, action: str, summary: str | None = None
+    ) -> Callable[[DecoratedCallable], DecoratedCallable]:
+        """An instance's route: ``/v1/instances/{name}/<action>``, answered with the instance."""
+        path = f"/v1/instances/{{name}}/{action}"
+        return r.api_route(
+            path, methods=[method], response_model=InstanceWeightOut, tags=["instances"], summary=summary
+        )
+
+    def on_pool(method: str, summary: str) -> Callable[[DecoratedCallable], DecoratedCallable]:
+        """A pool's weight route, answered with the pool."""
+        path = "/v1/pools/{pool}/weight"
+        return r.api_route(path, methods=[method], response_model=PoolOut, tags=["routing"], summary=summary)
+
+    @on_instance("PUT", "weight", "Override an instance's weight until ttl_s passes")
     def put_weight(name: str, body: WeightIn, actor: str = Depends(caller)) -> InstanceWeightOut:
         return instance_change(ctx, weight_change("instance", name, "weight.set", body, actor))
 
-    @r.delete(
-        "/v1/instances/{name}/weight",
-        response_model=InstanceWeightOut,
-        tags=["instances"],
-        summary="End an instance's weight override now",
-    )
+    @on_instance("DELETE", "weight", "End an instance's weight override now")
     def delete_weight(name: str, body: ClearIn, actor: str = Depends(caller)) -> InstanceWeightOut:
         return instance_change(
             ctx, Change.clear("instance", name, "weight", "weight.clear", body.reason, actor)
         )
 
-    @r.post(
-        "/v1/instances/{name}/drain",
-        response_model=InstanceWeightOut,
-        tags=["instances"],
-        summary="Send no new work to an instance (weight 0) until undrained or ttl_s passes",
+    @on_instance(
+        "POST", "drain", "Send no new work to an instance (weight 0) until undrained or ttl_s passes"
     )
     def drain(name: str, body: DrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
         return instance_change(
             ctx, Change("instance", name, "drain", "drain", body.reason, actor, sets=True, ttl_s=body.ttl_s)
         )
 
-    @r.post("/v1/instances/{name}/undrain", response_model=InstanceWeightOut, tags=["instances"])
+    @on_instance("POST", "undrain")
     def undrain(name: str, body: UndrainIn, actor: str = Depends(caller)) -> InstanceWeightOut:
         return instance_change(ctx, Change.clear("instance", name, "drain", "undrain", body.reason, actor))
 
-    @r.put(
-        "/v1/pools/{pool}/weight",
-        response_model=PoolOut,
-        tags=["routing"],
-        summary="Override a pool's weight (relative to pools of the same role) until ttl_s passes",
-    )
+    @on_pool("PUT", "Override a pool's weight (relative to pools of the same role) until ttl_s passes")
     def put_pool_weight(pool: str, body: WeightIn, actor: str = Depends(caller)) -> PoolOut:
         return pool_change(ctx, weight_change("pool", pool, "pool_weight.set", body, actor))
 
-    @r.delete(
-        "/v1/pools/{pool}/weight",
-        response_model=PoolOut,
-        tags=["routing"],
-        summary="End a pool's weight override now (the configured weight applies again)",
-    )
+    @on_pool("DELETE", "End a pool's weight override now (the configured weight applies again)")
     def delete_pool_weight(pool: str, body: ClearIn, actor: str = Depends(caller)) -> PoolOut:
         return pool_change(ctx, Change.clear("pool", pool, "weight", "pool_weight.clear", body.reason, actor))
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse
 
 from controller.attribution import BadRange, resolve_range
-from controller.endpoints.context import MAX_UNIX_S, ApiContext
+from controller.endpoints.context import ApiContext, From, Until, bad_param
 from controller.regret import DEFAULT_FLAP_TICKS, window_regret
 
 
@@ -29,13 +28,8 @@ def router(ctx: ApiContext) -> APIRouter:
         since: Annotated[
             str | None, Query(max_length=32, description="a duration back from now: 30m, 2h (default 1h)")
         ] = None,
-        from_: Annotated[
-            float | None,
-            Query(alias="from", ge=0, le=MAX_UNIX_S, description="Unix seconds (instead of since)"),
-        ] = None,
-        until: Annotated[
-            float | None, Query(ge=0, le=MAX_UNIX_S, description="Unix seconds (default: now)")
-        ] = None,
+        from_: From = None,
+        until: Until = None,
         flap_ticks: Annotated[
             int, Query(ge=1, le=100_000, description="a cut undone within this many ticks flapped")
         ] = DEFAULT_FLAP_TICKS,
@@ -47,9 +41,7 @@ def router(ctx: ApiContext) -> APIRouter:
                 now, since="1h" if since is None and from_ is None else since, from_=from_, until=until
             )
         except BadRange as exc:
-            return JSONResponse(
-                status_code=400, content={"detail": [{"field": exc.param, "reason": exc.reason}]}
-            )
+            return bad_param(exc.param, exc.reason)
         result = window_regret(
             reconciler.factory, reconciler.settings, lo, hi, now=now, flap_ticks=flap_ticks
         )

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from controller.policy.config import PolicyConfig
-from controller.policy.signals import Observation
+from controller.policy.signals import InstanceSignals, Observation
 from pdscope.config import ALERT_RULE_NAMES, Settings, Severity
 
 State = Literal["inactive", "pending", "firing", "resolved"]
@@ -39,6 +39,8 @@ class Sample:
 
 
 Evaluator = Callable[[Observation, PolicyConfig, "AlertConfig"], "list[Sample] | None"]
+# a per-instance rule's test, judged only on fresh data (``_per_instance``)
+InstanceTest = Callable[[Observation, PolicyConfig, "AlertConfig"], "list[Sample]"]
 
 
 @dataclass(frozen=True)
@@ -136,67 +138,64 @@ def _stale(obs: Observation, cfg: PolicyConfig) -> bool:
 # -- rules --------------------------------------------------------------------------------
 
 
-def _ttft(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
-    s = obs.slo
-    if s.completed < ac.min_requests or s.ttft_at_slo_s is None:
+def _fleet(
+    value: float | None, judged: bool, within: Callable[[float], bool], describe: Callable[[float], str]
+) -> list[Sample] | None:
+    """A fleet-wide rule on one figure: None (every alert keeps its state) when it cannot be judged
+    (not ``judged``, or no ``value``), no sample while ``value`` is ``within`` its bound, else the one
+    sample that ``describe`` words."""
+    if not judged or value is None:
         return None
-    if s.ttft_at_slo_s <= cfg.ttft_target_s:
-        return []
-    return [
-        Sample(
-            {},
-            s.ttft_at_slo_s,
-            f"TTFT p{cfg.ttft_percentile:g} {s.ttft_at_slo_s * 1000:.0f} ms > target "
-            f"{cfg.ttft_target_s * 1000:.0f} ms over {s.window_s:.0f}s",
-        )
-    ]
+    return [] if within(value) else [Sample({}, value, describe(value))]
+
+
+def _latency(
+    name: str, value: float | None, target: float, percentile: float, obs: Observation, ac: AlertConfig
+) -> list[Sample] | None:
+    """A latency percentile (``name``: TTFT, TPOT) over its SLO ``target``, judged on enough requests."""
+    s = obs.slo
+    return _fleet(
+        value,
+        s.completed >= ac.min_requests,
+        lambda v: v <= target,
+        lambda v: (
+            f"{name} p{percentile:g} {v * 1000:.0f} ms > target {target * 1000:.0f} ms over {s.window_s:.0f}s"
+        ),
+    )
+
+
+def _ttft(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
+    return _latency("TTFT", obs.slo.ttft_at_slo_s, cfg.ttft_target_s, cfg.ttft_percentile, obs, ac)
 
 
 def _tpot(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
-    s = obs.slo
-    if s.completed < ac.min_requests or s.tpot_at_slo_s is None:
-        return None
-    if s.tpot_at_slo_s <= cfg.tpot_target_s:
-        return []
-    return [
-        Sample(
-            {},
-            s.tpot_at_slo_s,
-            f"TPOT p{cfg.tpot_percentile:g} {s.tpot_at_slo_s * 1000:.0f} ms > target "
-            f"{cfg.tpot_target_s * 1000:.0f} ms over {s.window_s:.0f}s",
-        )
-    ]
+    return _latency("TPOT", obs.slo.tpot_at_slo_s, cfg.tpot_target_s, cfg.tpot_percentile, obs, ac)
 
 
 def _goodput(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
     s = obs.slo
-    att = s.attainment
-    if s.completed < ac.min_requests or att is None:
-        return None
-    if att >= cfg.goodput_attainment:
-        return []
-    return [
-        Sample(
-            {},
-            att,
+    return _fleet(
+        s.attainment,
+        s.completed >= ac.min_requests,
+        lambda att: att >= cfg.goodput_attainment,
+        lambda att: (
             f"SLO attainment {100 * att:.1f}% < {100 * cfg.goodput_attainment:.0f}% "
-            f"({s.met}/{s.completed} requests met every SLO over {s.window_s:.0f}s)",
-        )
-    ]
+            f"({s.met}/{s.completed} requests met every SLO over {s.window_s:.0f}s)"
+        ),
+    )
 
 
 def _handoff(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
-    p99 = obs.slo.handoff_p99_s
-    if _stale(obs, cfg) or p99 is None:
-        return None
-    if p99 <= cfg.handoff_budget_s:
-        return []
-    return [Sample({}, p99, f"handoff p99 {p99 * 1000:.0f} ms > budget {cfg.handoff_budget_s * 1000:.0f} ms")]
+    budget = cfg.handoff_budget_s
+    return _fleet(
+        obs.slo.handoff_p99_s,
+        not _stale(obs, cfg),
+        lambda p99: p99 <= budget,
+        lambda p99: f"handoff p99 {p99 * 1000:.0f} ms > budget {budget * 1000:.0f} ms",
+    )
 
 
-def _per_instance(
-    test: Callable[[Observation, PolicyConfig, AlertConfig], list[Sample]],
-) -> Evaluator:
+def _per_instance(test: InstanceTest) -> Evaluator:
     def evaluate(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
         return None if _stale(obs, cfg) else test(obs, cfg, ac)
 
@@ -207,28 +206,23 @@ def _labels(name: str, pool: str, role: str) -> dict[str, str]:
     return {"instance": name, "pool": pool, "role": role}
 
 
-def _failed(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [
-        Sample(
-            _labels(i.name, i.pool, i.role),
-            i.failed_transfers_per_min,
-            f"{i.name}: {i.failed_transfers_per_min:.1f} failed NIXL transfers per minute",
-        )
-        for i in obs.instances
-        if i.failed_transfers_per_min > 0
-    ]
+def _per_minute(read: Callable[[InstanceSignals], float], what: str) -> InstanceTest:
+    """A per-instance rate per minute that holds while above zero: ``what`` names it in the text."""
+
+    def test(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+        return [
+            Sample(_labels(i.name, i.pool, i.role), rate, f"{i.name}: {rate:.1f} {what}")
+            for i in obs.instances
+            if (rate := read(i)) > 0
+        ]
+
+    return test
 
 
-def _expired(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
-    return [
-        Sample(
-            _labels(i.name, i.pool, i.role),
-            i.expired_leases_per_min,
-            f"{i.name}: {i.expired_leases_per_min:.1f} KV leases expired per minute (D did not pull in time)",
-        )
-        for i in obs.instances
-        if i.expired_leases_per_min > 0
-    ]
+_failed = _per_minute(lambda i: i.failed_transfers_per_min, "failed NIXL transfers per minute")
+_expired = _per_minute(
+    lambda i: i.expired_leases_per_min, "KV leases expired per minute (D did not pull in time)"
+)
 
 
 def _kv_full(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
@@ -261,19 +255,16 @@ def _collector_behind(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> l
 def _mispredicted(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample] | None:
     """The proxy's TTFT predictions are off: the fleet changed under the predictor."""
     s = obs.slo
-    err = s.prediction_error_p50
-    if s.predictions < ac.mispredicted_min_records or err is None:
-        return None
-    if err <= ac.mispredicted_error:
-        return []
-    return [
-        Sample(
-            {},
-            err,
-            f"TTFT predictions off by a median {100 * err:.0f}% > {100 * ac.mispredicted_error:.0f}% "
-            f"(|observed/predicted - 1| over {s.predictions} requests in {s.window_s:.0f}s)",
-        )
-    ]
+    limit = ac.mispredicted_error
+    return _fleet(
+        s.prediction_error_p50,
+        s.predictions >= ac.mispredicted_min_records,
+        lambda err: err <= limit,
+        lambda err: (
+            f"TTFT predictions off by a median {100 * err:.0f}% > {100 * limit:.0f}% "
+            f"(|observed/predicted - 1| over {s.predictions} requests in {s.window_s:.0f}s)"
+        ),
+    )
 
 
 def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:

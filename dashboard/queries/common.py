@@ -1,5 +1,6 @@
 """What every dashboard query shares: the time window, turning a SELECT into a frame,
-time buckets that work on SQLite and PostgreSQL, and "is there any data yet".
+time buckets that work on SQLite and PostgreSQL, PostgreSQL's loose index scan, and "is there
+any data yet".
 
 Queries here only read. They take an Engine and plain values and return pandas
 DataFrames; Streamlit caching happens one layer up (``dashboard.data``).
@@ -51,6 +52,20 @@ class Window:
             if raw <= step:
                 return float(step)
         return 86400.0
+
+
+def loose_index_scan(cte: str, var: str, table: str, column: str) -> str:
+    """PostgreSQL: ``WITH RECURSIVE cte(var)``, the distinct values of ``table.column`` in order, each
+    found by one index probe past the one before (a loose index scan: one probe per value, not one
+    read per row). Its last row is NULL: the query that follows filters ``cte.var IS NOT NULL``."""
+    return (
+        f"WITH RECURSIVE {cte}({var}) AS (\n"
+        f"    (SELECT {column} FROM {table} ORDER BY {column} LIMIT 1)\n"
+        "    UNION ALL\n"
+        f"    SELECT (SELECT {column} FROM {table} WHERE {column} > {cte}.{var} ORDER BY {column} LIMIT 1)\n"
+        f"    FROM {cte} WHERE {cte}.{var} IS NOT NULL\n"
+        ")\n"
+    )
 
 
 def frame(engine: Engine, stmt: Executable) -> pd.DataFrame:

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Engine, and_, func, or_, select
 
-from dashboard.queries.common import Window, connect, fast_frame, frame
+from dashboard.queries.common import Window, connect, fast_frame, frame, loose_index_scan
 from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import Decision, InstanceRow, Snapshot, WeightOverride
 
@@ -85,14 +85,9 @@ def snapshot_series(
 # PostgreSQL: the instances present (a loose index scan: one probe per name, not per row), then per
 # instance and slice of the window the newest scrape in it (one backward index probe each), then
 # only those rows read whole.
-_SLICES_SQL = """
-WITH RECURSIVE names(n) AS (
-    (SELECT instance FROM snapshots ORDER BY instance LIMIT 1)
-    UNION ALL
-    SELECT (SELECT instance FROM snapshots WHERE instance > names.n ORDER BY instance LIMIT 1)
-    FROM names WHERE names.n IS NOT NULL
-)
-SELECT {columns} FROM snapshots s WHERE s.id IN (
+_SLICES_SQL = (
+    loose_index_scan("names", "n", "snapshots", "instance")
+    + """SELECT {columns} FROM snapshots s WHERE s.id IN (
     SELECT k.id FROM names CROSS JOIN generate_series(0, %(points)s - 1) AS j
     CROSS JOIN LATERAL (
         SELECT id FROM snapshots
@@ -104,6 +99,7 @@ SELECT {columns} FROM snapshots s WHERE s.id IN (
 )
 ORDER BY s.ts
 """
+)
 
 
 def _series_by_slices(

@@ -14,7 +14,7 @@ import pandas as pd
 from sqlalchemy import Engine, func, or_, select, text
 
 from dashboard.queries import records
-from dashboard.queries.common import Window, connect, frame
+from dashboard.queries.common import Window, connect, frame, loose_index_scan
 from store.families import NIXL_COLUMNS as NIXL_FAMILY_COLUMNS
 from store.models import RequestRecord, Snapshot
 
@@ -92,14 +92,9 @@ def search(engine: Engine, window: Window, flt: RequestFilter) -> pd.DataFrame:
 
 # PostgreSQL: the statuses present (a loose index scan: one probe per status), then each one's
 # count in the window from ix_request_records_status_ts alone, counting at most :bound entries.
-_STATUS_COUNTS_SQL = """
-WITH RECURSIVE statuses(v) AS (
-    (SELECT status FROM request_records ORDER BY status LIMIT 1)
-    UNION ALL
-    SELECT (SELECT status FROM request_records WHERE status > statuses.v ORDER BY status LIMIT 1)
-    FROM statuses WHERE statuses.v IS NOT NULL
-)
-SELECT status, requests FROM (
+_STATUS_COUNTS_SQL = (
+    loose_index_scan("statuses", "v", "request_records", "status")
+    + """SELECT status, requests FROM (
     SELECT v AS status, (
         SELECT count(*) FROM (
             SELECT 1 FROM request_records
@@ -111,6 +106,7 @@ SELECT status, requests FROM (
 ) AS counted
 WHERE requests > 0
 """
+)
 
 
 def status_counts(engine: Engine, window: Window) -> pd.DataFrame:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, context, data, ui
+from dashboard import charts, context, data, summaries, ui
 from dashboard.queries.common import Window
 from dashboard.queries.investigate import STAGE_LABELS, Attribution, WindowAttribution
 
@@ -65,22 +65,8 @@ def picked_window(params: Mapping[str, str]) -> Picked | str | None:
 
 def groups_frame(a: Attribution) -> pd.DataFrame:
     """One row per (stage, place, cause) group, as the attribution sorts them."""
-    return pd.DataFrame(
-        [
-            {
-                "stage": g.stage,
-                "place": g.place,
-                "cause": g.cause,
-                "share": g.share,
-                "misses": g.count,
-                "excess_s": g.excess_s,
-                "since": g.since,
-                "last": g.last,
-            }
-            for g in a.groups
-        ],
-        columns=["stage", "place", "cause", "share", "misses", "excess_s", "since", "last"],
-    )
+    columns = ("stage", "place", "cause", "share", "misses", "excess_s", "since", "last")
+    return summaries.attribute_frame(a.groups, columns, {"misses": lambda g: g.count})
 
 
 def misses_over_time(a: Attribution, window: Window) -> pd.DataFrame:

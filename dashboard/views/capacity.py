@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from dashboard import charts, context, data, derive, summaries, ui
 from dashboard.queries.common import Window
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 
 view = context.current()
 url = view.store_url
@@ -190,24 +191,22 @@ def _per_instance_table(load: _Load) -> None:
         )
 
 
+def _sustained(col: DeltaGenerator, role: str, tokens: str, observed: float) -> float:
+    """C_P or C_D: the tokens/s one instance of ``role`` (P or D) sustains, by default ``observed``."""
+    return col.number_input(
+        f"C_{role}: {tokens} tokens/s one {role} sustains",
+        min_value=1.0,
+        value=float(max(round(observed, -1), 1.0)),
+        step=100.0,
+        key=f"c_{role.lower()}",
+        help=f"Default: the busiest {role}'s 95th-percentile rate in the window (a lower bound).",
+    )
+
+
 def _what_if_inputs(load: _Load) -> _WhatIf:
     a, b, c = st.columns(3)
-    c_p = a.number_input(
-        "C_P: prompt tokens/s one P sustains",
-        min_value=1.0,
-        value=float(max(round(load.c_p_obs, -1), 1.0)),
-        step=100.0,
-        key="c_p",
-        help="Default: the busiest P's 95th-percentile rate in the window (a lower bound).",
-    )
-    c_d = b.number_input(
-        "C_D: output tokens/s one D sustains",
-        min_value=1.0,
-        value=float(max(round(load.c_d_obs, -1), 1.0)),
-        step=100.0,
-        key="c_d",
-        help="Default: the busiest D's 95th-percentile rate in the window (a lower bound).",
-    )
+    c_p = _sustained(a, "P", "prompt", load.c_p_obs)
+    c_d = _sustained(b, "D", "output", load.c_d_obs)
     util = c.slider("Target utilization", 0.3, 1.0, 0.8, 0.05, key="util")
     d, e, f = st.columns(3)
     factor = d.slider("Load × (what-if)", 0.25, 5.0, 1.0, 0.25, key="load_factor")
@@ -251,10 +250,7 @@ def _plans(load: _Load, w: _WhatIf) -> None:
     )
 
 
-def render() -> None:
-    opened = open_page(view, "Capacity", "recorded load and the P:D ratio it implies", "request records")
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     sample, step = data.request_sample(url, window.start, window.end, slo=view.settings.slo)
     if sample.empty:
@@ -272,4 +268,4 @@ def render() -> None:
     _plans(load, _what_if_inputs(load))
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(view, "Capacity", "recorded load and the P:D ratio it implies", "request records", render)

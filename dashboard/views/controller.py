@@ -8,6 +8,7 @@ identity the forms are shown disabled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -81,51 +82,67 @@ def _has_reason(reason: str) -> bool:
     return True
 
 
+# a change the forms make: what it is, in words, and the call that makes it with the given reason
+Change = tuple[str, Callable[[ControllerClient, str], ApiResult]]
+
+
+def _reason(key: str) -> str:
+    return st.text_input("Reason", key=key, placeholder="why (required)")
+
+
+def _do_or_undo(labels: tuple[str, str], off: bool, do: Change, undo: Change) -> Change | None:
+    """A form's two submit buttons side by side, the first primary: the change of the one clicked, if any."""
+    a, b = st.columns(2)
+    did = a.form_submit_button(labels[0], type="primary", disabled=off)
+    undid = b.form_submit_button(labels[1], disabled=off)
+    return do if did else undo if undid else None
+
+
+def _submit(client: ControllerClient | None, reason: str, change: Change | None) -> None:
+    """Make the change and say how it went, when there is one, a client and a reason."""
+    if change is not None and client is not None and _has_reason(reason):
+        action, call = change
+        _report(action, lambda: call(client, reason.strip()))
+
+
 def _weight_form(tab: DeltaGenerator, names: list[str], off: bool, client: ControllerClient | None) -> None:
     with tab, st.form("weight_form"):
-        inst = st.selectbox("Instance", names, key="w_instance")
+        inst = str(st.selectbox("Instance", names, key="w_instance"))
         weight = st.number_input(
             "Weight", min_value=0.0, max_value=100.0, value=0.5, step=0.05, key="w_weight"
         )
         ttl_min = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="w_ttl")
-        reason = st.text_input("Reason", key="w_reason", placeholder="why (required)")
-        a, b = st.columns(2)
-        set_clicked = a.form_submit_button("Set override", type="primary", disabled=off)
-        clear_clicked = b.form_submit_button("Clear override", disabled=off)
-    if (set_clicked or clear_clicked) and client is not None and _has_reason(reason):
-        if set_clicked:
-            _report(
+        reason = _reason("w_reason")
+        change = _do_or_undo(
+            ("Set override", "Clear override"),
+            off,
+            (
                 f"Weight {weight:g} on {inst}",
-                lambda: client.set_instance_weight(str(inst), float(weight), ttl_min * 60.0, reason.strip()),
-            )
-        else:
-            _report(
-                f"Clear override on {inst}", lambda: client.clear_instance_weight(str(inst), reason.strip())
-            )
+                lambda c, why: c.set_instance_weight(inst, float(weight), ttl_min * 60.0, why),
+            ),
+            (f"Clear override on {inst}", lambda c, why: c.clear_instance_weight(inst, why)),
+        )
+    _submit(client, reason, change)
 
 
 def _drain_form(tab: DeltaGenerator, names: list[str], off: bool, client: ControllerClient | None) -> None:
     with tab, st.form("drain_form"):
-        inst_d = st.selectbox("Instance", names, key="d_instance")
-        ttl_d = st.number_input(
+        inst = str(st.selectbox("Instance", names, key="d_instance"))
+        ttl_min = st.number_input(
             "Drain for (minutes, 0 = until undrained)",
             min_value=0,
             max_value=7 * 24 * 60,
             value=0,
             key="d_ttl",
         )
-        reason_d = st.text_input("Reason", key="d_reason", placeholder="why (required)")
-        a, b = st.columns(2)
-        drain_clicked = a.form_submit_button("Drain", type="primary", disabled=off)
-        undrain_clicked = b.form_submit_button("Undrain", disabled=off)
-    if (drain_clicked or undrain_clicked) and client is not None and _has_reason(reason_d):
-        if drain_clicked:
-            _report(
-                f"Drain {inst_d}",
-                lambda: client.drain(str(inst_d), reason_d.strip(), ttl_d * 60.0 if ttl_d else None),
-            )
-        else:
-            _report(f"Undrain {inst_d}", lambda: client.undrain(str(inst_d), reason_d.strip()))
+        reason = _reason("d_reason")
+        change = _do_or_undo(
+            ("Drain", "Undrain"),
+            off,
+            (f"Drain {inst}", lambda c, why: c.drain(inst, why, ttl_min * 60.0 if ttl_min else None)),
+            (f"Undrain {inst}", lambda c, why: c.undrain(inst, why)),
+        )
+    _submit(client, reason, change)
 
 
 def _pool_form(tab: DeltaGenerator, off: bool, client: ControllerClient | None) -> None:
@@ -140,13 +157,13 @@ def _pool_form(tab: DeltaGenerator, off: bool, client: ControllerClient | None) 
             key="p_weight",
         )
         pttl = st.number_input("For (minutes)", min_value=1, max_value=7 * 24 * 60, value=30, key="p_ttl")
-        preason = st.text_input("Reason", key="p_reason", placeholder="why (required)")
-        pool_clicked = st.form_submit_button("Set pool weight", type="primary", disabled=off)
-    if pool_clicked and client is not None and _has_reason(preason):
-        _report(
-            f"Pool {pool} weight {pweight:g}",
-            lambda: client.set_pool_weight(str(pool), float(pweight), pttl * 60.0, preason.strip()),
-        )
+        preason = _reason("p_reason")
+        clicked = st.form_submit_button("Set pool weight", type="primary", disabled=off)
+    change: Change = (
+        f"Pool {pool} weight {pweight:g}",
+        lambda c, why: c.set_pool_weight(str(pool), float(pweight), pttl * 60.0, why),
+    )
+    _submit(client, preason, change if clicked else None)
 
 
 def _forms() -> None:
@@ -203,18 +220,15 @@ def _history() -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Overrides in force")
-        overrides = data.active_overrides(url, window.end)
-        if overrides.empty:
-            st.caption("None.")
-        else:
-            st.dataframe(ui.to_time(overrides, "created", "expires"), hide_index=True, width="stretch")
+        ui.table_or_caption(data.active_overrides(url, window.end), "None.", ("created", "expires"))
     with right:
         st.subheader("Audit trail")
-        audit = data.audit_trail(url, window.start, window.end)
-        if audit.empty:
-            st.caption("No change was made through the API in this time range.")
-        else:
-            st.dataframe(ui.to_time(audit, "ts"), hide_index=True, width="stretch", height=240)
+        ui.table_or_caption(
+            data.audit_trail(url, window.start, window.end),
+            "No change was made through the API in this time range.",
+            ("ts",),
+            height=240,
+        )
 
 
 def render() -> None:

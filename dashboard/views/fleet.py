@@ -12,7 +12,7 @@ import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
 from dashboard.queries.common import Window
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 
 view = context.current()
 url = view.store_url
@@ -152,16 +152,10 @@ def _limits_and_overrides(window: Window) -> None:
     with right:
         st.subheader("Manual overrides in force")
         overrides = data.active_overrides(url, window.end)
-        if overrides.empty:
-            st.caption("None. Set one on the Controller page.")
-        else:
-            st.dataframe(ui.to_time(overrides, "created", "expires"), hide_index=True, width="stretch")
+        ui.table_or_caption(overrides, "None. Set one on the Controller page.", ("created", "expires"))
 
 
-def render() -> None:
-    opened = open_page(view, "Fleet", "P and D instances", "snapshots")
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     health = data.fleet_health(url, window.start, window.end)
     if health.empty:
@@ -177,4 +171,4 @@ def render() -> None:
     _limits_and_overrides(window)
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(view, "Fleet", "P and D instances", "snapshots", render)

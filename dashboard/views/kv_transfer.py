@@ -15,7 +15,7 @@ import streamlit as st
 
 from dashboard import charts, context, data, summaries, ui
 from dashboard.queries.common import Window
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 
 view = context.current()
 url = view.store_url
@@ -98,10 +98,7 @@ def _pairs(window: Window, latest: float | None) -> None:
     )
 
 
-def render() -> None:
-    opened = open_page(view, "KV transfer", "NIXL figures from vLLM's vllm:nixl_* metrics", "snapshots")
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     nixl = data.nixl_per_instance(url, window.start, window.end)
     if nixl.empty:
@@ -112,4 +109,4 @@ def render() -> None:
     _pairs(window, latest)
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(view, "KV transfer", "NIXL figures from vLLM's vllm:nixl_* metrics", "snapshots", render)

@@ -1,6 +1,7 @@
 """How a data page opens: the window, the title line, and the empty state when the store
-has nothing of the kind the page draws. Shared by the Fleet, KV transfer, Prefix cache,
-Requests and Capacity pages.
+has nothing of the kind the page draws; and how it runs (``run_page``: a fragment that live
+mode reruns). Shared by the Fleet, KV transfer, Prefix cache, Predictor, Requests and Capacity
+pages.
 
 Not a page itself (``app.py`` lists the pages by hand); it queries only presence and the
 newest timestamp, and draws only the header and the empty states.
@@ -8,9 +9,12 @@ newest timestamp, and draws only the header and the empty states.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+import streamlit as st
 
 from dashboard import context, data, ui
 from dashboard.context import View
@@ -42,3 +46,16 @@ def open_page(view: View, title: str, what: str, needs: Needs) -> Opened | None:
     if not ui.need(presence, view, needs, _HAVE[needs](presence), latest):
         return None
     return Opened(latest, window)
+
+
+def run_page(view: View, title: str, what: str, needs: Needs, draw: Callable[[Opened], None]) -> None:
+    """Run a data page: a fragment, rerun every ``view.refresh_s`` while live, that opens the page
+    (``open_page``) and, unless it has nothing to draw from, draws the rest with ``draw``."""
+
+    @functools.wraps(draw)  # the fragment is known by the page's own function, as before
+    def page() -> None:
+        opened = open_page(view, title, what, needs)
+        if opened is not None:
+            draw(opened)
+
+    st.fragment(run_every=view.refresh_s if view.live else None)(page)()

@@ -18,7 +18,7 @@ import streamlit as st
 from analysis.prediction import ErrorFigures
 from dashboard import charts, context, data, ui
 from dashboard.queries.predictor import WindowPrediction
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 from store.attribution import trusted_senders
 
 view = context.current()
@@ -94,12 +94,7 @@ def _distribution(result: WindowPrediction) -> None:
             )
 
 
-def render() -> None:
-    opened = open_page(
-        view, "Predictor", "the proxy's TTFT predictions against the observed TTFT", "request records"
-    )
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     window = opened.window
     result = data.prediction(url, window.start, window.end, SENDERS)
     fleet = result.report.fleet
@@ -118,4 +113,6 @@ def render() -> None:
     )
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(
+    view, "Predictor", "the proxy's TTFT predictions against the observed TTFT", "request records", render
+)

@@ -15,7 +15,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, context, data, prefix, ui
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 
 view = context.current()
 url = view.store_url
@@ -143,10 +143,7 @@ def _decode_only(sample: pd.DataFrame, start: float, width: float) -> None:
     )
 
 
-def render() -> None:
-    opened = open_page(view, "Prefix cache", "vLLM's prefix caches and KV-aware routing", "snapshots")
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     width = window.bucket_s(60)
     sample, step = data.prefix_sample(url, window.start, window.end)
@@ -178,4 +175,4 @@ def render() -> None:
         ui.no_data(view, "request records", latest)
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(view, "Prefix cache", "vLLM's prefix caches and KV-aware routing", "snapshots", render)

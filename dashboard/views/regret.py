@@ -13,56 +13,54 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import data, ui
+from dashboard import data, summaries, ui
 from dashboard.context import View
 from dashboard.queries import investigate
 from dashboard.queries.common import Window
 from dashboard.queries.investigate import Regret
 
 DEFAULT_FLAP_TICKS = 10
+TALLY_COLUMNS = (
+    "reason",
+    "cuts",
+    "undone",
+    "flapped",
+    "flap_rate",
+    "pending",
+    "median_ticks_to_undo",
+    "median_s_to_undo",
+    "recovered",
+    "slo_delta_pts",  # the mean SLO attainment after - before, in points
+)
+CUT_COLUMNS = (
+    "ts",
+    "subject",
+    "field",
+    "reason",
+    "cut",  # old → new value
+    "recovered_after_s",
+    "slo_before",
+    "slo_after",
+    "undone_after_ticks",
+    "undone_by",
+    "flapped",
+    "pending",
+)
 
 
 def tally_frame(r: Regret) -> pd.DataFrame:
     """One row per reason, most cuts first."""
-    return pd.DataFrame(
-        [
-            {
-                "reason": t.reason,
-                "cuts": t.cuts,
-                "undone": t.undone,
-                "flapped": t.flapped,
-                "flap_rate": t.flap_rate,
-                "pending": t.pending,
-                "median_ticks_to_undo": t.median_ticks_to_undo,
-                "median_s_to_undo": t.median_s_to_undo,
-                "recovered": t.recovered,
-                "slo_delta_pts": None if t.mean_slo_delta is None else 100.0 * t.mean_slo_delta,
-            }
-            for t in r.reasons
-        ]
+    return summaries.attribute_frame(
+        r.reasons,
+        TALLY_COLUMNS,
+        {"slo_delta_pts": lambda t: None if t.mean_slo_delta is None else 100.0 * t.mean_slo_delta},
     )
 
 
 def cuts_frame(r: Regret) -> pd.DataFrame:
     """One row per cut, newest first."""
-    rows = [
-        {
-            "ts": c.ts,
-            "subject": c.subject,
-            "field": c.field,
-            "reason": c.reason,
-            "cut": f"{c.old_value:g} → {c.new_value:g}",
-            "recovered_after_s": c.recovered_after_s,
-            "slo_before": c.slo_before,
-            "slo_after": c.slo_after,
-            "undone_after_ticks": c.undone_after_ticks,
-            "undone_by": c.undone_by,
-            "flapped": c.flapped,
-            "pending": c.pending,
-        }
-        for c in reversed(r.cuts)
-    ]
-    return pd.DataFrame(rows)
+    cut = {"cut": lambda c: f"{c.old_value:g} → {c.new_value:g}"}
+    return summaries.attribute_frame(reversed(r.cuts), CUT_COLUMNS, cut)
 
 
 def _totals(r: Regret) -> None:

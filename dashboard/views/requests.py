@@ -14,7 +14,7 @@ import streamlit as st
 
 from dashboard import charts, context, data, derive, summaries, ui
 from dashboard.queries.common import Window
-from dashboard.views.opening import open_page
+from dashboard.views.opening import Opened, run_page
 
 view = context.current()
 url = view.store_url
@@ -166,16 +166,10 @@ def _waterfall(rec: dict[str, Any]) -> None:
 def _lease_expiries(window: Window) -> None:
     st.subheader("Flagged lease-expiry requests")
     leases = data.search_requests(url, window.start, window.end, "", "", "", False, True, 50)
-    if leases.empty:
-        st.caption("None in the window.")
-    else:
-        st.dataframe(ui.to_time(leases, "proxy_in"), hide_index=True, width="stretch", height=200)
+    ui.table_or_caption(leases, "None in the window.", ("proxy_in",), height=200)
 
 
-def render() -> None:
-    opened = open_page(view, "Requests", "request records", "request records")
-    if opened is None:
-        return
+def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     flt = _filters()
     found = data.search_requests(url, window.start, window.end, **flt)  # type: ignore[arg-type]
@@ -200,4 +194,4 @@ def render() -> None:
     _lease_expiries(window)
 
 
-st.fragment(run_every=view.refresh_s if view.live else None)(render)()
+run_page(view, "Requests", "request records", "request records", render)

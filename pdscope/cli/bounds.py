@@ -2,6 +2,7 @@
 (``--bucket-s``, ``--limit``, ``--max-records``...), checked first in its ``run`` so that NaN, an
 infinity or a value out of ``[lo, hi]`` is refused before anything runs, with the usage error's exit 2
 and a line naming the option: ``pdscope whatif: --bucket-s: must be a finite number from 0.1 to 3600``.
+A command's other refusals take the same form (:func:`fail`).
 
 This module reads no config and opens nothing.
 """
@@ -38,5 +39,10 @@ def refuse(command: str, args: argparse.Namespace, bounds: Mapping[str, tuple[fl
     found = problem(args, bounds)
     if found is None:
         return None
-    print(f"pdscope {command}: {found}", file=sys.stderr)
-    return 2
+    return fail(command, found, 2)
+
+
+def fail(command: str, message: str, code: int = 1) -> int:
+    """Print ``pdscope <command>: message`` on stderr and answer ``code``, the exit status."""
+    print(f"pdscope {command}: {message}", file=sys.stderr)
+    return code

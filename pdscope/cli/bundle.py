@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdscope.cli.bounds import WINDOW, refuse
+from pdscope.cli.bounds import WINDOW, fail, refuse
 from pdscope.config import BundleSettings, load_settings
 
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from controller.bundle import BundleError, NoData, write_bundle
     from controller.bundlepack import range_bundle_name
     from pdscope.cli.explain import _when
-    from store.db import StoreError, make_engine, session_factory
+    from store.db import StoreError, opened
 
     settings = load_settings(args)
     cfg = settings.controller.bundles
@@ -69,15 +69,13 @@ def run(args: argparse.Namespace) -> int:
         lo, hi = resolve_range(time.time(), since=since, from_=args.from_, until=args.until)
         limits = _limits(args, cfg)
     except BadRange as exc:
-        print(f"pdscope bundle: --{exc.param}: {exc.reason}", file=sys.stderr)
-        return 2
+        return fail("bundle", f"--{exc.param}: {exc.reason}", 2)
     out = Path(args.out or cfg.dir)
     url = args.store or settings.store.url
     try:
-        engine = make_engine(url)
-        try:
+        with opened(url) as sessions:
             w = write_bundle(
-                session_factory(engine),
+                sessions,
                 settings,
                 lo,
                 hi,
@@ -86,17 +84,12 @@ def run(args: argparse.Namespace) -> int:
                 limits=limits,
                 require_data=True,
             )
-        finally:
-            engine.dispose()
     except NoData:
-        print(f"pdscope bundle: nothing stored from {_when(lo)} to {_when(hi)}", file=sys.stderr)
-        return 1
+        return fail("bundle", f"nothing stored from {_when(lo)} to {_when(hi)}")
     except BundleError as exc:
-        print(f"pdscope bundle: {exc}", file=sys.stderr)
-        return 1
+        return fail("bundle", str(exc))
     except StoreError as exc:
-        print(f"pdscope bundle: the store cannot be read: {exc}", file=sys.stderr)
-        return 1
+        return fail("bundle", f"the store cannot be read: {exc}")
     print(w.path)
     for note in w.manifest.get("notes", []):
         print(f"  note: {note}", file=sys.stderr)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from pdscope.cli.bounds import WINDOW, refuse
+from pdscope.cli.bounds import WINDOW, fail, refuse
 from pdscope.config import load_settings
 
 if TYPE_CHECKING:  # the controller is imported when the command runs, not when the CLI starts
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         window_attribution,
         window_prediction,
     )
-    from store.db import StoreError, make_engine, session_factory
+    from store.db import StoreError, opened
 
     settings = load_settings(args)
     since = args.since if args.since is not None or args.from_ is not None else "30m"
@@ -66,24 +65,18 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= args.misses <= 1000:
             raise BadRange("misses", "must be 0 to 1000")
     except BadRange as exc:
-        print(f"pdscope explain: --{exc.param}: {exc.reason}", file=sys.stderr)
-        return 2
+        return fail("explain", f"--{exc.param}: {exc.reason}", 2)
     url = args.store or settings.store.url
     try:
-        engine = make_engine(url)
-        try:
-            result = window_attribution(session_factory(engine), settings, lo, hi, limit=limit)
-            figures = window_prediction(session_factory(engine), settings, lo, hi, limit=limit)
+        with opened(url) as sessions:
+            result = window_attribution(sessions, settings, lo, hi, limit=limit)
+            figures = window_prediction(sessions, settings, lo, hi, limit=limit)
             predictor = mispredicted_misses(figures)
-        finally:
-            engine.dispose()
     except StoreError as exc:
-        print(f"pdscope explain: the store cannot be read: {exc}", file=sys.stderr)
-        return 1
+        return fail("explain", f"the store cannot be read: {exc}")
     a = result.attribution
     if a.requests == 0:
-        print(f"pdscope explain: no request records from {_when(lo)} to {_when(hi)}", file=sys.stderr)
-        return 1
+        return fail("explain", f"no request records from {_when(lo)} to {_when(hi)}")
     if args.json:
         print(json.dumps(result.as_dict(max_misses=args.misses), indent=2, sort_keys=True))
         return 0

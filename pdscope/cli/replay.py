@@ -23,10 +23,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from pdscope.cli.bounds import WINDOW, refuse
+from pdscope.cli.bounds import WINDOW, fail, refuse
 from pdscope.config import ConfigError, load_config, load_settings
-
-PROG = "pdscope replay"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,41 +67,32 @@ def run(args: argparse.Namespace) -> int:
         return code
     from controller.attribution import BadRange, resolve_range
     from controller.replay import NoTicks, ReplayError, as_dict, replay_window
-    from store.db import StoreError, make_engine, session_factory, transaction
+    from store.db import StoreError, opened, transaction
 
     settings = load_settings(args)
     since = args.since if args.since is not None or args.from_ is not None else "30m"
     try:
         lo, hi = resolve_range(time.time(), since=since, from_=args.from_, until=args.until)
     except BadRange as exc:
-        print(f"{PROG}: --{exc.param}: {exc.reason}", file=sys.stderr)
-        return 2
+        return fail("replay", f"--{exc.param}: {exc.reason}", 2)
     try:
         candidate = _candidate(args)
     except ConfigError as exc:
-        print(f"{PROG}: the candidate config is not valid:", file=sys.stderr)
+        print("pdscope replay: the candidate config is not valid:", file=sys.stderr)
         for p in exc.problems:
             print(f"  {p}", file=sys.stderr)
         return 2
     except ReplayError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return fail("replay", str(exc), 2)
     try:
-        engine = make_engine(args.store or settings.store.url)
-        try:
-            with transaction(session_factory(engine)) as session:
-                result = replay_window(session, lo, hi, candidate)
-        finally:
-            engine.dispose()
+        with opened(args.store or settings.store.url) as sessions, transaction(sessions) as session:
+            result = replay_window(session, lo, hi, candidate)
     except NoTicks as exc:
-        print(f"{PROG}: {exc}, from {_when(lo)} to {_when(hi)}", file=sys.stderr)
-        return 1
+        return fail("replay", f"{exc}, from {_when(lo)} to {_when(hi)}")
     except ReplayError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+        return fail("replay", str(exc), 2)
     except StoreError as exc:
-        print(f"{PROG}: the store cannot be read: {exc}", file=sys.stderr)
-        return 1
+        return fail("replay", f"the store cannot be read: {exc}")
     if args.json:
         print(json.dumps(as_dict(result, timeline=args.timeline), indent=2, sort_keys=True))
     else:

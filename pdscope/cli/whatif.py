@@ -30,7 +30,6 @@ import asyncio
 import json
 import logging
 import math
-import sys
 import tempfile
 import time
 import urllib.request
@@ -42,10 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
-from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, refuse
-from pdscope.config import ConfigError, Settings, load_settings
+from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, fail, refuse
+from pdscope.config import ConfigError, Settings, load_settings, validated
 from pdscope.stack import LOOPBACK, Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
 from simulator.fit import FitError, FitParams, FittedFleet, RequestObs, SnapshotObs, fit
 
@@ -97,12 +95,7 @@ def load_candidate(path: str) -> dict[str, Any]:
 
 def validate(config: dict[str, Any], source: str) -> Settings:
     """``config`` as Settings; a ConfigError naming ``source`` and each bad field."""
-    try:
-        return Settings.model_validate(config)
-    except ValidationError as exc:
-        raise ConfigError(
-            [f"{source}: {'.'.join(str(x) for x in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()]
-        ) from exc
+    return validated(Settings, config, source, "config")
 
 
 # -- reading the window -----------------------------------------------------------------------
@@ -120,31 +113,27 @@ def read_window(url: str, settings: Settings, lo: float, hi: float) -> Window:
     from sqlalchemy import select
 
     from store import queries as q
-    from store.db import make_engine, session_factory, transaction
+    from store.db import opened, transaction
     from store.models import Decision, RequestRecord, Snapshot
 
     r = RequestRecord
-    engine = make_engine(url)
-    try:
-        with transaction(session_factory(engine)) as s:
-            rows = s.execute(
-                select(
-                    r.proxy_in, r.status, r.http_status, r.prompt_tokens, r.completion_tokens,
-                    r.p_instance, r.d_instance, r.ttft_s, r.tpot_s, r.p_prefill_s, r.p_done,
-                    r.first_token, r.kv_bytes,
-                ).where(r.proxy_in >= lo, r.proxy_in <= hi)
-            ).all()  # fmt: skip
-            snaps = s.execute(
-                select(
-                    Snapshot.instance, Snapshot.role, Snapshot.ts, Snapshot.nixl_xfer_time_sum,
-                    Snapshot.nixl_bytes_sum,
-                ).where(Snapshot.ts >= lo, Snapshot.ts <= hi)
-            ).all()  # fmt: skip
-            policies = s.execute(
-                select(Decision.policy).where(Decision.ts >= lo, Decision.ts <= hi).distinct()
-            ).all()
-    finally:
-        engine.dispose()
+    with opened(url) as sessions, transaction(sessions) as s:
+        rows = s.execute(
+            select(
+                r.proxy_in, r.status, r.http_status, r.prompt_tokens, r.completion_tokens,
+                r.p_instance, r.d_instance, r.ttft_s, r.tpot_s, r.p_prefill_s, r.p_done,
+                r.first_token, r.kv_bytes,
+            ).where(r.proxy_in >= lo, r.proxy_in <= hi)
+        ).all()  # fmt: skip
+        snaps = s.execute(
+            select(
+                Snapshot.instance, Snapshot.role, Snapshot.ts, Snapshot.nixl_xfer_time_sum,
+                Snapshot.nixl_bytes_sum,
+            ).where(Snapshot.ts >= lo, Snapshot.ts <= hi)
+        ).all()  # fmt: skip
+        policies = s.execute(
+            select(Decision.policy).where(Decision.ts >= lo, Decision.ts <= hi).distinct()
+        ).all()
     reqs = [
         RequestObs(
             arrival=row.proxy_in,
@@ -278,15 +267,14 @@ def _records_settled(url: str, since: float, expected: int, timeout_s: float) ->
     growing for three polls; the count."""
     from sqlalchemy import func, select
 
-    from store.db import make_engine, session_factory, transaction
+    from store.db import opened, transaction
     from store.models import RequestRecord
 
-    engine = make_engine(url)
     deadline = time.monotonic() + timeout_s
     last, steady, n = -1, 0, 0
-    try:
+    with opened(url) as sessions:
         while time.monotonic() < deadline:
-            with transaction(session_factory(engine)) as s:
+            with transaction(sessions) as s:
                 n = int(s.scalar(select(func.count()).where(RequestRecord.proxy_in >= since)) or 0)
             if n >= expected:
                 return n
@@ -295,8 +283,6 @@ def _records_settled(url: str, since: float, expected: int, timeout_s: float) ->
                 return n
             last = n
             time.sleep(1.0)  # the collector assembles a record once its trace is complete
-    finally:
-        engine.dispose()
     return n
 
 
@@ -358,16 +344,10 @@ class Figures:
 
 def figures(url: str, settings: Settings, lo: float, hi: float) -> Figures:
     from store import queries as q
-    from store.db import make_engine, session_factory, transaction
+    from store.db import opened, transaction
 
-    engine = make_engine(url)
-    try:
-        with transaction(session_factory(engine)) as s:
-            got = q.slo_summary(s, lo, hi, only=q.RecordFilter(charged_only=True), slo=settings.slo).get(
-                "all"
-            )
-    finally:
-        engine.dispose()
+    with opened(url) as sessions, transaction(sessions) as s:
+        got = q.slo_summary(s, lo, hi, only=q.RecordFilter(charged_only=True), slo=settings.slo).get("all")
     if got is None:
         return Figures(0, 0, 0.0, None, None)
     return Figures(got.requests, got.completed, got.goodput_per_s, got.attainment, got.ttft_p99_s)
@@ -505,8 +485,7 @@ def _resolve(args: argparse.Namespace) -> Plan | int:
         if (hi - lo) / args.bucket_s > MAX_BUCKETS:
             raise BadRange("bucket-s", f"{hi - lo:g} s / {args.bucket_s:g} s is over {MAX_BUCKETS} buckets")
     except BadRange as exc:
-        print(f"pdscope whatif: --{exc.param}: {exc.reason}", file=sys.stderr)
-        return 2
+        return fail("whatif", f"--{exc.param}: {exc.reason}", 2)
     overlay = None if args.candidate is None else load_candidate(args.candidate)
     cand = None
     if overlay is not None:  # validated before anything runs: the error names the field
@@ -555,16 +534,14 @@ def run(args: argparse.Namespace) -> int:
         window = read_window(url, plan.settings, plan.lo, plan.hi)
         observed = figures(url, plan.settings, plan.lo, plan.hi)
     except StoreError as exc:
-        print(f"pdscope whatif: the store cannot be read: {exc}", file=sys.stderr)
-        return 1
+        return fail("whatif", f"the store cannot be read: {exc}")
     try:
         fitted = fit(
             window.requests, window.roles, plan.lo, plan.hi, snapshots=window.snapshots,
             params=FitParams(bucket_s=args.bucket_s),
         )  # fmt: skip
     except FitError as exc:
-        print(f"pdscope whatif: {exc} from {_when(plan.lo)} to {_when(plan.hi)}", file=sys.stderr)
-        return 1
+        return fail("whatif", f"{exc} from {_when(plan.lo)} to {_when(plan.hi)}")
     k = fitted.compression(args.max_replay_s)
     result: dict[str, Any] = {"window": {"since": plan.lo, "until": plan.hi}, "fit": fitted.summary()}
     result["compression"] = k
@@ -579,8 +556,7 @@ def run(args: argparse.Namespace) -> int:
             if plan.candidate_overlay is not None:
                 cols["candidate"], _ = _replay(plan, fitted, k, plan.candidate_overlay, wd, "candidate")
     except (RuntimeError, TimeoutError, OSError) as exc:
-        print(f"pdscope whatif: a replay failed: {exc}", file=sys.stderr)
-        return 1
+        return fail("whatif", f"a replay failed: {exc}")
     return _report(args, result, cols, old_run, k)
 
 

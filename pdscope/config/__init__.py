@@ -36,7 +36,7 @@ from pdscope.config.alerts import (
     AlertSettings,
     Severity,
 )
-from pdscope.config.base import ConfigError
+from pdscope.config.base import ConfigError, validated
 from pdscope.config.bundles import BUNDLE_RULES_DEFAULT, BundleSettings
 from pdscope.config.collector import CollectorSettings
 from pdscope.config.controller import ControllerSettings, NoiseSettings, ProbeSettings
@@ -110,4 +110,5 @@ __all__ = [
     "parse_config",
     "parse_named_tokens",
     "resolve_config_path",
+    "validated",
 ]

@@ -15,9 +15,11 @@ Imports nothing of pdscope: the sections build on it.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class ConfigError(Exception):
@@ -29,6 +31,17 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+def validated(model: type[_M], data: Any, source: str, whole: str) -> _M:
+    """``data`` as a ``model``; a ConfigError with a line ``source: field.path: message`` a problem
+    (``whole``: the field named for a problem with all of ``data``)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(
+            [f"{source}: {'.'.join(str(p) for p in e['loc']) or whole}: {e['msg']}" for e in exc.errors()]
+        ) from exc
 
 
 class _Frozen(BaseModel):

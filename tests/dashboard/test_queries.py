@@ -206,3 +206,13 @@ def test_a_changed_slo_moves_the_dashboard_and_the_controller_figures_alike(smal
     assert mine is not None and mine["slo_met"] == theirs.slo_met
     assert 0 < theirs.slo_met < stored.completed and theirs.slo_met != stored.slo_met
     assert theirs.slo_met == sum(1 for t in ttfts if t <= ttfts[len(ttfts) // 2])
+
+
+def test_loose_index_scan_walks_the_distinct_values_and_ends_on_null() -> None:
+    sql = common.loose_index_scan("names", "n", "snapshots", "instance")
+    assert sql.startswith("WITH RECURSIVE names(n) AS (\n")
+    assert "WHERE instance > names.n ORDER BY instance LIMIT 1" in sql
+    assert "FROM names WHERE names.n IS NOT NULL" in sql
+    assert fleet._SLICES_SQL.startswith(sql) and rq._STATUS_COUNTS_SQL.startswith(
+        common.loose_index_scan("statuses", "v", "request_records", "status")
+    )

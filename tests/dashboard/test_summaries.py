@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from dashboard.summaries import (
+    attribute_frame,
     handoff_by,
     instance_health,
     interval_means,
@@ -128,3 +129,14 @@ def test_slo_figures_and_handoff_by_on_empty_input() -> None:
     assert handoff_by(pd.DataFrame()).empty
     assert percentiles_ms(pd.Series([], dtype=float)) == {"p50": None, "p90": None, "p99": None}
     assert percentiles_ms(pd.Series([0.1, 0.2, 0.3]))["p50"] == pytest.approx(200.0)
+
+
+def test_attribute_frame_takes_attributes_and_computed_columns_in_order() -> None:
+    class Row:
+        def __init__(self, name: str, n: int) -> None:
+            self.name, self.n = name, n
+
+    got = attribute_frame([Row("a", 1), Row("b", 2)], ("n", "name", "twice"), {"twice": lambda r: 2 * r.n})
+    assert list(got.columns) == ["n", "name", "twice"]
+    assert got.to_dict("records") == [{"n": 1, "name": "a", "twice": 2}, {"n": 2, "name": "b", "twice": 4}]
+    assert list(attribute_frame([], ("n", "name")).columns) == ["n", "name"]  # empty: still the columns
