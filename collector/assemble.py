@@ -48,6 +48,7 @@ from typing import Any
 from collector.otlp import SpanData
 from collector.predicted import Predicted, predicted
 from collector.record import AssembledRecord, AssemblyNotes, VllmSide
+from collector.rootattrs import Check, checked, token_count
 from pdscope import semconv as sc
 from pdscope.config import SLOSettings
 from pdscope.slo import slo_verdict
@@ -88,7 +89,6 @@ def _str(value: Any, length: int) -> str | None:
     return None
 
 
-MAX_TOKENS = 10**9  # a token count above this is not one (no prompt is that long)
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{1,16}")
 _TOKEN_KEYS = (
     sc.P_PREDICTED_CACHED,
@@ -113,53 +113,26 @@ class Routing:
     dropped: tuple[str, ...] = ()  # the keys present but invalid, in semconv order
 
 
-def _token_count(value: Any) -> int | None:
-    """An integral token count in [0, MAX_TOKENS] (an int, or a float or string that is one), or None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float | str):
-        try:
-            f = float(value)
-        except (TypeError, ValueError, OverflowError):
-            return None
-        if not math.isfinite(f) or f != int(f):
-            return None
-        n = int(f)
-    else:
-        return None
-    return n if 0 <= n <= MAX_TOKENS else None
+def _route_path(value: Any) -> str | None:
+    return value if isinstance(value, str) and value in sc.ROUTE_PATHS else None
+
+
+def _prefix_key(value: Any) -> str | None:
+    return value.lower() if isinstance(value, str) and _HEX_KEY.fullmatch(value) else None
+
+
+_ROUTING_CHECKS: tuple[tuple[str, Check], ...] = (
+    (sc.ROUTE_PATH, _route_path),
+    *((key, token_count) for key in _TOKEN_KEYS),
+    (sc.PREFIX_KEY, _prefix_key),
+)
 
 
 def routing(attrs: dict[str, Any]) -> Routing:
     """The KV-aware routing fields of a root span's attributes, and the keys that were invalid."""
-    dropped: list[str] = []
-    path = attrs.get(sc.ROUTE_PATH)
-    if path is not None and path not in sc.ROUTE_PATHS:
-        dropped.append(sc.ROUTE_PATH)
-        path = None
-    tokens: dict[str, int | None] = {}
-    for key in _TOKEN_KEYS:
-        raw = attrs.get(key)
-        n = _token_count(raw) if raw is not None else None
-        if raw is not None and n is None:
-            dropped.append(key)
-        tokens[key] = n
-    key_raw = attrs.get(sc.PREFIX_KEY)
-    prefix_key = key_raw.lower() if isinstance(key_raw, str) and _HEX_KEY.fullmatch(key_raw) else None
-    if key_raw is not None and prefix_key is None:
-        dropped.append(sc.PREFIX_KEY)
-    return Routing(
-        route_path=path if isinstance(path, str) else None,
-        p_predicted_cached_tokens=tokens[sc.P_PREDICTED_CACHED],
-        d_predicted_cached_tokens=tokens[sc.D_PREDICTED_CACHED],
-        p_cached_tokens=tokens[sc.P_CACHED_TOKENS],
-        d_cached_tokens=tokens[sc.D_CACHED_TOKENS],
-        prefix_tokens=tokens[sc.PREFIX_TOKENS],
-        prefix_key=prefix_key,
-        dropped=tuple(dropped),
-    )
+    values, dropped = checked(attrs, _ROUTING_CHECKS)
+    path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key = values
+    return Routing(path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key, dropped)
 
 
 def _unix_ns(attrs: dict[str, Any], key: str) -> float | None:

@@ -104,30 +104,19 @@ def _serve(args: argparse.Namespace, settings: Settings, tokens: Mapping[str, st
     """Run the collector until Ctrl-C, SIGTERM or ``--duration``; 1 when its socket fails."""
     import asyncio
     import logging
-    import signal
-    import sys
 
     from collector.service import CollectorService
+    from pdscope.runmain import run_main, stop_on_signals
 
     log = logging.getLogger("collector")
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):
-                pass
+        stop_on_signals(stop)
         if args.duration is not None:
-            loop.call_later(args.duration, stop.set)
+            asyncio.get_running_loop().call_later(args.duration, stop.set)
         service = CollectorService(settings, port=args.port, otlp_tokens=tokens)
         log.info("pdscope collect: receiver on http://%s:%d", settings.collector.host, service.port)
         await service.run(stop)
 
-    try:
-        asyncio.run(main())
-    except OSError as exc:
-        print(f"pdscope collect: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_main(main, "pdscope collect")

@@ -4,9 +4,9 @@ The proxy puts what its predictor said of a request on the root span (``pdscope.
 ``PREDICTED_TTFT_S``, ``TTFT_TARGET_S``, ``PREDICT_TOKENS_AHEAD``, ``PREDICT_TOKENS``,
 ``PREDICT_SOURCE``). Each is checked against what it means, not only its column's type: the two
 times are finite seconds in [0, :data:`MAX_SECONDS`], the token counts integers in
-[0, :data:`MAX_TOKENS`], the source one of ``semconv.PREDICT_SOURCES``. One that is present but
-fails its check is left out and named in ``dropped`` (``collector.assemble`` adds it to the record's
-``dropped`` notes, which the sink counts), as the KV-aware routing attributes are.
+[0, ``collector.rootattrs.MAX_TOKENS``], the source one of ``semconv.PREDICT_SOURCES``. One that is
+present but fails its check is left out and named in ``dropped`` (``collector.assemble`` adds it to
+the record's ``dropped`` notes, which the sink counts), as the KV-aware routing attributes are.
 
 Pure: attributes in, values out; no I/O.
 """
@@ -17,10 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
+from collector.rootattrs import checked, token_count
 from pdscope import semconv as sc
 
 MAX_SECONDS: Final = 86_400.0  # a day: the largest target a request may ask for (proxy.predict)
-MAX_TOKENS: Final = 10**9  # a token count above this is not one
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +46,6 @@ def _seconds(value: Any) -> float | None:
     return f if math.isfinite(f) and 0.0 <= f <= MAX_SECONDS else None
 
 
-def _tokens(value: Any) -> int | None:
-    """An integral count in [0, MAX_TOKENS] (an int, or a float or string that is one), or None."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        return None
-    if isinstance(value, int):
-        n = value
-    else:
-        try:
-            f = float(value)
-        except (ValueError, OverflowError):
-            return None
-        if not math.isfinite(f) or f != int(f):
-            return None
-        n = int(f)
-    return n if 0 <= n <= MAX_TOKENS else None
-
-
 def _source(value: Any) -> str | None:
     return value if isinstance(value, str) and value in sc.PREDICT_SOURCES else None
 
@@ -70,21 +53,14 @@ def _source(value: Any) -> str | None:
 _CHECKS: Final = (
     (sc.PREDICTED_TTFT_S, _seconds),
     (sc.TTFT_TARGET_S, _seconds),
-    (sc.PREDICT_TOKENS_AHEAD, _tokens),
-    (sc.PREDICT_TOKENS, _tokens),
+    (sc.PREDICT_TOKENS_AHEAD, token_count),
+    (sc.PREDICT_TOKENS, token_count),
     (sc.PREDICT_SOURCE, _source),
 )
 
 
 def predicted(attrs: dict[str, Any]) -> Predicted:
     """The predictor's fields of a root span's attributes, and the keys that were invalid."""
-    values: list[Any] = []
-    dropped: list[str] = []
-    for key, check in _CHECKS:
-        raw = attrs.get(key)
-        value = check(raw) if raw is not None else None
-        if raw is not None and value is None:
-            dropped.append(key)
-        values.append(value)
+    values, dropped = checked(attrs, _CHECKS)
     ttft, target, ahead, tokens, source = values
-    return Predicted(ttft, target, ahead, tokens, source, tuple(dropped))
+    return Predicted(ttft, target, ahead, tokens, source, dropped)

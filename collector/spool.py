@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import math
 import os
 import struct
 import threading
@@ -49,6 +48,7 @@ from typing import Any, Literal
 import orjson
 
 from collector.otlp import SpanData, SpanEvent
+from pdscope.jsonsafe import plain
 
 log = logging.getLogger(__name__)
 
@@ -137,21 +137,7 @@ def encode_spans(spans: Sequence[SpanData], accepted_at: float) -> bytes:
     try:
         return orjson.dumps(doc)
     except TypeError:
-        return orjson.dumps(_plain(doc))
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return v
-    if isinstance(v, int):
-        return v if -(2**63) <= v < 2**64 else float(v)
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_plain(x) for x in v]
-    return str(v)
+        return orjson.dumps(plain(doc))
 
 
 def _span(d: dict[str, Any]) -> SpanData:
@@ -204,6 +190,27 @@ def read_segment(path: Path, start: int) -> tuple[list[tuple[int, int, bytes]], 
     return out, pos, False
 
 
+def _lock(d: Path) -> int:
+    """Take ``d``'s lock file (made if missing) without waiting; its descriptor. A closing spool that
+    leaves nothing deletes the file it holds, so a lock taken on a file that is no longer the one at
+    the path is let go and taken again: two processes never hold two different files."""
+    path = d / LOCK_FILE
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolLocked(f"spool folder {d} is in use by another collector process") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise SpoolLocked(f"spool folder {d} is being closed by another collector process")
+
+
 class Spool:
     """Pending span batches, oldest first. Thread-safe: appends run in worker threads."""
 
@@ -254,13 +261,7 @@ class Spool:
         if d is None:
             return rec
         d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SpoolLocked(f"spool folder {d} is in use by another collector process") from None
-        self._lock_fd = fd
+        self._lock_fd = _lock(d)
         self._acked = self._read_acked(d, rec)
         for n in _segments(d):
             self._recover_segment(d, n, rec)
@@ -328,6 +329,7 @@ class Spool:
                 for n in _segments(d):
                     (d / _segment_name(n)).unlink(missing_ok=True)
                 (d / ACKED_FILE).unlink(missing_ok=True)
+                (d / LOCK_FILE).unlink(missing_ok=True)  # held still: an empty folder can go (_lock)
             os.close(self._lock_fd)
             self._lock_fd = None
 

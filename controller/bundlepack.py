@@ -21,13 +21,14 @@ manifest.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
+
+from pdscope.jsonsafe import plain
 
 FORMAT: Final = "pdscope-bundle"
 FORMAT_VERSION: Final = 1
@@ -78,21 +79,8 @@ def folder_of(name: str) -> str:
     return name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
 
 
-def jsonable(value: Any) -> Any:
-    """``value`` as strict JSON can hold it: non-finite floats become null, others their str()."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return str(value)
-
-
 def dumps(value: Any, *, indent: int | None = None) -> bytes:
-    return json.dumps(jsonable(value), sort_keys=True, indent=indent, allow_nan=False).encode()
+    return json.dumps(plain(value), sort_keys=True, indent=indent, allow_nan=False).encode()
 
 
 def _mask_url(text: str) -> str:

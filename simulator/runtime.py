@@ -9,13 +9,12 @@ cleanly on SIGINT/SIGTERM. Uses uvloop where available.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from pdscope.runmain import run_main, stop_on_signals
 from pdscope.simconfig import LLAMA3_70B_KV_BYTES_PER_TOKEN
 from simulator.config import parse_simulator_config
 from simulator.faults import load_scenario
@@ -53,10 +52,7 @@ def serve_fleet(
             otlp_endpoint=otlp_endpoint,
         )
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+        stop_on_signals(stop)
         try:
             await fleet.start(scenario)
             for role, name, url in fleet.describe():
@@ -69,10 +65,4 @@ def serve_fleet(
             await fleet.stop()
             print("simulator stopped", file=sys.stderr, flush=True)
 
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        try:
-            runner.run(main())
-        except OSError as exc:
-            print(f"pdscope sim: {exc}", file=sys.stderr)
-            return 1
-    return 0
+    return run_main(main, "pdscope sim", loop_factory())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -112,6 +113,92 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                     red=True,
                     bold=True,
                 )
+
+
+# -- the collector's spool --------------------------------------------------------------
+#
+# A collector without ``collector.spool_dir`` spools in <temp dir>/pdscope-spool/<hash of its store URL
+# and id> (collector/service.py ``default_spool_dir``), a folder meant to outlive its process while it
+# holds spans; a clean stop with nothing pending removes it. tests/support's collectors and fleets, the
+# goodput bench and the what-if runs spool inside their own folders. The guard checks that no test
+# leaves a folder there (a collector killed, or stopped with spans pending, on the default spool)
+# without reading the machine's shared folder, where other sessions and benchmarks write at any time:
+# this session's temp dir (TMPDIR, inherited by its children) is a private folder of its own, so a
+# collector that falls back to the default spools there, where nothing else writes. The folders that
+# appear there are noted after each test; the session fails naming them and the tests they appeared
+# in, and the private folder goes at the end: a test run leaves nothing in the shared one.
+
+SPOOL_FOLDER = "pdscope-spool"
+
+
+class _SpoolGuard:
+    """The default spool folders that appear under ``temp_dir``, by the test during which each did."""
+
+    def __init__(self, temp_dir: Path) -> None:
+        self.spool = temp_dir / SPOOL_FOLDER
+        self.seen: set[str] = set()
+        self.left: dict[str, list[str]] = {}
+        self.current = ""  # the test running, set as each starts
+
+    def note(self) -> None:
+        now = set(os.listdir(self.spool)) if self.spool.is_dir() else set()
+        if new := sorted(now - self.seen):
+            self.left.setdefault(self.current, []).extend(new)
+        self.seen = now
+
+
+def _spool_lines(left: dict[str, list[str]]) -> list[str]:
+    return [f"  {test}: {', '.join(names)}" for test, names in left.items()]
+
+
+_spool_guard: _SpoolGuard | None = None
+_spool_active = False
+_test_started = "the session's setup"  # the last test to start (the guard starts within the first)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This session's temp dir, for it and its children: a private folder, removed at the end; fails
+    the session when a collector left a default spool folder in it (see above)."""
+    global _spool_guard, _spool_active
+    tmp_path_factory.getbasetemp()  # pytest's own folders (tmp_path) stay where they always are
+    private = Path(tempfile.mkdtemp(prefix="pdscope-tests-"))
+    saved_env, saved_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(private)
+    guard = _spool_guard = _SpoolGuard(private)
+    guard.current = _test_started
+    _spool_active = True
+    try:
+        yield private
+    finally:
+        _spool_active = False
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        guard.note()  # what the last test's (and the session's) fixtures left as they stopped
+        shutil.rmtree(private, ignore_errors=True)
+    if new := guard.left:
+        pytest.fail(
+            f"collectors spooled in the default <temp dir>/{SPOOL_FOLDER}, a folder that outlives the run "
+            "on any other session: set collector.spool_dir inside the test's own folder. Folders, by the "
+            "test during which each appeared:\n" + "\n".join(_spool_lines(new)),
+            pytrace=False,
+        )
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    global _test_started
+    _test_started = nodeid
+    if _spool_guard is not None and _spool_active:
+        _spool_guard.note()
+        _spool_guard.current = nodeid
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    if _spool_guard is not None and _spool_active:
+        _spool_guard.note()
 
 
 # -- stores ----------------------------------------------------------------------------

@@ -478,6 +478,58 @@ def matrix(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _healthy_jobs(a: argparse.Namespace, cells: list[Cell], caps: dict[str, Any]) -> list[Job]:
+    """One controller job per healthy cell and seed; seed i runs the simulator at ``--sim-seed`` + i."""
+    jobs = []
+    for cell in cells:
+        cap = caps[cell.fleet]["capacity_rps"]
+        for i, seed in enumerate(a.seeds):
+            name = f"{cell.fleet}-{cell.load}-s{seed}"
+            spec = base_spec(
+                a,
+                cell.fleet,
+                "controller",
+                HEALTHY,
+                round(cap * cell.load / 100, 3),
+                cap,
+                a.warm,
+                a.healthy_duration,
+                seed,
+                a.sim_seed + i,
+            )
+            spec["cell"] = name
+            if a.save_decisions:
+                spec["save_decisions"] = str(Path(a.save_decisions) / f"healthy-{name}.json")
+            jobs.append(Job(name, spec))
+    return jobs
+
+
+def _healthy_run(j: Job) -> dict[str, Any]:
+    """A healthy job's result with what it ran: fleet, load, seeds and offered rate."""
+    return {
+        **j.result,
+        "fleet": j.spec["fleet"],
+        "load_pct": round(100 * j.spec["rate_rps"] / j.spec["capacity_rps"]),
+        "seed": j.spec["seed"],
+        "sim_seed": j.spec["sim_seed"],
+        "offered_rps": j.spec["rate_rps"],
+    }
+
+
+def _healthy_summary(runs: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The healthy runs' counts: PASS (no cut of a healthy instance), MISS, failed runs, and the cuts."""
+    ok = [r for r in runs.values() if "error" not in r]
+    return {
+        "pass": sum(1 for r in ok if r["healthy_cuts"] == 0),
+        "miss": sum(1 for r in ok if r["healthy_cuts"] != 0),
+        "failed": len(runs) - len(ok),
+        "weight_cuts": sum(r["healthy_weight_cuts"] for r in ok),
+        "limit_cuts": sum(r["unexpected_limit_cuts"] for r in ok),
+        "startup_cuts": sum(r.get("startup_cuts", 0) for r in ok),
+        "starved": sum(1 for r in ok if r.get("starved")),
+    }
+
+
 def healthy(a: argparse.Namespace) -> dict[str, Any]:
     cells = [Cell(c.fleet, c.load, HEALTHY) for c in select_cells(None, a.fleets, a.loads, "burst")]
     fleets = sorted({c.fleet for c in cells}, key=list(FLEETS).index)
@@ -491,27 +543,7 @@ def healthy(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="goodput-healthy-") as tmp:
         work = Path(tmp)
         caps = measure_capacity(a, fleets, work)
-        jobs = []
-        for cell in cells:
-            cap = caps[cell.fleet]["capacity_rps"]
-            for i, seed in enumerate(a.seeds):
-                name = f"{cell.fleet}-{cell.load}-s{seed}"
-                spec = base_spec(
-                    a,
-                    cell.fleet,
-                    "controller",
-                    HEALTHY,
-                    round(cap * cell.load / 100, 3),
-                    cap,
-                    a.warm,
-                    a.healthy_duration,
-                    seed,
-                    a.sim_seed + i,
-                )
-                spec["cell"] = name
-                if a.save_decisions:
-                    spec["save_decisions"] = str(Path(a.save_decisions) / f"healthy-{name}.json")
-                jobs.append(Job(name, spec))
+        jobs = _healthy_jobs(a, cells, caps)
         run_all(
             jobs,
             a.jobs,
@@ -524,28 +556,9 @@ def healthy(a: argparse.Namespace) -> dict[str, Any]:
         "measured_s": a.healthy_duration,
         "seeds": a.seeds,
         "fleets": {f: {"fleet": f"{FLEETS[f].label} simulated", **v} for f, v in caps.items()},
-        "runs": {
-            j.key: {
-                **j.result,
-                "fleet": j.spec["fleet"],
-                "load_pct": round(100 * j.spec["rate_rps"] / j.spec["capacity_rps"]),
-                "seed": j.spec["seed"],
-                "sim_seed": j.spec["sim_seed"],
-                "offered_rps": j.spec["rate_rps"],
-            }
-            for j in jobs
-        },
+        "runs": {j.key: _healthy_run(j) for j in jobs},
     }
-    ok = [r for r in out["runs"].values() if "error" not in r]
-    out["summary"] = {
-        "pass": sum(1 for r in ok if r["healthy_cuts"] == 0),
-        "miss": sum(1 for r in ok if r["healthy_cuts"] != 0),
-        "failed": len(out["runs"]) - len(ok),
-        "weight_cuts": sum(r["healthy_weight_cuts"] for r in ok),
-        "limit_cuts": sum(r["unexpected_limit_cuts"] for r in ok),
-        "startup_cuts": sum(r.get("startup_cuts", 0) for r in ok),
-        "starved": sum(1 for r in ok if r.get("starved")),
-    }
+    out["summary"] = _healthy_summary(out["runs"])
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["estimated_s"] = round(est, 1)
     return out
@@ -569,8 +582,8 @@ def _capacities(text: str) -> dict[str, float]:
     return out
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _selection_args(ap: argparse.ArgumentParser) -> None:
+    """Which cells and contenders run."""
     ap.add_argument(
         "--cells", help="FLEET:LOAD:FAULT patterns, globs allowed (2p4d:75:slow_prefill,*:90:burst)"
     )
@@ -578,6 +591,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loads", help="75, 90 (default both; percent of the measured capacity)")
     ap.add_argument("--faults", help="names or globs (default all); a, b, c = the old scenarios")
     ap.add_argument("--contenders", help="round_robin, static, controller, oracle, killed (default all)")
+
+
+def _timing_args(ap: argparse.ArgumentParser) -> None:
+    """How long each run warms and measures, and how many run at a time."""
     ap.add_argument(
         "--warm",
         type=float,
@@ -603,6 +620,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="rounds of rerunning, one at a time, the runs starved of CPU (default 1; 0: none)",
     )
+
+
+def _capacity_args(ap: argparse.ArgumentParser) -> None:
+    """The capacity steps (or the capacities given instead)."""
     ap.add_argument("--capacity-s", type=float, default=10.0, help="seconds per capacity step (default 10)")
     ap.add_argument(
         "--rates-per-p",
@@ -617,6 +638,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip the capacity steps for these fleets (and mixes): 2p4d=14,3p6d=21,2p4d/prefill_heavy=5 "
         "(tuning runs only)",
     )
+
+
+def _run_args(ap: argparse.ArgumentParser) -> None:
+    """Each run's client, proxy and seeds."""
     ap.add_argument(
         "--client-timeout",
         type=float,
@@ -632,6 +657,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     ap.add_argument("--sim-seed", type=int, default=7, help="simulator seed (default 7)")
+
+
+def _mode_args(ap: argparse.ArgumentParser) -> None:
+    """The healthy mode and the seeds each cell runs under."""
     ap.add_argument(
         "--healthy", action="store_true", help="the quiet-when-healthy runs instead of the matrix"
     )
@@ -645,6 +674,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--seed alone (the issue's targets ask for three: 1,2,3); --healthy: default 1,2. The simulator's "
         "seed is --sim-seed + the seed's index",
     )
+
+
+def _output_args(ap: argparse.ArgumentParser) -> None:
+    """What is kept and written (or, with --dry-run, only planned)."""
     ap.add_argument("--save-decisions", help="directory: write each controlled run's decisions there as JSON")
     ap.add_argument(
         "--keep-tmp", action="store_true", help="keep each run's logs and store (paths in the JSON)"
@@ -653,7 +686,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="print the cells and the time estimate, run nothing"
     )
     ap.add_argument("--out", help="default bench/results/goodput.json (--healthy: goodput-healthy.json)")
-    a = ap.parse_args(argv)
+
+
+def _settle(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """``a`` with its lists parsed, its defaults that depend on other flags set, and its values checked
+    (``ap.error`` on a bad one)."""
     try:
         a.rates_per_p = [float(x) for x in a.rates_per_p.split(",") if x.strip()]
         if a.seeds is None:
@@ -687,6 +724,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     name = "goodput-healthy.json" if a.healthy else "goodput.json"
     a.out = a.out or str(REPO / "bench" / "results" / name)
     return a
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for declare in (_selection_args, _timing_args, _capacity_args, _run_args, _mode_args, _output_args):
+        declare(ap)
+    return _settle(ap, ap.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,17 +77,22 @@ class Stack:
         self.ports = {k: next(ports) for k in ("proxy", "collector", "controller", "admin")}
         self.inst = [(n, role, role, loopback_url(next(ports))) for n, role in names]
         self.store_url = f"sqlite:///{tmp / 'store.db'}"
-        controlled = spec.contender in CONTROLLED
         dead = loopback_url(next(ports))  # no controller: the proxy never reaches one
-        controller_url = (
-            loopback_url(self.ports["controller"])
-            if controlled
-            else spec.oracle_url
-            if spec.contender == "oracle"
-            else dead
-        )
-        round_robin = spec.contender == "round_robin"
-        cfg = {
+        self.config = write_config(tmp / "pdscope.yaml", self._config(dead))
+        self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
+        self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
+        self.controller_url = f"http://127.0.0.1:{self.ports['controller']}"
+
+    def _controller_url(self, dead: str) -> str | None:
+        """The controller the proxy follows: ``pdscope control``, the oracle's table, or ``dead``."""
+        if self.contender in CONTROLLED:
+            return loopback_url(self.ports["controller"])
+        return self.spec.oracle_url if self.contender == "oracle" else dead
+
+    def _config(self, dead: str) -> dict[str, Any]:
+        """The run's pdscope.yaml: the fleet and its store, then each service's section."""
+        controlled = self.contender in CONTROLLED
+        return {
             "model": {"name": MODEL, "kv_bytes_per_token": 327680},
             "pools": {
                 pool: {
@@ -106,7 +111,7 @@ class Stack:
             # with --otlp-traces-endpoint (P's queue time is in them); the others have no collector.
             "simulator": {
                 **SIM,
-                "seed": spec.sim_seed,
+                "seed": self.spec.sim_seed,
                 "admin_port": self.ports["admin"],
                 "tracing": controlled,
             },
@@ -114,6 +119,8 @@ class Stack:
                 "port": self.ports["collector"],
                 "scrape_interval_s": INTERVAL_S,
                 "scrape_timeout_s": 0.8 * INTERVAL_S,
+                # the run's own folder, not the default <temp dir>/pdscope-spool/<hash> that outlives it
+                "spool_dir": str(self.tmp / "collector-spool"),
             },
             "controller": {
                 "port": self.ports["controller"],
@@ -122,23 +129,24 @@ class Stack:
                 "mode": "enforce",
                 "kv_lease_s": SIM["lease_duration_s"],
             },  # the simulated fleet's lease
-            "proxy": {
-                "port": self.ports["proxy"],
-                "policy": "round-robin" if round_robin else "weighted",
-                "controller_url": controller_url,
-                "routing_poll_s": 0.5,
-                "tracing": controlled,
-                "fail_static_s": spec.fail_static_s,
-                "otlp_endpoint": f"http://127.0.0.1:{self.ports['collector']}/v1/traces",
-                # round robin: the toy proxy's behaviour, no admission limit; the others: config defaults
-                "admission": {"max_inflight_requests": 10**6 if round_robin else 256, "queue_timeout_s": 1.0},
-                "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
-            },
+            "proxy": self._proxy_config(self._controller_url(dead), controlled),
         }
-        self.config = write_config(tmp / "pdscope.yaml", cfg)
-        self.proxy_url = f"http://127.0.0.1:{self.ports['proxy']}"
-        self.admin_url = f"http://127.0.0.1:{self.ports['admin']}"
-        self.controller_url = f"http://127.0.0.1:{self.ports['controller']}"
+
+    def _proxy_config(self, controller_url: str | None, controlled: bool) -> dict[str, Any]:
+        """The proxy's section, following ``controller_url`` (tracing on for the controlled runs)."""
+        round_robin = self.contender == "round_robin"
+        return {
+            "port": self.ports["proxy"],
+            "policy": "round-robin" if round_robin else "weighted",
+            "controller_url": controller_url,
+            "routing_poll_s": 0.5,
+            "tracing": controlled,
+            "fail_static_s": self.spec.fail_static_s,
+            "otlp_endpoint": f"http://127.0.0.1:{self.ports['collector']}/v1/traces",
+            # round robin: the toy proxy's behaviour, no admission limit; the others: config defaults
+            "admission": {"max_inflight_requests": 10**6 if round_robin else 256, "queue_timeout_s": 1.0},
+            "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
+        }
 
     def _start(self, command: str, ready_url: str | None = None) -> None:
         argv = pdscope_argv(self.config, command, log_level="WARNING")

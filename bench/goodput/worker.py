@@ -131,6 +131,93 @@ class LagProbe:
         return {"loop_lag_p99_s": round(percentile(s, 99) or 0.0, 4), "loop_lag_max_s": round(max(s), 4)}
 
 
+class _OracleTables:
+    """The oracle's hand-set tables (``oracle_schedule``) served from ``table``: those from the start of
+    the run at once, the rest ``at`` seconds after the fault's onset; nothing for the other contenders."""
+
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        fleet: FleetShape,
+        fault: FaultPlan,
+        stack: Stack,
+        table: StaticTable | None,
+    ) -> None:
+        self.stack, self.table = stack, table
+        self.schedule = (
+            oracle_schedule(fault, fleet, float(spec["capacity_rps"])) if table is not None else []
+        )
+        self.version = 0
+        for at, weights, limits in self.schedule:
+            if at is None:
+                self.set(weights, limits)
+
+    def set(self, weights: dict[str, float], limits: dict[str, int | None]) -> None:
+        assert self.table is not None
+        self.version += 1
+        self.table.set(oracle_table(self.stack.inst, weights, limits, ORACLE_WAIT_S, self.version))
+
+    def after_onset(self, loop: asyncio.AbstractEventLoop) -> None:
+        for at, weights, limits in self.schedule:
+            if at is not None:
+                loop.call_later(at, self.set, weights, limits)
+
+
+class _Onset:
+    """The fault's onset on the client's loop, ``warm_s`` into the run: the injections (the killed
+    contender's controller SIGKILLed first, the oracle's later tables scheduled), the leases expired so
+    far, and the killed contender's proxy states sampled through the measured phase."""
+
+    def __init__(self, contender: str, fault: FaultPlan, stack: Stack, oracle: _OracleTables) -> None:
+        self.contender, self.fault, self.stack, self.oracle = contender, fault, stack, oracle
+        self.at: float | None = None
+        self.expired0 = 0.0
+        # the instances the fault takes down: they answer no scrape
+        self.gone = frozenset(str(f["instance"]) for f in fault.injections if f["kind"] == "down")
+        self.proxy_states: list[tuple[float | None, str | None]] = []
+        self.errors: list[str] = []
+
+    def schedule(self, loop: asyncio.AbstractEventLoop, warm: float, measured: float) -> None:
+        if self.fault.name != HEALTHY:
+            loop.call_later(warm, self.inject, loop)
+        if self.contender == "killed":
+            for frac in (0.1, 0.5, 0.95):
+                loop.call_later(warm + frac * measured, self.sample_state)
+
+    def inject(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.at = time.time()
+            if self.contender == "killed":
+                self.stack.kill_controller()
+            for f in self.fault.injections:
+                self.stack.inject(f)
+            self.oracle.after_onset(loop)
+            self.expired0 = self.stack.expired_leases(self.gone)
+        except Exception as exc:  # a callback's exception would only be logged: fail the run instead
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def sample_state(self) -> None:
+        since = round(time.time() - self.at, 1) if self.at is not None else None
+        self.proxy_states.append((since, self.stack.proxy_state()))
+
+    def expired_leases(self) -> float:
+        """The leases expired since the onset (on the instances the fault did not take down)."""
+        return self.stack.expired_leases(self.gone) - self.expired0
+
+
+def _run_checks(stack: Stack, probe: LagProbe, cpu0: resource.struct_rusage) -> dict[str, Any]:
+    """Whether the run was starved (the simulator's and this client's loop lag) and the CPU seconds
+    of each service and of this client since ``cpu0``."""
+    out: dict[str, Any] = {"client_lag": probe.stop()}
+    lag = stack.sim_lag() or {}
+    out["sim_lag"] = {k: lag.get(k) for k in ("loop_lag_p99_s", "loop_lag_max_s", "trustworthy")}
+    out["starved"] = starved(out["sim_lag"], out["client_lag"])
+    out["cpu_s"] = {k: None if v is None else round(v, 2) for k, v in stack.cpu().items()}
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"]["client"] = round(me.ru_utime + me.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 2)
+    return out
+
+
 async def load_phase(
     spec: dict[str, Any], fleet: FleetShape, fault: FaultPlan, stack: Stack, table: StaticTable | None
 ) -> tuple[dict[str, Any], float | None]:
@@ -140,52 +227,13 @@ async def load_phase(
     planned = workload(
         float(spec["rate_rps"]), float(spec["capacity_rps"]), warm + measured, warm, int(spec["seed"]), fault
     )
-    schedule = oracle_schedule(fault, fleet, float(spec["capacity_rps"])) if table is not None else []
-    version = [0]
-
-    def set_table(weights: dict[str, float], limits: dict[str, int | None]) -> None:
-        assert table is not None
-        version[0] += 1
-        table.set(oracle_table(stack.inst, weights, limits, ORACLE_WAIT_S, version[0]))
-
-    for at, weights, limits in schedule:
-        if at is None:
-            set_table(weights, limits)
-    onset: list[float] = []
-    expired0 = [0.0]
-    gone = frozenset(str(f["instance"]) for f in fault.injections if f["kind"] == "down")  # answer no scrape
-    proxy_states: list[tuple[float | None, str | None]] = []
-    inject_errors: list[str] = []
+    onset = _Onset(contender, fault, stack, _OracleTables(spec, fleet, fault, stack, table))
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t_start = time.monotonic()
     with stack:
         t_ready = time.monotonic()
-        loop = asyncio.get_running_loop()
         probe = LagProbe()
-
-        def inject() -> None:
-            try:
-                onset.append(time.time())
-                if contender == "killed":
-                    stack.kill_controller()
-                for f in fault.injections:
-                    stack.inject(f)
-                for at, weights, limits in schedule:
-                    if at is not None:
-                        loop.call_later(at, set_table, weights, limits)
-                expired0[0] = stack.expired_leases(gone)
-            except Exception as exc:  # a callback's exception would only be logged: fail the run instead
-                inject_errors.append(f"{type(exc).__name__}: {exc}")
-
-        def sample_state() -> None:
-            since = round(time.time() - onset[0], 1) if onset else None
-            proxy_states.append((since, stack.proxy_state()))
-
-        if fault.name != HEALTHY:
-            loop.call_later(warm, inject)
-        if contender == "killed":
-            for frac in (0.1, 0.5, 0.95):
-                loop.call_later(warm + frac * measured, sample_state)
+        onset.schedule(asyncio.get_running_loop(), warm, measured)
         stack.reset_sim_lag()
         probe.start()
         load_from = time.time()
@@ -196,23 +244,17 @@ async def load_phase(
             max_inflight=4096,
             seed=int(spec["seed"]),
         )
-        if inject_errors:
-            raise RuntimeError(f"the fault could not be injected: {inject_errors[0]}")
+        if onset.errors:
+            raise RuntimeError(f"the fault could not be injected: {onset.errors[0]}")
         out = measure(results, warm, measured)
-        out["expired_leases"] = stack.expired_leases(gone) - expired0[0]
-        out["client_lag"] = probe.stop()
-        lag = stack.sim_lag() or {}
-        out["sim_lag"] = {k: lag.get(k) for k in ("loop_lag_p99_s", "loop_lag_max_s", "trustworthy")}
-        out["starved"] = starved(out["sim_lag"], out["client_lag"])
-        out["cpu_s"] = {k: None if v is None else round(v, 2) for k, v in stack.cpu().items()}
-        me = resource.getrusage(resource.RUSAGE_SELF)
-        out["cpu_s"]["client"] = round(me.ru_utime + me.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 2)
+        out["expired_leases"] = onset.expired_leases()
+        out |= _run_checks(stack, probe, cpu0)
         out["load_wall_s"] = round(time.monotonic() - t_ready, 2)
         if contender == "killed":
-            out["proxy_states"] = proxy_states
+            out["proxy_states"] = onset.proxy_states
     out["setup_s"] = round(t_ready - t_start, 2)
     out["load_from"] = load_from
-    return out, onset[0] if onset else None
+    return out, onset.at
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:

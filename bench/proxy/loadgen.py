@@ -18,9 +18,9 @@ from pdscope.stats import percentile as _pct
 from proxy.upstream import Upstream, UpstreamError
 
 
-async def main(a: argparse.Namespace) -> dict[str, object]:
-    up = Upstream(connect_timeout=5)
-    body = json.dumps(
+def _body(a: argparse.Namespace) -> bytes:
+    """The request every send repeats: ``--prompt-words`` words, ``--tokens`` to generate."""
+    return json.dumps(
         {
             "model": "bench",
             "prompt": "lorem ipsum dolor sit amet " * (a.prompt_words // 5),
@@ -29,64 +29,87 @@ async def main(a: argparse.Namespace) -> dict[str, object]:
             "temperature": 0,
         }
     ).encode()
-    e2e: list[float] = []
-    ttft: list[float] = []
-    errors = 0
-    sent = 0
 
-    async def one() -> None:
-        nonlocal errors
+
+class _Client:
+    """Sends the run's requests and keeps each answered one's e2e and TTFT (ms) and the errors."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.up = Upstream(connect_timeout=5)
+        self.body = _body(a)
+        self.e2e: list[float] = []
+        self.ttft: list[float] = []
+        self.errors = 0
+        self.sent = 0
+
+    async def one(self) -> None:
+        a = self.a
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(a.request_timeout):
-                resp = await up.post(a.url, a.path, body, within_s=a.request_timeout)
+                resp = await self.up.post(a.url, a.path, self.body, within_s=a.request_timeout)
                 async with resp:
                     first = await resp.next_chunk()
                     t1 = time.perf_counter()
                     while await resp.next_chunk() is not None:
                         pass
                     if resp.status != 200 or first is None:
-                        errors += 1
+                        self.errors += 1
                         return
         except (UpstreamError, TimeoutError):
-            errors += 1
+            self.errors += 1
             return
         t2 = time.perf_counter()
-        ttft.append((t1 - t0) * 1000)
-        e2e.append((t2 - t0) * 1000)
+        self.ttft.append((t1 - t0) * 1000)
+        self.e2e.append((t2 - t0) * 1000)
 
-    start = time.perf_counter()
-    end = start + a.duration
-    if a.mode == "closed":
+    async def closed_loop(self, end: float) -> None:
+        """``--concurrency`` workers, each sending its next request when the last is answered."""
 
         async def worker() -> None:
-            nonlocal sent
-            while time.perf_counter() < end and sent < a.max_requests:
-                sent += 1
-                await one()
+            while time.perf_counter() < end and self.sent < self.a.max_requests:
+                self.sent += 1
+                await self.one()
 
-        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
-    else:
-        rng = random.Random(a.seed)
+        await asyncio.gather(*(worker() for _ in range(self.a.concurrency)))
+
+    async def open_loop(self, start: float, end: float) -> None:
+        """Requests at Poisson arrivals of ``--rate`` per second (seeded), whatever is still in flight."""
+        rng = random.Random(self.a.seed)
         tasks = []
         next_at = start
-        while sent < a.max_requests and next_at < end:
+        while self.sent < self.a.max_requests and next_at < end:
             delay = next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-            sent += 1
-            next_at += rng.expovariate(a.rate)
+            tasks.append(asyncio.create_task(self.one()))
+            self.sent += 1
+            next_at += rng.expovariate(self.a.rate)
         await asyncio.gather(*tasks)
+
+    def result(self, wall: float) -> dict[str, object]:
+        e2e, ttft = self.e2e, self.ttft
+        return {
+            "ok": len(e2e),
+            "errors": self.errors,
+            "wall_s": wall,
+            "e2e_ms": {"p50": _pct(e2e, 50), "p90": _pct(e2e, 90), "p99": _pct(e2e, 99)},
+            "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
+        }
+
+
+async def main(a: argparse.Namespace) -> dict[str, object]:
+    client = _Client(a)
+    start = time.perf_counter()
+    end = start + a.duration
+    if a.mode == "closed":
+        await client.closed_loop(end)
+    else:
+        await client.open_loop(start, end)
     wall = time.perf_counter() - start
-    await up.aclose()
-    return {
-        "ok": len(e2e),
-        "errors": errors,
-        "wall_s": wall,
-        "e2e_ms": {"p50": _pct(e2e, 50), "p90": _pct(e2e, 90), "p99": _pct(e2e, 99)},
-        "ttft_ms": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
-    }
+    await client.up.aclose()
+    return client.result(wall)
 
 
 if __name__ == "__main__":

@@ -581,7 +581,7 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 2)
 
 
-def main() -> int:
+def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -629,17 +629,14 @@ def main() -> int:
     )
     ap.add_argument("--prompt-words", type=int, default=120, help="prompt length in words (~tokens)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "proxy.json"))
-    a = ap.parse_args()
-    load_start = Path("/proc/loadavg").read_text().split()[:3]
-    result = run(a)
-    result["machine"]["loadavg_at_start"] = load_start
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    return ap.parse_args()
+
+
+def _verdict(result: dict[str, Any], out: Path) -> str:
+    """The closing line: the ceiling ratios against their targets, the spans exported and dropped."""
     ratio = result["ceiling_ratio_vs_toy"]
     tracing = result["tracing"]
-    print(
+    return (
         f"\nceiling_ratio_vs_toy = {ratio if ratio is None else round(ratio, 2)}; "
         f"target met: {result['target_met']}; pdscope / vllm-router ceiling = "
         f"{_round(result['ceiling_ratio_vs_vllm_router'])} "
@@ -649,6 +646,18 @@ def main() -> int:
         f"spans exported {tracing.get('spans_exported')}, "
         f"dropped {tracing.get('spans_dropped')}; wrote {out}"
     )
+
+
+def main() -> int:
+    a = _parse()
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
+    result = run(a)
+    result["machine"]["loadavg_at_start"] = load_start
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(_verdict(result, out))
     return 0
 
 

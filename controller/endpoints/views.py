@@ -6,7 +6,7 @@ from typing import Any
 
 from controller.loop import Reconciler, View
 from controller.overrides import OverridesService
-from controller.policy import Override, ServedInstance
+from controller.policy import Override, PoolDecision, ServedInstance, WeightDecision
 from controller.policy.routes import OverrideKey, serve_instance
 from controller.schemas import InstanceWeightOut, PoolOut
 
@@ -65,19 +65,23 @@ class Views:
                     max_inflight_kv_bytes=p.max_inflight_kv_bytes,
                     max_queue_wait_s=p.max_queue_wait_s,
                     override=acts.get(("pool", p.name, "weight")),
-                    decision=None
-                    if d is None
-                    else {
-                        "reason": d.reason,
-                        "message": d.message,
-                        "arithmetic": d.arithmetic,
-                        "scores": dict(d.scores),
-                        "inputs": dict(d.inputs),
-                    },
+                    decision=None if d is None else _why(d),
                     instances=[self.instance(view, r.name) for r in view.table.instances if r.pool == p.name],
                 )
             )
         return out
+
+
+def _why(d: PoolDecision | WeightDecision) -> dict[str, Any]:
+    """What a pool's or an instance's decision says of itself: its reason, message and arithmetic, with
+    the scores and inputs it was taken on."""
+    return {
+        "reason": d.reason,
+        "message": d.message,
+        "arithmetic": d.arithmetic,
+        "scores": dict(d.scores),
+        "inputs": dict(d.inputs),
+    }
 
 
 def _decision_of(view: View, name: str) -> dict[str, Any] | None:
@@ -86,11 +90,7 @@ def _decision_of(view: View, name: str) -> dict[str, Any] | None:
     for d in view.last.weights:
         if d.instance == name:
             return {
-                "reason": d.reason,
-                "message": d.message,
-                "arithmetic": d.arithmetic,
-                "scores": dict(d.scores),
-                "inputs": dict(d.inputs),
+                **_why(d),
                 "target": d.target,
                 "smoothed": d.smoothed,
                 "tick": view.last.tick,

@@ -282,18 +282,24 @@ def _warming(t: _Tick) -> _Limit:
     )
 
 
-def _confirm_queue(t: _Tick) -> _Limit:
-    """One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks."""
-    req, cfg = t.base.max_inflight_requests, t.cfg
+def _waiting(t: _Tick, worst: str, what: str, detail: str) -> _Limit:
+    """The request limit kept under ``worst`` pressure while a cut waits: ``what`` it waits for in the
+    message, ``detail`` in the arithmetic."""
+    req = t.base.max_inflight_requests
     return _Limit(
         req,
-        PRESSURE_REASONS["queue"],
-        f"{t.pool.name}: queue pressure {t.pressure:.2f}; confirming before a cut",
-        f"requests = {req} (P queue pressure {t.pressure:.2f}: confirming, {t.pressured}/"
-        f"{cfg.queue_confirm_ticks} ticks)",
+        PRESSURE_REASONS[worst],
+        f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; {what}",
+        f"requests = {req} ({detail})",
         t.cooldown,
         t.pressured,
     )
+
+
+def _confirm_queue(t: _Tick) -> _Limit:
+    """One scrape's queue is a sample of a bursty process: a level cut needs it on consecutive ticks."""
+    detail = f"P queue pressure {t.pressure:.2f}: confirming, {t.pressured}/{t.cfg.queue_confirm_ticks} ticks"
+    return _waiting(t, "queue", "confirming before a cut", detail)
 
 
 def _queue_cut(t: _Tick) -> _Limit:
@@ -306,27 +312,13 @@ def _queue_cut(t: _Tick) -> _Limit:
 
 
 def _cooling(t: _Tick) -> _Limit:
-    req, worst = t.base.max_inflight_requests, t.worst
-    return _Limit(
-        req,
-        PRESSURE_REASONS[worst],
-        f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; waiting for the last cut to show",
-        f"requests = {req} (cooldown {t.cooldown} ticks after the last cut)",
-        t.cooldown,
-        t.pressured,
-    )
+    detail = f"cooldown {t.cooldown} ticks after the last cut"
+    return _waiting(t, t.worst, "waiting for the last cut to show", detail)
 
 
 def _confirm(t: _Tick) -> _Limit:
-    req, worst = t.base.max_inflight_requests, t.worst
-    return _Limit(
-        req,
-        PRESSURE_REASONS[worst],
-        f"{t.pool.name}: {worst} pressure {t.pressure:.2f}; confirming before a cut",
-        f"requests = {req} (pressure {t.pressure:.2f}: confirming, {t.pressured}/2 ticks)",
-        t.cooldown,
-        t.pressured,
-    )
+    detail = f"pressure {t.pressure:.2f}: confirming, {t.pressured}/2 ticks"
+    return _waiting(t, t.worst, "confirming before a cut", detail)
 
 
 def _gradient_cut(t: _Tick) -> _Limit:

@@ -399,7 +399,15 @@ def _controller(g: _Layout) -> None:
 
 
 def _proxy(g: _Layout) -> None:
-    inflight = _gauge("sum", "pdscope_proxy_pool_inflight_requests", P, "pool")
+    """The proxies' half of the "Controller & proxy" row, then the pdscope services' health."""
+    _proxy_routing(g)
+    _proxy_admission(g)
+    _proxy_fleet(g)
+    _services_up(g)
+
+
+def _proxy_routing(g: _Layout) -> None:
+    """Which table the proxies route by, how old it is, and what became of their requests."""
     g.stat(
         "Proxy routing state",
         [(_gauge("max", "pdscope_proxy_routing_state", "", "state"), "{{state}}")],
@@ -416,6 +424,11 @@ def _proxy(g: _Layout) -> None:
         [(_rate("pdscope_proxy_requests_total", "", "outcome"), "{{outcome}}")],
         unit="reqps",
     )
+
+
+def _proxy_admission(g: _Layout) -> None:
+    """The pools' admission: rejections, the handoffs in flight and their KV bytes, against the limit."""
+    inflight = _gauge("sum", "pdscope_proxy_pool_inflight_requests", P, "pool")
     g.panel(
         "Proxy admission rejections (429)",
         [(_rate("pdscope_proxy_rejections_total", P, "pool, reason"), "{{pool}} {{reason}}")],
@@ -440,6 +453,10 @@ def _proxy(g: _Layout) -> None:
         description="Each proxy enforces its part of a pool's limit (GET /v1/proxies): the parts add up "
         "to the pool's limit, so the fleet's in-flight stays under it however many proxies run.",
     )
+
+
+def _proxy_fleet(g: _Layout) -> None:
+    """The proxies and controllers that run (one leader, a part of the limit each) and the retries."""
     g.stat(
         "Proxies and controllers",
         [
@@ -464,6 +481,10 @@ def _proxy(g: _Layout) -> None:
         unit="ops",
         width=12,
     )
+
+
+def _services_up(g: _Layout) -> None:
+    """pdscope's services as Prometheus scrapes them, and the collector's own scrapes."""
     g.stat(
         "pdscope services up",
         [('up{job=~"pdscope-.*"}', "{{job}}")],

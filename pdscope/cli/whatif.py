@@ -448,6 +448,7 @@ def _replay(
         "lease_duration_s": plan.settings.controller.kv_lease_s,
     }
     cfg = stack_config(plan.settings, fitted.roles(), sim, f"sqlite:///{tmp / 'store.db'}")
+    cfg["collector"]["spool_dir"] = str(tmp / "collector-spool")  # the run's, gone with its folder
     if overlay:
         keep = {s: cfg[s] for s in CANDIDATE_SECTIONS}
         cfg = _merge(cfg, overlay)

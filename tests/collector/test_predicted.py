@@ -9,8 +9,9 @@ import pytest
 from sqlalchemy import select
 
 from collector.assemble import assemble
-from collector.predicted import MAX_SECONDS, MAX_TOKENS, Predicted, predicted
+from collector.predicted import MAX_SECONDS, Predicted, predicted
 from collector.record import AssembledRecord
+from collector.rootattrs import MAX_TOKENS
 from collector.sink import StoreSink
 from pdscope import semconv as sc
 from pdscope.config import LatencySLO, SLOSettings

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from collector.assemble import MAX_TOKENS, Routing, assemble, routing
+from collector.assemble import Routing, assemble, routing
 from collector.otlp import SpanData
 from collector.receiver import SpanBatcher
 from collector.record import AssembledRecord
+from collector.rootattrs import MAX_TOKENS
 from collector.selfmetrics import CollectorMetrics
 from collector.sink import StoreSink, WriteResult
 from collector.spool import Spool

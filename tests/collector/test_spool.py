@@ -7,6 +7,8 @@ Every test here fails on the collector as it was: a batch the store could not ta
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +22,7 @@ from collector.receiver import SpanBatcher, build_app
 from collector.selfmetrics import CollectorMetrics
 from collector.service import CollectorService, SpoolUnusable
 from collector.sink import WriteResult
-from collector.spool import ACKED_FILE, Spool, SpoolConfig, SpoolFull, SpoolLocked, _segments
+from collector.spool import ACKED_FILE, LOCK_FILE, Spool, SpoolConfig, SpoolFull, SpoolLocked, _segments
 from pdscope.config import parse_config
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
@@ -160,7 +162,31 @@ def test_wholly_acked_segments_are_deleted(tmp_path: Path) -> None:
         spool.ack(spool.peek(50))
     assert len(_segments(d)) == 1  # only the active one
     spool.close()
-    assert _segments(d) == []  # a clean stop with nothing pending leaves nothing
+    assert list(d.iterdir()) == []  # a clean stop with nothing pending leaves nothing, not even its lock
+    d.rmdir()  # so the collector can remove its default folder (839 were left in /tmp/pdscope-spool)
+
+
+def test_a_lock_taken_on_a_file_a_closing_spool_deleted_is_taken_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a starting process's open of the lock file and its lock, the spool holding it closed
+    empty and deleted the file: the starter must not run on a lock no later process can see."""
+    d = tmp_path / "spool"
+    first = _disk(tmp_path)
+    real = fcntl.flock
+
+    def holder_closes_first(fd: int, op: int) -> None:
+        monkeypatch.setattr(fcntl, "flock", real)
+        first.close()  # empty: it deletes the file the starter has just opened
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_closes_first)
+    second = _disk(tmp_path)
+    assert second._lock_fd is not None
+    assert os.fstat(second._lock_fd).st_ino == os.stat(d / LOCK_FILE).st_ino  # the file at the path
+    with pytest.raises(SpoolLocked):
+        _disk(tmp_path)  # so a third process sees it held
+    second.close()
 
 
 class OutageSink:

@@ -49,7 +49,11 @@ def test_demo_runs_reacts_to_the_fault_and_cleans_up(tmp_path: Path) -> None:
     base["proxy"] = {"port": ports[5]}
     base["controller"] = dict(base.get("controller", {}), port=ports[6], interval_s=1)
     base["collector"] = dict(
-        base.get("collector", {}), port=ports[7], scrape_interval_s=1, scrape_timeout_s=0.8
+        base.get("collector", {}),
+        port=ports[7],
+        scrape_interval_s=1,
+        scrape_timeout_s=0.8,
+        spool_dir=str(tmp_path / "collector-spool"),
     )
     base["dashboard"] = {"port": ports[8]}
     base["simulator"] = {"admin_port": ports[9]}

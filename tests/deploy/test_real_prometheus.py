@@ -148,6 +148,7 @@ class Stack:
                     "port": self.ports["collect"],
                     "scrape_interval_s": 1,
                     "scrape_timeout_s": 0.5,
+                    "spool_dir": str(root / "collector-spool"),
                 },
                 controller={"host": "127.0.0.1", "port": self.ports["control"], "interval_s": 1},
                 proxy={"host": "127.0.0.1", "port": self.ports["proxy"]},  # spans to the collector

@@ -64,6 +64,7 @@ def _record(
     rec = tmp / "recorded"
     rec.mkdir()
     cfg = stack_config(base, ROLES, SIM, f"sqlite:///{rec / 'store.db'}")
+    cfg["collector"]["spool_dir"] = str(rec / "collector-spool")
     rng = random.Random(7)
     t, plan = 0.0, []
     while True:

@@ -269,7 +269,10 @@ class Fleet:
         }
 
     def _collector_cfg(self, i: int, port: int) -> dict[str, Any]:
-        return {"collector": {"port": port, "id": f"collector-{i}"}}
+        """Collector ``i``'s own port, id and spool (in the work folder, where a restart finds it again;
+        the shape's ``spool_dir`` when it sets one)."""
+        spool = self.shape.collector.get("spool_dir", str(self.workdir / f"collector-{i}-spool"))
+        return {"collector": {"port": port, "id": f"collector-{i}", "spool_dir": spool}}
 
     def _proxy_cfg(self, i: int, port: int) -> dict[str, Any]:
         s = self.shape
