@@ -298,7 +298,7 @@ class Gate:
         pred = self.predictor
         own = req.route.p_uncached if req.route is not None else req.tokens
         est = pred.prefill(p.name, own)
-        req.handoff_x = pred.handoff_x(d.name, req.tokens)
+        req.handoff_x = pred.handoff_x(p.name, d.name, req.tokens)
         req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name, req.handoff_x)
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
@@ -306,8 +306,8 @@ class Gate:
             pred.backlog.add(p.name, own)
             req.backlog = (p.name, own)
         if req.tokens > 0:
-            pred.d_backlog.add(d.name, req.tokens)
-            req.d_backlog = (d.name, req.tokens)
+            pred.sent_to_d(p.name, d.name, req.tokens)
+            req.d_backlog = (p.name, d.name, req.tokens)
 
     def first_token(self, req: RequestState, now: float) -> None:
         """D's first token: the handoff's time teaches the pair, the TTFT the predictor's error. A
@@ -465,9 +465,9 @@ class Gate:
     def _drop_d_backlog(self, req: RequestState) -> None:
         """``req`` has its first token (or moved to another D, or is over): it leaves its D's backlog."""
         if req.d_backlog is not None:
-            name, n = req.d_backlog
+            p, d, n = req.d_backlog
             req.d_backlog = None
-            self.predictor.d_backlog.drop(name, n)
+            self.predictor.left_d(p, d, n)
 
     def _open_pools(
         self, view: RoutingView, role: Role, held: str | None = None

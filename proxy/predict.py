@@ -19,11 +19,19 @@ the controller's (``RoutingTable.rates``, fitted from the stored traces, with th
 it), else the configured prior (``prefill_base_s`` and the KV-aware cost model's
 ``prefill_tokens_per_s``); the source is recorded with each prediction. The handoff is a line too,
 per pair (then per D, then the table's pair or D, then ``handoff_s``), in the tokens of KV D has to
-pull for it: its own prompt's plus those of the requests this proxy sent to that D that have not
-had their first token yet (:attr:`Predictor.d_backlog`, over the share like P's). D pulls the whole
-prompt's KV, and pulls queue behind one another: on a simulated 2P+4D fleet at 90 % load the
-handoff's median went from 0.29 s with no other request pending at that D to 0.46 s with four
-(r = 0.59 against the count), where a mean per pair is wrong for both.
+pull for it: its own prompt's plus those of the requests this proxy sent ahead of it that have not
+had their first token yet, over the share like P's. D pulls the whole prompt's KV, and pulls queue
+behind one another: on a simulated 2P+4D fleet at 90 % load the handoff's median went from 0.29 s
+with no other request pending at that D to 0.46 s with four, where a mean per pair is wrong for both.
+
+**Which pulls are ahead** depends on where the transfers contend, which the proxy cannot know: on one
+link (a P x D path that serves a transfer at a time, as the simulator's does), at D's NIC (every pull
+into D), or at P's. So each D keeps two models and uses the one that has predicted its handoffs
+better (:class:`_Rivals`): the pair's line in the tokens pending *on that pair*
+(:attr:`Predictor.pair_backlog`), and D's line in the tokens pending *at D* through any P
+(:attr:`Predictor.d_backlog`). On stored records of simulated 4P+2D overload runs, a least-squares
+fit on the pair's pending tokens had a median error of 14-17 % (p90 27-42 %) against 23-25 % (p90
+62-71 %) on D's: the other pairs' pulls did not delay it at all (their coefficient was 0.00).
 
 **Its error is its margin**: every first token of a *confident* prediction adds observed / predicted
 TTFT to its P's ring of the last :data:`RATIOS` ratios, and :meth:`Predictor.factor` is their
@@ -46,6 +54,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 from pdscope import semconv as sc
 from pdscope.config import PredictSettings
@@ -63,6 +72,9 @@ _RUN = 6  # errors in a row on one side that say the line is off, not noisy
 _SETTLED = 10  # observations before one is clipped (until then the prior may be far off)
 _KT = 1000.0  # the line's x is in thousands of tokens (conditioning)
 HANDOFF_MIN = 3  # handoffs of a pair (or D) before its own line is used
+PAIRS_IN_OUTLOOK = 256  # P x D candidates up to which an admission weighs each pair's handoff
+_RIVAL_ALPHA = 0.05  # the weight of one handoff in a handoff model's running error
+K = TypeVar("K", str, tuple[str, str])
 B_MIN = 1e-9  # the least slope (s per thousand tokens): a line never falls with its backlog
 
 
@@ -177,13 +189,15 @@ class Predictor:
     def __init__(self, ps: PredictSettings, prefill_tokens_per_s: float, clock: Callable[[], float]) -> None:
         self.ps = ps
         self.clock = clock
-        self.backlog = Backlog()  # P -> uncached prefill tokens sent and not yet answered
-        self.d_backlog = Backlog()  # D -> prompt tokens sent to it (via P) without a first token yet
+        self.backlog: Backlog[str] = Backlog()  # P -> uncached prefill tokens sent and not yet answered
+        self.d_backlog: Backlog[str] = Backlog()  # D -> prompt tokens sent to it without a first token yet
+        self.pair_backlog: Backlog[tuple[str, str]] = Backlog()  # (P, D) -> the same, per pair
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
         self._lines: dict[str, Line] = {}
         self._pairs: dict[tuple[str, str], Line] = {}
         self._ds: dict[str, Line] = {}
+        self._rivals: dict[str, _Rivals] = {}  # D -> how well its pair lines and its own line predict
         self._table_p: dict[str, tuple[float, float, int]] = {}  # P -> (base, s per k-token, samples)
         self._table_pair: dict[tuple[str, str], float] = {}
         self._table_d: dict[str, float] = {}
@@ -210,9 +224,22 @@ class Predictor:
     def tokens_ahead(self, p: str) -> int:
         return round(self.backlog.get(p, 0) / self.share)
 
-    def handoff_x(self, d: str, tokens: int) -> int:
-        """The tokens of KV ``d`` pulls for a prompt of ``tokens`` sent to it now: its own and those ahead."""
-        return tokens + round(self.d_backlog.get(d, 0) / self.share)
+    def handoff_x(self, p: str | None, d: str, tokens: int) -> HandoffX:
+        """The tokens of KV ahead of a prompt of ``tokens`` sent to ``d`` now, and its own: those pending
+        at ``d`` through any P, and (``p`` given) those pending on the pair ``p`` x ``d``."""
+        at_d = tokens + round(self.d_backlog.get(d, 0) / self.share)
+        on_pair = tokens + round(self.pair_backlog.get((p, d), 0) / self.share) if p is not None else at_d
+        return HandoffX(at_d, on_pair)
+
+    def sent_to_d(self, p: str, d: str, tokens: int) -> None:
+        """A prompt of ``tokens`` is bound for ``d`` through ``p``: pending there until its first token."""
+        self.d_backlog.add(d, tokens)
+        self.pair_backlog.add((p, d), tokens)
+
+    def left_d(self, p: str, d: str, tokens: int) -> None:
+        """The prompt :meth:`sent_to_d` has its first token (or went elsewhere, or ended)."""
+        self.d_backlog.drop(d, tokens)
+        self.pair_backlog.drop((p, d), tokens)
 
     def prefill(self, p: str, own: int) -> PEstimate:
         ahead = self.tokens_ahead(p)
@@ -239,16 +266,26 @@ class Predictor:
         table = self._table_p.get(p)
         return _KT / table[1] if table is not None else None
 
-    def handoff(self, p: str | None, d: str, x: int) -> float:
+    def handoff(self, p: str | None, d: str, x: HandoffX) -> float:
         """P's answer to D's first token through ``p`` x ``d`` (``p`` None: through D, any P), with ``x``
-        tokens of KV for D to pull (:meth:`handoff_x`)."""
-        oldest = self.clock() - self.ps.probe_s
-        for line in (self._pairs.get((p, d)) if p is not None else None, self._ds.get(d)):
-            if line is not None and line.n >= HANDOFF_MIN and line.at >= oldest:
-                return line(x)
+        the tokens of KV ahead and its own (:meth:`handoff_x`): the pair's line unless D's own has
+        predicted D's handoffs better (:class:`_Rivals`), then D's line, the table, the prior."""
+        pair = self._usable(self._pairs.get((p, d))) if p is not None else None
+        each_d = self._usable(self._ds.get(d))
+        rivals = self._rivals.get(d)
+        if pair is not None and (each_d is None or rivals is None or rivals.pair_wins()):
+            return pair(x.on_pair)
+        if each_d is not None:
+            return each_d(x.at_d)
         table = self._table_pair.get((p, d)) if p is not None else None
         table = table if table is not None else self._table_d.get(d)
         return table if table is not None else self.ps.handoff_s
+
+    def _usable(self, line: Line | None) -> Line | None:
+        """``line`` if it rests on :data:`HANDOFF_MIN` handoffs, the last within ``probe_s``."""
+        if line is None or line.n < HANDOFF_MIN or line.at < self.clock() - self.ps.probe_s:
+            return None
+        return line
 
     def factor(self, p: str) -> float:
         """The recent error quantile a prediction through ``p`` is multiplied by (1 while few are known)."""
@@ -288,16 +325,22 @@ class Predictor:
         if line.reopened != opened:  # P changed: the errors that showed it are not the model's noise
             self._errors.forget(p)
 
-    def observe_handoff(self, p: str, d: str, x: int, seconds: float) -> None:
-        """D's first token came ``seconds`` after P's answer, predicted with ``x`` tokens to pull."""
+    def observe_handoff(self, p: str, d: str, x: HandoffX, seconds: float) -> None:
+        """D's first token came ``seconds`` after P's answer, predicted with ``x`` (:meth:`handoff_x`)."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
+        pair, each_d = self._usable(self._pairs.get((p, d))), self._usable(self._ds.get(d))
+        if pair is not None and each_d is not None and seconds > 0:  # both could answer: which was nearer
+            rivals = self._rivals.get(d) or self._rivals.setdefault(d, _Rivals())
+            rivals.add(abs(pair(x.on_pair) - seconds) / seconds, abs(each_d(x.at_d) - seconds) / seconds)
         start = self._table_pair.get((p, d), self._table_d.get(d, self.ps.handoff_s))
-        pair = self._pairs.get((p, d)) or self._pairs.setdefault((p, d), Line(start, B_MIN, self.ps.forget))
-        each_d = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
+        pair_line = self._pairs.get((p, d))
+        if pair_line is None:
+            pair_line = self._pairs[p, d] = Line(start, B_MIN, self.ps.forget)
+        d_line = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
         now = self.clock()
-        for line in (pair, each_d):
-            line.update(x, seconds)
+        for line, tokens in ((pair_line, x.on_pair), (d_line, x.at_d)):
+            line.update(tokens, seconds)
             line.at = now
 
     def observe_ttft(self, p: str, predicted: float, observed: float, confident: bool) -> float | None:
@@ -314,14 +357,39 @@ class Predictor:
         return self._lines
 
 
-class Backlog(dict[str, int]):
-    """Tokens per instance sent and not yet through (P: answered; D: its first token)."""
+class HandoffX(NamedTuple):
+    """The tokens of KV a handoff was (or is) predicted with: pending at its D through any P, and
+    pending on its pair; both count its own prompt."""
 
-    def add(self, name: str, tokens: int) -> None:
+    at_d: int
+    on_pair: int
+
+
+class _Rivals:
+    """A D's two handoff models (its pairs' lines, its own line) and the running mean of each one's
+    relative error over the handoffs both could predict: the nearer one predicts the next."""
+
+    __slots__ = ("d_err", "pair_err")
+
+    def __init__(self) -> None:
+        self.pair_err = self.d_err = 0.0
+
+    def add(self, pair_err: float, d_err: float) -> None:
+        self.pair_err += (pair_err - self.pair_err) * _RIVAL_ALPHA
+        self.d_err += (d_err - self.d_err) * _RIVAL_ALPHA
+
+    def pair_wins(self) -> bool:
+        return self.pair_err <= self.d_err
+
+
+class Backlog(dict[K, int]):
+    """Tokens per instance (or pair) sent and not yet through (P: answered; D: its first token)."""
+
+    def add(self, name: K, tokens: int) -> None:
         if tokens > 0:
             self[name] = self.get(name, 0) + tokens
 
-    def drop(self, name: str, tokens: int) -> None:
+    def drop(self, name: K, tokens: int) -> None:
         left = self.get(name, 0) - tokens
         if left > 0:
             self[name] = left
@@ -392,16 +460,22 @@ def outlook(
     target_s: float,
     tokens: int = 0,
 ) -> Outlook:
-    """Each P in ``ps`` with its own uncached tokens ``own[p]``, its best D's handoff among ``ds`` (D
-    level: a pair's own is weighed when the D is chosen) for the prompt's ``tokens``, held against
-    ``target_s``."""
+    """Each P in ``ps`` with its own uncached tokens ``own[p]``, its best D's handoff among ``ds`` for
+    the prompt's ``tokens``, held against ``target_s``. The handoff is each pair's while there are at
+    most :data:`PAIRS_IN_OUTLOOK` pairs, else D's through any P (a pair's own is then weighed when the
+    D is chosen, :func:`late_decodes`): the cost of an admission stays bounded on a large fleet."""
     budget = pred.budget(target_s)
-    handoff = min((pred.handoff(None, d, pred.handoff_x(d, tokens)) for d in ds), default=pred.ps.handoff_s)
+    handoff = min(
+        (pred.handoff(None, d, pred.handoff_x(None, d, tokens)) for d in ds), default=pred.ps.handoff_s
+    )
+    per_pair = bool(ds) and len(ps) * len(ds) <= PAIRS_IN_OUTLOOK
     late: set[str] = set()
     best = math.inf
     d_queued = pred.d_queued(ds)
     for p in ps:
         est = pred.prefill(p, own.get(p, 0))
+        if per_pair:
+            handoff = min(pred.handoff(p, d, pred.handoff_x(p, d, tokens)) for d in ds)
         total = elapsed + (est.seconds + handoff) * pred.margin(p, d_queued or est.ahead > 0)
         best = min(best, total)
         if total > budget and est.confident:
@@ -424,7 +498,7 @@ def late_decodes(
 
     def total(d: str) -> float:
         margin = pred.margin(p, est.ahead > 0 or pred.d_queued((d,)))
-        return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(d, tokens))) * margin
+        return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(p, d, tokens))) * margin
 
     late = {d for d in ds if total(d) > budget}
     return late if len(late) < len(ds) else set()

@@ -15,6 +15,7 @@ from typing import Protocol
 from pdscope.config import PredictSettings, Settings
 from proxy import protocol
 from proxy.kvaware import Decision
+from proxy.predict import HandoffX
 from proxy.prefixview import Prompt
 from proxy.protocol import PrefillAnswer
 from proxy.routing import PoolLimits, Target, fallback_limits
@@ -176,8 +177,8 @@ class RequestState:
         self.route: Decision | None = None
         self.route_reason: str | None = None
         self.backlog: tuple[str, int] | None = None
-        self.d_backlog: tuple[str, int] | None = None  # (D, tokens): in its D's backlog until the first token
-        self.handoff_x = 0  # the tokens of KV D was predicted to pull for it (its own and those ahead)
+        self.d_backlog: tuple[str, str, int] | None = None  # (P, D, tokens): pending until its first token
+        self.handoff_x = HandoffX(0, 0)  # the tokens of KV its handoff was predicted with (own and ahead)
         self.d_cached_tokens: int | None = None
         self.d_prompt_tokens: int | None = None
         # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the

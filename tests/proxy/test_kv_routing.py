@@ -86,6 +86,7 @@ async def test_backlog_counts_prefills_in_flight_and_spreads_them() -> None:
         await asyncio.wait_for(inst.entered.wait(), 5)
     assert backlog == {"p0": 1024, "p1": 1024}
     assert d_backlog == {"d0": 2048}  # both are bound for d0: their KV is what it will pull
+    assert px.flow.gate.predictor.pair_backlog == {("p0", "d0"): 1024, ("p1", "d0"): 1024}
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdscope import semconv as sc
 from pdscope.config import PredictSettings
 from pdscope.routing import InstanceRate, PairRate, Rates
-from proxy.predict import B_MIN, MIN_RATIOS, Line, PEstimate, Predictor, late_decodes, outlook
+from proxy.predict import B_MIN, MIN_RATIOS, HandoffX, Line, PEstimate, Predictor, late_decodes, outlook
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings
 
@@ -59,7 +59,7 @@ def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_r
     table = pred.prefill("p0", 1000)
     assert (table.source, table.confident, table.ahead) == (sc.PREDICT_TABLE, True, 1000)
     assert table.seconds == pytest.approx(0.1 + 0.001 * 2000)
-    assert pred.handoff("p0", "d0", 2000) == 0.4
+    assert pred.handoff("p0", "d0", HandoffX(2000, 2000)) == 0.4
     for _ in range(PS.min_samples):
         pred.observe_prefill("p0", 2000, 5.0)
     online = pred.prefill("p0", 1000)
@@ -128,8 +128,8 @@ def test_outlook_rejects_only_when_every_fitted_p_is_late_and_a_cold_one_is_neve
 def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
     pred = _trained({"p0": 0.0001})
     for _ in range(5):
-        pred.observe_handoff("p0", "d0", 2000, 3.0)
-        pred.observe_handoff("p0", "d1", 2000, 0.05)
+        pred.observe_handoff("p0", "d0", HandoffX(2000, 2000), 3.0)
+        pred.observe_handoff("p0", "d1", HandoffX(2000, 2000), 0.05)
     est = PEstimate(0.2, 0, sc.PREDICT_ONLINE, True)
     assert late_decodes(pred, "p0", est, ["d0", "d1"], 0.0, 1.0, 2000) == {"d0"}
     assert late_decodes(pred, "p0", est, ["d0"], 0.0, 1.0, 2000) == set()  # no D in time: the gate picks
@@ -141,15 +141,31 @@ def test_the_handoff_grows_with_the_kv_d_pulls_its_own_and_what_is_ahead_of_it()
     pred = Predictor(PS, 10_000, NOW)
     for _ in range(20):
         for x in (1000, 4000, 8000):
-            pred.observe_handoff("p0", "d0", x, 0.05 + x * 50e-6)  # 50 us per token of KV
-    assert pred.handoff_x("d0", 2000) == 2000
-    pred.d_backlog.add("d0", 3000)  # a request already sent to d0, its first token still to come
-    x = pred.handoff_x("d0", 2000)
-    assert x == 5000 and pred.handoff_x("d1", 2000) == 2000
+            pred.observe_handoff("p0", "d0", HandoffX(x, x), 0.05 + x * 50e-6)  # 50 us per token of KV
+    assert pred.handoff_x("p0", "d0", 2000) == (2000, 2000)
+    pred.sent_to_d("p0", "d0", 3000)  # a request already sent to d0, its first token still to come
+    x = pred.handoff_x("p0", "d0", 2000)
+    assert x == (5000, 5000) and pred.handoff_x("p0", "d1", 2000) == (2000, 2000)
+    assert pred.handoff_x("p1", "d0", 2000) == (5000, 2000)  # ahead at d0, not on p1's pair
     for p in ("p0", None):
         assert pred.handoff(p, "d0", x) == pytest.approx(0.05 + 5000 * 50e-6, rel=0.05)
-    pred.d_backlog.drop("d0", 3000)
-    assert pred.handoff_x("d0", 2000) == 2000 and "d0" not in pred.d_backlog
+    pred.left_d("p0", "d0", 3000)
+    assert pred.handoff_x("p0", "d0", 2000) == (2000, 2000) and pred.d_backlog == pred.pair_backlog == {}
+
+
+@pytest.mark.parametrize("contended", ["link", "d"])
+def test_each_d_predicts_with_the_queue_its_handoffs_wait_in(contended: str) -> None:
+    """Transfers may contend on each P x D link (the simulator's) or at D (every pull into it): D's
+    handoffs are predicted by the model, the pair's queue or D's, that has predicted them better."""
+    pred = Predictor(PS, 10_000, NOW)
+    rng = random.Random(1)
+    for i in range(200):
+        p, own = f"p{i % 2}", 2000
+        x = HandoffX(own + rng.randrange(0, 20_000), own + rng.randrange(0, 6000))  # independent queues
+        pred.observe_handoff(p, "d0", x, 0.05 + 100e-6 * (x.on_pair if contended == "link" else x.at_d))
+    busy_d_idle_link = HandoffX(22_000, 2000)
+    expected = 0.05 + 100e-6 * (2000 if contended == "link" else 22_000)
+    assert pred.handoff("p0", "d0", busy_d_idle_link) == pytest.approx(expected, rel=0.1)
 
 
 def test_a_fit_that_learnt_nothing_for_probe_s_lets_one_request_through_to_learn_again() -> None:
@@ -157,13 +173,13 @@ def test_a_fit_that_learnt_nothing_for_probe_s_lets_one_request_through_to_learn
     pred = Predictor(PredictSettings(min_samples=5, probe_s=10.0), 10_000, lambda: t[0])
     for _ in range(10):
         pred.observe_prefill("p0", 1000, 50.0)  # p0 was very slow
-        pred.observe_handoff("p0", "d0", 1000, 9.0)
-    assert pred.prefill("p0", 1000).confident and pred.handoff("p0", "d0", 1000) == pytest.approx(
-        9.0, rel=0.01
-    )
+        pred.observe_handoff("p0", "d0", HandoffX(1000, 1000), 9.0)
+    assert pred.prefill("p0", 1000).confident and pred.handoff(
+        "p0", "d0", HandoffX(1000, 1000)
+    ) == pytest.approx(9.0, rel=0.01)
     t[0] = 11.0  # nothing learnt since: p0 may get one request (a probe), d0's mean falls back
     assert not pred.prefill("p0", 1000).confident
-    assert pred.handoff("p0", "d0", 1000) == PredictSettings().handoff_s
+    assert pred.handoff("p0", "d0", HandoffX(1000, 1000)) == PredictSettings().handoff_s
     pred.backlog.add("p0", 1000)  # the probe is in flight: judged by its old line meanwhile
     assert pred.prefill("p0", 1000).confident
     pred.backlog.drop("p0", 1000)
@@ -296,7 +312,7 @@ def test_the_error_margin_is_for_a_queue_and_a_request_meeting_none_is_judged_by
     pred.backlog.add("p0", 1000)  # something of ours is ahead on P: the margin is the queue model's
     assert outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless
     pred.backlog.drop("p0", 1000)
-    pred.d_backlog.add("d0", 2000)  # or waits for D's first token
+    pred.sent_to_d("p0", "d0", 2000)  # or waits for D's first token
     assert outlook(pred, {"p0": 2000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless
     pred = _trained({"p0": 0.0004})
     assert outlook(pred, {"p0": 6000}, ["p0"], ["d0"], 0.0, target_s=2.0).hopeless  # too long for it alone
@@ -307,10 +323,10 @@ async def test_a_non_streamed_answer_teaches_neither_the_handoff_nor_the_margin(
     px, _ = _proxy(1)
     pred = px.flow.gate.predictor
     assert (await px.send()).status == 200
-    assert pred.handoff("p0", "d0", 100) == pred.ps.handoff_s  # no handoff learnt: the prior still
+    assert pred.handoff("p0", "d0", HandoffX(100, 100)) == pred.ps.handoff_s  # no handoff learnt: the prior
     assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 0
-    assert pred.d_backlog == {}  # it left D's backlog all the same
+    assert pred.d_backlog == pred.pair_backlog == {}  # it left D's backlog all the same
     for _ in range(3):
         assert (await px.send(STREAMED)).status == 200
-    assert pred.handoff("p0", "d0", 100) != pred.ps.handoff_s  # a streamed one's first token teaches it
+    assert pred.handoff("p0", "d0", HandoffX(100, 100)) != pred.ps.handoff_s  # a streamed one teaches it
     assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 3
