@@ -302,9 +302,7 @@ class Gate:
         req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name, req.handoff_x)
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
-        if own > 0:
-            pred.backlog.add(p.name, own)
-            req.backlog = (p.name, own)
+        req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds), own)
         if req.tokens > 0:
             pred.sent_to_d(p.name, d.name, req.tokens)
             req.d_backlog = (p.name, d.name, req.tokens)
@@ -458,9 +456,9 @@ class Gate:
     def _drop_backlog(self, req: RequestState) -> None:
         """``req``'s prefill is answered (or moved, or over): its tokens leave its P's backlog."""
         if req.backlog is not None:
-            name, n = req.backlog
+            name, ticket, n = req.backlog
             req.backlog = None
-            self.predictor.backlog.drop(name, n)
+            self.predictor.left_p(name, ticket, n)
 
     def _drop_d_backlog(self, req: RequestState) -> None:
         """``req`` has its first token (or moved to another D, or is over): it leaves its D's backlog."""

@@ -33,6 +33,10 @@ better (:class:`_Rivals`): the pair's line in the tokens pending *on that pair*
 fit on the pair's pending tokens had a median error of 14-17 % (p90 27-42 %) against 23-25 % (p90
 62-71 %) on D's: the other pairs' pulls did not delay it at all (their coefficient was 0.00).
 
+**An answer still missing** says a P slowed before its line can learn it (:meth:`Predictor.lag`,
+:meth:`Predictor.overrun`): the most overdue request in flight at P scales P's line by what its lag
+exceeds the margin.
+
 **Its error is its margin**: every first token of a *confident* prediction adds observed / predicted
 TTFT to its P's ring of the last :data:`RATIOS` ratios, and :meth:`Predictor.factor` is their
 ``quantile`` (at least 1): a prediction through that P is multiplied by it before it is held against
@@ -50,6 +54,7 @@ Pure: no I/O, no clock; every time is passed in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -192,6 +197,8 @@ class Predictor:
         self.backlog: Backlog[str] = Backlog()  # P -> uncached prefill tokens sent and not yet answered
         self.d_backlog: Backlog[str] = Backlog()  # D -> prompt tokens sent to it without a first token yet
         self.pair_backlog: Backlog[tuple[str, str]] = Backlog()  # (P, D) -> the same, per pair
+        self._flying: dict[str, dict[int, tuple[float, float]]] = {}  # P -> ticket -> (sent at, P part)
+        self._tickets = itertools.count()
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
         self._lines: dict[str, Line] = {}
@@ -221,6 +228,42 @@ class Predictor:
 
     # -- predictions ------------------------------------------------------------------
 
+    def sent_to_p(self, p: str, own: int, seconds: float) -> int:
+        """A request is sent to ``p`` with ``own`` uncached tokens, its P part predicted ``seconds``:
+        its tokens join P's backlog, and it is in flight there (:meth:`lag`) until :meth:`left_p`."""
+        self.backlog.add(p, own)
+        ticket = next(self._tickets)
+        self._flying.setdefault(p, {})[ticket] = (self.clock(), seconds)
+        return ticket
+
+    def left_p(self, p: str, ticket: int, own: int) -> None:
+        """The request :meth:`sent_to_p` gave ``ticket`` is answered (or went elsewhere, or ended)."""
+        self.backlog.drop(p, own)
+        flying = self._flying.get(p)
+        if flying is not None:
+            flying.pop(ticket, None)
+            if not flying:
+                del self._flying[p]
+
+    def lag(self, p: str) -> float:
+        """How far past its prediction the most overdue of this proxy's requests in flight at ``p`` is:
+        its age over its predicted P part, at least 1. A P's line learns only from answers, which come
+        late when P slows down; an answer still missing says so first, and a P that stopped answering
+        is predicted later and later, so no request is admitted to it in vain."""
+        flying = self._flying.get(p)
+        if not flying:
+            return 1.0
+        now = self.clock()
+        return max(1.0, max(((now - at) / part for at, part in flying.values() if part > 0), default=1.0))
+
+    def overrun(self, p: str) -> float:
+        """What P's line is multiplied by: :meth:`lag` past what :meth:`factor` (the margin a prediction
+        through ``p`` is multiplied by anyway while it is queued) already covers, at least 1. A lag
+        within the model's usual error is its noise (the most overdue of many requests in flight is
+        its high quantile): counting it again rejected what a surge could serve."""
+        lag = self.lag(p)
+        return max(lag / self.factor(p), 1.0) if lag > 1.0 else 1.0
+
     def tokens_ahead(self, p: str) -> int:
         return round(self.backlog.get(p, 0) / self.share)
 
@@ -248,11 +291,12 @@ class Predictor:
         min_n = self.ps.min_samples
         if line is not None and line.n >= min_n:
             fresh = ahead > 0 or self.clock() - line.at <= self.ps.probe_s
-            return PEstimate(line(x), ahead, sc.PREDICT_ONLINE, fresh)
+            return PEstimate(line(x) * self.overrun(p), ahead, sc.PREDICT_ONLINE, fresh)
         table = self._table_p.get(p)
         if table is not None:
             base, per_kt, samples = table
-            return PEstimate(base + per_kt * x / _KT, ahead, sc.PREDICT_TABLE, samples >= min_n)
+            seconds = (base + per_kt * x / _KT) * self.overrun(p)
+            return PEstimate(seconds, ahead, sc.PREDICT_TABLE, samples >= min_n)
         if line is not None:  # a few of its own beat the configured prior
             return PEstimate(line(x), ahead, sc.PREDICT_ONLINE, False)
         base, per_kt = self._prior

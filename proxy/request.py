@@ -176,7 +176,7 @@ class RequestState:
         self.prompt: Prompt | None = None
         self.route: Decision | None = None
         self.route_reason: str | None = None
-        self.backlog: tuple[str, int] | None = None
+        self.backlog: tuple[str, int, int] | None = None  # (P, its ticket there, tokens): until P answers
         self.d_backlog: tuple[str, str, int] | None = None  # (P, D, tokens): pending until its first token
         self.handoff_x = HandoffX(0, 0)  # the tokens of KV its handoff was predicted with (own and ahead)
         self.d_cached_tokens: int | None = None

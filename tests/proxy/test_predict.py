@@ -125,6 +125,48 @@ def test_outlook_rejects_only_when_every_fitted_p_is_late_and_a_cold_one_is_neve
     assert with_cold.late == {"p0"} and not with_cold.hopeless  # p9 has no fit: it may serve
 
 
+def test_a_request_overdue_at_p_says_p_slowed_before_any_answer_does() -> None:
+    """A P's line learns only from answers, which come late when P slows down: the most overdue of the
+    requests in flight there scales its predictions at once, and a P that stopped answering is
+    predicted later and later (no request is admitted to it in vain); its answer ends that."""
+    t = [0.0]
+    pred = Predictor(PS, 10_000, lambda: t[0])
+    for p in ("p0", "p1"):
+        for x in (1000, 4000, 8000) * 10:
+            pred.observe_prefill(p, x, x * 0.0002)  # 0.2 s per 1000 tokens
+    part = pred.prefill("p0", 2000).seconds
+    assert part == pytest.approx(0.4, rel=0.05) and pred.lag("p0") == 1.0
+    ticket = pred.sent_to_p("p0", 2000, part)
+    t[0] = 0.3  # not yet due: nothing is said
+    assert pred.lag("p0") == 1.0
+    t[0] = 1.2  # three times its prediction and no answer: p0 is at least three times slower
+    assert pred.lag("p0") == pytest.approx(3.0, rel=0.05)
+    behind_it = pred.prefill("p1", 4000).seconds  # p0's line for 2000 tokens behind its 2000
+    assert pred.prefill("p0", 2000).seconds == pytest.approx(3.0 * behind_it, rel=0.1)
+    look = outlook(pred, {"p0": 2000, "p1": 2000}, ["p0", "p1"], ["d0"], 0.0, target_s=1.5)
+    assert look.late == {"p0"} and not look.hopeless
+    t[0] = 10.0  # it stopped answering
+    assert pred.lag("p0") == pytest.approx(25.0, rel=0.05)
+    pred.left_p("p0", ticket, 2000)
+    assert pred.lag("p0") == 1.0 and pred.backlog == {}
+
+
+def test_a_lag_within_the_margin_is_the_models_noise_and_scales_nothing() -> None:
+    """The margin (the error quantile) multiplies a queued prediction anyway: the line is scaled only by
+    the lag past it, or a surge's most overdue request (a high quantile of many) is counted twice."""
+    t = [0.0]
+    pred = _trained({"p0": 0.0002})
+    pred.clock = lambda: t[0]
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p0", 1.0, 2.0, True)  # the margin: 2
+    assert pred.factor("p0") == pytest.approx(2.0)
+    pred.sent_to_p("p0", 2000, 0.4)
+    t[0] = 0.6  # 1.5x its prediction: within the margin
+    assert pred.lag("p0") == pytest.approx(1.5) and pred.overrun("p0") == 1.0
+    t[0] = 1.6  # 4x: twice what the margin covers
+    assert pred.overrun("p0") == pytest.approx(2.0)
+
+
 def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
     pred = _trained({"p0": 0.0001})
     for _ in range(5):
