@@ -163,6 +163,7 @@ def _private_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     global _spool_guard, _spool_active
     tmp_path_factory.getbasetemp()  # pytest's own folders (tmp_path) stay where they always are
     private = Path(tempfile.mkdtemp(prefix="pdscope-tests-"))
+    private.chmod(0o755)  # as /tmp is to them: the test PostgreSQL servers run as postgres, in folders here
     saved_env, saved_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"] = tempfile.tempdir = str(private)
     guard = _spool_guard = _SpoolGuard(private)
