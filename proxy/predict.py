@@ -509,10 +509,14 @@ def outlook(
     most :data:`PAIRS_IN_OUTLOOK` pairs, else D's through any P (a pair's own is then weighed when the
     D is chosen, :func:`late_decodes`): the cost of an admission stays bounded on a large fleet."""
     budget = pred.budget(target_s)
-    handoff = min(
-        (pred.handoff(None, d, pred.handoff_x(None, d, tokens)) for d in ds), default=pred.ps.handoff_s
-    )
     per_pair = bool(ds) and len(ps) * len(ds) <= PAIRS_IN_OUTLOOK
+    handoff = (
+        pred.ps.handoff_s
+        if per_pair
+        else min(
+            (pred.handoff(None, d, pred.handoff_x(None, d, tokens)) for d in ds), default=pred.ps.handoff_s
+        )
+    )
     late: set[str] = set()
     best = math.inf
     d_queued = pred.d_queued(ds)
