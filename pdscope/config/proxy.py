@@ -108,9 +108,10 @@ class PredictSettings(_Frozen):
     predicted TTFT, times the predictor's recent error quantile, is over its target; and let a request wait
     for a pool's room only while it can still make its target. Off: the prediction is made, recorded and
     measured, and admission is by the pool limits alone"""
-    quantile: float = Field(default=0.98, ge=0.5, le=0.999)
+    quantile: float = Field(default=0.995, ge=0.5, le=0.999)
     """the quantile of the recent observed/predicted TTFT ratios a prediction is multiplied by before it is
-    held against the target (the predictor's own error as the margin)"""
+    held against the target (the predictor's own error as the margin); at least the attainment promised
+    to admitted requests (0.99), or that share of them misses by construction"""
     margin: Fraction = 0.05
     """share of the target held back besides the error quantile"""
     min_samples: Count1M = 20
