@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = fsub.add_parser("add", help="inject a fault now (or after --at seconds)")
     add.add_argument("kind", choices=FAULT_KINDS, help="see simulator/faults.py for the fields of each kind")
     add.add_argument("--instance", help="down, kv_capacity, slow (and slow_nic, stop_pulling): the instance")
-    add.add_argument("--prefill", help="slow_link (and optionally transfer_failure): the P side")
+    add.add_argument(
+        "--prefill", help="slow_link, slow_nic (a P's NIC; optionally transfer_failure): the P side"
+    )
     add.add_argument(
         "--decode", help="slow_link, slow_nic, stop_pulling (optionally transfer_failure): the D side"
     )

@@ -8,10 +8,11 @@ does no I/O except ``load_scenario`` reading the file it is given.
 Kinds and their fields::
 
     slow_link         prefill, decode, factor   the P x D link is ``factor`` times slower
-    slow_nic          decode, factor            every link into that D is ``factor`` times slower
+    slow_nic          decode | prefill, factor  every link into that D (or out of that P) is ``factor``
+                                                times slower: a D's NIC, or a P's toward every D
     transfer_failure  rate [, prefill, decode]  share of NIXL reads that fail (D counts them)
     stop_pulling      decode                    D stops pulling and heartbeating: P's leases expire
-    (slow_nic and stop_pulling also take ``instance`` for ``decode``)
+    (slow_nic and stop_pulling also take ``instance`` for ``decode``; a P's NIC is named by ``prefill``)
     down              instance                  the instance is gone (connection refused) until cleared
     kv_capacity       instance, blocks | fraction   the instance's KV cache shrinks
     slow              instance, factor          every engine step takes ``factor`` times longer (slow P)
@@ -41,7 +42,7 @@ FaultKind = Literal[
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "slow_link": ("prefill", "decode", "factor"),
-    "slow_nic": ("decode", "factor"),
+    "slow_nic": ("factor",),  # and one of decode (a D's NIC) or prefill (a P's)
     "transfer_failure": ("rate",),
     "stop_pulling": ("decode",),
     "down": ("instance",),
@@ -75,6 +76,7 @@ class FaultSpec(BaseModel):
             isinstance(data, dict)
             and data.get("kind") in ("slow_nic", "stop_pulling")
             and data.get("decode") is None
+            and data.get("prefill") is None
             and data.get("instance") is not None
         ):
             data = {k: v for k, v in data.items() if k != "instance"} | {"decode": data["instance"]}
@@ -85,6 +87,8 @@ class FaultSpec(BaseModel):
         missing = [f for f in _REQUIRED[self.kind] if getattr(self, f) is None]
         if missing:
             raise ValueError(f"fault {self.kind!r} needs {', '.join(missing)}")
+        if self.kind == "slow_nic" and (self.decode is None) == (self.prefill is None):
+            raise ValueError("fault 'slow_nic' needs decode (a D's NIC) or prefill (a P's), one of them")
         if self.kind == "kv_capacity" and self.blocks is None and self.fraction is None:
             raise ValueError("fault 'kv_capacity' needs blocks or fraction")
         return self
@@ -179,7 +183,7 @@ class FaultSet:
             if f.prefill == prefill and f.decode == decode:
                 factor *= f.factor or 1.0
         for f in self._of("slow_nic"):
-            if f.decode == decode:
+            if (f.decode == decode) if f.decode is not None else (f.prefill == prefill):
                 factor *= f.factor or 1.0
         return factor
 

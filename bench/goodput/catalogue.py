@@ -27,6 +27,7 @@ FAULTS = (
     "transfer_failures",
     "stuck_decode",
     "bad_pair",
+    "p_nic",
     "decode_down",
     "kv_capacity",
     "burst",
@@ -184,6 +185,11 @@ def _one_injection(fault: str, fleet: FleetShape) -> FaultPlan | None:
             {"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},
             f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower",
             (),
+        ),
+        "p_nic": (  # a P-side fault: its handoffs are slow toward every D (issue 29)
+            {"kind": "slow_nic", "prefill": p, "factor": SLOW_LINK_FACTOR},
+            f"{p}'s NIC {SLOW_LINK_FACTOR:g}x slower toward every D",
+            ("prefill",),
         ),
         "kv_capacity": (
             {"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},

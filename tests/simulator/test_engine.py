@@ -306,6 +306,20 @@ def test_fault_specs_validate_per_kind() -> None:
         {"kind": "nope"},
         {"kind": "down"},
         {"kind": "slow", "instance": "p", "factor": 2, "extra": 1},
+        {"kind": "slow_nic", "factor": 2},  # whose NIC?
+        {"kind": "slow_nic", "prefill": "p", "decode": "d", "factor": 2},  # a link is slow_link
     ):
         with pytest.raises(ConfigError):
             parse_fault(bad)
+
+
+def test_a_ps_nic_slows_every_link_out_of_that_p_and_no_other() -> None:
+    """Issue 29's P-side fault: a P's network slow toward every D (a D's slow NIC is its column)."""
+    faults = FaultSet()
+    faults.add(FaultSpec(kind="slow_nic", prefill="prefill-1", factor=10))
+    assert [faults.link_factor("prefill-1", d) for d in ("decode-0", "decode-3")] == [10, 10]
+    assert faults.link_factor("prefill-0", "decode-0") == 1
+    faults.add(FaultSpec(kind="slow_nic", decode="decode-0", factor=2))
+    assert faults.link_factor("prefill-1", "decode-0") == 20
+    assert faults.link_factor("prefill-0", "decode-0") == 2
+    assert faults.link_factor("prefill-0", "decode-1") == 1
