@@ -28,6 +28,7 @@ class Reason(enum.StrEnum):
     INSTANCE_UP = "InstanceUp"
     SLOW_PREFILL = "SlowPrefill"
     SLOW_HANDOFF = "SlowHandoff"
+    SLOW_PREFILL_SIDE = "SlowPrefillSide"
     SLOW_KV_TRANSFER = "SlowKVTransfer"
     BACKLOG = "Backlog"
     TRANSFER_FAILURES = "TransferFailures"
@@ -92,6 +93,13 @@ _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
         (
             "its handoff time (P done → D first token) is past the tolerance of its peers' median, "
             "or hopeless against the TTFT target"
+        ),
+    ),
+    Reason.SLOW_PREFILL_SIDE: (
+        "weight (P)",
+        (
+            "its handoffs are slow toward every D: its row of the P×D handoff matrix is past the blame "
+            "threshold over the typical pair (its NIC, its KV reads), not any D's"
         ),
     ),
     Reason.SLOW_KV_TRANSFER: (

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 
+from controller.policy.blame import Factorization
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals
 from pdscope.reasons import Reason
@@ -256,11 +257,50 @@ class PeerIndex:
         return _median_without(values, mine[0]), _median_without(rses, mine[1]), len(values) - 1
 
 
+MATRIX_NOTE = "P×D handoff matrix"  # how a handoff score judged by the matrix starts its note
+
+
+def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: float) -> Score | None:
+    """The handoff score of an instance the window's P×D matrix judges (:mod:`controller.policy.blame`):
+    its row (a P) or column (a D) over the typical pair. A P slow toward every D reads slow in every
+    D's handoffs through it, and a D's median over a mix of that P's slow handoffs and the others'
+    fast ones flips between the two with the share it got: compared per instance, healthy Ds were cut
+    for one P's NIC. Judged by the matrix, only the side whose row or column is slow scores under 1,
+    and only once the matrix blames it. None: no matrix, or one that cannot judge ``inst``."""
+    if matrix is None:
+        return None
+    effect = (matrix.prefill if inst.role == "prefill" else matrix.decode).get(inst.name)
+    if effect is None or not effect.judged or matrix.typical <= 0:
+        return None
+    blamed = any(b.side == inst.role and b.name == inst.name for b in matrix.blames)
+    line = "row" if inst.role == "prefill" else "column"
+    note = (
+        f"{MATRIX_NOTE}: its {line} is ×{effect.ratio:.2f} the typical pair's {matrix.typical:.3f}s "
+        f"over {effect.cells} pairs"
+    )
+    value = min(1.0, tol / effect.ratio) if blamed else 1.0
+    return Score("handoff", value, matrix.typical * effect.ratio, matrix.typical, note)
+
+
+def _unjudged_note(inst: InstanceSignals, matrix: Factorization | None) -> str:
+    """Why the matrix left ``inst`` to per-instance evidence, for its handoff note ('' if it did not)."""
+    if matrix is None:
+        return ""
+    head = f"{inst.role} {inst.name}: "
+    why = next((u[len(head) :] for u in matrix.unjudged if u.startswith(head)), "not in the matrix's fit")
+    return f"; per-instance: the {MATRIX_NOTE} cannot judge it ({why})"
+
+
 def score_instance(
-    inst: InstanceSignals, peers: Sequence[InstanceSignals] | PeerIndex, cfg: PolicyConfig, window_s: float
+    inst: InstanceSignals,
+    peers: Sequence[InstanceSignals] | PeerIndex,
+    cfg: PolicyConfig,
+    window_s: float,
+    matrix: Factorization | None = None,
 ) -> tuple[Score, ...]:
     """Score one up instance against its peers: the *other* up instances of its role, given as a
-    list or as the :class:`PeerIndex` of all of them (``inst`` itself is left out by name)."""
+    list or as the :class:`PeerIndex` of all of them (``inst`` itself is left out by name). ``matrix``:
+    the window's P×D handoff matrix, which judges the handoff of the instances it can place."""
     tol, fast = cfg.latency_tolerance, cfg.load_tolerance
     index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, cfg)
 
@@ -294,7 +334,10 @@ def score_instance(
         scores.append(relative("ttft", _latency, tol, "queue+prefill s"))
         scores.append(relative("ttft_now", _ttft_now, fast, "vLLM TTFT s over the last 3 scrapes"))
         scores.append(speed())
-    hand = relative("handoff", _handoff, tol, "handoff p50 s")
+    hand = _matrix_handoff(inst, matrix, tol)
+    if hand is None:
+        hand = relative("handoff", _handoff, tol, "handoff p50 s")
+        hand = replace(hand, note=hand.note + _unjudged_note(inst, matrix))
     if (
         hand.value < 1.0
         and hand.observed is not None
@@ -347,6 +390,8 @@ def worst(scores: Sequence[Score]) -> Score | None:
 
 
 def reason_for(score: Score, inst: InstanceSignals) -> Reason:
+    if score.name == "handoff" and inst.role == "prefill" and score.note.startswith(MATRIX_NOTE):
+        return Reason.SLOW_PREFILL_SIDE
     if (
         score.name == "errors"
         and inst.role == "decode"

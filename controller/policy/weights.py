@@ -28,8 +28,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from controller.policy.blame import BlameConfig, Cell, Factorization, factor
 from controller.policy.config import PolicyConfig
-from controller.policy.scores import PeerIndex, Score, error_events, reason_for, score_instance, worst
+from controller.policy.scores import (
+    MATRIX_NOTE,
+    PeerIndex,
+    Score,
+    error_events,
+    reason_for,
+    score_instance,
+    worst,
+)
 from controller.policy.signals import InstanceSignals, Observation, Role
 from pdscope.reasons import Reason
 
@@ -99,6 +108,8 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
     for s in scores:
         out[f"{s.name}_observed"] = None if s.observed is None else _r(s.observed)
         out[f"{s.name}_reference"] = None if s.reference is None else _r(s.reference)
+        if s.name == "handoff":  # judged by the P×D matrix, or per instance and why
+            out["handoff_basis"] = s.note
     return out
 
 
@@ -145,8 +156,9 @@ def step_instance(
     window_s: float,
     now: float = 0.0,
     history_s: float | None = None,
+    matrix: Factorization | None = None,
 ) -> WeightDecision:
-    """One tick for one instance whose data is fresh."""
+    """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix)."""
     if inst.up is None:
         return _hold(
             inst,
@@ -167,7 +179,7 @@ def step_instance(
         return _down(inst, prev, now)
 
     warming = history_s is not None and history_s < cfg.startup_s
-    scores = _scores(inst, peers, cfg, window_s, warming)
+    scores = _scores(inst, peers, cfg, window_s, warming, matrix)
     st = _draft(scores, prev, cfg, now)
     w = st.w
     band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
@@ -218,8 +230,9 @@ def _scores(
     cfg: PolicyConfig,
     window_s: float,
     warming: bool,
+    matrix: Factorization | None = None,
 ) -> tuple[Score, ...]:
-    scores = score_instance(inst, peers, cfg, window_s)
+    scores = score_instance(inst, peers, cfg, window_s, matrix)
     if warming:  # a start-up window: too little history to compare against, only facts may cut
         scores = tuple(
             s
@@ -470,6 +483,8 @@ def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig) -> bool:
 
 
 def _describe(s: Score) -> str:
+    if s.name == "handoff" and s.note.startswith(MATRIX_NOTE):
+        return s.note
     if s.name == "handoff" and s.value == 0.0 and s.observed is not None:
         return (
             f"handoff {s.observed:.3f}s alone is over the TTFT target (peers' median {s.reference or 0:.3f}s)"
@@ -489,6 +504,21 @@ def _describe(s: Score) -> str:
     return f"{s.name} score {s.value:.2f}"
 
 
+def handoff_matrix(obs: Observation, cfg: PolicyConfig) -> Factorization | None:
+    """The window's P×D matrix of median handoffs over the up instances, factored into P, D and pair
+    effects (:func:`controller.policy.blame.factor`); None when no pair carried a handoff."""
+    if not obs.pairs:
+        return None
+    up = [o for o in obs.instances if o.up]
+    cells = {(x.p_instance, x.d_instance): Cell(x.handoff_p50_s, x.requests) for x in obs.pairs}
+    return factor(
+        cells,
+        [o.name for o in up if o.role == "prefill"],
+        [o.name for o in up if o.role == "decode"],
+        BlameConfig(min_samples=cfg.min_samples, threshold=cfg.blame_threshold),
+    )
+
+
 def decide_weights(
     obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig
 ) -> tuple[WeightDecision, ...]:
@@ -502,6 +532,7 @@ def decide_weights(
     unobservable = {r for r, members in by_role.items() if all(o.up is False for o in members)}
     # each role's up instances, indexed once: every instance is scored against the others
     peers = {r: PeerIndex([o for o in members if o.up], cfg) for r, members in by_role.items()}
+    matrix = handoff_matrix(obs, cfg)
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         if stale:
@@ -528,7 +559,9 @@ def decide_weights(
                 )
             )
             continue
-        out.append(step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s))
+        out.append(
+            step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix)
+        )
     # what the observation left out or could not attribute, on every decision it shaped
     extra = {
         "untrusted_records": obs.untrusted_records,

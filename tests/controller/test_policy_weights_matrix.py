@@ -1,0 +1,100 @@
+"""Weights judged by the window's P×D handoff matrix: only the side that is slow is cut (issue 29).
+
+Each case builds one tick's observation by hand: the instances' own handoff medians as the
+collector would give them (a D's median over the handoffs of every P it served), and the pairs'
+medians. A P slow toward every D shows in every D's handoffs through it; a D's median over a mix
+of that P's slow handoffs and the other's fast ones flips with the share it got, so per instance a
+healthy D reads ten times its peers'. The matrix places the slowness on the P's row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from controller.policy import Observation, PairSignals, PolicyConfig, WeightDecision
+from controller.policy.weights import decide_weights
+from tests.controller.replay import T0, fleet
+
+CFG = PolicyConfig.defaults()
+FAST, SLOW = 0.05, 0.5
+
+
+def _tick(
+    handoffs: dict[str, float], pairs: dict[tuple[str, str], float], n_p: int = 2, n_d: int = 4
+) -> dict[str, WeightDecision]:
+    """One tick's weight decisions: each instance's handoff median from ``handoffs`` (else fast),
+    the pairs' from ``pairs`` (else fast), 20 handoffs a pair."""
+    insts = tuple(replace(i, handoff_p50_s=handoffs.get(i.name, FAST)) for i in fleet(n_p, n_d))
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, pairs.get((f"prefill-{p}", f"decode-{d}"), FAST), 0.1)
+        for p in range(n_p)
+        for d in range(n_d)
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    return {d.instance: d for d in decide_weights(obs, {}, CFG)}
+
+
+def _cut(decisions: dict[str, WeightDecision]) -> dict[str, str]:
+    return {name: str(d.reason) for name, d in decisions.items() if d.weight < 0.999}
+
+
+def _slow_p_row() -> dict[tuple[str, str], float]:
+    return {("prefill-1", f"decode-{d}"): SLOW for d in range(4)}
+
+
+# prefill-1's NIC is slow toward every D; decode-0 and -1 happened to get more of its requests than of
+# prefill-0's, so their own medians are its slow handoffs, and decode-2 and -3's the fast ones
+MIXED_D_MEDIANS = {"prefill-1": SLOW, "decode-0": SLOW, "decode-1": SLOW}
+
+
+def test_a_p_slow_toward_every_d_is_cut_as_a_p_and_no_d_is_cut() -> None:
+    got = _tick(MIXED_D_MEDIANS, _slow_p_row())
+    assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
+    p = got["prefill-1"]
+    assert "P×D handoff matrix: its row is ×10.00 the typical pair's 0.050s" in p.message
+    assert p.scores["handoff"] < 0.2  # 1.5 / 10
+
+
+def test_per_instance_the_same_window_cut_two_healthy_ds() -> None:
+    """The failure the matrix mends: without the pairs, the Ds' own medians are compared."""
+    insts = tuple(replace(i, handoff_p50_s=MIXED_D_MEDIANS.get(i.name, FAST)) for i in fleet())
+    obs = Observation(now=T0, window_s=30.0, instances=insts, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert {"decode-0", "decode-1"} <= set(_cut(got))
+
+
+def test_a_d_slow_toward_every_p_is_cut_as_a_d_and_no_p_is_cut() -> None:
+    pairs = {(f"prefill-{p}", "decode-3"): SLOW for p in range(2)}
+    # each P's own median is fast: a quarter of its handoffs went to decode-3
+    got = _tick({"decode-3": SLOW}, pairs)
+    assert _cut(got) == {"decode-3": "SlowHandoff"}
+    assert "P×D handoff matrix: its column is ×10.00" in got["decode-3"].message
+
+
+def test_one_slow_pair_cuts_neither_its_p_nor_its_d_on_the_handoff() -> None:
+    """A pair is the proxies' to route around (their prediction is per pair): no instance is slow."""
+    got = _tick({"decode-2": SLOW}, {("prefill-0", "decode-2"): SLOW})
+    assert _cut(got) == {}
+    assert got["decode-2"].scores["handoff"] == 1.0
+
+
+def test_a_p_that_the_matrix_cannot_judge_is_judged_per_instance_and_says_so() -> None:
+    """One P: its row is the typical pair, so its side cannot be told from the matrix."""
+    got = _tick({}, {}, n_p=1, n_d=4)
+    assert _cut(got) == {}
+    basis = got["prefill-0"].inputs["handoff_basis"]
+    assert "per-instance: the P×D handoff matrix cannot judge it (one P" in basis
+    assert got["decode-0"].inputs["handoff_basis"].startswith("P×D handoff matrix: its column")
+    slow = _tick({"prefill-0": SLOW}, {("prefill-0", f"decode-{d}"): SLOW for d in range(4)}, n_p=1)
+    # one P slow toward every D: nothing to compare it with, in the matrix or among its peers
+    assert "prefill-0" not in _cut(slow)
+    assert not any(n.startswith("decode") for n in _cut(slow))
+
+
+def test_healthy_noise_in_the_matrix_cuts_nobody() -> None:
+    pairs = {
+        (f"prefill-{p}", f"decode-{d}"): FAST * (1.0 + 0.3 * ((p + 2 * d) % 3 - 1))
+        for p in range(2)
+        for d in range(4)
+    }
+    assert _cut(_tick({}, pairs)) == {}
