@@ -143,10 +143,10 @@ def fault_plan(fault: str, fleet: FleetShape, measure_s: float) -> FaultPlan:
             f"{d} down for {down_s:g} s, then back",
         )
         return replace(plan, ends_after_s=down_s)
-    plan = _one_injection(fault, fleet) or _overload_plan(fault, fleet, measure_s)
-    if plan is None:
+    found = _one_injection(fault, fleet) or _overload_plan(fault, fleet, measure_s)
+    if found is None:
         raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
-    return plan
+    return found
 
 
 def _hit(fault: str, injection: dict[str, Any], about: str, *limit_pools: str) -> FaultPlan:
@@ -156,20 +156,26 @@ def _hit(fault: str, injection: dict[str, Any], about: str, *limit_pools: str) -
     return FaultPlan(fault, (injection,), faulty, limit_pools=frozenset(limit_pools), about=about)
 
 
+Row = tuple[dict[str, Any], str, tuple[str, ...]]  # (injection, about, the pools whose limit cuts answer it)
+
+
 def _one_injection(fault: str, fleet: FleetShape) -> FaultPlan | None:
     """The faults that are one injection from onset on, hitting the last P or D (``bad_pair``: the
     link between the first P and the last D)."""
-    d, p, p0 = fleet.bad_d, fleet.bad_p, fleet.prefills()[0]
-    rows: dict[str, tuple[dict[str, Any], str, tuple[str, ...]]] = {
+    rows = {**_d_side(fleet), **_p_side(fleet)}
+    if fault not in rows:
+        return None
+    injection, about, limit_pools = rows[fault]
+    return _hit(fault, injection, about, *limit_pools)
+
+
+def _d_side(fleet: FleetShape) -> dict[str, Row]:
+    d = fleet.bad_d
+    return {
         "degraded_decode_link": (
             {"kind": "slow_nic", "decode": d, "factor": SLOW_LINK_FACTOR},
             f"{d}'s NIC {SLOW_LINK_FACTOR:g}x slower (its leases expire)",
             (),
-        ),
-        "slow_prefill": (
-            {"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},
-            f"{p} {SLOW_PREFILL_FACTOR:g}x slower",
-            ("prefill",),
         ),
         "transfer_failures": (
             {"kind": "transfer_failure", "decode": d, "rate": TRANSFER_FAILURE_RATE},
@@ -181,6 +187,28 @@ def _one_injection(fault: str, fleet: FleetShape) -> FaultPlan | None:
             f"{d} stops pulling (P's leases for its requests expire)",
             (),
         ),
+        "kv_capacity": (
+            {"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},
+            f"{d}'s KV capacity cut to {KV_FRACTION:.0%}",
+            (),
+        ),
+        "d_lost": (
+            {"kind": "down", "instance": d},
+            f"{d} down for good: the D pool keeps {fleet.n_d - 1} of {fleet.n_d}",
+            ("decode",),
+        ),
+    }
+
+
+def _p_side(fleet: FleetShape) -> dict[str, Row]:
+    """The P's faults, and the pair's (the first P x the last D)."""
+    d, p, p0 = fleet.bad_d, fleet.bad_p, fleet.prefills()[0]
+    return {
+        "slow_prefill": (
+            {"kind": "slow", "instance": p, "factor": SLOW_PREFILL_FACTOR},
+            f"{p} {SLOW_PREFILL_FACTOR:g}x slower",
+            ("prefill",),
+        ),
         "bad_pair": (
             {"kind": "slow_link", "prefill": p0, "decode": d, "factor": BAD_PAIR_FACTOR},
             f"the {p0} x {d} link {BAD_PAIR_FACTOR:g}x slower",
@@ -191,26 +219,12 @@ def _one_injection(fault: str, fleet: FleetShape) -> FaultPlan | None:
             f"{p}'s NIC {SLOW_LINK_FACTOR:g}x slower toward every D",
             ("prefill",),
         ),
-        "kv_capacity": (
-            {"kind": "kv_capacity", "instance": d, "fraction": KV_FRACTION},
-            f"{d}'s KV capacity cut to {KV_FRACTION:.0%}",
-            (),
-        ),
         "p_down": (
             {"kind": "down", "instance": p},
             f"{p} down for good: the P pool keeps {fleet.n_p - 1} of {fleet.n_p}",
             ("prefill",),
         ),
-        "d_lost": (
-            {"kind": "down", "instance": d},
-            f"{d} down for good: the D pool keeps {fleet.n_d - 1} of {fleet.n_d}",
-            ("decode",),
-        ),
     }
-    if fault not in rows:
-        return None
-    injection, about, limit_pools = rows[fault]
-    return _hit(fault, injection, about, *limit_pools)
 
 
 def degrade_steps(measure_s: float) -> list[tuple[float, float]]:

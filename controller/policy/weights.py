@@ -159,25 +159,9 @@ def step_instance(
     matrix: Factorization | None = None,
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix)."""
-    if inst.up is None:
-        return _hold(
-            inst,
-            prev,
-            Reason.NO_DATA,
-            f"{inst.name}: not scraped in the window; weight held at {prev.weight:.2f}",
-        )
-    if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
-        return _hold(
-            inst,
-            prev,
-            Reason.SCRAPE_FAILING,
-            f"{inst.name}: scrapes failing for "
-            f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
-            f"{prev.weight:.2f}",
-        )
-    if inst.up is False:
-        return _down(inst, prev, now)
-
+    unseen = _not_up(inst, prev, cfg, now)
+    if unseen is not None:
+        return unseen
     warming = history_s is not None and history_s < cfg.startup_s
     scores = _scores(inst, peers, cfg, window_s, warming, matrix)
     st = _draft(scores, prev, cfg, now)
@@ -199,6 +183,27 @@ def step_instance(
     else:
         _in_bands(st, inst, cfg, warming, history_s)
     return _decision(inst, prev, st, scores, cfg, now)
+
+
+def _not_up(inst: InstanceSignals, prev: WeightState, cfg: PolicyConfig, now: float) -> WeightDecision | None:
+    """The decision for an instance not seen up at the latest scrape (held, or down); None if it is up."""
+    if inst.up is None:
+        return _hold(
+            inst,
+            prev,
+            Reason.NO_DATA,
+            f"{inst.name}: not scraped in the window; weight held at {prev.weight:.2f}",
+        )
+    if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
+        return _hold(
+            inst,
+            prev,
+            Reason.SCRAPE_FAILING,
+            f"{inst.name}: scrapes failing for "
+            f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
+            f"{prev.weight:.2f}",
+        )
+    return _down(inst, prev, now) if inst.up is False else None
 
 
 def _down(inst: InstanceSignals, prev: WeightState, now: float) -> WeightDecision:
