@@ -55,7 +55,8 @@ several P's they are the D's: a slow handoff is charged to ``*->D`` (every link 
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
 healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a flagged or
-failed handoff, to ``*->D``.
+failed handoff, to ``*->D``. Read along a P's row, where no D's rule applies: a P's misses of one kind
+spread over the pairs of several D's are charged to ``P->*`` (every link out of the P: its NIC).
 
 Misses are grouped by (stage, place, cause); a group's share is its part of the window's total
 excess (of its count, when no miss has any excess), and its ``since`` the first miss in it. The
@@ -104,6 +105,7 @@ TRANSFER: Final = "transfer"
 TOP_N: Final = 3
 PROXY: Final = "proxy"
 EVERY_P: Final = "*"  # a place "*->decode-1": every link into decode-1
+EVERY_D: Final = "*"  # a place "prefill-0->*": every link out of prefill-0 (its NIC, its KV reads)
 # a stage whose excess is under this share of its miss's excess is noise (every stage varies about its median)
 NOISE_SHARE: Final = 0.05
 # a D's KV pulls are slow when they take this many times the healthy requests' (its NIC, its links)
@@ -488,7 +490,7 @@ def _excess(
 
 def _pair_ends(place: str) -> tuple[str, str] | None:
     p, sep, d = place.rpartition("->")
-    return (p, d) if sep and p != EVERY_P else None
+    return (p, d) if sep and p != EVERY_P and d != EVERY_D else None
 
 
 def _kind(s: StageExcess) -> str:
@@ -501,20 +503,35 @@ def spread_ds(misses: Sequence[Sequence[StageExcess]], link_concentration: float
     kind (a slow handoff, or its cause) are spread over the pairs of several P's: no pair has
     ``link_concentration`` of them (counted, not weighed: the excess of one miss varies with its place
     in a queue, the pair it was on does not)."""
-    by_d: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    return _spread(misses, link_concentration, 1)
+
+
+def spread_ps(misses: Sequence[Sequence[StageExcess]], link_concentration: float) -> set[tuple[str, str]]:
+    """The (P, kind) whose pair-charged misses of that kind are spread over the pairs of several D's
+    alike: a P slow (or failing) toward every D, its row of the P×D matrix. A D's rule comes first
+    (:func:`spread_ds`): where both apply (every pair slow), the D's queue or links are charged."""
+    return _spread(misses, link_concentration, 0)
+
+
+def _spread(
+    misses: Sequence[Sequence[StageExcess]], link_concentration: float, side: int
+) -> set[tuple[str, str]]:
+    """(instance, kind) on ``side`` (0: P, 1: D) of the pairs whose misses no one pair holds
+    ``link_concentration`` of, over two pairs or more."""
+    by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
         pairs = {
-            ((ends[1], _kind(s)), ends[0])
+            ((ends[side], _kind(s)), ends[1 - side])
             for s in stages
             if s.stage in ("handoff", "retry") and (ends := _pair_ends(s.place)) is not None
         }
-        for key, p in pairs:
-            by_d[key][p] += 1
-    out: set[tuple[str, str]] = set()
-    for key, per_p in by_d.items():
-        if len(per_p) >= 2 and max(per_p.values()) / sum(per_p.values()) < link_concentration:
-            out.add(key)
-    return out
+        for key, other in pairs:
+            by[key][other] += 1
+    return {
+        key
+        for key, per in by.items()
+        if len(per) >= 2 and max(per.values()) / sum(per.values()) < link_concentration
+    }
 
 
 def slow_pulls(
@@ -545,14 +562,20 @@ def _slow_handoff(s: StageExcess) -> bool:
 
 
 def _relabel(
-    stages: Sequence[StageExcess], spread: set[tuple[str, str]], slow_pull: set[str]
+    stages: Sequence[StageExcess],
+    spread: set[tuple[str, str]],
+    slow_pull: set[str],
+    spread_p: frozenset[tuple[str, str]] = frozenset(),
 ) -> tuple[StageExcess, ...]:
     """Charge a spread D's excess to the D: a slow handoff to every link into it when its KV pulls
-    were slow, else to its queue; a failed attempt or a flagged or failed handoff to every link."""
+    were slow, else to its queue; a failed attempt or a flagged or failed handoff to every link. A
+    spread P's (``spread_p``, where its D's is not) to every link out of it."""
     out: list[StageExcess] = []
     for s in stages:
         ends = _pair_ends(s.place) if s.stage in ("handoff", "retry") else None
-        if ends is None or (ends[1], _kind(s)) not in spread:
+        if ends is not None and (ends[1], _kind(s)) not in spread and (ends[0], _kind(s)) in spread_p:
+            out.append(replace(s, place=f"{ends[0]}->{EVERY_D}"))
+        elif ends is None or (ends[1], _kind(s)) not in spread:
             out.append(s)
         elif _slow_handoff(s) and ends[1] not in slow_pull:
             out.append(replace(s, stage="d_queue", place=ends[1]))
@@ -588,6 +611,8 @@ def _cause_words(cause: Cause) -> str:
 def _place_words(place: str) -> str:
     if place.startswith(f"{EVERY_P}->"):
         return f"every link into {place[len(EVERY_P) + 2 :]}"
+    if place.endswith(f"->{EVERY_D}"):
+        return f"every link out of {place[: -len(EVERY_D) - 2]}"
     return place
 
 
@@ -669,10 +694,11 @@ def attribute(
         if v
     ]
     spread = spread_ds([s for _, s, _ in raw], link_concentration)
+    spread_p = frozenset(spread_ps([s for _, s, _ in raw], link_concentration))
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:
-        charged = _relabel(stages, spread, slow_pull) or (_placeholder(r, v),)
+        charged = _relabel(stages, spread, slow_pull, spread_p) or (_placeholder(r, v),)
         misses.append(Miss(r.request_id, r.proxy_in, v, sum(s.excess_s for s in charged), charged))
     groups, total = _group(misses)
     return Attribution(

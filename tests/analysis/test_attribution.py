@@ -400,6 +400,21 @@ def test_a_failed_request_counts_at_least_the_ttft_target_where_it_ended() -> No
     assert [(g.stage, g.place, g.cause) for g in b.groups] == [("prefill", "prefill-0", "failed:timeout")]
 
 
+def test_a_p_slow_toward_every_d_is_its_links_out_not_each_pair() -> None:
+    """Issue 29: a P's NIC slow toward every D. Each D's slow handoffs all came from that one P, so no
+    D's rule applies; the P's misses are spread over its pairs alike: every link out of it."""
+    nic = [rec(700 + k, "prefill-1", DS[k % 3], handoff=0.8) for k in range(12)]
+    a = run(healthy(30) + nic)
+    assert [(g.stage, g.place, g.cause) for g in a.groups] == [("handoff", "prefill-1->*", "slow")]
+    assert a.top[0].message.startswith("handoff (incl. KV pull) on every link out of prefill-1: 100% ")
+    # one pair alone: the link, as before
+    link = [rec(800 + k, "prefill-1", "decode-2", handoff=0.8) for k in range(12)]
+    assert [g.place for g in run(healthy(30) + link).groups] == ["prefill-1->decode-2"]
+    # every pair slow: the Ds' rule comes first (their queues), not every P's links
+    both = [rec(900 + k, PS[k % 2], DS[k % 3], handoff=0.8) for k in range(12)]
+    assert {g.place for g in run(healthy(30) + both).groups} == set(DS)
+
+
 def test_a_d_slow_on_every_p_is_its_links_when_its_kv_pulls_are_slow() -> None:
     base = [replace(r, transfer_s=0.01) for r in healthy(30)]
     # a slow NIC: D's KV pulls take 0.6 s where the healthy take 0.01 s

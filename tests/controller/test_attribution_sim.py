@@ -12,6 +12,7 @@ or pair that was broken:
     slow              a slow P                     prefill (or P's queue) on that P
     slow_link         one slow P x D link          the handoff of that pair
     slow_nic          every link into one D        the handoff on every link into that D (``*->D``)
+    slow_nic (a P)    every link out of one P      the handoff on every link out of that P (``P->*``)
     transfer_failure  every read of one pair fails the handoff (or failed attempts) of that pair,
                                                    failed KV transfers
     stop_pulling      a D stops pulling            the handoff (or failed attempts) on every link
@@ -70,7 +71,7 @@ class Scenario:
     """One fault and what the top reason of the attribution since it must say."""
 
     fault: dict[str, Any]
-    place: str  # the top reason's place (an instance, a pair "P->D", or "*->D": every pair into D)
+    place: str  # the top reason's place: an instance, a pair "P->D", "*->D" (into D) or "P->*" (out of P)
     stages: tuple[str, ...]  # one of these stages
     causes: tuple[str, ...] = ("",)  # its cause starts with one of these
     min_share: float = 0.5
@@ -93,6 +94,9 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "slow_nic": Scenario(
         {"kind": "slow_nic", "decode": "decode-1", "factor": 400}, "*->decode-1", ("handoff",)
+    ),
+    "slow_nic_p": Scenario(  # a P's NIC, slow toward every D: its row (issue 29)
+        {"kind": "slow_nic", "prefill": "prefill-1", "factor": 400}, "prefill-1->*", ("handoff",)
     ),
     "transfer_failure": Scenario(
         {"kind": "transfer_failure", "prefill": "prefill-0", "decode": "decode-1", "rate": 1.0},
