@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from analysis.blame import Cell, Factorization, factor
 from dashboard.derive import find_histogram, histogram_increase, histogram_quantile, ratio
 from pdscope.stats import counter_increase, percentile
 
@@ -282,6 +283,35 @@ def handoff_by(sample: pd.DataFrame, by: str = "pair") -> pd.DataFrame:
         else out[keys[0]].astype(str)
     )
     return out[cols]
+
+
+def handoff_effects(pairs: pd.DataFrame, min_samples: int = 5) -> tuple[pd.DataFrame, Factorization]:
+    """The pairs' median handoffs (``handoff_by(.., "pair")``) factored as the controller factors them
+    (:func:`analysis.blame.factor`): a row per P and D with its effect (× the typical pair), the pairs it
+    stands on and whether the matrix judges it; and the factorization (its blames and notes)."""
+    cells = {
+        (str(r.p_instance), str(r.d_instance)): Cell(float(r.p50_ms) / 1000.0, int(r.requests))
+        for r in pairs.itertuples()
+        if r.p_instance and r.d_instance and pd.notna(r.p50_ms)
+    }
+    ps = sorted({p for p, _ in cells})
+    ds = sorted({d for _, d in cells})
+    fit = factor(cells, ps, ds)
+    blamed = {(b.side, b.name) for b in fit.blames}
+    rows = [
+        {
+            "side": side[0].upper(),
+            "instance": e.name,
+            "effect_x": e.ratio,
+            "pairs": e.cells,
+            "judged": e.judged,
+            "blamed": (side, e.name) in blamed,
+        }
+        for side, effects in (("prefill", fit.prefill), ("decode", fit.decode))
+        for e in effects.values()
+    ]
+    out = pd.DataFrame(rows, columns=["side", "instance", "effect_x", "pairs", "judged", "blamed"])
+    return out, fit
 
 
 def buckets_from_sample(sample: pd.DataFrame, step: int, start: float, width_s: float) -> pd.DataFrame:

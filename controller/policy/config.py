@@ -105,7 +105,7 @@ class PolicyConfig:
     # the first tick; above it a fast reading waits for a second
     extreme_score: float = 1 / 3
     latency_tolerance: float = 1.5  # slower than 1.5x the peers' median costs weight
-    # the P×D handoff matrix (policy.blame) blames a P's row, a D's column or a pair from this ratio over
+    # the P×D handoff matrix (analysis.blame) blames a P's row, a D's column or a pair from this ratio over
     # the typical pair: past what a healthy fleet's noise reaches (its tests), so a judged handoff cuts
     # only the side that is slow
     blame_threshold: float = 2.0

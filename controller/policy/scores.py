@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 
-from controller.policy.blame import Factorization
+from analysis.blame import Factorization
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals
 from pdscope.reasons import Reason
@@ -261,7 +261,7 @@ MATRIX_NOTE = "P×D handoff matrix"  # how a handoff score judged by the matrix 
 
 
 def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: float) -> Score | None:
-    """The handoff score of an instance the window's P×D matrix judges (:mod:`controller.policy.blame`):
+    """The handoff score of an instance the window's P×D matrix judges (:mod:`analysis.blame`):
     its row (a P) or column (a D) over the typical pair. A P slow toward every D reads slow in every
     D's handoffs through it, and a D's median over a mix of that P's slow handoffs and the others'
     fast ones flips between the two with the share it got: compared per instance, healthy Ds were cut

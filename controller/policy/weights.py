@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from controller.policy.blame import BlameConfig, Cell, Factorization, factor
+from analysis.blame import BlameConfig, Cell, Factorization, factor
 from controller.policy.config import PolicyConfig
 from controller.policy.scores import (
     MATRIX_NOTE,
@@ -511,7 +511,7 @@ def _describe(s: Score) -> str:
 
 def handoff_matrix(obs: Observation, cfg: PolicyConfig) -> Factorization | None:
     """The window's P×D matrix of median handoffs over the up instances, factored into P, D and pair
-    effects (:func:`controller.policy.blame.factor`); None when no pair carried a handoff."""
+    effects (:func:`analysis.blame.factor`); None when no pair carried a handoff."""
     if not obs.pairs:
         return None
     up = [o for o in obs.instances if o.up]

@@ -96,6 +96,26 @@ def _pairs(window: Window, latest: float | None) -> None:
         charts.heatmap(pairs, str(stat or "p99_ms"), f"handoff {str(stat or 'p99_ms')[:-3]} (ms)"),
         width="stretch",
     )
+    _effects(pairs)
+
+
+def _effects(pairs: pd.DataFrame) -> None:
+    """The matrix factored as the controller factors it: the P's row, the D's column or the pair."""
+    effects, fit = summaries.handoff_effects(pairs)
+    st.caption(
+        "Who is slow: each P's row and each D's column over the typical pair's median handoff "
+        f"({ui.fmt_ms(fit.typical * 1000.0)}), as the controller weighs them; blamed from 2×."
+    )
+    for b in fit.blames:
+        st.warning(b.message)
+    st.dataframe(
+        effects,
+        hide_index=True,
+        width="stretch",
+        column_config={"effect_x": st.column_config.NumberColumn("effect (×)", format="%.2f")},
+    )
+    for note in (*fit.unjudged, *fit.notes):
+        st.caption(note)
 
 
 def render(opened: Opened) -> None:

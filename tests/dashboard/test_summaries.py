@@ -6,6 +6,7 @@ import pytest
 from dashboard.summaries import (
     attribute_frame,
     handoff_by,
+    handoff_effects,
     instance_health,
     interval_means,
     interval_rates,
@@ -140,3 +141,21 @@ def test_attribute_frame_takes_attributes_and_computed_columns_in_order() -> Non
     assert list(got.columns) == ["n", "name", "twice"]
     assert got.to_dict("records") == [{"n": 1, "name": "a", "twice": 2}, {"n": 2, "name": "b", "twice": 4}]
     assert list(attribute_frame([], ("n", "name")).columns) == ["n", "name"]  # empty: still the columns
+
+
+def test_handoff_effects_put_a_p_slow_toward_every_d_on_its_row() -> None:
+    """The KV transfer page factors the pair matrix as the controller does: the P is blamed, no D."""
+    rows = [
+        {"p_instance": p, "d_instance": d, "requests": 20, "p50_ms": 500.0 if p == "prefill-1" else 50.0}
+        for p in ("prefill-0", "prefill-1")
+        for d in ("decode-0", "decode-1", "decode-2")
+    ]
+    effects, fit = handoff_effects(pd.DataFrame(rows))
+    by = effects.set_index("instance")
+    assert by.loc["prefill-1", "effect_x"] == pytest.approx(10.0)
+    assert bool(by.loc["prefill-1", "blamed"]) and not by["blamed"].drop("prefill-1").any()
+    assert list(by["side"]) == ["P", "P", "D", "D", "D"]
+    assert fit.typical == pytest.approx(0.05)
+    assert [b.name for b in fit.blames] == ["prefill-1"]
+    empty, none = handoff_effects(handoff_by(pd.DataFrame(), "pair"))
+    assert empty.empty and none.blames == ()

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 import pytest
 
 from controller.policy import blame
-from controller.policy.blame import BlameConfig, Cell, Factorization, Pair, factor
+from analysis.blame import BlameConfig, Cell, Factorization, Pair, factor
 
 BASE = 0.3  # a healthy pair's handoff, seconds
 
