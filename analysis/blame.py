@@ -422,3 +422,43 @@ def _fallback_notes(
 
 def _plural(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+# -- failures: counts, not times ---------------------------------------------------------------------
+
+ROW_SHARE = 0.7  # a P whose failures one D holds this share of is a pair's trouble, not its row's
+
+
+def failing_rows(
+    failures: Mapping[Pair, int], handoffs: Mapping[Pair, int], min_events: int, ratio: float = 2.0
+) -> dict[str, str]:
+    """The Ps failing toward every D: P -> why. A failed handoff is counted by the D that pulled it,
+    so a P whose transfers fail toward every D reads as every D failing. A P's failures are its row's
+    when there are at least ``min_events`` of them, over two Ds or more with no D holding
+    :data:`ROW_SHARE` of them, and its failure rate (failures over its handoffs and failures) is at
+    least ``ratio`` times the other Ps' pooled rate. Failures are counts, often zero, so this is a
+    rate comparison rather than :func:`factor`'s polish on logs; the anchoring is the same: the rest
+    of the fleet is the healthy reference."""
+    per_p: dict[str, dict[str, int]] = {}
+    served: dict[str, int] = {}
+    for (p, d), n in failures.items():
+        if n > 0:
+            per_p.setdefault(p, {})[d] = n
+    for (p, _), n in handoffs.items():
+        served[p] = served.get(p, 0) + max(n, 0)
+    total_f = sum(sum(ds.values()) for ds in per_p.values())
+    total_h = sum(served.values())
+    rows: dict[str, str] = {}
+    for p, ds in sorted(per_p.items()):
+        f = sum(ds.values())
+        if f < min_events or len(ds) < 2 or max(ds.values()) >= ROW_SHARE * f:
+            continue
+        own = f / (f + served.get(p, 0))
+        other_f, other_h = total_f - f, total_h - served.get(p, 0)
+        others = other_f / (other_f + other_h) if other_f + other_h > 0 else 0.0
+        if own >= ratio * others:
+            rows[p] = (
+                f"{p}'s handoffs fail toward {len(ds)} Ds alike: {f} failed of {f + served.get(p, 0)} "
+                f"({own:.0%}, the other Ps' {others:.0%})"
+            )
+    return rows

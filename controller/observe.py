@@ -21,7 +21,7 @@ It reads; it never writes and never decides. Errors from the database surface as
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -245,13 +245,22 @@ def _instances(
     return instances, newest
 
 
-def _pairs(pairs: dict[str, q.HandoffStats]) -> tuple[PairSignals, ...]:
-    """The P×D pairs that carried a charged handoff in the window, by name."""
+def _pairs(
+    pairs: dict[str, q.HandoffStats], failures: Mapping[tuple[str, str], int]
+) -> tuple[PairSignals, ...]:
+    """The P×D pairs that carried a charged handoff, or failed one, in the window, by name."""
+    stats = {(p, d): hs for key, hs in pairs.items() for p, _, d in [key.partition("->")] if hs.requests}
     return tuple(
-        PairSignals(p, d, hs.requests, hs.p50_s or 0.0, hs.p99_s or 0.0)
-        for key, hs in sorted(pairs.items())
-        for p, _, d in [key.partition("->")]
-        if hs.requests
+        PairSignals(
+            p,
+            d,
+            hs.requests if hs is not None else 0,
+            (hs.p50_s or 0.0) if hs is not None else 0.0,
+            (hs.p99_s or 0.0) if hs is not None else 0.0,
+            failures.get((p, d), 0),
+        )
+        for p, d in sorted(stats.keys() | {k for k, n in failures.items() if n})
+        for hs in [stats.get((p, d))]
     )
 
 
@@ -293,7 +302,7 @@ def observe(
         window_s=window,
         instances=tuple(instances),
         pools=pool_sigs,
-        pairs=_pairs(hand["pair"]),
+        pairs=_pairs(hand["pair"], tally.pair_failures),
         slo=slo,
         newest_data=newest,
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),

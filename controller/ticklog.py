@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.effects import Tick
-from controller.policy import AlertConfig, PolicyConfig, ServedInstance, TickInput, TickOutput
+from controller.policy import AlertConfig, PairSignals, PolicyConfig, ServedInstance, TickInput, TickOutput
 from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.refresh import NOTHING_BETWEEN, Between
@@ -47,13 +47,14 @@ def encode(
     out: TickOutput,
     between: Between = NOTHING_BETWEEN,
 ) -> bytes:
-    """The record's payload. The observation's P×D pairs are left out: the policy reads none of them
-    (they are most of an observation's size, growing as P×D), and a replay under the stored config
-    checks that the decisions still come out without them. The state after the tick is kept as its
+    """The record's payload. The observation's P×D pairs are kept as far as the policy reads them (each
+    pair's handoff median, count and failures, for the P×D matrix the weights are judged by; their p99,
+    which it does not read, is left out: the pairs are most of an observation's size, growing with the
+    pairs the window sampled). The state after the tick is kept as its
     digest: a replay re-derives it and compares. ``between``: the tables recomposed since the tick
     before (operator changes served at once), which the tick's state and served weights start from;
     left out when there were none (a record without it reads as none)."""
-    obs = dataclasses.replace(inp.obs, pairs=())
+    obs = dataclasses.replace(inp.obs, pairs=policy_pairs(inp.obs.pairs))
     doc = {
         "input": dump(dataclasses.replace(inp, obs=obs), compact=True),
         "prev_served": dump(prev_served, compact=True),
@@ -63,6 +64,11 @@ def encode(
     if between != NOTHING_BETWEEN:
         doc["between"] = dump(between, compact=True)
     return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
+
+
+def policy_pairs(pairs: tuple[PairSignals, ...]) -> tuple[PairSignals, ...]:
+    """The pairs as the policy reads them: their p99 (shown, never decided on) at 0."""
+    return tuple(dataclasses.replace(x, handoff_p99_s=0.0) for x in pairs)
 
 
 def _doc(payload: bytes) -> dict[str, object]:

@@ -28,6 +28,7 @@ FAULTS = (
     "stuck_decode",
     "bad_pair",
     "p_nic",
+    "p_failing",
     "decode_down",
     "kv_capacity",
     "burst",
@@ -217,6 +218,11 @@ def _p_side(fleet: FleetShape) -> dict[str, Row]:
         "p_nic": (  # a P-side fault: its handoffs are slow toward every D (issue 29)
             {"kind": "slow_nic", "prefill": p, "factor": SLOW_LINK_FACTOR},
             f"{p}'s NIC {SLOW_LINK_FACTOR:g}x slower toward every D",
+            ("prefill",),
+        ),
+        "p_failing": (  # a P-side fault: its transfers fail toward every D, and each D counts them
+            {"kind": "transfer_failure", "prefill": p, "rate": TRANSFER_FAILURE_RATE},
+            f"{TRANSFER_FAILURE_RATE:.0%} of {p}'s KV transfers fail, toward every D",
             ("prefill",),
         ),
         "p_down": (

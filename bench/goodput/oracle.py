@@ -128,7 +128,7 @@ def oracle_schedule(
         return [(None, {d: 0.0}, none)]  # the pair's D: cheaper to lose than its P (decode has slack)
     if plan.name == "decode_down":
         return [(None, {d: 0.0}, none), (plan.ends_after_s, {}, none)]
-    if plan.name == "p_nic":  # its every handoff is past the SLO: no work, the pool held to the rest
+    if plan.name in ("p_nic", "p_failing"):  # every handoff late, or a third failing: no work for that P
         return [(None, {fleet.bad_p: 0.0}, _p_limit(capacity_rps, (fleet.n_p - 1) / fleet.n_p))]
     if plan.name == "slow_prefill":
         speed = 1 / 3

@@ -32,7 +32,7 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings,
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 3
+POLICY_VERSION = 4  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29)
 
 
 @dataclass(frozen=True)

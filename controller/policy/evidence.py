@@ -170,6 +170,9 @@ class WindowTally:
         self.unqueued_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
         self.handoffs: list[float] = []
         self.charged_handoffs: list[HandoffFacts] = []
+        # failed handoffs per P x D pair: failed decode attempts (the P whose blocks they were to pull) and
+        # requests that failed once at D; what tells a P failing toward every D from a failing D
+        self.pair_failures: defaultdict[Pair, int] = defaultdict(int)
         self.first_in = now
 
     def add(self, r: RecordFacts, invalid: bool) -> None:
@@ -199,6 +202,8 @@ class WindowTally:
         decoded = r.d_sent is not None
         if d_inst is not None and decoded:
             self.instances[d_inst].failed += 1
+            if p_inst is not None:
+                self.pair_failures[p_inst, d_inst] += 1
         elif p_inst is not None and not decoded:
             self.instances[p_inst].failed += 1
 
@@ -259,6 +264,9 @@ class WindowTally:
             inst, kind = (a.get("instance"), a.get("kind")) if isinstance(a, dict) else (None, None)
             if isinstance(inst, str) and f"upstream_{kind}" not in NOT_CHARGED_ERRORS:
                 self.instances[inst].failed += 1
+                p_inst = a.get("p_instance") if isinstance(a, dict) and a.get("stage") == "decode" else None
+                if isinstance(p_inst, str):
+                    self.pair_failures[p_inst, inst] += 1
 
     def charge_lease_expiries(
         self,

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from analysis.blame import BlameConfig, Cell, Factorization, factor
+from analysis.blame import BlameConfig, Cell, Factorization, factor, failing_rows
 from controller.policy.config import PolicyConfig
 from controller.policy.scores import (
     MATRIX_NOTE,
@@ -531,6 +531,7 @@ def decide_weights(
     age = obs.data_age_s
     stale = age is None or age > cfg.stale_after_s
     out: list[WeightDecision] = []
+    obs, basis = failure_rows(obs, cfg)
     by_role: dict[str, list[InstanceSignals]] = {}
     for o in obs.instances:
         by_role.setdefault(o.role, []).append(o)
@@ -567,9 +568,75 @@ def decide_weights(
         out.append(
             step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix)
         )
-    # what the observation left out or could not attribute, on every decision it shaped
+    return _annotated(out, obs, basis)
+
+
+def _annotated(
+    out: Sequence[WeightDecision], obs: Observation, basis: Mapping[str, str]
+) -> tuple[WeightDecision, ...]:
+    """What the observation left out or could not attribute, on every decision it shaped; and where a
+    failure was moved along a P's row, what was moved."""
     extra = {
         "untrusted_records": obs.untrusted_records,
         "unattributed_lease_expiries": obs.unattributed_lease_expiries,
     }
-    return tuple(replace(d, inputs={**d.inputs, **extra}) for d in out)
+    return tuple(
+        replace(
+            d,
+            inputs={
+                **d.inputs,
+                **extra,
+                **({"failures_basis": basis[d.instance]} if d.instance in basis else {}),
+            },
+        )
+        for d in out
+    )
+
+
+def _move_failures(
+    inst: InstanceSignals, rows: Mapping[str, str], failures: Mapping[tuple[str, str], int], per_min: float
+) -> tuple[InstanceSignals, str]:
+    """``inst`` charged its row's failures (a row P), or relieved of the ones a row P's handoffs brought
+    it (a D); and what was moved ('' for nothing)."""
+    if inst.name in rows:
+        own = sum(n for (p, _), n in failures.items() if p == inst.name)
+        moved = replace(inst, failed_transfers_per_min=inst.failed_transfers_per_min + own / per_min)
+        return moved, f"charged its row: {rows[inst.name]}"
+    theirs = sum(n for (p, d), n in failures.items() if d == inst.name and p in rows)
+    mine = sum(n for (_, d), n in failures.items() if d == inst.name)
+    if inst.role != "decode" or not theirs or not mine:
+        return inst, ""
+    moved = replace(
+        inst,
+        failed_transfers_per_min=inst.failed_transfers_per_min * (1.0 - theirs / mine),
+        failed_requests=max(0, inst.failed_requests - theirs),
+    )
+    return (
+        moved,
+        f"{theirs} of its {mine} failed pulls are the row of {', '.join(sorted(rows))}: not charged to it",
+    )
+
+
+def failure_rows(obs: Observation, cfg: PolicyConfig) -> tuple[Observation, dict[str, str]]:
+    """A P whose handoffs fail toward every D (:func:`analysis.blame.failing_rows`) is charged its
+    row's failures, and each D is relieved of the ones it pulled from that P: a failed pull is counted
+    by the D, so a P-side fault read as every D failing and cut them all. Returns the observation
+    with those signals moved, and per instance moved, what was moved (its decision's
+    ``inputs.failures_basis``)."""
+    failures = {(x.p_instance, x.d_instance): x.failures for x in obs.pairs if x.failures}
+    if not failures:
+        return obs, {}
+    rows = failing_rows(
+        failures, {(x.p_instance, x.d_instance): x.requests for x in obs.pairs}, cfg.min_error_events
+    )
+    if not rows:
+        return obs, {}
+    per_min = max(obs.window_s / 60.0, 1e-9)
+    basis: dict[str, str] = {}
+    moved: list[InstanceSignals] = []
+    for inst in obs.instances:
+        inst, why = _move_failures(inst, rows, failures, per_min)
+        if why:
+            basis[inst.name] = why
+        moved.append(inst)
+    return replace(obs, instances=tuple(moved)), basis

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 
 import pytest
 
-from controller.policy import blame
-from analysis.blame import BlameConfig, Cell, Factorization, Pair, factor
+from analysis import blame
+from analysis.blame import BlameConfig, Cell, Factorization, Pair, factor, failing_rows
 
 BASE = 0.3  # a healthy pair's handoff, seconds
 
@@ -445,3 +445,37 @@ def test_the_noise_bar_holds_the_threshold_on_a_large_noisy_fleet(n_p: int, n_d:
         cells += len(matrix)
     assert guarded <= cells / 1000
     assert unguarded >= 5 * max(guarded, 1)
+
+
+# -- failing_rows: a P whose handoffs fail toward every D ---------------------------------------------
+
+DS4 = ("d0", "d1", "d2", "d3")
+
+
+def _served(n: int = 20) -> dict[tuple[str, str], int]:
+    return {(p, d): n for p in ("p0", "p1") for d in DS4}
+
+
+def test_a_p_failing_toward_every_d_is_a_row() -> None:
+    rows = failing_rows({("p1", d): 3 for d in DS4}, _served(), min_events=3)
+    assert list(rows) == ["p1"]
+    assert "toward 4 Ds alike: 12 failed of 92 (13%, the other Ps' 0%)" in rows["p1"]
+
+
+@pytest.mark.parametrize(
+    ("failures", "why"),
+    [
+        ({("p1", "d0"): 10, ("p1", "d1"): 1}, "one D holds them: the pair's"),
+        ({(p, "d3"): 5 for p in ("p0", "p1")}, "one D from every P: the D's column"),
+        ({(p, d): 2 for p in ("p0", "p1") for d in DS4}, "every pair alike: no P stands out"),
+        ({("p1", "d0"): 1, ("p1", "d1"): 1}, "under min_events"),
+    ],
+)
+def test_what_is_not_a_failing_row(failures: dict[tuple[str, str], int], why: str) -> None:
+    assert failing_rows(failures, _served(), min_events=3) == {}, why
+
+
+def test_a_row_is_judged_by_rate_against_the_other_ps() -> None:
+    """Both Ps fail toward every D, one at twice the other's rate or more: that one is the row."""
+    failures = {**{("p0", d): 1 for d in DS4}, **{("p1", d): 4 for d in DS4}}
+    assert list(failing_rows(failures, _served(), min_events=3)) == ["p1"]

@@ -98,3 +98,45 @@ def test_healthy_noise_in_the_matrix_cuts_nobody() -> None:
         for d in range(4)
     }
     assert _cut(_tick({}, pairs)) == {}
+
+
+def _failing(
+    pair_failures: dict[tuple[str, str], int], d_rate: dict[str, float]
+) -> dict[str, WeightDecision]:
+    """One tick where each D's own NIXL counter shows ``d_rate`` failures a minute (a failed pull is
+    counted by the D that pulled it) and the records' failed handoffs per pair are ``pair_failures``."""
+    insts = tuple(replace(i, failed_transfers_per_min=d_rate.get(i.name, 0.0)) for i in fleet())
+    cells = tuple(
+        PairSignals(p, d, 20, FAST, 0.1, pair_failures.get((p, d), 0))
+        for p in ("prefill-0", "prefill-1")
+        for d in ("decode-0", "decode-1", "decode-2", "decode-3")
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    return {d.instance: d for d in decide_weights(obs, {}, CFG)}
+
+
+ROW_FAILS = {("prefill-1", f"decode-{d}"): 3 for d in range(4)}  # prefill-1's reads fail toward every D
+EVERY_D_COUNTS = {f"decode-{d}": 6.0 for d in range(4)}  # 3 in 30 s, as each D's counter shows them
+
+
+def test_a_p_whose_transfers_fail_toward_every_d_is_charged_them_and_no_d_is_cut() -> None:
+    got = _failing(ROW_FAILS, EVERY_D_COUNTS)
+    assert _cut(got) == {"prefill-1": "TransferFailures"}
+    assert got["prefill-1"].inputs["failures_basis"].startswith("charged its row: prefill-1's handoffs fail")
+    assert (
+        got["decode-0"]
+        .inputs["failures_basis"]
+        .startswith("3 of its 3 failed pulls are the row of prefill-1")
+    )
+
+
+def test_per_d_counters_alone_cut_every_healthy_d() -> None:
+    """The failure it mends: the same counters without the pairs' failures."""
+    got = _failing({}, EVERY_D_COUNTS)
+    assert set(_cut(got)) == {f"decode-{d}" for d in range(4)}
+
+
+def test_a_d_failing_from_every_p_is_still_the_ds() -> None:
+    got = _failing({("prefill-0", "decode-3"): 4, ("prefill-1", "decode-3"): 4}, {"decode-3": 16.0})
+    assert _cut(got) == {"decode-3": "TransferFailures"}
+    assert "failures_basis" not in got["decode-3"].inputs

@@ -221,10 +221,11 @@ def test_a_stored_decision_unlike_the_policy_is_found(world: World) -> None:
     assert (m.what, m.subject, m.field) == ("decision", "decode-2", "weight")
 
 
-def test_the_record_leaves_out_defaults_and_pairs_and_still_reproduces(world: World) -> None:
-    """The tick record drops the observation's P×D pairs (the policy reads none) and every field at its
-    default; the decode must give back the same input, and replay reproduces (the tests above)."""
-    from controller.ticklog import decode_payload
+def test_the_record_leaves_out_defaults_and_what_the_policy_does_not_read(world: World) -> None:
+    """The tick record keeps the observation's P×D pairs as the policy reads them (the handoff matrix;
+    their p99 left out) and drops every field at its default; the decode must give back the same
+    input, and replay reproduces (the tests above)."""
+    from controller.ticklog import decode_payload, policy_pairs
 
     world.step()
     world.step(handoff_s={"decode-2": 0.5})
@@ -233,8 +234,9 @@ def test_the_record_leaves_out_defaults_and_pairs_and_still_reproduces(world: Wo
         row = s.scalars(select(TickRecord).order_by(TickRecord.id.desc())).first()
         assert row is not None
         inp, _, _, after = decode_payload(row.payload)
-    assert inp.obs.pairs == () and len(after) == 32
     obs = world.reconciler.view().obs
-    assert obs is not None and inp.obs == dataclasses.replace(obs, pairs=())
+    assert obs is not None and len(after) == 32
+    assert inp.obs.pairs == policy_pairs(obs.pairs) and all(x.handoff_p99_s == 0.0 for x in inp.obs.pairs)
+    assert inp.obs == dataclasses.replace(obs, pairs=policy_pairs(obs.pairs))
     compact, full = dump(obs, compact=True), dump(obs)
     assert len(str(compact)) < len(str(full)) and load(Observation, compact) == obs
