@@ -297,6 +297,8 @@ class WindowTally:
                 self.instances[e["d_instance"]].lease_charged += 1
             if isinstance(e.get("p_instance"), str):
                 self.instances[e["p_instance"]].lease_on_p += 1
+            if isinstance(e.get("p_instance"), str) and isinstance(e.get("d_instance"), str):
+                self.pair_failures[e["p_instance"], e["d_instance"]] += 1  # a handoff that never arrived
 
     def _explained(self, entries: object, since: float, until: float) -> None:
         for e in entries if isinstance(entries, list) else []:

@@ -271,7 +271,7 @@ def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: fl
         return None
     effect = (matrix.prefill if inst.role == "prefill" else matrix.decode).get(inst.name)
     if effect is None or not effect.judged or matrix.typical <= 0:
-        return None
+        return _beside_a_blamed_line(inst, matrix)
     blamed = any(b.side == inst.role and b.name == inst.name for b in matrix.blames)
     line = "row" if inst.role == "prefill" else "column"
     note = (
@@ -280,6 +280,23 @@ def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: fl
     )
     value = min(1.0, tol / effect.ratio) if blamed else 1.0
     return Score("handoff", value, matrix.typical * effect.ratio, matrix.typical, note)
+
+
+def _beside_a_blamed_line(inst: InstanceSignals, matrix: Factorization) -> Score | None:
+    """An instance the matrix cannot judge while it blames a line of the other side (a P's row, for a
+    D): its own median mixes that line's slow handoffs with the others' and flips with the share it
+    got, which is what cut healthy Ds for one P's NIC; its cells through the other lines are too few
+    to judge it (a P cut for its row sends a trickle, so the D's cells thin). Not scored on the
+    handoff: its other signals (NIXL time, load, errors) still are. None: no such line."""
+    other = "decode" if inst.role == "prefill" else "prefill"
+    blamed = sorted(b.name for b in matrix.blames if b.side == other)
+    if not blamed:
+        return None
+    note = (
+        f"{MATRIX_NOTE}: cannot judge it, and blames {', '.join(blamed)} on the other side, whose handoffs "
+        "its own median mixes in: not scored on the handoff"
+    )
+    return Score("handoff", 1.0, inst.handoff_p50_s, None, note)
 
 
 def _unjudged_note(inst: InstanceSignals, matrix: Factorization | None) -> str:

@@ -74,7 +74,8 @@ class PairSignals:
     requests: int
     handoff_p50_s: float
     handoff_p99_s: float
-    failures: int = 0  # failed handoffs on the pair (failed decode attempts, requests failed at D)
+    # failed handoffs on the pair: failed decode attempts, requests failed at D, expired leases
+    failures: int = 0
 
 
 @dataclass(frozen=True)

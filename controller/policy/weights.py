@@ -606,14 +606,16 @@ def _move_failures(
     mine = sum(n for (_, d), n in failures.items() if d == inst.name)
     if inst.role != "decode" or not theirs or not mine:
         return inst, ""
+    keep = 1.0 - theirs / mine
     moved = replace(
         inst,
-        failed_transfers_per_min=inst.failed_transfers_per_min * (1.0 - theirs / mine),
-        failed_requests=max(0, inst.failed_requests - theirs),
+        failed_transfers_per_min=inst.failed_transfers_per_min * keep,
+        failed_requests=round(inst.failed_requests * keep),
+        lease_expiry_suspects=round(inst.lease_expiry_suspects * keep),
     )
-    return (
-        moved,
-        f"{theirs} of its {mine} failed pulls are the row of {', '.join(sorted(rows))}: not charged to it",
+    return moved, (
+        f"{theirs} of its {mine} failed or expired handoffs are the row of {', '.join(sorted(rows))}: "
+        "not charged to it"
     )
 
 

@@ -126,7 +126,7 @@ def test_a_p_whose_transfers_fail_toward_every_d_is_charged_them_and_no_d_is_cut
     assert (
         got["decode-0"]
         .inputs["failures_basis"]
-        .startswith("3 of its 3 failed pulls are the row of prefill-1")
+        .startswith("3 of its 3 failed or expired handoffs are the row of prefill-1")
     )
 
 
@@ -140,3 +140,23 @@ def test_a_d_failing_from_every_p_is_still_the_ds() -> None:
     got = _failing({("prefill-0", "decode-3"): 4, ("prefill-1", "decode-3"): 4}, {"decode-3": 16.0})
     assert _cut(got) == {"decode-3": "TransferFailures"}
     assert "failures_basis" not in got["decode-3"].inputs
+
+
+def test_a_d_the_matrix_cannot_judge_beside_a_blamed_p_row_is_not_cut_on_its_mixed_median() -> None:
+    """Seen on the bench: the P cut for its row sends a trickle, some of its cells thin out, and a D
+    left with one usable cell could not be judged; per instance its own median (mostly that P's slow
+    handoffs) cut it. While the matrix blames a P's row, such a D is not scored on the handoff."""
+    insts = tuple(
+        replace(i, handoff_p50_s=SLOW if i.name in ("prefill-1", "decode-2") else FAST) for i in fleet()
+    )
+    cells = [
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if p == 1 else FAST, 0.1)
+        for p in range(2)
+        for d in range(4)
+        if (p, d) != (0, 2)
+    ]
+    cells.append(PairSignals("prefill-0", "decode-2", 2, FAST, 0.1))  # under noise.min_samples
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=tuple(cells), newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
+    assert "cannot judge it, and blames prefill-1" in got["decode-2"].inputs["handoff_basis"]
