@@ -107,7 +107,7 @@ def test_a_failing_tick_is_counted_and_the_next_starts_fresh(
 def test_restart_reloads_weights_alerts_and_version(world: World) -> None:
     for _ in range(2):
         world.step()
-    for _ in range(5):
+    for _ in range(8):  # until its weight has reached its target: the tick after the restart moves nothing
         world.step(handoff_s={"decode-2": 0.5}, scrape={"prefill_0": {"expired": 1.0}})
     w = world.weight("decode-2")
     version = world.reconciler.table.version
