@@ -273,6 +273,8 @@ def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: fl
     if effect is None or not effect.judged or matrix.typical <= 0:
         return _beside_a_blamed_line(inst, matrix)
     blamed = any(b.side == inst.role and b.name == inst.name for b in matrix.blames)
+    if not blamed and any(b.side == "pair" and inst.name in b.name.split("|") for b in matrix.blames):
+        return None  # one slow pair: its P and D are judged per instance, as before the matrix
     line = "row" if inst.role == "prefill" else "column"
     note = (
         f"{MATRIX_NOTE}: its {line} is ×{effect.ratio:.2f} the typical pair's {matrix.typical:.3f}s "

@@ -71,11 +71,14 @@ def test_a_d_slow_toward_every_p_is_cut_as_a_d_and_no_p_is_cut() -> None:
     assert "P×D handoff matrix: its column is ×10.00" in got["decode-3"].message
 
 
-def test_one_slow_pair_cuts_neither_its_p_nor_its_d_on_the_handoff() -> None:
-    """A pair is the proxies' to route around (their prediction is per pair): no instance is slow."""
+def test_one_slow_pair_leaves_its_p_and_d_to_per_instance_evidence() -> None:
+    """A slow pair is blamed as a pair; its P and D are judged per instance, as before the matrix (the
+    pair's D, whose own median the pair's handoffs may set, is cheaper to lose than a P; the bench's
+    oracle cuts it), and nobody else is cut."""
     got = _tick({"decode-2": SLOW}, {("prefill-0", "decode-2"): SLOW})
-    assert _cut(got) == {}
-    assert got["decode-2"].scores["handoff"] == 1.0
+    assert _cut(got) == {"decode-2": "SlowHandoff"}
+    assert got["decode-2"].inputs["handoff_basis"].startswith("handoff p50 s vs peers' median")
+    assert got["decode-1"].inputs["handoff_basis"].startswith("P×D handoff matrix: its column")
 
 
 def test_a_p_that_the_matrix_cannot_judge_is_judged_per_instance_and_says_so() -> None:
