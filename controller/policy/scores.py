@@ -310,6 +310,20 @@ def _unjudged_note(inst: InstanceSignals, matrix: Factorization | None) -> str:
     return f"; per-instance: the {MATRIX_NOTE} cannot judge it ({why})"
 
 
+def _hopeless(hand: Score, cfg: PolicyConfig) -> Score:
+    """A handoff score under 1 whose value alone is over the TTFT target, while its reference is well
+    within it, is 0: every request sent there misses the SLO."""
+    if (
+        hand.value < 1.0
+        and hand.observed is not None
+        and hand.reference is not None
+        and hand.observed > cfg.ttft_target_s
+        and hand.reference * cfg.latency_tolerance <= cfg.ttft_target_s
+    ):
+        return replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
+    return hand
+
+
 def score_instance(
     inst: InstanceSignals,
     peers: Sequence[InstanceSignals] | PeerIndex,
@@ -357,15 +371,7 @@ def score_instance(
     if hand is None:
         hand = relative("handoff", _handoff, tol, "handoff p50 s")
         hand = replace(hand, note=hand.note + _unjudged_note(inst, matrix))
-    if (
-        hand.value < 1.0
-        and hand.observed is not None
-        and hand.reference is not None
-        and hand.observed > cfg.ttft_target_s
-        and hand.reference * tol <= cfg.ttft_target_s
-    ):
-        hand = replace(hand, value=0.0, note="handoff p50 s alone over the TTFT target; peers within it")
-    scores.append(hand)
+    scores.append(_hopeless(hand, cfg))
     what = "running+waiting" if inst.role == "prefill" else "in a KV-fetch stage"
     scores.append(relative("load", _load, fast, f"s: requests {what} ÷ finished per s,", cfg.load_floor_s))
     if inst.role == "decode":
