@@ -59,19 +59,17 @@ def _latest_gauges(
             out[inst] = ev.LatestGauges(None, None, down_for)
             continue
         last = up_rows[-1]
-        parts = [
-            v
-            for v in (
-                last.kv_fetch_waiting_to_start,
-                last.kv_fetch_in_progress,
-                last.kv_fetch_completed_waiting,
-            )
-            if v is not None
-        ]
-        backlog = sum(parts) if parts else None
+        at_d = (last.kv_fetch_waiting_to_start, last.kv_fetch_completed_waiting)  # not pulling: waiting at D
+        waits = [v for v in at_d if v is not None]
+        parts = waits + ([last.kv_fetch_in_progress] if last.kv_fetch_in_progress is not None else [])
         qsum = counter_increase(r.queue_sum for r in up_rows)
         qcnt = counter_increase(r.queue_count for r in up_rows)
-        out[inst] = ev.LatestGauges(backlog, qsum / qcnt if qsum is not None and qcnt else None, down_for)
+        out[inst] = ev.LatestGauges(
+            sum(parts) if parts else None,
+            qsum / qcnt if qsum is not None and qcnt else None,
+            down_for,
+            sum(waits) if waits else None,
+        )
     return out
 
 

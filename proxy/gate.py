@@ -299,7 +299,8 @@ class Gate:
         own = req.route.p_uncached if req.route is not None else req.tokens
         est = pred.prefill(p.name, own)
         req.handoff_x = pred.handoff_x(p.name, d.name, req.tokens)
-        req.predicted = now - req.started + est.seconds + pred.handoff(p.name, d.name, req.handoff_x)
+        req.handoff_s = pred.handoff(p.name, d.name, req.handoff_x)
+        req.predicted = now - req.started + est.seconds + req.handoff_s
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
         req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds), own)
@@ -462,6 +463,10 @@ class Gate:
 
     def _drop_d_backlog(self, req: RequestState) -> None:
         """``req`` has its first token (or moved to another D, or is over): it leaves its D's backlog."""
+        if req.handoff_flying is not None:
+            p, d, ticket = req.handoff_flying
+            req.handoff_flying = None
+            self.predictor.handoff_ended(p, d, ticket)
         if req.d_backlog is not None:
             p, d, n = req.d_backlog
             req.d_backlog = None
@@ -552,9 +557,24 @@ class Gate:
             self.predictor.observe_prefill(req.p.name, req.predicted_x, (req.p_done_ns - req.p_sent_ns) / 1e9)
         if req.backlog is not None:
             self._drop_backlog(req)
+        self._handoff_began(req)
         if req.p_slot is not None:
             self.admission.leave(req.p_slot)
             req.p_slot = None
+
+    def _handoff_began(self, req: RequestState) -> None:
+        """A streamed request's handoff is in flight from P's answer to its first token, on the pair it
+        was predicted for (a retry's or a moved request's is not that prediction's). A non-streamed
+        answer shows no first token before its whole decode, which no handoff prediction covers."""
+        if (
+            req.stream
+            and req.retries == 0
+            and req.handoff_s is not None
+            and req.handoff_flying is None
+            and req.d_backlog is not None
+        ):
+            p, d, _ = req.d_backlog
+            req.handoff_flying = (p, d, self.predictor.handoff_began(p, d, req.handoff_s))
 
     def drop_kv(self, req: RequestState) -> None:
         if req.kv_held is not None:

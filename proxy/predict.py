@@ -35,7 +35,15 @@ fit on the pair's pending tokens had a median error of 14-17 % (p90 27-42 %) aga
 
 **An answer still missing** says a P slowed before its line can learn it (:meth:`Predictor.lag`,
 :meth:`Predictor.overrun`): the most overdue request in flight at P scales P's line by what its lag
-exceeds the margin.
+exceeds the margin. **A first token still missing** says the same of a handoff
+(:meth:`Predictor.handoff_lags`): P has answered, D has not begun, and the handoff is overdue. The
+lag is placed as the P x D matrix places blame: on the pair; on P's row when every D that P has
+handoffs in flight to is overdue (P's side: its NIC, its transfers); on D's column when every P it
+waits on is (D's side: a D that stopped pulling). A pair's handoff is scaled by the largest of its
+three, past the margin. A link that slowed tenfold otherwise kept its old line until its first slow
+handoff came back: on a simulated 2P+4D fleet at 90 % load, a P's NIC 10x slower toward every D took
+26 requests in the 2.6 s before that (every one late), where an overdue handoff shows within a
+prediction's own time.
 
 **Its error is its margin**: every first token of a *confident* prediction adds observed / predicted
 TTFT to its P's ring of the last :data:`RATIOS` ratios, and :meth:`Predictor.factor` is their
@@ -198,6 +206,8 @@ class Predictor:
         self.d_backlog: Backlog[str] = Backlog()  # D -> prompt tokens sent to it without a first token yet
         self.pair_backlog: Backlog[tuple[str, str]] = Backlog()  # (P, D) -> the same, per pair
         self._flying: dict[str, dict[int, tuple[float, float]]] = {}  # P -> ticket -> (sent at, P part)
+        # (P, D) -> ticket -> (P answered at, its handoff predicted): handoffs without a first token yet
+        self._handing: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
         self._tickets = itertools.count()
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
@@ -310,10 +320,17 @@ class Predictor:
         table = self._table_p.get(p)
         return _KT / table[1] if table is not None else None
 
-    def handoff(self, p: str | None, d: str, x: HandoffX) -> float:
+    def handoff(self, p: str | None, d: str, x: HandoffX, lags: HandoffLags | None = None) -> float:
         """P's answer to D's first token through ``p`` x ``d`` (``p`` None: through D, any P), with ``x``
         the tokens of KV ahead and its own (:meth:`handoff_x`): the pair's line unless D's own has
-        predicted D's handoffs better (:class:`_Rivals`), then D's line, the table, the prior."""
+        predicted D's handoffs better (:class:`_Rivals`), then D's line, the table, the prior; scaled
+        by the overdue handoffs in flight past the margin (``lags``: :meth:`handoff_lags`, taken once
+        for many pairs)."""
+        lag = (lags if lags is not None else self.handoff_lags()).of(p, d)
+        seconds = self._handoff_line(p, d, x)
+        return seconds * max(lag / self.factor(p or ""), 1.0) if lag > 1.0 else seconds
+
+    def _handoff_line(self, p: str | None, d: str, x: HandoffX) -> float:
         pair = self._usable(self._pairs.get((p, d))) if p is not None else None
         each_d = self._usable(self._ds.get(d))
         rivals = self._rivals.get(d)
@@ -324,6 +341,39 @@ class Predictor:
         table = self._table_pair.get((p, d)) if p is not None else None
         table = table if table is not None else self._table_d.get(d)
         return table if table is not None else self.ps.handoff_s
+
+    def handoff_began(self, p: str, d: str, seconds: float) -> int:
+        """P answered a request bound for ``d``, its handoff predicted ``seconds``: in flight on the pair
+        (:meth:`handoff_lags`) until :meth:`handoff_ended` with the ticket returned."""
+        ticket = next(self._tickets)
+        self._handing.setdefault((p, d), {})[ticket] = (self.clock(), seconds)
+        return ticket
+
+    def handoff_ended(self, p: str, d: str, ticket: int) -> None:
+        flying = self._handing.get((p, d))
+        if flying is not None:
+            flying.pop(ticket, None)
+            if not flying:
+                del self._handing[p, d]
+
+    def handoff_lags(self) -> HandoffLags:
+        """How overdue the handoffs in flight are now: per pair, its most overdue one's age over its
+        prediction (at least 1); per P with handoffs in flight to two Ds or more, the least of its
+        pairs' (every D it hands to waits: P's side); per D waiting on two Ps or more, the same."""
+        now = self.clock()
+        pair: dict[tuple[str, str], float] = {}
+        rows: dict[str, list[float]] = {}
+        cols: dict[str, list[float]] = {}
+        for (p, d), flying in self._handing.items():
+            lag = max(max(((now - at) / s for at, s in flying.values() if s > 0), default=1.0), 1.0)
+            pair[p, d] = lag
+            rows.setdefault(p, []).append(lag)
+            cols.setdefault(d, []).append(lag)
+        return HandoffLags(
+            pair,
+            {p: min(v) for p, v in rows.items() if len(v) >= 2},
+            {d: min(v) for d, v in cols.items() if len(v) >= 2},
+        )
 
     def _usable(self, line: Line | None) -> Line | None:
         """``line`` if it rests on :data:`HANDOFF_MIN` handoffs, the last within ``probe_s``."""
@@ -399,6 +449,22 @@ class Predictor:
 
     def lines(self) -> Mapping[str, Line]:
         return self._lines
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffLags:
+    """:meth:`Predictor.handoff_lags`: overdue factors (at least 1) per pair, P row and D column."""
+
+    pair: Mapping[tuple[str, str], float]
+    row: Mapping[str, float]
+    col: Mapping[str, float]
+
+    def of(self, p: str | None, d: str) -> float:
+        """The largest that applies to ``p`` x ``d`` (``p`` None: D's column alone)."""
+        col = self.col.get(d, 1.0)
+        if p is None:
+            return col
+        return max(self.pair.get((p, d), 1.0), self.row.get(p, 1.0), col)
 
 
 class HandoffX(NamedTuple):
@@ -510,11 +576,13 @@ def outlook(
     D is chosen, :func:`late_decodes`): the cost of an admission stays bounded on a large fleet."""
     budget = pred.budget(target_s)
     per_pair = bool(ds) and len(ps) * len(ds) <= PAIRS_IN_OUTLOOK
+    lags = pred.handoff_lags()
     handoff = (
         pred.ps.handoff_s
         if per_pair
         else min(
-            (pred.handoff(None, d, pred.handoff_x(None, d, tokens)) for d in ds), default=pred.ps.handoff_s
+            (pred.handoff(None, d, pred.handoff_x(None, d, tokens), lags) for d in ds),
+            default=pred.ps.handoff_s,
         )
     )
     late: set[str] = set()
@@ -523,7 +591,7 @@ def outlook(
     for p in ps:
         est = pred.prefill(p, own.get(p, 0))
         if per_pair:
-            handoff = min(pred.handoff(p, d, pred.handoff_x(p, d, tokens)) for d in ds)
+            handoff = min(pred.handoff(p, d, pred.handoff_x(p, d, tokens), lags) for d in ds)
         total = elapsed + (est.seconds + handoff) * pred.margin(p, d_queued or est.ahead > 0)
         best = min(best, total)
         if total > budget and est.confident:
@@ -543,10 +611,11 @@ def late_decodes(
     """The Ds through which ``p`` (its part ``est``) would be late for a prompt of ``tokens``, when at
     least one would not be."""
     budget = pred.budget(target_s)
+    lags = pred.handoff_lags()
 
     def total(d: str) -> float:
         margin = pred.margin(p, est.ahead > 0 or pred.d_queued((d,)))
-        return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(p, d, tokens))) * margin
+        return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(p, d, tokens), lags)) * margin
 
     late = {d for d in ds if total(d) > budget}
     return late if len(late) < len(ds) else set()

@@ -129,6 +129,8 @@ class RequestState:
         "d_slot",
         "endpoint",
         "first_token_ns",
+        "handoff_flying",
+        "handoff_s",
         "handoff_x",
         "kv_held",
         "outcome",
@@ -179,6 +181,8 @@ class RequestState:
         self.backlog: tuple[str, int, int] | None = None  # (P, its ticket there, tokens): until P answers
         self.d_backlog: tuple[str, str, int] | None = None  # (P, D, tokens): pending until its first token
         self.handoff_x = HandoffX(0, 0)  # the tokens of KV its handoff was predicted with (own and ahead)
+        self.handoff_s: float | None = None  # its handoff as predicted at admission
+        self.handoff_flying: tuple[str, str, int] | None = None  # (P, D, ticket): P answered, no first token
         self.d_cached_tokens: int | None = None
         self.d_prompt_tokens: int | None = None
         # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the

@@ -5,8 +5,12 @@ here they are computed from four pressures, each a factor in [0, 1]:
 
 * ``kv``      the pool's mean KV usage (on P it includes blocks leased to D); 1 up to
               ``kv_admit_full``, 0 at ``kv_admit_zero``.
-* ``backlog`` D pools: requests between P done and D first token (the KV-fetch gauges),
-              as seconds of work at the pool's completion rate, against the handoff budget.
+* ``backlog`` D pools: requests waiting at D between P done and D first token (the KV-fetch
+              gauges' ``waiting_to_start`` and ``completed_waiting``), as seconds of work at the
+              pool's completion rate, against the handoff budget. A pull in progress is not D's
+              queue but the link's time: a P whose NIC slowed tenfold filled that stage on every D
+              and cut the decode pool's limit from 256 to 9, where the predictor weighs each pair's
+              handoff itself.
 * ``ttft``    P pools (where requests enter; a D pool is not cut for a slow P): the SLO
               percentile of TTFT through the pool against the target.
 * ``queue``   P pools: the wait in P's own queues now (the lower median member's requests

@@ -119,12 +119,14 @@ class Percentiles(Protocol):
 
 @dataclass(frozen=True)
 class LatestGauges:
-    """An instance's latest KV-fetch backlog, its mean queue time over the window, how long it has
-    been down."""
+    """An instance's latest KV-fetch backlog (every stage), its mean queue time over the window, how
+    long it has been down, and the part of that backlog waiting at D rather than pulling (stages
+    ``waiting_to_start`` and ``completed_waiting``)."""
 
     backlog: float | None
     queue_mean_s: float | None
     down_for_s: float | None
+    waiting: float | None = None
 
 
 @dataclass
@@ -424,7 +426,7 @@ def instance_signals(
         kv_usage=None if s is None else s.kv_cache_usage,
         num_running=None if s is None else s.num_running,
         num_waiting=None if s is None else s.num_waiting,
-        handoff_backlog=None if lt is None or role != "decode" else lt.backlog,
+        handoff_backlog=None if lt is None or role != "decode" else lt.waiting,
         load_now=held,
         hold_time_now_s=hold_time(held, r, role, cfg.recent_s),
         ttft_mean_s=None if s is None else s.mean_ttft_s,

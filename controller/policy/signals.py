@@ -28,7 +28,9 @@ class InstanceSignals:
     kv_usage: float | None = None  # 0..1, latest
     num_running: float | None = None
     num_waiting: float | None = None
-    handoff_backlog: float | None = None  # D: requests in a KV-fetch stage (latest gauges)
+    # D: requests waiting at D in a KV-fetch stage (latest gauges): for their pull to start, or pulled and
+    # for a batch slot; not those pulling, whose time is the link's (a slow P's NIC filled it on every D)
+    handoff_backlog: float | None = None
     # The fastest load signal (one scrape old): P: requests running + waiting; D: the KV-fetch backlog.
     load_now: float | None = None
     # Little's law on it: load_now ÷ requests (P) or transfers (D) finished per second over the last
@@ -88,7 +90,7 @@ class PoolSignals:
     completed_per_s: float | None = None
     ttft_at_slo_s: float | None = None  # SLO percentile of TTFT: lower median over the P x D pairs through it
     kv_usage: float | None = None  # mean over up instances
-    handoff_backlog_requests: float | None = None  # D pools: KV-fetch gauges, median member x members
+    handoff_backlog_requests: float | None = None  # D pools: handoff_backlog, lower median member x members
     mean_kv_bytes_per_request: float | None = None
     # P pools, latest scrape: requests waiting in P's queues (the lower median member's x members) and
     # running there (the sum over up members).

@@ -15,7 +15,15 @@ def test_observation_from_a_seeded_store(world: World) -> None:
         now = world.clock.advance(2.0)
         world.seeder.scrape(
             now - 0.5,
-            decode_2={"xfer_s": 0.1, "failed": 3.0, "kv_cache_usage": 0.9, "kv_fetch_in_progress": 4.0},
+            decode_2={
+                "xfer_s": 0.1,
+                "failed": 3.0,
+                "kv_cache_usage": 0.9,
+                "kv_fetch_in_progress": 4.0,
+                "kv_fetch_waiting_to_start": 3.0,
+            },
+            decode_0={"kv_fetch_waiting_to_start": 1.0},
+            decode_1={"kv_fetch_completed_waiting": 1.0},
             prefill_1={"expired": 1.0, "num_waiting": float(i)},
             decode_3={"up": i < 4},
         )
@@ -35,7 +43,8 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert d2 is not None and d2.up is True
     assert d2.nixl_xfer_mean_s == pytest.approx(0.1)
     assert d2.failed_transfers_per_min == pytest.approx(3.0 * 4 / 8.0 * 60.0)  # 4 increments over 8 s
-    assert d2.kv_usage == 0.9 and d2.handoff_backlog == 4.0
+    # waiting at D: 3 for their pull to start; its load, every stage: 3 + the 4 pulling
+    assert d2.kv_usage == 0.9 and d2.handoff_backlog == 3.0 and d2.load_now == 7.0
     assert d2.handoff_p50_s == pytest.approx(0.5) and d2.lease_expiry_suspects == 10
     assert d2.contribution_s == pytest.approx(0.499)  # d_sent .. first token
     p0 = obs.instance("prefill-0")
@@ -52,7 +61,8 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     dec = pools["decode"]
     assert dec.completed_per_s == pytest.approx(40 / 10.0)
     assert dec.inflight_requests is not None and dec.inflight_requests > 0
-    # median(4, 1, 1) x 3 members: decode-2's own backlog is its weight's business; decode-3 is down
+    # median(3, 1, 1) x 3 members: decode-2's own backlog is its weight's business; decode-3 is down; the
+    # pulls in progress (1 on each D, 4 on decode-2) are the links' time, not a queue at D
     assert dec.handoff_backlog_requests == pytest.approx(1.0 * 3)
     assert dec.mean_kv_bytes_per_request == 1_000_000
     assert pools["prefill"].handoff_backlog_requests is None
@@ -68,8 +78,8 @@ def test_observation_from_a_seeded_store(world: World) -> None:
         and obs.slo.ttft_at_slo_s is not None
         and svc == pytest.approx(obs.slo.ttft_at_slo_s - 0.001)
     )
-    # the fast load signal: running + waiting at P's latest scrape, the KV-fetch backlog at D's
-    assert p1.load_now == 4.0 + 4 and d2.load_now == 4.0 and d0.load_now == 1.0
+    # the fast load signal: running + waiting at P's latest scrape, the KV-fetch backlog at D's (every stage)
+    assert p1.load_now == 4.0 + 4 and d2.load_now == 4.0 + 3 and d0.load_now == 1.0 + 1
 
     assert {(p.p_instance, p.d_instance) for p in obs.pairs} == set(all_pairs())
     slow_pair = next(p for p in obs.pairs if p.d_instance == "decode-2")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 
 import httpx
@@ -175,6 +177,97 @@ def test_a_slow_pair_is_avoided_when_another_d_is_in_time() -> None:
     est = PEstimate(0.2, 0, sc.PREDICT_ONLINE, True)
     assert late_decodes(pred, "p0", est, ["d0", "d1"], 0.0, 1.0, 2000) == {"d0"}
     assert late_decodes(pred, "p0", est, ["d0"], 0.0, 1.0, 2000) == set()  # no D in time: the gate picks
+
+
+def _handing(t: list[float]) -> Predictor:
+    """Two Ps at 0.2 s per 1000 tokens, every pair of 2P x 3D handing off in 0.3 s, on clock ``t``."""
+    pred = _trained({"p0": 0.0002, "p1": 0.0002})
+    pred.clock = lambda: t[0]
+    for p in ("p0", "p1"):
+        for d in ("d0", "d1", "d2"):
+            for _ in range(5):
+                pred.observe_handoff(p, d, HandoffX(2000, 2000), 0.3)
+    return pred
+
+
+X = HandoffX(2000, 2000)
+
+
+def test_an_overdue_handoff_says_its_pair_slowed_before_its_first_token_does() -> None:
+    """A pair's line learns only from first tokens, which come late when the link slows down: the most
+    overdue handoff in flight on it scales its predictions at once; one pair says nothing of its P's
+    other pairs nor of its D's, and its first token ends it."""
+    t = [0.0]
+    pred = _handing(t)
+    assert pred.handoff("p0", "d0", X) == pytest.approx(0.3, rel=0.01)
+    ticket = pred.handoff_began("p0", "d0", 0.3)
+    t[0] = 0.2  # not yet due
+    assert pred.handoff_lags().of("p0", "d0") == 1.0
+    t[0] = 3.0  # ten times its prediction and no first token
+    assert pred.handoff_lags().of("p0", "d0") == pytest.approx(10.0)
+    assert pred.handoff("p0", "d0", X) == pytest.approx(3.0, rel=0.01)
+    assert pred.handoff("p0", "d1", X) == pytest.approx(0.3, rel=0.01)  # p0's other link: no word
+    assert pred.handoff("p1", "d0", X) == pytest.approx(0.3, rel=0.01)  # d0 from another P: no word
+    assert pred.handoff(None, "d0", X) == pytest.approx(0.3, rel=0.01)
+    est = pred.prefill("p0", 2000)
+    assert late_decodes(pred, "p0", est, ["d0", "d1"], 0.0, 2.0, 2000) == {"d0"}
+    pred.handoff_ended("p0", "d0", ticket)
+    assert pred.handoff("p0", "d0", X) == pytest.approx(0.3, rel=0.01)
+
+
+def test_handoffs_overdue_toward_every_d_a_p_hands_to_place_the_lag_on_ps_side() -> None:
+    """A P whose NIC slowed: every D it hands to waits, so its row is late, even toward a D it has
+    nothing in flight to; a P with one overdue pair and one in time is not (that is the pair's)."""
+    t = [0.0]
+    pred = _handing(t)
+    pred.handoff_began("p1", "d0", 0.3)
+    pred.handoff_began("p1", "d1", 0.3)
+    pred.handoff_began("p0", "d0", 0.3)
+    t[0] = 0.3
+    pred.handoff_began("p0", "d1", 0.3)  # p0's to d1 began later: in time
+    t[0] = 0.5
+    pred.handoff_began("p0", "d2", 0.3)
+    t[0] = 2.4  # p1's: 8x overdue toward both Ds; p0's: overdue toward d0 only
+    lags = pred.handoff_lags()
+    assert lags.row == {"p1": pytest.approx(8.0), "p0": pytest.approx(19 / 3)}
+    t[0] = 0.7  # back when p0's d1 and d2 were within their time: p0's row is not late
+    lags = pred.handoff_lags()
+    assert lags.row["p0"] == 1.0 and lags.of("p1", "d2") == pytest.approx(7 / 3)
+    assert lags.of("p0", "d2") == 1.0
+    look = outlook(pred, {"p0": 2000, "p1": 2000}, ["p0", "p1"], ["d2"], 0.0, target_s=1.0, tokens=2000)
+    assert look.late == {"p1"}  # 0.4 s + 0.3 s x 7/3 over the budget of 0.95 s; p0 0.4 s + 0.3 s
+
+
+def test_handoffs_overdue_from_every_p_a_d_waits_on_place_the_lag_on_ds_side() -> None:
+    """A D that stopped pulling: every P handing to it waits, so its column is late for every P, and for
+    a request weighed through D alone (any P); the Ps' other Ds stay in time."""
+    t = [0.0]
+    pred = _handing(t)
+    pred.handoff_began("p0", "d2", 0.3)
+    pred.handoff_began("p1", "d2", 0.3)
+    t[0] = 1.4
+    pred.handoff_began("p0", "d0", 0.3)
+    pred.handoff_began("p1", "d1", 0.3)
+    t[0] = 1.5  # d2's: 5x overdue from both Ps; d0's and d1's: in time
+    lags = pred.handoff_lags()
+    assert lags.col == {"d2": pytest.approx(5.0)} and lags.row == {"p0": 1.0, "p1": 1.0}
+    assert lags.of(None, "d2") == lags.of("p0", "d2") == lags.of("p1", "d2") == pytest.approx(5.0)
+    assert lags.of("p0", "d1") == lags.of("p1", "d0") == lags.of(None, "d0") == 1.0
+    assert pred.handoff(None, "d2", X) == pytest.approx(1.5, rel=0.01)
+    est = pred.prefill("p1", 2000)
+    assert late_decodes(pred, "p1", est, ["d0", "d1", "d2"], 0.0, 1.5, 2000) == {"d2"}
+
+
+def test_a_handoff_lag_within_the_margin_is_the_models_noise() -> None:
+    t = [0.0]
+    pred = _handing(t)
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p0", 1.0, 2.0, True)  # p0's margin: 2
+    pred.handoff_began("p0", "d0", 0.3)
+    t[0] = 0.45  # 1.5x: within it
+    assert pred.handoff("p0", "d0", X) == pytest.approx(0.3, rel=0.01)
+    t[0] = 1.2  # 4x: twice what the margin covers
+    assert pred.handoff("p0", "d0", X) == pytest.approx(0.6, rel=0.01)
 
 
 def test_the_handoff_grows_with_the_kv_d_pulls_its_own_and_what_is_ahead_of_it() -> None:
@@ -372,3 +465,23 @@ async def test_a_non_streamed_answer_teaches_neither_the_handoff_nor_the_margin(
         assert (await px.send(STREAMED)).status == 200
     assert pred.handoff("p0", "d0", HandoffX(100, 100)) != pred.ps.handoff_s  # a streamed one teaches it
     assert px.metric("pdscope_proxy_ttft_prediction_ratio_count", pool="prefill") == 3
+
+
+async def test_a_streamed_requests_handoff_is_in_flight_from_ps_answer_to_its_first_token() -> None:
+    """Through the flow: once P answers, the handoff is in flight on its pair (its lag can grow) until
+    the request ends; a non-streamed one is never (its first bytes are its whole decode)."""
+    p, d = MemVLLM("p0", "prefill"), MemVLLM("d0", "decode", serves_plain=True, mode="hang")
+    settings = memory_settings(
+        {"prefill": ("prefill", [p]), "decode": ("decode", [d])}, proxy={"predict": {"min_samples": 5}}
+    )
+    px = memory_flow(settings, [p, d])
+    pred = px.flow.gate.predictor
+    for body, flying in ((STREAMED, {("p0", "d0")}), (COMPLETION, set())):
+        d.entered.clear()
+        task = asyncio.ensure_future(px.send(body))
+        await d.entered.wait()  # P answered; D holds the request without a first token
+        assert set(pred.handoff_lags().pair) == flying
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert pred.handoff_lags().pair == {}
