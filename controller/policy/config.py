@@ -32,7 +32,8 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings,
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 4  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29)
+POLICY_VERSION = 5  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
+# pool's members that are down or cut shed load onto the others, not cut for it (issue 29)
 
 
 @dataclass(frozen=True)

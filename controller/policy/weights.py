@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from statistics import median
 from typing import Any
 
 from analysis.blame import BlameConfig, Cell, Factorization, factor, failing_rows
@@ -48,6 +49,10 @@ EVIDENCE = ("errors", "failures", "kv")  # facts, not comparisons: they may cut 
 # Measured over the last three scrapes only: noisy, so even a severe reading waits for a second tick,
 # unless it is extreme (score under this: over 6x the peers' median, e.g. a stuck instance).
 FAST = ("ttft_now", "nixl_now", "load")
+# What rises on an instance when its pool's load shifts onto it: its queue and its time holding requests
+# (not its speed per request, its handoffs, transfers or errors).
+LOAD = ("ttft", "ttft_now", "load")
+SHIFT_NOTE = "left to admission"  # ends the note of a load score set aside because its pool sheds load
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
         out[f"{s.name}_reference"] = None if s.reference is None else _r(s.reference)
         if s.name == "handoff":  # judged by the P×D matrix, or per instance and why
             out["handoff_basis"] = s.note
+        if s.name in LOAD and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it: not cut for it
+            out[f"{s.name}_load_shift"] = s.note
     return out
 
 
@@ -157,13 +164,18 @@ def step_instance(
     now: float = 0.0,
     history_s: float | None = None,
     matrix: Factorization | None = None,
+    shed: Sequence[str] = (),
 ) -> WeightDecision:
-    """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix)."""
+    """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix;
+    ``shed``: the members of its pool that are down or cut, whose load the others took)."""
     unseen = _not_up(inst, prev, cfg, now)
     if unseen is not None:
         return unseen
     warming = history_s is not None and history_s < cfg.startup_s
     scores = _scores(inst, peers, cfg, window_s, warming, matrix)
+    if shed:
+        index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, cfg)
+        scores = shifted_load(scores, inst, index, shed, cfg)
     st = _draft(scores, prev, cfg, now)
     w = st.w
     band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
@@ -246,6 +258,55 @@ def _scores(
             for s in scores
         )
     return scores
+
+
+def _done(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    return inst.load_done, None
+
+
+def shifted_load(
+    scores: tuple[Score, ...], inst: InstanceSignals, peers: PeerIndex, shed: Sequence[str], cfg: PolicyConfig
+) -> tuple[Score, ...]:
+    """Issue 29's third rule. When members of a pool are down, cut or avoided (:func:`shedding`), the
+    others take their load: their queues and hold times rise from it, not from a fault, and cutting
+    them for it only shifts the same load on again. So an instance that finishes work at least at its
+    peers' pace (within the latency tolerance) is not cut on its load signals (:data:`LOAD`) while
+    its pool sheds load; admission is what answers a pool short of capacity. One that finishes less
+    than that (a stuck one finishes nothing) is judged as before, and its speed, handoffs, transfers
+    and errors always are."""
+    done, _ = _done(inst, cfg)
+    ref, _, _ = peers.others(_done, inst.name)
+    if done is None or ref is None or done * cfg.latency_tolerance < ref:
+        return scores
+    why = (
+        f"from the load {', '.join(shed)} shed (down, cut or avoided; it finishes {done:.0f} to its "
+        f"peers' {ref:.0f})"
+    )
+    return tuple(
+        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} {why}: {SHIFT_NOTE}")
+        if s.name in LOAD and s.value < 1.0
+        else s
+        for s in scores
+    )
+
+
+def shedding(obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig) -> dict[str, list[str]]:
+    """Per pool, its members whose load is on the others: down, cut, or served less than half the
+    requests of the pool's median member in the window (the proxies route by prediction and avoid an
+    instance before any weight is cut: a P whose NIC slowed got none of a 2P+4D fleet's requests
+    while its weight was still 1, and its peer's queue doubled)."""
+    served: dict[str, list[int]] = {}
+    for inst in obs.instances:
+        if inst.up:
+            served.setdefault(inst.pool, []).append(inst.requests)
+    typical = {pool: median(n) for pool, n in served.items()}
+    out: dict[str, list[str]] = {}
+    for inst in obs.instances:
+        ref = typical.get(inst.pool, 0.0)
+        avoided = inst.up is True and ref >= cfg.min_samples and inst.requests < ref / 2.0
+        if inst.up is False or avoided or prev.get(inst.name, WeightState()).weight < 1.0 - EPS:
+            out.setdefault(inst.pool, []).append(inst.name)
+    return out
 
 
 def _draft(scores: tuple[Score, ...], prev: WeightState, cfg: PolicyConfig, now: float) -> _Step:
@@ -539,6 +600,7 @@ def decide_weights(
     # each role's up instances, indexed once: every instance is scored against the others
     peers = {r: PeerIndex([o for o in members if o.up], cfg) for r, members in by_role.items()}
     matrix = handoff_matrix(obs, cfg)
+    shed = shedding(obs, prev, cfg)
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         if stale:
@@ -565,8 +627,11 @@ def decide_weights(
                 )
             )
             continue
+        others = [n for n in shed.get(inst.pool, ()) if n != inst.name]
         out.append(
-            step_instance(inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix)
+            step_instance(
+                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others
+            )
         )
     return _annotated(out, obs, basis)
 
