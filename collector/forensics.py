@@ -111,6 +111,11 @@ def expiry_could_be(h: Handoff, step: CounterStep, lease_s: float) -> bool:
     earliest = h.p_done + EARLIEST_EXPIRY * lease_s
     if earliest > step.end_ts + SKEW_S or h.p_done < step.start_ts - LOOKBACK_LEASES * lease_s:
         return False
+    if h.first_token is not None and h.first_token <= earliest:
+        # Its first token came before its lease could run out, both times on the proxy's clock: no skew
+        # against P's scrapes applies. With the skew, a 3 s lease took every handoff over 1 s as a
+        # suspect, and a healthy D that had taken a stuck D's load was charged its expiries.
+        return False
     return h.waiting_at(max(earliest, step.start_ts) - SKEW_S)
 
 
