@@ -471,15 +471,24 @@ def budget_s(runs: list[tuple[str, float, float]], jobs: int, capacity_s: float 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.goodput.report RESULT.json``: print a result file as the Markdown of
-    ``docs/goodput.md``."""
+    ``docs/goodput.md`` (``--blame``: the blame matrix of its controlled runs, ``bench/goodput/blame.py``)."""
     import argparse
     import json
     from pathlib import Path
 
+    from bench.goodput.blame import blame_markdown
+
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("result", help="a bench/goodput JSON (the matrix or --healthy)")
-    out = json.loads(Path(ap.parse_args(argv).result).read_text())
-    print(healthy_markdown(out) if "runs" in out else markdown(out))
+    ap.add_argument(
+        "--blame", action="store_true", help="the blame matrix: who was cut against who was faulty, per run"
+    )
+    a = ap.parse_args(argv)
+    out = json.loads(Path(a.result).read_text())
+    if a.blame:
+        print(blame_markdown(out))
+    else:
+        print(healthy_markdown(out) if "runs" in out else markdown(out))
     return 0
 
 
