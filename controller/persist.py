@@ -119,17 +119,24 @@ _FITS: dict[str, Callable[[object], bool]] = {
     "float | None": lambda v: v is None or _number(v),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "Reason": lambda v: isinstance(v, str),
+    "Reason | None": lambda v: v is None or isinstance(v, str),
 }
 
 
+# Fields added to a carried state after states were first stored: a row written before may lack them
+# (they take their defaults); any other missing field means the row is of another shape.
+ADDED_LATER: dict[type[Any], frozenset[str]] = {WeightState: frozenset({"cut_for"})}
+
+
 def _carried(cls: type[Any], d: object) -> dict[str, Any] | None:
-    """``d`` as keyword arguments of ``cls`` when it has exactly its fields, each of its type; else None."""
+    """``d`` as keyword arguments of ``cls`` when it has exactly its fields (less those
+    :data:`ADDED_LATER`), each of its type; else None."""
     if not isinstance(d, dict):
         return None
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    if set(d) != set(fields):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not set(fields) - ADDED_LATER.get(cls, frozenset()) <= set(d) <= set(fields):
         return None
-    fits = all(_FITS.get(str(t), _never)(d[name]) for name, t in fields.items())
+    fits = all(_FITS.get(str(fields[name].type), _never)(v) for name, v in d.items())
     return dict(d) if fits else None
 
 
@@ -137,7 +144,16 @@ def _weight_state(d: object) -> WeightState | None:
     """A stored instance state; None (rebuilt from the decisions instead) when it does not fit, e.g.
     written by a version with other fields."""
     kw = _carried(WeightState, d)
-    return None if kw is None else WeightState(**{**kw, "reason": Reason.of(kw["reason"])})
+    if kw is None:
+        return None
+    cut_for = kw.get("cut_for")
+    return WeightState(
+        **{
+            **kw,
+            "reason": Reason.of(kw["reason"]),
+            "cut_for": None if cut_for is None else Reason.of(cut_for),
+        }
+    )
 
 
 def _limit_state(d: object) -> LimitState | None:

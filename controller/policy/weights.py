@@ -70,6 +70,7 @@ class WeightState:
     # quick; past it, one step per window, so the window sees it at each new share before the next.
     ceiling: float = 1.0
     raised_at: float | None = None  # when its weight last rose
+    cut_for: Reason | None = None  # the reason of the signal that last cut it (None: back at 1)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
             out["handoff_basis"] = s.note
         if s.name in LOAD and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it: not cut for it
             out[f"{s.name}_load_shift"] = s.note
+        if s.name in MIXED and s.note.endswith(MIXED_NOTE):  # beside a P-side fault: not the D's
+            out[f"{s.name}_mixed"] = s.note
     return out
 
 
@@ -165,9 +168,11 @@ def step_instance(
     history_s: float | None = None,
     matrix: Factorization | None = None,
     shed: Sequence[str] = (),
+    slow_ps: Sequence[str] = (),
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix;
-    ``shed``: the members of its pool that are down or cut, whose load the others took)."""
+    ``shed``: the members of its pool that are down, cut or avoided, whose load the others took;
+    ``slow_ps``: the Ps slow or failing on their own side, whose pulls a D's means mix in)."""
     unseen = _not_up(inst, prev, cfg, now)
     if unseen is not None:
         return unseen
@@ -176,6 +181,8 @@ def step_instance(
     if shed:
         index = peers if isinstance(peers, PeerIndex) else PeerIndex(peers, cfg)
         scores = shifted_load(scores, inst, index, shed, cfg)
+    if slow_ps and inst.role == "decode":
+        scores = mixed_transfers(scores, slow_ps)
     st = _draft(scores, prev, cfg, now)
     w = st.w
     band_down = min(cfg.band_down, max(0.0, w - cfg.min_weight) - EPS)
@@ -288,6 +295,46 @@ def shifted_load(
         else s
         for s in scores
     )
+
+
+# A D's signals over the transfers of every P it pulls from (vLLM's NIXL histograms carry no P label)
+MIXED = ("handoff", "nixl", "nixl_now", "load")
+P_SIDE = (Reason.SLOW_HANDOFF, Reason.SLOW_PREFILL_SIDE, Reason.TRANSFER_FAILURES)
+MIXED_NOTE = "not the D's evidence"  # ends the note of a D's signal set aside beside a P-side fault
+
+
+def mixed_transfers(scores: tuple[Score, ...], slow_ps: Sequence[str]) -> tuple[Score, ...]:
+    """A D's transfer signals while a P's handoffs are slow or failing toward every D (``slow_ps``,
+    :func:`p_side_faults`): its NIXL time, its KV-fetch hold time and its own handoff median are means
+    over the pulls from every P, so they read as slow as the share of that P's pulls it happened to
+    get, and healthy Ds were cut on `SlowKVTransfer` for one P's NIC. Set aside, with why; a handoff
+    the P×D matrix judged (its column against the typical pair) and its errors, failures and KV
+    still count."""
+    why = f"mixes the transfers of {', '.join(slow_ps)}, slow or failing on its own side: {MIXED_NOTE}"
+    return tuple(
+        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f}, but it {why}")
+        if s.name in MIXED and s.value < 1.0 and not s.note.startswith(MATRIX_NOTE)
+        else s
+        for s in scores
+    )
+
+
+def p_side_faults(
+    obs: Observation, prev: Mapping[str, WeightState], matrix: Factorization | None
+) -> list[str]:
+    """The Ps whose handoffs are slow or failing toward the Ds: blamed on their row by the window's
+    matrix, or whose weight a handoff or transfer signal cut and is still under 1."""
+    out = {b.name for b in matrix.blames if b.side == "prefill"} if matrix is not None else set()
+    for inst in obs.instances:
+        state = prev.get(inst.name)
+        if (
+            inst.role == "prefill"
+            and state is not None
+            and state.cut_for in P_SIDE
+            and state.weight < 1.0 - EPS
+        ):
+            out.add(inst.name)
+    return sorted(out)
 
 
 def shedding(obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig) -> dict[str, list[str]]:
@@ -526,8 +573,18 @@ def _decision(
             st.probe_at,
             _ceiling_after(prev, w, new, st.reason),
             now if new > w + EPS else prev.raised_at,
+            _cut_for_after(prev, w, new, st.reason),
         ),
     )
+
+
+def _cut_for_after(prev: WeightState, w: float, new: float, reason: Reason) -> Reason | None:
+    """What a cut on a signal was for, kept while the weight is under 1 (as the ceiling is)."""
+    if new >= 1.0 - EPS:
+        return None
+    if new < w - EPS and reason not in (Reason.PROBE_FAILED, Reason.INSTANCE_UP):
+        return reason
+    return prev.cut_for
 
 
 def _ceiling_after(prev: WeightState, w: float, new: float, reason: Reason) -> float:
@@ -601,6 +658,7 @@ def decide_weights(
     peers = {r: PeerIndex([o for o in members if o.up], cfg) for r, members in by_role.items()}
     matrix = handoff_matrix(obs, cfg)
     shed = shedding(obs, prev, cfg)
+    slow_ps = p_side_faults(obs, prev, matrix)
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         if stale:
@@ -630,7 +688,7 @@ def decide_weights(
         others = [n for n in shed.get(inst.pool, ()) if n != inst.name]
         out.append(
             step_instance(
-                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others
+                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others, slow_ps
             )
         )
     return _annotated(out, obs, basis)

@@ -287,3 +287,25 @@ def test_stale_store_holds_weights_and_raises_collector_behind(world: World) -> 
     with transaction(world.factory) as s:
         a = s.scalars(select(Alert).where(Alert.rule == "CollectorBehind")).one()
         assert a.state == "firing"
+
+
+def test_a_state_stored_before_a_field_was_added_loads_with_its_default() -> None:
+    """A policy_state row written before ``cut_for`` existed keeps its ceiling and streaks across the
+    upgrade (the field takes its default); one with a field this version does not know is not loaded."""
+    import json
+    from dataclasses import replace
+
+    from controller.persist import _weight_state
+    from controller.policy.codec import dump
+    from controller.policy.weights import WeightState
+    from pdscope.reasons import Reason
+
+    ws = WeightState(
+        weight=0.5, smoothed=0.5, reason=Reason.STEADY, ceiling=0.75, cut_for=Reason.SLOW_HANDOFF
+    )
+    stored = json.loads(json.dumps(dump(ws)))
+    assert _weight_state(stored) == ws
+    older = {k: v for k, v in stored.items() if k != "cut_for"}
+    assert _weight_state(older) == replace(ws, cut_for=None)
+    assert _weight_state({**stored, "from_the_future": 1}) is None
+    assert _weight_state({k: v for k, v in stored.items() if k != "weight"}) is None

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from controller.policy import Observation, PairSignals, PolicyConfig, WeightDecision
-from controller.policy.weights import decide_weights
+from controller.policy.weights import WeightState, decide_weights
+from pdscope.reasons import Reason
 from tests.controller.replay import T0, fleet
 
 CFG = PolicyConfig.defaults()
@@ -163,3 +164,38 @@ def test_a_d_the_matrix_cannot_judge_beside_a_blamed_p_row_is_not_cut_on_its_mix
     got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
     assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
     assert "cannot judge it, and blames prefill-1" in got["decode-2"].inputs["handoff_basis"]
+
+
+def _nixl_tick(prev: dict[str, WeightState]) -> dict[str, WeightDecision]:
+    """decode-0's NIXL time per transfer 5x its peers' (it pulled more from prefill-1 than they did);
+    no pair has samples (the proxies avoid prefill-1), so the matrix judges nobody."""
+    slow = {"nixl_xfer_mean_s": 0.05, "nixl_recent_s": 0.05}
+    insts = tuple(replace(i, **slow) if i.name == "decode-0" else i for i in fleet())  # type: ignore[arg-type]
+    obs = Observation(now=T0, window_s=30.0, instances=insts, newest_data=T0)
+    return {d.instance: d for d in decide_weights(obs, prev, CFG)}
+
+
+def _cut_p1(reason: Reason) -> dict[str, WeightState]:
+    return {"prefill-1": WeightState(weight=0.25, smoothed=0.25, reason=Reason.STEADY, cut_for=reason)}
+
+
+def test_a_ds_transfer_means_beside_a_p_cut_for_its_side_are_not_the_ds_evidence() -> None:
+    """vLLM's NIXL histograms carry no P label: a D's mean mixes the pulls of a P whose NIC is slow, as
+    much as it happened to pull from it. While that P is cut for its handoff side, the D is not cut on
+    them; cut for its compute (SlowPrefill), the P says nothing of the links, and the D is."""
+    alone = _nixl_tick({})
+    assert alone["decode-0"].reason == Reason.SLOW_KV_TRANSFER  # the baseline: cut on its mean
+    for side in (Reason.SLOW_HANDOFF, Reason.SLOW_PREFILL_SIDE, Reason.TRANSFER_FAILURES):
+        got = _nixl_tick(_cut_p1(side))
+        d = got["decode-0"]
+        assert d.reason != Reason.SLOW_KV_TRANSFER and d.target == 1.0, side
+        assert "mixes the transfers of prefill-1" in d.inputs["nixl_mixed"]
+    compute = _nixl_tick(_cut_p1(Reason.SLOW_PREFILL))
+    assert compute["decode-0"].reason == Reason.SLOW_KV_TRANSFER
+
+
+def test_the_reason_a_weight_was_cut_for_is_kept_until_it_is_back_at_one() -> None:
+    got = _tick(MIXED_D_MEDIANS, _slow_p_row())
+    state = got["prefill-1"].state
+    assert state.weight < 1.0 and state.cut_for == Reason.SLOW_PREFILL_SIDE
+    assert got["prefill-0"].state.cut_for is None
