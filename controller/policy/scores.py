@@ -377,6 +377,14 @@ def score_instance(
     if inst.role == "decode":
         scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
         scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
+    scores.extend(evidence_scores(inst, cfg, window_s))
+    return tuple(scores)
+
+
+def evidence_scores(inst: InstanceSignals, cfg: PolicyConfig, window_s: float) -> list[Score]:
+    """The absolute signals, facts rather than comparisons with peers: failed transfers and attributed
+    lease expiries, the instance's own failed requests, KV usage."""
+    scores: list[Score] = []
     events = error_events(inst, window_s)
     rate = events / max(window_s / 60.0, 1e-9)
     counted = rate if events >= cfg.min_error_events - 1e-9 else 0.0
@@ -405,7 +413,7 @@ def score_instance(
         )
     )
     scores.append(Score("kv", kv_score(inst.kv_usage, cfg), inst.kv_usage, cfg.kv_soft, "KV usage"))
-    return tuple(scores)
+    return scores
 
 
 def worst(scores: Sequence[Score]) -> Score | None:

@@ -287,11 +287,17 @@ def shifted_load(
         return scores
     why = (
         f"from the load {', '.join(shed)} shed (down, cut or avoided; it finishes {done:.0f} to its "
-        f"peers' {ref:.0f})"
+        f"peers' {ref:.0f}): {SHIFT_NOTE}"
     )
+    return _set_aside(scores, LOAD, why)
+
+
+def _set_aside(scores: tuple[Score, ...], names: Sequence[str], why: str) -> tuple[Score, ...]:
+    """``scores`` with those named in ``names`` that would cut scored 1, their note saying ``why`` (a
+    handoff judged by the P×D matrix keeps its score: the matrix already placed its slowness)."""
     return tuple(
-        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} {why}: {SHIFT_NOTE}")
-        if s.name in LOAD and s.value < 1.0
+        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} {why}")
+        if s.name in names and s.value < 1.0 and not (s.name == "handoff" and s.note.startswith(MATRIX_NOTE))
         else s
         for s in scores
     )
@@ -310,13 +316,8 @@ def mixed_transfers(scores: tuple[Score, ...], slow_ps: Sequence[str]) -> tuple[
     get, and healthy Ds were cut on `SlowKVTransfer` for one P's NIC. Set aside, with why; a handoff
     the P×D matrix judged (its column against the typical pair) and its errors, failures and KV
     still count."""
-    why = f"mixes the transfers of {', '.join(slow_ps)}, slow or failing on its own side: {MIXED_NOTE}"
-    return tuple(
-        replace(s, value=1.0, note=f"{s.note}; {s.value:.2f}, but it {why}")
-        if s.name in MIXED and s.value < 1.0 and not s.note.startswith(MATRIX_NOTE)
-        else s
-        for s in scores
-    )
+    why = f"but it mixes the transfers of {', '.join(slow_ps)}, slow or failing on its own side: {MIXED_NOTE}"
+    return _set_aside(scores, MIXED, why)
 
 
 def p_side_faults(
