@@ -35,6 +35,7 @@ from collector.fastparse import extract_signals
 from collector.health import RateLimitedLog
 from collector.signals import Signals
 from collector.targets import ScrapeTarget
+from store.models import UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,8 @@ async def scrape_one(
         error = str(exc)
     except httpx.HTTPStatusError as exc:
         error = str(exc)
+    except httpx.ConnectError as exc:  # refused or no route: nothing listens (a timeout is another branch)
+        error = f"{UNREACHABLE}{type(exc).__name__}: {exc}"
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     else:

@@ -37,15 +37,16 @@ from pdscope.config import Settings
 from pdscope.stats import counter_increase
 from store import queries as q
 from store.attribution import trusted_records
-from store.models import RequestRecord, Snapshot
+from store.models import UNREACHABLE, RequestRecord, Snapshot
 from store.prediction import prediction_rows
 
 
 def _latest_gauges(
     rows_by_instance: dict[str, list[Any]], since: float, until: float
 ) -> dict[str, ev.LatestGauges]:
-    """Per instance: the latest KV-fetch gauges, the mean queue time over the window's rows, and how long
-    its trailing run of failed scrapes has lasted (no up scrape in the window: since the window began)."""
+    """Per instance: the latest KV-fetch gauges, the mean queue time over the window's rows, how long
+    its trailing run of failed scrapes has lasted (no up scrape in the window: since the window began),
+    and how many of that run's last scrapes in a row found nothing listening."""
     out: dict[str, ev.LatestGauges] = {}
     for inst, rows in rows_by_instance.items():
         up_rows = [r for r in rows if r.up]
@@ -56,7 +57,7 @@ def _latest_gauges(
             down_since = r.ts
         down_for = None if down_since is None else max(0.0, until - (since if not up_rows else down_since))
         if not up_rows:
-            out[inst] = ev.LatestGauges(None, None, down_for)
+            out[inst] = ev.LatestGauges(None, None, down_for, unreachable=_unreachable_run(rows))
             continue
         last = up_rows[-1]
         at_d = (last.kv_fetch_waiting_to_start, last.kv_fetch_completed_waiting)  # not pulling: waiting at D
@@ -69,8 +70,19 @@ def _latest_gauges(
             qsum / qcnt if qsum is not None and qcnt else None,
             down_for,
             sum(waits) if waits else None,
+            _unreachable_run(rows),
         )
     return out
+
+
+def _unreachable_run(rows: list[Any]) -> int:
+    """How many of the latest scrapes in a row could not connect (:data:`store.models.UNREACHABLE`)."""
+    n = 0
+    for r in reversed(rows):
+        if r.up or not (r.error or "").startswith(UNREACHABLE):
+            break
+        n += 1
+    return n
 
 
 # the columns of ev.RecordFacts, in its order, then those the rates' fit reads besides (rates.EXTRA_FIELDS)

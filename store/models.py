@@ -61,6 +61,11 @@ class InstanceRow(Base):
     last_seen: Mapped[float] = mapped_column(Float)
 
 
+# How a failed scrape's ``error`` starts when no connection could be made (refused, no route, no such
+# host): nothing listens there, where a timeout may be a busy instance (the controller's down rule).
+UNREACHABLE = "unreachable: "
+
+
 class Snapshot(Base):
     """One scrape of one instance's /metrics: typed columns for the signals pdscope uses.
 
@@ -87,7 +92,7 @@ class Snapshot(Base):
     ts: Mapped[float] = mapped_column(Float, index=True)
     up: Mapped[bool] = mapped_column(Boolean)
     scrape_duration_s: Mapped[float | None] = mapped_column(Float)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)  # a failed scrape's; UNREACHABLE starts a refused one
     engines: Mapped[int | None] = mapped_column(Integer)
     process_start_ts: Mapped[float | None] = mapped_column(Float)
 

@@ -32,8 +32,9 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings,
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 5  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
-# pool's members that are down or cut shed load onto the others, not cut for it (issue 29)
+POLICY_VERSION = 6  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
+# pool's members that are down or cut shed load onto the others, not cut for it (issue 29); 6: failures every
+# peer counts too are the pool's, not one member's (issue 29)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class PolicyConfig:
     band_down: float = 0.05  # smoothed must sit this far below the weight to lower it
     band_up: float = 0.10  # ... and this far above it to raise it
     recover_ticks: int = 3  # consecutive healthy ticks before a weight may rise
+    # scrapes in a row that could not connect (refused, no route) before an instance is down without
+    # waiting down_after_s: nothing listens there (a timeout may be a busy instance, and waits)
+    down_after_unreachable: int = 2
     probe_min_requests: int = 3  # requests (or transfers) that judge a probe (at or under probe_weight)
     min_recent_samples: int = 5  # the fast signals need this many samples over the last three scrapes
     failure_ref_fraction: float = 0.05  # own failed requests: this share (its lower bound) halves the score

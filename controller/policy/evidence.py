@@ -120,13 +120,15 @@ class Percentiles(Protocol):
 @dataclass(frozen=True)
 class LatestGauges:
     """An instance's latest KV-fetch backlog (every stage), its mean queue time over the window, how
-    long it has been down, and the part of that backlog waiting at D rather than pulling (stages
-    ``waiting_to_start`` and ``completed_waiting``)."""
+    long it has been down, the part of that backlog waiting at D rather than pulling (stages
+    ``waiting_to_start`` and ``completed_waiting``), and its latest scrapes in a row that could not
+    connect."""
 
     backlog: float | None
     queue_mean_s: float | None
     down_for_s: float | None
     waiting: float | None = None
+    unreachable: int = 0
 
 
 @dataclass
@@ -412,8 +414,7 @@ def instance_signals(
     tally: InstanceTally | None,
     handoff: Percentiles | None,
 ) -> InstanceSignals:
-    """One configured instance's signals from its scrapes (the window's, the last three's, the latest gauges)
-    and the records charged to it (an instance never scraped has ``up=None``)."""
+    """An instance's signals from its scrapes (window, last three, latest gauges) and its charged records."""
     s, r, lt, rec = window, recent, latest, tally
     held = load_now(role, s, lt)
     return InstanceSignals(
@@ -423,6 +424,7 @@ def instance_signals(
         up=None if s is None else s.up,
         last_seen=None if s is None else s.last_ts,
         down_for_s=None if lt is None else lt.down_for_s,
+        unreachable_scrapes=0 if lt is None else lt.unreachable,
         kv_usage=None if s is None else s.kv_cache_usage,
         num_running=None if s is None else s.num_running,
         num_waiting=None if s is None else s.num_waiting,

@@ -203,6 +203,17 @@ def error_events(inst: InstanceSignals, window_s: float) -> float:
 Measure = Callable[[InstanceSignals, PolicyConfig], tuple[float | None, float | None]]
 
 
+@dataclass(frozen=True)
+class _ErrorEvents:
+    """A :data:`Measure` of :func:`error_events` over one window (hashable, so a :class:`PeerIndex`
+    sorts the pool's counts once)."""
+
+    window_s: float
+
+    def __call__(self, inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+        return error_events(inst, self.window_s), None
+
+
 def _median_without(ordered: list[float], drop: float | None) -> float | None:
     """The median of ``ordered`` (sorted) with one copy of ``drop`` taken out (None: nothing taken)."""
     if drop is None:
@@ -257,6 +268,7 @@ class PeerIndex:
         return _median_without(values, mine[0]), _median_without(rses, mine[1]), len(values) - 1
 
 
+SHARED_NOTE = "is the pool's, not its own"  # an errors note whose peers' common count was set aside
 MATRIX_NOTE = "P×D handoff matrix"  # how a handoff score judged by the matrix starts its note
 
 
@@ -377,25 +389,42 @@ def score_instance(
     if inst.role == "decode":
         scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
         scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
-    scores.extend(evidence_scores(inst, cfg, window_s))
+    shared, _, _ = index.others(_ErrorEvents(window_s), inst.name)
+    scores.extend(evidence_scores(inst, cfg, window_s, shared or 0.0))
     return tuple(scores)
 
 
-def evidence_scores(inst: InstanceSignals, cfg: PolicyConfig, window_s: float) -> list[Score]:
+def own_error_events(events: float, shared: float, cfg: PolicyConfig) -> float:
+    """The failures and expiries that are the instance's own: those past ``shared``, the median count
+    of its peers, once that excess is ``min_error_events`` or more and ``noise_z`` Poisson deviations
+    of the shared count (0 otherwise). A failed pull is counted by the D that pulled it, so one P
+    whose transfers fail reads as every D failing, before the records place the failures on the P's
+    row (:func:`controller.policy.weights.failure_rows`): the pool's common count is not one
+    member's fault, and a cut of every member moves no load."""
+    excess = events - max(shared, 0.0)
+    needed = max(float(cfg.min_error_events), cfg.noise_z * math.sqrt(max(shared, 1.0)))
+    return excess if excess >= needed - 1e-9 else 0.0
+
+
+def evidence_scores(
+    inst: InstanceSignals, cfg: PolicyConfig, window_s: float, shared: float = 0.0
+) -> list[Score]:
     """The absolute signals, facts rather than comparisons with peers: failed transfers and attributed
-    lease expiries, the instance's own failed requests, KV usage."""
+    lease expiries past what its peers share (:func:`own_error_events`), the instance's own failed
+    requests, KV usage."""
     scores: list[Score] = []
     events = error_events(inst, window_s)
-    rate = events / max(window_s / 60.0, 1e-9)
-    counted = rate if events >= cfg.min_error_events - 1e-9 else 0.0
+    per_min = max(window_s / 60.0, 1e-9)
+    own = own_error_events(events, shared, cfg)
+    common = f"; the peers' median {shared:.0f} {SHARED_NOTE}" if shared > 0 else ""
     scores.append(
         Score(
             "errors",
-            error_score(counted, cfg.error_rate_ref_per_min),
-            rate,
+            error_score(own / per_min, cfg.error_rate_ref_per_min),
+            events / per_min,
             cfg.error_rate_ref_per_min,
             f"failed transfers + attributed lease expiries per min ({events:.0f} in the window; they count "
-            f"from {cfg.min_error_events})",
+            f"from {cfg.min_error_events}{common})",
         )
     )
     low = (

@@ -25,6 +25,7 @@ class InstanceSignals:
     up: bool | None = None  # latest scrape; None = never scraped in the window
     last_seen: float | None = None  # ts of the latest snapshot
     down_for_s: float | None = None  # while down: since the first failed scrape of this streak
+    unreachable_scrapes: int = 0  # while down: its latest scrapes in a row that could not connect
     kv_usage: float | None = None  # 0..1, latest
     num_running: float | None = None
     num_waiting: float | None = None

@@ -33,6 +33,7 @@ from analysis.blame import BlameConfig, Cell, Factorization, factor, failing_row
 from controller.policy.config import PolicyConfig
 from controller.policy.scores import (
     MATRIX_NOTE,
+    SHARED_NOTE,
     PeerIndex,
     Score,
     error_events,
@@ -120,6 +121,8 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
             out[f"{s.name}_load_shift"] = s.note
         if s.name in MIXED and s.note.endswith(MIXED_NOTE):  # beside a P-side fault: not the D's
             out[f"{s.name}_mixed"] = s.note
+        if s.name == "errors" and SHARED_NOTE in s.note:  # what its peers count too is not its own
+            out["errors_basis"] = s.note
     return out
 
 
@@ -213,14 +216,15 @@ def _not_up(inst: InstanceSignals, prev: WeightState, cfg: PolicyConfig, now: fl
             Reason.NO_DATA,
             f"{inst.name}: not scraped in the window; weight held at {prev.weight:.2f}",
         )
-    if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s:
+    unreachable = inst.unreachable_scrapes >= cfg.down_after_unreachable
+    if inst.up is False and (inst.down_for_s or 0.0) < cfg.down_after_s and not unreachable:
         return _hold(
             inst,
             prev,
             Reason.SCRAPE_FAILING,
-            f"{inst.name}: scrapes failing for "
-            f"{inst.down_for_s or 0.0:.1f}s (down after {cfg.down_after_s:.0f}s); weight held at "
-            f"{prev.weight:.2f}",
+            f"{inst.name}: scrapes failing for {inst.down_for_s or 0.0:.1f}s (down after "
+            f"{cfg.down_after_s:.0f}s, or {cfg.down_after_unreachable} unreachable scrapes in a row); "
+            f"weight held at {prev.weight:.2f}",
         )
     return _down(inst, prev, now) if inst.up is False else None
 
@@ -240,12 +244,23 @@ def _down(inst: InstanceSignals, prev: WeightState, now: float) -> WeightDecisio
         target=0.0,
         smoothed=0.0,
         reason=Reason.INSTANCE_DOWN,
-        message=f"{inst.name}: down at the latest scrape; no new work",
+        message=f"{inst.name}: down at the latest scrape{_down_why(inst)}; no new work",
         arithmetic="weight = 0 (up = 0)",
         scores={"up": 0.0},
-        inputs={"up": False, "last_seen": inst.last_seen},
+        inputs={
+            "up": False,
+            "last_seen": inst.last_seen,
+            "down_for_s": inst.down_for_s,
+            "unreachable_scrapes": inst.unreachable_scrapes,
+        },
         state=st,
     )
+
+
+def _down_why(inst: InstanceSignals) -> str:
+    if inst.unreachable_scrapes:
+        return f" (its last {inst.unreachable_scrapes} scrapes could not connect: nothing listens)"
+    return f" (scrapes failing for {inst.down_for_s or 0.0:.1f}s)"
 
 
 def _scores(

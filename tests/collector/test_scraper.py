@@ -14,6 +14,7 @@ import pytest
 from collector.scraper import Scraper, ScrapeResult, scrape_one
 from collector.selfmetrics import CollectorMetrics
 from collector.targets import ScrapeTarget
+from store.models import UNREACHABLE
 from tests.captures import SCRAPE_PAGES
 from tests.support.sockets import free_port
 from tests.support.waiting import async_wait_until
@@ -161,7 +162,7 @@ async def test_dead_port() -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
     async with httpx.AsyncClient() as client:
         r = await scrape_one(client, _target("dead", url), 2.0, 2**20)
-    assert not r.up and r.error is not None and "ConnectError" in r.error
+    assert not r.up and r.error is not None and r.error.startswith(UNREACHABLE + "ConnectError")
 
 
 async def test_one_bad_target_never_delays_the_others(server: str) -> None:

@@ -61,7 +61,8 @@ class Seeder:
     )
 
     def scrape(self, ts: float, **per_instance: dict[str, Any]) -> None:
-        """One scrape of every instance. Per instance (name with '-' -> '_'): ``up``, gauges
+        """One scrape of every instance. Per instance (name with '-' -> '_'): ``up`` (and a down
+        scrape's ``error``: by default a timeout), gauges
         (``kv_cache_usage``...), and per-scrape increments ``transfers``, ``xfer_s`` (per
         transfer), ``failed``, ``expired``, ``ttft_n``, ``ttft_s``."""
         rows = []
@@ -69,6 +70,7 @@ class Seeder:
             role = self.settings.pools[pool].role
             spec = dict(per_instance.get(inst.name.replace("-", "_"), {}))
             up = spec.pop("up", True)
+            error = spec.pop("error", "timeout after 0.4s")
             c = self.counters[inst.name]
             transfers = spec.pop("transfers", 10.0 if role == "decode" else 0.0)
             xfer_s = spec.pop("xfer_s", 0.01)
@@ -93,11 +95,7 @@ class Seeder:
                     Snapshot(instance=inst.name, pool=pool, role=role, ts=ts, up=True, **dict(c), **values)
                 )
             else:
-                rows.append(
-                    Snapshot(
-                        instance=inst.name, pool=pool, role=role, ts=ts, up=False, error="connection refused"
-                    )
-                )
+                rows.append(Snapshot(instance=inst.name, pool=pool, role=role, ts=ts, up=False, error=error))
         with transaction(self.factory) as s:
             s.add_all(rows)
 

@@ -9,7 +9,7 @@ from controller.loop import Reconciler
 from controller.policy import TickInput, decide
 from controller.wiring import default_effects
 from store.db import StoreError, transaction
-from store.models import Alert, Decision, PolicyConfigRow, WeightOverride
+from store.models import UNREACHABLE, Alert, Decision, PolicyConfigRow, WeightOverride
 from tests.controller.conftest import World
 
 
@@ -78,6 +78,18 @@ def test_instance_down_goes_to_zero_and_alerts(world: World) -> None:
     with transaction(world.factory) as s:
         a = s.scalars(select(Alert).where(Alert.rule == "InstanceDown")).one()
         assert a.state == "firing" and a.labels["instance"] == "decode-1"
+
+
+def test_an_instance_nothing_listens_on_is_down_at_its_second_unreachable_scrape(world: World) -> None:
+    for _ in range(3):
+        world.step()
+    refused = {
+        "decode_1": {"up": False, "error": UNREACHABLE + "ConnectError: All connection attempts failed"}
+    }
+    world.step(scrape=refused)
+    assert world.weight("decode-1") == 1.0, "one scrape that cannot connect is a blip"
+    world.step(scrape=refused)
+    assert world.weight("decode-1") == 0.0, "two in a row: nothing listens (before down_after_s)"
 
 
 def test_a_failing_tick_is_counted_and_the_next_starts_fresh(

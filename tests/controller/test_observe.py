@@ -6,6 +6,7 @@ import pytest
 
 from controller.observe import observe
 from store.db import transaction
+from store.models import UNREACHABLE
 from tests.controller.conftest import World
 from tests.controller.seed import all_pairs
 
@@ -25,7 +26,8 @@ def test_observation_from_a_seeded_store(world: World) -> None:
             decode_0={"kv_fetch_waiting_to_start": 1.0},
             decode_1={"kv_fetch_completed_waiting": 1.0},
             prefill_1={"expired": 1.0, "num_waiting": float(i)},
-            decode_3={"up": i < 4},
+            decode_3={"up": i < 4, "error": UNREACHABLE + "ConnectError: refused"},
+            prefill_0={"up": i != 3},
         )
         world.seeder.requests(
             now - 1.9,
@@ -52,7 +54,14 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert p0.handoff_p50_s is not None and p0.lease_expiry_suspects == 0
     p1 = obs.instance("prefill-1")
     assert p1 is not None and p1.expired_leases_per_min == pytest.approx(1.0 * 4 / 8.0 * 60.0)
-    assert obs.instance("decode-3").up is False  # type: ignore[union-attr]
+    d3 = obs.instance("decode-3")
+    assert (
+        d3 is not None and d3.up is False and d3.unreachable_scrapes == 1
+    )  # its last scrape could not connect
+    p0 = obs.instance("prefill-0")
+    assert (
+        p0 is not None and p0.up is True and p0.unreachable_scrapes == 0
+    )  # a scrape that failed, then an up one
     d0 = obs.instance("decode-0")
     assert d0 is not None and d0.nixl_xfer_mean_s == pytest.approx(0.01) and d0.failed_transfers_per_min == 0
     assert d0.requests == 10 and d0.failed_requests == 0

@@ -152,6 +152,13 @@ def _scrape_blip(r: Replay) -> None:
     assert r.reasons("decode-1")[2:4] == ["ScrapeFailing", "ScrapeFailing"]
 
 
+def _refused(r: Replay) -> None:
+    w = r.weights("decode-1")
+    assert w[2] == 1.0 and r.reasons("decode-1")[2] == "ScrapeFailing", "one refused scrape is a blip"
+    assert w[3] == 0.0 and r.reasons("decode-1")[3] == "InstanceDown", w
+    assert "could not connect" in r.decision(4, "decode-1").message
+
+
 def _too_few(r: Replay) -> None:
     assert set(r.weights("decode-2")) == {1.0}
 
@@ -307,6 +314,21 @@ CASES = [
         at(range(3, 5), "decode-1", up=False, down_for_s=4.0),
         8,
         _scrape_blip,
+    ),
+    Case(
+        "one scrape that cannot connect holds the weight too",
+        at(range(3, 5), "decode-1", up=False, down_for_s=1.0, unreachable_scrapes=1),
+        8,
+        _scrape_blip,
+    ),
+    Case(
+        "two scrapes in a row that cannot connect: down before down_after_s",
+        combine(
+            at([3], "decode-1", up=False, down_for_s=1.0, unreachable_scrapes=1),
+            at([4, 5], "decode-1", up=False, down_for_s=2.0, unreachable_scrapes=2),
+        ),
+        12,
+        _refused,
     ),
     Case(
         "too few requests to compare: handoff is ignored",

@@ -134,10 +134,22 @@ def test_a_p_whose_transfers_fail_toward_every_d_is_charged_them_and_no_d_is_cut
     )
 
 
-def test_per_d_counters_alone_cut_every_healthy_d() -> None:
-    """The failure it mends: the same counters without the pairs' failures."""
+def test_per_d_counters_every_d_shares_cut_no_d_before_the_records_place_them() -> None:
+    """The first ticks of a failing P: every D's counter rises, and the records that name the P are not
+    in yet. Before, each D was cut for them (TransferFailures); what every D shows is the pool's."""
     got = _failing({}, EVERY_D_COUNTS)
-    assert set(_cut(got)) == {f"decode-{d}" for d in range(4)}
+    assert _cut(got) == {}
+    assert "the peers' median 3 is the pool's, not its own" in got["decode-0"].inputs["errors_basis"]
+
+
+def test_per_d_counter_one_d_alone_shows_is_still_its_own() -> None:
+    got = _failing({}, {"decode-2": 6.0})
+    assert _cut(got) == {"decode-2": "TransferFailures"}
+    # past what its peers share, by more than their count's noise
+    got = _failing({}, {**EVERY_D_COUNTS, "decode-2": 40.0})
+    assert _cut(got) == {"decode-2": "TransferFailures"}
+    # within it: 5 against the peers' 3 is not a fault of its own
+    assert _cut(_failing({}, {**EVERY_D_COUNTS, "decode-2": 10.0})) == {}
 
 
 def test_a_d_failing_from_every_p_is_still_the_ds() -> None:
