@@ -426,7 +426,22 @@ def _plural(n: int, what: str) -> str:
 
 # -- failures: counts, not times ---------------------------------------------------------------------
 
-ROW_SHARE = 0.7  # a P whose failures one D holds this share of is a pair's trouble, not its row's
+ROW_MIN_PER_D = 2  # a row's failures show at two Ds or more, with this many at each
+ROW_Z = 2.0  # ... and no D holds more of them than its share of the P's handoffs by this many deviations
+
+
+def _concentrated(ds: Mapping[str, int], sent: Mapping[str, int]) -> str | None:
+    """The D that holds clearly more of a P's failures ``ds`` than its share of the P's handoffs
+    ``sent`` (failed ones included) gives it: past the binomial expectation by :data:`ROW_Z` standard
+    deviations. None: the failures are spread as the handoffs were."""
+    f, total = sum(ds.values()), sum(sent.values())
+    if total <= 0:
+        return None
+    for d, n in sorted(ds.items(), key=lambda kv: -kv[1]):
+        share = min(1.0, sent.get(d, 0) / total)
+        if n > f * share + ROW_Z * math.sqrt(f * share * (1.0 - share)):
+            return d
+    return None
 
 
 def failing_rows(
@@ -434,24 +449,32 @@ def failing_rows(
 ) -> dict[str, str]:
     """The Ps failing toward every D: P -> why. A failed handoff is counted by the D that pulled it,
     so a P whose transfers fail toward every D reads as every D failing. A P's failures are its row's
-    when there are at least ``min_events`` of them, over two Ds or more with no D holding
-    :data:`ROW_SHARE` of them, and its failure rate (failures over its handoffs and failures) is at
-    least ``ratio`` times the other Ps' pooled rate. Failures are counts, often zero, so this is a
-    rate comparison rather than :func:`factor`'s polish on logs; the anchoring is the same: the rest
-    of the fleet is the healthy reference."""
+    when there are at least ``min_events`` of them, :data:`ROW_MIN_PER_D` or more at each of two Ds
+    or more, spread over its Ds as its handoffs were (no D holding clearly more than its share: one
+    link's trouble, :func:`_concentrated`), and its failure rate (failures over its handoffs and
+    failures) is at least ``ratio`` times the other Ps' pooled rate. A share rule (no D with 70 % of
+    them) read a 7-of-10 split over two Ds, a coin's toss, as one link's trouble, and left both Ds
+    charged. Failures are counts, often zero, so this is a rate comparison rather than
+    :func:`factor`'s polish on logs; the anchoring is the same: the rest of the fleet is the healthy
+    reference."""
     per_p: dict[str, dict[str, int]] = {}
     served: dict[str, int] = {}
+    sent: dict[str, dict[str, int]] = {}
     for (p, d), n in failures.items():
         if n > 0:
             per_p.setdefault(p, {})[d] = n
-    for (p, _), n in handoffs.items():
+            sent.setdefault(p, {})[d] = n
+    for (p, d), n in handoffs.items():
         served[p] = served.get(p, 0) + max(n, 0)
+        sent.setdefault(p, {})[d] = sent.get(p, {}).get(d, 0) + max(n, 0)
     total_f = sum(sum(ds.values()) for ds in per_p.values())
     total_h = sum(served.values())
     rows: dict[str, str] = {}
     for p, ds in sorted(per_p.items()):
         f = sum(ds.values())
-        if f < min_events or len(ds) < 2 or max(ds.values()) >= ROW_SHARE * f:
+        if f < min_events or sum(1 for n in ds.values() if n >= ROW_MIN_PER_D) < 2:
+            continue
+        if _concentrated(ds, sent[p]) is not None:
             continue
         own = f / (f + served.get(p, 0))
         other_f, other_h = total_f - f, total_h - served.get(p, 0)

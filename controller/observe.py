@@ -255,23 +255,36 @@ def _instances(
     return instances, newest
 
 
+def _recent_pairs(tally: ev.WindowTally, since: float) -> dict[str, q.HandoffStats]:
+    """Per ``"P->D"``: the charged handoffs whose first token came at or after ``since``."""
+    rows = [r for r in tally.charged_handoffs if isinstance(r.first_token, float) and r.first_token >= since]
+    return q.handoff_stats_of(rows, ("pair",))["pair"]
+
+
 def _pairs(
-    pairs: dict[str, q.HandoffStats], failures: Mapping[tuple[str, str], int]
+    pairs: dict[str, q.HandoffStats],
+    failures: Mapping[tuple[str, str], int],
+    recent: Mapping[str, q.HandoffStats] | None = None,
 ) -> tuple[PairSignals, ...]:
-    """The P×D pairs that carried a charged handoff, or failed one, in the window, by name."""
+    """The P×D pairs that carried a charged handoff, or failed one, in the window, by name; with the
+    ``recent`` handoffs of each (:func:`_recent_pairs`)."""
     stats = {(p, d): hs for key, hs in pairs.items() for p, _, d in [key.partition("->")] if hs.requests}
-    return tuple(
-        PairSignals(
-            p,
-            d,
-            hs.requests if hs is not None else 0,
-            (hs.p50_s or 0.0) if hs is not None else 0.0,
-            (hs.p99_s or 0.0) if hs is not None else 0.0,
-            failures.get((p, d), 0),
+    out = []
+    for p, d in sorted(stats.keys() | {k for k, n in failures.items() if n}):
+        hs, now = stats.get((p, d)), (recent or {}).get(f"{p}->{d}")
+        out.append(
+            PairSignals(
+                p,
+                d,
+                hs.requests if hs is not None else 0,
+                (hs.p50_s or 0.0) if hs is not None else 0.0,
+                (hs.p99_s or 0.0) if hs is not None else 0.0,
+                failures.get((p, d), 0),
+                now.requests if now is not None else 0,
+                now.p50_s if now is not None else None,
+            )
         )
-        for p, d in sorted(stats.keys() | {k for k, n in failures.items() if n})
-        for hs in [stats.get((p, d))]
-    )
+    return tuple(out)
 
 
 def _history_s(session: Session, now: float) -> float:
@@ -312,7 +325,7 @@ def observe(
         window_s=window,
         instances=tuple(instances),
         pools=pool_sigs,
-        pairs=_pairs(hand["pair"], tally.pair_failures),
+        pairs=_pairs(hand["pair"], tally.pair_failures, _recent_pairs(tally, now - evc.handoff_recent_s)),
         slo=slo,
         newest_data=newest,
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),

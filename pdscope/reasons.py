@@ -82,7 +82,10 @@ _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
     Reason.NO_DATA: ("weight", "not scraped in the window: held"),
     Reason.SCRAPE_FAILING: ("weight", "scrapes failing, not yet long enough to count as down: held"),
     Reason.ROLE_UNOBSERVABLE: ("weight", "every instance of its role fails its scrapes at once: held"),
-    Reason.INSTANCE_DOWN: ("weight", "its scrapes failed for max(10 s, 3 scrape intervals): weight 0"),
+    Reason.INSTANCE_DOWN: (
+        "weight",
+        "its scrapes failed for max(10 s, 3 scrape intervals), or two in a row could not connect: weight 0",
+    ),
     Reason.INSTANCE_UP: ("weight", "up again after an outage: starts at the floor"),
     Reason.SLOW_PREFILL: (
         "weight (P)",
@@ -112,7 +115,8 @@ _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
     ),
     Reason.TRANSFER_FAILURES: (
         "weight",
-        "failed NIXL transfers (plus attributed lease expiries) from `noise.min_error_events` in the window",
+        "failed NIXL transfers (plus attributed lease expiries) past its peers' median, from "
+        "`noise.min_error_events` in the window",
     ),
     Reason.LEASE_EXPIRIES: (
         "weight (D)",

@@ -5,7 +5,8 @@ Read from a result file's runs (``decisions.analyse``'s figures per seed): the f
 weight, the never-faulty ones among them with the reasons they were cut for, and the reaction (the
 first cut after onset of a faulty instance's weight or of a pool limit, in ticks). A run passes when
 no never-faulty instance was cut and, where the fault names instances, one of them was cut within
-``REACTION_TICKS`` ticks.
+``REACTION_TICKS`` ticks; a fault on one P x D link, when the pair was avoided and neither of its
+ends was cut (:mod:`bench.goodput.pairs`).
 
     .venv/bin/python -m bench.goodput.report --blame bench/results/goodput.json
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.goodput.decisions import HEALTHY_FLOOR
+from bench.goodput.decisions import HEALTHY_FLOOR, REACTION_TICKS
+from bench.goodput.pairs import AVOIDED_SHARE, fault_pair
 
-REACTION_TICKS = 5  # the issue's target: the faulty side cut within 5 ticks of the fault's onset
 CONTROLLED = ("controller", "killed")
 
 
@@ -33,33 +34,42 @@ def blame_rows(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, cell in out.get("cells", {}).items():
         faulty = sorted(cell.get("faulty") or [])
+        pair = fault_pair(cell.get("injections") or [])
         for seed, contenders in _runs(cell):
             for who in CONTROLLED:
                 r = contenders.get(who)
-                if not r or "min_weight" not in r:
-                    continue
-                lowest = {i: w for i, w in r["min_weight"].items() if w < HEALTHY_FLOOR}
-                wrong: dict[str, list[str]] = {}
-                for d in r.get("healthy_cut_detail") or []:
-                    reasons = wrong.setdefault(str(d["subject"]), [])
-                    if d["reason"] not in reasons:
-                        reasons.append(str(d["reason"]))
-                reaction = r.get("reaction_ticks")
-                hit = [i for i in faulty if i in lowest]
-                in_time = reaction is not None and reaction <= REACTION_TICKS and bool(hit)
-                rows.append(
-                    {
-                        "cell": name,
-                        "seed": seed,
-                        "contender": who,
-                        "faulty": faulty,
-                        "cut": lowest,
-                        "healthy_cut": wrong,
-                        "reaction_ticks": reaction,
-                        "passed": not wrong and (in_time or not faulty),
-                    }
-                )
+                if r and "min_weight" in r:
+                    rows.append({"cell": name, "seed": seed, "contender": who, **_verdict(r, faulty, pair)})
     return rows
+
+
+def _verdict(r: dict[str, Any], faulty: list[str], pair: tuple[str, str] | None) -> dict[str, Any]:
+    """Who was cut against who was faulty, in one controlled run. A pair fault passes when neither end
+    was cut (each serves its other links well) and the pair was avoided (:mod:`bench.goodput.pairs`);
+    any other, when one of its instances was cut in time."""
+    lowest = {i: w for i, w in r["min_weight"].items() if w < HEALTHY_FLOOR}
+    wrong: dict[str, list[str]] = {}
+    for d in r.get("healthy_cut_detail") or []:
+        reasons = wrong.setdefault(str(d["subject"]), [])
+        if d["reason"] not in reasons:
+            reasons.append(str(d["reason"]))
+    reaction = r.get("reaction_ticks")
+    share = r.get("pair_share")
+    if pair is not None:
+        for end in pair:  # an end cut for its one slow link is a cut of a healthy instance
+            if end in lowest:
+                wrong.setdefault(end, []).append("cut for its pair")
+        found = share is not None and share <= AVOIDED_SHARE
+    else:
+        found = reaction is not None and reaction <= REACTION_TICKS and any(i in lowest for i in faulty)
+    return {
+        "faulty": [f"{pair[0]} x {pair[1]}"] if pair is not None else faulty,
+        "cut": lowest,
+        "healthy_cut": wrong,
+        "reaction_ticks": reaction,
+        "pair_share": share,
+        "passed": not wrong and (found or (not faulty and pair is None)),
+    }
 
 
 def blame_markdown(out: dict[str, Any]) -> str:
@@ -71,6 +81,8 @@ def blame_markdown(out: dict[str, Any]) -> str:
     rows = blame_rows(out)
     for r in rows:
         cut = ", ".join(f"{i} {w:.2f}" for i, w in sorted(r["cut"].items())) or "none"
+        if r["pair_share"] is not None:
+            cut += f"; the pair carried ×{r['pair_share']:.2f} an even share"
         wrong = "; ".join(f"{i} ({', '.join(why)})" for i, why in sorted(r["healthy_cut"].items())) or "0"
         reaction = "–" if r["reaction_ticks"] is None else f"{r['reaction_ticks']}t"
         lines.append(
@@ -81,6 +93,7 @@ def blame_markdown(out: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"{passed} of {len(rows)} runs pass (no never-faulty instance or pool limit cut; a faulty "
-        f"instance cut within {REACTION_TICKS} ticks)"
+        f"instance cut within {REACTION_TICKS} ticks; a slow pair avoided, carrying at most "
+        f"×{AVOIDED_SHARE:g} an even share from then, with neither of its ends cut)"
     )
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from typing import Any
 from bench.goodput.catalogue import FaultPlan
 
 HEALTHY_FLOOR = 0.9
+REACTION_TICKS = 5  # the target: the faulty side cut within 5 ticks of the fault's onset
 # the proxy's admission defaults in the bench's config (stack.py: 256; the config's 64 GiB)
 LIMIT_DEFAULTS = {"max_inflight_requests": 256.0, "max_inflight_kv_bytes": float(64 * 2**30)}
 

@@ -30,8 +30,9 @@ from bench.goodput.catalogue import (
     FleetShape,
     fault_plan,
 )
-from bench.goodput.decisions import analyse, jsonable, read_decisions
+from bench.goodput.decisions import REACTION_TICKS, analyse, jsonable, read_decisions
 from bench.goodput.oracle import ORACLE_WAIT_S, StaticTable, oracle_schedule, oracle_table
+from bench.goodput.pairs import fault_pair, pair_share, read_pair_counts
 from bench.goodput.predictor import prediction_error, read_predictions
 from bench.goodput.stack import (
     INTERVAL_S,
@@ -286,6 +287,10 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             out.update(analyse(decisions, fault, onset, INTERVAL_S, out["load_from"]))
             since = onset if onset is not None else out["load_from"]
             out["prediction_error"] = prediction_error(read_predictions(stack.store_url, since))
+            pair = fault_pair(fault.injections)
+            if pair is not None and onset is not None:
+                counts = read_pair_counts(stack.store_url, onset + REACTION_TICKS * INTERVAL_S)
+                out["pair_share"] = pair_share(counts, pair, fleet.n_p * fleet.n_d)
             if spec.get("save_decisions"):
                 path = Path(spec["save_decisions"])
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,10 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings,
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
 POLICY_VERSION = 6  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
-# pool's members that are down or cut shed load onto the others, not cut for it (issue 29); 6: failures every
-# peer counts too are the pool's, not one member's (issue 29)
+# pool's members that are down or cut shed load onto the others, not cut for it (issue 29); 6: failures
+# every peer counts too are the pool's, not one member's; an instance unreachable twice is down; a P×D cell
+# read over its recent handoffs too; a P's row failures spread as its handoffs; speed under carried load
+# (issue 29)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class EvidenceConfig:
     # the window's first record later than this share of it into the window: rates over the covered span
     coverage_start_fraction: float = 0.25
     lease_lookback: float = 4.0  # an expired lease is counted a lease after its request: look this many back
+    # a P x D cell is read over the handoffs that finished in these last seconds too (PairSignals.recent_*):
+    # a window's median of a link that just slowed waits for half its samples to be slow
+    handoff_recent_s: float = 5.0
 
 
 # The evidence step's fields that no decision reads: changed in a replay or a shadow (which decide on
@@ -128,6 +133,7 @@ class PolicyConfig:
     min_rate_span_s: float = EvidenceConfig.min_rate_span_s
     coverage_start_fraction: float = EvidenceConfig.coverage_start_fraction
     lease_lookback: float = EvidenceConfig.lease_lookback
+    handoff_recent_s: float = EvidenceConfig.handoff_recent_s
     # admission
     kv_admit_full: float = 0.80  # D pool KV usage at which admission starts to shrink ...
     kv_admit_zero: float = 0.95  # ... reaching the floor here

@@ -79,6 +79,9 @@ class PairSignals:
     handoff_p99_s: float
     # failed handoffs on the pair: failed decode attempts, requests failed at D, expired leases
     failures: int = 0
+    # the handoffs that finished (first token) in the window's last handoff_recent_s
+    recent_requests: int = 0
+    recent_p50_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from controller.policy.scores import (
     score_instance,
     worst,
 )
-from controller.policy.signals import InstanceSignals, Observation, Role
+from controller.policy.signals import InstanceSignals, Observation, PairSignals, Role
 from pdscope.reasons import Reason
 
 EPS = 1e-9
@@ -53,6 +53,7 @@ FAST = ("ttft_now", "nixl_now", "load")
 # What rises on an instance when its pool's load shifts onto it: its queue and its time holding requests
 # (not its speed per request, its handoffs, transfers or errors).
 LOAD = ("ttft", "ttft_now", "load")
+CARRIED = (*LOAD, "speed")  # ... and its speed too, once it finishes clearly more than its peers
 SHIFT_NOTE = "left to admission"  # ends the note of a load score set aside because its pool sheds load
 
 
@@ -117,7 +118,7 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
         out[f"{s.name}_reference"] = None if s.reference is None else _r(s.reference)
         if s.name == "handoff":  # judged by the P×D matrix, or per instance and why
             out["handoff_basis"] = s.note
-        if s.name in LOAD and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it: not cut for it
+        if s.name in CARRIED and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it: not cut for it
             out[f"{s.name}_load_shift"] = s.note
         if s.name in MIXED and s.note.endswith(MIXED_NOTE):  # beside a P-side fault: not the D's
             out[f"{s.name}_mixed"] = s.note
@@ -294,8 +295,12 @@ def shifted_load(
     them for it only shifts the same load on again. So an instance that finishes work at least at its
     peers' pace (within the latency tolerance) is not cut on its load signals (:data:`LOAD`) while
     its pool sheds load; admission is what answers a pool short of capacity. One that finishes less
-    than that (a stuck one finishes nothing) is judged as before, and its speed, handoffs, transfers
-    and errors always are."""
+    than that (a stuck one finishes nothing) is judged as before, and its handoffs, transfers and
+    errors always are. Its speed per request (TTFT less queue) is set aside only once it finishes
+    more than ``latency_tolerance`` times its peers' work: continuous batching makes a P that
+    carries twice the load slower per request, and a 2P fleet whose other P was cut for failing
+    transfers cut the healthy one on it; a P slow per request while it finishes what its peers do is
+    slow, not loaded."""
     done, _ = _done(inst, cfg)
     ref, _, _ = peers.others(_done, inst.name)
     if done is None or ref is None or done * cfg.latency_tolerance < ref:
@@ -304,7 +309,7 @@ def shifted_load(
         f"from the load {', '.join(shed)} shed (down, cut or avoided; it finishes {done:.0f} to its "
         f"peers' {ref:.0f}): {SHIFT_NOTE}"
     )
-    return _set_aside(scores, LOAD, why)
+    return _set_aside(scores, CARRIED if done >= ref * cfg.latency_tolerance else LOAD, why)
 
 
 def _set_aside(scores: tuple[Score, ...], names: Sequence[str], why: str) -> tuple[Score, ...]:
@@ -643,13 +648,30 @@ def _describe(s: Score) -> str:
     return f"{s.name} score {s.value:.2f}"
 
 
+def matrix_cell(x: PairSignals, cfg: PolicyConfig) -> Cell:
+    """A pair's cell of the handoff matrix: the median of its window's handoffs, or of its recent ones
+    (``handoff_recent_s``) where ``min_recent_samples`` of them are past ``latency_tolerance`` times
+    the window's. The window's median of a link that just slowed waits for half of the window to be
+    slow, and the proxies, which steer away from it by prediction, send it few more: a P whose NIC
+    slowed tenfold was blamed 9-10 s after onset. Upward only, and still against the typical pair and
+    the blame threshold: a healthy cell's recent noise is not a blame."""
+    recent = x.recent_p50_s
+    if (
+        recent is not None
+        and x.recent_requests >= cfg.min_recent_samples
+        and recent > x.handoff_p50_s * cfg.latency_tolerance
+    ):
+        return Cell(recent, x.recent_requests)
+    return Cell(x.handoff_p50_s, x.requests)
+
+
 def handoff_matrix(obs: Observation, cfg: PolicyConfig) -> Factorization | None:
-    """The window's P×D matrix of median handoffs over the up instances, factored into P, D and pair
-    effects (:func:`analysis.blame.factor`); None when no pair carried a handoff."""
+    """The window's P×D matrix of median handoffs over the up instances (:func:`matrix_cell`), factored
+    into P, D and pair effects (:func:`analysis.blame.factor`); None when no pair carried a handoff."""
     if not obs.pairs:
         return None
     up = [o for o in obs.instances if o.up]
-    cells = {(x.p_instance, x.d_instance): Cell(x.handoff_p50_s, x.requests) for x in obs.pairs}
+    cells = {(x.p_instance, x.d_instance): matrix_cell(x, cfg) for x in obs.pairs}
     return factor(
         cells,
         [o.name for o in up if o.role == "prefill"],

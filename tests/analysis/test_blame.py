@@ -469,6 +469,7 @@ def test_a_p_failing_toward_every_d_is_a_row() -> None:
         ({(p, "d3"): 5 for p in ("p0", "p1")}, "one D from every P: the D's column"),
         ({(p, d): 2 for p in ("p0", "p1") for d in DS4}, "every pair alike: no P stands out"),
         ({("p1", "d0"): 1, ("p1", "d1"): 1}, "under min_events"),
+        ({("p1", "d3"): 10, ("p1", "d1"): 2}, "one D holds far more than its share, a stray beside it"),
     ],
 )
 def test_what_is_not_a_failing_row(failures: dict[tuple[str, str], int], why: str) -> None:
@@ -479,3 +480,22 @@ def test_a_row_is_judged_by_rate_against_the_other_ps() -> None:
     """Both Ps fail toward every D, one at twice the other's rate or more: that one is the row."""
     failures = {**{("p0", d): 1 for d in DS4}, **{("p1", d): 4 for d in DS4}}
     assert list(failing_rows(failures, _served(), min_events=3)) == ["p1"]
+
+
+def test_a_row_over_two_ds_split_as_a_coin_falls_is_still_a_row() -> None:
+    """Seen on the bench (4P+2D, 30 % of one P's transfers failing): 3 and 7 failures at the two Ds,
+    with 4 and 2 handoffs that came through. The rule it replaces (no D with 70 %) called it one link's
+    trouble and left both Ds charged; a binomial 7 of 10 against a 9-in-16 share is no concentration."""
+    handoffs = {
+        ("p3", "d0"): 4,
+        ("p3", "d1"): 2,
+        **{(f"p{i}", d): 30 for i in range(3) for d in ("d0", "d1")},
+    }
+    assert list(failing_rows({("p3", "d0"): 3, ("p3", "d1"): 7}, handoffs, min_events=3)) == ["p3"]
+    # the same P failing toward one of the two Ds alone: its pair's
+    one_link = {
+        ("p3", "d0"): 12,
+        ("p3", "d1"): 0,
+        **{(f"p{i}", d): 30 for i in range(3) for d in ("d0", "d1")},
+    }
+    assert failing_rows({("p3", "d1"): 10, ("p3", "d0"): 1}, one_link, min_events=3) == {}

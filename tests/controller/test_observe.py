@@ -66,6 +66,10 @@ def test_observation_from_a_seeded_store(world: World) -> None:
     assert d0 is not None and d0.nixl_xfer_mean_s == pytest.approx(0.01) and d0.failed_transfers_per_min == 0
     assert d0.requests == 10 and d0.failed_requests == 0
 
+    # a pair's handoffs of the last handoff_recent_s (5 s) by first token: those of the last two batches
+    pair = next(x for x in obs.pairs if (x.p_instance, x.d_instance) == ("prefill-1", "decode-2"))
+    assert pair.requests == 5 and pair.recent_requests == 2 and pair.recent_p50_s == pytest.approx(0.5)
+
     pools = {p.name: p for p in obs.pools}
     dec = pools["decode"]
     assert dec.completed_per_s == pytest.approx(40 / 10.0)

@@ -205,4 +205,4 @@ def test_the_evidence_config_is_the_policy_configs_evidence_part() -> None:
     cfg = PolicyConfig.defaults(pair_min_samples=3, recent_s=7.0)
     assert cfg.evidence == EvidenceConfig(7.0, cfg.kv_lease_s, cfg.ttft_percentile, pair_min_samples=3)
     assert "ttft_percentile" not in EVIDENCE_ONLY  # the policy reads it too
-    assert len(EVIDENCE_ONLY) == 7
+    assert len(EVIDENCE_ONLY) == 8

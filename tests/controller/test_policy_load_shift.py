@@ -82,3 +82,14 @@ def test_a_peer_slower_per_request_is_cut_on_its_speed_while_load_shifts() -> No
     slow = {"contribution_s": 0.6, "ttft_mean_s": 0.6, "queue_mean_s": 0.0, "ttft_recent_s": 0.6}
     got = _tick({"prefill-0": slow, "prefill-2": DOWN})
     assert _cutting(got["prefill-0"]) and got["prefill-0"].scores["speed"] < 0.5
+
+
+def test_a_peer_carrying_the_load_of_a_cut_one_is_not_cut_on_its_speed() -> None:
+    """Seen on the bench: 2P+4D, one P cut for failing transfers sends a trickle, and the other,
+    finishing five times what the cut one does, is slower per request from its larger batches."""
+    carrying = {**LOADED, "queue_mean_s": 0.0, "load_done": 60.0}
+    got = _tick({"prefill-0": carrying, "prefill-2": DOWN})
+    d = got["prefill-0"]
+    assert not _cutting(d) and "speed_load_shift" in d.inputs
+    # the same per-request time while it finishes what its peers do: slow, not loaded (the case above)
+    assert _cutting(_tick({"prefill-0": {**carrying, "load_done": 20.0}, "prefill-2": DOWN})["prefill-0"])

@@ -211,3 +211,33 @@ def test_the_reason_a_weight_was_cut_for_is_kept_until_it_is_back_at_one() -> No
     state = got["prefill-1"].state
     assert state.weight < 1.0 and state.cut_for == Reason.SLOW_PREFILL_SIDE
     assert got["prefill-0"].state.cut_for is None
+
+
+def _recent_tick(recent: dict[tuple[str, str], tuple[int, float]]) -> dict[str, WeightDecision]:
+    """One tick whose window medians are all fast, and whose pairs' handoffs of the last seconds are
+    ``recent`` ((count, median) per pair; else as many as the window's last sixth, fast)."""
+    insts = tuple(replace(i, handoff_p50_s=FAST) for i in fleet())
+    cells = tuple(
+        PairSignals(p, d, 20, FAST, 0.1, 0, *recent.get((p, d), (4, FAST)))
+        for p in ("prefill-0", "prefill-1")
+        for d in ("decode-0", "decode-1", "decode-2", "decode-3")
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    return {d.instance: d for d in decide_weights(obs, {}, CFG)}
+
+
+def test_a_p_row_that_just_slowed_is_cut_before_its_window_median_turns() -> None:
+    """Seen on the bench: a P's NIC slowed tenfold, the proxies left it by prediction, and its cells'
+    window medians stayed fast for 9-10 s. Its handoffs of the last seconds are all slow."""
+    got = _recent_tick({("prefill-1", f"decode-{d}"): (6, SLOW) for d in range(4)})
+    assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
+    assert "its row is ×10.00" in got["prefill-1"].message
+
+
+def test_recent_handoffs_too_few_or_within_the_tolerance_blame_nobody() -> None:
+    assert _cut(_recent_tick({("prefill-1", f"decode-{d}"): (4, SLOW) for d in range(4)})) == {}
+    within = {(f"prefill-{p}", f"decode-{d}"): (8, FAST * 1.4) for p in range(2) for d in range(4)}
+    assert _cut(_recent_tick(within)) == {}
+    # every cell slower of late alike: the typical pair moved with them, no line stands out
+    alike = {(f"prefill-{p}", f"decode-{d}"): (8, SLOW) for p in range(2) for d in range(4)}
+    assert _cut(_recent_tick(alike)) == {}
