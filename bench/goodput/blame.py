@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.goodput.decisions import HEALTHY_FLOOR, REACTION_TICKS
+from bench.goodput.explained import names_faulty
 from bench.goodput.pairs import AVOIDED_SHARE, fault_pair
 
 CONTROLLED = ("controller", "killed")
@@ -62,6 +63,7 @@ def _verdict(r: dict[str, Any], faulty: list[str], pair: tuple[str, str] | None)
         found = share is not None and share <= AVOIDED_SHARE
     else:
         found = reaction is not None and reaction <= REACTION_TICKS and any(i in lowest for i in faulty)
+    top = r.get("explain_top")
     return {
         "faulty": [f"{pair[0]} x {pair[1]}"] if pair is not None else faulty,
         "cut": lowest,
@@ -69,14 +71,26 @@ def _verdict(r: dict[str, Any], faulty: list[str], pair: tuple[str, str] | None)
         "reaction_ticks": reaction,
         "pair_share": share,
         "passed": not wrong and (found or (not faulty and pair is None)),
+        "explain_top": top,
+        "explain_agrees": None
+        if not top or not (faulty or pair)
+        else names_faulty(top["place"], faulty, pair),
     }
+
+
+def _explained(r: dict[str, Any]) -> str:
+    top = r["explain_top"]
+    if not top:
+        return "–"
+    mark = {True: "", False: " ✗", None: ""}[r["explain_agrees"]]
+    return f"{top['place']} ({top['stage']}, {top['cause']}, {top['share']:.0%}){mark}"
 
 
 def blame_markdown(out: dict[str, Any]) -> str:
     lines = [
         f"| cell | seed | contender | faulty | cut (lowest weight < {HEALTHY_FLOOR}) | never-faulty cut "
-        f"(reasons) | reaction | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        f"(reasons) | reaction | explain's top reason | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = blame_rows(out)
     for r in rows:
@@ -87,13 +101,20 @@ def blame_markdown(out: dict[str, Any]) -> str:
         reaction = "–" if r["reaction_ticks"] is None else f"{r['reaction_ticks']}t"
         lines.append(
             f"| {r['cell']} | {r['seed']} | {r['contender']} | {', '.join(r['faulty']) or '–'} | {cut} | "
-            f"{wrong} | {reaction} | {'PASS' if r['passed'] else 'MISS'} |"
+            f"{wrong} | {reaction} | {_explained(r)} | {'PASS' if r['passed'] else 'MISS'} |"
         )
     passed = sum(1 for r in rows if r["passed"])
+    judged = [r for r in rows if r["explain_agrees"] is not None]
     lines.append("")
     lines.append(
         f"{passed} of {len(rows)} runs pass (no never-faulty instance or pool limit cut; a faulty "
         f"instance cut within {REACTION_TICKS} ticks; a slow pair avoided, carrying at most "
         f"×{AVOIDED_SHARE:g} an even share from then, with neither of its ends cut)"
     )
+    if judged:
+        lines.append(
+            f"explain's top reason over the faulty phase names the faulty side (the instance, its row "
+            f"P->*, its column *->D, or the pair) in {sum(1 for r in judged if r['explain_agrees'])} of "
+            f"{len(judged)} runs (✗: it does not)"
+        )
     return "\n".join(lines)

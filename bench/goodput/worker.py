@@ -31,6 +31,7 @@ from bench.goodput.catalogue import (
     fault_plan,
 )
 from bench.goodput.decisions import REACTION_TICKS, analyse, jsonable, read_decisions
+from bench.goodput.explained import top_reason
 from bench.goodput.oracle import ORACLE_WAIT_S, StaticTable, oracle_schedule, oracle_table
 from bench.goodput.pairs import fault_pair, pair_share, read_pair_counts
 from bench.goodput.predictor import prediction_error, read_predictions
@@ -258,6 +259,30 @@ async def load_phase(
     return out, onset.at
 
 
+def _blame_figures(
+    spec: dict[str, Any],
+    fleet: FleetShape,
+    fault: FaultPlan,
+    stack: Stack,
+    onset: float | None,
+    load_from: float,
+) -> dict[str, Any]:
+    """A controlled run's figures from its store besides its decisions: the predictor's error, a pair
+    fault's traffic through the pair (:mod:`bench.goodput.pairs`) and explain's top reason over the
+    faulty phase (:mod:`bench.goodput.explained`)."""
+    since = onset if onset is not None else load_from
+    out: dict[str, Any] = {"prediction_error": prediction_error(read_predictions(stack.store_url, since))}
+    pair = fault_pair(fault.injections)
+    if pair is not None and onset is not None:
+        counts = read_pair_counts(stack.store_url, onset + REACTION_TICKS * INTERVAL_S)
+        out["pair_share"] = pair_share(counts, pair, fleet.n_p * fleet.n_d)
+    if onset is not None:
+        out["explain_top"] = top_reason(
+            stack.store_url, stack.config, onset, onset + float(spec["measure_s"])
+        )
+    return out
+
+
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     fleet = FLEETS[spec["fleet"]]
     contender = spec["contender"]
@@ -285,12 +310,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         if contender in CONTROLLED:
             decisions = read_decisions(stack.store_url)
             out.update(analyse(decisions, fault, onset, INTERVAL_S, out["load_from"]))
-            since = onset if onset is not None else out["load_from"]
-            out["prediction_error"] = prediction_error(read_predictions(stack.store_url, since))
-            pair = fault_pair(fault.injections)
-            if pair is not None and onset is not None:
-                counts = read_pair_counts(stack.store_url, onset + REACTION_TICKS * INTERVAL_S)
-                out["pair_share"] = pair_share(counts, pair, fleet.n_p * fleet.n_d)
+            out.update(_blame_figures(spec, fleet, fault, stack, onset, out["load_from"]))
             if spec.get("save_decisions"):
                 path = Path(spec["save_decisions"])
                 path.parent.mkdir(parents=True, exist_ok=True)
