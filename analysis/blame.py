@@ -426,22 +426,29 @@ def _plural(n: int, what: str) -> str:
 
 # -- failures: counts, not times ---------------------------------------------------------------------
 
-ROW_MIN_PER_D = 2  # a row's failures show at two Ds or more, with this many at each
-ROW_Z = 2.0  # ... and no D holds more of them than its share of the P's handoffs by this many deviations
+ROW_MIN_PER_D = 2  # a D counts in a P's row with this many of the P's failures or more
 
 
-def _concentrated(ds: Mapping[str, int], sent: Mapping[str, int]) -> str | None:
-    """The D that holds clearly more of a P's failures ``ds`` than its share of the P's handoffs
-    ``sent`` (failed ones included) gives it: past the binomial expectation by :data:`ROW_Z` standard
-    deviations. None: the failures are spread as the handoffs were."""
-    f, total = sum(ds.values()), sum(sent.values())
-    if total <= 0:
-        return None
-    for d, n in sorted(ds.items(), key=lambda kv: -kv[1]):
-        share = min(1.0, sent.get(d, 0) / total)
-        if n > f * share + ROW_Z * math.sqrt(f * share * (1.0 - share)):
-            return d
-    return None
+def _rate(failed: int, served: int) -> float:
+    return failed / (failed + served) if failed + served > 0 else 0.0
+
+
+def _failing_toward(
+    p: str, ds: Iterable[str], failures: Mapping[Pair, int], handoffs: Mapping[Pair, int], ratio: float
+) -> list[str]:
+    """The Ds among ``ds`` that ``p``'s handoffs fail toward: :data:`ROW_MIN_PER_D` failures or more,
+    at ``ratio`` times the other Ps' pooled rate toward that D or more (failing from every P is the
+    D's trouble, not any P's)."""
+    out = []
+    for d in sorted(ds):
+        f = failures.get((p, d), 0)
+        if f < ROW_MIN_PER_D:
+            continue
+        other_f = sum(n for (q, e), n in failures.items() if e == d and q != p)
+        other_h = sum(n for (q, e), n in handoffs.items() if e == d and q != p)
+        if _rate(f, handoffs.get((p, d), 0)) >= ratio * _rate(other_f, other_h):
+            out.append(d)
+    return out
 
 
 def failing_rows(
@@ -449,39 +456,35 @@ def failing_rows(
 ) -> dict[str, str]:
     """The Ps failing toward every D: P -> why. A failed handoff is counted by the D that pulled it,
     so a P whose transfers fail toward every D reads as every D failing. A P's failures are its row's
-    when there are at least ``min_events`` of them, :data:`ROW_MIN_PER_D` or more at each of two Ds
-    or more, spread over its Ds as its handoffs were (no D holding clearly more than its share: one
-    link's trouble, :func:`_concentrated`), and its failure rate (failures over its handoffs and
-    failures) is at least ``ratio`` times the other Ps' pooled rate. A share rule (no D with 70 % of
-    them) read a 7-of-10 split over two Ds, a coin's toss, as one link's trouble, and left both Ds
-    charged. Failures are counts, often zero, so this is a rate comparison rather than
-    :func:`factor`'s polish on logs; the anchoring is the same: the rest of the fleet is the healthy
-    reference."""
-    per_p: dict[str, dict[str, int]] = {}
+    when there are at least ``min_events`` of them, it fails toward more than half of the Ds it handed
+    off to and two at least (:func:`_failing_toward`: one D is one link's trouble), and its failure
+    rate (failures over its handoffs and failures) is at least ``ratio`` times the other Ps' pooled
+    rate. A rule on shares (no D with 70 % of them) read a 7-to-3 split over two Ds as one link's, and
+    one on binomial shares failed when the proxies had left one D after its failures: counts of where
+    the failures fell, not how evenly. Failures are counts, often zero, so this is a rate comparison
+    rather than :func:`factor`'s polish on logs; the anchoring is the same: the rest of the fleet is
+    the healthy reference."""
     served: dict[str, int] = {}
-    sent: dict[str, dict[str, int]] = {}
-    for (p, d), n in failures.items():
-        if n > 0:
-            per_p.setdefault(p, {})[d] = n
-            sent.setdefault(p, {})[d] = n
+    reached: dict[str, set[str]] = {}
     for (p, d), n in handoffs.items():
         served[p] = served.get(p, 0) + max(n, 0)
-        sent.setdefault(p, {})[d] = sent.get(p, {}).get(d, 0) + max(n, 0)
-    total_f = sum(sum(ds.values()) for ds in per_p.values())
-    total_h = sum(served.values())
+        reached.setdefault(p, set()).add(d)
+    per_p: dict[str, int] = {}
+    for (p, d), n in failures.items():
+        if n > 0:
+            per_p[p] = per_p.get(p, 0) + n
+            reached.setdefault(p, set()).add(d)
+    total_f, total_h = sum(per_p.values()), sum(served.values())
     rows: dict[str, str] = {}
-    for p, ds in sorted(per_p.items()):
-        f = sum(ds.values())
-        if f < min_events or sum(1 for n in ds.values() if n >= ROW_MIN_PER_D) < 2:
+    for p, f in sorted(per_p.items()):
+        toward = _failing_toward(p, reached[p], failures, handoffs, ratio)
+        if f < min_events or len(toward) < 2 or 2 * len(toward) <= len(reached[p]):
             continue
-        if _concentrated(ds, sent[p]) is not None:
-            continue
-        own = f / (f + served.get(p, 0))
-        other_f, other_h = total_f - f, total_h - served.get(p, 0)
-        others = other_f / (other_f + other_h) if other_f + other_h > 0 else 0.0
+        own = _rate(f, served.get(p, 0))
+        others = _rate(total_f - f, total_h - served.get(p, 0))
         if own >= ratio * others:
             rows[p] = (
-                f"{p}'s handoffs fail toward {len(ds)} Ds alike: {f} failed of {f + served.get(p, 0)} "
-                f"({own:.0%}, the other Ps' {others:.0%})"
+                f"{p}'s handoffs fail toward {len(toward)} of its {len(reached[p])} Ds: {f} failed of "
+                f"{f + served.get(p, 0)} ({own:.0%}, the other Ps' {others:.0%})"
             )
     return rows

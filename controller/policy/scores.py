@@ -270,6 +270,7 @@ class PeerIndex:
 
 SHARED_NOTE = "is the pool's, not its own"  # an errors note whose peers' common count was set aside
 MATRIX_NOTE = "P×D handoff matrix"  # how a handoff score judged by the matrix starts its note
+PAIR_NOTE = "the proxies route around the pair"  # ends the note of an end of a blamed pair
 
 
 def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: float) -> Score | None:
@@ -285,8 +286,16 @@ def _matrix_handoff(inst: InstanceSignals, matrix: Factorization | None, tol: fl
     if effect is None or not effect.judged or matrix.typical <= 0:
         return _beside_a_blamed_line(inst, matrix)
     blamed = any(b.side == inst.role and b.name == inst.name for b in matrix.blames)
-    if not blamed and any(b.side == "pair" and inst.name in b.name.split("|") for b in matrix.blames):
-        return None  # one slow pair: its P and D are judged per instance, as before the matrix
+    pairs = [
+        b.name.replace("|", "->")
+        for b in matrix.blames
+        if b.side == "pair" and inst.name in b.name.split("|")
+    ]
+    if not blamed and pairs:
+        # one slow pair: the link's, not its ends' (each serves its other links well); the proxies route
+        # around it by the pair's handoff in the routing table's rates
+        note = f"{MATRIX_NOTE}: blames its pair {', '.join(pairs)}, not it: {PAIR_NOTE}"
+        return Score("handoff", 1.0, inst.handoff_p50_s, matrix.typical, note)
     line = "row" if inst.role == "prefill" else "column"
     note = (
         f"{MATRIX_NOTE}: its {line} is ×{effect.ratio:.2f} the typical pair's {matrix.typical:.3f}s "
@@ -389,9 +398,23 @@ def score_instance(
     if inst.role == "decode":
         scores.append(relative("nixl", _nixl, tol, "NIXL xfer s per transfer"))
         scores.append(relative("nixl_now", _nixl_now, fast, "NIXL xfer s over the last 3 scrapes"))
-    shared, _, _ = index.others(_ErrorEvents(window_s), inst.name)
-    scores.extend(evidence_scores(inst, cfg, window_s, shared or 0.0))
+    events, _, _ = index.others(_ErrorEvents(window_s), inst.name)
+    failed, _, _ = index.others(_failed_share, inst.name)
+    scores.extend(evidence_scores(inst, cfg, window_s, Shared(events or 0.0, failed or 0.0)))
     return tuple(scores)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What an instance's peers show alike, the medians of the others: the pool's, not its own."""
+
+    events: float = 0.0  # failed transfers and attributed expiries in the window (error_events)
+    failed_share: float = 0.0  # share of their requests that failed
+
+
+def _failed_share(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | None, float | None]:
+    n = max(inst.requests, inst.failed_requests)
+    return (inst.failed_requests / n, None) if n > 0 else (None, None)
 
 
 def own_error_events(events: float, shared: float, cfg: PolicyConfig) -> float:
@@ -407,16 +430,16 @@ def own_error_events(events: float, shared: float, cfg: PolicyConfig) -> float:
 
 
 def evidence_scores(
-    inst: InstanceSignals, cfg: PolicyConfig, window_s: float, shared: float = 0.0
+    inst: InstanceSignals, cfg: PolicyConfig, window_s: float, shared: Shared = Shared()
 ) -> list[Score]:
     """The absolute signals, facts rather than comparisons with peers: failed transfers and attributed
     lease expiries past what its peers share (:func:`own_error_events`), the instance's own failed
-    requests, KV usage."""
+    requests (the lower bound of their share, past the peers' median share), KV usage."""
     scores: list[Score] = []
     events = error_events(inst, window_s)
     per_min = max(window_s / 60.0, 1e-9)
-    own = own_error_events(events, shared, cfg)
-    common = f"; the peers' median {shared:.0f} {SHARED_NOTE}" if shared > 0 else ""
+    own = own_error_events(events, shared.events, cfg)
+    common = f"; the peers' median {shared.events:.0f} {SHARED_NOTE}" if shared.events > 0 else ""
     scores.append(
         Score(
             "errors",
@@ -432,13 +455,19 @@ def evidence_scores(
         if inst.failed_requests >= cfg.min_error_events
         else 0.0
     )
+    alike = (
+        f"; the peers' median share {shared.failed_share:.0%} {SHARED_NOTE}"
+        if shared.failed_share > 0
+        else ""
+    )
     scores.append(
         Score(
             "failures",
-            1.0 / (1.0 + low / cfg.failure_ref_fraction),
+            1.0 / (1.0 + max(0.0, low - shared.failed_share) / cfg.failure_ref_fraction),
             low,
             cfg.failure_ref_fraction,
-            f"its own failed requests: {inst.failed_requests} of {inst.requests} (lower bound of the share)",
+            f"its own failed requests: {inst.failed_requests} of {inst.requests} (lower bound of the share)"
+            f"{alike}",
         )
     )
     scores.append(Score("kv", kv_score(inst.kv_usage, cfg), inst.kv_usage, cfg.kv_soft, "KV usage"))

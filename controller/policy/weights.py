@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
-from analysis.blame import BlameConfig, Cell, Factorization, factor, failing_rows
+from analysis.blame import Factorization, failing_rows
 from controller.policy.config import PolicyConfig
+from controller.policy.matrix import handoff_matrix
 from controller.policy.scores import (
     MATRIX_NOTE,
     SHARED_NOTE,
@@ -41,7 +42,7 @@ from controller.policy.scores import (
     score_instance,
     worst,
 )
-from controller.policy.signals import InstanceSignals, Observation, PairSignals, Role
+from controller.policy.signals import InstanceSignals, Observation, Role
 from pdscope.reasons import Reason
 
 EPS = 1e-9
@@ -118,12 +119,12 @@ def _inputs(inst: InstanceSignals, scores: tuple[Score, ...]) -> dict[str, Any]:
         out[f"{s.name}_reference"] = None if s.reference is None else _r(s.reference)
         if s.name == "handoff":  # judged by the P×D matrix, or per instance and why
             out["handoff_basis"] = s.note
-        if s.name in CARRIED and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it: not cut for it
+        if s.name in (*CARRIED, "handoff") and s.note.endswith(SHIFT_NOTE):  # its pool shed load onto it
             out[f"{s.name}_load_shift"] = s.note
         if s.name in MIXED and s.note.endswith(MIXED_NOTE):  # beside a P-side fault: not the D's
             out[f"{s.name}_mixed"] = s.note
-        if s.name == "errors" and SHARED_NOTE in s.note:  # what its peers count too is not its own
-            out["errors_basis"] = s.note
+        if s.name in ("errors", "failures") and SHARED_NOTE in s.note:  # what its peers count too
+            out[f"{s.name}_basis"] = s.note
     return out
 
 
@@ -309,15 +310,25 @@ def shifted_load(
         f"from the load {', '.join(shed)} shed (down, cut or avoided; it finishes {done:.0f} to its "
         f"peers' {ref:.0f}): {SHIFT_NOTE}"
     )
-    return _set_aside(scores, CARRIED if done >= ref * cfg.latency_tolerance else LOAD, why)
+    names = CARRIED if done >= ref * cfg.latency_tolerance else LOAD
+    if (
+        inst.role == "decode"
+    ):  # a D's handoff holds its queue for a batch slot: it rises with the load it took
+        return _set_aside(scores, (*names, "handoff"), why, matrix_too=True)
+    return _set_aside(scores, names, why)
 
 
-def _set_aside(scores: tuple[Score, ...], names: Sequence[str], why: str) -> tuple[Score, ...]:
+def _set_aside(
+    scores: tuple[Score, ...], names: Sequence[str], why: str, matrix_too: bool = False
+) -> tuple[Score, ...]:
     """``scores`` with those named in ``names`` that would cut scored 1, their note saying ``why`` (a
-    handoff judged by the P×D matrix keeps its score: the matrix already placed its slowness)."""
+    handoff judged by the P×D matrix keeps its score unless ``matrix_too``: the matrix already placed
+    its slowness on a side)."""
     return tuple(
         replace(s, value=1.0, note=f"{s.note}; {s.value:.2f} {why}")
-        if s.name in names and s.value < 1.0 and not (s.name == "handoff" and s.note.startswith(MATRIX_NOTE))
+        if s.name in names
+        and s.value < 1.0
+        and (matrix_too or not (s.name == "handoff" and s.note.startswith(MATRIX_NOTE)))
         else s
         for s in scores
     )
@@ -336,8 +347,24 @@ def mixed_transfers(scores: tuple[Score, ...], slow_ps: Sequence[str]) -> tuple[
     get, and healthy Ds were cut on `SlowKVTransfer` for one P's NIC. Set aside, with why; a handoff
     the P×D matrix judged (its column against the typical pair) and its errors, failures and KV
     still count."""
-    why = f"but it mixes the transfers of {', '.join(slow_ps)}, slow or failing on its own side: {MIXED_NOTE}"
+    why = (
+        f"but it mixes the transfers of {', '.join(slow_ps)}, slow or failing on their side or their link to "
+        f"it: {MIXED_NOTE}"
+    )
     return _set_aside(scores, MIXED, why)
+
+
+def pair_ends(matrix: Factorization | None) -> dict[str, list[str]]:
+    """Per instance at an end of a pair the matrix blames, the other ends: the proxies route around the
+    pair, so its P's and D's load moves to the others (:func:`shedding`), and the D's transfer means mix
+    the pair's slow pulls (:func:`mixed_transfers`)."""
+    out: dict[str, list[str]] = {}
+    for b in matrix.blames if matrix is not None else ():
+        if b.side == "pair":
+            p, _, d = b.name.partition("|")
+            out.setdefault(p, []).append(d)
+            out.setdefault(d, []).append(p)
+    return out
 
 
 def p_side_faults(
@@ -358,11 +385,15 @@ def p_side_faults(
     return sorted(out)
 
 
-def shedding(obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig) -> dict[str, list[str]]:
-    """Per pool, its members whose load is on the others: down, cut, or served less than half the
+def shedding(
+    obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfig, ends: Mapping[str, list[str]] = {}
+) -> dict[str, list[str]]:
+    """Per pool, its members whose load is on the others: down, cut, served less than half the
     requests of the pool's median member in the window (the proxies route by prediction and avoid an
     instance before any weight is cut: a P whose NIC slowed got none of a 2P+4D fleet's requests
-    while its weight was still 1, and its peer's queue doubled)."""
+    while its weight was still 1, and its peer's queue doubled), or at an end of a blamed pair
+    (``ends``, :func:`pair_ends`: a 4P+2D fleet's proxies left one P's link to one D, and two healthy
+    Ps were cut on `SlowPrefill` for the load it moved)."""
     served: dict[str, list[int]] = {}
     for inst in obs.instances:
         if inst.up:
@@ -372,7 +403,8 @@ def shedding(obs: Observation, prev: Mapping[str, WeightState], cfg: PolicyConfi
     for inst in obs.instances:
         ref = typical.get(inst.pool, 0.0)
         avoided = inst.up is True and ref >= cfg.min_samples and inst.requests < ref / 2.0
-        if inst.up is False or avoided or prev.get(inst.name, WeightState()).weight < 1.0 - EPS:
+        cut = prev.get(inst.name, WeightState()).weight < 1.0 - EPS
+        if inst.up is False or avoided or cut or inst.name in ends:
             out.setdefault(inst.pool, []).append(inst.name)
     return out
 
@@ -648,36 +680,23 @@ def _describe(s: Score) -> str:
     return f"{s.name} score {s.value:.2f}"
 
 
-def matrix_cell(x: PairSignals, cfg: PolicyConfig) -> Cell:
-    """A pair's cell of the handoff matrix: the median of its window's handoffs, or of its recent ones
-    (``handoff_recent_s``) where ``min_recent_samples`` of them are past ``latency_tolerance`` times
-    the window's. The window's median of a link that just slowed waits for half of the window to be
-    slow, and the proxies, which steer away from it by prediction, send it few more: a P whose NIC
-    slowed tenfold was blamed 9-10 s after onset. Upward only, and still against the typical pair and
-    the blame threshold: a healthy cell's recent noise is not a blame."""
-    recent = x.recent_p50_s
-    if (
-        recent is not None
-        and x.recent_requests >= cfg.min_recent_samples
-        and recent > x.handoff_p50_s * cfg.latency_tolerance
-    ):
-        return Cell(recent, x.recent_requests)
-    return Cell(x.handoff_p50_s, x.requests)
-
-
-def handoff_matrix(obs: Observation, cfg: PolicyConfig) -> Factorization | None:
-    """The window's P×D matrix of median handoffs over the up instances (:func:`matrix_cell`), factored
-    into P, D and pair effects (:func:`analysis.blame.factor`); None when no pair carried a handoff."""
-    if not obs.pairs:
-        return None
-    up = [o for o in obs.instances if o.up]
-    cells = {(x.p_instance, x.d_instance): matrix_cell(x, cfg) for x in obs.pairs}
-    return factor(
-        cells,
-        [o.name for o in up if o.role == "prefill"],
-        [o.name for o in up if o.role == "decode"],
-        BlameConfig(min_samples=cfg.min_samples, threshold=cfg.blame_threshold),
-    )
+def _unjudgeable(
+    inst: InstanceSignals, p: WeightState, age: float | None, stale: bool, unobservable: bool
+) -> WeightDecision | None:
+    """The hold of an instance the tick cannot judge: the data is stale, or every instance of its role
+    fails its scrapes at once (far more often the collector or its network than the fleet; all-zero
+    weights would also route nothing). None: it can be judged."""
+    if stale:
+        what = "no snapshots at all" if age is None else f"newest snapshot {age:.0f}s old"
+        message = f"{inst.name}: {what} (collector behind); weight held at {p.weight:.2f}"
+        return _hold(inst, p, Reason.STALE_DATA, message)
+    if inst.up is False and unobservable:
+        message = (
+            f"{inst.name}: every {inst.role} instance fails its scrapes (collector or network?); weight "
+            f"held at {p.weight:.2f}"
+        )
+        return _hold(inst, p, Reason.ROLE_UNOBSERVABLE, message)
+    return None
 
 
 def decide_weights(
@@ -695,38 +714,20 @@ def decide_weights(
     # each role's up instances, indexed once: every instance is scored against the others
     peers = {r: PeerIndex([o for o in members if o.up], cfg) for r, members in by_role.items()}
     matrix = handoff_matrix(obs, cfg)
-    shed = shedding(obs, prev, cfg)
+    ends = pair_ends(matrix)
+    shed = shedding(obs, prev, cfg, ends)
     slow_ps = p_side_faults(obs, prev, matrix)
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
-        if stale:
-            what = "no snapshots at all" if age is None else f"newest snapshot {age:.0f}s old"
-            out.append(
-                _hold(
-                    inst,
-                    p,
-                    Reason.STALE_DATA,
-                    f"{inst.name}: {what} (collector behind); weight held at {p.weight:.2f}",
-                )
-            )
-            continue
-        if inst.up is False and inst.role in unobservable:
-            # Every instance of a role failing its scrapes at once is far more often the collector or
-            # its network than the fleet; all-zero weights would also route nothing. Hold them.
-            out.append(
-                _hold(
-                    inst,
-                    p,
-                    Reason.ROLE_UNOBSERVABLE,
-                    f"{inst.name}: every {inst.role} instance fails its "
-                    f"scrapes (collector or network?); weight held at {p.weight:.2f}",
-                )
-            )
+        held = _unjudgeable(inst, p, age if stale else None, stale, inst.role in unobservable)
+        if held is not None:
+            out.append(held)
             continue
         others = [n for n in shed.get(inst.pool, ()) if n != inst.name]
+        beside = slow_ps + ends.get(inst.name, []) if inst.role == "decode" else slow_ps
         out.append(
             step_instance(
-                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others, slow_ps
+                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others, beside
             )
         )
     return _annotated(out, obs, basis)

@@ -459,7 +459,7 @@ def _served(n: int = 20) -> dict[tuple[str, str], int]:
 def test_a_p_failing_toward_every_d_is_a_row() -> None:
     rows = failing_rows({("p1", d): 3 for d in DS4}, _served(), min_events=3)
     assert list(rows) == ["p1"]
-    assert "toward 4 Ds alike: 12 failed of 92 (13%, the other Ps' 0%)" in rows["p1"]
+    assert "toward 4 of its 4 Ds: 12 failed of 92 (13%, the other Ps' 0%)" in rows["p1"]
 
 
 @pytest.mark.parametrize(
@@ -485,7 +485,7 @@ def test_a_row_is_judged_by_rate_against_the_other_ps() -> None:
 def test_a_row_over_two_ds_split_as_a_coin_falls_is_still_a_row() -> None:
     """Seen on the bench (4P+2D, 30 % of one P's transfers failing): 3 and 7 failures at the two Ds,
     with 4 and 2 handoffs that came through. The rule it replaces (no D with 70 %) called it one link's
-    trouble and left both Ds charged; a binomial 7 of 10 against a 9-in-16 share is no concentration."""
+    trouble and left both Ds charged."""
     handoffs = {
         ("p3", "d0"): 4,
         ("p3", "d1"): 2,
@@ -499,3 +499,15 @@ def test_a_row_over_two_ds_split_as_a_coin_falls_is_still_a_row() -> None:
         **{(f"p{i}", d): 30 for i in range(3) for d in ("d0", "d1")},
     }
     assert failing_rows({("p3", "d1"): 10, ("p3", "d0"): 1}, one_link, min_events=3) == {}
+
+
+def test_a_row_whose_failures_the_proxies_steered_unevenly_is_still_a_row() -> None:
+    """Seen on the bench (2P+4D): the proxies had left decode-0 after its first failures, so 12 of the
+    P's 14 handoffs to it had failed against 5 of 17 to decode-1: unevenly spread, but toward every D,
+    and the other P's handoffs to each D came through."""
+    failures = {("p1", "d0"): 12, ("p1", "d1"): 5, ("p1", "d2"): 10, ("p1", "d3"): 7}
+    handoffs = {("p1", "d0"): 2, ("p1", "d1"): 12, ("p1", "d2"): 6, ("p1", "d3"): 15}
+    handoffs |= {("p0", d): 12 for d in DS4}
+    assert list(failing_rows(failures, handoffs, min_events=3)) == ["p1"]
+    # two of four Ds is not more than half: one link's trouble and a stray
+    assert failing_rows({("p1", "d3"): 10, ("p1", "d1"): 2}, _served(), min_events=3) == {}

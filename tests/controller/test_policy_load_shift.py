@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from controller.policy import InstanceSignals, Observation, PolicyConfig, WeightDecision
-from controller.policy.weights import WeightState, decide_weights
+from controller.policy.weights import WeightState, decide_weights, shedding
 from pdscope.reasons import Reason
 from tests.controller.replay import T0, fleet
 
@@ -93,3 +93,14 @@ def test_a_peer_carrying_the_load_of_a_cut_one_is_not_cut_on_its_speed() -> None
     assert not _cutting(d) and "speed_load_shift" in d.inputs
     # the same per-request time while it finishes what its peers do: slow, not loaded (the case above)
     assert _cutting(_tick({"prefill-0": {**carrying, "load_done": 20.0}, "prefill-2": DOWN})["prefill-0"])
+
+
+def test_the_ends_of_a_blamed_pair_shed_load_onto_their_peers() -> None:
+    """The proxies route around a slow pair: its P sends less (and its D gets less), and the others take
+    it. Seen on the bench, 4P+2D: two healthy Ps cut on `SlowPrefill` for the load one P's slow link to
+    one D moved onto them."""
+    insts = tuple(replace(i, requests=20) for i in fleet(3, 2))
+    obs = Observation(now=T0, window_s=30.0, instances=insts, newest_data=T0)
+    assert shedding(obs, {}, CFG) == {}
+    ends = {"prefill-2": ["decode-1"], "decode-1": ["prefill-2"]}
+    assert shedding(obs, {}, CFG, ends) == {"prefill": ["prefill-2"], "decode": ["decode-1"]}

@@ -72,14 +72,38 @@ def test_a_d_slow_toward_every_p_is_cut_as_a_d_and_no_p_is_cut() -> None:
     assert "P×D handoff matrix: its column is ×10.00" in got["decode-3"].message
 
 
-def test_one_slow_pair_leaves_its_p_and_d_to_per_instance_evidence() -> None:
-    """A slow pair is blamed as a pair; its P and D are judged per instance, as before the matrix (the
-    pair's D, whose own median the pair's handoffs may set, is cheaper to lose than a P; the bench's
-    oracle cuts it), and nobody else is cut."""
+def test_one_slow_pair_is_the_pairs_and_cuts_neither_end() -> None:
+    """A slow pair is blamed as a pair: its P and D each serve their other links well, and the proxies
+    route around the pair by its handoff in the routing table's rates. Before, its D was judged on its
+    own median, which the pair's handoffs had set, and cut (`SlowHandoff`; on the bench, on its NIXL
+    mean, `SlowKVTransfer`)."""
     got = _tick({"decode-2": SLOW}, {("prefill-0", "decode-2"): SLOW})
-    assert _cut(got) == {"decode-2": "SlowHandoff"}
-    assert got["decode-2"].inputs["handoff_basis"].startswith("handoff p50 s vs peers' median")
+    assert _cut(got) == {}
+    basis = got["decode-2"].inputs["handoff_basis"]
+    assert basis.startswith("P×D handoff matrix: blames its pair prefill-0->decode-2, not it")
+    assert got["prefill-0"].inputs["handoff_basis"].startswith("P×D handoff matrix: blames its pair")
     assert got["decode-1"].inputs["handoff_basis"].startswith("P×D handoff matrix: its column")
+
+
+def test_the_pairs_d_is_not_cut_on_transfer_means_its_pair_sets() -> None:
+    insts = tuple(
+        replace(
+            i,
+            handoff_p50_s=SLOW if i.name == "decode-2" else FAST,
+            nixl_xfer_mean_s=0.4 if i.name == "decode-2" else 0.02,
+            nixl_transfers=50.0,
+        )
+        for i in fleet()
+    )
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if (p, d) == (0, 2) else FAST, 0.1)
+        for p in range(2)
+        for d in range(4)
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert _cut(got) == {}
+    assert "mixes the transfers of prefill-0" in got["decode-2"].inputs["nixl_mixed"]
 
 
 def test_a_p_that_the_matrix_cannot_judge_is_judged_per_instance_and_says_so() -> None:
@@ -234,10 +258,67 @@ def test_a_p_row_that_just_slowed_is_cut_before_its_window_median_turns() -> Non
     assert "its row is ×10.00" in got["prefill-1"].message
 
 
+def test_a_row_whose_few_recent_handoffs_all_slowed_is_read_over_them() -> None:
+    """The same tick as the bench saw it: the proxies sent the slow P one or two handoffs per D, each
+    ten times the typical pair; six of them over its row say together what no cell can alone."""
+    counts = (1, 2, 2, 1)
+    got = _recent_tick({("prefill-1", f"decode-{d}"): (n, SLOW) for d, n in enumerate(counts)})
+    assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
+
+
 def test_recent_handoffs_too_few_or_within_the_tolerance_blame_nobody() -> None:
-    assert _cut(_recent_tick({("prefill-1", f"decode-{d}"): (4, SLOW) for d in range(4)})) == {}
+    # two slow handoffs over the row, or four in one cell alone: not enough to read the row by
+    assert (
+        _cut(_recent_tick({("prefill-1", "decode-0"): (1, SLOW), ("prefill-1", "decode-1"): (1, SLOW)})) == {}
+    )
+    assert _cut(_recent_tick({("prefill-1", "decode-0"): (4, SLOW)})) == {}
+    # half the row slowed, half not: no line says so together
+    half = {("prefill-1", "decode-0"): (3, SLOW), ("prefill-1", "decode-1"): (3, SLOW)}
+    assert _cut(_recent_tick(half)) == {}
     within = {(f"prefill-{p}", f"decode-{d}"): (8, FAST * 1.4) for p in range(2) for d in range(4)}
     assert _cut(_recent_tick(within)) == {}
     # every cell slower of late alike: the typical pair moved with them, no line stands out
     alike = {(f"prefill-{p}", f"decode-{d}"): (8, SLOW) for p in range(2) for d in range(4)}
     assert _cut(_recent_tick(alike)) == {}
+
+
+def test_failed_requests_every_d_shares_cut_no_d() -> None:
+    """The same first ticks, read through the Ds' own failed requests: each D failed a third of its
+    requests, those from the failing P. What every D shows alike is the pool's."""
+    insts = tuple(replace(i, requests=30, failed_requests=10 if i.role == "decode" else 0) for i in fleet())
+    obs = Observation(now=T0, window_s=30.0, instances=insts, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert _cut(got) == {}
+    assert "the peers' median share 33% is the pool's" in got["decode-1"].inputs["failures_basis"]
+    # one D failing a third of its requests while its peers fail none is still cut for it
+    alone = tuple(replace(i, requests=30, failed_requests=10 if i.name == "decode-1" else 0) for i in fleet())
+    obs = Observation(now=T0, window_s=30.0, instances=alone, newest_data=T0)
+    assert _cut({d.instance: d for d in decide_weights(obs, {}, CFG)}) == {"decode-1": "RequestFailures"}
+
+
+def test_a_d_that_took_a_cut_ds_load_is_not_cut_on_its_column() -> None:
+    """Seen on the bench, 4P+2D: one D stuck and cut, the other took all the load, and its handoffs,
+    which hold its queue for a batch slot, rose 3.5-fold; judged on its column it was cut. A D's
+    handoff rises with the load it took: while its pool sheds load and it finishes at least its
+    peers' pace, it is left to admission like its other load signals."""
+    insts = tuple(
+        replace(
+            i,
+            handoff_p50_s=SLOW if i.name == "decode-0" else FAST,
+            load_done=40.0 if i.name == "decode-0" else 2.0,
+        )
+        for i in fleet(4, 2)
+    )
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if d == 0 else FAST, 0.1)
+        for p in range(4)
+        for d in range(2)
+    )
+    prev = {"decode-1": WeightState(weight=0.15, smoothed=0.15, reason=Reason.BACKLOG)}
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, prev, CFG)}
+    assert got["decode-0"].weight == 1.0, got["decode-0"].message
+    assert "left to admission" in got["decode-0"].inputs["handoff_load_shift"]
+    # with no load shed, the same column is cut
+    alone = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert alone["decode-0"].weight < 1.0 and alone["decode-0"].reason == Reason.SLOW_HANDOFF
