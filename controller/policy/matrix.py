@@ -32,6 +32,25 @@ def _lines(pairs: Iterable[PairSignals], axis: int) -> dict[str, list[PairSignal
     return out
 
 
+def _alone(slowed: Sequence[PairSignals], pairs: Sequence[PairSignals], axis: int, cfg: PolicyConfig) -> bool:
+    """Whether a line's slowdown is its own: of the other lines' cells that cross it (the other Ps'
+    toward the same Ds, for a row; the same Ps' toward the other Ds, for a column) with recent
+    handoffs, a third at most slowed too, and one at least to compare with. A D that slowed shows in
+    every P's row; read row by row it blamed healthy Ps on a 4P+2D fleet."""
+    mine = {(x.p_instance, x.d_instance) for x in slowed}
+    line = slowed[0].p_instance if axis == 0 else slowed[0].d_instance
+    crossed = {x.d_instance if axis == 0 else x.p_instance for x in slowed}
+    others = [
+        x
+        for x in pairs
+        if x.recent_requests > 0
+        and (x.p_instance, x.d_instance) not in mine
+        and (x.p_instance if axis == 0 else x.d_instance) != line
+        and (x.d_instance if axis == 0 else x.p_instance) in crossed
+    ]
+    return bool(others) and 3 * sum(1 for x in others if _slowed(x, cfg)) <= len(others)
+
+
 def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
     """The pairs whose cell is read over their recent handoffs (``handoff_recent_s``, by first token).
 
@@ -42,8 +61,9 @@ def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
     its recent handoffs where they are past ``latency_tolerance`` times its window's median and either
     ``min_recent_samples`` of them say so alone, or its row or column says so together: two thirds of
     the line's cells with recent handoffs, two at least, slowed, with ``min_recent_samples`` recent
-    handoffs among them. Upward only, and still factored against the typical pair with the blame
-    threshold: a healthy cell's recent noise, or the whole fleet slowing together, blames nobody."""
+    handoffs among them, and the lines crossing it not slowed alike (:func:`_alone`). Upward only, and
+    still factored against the typical pair with the blame threshold: a healthy cell's recent noise,
+    or the whole fleet slowing together, blames nobody."""
     chosen = {
         (x.p_instance, x.d_instance)
         for x in pairs
@@ -56,6 +76,7 @@ def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
                 len(slowed) >= 2
                 and 3 * len(slowed) >= 2 * len(xs)
                 and sum(x.recent_requests for x in slowed) >= cfg.min_recent_samples
+                and _alone(slowed, pairs, axis, cfg)
             ):
                 chosen.update((x.p_instance, x.d_instance) for x in slowed)
     return chosen

@@ -419,14 +419,18 @@ def _failed_share(inst: InstanceSignals, cfg: PolicyConfig) -> tuple[float | Non
 
 def own_error_events(events: float, shared: float, cfg: PolicyConfig) -> float:
     """The failures and expiries that are the instance's own: those past ``shared``, the median count
-    of its peers, once that excess is ``min_error_events`` or more and ``noise_z`` Poisson deviations
-    of the shared count (0 otherwise). A failed pull is counted by the D that pulled it, so one P
-    whose transfers fail reads as every D failing, before the records place the failures on the P's
-    row (:func:`controller.policy.weights.failure_rows`): the pool's common count is not one
-    member's fault, and a cut of every member moves no load."""
-    excess = events - max(shared, 0.0)
-    needed = max(float(cfg.min_error_events), cfg.noise_z * math.sqrt(max(shared, 1.0)))
-    return excess if excess >= needed - 1e-9 else 0.0
+    of its peers, once it counts twice theirs or more and the excess is ``min_error_events`` or more
+    and, where they count any, ``noise_z`` standard deviations of the difference of two Poisson
+    counts, √(its + theirs) (0 otherwise). A failed pull is counted by the D that pulled it, so one
+    P whose transfers fail reads as every D failing, before the records place the failures on the
+    P's row (:func:`controller.policy.weights.failure_rows`): the pool's common count is not one
+    member's fault, and a cut of every member moves no load. Measured: a margin of √(theirs) alone
+    still cut one D in each fleet's run of a failing P, on chance alone."""
+    mine, theirs = max(events, 0.0), max(shared, 0.0)
+    excess = mine - theirs
+    noise = cfg.noise_z * math.sqrt(mine + theirs) if theirs > 0 else 0.0  # peers with none: min_error_events
+    needed = max(float(cfg.min_error_events), noise)
+    return excess if excess >= needed - 1e-9 and mine >= 2.0 * theirs else 0.0
 
 
 def evidence_scores(

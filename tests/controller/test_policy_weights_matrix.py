@@ -322,3 +322,20 @@ def test_a_d_that_took_a_cut_ds_load_is_not_cut_on_its_column() -> None:
     # with no load shed, the same column is cut
     alone = {d.instance: d for d in decide_weights(obs, {}, CFG)}
     assert alone["decode-0"].weight < 1.0 and alone["decode-0"].reason == Reason.SLOW_HANDOFF
+
+
+def test_a_d_that_just_slowed_blames_no_p_row() -> None:
+    """Seen on the bench, 4P+2D: one D's link slowed and the other D took its load, so every P's two
+    cells slowed of late; read row by row, two healthy Ps were cut on `SlowPrefillSide`. A row is read
+    over its recent handoffs only when the other Ps' cells toward the same Ds did not slow alike."""
+    insts = tuple(replace(i, handoff_p50_s=FAST) for i in fleet(4, 2))
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, FAST, 0.1, 0, 2 + p % 2, recent)
+        for p in range(4)
+        for d in range(2)
+        # a few handoffs each, noisy: prefill-2's happened to be the slowest
+        for recent in [(SLOW if d == 1 else 2.2 * FAST) * (4.0 if p == 2 else 1.0)]
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    assert not any(n.startswith("prefill") for n in _cut(got)), _cut(got)
