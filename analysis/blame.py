@@ -433,20 +433,31 @@ def _rate(failed: int, served: int) -> float:
     return failed / (failed + served) if failed + served > 0 else 0.0
 
 
+def _per_d(counts: Mapping[Pair, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (_, d), n in counts.items():
+        out[d] = out.get(d, 0) + max(n, 0)
+    return out
+
+
 def _failing_toward(
-    p: str, ds: Iterable[str], failures: Mapping[Pair, int], handoffs: Mapping[Pair, int], ratio: float
+    p: str,
+    ds: Iterable[str],
+    failures: Mapping[Pair, int],
+    handoffs: Mapping[Pair, int],
+    totals: tuple[Mapping[str, int], Mapping[str, int]],
+    ratio: float,
 ) -> list[str]:
     """The Ds among ``ds`` that ``p``'s handoffs fail toward: :data:`ROW_MIN_PER_D` failures or more,
     at ``ratio`` times the other Ps' pooled rate toward that D or more (failing from every P is the
-    D's trouble, not any P's)."""
+    D's trouble, not any P's). ``totals``: every P's failures and handoffs per D (:func:`_per_d`)."""
     out = []
     for d in sorted(ds):
-        f = failures.get((p, d), 0)
+        f, h = failures.get((p, d), 0), handoffs.get((p, d), 0)
         if f < ROW_MIN_PER_D:
             continue
-        other_f = sum(n for (q, e), n in failures.items() if e == d and q != p)
-        other_h = sum(n for (q, e), n in handoffs.items() if e == d and q != p)
-        if _rate(f, handoffs.get((p, d), 0)) >= ratio * _rate(other_f, other_h):
+        others = _rate(totals[0].get(d, 0) - f, totals[1].get(d, 0) - max(h, 0))
+        if _rate(f, h) >= ratio * others:
             out.append(d)
     return out
 
@@ -475,9 +486,10 @@ def failing_rows(
             per_p[p] = per_p.get(p, 0) + n
             reached.setdefault(p, set()).add(d)
     total_f, total_h = sum(per_p.values()), sum(served.values())
+    totals = (_per_d({k: n for k, n in failures.items() if n > 0}), _per_d(handoffs))
     rows: dict[str, str] = {}
     for p, f in sorted(per_p.items()):
-        toward = _failing_toward(p, reached[p], failures, handoffs, ratio)
+        toward = _failing_toward(p, reached[p], failures, handoffs, totals, ratio)
         if f < min_events or len(toward) < 2 or 2 * len(toward) <= len(reached[p]):
             continue
         own = _rate(f, served.get(p, 0))

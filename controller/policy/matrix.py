@@ -7,7 +7,7 @@ factors the cells with :func:`analysis.blame.factor`. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from analysis.blame import BlameConfig, Cell, Factorization, Pair, factor
 from controller.policy.config import PolicyConfig
@@ -32,23 +32,17 @@ def _lines(pairs: Iterable[PairSignals], axis: int) -> dict[str, list[PairSignal
     return out
 
 
-def _alone(slowed: Sequence[PairSignals], pairs: Sequence[PairSignals], axis: int, cfg: PolicyConfig) -> bool:
+def _alone(slowed: Sequence[PairSignals], axis: int, crossing: Mapping[str, tuple[int, int]]) -> bool:
     """Whether a line's slowdown is its own: of the other lines' cells that cross it (the other Ps'
     toward the same Ds, for a row; the same Ps' toward the other Ds, for a column) with recent
     handoffs, a third at most slowed too, and one at least to compare with. A D that slowed shows in
-    every P's row; read row by row it blamed healthy Ps on a 4P+2D fleet."""
-    mine = {(x.p_instance, x.d_instance) for x in slowed}
-    line = slowed[0].p_instance if axis == 0 else slowed[0].d_instance
-    crossed = {x.d_instance if axis == 0 else x.p_instance for x in slowed}
-    others = [
-        x
-        for x in pairs
-        if x.recent_requests > 0
-        and (x.p_instance, x.d_instance) not in mine
-        and (x.p_instance if axis == 0 else x.d_instance) != line
-        and (x.d_instance if axis == 0 else x.p_instance) in crossed
-    ]
-    return bool(others) and 3 * sum(1 for x in others if _slowed(x, cfg)) <= len(others)
+    every P's row; read row by row it blamed healthy Ps on a 4P+2D fleet. ``crossing``: per line of
+    the other side, its cells with recent handoffs and those slowed (the line's own cells among
+    them, one per crossed line, are taken out)."""
+    crossed = [crossing.get(x.d_instance if axis == 0 else x.p_instance, (0, 0)) for x in slowed]
+    recent = sum(n for n, _ in crossed) - len(slowed)
+    slow = sum(k for _, k in crossed) - len(slowed)
+    return recent > 0 and 3 * slow <= recent
 
 
 def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
@@ -69,14 +63,19 @@ def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
         for x in pairs
         if _slowed(x, cfg) and x.recent_requests >= cfg.min_recent_samples
     }
+    lines = (_lines(pairs, 0), _lines(pairs, 1))
+    counts = tuple(
+        {name: (len(xs), sum(1 for x in xs if _slowed(x, cfg))) for name, xs in side.items()}
+        for side in lines
+    )
     for axis in (0, 1):
-        for xs in _lines(pairs, axis).values():
+        for xs in lines[axis].values():
             slowed = [x for x in xs if _slowed(x, cfg)]
             if (
                 len(slowed) >= 2
                 and 3 * len(slowed) >= 2 * len(xs)
                 and sum(x.recent_requests for x in slowed) >= cfg.min_recent_samples
-                and _alone(slowed, pairs, axis, cfg)
+                and _alone(slowed, axis, counts[1 - axis])
             ):
                 chosen.update((x.p_instance, x.d_instance) for x in slowed)
     return chosen
