@@ -297,8 +297,8 @@ def shifted_load(
     peers' pace (within the latency tolerance) is not cut on its load signals (:data:`LOAD`) while
     its pool sheds load; admission is what answers a pool short of capacity. One that finishes less
     than that (a stuck one finishes nothing) is judged as before, and its handoffs, transfers and
-    errors always are. Its speed per request (TTFT less queue) is set aside only once it finishes
-    more than ``latency_tolerance`` times its peers' work: continuous batching makes a P that
+    errors always are. Its speed per request (TTFT less queue), and a D's handoff, are set aside only
+    once it finishes more than ``latency_tolerance`` times its peers' work: continuous batching makes a P that
     carries twice the load slower per request, and a 2P fleet whose other P was cut for failing
     transfers cut the healthy one on it; a P slow per request while it finishes what its peers do is
     slow, not loaded."""
@@ -310,12 +310,14 @@ def shifted_load(
         f"from the load {', '.join(shed)} shed (down, cut or avoided; it finishes {done:.0f} to its "
         f"peers' {ref:.0f}): {SHIFT_NOTE}"
     )
-    names = CARRIED if done >= ref * cfg.latency_tolerance else LOAD
-    if (
-        inst.role == "decode"
-    ):  # a D's handoff holds its queue for a batch slot: it rises with the load it took
-        return _set_aside(scores, (*names, "handoff"), why, matrix_too=True)
-    return _set_aside(scores, names, why)
+    if done < ref * cfg.latency_tolerance:
+        return _set_aside(scores, LOAD, why)
+    # it carries clearly more than its peers: its speed too, and a D's handoff, which holds its queue
+    # for a batch slot (judged by the matrix or not); one that finishes what its peers do and hands
+    # off slowly is slow, not loaded (a second D fault while the first is cut)
+    if inst.role == "decode":
+        return _set_aside(scores, (*CARRIED, "handoff"), why, matrix_too=True)
+    return _set_aside(scores, CARRIED, why)
 
 
 def _set_aside(

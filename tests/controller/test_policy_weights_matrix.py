@@ -339,3 +339,20 @@ def test_a_d_that_just_slowed_blames_no_p_row() -> None:
     obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
     got = {d.instance: d for d in decide_weights(obs, {}, CFG)}
     assert not any(n.startswith("prefill") for n in _cut(got)), _cut(got)
+
+
+def test_a_d_that_hands_off_slowly_while_another_is_cut_is_still_cut() -> None:
+    """The other side of the rule above: a D that finishes what its peers do while its handoffs are
+    slow is slow, not loaded, whoever else is cut (a second D fault)."""
+    insts = tuple(
+        replace(i, handoff_p50_s=SLOW if i.name == "decode-1" else FAST, load_done=10.0) for i in fleet(2, 4)
+    )
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if d == 1 else FAST, 0.1)
+        for p in range(2)
+        for d in range(4)
+    )
+    prev = {"decode-2": WeightState(weight=0.15, smoothed=0.15, reason=Reason.SLOW_HANDOFF)}
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    got = {d.instance: d for d in decide_weights(obs, prev, CFG)}
+    assert got["decode-1"].weight < 1.0 and got["decode-1"].reason == Reason.SLOW_HANDOFF
