@@ -296,31 +296,36 @@ def test_failed_requests_every_d_shares_cut_no_d() -> None:
     assert _cut({d.instance: d for d in decide_weights(obs, {}, CFG)}) == {"decode-1": "RequestFailures"}
 
 
+def _slow_column(
+    n_p: int, n_d: int, slow: str, load_done: dict[str, float], prev: dict[str, WeightState]
+) -> dict[str, WeightDecision]:
+    """One tick where D ``slow``'s handoffs (its own median and its column's cells) are slow, each D
+    finished ``load_done`` (else 10) over the last three scrapes, and ``prev`` holds the weights."""
+    insts = tuple(
+        replace(i, handoff_p50_s=SLOW if i.name == slow else FAST, load_done=load_done.get(i.name, 10.0))
+        for i in fleet(n_p, n_d)
+    )
+    cells = tuple(
+        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if f"decode-{d}" == slow else FAST, 0.1)
+        for p in range(n_p)
+        for d in range(n_d)
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    return {d.instance: d for d in decide_weights(obs, prev, CFG)}
+
+
 def test_a_d_that_took_a_cut_ds_load_is_not_cut_on_its_column() -> None:
     """Seen on the bench, 4P+2D: one D stuck and cut, the other took all the load, and its handoffs,
     which hold its queue for a batch slot, rose 3.5-fold; judged on its column it was cut. A D's
-    handoff rises with the load it took: while its pool sheds load and it finishes at least its
-    peers' pace, it is left to admission like its other load signals."""
-    insts = tuple(
-        replace(
-            i,
-            handoff_p50_s=SLOW if i.name == "decode-0" else FAST,
-            load_done=40.0 if i.name == "decode-0" else 2.0,
-        )
-        for i in fleet(4, 2)
-    )
-    cells = tuple(
-        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if d == 0 else FAST, 0.1)
-        for p in range(4)
-        for d in range(2)
-    )
+    handoff rises with the load it took: while its pool sheds load and it finishes more than 1.5x
+    its peers' work, it is left to admission like its other load signals."""
+    done = {"decode-0": 40.0, "decode-1": 2.0}
     prev = {"decode-1": WeightState(weight=0.15, smoothed=0.15, reason=Reason.BACKLOG)}
-    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
-    got = {d.instance: d for d in decide_weights(obs, prev, CFG)}
+    got = _slow_column(4, 2, "decode-0", done, prev)
     assert got["decode-0"].weight == 1.0, got["decode-0"].message
     assert "left to admission" in got["decode-0"].inputs["handoff_load_shift"]
     # with no load shed, the same column is cut
-    alone = {d.instance: d for d in decide_weights(obs, {}, CFG)}
+    alone = _slow_column(4, 2, "decode-0", done, {})
     assert alone["decode-0"].weight < 1.0 and alone["decode-0"].reason == Reason.SLOW_HANDOFF
 
 
@@ -344,15 +349,6 @@ def test_a_d_that_just_slowed_blames_no_p_row() -> None:
 def test_a_d_that_hands_off_slowly_while_another_is_cut_is_still_cut() -> None:
     """The other side of the rule above: a D that finishes what its peers do while its handoffs are
     slow is slow, not loaded, whoever else is cut (a second D fault)."""
-    insts = tuple(
-        replace(i, handoff_p50_s=SLOW if i.name == "decode-1" else FAST, load_done=10.0) for i in fleet(2, 4)
-    )
-    cells = tuple(
-        PairSignals(f"prefill-{p}", f"decode-{d}", 20, SLOW if d == 1 else FAST, 0.1)
-        for p in range(2)
-        for d in range(4)
-    )
     prev = {"decode-2": WeightState(weight=0.15, smoothed=0.15, reason=Reason.SLOW_HANDOFF)}
-    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
-    got = {d.instance: d for d in decide_weights(obs, prev, CFG)}
+    got = _slow_column(2, 4, "decode-1", {}, prev)
     assert got["decode-1"].weight < 1.0 and got["decode-1"].reason == Reason.SLOW_HANDOFF
