@@ -53,8 +53,8 @@ or the table's. The margin measures the noise of a model that fits, so three kin
 out of it: a cold P's (the prior's or a few completions' guess: it rejects nothing anyway), another
 P's (one P slowing down must not widen the margin of every other), and the run of errors that made a
 line reopen (:class:`Line`: the P changed; those errors measured the change, not the noise). A P with
-fewer than :data:`MIN_RATIOS` of its own borrows the pooled ring of every P's. The margin is the
-queue model's: a request that meets no queue of this proxy's is judged by its own prediction alone
+fewer than :data:`MIN_RATIOS` of its own borrows the typical peer's factor (:class:`_Errors`). The margin
+is the queue model's: a request that meets no queue of this proxy's is judged by its own prediction alone
 (:meth:`Predictor.margin`).
 
 Pure: no I/O, no clock; every time is passed in.
@@ -509,39 +509,59 @@ class Backlog(dict[K, int]):
 
 class _Errors:
     """Observed / predicted TTFT ratios: a ring per P and a pooled ring of every P's (each of the last
-    :data:`RATIOS`), and their ``quantile``, cached until a ring changes."""
+    :data:`RATIOS`), and their ``quantile``, cached until a ring changes.
+
+    A P with fewer than :data:`MIN_RATIOS` of its own (new, or its line just reopened) borrows the
+    typical peer's factor: the lower median of the factors of the Ps that have their own. Not the
+    pooled ring: its quantile is its worst P's, and a P whose NIC slowed tenfold (ratios of 4 and
+    more) once lent its factor to every healthy P whose line reopened under the load it shed, so
+    each was rejected past one request in its queue (a simulated 4P+2D fleet at 90 % load). The
+    pooled ring is for the start alone, while no P has enough of its own."""
 
     def __init__(self, quantile: float) -> None:
         self.q = 100.0 * quantile
         self._own: dict[str, deque[float]] = {}
         self._pooled: deque[tuple[str, float]] = deque(maxlen=RATIOS)
-        self._cached: dict[str | None, float] = {}  # P (None: the pooled ring) -> its quantile
+        self._cached: dict[str, float] = {}  # P -> its own ring's quantile
+        self._borrowed: float | None = None  # the typical peer's factor, or the pooled ring's
 
     def add(self, p: str, ratio: float) -> None:
         self._own.setdefault(p, deque(maxlen=RATIOS)).append(ratio)
         self._pooled.append((p, ratio))
         self._cached.pop(p, None)
-        self._cached.pop(None, None)
+        self._borrowed = None
 
     def forget(self, p: str) -> None:
         """``p``'s errors leave both rings (a reopened line: they measured a change, not noise)."""
         if self._own.pop(p, None) is not None:
             self._pooled = deque(((q, r) for q, r in self._pooled if q != p), maxlen=RATIOS)
             self._cached.pop(p, None)
-            self._cached.pop(None, None)
+            self._borrowed = None
 
     def factor(self, p: str) -> float:
         own = self._own.get(p)
-        key: str | None = p
-        if own is None or len(own) < MIN_RATIOS:
-            if len(self._pooled) < MIN_RATIOS:
-                return 1.0
-            key = None
-        got = self._cached.get(key)
+        if own is not None and len(own) >= MIN_RATIOS:
+            return self._own_factor(p, own)
+        if self._borrowed is None:
+            self._borrowed = self._typical()
+        return self._borrowed
+
+    def _own_factor(self, p: str, ratios: deque[float]) -> float:
+        got = self._cached.get(p)
         if got is None:
-            ratios = list(own) if key is not None and own is not None else [r for _, r in self._pooled]
-            got = self._cached[key] = min(max(percentile(ratios, self.q) or 1.0, 1.0), MAX_FACTOR)
+            got = self._cached[p] = self._quantile(ratios)
         return got
+
+    def _typical(self) -> float:
+        """The lower median of the factors of the Ps with rings of their own; while there is none, the
+        pooled ring's quantile; 1 while that too is short."""
+        peers = sorted(self._own_factor(q, r) for q, r in self._own.items() if len(r) >= MIN_RATIOS)
+        if peers:
+            return peers[(len(peers) - 1) // 2]
+        return self._quantile([r for _, r in self._pooled]) if len(self._pooled) >= MIN_RATIOS else 1.0
+
+    def _quantile(self, ratios: Iterable[float]) -> float:
+        return min(max(percentile(list(ratios), self.q) or 1.0, 1.0), MAX_FACTOR)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,29 @@ def test_one_ps_errors_do_not_widen_anothers_margin_and_a_cold_guess_widens_none
         pred.observe_ttft("p0", 0.2, 0.5, False)  # a cold prediction: a guess, not the model's noise
     assert pred.factor("p0") == 1.0
     assert pred.factor("p1") == pytest.approx(3.0)
-    assert pred.factor("p2") > 1.0  # a P with no ratios of its own borrows the pooled ring
+    assert pred.factor("p2") == 1.0  # a P with no ratios of its own borrows the typical peer's, not p1's
+
+
+def test_a_p_without_its_own_ratios_borrows_the_lower_median_peer_and_the_pooled_ring_at_the_start() -> None:
+    """The held-out failure: a P's NIC slowed tenfold (its ratios near 4), a healthy P's line reopened
+    under the load it shed, and the healthy P borrowed the pooled ring, whose quantile was the slow P's."""
+    pred = Predictor(PredictSettings(quantile=0.98), 10_000, NOW)
+    for _ in range(MIN_RATIOS // 2):
+        pred.observe_ttft("p0", 1.0, 1.5, True)
+        pred.observe_ttft("p1", 1.0, 1.5, True)
+    assert pred.factor("p2") == pytest.approx(1.5)  # nobody has a ring of its own yet: the pooled one
+    pred = Predictor(PredictSettings(quantile=0.98), 10_000, NOW)
+    for _ in range(50):
+        pred.observe_ttft("p0", 1.0, 1.2, True)
+        pred.observe_ttft("p1", 1.0, 1.6, True)
+        pred.observe_ttft("slow", 1.0, 5.0, True)
+    pred.observe_ttft("p3", 1.0, 9.0, True)  # a few of its own do not count yet
+    assert pred.factor("slow") == pytest.approx(4.0)
+    assert pred.factor("p3") == pytest.approx(1.6)  # 1.2, 1.6, 4.0: the lower median
+    pred.observe_ttft("p4", 1.0, 1.1, True)
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p4", 1.0, 1.1, True)
+    assert pred.factor("p3") == pytest.approx(1.2)  # 1.1, 1.2, 1.6, 4.0: a new peer moves it
 
 
 def test_the_errors_that_reopened_a_line_leave_its_margin() -> None:
