@@ -314,7 +314,7 @@ class Gate:
         neither a handoff nor the TTFT predicted, so it teaches neither (one such answer of a few
         seconds once counted as a handoff of that D)."""
         pred = self.predictor
-        self._drop_d_backlog(req)
+        self._drop_d_backlog(req, arrived=True)
         if not req.stream:
             return
         if (
@@ -461,12 +461,13 @@ class Gate:
             req.backlog = None
             self.predictor.left_p(name, ticket, n)
 
-    def _drop_d_backlog(self, req: RequestState) -> None:
-        """``req`` has its first token (or moved to another D, or is over): it leaves its D's backlog."""
+    def _drop_d_backlog(self, req: RequestState, arrived: bool = False) -> None:
+        """``req`` has its first token (``arrived``), or moved to another D, or is over: it leaves its
+        D's backlog."""
         if req.handoff_flying is not None:
             p, d, ticket = req.handoff_flying
             req.handoff_flying = None
-            self.predictor.handoff_ended(p, d, ticket)
+            self.predictor.handoff_ended(p, d, ticket, arrived)
         if req.d_backlog is not None:
             p, d, n = req.d_backlog
             req.d_backlog = None

@@ -36,14 +36,14 @@ fit on the pair's pending tokens had a median error of 14-17 % (p90 27-42 %) aga
 **An answer still missing** says a P slowed before its line can learn it (:meth:`Predictor.lag`,
 :meth:`Predictor.overrun`): the most overdue request in flight at P scales P's line by what its lag
 exceeds the margin. **A first token still missing** says the same of a handoff
-(:meth:`Predictor.handoff_lags`): P has answered, D has not begun, and the handoff is overdue. The
-lag is placed as the P x D matrix places blame: on the pair; on P's row when every D that P has
-handoffs in flight to is overdue (P's side: its NIC, its transfers); on D's column when every P it
-waits on is (D's side: a D that stopped pulling). A pair's handoff is scaled by the largest of its
-three, past the margin. A link that slowed tenfold otherwise kept its old line until its first slow
-handoff came back: on a simulated 2P+4D fleet at 90 % load, a P's NIC 10x slower toward every D took
-26 requests in the 2.6 s before that (every one late), where an overdue handoff shows within a
-prediction's own time.
+(:meth:`Predictor.handoff_lags`): P has answered, D has not begun, and the handoff is overdue. The lag
+is placed as the P x D matrix places blame: on the pair; on P's row when its handoffs toward two Ds or
+more are overdue, begun after its last one in time (P's side: its NIC, its transfers); on D's column
+when two Ps or more are so toward it (D's side: a D that stopped pulling). A pair's handoff is scaled by
+the largest of its three, past the margin. A link that slowed tenfold otherwise kept its old line until
+its first slow handoff came back: on a simulated 2P+4D fleet at 90 % load, a P's NIC 10x slower toward
+every D took 26 requests in the 2.6 s before that (every one late), where an overdue handoff shows
+within a prediction's own time.
 
 **Its error is its margin**: every first token of a *confident* prediction adds observed / predicted
 TTFT to its P's ring of the last :data:`RATIOS` ratios, and :meth:`Predictor.factor` is their
@@ -208,6 +208,9 @@ class Predictor:
         self._flying: dict[str, dict[int, tuple[float, float]]] = {}  # P -> ticket -> (sent at, P part)
         # (P, D) -> ticket -> (P answered at, its handoff predicted): handoffs without a first token yet
         self._handing: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+        self._flying_to: dict[str, int] = {}  # D -> its handoffs in flight, through any P
+        self._in_time_p: dict[str, float] = {}  # P -> when a handoff of it last came within its time
+        self._in_time_d: dict[str, float] = {}  # D -> the same, into it
         self._tickets = itertools.count()
         self.share = 1.0  # this proxy's share of the pools (the controller's), for tokens ahead
         self._prior = (ps.prefill_base_s, _KT / prefill_tokens_per_s)
@@ -331,8 +334,8 @@ class Predictor:
         return seconds * max(lag / self.factor(p or ""), 1.0) if lag > 1.0 else seconds
 
     def _handoff_line(self, p: str | None, d: str, x: HandoffX) -> float:
-        pair = self._usable(self._pairs.get((p, d))) if p is not None else None
-        each_d = self._usable(self._ds.get(d))
+        pair = self._usable(self._pairs.get((p, d)), (p, d) in self._handing) if p is not None else None
+        each_d = self._usable(self._ds.get(d), self._d_flying(d))
         rivals = self._rivals.get(d)
         if pair is not None and (each_d is None or rivals is None or rivals.pair_wins()):
             return pair(x.on_pair)
@@ -347,37 +350,65 @@ class Predictor:
         (:meth:`handoff_lags`) until :meth:`handoff_ended` with the ticket returned."""
         ticket = next(self._tickets)
         self._handing.setdefault((p, d), {})[ticket] = (self.clock(), seconds)
+        self._flying_to[d] = self._flying_to.get(d, 0) + 1
         return ticket
 
-    def handoff_ended(self, p: str, d: str, ticket: int) -> None:
+    def handoff_ended(self, p: str, d: str, ticket: int, arrived: bool = False) -> None:
+        """The handoff :meth:`handoff_began` gave ``ticket`` is over: ``arrived``, D's first token came
+        (else the request moved or ended). One that came within its prediction times the margin says
+        its P's side and its D's side delivered in time (:meth:`handoff_lags`)."""
         flying = self._handing.get((p, d))
-        if flying is not None:
-            flying.pop(ticket, None)
-            if not flying:
-                del self._handing[p, d]
+        if flying is None:
+            return
+        began = flying.pop(ticket, None)
+        if not flying:
+            del self._handing[p, d]
+        if began is not None:
+            left = self._flying_to.get(d, 0) - 1
+            if left > 0:
+                self._flying_to[d] = left
+            else:
+                self._flying_to.pop(d, None)
+        if arrived and began is not None:
+            now = self.clock()
+            at, seconds = began
+            if now - at <= seconds * self.factor(p):
+                self._in_time_p[p] = self._in_time_d[d] = now
 
     def handoff_lags(self) -> HandoffLags:
         """How overdue the handoffs in flight are now: per pair, its most overdue one's age over its
-        prediction (at least 1); per P with handoffs in flight to two Ds or more, the least of its
-        pairs' (every D it hands to waits: P's side); per D waiting on two Ps or more, the same."""
+        prediction (at least 1). Per P with handoffs in flight to two Ds or more: P's side (its NIC, its
+        transfers) when toward two Ds or more a handoff is overdue past the margin that began after the
+        P's last handoff that came in time; then the least of those pairs' lags, else 1. Per D waiting
+        on two Ps or more, the same (D's side: a D that stopped pulling).
+
+        Overdue pairs, not every pair: a P's handoff that began a moment ago is not yet due and says
+        nothing either way. Counting it (the least of every pair's lag) let a P whose NIC slowed tenfold
+        keep its row in time while each new request went to a D it had nothing in flight to: on a
+        simulated 2P+4D fleet at 90 % load, 6 requests in 0.5 s, 2 s after its first handoffs were
+        already overdue, every one of them 10 s late."""
         now = self.clock()
         pair: dict[tuple[str, str], float] = {}
         rows: dict[str, list[float]] = {}
         cols: dict[str, list[float]] = {}
         for (p, d), flying in self._handing.items():
-            lag = max(max(((now - at) / s for at, s in flying.values() if s > 0), default=1.0), 1.0)
-            pair[p, d] = lag
-            rows.setdefault(p, []).append(lag)
-            cols.setdefault(d, []).append(lag)
-        return HandoffLags(
-            pair,
-            {p: min(v) for p, v in rows.items() if len(v) >= 2},
-            {d: min(v) for d, v in cols.items() if len(v) >= 2},
-        )
+            times, margin = flying.values(), self.factor(p)
+            pair[p, d] = _most_overdue(times, now)
+            # only what began after the line's last handoff in time is evidence against the line
+            rows.setdefault(p, []).append(_past(_most_overdue(times, now, self._in_time_p.get(p)), margin))
+            cols.setdefault(d, []).append(_past(_most_overdue(times, now, self._in_time_d.get(d)), margin))
+        return HandoffLags(pair, _line_lags(rows), _line_lags(cols))
 
-    def _usable(self, line: Line | None) -> Line | None:
-        """``line`` if it rests on :data:`HANDOFF_MIN` handoffs, the last within ``probe_s``."""
-        if line is None or line.n < HANDOFF_MIN or line.at < self.clock() - self.ps.probe_s:
+    def _d_flying(self, d: str) -> bool:
+        return d in self._flying_to
+
+    def _usable(self, line: Line | None, flying: bool) -> Line | None:
+        """``line`` if it rests on :data:`HANDOFF_MIN` handoffs, the last within ``probe_s`` or one of its
+        handoffs in flight now (``flying``: the probe that will renew it; until its first token, the old
+        line judges, as P's does, so that a slow pair is probed once, not with every request)."""
+        if line is None or line.n < HANDOFF_MIN:
+            return None
+        if line.at < self.clock() - self.ps.probe_s and not flying:
             return None
         return line
 
@@ -423,7 +454,8 @@ class Predictor:
         """D's first token came ``seconds`` after P's answer, predicted with ``x`` (:meth:`handoff_x`)."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
-        pair, each_d = self._usable(self._pairs.get((p, d))), self._usable(self._ds.get(d))
+        pair = self._usable(self._pairs.get((p, d)), (p, d) in self._handing)
+        each_d = self._usable(self._ds.get(d), self._d_flying(d))
         if pair is not None and each_d is not None and seconds > 0:  # both could answer: which was nearer
             rivals = self._rivals.get(d) or self._rivals.setdefault(d, _Rivals())
             rivals.add(abs(pair(x.on_pair) - seconds) / seconds, abs(each_d(x.at_d) - seconds) / seconds)
@@ -465,6 +497,27 @@ class HandoffLags:
         if p is None:
             return col
         return max(self.pair.get((p, d), 1.0), self.row.get(p, 1.0), col)
+
+
+def _most_overdue(flying: Iterable[tuple[float, float]], now: float, after: float | None = None) -> float:
+    """The largest age over prediction of the handoffs in flight (those begun after ``after``), at least 1."""
+    lags = ((now - at) / s for at, s in flying if s > 0 and (after is None or at > after))
+    return max(max(lags, default=1.0), 1.0)
+
+
+def _past(lag: float, margin: float) -> float:
+    return lag if lag > margin else 0.0
+
+
+def _line_lags(lines: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Per row (or column) with two pairs or more in flight: the least lag of its pairs past the margin
+    (0: not past it) when two or more are, else 1."""
+    out = {}
+    for key, lags in lines.items():
+        if len(lags) >= 2:
+            due = [lag for lag in lags if lag > 0.0]
+            out[key] = max(min(due), 1.0) if len(due) >= 2 else 1.0
+    return out
 
 
 class HandoffX(NamedTuple):

@@ -29,6 +29,7 @@ FAULTS = (
     "bad_pair",
     "p_nic",
     "p_failing",
+    "p_kv",
     "decode_down",
     "kv_capacity",
     "burst",
@@ -126,6 +127,7 @@ SLOW_LINK_FACTOR = 10.0
 SLOW_PREFILL_FACTOR = 3.0
 TRANSFER_FAILURE_RATE = 0.3
 KV_FRACTION = 0.1
+P_KV_FRACTION = 0.03  # a P's KV: a few prompts' worth, prefilling and leased until D pulls them
 SURGE_MULTIPLE = 2.0  # total offered load during the surge, times the measured capacity
 SURGE_SHARE = 0.6  # of the measured phase
 DEGRADE_STEPS = (1.5, 2.0, 3.0)  # the P's slowdown, stepped up at equal thirds of the measured phase
@@ -223,6 +225,12 @@ def _p_side(fleet: FleetShape) -> dict[str, Row]:
         "p_failing": (  # a P-side fault: its transfers fail toward every D, and each D counts them
             {"kind": "transfer_failure", "prefill": p, "rate": TRANSFER_FAILURE_RATE},
             f"{TRANSFER_FAILURE_RATE:.0%} of {p}'s KV transfers fail, toward every D",
+            ("prefill",),
+        ),
+        "p_kv": (  # a P-side fault: its KV nearly full, so prefill waits on the leases D has yet to pull
+            {"kind": "kv_capacity", "instance": p, "fraction": P_KV_FRACTION},
+            f"{p}'s KV capacity cut to {P_KV_FRACTION:.0%}: its blocks are held by prefills and by "
+            "leases until D pulls them, and new prefills wait for them",
             ("prefill",),
         ),
         "p_down": (

@@ -128,7 +128,8 @@ def oracle_schedule(
         return [(None, {d: 0.0}, none)]  # the pair's D: cheaper to lose than its P (decode has slack)
     if plan.name == "decode_down":
         return [(None, {d: 0.0}, none), (plan.ends_after_s, {}, none)]
-    if plan.name in ("p_nic", "p_failing"):  # every handoff late, or a third failing: no work for that P
+    if plan.name in ("p_nic", "p_failing", "p_kv"):
+        # every handoff late, a third failing, or prefills waiting on the KV leases hold: no work for that P
         return [(None, {fleet.bad_p: 0.0}, _p_limit(capacity_rps, (fleet.n_p - 1) / fleet.n_p))]
     if plan.name == "slow_prefill":
         speed = 1 / 3

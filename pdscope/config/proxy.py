@@ -121,8 +121,8 @@ class PredictSettings(_Frozen):
     """the online fit's forgetting factor per completion (0.98: the last ~50 count most)"""
     probe_s: PositiveFloat = Field(default=10.0, le=3600)
     """a P whose fit learnt nothing for this long and has nothing of this proxy's in flight may be sent one
-    request to learn from again (so a P that was slow and recovered is found again); a handoff mean this
-    old falls back to the D's, the table's, the prior"""
+    request to learn from again (so a P that was slow and recovered is found again); a handoff line this
+    old falls back to the D's, the table's, the prior, until its probe is in flight"""
     chars_per_token: PositiveFloat = Field(default=4.0, le=1000)
     """characters per token, to estimate a prompt's tokens where no tokenizer or KV view counted them"""
     prefill_base_s: NonNegative = Field(default=0.02, le=3600)

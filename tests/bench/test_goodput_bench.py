@@ -30,9 +30,9 @@ from bench.goodput.worker import workload
 from simulator.faults import parse_fault
 
 
-def test_the_full_matrix_is_four_fleets_two_loads_fifteen_faults() -> None:
+def test_the_full_matrix_is_four_fleets_two_loads_sixteen_faults() -> None:
     cells = select_cells()
-    assert len(cells) == 4 * 2 * 15
+    assert len(cells) == 4 * 2 * 16
     assert cells[0] == Cell("2p4d", 75, "degraded_decode_link")
     assert {c.fleet for c in cells} == {"2p4d", "3p6d", "4p2d", "3p3d"} and {c.load for c in cells} == {
         75,

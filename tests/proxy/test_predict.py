@@ -252,12 +252,62 @@ def test_handoffs_overdue_toward_every_d_a_p_hands_to_place_the_lag_on_ps_side()
     t[0] = 2.4  # p1's: 8x overdue toward both Ds; p0's: overdue toward d0 only
     lags = pred.handoff_lags()
     assert lags.row == {"p1": pytest.approx(8.0), "p0": pytest.approx(19 / 3)}
-    t[0] = 0.7  # back when p0's d1 and d2 were within their time: p0's row is not late
+    t[0] = 0.55  # back when p0's d1 and d2 were within their time: p0's row is not late
     lags = pred.handoff_lags()
-    assert lags.row["p0"] == 1.0 and lags.of("p1", "d2") == pytest.approx(7 / 3)
+    assert lags.row["p0"] == 1.0 and lags.of("p1", "d2") == pytest.approx(0.55 / 0.3)
     assert lags.of("p0", "d2") == 1.0
-    look = outlook(pred, {"p0": 2000, "p1": 2000}, ["p0", "p1"], ["d2"], 0.0, target_s=1.0, tokens=2000)
-    assert look.late == {"p1"}  # 0.4 s + 0.3 s x 7/3 over the budget of 0.95 s; p0 0.4 s + 0.3 s
+    look = outlook(pred, {"p0": 2000, "p1": 2000}, ["p0", "p1"], ["d2"], 0.0, target_s=0.9, tokens=2000)
+    assert look.late == {"p1"}  # 0.4 s + 0.55 s over the budget of 0.855 s; p0 0.4 s + 0.3 s
+
+
+def test_a_handoff_not_yet_due_does_not_clear_ps_row_and_one_in_time_does() -> None:
+    """The held-out failure: a P whose NIC slowed kept its row in time because each new request went to
+    a D it had nothing in flight to, whose handoff had just begun (not yet due: no word either way)."""
+    t = [0.0]
+    pred = _handing(t)
+    pred.handoff_began("p0", "d0", 0.3)
+    pred.handoff_began("p0", "d1", 0.3)
+    t[0] = 1.5
+    pred.handoff_began("p0", "d2", 0.3)  # just began
+    t[0] = 1.6
+    lags = pred.handoff_lags()
+    assert lags.row["p0"] == pytest.approx(1.6 / 0.3)  # d0 and d1 overdue: P's side
+    assert lags.of("p0", "d2") == pytest.approx(1.6 / 0.3)
+    ticket = pred.handoff_began("p0", "d2", 0.3)
+    t[0] = 1.8
+    pred.handoff_ended("p0", "d2", ticket, arrived=True)  # p0's handoff came within its time
+    assert pred.handoff_lags().row["p0"] == 1.0  # so p0's side delivers: d0 and d1 are their pairs'
+    assert pred.handoff_lags().of("p0", "d0") == pytest.approx(1.8 / 0.3)
+    t[0] = 2.0
+    moved = pred.handoff_began("p0", "d1", 0.3)
+    t[0] = 2.5
+    pred.handoff_ended("p0", "d1", moved)  # moved to another D: no word either way
+    assert pred.handoff_lags().row["p0"] == 1.0  # d2's 1.5 s one is overdue, but began before 1.8 s
+    pred.handoff_began("p0", "d1", 0.3)
+    t[0] = 3.0
+    pred.handoff_began("p0", "d2", 0.3)
+    t[0] = 3.5
+    lags = pred.handoff_lags()
+    assert lags.row["p0"] == pytest.approx(0.5 / 0.3)  # overdue since it came in time: d1's, d2's
+    assert lags.of("p0", "d0") == pytest.approx(3.5 / 0.3)  # a pair's own lag counts all it holds
+
+
+def test_a_stale_pair_line_judges_again_while_its_probe_is_in_flight() -> None:
+    """A pair that learnt nothing for ``probe_s`` falls back to its D's line, so it is tried again; while
+    that probe is in flight its own line judges, and the next request is not sent the same way."""
+    t = [0.0]
+    pred = _handing(t)
+    for _ in range(10):
+        pred.observe_handoff("p0", "d0", X, 3.0)  # the pair slowed; d0's own line mixes both
+    t[0] = 1.0
+    for _ in range(30):
+        pred.observe_handoff("p1", "d0", X, 0.3)
+    slow = pred.handoff("p0", "d0", X)
+    assert slow > 2.0
+    t[0] = 1.0 + PS.probe_s + 1
+    assert pred.handoff("p0", "d0", X) < 1.0  # stale: d0's line, so one request may probe the pair
+    pred.handoff_began("p0", "d0", 0.4)
+    assert pred.handoff("p0", "d0", X) == pytest.approx(slow)  # the probe is out: the pair's own line
 
 
 def test_handoffs_overdue_from_every_p_a_d_waits_on_place_the_lag_on_ds_side() -> None:
