@@ -174,10 +174,13 @@ def step_instance(
     matrix: Factorization | None = None,
     shed: Sequence[str] = (),
     slow_ps: Sequence[str] = (),
+    handoffs: int | None = None,
 ) -> WeightDecision:
     """One tick for one instance whose data is fresh (``matrix``: the window's P×D handoff matrix;
     ``shed``: the members of its pool that are down, cut or avoided, whose load the others took;
-    ``slow_ps``: the Ps slow or failing on their own side, whose pulls a D's means mix in)."""
+    ``slow_ps``: the Ps slow or failing on their own side, whose pulls a D's means mix in;
+    ``handoffs``: for a P last cut on its handoff side, its handoffs that reached a first token in the
+    window, the evidence a raise needs: its prefill requests say nothing of that side)."""
     unseen = _not_up(inst, prev, cfg, now)
     if unseen is not None:
         return unseen
@@ -200,8 +203,8 @@ def step_instance(
         _probe_failed(st, inst, cfg, window_s, now)
     elif st.smoothed < w - band_down and band_down > 0 and st.target < w - band_down:
         _lower(st, inst, prev, cfg)
-    elif st.smoothed > w + band_up and band_up > 0 and not _has_evidence(inst, w, cfg):
-        _probe_or_wait(st, inst, cfg, now)
+    elif st.smoothed > w + band_up and band_up > 0 and not _has_evidence(inst, w, cfg, handoffs):
+        _probe_or_wait(st, inst, cfg, now, handoffs)
     elif st.smoothed > w + band_up and band_up > 0:
         _raise(st, prev, cfg, window_s, now)
     else:
@@ -494,16 +497,21 @@ def _lower(st: _Step, inst: InstanceSignals, prev: WeightState, cfg: PolicyConfi
         st.what = f"{st.what} (confirming {st.degraded}/{cfg.degrade_ticks})"
 
 
-def _probe_or_wait(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, now: float) -> None:
+def _probe_or_wait(
+    st: _Step, inst: InstanceSignals, cfg: PolicyConfig, now: float, handoffs: int | None = None
+) -> None:
     """Looks healthy only because too few requests reach it to show anything: no evidence. Once it has
     waited probe_after_s at the low weight it gets a probe: a small, bounded share, never a ramp."""
     w = st.w
+    seen = (
+        f"{inst.requests} requests" if handoffs is None else f"{handoffs} handoffs (cut on its handoff side)"
+    )
     since = now - (st.lowered_at if st.lowered_at is not None else now - cfg.probe_after_s)
     if w < cfg.probe_weight - EPS and since >= cfg.probe_after_s:
         st.new = min(cfg.probe_weight, w + cfg.max_weight_step)
         st.arith.append(
             f"weight = min(probe {cfg.probe_weight:.2f}, {w:.2f} + {cfg.max_weight_step:.2f}) = "
-            f"{st.new:.2f} (a probe: {inst.requests} requests in the window, too few to judge)"
+            f"{st.new:.2f} (a probe: {seen} in the window, too few to judge)"
         )
         st.reason, st.what = Reason.PROBING, f"too few requests to judge; probed with weight {st.new:.2f}"
         st.probe_at = now
@@ -511,7 +519,7 @@ def _probe_or_wait(st: _Step, inst: InstanceSignals, cfg: PolicyConfig, now: flo
     st.new = w
     wait = max(0.0, cfg.probe_after_s - since)
     st.arith.append(
-        f"weight = {w:.2f} ({inst.requests} requests, {inst.nixl_transfers:.0f} transfers in the "
+        f"weight = {w:.2f} ({seen}, {inst.nixl_transfers:.0f} transfers in the "
         f"window: too few to judge; raises past {cfg.probe_weight:.2f} need evidence)"
     )
     st.reason = Reason.AWAITING_EVIDENCE
@@ -652,11 +660,17 @@ def _ceiling_after(prev: WeightState, w: float, new: float, reason: Reason) -> f
     return prev.ceiling
 
 
-def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig) -> bool:
-    """Whether a healthy-looking tick counts towards a raise: enough requests (or transfers) to judge.
+def _has_evidence(inst: InstanceSignals, w: float, cfg: PolicyConfig, handoffs: int | None = None) -> bool:
+    """Whether a healthy-looking tick counts towards a raise: enough requests (or transfers) to judge;
+    for a P cut on its handoff side, enough of its handoffs (``handoffs``). Its prefill requests finish
+    in time while the handoffs they begin are still on the slow link: a P whose NIC slowed tenfold was
+    raised on three of them, none yet pulled, and the proxies' next requests through it were all late
+    (a simulated 2P+4D fleet at 90 % load).
 
     At or under the probe weight, fewer judge (a probe's share is small): ``probe_min_requests``."""
     need = cfg.min_samples if w > cfg.probe_weight + EPS else min(cfg.min_samples, cfg.probe_min_requests)
+    if handoffs is not None:
+        return handoffs >= need
     return inst.requests >= need or inst.nixl_transfers >= need
 
 
@@ -719,6 +733,7 @@ def decide_weights(
     ends = pair_ends(matrix)
     shed = shedding(obs, prev, cfg, ends)
     slow_ps = p_side_faults(obs, prev, matrix)
+    handed = handoffs_through(obs)
     for inst in obs.instances:
         p = prev.get(inst.name, WeightState())
         held = _unjudgeable(inst, p, age if stale else None, stale, inst.role in unobservable)
@@ -727,12 +742,31 @@ def decide_weights(
             continue
         others = [n for n in shed.get(inst.pool, ()) if n != inst.name]
         beside = slow_ps + ends.get(inst.name, []) if inst.role == "decode" else slow_ps
+        handoffs = handed.get(inst.name, 0) if inst.role == "prefill" and p.cut_for in P_SIDE else None
         out.append(
             step_instance(
-                inst, peers[inst.role], p, cfg, obs.window_s, obs.now, obs.history_s, matrix, others, beside
+                inst,
+                peers[inst.role],
+                p,
+                cfg,
+                obs.window_s,
+                obs.now,
+                obs.history_s,
+                matrix,
+                others,
+                beside,
+                handoffs,
             )
         )
     return _annotated(out, obs, basis)
+
+
+def handoffs_through(obs: Observation) -> dict[str, int]:
+    """Per P, its handoffs in the window that reached a first token (the pairs' charged handoffs)."""
+    out: dict[str, int] = {}
+    for pair in obs.pairs:
+        out[pair.p_instance] = out.get(pair.p_instance, 0) + pair.requests
+    return out
 
 
 def _annotated(

@@ -352,3 +352,43 @@ def test_a_d_that_hands_off_slowly_while_another_is_cut_is_still_cut() -> None:
     prev = {"decode-2": WeightState(weight=0.15, smoothed=0.15, reason=Reason.SLOW_HANDOFF)}
     got = _slow_column(2, 4, "decode-1", {}, prev)
     assert got["decode-1"].weight < 1.0 and got["decode-1"].reason == Reason.SLOW_HANDOFF
+
+
+def _probed_p1(cut_for: Reason, p1_handoffs: int) -> WeightDecision:
+    """prefill-1 at the probe weight, healthy for ticks and lowered long ago, its prefill requests
+    plenty and fast; ``p1_handoffs`` of its handoffs (fast) reached a first token in the window."""
+    insts = tuple(replace(i, requests=10) if i.name == "prefill-1" else i for i in fleet())
+    counts = {"prefill-0": 20, "prefill-1": p1_handoffs // 4}
+    cells = tuple(
+        PairSignals(p, f"decode-{d}", counts[p], FAST, 0.1)
+        for p in ("prefill-0", "prefill-1")
+        for d in range(4)
+        if counts[p]
+    )
+    obs = Observation(now=T0, window_s=30.0, instances=insts, pairs=cells, newest_data=T0)
+    prev = {
+        "prefill-1": WeightState(
+            weight=0.1,
+            smoothed=0.1,
+            reason=Reason.PROBING,
+            healthy_streak=CFG.recover_ticks,
+            lowered_at=T0 - 10 * CFG.probe_after_s,
+            probe_at=T0 - 3.0,
+            ceiling=1.0,
+            cut_for=cut_for,
+        )
+    }
+    return next(d for d in decide_weights(obs, prev, CFG) if d.instance == "prefill-1")
+
+
+def test_a_p_cut_on_its_handoff_side_is_raised_on_its_handoffs_not_its_prefill_requests() -> None:
+    """Seen on the bench: a P whose NIC slowed tenfold was probed, then raised 0.10 -> 0.25 one tick
+    later on three prefill requests whose handoffs were still on the slow link; the proxies' next
+    requests through it were all late. Its prefill side never was the trouble."""
+    waits = _probed_p1(Reason.SLOW_HANDOFF, 0)
+    assert (waits.reason, waits.weight) == (Reason.AWAITING_EVIDENCE, 0.1)
+    assert "0 handoffs (cut on its handoff side)" in waits.arithmetic
+    shown = _probed_p1(Reason.SLOW_HANDOFF, 8)  # its probe's handoffs came back in time
+    assert shown.reason == Reason.RECOVERING and shown.weight > 0.1
+    compute = _probed_p1(Reason.SLOW_PREFILL, 0)  # cut for its compute: its prefills are the evidence
+    assert compute.reason == Reason.RECOVERING and compute.weight > 0.1
