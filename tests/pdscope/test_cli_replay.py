@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from controller.policy.config import POLICY_VERSION
 from pdscope import cli
 from store.db import transaction
 from store.models import TickRecord
@@ -88,9 +89,9 @@ def test_no_ticks_bad_ranges_and_other_versions_exit_non_zero(
     with transaction(world.factory) as s:
         row = s.scalars(select(TickRecord)).first()
         assert row is not None
-        row.policy_version = 7
+        row.policy_version = POLICY_VERSION + 1
     assert replay(recorded, *RANGE) == 2
-    assert "decided by policy version 7" in capsys.readouterr().err
+    assert f"decided by policy version {POLICY_VERSION + 1}" in capsys.readouterr().err
 
 
 def test_a_replay_that_does_not_reproduce_exits_3(
