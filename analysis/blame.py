@@ -27,7 +27,7 @@ caller's business. The rules:
   for a typical count) sets a bar too: a pair must stand ``noise_z`` spreads out, further when
   its cell has fewer samples than the typical. Below 20, the threshold alone decides.
 * **Sparse rules.** A row or column with fewer than ``min_cells`` usable cells (or than the
-  other side has lines, when that is fewer) is set aside with its cells, repeatedly, since
+  fleet's other side has instances, when that is fewer) is set aside with its cells, repeatedly, since
   that can thin another; then only the largest group of rows and columns linked by sampled
   pairs is fitted. A side left with one line cannot be told from the typical: with one P, the
   P is not judged and the Ds are judged against each other (one D alike; a 1×1 fleet judges
@@ -209,7 +209,7 @@ def _core(
         )
     core, unlinked = usable, 0
     while True:
-        thinned = _thin(core, cfg, reasons)
+        thinned = _thin(core, (len(fleet[0]), len(fleet[1])), cfg, reasons)
         linked = _linked(thinned)
         for axis, lines in enumerate(_index(thinned)):
             kept = {pair[axis] for pair in linked}
@@ -235,12 +235,18 @@ def _core(
     return core, reasons
 
 
-def _thin(core: dict[Pair, float], cfg: BlameConfig, reasons: Reasons) -> dict[Pair, float]:
-    """``core`` less the lines with fewer than ``min_cells`` cells (or than the other side has lines)."""
+def _thin(
+    core: dict[Pair, float], sizes: tuple[int, int], cfg: BlameConfig, reasons: Reasons
+) -> dict[Pair, float]:
+    """``core`` less the lines with fewer than ``min_cells`` cells (or than the fleet's other side has
+    instances, ``sizes``). The fleet's, not the sampled lines': a 4P+2D fleet whose other D was cut
+    sampled one D, and each P's row over that D alone (which took the cut D's load, so its handoffs
+    rose through the window) read as the P's, and blamed a healthy P at ×2.04 on its one cell. With
+    two Ds in the fleet, one cell cannot tell a P from its pair; with one D, it is all there is."""
     lines = _index(core)
     thin: tuple[set[str], set[str]] = (set(), set())
     for axis in (0, 1):
-        need = min(cfg.min_cells, len(lines[1 - axis]))
+        need = min(cfg.min_cells, sizes[1 - axis])
         for name, pairs in lines[axis].items():
             if len(pairs) < need:
                 reasons[axis][name] = (

@@ -45,6 +45,18 @@ def _alone(slowed: Sequence[PairSignals], axis: int, crossing: Mapping[str, tupl
     return recent > 0 and 3 * slow <= recent
 
 
+def _recent_needed(slowed: Sequence[PairSignals], cfg: PolicyConfig) -> int:
+    """The recent handoffs a line's slowed cells need together: ``min_recent_samples``, or half of it
+    (rounded up) where each cell's recent median is past ``blame_threshold`` × ``latency_tolerance``
+    times its window's. The proxies leave a P whose NIC slowed tenfold after a handoff or two per D:
+    4P+2D, its row's recent handoffs were 2.7 s and 4.0 s against a window's 0.42 s, two per cell,
+    and never five together, so the P went uncut."""
+    far = cfg.blame_threshold * cfg.latency_tolerance
+    if all(x.recent_p50_s is not None and x.recent_p50_s > x.handoff_p50_s * far for x in slowed):
+        return -(-cfg.min_recent_samples // 2)
+    return cfg.min_recent_samples
+
+
 def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
     """The pairs whose cell is read over their recent handoffs (``handoff_recent_s``, by first token).
 
@@ -55,7 +67,8 @@ def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
     its recent handoffs where they are past ``latency_tolerance`` times its window's median and either
     ``min_recent_samples`` of them say so alone, or its row or column says so together: two thirds of
     the line's cells with recent handoffs, two at least, slowed, with ``min_recent_samples`` recent
-    handoffs among them, and the lines crossing it not slowed alike (:func:`_alone`). Upward only, and
+    handoffs among them (half as many where all are far past, :func:`_recent_needed`), and the
+    lines crossing it not slowed alike (:func:`_alone`). Upward only, and
     still factored against the typical pair with the blame threshold: a healthy cell's recent noise,
     or the whole fleet slowing together, blames nobody."""
     chosen = {
@@ -74,7 +87,7 @@ def recent_cells(pairs: Sequence[PairSignals], cfg: PolicyConfig) -> set[Pair]:
             if (
                 len(slowed) >= 2
                 and 3 * len(slowed) >= 2 * len(xs)
-                and sum(x.recent_requests for x in slowed) >= cfg.min_recent_samples
+                and sum(x.recent_requests for x in slowed) >= _recent_needed(slowed, cfg)
                 and _alone(slowed, axis, counts[1 - axis])
             ):
                 chosen.update((x.p_instance, x.d_instance) for x in slowed)

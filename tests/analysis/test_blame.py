@@ -237,15 +237,23 @@ def test_a_one_by_one_fleet_judges_nothing() -> None:
     assert len(f.unjudged) == 2
 
 
-def test_the_only_sampled_prefill_is_not_judged() -> None:
-    matrix, prefills, decodes = fleet(1, 4, cols={2: 3.0})
-    f = factor(matrix, [*prefills, "p9"], decodes)  # p9 is in the fleet but has no pairs this window
-    assert blamed(f) == {("decode", "d2")}
-    assert f.unjudged == (
-        "prefill p0: the only P judged: its side cannot be told from the typical",
-        "prefill p9: no pair with enough samples in the window",
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_only_sampled_line_of_a_wider_fleet_judges_nothing_on_one_cell(axis: int) -> None:
+    # a 4P+2D fleet whose d1 was cut: only d0's column has samples, and it took d1's load, so the Ps'
+    # cells toward it spread with when each P's handoffs fell; one cell cannot tell a P from its pair
+    # (the mirror: the only sampled P of a wider fleet and the Ds' cells through it)
+    matrix, prefills, decodes = fleet(4, 1, rows={1: 2.5}) if axis == 0 else fleet(1, 4, cols={1: 2.5})
+    wider = (prefills, [*decodes, "d9"]) if axis == 0 else ([*prefills, "p9"], decodes)
+    f = factor(matrix, *wider)
+    assert f.blames == ()
+    one = "p1" if axis == 0 else "d1"
+    assert f"{blame.SIDES[axis]} {one}: 1 usable pair, 2 needed to tell it from its pairs" in f.unjudged
+    assert (
+        f"{blame.SIDES[1 - axis]} {'d9' if axis == 0 else 'p9'}: no pair with enough samples in the window"
+        in (f.unjudged)
     )
-    assert f.prefill["p9"] == blame.Effect("p9", 1.0, 0, judged=False)
+    # the fleet of one D (or one P) has nothing else: its one cell per line is judged, as before
+    assert blamed(factor(matrix, prefills, decodes)) == {(blame.SIDES[axis], one)}
 
 
 def test_groups_not_linked_by_sampled_pairs_are_not_compared() -> None:

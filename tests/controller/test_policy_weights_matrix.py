@@ -266,6 +266,16 @@ def test_a_row_whose_few_recent_handoffs_all_slowed_is_read_over_them() -> None:
     assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
 
 
+def test_a_row_far_past_its_window_is_read_over_half_as_many_recent_handoffs() -> None:
+    """4P+2D on the bench: the proxies left a P whose NIC slowed tenfold after a handoff or two per D,
+    and its row never held five recent ones together. Far past its window (three times and more), one
+    per D over four Ds is enough; as many merely past the tolerance are not."""
+    got = _recent_tick({("prefill-1", f"decode-{d}"): (1, SLOW) for d in range(4)})
+    assert _cut(got) == {"prefill-1": "SlowPrefillSide"}
+    near = _recent_tick({("prefill-1", f"decode-{d}"): (1, FAST * 2.5) for d in range(4)})
+    assert _cut(near) == {}
+
+
 def test_recent_handoffs_too_few_or_within_the_tolerance_blame_nobody() -> None:
     # two slow handoffs over the row, or four in one cell alone: not enough to read the row by
     assert (
