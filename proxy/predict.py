@@ -221,7 +221,7 @@ class Predictor:
         self._table_p: dict[str, tuple[float, float, int]] = {}  # P -> (base, s per k-token, samples)
         self._table_pair: dict[tuple[str, str], float] = {}
         self._table_d: dict[str, float] = {}
-        self._errors = _Errors(ps.quantile)
+        self._errors = _Errors(ps.quantile, ps.errors_s, clock)
 
     # -- the controller's prior ------------------------------------------------------
 
@@ -334,7 +334,7 @@ class Predictor:
         return seconds * max(lag / self.factor(p or ""), 1.0) if lag > 1.0 else seconds
 
     def _handoff_line(self, p: str | None, d: str, x: HandoffX) -> float:
-        pair = self._usable(self._pairs.get((p, d)), (p, d) in self._handing) if p is not None else None
+        pair = self._usable(self._pairs.get((p, d)), self._pair_flying(p, d)) if p is not None else None
         each_d = self._usable(self._ds.get(d), self._d_flying(d))
         rivals = self._rivals.get(d)
         if pair is not None and (each_d is None or rivals is None or rivals.pair_wins()):
@@ -399,8 +399,15 @@ class Predictor:
             cols.setdefault(d, []).append(_past(_most_overdue(times, now, self._in_time_d.get(d)), margin))
         return HandoffLags(pair, _line_lags(rows), _line_lags(cols))
 
+    def _pair_flying(self, p: str, d: str) -> bool:
+        """Whether a request of this proxy is on its way through ``p`` x ``d``: sent, not yet at its first
+        token. From the send, not from P's answer: until P answered, each request after the probe also
+        saw the stale line's fallback, and a P whose NIC slowed tenfold was sent a handful per D every
+        ``probe_s``, each late."""
+        return (p, d) in self.pair_backlog or (p, d) in self._handing
+
     def _d_flying(self, d: str) -> bool:
-        return d in self._flying_to
+        return d in self.d_backlog or d in self._flying_to
 
     def _usable(self, line: Line | None, flying: bool) -> Line | None:
         """``line`` if it rests on :data:`HANDOFF_MIN` handoffs, the last within ``probe_s`` or one of its
@@ -425,9 +432,20 @@ class Predictor:
         it down, and an idle 4P+2D fleet was refused for the last 15 s of a simulated run."""
         return self._errors.factor(p) if queued else 1.0
 
-    def d_queued(self, ds: Iterable[str]) -> bool:
-        """Whether this proxy has a request waiting for a first token at one of ``ds``."""
-        return any(self.d_backlog.get(d, 0) > 0 for d in ds)
+    def d_queued(self, ds: Iterable[str], lags: HandoffLags | None = None) -> bool:
+        """Whether this proxy has a request waiting for a first token at one of ``ds``, leaving out those
+        handed off by a P whose row is late (``lags``): they wait on that P's side, not in D's queue. A
+        P whose NIC slowed tenfold held a handoff or more at every D for the rest of a simulated 2P+4D
+        run; counted, they put the error margin (4, from the saturation when the fault began) on every
+        request through the healthy P, which was refused with nothing queued ahead of it."""
+        late = [p for p, lag in lags.row.items() if lag > 1.0] if lags is not None else []
+        for d in ds:
+            waiting = self.d_backlog.get(d, 0)
+            if waiting > 0 and late:
+                waiting -= sum(self.pair_backlog.get((p, d), 0) for p in late)
+            if waiting > 0:
+                return True
+        return False
 
     def budget(self, target_s: float) -> float:
         """The part of ``target_s`` a prediction (times :meth:`factor`) must fit in."""
@@ -451,11 +469,20 @@ class Predictor:
             self._errors.forget(p)
 
     def observe_handoff(self, p: str, d: str, x: HandoffX, seconds: float) -> None:
-        """D's first token came ``seconds`` after P's answer, predicted with ``x`` (:meth:`handoff_x`)."""
+        """D's first token came ``seconds`` after P's answer, predicted with ``x`` (:meth:`handoff_x`).
+
+        The pair's line always learns it; D's own line (through any P) and the rivalry between the two
+        only while P's row is not late where D's column is not (:meth:`handoff_lags`): a handoff slow
+        on P's side says nothing of D. On a simulated 2P+4D fleet whose one P's NIC slowed tenfold,
+        that P's 3-6 s handoffs taught every D's line, which then predicted 2.5-2.9 s through the
+        healthy P too: the proxy refused every request for the rest of the run (1.25 req/s served of
+        the healthy P's 7), and, refusing, learned nothing that could undo it."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
-        pair = self._usable(self._pairs.get((p, d)), (p, d) in self._handing)
-        each_d = self._usable(self._ds.get(d), self._d_flying(d))
+        lags = self.handoff_lags()
+        p_side = lags.row.get(p, 1.0) > 1.0 and lags.col.get(d, 1.0) <= 1.0
+        pair = self._usable(self._pairs.get((p, d)), self._pair_flying(p, d))
+        each_d = None if p_side else self._usable(self._ds.get(d), self._d_flying(d))
         if pair is not None and each_d is not None and seconds > 0:  # both could answer: which was nearer
             rivals = self._rivals.get(d) or self._rivals.setdefault(d, _Rivals())
             rivals.add(abs(pair(x.on_pair) - seconds) / seconds, abs(each_d(x.at_d) - seconds) / seconds)
@@ -463,11 +490,13 @@ class Predictor:
         pair_line = self._pairs.get((p, d))
         if pair_line is None:
             pair_line = self._pairs[p, d] = Line(start, B_MIN, self.ps.forget)
-        d_line = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
         now = self.clock()
-        for line, tokens in ((pair_line, x.on_pair), (d_line, x.at_d)):
-            line.update(tokens, seconds)
-            line.at = now
+        pair_line.update(x.on_pair, seconds)
+        pair_line.at = now
+        if not p_side:
+            d_line = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
+            d_line.update(x.at_d, seconds)
+            d_line.at = now
 
     def observe_ttft(self, p: str, predicted: float, observed: float, confident: bool) -> float | None:
         """A first token through ``p``: the ratio observed / predicted (None when either is not a positive
@@ -562,36 +591,49 @@ class Backlog(dict[K, int]):
 
 class _Errors:
     """Observed / predicted TTFT ratios: a ring per P and a pooled ring of every P's (each of the last
-    :data:`RATIOS`), and their ``quantile``, cached until a ring changes.
+    :data:`RATIOS`, and none older than ``horizon_s``), and their ``quantile``, cached until a ring
+    changes.
 
     A P with fewer than :data:`MIN_RATIOS` of its own (new, or its line just reopened) borrows the
     typical peer's factor: the lower median of the factors of the Ps that have their own. Not the
     pooled ring: its quantile is its worst P's, and a P whose NIC slowed tenfold (ratios of 4 and
     more) once lent its factor to every healthy P whose line reopened under the load it shed, so
     each was rejected past one request in its queue (a simulated 4P+2D fleet at 90 % load). The
-    pooled ring is for the start alone, while no P has enough of its own."""
+    pooled ring is for the start alone, while no P has enough of its own.
 
-    def __init__(self, quantile: float) -> None:
+    **Ratios age out.** The quantile at 0.995 of 256 ratios is about their second largest, and only a
+    first token brings a new one. On a simulated 2P+4D fleet whose other P's NIC slowed, the healthy
+    P took the whole load at once and its queue was under-predicted up to 4x for a second; those
+    ratios made its factor 4 (the cap), every request that met a queue was refused, so no first token
+    came to replace them, and the P served one request in two seconds for the rest of the run. Past
+    ``horizon_s`` a ratio is the fleet's past, not the model's noise."""
+
+    def __init__(self, quantile: float, horizon_s: float, clock: Callable[[], float]) -> None:
         self.q = 100.0 * quantile
-        self._own: dict[str, deque[float]] = {}
-        self._pooled: deque[tuple[str, float]] = deque(maxlen=RATIOS)
+        self.horizon_s = horizon_s
+        self.clock = clock
+        self._own: dict[str, deque[tuple[float, float]]] = {}  # P -> (when, ratio)
+        self._pooled: deque[tuple[str, float, float]] = deque(maxlen=RATIOS)  # (P, when, ratio)
         self._cached: dict[str, float] = {}  # P -> its own ring's quantile
         self._borrowed: float | None = None  # the typical peer's factor, or the pooled ring's
+        self._next_expiry = -math.inf
 
     def add(self, p: str, ratio: float) -> None:
-        self._own.setdefault(p, deque(maxlen=RATIOS)).append(ratio)
-        self._pooled.append((p, ratio))
+        now = self.clock()
+        self._own.setdefault(p, deque(maxlen=RATIOS)).append((now, ratio))
+        self._pooled.append((p, now, ratio))
         self._cached.pop(p, None)
         self._borrowed = None
 
     def forget(self, p: str) -> None:
         """``p``'s errors leave both rings (a reopened line: they measured a change, not noise)."""
         if self._own.pop(p, None) is not None:
-            self._pooled = deque(((q, r) for q, r in self._pooled if q != p), maxlen=RATIOS)
+            self._pooled = deque((x for x in self._pooled if x[0] != p), maxlen=RATIOS)
             self._cached.pop(p, None)
             self._borrowed = None
 
     def factor(self, p: str) -> float:
+        self._expire()
         own = self._own.get(p)
         if own is not None and len(own) >= MIN_RATIOS:
             return self._own_factor(p, own)
@@ -599,10 +641,31 @@ class _Errors:
             self._borrowed = self._typical()
         return self._borrowed
 
-    def _own_factor(self, p: str, ratios: deque[float]) -> float:
+    def _expire(self) -> None:
+        """Drop the ratios older than ``horizon_s``; looked at once per tenth of it (every ring is
+        walked then, so a large fleet pays that walk ten times per horizon, not per request)."""
+        now = self.clock()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + self.horizon_s / 10.0
+        cutoff = now - self.horizon_s
+        for p in list(self._own):
+            ring = self._own[p]
+            if ring and ring[0][0] < cutoff:
+                while ring and ring[0][0] < cutoff:
+                    ring.popleft()
+                self._cached.pop(p, None)
+                self._borrowed = None
+                if not ring:
+                    del self._own[p]
+        while self._pooled and self._pooled[0][1] < cutoff:
+            self._pooled.popleft()
+            self._borrowed = None
+
+    def _own_factor(self, p: str, ratios: deque[tuple[float, float]]) -> float:
         got = self._cached.get(p)
         if got is None:
-            got = self._cached[p] = self._quantile(ratios)
+            got = self._cached[p] = self._quantile(r for _, r in ratios)
         return got
 
     def _typical(self) -> float:
@@ -611,7 +674,7 @@ class _Errors:
         peers = sorted(self._own_factor(q, r) for q, r in self._own.items() if len(r) >= MIN_RATIOS)
         if peers:
             return peers[(len(peers) - 1) // 2]
-        return self._quantile([r for _, r in self._pooled]) if len(self._pooled) >= MIN_RATIOS else 1.0
+        return self._quantile(r for _, _, r in self._pooled) if len(self._pooled) >= MIN_RATIOS else 1.0
 
     def _quantile(self, ratios: Iterable[float]) -> float:
         return min(max(percentile(list(ratios), self.q) or 1.0, 1.0), MAX_FACTOR)
@@ -660,7 +723,7 @@ def outlook(
     )
     late: set[str] = set()
     best = math.inf
-    d_queued = pred.d_queued(ds)
+    d_queued = pred.d_queued(ds, lags)
     for p in ps:
         est = pred.prefill(p, own.get(p, 0))
         if per_pair:
@@ -687,7 +750,7 @@ def late_decodes(
     lags = pred.handoff_lags()
 
     def total(d: str) -> float:
-        margin = pred.margin(p, est.ahead > 0 or pred.d_queued((d,)))
+        margin = pred.margin(p, est.ahead > 0 or pred.d_queued((d,), lags))
         return elapsed + (est.seconds + pred.handoff(p, d, pred.handoff_x(p, d, tokens), lags)) * margin
 
     late = {d for d in ds if total(d) > budget}

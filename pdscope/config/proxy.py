@@ -114,6 +114,10 @@ class PredictSettings(_Frozen):
     to admitted requests (0.99), or that share of them misses by construction"""
     margin: Fraction = 0.05
     """share of the target held back besides the error quantile"""
+    errors_s: PositiveFloat = Field(default=20.0, le=3600)
+    """seconds an observed/predicted TTFT ratio counts in the error quantile: a transient's ratios (a
+    saturation's, a fault's onset) leave the margin after this long, even while the margin's own
+    rejections bring no first token to replace them"""
     min_samples: Count1M = 20
     """completions of a P (or, at the table's prior, the controller's samples) before its prediction may
     reject a request: a cold predictor routes and records, but does not reject"""

@@ -82,6 +82,44 @@ def test_the_error_factor_is_the_recent_ratio_quantile_and_one_while_few_are_kno
     assert pred.observe_ttft("p0", 1.0, float("nan"), True) is None
 
 
+def test_ratios_age_out_of_the_margin_though_no_first_token_replaces_them() -> None:
+    """2P+4D, the other P's NIC slowed: the healthy P took the whole load at once, its queue was
+    under-predicted up to 4x for a second, and those ratios (the 0.995 quantile of 256 is about their
+    second largest) refused everything that met a queue for the rest of the run, so no first token
+    came to replace them. Past ``errors_s`` they are the fleet's past, not the model's noise."""
+    t = [0.0]
+    pred = Predictor(PredictSettings(errors_s=20.0), 10_000, lambda: t[0])
+    for _ in range(100):
+        pred.observe_ttft("p0", 1.0, 1.05, True)
+    t[0] = 5.0
+    for _ in range(3):
+        pred.observe_ttft("p0", 1.0, 4.5, True)  # the onset's saturation
+    assert pred.factor("p0") == 4.0
+    t[0] = 24.0  # the healthy ratios are gone, the onset's (19 s old) still count: too few, borrowed
+    assert pred.factor("p0") == 1.0
+    t[0] = 26.0
+    assert pred.factor("p0") == 1.0
+    for _ in range(MIN_RATIOS):
+        pred.observe_ttft("p0", 1.0, 1.2, True)
+    assert pred.factor("p0") == pytest.approx(1.2)  # new first tokens, the model's noise again
+
+
+def test_a_handoff_waiting_on_a_late_ps_side_is_no_queue_at_its_d() -> None:
+    """The same run: the slow P held a handoff at every D, so every request through the healthy P met
+    'a queue at D' and was given the margin; they wait on the slow P's NIC, not in D's queue."""
+    t = [0.0]
+    pred = _handing(t)
+    for d in ("d0", "d1"):
+        pred.sent_to_d("p1", d, 2000)
+        pred.handoff_began("p1", d, 0.3)
+    assert pred.d_queued(["d0"], pred.handoff_lags())  # not yet due: p1's row is not late
+    t[0] = 3.0
+    lags = pred.handoff_lags()
+    assert lags.row["p1"] > 1.0 and not pred.d_queued(["d0", "d1"], lags)
+    pred.sent_to_d("p0", "d1", 2000)  # the healthy P's own request at d1 is a queue there
+    assert pred.d_queued(["d0", "d1"], lags) and not pred.d_queued(["d0"], lags)
+
+
 def test_one_ps_errors_do_not_widen_anothers_margin_and_a_cold_guess_widens_none() -> None:
     """The held-out failure: a P that slowed five times over filled a shared ring with ratios near 2-4
     while its line caught up, and the healthy P's predictions, times that factor, were rejected."""
@@ -292,6 +330,41 @@ def test_a_handoff_not_yet_due_does_not_clear_ps_row_and_one_in_time_does() -> N
     assert lags.of("p0", "d0") == pytest.approx(3.5 / 0.3)  # a pair's own lag counts all it holds
 
 
+def test_a_handoff_slow_on_ps_side_teaches_its_pair_not_its_ds_line() -> None:
+    """2P+4D on the simulator, one P's NIC ten times slower: that P's 3-6 s handoffs taught every D's
+    own line, which then predicted 2.5-2.9 s through the healthy P as well, and the proxy refused every
+    request for the rest of the run. While the P's row is late and the D's column is not, its first
+    tokens teach its pairs only."""
+    t = [0.0]
+    pred = _handing(t)
+    for d in ("d0", "d1"):
+        pred._rivals.pop(d, None)  # no record yet of which of the two predicts d better
+        for _ in range(20):
+            pred.observe_handoff("p0", d, X, 0.3)
+    for d in ("d0", "d1", "d2"):  # a queue on each of p1's links: the older of two ends first
+        pred.handoff_began("p1", d, 0.3)
+    tickets = {d: pred.handoff_began("p1", d, 0.3) for d in ("d0", "d1", "d2")}
+    t[0] = 3.0  # p1's handoffs 10x overdue (a queue on each link): its row is late; each D waits on p1 alone
+    assert pred.handoff_lags().row["p1"] > 1.0
+    for d in ("d0", "d1"):
+        pred.handoff_ended("p1", d, tickets[d], arrived=True)
+        for _ in range(10):
+            pred.observe_handoff("p1", d, X, 3.0)
+    assert pred.handoff(None, "d0", X) == pytest.approx(0.3, rel=0.05)  # D's own line: p0's handoffs
+    assert pred.handoff("p0", "d1", X) == pytest.approx(0.3, rel=0.05)
+    assert pred._pairs["p1", "d0"](X.on_pair) > 2.0  # the pair learnt its P's slowness
+    # a D whose column is late too (both Ps overdue toward it): its line learns from every P, as before
+    t[0] = 10.0
+    for p in ("p0", "p1"):
+        for d in ("d2", "d3"):
+            pred.handoff_began(p, d, 0.3)
+    t[0] = 13.0
+    assert pred.handoff_lags().col["d2"] > 1.0
+    for _ in range(10):
+        pred.observe_handoff("p1", "d2", X, 3.0)
+    assert pred.handoff(None, "d2", X) > 2.0
+
+
 def test_a_stale_pair_line_judges_again_while_its_probe_is_in_flight() -> None:
     """A pair that learnt nothing for ``probe_s`` falls back to its D's line, so it is tried again; while
     that probe is in flight its own line judges, and the next request is not sent the same way."""
@@ -306,8 +379,11 @@ def test_a_stale_pair_line_judges_again_while_its_probe_is_in_flight() -> None:
     assert slow > 2.0
     t[0] = 1.0 + PS.probe_s + 1
     assert pred.handoff("p0", "d0", X) < 1.0  # stale: d0's line, so one request may probe the pair
+    pred.sent_to_d("p0", "d0", 2000)  # the probe is sent: still at P, the pair's own line judges
+    assert pred.handoff("p0", "d0", X) == pytest.approx(slow)
     pred.handoff_began("p0", "d0", 0.4)
-    assert pred.handoff("p0", "d0", X) == pytest.approx(slow)  # the probe is out: the pair's own line
+    assert pred.handoff("p0", "d0", X) == pytest.approx(slow)  # and while its handoff is in flight
+    pred.left_d("p0", "d0", 2000)
 
 
 def test_handoffs_overdue_from_every_p_a_d_waits_on_place_the_lag_on_ds_side() -> None:
