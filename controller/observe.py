@@ -65,12 +65,14 @@ def _latest_gauges(
         parts = waits + ([last.kv_fetch_in_progress] if last.kv_fetch_in_progress is not None else [])
         qsum = counter_increase(r.queue_sum for r in up_rows)
         qcnt = counter_increase(r.queue_count for r in up_rows)
+        to_pull = [v for v in (last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress) if v is not None]
         out[inst] = ev.LatestGauges(
             sum(parts) if parts else None,
             qsum / qcnt if qsum is not None and qcnt else None,
             down_for,
             sum(waits) if waits else None,
             _unreachable_run(rows),
+            sum(to_pull) if to_pull else None,
         )
     return out
 

@@ -155,6 +155,60 @@ def nixl_per_instance(series: pd.DataFrame, edges: Mapping[str, tuple[Any, Any]]
     return pd.DataFrame(rows)
 
 
+def _held_since(mine: pd.DataFrame) -> float | None:
+    """The first scrape of an instance's trailing run (through its newest scrape) of up scrapes that found it
+    idle (nothing running or waiting) with KV in use; None when its newest scrape is not one."""
+    since = None
+    for row in mine.sort_values("ts", ascending=False).itertuples(index=False):
+        usage, running, waiting = row.kv_cache_usage, row.num_running, row.num_waiting
+        if not row.up or pd.isna(usage) or usage <= 0 or running != 0 or waiting != 0:
+            break
+        since = float(row.ts)
+    return since
+
+
+def _pulls_pending(series: pd.DataFrame) -> float | None:
+    """Requests every up D still has to pull (KV-fetch stages waiting_to_start + in_progress), at each D's
+    newest scrape; None where a D's gauges are missing."""
+    ds = series[series["role"] == "decode"]
+    total = 0.0
+    for _, mine in ds.groupby("instance", sort=False):
+        last = mine.sort_values("ts").iloc[-1]
+        if not last["up"]:
+            continue
+        parts = [last.get("kv_fetch_waiting_to_start"), last.get("kv_fetch_in_progress")]
+        if any(v is None or pd.isna(v) for v in parts):
+            return None
+        total += float(sum(parts))
+    return total
+
+
+def stranded_kv(series: pd.DataFrame, sample: pd.DataFrame, step: int) -> tuple[pd.DataFrame, float | None]:
+    """Per P: the KV it holds at its newest scrape while idle (the ``StrandedKV`` alert's condition on P's
+    side) and for how long, and the window's handoffs it prefilled that no D served (P done, no first
+    token; the sample's count times ``step``); and the requests the up Ds still have to pull (the rule's
+    other side: it holds only at 0)."""
+    if series.empty:
+        return pd.DataFrame(), None
+    end = float(series["ts"].max())
+    served = sample if not sample.empty else pd.DataFrame(columns=["p_instance", "p_done", "first_token"])
+    unserved = served[served["p_done"].notna() & served["first_token"].isna()]
+    counts = unserved.groupby("p_instance").size() if not unserved.empty else pd.Series(dtype=int)
+    rows = []
+    for name, mine in series[series["role"] == "prefill"].groupby("instance", sort=True):
+        since = _held_since(mine)
+        last = mine.sort_values("ts").iloc[-1]
+        rows.append(
+            {
+                "instance": name,
+                "held_while_idle_pct": None if since is None else 100.0 * float(last["kv_cache_usage"]),
+                "held_for_s": None if since is None else end - since,
+                "unserved_handoffs": int(counts.get(name, 0)) * max(1, step),
+            }
+        )
+    return pd.DataFrame(rows), _pulls_pending(series)
+
+
 def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
     """Per instance and scrape: each counter's rate per second since the previous scrape.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,8 +20,9 @@ from urllib.parse import urlsplit
 
 from pdscope.config import ConfigError, Settings, load_config, resolve_config_path
 from pdscope.simconfig import DEFAULT_ADMIN_PORT
+from simulator.faults import FaultKind
 
-FAULT_KINDS = ("slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow")
+FAULT_KINDS: tuple[str, ...] = typing.get_args(FaultKind)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fsub = fault.add_subparsers(dest="fault_action", metavar="FAULT_ACTION", required=True)
     add = fsub.add_parser("add", help="inject a fault now (or after --at seconds)")
     add.add_argument("kind", choices=FAULT_KINDS, help="see simulator/faults.py for the fields of each kind")
-    add.add_argument("--instance", help="down, kv_capacity, slow (and slow_nic, stop_pulling): the instance")
+    add.add_argument(
+        "--instance", help="down, kv_capacity, slow, lease_stall (and slow_nic, stop_pulling): the instance"
+    )
     add.add_argument(
         "--prefill", help="slow_link, slow_nic (a P's NIC; optionally transfer_failure): the P side"
     )

@@ -216,7 +216,8 @@ class Engine:
         while self._transfers and self._transfers[0][0] <= now:
             _, _, req = heapq.heappop(self._transfers)
             self._transfer_finished(req, now)
-        while self._lease_heap and self._lease_heap[0][0] <= now:
+        stalled = self.faults.leases_stalled(self.name)  # a reaper behind: expired leases keep their blocks
+        while not stalled and self._lease_heap and self._lease_heap[0][0] <= now:
             _, rid = heapq.heappop(self._lease_heap)
             lease = self.leases.get(rid)
             if lease is None:
@@ -245,7 +246,7 @@ class Engine:
         times = []
         if self._transfers:
             times.append(self._transfers[0][0])
-        if self._lease_heap:
+        if self._lease_heap and not self.faults.leases_stalled(self.name):  # the fault's end wakes the runner
             times.append(self._lease_heap[0][0])
         if self._next_heartbeat is not None:
             times.append(self._next_heartbeat)

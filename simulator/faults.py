@@ -12,6 +12,9 @@ Kinds and their fields::
                                                 times slower: a D's NIC, or a P's toward every D
     transfer_failure  rate [, prefill, decode]  share of NIXL reads that fail (D counts them)
     stop_pulling      decode                    D stops pulling and heartbeating: P's leases expire
+    lease_stall       instance                  P's lease reaper falls behind: an expired lease keeps its
+                                                blocks until the fault clears (stranded KV; vLLM had
+                                                expired entries stuck behind a heartbeated one)
     (slow_nic and stop_pulling also take ``instance`` for ``decode``; a P's NIC is named by ``prefill``)
     down              instance                  the instance is gone (connection refused) until cleared
     kv_capacity       instance, blocks | fraction   the instance's KV cache shrinks
@@ -37,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdscope.config import ConfigError, validated
 
 FaultKind = Literal[
-    "slow_link", "slow_nic", "transfer_failure", "stop_pulling", "down", "kv_capacity", "slow"
+    "slow_link", "slow_nic", "transfer_failure", "stop_pulling", "lease_stall", "down", "kv_capacity", "slow"
 ]
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -45,6 +48,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "slow_nic": ("factor",),  # and one of decode (a D's NIC) or prefill (a P's)
     "transfer_failure": ("rate",),
     "stop_pulling": ("decode",),
+    "lease_stall": ("instance",),
     "down": ("instance",),
     "kv_capacity": ("instance",),
     "slow": ("instance", "factor"),
@@ -174,6 +178,9 @@ class FaultSet:
 
     def stops_pulling(self, name: str) -> bool:
         return any(f.decode == name for f in self._of("stop_pulling"))
+
+    def leases_stalled(self, name: str) -> bool:
+        return any(f.instance == name for f in self._of("lease_stall"))
 
     # -- fabric --------------------------------------------------------------------
 

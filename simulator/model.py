@@ -93,6 +93,8 @@ class FaultView(Protocol):
 
     def stops_pulling(self, name: str) -> bool: ...
 
+    def leases_stalled(self, name: str) -> bool: ...
+
 
 class EngineObserver(Protocol):
     """Receives the engine's events; the Prometheus side lives in metrics.py."""
@@ -131,6 +133,9 @@ class NoFaults:
         return default
 
     def stops_pulling(self, name: str) -> bool:
+        return False
+
+    def leases_stalled(self, name: str) -> bool:
         return False
 
 

@@ -66,6 +66,7 @@ class AlertConfig:
     min_requests: int = 10  # fewer completed requests in the SLO window: SLO rules abstain
     mispredicted_error: float = 0.3  # TTFTMispredicted: median |observed / predicted - 1| over this
     mispredicted_min_records: int = 50  # ... over at least this many measured predictions
+    stranded_kv_usage: float = 0.0  # StrandedKV: an idle P's KV usage over this, with no D waiting to pull
     resend_s: float = 60.0  # re-notify a firing alert this often
     severity: Mapping[str, Severity] = field(default_factory=dict)
     disabled: frozenset[str] = frozenset()
@@ -87,6 +88,7 @@ class AlertConfig:
             min_requests=a.min_requests,
             mispredicted_error=a.mispredicted_error,
             mispredicted_min_records=a.mispredicted_min_records,
+            stranded_kv_usage=a.stranded_kv_usage,
             resend_s=a.resend_s,
             severity={n: r.severity for n, r in a.rules.items() if r.severity is not None},
             disabled=frozenset(n for n, r in a.rules.items() if not r.enabled),
@@ -235,6 +237,35 @@ def _kv_full(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sampl
     ]
 
 
+def _stranded_kv(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    """A P that holds KV blocks while idle (nothing running or waiting) and no D waits to pull from anyone:
+    the blocks wait on leases no D will pull, so they hold until the lease reaper frees them (it should
+    within ``kv_lease_duration``; this rule's ``for`` is longer). Abstains while any up D's KV-fetch gauges
+    are missing (a D that cannot be seen might be waiting)."""
+    ds = [i for i in obs.instances if i.role == "decode" and i.up]
+    if any(d.pulls_pending is None for d in ds) or sum(d.pulls_pending or 0.0 for d in ds) > 0:
+        return []
+    return [
+        Sample(_labels(i.name, i.pool, i.role), i.kv_usage, _stranded_text(i))
+        for i in obs.instances
+        if i.role == "prefill"
+        and i.up
+        and i.kv_usage is not None
+        and i.kv_usage > ac.stranded_kv_usage
+        and i.num_running == 0
+        and i.num_waiting == 0
+    ]
+
+
+def _stranded_text(i: InstanceSignals) -> str:
+    usage = i.kv_usage or 0.0
+    head = f"{i.name}: {100 * usage:.1f}% of its KV blocks held while idle, and no D waits to pull"
+    if not i.unpulled_handoffs:
+        return f"{head}; no handoff it prefilled in the window went unserved"
+    names = ", ".join(i.unpulled_ids)
+    return f"{head}; {i.unpulled_handoffs} handoff(s) it prefilled in the window went unserved (e.g. {names})"
+
+
 def _down(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
     return [
         Sample(_labels(i.name, i.pool, i.role), 0.0, f"{i.name}: scrape failed (up = 0)")
@@ -281,6 +312,13 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
         ("KVLeaseExpired", "warning", 0.0, "KV leases expired before D pulled them", _per_instance(_expired)),
         ("KVCacheNearlyFull", "warning", 30.0, "KV usage above the limit", _per_instance(_kv_full)),
         ("InstanceDown", "critical", 10.0, "an instance's /metrics cannot be scraped", _per_instance(_down)),
+        (
+            "StrandedKV",
+            "warning",
+            60.0,
+            "an idle P holds KV blocks that no D waits to pull",
+            _per_instance(_stranded_kv),
+        ),
         ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
         (
             "CollectorBehind",

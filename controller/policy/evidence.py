@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median_low
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from controller.policy.config import EvidenceConfig
 from controller.policy.signals import InstanceSignals, PoolSignals, Role
@@ -45,6 +45,7 @@ from pdscope.stats import percentile
 NOT_CHARGED_ERRORS = frozenset({"upstream_status_503"})
 
 Pair = tuple[str, str]
+UNPULLED_IDS = 5  # the newest unpulled handoffs a P's signals name
 
 
 class RecordFacts(NamedTuple):
@@ -67,6 +68,7 @@ class RecordFacts(NamedTuple):
     error: str | None
     lease_expiry_suspect: bool | None
     p_queue_s: float | None
+    request_id: str | None = None
 
 
 class HandoffFacts(NamedTuple):
@@ -129,6 +131,8 @@ class LatestGauges:
     down_for_s: float | None
     waiting: float | None = None
     unreachable: int = 0
+    # D: requests still to pull their KV from a P (stages ``waiting_to_start`` and ``in_progress``)
+    pulling: float | None = None
 
 
 @dataclass
@@ -143,6 +147,16 @@ class InstanceTally:
     # P: lease expiries of this P explained by a request D refused as the client's error (a 4xx but
     # 429): D never pulls such a handoff, so its lease must run out; evidence against nobody
     lease_refused: int = 0
+    # P: the window's handoffs it prefilled that no D served (P done, no first token): each left its
+    # blocks to a lease no D may ever pull; the newest few of their request ids name the suspects
+    unpulled: int = 0
+    unpulled_ids: list[str] = field(default_factory=list)
+
+    def add_unpulled(self, request_id: str | None) -> None:
+        self.unpulled += 1
+        if request_id:
+            self.unpulled_ids.append(request_id)
+            del self.unpulled_ids[:-UNPULLED_IDS]
 
 
 @dataclass
@@ -191,6 +205,7 @@ class WindowTally:
             HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token, r.lease_expiry_suspect)
         )
         self._charge_outcome(r, p_inst, d_inst)
+        self._charge_unpulled(r, p_inst)
         pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
         self._stage_times(r, p_inst, d_inst, pair)
         self._pool_times(r, pair)
@@ -210,6 +225,11 @@ class WindowTally:
                 self.pair_failures[p_inst, d_inst] += 1
         elif p_inst is not None and not decoded:
             self.instances[p_inst].failed += 1
+
+    def _charge_unpulled(self, r: RecordFacts, p_inst: str | None) -> None:
+        """A handoff P finished that no D served: its blocks wait on a lease for a pull that may not come."""
+        if p_inst is not None and _num(r.p_done) is not None and r.first_token is None:
+            self.instances[p_inst].add_unpulled(r.request_id)
 
     def _stage_times(self, r: RecordFacts, p_inst: str | None, d_inst: str | None, pair: Pair | None) -> None:
         """The pair's TTFT, each instance's own stage time, and the handoff through both."""
@@ -428,7 +448,7 @@ def instance_signals(
         kv_usage=None if s is None else s.kv_cache_usage,
         num_running=None if s is None else s.num_running,
         num_waiting=None if s is None else s.num_waiting,
-        handoff_backlog=None if lt is None or role != "decode" else lt.waiting,
+        **_pulls_at_d(role, lt),
         load_now=held,
         hold_time_now_s=hold_time(held, r, role, cfg.recent_s),
         ttft_mean_s=None if s is None else s.mean_ttft_s,
@@ -442,8 +462,7 @@ def instance_signals(
         failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
         expired_leases_per_min=expired_per_min(s, rec),
         contribution_s=None if rec is None else mean(rec.contribution),
-        handoff_p50_s=None if handoff is None else handoff.p50_s,
-        handoff_p99_s=None if handoff is None else handoff.p99_s,
+        **_handoff_percentiles(handoff),
         requests=0 if rec is None else rec.requests,
         failed_requests=0 if rec is None else rec.failed,
         refused_requests=0 if rec is None else rec.refused,
@@ -452,7 +471,28 @@ def instance_signals(
         contribution_rse=None if rec is None else rse(rec.contribution),
         handoff_rse=None if rec is None else rse(rec.handoff),
         load_done=finished(r, role),
+        **_unpulled(rec),
     )
+
+
+def _handoff_percentiles(handoff: Percentiles | None) -> dict[str, Any]:
+    return {} if handoff is None else {"handoff_p50_s": handoff.p50_s, "handoff_p99_s": handoff.p99_s}
+
+
+def _unpulled(tally: InstanceTally | None) -> dict[str, Any]:
+    """P: the window's handoffs it prefilled that no D served, and the last few of their ids."""
+    return (
+        {}
+        if tally is None
+        else {"unpulled_handoffs": tally.unpulled, "unpulled_ids": tuple(tally.unpulled_ids)}
+    )
+
+
+def _pulls_at_d(role: Role, latest: LatestGauges | None) -> dict[str, Any]:
+    """D's KV-fetch gauges: its handoffs waiting at D (not pulling), and those still to pull from a P."""
+    if latest is None or role != "decode":
+        return {}
+    return {"handoff_backlog": latest.waiting, "pulls_pending": latest.pulling}
 
 
 def unattributed_expiries(role: Role, window: ScrapeFigures | None, tally: InstanceTally | None) -> int:

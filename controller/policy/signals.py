@@ -32,6 +32,8 @@ class InstanceSignals:
     # D: requests waiting at D in a KV-fetch stage (latest gauges): for their pull to start, or pulled and
     # for a batch slot; not those pulling, whose time is the link's (a slow P's NIC filled it on every D)
     handoff_backlog: float | None = None
+    # D: requests still to pull their KV from a P (latest gauges, stages waiting_to_start and in_progress)
+    pulls_pending: float | None = None
     # The fastest load signal (one scrape old): P: requests running + waiting; D: the KV-fetch backlog.
     load_now: float | None = None
     # Little's law on it: load_now ÷ requests (P) or transfers (D) finished per second over the last
@@ -66,6 +68,10 @@ class InstanceSignals:
     handoff_rse: float | None = None
     # Requests (P) or NIXL transfers (D) finished over the last three scrapes (hold_time_now_s's divisor)
     load_done: float | None = None
+    # P: the window's handoffs it prefilled that no D served (P done, no first token), and the newest few
+    # request ids of them: the requests whose blocks a lease may have stranded (``StrandedKV``)
+    unpulled_handoffs: int = 0
+    unpulled_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

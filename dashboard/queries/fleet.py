@@ -27,6 +27,7 @@ SERIES_COLUMNS = (
     "num_running",
     "num_waiting",
     "kv_fetch_in_progress",
+    "kv_fetch_waiting_to_start",
     "prompt_tokens",
     "generation_tokens",
     "ttft_sum",

@@ -1,6 +1,6 @@
 """KV transfer: NIXL transfer and post time percentiles, MB/s, bytes and descriptors
-per transfer, failed transfers and lease expiries per instance, and handoff time per
-(P, D) pair as a heatmap.
+per transfer, failed transfers and lease expiries per instance, stranded KV (what an idle P
+holds while no D waits to pull), and handoff time per (P, D) pair as a heatmap.
 
 In NIXL pull mode D records transfers and failures, P records lease expiries, so both
 roles appear in the table.
@@ -118,6 +118,35 @@ def _effects(pairs: pd.DataFrame) -> None:
         st.caption(note)
 
 
+def _stranded(window: Window) -> None:
+    """Stranded KV: KV an idle P holds while no D waits to pull, and the handoffs no D served."""
+    st.subheader("Stranded KV")
+    st.caption(
+        "KV a P holds while it runs and queues nothing, at its newest scrape, and for how long; the "
+        "handoffs it prefilled that no D served (P done, no first token). While no D waits to pull, such "
+        "KV waits on leases no D will pull: the StrandedKV alert fires after 60 s of it."
+    )
+    series = data.snapshot_series(url, window.start, window.end)
+    sample, step = data.request_sample(url, window.start, window.end)
+    per_p, pending = summaries.stranded_kv(series, sample, step)
+    alerts = data.firing_alerts(url)
+    for a in alerts[alerts["rule"] == "StrandedKV"].itertuples(index=False) if not alerts.empty else ():
+        note = a.annotations if isinstance(a.annotations, dict) else {}
+        st.error(f"StrandedKV ({a.state}): {note.get('description', a.labels)}")
+    st.metric("requests the Ds still have to pull", "unknown" if pending is None else f"{pending:,.0f}")
+    if not per_p.empty:
+        st.dataframe(
+            per_p,
+            hide_index=True,
+            width="stretch",
+            column_config={
+                "held_while_idle_pct": st.column_config.NumberColumn("KV held while idle (%)", format="%.1f"),
+                "held_for_s": st.column_config.NumberColumn("for (s)", format="%.0f"),
+                "unserved_handoffs": st.column_config.NumberColumn("unserved handoffs", format="%d"),
+            },
+        )
+
+
 def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     nixl = data.nixl_per_instance(url, window.start, window.end)
@@ -126,6 +155,7 @@ def render(opened: Opened) -> None:
     else:
         _per_instance(nixl)
     _over_time(window)
+    _stranded(window)
     _pairs(window, latest)
 
 

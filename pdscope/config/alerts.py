@@ -18,6 +18,7 @@ ALERT_RULE_NAMES: tuple[str, ...] = (
     "KVLeaseExpired",
     "KVCacheNearlyFull",
     "InstanceDown",
+    "StrandedKV",
     "HandoffP99OverBudget",
     "CollectorBehind",
     "TTFTMispredicted",
@@ -69,6 +70,9 @@ class AlertSettings(_Frozen):
     mispredicted_min_records: int = Field(default=50, ge=1, le=1_000_000)
     """fewer records with a TTFT prediction and an observed TTFT than this in slo.window_s: TTFTMispredicted
     holds its state instead of judging"""
+    stranded_kv_usage: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """StrandedKV fires when an idle P (nothing running or waiting) holds more KV than this (0-1) while no D
+    waits to pull: vLLM's usage counts leased blocks and is 0 on an idle instance with nothing leased"""
     rules: dict[AlertRuleName, AlertRuleSettings] = Field(default_factory=dict)
     """per built-in rule (by name, e.g. TTFTOverTarget): for_s, severity, enabled; an unknown rule name is an
     error"""

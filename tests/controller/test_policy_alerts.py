@@ -347,3 +347,71 @@ def test_the_alerts_section_sets_the_mispredicted_threshold_and_minimum() -> Non
     for bad in ("mispredicted_error: 0", "mispredicted_min_records: 0"):
         with pytest.raises(ConfigError, match=bad.split(":")[0]):
             parse_config(MINIMAL + f"alerts:\n  {bad}\n", "f.yaml")
+
+
+# -- StrandedKV ------------------------------------------------------------------------------------------
+
+IDLE_HOLDING = dict(
+    kv_usage=0.12, num_running=0.0, num_waiting=0.0, unpulled_handoffs=3, unpulled_ids=("r1", "r2")
+)
+NOBODY_PULLS = dict(pulls_pending=0.0)
+
+
+def _stranded(t: float = 0.0, **inst: dict[str, object]) -> dict[str, str]:
+    """StrandedKV's alerts (instance -> state) on one observation, ``for`` 0."""
+    ds = {f"decode_{i}": NOBODY_PULLS for i in range(4)}
+    ac = AlertConfig(for_s={"StrandedKV": 0.0})
+    step = step_alerts(default_rules(ac), obs(t, **(ds | inst)), CFG, ac, {})
+    return {a.labels["instance"]: a.description for a in step.active if a.rule == "StrandedKV"}
+
+
+def test_stranded_kv_fires_for_an_idle_p_holding_kv_while_no_d_waits_to_pull() -> None:
+    fired = _stranded(prefill_0=IDLE_HOLDING)
+    assert list(fired) == ["prefill-0"]
+    text = fired["prefill-0"]
+    assert "12.0% of its KV blocks held while idle" in text and "3 handoff(s)" in text and "r1, r2" in text
+
+
+@pytest.mark.parametrize(
+    ("p", "d0"),
+    [
+        (IDLE_HOLDING | {"num_running": 1.0}, NOBODY_PULLS),  # P prefills: its blocks are its own
+        (IDLE_HOLDING | {"num_waiting": 2.0}, NOBODY_PULLS),
+        (IDLE_HOLDING | {"kv_usage": 0.0}, NOBODY_PULLS),  # nothing held
+        (IDLE_HOLDING | {"num_running": None}, NOBODY_PULLS),  # P's gauges unknown
+        (IDLE_HOLDING, {"pulls_pending": 1.0}),  # a D waits to pull: it may be P's
+        (IDLE_HOLDING, {"pulls_pending": None}),  # a D's gauges are missing: it might be waiting
+        (IDLE_HOLDING | {"up": False}, NOBODY_PULLS),
+    ],
+)
+def test_stranded_kv_stays_quiet_unless_every_part_of_the_rule_holds(
+    p: dict[str, object], d0: dict[str, object]
+) -> None:
+    assert _stranded(prefill_0=p, decode_0=d0) == {}
+
+
+def test_stranded_kv_ignores_a_down_d_and_a_held_d_and_says_when_no_handoff_went_unserved() -> None:
+    # a D that is down waits for nothing; a D holding its own KV is no P
+    fired = _stranded(
+        prefill_1=IDLE_HOLDING | {"unpulled_handoffs": 0, "unpulled_ids": ()},
+        decode_0={"up": False, "pulls_pending": None},
+        decode_1=NOBODY_PULLS | {"num_running": 0.0, "num_waiting": 0.0, "kv_usage": 0.3},
+    )
+    assert list(fired) == ["prefill-1"]
+    assert "no handoff it prefilled in the window went unserved" in fired["prefill-1"]
+
+
+def test_the_alerts_section_sets_the_stranded_kv_floor() -> None:
+    from pdscope.config import ConfigError, parse_config
+    from tests.pdscope.test_config import MINIMAL
+
+    ac = AlertConfig.from_settings(parse_config(MINIMAL + "alerts:\n  stranded_kv_usage: 0.2\n"))
+    assert ac.stranded_kv_usage == 0.2
+    assert (
+        _stranded(prefill_0=IDLE_HOLDING)
+        and not step_alerts(
+            default_rules(ac), obs(0, prefill_0=IDLE_HOLDING, decode_0=NOBODY_PULLS), CFG, ac, {}
+        ).changed
+    )
+    with pytest.raises(ConfigError, match="stranded_kv_usage"):
+        parse_config(MINIMAL + "alerts:\n  stranded_kv_usage: 1.5\n")

@@ -206,3 +206,34 @@ def test_the_evidence_config_is_the_policy_configs_evidence_part() -> None:
     assert cfg.evidence == EvidenceConfig(7.0, cfg.kv_lease_s, cfg.ttft_percentile, pair_min_samples=3)
     assert "ttft_percentile" not in EVIDENCE_ONLY  # the policy reads it too
     assert len(EVIDENCE_ONLY) == 8
+
+
+def test_a_handoff_p_finished_that_no_d_served_is_counted_on_p_with_its_id() -> None:
+    t = ev.WindowTally({"P": "prefill", "D": "decode"}, now=10.0)
+    t.add(record(request_id="served"), invalid=False)  # first token: D pulled
+    t.add(
+        record(request_id="not-prefilled", p_done=None, d_sent=None, first_token=None, status="error"), False
+    )
+    t.add(record(request_id="refused", first_token=None, status="error", http_status=400), invalid=True)
+    for i in range(ev.UNPULLED_IDS + 2):  # P done, no first token (D failed, the client left)
+        t.add(record(request_id=f"u{i}", first_token=None, status="cancelled"), invalid=False)
+    p0 = t.instances["p0"]
+    assert p0.unpulled == ev.UNPULLED_IDS + 2
+    assert p0.unpulled_ids == [f"u{i}" for i in range(2, ev.UNPULLED_IDS + 2)]  # the last few, bounded
+    assert t.instances["d0"].unpulled == 0
+    sig = ev.instance_signals(
+        "p0", "P", "prefill", EvidenceConfig(7.0, 30.0, 0.99), None, None, None, p0, None
+    )
+    assert (sig.unpulled_handoffs, sig.unpulled_ids) == (ev.UNPULLED_IDS + 2, tuple(p0.unpulled_ids))
+    d_sig = ev.instance_signals(
+        "d0",
+        "D",
+        "decode",
+        EvidenceConfig(7.0, 30.0, 0.99),
+        None,
+        None,
+        ev.LatestGauges(3.0, None, None, 1.0, 0, 2.0),
+        None,
+        None,
+    )
+    assert (d_sig.pulls_pending, d_sig.handoff_backlog, d_sig.unpulled_handoffs) == (2.0, 1.0, 0)

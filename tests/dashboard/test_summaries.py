@@ -14,6 +14,7 @@ from dashboard.summaries import (
     percentiles_ms,
     pool_totals,
     slo_figures,
+    stranded_kv,
 )
 
 
@@ -159,3 +160,35 @@ def test_handoff_effects_put_a_p_slow_toward_every_d_on_its_row() -> None:
     assert [b.name for b in fit.blames] == ["prefill-1"]
     empty, none = handoff_effects(handoff_by(pd.DataFrame(), "pair"))
     assert empty.empty and none.blames == ()
+
+
+def test_stranded_kv_reads_an_idle_p_holding_kv_the_ds_pulls_and_the_unserved_handoffs() -> None:
+    def snap(ts: float, inst: str, role: str, usage: float, running: float = 0.0, **kw: object) -> dict:
+        row = {"ts": ts, "instance": inst, "role": role, "up": True, "kv_cache_usage": usage}
+        return row | {"num_running": running, "num_waiting": 0.0} | kw
+
+    d = {"kv_fetch_waiting_to_start": 0.0, "kv_fetch_in_progress": 0.0}
+    series = pd.DataFrame(
+        [
+            snap(0.0, "p0", "prefill", 0.3, running=2.0),
+            snap(5.0, "p0", "prefill", 0.1),  # idle and holding from here
+            snap(10.0, "p0", "prefill", 0.1),
+            snap(10.0, "p1", "prefill", 0.2, running=1.0),  # busy: its KV is its own
+            snap(10.0, "d0", "decode", 0.5, **d),
+            snap(9.0, "d1", "decode", 0.5, kv_fetch_waiting_to_start=1.0, kv_fetch_in_progress=0.0),
+            snap(11.0, "d1", "decode", 0.5, **d),  # the newest scrape counts
+        ]
+    )
+    sample = pd.DataFrame(
+        {"p_instance": ["p0", "p0", "p1"], "p_done": [1.0, 2.0, 3.0], "first_token": [None, 2.5, None]}
+    )
+    per_p, pending = stranded_kv(series, sample, step=2)
+    rows = per_p.set_index("instance")
+    assert pending == 0.0
+    assert (
+        rows.loc["p0", "held_while_idle_pct"] == pytest.approx(10.0) and rows.loc["p0", "held_for_s"] == 6.0
+    )
+    assert pd.isna(rows.loc["p1", "held_while_idle_pct"])
+    assert (rows.loc["p0", "unserved_handoffs"], rows.loc["p1", "unserved_handoffs"]) == (2, 2)  # x the step
+    missing = series.assign(kv_fetch_in_progress=None)
+    assert stranded_kv(missing, sample, 1)[1] is None  # a D whose gauges are missing: unknown

@@ -40,6 +40,7 @@ NO_TWIN: dict[str, str] = {
     "HandoffP99OverBudget": "the handoff time exists only in pdscope's request records",
     "CollectorBehind": "ServiceDown and CollectorStoreErrors are causes, not the same condition",
     "TTFTMispredicted": "the TTFT predictions exist only in pdscope's request records",
+    "StrandedKV": "which instances are P and which D exists only in pdscope's config",
 }
 OLD_PREFIXES = re.compile(r"VLLM|NIXL|PDScope|Pdscope")
 

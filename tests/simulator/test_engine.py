@@ -216,6 +216,21 @@ def test_stop_pulling_lets_p_leases_expire_then_the_late_pull_is_a_notification_
     assert rp.calls["notification_after_expiry"] == 1
 
 
+def test_a_stalled_lease_reaper_strands_p_blocks_until_the_fault_clears() -> None:
+    cfg = SimulatorConfig(lease_duration_s=2.0)
+    faults = FaultSet()
+    p, _d, rp, _, _ = make(cfg, faults)
+    fid = faults.add(FaultSpec(kind="lease_stall", instance="prefill-0"))
+    p.submit(pr := p_request(1, 64), 0.0)
+    now = drive(p, until=30.0)  # no D ever pulls; the lease ran out long ago
+    assert pr.finished and not p.running and not p.waiting
+    assert p.used_blocks == 4 and rp.calls["kv_expired"] == 0 and p.kv_cache_usage > 0
+    assert p.next_timer() is None  # nothing to wake for while the reaper is stalled
+    faults.remove(fid)
+    drive(p, until=now + 0.1, now=now)
+    assert p.used_blocks == 0 and rp.calls["kv_expired"] == 1  # the reaper catches up
+
+
 def test_transfer_failure_rate_is_seeded_and_reproducible() -> None:
     def failures(seed: int) -> list[bool]:
         cfg = SimulatorConfig(seed=seed)
