@@ -9,6 +9,14 @@ It also notices counter resets (an instance restarted: its process start time mo
 a counter went down). Snapshots keep the counters as scraped; readers handle resets in
 ``pdscope.stats.counter_increase``. The reset is counted and logged here so an operator
 sees restarts.
+
+A restart is **confirmed** only when two of the instance's own signals agree between two
+consecutive up scrapes: its ``process_start_time_seconds`` moved forward and one of its
+counters went down (:func:`restart_signals`). One signal alone (a counter that went down
+with the start time unchanged or not exported, or a start time that moved while every
+counter kept growing) is counted and logged, never confirmed. A confirmed restart is stored
+on the instance (``InstanceRow.restarted_at``, the new process's start time): the controller
+reads it to tell a D's stale peer from a failing D.
 """
 
 from __future__ import annotations
@@ -33,18 +41,31 @@ _SNAPSHOTS = Snapshot.metadata.tables["snapshots"]
 SNAPSHOT_COLUMNS = tuple(c.name for c in Snapshot.__table__.columns if c.name != "id")
 
 
-def counter_reset(prev: dict[str, Any] | None, cur: dict[str, Any]) -> bool:
-    """True when ``cur`` shows a restart since ``prev`` (both snapshot rows of one instance)."""
+PROCESS_START = "process_start"
+COUNTER_RESET = "counter_reset"
+
+
+def restart_signals(prev: dict[str, Any] | None, cur: dict[str, Any]) -> tuple[str, ...]:
+    """The signals of a restart between ``prev`` and ``cur`` (two up snapshot rows of one instance):
+    :data:`PROCESS_START` (its start time moved forward by over a second), :data:`COUNTER_RESET` (a
+    watched counter went down)."""
     if prev is None or not prev.get("up") or not cur.get("up"):
-        return False
+        return ()
+    out: list[str] = []
     prev_start, c_start = prev.get("process_start_ts"), cur.get("process_start_ts")
     if prev_start is not None and c_start is not None and c_start > prev_start + 1.0:
-        return True
+        out.append(PROCESS_START)
     for col in RESET_WATCH:
         a, b = prev.get(col), cur.get(col)
         if a is not None and b is not None and b < a:
-            return True
-    return False
+            out.append(COUNTER_RESET)
+            break
+    return tuple(out)
+
+
+def counter_reset(prev: dict[str, Any] | None, cur: dict[str, Any]) -> bool:
+    """True when ``cur`` shows any sign of a restart since ``prev`` (both snapshot rows of one instance)."""
+    return bool(restart_signals(prev, cur))
 
 
 class SnapshotStore:
@@ -54,6 +75,7 @@ class SnapshotStore:
         self.factory = factory
         self._last: dict[str, dict[str, Any]] = {}
         self.resets: dict[str, int] = {}
+        self._restarted: dict[str, float] = {}  # confirmed restarts not yet stored: name -> new start time
 
     def ensure_instances(self, targets: Sequence[ScrapeTarget], now: float) -> None:
         with transaction(self.factory) as session:
@@ -82,13 +104,21 @@ class SnapshotStore:
             row = snapshot_row(r.target, r.ts, r.duration_s, r.signals, r.error)
             full = dict.fromkeys(SNAPSHOT_COLUMNS)
             full.update(row)
-            if counter_reset(self._last.get(r.target.name), full):
-                self.resets[r.target.name] = self.resets.get(r.target.name, 0) + 1
-                log.warning("counter reset on %s: the instance restarted", r.target.name)
+            signals = restart_signals(self._last.get(r.target.name), full)
+            if signals:
+                self._count_restart(r.target.name, signals, full)
             if full["up"]:
                 self._last[r.target.name] = full
             rows.append(full)
         return rows
+
+    def _count_restart(self, name: str, signals: tuple[str, ...], row: dict[str, Any]) -> None:
+        self.resets[name] = self.resets.get(name, 0) + 1
+        if len(signals) < 2:
+            log.warning("%s on %s alone: not confirmed as a restart", signals[0].replace("_", " "), name)
+            return
+        log.warning("%s restarted: its process start time moved and its counters reset", name)
+        self._restarted[name] = float(row["process_start_ts"])
 
     def write_round(self, results: Sequence[ScrapeResult]) -> int:
         """Insert one round; returns the number of rows. Raises StoreError."""
@@ -103,4 +133,9 @@ class SnapshotStore:
                 session.execute(
                     update(InstanceRow).where(InstanceRow.name.in_(up_names)).values(last_seen=last)
                 )
+            for name, started in self._restarted.items():
+                session.execute(
+                    update(InstanceRow).where(InstanceRow.name == name).values(restarted_at=started)
+                )
+        self._restarted.clear()
         return len(rows)

@@ -37,7 +37,7 @@ from pdscope.config import Settings
 from pdscope.stats import counter_increase
 from store import queries as q
 from store.attribution import trusted_records
-from store.models import UNREACHABLE, RequestRecord, Snapshot
+from store.models import UNREACHABLE, InstanceRow, RequestRecord, Snapshot
 from store.prediction import prediction_rows
 
 
@@ -112,7 +112,7 @@ def _tally(
     rate_facts: list[rates.RateFacts] | None,
 ) -> ev.WindowTally:
     """The window's records, charged; each served one's rate facts appended to ``rate_facts`` (if given)."""
-    tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now)
+    tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now, _restarts(session))
     for row in _records(session, since, now, trusted, rated=rate_facts is not None):
         r = ev.RecordFacts._make(row[:_FACTS])
         tally.add(
@@ -129,6 +129,12 @@ def _tally(
                 )
             )
     return tally
+
+
+def _restarts(session: Session) -> dict[str, float]:
+    """Each instance's latest restart the collector confirmed (``InstanceRow.restarted_at``)."""
+    stmt = select(InstanceRow.name, InstanceRow.restarted_at).where(InstanceRow.restarted_at.is_not(None))
+    return {name: float(at) for name, at in session.execute(stmt) if at is not None}
 
 
 def _failed_attempts(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[object]:
@@ -250,6 +256,8 @@ def _instances(
                 hand["d_instance" if role == "decode" else "p_instance"].get(inst.name),
             )
         )
+        if (restarted := tally.restarted.get(inst.name)) is not None:
+            instances[-1] = replace(instances[-1], restarted_at=restarted)
         if (s := sigs.get(inst.name)) is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
     if newest is None:
@@ -267,9 +275,13 @@ def _pairs(
     pairs: dict[str, q.HandoffStats],
     failures: Mapping[tuple[str, str], int],
     recent: Mapping[str, q.HandoffStats] | None = None,
+    tally: ev.WindowTally | None = None,
 ) -> tuple[PairSignals, ...]:
     """The P×D pairs that carried a charged handoff, or failed one, in the window, by name; with the
-    ``recent`` handoffs of each (:func:`_recent_pairs`)."""
+    ``recent`` handoffs of each (:func:`_recent_pairs`) and (from ``tally``) those failed and served
+    since P's latest restart."""
+    failed = tally.failed_since_restart if tally is not None else {}
+    served = tally.served_since_restart if tally is not None else {}
     stats = {(p, d): hs for key, hs in pairs.items() for p, _, d in [key.partition("->")] if hs.requests}
     out = []
     for p, d in sorted(stats.keys() | {k for k, n in failures.items() if n}):
@@ -284,6 +296,8 @@ def _pairs(
                 failures.get((p, d), 0),
                 now.requests if now is not None else 0,
                 now.p50_s if now is not None else None,
+                failed.get((p, d), 0),
+                served.get((p, d), 0),
             )
         )
     return tuple(out)
@@ -327,7 +341,9 @@ def observe(
         window_s=window,
         instances=tuple(instances),
         pools=pool_sigs,
-        pairs=_pairs(hand["pair"], tally.pair_failures, _recent_pairs(tally, now - evc.handoff_recent_s)),
+        pairs=_pairs(
+            hand["pair"], tally.pair_failures, _recent_pairs(tally, now - evc.handoff_recent_s), tally
+        ),
         slo=slo,
         newest_data=newest,
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),

@@ -54,6 +54,8 @@ class Reason(enum.StrEnum):
     TTFT_OVER_BUDGET = "TTFTOverBudget"
     PREFILL_QUEUEING = "PrefillQueueing"
     HOLDING = "Holding"
+    # -- P x D pairs
+    STALE_PEER_AFTER_RESTART = "StalePeerAfterRestart"
     # -- the routing table and operators
     INITIAL = "Initial"
     NO_DECISION_YET = "NoDecisionYet"
@@ -127,6 +129,14 @@ _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
         "the instance's own failed requests (lower confidence bound of their share)",
     ),
     Reason.KV_CACHE_PRESSURE: ("weight", "KV usage above 85 %"),
+    Reason.STALE_PEER_AFTER_RESTART: (
+        "pair",
+        (
+            "a D failed `noise.min_error_events` handoffs from a P since the P's confirmed restart and "
+            "was served none: its agent for the P is stale. The pair is left out of routing (a probe "
+            "at most every `proxy.pair_probe_s`) until one is served; the failures are not the D's"
+        ),
+    ),
     Reason.DEGRADED: ("weight", "the smoothed target is under the weight with no single signal to name"),
     Reason.PROBING: ("weight", "raised to at most `probe.weight` to gather evidence"),
     Reason.PROBE_FAILED: ("weight", "failed within `probe.hold_s` of a probe: back to the floor"),

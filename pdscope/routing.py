@@ -134,6 +134,18 @@ class Rates(BaseModel):
     pairs: list[PairRate] = Field(default_factory=list, max_length=MAX_RATE_ROWS)
 
 
+class PairRoute(BaseModel):
+    """A P x D pair the proxy should leave out (a probe at most every ``proxy.pair_probe_s``), and why."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prefill: str = Field(max_length=128)
+    decode: str = Field(max_length=128)
+    reason: str = Field(max_length=64)
+    since: float
+    text: str = Field(default="", max_length=500)
+
+
 class RoutingTable(BaseModel):
     """What the proxy should do now. ``enforce=False`` means advisory: show, don't apply."""
 
@@ -145,6 +157,12 @@ class RoutingTable(BaseModel):
     enforce: bool
     instances: list[InstanceRoute]
     pools: list[PoolRoute]
+    avoid_pairs: list[PairRoute] = Field(
+        default_factory=list,
+        max_length=MAX_RATE_ROWS,
+        description="P x D pairs to leave out of routing (a D's stale agent for a restarted P), each with "
+        "its reason; the proxy still sends one probe through each at most every proxy.pair_probe_s",
+    )
     leader_epoch: int | None = Field(
         default=None,
         ge=0,

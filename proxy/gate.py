@@ -30,6 +30,7 @@ import logging
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from pdscope import semconv as sc
@@ -52,6 +53,7 @@ from proxy.kvaware import (
     choose,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.pairs import PairProbes
 from proxy.predict import Outlook, Predictor, late_decodes, outlook
 from proxy.prefixview import CacheView, Prompt
 from proxy.request import FlowSettings, RequestState
@@ -194,6 +196,7 @@ class Gate:
         self.predictor = Predictor(fs.predict, fs.prefill_tokens_per_s, clock)
         # admission by prediction: the weighted proxy only (round-robin stays the toy proxy's baseline)
         self.by_prediction = fs.predict.admit and selector.policy == "weighted"
+        self.pairs = PairProbes(fs.pair_probe_s)
         self._table: object = None
         pools = routing.settings.pools
         self._pools_of: dict[str, tuple[str, ...]] = {
@@ -366,10 +369,12 @@ class Gate:
         p = self.selector.pick("prefill", view.prefill, now, exclude=late, pools=p_pools)
         if p is None:  # the open pools' Ps are all late; one in time is in a full pool
             return p_why or Rejection(REASON_REQUESTS, tuple(p_pools), "prefill")
-        d = self.selector.pick(
-            "decode", view.decode, now, exclude=self._late_ds(req, p, view, now), pools=d_pools
-        )
+        late_ds = self._late_ds(req, p, view, now)
+        ds = [t.name for t in view.decode if t.pool in d_pools and t.name not in late_ds]
+        skip = self.pairs.left_out(view.avoid, p.name, ds, now)
+        d = self.selector.pick("decode", view.decode, now, exclude=late_ds | skip, pools=d_pools)
         assert d is not None
+        self.pairs.picked(view.avoid, p.name, d.name, now)
         req.p, req.d = p, d
         req.admitted = now
         self.admission.enter(p.pool)
@@ -417,8 +422,24 @@ class Gate:
             if not d_cands:
                 return Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
             return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["prefill"], "prefill")
-        self._enter(req, decision, kv, now)
+        self._enter(req, self._off_avoided(decision, view, d_pools, now), kv, now)
         return None
+
+    def _off_avoided(
+        self, decision: Decision, view: RoutingView, d_pools: Collection[str], now: float
+    ) -> Decision:
+        """The cost model's choice, its D moved off a pair the table says to leave out (not due a probe)."""
+        p = decision.p
+        if p is None or not view.avoid:
+            return decision
+        ds = [t.name for t in view.decode if t.pool in d_pools]
+        skip = self.pairs.left_out(view.avoid, p.name, ds, now)
+        if decision.d.name in skip:
+            d = self.selector.pick("decode", view.decode, now, exclude=skip, pools=d_pools)
+            if d is not None:
+                decision = replace(decision, d=d, d_cached=0)
+        self.pairs.picked(view.avoid, p.name, decision.d.name, now)
+        return decision
 
     def _candidates(
         self, targets: Sequence[Target], now: float, pools: Collection[str], p: bool

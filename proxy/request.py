@@ -41,6 +41,7 @@ class FlowSettings:
     ttft_slo_s: float | None = None  # slo.ttft.target_ms in seconds: an unsampled trace over it is kept
     predict: PredictSettings = DEFAULT_PREDICT
     prefill_tokens_per_s: float = 16000.0  # the predictor's prior rate (proxy.kv_aware.prefill_tokens_per_s)
+    pair_probe_s: float = 10.0  # proxy.pair_probe_s: a probe through an avoided pair at most this often
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -56,6 +57,7 @@ class FlowSettings:
             max_model_len=s.proxy.max_model_len,
             trace_sample_ratio=s.proxy.trace_sample_ratio,
             ttft_slo_s=s.slo.ttft.target_ms / 1000.0,
+            pair_probe_s=s.proxy.pair_probe_s,
             predict=s.proxy.predict,
             prefill_tokens_per_s=s.proxy.kv_aware.prefill_tokens_per_s,
         )

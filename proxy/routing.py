@@ -85,6 +85,8 @@ class RoutingView:
     prefill: tuple[Target, ...]
     decode: tuple[Target, ...]
     limits: dict[str, PoolLimits] = field(default_factory=dict)
+    # P -> the Ds the controller said to leave out with it (``RoutingTable.avoid_pairs``)
+    avoid: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def limits_for(self, pool: str, default: PoolLimits) -> PoolLimits:
         return self.limits.get(pool, default)
@@ -166,7 +168,17 @@ def table_view(table: RoutingTable, settings: Settings, share: ProxyShare | None
         if inst.drained or weight <= 0:
             continue
         targets[inst.role].append(Target(inst.name, inst.pool, inst.url.rstrip("/"), weight))
-    return RoutingView("fresh", table.version, tuple(targets["prefill"]), tuple(targets["decode"]), limits)
+    avoid: dict[str, set[str]] = {}
+    for pr in table.avoid_pairs:
+        avoid.setdefault(pr.prefill, set()).add(pr.decode)
+    return RoutingView(
+        "fresh",
+        table.version,
+        tuple(targets["prefill"]),
+        tuple(targets["decode"]),
+        limits,
+        {p: frozenset(ds) for p, ds in avoid.items()},
+    )
 
 
 class RoutingState:
@@ -295,7 +307,7 @@ class RoutingState:
 
 
 def _restate(view: RoutingView, state: State) -> RoutingView:
-    return RoutingView(state, view.version, view.prefill, view.decode, view.limits)
+    return RoutingView(state, view.version, view.prefill, view.decode, view.limits, view.avoid)
 
 
 async def poll_once(

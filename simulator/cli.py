@@ -56,10 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instance", help="down, kv_capacity, slow, lease_stall (and slow_nic, stop_pulling): the instance"
     )
     add.add_argument(
-        "--prefill", help="slow_link, slow_nic (a P's NIC; optionally transfer_failure): the P side"
+        "--prefill",
+        help="slow_link, stale_peer, slow_nic (a P's NIC; optionally transfer_failure): the P side",
     )
     add.add_argument(
-        "--decode", help="slow_link, slow_nic, stop_pulling (optionally transfer_failure): the D side"
+        "--decode",
+        help="slow_link, stale_peer, slow_nic, stop_pulling (optionally transfer_failure): the D side",
     )
     add.add_argument("--factor", type=float, help="slow_link, slow_nic, slow: how many times slower")
     add.add_argument("--rate", type=float, help="transfer_failure: share of NIXL reads that fail (0..1)")

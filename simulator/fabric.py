@@ -56,6 +56,8 @@ class Fabric:
         peer = self._peer(remote)
         if peer is None:
             return Transfer(False, now + post_s, 0.0, post_s, 0, 0, "handshake_failed")
+        if self.faults.stale_peer(peer.name, d_name):  # D reads through an agent P no longer has
+            return Transfer(False, now + post_s, 0.0, post_s, 0, 0, "transfer_failed")
         nbytes = num_blocks * cfg.block_size * self.kv_bytes_per_token
         descriptors = num_blocks * cfg.descriptors_per_block
         factor = self.faults.link_factor(peer.name, d_name)

@@ -16,6 +16,8 @@ Kinds and their fields::
                                                 blocks until the fault clears (stranded KV; vLLM had
                                                 expired entries stuck behind a heartbeated one)
     (slow_nic and stop_pulling also take ``instance`` for ``decode``; a P's NIC is named by ``prefill``)
+    stale_peer        prefill, decode           D keeps a stale NIXL agent for P (from before P restarted with
+                                                the same engine id): each of D's pulls from P fails
     down              instance                  the instance is gone (connection refused) until cleared
     kv_capacity       instance, blocks | fraction   the instance's KV cache shrinks
     slow              instance, factor          every engine step takes ``factor`` times longer (slow P)
@@ -40,7 +42,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdscope.config import ConfigError, validated
 
 FaultKind = Literal[
-    "slow_link", "slow_nic", "transfer_failure", "stop_pulling", "lease_stall", "down", "kv_capacity", "slow"
+    "slow_link",
+    "slow_nic",
+    "transfer_failure",
+    "stop_pulling",
+    "lease_stall",
+    "stale_peer",
+    "down",
+    "kv_capacity",
+    "slow",
 ]
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
@@ -49,6 +59,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "transfer_failure": ("rate",),
     "stop_pulling": ("decode",),
     "lease_stall": ("instance",),
+    "stale_peer": ("prefill", "decode"),
     "down": ("instance",),
     "kv_capacity": ("instance",),
     "slow": ("instance", "factor"),
@@ -193,6 +204,9 @@ class FaultSet:
             if (f.decode == decode) if f.decode is not None else (f.prefill == prefill):
                 factor *= f.factor or 1.0
         return factor
+
+    def stale_peer(self, prefill: str, decode: str) -> bool:
+        return any(f.prefill == prefill and f.decode == decode for f in self._of("stale_peer"))
 
     def failure_rate(self, prefill: str, decode: str) -> float:
         ok = 1.0

@@ -5,13 +5,15 @@ against the real captures in tests/simulator/test_metrics_conformance.py); the t
 rendered by prometheus_client, as vLLM's is, so label order, float formatting and the
 ``_created`` samples match. Values follow the engine's events (``VllmMetrics`` is the
 engine's ``EngineObserver``); gauges are read from the engine when scraped. One registry
-per simulated instance; a restarted instance gets a fresh one, as a restarted vLLM does.
+per simulated instance; a restarted instance gets a fresh one, as a restarted vLLM does, with
+its own ``process_start_time_seconds`` (the time it was built: the simulated fleet is one process).
 This module must not model anything: it only records what the engine reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -26,6 +28,8 @@ from prometheus_client import (
     Summary,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pdscope.simconfig import SimulatorConfig
 from pdscope.vllmapi import ITL_BUCKETS, NIXL_XFER_BUCKETS, TTFT_BUCKETS
@@ -542,6 +546,20 @@ def _cache_config_info(
     ).labels(**info).set(1)
 
 
+class _ProcessOf(Collector):
+    """The process collector's families, with this instance's own start time: a simulated restart
+    moves it, as a real vLLM's restart does."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in PROCESS_COLLECTOR.collect():
+            if fam.name == "process_start_time_seconds":
+                fam = GaugeMetricFamily(fam.name, fam.documentation, value=self.started)
+            yield fam
+
+
 class VllmMetrics:
     """Prometheus families of one instance, and the engine observer that feeds them."""
 
@@ -598,7 +616,7 @@ class VllmMetrics:
         self, model_name: str, cfg: SimulatorConfig, kv_bytes_per_token: int, engine: str = "0"
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=False)
-        for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR):
+        for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR, _ProcessOf(round(time.time(), 2))):
             r.register(collector)
         self._lv = (model_name, engine)
         known = {"model_name": model_name, "engine": engine}

@@ -57,6 +57,9 @@ class InstanceRow(Base):
     labels: Mapped[Json] = mapped_column(default=dict)
     # P's kv_transfer_config.engine_id, learnt from kv_transfer_params (remote_engine_id).
     engine_id: Mapped[str | None] = mapped_column(String(128))
+    # the start time of its process after its latest restart the collector confirmed (its start time moved
+    # and its counters reset between two scrapes); None: none seen
+    restarted_at: Mapped[float | None] = mapped_column(Float)
     first_seen: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
 

@@ -180,8 +180,15 @@ def _num(v: object) -> float | None:
 class WindowTally:
     """The window's request records, charged record by record (:meth:`add`)."""
 
-    def __init__(self, pools: Mapping[str, Role], now: float) -> None:
+    def __init__(
+        self, pools: Mapping[str, Role], now: float, restarted: Mapping[str, float] | None = None
+    ) -> None:
         self.instances: defaultdict[str, InstanceTally] = defaultdict(InstanceTally)
+        # P -> its latest confirmed restart (the new process's start): handoffs through it after that are
+        # counted per pair, failed and served, to tell a D's stale agent for it from a failing D
+        self.restarted: Mapping[str, float] = restarted or {}
+        self.failed_since_restart: defaultdict[Pair, int] = defaultdict(int)
+        self.served_since_restart: defaultdict[Pair, int] = defaultdict(int)
         self.pools = {name: PoolTally(role) for name, role in pools.items()}
         self.ttft_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
         self.service_by_pair: defaultdict[Pair, list[float]] = defaultdict(list)
@@ -216,6 +223,8 @@ class WindowTally:
         for inst in (p_inst, d_inst):
             if inst is not None:
                 self.instances[inst].requests += 1
+        if r.status == "ok" and p_inst is not None and d_inst is not None:
+            self._since_restart(self.served_since_restart, p_inst, d_inst, _num(r.p_done))
         if r.status not in FAILED_OUTCOMES or r.error in NOT_CHARGED_ERRORS:
             return
         decoded = r.d_sent is not None
@@ -223,8 +232,15 @@ class WindowTally:
             self.instances[d_inst].failed += 1
             if p_inst is not None:
                 self.pair_failures[p_inst, d_inst] += 1
+                self._since_restart(self.failed_since_restart, p_inst, d_inst, _num(r.p_done))
         elif p_inst is not None and not decoded:
             self.instances[p_inst].failed += 1
+
+    def _since_restart(self, counts: defaultdict[Pair, int], p: str, d: str, p_done: object) -> None:
+        """Count a handoff on ``(p, d)`` when P finished it after P's latest restart."""
+        at = self.restarted.get(p)
+        if at is not None and isinstance(p_done, int | float) and p_done >= at:
+            counts[p, d] += 1
 
     def _charge_unpulled(self, r: RecordFacts, p_inst: str | None) -> None:
         """A handoff P finished that no D served: its blocks wait on a lease for a pull that may not come."""
@@ -285,12 +301,15 @@ class WindowTally:
         """Failed attempts a retried record does not show itself (``attributes["failed_attempts"]``):
         each charged to the P or D that failed it."""
         for a in attempts:
-            inst, kind = (a.get("instance"), a.get("kind")) if isinstance(a, dict) else (None, None)
+            if not isinstance(a, dict):
+                continue
+            inst, kind = a.get("instance"), a.get("kind")
             if isinstance(inst, str) and f"upstream_{kind}" not in NOT_CHARGED_ERRORS:
                 self.instances[inst].failed += 1
-                p_inst = a.get("p_instance") if isinstance(a, dict) and a.get("stage") == "decode" else None
+                p_inst = a.get("p_instance") if a.get("stage") == "decode" else None
                 if isinstance(p_inst, str):
                     self.pair_failures[p_inst, inst] += 1
+                    self._since_restart(self.failed_since_restart, p_inst, inst, a.get("p_done"))
 
     def charge_lease_expiries(
         self,

@@ -14,8 +14,9 @@ from typing import Literal
 
 from controller.policy.admission import LimitState
 from controller.policy.signals import Role
+from controller.policy.stale import StalePair
 from pdscope.reasons import Reason
-from pdscope.routing import InstanceRoute, PoolRoute, RoutingTable
+from pdscope.routing import InstanceRoute, PairRoute, PoolRoute, RoutingTable
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,10 @@ def build_table(
     mode: Literal["advisory", "enforce"],
     now: float,
     version: int,
+    stale: Iterable[StalePair] = (),
 ) -> tuple[RoutingTable, dict[str, ServedInstance]]:
-    """The routing table for ``now``; ``policy_weights`` maps name -> (weight, reason)."""
+    """The routing table for ``now``; ``policy_weights`` maps name -> (weight, reason); ``stale``: the
+    pairs left out of routing (``avoid_pairs``)."""
     act = active_overrides(overrides, now)
     served: dict[str, ServedInstance] = {}
     routes: list[InstanceRoute] = []
@@ -151,6 +154,16 @@ def build_table(
         enforce=mode == "enforce",
         instances=routes,
         pools=pool_routes,
+        avoid_pairs=[
+            PairRoute(
+                prefill=sp.p_instance,
+                decode=sp.d_instance,
+                reason=Reason.STALE_PEER_AFTER_RESTART,
+                since=sp.since,
+                text=sp.text,
+            )
+            for sp in sorted(stale, key=lambda sp: (sp.p_instance, sp.d_instance))
+        ],
     )
     return table, served
 

@@ -72,6 +72,9 @@ class InstanceSignals:
     # request ids of them: the requests whose blocks a lease may have stranded (``StrandedKV``)
     unpulled_handoffs: int = 0
     unpulled_ids: tuple[str, ...] = ()
+    # the start time of its process after its latest restart the collector confirmed (two signals: its
+    # process start time moved and its counters reset); None: none on record
+    restarted_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class PairSignals:
     # the handoffs that finished (first token) in the window's last handoff_recent_s
     recent_requests: int = 0
     recent_p50_s: float | None = None
+    # handoffs P finished after its latest confirmed restart that failed on this pair, and that were served
+    # (both 0 while P has no restart on record): a D with a stale agent for the restarted P fails them all
+    failed_since_restart: int = 0
+    served_since_restart: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ wants done is in its output. Replaying stored inputs reproduces the same decisio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from controller.policy.admission import LimitState, PoolDecision, decide_pools
@@ -24,6 +24,7 @@ from controller.policy.routes import (
     same_content,
 )
 from controller.policy.signals import Observation
+from controller.policy.stale import StalePair, avoided, relieve_stale, stale_pairs
 from controller.policy.weights import WeightDecision, WeightState, decide_weights
 from pdscope.routing import RoutingTable
 
@@ -37,6 +38,8 @@ class PolicyState:
     limits: Mapping[str, LimitState] = field(default_factory=dict)
     alerts: Mapping[str, AlertState] = field(default_factory=dict)
     table: RoutingTable | None = None
+    # the P x D pairs left out of routing (controller.policy.stale), by "P->D"
+    stale: Mapping[str, StalePair] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ def compose(
     now: float,
     reasons: Mapping[str, str],
     limit_reasons: Mapping[str, str],
+    stale: Mapping[str, StalePair] | None = None,
 ) -> tuple[RoutingTable, dict[str, ServedInstance], bool]:
     """The table for the current state and overrides; a new version only if content changed."""
     prev = state.table
@@ -85,6 +89,7 @@ def compose(
         mode=mode,
         now=now,
         version=version + 1,
+        stale=avoided(stale if stale is not None else state.stale),
     )
     if same_content(prev, table) and prev is not None:
         return table.model_copy(update={"version": prev.version}), served, False
@@ -93,7 +98,8 @@ def compose(
 
 def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: AlertConfig) -> TickOutput:
     obs, st = inp.obs, inp.state
-    weights = decide_weights(obs, st.weights, cfg)
+    stale = stale_pairs(obs, st.stale, cfg.min_error_events)
+    weights = _with_basis(decide_weights(relieve_stale(obs, stale)[0], st.weights, cfg), obs, stale)
     new_weights = dict(st.weights)
     new_weights.update({d.instance: d.state for d in weights})
     pools = decide_pools(obs, st.limits, cfg)
@@ -101,7 +107,7 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
     new_limits.update({d.pool: d.new for d in pools})
     alerts = step_alerts(rules, obs, cfg, ac, st.alerts)
     mid = PolicyState(
-        st.tick + 1, new_weights, new_limits, {a.fingerprint: a for a in alerts.active}, st.table
+        st.tick + 1, new_weights, new_limits, {a.fingerprint: a for a in alerts.active}, st.table, stale
     )
     table, served, new_version = compose(
         mid,
@@ -113,5 +119,18 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
         {d.instance: d.reason for d in weights},
         {d.pool: d.reason for d in pools},
     )
-    state = PolicyState(mid.tick, mid.weights, mid.limits, mid.alerts, table)
+    state = PolicyState(mid.tick, mid.weights, mid.limits, mid.alerts, table, stale)
     return TickOutput(mid.tick, weights, pools, alerts, table, served, state, new_version)
+
+
+def _with_basis(
+    weights: tuple[WeightDecision, ...], obs: Observation, stale: Mapping[str, StalePair]
+) -> tuple[WeightDecision, ...]:
+    """Each D's decision with what its stale pairs moved off it (``inputs.stale_peer_basis``)."""
+    basis = relieve_stale(obs, stale)[1]
+    if not basis:
+        return weights
+    return tuple(
+        replace(d, inputs={**d.inputs, "stale_peer_basis": basis[d.instance]}) if d.instance in basis else d
+        for d in weights
+    )

@@ -177,6 +177,10 @@ class ProxySettings(_Frozen):
     fail_static_s: NonNegative = 60.0
     """seconds the last table is kept while the controller is unreachable; then equal weights from the config
     (fallback)"""
+    pair_probe_s: PositiveFloat = 10.0
+    """a P x D pair the routing table says to leave out (avoid_pairs: a D's stale agent for a restarted P)
+    still gets one request at most this often from this proxy, a probe: once one is served, the controller
+    lets the pair back"""
     policy: Literal["weighted", "round-robin"] = "weighted"
     """weighted: power of two choices on the table's weights; round-robin: cycles like vLLM's toy proxy (a
     baseline: no failure weighing, no adaptive limit)"""

@@ -6,7 +6,13 @@ from sqlalchemy import select
 
 from collector.fastparse import extract_signals
 from collector.scraper import ScrapeResult
-from collector.snapshot_store import SnapshotStore, counter_reset
+from collector.snapshot_store import (
+    COUNTER_RESET,
+    PROCESS_START,
+    SnapshotStore,
+    counter_reset,
+    restart_signals,
+)
 from collector.targets import ScrapeTarget
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
@@ -60,3 +66,39 @@ def test_write_rounds(store_url: str) -> None:
     assert not p_down.up and p_down.error == "timeout after 3s" and p_down.requests_length is None
     assert d_second.requests_length == 2.0
     assert inst["d0"].last_seen == 15.0 and inst["p0"].last_seen == 1.0 and inst["p0"].role == "prefill"
+    # both signals: the restart is confirmed and stored with the new process's start time
+    assert inst["d0"].restarted_at == 1.795945e9 and inst["p0"].restarted_at is None
+
+
+def test_a_restart_is_confirmed_by_two_signals_never_by_one() -> None:
+    prev = {"up": True, "process_start_ts": 100.0, "requests_length": 10.0}
+    both = {"up": True, "process_start_ts": 500.0, "requests_length": 3.0}
+    assert restart_signals(prev, both) == (PROCESS_START, COUNTER_RESET)
+    assert restart_signals(prev, {"up": True, "process_start_ts": 100.0, "requests_length": 3.0}) == (
+        COUNTER_RESET,
+    )
+    assert restart_signals(prev, {"up": True, "process_start_ts": 500.0, "requests_length": 30.0}) == (
+        PROCESS_START,
+    )
+    assert restart_signals(prev, {"up": True, "process_start_ts": None, "requests_length": 3.0}) == (
+        COUNTER_RESET,
+    )
+    assert restart_signals(prev, {"up": False}) == () and restart_signals(None, both) == ()
+
+
+def test_one_signal_alone_stores_no_restart(store_url: str) -> None:
+    upgrade(store_url)
+    store = SnapshotStore(session_factory(make_engine(store_url)))
+    store.ensure_instances([D0], 1.0)
+    page = extract_signals(DECODE)
+    dropped = extract_signals(  # a counter went down, the start time did not move
+        DECODE.replace(
+            'finished_reason="length",model_name="tiny"} 23.0',
+            'finished_reason="length",model_name="tiny"} 2.0',
+        )
+    )
+    store.write_round([ScrapeResult(D0, 10.0, 0.01, page, None)])
+    store.write_round([ScrapeResult(D0, 15.0, 0.01, dropped, None)])
+    assert store.resets == {"d0": 1}  # counted
+    with store.factory() as s:
+        assert s.scalars(select(InstanceRow)).one().restarted_at is None  # never confirmed

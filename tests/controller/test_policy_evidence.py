@@ -237,3 +237,21 @@ def test_a_handoff_p_finished_that_no_d_served_is_counted_on_p_with_its_id() -> 
         None,
     )
     assert (d_sig.pulls_pending, d_sig.handoff_backlog, d_sig.unpulled_handoffs) == (2.0, 1.0, 0)
+
+
+def test_handoffs_p_finished_after_its_restart_are_counted_per_pair_failed_and_served() -> None:
+    t = ev.WindowTally({"P": "prefill", "D": "decode"}, now=10.0, restarted={"p0": 1.0})
+    t.add(record(p_done=0.5, status="error"), invalid=False)  # before the restart: not counted
+    t.add(record(p_done=1.5, status="error"), invalid=False)  # failed at D after it
+    t.add(record(p_done=2.0), invalid=False)  # served after it
+    t.add(record(p_instance="p1", p_done=2.0, status="error"), invalid=False)  # p1 did not restart
+    t.charge_failed_attempts(
+        [
+            {"stage": "decode", "instance": "d1", "kind": "status_500", "p_instance": "p0", "p_done": 3.0},
+            {"stage": "decode", "instance": "d1", "kind": "status_500", "p_instance": "p0", "p_done": 0.2},
+            "not a dict",
+        ]
+    )
+    assert dict(t.failed_since_restart) == {("p0", "d0"): 1, ("p0", "d1"): 1}
+    assert dict(t.served_since_restart) == {("p0", "d0"): 1}
+    assert t.pair_failures[("p0", "d1")] == 2  # every failure still counts on the pair

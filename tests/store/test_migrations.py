@@ -106,3 +106,31 @@ def test_0012_adds_the_prediction_columns_to_stored_records_and_takes_them_back(
             assert conn.execute(text("SELECT route_path FROM request_records")).scalar() == "pd"
     finally:
         engine.dispose()
+
+
+def test_0013_adds_restarted_at_to_known_instances_and_takes_it_back(store_url: str) -> None:
+    """Instances stored before 0013 keep every value and have no restart on record; a downgrade to 0012
+    drops only that column."""
+    from sqlalchemy import text
+
+    upgrade(store_url, "0012")
+    engine = make_engine(store_url)
+    insert = text(
+        "INSERT INTO instances (name, pool, role, url, labels, first_seen, last_seen)"
+        " VALUES ('p0', 'prefill', 'prefill', 'http://p0', '{}', 1.0, 2.0)"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert)
+        upgrade(store_url, "0013")
+        with engine.begin() as conn:
+            assert tuple(conn.execute(text("SELECT name, restarted_at FROM instances")).one()) == ("p0", None)
+            conn.execute(text("UPDATE instances SET restarted_at = 1796000000.5"))
+            assert conn.execute(text("SELECT restarted_at FROM instances")).scalar() == 1796000000.5
+        downgrade(store_url, "0012")
+        cols = {c["name"] for c in inspect(engine).get_columns("instances")}
+        assert "restarted_at" not in cols and {"name", "engine_id", "last_seen"} <= cols
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT last_seen FROM instances")).scalar() == 2.0
+    finally:
+        engine.dispose()
