@@ -143,7 +143,7 @@ BATCH = {"x-pdscope-ttft-target-ms": "600000"}
 
 
 def test_the_ttft_predictor_on_the_real_pair_records_a_prediction_and_learns_it(
-    real_pd: RealPD, proxy_url: str
+    real_pd: RealPD, proxy_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The predictor's error on real vLLM (CPU): 36 requests of 10 to 200 words, two at a time, each
     with a long (batch) TTFT target so that admission predicts but never rejects. Each root carries a
@@ -179,5 +179,6 @@ def test_the_ttft_predictor_on_the_real_pair_records_a_prediction_and_learns_it(
     ]
     median, p90 = percentile(errors, 50), percentile(errors, 90)
     assert median is not None and p90 is not None
-    print(f"real vLLM TTFT predictor: median |obs/pred - 1| {median:.1%}, p90 {p90:.1%} (n={len(errors)})")
+    with capsys.disabled():  # into the test log, where issue 28's real-pair figures are read from
+        print(f"\nreal vLLM TTFT predictor: median |obs/pred - 1| {median:.1%}, p90 {p90:.1%} (n={len(errors)})")
     assert median < 1.0  # within 2x: the configured prior (a GPU's 16 k tokens/s) is 5-10x off here
