@@ -160,7 +160,7 @@ def build_table(
                 decode=sp.d_instance,
                 reason=Reason.STALE_PEER_AFTER_RESTART,
                 since=sp.since,
-                text=sp.text,
+                text=sp.text[:500],  # the field's bound: instance names go to 128 characters
             )
             for sp in sorted(stale, key=lambda sp: (sp.p_instance, sp.d_instance))
         ],

@@ -99,7 +99,8 @@ def compose(
 def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: AlertConfig) -> TickOutput:
     obs, st = inp.obs, inp.state
     stale = stale_pairs(obs, st.stale, cfg.min_error_events)
-    weights = _with_basis(decide_weights(relieve_stale(obs, stale)[0], st.weights, cfg), obs, stale)
+    relieved, basis = relieve_stale(obs, stale)
+    weights = _with_basis(decide_weights(relieved, st.weights, cfg), basis)
     new_weights = dict(st.weights)
     new_weights.update({d.instance: d.state for d in weights})
     pools = decide_pools(obs, st.limits, cfg)
@@ -123,11 +124,8 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
     return TickOutput(mid.tick, weights, pools, alerts, table, served, state, new_version)
 
 
-def _with_basis(
-    weights: tuple[WeightDecision, ...], obs: Observation, stale: Mapping[str, StalePair]
-) -> tuple[WeightDecision, ...]:
+def _with_basis(weights: tuple[WeightDecision, ...], basis: Mapping[str, str]) -> tuple[WeightDecision, ...]:
     """Each D's decision with what its stale pairs moved off it (``inputs.stale_peer_basis``)."""
-    basis = relieve_stale(obs, stale)[1]
     if not basis:
         return weights
     return tuple(

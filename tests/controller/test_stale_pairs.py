@@ -139,3 +139,24 @@ def test_the_tick_leaves_a_stale_pair_out_of_the_table_and_does_not_cut_its_d() 
         state = out.state
         assert out.table.avoid_pairs == []
     assert next(d for d in out.weights if d.instance == "decode-0").weight < 1.0
+
+
+def test_a_stale_pair_of_long_names_still_makes_a_table() -> None:
+    from controller.policy.routes import build_table
+    from controller.policy.stale import StalePair as SP
+
+    p, d = "p" * 128, "d" * 128
+    table, _ = build_table(
+        instances=(),
+        pools=pool_specs(),
+        policy_weights={},
+        limits={},
+        limit_reasons={},
+        overrides=(),
+        mode="enforce",
+        now=T0,
+        version=1,
+        stale=[SP(p, d, T0, RESTART, 99)],
+    )
+    assert [(a.prefill, a.decode) for a in table.avoid_pairs] == [(p, d)]
+    assert len(table.avoid_pairs[0].text) == 500

@@ -180,5 +180,7 @@ def test_the_ttft_predictor_on_the_real_pair_records_a_prediction_and_learns_it(
     median, p90 = percentile(errors, 50), percentile(errors, 90)
     assert median is not None and p90 is not None
     with capsys.disabled():  # into the test log, where issue 28's real-pair figures are read from
-        print(f"\nreal vLLM TTFT predictor: median |obs/pred - 1| {median:.1%}, p90 {p90:.1%} (n={len(errors)})")
+        print(
+            f"\nreal vLLM TTFT predictor: median |obs/pred - 1| {median:.1%}, p90 {p90:.1%} (n={len(errors)})"
+        )
     assert median < 1.0  # within 2x: the configured prior (a GPU's 16 k tokens/s) is 5-10x off here
