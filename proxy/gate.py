@@ -370,11 +370,13 @@ class Gate:
         if p is None:  # the open pools' Ps are all late; one in time is in a full pool
             return p_why or Rejection(REASON_REQUESTS, tuple(p_pools), "prefill")
         late_ds = self._late_ds(req, p, view, now)
-        ds = [t.name for t in view.decode if t.pool in d_pools and t.name not in late_ds]
-        skip = self.pairs.left_out(view.avoid, p.name, ds, now)
-        d = self.selector.pick("decode", view.decode, now, exclude=late_ds | skip, pools=d_pools)
+        skip = self._avoided_ds(view, p.name, d_pools, late_ds, now)
+        d = self.selector.pick(
+            "decode", view.decode, now, exclude=late_ds | skip if skip else late_ds, pools=d_pools
+        )
         assert d is not None
-        self.pairs.picked(view.avoid, p.name, d.name, now)
+        if view.avoid:
+            self.pairs.picked(view.avoid, p.name, d.name, now)
         req.p, req.d = p, d
         req.admitted = now
         self.admission.enter(p.pool)
@@ -432,14 +434,23 @@ class Gate:
         p = decision.p
         if p is None or not view.avoid:
             return decision
-        ds = [t.name for t in view.decode if t.pool in d_pools]
-        skip = self.pairs.left_out(view.avoid, p.name, ds, now)
+        skip = self._avoided_ds(view, p.name, d_pools, frozenset(), now)
         if decision.d.name in skip:
             d = self.selector.pick("decode", view.decode, now, exclude=skip, pools=d_pools)
             if d is not None:
                 decision = replace(decision, d=d, d_cached=0)
         self.pairs.picked(view.avoid, p.name, decision.d.name, now)
         return decision
+
+    def _avoided_ds(
+        self, view: RoutingView, p: str, d_pools: Collection[str], late: Collection[str], now: float
+    ) -> frozenset[str]:
+        """The Ds a pick with ``p`` leaves out for the table's ``avoid_pairs`` (``proxy.pairs``), among those
+        of ``d_pools`` not ``late``; nothing to do (the common case) while the table avoids no pair of it."""
+        if p not in view.avoid:
+            return frozenset()
+        ds = [t.name for t in view.decode if t.pool in d_pools and t.name not in late]
+        return self.pairs.left_out(view.avoid, p, ds, now)
 
     def _candidates(
         self, targets: Sequence[Target], now: float, pools: Collection[str], p: bool

@@ -42,8 +42,7 @@ class PairProbes:
         if d not in avoid.get(p, ()):
             return False
         self._tried[p, d] = now
-        if len(self._tried) > 4 * max(1, sum(len(v) for v in avoid.values())) + 64:  # bounded: drop pairs no
-            self._tried = {
-                k: v for k, v in self._tried.items() if k[1] in avoid.get(k[0], ())
-            }  # longer avoided
+        if len(self._tried) > 4 * max(1, sum(len(v) for v in avoid.values())) + 64:
+            # bounded: forget the pairs the table no longer avoids
+            self._tried = {k: v for k, v in self._tried.items() if k[1] in avoid.get(k[0], ())}
         return True

@@ -100,32 +100,26 @@ def _suspect(x: PairSignals, p: InstanceSignals | None, fresh_since: float) -> b
 
 
 def _keep(
-    d: InstanceSignals, obs: Observation, stale: Mapping[str, StalePair], names: Mapping[str, InstanceSignals]
+    d: InstanceSignals,
+    failing: list[PairSignals],
+    theirs_of: Mapping[str, bool],
+    fresh: list[str],
 ) -> tuple[float, str]:
-    """The share of D's failures that stay its own, and why the rest do not: those of its stale pairs and
-    of pairs into a P down now or restarted within the window (not yet enough to call stale); and, while
-    such a P is down or its restart fresh and the records name no failure of D's toward any P yet, all of
-    them (the records of the failed handoffs come after vLLM's counter). A D that fails on its own just
-    then is judged a window later."""
-    fresh_since = obs.now - obs.window_s
-    mine = theirs = 0
-    toward: set[str] = set()
-    for x in obs.pairs:
-        if x.d_instance != d.name or not x.failures:
-            continue
-        mine += x.failures
-        if pair_key(x.p_instance, x.d_instance) in stale or _suspect(x, names.get(x.p_instance), fresh_since):
-            theirs += x.failures
-            toward.add(x.p_instance)
+    """The share of D's failures that stay its own, and why the rest do not: those on its ``failing`` pairs
+    that ``theirs_of`` marks (stale pairs, and pairs into a P down now or restarted within the window, not
+    yet enough to call stale); and, while a P is ``fresh`` (down or restarted within the window) and the
+    records name no failure of D's toward any P yet, all of them (the records of the failed handoffs come
+    after vLLM's counter). A D that fails on its own just then is judged a window later."""
+    mine = sum(x.failures for x in failing)
     if mine:
+        toward = sorted({x.p_instance for x in failing if theirs_of[pair_key(x.p_instance, x.d_instance)]})
+        theirs = sum(x.failures for x in failing if theirs_of[pair_key(x.p_instance, x.d_instance)])
         if not theirs:
             return 1.0, ""
-        ps = ", ".join(sorted(toward))
         return (
             1.0 - theirs / mine,
-            f"{theirs} of its {mine} failed handoffs are toward {ps}, down or restarted",
+            f"{theirs} of its {mine} failed handoffs are toward {', '.join(toward)}, down or restarted",
         )
-    fresh = sorted(i.name for i in obs.instances if i.role == "prefill" and _fresh(i, fresh_since))
     if fresh and (d.failed_requests or d.failed_transfers_per_min or d.lease_expiry_suspects):
         return (
             0.0,
@@ -136,15 +130,27 @@ def _keep(
 
 def relieve_stale(obs: Observation, stale: Mapping[str, StalePair]) -> tuple[Observation, dict[str, str]]:
     """Each D relieved of the failures its stale pairs brought it (they are the pairs', not the D's), and
-    of those a P's fresh restart may explain (:func:`_keep`): the observation with those moved, and per D
-    relieved, what was moved (its decision's ``inputs.stale_peer_basis``)."""
-    names = {i.name: i for i in obs.instances}
-    if not stale and not any(i.restarted_at is not None or i.up is False for i in obs.instances):
+    of those a P's fresh restart or outage may explain (:func:`_keep`): the observation with those moved,
+    and per D relieved, what was moved (its decision's ``inputs.stale_peer_basis``). One pass over the
+    pairs, grouped by D."""
+    fresh_since = obs.now - obs.window_s
+    fresh = sorted(i.name for i in obs.instances if i.role == "prefill" and _fresh(i, fresh_since))
+    if not stale and not fresh:
         return obs, {}
+    names = {i.name: i for i in obs.instances}
+    failing: dict[str, list[PairSignals]] = {}
+    theirs_of: dict[str, bool] = {}
+    for x in obs.pairs:
+        if x.failures:
+            key = pair_key(x.p_instance, x.d_instance)
+            failing.setdefault(x.d_instance, []).append(x)
+            theirs_of[key] = key in stale or _suspect(x, names.get(x.p_instance), fresh_since)
     basis: dict[str, str] = {}
     moved: list[InstanceSignals] = []
     for inst in obs.instances:
-        keep, why = _keep(inst, obs, stale, names) if inst.role == "decode" else (1.0, "")
+        keep, why = (
+            (1.0, "") if inst.role != "decode" else _keep(inst, failing.get(inst.name, []), theirs_of, fresh)
+        )
         if keep >= 1.0:
             moved.append(inst)
             continue
