@@ -21,9 +21,18 @@ from __future__ import annotations
 import math
 import re
 
-from collector.parse import decode_page
-from collector.signals import HistogramAcc, Signals, finish, from_text, openmetrics_name
-from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, Spec
+from collector.parse import decode_page, parse_text
+from collector.signals import HistogramAcc, Signals, finish, from_text, identity_of, openmetrics_name
+from pdscope.kvcompat import Identity
+from store.families import (
+    ALIASES,
+    CACHE_CONFIG,
+    ENGINE_FAMILY,
+    NIXL_PREFIX,
+    PROCESS_START,
+    SPEC_BY_FAMILY,
+    Spec,
+)
 
 __all__ = ["extract_signals"]
 
@@ -56,6 +65,8 @@ def extract_signals(data: str | bytes) -> Signals:
     blocks = _kept_blocks(text)
     present = {b[0] for b in blocks}
     for family, mtype, start, end in blocks:
+        if family == CACHE_CONFIG:
+            continue  # labels only: read by _identity
         if family in ALIASES:
             if ALIASES[family] in present:
                 continue
@@ -71,7 +82,18 @@ def extract_signals(data: str | bytes) -> Signals:
             scalars.setdefault(column, []).extend(vals)
     if engines:
         signals.engines = len(engines)
+    signals.identity = _identity(text, blocks)
     return finish(signals, scalars, hists)
+
+
+def _identity(text: str, blocks: list[tuple[str, str, int, int]]) -> Identity:
+    """The identity the page reports, read by the general parser from the two small blocks that carry it
+    (one line per engine each), so that both paths agree on escaped label values."""
+    families = {}
+    for family, mtype, start, end in blocks:
+        if family in (CACHE_CONFIG, ENGINE_FAMILY) and family not in families:
+            families[family] = parse_text(f"{_TYPE}{family} {mtype}\n{text[start:end]}").families.get(family)
+    return identity_of(families.get(CACHE_CONFIG), families.get(ENGINE_FAMILY))
 
 
 def _kept_blocks(text: str) -> list[tuple[str, str, int, int]]:
@@ -93,7 +115,7 @@ def _kept_blocks(text: str) -> list[tuple[str, str, int, int]]:
             if (
                 family in SPEC_BY_FAMILY
                 or family in ALIASES
-                or family == PROCESS_START
+                or family in (PROCESS_START, CACHE_CONFIG)
                 or (family.startswith(NIXL_PREFIX) and not family.endswith("_created"))
             ):
                 blocks.append((family, header[1], eol + 1, end))

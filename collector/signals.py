@@ -18,8 +18,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from collector.parse import ParsedPage, parse_text
-from store.families import ALIASES, ENGINE_FAMILY, NIXL_PREFIX, PROCESS_START, SPEC_BY_FAMILY, SPECS, Spec
+from collector.parse import Family, ParsedPage, parse_text
+from pdscope.kvcompat import MALFORMED, Identity, identity, kept
+from store.families import (
+    ALIASES,
+    CACHE_CONFIG,
+    ENGINE_FAMILY,
+    NIXL_PREFIX,
+    PROCESS_START,
+    SPEC_BY_FAMILY,
+    SPECS,
+    Spec,
+)
 
 # Columns averaged over engines rather than summed (a fraction per engine).
 _MEAN_COLUMNS = frozenset(c for s in SPECS if s.mean for c in s.stored_columns)
@@ -35,6 +45,28 @@ class Signals:
     engines: int | None = None
     process_start_ts: float | None = None
     errors: list[str] = field(default_factory=list)
+    # what the instance reports of the fields a P x D pair must agree on (pdscope.kvcompat)
+    identity: Identity = ()
+
+
+def _one(values: set[str]) -> str:
+    """The one value every engine reports, or :data:`MALFORMED` where they disagree."""
+    return kept(next(iter(values))) if len(values) == 1 else MALFORMED
+
+
+def identity_of(cache: Family | None, engine: Family | None) -> Identity:
+    """The identity (:mod:`pdscope.kvcompat`) a page reports: ``block_size`` and ``cache_dtype`` from the
+    ``vllm:cache_config_info`` family ``cache``, ``model`` from the ``model_name`` label of ``engine``
+    (:data:`store.families.ENGINE_FAMILY`); a field missing from the page is left out."""
+    found: dict[str, set[str]] = {}
+    for s in cache.samples if cache is not None else ():
+        for label in ("block_size", "cache_dtype"):
+            if label in s.labels:
+                found.setdefault(label, set()).add(s.labels[label])
+    for s in engine.samples if engine is not None else ():
+        if "model_name" in s.labels and not s.name.endswith("_created"):
+            found.setdefault("model", set()).add(s.labels["model_name"])
+    return identity({f: _one(v) for f, v in found.items()})
 
 
 def openmetrics_name(family: str, mtype: str) -> str:
@@ -166,6 +198,7 @@ def from_page(page: ParsedPage) -> Signals:
                     acc.add_count(s.value)
     if engines:
         signals.engines = len(engines)
+    signals.identity = identity_of(page.families.get(CACHE_CONFIG), page.families.get(ENGINE_FAMILY))
     return finish(signals, scalars, hists)
 
 

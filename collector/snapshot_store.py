@@ -17,6 +17,10 @@ with the start time unchanged or not exported, or a start time that moved while 
 counter kept growing) is counted and logged, never confirmed. A confirmed restart is stored
 on the instance (``InstanceRow.restarted_at``, the new process's start time): the controller
 reads it to tell a D's stale peer from a failing D.
+
+Each instance's identity (``Signals.identity``: its model, KV block size and dtype, which a P x D pair
+must agree on) is stored on the instance too (``InstanceRow.kv_identity``) when an up scrape finds it
+changed, for the controller's compatible-pairs rule (``controller.policy.compat``).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class SnapshotStore:
         self._last: dict[str, dict[str, Any]] = {}
         self.resets: dict[str, int] = {}
         self._restarted: dict[str, float] = {}  # confirmed restarts not yet stored: name -> new start time
+        self._identity: dict[str, dict[str, str]] = {}  # each instance's identity as last stored
 
     def ensure_instances(self, targets: Sequence[ScrapeTarget], now: float) -> None:
         with transaction(self.factory) as session:
@@ -137,5 +142,19 @@ class SnapshotStore:
                 session.execute(
                     update(InstanceRow).where(InstanceRow.name == name).values(restarted_at=started)
                 )
+            changed = self._changed_identities(results)
+            for name, ident in changed.items():
+                session.execute(update(InstanceRow).where(InstanceRow.name == name).values(kv_identity=ident))
         self._restarted.clear()
+        self._identity.update(changed)
         return len(rows)
+
+    def _changed_identities(self, results: Sequence[ScrapeResult]) -> dict[str, dict[str, str]]:
+        """The identities the round's up scrapes report that differ from those last stored."""
+        out: dict[str, dict[str, str]] = {}
+        for r in results:
+            if r.up and r.signals is not None:
+                ident = dict(r.signals.identity)
+                if self._identity.get(r.target.name) != ident:
+                    out[r.target.name] = ident
+        return out

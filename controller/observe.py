@@ -34,6 +34,7 @@ from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
 from pdscope.config import Settings
+from pdscope.kvcompat import FIELDS, MALFORMED, identity
 from pdscope.stats import counter_increase
 from store import queries as q
 from store.attribution import trusted_records
@@ -135,6 +136,18 @@ def _restarts(session: Session) -> dict[str, float]:
     """Each instance's latest restart the collector confirmed (``InstanceRow.restarted_at``)."""
     stmt = select(InstanceRow.name, InstanceRow.restarted_at).where(InstanceRow.restarted_at.is_not(None))
     return {name: float(at) for name, at in session.execute(stmt) if at is not None}
+
+
+def _identities(session: Session) -> dict[str, dict[str, str]]:
+    """Each instance's identity as the collector last stored it (``InstanceRow.kv_identity``); a stored
+    value that is not an object of strings reads as reporting nothing valid (every field malformed)."""
+    out: dict[str, dict[str, str]] = {}
+    for name, found in session.execute(select(InstanceRow.name, InstanceRow.kv_identity)):
+        if isinstance(found, dict):
+            out[name] = {str(k): v if isinstance(v, str) else MALFORMED for k, v in found.items()}
+        elif found is not None:
+            out[name] = dict.fromkeys(FIELDS[:3], MALFORMED)
+    return out
 
 
 def _failed_attempts(session: Session, since: float, until: float, only: q.RecordFilter) -> Iterable[object]:
@@ -241,6 +254,7 @@ def _instances(
     latest = _latest_gauges(snaps, since, now)
     instances: list[InstanceSignals] = []
     newest: float | None = None
+    stored = _identities(session)
     for pool_name, inst in settings.instances():
         role = settings.pools[pool_name].role
         instances.append(
@@ -258,6 +272,10 @@ def _instances(
         )
         if (restarted := tally.restarted.get(inst.name)) is not None:
             instances[-1] = replace(instances[-1], restarted_at=restarted)
+        if (found := stored.get(inst.name)) is not None:
+            revision = inst.revision or settings.pools[pool_name].revision
+            extra = {"revision": revision} if revision is not None else {}
+            instances[-1] = replace(instances[-1], identity=identity({**found, **extra}))
         if (s := sigs.get(inst.name)) is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
     if newest is None:

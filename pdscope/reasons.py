@@ -56,6 +56,7 @@ class Reason(enum.StrEnum):
     HOLDING = "Holding"
     # -- P x D pairs
     STALE_PEER_AFTER_RESTART = "StalePeerAfterRestart"
+    INCOMPATIBLE_PAIR = "IncompatiblePair"
     # -- the routing table and operators
     INITIAL = "Initial"
     NO_DECISION_YET = "NoDecisionYet"
@@ -135,6 +136,14 @@ _DESCRIPTIONS: dict[Reason, tuple[str, str]] = {  # (what it decides, when)
             "a D failed `noise.min_error_events` handoffs from a P since the P's confirmed restart and "
             "was served none: its agent for the P is stale. The pair is left out of routing (a probe "
             "at most every `proxy.pair_probe_s`) until one is served; the failures are not the D's"
+        ),
+    ),
+    Reason.INCOMPATIBLE_PAIR: (
+        "pair",
+        (
+            "P and D differ in model, KV block size, KV cache dtype or revision; or a field is reported "
+            "by one side only, or malformed, while either has a compatible partner: left out of routing, "
+            "never probed (see Compatible pairs only)"
         ),
     ),
     Reason.DEGRADED: ("weight", "the smoothed target is under the weight with no single signal to name"),

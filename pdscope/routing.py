@@ -160,8 +160,9 @@ class RoutingTable(BaseModel):
     avoid_pairs: list[PairRoute] = Field(
         default_factory=list,
         max_length=MAX_RATE_ROWS,
-        description="P x D pairs to leave out of routing (a D's stale agent for a restarted P), each with "
-        "its reason; the proxy still sends one probe through each at most every proxy.pair_probe_s",
+        description="P x D pairs to leave out of routing, each with its reason: StalePeerAfterRestart (a D's "
+        "stale agent for a restarted P; the proxy still sends one probe through each at most every "
+        "proxy.pair_probe_s) or IncompatiblePair (never picked, never probed)",
     )
     leader_epoch: int | None = Field(
         default=None,

@@ -369,12 +369,13 @@ class Gate:
         p = self.selector.pick("prefill", view.prefill, now, exclude=late, pools=p_pools)
         if p is None:  # the open pools' Ps are all late; one in time is in a full pool
             return p_why or Rejection(REASON_REQUESTS, tuple(p_pools), "prefill")
-        late_ds = self._late_ds(req, p, view, now)
+        late_ds = self._late_ds(req, p, view, now) | view.never.get(p.name, frozenset())
         skip = self._avoided_ds(view, p.name, d_pools, late_ds, now)
         d = self.selector.pick(
             "decode", view.decode, now, exclude=late_ds | skip if skip else late_ds, pools=d_pools
         )
-        assert d is not None
+        if d is None:  # every D P may be paired with is in a full pool (or late)
+            return d_why or Rejection(REASON_REQUESTS, tuple(d_pools), "decode")
         if view.avoid:
             self.pairs.picked(view.avoid, p.name, d.name, now)
         req.p, req.d = p, d
@@ -424,19 +425,26 @@ class Gate:
             if not d_cands:
                 return Rejection(REASON_NO_INSTANCES, self._pools_of["decode"], "decode")
             return p_why or Rejection(REASON_NO_INSTANCES, self._pools_of["prefill"], "prefill")
-        self._enter(req, self._off_avoided(decision, view, d_pools, now), kv, now)
+        moved = self._off_avoided(decision, view, d_pools, now)
+        if moved is None:  # its P may be paired with no D of the open pools
+            return Rejection(REASON_REQUESTS, tuple(d_pools), "decode")
+        self._enter(req, moved, kv, now)
         return None
 
     def _off_avoided(
         self, decision: Decision, view: RoutingView, d_pools: Collection[str], now: float
-    ) -> Decision:
-        """The cost model's choice, its D moved off a pair the table says to leave out (not due a probe)."""
+    ) -> Decision | None:
+        """The cost model's choice, its D moved off a pair the table says to leave out (not due a probe) or
+        never to pair (incompatible); None when the only Ds left are never to pair with its P."""
         p = decision.p
-        if p is None or not view.avoid:
+        if p is None or not (view.avoid or view.never):
             return decision
-        skip = self._avoided_ds(view, p.name, d_pools, frozenset(), now)
+        never = view.never.get(p.name, frozenset())
+        skip = self._avoided_ds(view, p.name, d_pools, never, now) | never
         if decision.d.name in skip:
             d = self.selector.pick("decode", view.decode, now, exclude=skip, pools=d_pools)
+            if d is None and decision.d.name in never:
+                return None
             if d is not None:
                 decision = replace(decision, d=d, d_cached=0)
         self.pairs.picked(view.avoid, p.name, decision.d.name, now)
@@ -544,7 +552,7 @@ class Gate:
             role,
             view.prefill if role == "prefill" else view.decode,
             self.clock(),
-            exclude=exclude,
+            exclude=self._never_with(view, req, role, exclude),
             pools=pools,
         )
         if nxt is None and or_same and current is not None and current.pool in pools:
@@ -553,6 +561,20 @@ class Gate:
             return None
         self._take(req, role, nxt)
         return nxt
+
+    @staticmethod
+    def _never_with(
+        view: RoutingView, req: RequestState, role: Role, exclude: Collection[str]
+    ) -> Collection[str]:
+        """``exclude``, and the targets of ``role`` never to pair with the request's other side."""
+        if not view.never:
+            return exclude
+        if role == "decode":
+            never = view.never.get(req.p.name, frozenset()) if req.p is not None else frozenset()
+        else:
+            d = req.d.name if req.d is not None else None
+            never = frozenset(p for p, ds in view.never.items() if d in ds)
+        return frozenset(exclude) | never if never else exclude
 
     def _take(self, req: RequestState, role: Role, target: Target) -> None:
         if role == "prefill":

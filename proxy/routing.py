@@ -51,6 +51,7 @@ import httpx
 from pydantic import ValidationError
 
 from pdscope.config import Settings
+from pdscope.reasons import Reason
 from pdscope.routing import ProxyReport, ProxyShare, RoutingTable, proxy_token
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,10 @@ class RoutingView:
     prefill: tuple[Target, ...]
     decode: tuple[Target, ...]
     limits: dict[str, PoolLimits] = field(default_factory=dict)
-    # P -> the Ds the controller said to leave out with it (``RoutingTable.avoid_pairs``)
+    # P -> the Ds the controller said to leave out with it (``RoutingTable.avoid_pairs``), probed at times
     avoid: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # P -> the Ds it must never be paired with (avoid_pairs of reason IncompatiblePair): never probed
+    never: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def limits_for(self, pool: str, default: PoolLimits) -> PoolLimits:
         return self.limits.get(pool, default)
@@ -169,16 +172,36 @@ def table_view(table: RoutingTable, settings: Settings, share: ProxyShare | None
             continue
         targets[inst.role].append(Target(inst.name, inst.pool, inst.url.rstrip("/"), weight))
     avoid: dict[str, set[str]] = {}
+    never: dict[str, set[str]] = {}
     for pr in table.avoid_pairs:
-        avoid.setdefault(pr.prefill, set()).add(pr.decode)
+        (never if pr.reason == Reason.INCOMPATIBLE_PAIR else avoid).setdefault(pr.prefill, set()).add(
+            pr.decode
+        )
+    prefill, decode = _paired(targets["prefill"], targets["decode"], never)
     return RoutingView(
         "fresh",
         table.version,
-        tuple(targets["prefill"]),
-        tuple(targets["decode"]),
+        prefill,
+        decode,
         limits,
         {p: frozenset(ds) for p, ds in avoid.items()},
+        {p: frozenset(ds) for p, ds in never.items()},
     )
+
+
+def _paired(
+    prefill: list[Target], decode: list[Target], never: Mapping[str, set[str]]
+) -> tuple[tuple[Target, ...], tuple[Target, ...]]:
+    """The targets that have a partner they may be paired with: a P every D of which it must never be
+    paired with (an incompatible pair) gets no work, nor such a D."""
+    if not never:
+        return tuple(prefill), tuple(decode)
+    ds = {t.name for t in decode}
+    ps = [t for t in prefill if not ds <= never.get(t.name, set())]
+    if not ps:
+        return (), tuple(decode)
+    paired_ds = {d for t in ps for d in ds - never.get(t.name, set())}
+    return tuple(ps), tuple(t for t in decode if t.name in paired_ds)
 
 
 class RoutingState:
@@ -307,7 +330,7 @@ class RoutingState:
 
 
 def _restate(view: RoutingView, state: State) -> RoutingView:
-    return RoutingView(state, view.version, view.prefill, view.decode, view.limits, view.avoid)
+    return RoutingView(state, view.version, view.prefill, view.decode, view.limits, view.avoid, view.never)
 
 
 async def poll_once(

@@ -235,6 +235,7 @@ ALIASES: dict[str, str] = {
 }
 PROCESS_START = "process_start_time_seconds"
 ENGINE_FAMILY = "vllm:num_requests_running"  # registered for every engine, always
+CACHE_CONFIG = "vllm:cache_config_info"  # its block_size and cache_dtype labels: a pair must agree on them
 NIXL_PREFIX = "vllm:nixl_"
 
 # Scalar counters, then labelled ones, then histogram sums and counts (the rollups' order).

@@ -60,6 +60,9 @@ class InstanceRow(Base):
     # the start time of its process after its latest restart the collector confirmed (its start time moved
     # and its counters reset between two scrapes); None: none seen
     restarted_at: Mapped[float | None] = mapped_column(Float)
+    # what its latest up scrape reported of the fields a P x D pair must agree on (pdscope.kvcompat: model,
+    # block_size, cache_dtype; values cut to their bound), as {field: value}; None: not scraped up yet
+    kv_identity: Mapped[Json | None] = mapped_column(JSON)
     first_seen: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from controller.policy.compat import judge
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation
 from pdscope.config import ALERT_RULE_NAMES, Settings, Severity
@@ -266,6 +267,15 @@ def _stranded_text(i: InstanceSignals) -> str:
     return f"{head}; {i.unpulled_handoffs} handoff(s) it prefilled in the window went unserved (e.g. {names})"
 
 
+def _incompatible(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    """An instance compatible with no instance of the other role (model, KV layout, revision:
+    :mod:`controller.policy.compat`); one with nothing on record yet abstains."""
+    found = judge(obs, {}).no_partner or {}
+    return [
+        Sample(_labels(i.name, i.pool, i.role), 1.0, found[i.name]) for i in obs.instances if i.name in found
+    ]
+
+
 def _down(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
     return [
         Sample(_labels(i.name, i.pool, i.role), 0.0, f"{i.name}: scrape failed (up = 0)")
@@ -318,6 +328,13 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
             60.0,
             "an idle P holds KV blocks that no D waits to pull",
             _per_instance(_stranded_kv),
+        ),
+        (
+            "IncompatiblePair",
+            "warning",
+            60.0,
+            "an instance is compatible with no instance of the other role: left unrouted",
+            _per_instance(_incompatible),
         ),
         ("HandoffP99OverBudget", "warning", 30.0, "P->D handoff p99 over its budget", _handoff),
         (

@@ -32,14 +32,18 @@ from pdscope.config import AdmissionDefaults, ControllerSettings, ProxySettings,
 
 # Bumped whenever the policy's maths change what a decision would be for the same inputs and
 # config: a stored decision names the version that took it (a replay under another refuses).
-POLICY_VERSION = 9  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
+POLICY_VERSION = (
+    10  # 4: the handoff judged by the P×D matrix, failures moved along a P's row (issue 29); 5: a
+)
 # pool's members that are down or cut shed load onto the others, not cut for it (issue 29); 6: failures
 # every peer counts too are the pool's, not one member's; an instance unreachable twice is down; a P×D cell
 # read over its recent handoffs too; a P's row failures spread as its handoffs; speed under carried load
 # (issue 29); 7: a P cut on its handoff side is raised on its handoffs, not its prefill requests; 8: a
 # line needs two cells where the fleet's other side has two instances; a line far past its window is read
 # over half as many recent handoffs; 9: a pair into a restarted P that fails and serves nothing is left out
-# of routing and its failures (and a D's while a P is down or freshly restarted) are not the D's (issue 30)
+# of routing and its failures (and a D's while a P is down or freshly restarted) are not the D's (issue 30);
+# 10: a pair whose P and D differ in model, KV layout or revision (or where one is unknown and a side has a
+# compatible partner) is left out of routing (IncompatiblePair)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.policy.admission import LimitState
+from controller.policy.compat import AvoidedPair
 from controller.policy.signals import Role
 from controller.policy.stale import StalePair
 from pdscope.reasons import Reason
@@ -100,9 +101,11 @@ def build_table(
     now: float,
     version: int,
     stale: Iterable[StalePair] = (),
+    incompatible: Iterable[AvoidedPair] = (),
 ) -> tuple[RoutingTable, dict[str, ServedInstance]]:
-    """The routing table for ``now``; ``policy_weights`` maps name -> (weight, reason); ``stale``: the
-    pairs left out of routing (``avoid_pairs``)."""
+    """The routing table for ``now``; ``policy_weights`` maps name -> (weight, reason); ``stale`` and
+    ``incompatible``: the pairs left out of routing (``avoid_pairs``), a pair both is only once, as
+    incompatible (which the proxy never probes)."""
     act = active_overrides(overrides, now)
     served: dict[str, ServedInstance] = {}
     routes: list[InstanceRoute] = []
@@ -154,18 +157,36 @@ def build_table(
         enforce=mode == "enforce",
         instances=routes,
         pools=pool_routes,
-        avoid_pairs=[
+        avoid_pairs=_avoid_pairs(stale, incompatible),
+    )
+    return table, served
+
+
+def _avoid_pairs(stale: Iterable[StalePair], incompatible: Iterable[AvoidedPair]) -> list[PairRoute]:
+    """The table's ``avoid_pairs``, by P and D; each text cut to the field's bound (instance names go to
+    128 characters)."""
+    out = {
+        (a.p_instance, a.d_instance): PairRoute(
+            prefill=a.p_instance,
+            decode=a.d_instance,
+            reason=Reason.INCOMPATIBLE_PAIR,
+            since=a.since,
+            text=f"{a.status}: {a.text}"[:500],
+        )
+        for a in incompatible
+    }
+    for sp in stale:
+        out.setdefault(
+            (sp.p_instance, sp.d_instance),
             PairRoute(
                 prefill=sp.p_instance,
                 decode=sp.d_instance,
                 reason=Reason.STALE_PEER_AFTER_RESTART,
                 since=sp.since,
-                text=sp.text[:500],  # the field's bound: instance names go to 128 characters
-            )
-            for sp in sorted(stale, key=lambda sp: (sp.p_instance, sp.d_instance))
-        ],
-    )
-    return table, served
+                text=sp.text[:500],
+            ),
+        )
+    return [out[k] for k in sorted(out)]
 
 
 def same_content(a: RoutingTable | None, b: RoutingTable) -> bool:

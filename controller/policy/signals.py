@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdscope.kvcompat import Identity
 from pdscope.routing import Role as Role
 
 
@@ -75,6 +76,9 @@ class InstanceSignals:
     # the start time of its process after its latest restart the collector confirmed (two signals: its
     # process start time moved and its counters reset); None: none on record
     restarted_at: float | None = None
+    # what it reports of the fields a P x D pair must agree on (pdscope.kvcompat: model, block_size,
+    # cache_dtype as last scraped up, revision from the config); None: nothing on record yet
+    identity: Identity | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Literal
 
 from controller.policy.admission import LimitState, PoolDecision, decide_pools
 from controller.policy.alerts import AlertConfig, AlertRule, AlertState, AlertStep, step_alerts
+from controller.policy.compat import AvoidedPair, judge
 from controller.policy.config import PolicyConfig
 from controller.policy.routes import (
     InstanceSpec,
@@ -40,6 +41,8 @@ class PolicyState:
     table: RoutingTable | None = None
     # the P x D pairs left out of routing (controller.policy.stale), by "P->D"
     stale: Mapping[str, StalePair] = field(default_factory=dict)
+    # the P x D pairs left out of routing for their identities (controller.policy.compat), by "P->D"
+    compat: Mapping[str, AvoidedPair] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ def compose(
         now=now,
         version=version + 1,
         stale=avoided(stale if stale is not None else state.stale),
+        incompatible=state.compat.values(),
     )
     if same_content(prev, table) and prev is not None:
         return table.model_copy(update={"version": prev.version}), served, False
@@ -107,8 +111,15 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
     new_limits = dict(st.limits)
     new_limits.update({d.pool: d.new for d in pools})
     alerts = step_alerts(rules, obs, cfg, ac, st.alerts)
+    compat = judge(obs, st.compat).by_pair()
     mid = PolicyState(
-        st.tick + 1, new_weights, new_limits, {a.fingerprint: a for a in alerts.active}, st.table, stale
+        st.tick + 1,
+        new_weights,
+        new_limits,
+        {a.fingerprint: a for a in alerts.active},
+        st.table,
+        stale,
+        compat,
     )
     table, served, new_version = compose(
         mid,
@@ -120,7 +131,7 @@ def decide(inp: TickInput, cfg: PolicyConfig, rules: tuple[AlertRule, ...], ac: 
         {d.instance: d.reason for d in weights},
         {d.pool: d.reason for d in pools},
     )
-    state = PolicyState(mid.tick, mid.weights, mid.limits, mid.alerts, table, stale)
+    state = PolicyState(mid.tick, mid.weights, mid.limits, mid.alerts, table, stale, compat)
     return TickOutput(mid.tick, weights, pools, alerts, table, served, state, new_version)
 
 

@@ -19,6 +19,7 @@ ALERT_RULE_NAMES: tuple[str, ...] = (
     "KVCacheNearlyFull",
     "InstanceDown",
     "StrandedKV",
+    "IncompatiblePair",
     "HandoffP99OverBudget",
     "CollectorBehind",
     "TTFTMispredicted",

@@ -7,6 +7,8 @@ from pydantic import Field, field_validator
 from pdscope.config.base import _Frozen
 from pdscope.routing import Role
 
+REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"  # what pdscope.kvcompat accepts as a revision
+
 
 class Instance(_Frozen):
     """One vLLM server (or one simulated one)."""
@@ -33,6 +35,10 @@ class Instance(_Frozen):
     unset: a gap makes pdscope forget this instance's cache and rebuild it"""
     kv_events_topic: str = Field(default="", max_length=128)
     """the topic the instance publishes under (vLLM topic)"""
+    revision: str | None = Field(default=None, max_length=128, pattern=REVISION_PATTERN)
+    """the revision this instance runs during a rollout (e.g. a model or image tag); overrides its pool's.
+    A P and a D are paired only when their revisions agree (docs/policy.md, Compatible pairs only); unset
+    on both: not compared"""
 
     @field_validator("url", "metrics_url")
     @classmethod
@@ -62,3 +68,5 @@ class Pool(_Frozen):
     labels: dict[str, str] = Field(default_factory=dict)
     """free-form labels (e.g. gpu: h100), kept with the config for your own use; no pdscope service reads them
     """
+    revision: str | None = Field(default=None, max_length=128, pattern=REVISION_PATTERN)
+    """the revision the pool's instances run (an instance's own revision wins); see the instance's revision"""

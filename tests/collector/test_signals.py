@@ -10,6 +10,7 @@ import pytest
 
 from collector.fastparse import extract_signals
 from collector.signals import Signals, from_text
+from pdscope.kvcompat import MALFORMED, MAX_CHARS
 from tests.captures import SCRAPE_PAGES
 
 FIXTURES = SCRAPE_PAGES
@@ -23,6 +24,7 @@ def _same(a: Signals, b: Signals) -> None:
     assert a.extra == b.extra
     assert a.engines == b.engines
     assert a.process_start_ts == b.process_start_ts
+    assert a.identity == b.identity
 
 
 def _two_engines(text: str) -> str:
@@ -195,3 +197,27 @@ def test_garbage_and_non_utf8_never_raise() -> None:
     s = extract_signals(DECODE.encode().replace(b'model_name="tiny"', b'model_name="t\xffny"'))
     assert s.values["requests_length"] == 23.0
     assert any("UTF-8" in e for e in s.errors)
+
+
+def test_identity_is_the_model_block_size_and_kv_dtype_the_page_reports() -> None:
+    fast = extract_signals(DECODE)
+    assert fast.identity == (("block_size", "128"), ("cache_dtype", "auto"), ("model", "tiny"))
+    no_info = re.sub(r"^vllm:cache_config_info\{.*\n", "", DECODE, flags=re.M)
+    assert extract_signals(no_info).identity == (("model", "tiny"),)  # an older vLLM: only the model
+    _same(extract_signals(no_info), from_text(no_info))
+
+
+def test_identity_marks_engines_that_disagree_and_cuts_long_values() -> None:
+    page = _two_engines(DECODE)
+    assert dict(extract_signals(page).identity)["block_size"] == "128"  # both engines agree
+    info = next(line for line in page.splitlines() if line.startswith("vllm:cache_config_info{"))
+    other = info.replace('block_size="128"', 'block_size="64"').replace('engine="0"', 'engine="1"')
+    split = page.replace(info, f"{info}\n{other}")
+    fast = extract_signals(split)
+    _same(fast, from_text(split))
+    assert dict(fast.identity)["block_size"] == MALFORMED
+    long = DECODE.replace('cache_dtype="auto"', f'cache_dtype="{"x" * 5000}"')
+    assert len(dict(extract_signals(long).identity)["cache_dtype"]) == MAX_CHARS + 1
+    escaped = DECODE.replace('model_name="tiny"', 'model_name="a\\"b"')
+    assert dict(extract_signals(escaped).identity)["model"] == 'a"b'
+    _same(extract_signals(escaped), from_text(escaped))

@@ -102,3 +102,23 @@ def test_one_signal_alone_stores_no_restart(store_url: str) -> None:
     assert store.resets == {"d0": 1}  # counted
     with store.factory() as s:
         assert s.scalars(select(InstanceRow)).one().restarted_at is None  # never confirmed
+
+
+def test_an_instances_identity_is_stored_when_an_up_scrape_finds_it_changed(store_url: str) -> None:
+    upgrade(store_url)
+    store = SnapshotStore(session_factory(make_engine(store_url)))
+    store.ensure_instances([D0, P0], 1.0)
+
+    def identities() -> dict[str, object]:
+        with store.factory() as s:
+            return {i.name: i.kv_identity for i in s.scalars(select(InstanceRow))}
+
+    page = extract_signals(DECODE)
+    store.write_round(
+        [ScrapeResult(D0, 10.0, 0.01, page, None), ScrapeResult(P0, 10.0, 3.0, None, "timeout")]
+    )
+    assert identities() == {"d0": {"block_size": "128", "cache_dtype": "auto", "model": "tiny"}, "p0": None}
+    resized = extract_signals(DECODE.replace('block_size="128"', 'block_size="64"'))
+    store.write_round([ScrapeResult(D0, 15.0, 0.01, resized, None), ScrapeResult(P0, 15.0, 3.0, None, "x")])
+    assert identities()["d0"] == {"block_size": "64", "cache_dtype": "auto", "model": "tiny"}
+    assert identities()["p0"] is None  # a failed scrape says nothing of it

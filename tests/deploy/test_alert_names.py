@@ -41,6 +41,7 @@ NO_TWIN: dict[str, str] = {
     "CollectorBehind": "ServiceDown and CollectorStoreErrors are causes, not the same condition",
     "TTFTMispredicted": "the TTFT predictions exist only in pdscope's request records",
     "StrandedKV": "which instances are P and which D exists only in pdscope's config",
+    "IncompatiblePair": "the revisions exist only in pdscope's config; P and D only in its config too",
 }
 OLD_PREFIXES = re.compile(r"VLLM|NIXL|PDScope|Pdscope")
 

@@ -69,3 +69,66 @@ async def test_the_proxy_sends_no_handoff_through_an_avoided_pair() -> None:
     )
     assert pairs[("p0", "d0")] == 0, pairs
     assert pairs[("p0", "d1")] > 20 and pairs[("p1", "d0")] > 10, pairs
+
+
+def _incompatible(*pairs: tuple[str, str]) -> list[dict[str, object]]:
+    return [
+        {"prefill": p, "decode": d, "reason": "IncompatiblePair", "since": 1.0, "text": "incompatible: x"}
+        for p, d in pairs
+    ]
+
+
+async def test_a_mixed_fleet_sends_every_handoff_through_a_compatible_pair_and_never_probes_another() -> None:
+    """A rollout: p0 and d0 run one revision, p1 and d1 another, d2 neither (compatible with nobody). With
+    probes due at every pick, no handoff crosses revisions and d2 gets no request at all."""
+    async with fake_fleet(2, 3) as fleet:
+        p, d = fleet.prefill, fleet.decode
+        served = table(
+            [(f"p{i}", "prefill", "prefill", x.url, 1.0, False) for i, x in enumerate(p)]
+            + [(f"d{i}", "decode", "decode", x.url, 1.0, False) for i, x in enumerate(d)]
+        )
+        served["avoid_pairs"] = _incompatible(("p0", "d1"), ("p1", "d0"), ("p0", "d2"), ("p1", "d2"))
+        ctl = FakeController(served)
+        async with serve(ctl.app()) as ctl_url:
+            settings = make_settings(
+                [x.url for x in p],
+                [x.url for x in d],
+                proxy={"controller_url": ctl_url, "pair_probe_s": 0.001},
+            )
+            async with running_proxy(settings) as (url, app), httpx.AsyncClient(timeout=10) as client:
+                await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
+                view = app.parts.routing.view
+                assert [t.name for t in view.decode] == ["d0", "d1"]  # d2: no partner, left out
+                for i in range(80):
+                    body = {"model": "fake", "prompt": f"request {i} a b c", "max_tokens": 2}
+                    assert (await client.post(url + "/v1/completions", json=body)).status_code == 200
+    pairs = Counter(
+        (c["body"]["kv_transfer_params"]["remote_engine_id"].removeprefix("engine-"), dx.name)
+        for dx in d
+        for c in dx.calls
+        if isinstance(c["body"], dict) and c["body"].get("kv_transfer_params")
+    )
+    assert set(pairs) == {("p0", "d0"), ("p1", "d1")}, pairs
+    assert min(pairs.values()) > 10, pairs
+    assert not d[2].calls
+
+
+def test_a_p_that_may_be_paired_with_no_d_is_left_out_of_the_view() -> None:
+    from pdscope.routing import RoutingTable
+    from proxy.routing import table_view
+
+    served = table(
+        [
+            ("p0", "prefill", "prefill", "http://p0", 1.0, False),
+            ("p1", "prefill", "prefill", "http://p1", 1.0, False),
+            ("d0", "decode", "decode", "http://d0", 1.0, False),
+        ]
+    )
+    served["avoid_pairs"] = [
+        *_incompatible(("p0", "d0")),
+        {"prefill": "p1", "decode": "d0", "reason": "StalePeerAfterRestart", "since": 1.0},
+    ]
+    settings = make_settings(["http://p0", "http://p1"], ["http://d0"])
+    view = table_view(RoutingTable.model_validate(served), settings)
+    assert [t.name for t in view.prefill] == ["p1"] and [t.name for t in view.decode] == ["d0"]
+    assert view.never == {"p0": frozenset({"d0"})} and view.avoid == {"p1": frozenset({"d0"})}

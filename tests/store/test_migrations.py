@@ -134,3 +134,34 @@ def test_0013_adds_restarted_at_to_known_instances_and_takes_it_back(store_url: 
             assert conn.execute(text("SELECT last_seen FROM instances")).scalar() == 2.0
     finally:
         engine.dispose()
+
+
+def test_0014_adds_kv_identity_to_known_instances_and_takes_it_back(store_url: str) -> None:
+    """Instances stored before 0014 keep every value and have no identity on record (None: not reported
+    yet); one stored reads back as its JSON; a downgrade to 0013 drops only that column."""
+    from sqlalchemy import select, text, update
+
+    from store.models import InstanceRow
+
+    upgrade(store_url, "0013")
+    engine = make_engine(store_url)
+    insert = text(
+        "INSERT INTO instances (name, pool, role, url, labels, restarted_at, first_seen, last_seen)"
+        " VALUES ('d0', 'decode', 'decode', 'http://d0', '{}', 5.0, 1.0, 2.0)"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert)
+        upgrade(store_url, "0014")
+        ident = {"model": "m", "block_size": "16", "cache_dtype": "auto"}
+        with engine.begin() as conn:
+            assert tuple(conn.execute(text("SELECT name, kv_identity FROM instances")).one()) == ("d0", None)
+            conn.execute(update(InstanceRow).values(kv_identity=ident))
+            assert conn.execute(select(InstanceRow.kv_identity)).scalar() == ident
+        downgrade(store_url, "0013")
+        cols = {c["name"] for c in inspect(engine).get_columns("instances")}
+        assert "kv_identity" not in cols and {"name", "restarted_at", "last_seen"} <= cols
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT restarted_at FROM instances")).scalar() == 5.0
+    finally:
+        engine.dispose()
