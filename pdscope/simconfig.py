@@ -36,6 +36,8 @@ _PER_INSTANCE = (
     "lease_duration_s",
     "heartbeat_interval_s",
     "tp_size",
+    "cache_dtype",
+    "served_model_name",
 )
 
 
@@ -77,6 +79,12 @@ class SimulatorConfig(BaseModel):
     """tokens per KV block"""
     kv_capacity_blocks: int = Field(default=16384, gt=0)
     """KV blocks per instance"""
+    cache_dtype: str = Field(default="auto", pattern=r"^[A-Za-z0-9_.]{1,32}$")
+    """vLLM --kv-cache-dtype as vllm:cache_config_info reports it (per instance: a pair that differs is
+    incompatible to pdscope)"""
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM --served-model-name: the model name the instance reports (/v1/models, its metrics' model_name
+    label); default the fleet's model (per instance: a pair that differs is incompatible to pdscope)"""
     prefix_caching: bool = True
     """vLLM --enable-prefix-caching: full prompt blocks stay cached (LRU under kv_capacity_blocks) and a
     request reuses its longest cached prefix; D pulls only the blocks it lacks"""

@@ -209,13 +209,14 @@ class Fleet:
         for spec in self.specs:
             index = counters[spec.role]
             counters[spec.role] += 1
+            own = cfg.for_instance(spec.name)
             try:
                 self.instances[spec.name] = SimInstance(
                     name=spec.name,
                     role=spec.role,
                     index=index,
-                    model_name=model_name,
-                    cfg=cfg.for_instance(spec.name),
+                    model_name=own.served_model_name or model_name,
+                    cfg=own,
                     kv_bytes_per_token=kv_bytes_per_token,
                     fabric=self.fabric,
                     faults=self.faults,

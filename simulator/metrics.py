@@ -533,6 +533,7 @@ def _cache_config_info(
     info = dict(_CACHE_CONFIG)
     info.update(
         block_size=str(cfg.block_size),
+        cache_dtype=cfg.cache_dtype,
         effective_attention_block_size=str(cfg.block_size),
         enable_prefix_caching=str(cfg.prefix_caching),
         engine=engine,

@@ -48,3 +48,27 @@ def test_fleet_rejects_unknown_override_names_and_duplicate_instances() -> None:
             kv_bytes_per_token=1,
             cfg=SimulatorConfig(),
         )
+
+
+def test_per_instance_knobs_make_an_instance_report_another_identity() -> None:
+    """block_size, cache_dtype and served_model_name per instance, as vLLM reports them: in
+    vllm:cache_config_info's labels, the metrics' model_name label and /v1/models."""
+    import httpx
+
+    from collector.fastparse import extract_signals
+    from simulator.testing import running_fleet
+
+    odd = {"block_size": 32, "cache_dtype": "fp8", "served_model_name": "other-model"}
+    with running_fleet(n_prefill=1, n_decode=1, instances={"decode-0": odd}) as fleet:
+        pages = {
+            n: httpx.get(fleet.url_of(n) + "/metrics", timeout=10).text for n in ("prefill-0", "decode-0")
+        }
+        models = httpx.get(fleet.url_of("decode-0") + "/v1/models", timeout=10).json()
+    assert dict(extract_signals(pages["decode-0"]).identity) == {
+        "block_size": "32",
+        "cache_dtype": "fp8",
+        "model": "other-model",
+    }
+    mine = dict(extract_signals(pages["prefill-0"]).identity)
+    assert mine["block_size"] == "16" and mine["cache_dtype"] == "auto" and mine["model"] != "other-model"
+    assert [m["id"] for m in models["data"]] == ["other-model"]
