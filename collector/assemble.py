@@ -30,7 +30,8 @@ anything else (a map, a list) counts as absent. A malformed attribute costs only
 
 The KV-aware routing attributes of the root (``routing``) are checked against what they mean,
 not only their column's type: token counts are integers in [0, 10**9], the prefix key is 1 to
-16 hex digits (stored in lower case), the route path one of ``semconv.ROUTE_PATHS``. One that is
+16 hex digits (stored in lower case), the route path one of ``semconv.ROUTE_PATHS``, the handoff
+one of ``semconv.HANDOFFS``. One that is
 present but fails its check is left out and named in the record's ``dropped`` notes, which the
 sink counts. A decode-only request (``route_path`` "decode_only") has no prefill span and no P
 instance: its record has no ``p_*`` stage, as a record from the root alone. The TTFT predictor's
@@ -110,11 +111,16 @@ class Routing:
     d_cached_tokens: int | None = None
     prefix_tokens: int | None = None
     prefix_key: str | None = None
+    handoff: str | None = None  # how the KV went from P to D (semconv.HANDOFFS)
     dropped: tuple[str, ...] = ()  # the keys present but invalid, in semconv order
 
 
 def _route_path(value: Any) -> str | None:
     return value if isinstance(value, str) and value in sc.ROUTE_PATHS else None
+
+
+def _handoff(value: Any) -> str | None:
+    return value if isinstance(value, str) and value in sc.HANDOFFS else None
 
 
 def _prefix_key(value: Any) -> str | None:
@@ -125,14 +131,17 @@ _ROUTING_CHECKS: tuple[tuple[str, Check], ...] = (
     (sc.ROUTE_PATH, _route_path),
     *((key, token_count) for key in _TOKEN_KEYS),
     (sc.PREFIX_KEY, _prefix_key),
+    (sc.HANDOFF, _handoff),
 )
 
 
 def routing(attrs: dict[str, Any]) -> Routing:
     """The KV-aware routing fields of a root span's attributes, and the keys that were invalid."""
     values, dropped = checked(attrs, _ROUTING_CHECKS)
-    path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key = values
-    return Routing(path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key, dropped)
+    path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key, handoff = values
+    return Routing(
+        path, p_predicted, d_predicted, p_cached, d_cached, prefix_tokens, prefix_key, handoff, dropped
+    )
 
 
 def _unix_ns(attrs: dict[str, Any], key: str) -> float | None:

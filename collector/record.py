@@ -113,6 +113,7 @@ class AssembledRecord:
     d_cached_tokens: int | None
     prefix_key: str | None
     prefix_tokens: int | None
+    handoff: str | None  # pull, push or push_early (semconv.HANDOFFS); None: no handoff, or an older proxy
     # stage timestamps, Unix seconds
     proxy_in: float
     p_sent: float | None

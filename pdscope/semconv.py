@@ -66,6 +66,11 @@ P_CACHED_TOKENS = "pdscope.p_cached_tokens"  # from P's usage.prompt_tokens_deta
 D_CACHED_TOKENS = "pdscope.d_cached_tokens"  # from D's usage (local hits plus, on vLLM, pulled tokens)
 PREFIX_KEY = "pdscope.prefix_key"  # hex, the deepest matched block's chain key (first 8 bytes)
 PREFIX_TOKENS = "pdscope.prefix_tokens"  # tokens of that matched prefix
+HANDOFF = "pdscope.handoff"  # how the KV went from P to D: see HANDOFFS
+HANDOFF_PULL = "pull"  # D read P's blocks after P answered (NixlConnector)
+HANDOFF_PUSH = "push"  # P wrote into D's blocks; D's leg sent after P answered (NixlPushConnector)
+HANDOFF_PUSH_EARLY = "push_early"  # push, D's leg sent with P's (the proxy knew P's side channel)
+HANDOFFS = (HANDOFF_PULL, HANDOFF_PUSH, HANDOFF_PUSH_EARLY)
 ROUTE_REASON = "pdscope.route_reason"  # why this P (and D): see proxy.kvaware
 # The TTFT predictor (proxy.predict), on the root: the TTFT predicted at admission for the P and D it
 # was sent to (seconds from the proxy's receipt, the admission wait so far included), the target it was

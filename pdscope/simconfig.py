@@ -105,6 +105,13 @@ class SimulatorConfig(BaseModel):
     (nixl_num_kv_expired_reqs)"""
     heartbeat_interval_s: float | None = Field(default=None, gt=0)
     """seconds between D's lease heartbeats while it waits to pull; default lease_duration_s / 6"""
+    transfer_mode: Literal["pull", "push"] = "pull"
+    """the NIXL connector the instance runs: pull (vLLM NixlConnector: D reads P's blocks, D records the
+    transfers) or push (NixlPushConnector: D registers its blocks with P, P writes into them and records
+    the transfers); P and D of one pair must run the same"""
+    push_registration_timeout_s: float = Field(default=480.0, gt=0)
+    """push mode: D fails a request whose registered blocks P has not written within this (vLLM
+    push_registration_timeout, default decoder_kv_blocks_ttl 480 s)"""
     # identity as P returns it in kv_transfer_params
     side_channel_host: str = "localhost"
     """remote_host P returns in kv_transfer_params (the NIXL side channel it advertises)"""

@@ -47,6 +47,7 @@ from proxy.gate import Gate
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
 from proxy.protocol import PrefillAnswer, ProtocolError, SseWatch
+from proxy.push import check_mode
 from proxy.request import (
     JSON,
     ClientError,
@@ -80,6 +81,13 @@ def with_traceparent(base: Headers, span: trace.Span, tp_in: str | None, sampled
     vLLM traces what the proxy keeps); with tracing off, the caller's own ``tp_in``."""
     tp = traceparent(span, sampled) or tp_in
     return [*base, ("traceparent", tp)] if tp else base
+
+
+def failure_kind(exc: Exception) -> str:
+    """The failure kind of a decode attempt's exception."""
+    if isinstance(exc, ConnectFailed):
+        return "connect"
+    return exc.kind if isinstance(exc, DecodeRefused | NeedsPrefill) else "error"
 
 
 def _end(span: trace.Span) -> int:
@@ -170,6 +178,7 @@ class Attempts:
             span.set_attribute(sc.HTTP_STATUS, status)
             if status == 200:
                 answer = protocol.parse_prefill_answer(raw)
+                check_mode(answer.kv_transfer_params, self.fs.handoff)
                 now = self.clock()
                 self.metrics.prefill_seconds.observe(now - t0)
                 self.outliers.success(p.name, p.pool, now)
@@ -275,11 +284,41 @@ class Attempts:
                     attempt += 1
                     self._next_decode(req, d, span, kind, tried, attempt, exc)
 
+    async def decode_early(
+        self, req: RequestState, d_body: bytes, ctx: Context, base: Headers, tp_in: str | None, reply: Reply
+    ) -> None:
+        """Push mode: D's leg sent with P's (``proxy.push``), one attempt on ``req.d``, its first token
+        awaited past P's prefill too. A failure before the first token raises (``ConnectFailed``,
+        ``DecodeRefused``, ``NeedsPrefill``) with its kind on the span but not counted: whose it is
+        depends on P's answer (:meth:`early_failed`)."""
+        assert req.p is not None
+        handoff = self.tracer.start_span(sc.SPAN_HANDOFF, context=ctx, attributes={sc.P_INSTANCE: req.p.name})
+        try:
+            with self._decode_attempt(req, 0, ctx, base, tp_in) as (d, span, headers):
+                try:
+                    await self._decode_once(req, d, d_body, headers, span, handoff, reply, self.fs.prefill_s)
+                except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
+                    span.set_attribute(sc.ERROR_TYPE, failure_kind(exc))
+                    raise
+        finally:
+            if handoff.is_recording():
+                handoff.end()
+
+    def early_failed(self, req: RequestState, d: Target, exc: Exception, tried: list[str]) -> None:
+        """The early leg on ``d`` failed and P's answer named the engine it registered with: D's failure.
+        D never saw it (connect, 503): ``req`` moves to another D for the same KV; else ``exc`` again."""
+        kind = failure_kind(exc)
+        if isinstance(exc, ConnectFailed | DecodeRefused):
+            self._next_decode(req, d, None, kind, tried, 1, exc)
+            return
+        self._decode_failed(d, None, kind)
+        raise exc
+
     def _next_decode(
         self,
         req: RequestState,
         d: Target,
-        span: trace.Span,
+        span: trace.Span | None,
         kind: str,
         tried: list[str],
         attempt: int,
@@ -322,8 +361,9 @@ class Attempts:
             start_time=req.d_sent_ns,
         )
 
-    def _decode_failed(self, d: Target, span: trace.Span, kind: str) -> None:
-        span.set_attribute(sc.ERROR_TYPE, kind)
+    def _decode_failed(self, d: Target, span: trace.Span | None, kind: str) -> None:
+        if span is not None:
+            span.set_attribute(sc.ERROR_TYPE, kind)
         self.metrics.upstream_failures.labels(d.name, "decode", kind).inc()
         self.outliers.failure(d.name, d.pool, self.clock())
 
@@ -336,28 +376,20 @@ class Attempts:
         span: trace.Span,
         handoff: trace.Span | None,
         reply: Reply,
+        wait_s: float = 0.0,
     ) -> None:
-        """One call to D up to the end of its answer; ``handoff`` None on the decode-only path."""
-        fs = self.fs
-        loop = asyncio.get_running_loop()
-        total_deadline = loop.time() + fs.decode_total_s
+        """One call to D up to the end of its answer; ``handoff`` None on the decode-only path; ``wait_s``
+        more for its first token (push mode's early leg: P's prefill)."""
+        total_deadline = asyncio.get_running_loop().time() + self.fs.decode_total_s + wait_s
         if handoff is not None:
             handoff.set_attribute(sc.D_INSTANCE, d.name)
         self.selector.acquire(d.name)
         resp: UpstreamResponse | None = None
         try:
-            resp, first, watch = await self._until_first_token(req, d, d_body, headers, span, total_deadline)
-            # First token: the handoff is over.
-            self.gate.drop_kv(req)
-            req.stage = "decode"
-            t_first = req.first_token_ns = time.time_ns()
-            span.add_event(sc.EVENT_FIRST_TOKEN, timestamp=t_first)
-            if handoff is not None:
-                handoff.end(end_time=t_first)
-            now = self.clock()
-            self.metrics.ttft_seconds.observe(now - req.started)
-            self.gate.first_token(req, now)
-            self._sample(d.pool, now - req.admitted, now)
+            resp, first, watch = await self._until_first_token(
+                req, d, d_body, headers, span, total_deadline, wait_s
+            )
+            self._first_token(req, d, span, handoff)
             ctype = resp.header(b"content-type") or (b"text/event-stream" if req.stream else JSON)
             out_headers = [(b"content-type", ctype), (b"x-request-id", req.rid.encode())]
             if req.stream:
@@ -378,6 +410,21 @@ class Attempts:
             if resp is not None:
                 resp.close()
 
+    def _first_token(
+        self, req: RequestState, d: Target, span: trace.Span, handoff: trace.Span | None
+    ) -> None:
+        """D's first token: the handoff is over."""
+        self.gate.drop_kv(req)
+        req.stage = "decode"
+        t_first = req.first_token_ns = time.time_ns()
+        span.add_event(sc.EVENT_FIRST_TOKEN, timestamp=t_first)
+        if handoff is not None:
+            handoff.end(end_time=t_first)
+        now = self.clock()
+        self.metrics.ttft_seconds.observe(now - req.started)
+        self.gate.first_token(req, now)
+        self._sample(d.pool, now - req.admitted, now)
+
     async def _until_first_token(
         self,
         req: RequestState,
@@ -386,15 +433,14 @@ class Attempts:
         headers: Headers,
         span: trace.Span,
         total_deadline: float,
+        wait_s: float = 0.0,
     ) -> tuple[UpstreamResponse, bytes, SseWatch]:
         """D's answer up to what the client gets first (its first event; the whole body when not
         streamed), or the failure that decides the retry: ``ConnectFailed``/``DecodeRefused`` (same
         KV) or ``NeedsPrefill``. A 4xx is the client's ``ClientError``."""
-        fs = self.fs
-        loop = asyncio.get_running_loop()
         # A non-streamed answer arrives whole, so only the total bound applies to it.
-        first_timeout = fs.decode_first_token_s if req.stream else fs.decode_total_s
-        first_deadline = min(total_deadline, loop.time() + first_timeout)
+        first_timeout = (self.fs.decode_first_token_s if req.stream else self.fs.decode_total_s) + wait_s
+        first_deadline = min(total_deadline, asyncio.get_running_loop().time() + first_timeout)
         resp: UpstreamResponse | None = None
         try:
             try:

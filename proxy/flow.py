@@ -25,6 +25,7 @@ request at INFO.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -43,12 +44,22 @@ from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
 from proxy.context import ContextCheck, token_floor
 from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
-from proxy.protocol import ProtocolError
-from proxy.request import ClientError, FlowSettings, Gone, NeedsPrefill, Reply, RequestState, client_error
+from proxy.protocol import PrefillAnswer, ProtocolError
+from proxy.push import PushPeers
+from proxy.request import (
+    ClientError,
+    DecodeRefused,
+    FlowSettings,
+    Gone,
+    NeedsPrefill,
+    Reply,
+    RequestState,
+    client_error,
+)
 from proxy.routing import RoutingState
 from proxy.selection import RetryBudget, Selector
 from proxy.tracing import head_sampled, parent_sampled, parse_traceparent
-from proxy.upstream import UpstreamClient
+from proxy.upstream import ConnectFailed, UpstreamClient
 from proxy.validate import InvalidRequest, check_body
 
 
@@ -84,6 +95,7 @@ class Flow:
         self.attempts = Attempts(
             fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer, clock
         )
+        self.push = PushPeers() if fs.handoff == sc.HANDOFF_PUSH else None
 
     # -- entry ------------------------------------------------------------------------
 
@@ -205,6 +217,8 @@ class Flow:
                 attrs[sc.P_INSTANCE], attrs[sc.P_POOL] = req.p.name, req.p.pool
             if req.d is not None:
                 attrs[sc.D_INSTANCE], attrs[sc.D_POOL] = req.d.name, req.d.pool
+            if req.p is not None and req.d is not None:
+                attrs[sc.HANDOFF] = req.handoff or self.fs.handoff
             if req.prefill is not None:
                 attrs[sc.PROMPT_TOKENS] = req.prefill.prompt_tokens
                 attrs[sc.KV_BLOCKS] = req.prefill.kv_blocks
@@ -351,13 +365,87 @@ class Flow:
         tried_d: list[str] = []
         full_retries = 0
         while True:
-            answer = await self.attempts.prefill(req, p_body, ctx, base, tp_in)
+            early = self._early_leg(req, raw, body, ctx, base, tp_in, reply)
             try:
-                await self.attempts.decode(req, raw, body, answer, ctx, base, tp_in, reply, tried_d)
+                answer = await self.attempts.prefill(req, p_body, ctx, base, tp_in)
+            except BaseException:
+                await self._drop_early(req, early, "cancelled")
+                raise
+            try:
+                if not await self._kept_early(req, answer, early, tried_d):
+                    await self.attempts.decode(req, raw, body, answer, ctx, base, tp_in, reply, tried_d)
                 return
             except NeedsPrefill as exc:
                 self._full_retry(req, exc, tried_d, full_retries)
                 full_retries += 1
+
+    # -- push mode: D's leg with P's (proxy.push) ------------------------------------------
+
+    def _early_leg(
+        self,
+        req: RequestState,
+        raw: bytes,
+        body: dict[str, object],
+        ctx: Context,
+        base: Headers,
+        tp_in: str | None,
+        reply: Reply,
+    ) -> tuple[asyncio.Task[None], str] | None:
+        """Push mode, P's side channel known: D's leg, started now (with the engine it registers with)."""
+        peer = self.push.get(req.p.name) if self.push is not None and req.p is not None else None
+        if peer is None:
+            return None
+        d_body = protocol.decode_bytes(raw, body, peer.decode_params())
+        task = asyncio.create_task(self.attempts.decode_early(req, d_body, ctx, base, tp_in, reply))
+        return task, peer.engine_id
+
+    async def _kept_early(
+        self,
+        req: RequestState,
+        answer: PrefillAnswer,
+        early: tuple[asyncio.Task[None], str] | None,
+        tried_d: list[str],
+    ) -> bool:
+        """P answered: learn its side channel; then the early leg served the request (True), or there is
+        none, or it is void (another engine answered; D goes again with P's answer), or D failed before
+        anything reached it (moved to another D). Raises what the early leg's failure calls for."""
+        assert req.p is not None
+        if self.push is None:
+            return False
+        if self.push.learn(req.p.name, answer.kv_transfer_params):
+            self.metrics.engine_changes.labels(req.p.name).inc()
+        req.handoff = sc.HANDOFF_PUSH
+        if early is None:
+            return False
+        task, engine = early
+        if answer.remote_engine_id != engine and not req.first_token_ns:
+            await self._drop_early(req, early, "void")
+            return False
+        self.metrics.push_early.labels("kept").inc()
+        req.handoff = sc.HANDOFF_PUSH_EARLY
+        assert req.d is not None
+        d = req.d
+        self.gate.hold_kv(req, answer.prompt_tokens * self.fs.kv_bytes_per_token)
+        try:
+            await task
+            return True
+        except (ConnectFailed, DecodeRefused, NeedsPrefill) as exc:
+            self.attempts.early_failed(req, d, exc, tried_d)
+            req.handoff = sc.HANDOFF_PUSH
+            return False
+
+    async def _drop_early(
+        self, req: RequestState, early: tuple[asyncio.Task[None], str] | None, why: str
+    ) -> None:
+        """Cancel an early leg that no longer counts; its D sent time goes with it (a P failure is P's)."""
+        if early is None:
+            return
+        task = early[0]
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        req.d_sent_ns = None
+        self.metrics.push_early.labels(why).inc()
 
     def _full_retry(self, req: RequestState, exc: NeedsPrefill, tried_d: list[str], done: int) -> None:
         """Move ``req`` to another D and (when there is one) another P for a new prefill, or end it."""

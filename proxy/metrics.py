@@ -53,6 +53,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._request_families(self.registry)
+        self._handoff_families(self.registry)
         self._client_families(self.registry)
         self._latency_families(self.registry)
         self._kv_families(self.registry)
@@ -96,6 +97,21 @@ class ProxyMetrics:
             "pdscope_proxy_client_disconnects",
             "Clients that went away; upstream streams were closed.",
             ["stage"],
+            registry=r,
+        )
+
+    def _handoff_families(self, r: CollectorRegistry) -> None:
+        self.push_early = Counter(
+            "pdscope_proxy_push_early_legs",
+            "Push mode: D legs sent with P's, by what became of them: kept (P's answer named the engine "
+            "D registered with), void (another engine answered: resent), cancelled (P failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.engine_changes = Counter(
+            "pdscope_proxy_engine_changes",
+            "P answers that named another NIXL engine id than the P's previous answer (a restart).",
+            ["instance"],
             registry=r,
         )
 

@@ -42,6 +42,7 @@ class FlowSettings:
     predict: PredictSettings = DEFAULT_PREDICT
     prefill_tokens_per_s: float = 16000.0  # the predictor's prior rate (proxy.kv_aware.prefill_tokens_per_s)
     pair_probe_s: float = 10.0  # proxy.pair_probe_s: a probe through an avoided pair at most this often
+    handoff: str = "pull"  # the fleet's KV handoff mode (pools' handoff): pull or push
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -60,6 +61,7 @@ class FlowSettings:
             pair_probe_s=s.proxy.pair_probe_s,
             predict=s.proxy.predict,
             prefill_tokens_per_s=s.proxy.kv_aware.prefill_tokens_per_s,
+            handoff=s.handoff,
         )
 
 
@@ -131,6 +133,7 @@ class RequestState:
         "d_slot",
         "endpoint",
         "first_token_ns",
+        "handoff",
         "handoff_flying",
         "handoff_s",
         "handoff_x",
@@ -207,6 +210,8 @@ class RequestState:
         self.p_done_ns: int | None = None
         self.d_sent_ns: int | None = None
         self.first_token_ns: int | None = None
+        # the handoff that served it (``semconv.HANDOFFS``: pull, push, push_early); None: the fleet's mode
+        self.handoff: str | None = None
 
 
 def client_error(

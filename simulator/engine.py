@@ -41,12 +41,14 @@ from dataclasses import dataclass
 from pdscope.kvevents import Event
 from pdscope.simconfig import SimulatorConfig
 from simulator.model import (
+    PUSH_REGISTRATION,
     EngineObserver,
     FaultView,
     KVFabric,
     NoFaults,
     NullObserver,
     SimRequest,
+    Transfer,
 )
 from simulator.prefixcache import BlockPool, block_hashes
 
@@ -86,7 +88,7 @@ class Engine:
         self.ready: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.loading: dict[str, SimRequest] = {}
-        self._transfers: list[tuple[float, int, SimRequest]] = []
+        self._transfers: list[tuple[float, int, SimRequest, Transfer]] = []
         self._pending_remote: dict[str, SimRequest] = {}
         self._next_heartbeat: float | None = None
         self.leases: dict[str, _Lease] = {}
@@ -214,8 +216,9 @@ class Engine:
     def advance(self, now: float) -> None:
         """Apply everything due by ``now``: finished pulls, expired leases, heartbeats."""
         while self._transfers and self._transfers[0][0] <= now:
-            _, _, req = heapq.heappop(self._transfers)
-            self._transfer_finished(req, now)
+            _, _, req, t = heapq.heappop(self._transfers)
+            if t is req.transfer:  # else superseded (push: the registration's timeout by P's write)
+                self._transfer_finished(req, now)
         stalled = self.faults.leases_stalled(self.name)  # a reaper behind: expired leases keep their blocks
         while not stalled and self._lease_heap and self._lease_heap[0][0] <= now:
             _, rid = heapq.heappop(self._lease_heap)
@@ -226,6 +229,8 @@ class Engine:
                 heapq.heappush(self._lease_heap, (lease.expiry, rid))
                 continue
             del self.leases[rid]
+            if self.fabric is not None and self.cfg.transfer_mode == "push":
+                self.fabric.push_forget(self, rid)
             logger.warning(
                 "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) "
                 "before lease expired.",
@@ -252,12 +257,39 @@ class Engine:
             times.append(self._next_heartbeat)
         return min(times) if times else None
 
+    def _start_transfer(self, req: SimRequest, n_blocks: int, now: float) -> Transfer:
+        """Pull: D's READ of P's blocks. Push: D's registration with P; until P writes, a pending
+        transfer that fails at the registration timeout."""
+        assert self.fabric is not None and req.remote is not None
+        if req.remote.mode != "push":
+            return self.fabric.start_pull(self.name, req.remote, n_blocks, now)
+        t = self.fabric.register_push(self, req, n_blocks, now)
+        if t is None:
+            wait = self.cfg.push_registration_timeout_s
+            t = Transfer(False, now + wait, 0.0, 0.0, 0, 0, PUSH_REGISTRATION + "_timeout")
+        return t
+
+    def _post(self, req: SimRequest, t: Transfer) -> None:
+        req.transfer = t
+        heapq.heappush(self._transfers, (t.done_at, next(self._seq), req, t))
+
+    def push_started(self, req: SimRequest, t: Transfer) -> None:
+        """Push mode: P started writing ``req``'s KV into this D's blocks (it lands at ``t.done_at``)."""
+        if req.internal_id in self.loading:
+            self._post(req, t)
+            if self.on_free is not None:
+                self.on_free()  # the runner may sleep until a later timer
+
     def _transfer_finished(self, req: SimRequest, now: float) -> None:
         self.loading.pop(req.internal_id, None)
         self._pending_remote.pop(req.internal_id, None)
         t = req.transfer
         if req.finished or t is None or req.remote is None:
             return
+        push = req.remote.mode == "push"
+        written = push and not t.reason.startswith(PUSH_REGISTRATION)  # P wrote (or failed to)
+        if written and self.fabric is not None:  # P records its write, done or failed
+            self.fabric.push_written(req.remote, t, now)
         if not t.ok:
             logger.error(
                 "NIXL transfer failure: %s | Context: request_id=%s remote_engine_id=%s remote_request_id=%s",
@@ -266,11 +298,13 @@ class Engine:
                 req.remote.engine_id,
                 req.remote.request_id,
             )
-            self.observer.transfer_failed()
+            if not written:  # D's own failure (pull, or a push registration's)
+                self.observer.transfer_failed()
             self._finish(req, "error", now)
             return
-        self.observer.transfer_done(t)
-        if self.fabric is not None:
+        if not push:
+            self.observer.transfer_done(t)
+        if self.fabric is not None and not push:
             self.fabric.finish_pull(req.remote, now)
         req.external_tokens = req.prompt_tokens - req.local_cached_tokens  # D pulled what it lacked
         req.computed = max(req.local_cached_tokens, req.prompt_tokens - 1)  # the last token is recomputed
@@ -361,10 +395,9 @@ class Engine:
                 n_blocks = len(fresh)
                 if req.remote.block_ids:
                     n_blocks = min(n_blocks, max(0, len(req.remote.block_ids) - len(hit)))
-                req.transfer = self.fabric.start_pull(self.name, req.remote, n_blocks, now)
                 req.kv_stage = "in_progress"
                 self.loading[req.internal_id] = req
-                heapq.heappush(self._transfers, (req.transfer.done_at, next(self._seq), req))
+                self._post(req, self._start_transfer(req, n_blocks, now))
                 continue
             hit, need = self._hit(req, req.target)
             if self.used_blocks + need > self.capacity_blocks:
@@ -462,6 +495,8 @@ class Engine:
             req.blocks = []
             self.leases[req.internal_id] = lease
             heapq.heappush(self._lease_heap, (lease.expiry, req.internal_id))
+            if self.cfg.transfer_mode == "push" and self.fabric is not None:
+                self.fabric.push_ready(self, req, now)
         elif req.blocks:
             self._release(req.blocks)
         self.observer.finished(req, now)

@@ -118,7 +118,10 @@ class SimInstance:
 
     def kv_transfer_params(self, internal_id: str, blocks: list[int], num_tokens: int) -> dict[str, Any]:
         """What real P (NixlPullConnector, pull mode) returns to the proxy: vLLM 0.32.0's keys as
-        captured in tests/fixtures/vllm-0.32.0-cpu, or 0.33.0's as read from its source."""
+        captured in tests/fixtures/vllm-0.32.0-cpu, or 0.33.0's as read from its source. Push mode
+        (NixlPushConnector): the push scheduler's keys, the same in both versions."""
+        if self.cfg.transfer_mode == "push":
+            return self._push_params(internal_id, blocks, num_tokens)
         if self.cfg.vllm_version == "0.32.0":
             return {
                 "dcp_size": 1,
@@ -136,6 +139,9 @@ class SimInstance:
                 "tp_size": self.cfg.tp_size,
                 "transfer_mode": "pull",
             }
+        return self._params_033(internal_id, blocks, num_tokens)
+
+    def _params_033(self, internal_id: str, blocks: list[int], num_tokens: int) -> dict[str, Any]:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -152,3 +158,11 @@ class SimInstance:
             "remote_registration_generation": 0,
             "transfer_mode": "pull",
         }
+
+    def _push_params(self, internal_id: str, blocks: list[int], num_tokens: int) -> dict[str, Any]:
+        """P's answer in push mode (NixlPushConnector's push scheduler): 0.33's pull keys without the
+        lease fields, in transfer_mode push."""
+        params = self._params_033(internal_id, blocks, num_tokens)
+        del params["remote_blocks_expiry_time"], params["remote_registration_generation"]
+        params["transfer_mode"] = "push"
+        return params

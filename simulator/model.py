@@ -23,6 +23,9 @@ _REQUIRED_REMOTE_KEYS = (
     "remote_host",
     "remote_port",
 )
+PUSH_REGISTRATION = "push_registration"  # a Transfer's reason: D's registration failed or timed out
+# what vLLM's push-mode D reads from the params when it registers its blocks with P
+_REQUIRED_PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,18 @@ class RemoteKV:
     port: int
     num_tokens: int | None = None
     tp_size: int = 1
+    # pull: D reads P's blocks; push: D registers its blocks with P, which writes into them (and
+    # ``request_id`` is P's, once the fabric matched the registration to P's finished request)
+    mode: str = "pull"
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> RemoteKV | None:
-        """None unless the params ask for a remote prefill with every key vLLM's D requires."""
+    def from_params(cls, params: dict[str, Any] | None, mode: str = "pull") -> RemoteKV | None:
+        """None unless the params ask for a remote prefill with every key vLLM's D requires (push
+        mode: P's coordinates only; P's block and request ids are learned when P writes)."""
         if not params or not params.get("do_remote_prefill"):
             return None
+        if mode == "push":
+            return cls._push(params)
         if any(params.get(key) is None for key in _REQUIRED_REMOTE_KEYS):
             logger.warning("Got invalid KVTransferParams: %s", sorted(params))
             return None
@@ -60,6 +69,21 @@ class RemoteKV:
             port=int(params["remote_port"]),
             num_tokens=params.get("remote_num_tokens"),
             tp_size=int(params.get("tp_size") or 1),
+        )
+
+    @classmethod
+    def _push(cls, params: dict[str, Any]) -> RemoteKV | None:
+        if any(params.get(key) is None for key in _REQUIRED_PUSH_KEYS):
+            logger.warning("Got invalid KVTransferParams: %s", sorted(params))
+            return None
+        return cls(
+            engine_id=str(params["remote_engine_id"]),
+            request_id=str(params.get("remote_request_id") or ""),
+            block_ids=(),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+            tp_size=int(params["tp_size"]),
+            mode="push",
         )
 
 
@@ -84,6 +108,14 @@ class KVFabric(Protocol):
     def finish_pull(self, remote: RemoteKV, now: float) -> None: ...
 
     def heartbeat(self, remotes: Iterable[RemoteKV], now: float) -> None: ...
+
+    def register_push(self, d: Any, req: SimRequest, num_blocks: int, now: float) -> Transfer | None: ...
+
+    def push_ready(self, p: Any, req: SimRequest, now: float) -> None: ...
+
+    def push_written(self, remote: RemoteKV, t: Transfer, now: float) -> None: ...
+
+    def push_forget(self, p: Any, internal_id: str) -> None: ...
 
 
 class FaultView(Protocol):

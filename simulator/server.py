@@ -280,7 +280,7 @@ class InstanceApp:
         kv = data.get("kv_transfer_params")
         kv = kv if isinstance(kv, dict) else None
         do_remote_decode = bool(kv and kv.get("do_remote_decode")) and inst.role == "prefill"
-        remote = RemoteKV.from_params(kv) if inst.role == "decode" else None
+        remote = RemoteKV.from_params(kv, cfg.transfer_mode) if inst.role == "decode" else None
         if (data.get("n") or 1) != 1:
             raise BadRequest("the simulator serves n=1 only", param="n")
         self._admit(prompt_tokens)

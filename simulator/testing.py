@@ -111,9 +111,10 @@ class RunningFleet:
         return self.call(go)
 
     def config_dict(self, **overrides: Any) -> dict[str, Any]:
+        mode = self.params.get("transfer_mode", "pull")  # the pools hand off as the instances do
         pools: dict[str, Any] = {
-            "prefill": {"role": "prefill", "instances": []},
-            "decode": {"role": "decode", "instances": []},
+            "prefill": {"role": "prefill", "handoff": mode, "instances": []},
+            "decode": {"role": "decode", "handoff": mode, "instances": []},
         }
         for role, name, url in self.instances:
             entry: dict[str, Any] = {"name": name, "url": url}

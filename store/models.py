@@ -278,6 +278,8 @@ class RequestRecord(Base):
     d_cached_tokens: Mapped[int | None] = mapped_column(Integer)
     prefix_key: Mapped[str | None] = mapped_column(String(16))
     prefix_tokens: Mapped[int | None] = mapped_column(Integer)
+    # how the KV went from P to D (pdscope.semconv.HANDOFFS: pull, push, push_early), from the root span
+    handoff: Mapped[str | None] = mapped_column(String(16))
     # The proxy's TTFT predictor (from its root span, see pdscope.semconv.PREDICTED_TTFT_S): the TTFT
     # predicted at admission for the chosen P and D (seconds from proxy_in), the target it was admitted
     # against, the uncached prefill tokens ahead of it on that P when sent, its own, and where the

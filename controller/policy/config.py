@@ -62,6 +62,9 @@ class EvidenceConfig:
     # a P x D cell is read over the handoffs that finished in these last seconds too (PairSignals.recent_*):
     # a window's median of a link that just slowed waits for half its samples to be slow
     handoff_recent_s: float = 5.0
+    # the fleet's KV handoff mode (pools' handoff): in push mode vLLM records the transfers on P, so a D's
+    # finished handoffs are its first tokens, not its NIXL transfers
+    handoff: str = "pull"
 
 
 # The evidence step's fields that no decision reads: changed in a replay or a shadow (which decide on
@@ -141,6 +144,7 @@ class PolicyConfig:
     coverage_start_fraction: float = EvidenceConfig.coverage_start_fraction
     lease_lookback: float = EvidenceConfig.lease_lookback
     handoff_recent_s: float = EvidenceConfig.handoff_recent_s
+    handoff: str = EvidenceConfig.handoff
     # admission
     kv_admit_full: float = 0.80  # D pool KV usage at which admission starts to shrink ...
     kv_admit_zero: float = 0.95  # ... reaching the floor here
@@ -162,13 +166,14 @@ class PolicyConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PolicyConfig:
-        return cls._derive(
+        cfg = cls._derive(
             settings.controller,
             settings.slo,
             settings.proxy.admission,
             settings.collector.scrape_interval_s,
             _predicts(settings.proxy),
         )
+        return dataclasses.replace(cfg, handoff=settings.handoff)
 
     @classmethod
     def defaults(cls, **changes: Any) -> PolicyConfig:

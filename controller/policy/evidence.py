@@ -256,7 +256,10 @@ class WindowTally:
         if p_inst is not None and p_sent is not None and p_done is not None:
             self.instances[p_inst].contribution.append(max(0.0, p_done - p_sent))
         if d_inst is not None and d_sent is not None and first is not None:
-            self.instances[d_inst].contribution.append(max(0.0, first - d_sent))
+            # D's own time starts when it has the request and P has answered: push mode sends D's leg
+            # with P's, and D's wait for P's prefill is P's
+            d_from = d_sent if p_done is None else max(d_sent, p_done)
+            self.instances[d_inst].contribution.append(max(0.0, first - d_from))
         if p_done is not None and first is not None:
             handoff = max(0.0, first - p_done)
             self.handoffs.append(handoff)
@@ -368,11 +371,13 @@ def rse(values: Sequence[float]) -> float | None:
     return math.sqrt(var) / (m * math.sqrt(n))
 
 
-def finished(recent: ScrapeFigures | None, role: Role) -> float | None:
-    """Requests (P: TTFTs) or NIXL transfers (D) finished over the last three scrapes."""
+def finished(recent: ScrapeFigures | None, role: Role, handoff: str = "pull") -> float | None:
+    """Requests (P: TTFTs) or handoffs (D: its NIXL transfers; in push mode, where P records them, its
+    first tokens) finished over the last three scrapes."""
     if recent is None:
         return None
-    return recent.increases.get("ttft_count" if role == "prefill" else "nixl_xfer_time_count")
+    pulls = role == "decode" and handoff == "pull"
+    return recent.increases.get("nixl_xfer_time_count" if pulls else "ttft_count")
 
 
 def load_now(role: Role, window: ScrapeFigures | None, latest: LatestGauges | None) -> float | None:
@@ -384,7 +389,9 @@ def load_now(role: Role, window: ScrapeFigures | None, latest: LatestGauges | No
     return window.num_running + window.num_waiting
 
 
-def hold_time(load: float | None, recent: ScrapeFigures | None, role: Role, span_s: float) -> float | None:
+def hold_time(
+    load: float | None, recent: ScrapeFigures | None, role: Role, span_s: float, handoff: str = "pull"
+) -> float | None:
     """Little's law: held now ÷ finished per second over the span the recent scrapes cover (else ``span_s``).
 
     Nothing finished while something is held counts as half a completion."""
@@ -392,7 +399,7 @@ def hold_time(load: float | None, recent: ScrapeFigures | None, role: Role, span
         return None
     if load <= 0:
         return 0.0
-    done = finished(recent, role)
+    done = finished(recent, role, handoff)
     if done is None:
         return None
     return load / (max(done, 0.5) / (recent.seconds or span_s))
@@ -469,7 +476,7 @@ def instance_signals(
         num_waiting=None if s is None else s.num_waiting,
         **_pulls_at_d(role, lt),
         load_now=held,
-        hold_time_now_s=hold_time(held, r, role, cfg.recent_s),
+        hold_time_now_s=hold_time(held, r, role, cfg.recent_s, cfg.handoff),
         ttft_mean_s=None if s is None else s.mean_ttft_s,
         queue_mean_s=None if lt is None else lt.queue_mean_s,
         nixl_xfer_mean_s=None if s is None else s.mean_nixl_xfer_s,
@@ -489,7 +496,7 @@ def instance_signals(
         unattributed_lease_expiries=unattributed_expiries(role, s, rec),
         contribution_rse=None if rec is None else rse(rec.contribution),
         handoff_rse=None if rec is None else rse(rec.handoff),
-        load_done=finished(r, role),
+        load_done=finished(r, role, cfg.handoff),
         **_unpulled(rec),
     )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from pdscope.config.base import _Frozen
@@ -65,6 +67,11 @@ class Pool(_Frozen):
     the pool gets nothing)"""
     instances: list[Instance] = Field(min_length=1)
     """the pool's vLLM servers (at least one)"""
+    handoff: Literal["pull", "push"] = "pull"
+    """how its instances hand the KV cache over, as their vLLM --kv-transfer-config says: pull
+    (NixlConnector: D reads P's blocks after P answered) or push (NixlPushConnector, vLLM 0.32+: D registers
+    its blocks and P writes into them; the proxy sends D's leg with P's once it knows P's side channel). For
+    now every pool of the fleet must say the same"""
     labels: dict[str, str] = Field(default_factory=dict)
     """free-form labels (e.g. gpu: h100), kept with the config for your own use; no pdscope service reads them
     """

@@ -96,6 +96,26 @@ class Settings(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _one_handoff_mode(self) -> Settings:
+        modes = {pool.handoff: name for name, pool in self.pools.items()}
+        if len(modes) > 1:
+            raise PydanticCustomError(
+                "handoff_mode",
+                "{message}",
+                {
+                    "message": f"pools.{modes['push']}.handoff is push and pools.{modes['pull']}.handoff "
+                    "is pull: a fleet hands off in one mode (a push P cannot serve a pull D)",
+                    "loc": ("pools", modes["push"], "handoff"),
+                },
+            )
+        return self
+
+    @property
+    def handoff(self) -> str:
+        """The fleet's KV handoff mode (every pool's ``handoff``)."""
+        return next(iter(self.pools.values())).handoff if self.pools else "pull"
+
+    @model_validator(mode="after")
     def _precise_needs_tokenizer(self) -> Settings:
         if self.proxy.kv_aware.mode == "precise" and self.model.tokenizer is None:
             raise PydanticCustomError(

@@ -59,6 +59,10 @@ def test_hold_time_is_littles_law_on_the_gauges() -> None:
         1.0
     )  # the span scraped
     assert ev.hold_time(4.0, done(2.0, "nixl_xfer_time_count"), "decode", 3.0) == pytest.approx(6.0)
+    # push mode: P records the transfers; a D's finished handoffs are its first tokens
+    both = Scrapes(increases={"ttft_count": 4.0, "nixl_xfer_time_count": 0.0})
+    assert ev.hold_time(4.0, both, "decode", 3.0, "push") == pytest.approx(3.0)
+    assert ev.hold_time(4.0, both, "decode", 3.0) == pytest.approx(24.0)  # pull: no pull done counts half
     assert ev.hold_time(3.0, done(0.0), "prefill", 3.0) == pytest.approx(18.0)  # stuck: half a completion
     assert ev.hold_time(0.0, done(0.0), "prefill", 3.0) == 0.0
     assert ev.hold_time(None, done(5.0), "prefill", 3.0) is None
@@ -205,7 +209,7 @@ def test_the_evidence_config_is_the_policy_configs_evidence_part() -> None:
     cfg = PolicyConfig.defaults(pair_min_samples=3, recent_s=7.0)
     assert cfg.evidence == EvidenceConfig(7.0, cfg.kv_lease_s, cfg.ttft_percentile, pair_min_samples=3)
     assert "ttft_percentile" not in EVIDENCE_ONLY  # the policy reads it too
-    assert len(EVIDENCE_ONLY) == 8
+    assert len(EVIDENCE_ONLY) == 9
 
 
 def test_a_handoff_p_finished_that_no_d_served_is_counted_on_p_with_its_id() -> None:
