@@ -22,21 +22,27 @@ def _num(x: object) -> float | None:
     return float(x) if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def _nixl_d(attributes: Mapping[str, Any] | None) -> Mapping[str, Any]:
+def _nixl_transfers(attributes: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """Forensics' ``nixl`` figures of the side that recorded the handoff's transfers: D's (pull mode),
+    or P's (``transfers_on: p``, push mode)."""
     nixl = (attributes or {}).get("nixl")
-    d = nixl.get("d") if isinstance(nixl, dict) else None
-    return d if isinstance(d, dict) else {}
+    if not isinstance(nixl, dict):
+        return {}
+    side = nixl.get(nixl.get("transfers_on") if nixl.get("transfers_on") in ("d", "p") else "d")
+    return side if isinstance(side, dict) else {}
 
 
 def transfer_failed(attributes: Mapping[str, Any] | None) -> bool:
-    """A NIXL transfer failed on the D during this request's handoff (forensics' ``nixl`` join)."""
-    n = _num(_nixl_d(attributes).get("nixl_failed_transfers"))
+    """A NIXL transfer failed during this request's handoff (forensics' ``nixl`` join), on the side that
+    records the transfers."""
+    n = _num(_nixl_transfers(attributes).get("nixl_failed_transfers"))
     return n is not None and n > 0
 
 
 def _transfer_s(attributes: Mapping[str, Any] | None) -> float | None:
-    """The D's mean NIXL transfer time over the scrape window of this request's handoff."""
-    d = _nixl_d(attributes)
+    """The mean NIXL transfer time over the scrape window of this request's handoff (D's reads, or in
+    push mode P's writes)."""
+    d = _nixl_transfers(attributes)
     n, total = _num(d.get("nixl_xfer_time_count")), _num(d.get("nixl_xfer_time_sum"))
     return total / n if n is not None and total is not None and n > 0 and total >= 0 else None
 

@@ -6,7 +6,11 @@ finished, this pass
 
 - records the NIXL figures of its D (and P) over the scrape window covering the handoff
   (the last snapshot at or before ``p_done`` to the first at or after the handoff's end)
-  in ``RequestRecord.attributes["nixl"]``;
+  in ``RequestRecord.attributes["nixl"]``: the transfer figures (time, bytes, failures) of the
+  side that records them, ``transfers_on`` (``d``: D reads, pull mode; ``p``: P writes, push mode,
+  from the record's ``handoff``), and ``per_request: false``, for they are an estimate: the
+  instance's transfers over the window, which other requests' share (vLLM reports no transfer
+  time, bytes or descriptors per request: no span, attribute or labelled metric carries them);
 - keeps the failed attempts the record itself does not show (``attributes["failed_attempts"]``):
   a request the proxy retried keeps only its last P and D in the record, so a decode attempt
   that failed on another D (a timeout, ``stream_error``, ``no_done``, a 5xx) is read back from
@@ -54,8 +58,10 @@ from store.queries import CounterStep, counter_steps, is_client_error
 
 log = logging.getLogger(__name__)
 
-_D_FIELDS = ("nixl_xfer_time_count", "nixl_xfer_time_sum", "nixl_bytes_sum", "nixl_failed_transfers")
+# the transfer figures: on the side that records the transfers (D in pull mode, P in push mode)
+_XFER_FIELDS = ("nixl_xfer_time_count", "nixl_xfer_time_sum", "nixl_bytes_sum", "nixl_failed_transfers")
 _P_FIELDS = ("nixl_kv_expired_reqs", "nixl_failed_transfers", "nixl_notifications_after_expiry")
+_PUSHED = (sc.HANDOFF_PUSH, sc.HANDOFF_PUSH_EARLY)
 
 DEFAULT_LEASE_S = 30.0  # vLLM's kv_lease_duration default (controller.kv_lease_s)
 # The earliest a lease can run out after P finished, as a share of its length: D heartbeats every
@@ -142,7 +148,7 @@ def _delta(series: _Series, i: int, j: int, fields: tuple[str, ...]) -> dict[str
 
 
 def _series(session: Session, instances: set[str], since: float, until: float) -> dict[str, _Series]:
-    cols = sorted(set(_D_FIELDS) | set(_P_FIELDS))
+    cols = sorted(set(_XFER_FIELDS) | set(_P_FIELDS))
     stmt = (
         select(Snapshot.instance, Snapshot.ts, *[getattr(Snapshot, c) for c in cols])
         .where(
@@ -387,13 +393,23 @@ def _link_nixl(records: Iterable[RequestRecord], series: dict[str, _Series]) -> 
         end = handoff_end(rec)
         if p_done is None or "nixl" in (rec.attributes or {}) or end is None:
             continue
+        on = "p" if rec.handoff in _PUSHED else "d"
         nixl: dict[str, Any] = {}
-        for side, inst, fields in (("d", rec.d_instance, _D_FIELDS), ("p", rec.p_instance, _P_FIELDS)):
+        for side, inst, fields in _nixl_sides(rec, on):
             ser = series.get(inst or "")
             win = ser.window(p_done, end) if ser else None
             if ser is not None and win is not None:
                 nixl[side] = {"instance": inst, **_delta(ser, win[0], win[1], fields)}
-        if "d" in nixl:
-            note_forensics(rec, "nixl", nixl)
+        if on in nixl:
+            note_forensics(rec, "nixl", {**nixl, "transfers_on": on, "per_request": False})
             linked += 1
     return linked
+
+
+def _nixl_sides(rec: RequestRecord, on: str) -> tuple[tuple[str, str | None, tuple[str, ...]], ...]:
+    """Each side's instance and the counters read of it: the transfer figures where they are recorded
+    (``on``: D reads in pull mode, P writes in push mode); on P its lease figures too; on D in push
+    mode its failed registrations (``nixl_failed_transfers``)."""
+    d_fields = _XFER_FIELDS if on == "d" else ("nixl_failed_transfers",)
+    p_fields = _P_FIELDS if on == "d" else tuple(dict.fromkeys(_XFER_FIELDS + _P_FIELDS))
+    return (("d", rec.d_instance, d_fields), ("p", rec.p_instance, p_fields))

@@ -45,7 +45,7 @@ from proxy.context import ContextCheck, token_floor
 from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
 from proxy.protocol import PrefillAnswer, ProtocolError
-from proxy.push import PushPeers
+from proxy.push import SideChannels, decode_answer
 from proxy.request import (
     ClientError,
     DecodeRefused,
@@ -95,7 +95,8 @@ class Flow:
         self.attempts = Attempts(
             fs, upstream, self.gate, routing, selector, admission, budget, metrics, tracer, clock
         )
-        self.push = PushPeers() if fs.handoff == sc.HANDOFF_PUSH else None
+        self.peers = SideChannels()  # each P's side channel and engine id, from its answers
+        self.push = fs.handoff == sc.HANDOFF_PUSH
 
     # -- entry ------------------------------------------------------------------------
 
@@ -373,7 +374,8 @@ class Flow:
                 raise
             try:
                 if not await self._kept_early(req, answer, early, tried_d):
-                    await self.attempts.decode(req, raw, body, answer, ctx, base, tp_in, reply, tried_d)
+                    d_answer = decode_answer(answer) if self.push else answer
+                    await self.attempts.decode(req, raw, body, d_answer, ctx, base, tp_in, reply, tried_d)
                 return
             except NeedsPrefill as exc:
                 self._full_retry(req, exc, tried_d, full_retries)
@@ -392,10 +394,12 @@ class Flow:
         reply: Reply,
     ) -> tuple[asyncio.Task[None], str] | None:
         """Push mode, P's side channel known: D's leg, started now (with the engine it registers with)."""
-        peer = self.push.get(req.p.name) if self.push is not None and req.p is not None else None
+        if not self.push or not self.fs.push_early or req.p is None:
+            return None
+        peer = self.peers.get(req.p.name)
         if peer is None:
             return None
-        d_body = protocol.decode_bytes(raw, body, peer.decode_params())
+        d_body = protocol.decode_bytes(raw, body, peer.decode_params(req.rid))
         task = asyncio.create_task(self.attempts.decode_early(req, d_body, ctx, base, tp_in, reply))
         return task, peer.engine_id
 
@@ -410,10 +414,10 @@ class Flow:
         none, or it is void (another engine answered; D goes again with P's answer), or D failed before
         anything reached it (moved to another D). Raises what the early leg's failure calls for."""
         assert req.p is not None
-        if self.push is None:
-            return False
-        if self.push.learn(req.p.name, answer.kv_transfer_params):
+        if self.peers.learn(req.p.name, answer.kv_transfer_params):
             self.metrics.engine_changes.labels(req.p.name).inc()
+        if not self.push:
+            return False
         req.handoff = sc.HANDOFF_PUSH
         if early is None:
             return False

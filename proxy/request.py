@@ -43,6 +43,7 @@ class FlowSettings:
     prefill_tokens_per_s: float = 16000.0  # the predictor's prior rate (proxy.kv_aware.prefill_tokens_per_s)
     pair_probe_s: float = 10.0  # proxy.pair_probe_s: a probe through an avoided pair at most this often
     handoff: str = "pull"  # the fleet's KV handoff mode (pools' handoff): pull or push
+    push_early: bool = False  # proxy.push_early: D's leg with P's, in push mode
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -62,6 +63,7 @@ class FlowSettings:
             predict=s.proxy.predict,
             prefill_tokens_per_s=s.proxy.kv_aware.prefill_tokens_per_s,
             handoff=s.handoff,
+            push_early=s.proxy.push_early,
         )
 
 

@@ -24,8 +24,9 @@ _REQUIRED_REMOTE_KEYS = (
     "remote_port",
 )
 PUSH_REGISTRATION = "push_registration"  # a Transfer's reason: D's registration failed or timed out
-# what vLLM's push-mode D reads from the params when it registers its blocks with P
-_REQUIRED_PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+# what vLLM's push-mode D reads from the params when it registers its blocks with P (without
+# remote_request_id, vLLM 0.32.0's D engine dies of a KeyError; here the params are refused)
+_REQUIRED_PUSH_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class RemoteKV:
             return None
         return cls(
             engine_id=str(params["remote_engine_id"]),
-            request_id=str(params.get("remote_request_id") or ""),
+            request_id=str(params["remote_request_id"]),
             block_ids=(),
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),

@@ -228,6 +228,7 @@ def base_spec(
         "sim_seed": sim_seed,
         "client_timeout_s": a.client_timeout,
         "fail_static_s": a.fail_static_s,
+        "handoff": a.handoff,
         "keep_tmp": a.keep_tmp,
     }
 
@@ -361,6 +362,7 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         "controller_window_s": CONTROLLER_WINDOW_S,
         "client_timeout_s": a.client_timeout,
         "fail_static_s": a.fail_static_s,
+        "handoff": a.handoff,
         "jobs": a.jobs,
     }
 
@@ -654,6 +656,13 @@ def _run_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="proxy.fail_static_s of every contender (default a third of --measure, so that the "
         "killed contender runs fail-static, then fallback, within the measured phase)",
+    )
+    ap.add_argument(
+        "--handoff",
+        choices=("pull", "push", "push_early"),
+        default="pull",
+        help="how the fleet hands KV off (default pull; push: NixlPushConnector, D's leg after P's answer; "
+        "push_early: D's leg with P's, proxy.push_early)",
     )
     ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     ap.add_argument("--sim-seed", type=int, default=7, help="simulator seed (default 7)")

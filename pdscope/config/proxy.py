@@ -181,6 +181,11 @@ class ProxySettings(_Frozen):
     """a P x D pair the routing table says to leave out (avoid_pairs: a D's stale agent for a restarted P)
     still gets one request at most this often from this proxy, a probe: once one is served, the controller
     lets the pair back"""
+    push_early: bool = False
+    """in a fleet whose pools hand off by push: send D's leg with P's (D registers its blocks while P
+    computes) once P's side channel is known from its last answer, instead of after P's answer. Off by
+    default: on real vLLM 0.32.0 (CPU, NIXL 1.5.1) a registration that reaches P before its request hung P's
+    worker"""
     policy: Literal["weighted", "round-robin"] = "weighted"
     """weighted: power of two choices on the table's weights; round-robin: cycles like vLLM's toy proxy (a
     baseline: no failure weighing, no adaptive limit)"""

@@ -11,6 +11,7 @@ from analysis.attribution_records import (
     _handoff_failed,
     _lease_ds,
     _transfer_s,
+    transfer_failed,
 )
 
 STEPS = FailureSteps({"decode-1": ((100.0, 101.0),)})
@@ -25,6 +26,20 @@ def test_the_mean_transfer_time_of_the_handoffs_window() -> None:
     assert _transfer_s(nixl(nixl_xfer_time_count=0, nixl_xfer_time_sum=0.0)) is None
     assert _transfer_s({}) is None and _transfer_s(None) is None
     assert _transfer_s({"nixl": "junk"}) is None
+
+
+def test_in_push_mode_the_transfer_figures_are_read_from_p() -> None:
+    pushed = {
+        "nixl": {
+            "transfers_on": "p",
+            "d": {"instance": "decode-1", "nixl_failed_transfers": 0},
+            "p": {"instance": "prefill-0", "nixl_xfer_time_count": 2, "nixl_xfer_time_sum": 0.4},
+        }
+    }
+    assert _transfer_s(pushed) == 0.2
+    assert transfer_failed({"nixl": {**pushed["nixl"], "p": {"nixl_failed_transfers": 1}}})
+    assert not transfer_failed(pushed)
+    assert _transfer_s({"nixl": {**pushed["nixl"], "transfers_on": "x"}}) is None  # unknown side: D's
 
 
 def test_the_ds_expired_leases_waited_on() -> None:

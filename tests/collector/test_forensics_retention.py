@@ -48,9 +48,11 @@ def _rec(
     p: str = "p0",
     d: str = "d0",
     done: float | None = None,
+    handoff: str | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         request_id=rid,
+        handoff=handoff,
         p_instance=p,
         d_instance=d,
         status="ok",
@@ -114,8 +116,40 @@ def test_nixl_figures_are_linked_over_the_handoffs_scrape_window(factory: sessio
     assert nixl["d"]["nixl_xfer_time_count"] == 3.0 and nixl["d"]["nixl_bytes_sum"] == 3e6
     assert nixl["p"]["nixl_notifications_after_expiry"] == 1.0
     assert recs["before"].attributes["nixl"]["d"]["nixl_xfer_time_count"] == 1.0
+    assert (nixl["transfers_on"], nixl["per_request"]) == ("d", False)  # the window's figures: an estimate
     with factory.begin() as s:
         assert forensics.run_pass(s, NOW - 300, NOW).linked == 0  # idempotent
+
+
+def test_in_push_mode_the_transfer_figures_are_p_s(factory: sessionmaker[Session]) -> None:
+    """P writes and records the transfers in push mode; D records only its failed registrations."""
+    t = NOW - 100
+    with factory.begin() as s:
+        for i, ts in enumerate([t, t + 5, t + 10]):
+            s.add(
+                _snap(
+                    "p0",
+                    "prefill",
+                    ts,
+                    nixl_xfer_time_count=[0.0, 2.0, 4.0][i],
+                    nixl_xfer_time_sum=[0.0, 0.02, 0.06][i],
+                    nixl_bytes_sum=[0.0, 2e6, 4e6][i],
+                    nixl_failed_transfers=0.0,
+                    nixl_kv_expired_reqs=0.0,
+                    nixl_notifications_after_expiry=0.0,
+                )
+            )
+            s.add(
+                _snap("d0", "decode", ts, nixl_xfer_time_count=0.0, nixl_failed_transfers=[0.0, 0.0, 1.0][i])
+            )
+        s.add(_rec("pushed", t + 4, t + 8, handoff="push_early"))
+    with factory.begin() as s:
+        assert forensics.run_pass(s, NOW - 300, NOW).linked == 1
+    with factory() as s:
+        nixl = s.scalars(select(RequestRecord)).one().attributes["nixl"]
+    assert nixl["transfers_on"] == "p" and nixl["per_request"] is False
+    assert nixl["p"]["nixl_xfer_time_count"] == 4.0 and nixl["p"]["nixl_bytes_sum"] == 4e6
+    assert nixl["d"]["nixl_failed_transfers"] == 1.0 and "nixl_xfer_time_count" not in nixl["d"]
 
 
 def _expiry_world(s: Session, t: float, expired: list[float]) -> None:

@@ -38,6 +38,7 @@ KV_ROUTED = {
     sc.PREFIX_KEY: "9F86D081884C7D65",
     sc.PREFIX_TOKENS: 64,
     sc.ROUTE_REASON: "prefix_affinity",
+    sc.HANDOFF: sc.HANDOFF_PUSH_EARLY,
 }
 
 
@@ -57,6 +58,7 @@ def test_a_kv_routed_request_keeps_its_route_and_cache_figures() -> None:
     assert (v.p_predicted_cached_tokens, v.d_predicted_cached_tokens) == (64, 16)
     assert (v.p_cached_tokens, v.d_cached_tokens) == (48, 100)
     assert (v.prefix_key, v.prefix_tokens) == ("9f86d081884c7d65", 64)  # stored in lower case
+    assert v.handoff == sc.HANDOFF_PUSH_EARLY
     assert v.attributes.dropped == () and "dropped_attributes" not in v.attributes.to_json()
     # the root alone (an unsampled request) gives the same figures
     alone = _assembled([s for s in _with_root(KV_ROUTED) if s.name == sc.SPAN_REQUEST])
@@ -100,6 +102,11 @@ def test_a_request_without_kv_aware_routing_has_none_of_them() -> None:
         (sc.ROUTE_PATH, "PD", None),
         (sc.ROUTE_PATH, "prefill_only", None),
         (sc.ROUTE_PATH, 1, None),
+        (sc.HANDOFF, "pull", "pull"),
+        (sc.HANDOFF, "push", "push"),
+        (sc.HANDOFF, "PUSH", None),
+        (sc.HANDOFF, "teleport", None),
+        (sc.HANDOFF, 2, None),
     ],
 )
 def test_each_attribute_is_checked_and_a_bad_one_costs_only_itself(key: str, value: Any, stored: Any) -> None:
@@ -109,6 +116,7 @@ def test_each_attribute_is_checked_and_a_bad_one_costs_only_itself(key: str, val
         sc.PREFIX_TOKENS: "prefix_tokens",
         sc.PREFIX_KEY: "prefix_key",
         sc.ROUTE_PATH: "route_path",
+        sc.HANDOFF: "handoff",
     }[key]
     v = _assembled(_with_root({**KV_ROUTED, key: value}))
     assert getattr(v, column) == stored

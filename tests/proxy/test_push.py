@@ -9,8 +9,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdscope import semconv as sc
 from pdscope.config import parse_config
-from proxy.protocol import ProtocolError
-from proxy.push import PushPeers, check_mode, peer_of
+from proxy.protocol import PrefillAnswer, ProtocolError
+from proxy.push import SideChannels, check_mode, decode_answer, peer_of
 from simulator.testing import RunningFleet, running_fleet
 from tests.proxy.conftest import running_proxy
 from tests.proxy.test_simulator import _metric
@@ -35,9 +35,8 @@ PUSH_PARAMS = {
 
 
 def _settings(fleet: RunningFleet, **proxy: object):  # type: ignore[no-untyped-def]
-    text = fleet.config_yaml(
-        proxy={"controller_url": closed_port_url(), "routing_poll_s": 0.05, "policy": "round-robin", **proxy}
-    )
+    base = {"controller_url": closed_port_url(), "routing_poll_s": 0.05, "policy": "round-robin"}
+    text = fleet.config_yaml(proxy={**base, "push_early": True, **proxy})
     return parse_config(text, "<sim>")
 
 
@@ -50,16 +49,19 @@ def _handoffs(spans: InMemorySpanExporter) -> list[str]:
 
 def test_a_push_peer_is_p_s_side_channel_and_a_malformed_one_is_none() -> None:
     peer = peer_of(PUSH_PARAMS)
-    assert peer is not None and peer.decode_params() == {
+    assert peer is not None and peer.decode_params("rid-1") == {  # the keys vLLM's push proxy sends
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": "engine-a",
+        "remote_request_id": "rid-1",
         "remote_host": "10.0.0.5",
         "remote_port": 5600,
         "tp_size": 1,
-        "pp_size": 1,
-        "dcp_size": 1,
     }
+    sent = decode_answer(PrefillAnswer(PUSH_PARAMS, 20, 1, "engine-a"))
+    assert sent.kv_transfer_params == peer.decode_params("cmpl-x-0-00000001")
+    broken = PrefillAnswer({**PUSH_PARAMS, "remote_request_id": None}, 20, 1, "engine-a")
+    assert decode_answer(broken) is broken  # D refuses it, as it would P's
     for bad in (
         {"remote_port": "5600"},
         {"tp_size": True},
@@ -67,7 +69,7 @@ def test_a_push_peer_is_p_s_side_channel_and_a_malformed_one_is_none() -> None:
         {"remote_host": ""},
     ):
         assert peer_of({**PUSH_PARAMS, **bad}) is None, bad
-    peers = PushPeers()
+    peers = SideChannels()
     assert peers.learn("p0", PUSH_PARAMS) is False  # first seen
     assert peers.learn("p0", PUSH_PARAMS) is False
     assert peers.learn("p0", {**PUSH_PARAMS, "remote_engine_id": "engine-b"}) is True  # restarted
@@ -156,3 +158,27 @@ async def test_a_failed_p_moves_the_prefill_and_the_void_early_leg_is_not_d_s() 
     )
     assert _metric(metrics, "pdscope_proxy_upstream_failures_total", stage="decode") == 0
     assert _metric(metrics, "pdscope_proxy_push_early_legs_total", outcome="void") >= 1
+
+
+@pytest.mark.slow
+async def test_in_pull_mode_too_a_restarted_p_s_new_engine_id_is_counted() -> None:
+    with running_fleet(1, 1, latency_scale=0.0) as fleet:
+        async with (
+            running_proxy(_settings(fleet)) as (url, _app),
+            httpx.AsyncClient(timeout=20) as client,
+        ):
+            assert (await client.post(url + "/v1/completions", json=BODY)).status_code == 200
+            before = _metric((await client.get(url + "/metrics")).text, "pdscope_proxy_engine_changes_total")
+            fleet.remove_fault(fleet.inject({"kind": "down", "instance": "prefill-0"}))
+
+            async def served_again() -> bool:
+                try:
+                    return (await client.post(url + "/v1/completions", json=BODY)).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await async_wait_until("a request served after prefill-0's restart", served_again, timeout_s=10)
+            metrics = (await client.get(url + "/metrics")).text
+    assert before == 0
+    assert _metric(metrics, "pdscope_proxy_engine_changes_total", instance="prefill-0") == 1
+    assert _metric(metrics, "pdscope_proxy_push_early_legs_total") == 0  # pull mode sends no early leg

@@ -157,6 +157,7 @@ class RealPair:
     lease_s: int | None = None
     nixl_progress: str = "delay"  # launch-cpu.sh --nixl-progress: delay | busy | off
     kv_events: bool = False  # launch-cpu.sh --kv-events (+ replay), see the module docstring
+    handoff: str = "pull"  # launch-cpu.sh --handoff: pull (NixlConnector) or push (NixlPushConnector)
     prefill: Instance = field(init=False)
     decode: Instance = field(init=False)
     startup_s: float = 0.0
@@ -192,7 +193,7 @@ class RealPair:
             cmd += ["--otlp", self.otlp_endpoint]
         if self.lease_s is not None:
             cmd += ["--lease", str(self.lease_s)]
-        cmd += ["--nixl-progress", self.nixl_progress]
+        cmd += ["--nixl-progress", self.nixl_progress, "--handoff", self.handoff]
         if inst.kv_events_endpoint:
             cmd += ["--kv-events", inst.kv_events_endpoint]
             if inst.kv_events_replay_endpoint:
@@ -360,8 +361,16 @@ class RealPair:
         cfg: dict[str, Any] = {
             "model": {"name": MODEL_NAME, "kv_bytes_per_token": KV_BYTES_PER_TOKEN},
             "pools": {
-                "prefill": {"role": "prefill", "instances": [self._entry(self.prefill)]},
-                "decode": {"role": "decode", "instances": [self._entry(self.decode)]},
+                "prefill": {
+                    "role": "prefill",
+                    "handoff": self.handoff,
+                    "instances": [self._entry(self.prefill)],
+                },
+                "decode": {
+                    "role": "decode",
+                    "handoff": self.handoff,
+                    "instances": [self._entry(self.decode)],
+                },
             },
         }
         cfg.update(sections)

@@ -89,6 +89,17 @@ def response_text(kind: Kind, body: Mapping[str, Any]) -> str:
     return str(choice["text"])
 
 
+def stream_text(kind: Kind, raw: str) -> str:
+    """The generated text of a streamed answer (its ``data:`` events, in order)."""
+    parts = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices") or []:
+                piece = choice.get("delta", {}).get("content") if kind == "chat" else choice.get("text")
+                parts.append(piece or "")
+    return "".join(parts)
+
+
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The body P gets in step 1."""
     p = dict(body)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +14,7 @@ from pdscope.stats import percentile
 from tests.real_vllm import pd_client as pc
 from tests.real_vllm.conftest import RealPD
 from tests.real_vllm.prompts import unique_prompt
-from tests.support.sockets import free_port
+from tests.real_vllm.proxyproc import running_proxy
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.real_vllm
@@ -27,61 +23,12 @@ pytestmark = pytest.mark.real_vllm
 @pytest.fixture(scope="module")
 def proxy_url(real_pd: RealPD, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``pdscope proxy`` for the pair, exporting its spans to the pair's OTLP sink."""
-    tmp = tmp_path_factory.mktemp("proxy_real")
-    port = free_port()
-    config = real_pd.write_config(
-        tmp / "pdscope.yaml",
-        proxy={
-            "port": port,
-            "otlp_endpoint": real_pd.otlp.url,
-            "tracing": True,
-            "controller_url": f"http://127.0.0.1:{free_port()}",  # no controller: equal weights
-            "timeouts": {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120},
-        },
-    )
-    log = (tmp / "proxy.log").open("wb")
-    pdscope = str(Path(sys.executable).with_name("pdscope"))
-    proc = subprocess.Popen(
-        [pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def healthz() -> int:
-            assert proc.poll() is None, (tmp / "proxy.log").read_text()
-            return httpx.get(url + "/healthz", timeout=1).status_code
-
-        wait_until(
-            "pdscope proxy to come up",
-            healthz,
-            done=lambda code: code == 200,
-            timeout_s=30,
-            every_s=0.2,
-            ignore=(httpx.HTTPError,),
-        )
+    with running_proxy(real_pd.pair, tmp_path_factory.mktemp("proxy_real"), real_pd.otlp.url) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
 
 
 def _text(kind: pc.Kind, resp: httpx.Response, stream: bool) -> str:
-    if not stream:
-        return pc.response_text(kind, resp.json())
-    parts = []
-    for line in resp.text.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            for choice in json.loads(line[6:]).get("choices") or []:
-                piece = choice.get("delta", {}).get("content") if kind == "chat" else choice.get("text")
-                parts.append(piece or "")
-    return "".join(parts)
+    return pc.stream_text(kind, resp.text) if stream else pc.response_text(kind, resp.json())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

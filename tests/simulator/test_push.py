@@ -27,6 +27,7 @@ def push_d_request(i: int, prompt: int, out: int, now: float, engine_id: str = "
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": engine_id,
+            "remote_request_id": f"cmpl-r{i}-0",  # P's internal id is not known yet: a placeholder
             "remote_host": "localhost",
             "remote_port": 5600,
             "tp_size": 1,
@@ -106,5 +107,6 @@ def test_unregistered_p_blocks_expire_and_are_forgotten() -> None:
 
 def test_push_params_need_p_coordinates() -> None:
     assert RemoteKV.from_params({"do_remote_prefill": True, "remote_engine_id": "P"}, "push") is None
-    pull_only = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1}
-    assert RemoteKV.from_params({**pull_only, "tp_size": 1}, "push") is not None
+    coords = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1}
+    assert RemoteKV.from_params({**coords, "tp_size": 1}, "push") is None  # vLLM's D needs the request id
+    assert RemoteKV.from_params({**coords, "tp_size": 1, "remote_request_id": "x"}, "push") is not None

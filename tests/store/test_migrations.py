@@ -165,3 +165,35 @@ def test_0014_adds_kv_identity_to_known_instances_and_takes_it_back(store_url: s
             assert conn.execute(text("SELECT restarted_at FROM instances")).scalar() == 5.0
     finally:
         engine.dispose()
+
+
+def test_0015_adds_the_handoff_to_stored_records_and_takes_it_back(store_url: str) -> None:
+    """Records stored before 0015 keep every value and have no handoff on record; a downgrade to 0014
+    drops only that column."""
+    from sqlalchemy import text
+
+    upgrade(store_url, "0014")
+    engine = make_engine(store_url)
+    insert = text(
+        "INSERT INTO request_records"
+        " (request_id, status, retries, proxy_in, lease_expiry_suspect, attributes, route_path)"
+        " VALUES ('old', 'ok', 0, 1.0, false, '{}', 'pd')"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert)
+        upgrade(store_url, "0015")
+        with engine.begin() as conn:
+            assert tuple(conn.execute(text("SELECT request_id, handoff FROM request_records")).one()) == (
+                "old",
+                None,
+            )
+            conn.execute(text("UPDATE request_records SET handoff = 'push_early'"))
+            assert conn.execute(text("SELECT handoff FROM request_records")).scalar() == "push_early"
+        downgrade(store_url, "0014")
+        cols = {c["name"] for c in inspect(engine).get_columns("request_records")}
+        assert "handoff" not in cols and {"request_id", "route_path"} <= cols
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT route_path FROM request_records")).scalar() == "pd"
+    finally:
+        engine.dispose()
