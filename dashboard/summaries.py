@@ -209,6 +209,27 @@ def stranded_kv(series: pd.DataFrame, sample: pd.DataFrame, step: int) -> tuple[
     return pd.DataFrame(rows), _pulls_pending(series)
 
 
+def avoided_pairs(table: Mapping[str, Any] | None, now: float) -> pd.DataFrame:
+    """The P x D pairs the routing table leaves out (``avoid_pairs``): each pair, why (a D's stale agent
+    for a restarted P, or an incompatible pair), for how long and the controller's sentence; empty when
+    none (or no table). Malformed entries are left out."""
+    rows = []
+    for pr in (table or {}).get("avoid_pairs") or []:
+        if not isinstance(pr, dict) or not all(isinstance(pr.get(k), str) for k in ("prefill", "decode")):
+            continue
+        since = pr.get("since")
+        rows.append(
+            {
+                "prefill": pr["prefill"],
+                "decode": pr["decode"],
+                "reason": str(pr.get("reason") or ""),
+                "for_s": max(0.0, now - since) if isinstance(since, int | float) else None,
+                "why": str(pr.get("text") or ""),
+            }
+        )
+    return pd.DataFrame(rows, columns=["prefill", "decode", "reason", "for_s", "why"])
+
+
 def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
     """Per instance and scrape: each counter's rate per second since the previous scrape.
 

@@ -1,13 +1,15 @@
 """KV transfer: NIXL transfer and post time percentiles, MB/s, bytes and descriptors
-per transfer, failed transfers and lease expiries per instance, stranded KV (what an idle P
+per transfer, failed transfers and lease expiries per instance, the pairs left out of routing
+(stale peers, incompatible pairs), stranded KV (what an idle P
 holds while no D waits to pull), and handoff time per (P, D) pair as a heatmap.
 
 In NIXL pull mode D records transfers and failures, P records lease expiries, so both
-roles appear in the table.
+roles appear in the table; in push mode P records the transfers (its writes into D's blocks).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pandas as pd
@@ -147,6 +149,35 @@ def _stranded(window: Window) -> None:
         )
 
 
+def _left_out() -> None:
+    """The pairs the routing table leaves out, and the instances compatible with nobody."""
+    st.subheader("Pairs left out of routing")
+    st.caption(
+        "P x D pairs the controller tells the proxies to leave out: a D whose NIXL agent for a restarted P "
+        "is stale (StalePeerAfterRestart: probed now and then, back once one is served), or a P and a D "
+        "whose model, KV block size, KV dtype or revision differ, or cannot be told (IncompatiblePair: "
+        "never tried)."
+    )
+    alerts = data.firing_alerts(url)
+    for a in alerts[alerts["rule"] == "IncompatiblePair"].itertuples(index=False) if not alerts.empty else ():
+        note = a.annotations if isinstance(a.annotations, dict) else {}
+        st.error(f"IncompatiblePair ({a.state}): {note.get('description', a.labels)}")
+    table = data.routing_table(view.settings.controller_url)
+    if table is None:
+        st.info("The controller does not answer: its routing table (and the pairs it leaves out) is unknown.")
+        return
+    pairs = summaries.avoided_pairs(table, time.time())
+    if pairs.empty:
+        st.success("No pair is left out: every P may hand off to every D.")
+        return
+    st.dataframe(
+        pairs,
+        hide_index=True,
+        width="stretch",
+        column_config={"for_s": st.column_config.NumberColumn("for (s)", format="%.0f")},
+    )
+
+
 def render(opened: Opened) -> None:
     latest, window = opened.latest, opened.window
     nixl = data.nixl_per_instance(url, window.start, window.end)
@@ -156,6 +187,7 @@ def render(opened: Opened) -> None:
         _per_instance(nixl)
     _over_time(window)
     _stranded(window)
+    _left_out()
     _pairs(window, latest)
 
 

@@ -25,7 +25,10 @@ PAGES = {
     "slos": ("SLOs & alerts", ["Firing now", "Recent alerts"]),
     "attribution": ("Why we missed", ["Top reasons we missed", "By instance, P×D pair and cause"]),
     "requests": ("Requests", ["Decode side at that time", "Flagged lease-expiry requests"]),
-    "kv_transfer": ("KV transfer", ["Stranded KV", "Handoff time per (P, D) pair"]),
+    "kv_transfer": (
+        "KV transfer",
+        ["Stranded KV", "Pairs left out of routing", "Handoff time per (P, D) pair"],
+    ),
     "prefix_cache": (
         "Prefix cache",
         [

@@ -5,6 +5,7 @@ import pytest
 
 from dashboard.summaries import (
     attribute_frame,
+    avoided_pairs,
     handoff_by,
     handoff_effects,
     instance_health,
@@ -192,3 +193,27 @@ def test_stranded_kv_reads_an_idle_p_holding_kv_the_ds_pulls_and_the_unserved_ha
     assert (rows.loc["p0", "unserved_handoffs"], rows.loc["p1", "unserved_handoffs"]) == (2, 2)  # x the step
     missing = series.assign(kv_fetch_in_progress=None)
     assert stranded_kv(missing, sample, 1)[1] is None  # a D whose gauges are missing: unknown
+
+
+def test_avoided_pairs_reads_the_routing_tables_pairs_and_skips_malformed_ones() -> None:
+    table = {
+        "avoid_pairs": [
+            {
+                "prefill": "p0",
+                "decode": "d1",
+                "reason": "IncompatiblePair",
+                "since": 90.0,
+                "text": "block_size",
+            },
+            {"prefill": "p1", "decode": "d0", "reason": "StalePeerAfterRestart", "since": "soon"},
+            {"prefill": 3, "decode": "d0"},
+            "junk",
+        ]
+    }
+    rows = avoided_pairs(table, now=100.0)
+    assert rows[["prefill", "decode", "reason"]].values.tolist() == [
+        ["p0", "d1", "IncompatiblePair"],
+        ["p1", "d0", "StalePeerAfterRestart"],
+    ]
+    assert rows["for_s"].iloc[0] == 10.0 and pd.isna(rows["for_s"].iloc[1])
+    assert avoided_pairs(None, 0.0).empty and avoided_pairs({"avoid_pairs": None}, 0.0).empty
