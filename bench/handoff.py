@@ -111,6 +111,7 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
     return {
         "requests": s["requests"],
         "failed": s["failed"],
+        "errors": s.get("errors") or {},
         "ttft_p50_s": ttft.get("p50"),
         "ttft_p99_s": ttft.get("p99"),
         "slo_share": s.get("slo_attainment"),

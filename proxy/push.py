@@ -8,10 +8,10 @@ register is P's side channel -- ``remote_engine_id``, ``remote_host``, ``remote_
 ``tp_size`` -- not P's blocks, so the proxy can send D's leg before P has answered, once it
 knows that P's side channel: from P's last push-mode answer (:class:`SideChannels`). The first
 request through a P (or the first after its engine changed) goes P first, then D. Sending D's leg
-early is ``proxy.push_early`` (off by default: on real vLLM 0.32.0 on CPU, with NIXL 1.5.1, a
-registration that reached P before P had the request hung P's worker; D's leg after P's answer
-worked every time). D gets the keys vLLM's own push proxy sends (:meth:`PushPeer.decode_params`),
-not P's whole answer, with which D never got its KV there.
+early is ``proxy.push_early`` (off by default: it saves only the proxy's round trip and D's
+admission, which the simulator cannot tell from noise, and on real vLLM 0.32.0 on CPU, with NIXL
+1.5.1, push itself was not dependable: see docs/proxy.md). D gets the keys vLLM's own push proxy
+sends (:meth:`PushPeer.decode_params`), not P's whole answer, with which D never got its KV there.
 
 The early leg is kept only while P's answer names the engine D registered with: an answer
 from another engine (P restarted with a new engine id, or the prefill was retried on

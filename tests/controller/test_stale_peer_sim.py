@@ -11,145 +11,89 @@ the pair comes back. The stored run replays exactly.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import select
 
-from pdscope.config import Settings, parse_config
-from tests.support.collector import CollectorThread
-from tests.support.serving import serve
-from tests.support.sockets import bound_socket, url_of
-from tests.support.traffic import traffic
+from tests.support.closedloop import closed_loop
 from tests.support.waiting import async_wait_until
 
 pytestmark = pytest.mark.slow
-log = logging.getLogger(__name__)
 
-
-def _settings(fleet: Any, url: str, ctl_port: int, **extra: Any) -> Settings:
-    base = dict(
-        store={"url": url},
-        slo={"window_s": 20},
-        collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
-        controller={"interval_s": 1.0, "window_s": 10, "port": ctl_port, "kv_lease_s": 2.0},
-    )
-    return parse_config(fleet.config_yaml(**base, **extra), "stale.yaml")
+BASE: dict[str, Any] = dict(
+    slo={"window_s": 20},
+    collector={"scrape_interval_s": 1.0, "scrape_timeout_s": 0.9},
+    controller={"interval_s": 1.0, "window_s": 10, "kv_lease_s": 2.0},
+)
+PROXY = {
+    "routing_poll_s": 0.25,
+    "pair_probe_s": 2.0,
+    "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
+}
 
 
 async def test_a_d_with_a_stale_agent_for_a_restarted_p_loses_the_pair_not_its_weight(tmp_path: Path) -> None:
-    from controller.api import create_app
-    from controller.loop import Reconciler
-    from controller.wiring import default_effects
-    from proxy.app import build as build_proxy
     from simulator.testing import running_fleet
-    from store.db import make_engine, session_factory
-    from store.migrate import upgrade
     from store.models import InstanceRow, Snapshot
 
-    url = f"sqlite:///{tmp_path / 'stale.db'}"
-    upgrade(url)
-    ctl_sock, proxy_sock = bound_socket(), bound_socket()
-    ctl_url, proxy_url = url_of(ctl_sock), url_of(proxy_sock)
     with running_fleet(n_prefill=2, n_decode=2, seed=3, lease_duration_s=2.0) as fleet:
-        settings = _settings(fleet, url, ctl_sock.getsockname()[1])
-        collector = CollectorThread(settings)
-        proxy_settings = _settings(
-            fleet,
-            url,
-            ctl_sock.getsockname()[1],
-            proxy={
-                "controller_url": ctl_url,
-                "otlp_endpoint": f"http://127.0.0.1:{collector.port}",
-                "routing_poll_s": 0.25,
-                "pair_probe_s": 2.0,
-                "timeouts": {"decode_first_token_s": 4.0, "prefill_s": 5.0},
-            },
-        )
-        factory = session_factory(make_engine(url))
-        reconciler = Reconciler(settings, factory, effects=default_effects(settings, factory))
-        stop_traffic = asyncio.Event()
-        collector.__enter__()
-        load: asyncio.Task[dict[str, int]] | None = None
-        try:
-            async with (
-                serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15),
-                serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15),
-                httpx.AsyncClient(timeout=5.0) as http,
-            ):
-                load = asyncio.create_task(traffic(proxy_url, stop_traffic))
+        async with closed_loop(fleet, tmp_path, "stale", BASE, PROXY) as loop:
+            factory, http, ctl_url = loop.factory, loop.http, loop.ctl_url
 
-                async def routing() -> dict[str, Any]:
-                    return (await http.get(f"{ctl_url}/v1/routing")).json()  # type: ignore[no-any-return]
+            async def records() -> bool:
+                return (await http.get(f"{ctl_url}/v1/slo")).json()["completed"] >= 10
 
-                async def records() -> bool:
-                    return (await http.get(f"{ctl_url}/v1/slo")).json()["completed"] >= 10
+            await async_wait_until("request records", records, timeout_s=90, every_s=0.5)
 
-                await async_wait_until("request records", records, timeout_s=90, every_s=0.5)
+            def restarted() -> float | None:
+                with factory() as s:
+                    row = s.scalars(select(InstanceRow).where(InstanceRow.name == "prefill-0")).one()
+                    return row.restarted_at
 
-                def restarted() -> float | None:
-                    with factory() as s:
-                        row = s.scalars(select(InstanceRow).where(InstanceRow.name == "prefill-0")).one()
-                        return row.restarted_at
+            assert restarted() is None
+            down = fleet.inject({"kind": "down", "instance": "prefill-0"})
 
-                assert restarted() is None
-                down = fleet.inject({"kind": "down", "instance": "prefill-0"})
+            def scraped_down() -> bool:
+                with factory() as s:
+                    newest = s.scalars(
+                        select(Snapshot).where(Snapshot.instance == "prefill-0").order_by(Snapshot.ts.desc())
+                    ).first()
+                    return newest is not None and not newest.up
 
-                def scraped_down() -> bool:
-                    with factory() as s:
-                        newest = s.scalars(
-                            select(Snapshot)
-                            .where(Snapshot.instance == "prefill-0")
-                            .order_by(Snapshot.ts.desc())
-                        ).first()
-                        return newest is not None and not newest.up
+            await async_wait_until("the collector to see prefill-0 down", scraped_down, timeout_s=30)
+            stale = fleet.inject({"kind": "stale_peer", "prefill": "prefill-0", "decode": "decode-0"})
+            fleet.remove_fault(down)  # back: a new process, with decode-0's agent for it stale
+            at = await async_wait_until("the restart confirmed", restarted, timeout_s=30)
+            assert at is not None
 
-                await async_wait_until("the collector to see prefill-0 down", scraped_down, timeout_s=30)
-                stale = fleet.inject({"kind": "stale_peer", "prefill": "prefill-0", "decode": "decode-0"})
-                fleet.remove_fault(down)  # back: a new process, with decode-0's agent for it stale
-                at = await async_wait_until("the restart confirmed", restarted, timeout_s=30)
-                assert at is not None
+            async def avoided() -> dict[str, Any] | None:
+                table = await loop.routing()
+                pairs = [(a["prefill"], a["decode"], a["reason"]) for a in table.get("avoid_pairs", [])]
+                return table if ("prefill-0", "decode-0", "StalePeerAfterRestart") in pairs else None
 
-                async def avoided() -> dict[str, Any] | None:
-                    table = await routing()
-                    pairs = [(a["prefill"], a["decode"], a["reason"]) for a in table.get("avoid_pairs", [])]
-                    return table if ("prefill-0", "decode-0", "StalePeerAfterRestart") in pairs else None
+            table = await async_wait_until("the stale pair left out", avoided, timeout_s=60, every_s=0.5)
+            weights = {i["name"]: i["weight"] for i in table["instances"]}
+            assert weights["decode-0"] >= 0.9, weights  # the pair's failures are not decode-0's
 
-                table = await async_wait_until("the stale pair left out", avoided, timeout_s=60, every_s=0.5)
-                weights = {i["name"]: i["weight"] for i in table["instances"]}
-                assert weights["decode-0"] >= 0.9, weights  # the pair's failures are not decode-0's
+            fleet.remove_fault(stale)  # decode-0 handshakes afresh
 
-                fleet.remove_fault(stale)  # decode-0 handshakes afresh
+            async def back() -> bool:
+                return not (await loop.routing()).get("avoid_pairs")
 
-                async def back() -> bool:
-                    return not (await routing()).get("avoid_pairs")
-
-                await async_wait_until("a probe served: the pair back", back, timeout_s=60, every_s=0.5)
-                decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-0"})).json()
-                cuts = [
-                    (
-                        d["ts"] - at,
-                        d["reason"],
-                        d["new_value"],
-                        {
-                            k: v
-                            for k, v in d["inputs"].items()
-                            if "fail" in k or "basis" in k or "errors" in k
-                        },
-                    )
-                    for d in decisions
-                    if d["new_value"] < 0.9
-                ]
-                assert not cuts, cuts  # its failed pulls and the leases they left were the pair's
-                replayed = (await http.get(f"{ctl_url}/v1/replay", params={"since": "1h"})).json()
-                assert replayed["reproduced"] is True, replayed["mismatches"][:3]
-        finally:
-            stop_traffic.set()
-            if load is not None:
-                counts = await asyncio.wait_for(load, timeout=20)
-                log.info("traffic outcomes: %s", counts)
-            await asyncio.to_thread(collector.__exit__)
+            await async_wait_until("a probe served: the pair back", back, timeout_s=60, every_s=0.5)
+            decisions = (await http.get(f"{ctl_url}/v1/decisions", params={"subject": "decode-0"})).json()
+            cuts = [
+                (
+                    d["ts"] - at,
+                    d["reason"],
+                    d["new_value"],
+                    {k: v for k, v in d["inputs"].items() if "fail" in k or "basis" in k or "errors" in k},
+                )
+                for d in decisions
+                if d["new_value"] < 0.9
+            ]
+            assert not cuts, cuts  # its failed pulls and the leases they left were the pair's
+            replayed = (await http.get(f"{ctl_url}/v1/replay", params={"since": "1h"})).json()
+            assert replayed["reproduced"] is True, replayed["mismatches"][:3]

@@ -158,6 +158,9 @@ class RealPair:
     nixl_progress: str = "delay"  # launch-cpu.sh --nixl-progress: delay | busy | off
     kv_events: bool = False  # launch-cpu.sh --kv-events (+ replay), see the module docstring
     handoff: str = "pull"  # launch-cpu.sh --handoff: pull (NixlConnector) or push (NixlPushConnector)
+    engine_id: str | None = (
+        None  # launch-cpu.sh --engine-id for P (kv_transfer_config.engine_id); None: vLLM's
+    )
     prefill: Instance = field(init=False)
     decode: Instance = field(init=False)
     startup_s: float = 0.0
@@ -194,6 +197,8 @@ class RealPair:
         if self.lease_s is not None:
             cmd += ["--lease", str(self.lease_s)]
         cmd += ["--nixl-progress", self.nixl_progress, "--handoff", self.handoff]
+        if self.engine_id is not None and inst is self.prefill:
+            cmd += ["--engine-id", self.engine_id]
         if inst.kv_events_endpoint:
             cmd += ["--kv-events", inst.kv_events_endpoint]
             if inst.kv_events_replay_endpoint:
@@ -275,9 +280,35 @@ class RealPair:
                     )
                 time.sleep(0.5)
 
+    def restart(self, inst: Instance, timeout_s: float, extra_env: dict[str, str] | None = None) -> float:
+        """Stop ``inst`` (its whole process group) and start it again on the same ports, as a restarted pod
+        comes back; returns the seconds until it answered ``/health`` again."""
+        t0 = time.monotonic()
+        self._stop_procs([inst], grace_s=15.0)
+        self._spawn(inst, extra_env or {})
+        deadline = t0 + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                assert inst.proc is not None
+                if (rc := inst.proc.poll()) is not None:
+                    raise PairStartError(f"{inst.name} exited with {rc} on restart\n" + self.log_tails())
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(inst.url + "/health").status_code == 200:
+                        return time.monotonic() - t0
+                if time.monotonic() > deadline:
+                    raise PairStartError(f"{inst.name} not healthy after its restart\n" + self.log_tails())
+                time.sleep(0.5)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """TERM each process group we started, KILL what is left after ``grace_s``."""
-        procs = [i.proc for i in (self.prefill, self.decode) if i.proc is not None]
+        self._stop_procs([self.prefill, self.decode], grace_s)
+        self._ports.release()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop_procs(instances: list[Instance], grace_s: float) -> None:
+        procs = [i.proc for i in instances if i.proc is not None]
         for p in procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -292,9 +323,6 @@ class RealPair:
                 os.killpg(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-        self._ports.release()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -375,6 +403,10 @@ class RealPair:
         }
         cfg.update(sections)
         return cfg
+
+    def config_yaml(self, **sections: Any) -> str:
+        """:meth:`config_dict` as the YAML text of a pdscope.yaml."""
+        return yaml.safe_dump(self.config_dict(**sections), sort_keys=False)
 
     def write_config(self, path: Path, **sections: Any) -> Path:
         path.write_text(yaml.safe_dump(self.config_dict(**sections), sort_keys=False))

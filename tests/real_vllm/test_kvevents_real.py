@@ -24,12 +24,10 @@ depends on pdscope's tokenizer. What it shows:
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,8 +37,8 @@ from pdscope.kvevents import BlockStored, Message, decode_message
 from proxy.kvindex import PrefixIndex, chain_keys
 from proxy.kvsubscriber import KvEventsSubscriber, Source
 from tests.real_vllm import pd_client as pc
-from tests.real_vllm.conftest import STARTUP_TIMEOUT_S
-from tests.real_vllm.pair import BLOCK_SIZE, MODEL_NAME, PairStartError, RealPair, env_problem
+from tests.real_vllm.conftest import own_pair
+from tests.real_vllm.pair import BLOCK_SIZE, MODEL_NAME, RealPair
 from tests.real_vllm.prompts import unique_prompt
 from tests.support.waiting import wait_until
 
@@ -129,20 +127,7 @@ def cached_tokens(body: dict[str, Any]) -> int:
 
 @pytest.fixture(scope="module")
 def kv_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvPair]:
-    raw = os.environ.get("PDSCOPE_VLLM_ENV", "")
-    if not raw:
-        pytest.skip("REAL vLLM TIER SKIPPED: PDSCOPE_VLLM_ENV is not set (run `make test`)")
-    problem = env_problem(Path(raw))
-    if problem:
-        pytest.skip(f"REAL vLLM TIER SKIPPED: {problem}")
-    logs = tmp_path_factory.mktemp("real_vllm_kvevents_logs")
-    pair = RealPair(Path(raw).resolve(), logs, kv_events=True)
-    try:
-        pair.start(STARTUP_TIMEOUT_S)
-    except PairStartError as exc:
-        pytest.fail(
-            f"the real vLLM pair with KV events did not start (logs in {logs}):\n{exc}", pytrace=False
-        )
+    pair = own_pair(tmp_path_factory, "kvevents", kv_events=True)
     try:
         with httpx.Client(timeout=120.0) as client:
             yield KvPair(pair, client)

@@ -1,4 +1,4 @@
-"""Closed-loop client load for end-to-end tests on a simulated fleet.
+"""Closed-loop client load for end-to-end tests (a simulated fleet, or a real pair with its ``model``).
 
 Every prompt starts with its own number, so no two share a cached prefix: the simulator caches
 prefixes like vLLM, and a repeated prompt would make P's prefill and D's KV pull nearly free, hiding
@@ -15,16 +15,19 @@ import httpx
 MODEL = "sim-llama-70b"
 
 
-async def traffic(url: str, stop: asyncio.Event, workers: int = 4, max_tokens: int = 6) -> dict[str, int]:
-    """Send completions to ``url`` from ``workers`` loops until ``stop``; counts by status (or error)."""
+async def traffic(
+    url: str, stop: asyncio.Event, workers: int = 4, max_tokens: int = 6, model: str = MODEL, words: int = 300
+) -> dict[str, int]:
+    """Send completions to ``url`` from ``workers`` loops until ``stop``, each prompt ``2 x words`` words
+    of ``model``'s; counts by status (or error)."""
     counts: dict[str, int] = {}
     seq = itertools.count()
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
             body = {
-                "model": MODEL,
-                "prompt": f"request {next(seq)} " + "hello world " * 300,
+                "model": model,
+                "prompt": f"request {next(seq)} " + "hello world " * words,
                 "max_tokens": max_tokens,
             }
             try:
