@@ -11,7 +11,8 @@ request through a P (or the first after its engine changed) goes P first, then D
 early is ``proxy.push_early`` (off by default: it saves only the proxy's round trip and D's
 admission, which the simulator cannot tell from noise, and on real vLLM 0.32.0 on CPU, with NIXL
 1.5.1, push itself was not dependable: see docs/proxy.md). D gets the keys vLLM's own push proxy
-sends (:meth:`PushPeer.decode_params`), not P's whole answer, with which D never got its KV there.
+sends (:meth:`PushPeer.decode_params`), not P's whole answer, with which D failed in 3 of 3 tries
+there (the subset worked in the same runs).
 
 The early leg is kept only while P's answer names the engine D registered with: an answer
 from another engine (P restarted with a new engine id, or the prefill was retried on
@@ -49,7 +50,7 @@ class PushPeer:
 
     def decode_params(self, remote_request_id: str) -> dict[str, Any]:
         """The ``kv_transfer_params`` D gets in push mode: what vLLM's push-mode D reads, as vLLM's own
-        push proxy sends it (on vLLM 0.32.0 CPU, D given P's whole answer never got its KV)."""
+        push proxy sends it (on vLLM 0.32.0 CPU, D given P's whole answer failed in 3 of 3 tries)."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
