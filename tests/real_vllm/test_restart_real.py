@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -84,7 +85,11 @@ async def test_a_p_restart_mid_load_is_seen_and_its_stale_pair_kept_out_until_se
             pairs = [(a["prefill"], a["decode"], a["reason"]) for a in table.get("avoid_pairs", [])]
             return table if (p, d, "StalePeerAfterRestart") in pairs else None
 
-        table = await async_wait_until("the stale pair left out", avoided, timeout_s=90, every_s=0.5)
+        # a busy 2-core machine (the pair, the loop's services, the traffic) can answer a poll late
+        slow = (httpx.HTTPError,)
+        table = await async_wait_until(
+            "the stale pair left out", avoided, timeout_s=90, every_s=0.5, ignore=slow
+        )
         weights = {i["name"]: i["weight"] for i in table["instances"]}
         assert weights[d] >= 0.9, weights  # the pair's failures are not D's
         assert served_since(at) == 0  # every handoff through the stale agent failed
@@ -94,5 +99,7 @@ async def test_a_p_restart_mid_load_is_seen_and_its_stale_pair_kept_out_until_se
         async def back() -> bool:
             return not (await loop.routing()).get("avoid_pairs")
 
-        await async_wait_until("a handoff served: the pair back", back, timeout_s=90, every_s=0.5)
+        await async_wait_until(
+            "a handoff served: the pair back", back, timeout_s=90, every_s=0.5, ignore=slow
+        )
         assert served_since(at) > 0

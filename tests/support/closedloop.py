@@ -87,7 +87,7 @@ async def closed_loop(
         async with (
             serve(create_app(reconciler, token="t", run_loop=True), sock=ctl_sock, stop_timeout_s=15),
             serve(build_proxy(proxy_settings), sock=proxy_sock, stop_timeout_s=15),
-            httpx.AsyncClient(timeout=5.0) as http,
+            httpx.AsyncClient(timeout=15.0) as http,
         ):
             load = asyncio.create_task(traffic(proxy_url, stop_traffic, **(traffic_kw or {})))
             yield ClosedLoop(settings, factory, ctl_url, proxy_url, http)
