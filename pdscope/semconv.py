@@ -71,6 +71,7 @@ HANDOFF_PULL = "pull"  # D read P's blocks after P answered (NixlConnector)
 HANDOFF_PUSH = "push"  # P wrote into D's blocks; D's leg sent after P answered (NixlPushConnector)
 HANDOFF_PUSH_EARLY = "push_early"  # push, D's leg sent with P's (the proxy knew P's side channel)
 HANDOFFS = (HANDOFF_PULL, HANDOFF_PUSH, HANDOFF_PUSH_EARLY)
+TENANT = "pdscope.tenant"  # the request's tenant (pdscope.config.tenants): a declared id, or "default"
 ROUTE_REASON = "pdscope.route_reason"  # why this P (and D): see proxy.kvaware
 # The TTFT predictor (proxy.predict), on the root: the TTFT predicted at admission for the P and D it
 # was sent to (seconds from the proxy's receipt, the admission wait so far included), the target it was

@@ -11,7 +11,7 @@ One module per section of the file, on a shared base; import from here, not from
 
 - ``base``: :class:`ConfigError`, the frozen base model, the bounded types the fields share;
 - ``model``, ``pools``, ``slo``, ``alerts``, ``store``, ``controller`` (with ``bundles`` and
-  ``httpserver``), ``proxy`` (with ``kvaware``), ``collector``, ``dashboard``: the sections
+  ``httpserver``), ``proxy`` (with ``kvaware``), ``collector``, ``dashboard``, ``tenants``: the sections
   (``simulator:`` is ``pdscope.simconfig``);
 - ``access``: named-token variables and loopback hosts, which the sections' lookups use;
 - ``settings``: :class:`Settings`, the whole file and the checks across sections;
@@ -65,17 +65,20 @@ from pdscope.config.proxy import (
 from pdscope.config.settings import Settings
 from pdscope.config.slo import LatencySLO, SLOSettings
 from pdscope.config.store import STORE_DRIVERS, StoreSettings
+from pdscope.config.tenants import DEFAULT_TENANT, TENANT_ID, Tenant, TenantSettings, TenantSLO
 from pdscope.routing import Role
 
 __all__ = [
     "ALERT_RULE_NAMES",
     "BUNDLE_RULES_DEFAULT",
     "DEFAULT_CONFIG_ENV",
+    "DEFAULT_TENANT",
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_VALUES",
     "MAX_TOKEN_NAME_CHARS",
     "MIN_PROXY_SECRET_CHARS",
     "STORE_DRIVERS",
+    "TENANT_ID",
     "AdaptiveLimitSettings",
     "AdmissionDefaults",
     "AlertRuleName",
@@ -104,6 +107,9 @@ __all__ = [
     "Settings",
     "Severity",
     "StoreSettings",
+    "Tenant",
+    "TenantSLO",
+    "TenantSettings",
     "is_loopback",
     "load_config",
     "load_settings",

@@ -19,6 +19,7 @@ from pdscope.config.pools import Instance, Pool
 from pdscope.config.proxy import ProxySettings
 from pdscope.config.slo import SLOSettings
 from pdscope.config.store import StoreSettings
+from pdscope.config.tenants import TenantSettings
 from pdscope.routing import Role
 from pdscope.simconfig import SimulatorConfig  # the one definition, with the routing contract
 from pdscope.simtokenizer import NAME as SIM_TOKENIZER
@@ -46,6 +47,9 @@ class Settings(_Frozen):
     """The scraper, the OTLP receiver and the request-record builder (docs/collector.md)."""
     dashboard: DashboardSettings = DashboardSettings()
     """The Streamlit dashboard and who may change things through it (docs/dashboard.md)."""
+    tenants: TenantSettings = TenantSettings()
+    """Who a request belongs to, and each tenant's fair share, priority class, limits and SLOs
+    (docs/tenants.md)."""
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
     """The simulated fleet's model (docs/simulator.md); only pdscope sim and the demo read it. simulator: {}
     is a working fleet."""
