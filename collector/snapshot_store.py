@@ -15,8 +15,13 @@ consecutive up scrapes: its ``process_start_time_seconds`` moved forward and one
 counters went down (:func:`restart_signals`). One signal alone (a counter that went down
 with the start time unchanged or not exported, or a start time that moved while every
 counter kept growing) is counted and logged, never confirmed. A confirmed restart is stored
-on the instance (``InstanceRow.restarted_at``, the new process's start time): the controller
-reads it to tell a D's stale peer from a failing D.
+on the instance (``InstanceRow.restarted_at``): the controller reads it to tell a D's stale peer
+from a failing D. It is the time of the scrape that confirmed it (the new process's first up
+scrape, within a scrape interval of its being ready), not the process's start time: a vLLM
+spends its first minute or more loading weights, and the controller judges a D's failures
+toward a P that came back "within its window" from that time; counted from the start time,
+the window had passed before the new P served its first handoff (a CPU P took 36 s to start
+in CI, the controller's window was 15 s, and the D was charged the stale pair's failures).
 
 Each instance's identity (``Signals.identity``: its model, KV block size and dtype, which a P x D pair
 must agree on) is stored on the instance too (``InstanceRow.kv_identity``) when an up scrape finds it
@@ -79,7 +84,7 @@ class SnapshotStore:
         self.factory = factory
         self._last: dict[str, dict[str, Any]] = {}
         self.resets: dict[str, int] = {}
-        self._restarted: dict[str, float] = {}  # confirmed restarts not yet stored: name -> new start time
+        self._restarted: dict[str, float] = {}  # confirmed restarts not yet stored: name -> when confirmed
         self._identity: dict[str, dict[str, str]] = {}  # each instance's identity as last stored
 
     def ensure_instances(self, targets: Sequence[ScrapeTarget], now: float) -> None:
@@ -123,7 +128,7 @@ class SnapshotStore:
             log.warning("%s on %s alone: not confirmed as a restart", signals[0].replace("_", " "), name)
             return
         log.warning("%s restarted: its process start time moved and its counters reset", name)
-        self._restarted[name] = float(row["process_start_ts"])
+        self._restarted[name] = float(row["ts"])  # seen back, not started: see the module docstring
 
     def write_round(self, results: Sequence[ScrapeResult]) -> int:
         """Insert one round; returns the number of rows. Raises StoreError."""

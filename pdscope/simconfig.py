@@ -112,6 +112,9 @@ class SimulatorConfig(BaseModel):
     push_registration_timeout_s: float = Field(default=480.0, gt=0)
     """push mode: D fails a request whose registered blocks P has not written within this (vLLM
     push_registration_timeout, default decoder_kv_blocks_ttl 480 s)"""
+    startup_s: float = Field(default=0.0, ge=0, le=600)
+    """a restarted instance answers (its API and /metrics) this long after its new process started: a real
+    vLLM loads its weights first, for a minute or more"""
     # identity as P returns it in kv_transfer_params
     side_channel_host: str = "localhost"
     """remote_host P returns in kv_transfer_params (the NIXL side channel it advertises)"""

@@ -366,5 +366,7 @@ class Fleet:
             elif not want_down and name in self._down:
                 logger.info("instance %s back", name)
                 await self.instances[name].restart()
+                if self.cfg.startup_s:  # its new process started; it answers once loaded
+                    await asyncio.sleep(self.cfg.startup_s)
                 await self.listeners[name].start()
                 self._down.discard(name)

@@ -57,8 +57,8 @@ class InstanceRow(Base):
     labels: Mapped[Json] = mapped_column(default=dict)
     # P's kv_transfer_config.engine_id, learnt from kv_transfer_params (remote_engine_id).
     engine_id: Mapped[str | None] = mapped_column(String(128))
-    # the start time of its process after its latest restart the collector confirmed (its start time moved
-    # and its counters reset between two scrapes); None: none seen
+    # when the collector confirmed its latest restart (the scrape that found its process start time moved
+    # and its counters reset: the new process's first up scrape); None: none seen
     restarted_at: Mapped[float | None] = mapped_column(Float)
     # what its latest up scrape reported of the fields a P x D pair must agree on (pdscope.kvcompat: model,
     # block_size, cache_dtype; values cut to their bound), as {field: value}; None: not scraped up yet

@@ -66,8 +66,9 @@ def test_write_rounds(store_url: str) -> None:
     assert not p_down.up and p_down.error == "timeout after 3s" and p_down.requests_length is None
     assert d_second.requests_length == 2.0
     assert inst["d0"].last_seen == 15.0 and inst["p0"].last_seen == 1.0 and inst["p0"].role == "prefill"
-    # both signals: the restart is confirmed and stored with the new process's start time
-    assert inst["d0"].restarted_at == 1.795945e9 and inst["p0"].restarted_at is None
+    # both signals: the restart is confirmed and stored with the time it was seen back (the scrape at 15.0),
+    # not the process's start time (1.795945e9): a vLLM loads for a minute or more before it serves
+    assert inst["d0"].restarted_at == 15.0 and inst["p0"].restarted_at is None
 
 
 def test_a_restart_is_confirmed_by_two_signals_never_by_one() -> None:

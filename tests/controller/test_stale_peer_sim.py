@@ -38,7 +38,8 @@ async def test_a_d_with_a_stale_agent_for_a_restarted_p_loses_the_pair_not_its_w
     from simulator.testing import running_fleet
     from store.models import InstanceRow, Snapshot
 
-    with running_fleet(n_prefill=2, n_decode=2, seed=3, lease_duration_s=2.0) as fleet:
+    # prefill-0 answers 12 s after its new process starts (a vLLM loads first): past the 10 s window
+    with running_fleet(n_prefill=2, n_decode=2, seed=3, lease_duration_s=2.0, startup_s=12.0) as fleet:
         async with closed_loop(fleet, tmp_path, "stale", BASE, PROXY) as loop:
             factory, http, ctl_url = loop.factory, loop.http, loop.ctl_url
 
