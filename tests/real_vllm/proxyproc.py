@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from pdscope.stack import Child
 from tests.real_vllm.pair import RealPair
 from tests.support.sockets import free_port
-from tests.support.waiting import wait_until
 
 TIMEOUTS = {"connect_s": 5, "prefill_s": 60, "decode_first_token_s": 60, "decode_total_s": 120}
 
@@ -29,34 +26,17 @@ def running_proxy(pair: RealPair, tmp: Path, otlp_url: str | None = None) -> Ite
     if otlp_url is not None:
         proxy.update(otlp_endpoint=otlp_url, tracing=True)
     config = pair.write_config(tmp / "pdscope.yaml", proxy=proxy)
-    log = (tmp / "proxy.log").open("wb")
     pdscope = str(Path(sys.executable).with_name("pdscope"))
-    proc = subprocess.Popen(
-        [pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     url = f"http://127.0.0.1:{port}"
+    child = Child(
+        "pdscope proxy",
+        [pdscope, "--config", str(config), "--log-level", "WARNING", "proxy"],
+        tmp / "proxy.log",
+        ready_url=url + "/healthz",
+    )
+    child.start()
     try:
-
-        def healthz() -> int:
-            assert proc.poll() is None, (tmp / "proxy.log").read_text()
-            return httpx.get(url + "/healthz", timeout=1).status_code
-
-        wait_until(
-            "pdscope proxy to come up",
-            healthz,
-            done=lambda code: code == 200,
-            timeout_s=30,
-            every_s=0.2,
-            ignore=(httpx.HTTPError,),
-        )
+        child.wait_ready(30, ready=lambda r: r.status_code == 200)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        log.close()
+        child.stop(grace_s=15)
