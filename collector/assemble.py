@@ -35,7 +35,8 @@ one of ``semconv.HANDOFFS``. One that is
 present but fails its check is left out and named in the record's ``dropped`` notes, which the
 sink counts. A decode-only request (``route_path`` "decode_only") has no prefill span and no P
 instance: its record has no ``p_*`` stage, as a record from the root alone. The TTFT predictor's
-attributes of the root are checked the same way, in ``collector.predicted``.
+attributes of the root are checked the same way, in ``collector.predicted``, and its tenant
+(``pdscope.tenant``: a well-formed id the config declares) in ``collector.tenant``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from collector.otlp import SpanData
 from collector.predicted import Predicted, predicted
 from collector.record import AssembledRecord, AssemblyNotes, VllmSide
 from collector.rootattrs import Check, checked, token_count
+from collector.tenant import tenant_of
 from pdscope import semconv as sc
-from pdscope.config import SLOSettings
+from pdscope.config import SLOSettings, TenantSettings
 from pdscope.slo import slo_verdict
 
 STATUS_ERROR = 2  # OTLP Status.code
@@ -316,8 +318,11 @@ def _kv_size(ra: dict[str, Any], handoff: SpanData | None) -> tuple[int | None, 
     return blocks, size
 
 
-def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | None:
-    """The record for one trace's spans, or None while the proxy's root span is missing."""
+def assemble(
+    spans: Iterable[SpanData], slo: SLOSettings, tenants: TenantSettings | None = None
+) -> AssembledRecord | None:
+    """The record for one trace's spans, or None while the proxy's root span is missing. ``tenants``:
+    the ids its tenant may be (``collector.tenant``; None: any well-formed id)."""
     t = _Trace(spans)
     root = t.root
     if root is None or not math.isfinite(root.start_ts):
@@ -331,6 +336,7 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
     kv_blocks, kv_bytes = _kv_size(ra, t.handoff)
     stream = ra.get(sc.STREAM)
     route, pred = routing(ra), predicted(ra)
+    tenant, tenant_dropped = tenant_of(ra, tenants)
     return AssembledRecord(
         request_id=request_id[:128],
         trace_id=root.trace_id,
@@ -359,10 +365,11 @@ def assemble(spans: Iterable[SpanData], slo: SLOSettings) -> AssembledRecord | N
             d_vllm=_vllm_side(t.d_llm, with_ttft=True),
             reject_reason=_str(ra.get(sc.REJECT_REASON), 256),
             remote_engine_id=_str(ra.get(sc.REMOTE_ENGINE_ID), 256),
-            dropped=route.dropped + pred.dropped,
+            dropped=route.dropped + pred.dropped + tenant_dropped,
         ),
         sender=root.sender,
         **_same_named(pred, _PREDICTED_COLUMNS),
+        tenant=tenant,
     )
 
 

@@ -143,6 +143,8 @@ class AssembledRecord:
     predict_tokens_ahead: int | None = None
     predict_tokens: int | None = None
     predict_source: str | None = None
+    # whose request it was (collector.tenant: a declared tenant id; None: absent or refused, "default"'s)
+    tenant: str | None = None
 
     def row(self) -> dict[str, Any]:
         """Column name -> value, ``attributes`` as stored (assembly's keys only)."""

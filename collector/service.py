@@ -161,7 +161,9 @@ class CollectorService:
         self.spool = Spool(spool_config(settings, self.id, queue_spans), clock)
         # a shared store (PostgreSQL): a trace's spans may reach any collector, so every batch
         # reads the stored spans of all its traces (collector.sink)
-        self.sink = sink or StoreSink(self.factory, settings.slo, clock, shared=shared_store(self.factory))
+        self.sink = sink or StoreSink(
+            self.factory, settings.slo, clock, shared=shared_store(self.factory), tenants=settings.tenants
+        )
         self.batcher = SpanBatcher(self.spool, self.sink, self.metrics, health=self.health)
         self.retention = Retention(
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s

@@ -70,7 +70,7 @@ from collector.bulk import RawJSON, insert_rows
 from collector.otlp import SpanData, SpanEvent
 from collector.record import AssembledRecord
 from pdscope import semconv as sc
-from pdscope.config import SLOSettings
+from pdscope.config import SLOSettings, TenantSettings
 from store.db import StoreError, transaction
 from store.models import RequestRecord, SpanRow
 
@@ -229,9 +229,11 @@ class StoreSink:
         clock: Callable[[], float] | None = None,
         *,
         shared: bool | None = None,
+        tenants: TenantSettings | None = None,
     ) -> None:
         self.factory = factory
         self.slo = slo
+        self.tenants = tenants  # the ids a record's tenant may be (collector.tenant)
         self.clock = clock or time.time
         bind = factory.kw.get("bind")
         self.shared = shared if shared is not None else bind is None or bind.dialect.name != "sqlite"
@@ -365,7 +367,7 @@ class StoreSink:
             if not any(s.name == sc.SPAN_REQUEST for s in trace_spans):
                 continue
             try:
-                a = assemble(trace_spans, self.slo)
+                a = assemble(trace_spans, self.slo, self.tenants)
             except Exception as exc:  # a bug or a value assembly cannot take: this trace only
                 errors += 1
                 log.debug("record of trace %s not assembled: %r", trace_spans[0].trace_id, exc)

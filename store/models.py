@@ -248,6 +248,8 @@ class RequestRecord(Base):
         Index("ix_request_records_status_ts", "status", "proxy_in"),
         # the dashboard's window count, sample ids and status / SLO counts read this index alone
         Index("ix_request_records_window", "proxy_in", "id", "status", "ttft_s", "tpot_s"),
+        # one tenant's window (pdscope explain --tenant, GET /v1/tenants?tenant=)
+        Index("ix_request_records_tenant_ts", "tenant", "proxy_in"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -280,6 +282,9 @@ class RequestRecord(Base):
     prefix_tokens: Mapped[int | None] = mapped_column(Integer)
     # how the KV went from P to D (pdscope.semconv.HANDOFFS: pull, push, push_early), from the root span
     handoff: Mapped[str | None] = mapped_column(String(16))
+    # whose request it was (pdscope.semconv.TENANT, a declared tenant id: pdscope.config.tenants); null:
+    # stored before the proxy named tenants, or the attribute was invalid; readers count it as "default"
+    tenant: Mapped[str | None] = mapped_column(String(64))
     # The proxy's TTFT predictor (from its root span, see pdscope.semconv.PREDICTED_TTFT_S): the TTFT
     # predicted at admission for the chosen P and D (seconds from proxy_in), the target it was admitted
     # against, the uncached prefill tokens ahead of it on that P when sent, its own, and where the

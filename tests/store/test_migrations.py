@@ -1,6 +1,10 @@
 from __future__ import annotations
 
-from sqlalchemy import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy import inspect, select, text, update
 
 from store import Base, make_engine
 from store.migrate import check, downgrade, upgrade
@@ -108,92 +112,79 @@ def test_0012_adds_the_prediction_columns_to_stored_records_and_takes_them_back(
         engine.dispose()
 
 
-def test_0013_adds_restarted_at_to_known_instances_and_takes_it_back(store_url: str) -> None:
-    """Instances stored before 0013 keep every value and have no restart on record; a downgrade to 0012
-    drops only that column."""
-    from sqlalchemy import text
+_RECORD = (
+    "INSERT INTO request_records"
+    " (request_id, status, retries, proxy_in, lease_expiry_suspect, attributes, route_path)"
+    " VALUES ('old', 'ok', 0, 1.0, false, '{}', 'pd')"
+)
+_INSTANCE = (
+    "INSERT INTO instances (name, pool, role, url, labels, first_seen, last_seen)"
+    " VALUES ('p0', 'prefill', 'prefill', 'http://p0', '{}', 1.0, 2.0)"
+)
 
-    upgrade(store_url, "0012")
+
+@dataclass(frozen=True)
+class AddedColumn:
+    """A revision that adds one column: the row stored before it, the column, a value it takes, and a
+    column of the older schema whose value must survive the round trip."""
+
+    revision: str
+    before: str
+    table: str
+    insert: str
+    column: str
+    value: Any
+    kept: tuple[str, Any]
+
+
+ADDED_COLUMNS = (
+    AddedColumn("0013", "0012", "instances", _INSTANCE, "restarted_at", 1796000000.5, ("last_seen", 2.0)),
+    AddedColumn(
+        "0014",
+        "0013",
+        "instances",
+        _INSTANCE,
+        "kv_identity",
+        {"model": "m", "block_size": "16", "cache_dtype": "auto"},  # JSON: reads back as stored
+        ("last_seen", 2.0),
+    ),
+    AddedColumn("0015", "0014", "request_records", _RECORD, "handoff", "push_early", ("route_path", "pd")),
+    AddedColumn("0016", "0015", "request_records", _RECORD, "tenant", "team-a.batch", ("route_path", "pd")),
+)
+
+
+@pytest.mark.parametrize("added", ADDED_COLUMNS, ids=lambda a: f"{a.revision}-{a.column}")
+def test_a_revision_adds_its_column_to_stored_rows_and_takes_it_back(
+    store_url: str, added: AddedColumn
+) -> None:
+    """Rows stored before the revision keep every value and have nothing in the new column (None: not on
+    record); a value written reads back as written; a downgrade drops only that column."""
+    table = Base.metadata.tables[added.table]
+    kept, kept_value = added.kept
+    upgrade(store_url, added.before)
     engine = make_engine(store_url)
-    insert = text(
-        "INSERT INTO instances (name, pool, role, url, labels, first_seen, last_seen)"
-        " VALUES ('p0', 'prefill', 'prefill', 'http://p0', '{}', 1.0, 2.0)"
-    )
     try:
         with engine.begin() as conn:
-            conn.execute(insert)
-        upgrade(store_url, "0013")
+            conn.execute(text(added.insert))
+        upgrade(store_url, added.revision)
         with engine.begin() as conn:
-            assert tuple(conn.execute(text("SELECT name, restarted_at FROM instances")).one()) == ("p0", None)
-            conn.execute(text("UPDATE instances SET restarted_at = 1796000000.5"))
-            assert conn.execute(text("SELECT restarted_at FROM instances")).scalar() == 1796000000.5
-        downgrade(store_url, "0012")
-        cols = {c["name"] for c in inspect(engine).get_columns("instances")}
-        assert "restarted_at" not in cols and {"name", "engine_id", "last_seen"} <= cols
+            assert conn.execute(select(table.c[added.column])).scalar_one() is None
+            conn.execute(update(table).values({added.column: added.value}))
+            assert conn.execute(select(table.c[added.column])).scalar_one() == added.value
+        downgrade(store_url, added.before)
+        cols = {c["name"] for c in inspect(engine).get_columns(added.table)}
+        assert added.column not in cols and kept in cols
         with engine.begin() as conn:
-            assert conn.execute(text("SELECT last_seen FROM instances")).scalar() == 2.0
+            assert conn.execute(text(f"SELECT {kept} FROM {added.table}")).scalar() == kept_value
     finally:
         engine.dispose()
 
 
-def test_0014_adds_kv_identity_to_known_instances_and_takes_it_back(store_url: str) -> None:
-    """Instances stored before 0014 keep every value and have no identity on record (None: not reported
-    yet); one stored reads back as its JSON; a downgrade to 0013 drops only that column."""
-    from sqlalchemy import select, text, update
-
-    from store.models import InstanceRow
-
-    upgrade(store_url, "0013")
+def test_0016_indexes_one_tenants_window(store_url: str) -> None:
+    upgrade(store_url)
     engine = make_engine(store_url)
-    insert = text(
-        "INSERT INTO instances (name, pool, role, url, labels, restarted_at, first_seen, last_seen)"
-        " VALUES ('d0', 'decode', 'decode', 'http://d0', '{}', 5.0, 1.0, 2.0)"
-    )
     try:
-        with engine.begin() as conn:
-            conn.execute(insert)
-        upgrade(store_url, "0014")
-        ident = {"model": "m", "block_size": "16", "cache_dtype": "auto"}
-        with engine.begin() as conn:
-            assert tuple(conn.execute(text("SELECT name, kv_identity FROM instances")).one()) == ("d0", None)
-            conn.execute(update(InstanceRow).values(kv_identity=ident))
-            assert conn.execute(select(InstanceRow.kv_identity)).scalar() == ident
-        downgrade(store_url, "0013")
-        cols = {c["name"] for c in inspect(engine).get_columns("instances")}
-        assert "kv_identity" not in cols and {"name", "restarted_at", "last_seen"} <= cols
-        with engine.begin() as conn:
-            assert conn.execute(text("SELECT restarted_at FROM instances")).scalar() == 5.0
+        req_ix = {tuple(ix["column_names"]) for ix in inspect(engine).get_indexes("request_records")}
     finally:
         engine.dispose()
-
-
-def test_0015_adds_the_handoff_to_stored_records_and_takes_it_back(store_url: str) -> None:
-    """Records stored before 0015 keep every value and have no handoff on record; a downgrade to 0014
-    drops only that column."""
-    from sqlalchemy import text
-
-    upgrade(store_url, "0014")
-    engine = make_engine(store_url)
-    insert = text(
-        "INSERT INTO request_records"
-        " (request_id, status, retries, proxy_in, lease_expiry_suspect, attributes, route_path)"
-        " VALUES ('old', 'ok', 0, 1.0, false, '{}', 'pd')"
-    )
-    try:
-        with engine.begin() as conn:
-            conn.execute(insert)
-        upgrade(store_url, "0015")
-        with engine.begin() as conn:
-            assert tuple(conn.execute(text("SELECT request_id, handoff FROM request_records")).one()) == (
-                "old",
-                None,
-            )
-            conn.execute(text("UPDATE request_records SET handoff = 'push_early'"))
-            assert conn.execute(text("SELECT handoff FROM request_records")).scalar() == "push_early"
-        downgrade(store_url, "0014")
-        cols = {c["name"] for c in inspect(engine).get_columns("request_records")}
-        assert "handoff" not in cols and {"request_id", "route_path"} <= cols
-        with engine.begin() as conn:
-            assert conn.execute(text("SELECT route_path FROM request_records")).scalar() == "pd"
-    finally:
-        engine.dispose()
+    assert ("tenant", "proxy_in") in req_ix
