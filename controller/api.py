@@ -39,6 +39,7 @@ from controller.endpoints import (
     regret,
     replay,
     routing,
+    tenants,
 )
 from controller.endpoints.context import ApiContext
 from controller.endpoints.views import Views
@@ -61,6 +62,7 @@ ROUTERS = (
     regret,
     alerts,
     attribution,
+    tenants,
     replay,
     bundles,
     ops,

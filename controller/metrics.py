@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from analysis.tenants import TenantFigures
 from controller.leader import mode_warning
 from controller.loop import Reconciler
 from controller.notify import Notifier
@@ -93,6 +94,24 @@ def _firing(s: _Scrape) -> list[Sample]:
 def _observed(read: Callable[[SLOFigures], float | None]) -> Callable[[_Scrape], Samples]:
     """An SLO figure of the last observation (absent before one; no sample while it is None)."""
     return lambda s: None if s.v.obs is None else [((), v) for v in (read(s.v.obs.slo),) if v is not None]
+
+
+def _per_tenant(read: Callable[[TenantFigures], float | None]) -> Callable[[_Scrape], Samples]:
+    """A figure of each declared tenant over the last observation (label values from the config only);
+    absent while tenants are off or before an observation, no sample while it is None."""
+
+    def samples(s: _Scrape) -> Samples:
+        window = s.v.obs.tenants if s.v.obs is not None else None
+        if window is None:
+            return None
+        return [((t.tenant,), v) for t in window.tenants if (v := read(t)) is not None]
+
+    return samples
+
+
+def _jain(s: _Scrape) -> Samples:
+    window = s.v.obs.tenants if s.v.obs is not None else None
+    return None if window is None or window.jain is None else one(window.jain)
 
 
 _INSTANCE, _POOL = ("instance", "pool", "role"), ("pool", "role")
@@ -282,6 +301,34 @@ CONTROLLER_FAMILIES: tuple[Family[_Scrape], ...] = (
         "gauge",
         (),
         _observed(lambda slo: slo.goodput_rps),
+    ),
+    Family(
+        "pdscope_tenant_slo_attainment",
+        "Share of a tenant's served requests meeting its own SLO targets over slo.window_s.",
+        "gauge",
+        ("tenant",),
+        _per_tenant(lambda t: t.attainment),
+    ),
+    Family(
+        "pdscope_tenant_goodput_tokens_per_second",
+        "Prompt and completion tokens per second of a tenant's requests meeting its own SLO targets.",
+        "gauge",
+        ("tenant",),
+        _per_tenant(lambda t: t.goodput_tokens_per_s),
+    ),
+    Family(
+        "pdscope_tenant_service_share",
+        "A tenant's share of the window's service (prompt + weighted decode tokens served).",
+        "gauge",
+        ("tenant",),
+        _per_tenant(lambda t: t.service_share),
+    ),
+    Family(
+        "pdscope_tenant_fairness_jain",
+        "Jain's index over served tokens / weight of the tenants with demand (1: served by weight).",
+        "gauge",
+        (),
+        _jain,
     ),
     Family(
         "pdscope_alert_webhook_sent",

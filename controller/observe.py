@@ -30,9 +30,11 @@ from sqlalchemy.orm import Session
 
 from analysis import rates
 from analysis.prediction import PredictionFacts, measure
+from analysis.tenants import TenantWindow
 from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
+from controller.tenants import read_tenants
 from pdscope.config import Settings
 from pdscope.kvcompat import FIELDS, MALFORMED, identity
 from pdscope.stats import counter_increase
@@ -367,4 +369,13 @@ def observe(
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
         history_s=_history_s(session, now),
         unattributed_lease_expiries=sum(i.unattributed_lease_expiries for i in instances),
+        tenants=_tenants(session, settings, now),
     )
+
+
+def _tenants(session: Session, settings: Settings, now: float) -> TenantWindow | None:
+    """Each declared tenant's figures over ``slo.window_s`` (the tenant alerts and metrics); None while
+    tenants are off (every request is ``default``'s: the fleet's own figures say it all)."""
+    if not settings.tenants.enabled:
+        return None
+    return read_tenants(session, settings, now - settings.slo.window_s, now).window

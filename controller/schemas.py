@@ -271,3 +271,43 @@ class ProxyOut(BaseModel):
     demand_per_s: dict[str, float] = Field(description="its smoothed demand per pool (requests/s)")
     pools: dict[str, ProxyPoolOut] = Field(description="the part of each pool's limits it was last given")
     duplicates: int = Field(description="polls refused because another process holds this id")
+
+
+class TenantOut(BaseModel):
+    """One declared tenant over the range (``analysis.tenants``)."""
+
+    tenant: str
+    weight: float
+    priority: str
+    ttft_target_ms: float = Field(description="its own TTFT target, else the fleet's (slo.ttft.target_ms)")
+    tpot_target_ms: float = Field(description="its own TPOT target, else the fleet's")
+    requests: int
+    demand: int = Field(description="requests not refused as the client's mistake")
+    served: int = Field(description="requests with status ok")
+    met: int = Field(description="served within both of its targets")
+    failed: int = Field(description="error or timeout")
+    rejected: dict[str, int] = Field(description="rejected requests by the proxy's reason")
+    waited: int = Field(description="requests that waited for admission")
+    attainment: float | None = Field(description="met / served; null with none served")
+    ttft_observed_ms: float | None = Field(description="TTFT of its served requests at slo.ttft.percentile")
+    tpot_observed_ms: float | None = Field(description="TPOT of its served requests at slo.tpot.percentile")
+    queued_p50_ms: float | None = Field(description="admission wait (proxy_in to the first leg sent), median")
+    queued_p99_ms: float | None
+    service: float = Field(description="prompt + cost_per_decode_token x completion tokens served")
+    goodput_tokens: int = Field(description="prompt + completion tokens of its requests meeting its targets")
+    goodput_tokens_per_s: float
+    fair_share: float | None = Field(description="its weight over the weights of the tenants with demand")
+    service_share: float | None = Field(description="its service over every tenant's")
+    starved: bool = Field(description="it asked (rejected or kept waiting) and was served nothing")
+
+
+class TenantsOut(BaseModel):
+    since: float
+    until: float
+    enabled: bool = Field(description="tenants.enabled: off, every request is default's")
+    goodput_attainment_target: float
+    jain: float | None = Field(description="Jain's index over service / weight of the tenants with demand")
+    undeclared: int = Field(description="records whose tenant the config no longer declares (as default's)")
+    truncated: bool = Field(description="the oldest records of the range were left out (record_limit)")
+    record_limit: int
+    tenants: list[TenantOut]

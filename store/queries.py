@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from pdscope.config import SLOSettings
+from pdscope.config import DEFAULT_TENANT, SLOSettings
 from pdscope.slo import slo_verdict
 from pdscope.stats import (
     Histogram,
@@ -350,16 +350,22 @@ class RecordFilter:
     ``senders``: only records whose ``sender`` (the OTLP token name of the proxy root span)
     is one of these; ``None`` = every record, a null sender (sent without auth) never matches
     a list. ``charged_only``: leave out requests refused as invalid (:func:`is_client_error`).
+    ``tenant``: only that tenant's records (the ``default`` tenant's are also those with none).
     """
 
     senders: frozenset[str] | None = None
     charged_only: bool = False
+    tenant: str | None = None
 
     def apply(self, stmt: _Stmt) -> _Stmt:
         if self.senders is not None:
             stmt = stmt.where(RequestRecord.sender.in_(sorted(self.senders)))
         if self.charged_only:
             stmt = stmt.where(_charged())
+        if self.tenant == DEFAULT_TENANT:
+            stmt = stmt.where(or_(RequestRecord.tenant == self.tenant, RequestRecord.tenant.is_(None)))
+        elif self.tenant is not None:
+            stmt = stmt.where(RequestRecord.tenant == self.tenant)
         return stmt
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from analysis.tenants import TenantFigures
 from controller.policy.compat import judge
 from controller.policy.config import PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation
@@ -308,6 +309,53 @@ def _mispredicted(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[
     )
 
 
+def _tenant_breach(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    """A tenant with at least ``min_requests`` served in the window whose share meeting *its own* targets
+    (``tenants.<id>.slo``, else the fleet's) is under ``slo.goodput_attainment``. No tenants (off): none."""
+    window = obs.tenants
+    if window is None:
+        return []
+    return [
+        Sample(
+            {"tenant": t.tenant},
+            att,
+            _breach_text(t, att, cfg.goodput_attainment, window.until - window.since),
+        )
+        for t in window.tenants
+        if t.served >= ac.min_requests and (att := t.attainment) is not None and att < cfg.goodput_attainment
+    ]
+
+
+def _breach_text(t: TenantFigures, att: float, target: float, span_s: float) -> str:
+    return (
+        f"tenant {t.tenant}: SLO attainment {100 * att:.1f}% < {100 * target:.0f}% against its targets "
+        f"(TTFT {t.ttft_target_s * 1000:.0f} ms, TPOT {t.tpot_target_s * 1000:.0f} ms): "
+        f"{t.met}/{t.served} served requests met them over {span_s:.0f}s"
+    )
+
+
+def _tenant_starved(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[Sample]:
+    """A tenant that asked (at least ``min_requests`` in the window, refused or kept waiting) and was served
+    nothing. No tenants (off): none."""
+    window = obs.tenants
+    if window is None:
+        return []
+    return [
+        Sample({"tenant": t.tenant}, float(t.demand), _starved_text(t, window.until - window.since))
+        for t in window.tenants
+        if t.starved and t.demand >= ac.min_requests
+    ]
+
+
+def _starved_text(t: TenantFigures, span_s: float) -> str:
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(t.rejected.items(), key=lambda kv: -kv[1]))
+    refused = f"{t.rejected_total} rejected ({reasons})" if t.rejected else "none rejected"
+    return (
+        f"tenant {t.tenant}: {t.demand} requests over {span_s:.0f}s and none served: {refused}, "
+        f"{t.waited} kept waiting for admission"
+    )
+
+
 def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
     """Every built-in rule, in ``ALERT_RULE_NAMES`` order, with ``ac``'s overrides applied.
 
@@ -345,6 +393,8 @@ def default_rules(ac: AlertConfig) -> tuple[AlertRule, ...]:
             _collector_behind,
         ),
         ("TTFTMispredicted", "warning", 60.0, "the TTFT predictor is off: the fleet changed", _mispredicted),
+        ("TenantSLOBreach", "warning", 60.0, "a tenant's SLO attainment under target", _tenant_breach),
+        ("TenantStarved", "critical", 30.0, "a tenant asks and is served nothing", _tenant_starved),
     )
     return tuple(
         AlertRule(n, ac.severity_of(n, sev), ac.for_of(n, f), summ, ev, enabled=n not in ac.disabled)

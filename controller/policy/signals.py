@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from analysis.tenants import TenantWindow
 from pdscope.kvcompat import Identity
 from pdscope.routing import Role as Role
 
@@ -166,6 +167,8 @@ class Observation:
     history_s: float | None = None
     # lease expiries in the window that the evidence could not attribute to any instance
     unattributed_lease_expiries: int = 0
+    # each declared tenant's SLO figures over slo.window_s (analysis.tenants); None: tenants are off
+    tenants: TenantWindow | None = None
 
     def instance(self, name: str) -> InstanceSignals | None:
         for inst in self.instances:

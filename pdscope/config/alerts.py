@@ -23,6 +23,8 @@ ALERT_RULE_NAMES: tuple[str, ...] = (
     "HandoffP99OverBudget",
     "CollectorBehind",
     "TTFTMispredicted",
+    "TenantSLOBreach",
+    "TenantStarved",
 )
 
 Severity = Literal["info", "warning", "critical"]

@@ -113,8 +113,11 @@ class Seeder:
         http_status: int | None = None,
         sender: str | None = None,
         queue_s: dict[str, float] | None = None,
+        tenant: str | None = None,
+        reject_reason: str | None = None,
     ) -> None:
-        """One record per (P, D) pair, arriving at ``ts``; handoff/prefill times per instance name;
+        """One record per (P, D) pair, arriving at ``ts``, of ``tenant`` (rejected: for
+        ``reject_reason``); handoff/prefill times per instance name;
         ``queue_s`` per P: the part of its prefill time spent in its queue (the span's time in queue; not
         recorded when absent); ``sender`` the OTLP sender the collector stored (None: sent without auth)."""
         handoff_s = handoff_s or {}
@@ -158,6 +161,8 @@ class Seeder:
                     http_status=http_status,
                     sender=sender,
                     p_queue_s=(queue_s or {}).get(p),
+                    tenant=tenant,
+                    attributes={"reject_reason": reject_reason} if reject_reason else {},
                 )
             )
         with transaction(self.factory) as s:

@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from analysis.tenants import TenantFigures, TenantWindow
 from controller.metrics import ControllerCollector
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
@@ -56,7 +57,26 @@ def _leader() -> Any:
         _alert("instance_down", "pending", instance="p0", pool="prefill"),
         _alert("slo_burn", "firing"),
     )
-    obs = NS(untrusted_records=3, slo=NS(attainment=0.875, goodput_rps=12.5))
+    tenants = TenantWindow(
+        0.0,
+        300.0,
+        (
+            TenantFigures("default", 1.0, "interactive", 2.0, 0.1),  # nothing served: no attainment
+            TenantFigures(
+                "team-a",
+                2.0,
+                "interactive",
+                0.5,
+                0.1,
+                served=40,
+                met=30,
+                goodput_tokens_per_s=250.0,
+                service_share=0.75,
+            ),
+        ),
+        jain=0.9,
+    )
+    obs = NS(untrusted_records=3, slo=NS(attainment=0.875, goodput_rps=12.5), tenants=tenants)
     return NS(
         table=table,
         served=served,
@@ -82,7 +102,9 @@ def _standby(observed: bool) -> Any:
         table=table,
         served={},
         last=None,
-        obs=NS(untrusted_records=0, slo=NS(attainment=None, goodput_rps=0.0)) if observed else None,
+        obs=NS(untrusted_records=0, slo=NS(attainment=None, goodput_rps=0.0), tenants=None)
+        if observed
+        else None,
         ticks=0,
         failed_ticks=0,
         last_ok=None,

@@ -34,6 +34,7 @@ TWINS: dict[str, str] = {
     "KVLeaseExpired": r"vllm:nixl_num_kv_expired_reqs_total",
     "KVCacheNearlyFull": r"vllm:kv_cache_usage_perc",
     "InstanceDown": r'^up\{job="vllm"\} == 0$',
+    "TenantSLOBreach": r"\bpdscope_tenant_slo_attainment\b",
 }
 NO_TWIN: dict[str, str] = {
     "TPOTOverTarget": "ITLOverTarget reads vLLM's inter-token latency, a per-token gap, not TPOT",
@@ -42,6 +43,7 @@ NO_TWIN: dict[str, str] = {
     "TTFTMispredicted": "the TTFT predictions exist only in pdscope's request records",
     "StrandedKV": "which instances are P and which D exists only in pdscope's config",
     "IncompatiblePair": "the revisions exist only in pdscope's config; P and D only in its config too",
+    "TenantStarved": "a tenant's demand and service exist only in pdscope's request records",
 }
 OLD_PREFIXES = re.compile(r"VLLM|NIXL|PDScope|Pdscope")
 
@@ -78,7 +80,7 @@ def test_prometheus_alerts_say_their_source_and_share_one_naming_scheme() -> Non
         name = alert["alert"]
         assert alert["labels"].get("source") == "prometheus", name
         # words and the acronyms the controller spells in capitals; "Nixl" as the controller writes it
-        assert re.fullmatch(r"(?:[A-Z][a-z]+|TTFT|ITL|TPOT|KV)+", name), name
+        assert re.fullmatch(r"(?:[A-Z][a-z]+|TTFT|ITL|TPOT|KV|SLO)+", name), name
         assert "Kv" not in name, f"{name}: KV in capitals, as the controller writes it"
         assert not OLD_PREFIXES.search(name), f"{name}: product prefix or NIXL/VLLM spelling"
 

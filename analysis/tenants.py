@@ -1,0 +1,254 @@
+"""Per-tenant SLO figures over a window of request records: the one home for them.
+
+For each tenant the config declares (``tenants.tenants``; ``default`` always among them): its requests,
+how many were served, how many refused and why, its TTFT and TPOT at the fleet's SLO percentiles held
+against *its own* targets (``tenants.<id>.slo``, else the fleet's ``slo``), its SLO attainment (served
+requests meeting both of its targets over served requests, as the fleet's ``GoodputAttainmentLow``
+counts them), its goodput (prompt + completion tokens of those requests, and per second), the time its
+requests waited for admission in the proxy (``proxy_in`` to the first leg sent), and its service: the
+prompt tokens plus ``tenants.cost_per_decode_token`` × the completion tokens of its served requests,
+the fair queue's own counter. Its fair share is its weight over the weights of the tenants with demand
+(a request in the window, not refused as the client's mistake); Jain's index ``(Σx)² / (n·Σx²)`` over
+``x = service / weight`` of those tenants says how evenly the fleet served them by weight (1: exactly by
+weight; 1/n: one tenant got everything). Read it while the tenants are backlogged: a tenant that asked
+for less than its share and got all of it lowers the index without anything being unfair.
+
+A record whose tenant is absent (stored before records had one, or refused by the collector) or no longer
+declared counts as ``default``'s (``undeclared`` counts the latter), so the tenants are exactly the
+config's: a label never grows past the file. A reject reason is the proxy's word (``queue_full``,
+``tenant_rate``, ...) when it is one, else ``other``; at most :data:`MAX_REASONS` per tenant.
+
+Pure: rows in, figures out (``store.tenants`` reads the rows).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Final, NamedTuple
+
+from pdscope.config import DEFAULT_TENANT, Settings, SLOSettings
+from pdscope.slo import slo_verdict
+from pdscope.stats import percentiles
+
+MAX_REASONS: Final = 16  # reject reasons kept per tenant; the rest are "other"
+OTHER: Final = "other"
+_REASON: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# refused as the client's own mistake: not demand on the fleet
+_NOT_DEMAND: Final = frozenset({"client_error"})
+
+
+class TenantFacts(NamedTuple):
+    """What the figures read of one record (``store.tenants.TENANT_COLUMNS``, in this order)."""
+
+    tenant: str | None
+    status: str
+    reject_reason: str | None
+    proxy_in: float
+    admitted: float | None  # the first leg sent (P's, or D's on the decode-only path)
+    ttft_s: float | None
+    tpot_s: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+@dataclass(frozen=True)
+class TenantTerms:
+    """What the config gives one tenant: its weight, class and the SLO it is held to."""
+
+    weight: float
+    priority: str
+    slo: SLOSettings
+
+
+def tenant_slo(settings: Settings, tenant: str) -> SLOSettings:
+    """The fleet's ``slo`` with the tenant's own targets in place of the fleet's where it has them."""
+    fleet = settings.slo
+    declared = settings.tenants.tenants.get(tenant)
+    if declared is None:
+        return fleet
+    own = declared.slo
+    return fleet.model_copy(
+        update={
+            "ttft": fleet.ttft.model_copy(update={"target_ms": own.ttft_ms or fleet.ttft.target_ms}),
+            "tpot": fleet.tpot.model_copy(update={"target_ms": own.tpot_ms or fleet.tpot.target_ms}),
+        }
+    )
+
+
+def terms_of(settings: Settings) -> dict[str, TenantTerms]:
+    """Every declared tenant's terms, in the config's order."""
+    return {
+        name: TenantTerms(t.weight, t.priority, tenant_slo(settings, name))
+        for name, t in settings.tenants.tenants.items()
+    }
+
+
+@dataclass(frozen=True)
+class TenantFigures:
+    """One tenant's window (see the module's words for each figure)."""
+
+    tenant: str
+    weight: float
+    priority: str
+    ttft_target_s: float
+    tpot_target_s: float
+    requests: int = 0
+    demand: int = 0  # requests not refused as the client's mistake
+    served: int = 0  # status ok
+    met: int = 0  # served within both of its targets
+    failed: int = 0  # error or timeout
+    rejected: Mapping[str, int] = field(default_factory=dict)  # by reason
+    waited: int = 0  # requests with an admission wait over zero
+    ttft_at_slo_s: float | None = None
+    tpot_at_slo_s: float | None = None
+    queued_p50_s: float | None = None
+    queued_p99_s: float | None = None
+    service: float = 0.0
+    goodput_tokens: int = 0
+    goodput_tokens_per_s: float = 0.0
+    fair_share: float | None = None  # its weight over the weights of the tenants with demand
+    service_share: float | None = None  # its service over all tenants' service
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    @property
+    def attainment(self) -> float | None:
+        return self.met / self.served if self.served else None
+
+    @property
+    def starved(self) -> bool:
+        """It asked (refused, or kept waiting) and was served nothing."""
+        return self.served == 0 and (self.rejected_total > 0 or self.waited > 0)
+
+
+@dataclass(frozen=True)
+class TenantWindow:
+    """Every declared tenant's figures over ``since``..``until``, and Jain's index over their service."""
+
+    since: float
+    until: float
+    tenants: tuple[TenantFigures, ...]
+    jain: float | None  # None: no tenant with demand, or none served
+    undeclared: int = 0  # records whose tenant the config no longer declares (counted as default's)
+
+    def of(self, tenant: str) -> TenantFigures | None:
+        return next((t for t in self.tenants if t.tenant == tenant), None)
+
+
+def _reason(raw: str | None) -> str:
+    return raw if isinstance(raw, str) and _REASON.fullmatch(raw) else OTHER
+
+
+def _rejections(rows: Sequence[TenantFacts]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in rows:
+        if r.status != "rejected":
+            continue
+        reason = _reason(r.reject_reason)
+        if reason not in out and len(out) >= MAX_REASONS - 1:
+            reason = OTHER
+        out[reason] = out.get(reason, 0) + 1
+    return out
+
+
+def _queued(rows: Sequence[TenantFacts]) -> list[float]:
+    return [r.admitted - r.proxy_in for r in rows if r.admitted is not None and r.admitted >= r.proxy_in]
+
+
+def _tokens(r: TenantFacts, decode_cost: float = 1.0) -> float:
+    return (r.prompt_tokens or 0) + decode_cost * (r.completion_tokens or 0)
+
+
+def _figures(
+    name: str, terms: TenantTerms, rows: Sequence[TenantFacts], span_s: float, decode_cost: float
+) -> TenantFigures:
+    """One tenant's figures over its rows (shares are filled in by :func:`tenant_window`)."""
+    slo = terms.slo
+    served = [r for r in rows if r.status == "ok"]
+    met = [r for r in served if slo_verdict(r.status, r.ttft_s, r.tpot_s, slo).met]
+    (ttft_at,) = percentiles([r.ttft_s for r in served if r.ttft_s is not None], (slo.ttft.percentile,))
+    (tpot_at,) = percentiles([r.tpot_s for r in served if r.tpot_s is not None], (slo.tpot.percentile,))
+    queued = _queued(rows)
+    q50, q99 = percentiles(queued, (50, 99))
+    goodput = int(sum(_tokens(r) for r in met))
+    return TenantFigures(
+        tenant=name,
+        weight=terms.weight,
+        priority=terms.priority,
+        ttft_target_s=slo.ttft.target_ms / 1000.0,
+        tpot_target_s=slo.tpot.target_ms / 1000.0,
+        requests=len(rows),
+        demand=sum(1 for r in rows if r.status not in _NOT_DEMAND),
+        served=len(served),
+        met=len(met),
+        failed=sum(1 for r in rows if r.status in ("error", "timeout")),
+        rejected=_rejections(rows),
+        waited=sum(1 for q in queued if q > 0),
+        ttft_at_slo_s=ttft_at,
+        tpot_at_slo_s=tpot_at,
+        queued_p50_s=q50,
+        queued_p99_s=q99,
+        service=sum(_tokens(r, decode_cost) for r in served),
+        goodput_tokens=goodput,
+        goodput_tokens_per_s=goodput / span_s,
+    )
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index of ``values``: 1 when all are equal, 1/n when one holds everything."""
+    total, squares = sum(values), sum(v * v for v in values)
+    if not values or squares <= 0:
+        return None
+    return total * total / (len(values) * squares)
+
+
+def _shares(figures: list[TenantFigures]) -> tuple[list[TenantFigures], float | None]:
+    """The figures with their fair and service shares, and Jain's index over the tenants with demand."""
+    asking = [f for f in figures if f.demand > 0]
+    weights = sum(f.weight for f in asking)
+    service = sum(f.service for f in figures)
+    out = [
+        replace(
+            f,
+            fair_share=f.weight / weights if f.demand > 0 and weights > 0 else None,
+            service_share=f.service / service if service > 0 else None,
+        )
+        for f in figures
+    ]
+    return out, jain_index([f.service / f.weight for f in asking])
+
+
+def tenant_window(
+    facts: Iterable[TenantFacts],
+    terms: Mapping[str, TenantTerms],
+    *,
+    since: float,
+    until: float,
+    decode_cost: float = 1.0,
+) -> TenantWindow:
+    """Every tenant of ``terms``'s figures over the records ``facts`` of ``since``..``until``."""
+    by: dict[str, list[TenantFacts]] = {name: [] for name in terms}
+    undeclared = 0
+    for r in facts:
+        name = r.tenant if r.tenant is not None else DEFAULT_TENANT
+        if name not in by:
+            undeclared += 1
+            name = DEFAULT_TENANT
+        by.setdefault(name, []).append(r)
+    span = max(until - since, 1e-9)
+    fallback = next(iter(terms.values()), None)
+    figures = [
+        _figures(name, terms.get(name) or _default_terms(fallback), rows, span, decode_cost)
+        for name, rows in by.items()
+    ]
+    shared, jain = _shares(figures)
+    return TenantWindow(since, until, tuple(shared), jain, undeclared)
+
+
+def _default_terms(fallback: TenantTerms | None) -> TenantTerms:
+    """Terms for ``default`` when ``terms`` lacks it (a caller's own map): weight 1, the fleet's SLO."""
+    return TenantTerms(1.0, "interactive", fallback.slo if fallback is not None else SLOSettings())
