@@ -192,7 +192,7 @@ def _figures(
         tpot_at_slo_s=tpot_at,
         queued_p50_s=q50,
         queued_p99_s=q99,
-        service=sum(_tokens(r, decode_cost) for r in served),
+        service=sum((_tokens(r, decode_cost) for r in served), 0.0),
         goodput_tokens=goodput,
         goodput_tokens_per_s=goodput / span_s,
     )
