@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
-from pdscope.config import DEFAULT_TENANT, Settings, SLOSettings
+from pdscope.config import DEFAULT_TENANT, SLOSettings, TenantSettings
 from pdscope.slo import slo_verdict
 from pdscope.stats import percentiles
 
@@ -62,10 +62,9 @@ class TenantTerms:
     slo: SLOSettings
 
 
-def tenant_slo(settings: Settings, tenant: str) -> SLOSettings:
+def tenant_slo(tenants: TenantSettings, fleet: SLOSettings, tenant: str) -> SLOSettings:
     """The fleet's ``slo`` with the tenant's own targets in place of the fleet's where it has them."""
-    fleet = settings.slo
-    declared = settings.tenants.tenants.get(tenant)
+    declared = tenants.tenants.get(tenant)
     if declared is None:
         return fleet
     own = declared.slo
@@ -77,11 +76,12 @@ def tenant_slo(settings: Settings, tenant: str) -> SLOSettings:
     )
 
 
-def terms_of(settings: Settings) -> dict[str, TenantTerms]:
-    """Every declared tenant's terms, in the config's order."""
+def terms_of(tenants: TenantSettings, fleet: SLOSettings) -> dict[str, TenantTerms]:
+    """Every declared tenant's terms (``tenants``; the SLO ``fleet``'s where it has none), in the config's
+    order."""
     return {
-        name: TenantTerms(t.weight, t.priority, tenant_slo(settings, name))
-        for name, t in settings.tenants.tenants.items()
+        name: TenantTerms(t.weight, t.priority, tenant_slo(tenants, fleet, name))
+        for name, t in tenants.tenants.items()
     }
 
 

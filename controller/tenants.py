@@ -37,7 +37,7 @@ def read_tenants(
     read = tenant_rows(session, lo, hi, only=only, limit=limit)
     window = tenant_window(
         (TenantFacts(*r) for r in read.rows),
-        terms_of(settings),
+        terms_of(settings.tenants, settings.slo),
         since=lo,
         until=hi,
         decode_cost=settings.tenants.cost_per_decode_token,

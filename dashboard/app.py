@@ -37,6 +37,7 @@ nav = st.navigation(
             st.Page(
                 VIEWS / "slos.py", title="SLOs & alerts", icon=":material/notifications:", url_path="slos"
             ),
+            st.Page(VIEWS / "tenants.py", title="Tenants", icon=":material/groups:", url_path="tenants"),
         ],
         "Investigate": [
             st.Page(

@@ -184,19 +184,23 @@ def boxplot(values: pd.DataFrame, column: str, group: str, title: str) -> ChartL
 
 
 def paired_bars(
-    df: pd.DataFrame, category: str, value: str, series: str, title: str, x_title: str
+    df: pd.DataFrame, category: str, value: str, series: str, title: str, x_title: str, fmt: str = "~s"
 ) -> ChartLike:
     """Horizontal bars of ``value`` per ``category``, one bar per ``series`` side by side
-    (e.g. predicted and reported cached tokens per instance)."""
+    (e.g. predicted and reported cached tokens per instance); ``fmt`` the value axis' d3 format."""
     return _chart(
         alt.Chart(df)
         .mark_bar()
         .encode(
             y=alt.Y(f"{category}:N", title=None, axis=alt.Axis(labelLimit=200)),
             yOffset=alt.YOffset(f"{series}:N"),
-            x=alt.X(f"{value}:Q", title=x_title, axis=alt.Axis(format="~s")),
+            x=alt.X(f"{value}:Q", title=x_title, axis=alt.Axis(format=fmt)),
             color=alt.Color(f"{series}:N", title=None, scale=alt.Scale(range=["#4c78a8", "#f58518"])),
-            tooltip=[f"{category}:N", f"{series}:N", alt.Tooltip(f"{value}:Q", format=",.0f")],
+            tooltip=[
+                f"{category}:N",
+                f"{series}:N",
+                alt.Tooltip(f"{value}:Q", format=",.0f" if fmt == "~s" else fmt),
+            ],
         )
         .properties(title=title, height=alt.Step(14))
     )

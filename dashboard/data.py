@@ -15,9 +15,9 @@ import streamlit as st
 from dashboard import prefix, summaries
 from dashboard.api import ControllerClient, ControllerError
 from dashboard.context import engine_for
-from dashboard.queries import common, control, fleet, investigate, predictor, records
+from dashboard.queries import common, control, fleet, investigate, predictor, records, tenants
 from dashboard.queries import requests as rq
-from pdscope.config import SLOSettings
+from pdscope.config import SLOSettings, TenantSettings
 from store.attribution import trusted_records
 
 CACHE_TTL_S = 5.0
@@ -255,3 +255,16 @@ def prediction(
 ) -> predictor.WindowPrediction:
     """The TTFT predictions of the window against the observed TTFT (``dashboard.queries.predictor``)."""
     return predictor.prediction(engine_for(url), start, end, senders)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def tenant_window(
+    url: str,
+    start: float,
+    end: float,
+    senders: tuple[str, ...] | None,
+    declared: TenantSettings,
+    slo: SLOSettings,
+) -> tenants.WindowTenants:
+    """Each declared tenant's figures over the window (``dashboard.queries.tenants``)."""
+    return tenants.tenants(engine_for(url), start, end, senders, declared, slo)

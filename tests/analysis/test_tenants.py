@@ -29,9 +29,12 @@ def _rejected(tenant: str, reason: str | None) -> TenantFacts:
 
 def test_a_tenant_is_held_to_its_own_target_and_others_to_the_fleets() -> None:
     s = _settings()
-    assert tenant_slo(s, "a").ttft.target_ms == 500 and tenant_slo(s, "a").tpot.target_ms == 100
-    assert tenant_slo(s, "b") == s.slo and tenant_slo(s, "nobody") == s.slo
-    w = tenant_window([_ok("a", 0.8), _ok("a", 0.3), _ok("b", 0.8)], terms_of(s), since=0, until=10)
+    a_slo = tenant_slo(s.tenants, s.slo, "a")
+    assert a_slo.ttft.target_ms == 500 and a_slo.tpot.target_ms == 100
+    assert tenant_slo(s.tenants, s.slo, "b") == s.slo and tenant_slo(s.tenants, s.slo, "nobody") == s.slo
+    w = tenant_window(
+        [_ok("a", 0.8), _ok("a", 0.3), _ok("b", 0.8)], terms_of(s.tenants, s.slo), since=0, until=10
+    )
     a, b = w.of("a"), w.of("b")
     assert a is not None and b is not None
     assert (a.served, a.met, a.attainment) == (2, 1, 0.5)
@@ -44,7 +47,7 @@ def test_shares_and_jains_index_count_only_the_tenants_with_demand() -> None:
     s = _settings()
     # a (weight 2) got twice b's service: exactly by weight; c asked nothing
     facts = [_ok("a"), _ok("a"), _ok("b")]
-    w = tenant_window(facts, terms_of(s), since=0, until=10)
+    w = tenant_window(facts, terms_of(s.tenants, s.slo), since=0, until=10)
     assert w.jain == pytest.approx(1.0)
     a, b, c = (w.of(n) for n in "abc")
     assert a and b and c
@@ -52,7 +55,7 @@ def test_shares_and_jains_index_count_only_the_tenants_with_demand() -> None:
     assert c.fair_share is None and c.service_share == 0.0
     assert a.service_share == pytest.approx(2 / 3)
     # b starved by a: b asked, was refused, got nothing
-    w = tenant_window([_ok("a"), _rejected("b", "queue_full")], terms_of(s), since=0, until=10)
+    w = tenant_window([_ok("a"), _rejected("b", "queue_full")], terms_of(s.tenants, s.slo), since=0, until=10)
     b2 = w.of("b")
     assert b2 is not None and b2.starved and b2.rejected == {"queue_full": 1}
     assert w.jain == pytest.approx(0.5)  # one of two tenants with demand got everything
@@ -60,7 +63,9 @@ def test_shares_and_jains_index_count_only_the_tenants_with_demand() -> None:
 
 def test_decode_tokens_cost_what_the_config_says_in_the_service() -> None:
     s = _settings()
-    w = tenant_window([_ok("b", tokens=(100, 10))], terms_of(s), since=0, until=1, decode_cost=4.0)
+    w = tenant_window(
+        [_ok("b", tokens=(100, 10))], terms_of(s.tenants, s.slo), since=0, until=1, decode_cost=4.0
+    )
     b = w.of("b")
     assert b is not None and b.service == pytest.approx(140.0) and b.goodput_tokens == 110
 
@@ -74,7 +79,7 @@ def test_jain_index() -> None:
 def test_the_labels_are_the_configs_whatever_the_records_say() -> None:
     s = _settings()
     facts = [_ok(None), _ok("default"), _ok("gone-tenant"), _ok("a")]
-    w = tenant_window(facts, terms_of(s), since=0, until=10)
+    w = tenant_window(facts, terms_of(s.tenants, s.slo), since=0, until=10)
     assert [t.tenant for t in w.tenants] == ["default", "a", "b", "c"]
     d = w.of("default")
     assert d is not None and d.requests == 3 and w.undeclared == 1
@@ -84,7 +89,7 @@ def test_reject_reasons_are_words_and_bounded() -> None:
     s = _settings()
     odd = ["queue_full", "tenant_rate", "x" * 300, "Bad Reason\n", None]
     many = [f"reason_{i}" for i in range(40)]
-    w = tenant_window([_rejected("b", r) for r in odd + many], terms_of(s), since=0, until=10)
+    w = tenant_window([_rejected("b", r) for r in odd + many], terms_of(s.tenants, s.slo), since=0, until=10)
     b = w.of("b")
     assert b is not None and b.rejected_total == len(odd) + len(many)
     assert len(b.rejected) <= MAX_REASONS and b.rejected[OTHER] >= 3

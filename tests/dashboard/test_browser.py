@@ -30,12 +30,14 @@ PAGES = {
     "slos": "SLOs & alerts",
     "controller": "Controller",
     "capacity": "Capacity",
+    "tenants": "Tenants",
 }
 # what a page must say once drawn (its text as the browser renders it)
 CONTENT = {
     "why": ["Top reasons we missed", "of the excess since", "By instance, P×D pair and cause"],
     "slos": ["Why we missed: TTFTSLOBurn's window"],
     "controller": ["Decision regret", "flapping rate"],
+    "tenants": ["Shares and SLOs", "Per tenant", "Jain's index"],
 }
 
 

@@ -44,6 +44,7 @@ PAGES = {
     ),
     "capacity": ("Capacity", ["Implied P:D ratio and what-if"]),
     "predictor": ("Predictor", []),  # the seed has no predictions: tests/dashboard/test_predictor_page.py
+    "tenants": ("Tenants", ["Shares and SLOs", "Per tenant"]),
 }
 
 
