@@ -5,7 +5,8 @@ requests' median, grouped by stage, instance or P×D pair and cause), or with ``
 JSON as ``GET /v1/slo/attribution``. When most TTFT misses of the range were mispredicted (the proxy's
 predictor put them within their target, they were served late: ``analysis.prediction``), it says so
 with the figures. The range is ``--since`` (a duration back from now, default
-30m) or ``--from`` / ``--until`` (Unix seconds). Exit codes: 0 an answer (misses or none), 1 no
+30m) or ``--from`` / ``--until`` (Unix seconds). With ``--tenant T``, one tenant's window instead
+(``pdscope.cli.explain_tenant``). Exit codes: 0 an answer (misses or none), 1 no
 request record in the range or the store cannot be read, 2 a bad range.
 """
 
@@ -32,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--misses", type=int, default=20, help="misses listed with --json (default 20)")
     parser.add_argument("--limit", type=int, help="records read at most, the newest (default 50000)")
     parser.add_argument("--store", help="store URL (default: store.url)")
+    parser.add_argument(
+        "--tenant",
+        help="one declared tenant's window in plain words: demand, service, rejections, SLO, share",
+    )
 
 
 def _when(ts: float) -> str:
@@ -67,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
     except BadRange as exc:
         return fail("explain", f"--{exc.param}: {exc.reason}", 2)
     url = args.store or settings.store.url
+    if args.tenant is not None:
+        from pdscope.cli import explain_tenant
+
+        return explain_tenant.run(args, settings, lo, hi, url, limit)
     try:
         with opened(url) as sessions:
             result = window_attribution(sessions, settings, lo, hi, limit=limit)
