@@ -359,17 +359,22 @@ def assemble(
         slo_ttft_met=verdict.ttft_met,
         slo_tpot_met=verdict.tpot_met,
         slo_met=verdict.met,
-        attributes=AssemblyNotes(
-            spans=t.count,
-            p_vllm=_vllm_side(t.p_llm, with_ttft=False),
-            d_vllm=_vllm_side(t.d_llm, with_ttft=True),
-            reject_reason=_str(ra.get(sc.REJECT_REASON), 256),
-            remote_engine_id=_str(ra.get(sc.REMOTE_ENGINE_ID), 256),
-            dropped=route.dropped + pred.dropped + tenant_dropped,
-        ),
+        attributes=_notes(t, ra, route.dropped + pred.dropped + tenant_dropped),
         sender=root.sender,
         **_same_named(pred, _PREDICTED_COLUMNS),
         tenant=tenant,
+    )
+
+
+def _notes(t: _Trace, ra: dict[str, Any], dropped: tuple[str, ...]) -> AssemblyNotes:
+    """Assembly's notes: the spans, the vLLM sides, the reject reason, the engine id, what was dropped."""
+    return AssemblyNotes(
+        spans=t.count,
+        p_vllm=_vllm_side(t.p_llm, with_ttft=False),
+        d_vllm=_vllm_side(t.d_llm, with_ttft=True),
+        reject_reason=_str(ra.get(sc.REJECT_REASON), 256),
+        remote_engine_id=_str(ra.get(sc.REMOTE_ENGINE_ID), 256),
+        dropped=dropped,
     )
 
 

@@ -124,6 +124,12 @@ def spool_config(settings: Settings, collector_id: str, memory_spans: int | None
     )
 
 
+def store_sink(settings: Settings, factory: sessionmaker[Session], clock: Callable[[], float]) -> StoreSink:
+    """The sink of the configured SLO and tenants. On a shared store (PostgreSQL) a trace's spans may
+    reach any collector, so every batch reads the stored spans of all its traces (collector.sink)."""
+    return StoreSink(factory, settings.slo, clock, shared=shared_store(factory), tenants=settings.tenants)
+
+
 class CollectorService:
     def __init__(
         self,
@@ -159,11 +165,7 @@ class CollectorService:
         self.port = self.sock.getsockname()[1]
         self.id = cs.id or f"{socket.gethostname()}:{self.port}"
         self.spool = Spool(spool_config(settings, self.id, queue_spans), clock)
-        # a shared store (PostgreSQL): a trace's spans may reach any collector, so every batch
-        # reads the stored spans of all its traces (collector.sink)
-        self.sink = sink or StoreSink(
-            self.factory, settings.slo, clock, shared=shared_store(self.factory), tenants=settings.tenants
-        )
+        self.sink = sink or store_sink(settings, self.factory, clock)
         self.batcher = SpanBatcher(self.spool, self.sink, self.metrics, health=self.health)
         self.retention = Retention(
             self.factory, settings.store.retention_raw_s, settings.store.retention_rollup_s

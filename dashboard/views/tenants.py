@@ -142,6 +142,16 @@ def _charts(w: TenantWindow) -> None:
     )
 
 
+def _read_notes(truncated: bool, limit: int, undeclared: int) -> list[str]:
+    """What the reader should know about the records read."""
+    notes = [f"Only the newest {limit:,} requests of the range were read."] if truncated else []
+    if undeclared:
+        notes.append(
+            f"{undeclared:,} records name a tenant the config no longer declares: counted as default's."
+        )
+    return notes
+
+
 def render(opened: Opened) -> None:
     window = opened.window
     result = data.tenant_window(url, window.start, window.end, SENDERS, settings.tenants, settings.slo)
@@ -149,18 +159,15 @@ def render(opened: Opened) -> None:
     if not any(t.requests for t in w.tenants):
         ui.no_data(view, "request records", opened.latest)
         return
-    if result.truncated:
-        st.caption(f"Only the newest {result.limit:,} requests of the range were read.")
-    if w.undeclared:
-        st.caption(
-            f"{w.undeclared:,} records name a tenant the config no longer declares: counted as default's."
-        )
+    for note in _read_notes(result.truncated, result.limit, w.undeclared):
+        st.caption(note)
     _headline(w)
     st.subheader("Shares and SLOs")
     _charts(w)
     st.subheader("Per tenant")
-    table = pd.DataFrame([_row(t) for t in w.tenants])
-    st.dataframe(table, hide_index=True, width="stretch", column_config=_FORMAT)
+    st.dataframe(
+        pd.DataFrame([_row(t) for t in w.tenants]), hide_index=True, width="stretch", column_config=_FORMAT
+    )
 
 
 run_page(view, "Tenants", "each tenant's share, queue, rejections and SLO", "request records", render)
