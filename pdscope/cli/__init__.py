@@ -85,7 +85,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "why the requests of a range missed their SLO: the top three reasons, from the store",
         "Splits every SLO miss of the range over its stages (admission wait, P queue, prefill, handoff "
         "incl. the KV pull, D queue, decode) against the healthy requests' medians and groups the excess "
-        "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON.",
+        "by stage, instance or P x D pair and cause; --json prints GET /v1/slo/attribution's JSON. "
+        "--tenant T: one declared tenant's range in plain words (demand, served, rejected by reason, "
+        "attainment against its own targets, fair share against what it got, where its misses went).",
     ),
     "replay": (
         "pdscope.cli.replay",
