@@ -170,3 +170,18 @@ def test_get_tenants_answers_every_tenant_or_one(tw: Tenanted) -> None:
     assert [t["tenant"] for t in one["tenants"]] == ["batch"] and one["until"] - one["since"] == 3600
     assert bad.status_code == 400 and bad.json()["detail"][0]["field"] == "tenant"
     assert huge.status_code == 422
+
+
+def test_an_observation_with_tenants_is_stored_and_replayed_exactly(tw: Tenanted) -> None:
+    """The tick record keeps the tenants' figures, so a replay judges the tenant rules as the run did."""
+    import json
+
+    from controller.policy import Observation
+    from controller.policy.codec import dump, load
+
+    for _ in range(2):
+        tw.step(slow={"team-a": 0.6}, rejected=frozenset({"batch"}))
+    obs = tw.reconciler.view().obs
+    assert obs is not None and obs.tenants is not None
+    again = load(Observation, json.loads(json.dumps(dump(obs, compact=True))))
+    assert again == obs and again.tenants == obs.tenants
