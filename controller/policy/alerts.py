@@ -352,7 +352,7 @@ def _starved_text(t: TenantFigures, span_s: float) -> str:
     refused = f"{t.rejected_total} rejected ({reasons})" if t.rejected else "none rejected"
     return (
         f"tenant {t.tenant}: {t.demand} requests over {span_s:.0f}s and none served: {refused}, "
-        f"{t.waited} kept waiting for admission"
+        f"{t.failed} failed (error or timeout)"
     )
 
 

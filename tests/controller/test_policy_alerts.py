@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from analysis.tenants import TenantFigures, TenantWindow
 from controller.policy import AlertConfig, Observation, PolicyConfig, SLOFigures
 from controller.policy.alerts import AlertState, default_rules, fingerprint, step_alerts
 from tests.controller.replay import T0, fleet
@@ -415,3 +416,41 @@ def test_the_alerts_section_sets_the_stranded_kv_floor() -> None:
     )
     with pytest.raises(ConfigError, match="stranded_kv_usage"):
         parse_config(MINIMAL + "alerts:\n  stranded_kv_usage: 1.5\n")
+
+
+# -- tenants -------------------------------------------------------------------------------
+
+
+def _tenant(name: str, **kw: object) -> TenantFigures:
+    return TenantFigures(name, 1.0, "interactive", 0.5, 0.1, **kw)  # type: ignore[arg-type]
+
+
+def _tenant_alerts(*tenants: TenantFigures, min_requests: int = 10) -> dict[tuple[str, str], float]:
+    window = TenantWindow(T0 - 300, T0, tenants, jain=None)
+    ac = AlertConfig(for_s={"TenantSLOBreach": 0.0, "TenantStarved": 0.0}, min_requests=min_requests)
+    step = step_alerts(default_rules(ac), replace(obs(0), tenants=window), CFG, ac, {})
+    return {(a.rule, a.labels["tenant"]): a.value for a in step.active if a.rule.startswith("Tenant")}
+
+
+def test_tenant_breach_needs_enough_served_requests_under_the_attainment_target() -> None:
+    assert _tenant_alerts(_tenant("a", requests=20, demand=20, served=20, met=17)) == {
+        ("TenantSLOBreach", "a"): 0.85
+    }
+    assert _tenant_alerts(_tenant("a", requests=20, demand=20, served=20, met=18)) == {}  # 0.9: on target
+    assert _tenant_alerts(_tenant("a", requests=9, demand=9, served=9, met=0)) == {}  # too few to judge
+
+
+def test_tenant_starved_needs_demand_and_no_service() -> None:
+    refused = _tenant("b", requests=12, demand=12, rejected={"tenant_quota": 12})
+    assert _tenant_alerts(refused) == {("TenantStarved", "b"): 12.0}
+    assert _tenant_alerts(refused, min_requests=13) == {}
+    served_once = _tenant("b", requests=12, demand=12, served=1, met=1, rejected={"tenant_quota": 11})
+    assert _tenant_alerts(served_once) == {}
+    # refused as the client's own mistake only: no demand on the fleet
+    assert _tenant_alerts(_tenant("c", requests=12, demand=0)) == {}
+
+
+def test_tenant_rules_stay_quiet_without_tenants() -> None:
+    ac = AlertConfig(for_s={"TenantSLOBreach": 0.0, "TenantStarved": 0.0})
+    step = step_alerts(default_rules(ac), obs(0), CFG, ac, {})
+    assert not [a for a in step.active if a.rule.startswith("Tenant")]

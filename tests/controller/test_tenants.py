@@ -18,7 +18,7 @@ from controller.wiring import default_effects
 from pdscope.config import Settings
 from store.db import make_engine, session_factory
 from store.migrate import upgrade
-from tests.controller.conftest import RecordingNotifier
+from tests.controller.conftest import RecordingNotifier, World
 from tests.controller.replay import VirtualClock
 from tests.controller.seed import Seeder, all_pairs, settings_yaml
 
@@ -123,15 +123,12 @@ def test_a_tenant_whose_every_request_was_rejected_is_starved(tw: Tenanted) -> N
     assert tw.active() == {}
 
 
-def test_tenant_rules_stay_quiet_when_tenants_are_off(world: object) -> None:
-    from tests.controller.conftest import World
-
-    assert isinstance(world, World)
+def test_tenant_rules_stay_quiet_when_tenants_are_off(world: World) -> None:
     for _ in range(3):
         world.step()
-    last = world.reconciler.view().last
-    assert last is not None and world.reconciler.view().obs.tenants is None  # type: ignore[union-attr]
-    assert not [a for a in last.alerts.active if a.rule in RULES]
+    view = world.reconciler.view()
+    assert view.last is not None and view.obs is not None and view.obs.tenants is None
+    assert not [a for a in view.last.alerts.active if a.rule in RULES]
 
 
 def test_the_metrics_carry_each_declared_tenant_and_jains_index(tw: Tenanted) -> None:
