@@ -234,21 +234,12 @@ def tenant_window(
     by: dict[str, list[TenantFacts]] = {name: [] for name in terms}
     undeclared = 0
     for r in facts:
-        name = r.tenant if r.tenant is not None else DEFAULT_TENANT
-        if name not in by:
+        if r.tenant is not None and r.tenant not in by:
             undeclared += 1
-            name = DEFAULT_TENANT
-        by.setdefault(name, []).append(r)
+        rows = by.get(r.tenant if r.tenant in by else DEFAULT_TENANT)
+        if rows is not None:  # a map without default (a caller's own) leaves the rest out
+            rows.append(r)
     span = max(until - since, 1e-9)
-    fallback = next(iter(terms.values()), None)
-    figures = [
-        _figures(name, terms.get(name) or _default_terms(fallback), rows, span, decode_cost)
-        for name, rows in by.items()
-    ]
+    figures = [_figures(name, terms[name], rows, span, decode_cost) for name, rows in by.items()]
     shared, jain = _shares(figures)
     return TenantWindow(since, until, tuple(shared), jain, undeclared)
-
-
-def _default_terms(fallback: TenantTerms | None) -> TenantTerms:
-    """Terms for ``default`` when ``terms`` lacks it (a caller's own map): weight 1, the fleet's SLO."""
-    return TenantTerms(1.0, "interactive", fallback.slo if fallback is not None else SLOSettings())

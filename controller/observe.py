@@ -3,9 +3,10 @@
 This is the controller's only reader of snapshots and request records. It reads: the
 window's snapshots (one query; their counter increases with resets and the latest gauges
 through ``store.queries``), the request records the controller believes, the handoff
-percentiles over them and the SLO summary. What those figures say, and about whom (which
-instance a failure or an expired lease is charged to, Little's law, the typical member, the
-lower median over the P×D pairs, coverage and sample minimums), is the pure
+percentiles over them and the SLO summary, and with ``tenants.enabled`` each declared tenant's
+figures over ``slo.window_s`` (``controller.tenants``, the same believed records). What those
+figures say, and about whom (which instance a failure or an expired lease is charged to, Little's
+law, the typical member, the lower median over the P×D pairs, coverage and sample minimums), is the pure
 ``controller.policy.evidence``.
 
 What it believes: with ``controller.trusted_span_senders`` set, only request records whose
