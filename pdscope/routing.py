@@ -34,6 +34,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdscope.config.tenants import MAX_TENANTS, TENANT_ID
+
 # The two roles of a P/D fleet, the one definition every layer uses.
 Role = Literal["prefill", "decode"]
 
@@ -85,6 +87,13 @@ class ProxyShare(BaseModel):
     id: str
     live: int = Field(ge=1, description="live proxies the limits are split among (this one included)")
     pools: dict[str, PoolShare]
+    tenants: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=MAX_TENANTS,
+        description="tenants on: each reported tenant's fraction of its demand across the live proxies "
+        "that this proxy sees (0-1): the proxy scales the tenant's weight by it, so that its share holds "
+        "fleet-wide; a tenant missing: 1",
+    )
 
 
 MAX_RATE_ROWS = 100_000  # rows of a served rate table (instances, pairs): a bound on what a proxy accepts
@@ -243,7 +252,9 @@ class ProxyReport:
     without a part until the holder has been silent for ``controller.proxy_ttl_s`` (then it
     takes the id over: a restart). ``demand`` counts, per pool, the requests that sought
     admission into it since the process started (admitted or rejected); ``inflight`` is what
-    the proxy holds now; ``applied`` the table version it applies.
+    the proxy holds now; ``applied`` the table version it applies. ``tenants`` (tenants on) counts,
+    per declared tenant, the requests that arrived since the process started: the controller splits
+    each tenant's weight among the proxies by it (``ProxyShare.tenants``).
     """
 
     id: str
@@ -252,6 +263,7 @@ class ProxyReport:
     applied: int | None = None
     demand: Mapping[str, int] = field(default_factory=dict)
     inflight: Mapping[str, int] = field(default_factory=dict)
+    tenants: Mapping[str, int] = field(default_factory=dict)
 
     def params(self) -> dict[str, str]:
         out = {"proxy": self.id, "boot": self.boot, "started": f"{self.started:.3f}"}
@@ -261,6 +273,8 @@ class ProxyReport:
             out["demand"] = _pairs(self.demand)
         if self.inflight:
             out["inflight"] = _pairs(self.inflight)
+        if self.tenants:
+            out["tenants"] = _pairs(self.tenants)
         return out
 
     @classmethod
@@ -284,6 +298,7 @@ class ProxyReport:
             applied,
             _parse_pairs(q.get("demand", ""), "demand"),
             _parse_pairs(q.get("inflight", ""), "inflight"),
+            _parse_pairs(q.get("tenants", ""), "tenants", TENANT_ID, MAX_TENANTS),
         )
 
 
@@ -307,18 +322,23 @@ def _count(raw: str, param: str) -> int:
     return int(raw)
 
 
-def _parse_pairs(raw: str, param: str) -> dict[str, int]:
+def _parse_pairs(
+    raw: str, param: str, pattern: re.Pattern[str] = _POOL, most: int = MAX_REPORT_POOLS
+) -> dict[str, int]:
+    """``name:count[,name:count...]``, each name matching ``pattern``, at most ``most`` of them."""
     out: dict[str, int] = {}
     if not raw:
         return out
+    if len(raw) > most * 96:
+        raise BadReport(param, f"over {most * 96} characters")
     items = raw.split(",")
-    if len(items) > MAX_REPORT_POOLS:
-        raise BadReport(param, f"more than {MAX_REPORT_POOLS} pools")
+    if len(items) > most:
+        raise BadReport(param, f"more than {most} names")
     for item in items:
         pool, sep, n = item.partition(":")
-        if not sep or not _POOL.match(pool):
-            raise BadReport(param, f"expected pool:count[,pool:count...], got {item[:40]!r}")
+        if not sep or not pattern.fullmatch(pool):
+            raise BadReport(param, f"expected name:count[,name:count...], got {item[:40]!r}")
         if pool in out:
-            raise BadReport(param, f"pool {pool!r} twice")
+            raise BadReport(param, f"{pool!r} twice")
         out[pool] = _count(n, param)
     return out

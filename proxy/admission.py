@@ -13,7 +13,8 @@ When no pool of a role has room, the request waits for any release (bounded by
 ``queue_timeout_s``, or the shorter ``max_queue_wait_s`` the controller sets from the
 TTFT budget left, or, with admission by prediction, the time it can still wait and make its
 target), then is rejected with a reason. Waiters are woken in deadline order. The number of
-waiters is bounded too.
+waiters is bounded too. With tenants (``proxy.fairqueue``) the waiters are the fair queue's
+tickets instead, woken in its order (class, then the least-served tenant).
 One event loop, no locks; :meth:`Admission.wait` is the only thing that blocks.
 """
 
@@ -26,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from proxy.concurrency import AdaptiveLimits
+from proxy.fairqueue import FairQueue, Ticket
 from proxy.routing import PoolLimits
 
 REASON_REQUESTS = "inflight_requests"
@@ -56,8 +58,11 @@ class Rejection:
 
 
 class Admission:
-    def __init__(self, max_waiters: int = 1024, adaptive: AdaptiveLimits | None = None) -> None:
+    def __init__(
+        self, max_waiters: int = 1024, adaptive: AdaptiveLimits | None = None, fair: FairQueue | None = None
+    ) -> None:
         self.adaptive = adaptive
+        self.fair = fair  # tenants on: the waiters are its tickets
         self.requests: Counter[str] = Counter()
         self.kv_bytes: Counter[str] = Counter()
         # requests that sought admission into each pool since start, admitted or not: the demand the
@@ -101,7 +106,7 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + (0 if self.fair is None else self.fair.waiting)
 
     def can_wait(self) -> bool:
         return len(self._waiters) < self.max_waiters
@@ -126,7 +131,31 @@ class Admission:
             except ValueError:
                 pass
 
+    async def wait_ticket(self, ticket: Ticket, within_s: float) -> bool:
+        """A queued ticket of the fair queue waits until something is released, it is shed, or
+        ``within_s`` passes; True if woken."""
+        if within_s <= 0:
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket.wake = fut
+        try:
+            await asyncio.wait_for(fut, within_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            ticket.wake = None
+
+    def wake(self, tickets: list[Ticket]) -> None:
+        """Wake ``tickets``' waits, in this order (the first runs first)."""
+        for ticket in tickets:
+            fut = ticket.wake
+            if isinstance(fut, asyncio.Future) and not fut.done():
+                fut.set_result(None)
+
     def _notify(self) -> None:
+        if self.fair is not None and self.fair.waiting:
+            self.wake(self.fair.order())
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for _, _, fut in waiters:  # deadline order: the earliest runs first and takes the slot

@@ -46,6 +46,7 @@ from proxy import protocol, surface
 from proxy.admission import Admission
 from proxy.concurrency import AdaptiveLimits
 from proxy.context import ContextCheck
+from proxy.fairqueue import FairQueue
 from proxy.flow import Flow
 from proxy.gate import KvRouting
 from proxy.kvaware import CostModel
@@ -59,6 +60,7 @@ from proxy.prefixview import CacheView
 from proxy.request import FlowSettings, Gone
 from proxy.routing import RoutingState, poll_forever
 from proxy.selection import Policy, RetryBudget, Selector
+from proxy.tenancy import Tenancy
 from proxy.tokenize import Tokenizer, load_tokenizer
 from proxy.tracing import BoundedSpanProcessor, make_provider, otlp_endpoint, otlp_exporter
 from proxy.upstream import Upstream, UpstreamClient
@@ -122,6 +124,7 @@ class Parts:
     kv: KvRouting | None = None  # KV-aware routing, when a cache view is in use
     kv_events: KvEventsSubscriber | None = None  # precise mode's subscriber (instances with events)
     catalog: ModelCatalog = field(default_factory=ModelCatalog)  # what the instances serve (/v1/models)
+    tenancy: Tenancy | None = None  # tenants on (proxy.tenancy)
 
 
 class ProxyApp:
@@ -132,7 +135,8 @@ class ProxyApp:
         self._learner: asyncio.Task[None] | None = None
         # the request headers the flow reads: the trace's, the caller's token, and its own TTFT target
         target = parts.settings.proxy.predict.target_header.lower().encode("latin-1")
-        self._wanted = frozenset((*_WANTED_HEADERS, target))
+        tenant = () if parts.tenancy is None else (parts.tenancy.identify.header,)
+        self._wanted = frozenset((*_WANTED_HEADERS, target, *tenant))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -158,10 +162,15 @@ class ProxyApp:
                 )
             )
         if self.poll and self._poller is None:
-            adm = p.admission
+            adm, tenancy = p.admission, p.tenancy
 
             def report() -> ProxyReport:
-                return p.routing.report(dict(adm.demand), {k: v for k, v in adm.requests.items() if v})
+                if tenancy is None:
+                    return p.routing.report(dict(adm.demand), {k: v for k, v in adm.requests.items() if v})
+                share = p.routing.current_share(p.clock())  # the last answer's scales apply from now
+                tenancy.scale({} if share is None else share.tenants)
+                inflight = {k: v for k, v in adm.requests.items() if v}
+                return p.routing.report(dict(adm.demand), inflight, dict(tenancy.demand))
 
             self._poller = asyncio.create_task(
                 poll_forever(
@@ -343,15 +352,21 @@ def _selector(settings: Settings, policy: Policy, rng: random.Random | None) -> 
     return Selector(policy, OutlierDetector(settings.proxy.outlier, pools), rng)
 
 
-def _admission(settings: Settings, policy: Policy) -> Admission:
-    """The admission gate, with the adaptive limit where it applies: it protects the weighted proxy;
-    round-robin stays the toy proxy's baseline."""
+def _admission(
+    settings: Settings, policy: Policy, metrics: ProxyMetrics, clock: Callable[[], float]
+) -> tuple[Admission, Tenancy | None]:
+    """The admission gate, with the adaptive limit where it applies (it protects the weighted proxy;
+    round-robin stays the toy proxy's baseline), and with tenants on their fair queue before it."""
     ps = settings.proxy
     adaptive = None
     if ps.adaptive_limit.enabled and policy == "weighted":
         ttft = settings.slo.ttft
         adaptive = AdaptiveLimits(ps.adaptive_limit, ttft.target_ms / 1000.0, ttft.percentile)
-    return Admission(adaptive=adaptive)
+    if not settings.tenants.enabled:
+        return Admission(adaptive=adaptive), None
+    admission = Admission(adaptive=adaptive)
+    admission.fair = FairQueue(settings.tenants, admission.max_waiters, clock)
+    return admission, Tenancy(settings.tenants, admission.fair, metrics.registry, clock)
 
 
 def _upstream(settings: Settings, upstream_client: str) -> UpstreamClient:
@@ -428,7 +443,7 @@ def build(
     routing = RoutingState(settings, clock())
     policy = policy or ps.policy
     selector = _selector(settings, policy, rng)
-    admission = _admission(settings, policy)
+    admission, tenancy = _admission(settings, policy, metrics, clock)
     budget = RetryBudget(ps.retry_budget)
     upstream = _upstream(settings, upstream_client)
     provider, spans, tracer = _tracing(settings, exporter)
@@ -436,7 +451,18 @@ def build(
     catalog, context = _context_check(settings, metrics, view)
     flow_settings = FlowSettings.from_settings(settings)
     flow = Flow(
-        flow_settings, upstream, routing, selector, admission, budget, metrics, tracer, clock, kv, context
+        flow_settings,
+        upstream,
+        routing,
+        selector,
+        admission,
+        budget,
+        metrics,
+        tracer,
+        clock,
+        kv,
+        context,
+        tenancy,
     )
     trust = view.trust if isinstance(view, PreciseView) else None
     metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))
@@ -455,6 +481,7 @@ def build(
         kv,
         kv_events,
         catalog,
+        tenancy,
     )
     return ProxyApp(parts, poll=poll)
 

@@ -38,6 +38,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdscope import semconv as sc
+from pdscope.config import DEFAULT_TENANT
 from proxy import protocol
 from proxy.admission import REASON_NO_INSTANCES, REASON_PREDICTED_LATE, Admission, Rejection
 from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
@@ -58,6 +59,7 @@ from proxy.request import (
 )
 from proxy.routing import RoutingState
 from proxy.selection import RetryBudget, Selector
+from proxy.tenancy import Tenancy, decode_tokens, tenant_message
 from proxy.tracing import head_sampled, parent_sampled, parse_traceparent
 from proxy.upstream import ConnectFailed, UpstreamClient
 from proxy.validate import InvalidRequest, check_body
@@ -77,10 +79,12 @@ class Flow:
         clock: Callable[[], float] = time.monotonic,
         kv: KvRouting | None = None,
         context: ContextCheck | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self.fs, self.upstream, self.routing, self.selector = fs, upstream, routing, selector
         self.kv = kv
         self.context = context
+        self.tenancy = tenancy  # tenants on: identity, limits, per-tenant counts (proxy.tenancy)
         self.admission, self.budget, self.metrics, self.tracer, self.clock = (
             admission,
             budget,
@@ -125,6 +129,9 @@ class Flow:
         if auth:
             base_headers.append(("Authorization", auth.decode("latin-1")))
         try:
+            if self.tenancy is not None:
+                req.tenant = self.tenancy.resolve(headers)
+                root.set_attribute(sc.TENANT, req.tenant)  # the record's tenant, rejected or not
             body = self._checked_body(endpoint, raw)
             req.stream = body.get("stream") is True
             if self.kv is not None:
@@ -136,6 +143,9 @@ class Flow:
                     req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
                 )
             req.tokens = exact
+            if self.tenancy is not None:
+                req.decode_tokens = decode_tokens(endpoint, body)
+                self.tenancy.check_limits(req)
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -152,6 +162,8 @@ class Flow:
                 self.metrics.client_disconnects.labels(req.stage).inc()
             raise
         finally:
+            if self.tenancy is not None:
+                self.tenancy.ended(req)
             self.gate.release(req)
             if self.kv is not None:
                 self.kv.settled(req)
@@ -304,14 +316,21 @@ class Flow:
 
     async def _admit(self, req: RequestState, root: trace.Span, ctx: Context) -> None:
         span = self.tracer.start_span(sc.SPAN_ADMISSION, context=ctx)
+        began = self.clock()
         try:
             rejection = await self.gate.admit(req)
             if rejection is not None:
-                raise self._rejected(rejection, span, root)
+                if self.tenancy is not None:
+                    self.tenancy.rejected(req.tenant, rejection.reason)
+                raise self._rejected(rejection, span, root, req.tenant)
+            if self.tenancy is not None:
+                self.tenancy.admitted(req, self.clock() - began)
         finally:
             span.end()
 
-    def _rejected(self, rejection: Rejection, span: trace.Span, root: trace.Span) -> ClientError:
+    def _rejected(
+        self, rejection: Rejection, span: trace.Span, root: trace.Span, tenant: str = DEFAULT_TENANT
+    ) -> ClientError:
         for pool in rejection.pools:
             self.metrics.rejections.labels(pool, rejection.reason).inc()
         span.set_attribute(sc.REJECT_REASON, rejection.reason)
@@ -340,7 +359,8 @@ class Flow:
             )
         return client_error(
             429,
-            f"pool {rejection.pools[0]!r} is at its limit ({rejection.reason}); retry later",
+            tenant_message(rejection.reason, tenant)
+            or f"pool {rejection.pools[0]!r} is at its limit ({rejection.reason}); retry later",
             "rate_limit_error",
             "rejected",
             rejection.reason,

@@ -43,6 +43,7 @@ from proxy.admission import (
     Admission,
     Rejection,
 )
+from proxy.fairqueue import REASON_SHED, Ticket
 from proxy.kvaware import (
     REASON_KEYING_BUSY,
     REASON_NO_PROMPT,
@@ -229,27 +230,92 @@ class Gate:
 
     async def _admit(self, req: RequestState) -> Rejection | None:
         """Admit ``req`` now, or wait for a pool's room while it can still make its target (with
-        admission by prediction) and the queue bound allows; or why not."""
+        admission by prediction) and the queue bound allows; or why not. With tenants, through the
+        fair queue (``proxy.fairqueue``): it waits while a waiter ranks before it."""
         deadline = self.clock() + self.routing.view.queue_wait_s(self.fs.queue_timeout_s)
         self._sync_table()
+        fair = self.admission.fair
+        if fair is None:
+            return await self._admit_loop(req, deadline, None)
+        ticket = fair.arrive(req.tenant)
+        try:
+            return await self._admit_loop(req, deadline, ticket)
+        finally:
+            if ticket.queued:
+                fair.leave(ticket)
+                self.admission.wake(fair.order()[:1])  # the next one may try (there may be room)
+
+    async def _admit_loop(
+        self, req: RequestState, deadline: float, ticket: Ticket | None
+    ) -> Rejection | None:
+        last: Rejection | None = None
         while True:
             now, view = self.clock(), self.routing.view
+            if ticket is not None and ticket.shed:
+                return Rejection(REASON_SHED, view.prefill_pools or self._pools_of["prefill"], "prefill")
             look = self._outlook(req, view, now)
             if look is not None and look.hopeless:
                 return self._late(req, view, look)
             late = look.late if look is not None else frozenset()
-            rejection = self._try_admit(req, view, now, late)
+            rejection = self._blocked_by_waiter(ticket, last, view) or self._try_admit(req, view, now, late)
             if rejection is None:
                 self._predicted(req, now)
+                self._charge(req)
                 return None
             if rejection.reason == REASON_NO_INSTANCES:
                 return rejection
+            last = rejection
             until = deadline if look is None else min(deadline, now + look.slack_s)
             if until - now <= 0:
                 return rejection
-            if not self.admission.can_wait():
-                return Rejection(REASON_QUEUE_FULL, rejection.pools, rejection.role)
-            await self.admission.wait(until - now, until)
+            refused = self._queue(ticket, rejection)
+            if refused is not None:
+                return refused
+            if ticket is None:
+                await self.admission.wait(until - now, until)
+            else:
+                await self.admission.wait_ticket(ticket, until - now)
+
+    def _blocked_by_waiter(
+        self, ticket: Ticket | None, last: Rejection | None, view: RoutingView
+    ) -> Rejection | None:
+        """With tenants: a waiter ranks before ``ticket``, so it may not try the pools (it waits, and a
+        timeout says why the queue formed: the last pool that was full); None: it may try."""
+        fair = self.admission.fair
+        if ticket is None or fair is None or not fair.ahead(ticket):
+            return None
+        return last or Rejection(REASON_REQUESTS, view.prefill_pools or self._pools_of["prefill"], "prefill")
+
+    def _queue(self, ticket: Ticket | None, rejection: Rejection) -> Rejection | None:
+        """Take a place among the waiters (kept across its waits), or why there is none. With tenants
+        a higher class may shed a lower waiter to get one: that waiter is woken to end."""
+        fair = self.admission.fair
+        if ticket is None or fair is None:
+            if self.admission.can_wait():
+                return None
+            return Rejection(REASON_QUEUE_FULL, rejection.pools, rejection.role)
+        if ticket.queued:
+            return None
+        why, victim = fair.enqueue(ticket)
+        if victim is not None:
+            self.admission.wake([victim])
+        return None if why is None else Rejection(why, rejection.pools, rejection.role)
+
+    def _charge(self, req: RequestState) -> None:
+        """With tenants: the admitted request's cost to its tenant (prompt tokens P computes, after the
+        predicted cache hits, and its decode tokens at ``max_tokens``, corrected when it ends)."""
+        fair = self.admission.fair
+        if fair is None:
+            return
+        route = req.route
+        if route is None:
+            prompt = req.tokens
+        elif route.p is not None:
+            prompt = route.p_uncached
+        else:  # D alone computes what it does not hold
+            prompt = route.prompt_tokens - route.d_cached
+        fair.admitted(req.tenant, fair.cost(prompt, req.decode_tokens))
+        req.decode_charged = req.decode_tokens
 
     # -- the predictor ----------------------------------------------------------------
 
@@ -639,6 +705,10 @@ class Gate:
             self.admission.remove_bytes(d_pool, n)
 
     def release(self, req: RequestState) -> None:
+        fair = self.admission.fair
+        if fair is not None and req.decode_charged is not None:
+            fair.finished(req.tenant, req.decode_charged, req.completion_tokens)
+            req.decode_charged = None
         self.drop_kv(req)
         self._drop_backlog(req)
         self._drop_d_backlog(req)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdscope.config import PredictSettings, Settings
+from pdscope.config import DEFAULT_TENANT, PredictSettings, Settings
 from proxy import protocol
 from proxy.kvaware import Decision
 from proxy.predict import HandoffX
@@ -133,6 +133,8 @@ class RequestState:
         "d_prompt_tokens",
         "d_sent_ns",
         "d_slot",
+        "decode_charged",
+        "decode_tokens",
         "endpoint",
         "first_token_ns",
         "handoff",
@@ -161,6 +163,7 @@ class RequestState:
         "started_ns",
         "stream",
         "target_s",
+        "tenant",
         "tokens",
         "tokens_ahead",
     )
@@ -214,6 +217,11 @@ class RequestState:
         self.first_token_ns: int | None = None
         # the handoff that served it (``semconv.HANDOFFS``: pull, push, push_early); None: the fleet's mode
         self.handoff: str | None = None
+        # tenants (``proxy.tenants``, ``proxy.fairqueue``): whose it is, the decode tokens it asks for
+        # (max_tokens, or the default charge), and those charged to its tenant while admitted
+        self.tenant = DEFAULT_TENANT
+        self.decode_tokens = 0
+        self.decode_charged: int | None = None
 
 
 def client_error(

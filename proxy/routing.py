@@ -292,9 +292,13 @@ class RoutingState:
         self.share_refusal = detail
         self.share = self.share_at = None
 
-    def report(self, demand: dict[str, int], inflight: dict[str, int]) -> ProxyReport:
-        """What the next poll tells the controller."""
-        return ProxyReport(self.proxy_id, self.boot, self.started_unix, self.view.version, demand, inflight)
+    def report(
+        self, demand: dict[str, int], inflight: dict[str, int], tenants: dict[str, int] | None = None
+    ) -> ProxyReport:
+        """What the next poll tells the controller (``tenants``: each tenant's requests, tenants on)."""
+        return ProxyReport(
+            self.proxy_id, self.boot, self.started_unix, self.view.version, demand, inflight, tenants or {}
+        )
 
     def on_not_modified(self, now: float) -> None:
         self.last_ok = now

@@ -94,7 +94,7 @@ class TenantSettings(_Frozen):
         if len(tenants) > MAX_TENANTS:
             raise ValueError(f"{len(tenants)} tenants: at most {MAX_TENANTS} (each is a metric label)")
         for name in tenants:
-            if not TENANT_ID.match(name):
+            if not TENANT_ID.fullmatch(name):
                 raise ValueError(f"tenant id {name!r}: 1-63 of letters, digits, '_', '.', '@', '-'")
         if DEFAULT_TENANT not in tenants:
             tenants = {DEFAULT_TENANT: Tenant(), **tenants}

@@ -1,0 +1,234 @@
+"""The tenants' fair queue in front of the pools: who waits, who goes next, what each one is charged.
+
+Pure policy (no I/O, no asyncio; the clock is passed in). :class:`proxy.admission.Admission` holds
+the waiters' wake-ups and :class:`proxy.gate.Gate` asks this queue before every try at a pool.
+
+**Virtual token counters.** Each tenant ``t`` has a counter ``c[t]``: the service it was given, in
+tokens, over its weight. Admitting a request of ``t`` adds ``(P + k x D) / w[t]``: ``P`` the prompt
+tokens it makes P compute (after the cache hits the KV view predicted, else all of them), ``D`` its
+``max_tokens`` and ``k`` ``tenants.cost_per_decode_token``; when it ends, ``D`` is corrected to the
+output tokens it had. ``w[t]`` is the tenant's weight times its scale (:meth:`scale`: with several
+proxies, this proxy's fraction of the tenant's demand, from the controller).
+
+**Who goes first.** While nobody waits, a request tries the pools at once: a tenant alone can use
+all of them (work-conserving). Once requests wait, they go in order of (class rank, the tenant's
+counter, arrival): a higher class always first, then the least-served tenant; a tenant's own
+requests in arrival order. A new arrival tries the pools only when no waiter ranks before it;
+otherwise it waits too, so it never overtakes one.
+
+**No banked credit.** A tenant that arrives idle (nothing waiting, nothing in flight) has its counter
+lifted to the least counter among the busy tenants (waiting or in flight); none busy: to the
+highest counter known. Idle time earns nothing to spend later.
+
+**Bounds.** Each tenant has its own queue (``max_queued``; default ``max_waiters`` split by
+weight): a flooding tenant fills its own and gets its own 429s (``tenant_queue_full``). All waiters
+together are bounded by ``max_waiters``: there, an arrival of a higher class sheds the lowest-class
+waiter (the most served of them, the latest of its requests), which ends with a 429
+(``shed_for_priority``); an arrival no waiter ranks below is refused (``queue_full``).
+
+**Fairness.** Each tenant's service (its charges over its weight) is also kept as a rate decayed
+over ``SERVICE_TAU_S``; :meth:`jain` is Jain's index of those rates over the tenants that waited
+within that time (the backlogged ones): 1 is an even weighted share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pdscope.config.tenants import TenantSettings
+
+REASON_TENANT_QUEUE_FULL = "tenant_queue_full"
+REASON_SHED = "shed_for_priority"
+REASON_QUEUE_FULL = "queue_full"  # the same reason as proxy.admission's
+SERVICE_TAU_S = 10.0  # the decay of the service rates Jain's index reads
+MIN_SCALE = 0.01  # a tenant's weight is never scaled below this fraction (it still gets some share)
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request's place in the fair queue, from its arrival until it is admitted or gives up.
+    ``wake``: what the holder of the wait set (``proxy.admission``); this module never calls it."""
+
+    tenant: str
+    rank: int
+    seq: int
+    queued: bool = False
+    shed: bool = False
+    wake: object = None
+
+
+@dataclass(slots=True)
+class _Rate:
+    value: float = 0.0
+    at: float = 0.0
+
+    def read(self, now: float) -> float:
+        return max(0.0, self.value * math.exp(-max(0.0, now - self.at) / SERVICE_TAU_S))
+
+    def add(self, x: float, now: float) -> None:
+        self.value, self.at = self.read(now) + x, now
+
+
+@dataclass(slots=True)
+class _Tenant:
+    weight: float
+    rank: int
+    bound: int
+    counter: float = 0.0
+    scale: float = 1.0
+    queue: deque[Ticket] = field(default_factory=deque)
+    service: _Rate = field(default_factory=_Rate)
+    waited_at: float = -math.inf  # when it last had a waiter
+
+
+class FairQueue:
+    def __init__(self, ts: TenantSettings, max_waiters: int, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.max_waiters = max_waiters
+        self.cost_per_decode_token = ts.cost_per_decode_token
+        total = sum(t.weight for t in ts.tenants.values())
+        self.tenants = {
+            name: _Tenant(
+                t.weight,
+                ts.rank(name),
+                t.max_queued if t.max_queued is not None else max(1, int(max_waiters * t.weight / total)),
+            )
+            for name, t in ts.tenants.items()
+        }
+        self.inflight: Counter[str] = Counter()
+        self.waiting = 0
+        self._seq = 0
+
+    # -- arrival and order --------------------------------------------------------------
+
+    def arrive(self, tenant: str) -> Ticket:
+        """A request of ``tenant`` (a declared one) arrives: its ticket; an idle tenant is lifted."""
+        t = self.tenants[tenant]
+        if not t.queue and not self.inflight[tenant]:
+            t.counter = max(t.counter, self._floor(tenant))
+        self._seq += 1
+        return Ticket(tenant, t.rank, self._seq)
+
+    def _floor(self, tenant: str) -> float:
+        busy = [t.counter for n, t in self.tenants.items() if n != tenant and (t.queue or self.inflight[n])]
+        if busy:
+            return min(busy)
+        return max((t.counter for t in self.tenants.values()), default=0.0)
+
+    def _key(self, ticket: Ticket) -> tuple[int, float, int]:
+        return ticket.rank, self.tenants[ticket.tenant].counter, ticket.seq
+
+    def ahead(self, ticket: Ticket) -> bool:
+        """Whether a waiter ranks before ``ticket``: then it must not try the pools yet."""
+        mine = self._key(ticket)
+        for t in self.tenants.values():
+            if t.queue:
+                head = t.queue[0]
+                if head is not ticket and self._key(head) < mine:
+                    return True
+        return False
+
+    def order(self) -> list[Ticket]:
+        """Every waiter, the first to go first."""
+        return sorted(self._waiters(), key=self._key)
+
+    def _waiters(self) -> Iterator[Ticket]:
+        for t in self.tenants.values():
+            yield from t.queue
+
+    # -- queueing -------------------------------------------------------------------------
+
+    def enqueue(self, ticket: Ticket) -> tuple[str | None, Ticket | None]:
+        """Queue ``ticket``: (why not, None), or (None, the waiter shed to make room for it, if any:
+        its holder must be woken to end it)."""
+        t = self.tenants[ticket.tenant]
+        if len(t.queue) >= t.bound:
+            return REASON_TENANT_QUEUE_FULL, None
+        victim = None
+        if self.waiting >= self.max_waiters:
+            victim = self._victim(ticket.rank)
+            if victim is None:
+                return REASON_QUEUE_FULL, None
+            self.leave(victim)
+            victim.shed = True
+        t.queue.append(ticket)
+        ticket.queued = True
+        self.waiting += 1
+        t.waited_at = self.clock()
+        return None, victim
+
+    def _victim(self, rank: int) -> Ticket | None:
+        """The waiter to shed for an arrival of class ``rank``: the lowest class below it, the most
+        served tenant of that class, its latest request; None when no waiter is of a lower class."""
+        worst = max(
+            self._waiters(), key=lambda w: (w.rank, self.tenants[w.tenant].counter, w.seq), default=None
+        )
+        return worst if worst is not None and worst.rank > rank else None
+
+    def leave(self, ticket: Ticket) -> None:
+        """``ticket`` is no longer waiting (admitted, gave up, shed); nothing when it was not queued."""
+        if ticket.queued:
+            ticket.queued = False
+            self.tenants[ticket.tenant].queue.remove(ticket)
+            self.waiting -= 1
+            self.tenants[ticket.tenant].waited_at = self.clock()
+
+    # -- service ----------------------------------------------------------------------------
+
+    def weight(self, tenant: str) -> float:
+        t = self.tenants[tenant]
+        return t.weight * t.scale
+
+    def cost(self, prompt_uncached: int, decode_tokens: int) -> float:
+        return max(0, prompt_uncached) + self.cost_per_decode_token * max(0, decode_tokens)
+
+    def admitted(self, tenant: str, cost: float) -> None:
+        """A request of ``tenant`` admitted: ``cost`` (:meth:`cost`) charged, one more in flight."""
+        self.inflight[tenant] += 1
+        self.charge(tenant, cost)
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """Add ``cost`` (negative: a correction) to ``tenant``'s counter and service."""
+        share = cost / self.weight(tenant)
+        t = self.tenants[tenant]
+        t.counter += share
+        t.service.add(share, self.clock())
+
+    def finished(self, tenant: str, decode_charged: int, decode_used: int | None) -> None:
+        """An admitted request ended: one less in flight; its decode charge corrected to what it used."""
+        self.inflight[tenant] -= 1
+        if decode_used is not None and decode_used != decode_charged:
+            self.charge(tenant, self.cost_per_decode_token * (max(0, decode_used) - decode_charged))
+
+    def scale(self, scales: Mapping[str, float]) -> None:
+        """Each tenant's weight scale (a declared tenant missing: 1), at least ``MIN_SCALE``."""
+        for name, t in self.tenants.items():
+            s = scales.get(name, 1.0)
+            t.scale = min(1.0, max(MIN_SCALE, s)) if math.isfinite(s) else 1.0
+
+    # -- what the metrics read ----------------------------------------------------------------
+
+    def queued(self, tenant: str) -> int:
+        return len(self.tenants[tenant].queue)
+
+    def service_rates(self) -> dict[str, float]:
+        """Each tenant's decayed service rate (tokens over its weight, per ``SERVICE_TAU_S``)."""
+        now = self.clock()
+        return {n: t.service.read(now) for n, t in self.tenants.items()}
+
+    def jain(self) -> float | None:
+        """Jain's index over the service rates of the tenants that waited within ``SERVICE_TAU_S``
+        (1: even shares by weight; 1/n: one tenant served); None when none did."""
+        now = self.clock()
+        xs = [
+            t.service.read(now)
+            for t in self.tenants.values()
+            if t.queue or now - t.waited_at <= SERVICE_TAU_S
+        ]
+        squares = sum(x * x for x in xs)
+        if not xs or squares <= 0:
+            return None
+        return sum(xs) ** 2 / (len(xs) * squares)
