@@ -16,9 +16,11 @@ counter, arrival): a higher class always first, then the least-served tenant; a 
 requests in arrival order. A new arrival tries the pools only when no waiter ranks before it;
 otherwise it waits too, so it never overtakes one.
 
-**No banked credit.** A tenant that arrives idle (nothing waiting, nothing in flight) has its counter
-lifted to the least counter among the busy tenants (waiting or in flight); none busy: to the
-highest counter known. Idle time earns nothing to spend later.
+**No banked credit.** A tenant that arrives idle (nothing waiting, nothing in flight, for more than
+``IDLE_S``) has its counter lifted to the least counter among the busy tenants (waiting or in
+flight); none busy: to the highest counter known. Idle time earns nothing to spend later. The
+grace keeps a tenant whose clients send one request after another (in flight 0 for a moment
+between them) from being lifted each time, which would undo its weight.
 
 **Bounds.** Each tenant has its own queue (``max_queued``; default ``max_waiters`` split by
 weight): a flooding tenant fills its own and gets its own 429s (``tenant_queue_full``). All waiters
@@ -44,6 +46,7 @@ REASON_TENANT_QUEUE_FULL = "tenant_queue_full"
 REASON_SHED = "shed_for_priority"
 REASON_QUEUE_FULL = "queue_full"  # the same reason as proxy.admission's
 SERVICE_TAU_S = 10.0  # the decay of the service rates Jain's index reads
+IDLE_S = 1.0  # a tenant with nothing waiting or in flight for longer than this is idle
 MIN_SCALE = 0.01  # a tenant's weight is never scaled below this fraction (it still gets some share)
 
 
@@ -82,6 +85,7 @@ class _Tenant:
     queue: deque[Ticket] = field(default_factory=deque)
     service: _Rate = field(default_factory=_Rate)
     waited_at: float = -math.inf  # when it last had a waiter
+    busy_at: float = -math.inf  # when it last had a waiter or a request in flight
 
 
 class FairQueue:
@@ -106,8 +110,8 @@ class FairQueue:
 
     def arrive(self, tenant: str) -> Ticket:
         """A request of ``tenant`` (a declared one) arrives: its ticket; an idle tenant is lifted."""
-        t = self.tenants[tenant]
-        if not t.queue and not self.inflight[tenant]:
+        t, now = self.tenants[tenant], self.clock()
+        if not t.queue and not self.inflight[tenant] and now - t.busy_at > IDLE_S:
             t.counter = max(t.counter, self._floor(tenant))
         self._seq += 1
         return Ticket(tenant, t.rank, self._seq)
@@ -174,7 +178,8 @@ class FairQueue:
             ticket.queued = False
             self.tenants[ticket.tenant].queue.remove(ticket)
             self.waiting -= 1
-            self.tenants[ticket.tenant].waited_at = self.clock()
+            t = self.tenants[ticket.tenant]
+            t.waited_at = t.busy_at = self.clock()
 
     # -- service ----------------------------------------------------------------------------
 
@@ -200,6 +205,7 @@ class FairQueue:
     def finished(self, tenant: str, decode_charged: int, decode_used: int | None) -> None:
         """An admitted request ended: one less in flight; its decode charge corrected to what it used."""
         self.inflight[tenant] -= 1
+        self.tenants[tenant].busy_at = self.clock()
         if decode_used is not None and decode_used != decode_charged:
             self.charge(tenant, self.cost_per_decode_token * (max(0, decode_used) - decode_charged))
 

@@ -1,0 +1,180 @@
+"""The tenants' fair queue as pure policy (``proxy.fairqueue``): order, no banked credit, bounds,
+shedding for priority, charges and their correction, weights, Jain's index. The clock is a list."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from pdscope.config.tenants import TenantSettings
+from proxy.fairqueue import (
+    REASON_QUEUE_FULL,
+    REASON_TENANT_QUEUE_FULL,
+    FairQueue,
+    Ticket,
+)
+
+
+def _settings(**tenants: dict[str, Any]) -> TenantSettings:
+    return TenantSettings.model_validate(
+        {"enabled": True, "tenants": tenants or {"a": {}, "b": {}}, "cost_per_decode_token": 1.0}
+    )
+
+
+def _queue(max_waiters: int = 100, **tenants: dict[str, Any]) -> tuple[FairQueue, list[float]]:
+    t = [0.0]
+    return FairQueue(_settings(**tenants), max_waiters, lambda: t[0]), t
+
+
+def _wait(q: FairQueue, tenant: str) -> Ticket:
+    ticket = q.arrive(tenant)
+    why, victim = q.enqueue(ticket)
+    assert why is None and victim is None
+    return ticket
+
+
+def test_the_least_served_tenant_goes_first_and_an_arrival_does_not_overtake_it() -> None:
+    q, _ = _queue()
+    q.admitted("a", 1000)  # a is busy and has been served
+    a1 = _wait(q, "a")
+    b1 = _wait(q, "b")  # b arrives idle: lifted to a's counter, so a (earlier) first at a tie
+    assert q.order() == [a1, b1]
+    q.leave(a1)
+    q.admitted("a", 500)  # a served again: b is now the least served
+    a2 = _wait(q, "a")
+    assert q.order()[0] is b1
+    late_a = q.arrive("a")  # a new request of a must not try the pools before b's waiter
+    assert q.ahead(late_a) and not q.ahead(b1)
+    assert q.ahead(a2)
+
+
+def test_a_higher_class_waiter_always_goes_first() -> None:
+    q, _ = _queue(interactive={"priority": "interactive"}, batch={"priority": "batch"})
+    q.admitted("interactive", 10_000)  # far more served than batch
+    q.admitted("batch", 1)
+    b = _wait(q, "batch")
+    i = _wait(q, "interactive")
+    assert q.order() == [i, b]
+    assert q.ahead(b) and not q.ahead(i)
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_least_busy_counter() -> None:
+    """No banked credit: without the lift, b (counter 0) would go first until it had caught up 900."""
+    q, t = _queue(a={}, b={}, c={})
+    q.admitted("b", 100)
+    q.finished("b", 0, None)  # b goes idle at 100
+    t[0] = 2.0  # past the grace
+    q.admitted("a", 1000)
+    q.admitted("c", 700)  # a and c are busy
+    _wait(q, "a")
+    b = q.arrive("b")
+    assert q.tenants["b"].counter == 700  # the least among the busy ones (c's), not a's, not its own
+    assert q.tenants["c"].counter == 700  # others untouched
+    assert not q.ahead(b)  # at the lifted counter it ranks before a's waiter (1000), as c would
+
+
+def test_a_busy_tenant_is_not_lifted_and_none_busy_lifts_to_the_highest() -> None:
+    q, t = _queue()
+    q.admitted("a", 50)
+    q.admitted("b", 500)
+    q.arrive("a")  # a is busy (in flight): its counter stays
+    assert q.tenants["a"].counter == 50
+    q.finished("a", 0, None)
+    q.finished("b", 0, None)
+    q.arrive("a")  # between two requests (within the grace): not idle, its credit stays
+    assert q.tenants["a"].counter == 50
+    t[0] = 1.5
+    q.arrive("a")  # idle, nobody busy: to the level of the most served
+    assert q.tenants["a"].counter == 500
+
+
+def test_a_flood_fills_its_own_queue_only() -> None:
+    q, _ = _queue(max_waiters=10, a={"max_queued": 3}, b={})
+    for _ in range(3):
+        _wait(q, "a")
+    assert q.enqueue(q.arrive("a")) == (REASON_TENANT_QUEUE_FULL, None)
+    assert q.enqueue(q.arrive("b")) == (None, None)  # b's place is its own
+
+
+def test_default_bounds_share_max_waiters_by_weight() -> None:
+    q, _ = _queue(max_waiters=90, a={"weight": 2}, b={"weight": 1})
+    # three tenants with default's weight 1: 90 x 2/4, 90 x 1/4
+    assert (q.tenants["a"].bound, q.tenants["b"].bound, q.tenants["default"].bound) == (45, 22, 22)
+
+
+def test_a_full_queue_sheds_the_lowest_class_for_a_higher_arrival() -> None:
+    q, _ = _queue(
+        max_waiters=3,
+        i={"priority": "interactive", "max_queued": 3},
+        x={"priority": "batch", "max_queued": 3},
+        y={"priority": "batch", "max_queued": 3},
+    )
+    q.admitted("x", 10)
+    q.admitted("y", 500)
+    x1, y1, y2 = _wait(q, "x"), _wait(q, "y"), _wait(q, "y")
+    # a batch arrival finds no lower class to shed: refused
+    assert q.enqueue(q.arrive("x")) == (REASON_QUEUE_FULL, None)
+    i1 = q.arrive("i")
+    why, victim = q.enqueue(i1)
+    assert why is None and victim is y2  # the most served batch tenant's latest request
+    assert victim.shed and not victim.queued
+    assert q.order() == [i1, x1, y1] and q.waiting == 3
+
+
+def test_decode_charged_at_max_tokens_is_corrected_when_the_request_ends() -> None:
+    q, _ = _queue(a={"weight": 2})
+    q.admitted("a", q.cost(100, 300))  # 100 uncached prompt tokens, max_tokens 300
+    assert q.tenants["a"].counter == pytest.approx(200)  # (100 + 300) / 2
+    q.finished("a", 300, 20)  # it stopped after 20
+    assert q.tenants["a"].counter == pytest.approx(60)  # (100 + 20) / 2
+    assert q.inflight["a"] == 0
+
+
+def _serve(q: FairQueue, rounds: int, cost: float) -> Counter[str]:
+    """One slot: the first waiter is admitted each round; every tenant always has one waiting."""
+    served: Counter[str] = Counter()
+    for _ in range(rounds):
+        first = q.order()[0]
+        q.leave(first)
+        q.admitted(first.tenant, cost)
+        q.finished(first.tenant, 0, None)
+        served[first.tenant] += 1
+        _wait(q, first.tenant)
+    return served
+
+
+def test_backlogged_tenants_are_served_in_proportion_to_their_weights() -> None:
+    q, _ = _queue(a={"weight": 3}, b={"weight": 1})
+    _wait(q, "a")
+    _wait(q, "b")
+    served = _serve(q, 400, 50.0)
+    assert served["a"] == 300 and served["b"] == 100
+    assert q.jain() == pytest.approx(1.0, abs=0.01)  # weighted service is even
+
+
+def test_the_controllers_scale_shrinks_a_weight_here() -> None:
+    q, _ = _queue(a={"weight": 1}, b={"weight": 1})
+    q.scale({"b": 1 / 3, "a": float("nan"), "ghost": 0.5})
+    assert q.weight("a") == 1.0 and q.weight("b") == pytest.approx(1 / 3)
+    _wait(q, "a")
+    _wait(q, "b")
+    served = _serve(q, 400, 10.0)
+    assert served["a"] == 300 and served["b"] == 100
+    q.scale({"b": 0.0})
+    assert q.weight("b") == pytest.approx(0.01)  # never 0: a tenant here still gets some share
+
+
+def test_jain_reads_one_tenant_served_of_two_backlogged_as_half() -> None:
+    q, t = _queue()
+    _wait(q, "a")
+    _wait(q, "b")
+    q.admitted("a", 100)
+    assert q.jain() == pytest.approx(0.5)
+    q.admitted("b", 100)
+    assert q.jain() == pytest.approx(1.0)
+    q.leave(q.order()[0])
+    q.leave(q.order()[0])
+    t[0] = 11.0  # nobody has waited within the window: nobody is backlogged
+    assert q.jain() is None
