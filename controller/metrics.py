@@ -412,7 +412,8 @@ PROXIES_FAMILIES: tuple[Family[ProxyRegistry], ...] = (
     Family(
         "pdscope_controller_proxy_claims_clipped",
         "Pools of proxy reports whose claim was clipped to what the controller can grant, by kind "
-        "(inflight: past the part last granted plus a margin; demand: growth past the rate bound).",
+        "(inflight: past the part last granted plus a margin; demand: growth past the rate bound; "
+        "tenant: a tenant's demand past that bound, or a tenant not declared, dropped).",
         "counter",
         ("kind",),
         lambda p: _tally(CLAIMS, p.clipped),

@@ -22,6 +22,17 @@ one on an old table, nor take its part; two live processes never get one id's pa
 
 Refusals are counted by outcome and logged once per episode. Rows of proxies not seen for an
 hour are deleted, at most once a minute.
+
+Tenants (``tenants.enabled``): a report also counts each tenant's requests (``ProxyReport.tenants``).
+Only declared tenants are kept (the others dropped and counted as clipped ``tenant`` claims), each
+bounded as a pool's demand is and smoothed into a rate the same way; they ride in the row's
+``demand`` and ``rates`` under ``t:<tenant>`` (a pool's name holds no ``:``). The answer's
+``ProxyShare.tenants`` gives, per tenant, this proxy's fraction of the tenant's demand rate over the
+live proxies, and the proxy scales the tenant's weight by it. Why that holds a tenant's share
+fleet-wide: each proxy's part of a pool follows its demand, which is the sum of its tenants'; a
+tenant whose requests reach one proxy only keeps its full weight there, one spread over three
+proxies a third of it on each, so that what it is given on each proxy, added up, is its weight's
+share of the whole pool, as if one proxy admitted for all.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +72,8 @@ OUTCOMES = (
     "over_limit",
     "store_error",
 )
-CLAIMS = ("inflight", "demand")  # what a report's claims may be clipped in
+CLAIMS = ("inflight", "demand", "tenant")  # what a report's claims may be clipped (tenant: or dropped) in
+TENANT_KEY = "t:"  # a tenant's demand and rate in a row's demand and rates (a pool's name has no ':')
 
 
 # pg_advisory_xact_lock(int4, int4): a class of its own (the collector's trace locks and the
@@ -278,7 +290,8 @@ class ProxyRegistry:
         outcome: str,
     ) -> ProxyShare:
         inflight, demand = self._claims(row, report, now, pools)
-        rates = self._smooth(row, report, demand, peers, now, pools)
+        demand.update(self._tenant_claims(row, report, now, pools))
+        rates = self._smooth(row, report, demand, peers, now, [*pools, *self._tenant_keys])
         live_rates = {p.id: _rates(p) for p in peers}
         live_rates[report.id] = rates
         share = self._share(report.id, live_rates, pools, peers)
@@ -327,6 +340,34 @@ class ProxyRegistry:
             )
         return inflight, demand
 
+    @property
+    def _tenant_keys(self) -> list[str]:
+        ts = self.settings.tenants
+        return [TENANT_KEY + t for t in ts.tenants] if ts.enabled else []
+
+    def _tenant_claims(
+        self, row: ProxyMember | None, report: ProxyReport, now: float, pools: Mapping[str, tuple[int, int]]
+    ) -> dict[str, int]:
+        """The report's demand per declared tenant (keyed ``t:<tenant>``), bounded as a pool's is (by the
+        largest pool's limit); undeclared tenants dropped. Both counted as clipped ``tenant`` claims."""
+        keys = set(self._tenant_keys)
+        totals = _ints(row.demand) if row is not None and row.boot == report.boot else {}
+        dt = 0.0 if row is None else now - row.last_seen
+        limit = max((max_req for max_req, _ in pools.values()), default=1)
+        out: dict[str, int] = {}
+        clipped = 0
+        for tenant, n in report.tenants.items():
+            key = TENANT_KEY + tenant
+            if key not in keys:
+                clipped += 1
+                continue
+            out[key] = clip_demand(n, totals.get(key), dt, limit)
+            clipped += out[key] < n
+        if clipped:
+            with self._lock:
+                self.clipped["tenant"] += clipped
+        return out
+
     def _note_live(self, live: set[str], now: float) -> None:
         """Log and count the proxies that left the live set since this replica's last poll."""
         with self._lock:
@@ -361,8 +402,9 @@ class ProxyRegistry:
         demand: Mapping[str, int],
         peers: list[ProxyMember],
         now: float,
-        pools: Mapping[str, tuple[int, int]],
+        pools: Iterable[str],
     ) -> dict[str, float]:
+        """The smoothed demand rate of each of ``pools`` (and tenants' ``t:`` keys) from the report."""
         old = {} if row is None else _rates(row)
         totals = {} if row is None or row.boot != report.boot else _ints(row.demand)
         out: dict[str, float] = {}
@@ -399,7 +441,17 @@ class ProxyRegistry:
                 max_inflight_requests=req,
                 max_inflight_kv_bytes=kv,
             )
-        return ProxyShare(id=me, live=len(live_rates), pools=parts)
+        return ProxyShare(id=me, live=len(live_rates), pools=parts, tenants=self._fractions(me, live_rates))
+
+    def _fractions(self, me: str, live_rates: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+        """Tenants on: each tenant's fraction of its demand rate over the live proxies that is ``me``'s
+        (a tenant nobody asks for now: left out, the proxy's scale 1)."""
+        out: dict[str, float] = {}
+        for key in self._tenant_keys:
+            total = sum(max(0.0, r.get(key, 0.0)) for r in live_rates.values())
+            if total > 0:
+                out[key[len(TENANT_KEY) :]] = round(max(0.0, live_rates[me].get(key, 0.0)) / total, 6)
+        return out
 
     def _write(
         self,

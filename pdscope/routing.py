@@ -34,7 +34,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdscope.config.tenants import MAX_TENANTS, TENANT_ID
+# A tenant id and how many a report may name: pdscope.config.tenants' TENANT_ID and MAX_TENANTS (that
+# package imports this module, so they are repeated here; a test holds them equal).
+TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}$")
+MAX_TENANTS = 64
 
 # The two roles of a P/D fleet, the one definition every layer uses.
 Role = Literal["prefill", "decode"]
