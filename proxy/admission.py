@@ -121,10 +121,7 @@ class Admission:
         entry = (deadline, self._arrivals, fut)
         bisect.insort(self._waiters, entry, key=lambda w: (w[0], w[1]))
         try:
-            await asyncio.wait_for(fut, within_s)
-            return True
-        except TimeoutError:
-            return False
+            return await _woken(fut, within_s)
         finally:
             try:
                 self._waiters.remove(entry)
@@ -139,10 +136,7 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket.wake = fut
         try:
-            await asyncio.wait_for(fut, within_s)
-            return True
-        except TimeoutError:
-            return False
+            return await _woken(fut, within_s)
         finally:
             ticket.wake = None
 
@@ -161,3 +155,12 @@ class Admission:
             for _, _, fut in waiters:  # deadline order: the earliest runs first and takes the slot
                 if not fut.done():
                     fut.set_result(None)
+
+
+async def _woken(fut: asyncio.Future[None], within_s: float) -> bool:
+    """Whether ``fut`` is done within ``within_s`` (a wake-up), not the timeout."""
+    try:
+        await asyncio.wait_for(fut, within_s)
+        return True
+    except TimeoutError:
+        return False

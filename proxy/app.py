@@ -449,20 +449,9 @@ def build(
     provider, spans, tracer = _tracing(settings, exporter)
     view, kv_events, kv = _kv_routing(settings, metrics, rng, clock, cache_view)
     catalog, context = _context_check(settings, metrics, view)
-    flow_settings = FlowSettings.from_settings(settings)
+    fs = FlowSettings.from_settings(settings)
     flow = Flow(
-        flow_settings,
-        upstream,
-        routing,
-        selector,
-        admission,
-        budget,
-        metrics,
-        tracer,
-        clock,
-        kv,
-        context,
-        tenancy,
+        fs, upstream, routing, selector, admission, budget, metrics, tracer, clock, kv, context, tenancy
     )
     trust = view.trust if isinstance(view, PreciseView) else None
     metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))

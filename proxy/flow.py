@@ -129,9 +129,7 @@ class Flow:
         if auth:
             base_headers.append(("Authorization", auth.decode("latin-1")))
         try:
-            if self.tenancy is not None:
-                req.tenant = self.tenancy.resolve(headers)
-                root.set_attribute(sc.TENANT, req.tenant)  # the record's tenant, rejected or not
+            self._tenant_of(req, headers, root)
             body = self._checked_body(endpoint, raw)
             req.stream = body.get("stream") is True
             if self.kv is not None:
@@ -143,9 +141,7 @@ class Flow:
                     req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
                 )
             req.tokens = exact
-            if self.tenancy is not None:
-                req.decode_tokens = decode_tokens(endpoint, body)
-                self.tenancy.check_limits(req)
+            self._tenant_limits(req, body)
             await self._admit(req, root, ctx)
             await self._run(req, raw, body, ctx, base_headers, tp_in, reply)
         except ClientError as err:
@@ -162,13 +158,29 @@ class Flow:
                 self.metrics.client_disconnects.labels(req.stage).inc()
             raise
         finally:
-            if self.tenancy is not None:
-                self.tenancy.ended(req)
-            self.gate.release(req)
-            if self.kv is not None:
-                self.kv.settled(req)
+            self._settle(req)
             self._finish_root(root, req, reply.status)
             self.metrics.count_request(endpoint, req.outcome)
+
+    def _tenant_of(self, req: RequestState, headers: dict[bytes, bytes], root: trace.Span) -> None:
+        """Tenants on: the request's tenant (or a 400), on the root span whatever becomes of it."""
+        if self.tenancy is not None:
+            req.tenant = self.tenancy.resolve(headers)
+            root.set_attribute(sc.TENANT, req.tenant)
+
+    def _tenant_limits(self, req: RequestState, body: dict[str, object]) -> None:
+        """Tenants on: the decode tokens it is charged, and its tenant's rate and quota (or a 429)."""
+        if self.tenancy is not None:
+            req.decode_tokens = decode_tokens(req.endpoint, body)
+            self.tenancy.check_limits(req)
+
+    def _settle(self, req: RequestState) -> None:
+        """The request is over: its tenant's counts, then everything it held given back."""
+        if self.tenancy is not None:
+            self.tenancy.ended(req)
+        self.gate.release(req)
+        if self.kv is not None:
+            self.kv.settled(req)
 
     def _checked_body(self, endpoint: str, raw: bytes) -> dict[str, object]:
         try:

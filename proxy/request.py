@@ -123,6 +123,11 @@ class Gone:
 
 
 class RequestState:
+    """Tenants (``proxy.tenancy``): ``tenant`` whose it is, ``decode_tokens`` the decode tokens it asks
+    for (max_tokens, or the default charge), ``decode_charged`` those charged to its tenant while it is
+    admitted (None: nothing charged)."""
+
+    decode_charged: int | None
     __slots__ = (
         "admitted",
         "backlog",
@@ -217,11 +222,7 @@ class RequestState:
         self.first_token_ns: int | None = None
         # the handoff that served it (``semconv.HANDOFFS``: pull, push, push_early); None: the fleet's mode
         self.handoff: str | None = None
-        # tenants (``proxy.tenants``, ``proxy.fairqueue``): whose it is, the decode tokens it asks for
-        # (max_tokens, or the default charge), and those charged to its tenant while admitted
-        self.tenant = DEFAULT_TENANT
-        self.decode_tokens = 0
-        self.decode_charged: int | None = None
+        self.tenant, self.decode_tokens, self.decode_charged = DEFAULT_TENANT, 0, None
 
 
 def client_error(
