@@ -162,21 +162,20 @@ class ProxyApp:
                 )
             )
         if self.poll and self._poller is None:
-            adm, tenancy = p.admission, p.tenancy
+            urls, every_s = p.settings.controller_urls, p.settings.proxy.routing_poll_s
+            self._poller = asyncio.create_task(poll_forever(p.routing, urls, every_s, p.clock, self.report))
 
-            def report() -> ProxyReport:
-                if tenancy is None:
-                    return p.routing.report(dict(adm.demand), {k: v for k, v in adm.requests.items() if v})
-                share = p.routing.current_share(p.clock())  # the last answer's scales apply from now
-                tenancy.scale({} if share is None else share.tenants)
-                inflight = {k: v for k, v in adm.requests.items() if v}
-                return p.routing.report(dict(adm.demand), inflight, dict(tenancy.demand))
-
-            self._poller = asyncio.create_task(
-                poll_forever(
-                    p.routing, p.settings.controller_urls, p.settings.proxy.routing_poll_s, p.clock, report
-                )
-            )
+    def report(self) -> ProxyReport:
+        """What the next routing poll tells the controller. Tenants on: each tenant's requests too, and
+        the scales of the tenants' weights in the last answer apply from now (none: 1)."""
+        p = self.parts
+        adm, tenancy = p.admission, p.tenancy
+        inflight = {k: v for k, v in adm.requests.items() if v}
+        if tenancy is None:
+            return p.routing.report(dict(adm.demand), inflight)
+        share = p.routing.current_share(p.clock())
+        tenancy.scale({} if share is None else share.tenants)
+        return p.routing.report(dict(adm.demand), inflight, dict(tenancy.demand))
 
     async def shutdown(self) -> None:
         for task in (self._poller, self._learner):

@@ -12,6 +12,7 @@ import httpx
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pdscope import semconv as sc
+from pdscope.routing import ProxyShare
 from proxy.app import ProxyApp
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.support.waiting import async_wait_until
@@ -168,6 +169,24 @@ async def test_tenants_off_change_nothing() -> None:
     assert app.parts.admission.fair is None and app.parts.tenancy is None
     assert "pdscope_proxy_tenant" not in metrics
     assert sc.TENANT not in (_roots(spans)[0].attributes or {})
+
+
+async def test_the_report_counts_tenants_and_the_answer_scales_their_weights() -> None:
+    async with _proxy({"tenants": {"a": {}, "b": {}}}, chunk_delay=0.0) as (url, app, client, _):
+        for t in ("a", "a", "b", None):
+            assert (await _post(client, url, t)).status_code == 200
+        assert app.report().tenants == {"a": 2, "b": 1, "default": 1}
+        routing, fair = app.parts.routing, app.parts.admission.fair
+        assert fair is not None
+        part = ProxyShare(id=routing.proxy_id, live=3, pools={}, tenants={"b": 0.25})
+        routing.share, routing.share_at = part, app.parts.clock()
+        app.report()
+        assert (fair.weight("a"), fair.weight("b")) == (1.0, 0.25)
+        routing.share = None  # no part (controller gone): weights whole again
+        app.report()
+        assert fair.weight("b") == 1.0
+        metrics = (await client.get(url + "/metrics")).text
+    assert 'pdscope_proxy_tenant_weight_scale{tenant="b"} 1.0' in metrics
 
 
 def _roots(spans: InMemorySpanExporter) -> list[Any]:
