@@ -13,7 +13,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from pdscope import semconv as sc
 from pdscope.routing import ProxyShare
-from proxy.app import ProxyApp
+from proxy.app import ProxyApp, build
+from proxy.request import RequestState
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 from tests.support.waiting import async_wait_until
 
@@ -191,3 +192,35 @@ async def test_the_report_counts_tenants_and_the_answer_scales_their_weights() -
 
 def _roots(spans: InMemorySpanExporter) -> list[Any]:
     return [s for s in spans.get_finished_spans() if s.name == sc.SPAN_REQUEST]
+
+
+def _request(tenant: str, clock: float) -> RequestState:
+    req = RequestState("/v1/completions", f"r-{tenant}")
+    req.tenant, req.tokens, req.decode_tokens, req.started, req.target_s = tenant, 10, 4, clock, 60.0
+    return req
+
+
+async def test_an_arrival_does_not_take_a_freed_slot_from_a_waiter_that_ranks_before_it() -> None:
+    """The pools' one slot frees while b waits (woken, not yet run); a's new request, arriving in that
+    instant, must queue behind b (a has been served, b not) rather than take the slot."""
+    settings = make_settings(
+        ["http://p0:1"],
+        ["http://d0:1"],
+        proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": 0.3}},
+    )
+    settings = settings.model_copy(
+        update={
+            "tenants": type(settings.tenants).model_validate({"enabled": True, "tenants": {"a": {}, "b": {}}})
+        }
+    )
+    app = build(settings, exporter=InMemorySpanExporter(), poll=False)
+    gate, fair, now = app.parts.flow.gate, app.parts.admission.fair, app.parts.clock
+    assert fair is not None
+    first = _request("a", now())
+    assert await gate.admit(first) is None
+    waiter = asyncio.create_task(gate.admit(_request("b", now())))
+    await async_wait_until("b waiting", lambda: fair.queued("b") == 1)
+    gate.release(first)  # the slot is free; b is woken but has not run
+    late = await gate.admit(_request("a", now()))  # runs inline up to its first wait
+    assert await waiter is None  # b had the slot
+    assert late is not None and late.reason == "inflight_requests"  # a waited behind b, then timed out
