@@ -5,6 +5,8 @@ and ``request`` (its state), ``protocol`` (vLLM's NIXL pull protocol bodies), ``
 (the shared keep-alive HTTP client; ``httpx_upstream`` for comparison), ``routing`` (the
 controller's table, fail-static), ``selection`` (weighted power-of-two-choices, round-robin,
 retry budget), ``admission`` (per-pool backpressure), ``tracing`` (spans, bounded export),
-``metrics`` (own Prometheus registry), ``cli`` (``pdscope proxy``). Never imports the
+``metrics`` (own Prometheus registry), ``cli`` (``pdscope proxy``); tenants (``tenants.enabled``):
+``tenants`` (identity), ``fairqueue`` (the fair queue), ``tenantlimits`` (rate, quota),
+``tenantmetrics`` and ``tenancy`` (the flow's tenant steps). Never imports the
 collector or the controller; meets them in ``pdscope.routing`` and ``pdscope.semconv``.
 """

@@ -48,7 +48,8 @@ class Tenant(_Frozen):
     tokens_per_min: int | None = Field(default=None, ge=1, le=10_000_000_000)
     """tokens (prompt + max_tokens) it may send per minute; past it, 429 tenant_quota"""
     max_queued: Count100k | None = None
-    """its own queue bound (requests waiting for room); default: proxy.max_waiters shared by weight"""
+    """its own queue bound (requests waiting for room); default: the proxy's waiter bound (1024) shared by
+    weight"""
     slo: TenantSLO = TenantSLO()
     """its own SLO targets (alerts, dashboard, attainment metrics); unset: the fleet's"""
     api_key_sha256: list[str] = Field(default_factory=list, max_length=64)

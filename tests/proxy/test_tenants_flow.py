@@ -84,6 +84,7 @@ async def test_a_flood_fills_its_own_queue_and_gets_its_own_429s() -> None:
     assert _sample(metrics, 'pdscope_proxy_tenant_admitted_total{tenant="a"}') == 3
     assert _sample(metrics, 'pdscope_proxy_tenant_tokens_total{kind="prompt",tenant="b"}') > 0
     assert 'pdscope_proxy_tenant_queued_seconds_count{tenant="b"} 2.0' in metrics
+    assert 0.5 <= _sample(metrics, "pdscope_proxy_tenant_fairness_jain") <= 1.0  # two backlogged tenants
 
 
 async def test_a_batch_tenant_alone_uses_the_fleet_and_yields_to_an_interactive_arrival() -> None:
