@@ -112,6 +112,7 @@ class ProxyView:
     applied_version: int | None
     inflight: dict[str, int]
     demand_per_s: dict[str, float]
+    tenant_demand_per_s: dict[str, float]
     pools: dict[str, dict[str, float]]
     duplicates: int
 
@@ -131,6 +132,10 @@ def pool_totals(table: RoutingTable, settings: Settings) -> dict[str, tuple[int,
 def _rates(row: ProxyMember) -> dict[str, float]:
     raw = row.rates if isinstance(row.rates, dict) else {}
     return {k: float(v) for k, v in raw.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _tenant_rates(row: ProxyMember) -> dict[str, float]:
+    return {k[len(TENANT_KEY) :]: v for k, v in _rates(row).items() if k.startswith(TENANT_KEY)}
 
 
 def _pools(raw: Any) -> dict[str, Any]:
@@ -495,7 +500,8 @@ class ProxyRegistry:
                 served_by=r.served_by,
                 applied_version=r.applied_version,
                 inflight=_ints(r.inflight),
-                demand_per_s=_rates(r),
+                demand_per_s={k: v for k, v in _rates(r).items() if not k.startswith(TENANT_KEY)},
+                tenant_demand_per_s=_tenant_rates(r),
                 pools=r.served if isinstance(r.served, dict) else {},
                 duplicates=r.duplicates,
             )

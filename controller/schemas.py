@@ -269,6 +269,11 @@ class ProxyOut(BaseModel):
     applied_version: int | None = Field(description="the routing table version it applies")
     inflight: dict[str, int] = Field(description="requests it holds per pool")
     demand_per_s: dict[str, float] = Field(description="its smoothed demand per pool (requests/s)")
+    tenant_demand_per_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="tenants on: its smoothed demand per declared tenant (requests/s), what each tenant's "
+        "weight there is scaled by (docs/tenants.md)",
+    )
     pools: dict[str, ProxyPoolOut] = Field(description="the part of each pool's limits it was last given")
     duplicates: int = Field(description="polls refused because another process holds this id")
 

@@ -127,6 +127,8 @@ class FairQueue:
 
     def ahead(self, ticket: Ticket) -> bool:
         """Whether a waiter ranks before ``ticket``: then it must not try the pools yet."""
+        if not self.waiting:  # the common case: nobody waits
+            return False
         mine = self._key(ticket)
         for t in self.tenants.values():
             if t.queue:

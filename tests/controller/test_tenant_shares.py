@@ -101,6 +101,9 @@ def test_a_tenants_share_holds_across_three_proxies(factory: sessionmaker[Sessio
     assert abs(shares["p1"].pools["prefill"].max_inflight_requests - 40) <= 2  # two thirds of the demand
     assert shares["p1"].tenants == pytest.approx({"a": 1.0, "b": 1 / 3}, abs=0.01)
     assert shares["p2"].tenants == pytest.approx({"a": 0.0, "b": 1 / 3}, abs=0.01)
+    listed = {v.id: v for v in registry.listing()}
+    assert listed["p1"].tenant_demand_per_s == pytest.approx({"a": 30.0, "b": 10.0, "default": 0.0}, abs=0.5)
+    assert set(listed["p1"].demand_per_s) == {"prefill", "decode"}
     fair = sum((_served(s, scaled=True) for s in shares.values()), Counter())
     unfair = sum((_served(s, scaled=False) for s in shares.values()), Counter())
     assert fair["a"] == pytest.approx(LIMIT / 2, rel=0.05) and fair["b"] == pytest.approx(LIMIT / 2, rel=0.05)
