@@ -46,6 +46,11 @@ class Tenancy:
         self.fair = fair
         self.metrics = TenantMetrics(registry, fair)
         self.demand: Counter[str] = Counter()
+        m = self.metrics  # children bound once per declared tenant: the request path only looks them up
+        self._admitted = {t: m.admitted.labels(t) for t in ts.tenants}
+        self._queued = {t: m.queued.labels(t) for t in ts.tenants}
+        self._prompt = {t: m.tokens.labels(t, "prompt") for t in ts.tenants}
+        self._output = {t: m.tokens.labels(t, "output") for t in ts.tenants}
 
     def resolve(self, headers: Mapping[bytes, bytes]) -> str:
         """The request's tenant; raises a 400 ClientError for a problem with ``unknown: refuse``."""
@@ -82,9 +87,9 @@ class Tenancy:
         )
 
     def admitted(self, req: RequestState, queued_s: float) -> None:
-        self.metrics.admitted.labels(req.tenant).inc()
-        self.metrics.queued.labels(req.tenant).observe(max(0.0, queued_s))
-        self.metrics.tokens.labels(req.tenant, "prompt").inc(req.tokens)
+        self._admitted[req.tenant].inc()
+        self._queued[req.tenant].observe(max(0.0, queued_s))
+        self._prompt[req.tenant].inc(req.tokens)
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.metrics.rejections.labels(tenant, reason).inc()
@@ -92,7 +97,7 @@ class Tenancy:
     def ended(self, req: RequestState) -> None:
         """An admitted request's output tokens (when its answer's usage said)."""
         if req.decode_charged is not None and req.completion_tokens:
-            self.metrics.tokens.labels(req.tenant, "output").inc(req.completion_tokens)
+            self._output[req.tenant].inc(req.completion_tokens)
 
     def scale(self, scales: Mapping[str, float]) -> None:
         self.fair.scale(scales)
