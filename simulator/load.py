@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdscope.config import ConfigError, Settings, load_config, resolve_config_path
+from pdscope.config import TENANT_ID, ConfigError, Settings, load_config, resolve_config_path
 
 if TYPE_CHECKING:
     from simulator.loadgen import LoadTarget
@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--decode-url", action="append", default=[], help="with --direct (repeatable)")
     target.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     target.add_argument("--model", help="model name (default: the config's model.name)")
+    target.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        help="send requests as this tenant, in the config's tenants.header (repeatable: in turn)",
+    )
     shape = parser.add_argument_group("workload")
     shape.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second (default 5)")
     shape.add_argument("--arrival", choices=("poisson", "bursty", "constant"), default="poisson")
@@ -69,6 +75,10 @@ def _target(args: argparse.Namespace, settings: Settings | None, model: str) -> 
     from simulator.loadgen import LoadTarget
 
     chat = args.endpoint == "chat"
+    bad = [t for t in args.tenant if not TENANT_ID.fullmatch(t)]
+    if bad or (args.tenant and args.direct):
+        why = f"{bad[0]!r} is not a tenant id" if bad else "tenants are the proxy's: not with --direct"
+        raise ConfigError([f"pdscope load --tenant: {why}"])
     if args.direct:
         p_urls = list(args.prefill_url) or (
             [i.url for _, i in settings.instances("prefill")] if settings else []
@@ -82,7 +92,8 @@ def _target(args: argparse.Namespace, settings: Settings | None, model: str) -> 
     url = args.url or (f"http://{settings.proxy.host}:{settings.proxy.port}" if settings else None)
     if not url:
         raise ConfigError(["pdscope load: give --url, --direct, or a config with a proxy section"])
-    return LoadTarget(chat, model, url)
+    header = settings.tenants.header if settings else "x-pdscope-tenant"
+    return LoadTarget(chat, model, url, tenants=tuple(args.tenant), tenant_header=header)
 
 
 def _planned(args: argparse.Namespace) -> list[Planned]:

@@ -38,6 +38,12 @@ class LoadTarget:
     url: str | None = None
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
+    # request i carries tenants[i % len(tenants)] in the tenant_header (the proxy's tenants.header)
+    tenants: tuple[str, ...] = ()
+    tenant_header: str = "x-pdscope-tenant"
+
+    def tenant_of(self, index: int) -> str | None:
+        return self.tenants[index % len(self.tenants)] if self.tenants else None
 
     @property
     def path(self) -> str:
@@ -120,6 +126,9 @@ async def _one(run: _Run, index: int, p: Planned) -> None:
     t_send = now()
     res = RequestResult(index, rid, p.at, t_send - run.start, p.prompt_tokens, p.output_tokens)
     headers = {"X-Request-Id": rid}
+    tenant = target.tenant_of(index)
+    if tenant is not None:
+        headers[target.tenant_header] = tenant
     body = _body(target, p, f"{rid}-{run.salt}")
     try:
         async with asyncio.timeout(run.timeout_s):

@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import yaml
 
 from pdscope.cli.bounds import refuse
-from pdscope.config import Settings, load_config, parse_config, resolve_config_path
+from pdscope.config import DEFAULT_TENANT, Settings, load_config, parse_config, resolve_config_path
 from pdscope.simconfig import DEFAULT_ADMIN_PORT
 from pdscope.stack import Child, ChildGroup, child_env, pdscope_argv, probe, succeeded, write_config
 
@@ -114,9 +115,16 @@ def fresh_workdir(workdir: Path) -> Path | None:
 
 
 def load_argv(
-    cfg_path: Path, proxy_url: str, rate: float, duration_s: float, workdir: Path, real_vllm: bool
+    cfg_path: Path,
+    proxy_url: str,
+    rate: float,
+    duration_s: float,
+    workdir: Path,
+    real_vllm: bool,
+    tenants: Sequence[str] = (),
 ) -> list[str]:
-    """The ``pdscope load`` command line the demo runs (length syntax: simulator.workload)."""
+    """The ``pdscope load`` command line the demo runs (length syntax: simulator.workload); the requests
+    go out as each of ``tenants`` in turn (the config's declared tenants, when it has tenants on)."""
     argv = pdscope_argv(
         cfg_path,
         "load",
@@ -134,7 +142,16 @@ def load_argv(
     )
     if real_vllm:  # short requests: the tiny CPU model answers each within the SLOs
         argv += ["--prompt-len", "uniform:16,200", "--output-len", "fixed:16"]
+    for tenant in tenants:
+        argv += ["--tenant", tenant]
     return argv
+
+
+def demo_tenants(settings: Settings) -> list[str]:
+    """The tenants the demo's load goes out as: with tenants on, every declared one but ``default``
+    (the requests of none), else none."""
+    ts = settings.tenants
+    return [t for t in ts.tenants if t != DEFAULT_TENANT] if ts.enabled else []
 
 
 def demo_config(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
@@ -420,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
         proxy_url = f"http://{settings.proxy.host}:{settings.proxy.port}"
         rate = args.rate if args.rate is not None else (1.0 if args.real_vllm else 4.0)
         remaining = max(1.0, args.duration - (time.monotonic() - t0))
-        load_cmd = load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm)
+        tenants = demo_tenants(settings)
+        load_cmd = load_argv(cfg_path, proxy_url, rate, remaining, workdir, args.real_vllm, tenants)
         stack.start(_child(demo, "load", load_cmd, None))
         _print_banner(demo, proxy_url, rate)
         return _watch(stack, demo, t0, stopping)

@@ -150,3 +150,15 @@ def test_urls_without_real_vllm_are_a_usage_error(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "--prefill-url and --decode-url go together" in proc.stderr
+
+
+def test_the_demo_load_goes_out_as_the_declared_tenants(tmp_path: Path) -> None:
+    """The example config has tenants on: the load is sent as each declared tenant in turn (not
+    ``default``); without tenants, as none."""
+    settings = parse_config(Path("examples/pdscope.yaml").read_text(), "examples/pdscope.yaml")
+    tenants = demo.demo_tenants(settings)
+    assert tenants == ["search", "reports"]
+    argv = demo.load_argv(tmp_path / "p.yaml", "http://127.0.0.1:8000", 1.0, 60.0, tmp_path, False, tenants)
+    assert build_parser().parse_args(argv[3:]).tenant == ["search", "reports"]
+    off = settings.model_copy(update={"tenants": settings.tenants.model_copy(update={"enabled": False})})
+    assert demo.demo_tenants(off) == []

@@ -109,3 +109,37 @@ def test_load_chat_against_a_url_counts_failures(tmp_path: Path, capsys: pytest.
         bad = json.loads(out.read_text())["summary"]
         assert bad["failed"] == 5 and bad["errors"] == {"HTTP 404": 5}
     capsys.readouterr()
+
+
+async def test_load_sends_each_request_as_its_tenant_in_turn() -> None:
+    """``--tenant a --tenant b``: request i carries tenants[i % 2] in the config's tenants.header."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from simulator.loadgen import LoadTarget, run_load
+    from simulator.workload import Planned
+    from tests.support.serving import serve
+
+    seen: list[tuple[str, str | None]] = []
+
+    async def completions(request: Request) -> Response:
+        seen.append((request.headers["x-request-id"], request.headers.get("x-team")))
+        chunk = '{"choices":[{"index":0,"text":"w1"}]}'
+        return Response(f"data: {chunk}\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    async with serve(app) as url:
+        target = LoadTarget(url=url, tenants=("a", "b"), tenant_header="x-team")
+        planned = [Planned(0.0, 8, 2) for _ in range(4)]
+        results, _ = await run_load(target, planned, timeout_s=10, seed=1)
+    assert all(r.ok for r in results)
+    assert sorted(seen) == [(f"load-1-{i}", "ab"[i % 2]) for i in range(4)]
+
+
+def test_a_tenant_that_is_no_tenant_id_is_refused_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["load", "--url", "http://127.0.0.1:9", "--tenant", "a b", "-o", str(tmp_path / "x.json")])
+    assert code == 1 and "--tenant: 'a b' is not a tenant id" in capsys.readouterr().err
