@@ -8,10 +8,17 @@ counts them), its goodput (prompt + completion tokens of those requests, and per
 requests waited for admission in the proxy (``proxy_in`` to the first leg sent), and its service: the
 prompt tokens plus ``tenants.cost_per_decode_token`` × the completion tokens of its served requests,
 the fair queue's own counter. Its fair share is its weight over the weights of the tenants with demand
-(a request in the window, not refused as the client's mistake); Jain's index ``(Σx)² / (n·Σx²)`` over
-``x = service / weight`` of those tenants says how evenly the fleet served them by weight (1: exactly by
-weight; 1/n: one tenant got everything). Read it while the tenants are backlogged: a tenant that asked
-for less than its share and got all of it lowers the index without anything being unfair.
+(a request in the window, not refused as the client's mistake).
+
+Jain's index ``(Σx)² / (n·Σx²)`` says how fairly the fleet served the tenants with demand, with ``x``
+each one's service over its **fair allocation**: the weighted max-min share of all the service given
+(water-filling: a tenant that asked for less than its weight's part gets all it asked, and the rest is
+shared by weight among the others). What a tenant asked is its service plus, for each of its requests
+not served, its prompt tokens and the decode cost of its served requests' mean completion. So 1 is
+every tenant served as a fair queue would (by weight while all are backlogged; all they asked when some
+asked little), and 1/n one tenant got everything. Divided by the weight alone instead, a tenant that
+asked for less than its share and got all of it lowered the index (two tenants at weights 2:1 each
+served all it asked at low load read 0.90).
 
 A record whose tenant is absent (stored before records had one, or refused by the collector) or no longer
 declared counts as ``default``'s (``undeclared`` counts the latter), so the tenants are exactly the
@@ -206,8 +213,31 @@ def jain_index(values: Sequence[float]) -> float | None:
     return total * total / (len(values) * squares)
 
 
-def _shares(figures: list[TenantFigures]) -> tuple[list[TenantFigures], float | None]:
-    """The figures with their fair and service shares, and Jain's index over the tenants with demand."""
+def max_min_allocation(total: float, asks: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """``total`` shared by weighted max-min fairness among ``asks`` (name -> (weight, asked)): each gets
+    at most what it asked; the rest is shared by weight among those that asked for more."""
+    alloc = {n: 0.0 for n in asks}
+    open_ = {n for n, (w, a) in asks.items() if w > 0 and a > 0}
+    left = max(0.0, total)
+    while open_ and left > 1e-12:
+        level = left / sum(asks[n][0] for n in open_)
+        sated = {n for n in open_ if asks[n][1] - alloc[n] <= level * asks[n][0]}
+        if not sated:
+            for n in open_:
+                alloc[n] += level * asks[n][0]
+            break
+        for n in sated:
+            left -= asks[n][1] - alloc[n]
+            alloc[n] = asks[n][1]
+        open_ -= sated
+    return alloc
+
+
+def _shares(
+    figures: list[TenantFigures], asked: Mapping[str, float]
+) -> tuple[list[TenantFigures], float | None]:
+    """The figures with their fair and service shares, and Jain's index over the tenants with demand of
+    their service over their fair allocation (:func:`max_min_allocation` of all the service given)."""
     asking = [f for f in figures if f.demand > 0]
     weights = sum(f.weight for f in asking)
     service = sum(f.service for f in figures)
@@ -219,7 +249,28 @@ def _shares(figures: list[TenantFigures]) -> tuple[list[TenantFigures], float | 
         )
         for f in figures
     ]
-    return out, jain_index([f.service / f.weight for f in asking])
+    alloc = max_min_allocation(service, {f.tenant: (f.weight, asked.get(f.tenant, 0.0)) for f in asking})
+    return out, jain_index([f.service / alloc[f.tenant] for f in asking if alloc[f.tenant] > 0])
+
+
+def _means(rows: Sequence[TenantFacts], fallback: tuple[float, float]) -> tuple[float, float]:
+    """The mean prompt and completion tokens of ``rows``' served requests; ``fallback`` when none."""
+    served = [r for r in rows if r.status == "ok"]
+    if not served:
+        return fallback
+    n = len(served)
+    return sum(r.prompt_tokens or 0 for r in served) / n, sum(r.completion_tokens or 0 for r in served) / n
+
+
+def _asked(rows: Sequence[TenantFacts], decode_cost: float, fleet: tuple[float, float]) -> float:
+    """The service a tenant's rows asked for: its served requests' own, and for each request of its
+    demand not served, its prompt tokens (unknown: its served ones' mean, else ``fleet``'s) and the decode
+    cost of its served ones' mean completion (else ``fleet``'s)."""
+    prompt, out = _means(rows, fleet)
+    unserved = [r for r in rows if r.status != "ok" and r.status not in _NOT_DEMAND]
+    return sum(_tokens(r, decode_cost) for r in rows if r.status == "ok") + sum(
+        (prompt if r.prompt_tokens is None else r.prompt_tokens) + decode_cost * out for r in unserved
+    )
 
 
 def tenant_window(
@@ -241,5 +292,7 @@ def tenant_window(
             rows.append(r)
     span = max(until - since, 1e-9)
     figures = [_figures(name, terms[name], rows, span, decode_cost) for name, rows in by.items()]
-    shared, jain = _shares(figures)
+    fleet = _means([r for rows in by.values() for r in rows], (0.0, 0.0))
+    asked = {name: _asked(rows, decode_cost, fleet) for name, rows in by.items()}
+    shared, jain = _shares(figures, asked)
     return TenantWindow(since, until, tuple(shared), jain, undeclared)

@@ -36,7 +36,7 @@ def _headline(w: TenantWindow) -> None:
     starved = [t.tenant for t in w.tenants if t.starved]
     cols = st.columns(4)
     cols[0].metric("tenants asking", f"{len(asking)} of {len(w.tenants)}")
-    cols[1].metric("Jain's index", "—" if w.jain is None else f"{w.jain:.2f}", "1.00: served by weight")
+    cols[1].metric("Jain's index", "—" if w.jain is None else f"{w.jain:.2f}", "1.00: fair-queue service")
     cols[2].metric("under SLO target", str(len(under)), ", ".join(under) or "none", delta_color="off")
     cols[3].metric("starved", str(len(starved)), ", ".join(starved) or "none", delta_color="off")
     if not settings.tenants.enabled:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.tenants import MAX_REASONS, OTHER, TenantFacts, jain_index, tenant_slo, tenant_window, terms_of
+from analysis.tenants import (
+    MAX_REASONS,
+    OTHER,
+    TenantFacts,
+    jain_index,
+    max_min_allocation,
+    tenant_slo,
+    tenant_window,
+    terms_of,
+)
 from pdscope.config import LatencySLO, Settings, SLOSettings, Tenant, TenantSettings, TenantSLO
 
 
@@ -95,3 +104,28 @@ def test_reject_reasons_are_words_and_bounded() -> None:
     assert len(b.rejected) <= MAX_REASONS and b.rejected[OTHER] >= 3
     assert b.rejected["queue_full"] == 1 and b.rejected["tenant_rate"] == 1
     assert not b.starved or b.served == 0
+
+
+def test_fair_allocation_is_weighted_max_min() -> None:
+    # 90 to share, weights 2:1:1; c asked 10 (all of it), a and b share the other 80 by weight
+    got = max_min_allocation(90.0, {"a": (2.0, 100.0), "b": (1.0, 100.0), "c": (1.0, 10.0)})
+    assert got == pytest.approx({"a": 160 / 3, "b": 80 / 3, "c": 10.0})
+    # everybody asked less than there is: each gets what it asked
+    assert max_min_allocation(50.0, {"a": (2.0, 10.0), "b": (1.0, 20.0)}) == {"a": 10.0, "b": 20.0}
+    assert max_min_allocation(0.0, {"a": (1.0, 5.0)}) == {"a": 0.0}
+
+
+def test_jain_reads_one_when_each_tenant_got_all_it_asked_whatever_the_weights() -> None:
+    """At low load a tenant of weight 2 served as much as one of weight 1 is no unfairness: each got all
+    it asked (by weight alone the index read 0.90)."""
+    s = _settings()
+    w = tenant_window([_ok("a"), _ok("b")], terms_of(s.tenants, s.slo), since=0, until=10)
+    assert w.jain == pytest.approx(1.0)
+    # backlogged (b refused twice while a was served twice, weights 2:1): a got its 2/3, b its 1/3
+    facts = [_ok("a"), _ok("a"), _ok("b"), _rejected("b", "queue_full"), _rejected("b", "queue_full")]
+    w = tenant_window(facts, terms_of(s.tenants, s.slo), since=0, until=10)
+    # service 330 shared 2:1: fair 220 / 110; got 220 / 110
+    assert w.jain == pytest.approx(1.0)
+    facts = [_ok("a"), _ok("a"), _ok("a"), _rejected("b", "queue_full"), _rejected("b", "queue_full")]
+    w = tenant_window(facts, terms_of(s.tenants, s.slo), since=0, until=10)
+    assert w.jain is not None and w.jain < 0.6  # b asked and got nothing of its third
