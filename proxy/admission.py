@@ -147,6 +147,10 @@ class Admission:
             if isinstance(fut, asyncio.Future) and not fut.done():
                 fut.set_result(None)
 
+    def notify(self) -> None:
+        """Wake the waiters (something other than a slot or bytes was given back)."""
+        self._notify()
+
     def _notify(self) -> None:
         if self.fair is not None and self.fair.waiting:
             self.wake(self.fair.order())

@@ -364,7 +364,9 @@ def _admission(
     if not settings.tenants.enabled:
         return Admission(adaptive=adaptive), None
     admission = Admission(adaptive=adaptive)
-    admission.fair = FairQueue(settings.tenants, admission.max_waiters, clock)
+    admission.fair = FairQueue(
+        settings.tenants, admission.max_waiters, clock, fleet_ttft_s=settings.slo.ttft.target_ms / 1000.0
+    )
     return admission, Tenancy(settings.tenants, admission.fair, metrics.registry, clock)
 
 

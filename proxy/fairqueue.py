@@ -45,6 +45,7 @@ from pdscope.config.tenants import TenantSettings
 REASON_TENANT_QUEUE_FULL = "tenant_queue_full"
 REASON_SHED = "shed_for_priority"
 REASON_QUEUE_FULL = "queue_full"  # the same reason as proxy.admission's
+REASON_RESERVE = "tenant_reserve"  # waited out its deadline behind its reserve line (P's queues too deep)
 SERVICE_TAU_S = 10.0  # the decay of the service rates Jain's index reads
 IDLE_S = 1.0  # a tenant with nothing waiting or in flight for longer than this is idle
 MIN_SCALE = 0.01  # a tenant's weight is never scaled below this fraction (it still gets some share)
@@ -86,19 +87,25 @@ class _Tenant:
     service: _Rate = field(default_factory=_Rate)
     waited_at: float = -math.inf  # when it last had a waiter
     busy_at: float = -math.inf  # when it last had a waiter or a request in flight
+    target_s: float = math.inf  # its TTFT target (its own, else the fleet's)
+    backlog: float = 0.0  # prompt tokens of its admitted requests P has not answered yet
 
 
 class FairQueue:
-    def __init__(self, ts: TenantSettings, max_waiters: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, ts: TenantSettings, max_waiters: int, clock: Callable[[], float], fleet_ttft_s: float = math.inf
+    ) -> None:
         self.clock = clock
         self.max_waiters = max_waiters
         self.cost_per_decode_token = ts.cost_per_decode_token
+        self.reserve = ts.reserve
         total = sum(t.weight for t in ts.tenants.values())
         self.tenants = {
             name: _Tenant(
                 t.weight,
                 ts.rank(name),
                 t.max_queued if t.max_queued is not None else max(1, int(max_waiters * t.weight / total)),
+                target_s=t.slo.ttft_ms / 1000.0 if t.slo.ttft_ms is not None else fleet_ttft_s,
             )
             for name, t in ts.tenants.items()
         }
@@ -216,6 +223,44 @@ class FairQueue:
         for name, t in self.tenants.items():
             s = scales.get(name, 1.0)
             t.scale = min(1.0, max(MIN_SCALE, s)) if math.isfinite(s) else 1.0
+
+    # -- the reserve ---------------------------------------------------------------------------
+
+    def target_of(self, tenant: str) -> float:
+        """``tenant``'s own TTFT target (its ``slo.ttft_ms``, else the fleet's)."""
+        return self.tenants[tenant].target_s
+
+    def add_backlog(self, tenant: str, tokens: float) -> None:
+        self.tenants[tenant].backlog += tokens
+
+    def drop_backlog(self, tenant: str, tokens: float) -> None:
+        t = self.tenants[tenant]
+        t.backlog = max(0.0, t.backlog - tokens)
+
+    def reserve_line(self, tenant: str) -> float | None:
+        """How deep (predicted seconds to a first token, for a request sent now) ``tenant`` may fill P's
+        queues, or None: no line. The reserve (``tenants.reserve``) is kept behind the line for those with
+        the first claim on it: while a tenant of a higher class is busy, the line is (1 - reserve) of the
+        tightest of their targets; while tenants of its own class are busy and it holds more than its
+        weight's share of their P backlog, (1 - reserve) of its own target. Alone, none. Busy: waiting, in
+        flight, or either within ``SERVICE_TAU_S``."""
+        if self.reserve <= 0:
+            return None
+        now, t = self.clock(), self.tenants[tenant]
+        others = [o for n, o in self.tenants.items() if n != tenant and self._busy(n, o, now)]
+        higher = [o.target_s for o in others if o.rank < t.rank]
+        if higher:
+            return min(higher) * (1.0 - self.reserve)
+        peers = [o for o in others if o.rank == t.rank]
+        backlog = t.backlog + sum(o.backlog for o in peers)
+        if not peers or backlog <= 0 or not math.isfinite(t.target_s):
+            return None
+        weights = t.weight * t.scale + sum(o.weight * o.scale for o in peers)
+        over = t.backlog / backlog > t.weight * t.scale / weights
+        return t.target_s * (1.0 - self.reserve) if over else None
+
+    def _busy(self, name: str, t: _Tenant, now: float) -> bool:
+        return bool(t.queue) or self.inflight[name] > 0 or now - t.busy_at <= SERVICE_TAU_S
 
     # -- what the metrics read ----------------------------------------------------------------
 

@@ -135,7 +135,7 @@ class Flow:
             if self.kv is not None:
                 await self.gate.key_prompt(req, body, len(raw))
             exact = await self._check_context(req, body, len(raw)) if self.context is not None else None
-            req.target_s = self._target_of(headers)
+            req.target_s = self._target_of(headers, req.tenant)
             if exact is None:
                 exact = (
                     req.prompt.tokens if req.prompt is not None else prompt_tokens(endpoint, body, self.fs)
@@ -205,11 +205,15 @@ class Flow:
                 400, exc.message, "invalid_request_error", CLIENT_ERROR, "invalid_value", param=exc.param
             ) from exc
 
-    def _target_of(self, headers: dict[bytes, bytes]) -> float:
-        """The request's TTFT target in seconds: its header's (bounded), else slo.ttft's."""
+    def _target_of(self, headers: dict[bytes, bytes], tenant: str) -> float:
+        """The request's TTFT target in seconds: its header's (bounded), else its tenant's own (tenants
+        on), else slo.ttft's."""
         raw = headers.get(self._target_header)
         ps = self.fs.predict
         if raw is None:
+            fair = self.gate.admission.fair
+            if fair is not None and math.isfinite(fair.target_of(tenant)):
+                return fair.target_of(tenant)
             return self.fs.ttft_slo_s or ps.max_target_ms / 1000.0
         try:
             ms = float(raw.decode("ascii"))

@@ -43,7 +43,7 @@ from proxy.admission import (
     Admission,
     Rejection,
 )
-from proxy.fairqueue import REASON_SHED, Ticket
+from proxy.fairqueue import REASON_RESERVE, REASON_SHED, Ticket
 from proxy.kvaware import (
     REASON_KEYING_BUSY,
     REASON_NO_PROMPT,
@@ -256,8 +256,12 @@ class Gate:
             look = self._outlook(req, view, now)
             if look is not None and look.hopeless:
                 return self._late(req, view, look)
-            late = look.late if look is not None else frozenset()
-            rejection = self._blocked_by_waiter(ticket, last, view) or self._try_admit(req, view, now, late)
+            late = (look.late if look is not None else frozenset()) | self._reserved(req, view, now)
+            rejection = (
+                self._blocked_by_waiter(ticket, last, view)
+                or self._kept_out(late, view)
+                or self._try_admit(req, view, now, late)
+            )
             if rejection is None:
                 self._predicted(req, now)
                 self._charge(req)
@@ -275,6 +279,13 @@ class Gate:
                 await self.admission.wait(until - now, until)
             else:
                 await self.admission.wait_ticket(ticket, until - now)
+
+    def _kept_out(self, late: frozenset[str], view: RoutingView) -> Rejection | None:
+        """Every P is late for it or behind its tenant's reserve line (the line, then: the late alone are
+        hopeless and answered before): it waits for P's queues to drain, as for a pool's room."""
+        if late and all(t.name in late for t in view.prefill):
+            return Rejection(REASON_RESERVE, view.prefill_pools or self._pools_of["prefill"], "prefill")
+        return None
 
     def _blocked_by_waiter(
         self, ticket: Ticket | None, last: Rejection | None, view: RoutingView
@@ -349,6 +360,20 @@ class Gate:
             look = outlook(pred, own, ps, ds, elapsed, req.target_s, req.tokens)
         return look
 
+    def _reserved(self, req: RequestState, view: RoutingView, now: float) -> frozenset[str]:
+        """With tenants and admission by prediction: the Ps ``req`` may not go to now, because the queue it
+        would leave there (its own prefill included, not its wait so far) is past the line its tenant must
+        keep the reserve behind (``FairQueue.reserve_line``); none when no line applies."""
+        fair = self.admission.fair
+        if fair is None or not self.by_prediction or not view.prefill:
+            return frozenset()
+        line = fair.reserve_line(req.tenant)
+        if line is None:
+            return frozenset()
+        ps = [t.name for t, _ in self.selector.weighed(view.prefill, now)]
+        ds = [t.name for t, _ in self.selector.weighed(view.decode, now)]
+        return outlook(self.predictor, dict.fromkeys(ps, req.tokens), ps, ds, 0.0, line, req.tokens).late
+
     def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
         """Every P is predicted late: rejected now, with when a request like it would make it."""
         req.predicted = look.best_s
@@ -373,6 +398,8 @@ class Gate:
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
         req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds), own)
+        if self.admission.fair is not None:
+            self.admission.fair.add_backlog(req.tenant, own)
         if req.tokens > 0:
             pred.sent_to_d(p.name, d.name, req.tokens)
             req.d_backlog = (p.name, d.name, req.tokens)
@@ -566,6 +593,9 @@ class Gate:
             name, ticket, n = req.backlog
             req.backlog = None
             self.predictor.left_p(name, ticket, n)
+            if self.admission.fair is not None:
+                self.admission.fair.drop_backlog(req.tenant, n)
+                self.admission.notify()  # a waiter kept behind its reserve line may fit now
 
     def _drop_d_backlog(self, req: RequestState, arrived: bool = False) -> None:
         """``req`` has its first token (``arrived``), or moved to another D, or is over: it leaves its

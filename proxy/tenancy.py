@@ -20,14 +20,14 @@ from prometheus_client import CollectorRegistry
 from pdscope import semconv as sc
 from pdscope.config.tenants import TenantSettings
 from proxy.context import requested_tokens
-from proxy.fairqueue import REASON_SHED, REASON_TENANT_QUEUE_FULL, FairQueue
+from proxy.fairqueue import REASON_RESERVE, REASON_SHED, REASON_TENANT_QUEUE_FULL, FairQueue
 from proxy.request import RequestState, client_error
 from proxy.tenantlimits import REASON_TENANT_QUOTA, TenantLimits
 from proxy.tenantmetrics import TenantMetrics
 from proxy.tenants import Identify
 
 DEFAULT_DECODE_CHARGE = 256  # decode tokens charged to a request without max_tokens (until it ends)
-TENANT_REASONS = ("tenant_rate", REASON_TENANT_QUOTA, REASON_TENANT_QUEUE_FULL, REASON_SHED)
+TENANT_REASONS = ("tenant_rate", REASON_TENANT_QUOTA, REASON_TENANT_QUEUE_FULL, REASON_SHED, REASON_RESERVE)
 
 
 def decode_tokens(endpoint: str, body: Mapping[str, Any]) -> int:
@@ -109,4 +109,9 @@ def tenant_message(reason: str, tenant: str) -> str | None:
         return f"tenant {tenant!r} has as many requests waiting as its queue holds; retry later"
     if reason == REASON_SHED:
         return "this request waited and gave way to a request of a higher priority class; retry later"
+    if reason == REASON_RESERVE:
+        return (
+            f"tenant {tenant!r} fills the prefill queues as deep as it may while others are served "
+            "(tenants.reserve); retry later"
+        )
     return None

@@ -31,7 +31,7 @@ class TenantMetrics:
             "pdscope_proxy_tenant_rejections",
             "Requests refused at admission, by tenant and reason: the pools' reasons (inflight_requests, "
             "queue_full, predicted_late, ...) and the tenants' (tenant_rate, tenant_quota, "
-            "tenant_queue_full, shed_for_priority).",
+            "tenant_queue_full, shed_for_priority, tenant_reserve).",
             ["tenant", "reason"],
             registry=registry,
         )

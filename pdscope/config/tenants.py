@@ -79,6 +79,13 @@ class TenantSettings(_Frozen):
     """the priority classes, highest first"""
     tenants: dict[str, Tenant] = Field(default_factory=lambda: {DEFAULT_TENANT: Tenant()})
     """the declared tenants by id (1-63 of letters, digits, ``_.@-``); ``default`` is added when missing"""
+    reserve: float = Field(default=0.3, ge=0, lt=1)
+    """with admission by prediction: the last share of the TTFT budget kept for the tenants that have the
+    first claim on it. While a tenant of a higher class is busy, a lower class's request is admitted only
+    if predicted within (1 - reserve) of the tightest target among them; while tenants of its own class are
+    busy, a tenant past its weight's share of the prompt tokens waiting on P is held to (1 - reserve) of its
+    own. So a flood or a batch tenant fills P's queues only so deep, and the others' requests still fit;
+    alone, a tenant has the whole budget. 0: off"""
     cost_per_decode_token: PositiveFloat = 1.0
     """a decode token's cost against a prompt token's, in a tenant's service (the fair queue's counter)"""
 

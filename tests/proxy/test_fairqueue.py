@@ -178,3 +178,51 @@ def test_jain_reads_one_tenant_served_of_two_backlogged_as_half() -> None:
     q.leave(q.order()[0])
     t[0] = 11.0  # nobody has waited within the window: nobody is backlogged
     assert q.jain() is None
+
+
+def _reserved(**tenants: dict[str, Any]) -> tuple[FairQueue, list[float]]:
+    t = [0.0]
+    ts = TenantSettings.model_validate({"enabled": True, "tenants": tenants, "reserve": 0.3})
+    return FairQueue(ts, 100, lambda: t[0], fleet_ttft_s=2.0), t
+
+
+def test_a_tenant_alone_has_no_reserve_line() -> None:
+    q, _ = _reserved(a={}, b={})
+    q.admitted("a", 100)
+    q.add_backlog("a", 5000)
+    assert q.reserve_line("a") is None  # b has never been busy: a may fill the whole budget
+
+
+def test_a_lower_class_keeps_the_reserve_behind_the_tightest_busy_higher_target() -> None:
+    q, t = _reserved(live={"slo": {"ttft_ms": 1500}}, batch={"priority": "batch"}, other={})
+    q.admitted("batch", 100)
+    assert q.reserve_line("batch") is None
+    q.admitted("live", 10)  # interactive, its own 1.5 s target, busy
+    assert q.reserve_line("batch") == pytest.approx(1.5 * 0.7)
+    assert q.reserve_line("live") is None  # nobody of a higher class: interactive is never held back
+    q.finished("live", 10, 10)
+    t[0] = 10.5  # idle for longer than SERVICE_TAU_S: batch has the whole budget again
+    assert q.reserve_line("batch") is None
+
+
+def test_a_tenant_past_its_share_of_the_p_backlog_keeps_the_reserve_for_its_peers() -> None:
+    q, _ = _reserved(flood={}, calm={"weight": 1.0})
+    q.admitted("flood", 100)
+    q.admitted("calm", 100)
+    q.add_backlog("flood", 9000)
+    q.add_backlog("calm", 1000)
+    assert q.reserve_line("flood") == pytest.approx(2.0 * 0.7)  # 90 % of the backlog, half the weight
+    assert q.reserve_line("calm") is None  # within its share: the whole budget
+    q.drop_backlog("flood", 8500)
+    assert q.reserve_line("flood") is None  # 500 of 1500: within its half
+
+
+def test_no_reserve_means_no_line() -> None:
+    t = [0.0]
+    ts = TenantSettings.model_validate(
+        {"enabled": True, "tenants": {"a": {}, "b": {"priority": "batch"}}, "reserve": 0}
+    )
+    q = FairQueue(ts, 100, lambda: t[0], fleet_ttft_s=2.0)
+    q.admitted("a", 1)
+    q.admitted("b", 1)
+    assert q.reserve_line("b") is None
