@@ -1,0 +1,3 @@
+from bench.tenants.run import main
+
+raise SystemExit(main())

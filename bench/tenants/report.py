@@ -1,0 +1,88 @@
+"""The tenants bench's derived figures per scenario and its two tables (Markdown): every tenant in
+every run, then the targets (the fair run's figure, the unfair baseline's of the same run, the verdict;
+``PASS (edge)`` where the figure is within 2 % of its target)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.tenants.figures import attainment_ratios, flood_figures
+from bench.tenants.scenarios import Scenario
+
+
+def _r(v: float | None, d: int = 3) -> float | None:
+    return None if v is None else round(v, d)
+
+
+def derived(runs: dict[str, dict[str, Any]], sc: dict[str, Scenario]) -> dict[str, Any]:
+    """Per scenario and arm: the well-behaved tenants' attainment over alone, Jain's index, the flood's
+    429 figures; per scenario, the fleet goodput fair over unfair."""
+    out: dict[str, Any] = {}
+    for name, r in runs.items():
+        s = sc[name]
+        per: dict[str, Any] = {}
+        for arm in ("fair", "unfair"):
+            per[arm] = {
+                "attainment_vs_alone": {k: _r(v) for k, v in attainment_ratios(r, s, arm).items()},
+                "jain": _r(r[arm]["jain"]),
+            }
+            if name == "flood":
+                per[arm] |= flood_figures(r, s, arm)
+        fair, unfair = r["fair"]["goodput_tok_s"], r["unfair"]["goodput_tok_s"]
+        per["goodput_fair_vs_unfair"] = _r(fair / unfair) if unfair else None
+        out[name] = per
+    return out
+
+
+def _f(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _reasons(f: dict[str, Any]) -> str:
+    by = f["rejected_by_reason"]
+    return ", ".join(f"{k} {v}" for k, v in by.items()) if by else "0"
+
+
+def tenant_table(result: dict[str, Any]) -> str:
+    rows = [
+        "| scenario | run | tenant | offered req/s (x share) | sent | served | 429s by reason | "
+        "TTFT p50 / p99 (s) | attainment | goodput tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in result["runs"].items():
+        declared = result["scenarios"][name]["tenants"]
+        for arm, r in runs.items():
+            for tid, f in r["tenants"].items():
+                rows.append(
+                    f"| {name} | {arm}{' (starved)' if r['starved'] else ''} | {tid} | "
+                    f"{r['offered_rps'][tid]:g} ({declared[tid]['of_share']:g}) | {f['requests']} | "
+                    f"{f['served']} | {_reasons(f)} | {_f(f['ttft_p50_s'])} / {_f(f['ttft_p99_s'])} | "
+                    f"{_f(None if f['attainment'] is None else 100 * f['attainment'], '.1f')}% | "
+                    f"{f['goodput_tok_s']:.0f} |"
+                )
+    return "\n".join(rows)
+
+
+def target_table(result: dict[str, Any]) -> str:
+    rows = [
+        "| figure | target | measured (tenants on) | baseline (same fleet, tenants off) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for s in result["summary"]:
+        rows.append(
+            f"| {s['figure']} | {s['target']} | {_f(s['measured'], '.3f')} | {_f(s['baseline'], '.3f')} | "
+            f"{s['verdict']} |"
+        )
+    return "\n".join(rows)
+
+
+def tables(result: dict[str, Any]) -> str:
+    cap = result["capacity"]
+    head = (
+        f"fleet {result['fleet']}, capacity {cap['capacity_rps']:g} req/s "
+        f"({'given' if cap['given'] else 'measured'}); {result['warm_s']:g} s warm + "
+        f"{result['measure_s']:g} s measured per run"
+    )
+    starved = result.get("starved_runs") or []
+    note = f"\nstarved of CPU (timings stretched): {', '.join(starved)}" if starved else ""
+    return f"{head}\n\n{tenant_table(result)}\n\n{target_table(result)}{note}"

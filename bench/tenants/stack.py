@@ -1,0 +1,37 @@
+"""One run's services: bench/goodput's simulated fleet and pdscope proxy (its ``static`` contender:
+the weighted policy, the config's admission defaults with the proxy's own adaptive limit and admission by
+prediction, no controller), with the run's ``tenants`` section in the generated pdscope.yaml.
+
+``proxy_tree``: the proxy alone runs from another checkout (a worktree of a branch: its path is the
+proxy's working directory and first on its PYTHONPATH); the fleet and the client run from this one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.goodput.stack import Stack, StackSpec
+from pdscope.stack import Child, child_env, pdscope_argv
+
+
+class TenantStack(Stack):
+    """``with TenantStack(spec, tmp, tenants) as s:`` as :class:`bench.goodput.stack.Stack`."""
+
+    def __init__(
+        self, spec: StackSpec, tmp: Path, tenants: dict[str, Any], proxy_tree: str | None = None
+    ) -> None:
+        self.tenants, self.proxy_tree = tenants, proxy_tree
+        super().__init__(spec, tmp)
+
+    def _config(self, dead: str) -> dict[str, Any]:
+        return {**super()._config(dead), "tenants": self.tenants}
+
+    def _start(self, command: str, ready_url: str | None = None) -> None:
+        if command != "proxy" or self.proxy_tree is None:
+            super()._start(command, ready_url)
+            return
+        argv = pdscope_argv(self.config, command, log_level="WARNING")
+        env = child_env({"PYTHONPATH": self.proxy_tree})
+        log, cwd = self.tmp / f"{command}.log", Path(self.proxy_tree)
+        self.children.start(Child(command, argv, log, ready_url=ready_url, env=env, cwd=cwd))
