@@ -8,7 +8,7 @@ section on): the reference its attainment is held against.
 
 - ``flood``: equal weights; two tenants at 3/4 of their share, one at 5x its share in bursts;
 - ``priority``: an interactive tenant (TTFT SLO 1.5 s) at 0.3x capacity beside a batch tenant at 1.5x;
-- ``backlog``: weights 2:1:1, every tenant offering 1x capacity (all backlogged: Jain's index).
+- ``backlog``: weights 2:1:1, every tenant offering 3/4 of capacity (all past their share: Jain's index).
 
 Loads are multiples of the fleet's capacity, measured first in the same run (the highest of the capacity
 steps at which one tenant's load of this mix keeps >= 90 % of its requests within the fleet SLO, 429s
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.goodput.catalogue import FLEETS
-from bench.goodput.run import DOWN_STEPS
+from bench.goodput.run import CAPACITY_WARM_S, DOWN_STEPS
 from bench.goodput.stack import MODEL, SIM, StackSpec
 from bench.goodput.worker import LagProbe, starved
 from bench.tenants.ceiling import measure_ceiling
@@ -126,7 +126,7 @@ def _say(line: str) -> None:
 
 
 def _step(a: argparse.Namespace, rate: float) -> dict[str, Any]:
-    r = one_run(RunSpec(CAPACITY_PROBE, "unfair", rate, a.capacity_warm, a.capacity_s), a)
+    r = one_run(RunSpec(CAPACITY_PROBE, "unfair", rate, CAPACITY_WARM_S, a.capacity_s), a)
     f = r["tenants"]["probe"]
     ok = (f["attainment"] or 0.0) >= 0.9
     _say(

@@ -84,11 +84,11 @@ SCENARIOS = {
     ),
     "backlog": Scenario(
         "backlog",
-        "weights 2:1:1, each tenant offering 1x capacity: all three backlogged (Jain's index)",
+        "weights 2:1:1, each tenant offering 3/4 of capacity: all three past their share (Jain's index)",
         (
-            TenantLoad("gold", 1.0, weight=2.0, behaved=False),
-            TenantLoad("silver", 1.0, behaved=False),
-            TenantLoad("bronze", 1.0, behaved=False),
+            TenantLoad("gold", 0.75, weight=2.0, behaved=False),
+            TenantLoad("silver", 0.75, behaved=False),
+            TenantLoad("bronze", 0.75, behaved=False),
         ),
     ),
 }

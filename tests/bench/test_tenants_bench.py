@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bench.tenants.client import rejection_reason
 from bench.tenants.figures import (
@@ -183,11 +184,23 @@ def test_run_figures_keep_a_tenant_that_sent_nothing_and_only_the_one_alone() ->
     assert list(run_figures([_ok("a", 0, 0.1)], sc, 1.0, only="a")["tenants"]) == ["a"]
 
 
+def test_withconfig_runs_the_command_on_its_config_with_the_tenants_section(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.yaml"
+    config.write_text(yaml.safe_dump({"model": {"name": "m"}, "proxy": {"port": 1}}))
+    section = tenants_section(SCENARIOS["flood"], True)
+    show = "import sys; print(open(sys.argv[2]).read())"  # argv: -c --config FILE
+    cmd = [sys.executable, str(REPO / "bench/tenants/withconfig.py"), json.dumps(section)]
+    cmd += [sys.executable, "-c", show, "--config", str(config)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    assert yaml.safe_load(out) == {"model": {"name": "m"}, "proxy": {"port": 1}, "tenants": section}
+    assert yaml.safe_load(config.read_text()) == {"model": {"name": "m"}, "proxy": {"port": 1}}
+
+
 @pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_a_tiny_run_of_the_whole_harness(tmp_path: Path) -> None:
     out = tmp_path / "tenants.json"
-    argv = ["--scenarios", "flood", "--capacity", "12", "--warm", "1", "--measure", "3", "--seed", "2"]
+    argv = ["--scenarios", "flood", "--steps", "0.5", "--capacity-s", "3", "--warm", "1", "--measure", "3"]
     argv += ["--ceiling-rounds", "1", "--ceiling-duration", "1", "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.tenants", *argv], cwd=REPO, capture_output=True, text=True, timeout=200
@@ -198,6 +211,7 @@ def test_a_tiny_run_of_the_whole_harness(tmp_path: Path) -> None:
     fair = result["runs"]["flood"]["fair"]["tenants"]
     assert set(fair) == {"alpha", "beta", "flood"} and all(f["requests"] > 0 for f in fair.values())
     assert result["ceiling"]["ratio_on_vs_off"] is not None
+    assert result["capacity"]["steps"] and result["capacity"]["capacity_rps"] > 0
     assert len(result["summary"]) == len(TARGETS)
     assert "| figure | target |" in proc.stdout
     assert tables(result) in proc.stdout
