@@ -105,8 +105,10 @@ def attainment_ratios(runs: dict[str, Any], scenario: Scenario, arm: str) -> dic
 
 
 def flood_figures(runs: dict[str, Any], scenario: Scenario, arm: str) -> dict[str, Any]:
-    """The flood scenario in ``arm``: the share of the 429s that are the flooders', and each well-behaved
-    tenant's 429s against its own 429s alone (its excess: none when the flood's are its own)."""
+    """The flood scenario in ``arm``: the share of the 429s that are the flooders', each well-behaved
+    tenant's 429s past its own 429s alone (its excess: none when the flood's are its own), and the share
+    of the excess 429s (the flooders' and the others' past alone) that are the flooders': 1 when the
+    flood's excess is rejected as its own."""
     per = runs[arm]["tenants"]
     total = sum(f["rejected_429"] for f in per.values())
     flooders = sum(per[t.id]["rejected_429"] for t in scenario.tenants if not t.behaved)
@@ -114,7 +116,12 @@ def flood_figures(runs: dict[str, Any], scenario: Scenario, arm: str) -> dict[st
         t.id: per[t.id]["rejected_429"] - runs[f"alone:{t.id}"]["tenants"][t.id]["rejected_429"]
         for t in scenario.behaved()
     }
-    return {"flood_share_of_429": _ratio(flooders, total), "others_excess_429": excess}
+    over = flooders + sum(max(0, n) for n in excess.values())
+    return {
+        "flood_share_of_429": _ratio(flooders, total),
+        "others_excess_429": excess,
+        "excess_share": _ratio(flooders, over),
+    }
 
 
 def _min(values: Iterable[float | None]) -> float | None:
@@ -131,6 +138,14 @@ class Target:
     edge: Callable[[float], bool]
 
 
+def _never(v: float) -> bool:
+    return False
+
+
+def _all(v: float) -> bool:
+    return v >= 1
+
+
 def at_least(key: str, label: str, bound: float) -> Target:
     return Target(key, label, f">= {bound:g}", lambda v: v >= bound, lambda v: v < bound * (1 + EDGE))
 
@@ -142,7 +157,7 @@ def at_most(key: str, label: str, bound: float) -> Target:
 TARGETS = (
     at_least("attainment_vs_alone", "well-behaved attainment / alone (worst tenant)", 0.98),
     at_least("jain_backlogged", "Jain's index, weighted service, all backlogged", 0.95),
-    at_most("others_excess_429", "others' 429s past their own alone (flood)", 0),
+    Target("flood_share_of_excess_429", "share of the excess 429s that are the flood's", "= 1", _all, _never),
     at_most("interactive_p99_ttft_vs_slo", "interactive p99 TTFT / its SLO (batch filling)", 1.0),
     at_least("goodput_fair_vs_unfair", "fleet goodput fair / unfair (worst scenario)", 0.97),
     at_least("ceiling_on_vs_off", "proxy per-core ceiling, tenants on / off", 0.9),
@@ -167,8 +182,7 @@ def _arm(runs: dict[str, dict[str, Any]], sc: dict[str, Scenario], arm: str) -> 
     if "backlog" in runs:
         out["jain_backlogged"] = runs["backlog"][arm]["jain"]
     if "flood" in runs:
-        excess = flood_figures(runs["flood"], sc["flood"], arm)["others_excess_429"].values()
-        out["others_excess_429"] = float(max(excess)) if excess else None
+        out["flood_share_of_excess_429"] = flood_figures(runs["flood"], sc["flood"], arm)["excess_share"]
     if "priority" in runs:
         chat = next(t for t in sc["priority"].tenants if t.priority == "interactive")
         p99 = runs["priority"][arm]["tenants"][chat.id]["ttft_p99_s"]

@@ -4,10 +4,13 @@ every run, then the targets (the fair run's figure, the unfair baseline's of the
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
 from typing import Any
 
-from bench.tenants.figures import attainment_ratios, flood_figures
-from bench.tenants.scenarios import Scenario
+from bench.tenants.figures import attainment_ratios, flood_figures, summary
+from bench.tenants.scenarios import SCENARIOS, Scenario
 
 
 def _r(v: float | None, d: int = 3) -> float | None:
@@ -86,3 +89,30 @@ def tables(result: dict[str, Any]) -> str:
     starved = result.get("starved_runs") or []
     note = f"\nstarved of CPU (timings stretched): {', '.join(starved)}" if starved else ""
     return f"{head}\n\n{tenant_table(result)}\n\n{target_table(result)}{note}"
+
+
+def rederive(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with its derived figures and targets computed again from its runs (this checkout's
+    arithmetic over the measured figures; nothing is measured again)."""
+    chosen = {n: SCENARIOS[n] for n in result["runs"]}
+    ceiling = (result.get("ceiling") or {}).get("ratio_on_vs_off")
+    runs = result["runs"]
+    return result | {"derived": derived(runs, chosen), "summary": summary(runs, chosen, ceiling)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.tenants.report RESULT.json [--rewrite]``: print a result file's tables, its
+    figures derived again (``--rewrite``: and write them back)."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("result")
+    ap.add_argument("--rewrite", action="store_true")
+    a = ap.parse_args(argv)
+    result = rederive(json.loads(Path(a.result).read_text()))
+    if a.rewrite:
+        Path(a.result).write_text(json.dumps(result, indent=1) + "\n")
+    print(tables(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

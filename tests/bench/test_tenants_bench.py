@@ -143,8 +143,9 @@ def test_summary_holds_each_figure_against_its_target_beside_the_baseline() -> N
     assert a["measured"] == pytest.approx(0.97 / 0.98) and a["verdict"] == "PASS (edge)"
     assert a["baseline"] == pytest.approx(0.5)  # the worst: chat's 0.5 beside a contending batch
     assert rows["jain_backlogged"]["verdict"] == "PASS" and rows["jain_backlogged"]["baseline"] == 0.926
-    assert rows["others_excess_429"]["measured"] == 0 and rows["others_excess_429"]["verdict"] == "PASS"
-    assert rows["others_excess_429"]["baseline"] == 9
+    flood_row = rows["flood_share_of_excess_429"]  # beta's one 429 it had alone too: not the flood's excess
+    assert flood_row["measured"] == 1.0 and flood_row["verdict"] == "PASS"
+    assert flood_row["baseline"] == pytest.approx(70 / (70 + 9 + 4))
     assert rows["interactive_p99_ttft_vs_slo"]["measured"] == pytest.approx(1200 / 1500)
     assert rows["goodput_fair_vs_unfair"]["measured"] == pytest.approx(100 / 102)  # the worst scenario
     assert rows["ceiling_on_vs_off"]["verdict"] == "PASS"
@@ -152,7 +153,7 @@ def test_summary_holds_each_figure_against_its_target_beside_the_baseline() -> N
     assert summary(runs, SCENARIOS, None)[-1]["verdict"] == "n/a"
     flood = flood_figures(runs["flood"], SCENARIOS["flood"], "fair")
     assert flood["flood_share_of_429"] == pytest.approx(80 / 81)
-    assert flood["others_excess_429"] == {"alpha": 0, "beta": 0}
+    assert flood["others_excess_429"] == {"alpha": 0, "beta": 0} and flood["excess_share"] == 1.0
     d = derived(runs, SCENARIOS)
     assert d["priority"]["unfair"]["attainment_vs_alone"] == {"chat": 0.5}
     assert d["backlog"]["goodput_fair_vs_unfair"] == 1.0
