@@ -9,14 +9,14 @@ Bounded: at most ``limit`` records, the newest, and it says when it left some ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func
 from sqlalchemy.orm import Session
 
 from store.models import RequestRecord
 from store.queries import EVERY_RECORD, RecordFilter
+from store.window import WindowRows, window_rows
 
 MAX_RECORDS: Final = 500_000  # the most any caller may ask for
 DEFAULT_RECORDS: Final = 200_000
@@ -36,14 +36,6 @@ TENANT_COLUMNS: Final = (
 )
 
 
-@dataclass(frozen=True)
-class TenantRows:
-    """Rows read, newest first; ``truncated``: more matched than the limit (the oldest were left out)."""
-
-    rows: tuple[tuple[Any, ...], ...]
-    truncated: bool
-
-
 def tenant_rows(
     reader: Session | Connection,
     since: float,
@@ -51,14 +43,7 @@ def tenant_rows(
     *,
     only: RecordFilter = EVERY_RECORD,
     limit: int = DEFAULT_RECORDS,
-) -> TenantRows:
+) -> WindowRows:
     """The records in ``[since, until]`` (by ``proxy_in``) that ``only`` keeps (``only.tenant``: one
-    tenant's), read through a
-    session (the controller) or a connection (the dashboard), at most ``limit`` (1 to
-    :data:`MAX_RECORDS`, else ``ValueError``), the newest first."""
-    if not 1 <= limit <= MAX_RECORDS:
-        raise ValueError(f"limit must be 1 to {MAX_RECORDS}, got {limit}")
-    stmt = select(*TENANT_COLUMNS).where(_R.proxy_in >= since, _R.proxy_in <= until)
-    stmt = stmt.order_by(_R.proxy_in.desc(), _R.id.desc()).limit(limit + 1)
-    rows = reader.execute(only.apply(stmt)).all()
-    return TenantRows(tuple(tuple(r) for r in rows[:limit]), len(rows) > limit)
+    tenant's), newest first, at most ``limit`` (1 to :data:`MAX_RECORDS`, else ``ValueError``)."""
+    return window_rows(reader, TENANT_COLUMNS, since, until, only=only, limit=limit, max_limit=MAX_RECORDS)
