@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from analysis import rates
 from analysis.prediction import PredictionFacts, measure
+from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
 from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
@@ -69,14 +70,13 @@ def _latest_gauges(
         parts = waits + ([last.kv_fetch_in_progress] if last.kv_fetch_in_progress is not None else [])
         qsum = counter_increase(r.queue_sum for r in up_rows)
         qcnt = counter_increase(r.queue_count for r in up_rows)
-        to_pull = [v for v in (last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress) if v is not None]
         out[inst] = ev.LatestGauges(
             sum(parts) if parts else None,
             qsum / qcnt if qsum is not None and qcnt else None,
             down_for,
             sum(waits) if waits else None,
             _unreachable_run(rows),
-            sum(to_pull) if to_pull else None,
+            to_pull(last.kv_fetch_waiting_to_start, last.kv_fetch_in_progress),
         )
     return out
 

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.blame import Cell, Factorization, factor
+from analysis.stranded import holds_while_idle, pending_total, to_pull
 from dashboard.derive import find_histogram, histogram_increase, histogram_quantile, ratio
 from pdscope.stats import counter_increase, percentile
 
@@ -160,8 +161,7 @@ def _held_since(mine: pd.DataFrame) -> float | None:
     idle (nothing running or waiting) with KV in use; None when its newest scrape is not one."""
     since = None
     for row in mine.sort_values("ts", ascending=False).itertuples(index=False):
-        usage, running, waiting = row.kv_cache_usage, row.num_running, row.num_waiting
-        if not row.up or pd.isna(usage) or usage <= 0 or running != 0 or waiting != 0:
+        if not holds_while_idle(row.up, row.kv_cache_usage, row.num_running, row.num_waiting):
             break
         since = float(row.ts)
     return since
@@ -171,16 +171,16 @@ def _pulls_pending(series: pd.DataFrame) -> float | None:
     """Requests every up D still has to pull (KV-fetch stages waiting_to_start + in_progress), at each D's
     newest scrape; None where a D's gauges are missing."""
     ds = series[series["role"] == "decode"]
-    total = 0.0
-    for _, mine in ds.groupby("instance", sort=False):
-        last = mine.sort_values("ts").iloc[-1]
-        if not last["up"]:
-            continue
-        parts = [last.get("kv_fetch_waiting_to_start"), last.get("kv_fetch_in_progress")]
-        if any(v is None or pd.isna(v) for v in parts):
-            return None
-        total += float(sum(parts))
-    return total
+    lasts = [mine.sort_values("ts").iloc[-1] for _, mine in ds.groupby("instance", sort=False)]
+    return pending_total(
+        to_pull(_num(last.get("kv_fetch_waiting_to_start")), _num(last.get("kv_fetch_in_progress")))
+        for last in lasts
+        if last["up"]
+    )
+
+
+def _num(v: object) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)  # type: ignore[arg-type]
 
 
 def stranded_kv(series: pd.DataFrame, sample: pd.DataFrame, step: int) -> tuple[pd.DataFrame, float | None]:

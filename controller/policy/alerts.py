@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from analysis.stranded import holds_while_idle, pending_total
 from analysis.tenants import TenantFigures
 from controller.policy.compat import judge
 from controller.policy.config import PolicyConfig
@@ -244,18 +245,14 @@ def _stranded_kv(obs: Observation, cfg: PolicyConfig, ac: AlertConfig) -> list[S
     the blocks wait on leases no D will pull, so they hold until the lease reaper frees them (it should
     within ``kv_lease_duration``; this rule's ``for`` is longer). Abstains while any up D's KV-fetch gauges
     are missing (a D that cannot be seen might be waiting)."""
-    ds = [i for i in obs.instances if i.role == "decode" and i.up]
-    if any(d.pulls_pending is None for d in ds) or sum(d.pulls_pending or 0.0 for d in ds) > 0:
+    pending = pending_total(i.pulls_pending for i in obs.instances if i.role == "decode" and i.up)
+    if pending is None or pending > 0:
         return []
     return [
-        Sample(_labels(i.name, i.pool, i.role), i.kv_usage, _stranded_text(i))
+        Sample(_labels(i.name, i.pool, i.role), i.kv_usage or 0.0, _stranded_text(i))
         for i in obs.instances
         if i.role == "prefill"
-        and i.up
-        and i.kv_usage is not None
-        and i.kv_usage > ac.stranded_kv_usage
-        and i.num_running == 0
-        and i.num_waiting == 0
+        and holds_while_idle(i.up, i.kv_usage, i.num_running, i.num_waiting, ac.stranded_kv_usage)
     ]
 
 
