@@ -44,6 +44,7 @@ from pdscope.config import ConfigError, Settings
 from pdscope.routing import ProxyReport
 from proxy import protocol, surface
 from proxy.admission import Admission
+from proxy.approx import ApproxView
 from proxy.concurrency import AdaptiveLimits
 from proxy.context import ContextCheck
 from proxy.fairqueue import FairQueue
@@ -454,7 +455,7 @@ def build(
     flow = Flow(
         fs, upstream, routing, selector, admission, budget, metrics, tracer, clock, kv, context, tenancy
     )
-    trust = view.trust if isinstance(view, PreciseView) else None
+    trust = view.trust if isinstance(view, PreciseView | ApproxView) else None
     metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))
     parts = Parts(
         settings,

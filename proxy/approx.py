@@ -31,6 +31,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from proxy.kvtrust import HitCheck, Verdict
 from proxy.prefixview import Prompt
 from proxy.prompts import DEFAULT_MAX_CHARS, Ids, Refused, Text, prompt_of
 
@@ -88,6 +89,7 @@ class ApproxView:
         self.refused: Counter[str] = Counter()
         self.evicted = 0  # over an instance's capacity or the fleet-wide bound
         self.expired = 0
+        self.trust = HitCheck(self.block_tokens, distrust=False)  # predictions against vLLM's reports
 
     # -- the protocol -------------------------------------------------------------------
 
@@ -144,6 +146,11 @@ class ApproxView:
             self.evicted += 1
         for inst in [i for i, held in self._held.items() if not held]:
             del self._held[inst]
+
+    def verify(self, instance: str, predicted: int, reported: int | None) -> Verdict:
+        """A finished request's check: the cached tokens credited to ``instance`` when it was routed
+        against those vLLM ``reported`` (None: not reported, nothing checked)."""
+        return self.trust.observe(instance, predicted, reported, self.clock())
 
     # -- reads for metrics and tests ----------------------------------------------------
 

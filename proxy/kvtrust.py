@@ -11,8 +11,11 @@ one block (vLLM recomputes a prompt's last token, so a full hit reports up to a 
 backoff (``base_s``, doubled at each distrust in a row, at most ``max_s``): its events are
 credited nothing meanwhile (routing to it goes by load alone). When the backoff ends it is on
 probation: credited again, and its next checked prediction decides, a hit trusting it fully
-(the doubling reset), a miss distrusting it again at once. Pure: values in, verdicts out, the
-time passed in; one thread (the caller holds the view's lock).
+(the doubling reset), a miss distrusting it again at once. With ``distrust=False`` (the approximate
+view, ``proxy.approx``, which acts on a miss itself) it only counts: verdicts hit or miss, never
+distrusted. Every checked prediction's tokens are summed per instance (``tokens``: predicted, and
+reported as far as the prediction went), the health figure of either view. Pure: values in,
+verdicts out, the time passed in; one thread (the caller holds the view's lock).
 """
 
 from __future__ import annotations
@@ -46,11 +49,14 @@ class HitCheck:
         misses_to_distrust: int = MISSES_TO_DISTRUST,
         base_s: float = BASE_S,
         max_s: float = MAX_S,
+        distrust: bool = True,
     ) -> None:
         self.block_size = block_size
+        self.distrust = distrust
         self.misses_to_distrust, self.base_s, self.max_s = misses_to_distrust, base_s, max_s
         self._state: dict[str, _State] = {}
         self.counts: Counter[tuple[str, str]] = Counter()  # (instance, hit|miss|distrusted|trusted)
+        self.tokens: Counter[tuple[str, str]] = Counter()  # (instance, predicted|reported), checked ones
 
     def is_miss(self, predicted: int, reported: int) -> bool:
         return reported * 2 < predicted and predicted - reported > self.block_size
@@ -63,6 +69,8 @@ class HitCheck:
         st = self._state.setdefault(instance, _State())
         if st.until is not None:  # routed while distrusted with a credit: cannot happen; not evidence
             return "unchecked"
+        self.tokens[(instance, "predicted")] += predicted
+        self.tokens[(instance, "reported")] += min(reported, predicted)
         if not self.is_miss(predicted, reported):
             self.counts[(instance, "hit")] += 1
             st.misses = 0
@@ -72,6 +80,8 @@ class HitCheck:
                 return "trusted"
             return "hit"
         self.counts[(instance, "miss")] += 1
+        if not self.distrust:
+            return "miss"
         st.misses += 1
         if st.misses < self.misses_to_distrust and not st.probation:
             return "miss"

@@ -43,7 +43,7 @@ class LiveSources:
     spans: BoundedSpanProcessor | None
     now: Callable[[], float]
     kv_events: KvEventsSubscriber | None = None  # precise KV-aware routing's subscriber, when it runs
-    kv_trust: HitCheck | None = None  # precise KV-aware routing's check of predicted against reported hits
+    kv_trust: HitCheck | None = None  # KV-aware routing's check of predicted against reported hits
 
 
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -302,6 +302,11 @@ def _hit_checks(s: _Scrape) -> Samples:
     return None if check is None else [(pair, float(n)) for pair, n in sorted(dict(check.counts).items())]
 
 
+def _checked_tokens(s: _Scrape) -> Samples:
+    check = s.src.kv_trust
+    return None if check is None else [(pair, float(n)) for pair, n in sorted(dict(check.tokens).items())]
+
+
 _INSTANCE, _POOL = ("instance",), ("pool",)
 # The scrape-time families, in the order they are exported: one row a metric.
 LIVE_FAMILIES: tuple[Family[_Scrape], ...] = (
@@ -553,12 +558,21 @@ LIVE_FAMILIES: tuple[Family[_Scrape], ...] = (
     ),
     Family(
         "pdscope_proxy_kv_hit_checks",
-        "Precise KV-aware routing's predictions checked against the cached tokens the instance reported, "
-        "per instance and verdict: hit, miss (less than half came true), distrusted (its events no longer "
-        "credited, see docs/trust.md), trusted (credited again after probation).",
+        "KV-aware routing's predictions checked against the cached tokens the instance reported, "
+        "per instance and verdict: hit, miss (less than half came true), distrusted (precise mode: its "
+        "events no longer credited, see docs/trust.md), trusted (credited again after probation).",
         "counter",
         ("instance", "verdict"),
         _hit_checks,
+    ),
+    Family(
+        "pdscope_proxy_kv_checked_cached_tokens",
+        "The checked predictions' cached prompt tokens, per instance and figure: predicted (what the "
+        "cache view credited the chosen instance) and reported (what vLLM said it reused, up to the "
+        "prediction). reported / predicted: the share of the view's predictions that came true.",
+        "counter",
+        ("instance", "figure"),
+        _checked_tokens,
     ),
 )
 

@@ -7,17 +7,23 @@ a :class:`simulator.workload.RequestResult`, so ``simulator.workload.summarize``
 goodput and percentiles as every other benchmark here does. Bounded: per-request timeout, at most
 ``max_inflight`` open (a request past it is recorded as dropped), and a finite schedule. Hooks at
 given offsets (``at``) let the caller scrape metrics at the start and end of the measured phase.
+
+Conversations (``live_chat``, :func:`run_conversations`): each is one task that sends a turn, reads
+its stream to the end collecting the answer's text, waits its think time and sends the next turn
+with that answer appended; a turn that fails ends its conversation (a user who gave up), and no
+turn is sent at or after the run's ``duration_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.prefix.workloads import Planned
+from bench.prefix.workloads import CHAT_OVERHEAD, Conversation, Planned
 from simulator.httpclient import HttpClientError, Pool
 from simulator.loadgen import read_stream, settle
 from simulator.workload import RequestResult
@@ -116,6 +122,136 @@ async def run_open_loop(
             t.cancel()
         await client.aclose()
     return run.results
+
+
+async def _read_answer(resp: Any, res: RequestResult, t_send: float) -> str:
+    """A streamed chat answer into ``res`` (TTFT at the first content, e2e, output tokens, ok) and
+    its content text, every chunk parsed (the conversation needs the words)."""
+    res.status = resp.status_code
+    if resp.status_code != 200:
+        await resp.aread()
+        res.error = f"HTTP {resp.status_code}"
+        return ""
+    parts: list[str] = []
+    finished = False
+    async for line in resp.aiter_lines():
+        payload = line[6:] if line.startswith("data: ") else None
+        if payload is None or payload == "[DONE]":
+            finished = finished or payload == "[DONE]"
+            continue
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            res.error = "stream error"
+        res.output_tokens = int((chunk.get("usage") or {}).get("completion_tokens") or res.output_tokens)
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                res.ttft_s = res.ttft_s if res.ttft_s is not None else time.perf_counter() - t_send
+                parts.append(piece)
+    res.e2e_s = time.perf_counter() - t_send
+    res.ok = finished and res.error is None and res.ttft_s is not None
+    if not finished and res.error is None:
+        res.error = "stream ended early"
+    return "".join(parts)
+
+
+@dataclass
+class _Talks:
+    """One run's conversations: each a task, its turns' results appended as they are sent."""
+
+    client: Pool
+    url: str
+    start: float
+    duration_s: float
+    timeout_s: float
+    model: str
+    tag: str
+    results: list[RequestResult] = field(default_factory=list)
+
+    async def talk(self, conv: Conversation) -> None:
+        messages = conv.messages()
+        due = self.start + conv.at
+        for turn, user in enumerate(conv.users):
+            if turn:
+                due = time.perf_counter() + conv.thinks[turn - 1]
+            if due - self.start >= self.duration_s:
+                return
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            messages.append({"role": "user", "content": user})
+            body = {
+                "messages": [dict(m) for m in messages],
+                "model": self.model,
+                "max_tokens": conv.answers[turn],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            sent = time.perf_counter()
+            tokens = sum(len(m["content"].split()) + CHAT_OVERHEAD for m in messages)  # the simulator's count
+            res = RequestResult(
+                len(self.results),
+                f"{self.tag}-{len(self.results)}",
+                sent - self.start,
+                sent - self.start,
+                tokens,
+                conv.answers[turn],
+            )
+            self.results.append(res)
+            answer = await self._turn(body, res, sent)
+            if not res.ok:
+                return
+            messages.append({"role": "assistant", "content": answer})
+
+    async def _turn(self, body: dict[str, Any], res: RequestResult, sent: float) -> str:
+        try:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                self.client.post(self.url, body, {"X-Request-Id": res.request_id}) as resp,
+            ):
+                return await _read_answer(resp, res, sent)
+        except TimeoutError:
+            res.error = "timeout"
+        except (HttpClientError, OSError, ValueError) as exc:
+            res.error = f"{type(exc).__name__}: {exc}"
+        return ""
+
+
+async def run_conversations(
+    base_url: str,
+    convs: list[Conversation],
+    *,
+    model: str,
+    duration_s: float,
+    timeout_s: float = 30.0,
+    hooks: list[tuple[float, Callable[[], None]]] | None = None,
+    tag: str = "chat",
+) -> list[RequestResult]:
+    """Hold ``convs`` against ``base_url`` (each turn after the answer to the one before and its think
+    time; each answer as long as its turn plans); the results of every turn sent, in sending order.
+    ``hooks`` as :func:`run_open_loop`'s."""
+    client = Pool(max_idle=max(64, len(convs)))
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter()
+    hook_tasks = [
+        loop.create_task(_hook(start + at, fn)) for at, fn in sorted(hooks or [], key=lambda h: h[0])
+    ]
+    talks = _Talks(
+        client,
+        base_url.rstrip("/") + "/v1/chat/completions",
+        start,
+        duration_s,
+        timeout_s,
+        model,
+        tag,
+    )
+    try:
+        await settle([loop.create_task(talks.talk(c)) for c in convs], duration_s + timeout_s + 5.0)
+        await asyncio.gather(*hook_tasks, return_exceptions=True)
+    finally:
+        for t in hook_tasks:
+            t.cancel()
+        await client.aclose()
+    return talks.results
 
 
 async def _hook(at: float, fn: Callable[[], None]) -> None:

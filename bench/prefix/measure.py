@@ -27,6 +27,12 @@ from simulator.workload import RequestResult, summarize
 
 QUEUE = "vllm:request_queue_time_seconds"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+# the proxy's KV-aware counters kept per run: routes by reason, predictions checked against vLLM's report
+PROXY_COUNTERS = (
+    "pdscope_proxy_routes_total",
+    "pdscope_proxy_kv_hit_checks_total",
+    "pdscope_proxy_kv_checked_cached_tokens_total",
+)
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -57,6 +63,7 @@ class Snapshot:
     p: dict[str, PStats] = field(default_factory=dict)
     computed: float = 0.0  # prompt tokens computed anywhere in the fleet (P and D)
     routes: dict[str, float] = field(default_factory=dict)  # path -> requests
+    proxy: dict[str, float] = field(default_factory=dict)  # the KV-aware counters below, "name{labels}"
     errors: list[str] = field(default_factory=list)
 
 
@@ -96,6 +103,10 @@ def snapshot(
             for labels, v in s.get("pdscope_proxy_routes_total", []):
                 path = labels.get("path", "?")
                 snap.routes[path] = snap.routes.get(path, 0.0) + v
+            for name in PROXY_COUNTERS:
+                for labels, v in s.get(name, []):
+                    key = name + "{" + ",".join(f"{k}={x}" for k, x in sorted(labels.items())) + "}"
+                    snap.proxy[key] = snap.proxy.get(key, 0.0) + v
     return snap
 
 
@@ -135,6 +146,7 @@ def phase(
         "queue_max_le_s": max((x["queue_max_le_s"] or 0.0 for x in per_p.values()), default=None),
         "routes": routes,
         "decode_only_share": decode_only / total_routes if total_routes else None,
+        "kv_checks": {k: v - a.proxy.get(k, 0.0) for k, v in b.proxy.items() if v - a.proxy.get(k, 0.0)},
         "scrape_errors": a.errors + b.errors,
     }
 

@@ -27,7 +27,7 @@ from bench.prefix.stack import (
 )
 
 KV_AWARE = ("approximate", "precise")
-SHARED = ("system_prompts", "multi_turn")
+SHARED = ("system_prompts", "multi_turn", "live_chat")
 HIT_OF_ORACLE, GOODPUT_GAIN, CONTROL_FLOOR = 0.9, 1.3, 0.95
 
 
@@ -39,7 +39,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "load_shared": args.load,
         "load_unique": args.load_unique,
         "quick": args.quick,
-        "fleet": f"{P_COUNT}P+{P_COUNT}D",
+        "fleet": f"{P_COUNT}P+{args.decodes}D",
+        "kv_set": dict(args.fleet.kv_set),
         "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
         "block_size": BLOCK_SIZE,
         "kv_capacity_blocks": KV_CAPACITY_BLOCKS,
@@ -50,6 +51,9 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
+
+
+fmt = _f
 
 
 def progress_line(contender: str, r: dict[str, Any]) -> str:

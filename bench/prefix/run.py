@@ -52,10 +52,11 @@ if str(REPO) not in sys.path:
 
 from bench.goodput.stack import http_json  # noqa: E402
 from bench.prefix import report  # noqa: E402
-from bench.prefix.client import run_open_loop  # noqa: E402
+from bench.prefix.client import run_conversations, run_open_loop  # noqa: E402
 from bench.prefix.measure import figures, phase, snapshot  # noqa: E402
 from bench.prefix.stack import (  # noqa: E402
     CONTENDERS,
+    D_COUNT,
     MODEL,
     OUTPUT_TOKENS,
     P_COUNT,
@@ -66,10 +67,12 @@ from bench.prefix.stack import (  # noqa: E402
     Stack,
     StackSpec,
 )
-from bench.prefix.workloads import WORKLOADS, Planned, mean_prompt_tokens  # noqa: E402
+from bench.prefix.workloads import WORKLOADS, Conversation, Plan, mean_prompt_tokens, request_tokens  # noqa: E402
 from simulator.workload import RequestResult  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "prefix.json"
+SWEEP_OUT = REPO / "bench" / "results" / "prefix-sweep.json"
+SWEEP_LOADS = (0.85, 1.0, 1.3, 1.6)  # x load_only's capacity: declared before any run (issue 33)
 HOT_CONTENDERS = ("load_only", "approximate", "precise", "oracle")
 CALIBRATED_BUSY = 0.95  # load_only's P pool this busy, at the reuse it gets
 MAX_CALIBRATED_REUSE = 0.8  # the load stays within 4.75 x the no-cache capacity (2 CPU cores)
@@ -82,7 +85,7 @@ def capacity_rps(workload: str, seed: int) -> float:
     return P_COUNT * PREFILL_TOKENS_PER_S / mean_prompt_tokens(sample)
 
 
-def plan_for(workload: str, load: float, duration_s: float, seed: int) -> tuple[list[Planned], float]:
+def plan_for(workload: str, load: float, duration_s: float, seed: int) -> tuple[Plan, float]:
     rate = load * capacity_rps(workload, seed)
     return WORKLOADS[workload](rate, duration_s, seed), rate
 
@@ -94,7 +97,7 @@ class RouterChoice:
         self.policy: str | None = None
         self.why = ""
 
-    def probe(self, stack: Stack, planned: list[Planned]) -> bool:
+    def probe(self, stack: Stack, planned: Plan) -> bool:
         """With kv_aware up: one request from the workload must come back 200."""
         p = planned[0]
         try:
@@ -155,15 +158,16 @@ def router_kv_metrics(stack: Stack) -> dict[str, float]:
 def run_one(
     workload: str,
     contender: str,
-    planned: list[Planned],
+    planned: Plan,
     warm_s: float,
     measure_s: float,
     seed: int,
     router: RouterChoice,
+    fleet: Fleet | None = None,
 ) -> dict[str, Any]:
     """One contender on one workload; a lost port race (a free port taken before the fleet bound it)
     is tried once more on fresh ports."""
-    cell = _Cell(workload, contender, planned, warm_s, measure_s)
+    cell = _Cell(workload, contender, planned, warm_s, measure_s, fleet or Fleet())
     out = _run_one(cell, seed, router)
     logs = out.get("logs")
     if logs and "Address already in use" in "".join(
@@ -175,14 +179,23 @@ def run_one(
 
 
 @dataclass(frozen=True)
+class Fleet:
+    """The fleet's shape and the KV-aware settings' overrides (``--decodes``, ``--kv-set``)."""
+
+    decodes: int = D_COUNT
+    kv_set: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class _Cell:
     """One contender's run of one workload: what its helpers share."""
 
     workload: str
     contender: str
-    planned: list[Planned]
+    planned: Plan
     warm_s: float
     measure_s: float
+    fleet: Fleet = Fleet()
 
 
 def _start(stack: Stack, contender: str, policy: str, router: RouterChoice) -> bool:
@@ -223,18 +236,31 @@ def _drive(stack: Stack, cell: _Cell) -> tuple[list[RequestResult], dict[str, An
             http_json(stack.admin_url + "/stats/reset", "POST", {})
 
     warm_s, measure_s = cell.warm_s, cell.measure_s
-    results = asyncio.run(
-        run_open_loop(
+    hooks = [(warm_s, lambda: take("start")), (warm_s + measure_s, lambda: take("end"))]
+    tag = f"{cell.workload}-{cell.contender}"
+    plan = cell.planned
+    if plan and isinstance(plan[0], Conversation):
+        convs = [c for c in plan if isinstance(c, Conversation)]
+        run = run_conversations(
             stack.proxy_url,
-            cell.planned,
+            convs,
+            model=MODEL,
+            duration_s=warm_s + measure_s,
+            timeout_s=CLIENT_TIMEOUT_S,
+            hooks=hooks,
+            tag=tag,
+        )
+    else:
+        run = run_open_loop(
+            stack.proxy_url,
+            [p for p in plan if not isinstance(p, Conversation)],
             model=MODEL,
             max_tokens=OUTPUT_TOKENS,
             timeout_s=CLIENT_TIMEOUT_S,
-            hooks=[(warm_s, lambda: take("start")), (warm_s + measure_s, lambda: take("end"))],
-            tag=f"{cell.workload}-{cell.contender}",
+            hooks=hooks,
+            tag=tag,
         )
-    )
-    return results, snaps
+    return asyncio.run(run), snaps
 
 
 def _measure(out: dict[str, Any], stack: Stack, cell: _Cell, router: RouterChoice) -> None:
@@ -269,7 +295,8 @@ def _run_one(cell: _Cell, seed: int, router: RouterChoice) -> dict[str, Any]:
     t0 = time.monotonic()
     ok = False
     try:
-        stack = Stack(StackSpec(contender, seed, policy), tmp)
+        spec = StackSpec(contender, seed, policy, cell.fleet.decodes, cell.fleet.kv_set)
+        stack = Stack(spec, tmp)
         if not _start(stack, contender, policy, router):
             return _run_one(cell, seed, router)
         try:
@@ -300,7 +327,7 @@ def calibrate(
     ``1 - r`` of each prompt, so load_only's P capacity is the no-cache capacity / (1 - r), and the
     offered load is :data:`CALIBRATED_BUSY` of that: the load load_only can almost sustain."""
     planned, rate = plan_for(workload, args.calibration_load, args.warm + args.measure, args.seed)
-    r = run_one(workload, "load_only", planned, args.warm, args.measure, args.seed, router)
+    r = run_one(workload, "load_only", planned, args.warm, args.measure, args.seed, router, args.fleet)
     reuse = r.get("reuse")
     if reuse is None:
         raise SystemExit(f"calibration of {workload} failed: {report.progress_line('load_only', r)}")
@@ -334,14 +361,49 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--quick", action="store_true", help="smoke: 2 s warm, 4 s measured, half the load, one workload"
     )
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None, help=f"default {OUT} ({SWEEP_OUT} with --sweep)")
+    ap.add_argument("--decodes", type=int, default=D_COUNT, help=f"D instances (default {D_COUNT})")
+    ap.add_argument(
+        "--kv-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a proxy.kv_aware setting for approximate and precise (VALUE as JSON, else a string)",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the declared load sweep: every shared workload at "
+        + ", ".join(f"{x}" for x in SWEEP_LOADS)
+        + " x load_only's capacity (see bench/prefix/sweep.py)",
+    )
+    ap.add_argument(
+        "--max-wall", type=float, default=None, help="--sweep: seconds; cells past it are not run"
+    )
     return ap
+
+
+def _kv_set(items: list[str]) -> tuple[tuple[str, Any], ...]:
+    out = []
+    for item in items:
+        key, _, raw = item.partition("=")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.append((key, value))
+    return tuple(out)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
     """The arguments (``--quick`` applied), the workloads and the contenders; exits on an unknown name."""
     ap = _parser()
     args = ap.parse_args(argv)
+    args.fleet = Fleet(args.decodes, _kv_set(args.kv_set))
+    if args.out is None:
+        args.out = SWEEP_OUT if args.sweep else OUT
+    if args.sweep and args.workloads is None:
+        args.workloads = ",".join(w for w in WORKLOADS if w != "unique")
     if args.quick:
         args.warm, args.measure, args.load_unique = 2.0, 4.0, 0.4
         args.load = 0.5 if args.load is None else args.load
@@ -360,7 +422,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[
 
 def _plan_workload(
     w: str, args: argparse.Namespace, router: RouterChoice, t0: float
-) -> tuple[list[Planned], dict[str, Any]]:
+) -> tuple[Plan, dict[str, Any]]:
     """Workload ``w``'s load (calibrated if need be), its plan and its entry in the results."""
     cal: dict[str, Any] | None = None
     if w == "unique":
@@ -373,13 +435,13 @@ def _plan_workload(
     meta: dict[str, Any] = {
         "rate_rps": round(rate, 2),
         "load": round(load, 3),
-        "requests": len(planned),
+        "requests": len(request_tokens(planned)),
         "mean_prompt_tokens": round(mean_prompt_tokens(planned), 1),
     }
     if cal is not None:
         meta["calibration"] = cal
     print(
-        f"== {w}: {len(planned)} requests at {rate:.2f}/s ({load:.2f} x no-cache P capacity), "
+        f"== {w}: {meta['requests']} requests at {rate:.2f}/s ({load:.2f} x no-cache P capacity), "
         f"mean prompt {meta['mean_prompt_tokens']:.0f} tokens",
         flush=True,
     )
@@ -388,6 +450,10 @@ def _plan_workload(
 
 def main(argv: list[str] | None = None) -> int:
     args, workloads, contenders = _parse(argv)
+    if args.sweep:
+        from bench.prefix.sweep import sweep
+
+        return sweep(args, workloads, contenders, argv)
     router = RouterChoice()
     cells: dict[str, dict[str, Any]] = {}
     meta: dict[str, Any] = {}
@@ -398,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in contenders:
             if w == "hot_prefix" and c not in HOT_CONTENDERS:
                 continue
-            r = run_one(w, c, planned, args.warm, args.measure, args.seed, router)
+            r = run_one(w, c, planned, args.warm, args.measure, args.seed, router, args.fleet)
             cells[w][c] = r
             print(f"   {report.progress_line(c, r)}  [{time.monotonic() - t0:5.0f}s]", flush=True)
     result = {

@@ -1,4 +1,4 @@
-"""One contender's services for one run of the prefix benchmark: a simulated 4P+4D fleet with
+"""One contender's services for one run of the prefix benchmark: a simulated 4P+4D fleet (or 4P+nD) with
 prefix caching, and in front of it the contender (pdscope's proxy in one of its modes, the
 oracle's proxy, or vLLM's Rust router), all subprocesses started from one generated
 pdscope.yaml and stopped on exit (SIGTERM, then SIGKILL after 15 s).
@@ -68,6 +68,8 @@ class StackSpec:
     contender: str
     seed: int
     router_policy: str = "kv_aware"  # vllm_router only: kv_aware (with events) or cache_aware
+    decodes: int = D_COUNT  # D instances (P_COUNT Ps)
+    kv_set: tuple[tuple[str, Any], ...] = ()  # proxy.kv_aware overrides for approximate and precise
 
 
 class Stack:
@@ -79,11 +81,11 @@ class Stack:
         self.spec = spec
         self.tmp = tmp
         self.children = ChildGroup(grace_s=15.0)
-        ports = iter(free_ports(4 + 2 * (P_COUNT + D_COUNT)))
+        ports = iter(free_ports(4 + 2 * (P_COUNT + spec.decodes)))
         self.ports = {k: next(ports) for k in ("proxy", "admin", "router_metrics", "dead")}
         events = spec.contender in EVENTS
         self.inst: list[dict[str, Any]] = []
-        for role, n in (("prefill", P_COUNT), ("decode", D_COUNT)):
+        for role, n in (("prefill", P_COUNT), ("decode", spec.decodes)):
             for i in range(n):
                 entry: dict[str, Any] = {"name": f"{role[0]}{i}", "url": loopback_url(next(ports))}
                 if events:
@@ -111,7 +113,7 @@ class Stack:
             "timeouts": {"prefill_s": 30, "decode_first_token_s": 30, "decode_total_s": 60},
         }
         if c in ("approximate", "precise"):
-            proxy["kv_aware"] = kv_aware(c)
+            proxy["kv_aware"] = {**kv_aware(c), **dict(self.spec.kv_set)}
         elif c == "oracle":
             proxy["kv_aware"] = kv_aware("approximate")  # the view is replaced by the oracle's
         pools = {

@@ -14,10 +14,20 @@ gives the same schedule, the same bodies and the same sharing for every contende
                       tokens and the k-1 assistant answers of 40-100 tokens before it); turns of one
                       conversation are 2-5 s apart, conversations start as a Poisson process (already
                       under way at time 0: steady state from the first request);
-- ``unique``          completions whose 2,000-token prompts share nothing (the control).
+- ``unique``          completions whose 2,000-token prompts share nothing (the control);
+- ``live_chat``       conversations like ``multi_turn``'s (4-8 turns, a 200-token system prompt, user
+                      messages of 60-160 tokens, answers of 40-100 tokens), but each turn carries the
+                      answer the fleet really returned to the turn before it (``max_tokens`` the
+                      answer's planned length; the client reads it from the stream) and is sent
+                      only when that answer has arrived plus a think time of 2-5 s: closed loop within a
+                      conversation, conversations arriving open loop (Poisson), many of them
+                      interleaved. A conversation under way at time 0 starts from its first turn at or
+                      after 0 with its earlier history planned (answers as ``multi_turn``'s).
 
 Arrivals are open loop (Poisson, or per conversation), at a rate given in requests per second
-over the whole ``duration_s``; nothing is sent at or after it.
+over the whole ``duration_s``; nothing is sent at or after it. ``live_chat`` plans
+:class:`Conversation` values, not requests: its rate is the nominal one (conversations start at
+``rate / mean turns``), and what is sent depends on how fast the fleet answers.
 """
 
 from __future__ import annotations
@@ -128,6 +138,78 @@ def multi_turn(rate: float, duration_s: float, seed: int) -> list[Planned]:
     return sorted(out, key=lambda p: p.at)
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A ``live_chat`` conversation: its history before time 0 (planned), then the turns to send."""
+
+    at: float  # when its first live turn is due
+    history: tuple[tuple[str, str], ...]  # (role, content) before the first live turn, system first
+    users: tuple[str, ...]  # the user message of each live turn
+    thinks: tuple[float, ...]  # seconds from an answer to the next turn (one per live turn after the first)
+    answers: tuple[int, ...]  # each live turn's answer length (its max_tokens; ignore_eos)
+    group: str
+    endpoint: str = CHAT
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The first live turn's body."""
+        return _chat([*self.messages(), {"role": "user", "content": self.users[0]}])[0]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The first live turn's prompt tokens."""
+        return self.turn_tokens()[0]
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.history]
+
+    def turn_tokens(self) -> list[int]:
+        """Each live turn's prompt tokens (the answers' lengths as planned, one token a word)."""
+        n = sum(len(c.split()) + CHAT_OVERHEAD for _, c in self.history)
+        out = []
+        for i, user in enumerate(self.users):
+            n += (self.answers[i - 1] + CHAT_OVERHEAD if i else 0) + len(user.split()) + CHAT_OVERHEAD
+            out.append(n)
+        return out
+
+
+def live_chat(rate: float, duration_s: float, seed: int) -> list[Conversation]:
+    """Conversations starting at ``rate / mean turns`` per second, from one longest conversation
+    before 0 on; only those with a turn due in ``[0, duration_s)`` are kept."""
+    rng = random.Random(seed)
+    lead = TURNS[1] * THINK_S[1]
+    out = []
+    for n, start in enumerate(_poisson(rng, rate / mean_turns(), duration_s + lead)):
+        at = start - lead
+        history = [("system", words(rng, CONV_SYSTEM_TOKENS))]
+        users: list[str] = []
+        thinks: list[float] = []
+        answers: list[int] = []
+        first = 0.0
+        for turn in range(rng.randint(*TURNS)):
+            think = rng.uniform(*THINK_S) if turn else 0.0
+            answer = words(rng, rng.randint(*ASSISTANT_TOKENS)) if turn else ""
+            user = words(rng, rng.randint(*USER_TOKENS))
+            at += think
+            if not users and turn:  # a turn before 0 was answered: planned, as the history is
+                history.append(("assistant", answer))
+            if not users and at < 0:  # before time 0: planned history
+                history.append(("user", user))
+                continue
+            if not users:
+                first = at
+            else:
+                thinks.append(think)
+            users.append(user)
+            answers.append(rng.randint(*ASSISTANT_TOKENS))
+        if users and first < duration_s:
+            conv = Conversation(
+                first, tuple(history), tuple(users), tuple(thinks), tuple(answers), f"conv-{n}"
+            )
+            out.append(conv)
+    return sorted(out, key=lambda c: c.at)
+
+
 def unique(rate: float, duration_s: float, seed: int) -> list[Planned]:
     rng = random.Random(seed)
     return [
@@ -136,13 +218,25 @@ def unique(rate: float, duration_s: float, seed: int) -> list[Planned]:
     ]
 
 
-WORKLOADS: dict[str, Callable[[float, float, int], list[Planned]]] = {
+Plan = list[Planned] | list[Conversation]
+
+WORKLOADS: dict[str, Callable[[float, float, int], Plan]] = {
     "system_prompts": system_prompts,
     "multi_turn": multi_turn,
     "unique": unique,
     "hot_prefix": hot_prefix,
+    "live_chat": live_chat,
 }
 
 
-def mean_prompt_tokens(planned: list[Planned]) -> float:
-    return sum(p.prompt_tokens for p in planned) / max(1, len(planned))
+def request_tokens(plan: Plan) -> list[int]:
+    """The prompt tokens of every request of a plan (a conversation's: estimated, every live turn)."""
+    out: list[int] = []
+    for p in plan:
+        out += p.turn_tokens() if isinstance(p, Conversation) else [p.prompt_tokens]
+    return out
+
+
+def mean_prompt_tokens(plan: Plan) -> float:
+    tokens = request_tokens(plan)
+    return sum(tokens) / max(1, len(tokens))

@@ -106,7 +106,15 @@ def _sources(populated: bool) -> LiveSources:
         spans=cast(Any, spans if populated else None),
         now=lambda: NOW,
         kv_events=_subscriber() if populated else None,
-        kv_trust=cast(Any, NS(counts=Counter({("p0", "hit"): 3, ("p1", "miss"): 1}))) if populated else None,
+        kv_trust=cast(
+            Any,
+            NS(
+                counts=Counter({("p0", "hit"): 3, ("p1", "miss"): 1}),
+                tokens=Counter({("p0", "predicted"): 96, ("p0", "reported"): 90, ("p1", "predicted"): 64}),
+            ),
+        )
+        if populated
+        else None,
     )
 
 
