@@ -6,7 +6,7 @@ digest (of its parent's key and its text; the first block's seeded with the requ
 ``model``, so an adapter's prompts share nothing with the base model's). A chat is rendered
 canonically, its tools (as JSON) first, then each message as its role, a newline, its content
 and a record separator, so a conversation that resends its history keys the same first blocks
-as its previous turn. Token counts are estimates: ``chars_per_token`` characters per token.
+as its previous turn. Token counts are estimates: ``chars_per_token`` characters per token (learnt, below).
 
 :meth:`ApproxView.routed` records that the request's instances now hold its blocks, with the
 time; :meth:`ApproxView.cached` credits each instance the longest run of the prompt's keys,
@@ -17,6 +17,25 @@ bounded by its KV capacity, so the view forgets in the same way: per instance at
 are touched last block first, so its first blocks are the most recent and eviction shortens a
 chain from its tail, never leaving a tail without its head (vLLM evicts in the same order).
 Expired entries are pruned lazily, from the old end, when an instance is read or written.
+
+What an instance keeps is less than its KV capacity while its requests hold blocks (a busy P's
+prefills and leases, a D's running decodes): the more load, the less cache. So the view learns what
+each instance really keeps from what vLLM reports (:meth:`ApproxView.verify`, the request's
+``usage.prompt_tokens_details.cached_tokens`` against the tokens the view credited it): a **miss**
+(less than half came true, by more than a block: :class:`proxy.kvtrust.HitCheck`'s rule) means
+the instance had evicted what the view still held, so the capacity the view assumes for it is
+halved (to what it holds now, halved; at least :data:`MIN_CAPACITY_SHARE` of ``capacity_tokens``)
+and its least recently used entries past that are forgotten at once; a **hit** grows the assumed
+capacity back by the blocks that came true, up to ``capacity_tokens`` (additive increase,
+multiplicative decrease: it settles near what the instance keeps under the load it has). The
+missed prompt's own entries stay: the instance has just computed and cached it again.
+
+The same reports say how long the prompt was in vLLM's tokens (P's or D's ``usage.prompt_tokens``):
+``chars_per_token`` is learnt from them (:meth:`ApproxView._learn_chars_per_token`), so a prompt's
+token estimate, which the cost model, decode-only and admission by prediction all use, becomes
+vLLM's count whatever the configured figure; reported cached tokens are compared with the
+prediction in the view's own estimate (scaled by the request's two counts). The keys, and the
+capacity's unit (blocks of ``block_chars``), do not change.
 
 Pure: no I/O; the clock is injected (``clock`` for reads, ``now`` for writes: the same clock).
 One thread (the proxy's event loop).
@@ -36,6 +55,10 @@ from proxy.prefixview import Prompt
 from proxy.prompts import DEFAULT_MAX_CHARS, Ids, Refused, Text, prompt_of
 
 _ROOT = b"pdscope-approx-root\0"
+MIN_CAPACITY_SHARE = 1 / 256  # the assumed capacity never shrinks below this share of capacity_tokens
+CPT_PRIOR_TOKENS = 2000  # the configured chars_per_token counts as this many tokens seen
+CPT_DECAY = 0.98  # per checked request: the learnt chars_per_token follows the last ~50 prompts
+CPT_RANGE = 8.0  # ... within this factor of the configured one
 _RS = "\x1e"  # ends every message of a canonical chat (a character no real prompt relies on)
 
 
@@ -77,10 +100,14 @@ class ApproxView:
                 "block_chars, chars_per_token, ttl_s, capacity_tokens and max_entries must be positive"
             )
         self.block_chars = block_chars
-        self.chars_per_token = chars_per_token
-        self.block_tokens = max(1, round(block_chars / chars_per_token))
+        self.chars_per_token = chars_per_token  # learnt from vLLM's prompt counts (verify)
+        self._cpt_bounds = (chars_per_token / CPT_RANGE, chars_per_token * CPT_RANGE)
+        self._chars, self._tokens = chars_per_token * CPT_PRIOR_TOKENS, float(CPT_PRIOR_TOKENS)
+        self.block_tokens = max(1, round(block_chars / chars_per_token))  # as configured: capacity's unit
         self.ttl_s = ttl_s
         self.capacity_blocks = max(1, capacity_tokens // self.block_tokens)
+        self.min_blocks = max(1, int(self.capacity_blocks * MIN_CAPACITY_SHARE))
+        self._limit: dict[str, int] = {}  # instance -> blocks assumed kept (capacity_blocks when absent)
         self.max_entries = max_entries
         self.clock = clock
         self.max_chars = max_chars
@@ -90,6 +117,7 @@ class ApproxView:
         self.evicted = 0  # over an instance's capacity or the fleet-wide bound
         self.expired = 0
         self.trust = HitCheck(self.block_tokens, distrust=False)  # predictions against vLLM's reports
+        self.shrunk = 0  # misses that shrank an instance's assumed capacity
 
     # -- the protocol -------------------------------------------------------------------
 
@@ -107,7 +135,7 @@ class ApproxView:
         model = body.get("model")
         keys = block_keys(text, self.block_chars, model if isinstance(model, str) else "")
         tokens = max(1, round(len(text) / self.chars_per_token))
-        return Prompt(tuple(keys), tokens, self.block_tokens)
+        return Prompt(tuple(keys), tokens, max(1, round(self.block_chars / self.chars_per_token)))
 
     def cached(self, prompt: Prompt, instances: Sequence[str]) -> dict[str, int]:
         now = self.clock()
@@ -131,15 +159,12 @@ class ApproxView:
         for inst in dict.fromkeys(instances):  # P and D may be one instance (D alone): once
             held = self._held.setdefault(inst, OrderedDict())
             self._expire(inst, held, now)
-            for key in reversed(prompt.keys[: self.capacity_blocks]):
+            for key in reversed(prompt.keys[: self.capacity_of(inst)]):
                 held[key] = now
                 held.move_to_end(key)
                 self._all[(inst, key)] = None
                 self._all.move_to_end((inst, key))
-            while len(held) > self.capacity_blocks:
-                key, _ = held.popitem(last=False)
-                del self._all[(inst, key)]
-                self.evicted += 1
+            self._trim(inst, held)
         while len(self._all) > self.max_entries:
             (inst, key), _ = self._all.popitem(last=False)
             del self._held[inst][key]
@@ -147,10 +172,51 @@ class ApproxView:
         for inst in [i for i, held in self._held.items() if not held]:
             del self._held[inst]
 
-    def verify(self, instance: str, predicted: int, reported: int | None) -> Verdict:
+    def verify(
+        self,
+        instance: str,
+        predicted: int,
+        reported: int | None,
+        prompt_tokens: tuple[int, int] | None = None,
+    ) -> Verdict:
         """A finished request's check: the cached tokens credited to ``instance`` when it was routed
-        against those vLLM ``reported`` (None: not reported, nothing checked)."""
-        return self.trust.observe(instance, predicted, reported, self.clock())
+        against those vLLM ``reported`` (None: not reported, nothing checked). ``prompt_tokens``: the
+        prompt's length as this view estimated it and as vLLM counted it, so ``reported`` is compared in
+        the view's own (estimated) tokens: a wrong ``chars_per_token`` is no miss. A miss shrinks the
+        capacity assumed for ``instance``, a hit grows it back (the module's note)."""
+        if prompt_tokens is not None and prompt_tokens[0] > 0 and prompt_tokens[1] > 0:
+            if reported is not None:
+                reported = round(reported * prompt_tokens[0] / prompt_tokens[1])
+            self._learn_chars_per_token(*prompt_tokens)
+        verdict = self.trust.observe(instance, predicted, reported, self.clock())
+        limit = self.capacity_of(instance)
+        if verdict == "miss":
+            held = self._held.get(instance)
+            self._limit[instance] = max(self.min_blocks, min(limit, len(held or ())) // 2)
+            self.shrunk += 1
+            if held is not None:
+                self._trim(instance, held)
+        elif verdict == "hit" and limit < self.capacity_blocks:
+            self._limit[instance] = min(self.capacity_blocks, limit + predicted // self.block_tokens)
+        return verdict
+
+    def _learn_chars_per_token(self, estimated: int, counted: int) -> None:
+        """vLLM counted ``counted`` tokens in a prompt this view estimated at ``estimated``: characters
+        per token follow the recent prompts' (decayed sums, within a factor of ``CPT_RANGE`` of the
+        configured figure), so the prompt lengths the cost model and admission use are vLLM's."""
+        self._chars = self._chars * CPT_DECAY + estimated * self.chars_per_token
+        self._tokens = self._tokens * CPT_DECAY + counted
+        lo, hi = self._cpt_bounds
+        self.chars_per_token = min(hi, max(lo, self._chars / self._tokens))
+
+    def capacity_of(self, instance: str) -> int:
+        """The blocks the view assumes ``instance`` keeps now."""
+        return self._limit.get(instance, self.capacity_blocks)
+
+    def assumed_tokens(self) -> dict[str, int]:
+        """Per instance the view has routed to: the prompt tokens it assumes the instance keeps."""
+        names = set(self._held) | set(self._limit)
+        return {inst: self.capacity_of(inst) * self.block_tokens for inst in names}
 
     # -- reads for metrics and tests ----------------------------------------------------
 
@@ -161,6 +227,14 @@ class ApproxView:
         return len(self._all)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _trim(self, inst: str, held: OrderedDict[bytes, float]) -> None:
+        """Forget ``inst``'s least recently used entries past the capacity assumed for it."""
+        limit = self.capacity_of(inst)
+        while len(held) > limit:
+            key, _ = held.popitem(last=False)
+            del self._all[(inst, key)]
+            self.evicted += 1
 
     def _expire(self, inst: str, held: OrderedDict[bytes, float], now: float) -> None:
         """Drop ``inst``'s entries unused for over ``ttl_s``, oldest first (LRU order is time order

@@ -149,11 +149,13 @@ class KvRouting:
         route = req.route
         if verify is None or route is None:
             return
-        try:
+        try:  # the prompt's length as the view estimated it and as vLLM counted it
             if route.p is not None and req.p is route.p and req.prefill is not None:
-                verify(route.p.name, route.p_cached, req.prefill.cached_tokens)
+                counted = (route.prompt_tokens, req.prefill.prompt_tokens)
+                verify(route.p.name, route.p_cached, req.prefill.cached_tokens, counted)
             elif route.p is None and req.d is route.d:
-                verify(route.d.name, route.d_cached, req.d_cached_tokens)
+                counted = (route.prompt_tokens, req.d_prompt_tokens or 0)
+                verify(route.d.name, route.d_cached, req.d_cached_tokens, counted)
         except Exception as exc:
             self._failed("verify", exc)
 

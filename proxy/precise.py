@@ -85,9 +85,16 @@ class PreciseView:
             self.index.distrusted = self.trust.distrusted(now)
             return self.index.match(prompt.keys, instances)
 
-    def verify(self, instance: str, predicted: int, reported: int | None) -> Verdict:
+    def verify(
+        self,
+        instance: str,
+        predicted: int,
+        reported: int | None,
+        prompt_tokens: tuple[int, int] | None = None,
+    ) -> Verdict:
         """A finished request's check: the cached tokens credited to ``instance`` when it was routed
-        against those vLLM ``reported`` (None: not reported, nothing checked)."""
+        against those vLLM ``reported`` (None: not reported, nothing checked). ``prompt_tokens`` (the
+        view's count and vLLM's) is not needed: this view counts with the model's own tokenizer."""
         now = self.clock()
         with self.lock:
             verdict = self.trust.observe(instance, predicted, reported, now)

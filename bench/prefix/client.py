@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,21 +107,32 @@ async def run_open_loop(
     """Send ``planned`` open loop against ``base_url``; results in plan order. ``hooks`` run (in a
     thread, so a slow scrape delays no send) at their offsets from the start."""
     client = Pool(max_idle=max_inflight)
-    loop = asyncio.get_running_loop()
     start = time.perf_counter()
+    run = _OpenLoop(client, start, timeout_s, max_inflight)
+
+    async def work() -> None:
+        await run.send_all(base_url, planned, model, max_tokens, tag)
+        await settle(run.tasks, timeout_s + 5.0)
+
+    await _hooked(client, start, hooks, work())
+    return run.results
+
+
+async def _hooked(
+    client: Pool, start: float, hooks: list[tuple[float, Callable[[], None]]] | None, work: Awaitable[None]
+) -> None:
+    """Await ``work`` with ``hooks`` run at their offsets from ``start``; then close ``client``."""
+    loop = asyncio.get_running_loop()
     hook_tasks = [
         loop.create_task(_hook(start + at, fn)) for at, fn in sorted(hooks or [], key=lambda h: h[0])
     ]
-    run = _OpenLoop(client, start, timeout_s, max_inflight)
     try:
-        await run.send_all(base_url, planned, model, max_tokens, tag)
-        await settle(run.tasks, timeout_s + 5.0)
+        await work
         await asyncio.gather(*hook_tasks, return_exceptions=True)
     finally:
         for t in hook_tasks:
             t.cancel()
         await client.aclose()
-    return run.results
 
 
 async def _read_answer(resp: Any, res: RequestResult, t_send: float) -> str:
@@ -230,27 +241,15 @@ async def run_conversations(
     time; each answer as long as its turn plans); the results of every turn sent, in sending order.
     ``hooks`` as :func:`run_open_loop`'s."""
     client = Pool(max_idle=max(64, len(convs)))
-    loop = asyncio.get_running_loop()
     start = time.perf_counter()
-    hook_tasks = [
-        loop.create_task(_hook(start + at, fn)) for at, fn in sorted(hooks or [], key=lambda h: h[0])
-    ]
-    talks = _Talks(
-        client,
-        base_url.rstrip("/") + "/v1/chat/completions",
-        start,
-        duration_s,
-        timeout_s,
-        model,
-        tag,
-    )
-    try:
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    talks = _Talks(client, url, start, duration_s, timeout_s, model, tag)
+
+    async def work() -> None:
+        loop = asyncio.get_running_loop()
         await settle([loop.create_task(talks.talk(c)) for c in convs], duration_s + timeout_s + 5.0)
-        await asyncio.gather(*hook_tasks, return_exceptions=True)
-    finally:
-        for t in hook_tasks:
-            t.cancel()
-        await client.aclose()
+
+    await _hooked(client, start, hooks, work())
     return talks.results
 
 

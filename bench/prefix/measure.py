@@ -32,6 +32,9 @@ PROXY_COUNTERS = (
     "pdscope_proxy_routes_total",
     "pdscope_proxy_kv_hit_checks_total",
     "pdscope_proxy_kv_checked_cached_tokens_total",
+    "pdscope_proxy_retries_total",
+    "pdscope_proxy_rejections_total",
+    "pdscope_proxy_upstream_failures_total",
 )
 
 

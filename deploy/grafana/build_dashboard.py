@@ -619,6 +619,31 @@ def _prefix_cache(g: _Layout) -> None:
         description="1: the proxy does not trust its index of the instance's cache (a gap not "
         "replayed, drops) and routes to it on load alone. For 5 minutes: KVIndexStale.",
     )
+    checked = "pdscope_proxy_kv_checked_cached_tokens_total"
+    g.panel(
+        "KV predictions that came true",
+        [
+            (
+                _ratio(
+                    _rate(checked, f'{inst},figure="reported"', window="15m"),
+                    _rate(checked, f'{inst},figure="predicted"', window="15m"),
+                ),
+                "{{instance}}",
+            ),
+        ],
+        unit="percentunit",
+        description="Per instance, of the cached prompt tokens the proxy's view predicted it held, the share "
+        "vLLM reported reusing (usage.prompt_tokens_details.cached_tokens), over 15 minutes. Under 50 %: "
+        "KVPredictionsNotComingTrue (in approximate mode the view assumes the instance keeps more than "
+        "it does; see pdscope_proxy_kv_approx_capacity_tokens).",
+    )
+    g.panel(
+        "Approximate view: assumed capacity",
+        [(_gauge("min", "pdscope_proxy_kv_approx_capacity_tokens", inst), "{{instance}}")],
+        description="Prompt tokens the approximate view assumes the instance keeps cached (the smallest over "
+        "the proxies): approx_capacity_tokens, halved by each prediction that did not come true, grown "
+        "back by those that did.",
+    )
     events = "pdscope_proxy_kv_events"
     g.panel(
         "KV events: messages, drops, gaps, replays",

@@ -47,7 +47,8 @@ class KvAwareSettings(_Frozen):
     """approximate mode: a prompt routed this long ago is assumed evicted"""
     approx_capacity_tokens: int = Field(default=500000, ge=1, le=10**12)
     """approximate mode: the prompt tokens one instance is assumed to keep cached (its KV capacity); past it,
-    its least recently routed prompts are forgotten"""
+    its least recently routed prompts are forgotten. An upper bound: while the cached tokens vLLM reports
+    show the instance keeps less (a busy instance's running requests hold blocks), the view assumes less"""
     event_queue_max: int = Field(default=10000, ge=1, le=10_000_000)
     """precise mode: KV event messages queued per instance before the newest are dropped (a drop shows as a
     sequence gap)"""

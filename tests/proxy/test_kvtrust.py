@@ -75,10 +75,12 @@ def test_a_forged_block_stored_wins_only_until_its_hits_fail_to_come_true() -> N
 
 class _Recorder:
     def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int | None]] = []
+        self.calls: list[tuple[str, int, int | None, tuple[int, int] | None]] = []
 
-    def verify(self, instance: str, predicted: int, reported: int | None) -> str:
-        self.calls.append((instance, predicted, reported))
+    def verify(
+        self, instance: str, predicted: int, reported: int | None, counted: tuple[int, int] | None = None
+    ) -> str:
+        self.calls.append((instance, predicted, reported, counted))
         return "hit"
 
 
@@ -92,9 +94,9 @@ def test_the_gate_checks_the_chosen_p_and_a_decode_only_d_but_not_after_a_retry(
     req.prefill = PrefillAnswer(None, 64, 4, None, cached_tokens=16)
     kv.settled(req)
     req.route = Decision(None, d, 0, 64, None, 64, "decode_only_cached", 64, 0.1)
-    req.d_cached_tokens = 60
+    req.d_cached_tokens, req.d_prompt_tokens = 60, 66
     kv.settled(req)
     req.route = Decision(p, d, 48, 32, None, 48, "cost", 64, 0.1)
     req.p = other  # retried on another P: its count says nothing of the prediction
     kv.settled(req)
-    assert rec.calls == [("p1", 48, 16), ("d1", 64, 60)]
+    assert rec.calls == [("p1", 48, 16, (64, 64)), ("d1", 64, 60, (64, 66))]
