@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.prefix                          # everything (~11 min on 2 cores)
     .venv/bin/python -m bench.prefix --workloads system_prompts --contenders load_only,precise,oracle
     .venv/bin/python -m bench.prefix --quick                  # the smoke: one workload, short, low load
+    .venv/bin/python -m bench.prefix --sweep --workloads live_chat --decodes 8   # the load sweep (sweep.py)
 
 Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py``):
 - ``round_robin``  pdscope's proxy, ``policy: round-robin``, no admission limit (the toy proxy);
@@ -20,7 +21,11 @@ Contenders (each gets a fresh fleet -- caches empty -- per workload, ``stack.py`
 - ``oracle``       pdscope's KV-aware proxy whose view is the simulator's true cache (``oracle.py``).
 
 Workloads (``workloads.py``): shared system prompts (Zipf), multi-turn chats, unique prompts (the
-control), and the hot prefix (one system prompt carrying half the traffic). Load, in multiples of
+control), the hot prefix (one system prompt carrying half the traffic), and live chats (each turn
+carries the answer the fleet returned, closed loop per conversation: ``client.run_conversations``).
+``--decodes`` sets the fleet's D count (4P+nD), ``--kv-set KEY=VALUE`` a ``proxy.kv_aware`` setting
+of the approximate and precise contenders (e.g. the defaults an operator left), ``--sweep`` runs the
+declared load sweep instead (``sweep.py``). Load, in multiples of
 the fleet's prefill capacity with nothing cached (P count x prefill tokens/s / mean prompt tokens):
 for each shared workload, calibrated in the same run (``calibrate``: the load at which load_only's
 P pool is 95 % busy given the reuse it gets by chance, i.e. the load it can almost sustain), or

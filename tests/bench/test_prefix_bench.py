@@ -3,25 +3,35 @@ inputs, and one ``--quick`` smoke run of the whole harness (fleet tier: it start
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from bench.prefix.client import _Talks
 from bench.prefix.measure import PStats, Snapshot, phase
 from bench.prefix.oracle import OracleView
 from bench.prefix.report import summarize, table
 from bench.prefix.workloads import (
+    ASSISTANT_TOKENS,
     CHAT_OVERHEAD,
     SYSTEM_PROMPTS,
     SYSTEM_TOKENS,
+    THINK_S,
     WORKLOADS,
+    Conversation,
     hot_prefix,
+    live_chat,
     mean_prompt_tokens,
     multi_turn,
+    request_tokens,
     system_prompts,
     unique,
     zipf_weights,
@@ -91,6 +101,69 @@ def test_unique_prompts_share_no_first_block() -> None:
     firsts = {chain_keys(simtokenizer.text_ids(p.body["prompt"]), 16)[0] for p in plan}
     assert len(firsts) == len(plan)
     assert mean_prompt_tokens(plan) == 2000
+
+
+def test_live_chat_plans_conversations_whose_answers_the_fleet_writes() -> None:
+    plan = live_chat(8.0, 30.0, 5)
+    assert all(isinstance(c, Conversation) for c in plan) and len(plan) > 10
+    for c in plan:
+        roles = [r for r, _ in c.history]
+        assert roles[0] == "system" and roles[1:] == ["user", "assistant"] * ((len(roles) - 1) // 2)
+        assert len(c.thinks) == len(c.users) - 1 and len(c.answers) == len(c.users)
+        assert all(ASSISTANT_TOKENS[0] <= a <= ASSISTANT_TOKENS[1] for a in c.answers)
+        assert all(THINK_S[0] <= t <= THINK_S[1] for t in c.thinks)
+        assert c.prompt_tokens == len(simtokenizer.chat_ids(c.body["messages"]))
+    assert any(len(c.history) > 1 for c in plan) and any(len(c.history) == 1 for c in plan)
+    assert len(request_tokens(plan)) == sum(len(c.users) for c in plan)
+
+
+class _Stream:
+    def __init__(self, lines: list[str]) -> None:
+        self.status_code, self.lines = 200, lines
+
+    async def aiter_lines(self) -> Any:
+        for line in self.lines:
+            yield line
+
+
+class _Fleet:
+    """Answers every chat with "a<n> b<n>" (streamed in two chunks) and keeps the bodies it got."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def post(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
+        self.bodies.append(body)
+        n = len(self.bodies)
+        chunks = [
+            {"choices": [{"delta": {"content": f" a{n}"}}]},
+            {"choices": [{"delta": {"content": f" b{n}"}}]},
+            {"choices": [], "usage": {"completion_tokens": 2}},
+        ]
+        lines = [f"data: {json.dumps(c)}" for c in chunks] + ["data: [DONE]"]
+
+        @contextlib.asynccontextmanager
+        async def answer() -> Any:
+            yield _Stream(lines)
+
+        return answer()
+
+
+def test_each_turn_carries_the_answer_the_fleet_returned_to_the_turn_before() -> None:
+    conv = Conversation(0.0, (("system", "s"),), ("u1", "u2", "u3"), (0.01, 0.01), (5, 6, 7), "conv-0")
+    fleet = _Fleet()
+    talks = _Talks(cast(Any, fleet), "http://x/v1/chat/completions", time.perf_counter(), 30.0, 5.0, "m", "t")
+    asyncio.run(talks.talk(conv))
+    assert [b["max_tokens"] for b in fleet.bodies] == [5, 6, 7]
+    assert fleet.bodies[2]["messages"] == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": " a1 b1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": " a2 b2"},
+        {"role": "user", "content": "u3"},
+    ]
+    assert all(r.ok and r.output_tokens == 2 and r.ttft_s is not None for r in talks.results)
 
 
 def test_the_oracle_keys_a_prompt_as_the_simulator_tokenizes_it() -> None:

@@ -100,3 +100,43 @@ def test_the_gate_checks_the_chosen_p_and_a_decode_only_d_but_not_after_a_retry(
     req.p = other  # retried on another P: its count says nothing of the prediction
     kv.settled(req)
     assert rec.calls == [("p1", 48, 16, (64, 64)), ("d1", 64, 60, (64, 66))]
+
+
+def test_an_approximate_view_that_overestimates_tokens_learns_vllms_count_and_serves_a_short_turn_on_d() -> (
+    None
+):
+    """Issue 33's cause: an approximate view whose chars_per_token (4) overestimates this text's tokens
+    (8 characters a token) sees a conversation's new part as 2x longer than it is, so a turn D could
+    serve alone (under max_uncached_tokens) went through P, and admission by prediction (same token
+    counts) predicted late what was not. Each settled request now teaches the view vLLM's count."""
+    from proxy.approx import ApproxView
+    from proxy.kvaware import REASON_DECODE_ONLY_SHORT, Candidate, choose
+
+    view = ApproxView(64, 4.0, 300.0, 100_000, 100_000, clock=lambda: 0.0)
+    kv = KvRouting(view, CostModel(decode_only=True, max_uncached_tokens=256), ProxyMetrics())
+    p, d = Target("p0", "prefill", "http://p", 1.0), Target("d0", "decode", "http://d", 1.0)
+    history = "abcdefg " * 200  # 1,600 characters: 200 tokens for the model
+    turn = history + "hijklmn " * 150  # 150 more tokens: D, which holds the history, computes 150
+    old = view.prompt("/v1/completions", {"model": "m", "prompt": history})
+    assert old is not None
+    view.routed(old, ["p0", "d0"], 0.0)
+
+    def decide() -> str:
+        prompt = view.prompt("/v1/completions", {"model": "m", "prompt": turn})
+        assert prompt is not None
+        cached = view.cached(prompt, ["p0", "d0"])
+        got = choose(prompt, cached, [Candidate(p, 1.0, 0)], [Candidate(d, 1.0, 0)], kv.model)
+        assert got is not None
+        return got.reason
+
+    assert decide() != REASON_DECODE_ONLY_SHORT  # estimated: D would compute 300 tokens, over 256
+    for i in range(200):  # requests of this traffic settle: P counts 350 tokens (the view said 700 at first)
+        sent = view.prompt("/v1/completions", {"model": "m", "prompt": turn})
+        assert sent is not None
+        req = RequestState("/v1/completions", f"r{i}")
+        req.route = Decision(p, d, 0, 0, None, 0, "load", sent.tokens, 0.1)
+        req.p, req.d = p, d
+        req.prefill = PrefillAnswer(None, 350, 22, None, cached_tokens=0)
+        kv.settled(req)
+    assert abs(view.chars_per_token - 8.0) < 0.3
+    assert decide() == REASON_DECODE_ONLY_SHORT
