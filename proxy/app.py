@@ -456,8 +456,7 @@ def build(
         fs, upstream, routing, selector, admission, budget, metrics, tracer, clock, kv, context, tenancy
     )
     trust = view.trust if isinstance(view, PreciseView | ApproxView) else None
-    assumed = view.assumed_tokens if isinstance(view, ApproxView) else None
-    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust, assumed))
+    metrics.watch(LiveSources(routing, admission, selector, budget, spans, clock, kv_events, trust))
     parts = Parts(
         settings,
         flow,

@@ -18,19 +18,14 @@ are touched last block first, so its first blocks are the most recent and evicti
 chain from its tail, never leaving a tail without its head (vLLM evicts in the same order).
 Expired entries are pruned lazily, from the old end, when an instance is read or written.
 
-What an instance keeps is less than its KV capacity while its requests hold blocks (a busy P's
-prefills and leases, a D's running decodes): the more load, the less cache. So the view learns what
-each instance really keeps from what vLLM reports (:meth:`ApproxView.verify`, the request's
-``usage.prompt_tokens_details.cached_tokens`` against the tokens the view credited it): a **miss**
-(less than half came true, by more than a block: :class:`proxy.kvtrust.HitCheck`'s rule) means
-the instance had evicted what the view still held, so the capacity the view assumes for it is
-halved (to what it holds now, halved; at least :data:`MIN_CAPACITY_SHARE` of ``capacity_tokens``)
-and its least recently used entries past that are forgotten at once; a **hit** grows the assumed
-capacity back by the blocks that came true, up to ``capacity_tokens`` (additive increase,
-multiplicative decrease: it settles near what the instance keeps under the load it has). The
-missed prompt's own entries stay: the instance has just computed and cached it again.
+The view checks its predictions (:meth:`ApproxView.verify`: the request's
+``usage.prompt_tokens_details.cached_tokens`` against the tokens the view credited it, with
+:class:`proxy.kvtrust.HitCheck`'s rule and counts, without distrust), so its health shows per
+instance. It does not act on a miss: in open-loop traffic a turn sent before the previous one's
+prefill ran misses without any eviction (issue 33 measured a capacity that halved on misses
+losing most of multi_turn's affinity), so the capacity stays ``capacity_tokens``.
 
-The same reports say how long the prompt was in vLLM's tokens (P's or D's ``usage.prompt_tokens``):
+What vLLM reports also says how long the prompt was in vLLM's tokens (P's or D's ``usage.prompt_tokens``):
 ``chars_per_token`` is learnt from them (:meth:`ApproxView._learn_chars_per_token`), so a prompt's
 token estimate, which the cost model, decode-only and admission by prediction all use, becomes
 vLLM's count whatever the configured figure; reported cached tokens are compared with the
@@ -55,7 +50,6 @@ from proxy.prefixview import Prompt
 from proxy.prompts import DEFAULT_MAX_CHARS, Ids, Refused, Text, prompt_of
 
 _ROOT = b"pdscope-approx-root\0"
-MIN_CAPACITY_SHARE = 1 / 256  # the assumed capacity never shrinks below this share of capacity_tokens
 CPT_PRIOR_TOKENS = 2000  # the configured chars_per_token counts as this many tokens seen
 CPT_DECAY = 0.98  # per checked request: the learnt chars_per_token follows the last ~50 prompts
 CPT_RANGE = 8.0  # ... within this factor of the configured one
@@ -106,8 +100,6 @@ class ApproxView:
         self.block_tokens = max(1, round(block_chars / chars_per_token))  # as configured: capacity's unit
         self.ttl_s = ttl_s
         self.capacity_blocks = max(1, capacity_tokens // self.block_tokens)
-        self.min_blocks = max(1, int(self.capacity_blocks * MIN_CAPACITY_SHARE))
-        self._limit: dict[str, int] = {}  # instance -> blocks assumed kept (capacity_blocks when absent)
         self.max_entries = max_entries
         self.clock = clock
         self.max_chars = max_chars
@@ -117,7 +109,6 @@ class ApproxView:
         self.evicted = 0  # over an instance's capacity or the fleet-wide bound
         self.expired = 0
         self.trust = HitCheck(self.block_tokens, distrust=False)  # predictions against vLLM's reports
-        self.shrunk = 0  # misses that shrank an instance's assumed capacity
 
     # -- the protocol -------------------------------------------------------------------
 
@@ -159,12 +150,15 @@ class ApproxView:
         for inst in dict.fromkeys(instances):  # P and D may be one instance (D alone): once
             held = self._held.setdefault(inst, OrderedDict())
             self._expire(inst, held, now)
-            for key in reversed(prompt.keys[: self.capacity_of(inst)]):
+            for key in reversed(prompt.keys[: self.capacity_blocks]):
                 held[key] = now
                 held.move_to_end(key)
                 self._all[(inst, key)] = None
                 self._all.move_to_end((inst, key))
-            self._trim(inst, held)
+            while len(held) > self.capacity_blocks:
+                key, _ = held.popitem(last=False)
+                del self._all[(inst, key)]
+                self.evicted += 1
         while len(self._all) > self.max_entries:
             (inst, key), _ = self._all.popitem(last=False)
             del self._held[inst][key]
@@ -182,23 +176,13 @@ class ApproxView:
         """A finished request's check: the cached tokens credited to ``instance`` when it was routed
         against those vLLM ``reported`` (None: not reported, nothing checked). ``prompt_tokens``: the
         prompt's length as this view estimated it and as vLLM counted it, so ``reported`` is compared in
-        the view's own (estimated) tokens: a wrong ``chars_per_token`` is no miss. A miss shrinks the
-        capacity assumed for ``instance``, a hit grows it back (the module's note)."""
+        the view's own (estimated) tokens: a wrong ``chars_per_token`` is no miss; and the view learns
+        vLLM's characters per token from them. The check is counted (``trust``); a miss changes nothing."""
         if prompt_tokens is not None and prompt_tokens[0] > 0 and prompt_tokens[1] > 0:
             if reported is not None:
                 reported = round(reported * prompt_tokens[0] / prompt_tokens[1])
             self._learn_chars_per_token(*prompt_tokens)
-        verdict = self.trust.observe(instance, predicted, reported, self.clock())
-        limit = self.capacity_of(instance)
-        if verdict == "miss":
-            held = self._held.get(instance)
-            self._limit[instance] = max(self.min_blocks, min(limit, len(held or ())) // 2)
-            self.shrunk += 1
-            if held is not None:
-                self._trim(instance, held)
-        elif verdict == "hit" and limit < self.capacity_blocks:
-            self._limit[instance] = min(self.capacity_blocks, limit + predicted // self.block_tokens)
-        return verdict
+        return self.trust.observe(instance, predicted, reported, self.clock())
 
     def _learn_chars_per_token(self, estimated: int, counted: int) -> None:
         """vLLM counted ``counted`` tokens in a prompt this view estimated at ``estimated``: characters
@@ -209,15 +193,6 @@ class ApproxView:
         lo, hi = self._cpt_bounds
         self.chars_per_token = min(hi, max(lo, self._chars / self._tokens))
 
-    def capacity_of(self, instance: str) -> int:
-        """The blocks the view assumes ``instance`` keeps now."""
-        return self._limit.get(instance, self.capacity_blocks)
-
-    def assumed_tokens(self) -> dict[str, int]:
-        """Per instance the view has routed to: the prompt tokens it assumes the instance keeps."""
-        names = set(self._held) | set(self._limit)
-        return {inst: self.capacity_of(inst) * self.block_tokens for inst in names}
-
     # -- reads for metrics and tests ----------------------------------------------------
 
     def blocks(self, instance: str) -> int:
@@ -227,14 +202,6 @@ class ApproxView:
         return len(self._all)
 
     # -- internals ----------------------------------------------------------------------
-
-    def _trim(self, inst: str, held: OrderedDict[bytes, float]) -> None:
-        """Forget ``inst``'s least recently used entries past the capacity assumed for it."""
-        limit = self.capacity_of(inst)
-        while len(held) > limit:
-            key, _ = held.popitem(last=False)
-            del self._all[(inst, key)]
-            self.evicted += 1
 
     def _expire(self, inst: str, held: OrderedDict[bytes, float], now: float) -> None:
         """Drop ``inst``'s entries unused for over ``ttl_s``, oldest first (LRU order is time order

@@ -44,7 +44,6 @@ class LiveSources:
     now: Callable[[], float]
     kv_events: KvEventsSubscriber | None = None  # precise KV-aware routing's subscriber, when it runs
     kv_trust: HitCheck | None = None  # KV-aware routing's check of predicted against reported hits
-    kv_assumed: Callable[[], Mapping[str, int]] | None = None  # approximate mode: tokens assumed kept
 
 
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -301,11 +300,6 @@ def _kv_index(pick: Callable[[tuple[dict[str, int], dict[str, bool]]], Mapping[s
 def _hit_checks(s: _Scrape) -> Samples:
     check = s.src.kv_trust
     return None if check is None else [(pair, float(n)) for pair, n in sorted(dict(check.counts).items())]
-
-
-def _assumed(s: _Scrape) -> Samples:
-    read = s.src.kv_assumed
-    return None if read is None else [((inst,), float(n)) for inst, n in sorted(read().items())]
 
 
 def _checked_tokens(s: _Scrape) -> Samples:
@@ -579,14 +573,6 @@ LIVE_FAMILIES: tuple[Family[_Scrape], ...] = (
         "counter",
         ("instance", "figure"),
         _checked_tokens,
-    ),
-    Family(
-        "pdscope_proxy_kv_approx_capacity_tokens",
-        "Approximate KV-aware routing: the prompt tokens the view assumes the instance keeps cached now "
-        "(approx_capacity_tokens, halved by each prediction that did not come true, grown back by hits).",
-        "gauge",
-        _INSTANCE,
-        _assumed,
     ),
 )
 

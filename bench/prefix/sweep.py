@@ -112,7 +112,8 @@ def sweep(
             result["not_run"] += [f"{w} (all loads)"]
             continue
         load, cal = (args.load, {}) if args.load is not None else calibrate(w, args, router, t0)
-        result["calibration"][w] = {"load": round(load, 3), **{k: v for k, v in cal.items() if k != "run"}}
+        got = {f"calibration_{k}": v for k, v in cal.items() if k != "run"}
+        result["calibration"][w] = {"load": round(load, 3), **got}
         result["cells"][w] = []
         for x in SWEEP_LOADS:
             if args.max_wall is not None and time.monotonic() - t0 > args.max_wall:

@@ -635,14 +635,7 @@ def _prefix_cache(g: _Layout) -> None:
         description="Per instance, of the cached prompt tokens the proxy's view predicted it held, the share "
         "vLLM reported reusing (usage.prompt_tokens_details.cached_tokens), over 15 minutes. Under 50 %: "
         "KVPredictionsNotComingTrue (in approximate mode the view assumes the instance keeps more than "
-        "it does; see pdscope_proxy_kv_approx_capacity_tokens).",
-    )
-    g.panel(
-        "Approximate view: assumed capacity",
-        [(_gauge("min", "pdscope_proxy_kv_approx_capacity_tokens", inst), "{{instance}}")],
-        description="Prompt tokens the approximate view assumes the instance keeps cached (the smallest over "
-        "the proxies): approx_capacity_tokens, halved by each prediction that did not come true, grown "
-        "back by those that did.",
+        "it does).",
     )
     events = "pdscope_proxy_kv_events"
     g.panel(

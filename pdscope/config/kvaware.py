@@ -42,13 +42,13 @@ class KvAwareSettings(_Frozen):
     approx_block_chars: Count1M = 64
     """approximate mode: characters of prompt text per block of the prompt tree"""
     approx_chars_per_token: float = Field(default=4.0, gt=0, le=1000)
-    """approximate mode: characters per token, to estimate a prompt's tokens"""
+    """approximate mode: characters per token, to estimate a prompt's tokens: the starting figure, then learnt
+    from the prompt tokens vLLM counts (within 8x of this)"""
     approx_ttl_s: float = Field(default=300, gt=0, le=86400 * 7)
     """approximate mode: a prompt routed this long ago is assumed evicted"""
     approx_capacity_tokens: int = Field(default=500000, ge=1, le=10**12)
     """approximate mode: the prompt tokens one instance is assumed to keep cached (its KV capacity); past it,
-    its least recently routed prompts are forgotten. An upper bound: while the cached tokens vLLM reports
-    show the instance keeps less (a busy instance's running requests hold blocks), the view assumes less"""
+    its least recently routed prompts are forgotten"""
     event_queue_max: int = Field(default=10000, ge=1, le=10_000_000)
     """precise mode: KV event messages queued per instance before the newest are dropped (a drop shows as a
     sequence gap)"""

@@ -294,3 +294,26 @@ def test_quick_run_measures_every_contender_this_checkout_has(tmp_path: Path) ->
     if "missing" not in cells.get("oracle", {"missing": ""}):
         assert cells["oracle"]["reuse"] > 0  # the sixteen prompts repeat even in a few seconds
     assert "| target |" in proc.stdout
+
+
+def test_the_sweeps_table_shows_approximate_over_precise_with_its_verdict() -> None:
+    from bench.prefix.sweep import table as sweep_table
+
+    def row(x: float, a: float, p: float) -> dict[str, Any]:
+        ratio = a / p
+        return {
+            "x": x,
+            "rate_rps": 10.0 * x,
+            "load_only": {"goodput_rps": 5.0},
+            "approximate": {"goodput_rps": a, "p_hit_rate": 0.2},
+            "precise": {"goodput_rps": p, "p_hit_rate": 0.4},
+            "approx_of_precise": ratio,
+            "approx_x_load_only": a / 5.0,
+            "verdict": "PASS" if ratio >= 0.9 else "MISS",
+        }
+
+    text = sweep_table(
+        {"cells": {"live_chat": [row(0.85, 9.5, 10.0), row(1.3, 5.35, 9.45)]}, "not_run": ["x 1.6x"]}
+    )
+    assert "| live_chat | 0.85 (8.50/s) | 5.00 / 9.50 / 10.00 | 0.95 | PASS | 0.20 / 0.40 | 1.90 |" in text
+    assert "| 0.57 | MISS |" in text and "Not run (past --max-wall): x 1.6x" in text

@@ -115,7 +115,6 @@ def _sources(populated: bool) -> LiveSources:
         )
         if populated
         else None,
-        kv_assumed=(lambda: {"p0": 4096, "d0": 512}) if populated else None,
     )
 
 
