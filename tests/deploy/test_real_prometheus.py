@@ -565,6 +565,8 @@ KV_AWARE_SERIES = (
     "pdscope_proxy_prompt_tokens_routed_total",
     "pdscope_proxy_kv_events_",
     "pdscope_proxy_kv_index_",
+    "pdscope_proxy_kv_checked_cached_tokens_total",
+    "pdscope_proxy_kv_hit_checks_total",
 )
 
 
