@@ -185,6 +185,7 @@ def build() -> dict[str, Any]:
     _kv_transfer(g)
     g.row("Prefix cache & KV-aware routing")
     _prefix_cache(g)
+    _kv_view_health(g)
     g.row("SLOs & alerts")
     _slos(g)
     g.row("Controller & proxy")
@@ -554,11 +555,10 @@ def _capacity(g: _Layout) -> None:
 
 
 def _prefix_cache(g: _Layout) -> None:
-    """vLLM's own prefix-cache hit rates, the proxy's KV-aware routes and predictions (proxy.kv_aware),
-    and the health of its KV events streams and indexes (series per vLLM instance, no pool label)."""
+    """vLLM's own prefix-cache hit rates and the proxy's KV-aware routes and predictions (proxy.kv_aware;
+    series per vLLM instance, no pool label); the view's health follows (:func:`_kv_view_health`)."""
     hits = "vllm:prefix_cache_hits_total"
     ext = f'role="decode",{PI}'
-    inst = 'instance=~"$instance"'
     routes = "pdscope_proxy_routes_total"
     g.panel(
         "Prefix cache hit rate (vLLM)",
@@ -603,6 +603,12 @@ def _prefix_cache(g: _Layout) -> None:
         description="Tokens per second: what the router predicted the chosen P and D held, beside the "
         "prefix hits vLLM counted. Predictions well above the hits: the router's view lags the caches.",
     )
+
+
+def _kv_view_health(g: _Layout) -> None:
+    """The health of the proxy's view of the caches: its KV events streams and indexes (precise mode),
+    and per instance the share of its predictions vLLM bore out (either mode)."""
+    inst = 'instance=~"$instance"'
     g.panel(
         "KV events stream age",
         [(_gauge("max", "pdscope_proxy_kv_events_last_message_age_seconds", inst), "{{instance}}")],
