@@ -255,10 +255,11 @@ class Gate:
             now, view = self.clock(), self.routing.view
             if ticket is not None and ticket.shed:
                 return Rejection(REASON_SHED, view.prefill_pools or self._pools_of["prefill"], "prefill")
-            look = self._outlook(req, view, now)
+            names = self._predicted_over(view, now)
+            look = self._outlook(req, names, now)
             if look is not None and look.hopeless:
                 return self._late(req, view, look)
-            late = (look.late if look is not None else frozenset()) | self._reserved(req, view, now)
+            late = (look.late if look is not None else frozenset()) | self._reserved(req, names)
             rejection = (
                 self._blocked_by_waiter(ticket, last, view)
                 or self._kept_out(late, view)
@@ -348,12 +349,21 @@ class Gate:
             table.rates if table is not None else None, sum(parts) / len(parts) if parts else None
         )
 
-    def _outlook(self, req: RequestState, view: RoutingView, now: float) -> Outlook | None:
-        """Which Ps the request would be late through, with admission by prediction; else None."""
+    def _predicted_over(self, view: RoutingView, now: float) -> tuple[list[str], list[str]] | None:
+        """With admission by prediction, the Ps and Ds a pick may weigh (by name); else None."""
         if not self.by_prediction or not view.prefill:
             return None
         ps = [t.name for t, _ in self.selector.weighed(view.prefill, now)]
-        ds = [t.name for t, _ in self.selector.weighed(view.decode, now)]
+        return ps, [t.name for t, _ in self.selector.weighed(view.decode, now)]
+
+    def _outlook(
+        self, req: RequestState, names: tuple[list[str], list[str]] | None, now: float
+    ) -> Outlook | None:
+        """Which Ps (of ``names``: :meth:`_predicted_over`) the request would be late through; None
+        without admission by prediction."""
+        if names is None:
+            return None
+        ps, ds = names
         pred, elapsed = self.predictor, now - req.started
         look = outlook(pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s, req.tokens)
         if look.hopeless and req.prompt is not None and self.kv is not None:
@@ -362,18 +372,18 @@ class Gate:
             look = outlook(pred, own, ps, ds, elapsed, req.target_s, req.tokens)
         return look
 
-    def _reserved(self, req: RequestState, view: RoutingView, now: float) -> frozenset[str]:
-        """With tenants and admission by prediction: the Ps ``req`` may not go to now, because the queue it
-        would leave there (its own prefill included, not its wait so far) is past the line its tenant must
-        keep the reserve behind (``FairQueue.reserve_line``); none when no line applies."""
+    def _reserved(self, req: RequestState, names: tuple[list[str], list[str]] | None) -> frozenset[str]:
+        """With tenants and admission by prediction: the Ps (of ``names``) ``req`` may not go to now,
+        because the queue it would leave there (its own prefill included, not its wait so far) is past the
+        line its tenant must keep the reserve behind (``FairQueue.reserve_line``); none when no line
+        applies."""
         fair = self.admission.fair
-        if fair is None or not self.by_prediction or not view.prefill:
+        if fair is None or names is None:
             return frozenset()
         line = fair.reserve_line(req.tenant)
         if line is None:
             return frozenset()
-        ps = [t.name for t, _ in self.selector.weighed(view.prefill, now)]
-        ds = [t.name for t, _ in self.selector.weighed(view.decode, now)]
+        ps, ds = names
         return outlook(self.predictor, dict.fromkeys(ps, req.tokens), ps, ds, 0.0, line, req.tokens).late
 
     def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
