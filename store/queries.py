@@ -511,6 +511,15 @@ def slo_summary(
     return {key: _slo_summary_of(key, group, span, slo_percentiles, slo) for key, group in rows.items()}
 
 
+def completed_ttfts(
+    session: Session, since: float, until: float, *, only: RecordFilter = EVERY_RECORD
+) -> list[float]:
+    """The TTFTs of the window's completed requests (``only`` those), the values :func:`slo_summary`'s
+    ``ttft_p99_s`` is the percentile of."""
+    rows = _slo_rows(session, since, until, "all", only).get("all", [])
+    return [r[2] for r in rows if r[0] == "ok" and r[2] is not None]
+
+
 def _slo_rows(
     session: Session, since: float, until: float, by: str, only: RecordFilter
 ) -> dict[str, list[Any]]:

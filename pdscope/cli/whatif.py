@@ -45,6 +45,7 @@ import yaml
 from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, fail, refuse
 from pdscope.config import ConfigError, Settings, load_settings, validated
 from pdscope.stack import LOOPBACK, Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
+from pdscope.stats import quantile_interval
 from simulator.fit import FitError, FitParams, FittedFleet, RequestObs, SnapshotObs, fit
 
 logger = logging.getLogger(__name__)
@@ -331,6 +332,8 @@ class Figures:
     goodput_per_s: float
     attainment: float | None
     ttft_p99_s: float | None
+    # the p99's 95 % sampling interval (pdscope.stats.quantile_interval): where another run's could be
+    ttft_p99_interval_s: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -339,6 +342,9 @@ class Figures:
             "goodput_per_s": self.goodput_per_s,
             "attainment": self.attainment,
             "ttft_p99_s": self.ttft_p99_s,
+            "ttft_p99_interval_s": None
+            if self.ttft_p99_interval_s is None
+            else list(self.ttft_p99_interval_s),
         }
 
 
@@ -346,11 +352,22 @@ def figures(url: str, settings: Settings, lo: float, hi: float) -> Figures:
     from store import queries as q
     from store.db import opened, transaction
 
+    only = q.RecordFilter(charged_only=True)
     with opened(url) as sessions, transaction(sessions) as s:
-        got = q.slo_summary(s, lo, hi, only=q.RecordFilter(charged_only=True), slo=settings.slo).get("all")
+        got = q.slo_summary(s, lo, hi, only=only, slo=settings.slo).get("all")
+        ttfts = q.completed_ttfts(s, lo, hi, only=only)
     if got is None:
         return Figures(0, 0, 0.0, None, None)
-    return Figures(got.requests, got.completed, got.goodput_per_s, got.attainment, got.ttft_p99_s)
+    interval = quantile_interval(ttfts, 99.0)
+    return Figures(got.requests, got.completed, got.goodput_per_s, got.attainment, got.ttft_p99_s, interval)
+
+
+def overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool | None:
+    """Whether two sampling intervals overlap (the two runs' figures could be one process's); None
+    when either is unknown."""
+    if a is None or b is None:
+        return None
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def rel_error(fitted: float | None, observed: float | None) -> float | None:
@@ -410,6 +427,16 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
 
+def _interval(iv: tuple[float, float] | None) -> str:
+    return "n/a" if iv is None else f"{iv[0]:.2f}-{iv[1]:.2f}"
+
+
+def _sampling(within: bool | None) -> str:
+    if within is None:
+        return ""
+    return " (within sampling: the runs' 95 % intervals overlap)" if within else " (beyond sampling)"
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
@@ -421,6 +448,7 @@ def _table(cols: dict[str, Figures]) -> list[str]:
         ("goodput (req/s)", lambda f: _num(f.goodput_per_s, ".3f")),
         ("SLO attainment", lambda f: _num(None if f.attainment is None else 100 * f.attainment, ".1f") + "%"),
         ("p99 TTFT (s)", lambda f: _num(f.ttft_p99_s, ".3f")),
+        ("  95 % interval", lambda f: _interval(f.ttft_p99_interval_s)),
     ]
     out = [f"{'':18}" + "".join(f"{n:>14}" for n in names)]
     for label, get in rows:
@@ -570,12 +598,13 @@ def _report(
         "ttft_p99": rel_error(old.ttft_p99_s, obs.ttft_p99_s),
         "attainment": rel_error(old.attainment, obs.attainment),
     }
+    within = overlap(old.ttft_p99_interval_s, obs.ttft_p99_interval_s)
     line, worse = ("", False)
     if "candidate" in cols:
         line, worse = verdict(old, cols["candidate"], args.tolerance)
     result |= {
         "figures": {n: f.as_dict() for n, f in cols.items()},
-        "fit_error": err,
+        "fit_error": {**err, "ttft_p99_within_sampling": within},
         "replay": {"requests": old_run.sent, "seconds": old_run.until - old_run.since},
         "replay_loop_lag_max_s": old_run.loop_lag_max_s,
         "verdict": line or None,
@@ -601,8 +630,8 @@ def _report(
     for row in _table(cols):
         print(row)
     print(
-        f"fit error on the actual run: goodput {_pct(err['goodput'])}, p99 TTFT {_pct(err['ttft_p99'])}, "
-        f"attainment {_pct(err['attainment'])}"
+        f"fit error on the actual run: goodput {_pct(err['goodput'])}, p99 TTFT {_pct(err['ttft_p99'])}"
+        f"{_sampling(within)}, attainment {_pct(err['attainment'])}"
     )
     if line:
         print(line)

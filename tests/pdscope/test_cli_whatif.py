@@ -273,3 +273,31 @@ def test_the_report_flags_a_worse_candidate_with_its_exit_code(capsys: pytest.Ca
     assert "fit error on the actual run: goodput +5.3%, p99 TTFT -16.7%" in out
     assert "WORSE: the candidate would have cut goodput: goodput 4.000 -> 2.000 req/s (-50.0%)" in out
     assert "observed   fitted(old)     candidate" in out
+
+
+@pytest.mark.parametrize(
+    ("fitted", "said"),
+    [((2.2, 5.6), "(within sampling: the runs' 95 % intervals overlap)"), ((0.7, 1.1), "(beyond sampling)")],
+)
+def test_the_report_judges_the_p99_against_both_runs_sampling(
+    capsys: pytest.CaptureFixture[str], fitted: tuple[float, float], said: str
+) -> None:
+    """A p99 over 160 requests is set by the worst few: the fit error says whether the two runs' p99
+    could be one process's (their 95 % intervals overlap), and the JSON carries the verdict."""
+    import argparse
+
+    from pdscope.cli.whatif import RunResult
+
+    args = argparse.Namespace(json=True, tolerance=0.05)
+    result = {"window": {"since": 1000.0, "until": 1040.0}, "fit": {"faults": [], "notes": []}}
+    cols = {
+        "observed": Figures(160, 160, 3.8, 0.95, 3.1, (2.3, 5.51)),
+        "fitted(old)": Figures(160, 160, 3.8, 0.95, 5.2 if fitted[0] > 2 else 0.9, fitted),
+    }
+    assert _report(args, result, cols, RunResult(1.0, 41.0, "sqlite://", 160, 0.01), 1) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["fit_error"]["ttft_p99_within_sampling"] is (fitted[0] > 2)
+    assert got["figures"]["observed"]["ttft_p99_interval_s"] == [2.3, 5.51]
+    args.json = False
+    _report(args, result, cols, RunResult(1.0, 41.0, "sqlite://", 160, 0.01), 1)
+    assert said in capsys.readouterr().out

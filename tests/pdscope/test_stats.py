@@ -19,6 +19,7 @@ from pdscope.stats import (
     merge_histograms,
     percentile,
     percentiles,
+    quantile_interval,
 )
 
 LE = (0.1, 0.5, 1.0)
@@ -282,3 +283,49 @@ def test_merge_histograms_adds_same_layouts_only() -> None:
     other = Histogram((2.0,), (9.0, 9.0), 9.0, 9.0)
     assert merge_histograms([a, other, b]) == Histogram((1.0,), (4.0, 5.0), 3.0, 5.0)
     assert merge_histograms([]) is None
+
+
+# -- quantile_interval --------------------------------------------------------------------
+
+
+def _coverage(n: int, q: float, draws: int = 600) -> float:
+    """How often the interval of ``n`` exponential values holds the true ``q``-th percentile."""
+    import random
+
+    rng, truth, hits = random.Random(11), -math.log(1.0 - q / 100.0), 0
+    for _ in range(draws):
+        got = quantile_interval([rng.expovariate(1.0) for _ in range(n)], q)
+        assert got is not None
+        hits += got[0] <= truth <= got[1]
+    return hits / draws
+
+
+def test_quantile_interval_covers_as_stated() -> None:
+    # both ends inside the data: at least the confidence (order statistics make it conservative)
+    assert 0.93 <= _coverage(400, 50.0) <= 1.0
+    assert 0.93 <= _coverage(2000, 99.0) <= 1.0
+    # a p99 over 160: the upper end is the maximum, below the truth with probability 0.99^160
+    assert abs(_coverage(160, 99.0) - (0.95 - 0.99**160 + 0.025)) < 0.06
+
+
+def test_quantile_interval_ends_are_order_statistics() -> None:
+    values = [float(v) for v in range(1, 161)]
+    lo, hi = quantile_interval(values, 99.0) or (0.0, 0.0)
+    assert hi == 160.0 and 150.0 <= lo <= 157.0  # the 5th-worst or so: P(count <= l) <= 2.5 %
+    lo50, hi50 = quantile_interval(values, 50.0) or (0.0, 0.0)
+    assert lo50 < 80.5 < hi50 and hi50 - lo50 < 30.0
+    assert quantile_interval([], 99.0) is None
+    assert quantile_interval([3.0], 50.0) == (3.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("q", "confidence"), [(0.0, 0.95), (100.0, 0.95), (50.0, 0.0), (50.0, 1.0), (101.0, 0.9)]
+)
+def test_quantile_interval_refuses_bounds(q: float, confidence: float) -> None:
+    with pytest.raises(ValueError):
+        quantile_interval([1.0, 2.0], q, confidence)
+
+
+def test_quantile_interval_refuses_non_finite() -> None:
+    with pytest.raises(ValueError):
+        quantile_interval([1.0, math.nan], 50.0)
