@@ -122,6 +122,9 @@ class Factorization:
     blames: tuple[Blame, ...]  # the Ps, then the Ds, then the pairs, each by name
     unjudged: tuple[str, ...]  # "side name: why", for per-instance evidence to decide
     notes: tuple[str, ...]  # the rules that applied (cells left out, sparse lines), for the decision text
+    # (side, name) -> why, the same as ``unjudged``: one lookup per instance (a scan of ``unjudged`` per
+    # instance was quadratic in the fleet: 0.11 s of a 1,000-instance tick)
+    why_unjudged: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -165,6 +168,7 @@ def factor(
             f"{SIDES[axis]} {name}: {why}" for axis in (0, 1) for name, why in sorted(reasons[axis].items())
         ),
         notes=tuple(notes),
+        why_unjudged={(SIDES[axis], name): why for axis in (0, 1) for name, why in reasons[axis].items()},
     )
 
 

@@ -101,6 +101,7 @@ class Tenancy:
 
     def scale(self, scales: Mapping[str, float]) -> None:
         self.fair.scale(scales)
+        self.limits.scale(scales)
 
 
 def tenant_message(reason: str, tenant: str) -> str | None:

@@ -326,8 +326,7 @@ def _unjudged_note(inst: InstanceSignals, matrix: Factorization | None) -> str:
     """Why the matrix left ``inst`` to per-instance evidence, for its handoff note ('' if it did not)."""
     if matrix is None:
         return ""
-    head = f"{inst.role} {inst.name}: "
-    why = next((u[len(head) :] for u in matrix.unjudged if u.startswith(head)), "not in the matrix's fit")
+    why = matrix.why_unjudged.get((inst.role, inst.name), "not in the matrix's fit")
     return f"; per-instance: the {MATRIX_NOTE} cannot judge it ({why})"
 
 

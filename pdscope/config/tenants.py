@@ -42,11 +42,13 @@ class Tenant(_Frozen):
     priority: ShortName = "interactive"
     """its priority class, one of ``tenants.classes``: under pressure a lower class waits and is shed first"""
     rate_rps: float | None = Field(default=None, gt=0, le=1_000_000)
-    """requests per second it may send (a token bucket of ``burst``); past it, 429 tenant_rate"""
+    """requests per second it may send (a token bucket of ``burst``); past it, 429 tenant_rate; with several
+    proxies, fleet-wide: each holds its share of the tenant's demand"""
     burst: int | None = Field(default=None, ge=1, le=1_000_000)
     """the rate's bucket size in requests; default: one second of rate_rps, at least 1"""
     tokens_per_min: int | None = Field(default=None, ge=1, le=10_000_000_000)
-    """tokens (prompt + max_tokens) it may send per minute; past it, 429 tenant_quota"""
+    """tokens (prompt + max_tokens) it may send per minute; past it, 429 tenant_quota; fleet-wide like
+    rate_rps"""
     max_queued: Count100k | None = None
     """its own queue bound (requests waiting for room); default: the proxy's waiter bound (1024) shared by
     weight"""

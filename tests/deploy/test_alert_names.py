@@ -35,6 +35,7 @@ TWINS: dict[str, str] = {
     "KVCacheNearlyFull": r"vllm:kv_cache_usage_perc",
     "InstanceDown": r'^up\{job="vllm"\} == 0$',
     "TenantSLOBreach": r"\bpdscope_tenant_slo_attainment\b",
+    "TenantStarved": r"\bpdscope_proxy_tenant_admitted_total\b",
 }
 NO_TWIN: dict[str, str] = {
     "TPOTOverTarget": "ITLOverTarget reads vLLM's inter-token latency, a per-token gap, not TPOT",
@@ -43,7 +44,6 @@ NO_TWIN: dict[str, str] = {
     "TTFTMispredicted": "the TTFT predictions exist only in pdscope's request records",
     "StrandedKV": "which instances are P and which D exists only in pdscope's config",
     "IncompatiblePair": "the revisions exist only in pdscope's config; P and D only in its config too",
-    "TenantStarved": "a tenant's demand and service exist only in pdscope's request records",
 }
 OLD_PREFIXES = re.compile(r"VLLM|NIXL|PDScope|Pdscope")
 

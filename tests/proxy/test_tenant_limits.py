@@ -47,3 +47,41 @@ def test_a_refusal_by_the_quota_takes_nothing_from_the_rate() -> None:
     lim, _ = _limits(a={"rate_rps": 1, "burst": 1, "tokens_per_min": 60})
     assert lim.check("a", 100) is not None  # over the quota
     assert lim.check("a", 10) is None  # the rate's one request is still there
+
+
+def test_three_proxies_sharing_a_tenant_hold_it_to_its_whole_rate_together() -> None:
+    """Each proxy's bucket is the tenant's rate times its share of the tenant's demand: three proxies
+    with a third each admit, over 10 s, what one proxy with the whole figure would (without the scale,
+    three times it)."""
+    admitted = []
+    for scale in ({}, {"a": 1 / 3}):
+        proxies = [_limits(a={"rate_rps": 9, "burst": 9}) for _ in range(3)]
+        for lim, _ in proxies:
+            lim.scale(scale)
+        n = 0
+        for step in range(100):  # 10 s of a flood, 30 requests a second through each proxy
+            for lim, t in proxies:
+                t[0] = 100.0 + step / 10
+                n += sum(lim.check("a", 1) is None for _ in range(3))
+        admitted.append(n)
+    assert admitted[0] == pytest.approx(3 * (9 + 9 * 9.9), abs=3)  # each its whole burst and rate
+    assert admitted[1] == pytest.approx(9 + 9 * 9.9, abs=3)  # the three together: one's figure
+
+
+def test_a_small_share_still_passes_a_large_request_when_its_bucket_is_full() -> None:
+    lim, t = _limits(a={"tokens_per_min": 6000})
+    lim.scale({"a": 0.01})  # 60 tokens a minute here, 1 a second
+    assert lim.check("a", 600) is None  # over the scaled bucket, within the tenant's quota: goes, in debt
+    refusal = lim.check("a", 10)
+    assert refusal is not None and refusal.reason == REASON_TENANT_QUOTA and refusal.retry_after_s > 60
+    assert lim.check("a", 6001) == Refusal(REASON_TENANT_QUOTA, 60.0)  # over the whole quota: never
+    lim.scale({})  # the controller is gone: the whole figure again, the debt carried
+    t[0] += 60
+    assert lim.check("a", 10) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_scale_that_is_not_a_share_is_ignored(bad: float) -> None:
+    lim, _ = _limits(a={"rate_rps": 2, "burst": 2})
+    lim.scale({"a": bad})
+    assert [lim.check("a", 1) for _ in range(2)] == [None, None]
