@@ -6,6 +6,12 @@ instance, scraped every ``--scrape-s``), then runs the controller's real tick
 (``controller.loop.Reconciler.tick``: observe the window, decide, persist) ``--ticks`` times
 with the clock advancing one interval per tick, and reports the median CPU seconds per tick.
 
+Before each measured tick the interval's records "arrive": they are written again (values unchanged),
+so the database stamps them and the tick's read of the changes has them, as when the collector writes
+them. Beside it, in the same run on a copy of the same store, the same ticks with the SLO window read
+whole every tick (``controller.whole_read_every_s`` tiny: the code before issue 32's kept reads); the
+two must see the same SLO figures every tick (``slo_figures_equal``).
+
 Baseline, measured in the same run on the same store: one plain read of the rows the window
 covers (every snapshot and request-record column of the window, fetched into Python), the
 floor of any design that rereads the window each tick. Figures: tick CPU, tick CPU per
@@ -31,6 +37,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,7 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sqlalchemy import select  # noqa: E402
+from sqlalchemy import select, update  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
@@ -116,8 +123,22 @@ def _seed(n: int, args: argparse.Namespace, workdir: Path) -> tuple[SeedSpec, st
     return spec, url, summary, time.monotonic() - t0
 
 
-def _ticks(settings: Any, factory: Any, start: float, n_ticks: int) -> tuple[Reconciler, list[float]]:
-    """The controller's CPU per tick, the clock advancing an interval per tick from ``start``."""
+def _arrive(factory: Any, lo: float, hi: float) -> None:
+    """Write the records of ``(lo, hi]`` again (their values unchanged), as the collector writing them would:
+    the database stamps them, and the next tick's read of the changes has them. Not counted."""
+    with factory() as session, session.begin():
+        session.execute(
+            update(RequestRecord)
+            .where(RequestRecord.proxy_in > lo, RequestRecord.proxy_in <= hi)
+            .values(status=RequestRecord.status)
+        )
+
+
+def _ticks(
+    settings: Any, factory: Any, start: float, n_ticks: int
+) -> tuple[Reconciler, list[float], list[Any]]:
+    """The controller's CPU per tick, the clock advancing an interval per tick from ``start`` and that
+    interval's records arriving before each tick; and each tick's SLO figures."""
     interval = settings.controller.interval_s
     clock_now = [start]
     rec = Reconciler(
@@ -127,12 +148,24 @@ def _ticks(settings: Any, factory: Any, start: float, n_ticks: int) -> tuple[Rec
         clock=lambda: clock_now[0],
     )
     ticks: list[float] = []
+    slo: list[Any] = []
     for i in range(n_ticks + 1):  # the first tick also loads the stored state: not counted
         clock_now[0] = start + i * interval
+        if i:
+            _arrive(factory, clock_now[0] - interval, clock_now[0])
         spent, _ = cpu(rec.tick)
+        obs = rec.view().obs
+        slo.append(None if obs is None else obs.slo)
         if i:
             ticks.append(spent)
-    return rec, ticks
+    return rec, ticks, slo
+
+
+def _whole_every_tick(settings: Any) -> Any:
+    """The same settings, reading the SLO window whole every tick (the baseline of the kept reads)."""
+    return settings.model_copy(
+        update={"controller": settings.controller.model_copy(update={"whole_read_every_s": 1e-3})}
+    )
 
 
 def _scans(
@@ -147,6 +180,19 @@ def _scans(
     return scans, rows
 
 
+def _whole_read_ticks(settings: Any, url: str, start: float, n_ticks: int) -> tuple[list[float], list[Any]]:
+    """:func:`_ticks` reading the SLO window whole every tick, on a copy of the store at ``url``."""
+    path = url.removeprefix("sqlite:///")
+    copy = path.removesuffix(".db") + "-whole.db"
+    shutil.copyfile(path, copy)
+    engine = make_engine(f"sqlite:///{copy}")
+    try:
+        _, ticks, slo = _ticks(_whole_every_tick(settings), session_factory(engine), start, n_ticks)
+    finally:
+        engine.dispose()
+    return ticks, slo
+
+
 def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec, url, summary, seed_s = _seed(n, args, workdir)
     prefill, decode = spec.prefill, spec.decode
@@ -157,11 +203,13 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     factory = session_factory(engine)
     # the clock starts one window before the end and advances an interval per tick
     start = spec.end - args.ticks * interval
-    rec, ticks = _ticks(settings, factory, start, args.ticks)
+    rec, ticks, slo = _ticks(settings, factory, start, args.ticks)
+    whole_ticks, whole_slo = _whole_read_ticks(settings, url, start, args.ticks)
     scans, rows = _scans(factory, start, interval, window, args.ticks)
     record = tick_record_cost(rec, args.ticks)
     engine.dispose()
     tick = statistics.median(ticks)
+    whole = statistics.median(whole_ticks)
     scan = statistics.median(scans)
     out = {
         "instances": n,
@@ -175,6 +223,10 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "window_s": window,
         "tick_cpu_s": tick,
         "tick_cpu_s_all": ticks,
+        "whole_read_tick_cpu_s": whole,
+        "whole_read_tick_cpu_s_all": whole_ticks,
+        "tick_vs_whole_read": tick / whole if whole > 0 else None,
+        "slo_figures_equal": slo == whole_slo,
         "tick_cpu_ms_per_instance": 1000 * tick / n,
         "tick_share_of_interval": tick / interval,
         "baseline_scan_cpu_s": scan,
@@ -185,6 +237,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
     print(
         f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
+        f"whole-read tick {whole * 1000:8.1f} ms, SLO figures {'equal' if slo == whole_slo else 'DIFFER'}, "
         f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)",
         flush=True,
     )
@@ -216,15 +269,16 @@ def _print_tables(rows: list[dict[str, Any]]) -> None:
     print()
     print(
         "| instances | tick CPU (ms) | per instance (ms) | share of interval "
-        "| window scan (ms) | tick / scan | growth exponent |"
+        "| window scan (ms) | tick / scan | growth exponent | whole-read tick (ms) | tick / whole-read |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         g = r.get("growth_exponent_vs_previous")
         print(
             f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
             f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
-            f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} |"
+            f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} | "
+            f"{r['whole_read_tick_cpu_s'] * 1000:.1f} | {r['tick_vs_whole_read']:.2f}x |"
         )
     print("\n| instances | tick record (kB) | per day (MB) | encode (ms) | share of tick | decode (ms) |")
     print("|---|---|---|---|---|---|")

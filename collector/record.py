@@ -215,5 +215,9 @@ def check_owners(table_columns: frozenset[str]) -> None:
         )
 
 
-RECORD_COLUMNS: Final = frozenset(c.name for c in RequestRecord.__table__.columns if c.name != "id")
+# the database's own: the row id, and the change stamp its triggers write (migration 0017)
+DATABASE_COLUMNS: Final = frozenset({"id", "stamp"})
+RECORD_COLUMNS: Final = frozenset(
+    c.name for c in RequestRecord.__table__.columns if c.name not in DATABASE_COLUMNS
+)
 check_owners(RECORD_COLUMNS)

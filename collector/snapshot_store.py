@@ -47,7 +47,9 @@ from store.models import InstanceRow, Snapshot
 log = logging.getLogger(__name__)
 
 _SNAPSHOTS = Snapshot.metadata.tables["snapshots"]
-SNAPSHOT_COLUMNS = tuple(c.name for c in Snapshot.__table__.columns if c.name != "id")
+SNAPSHOT_COLUMNS = tuple(
+    c.name for c in Snapshot.__table__.columns if c.name not in ("id", "stamp")
+)  # the database's own
 
 
 PROCESS_START = "process_start"

@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from analysis.rates import RateFacts, fit_rates
 from controller import observe as observe_mod
 from controller.effects import Bundler, Effects, Tick
+from controller.kept import KeptReads, ReadCounts
 from controller.leader import (
     Deposed,
     LeaderInfo,
@@ -105,6 +106,7 @@ class View:
     takeovers: int = 0
     deposed: int = 0
     tick_record_bytes: int | None = None  # the newest tick record's compressed size (None: none written)
+    window_reads: tuple[int, int] = (0, 0)  # the SLO window's reads since start: (whole, changes only)
 
 
 @dataclass
@@ -167,8 +169,14 @@ class Reconciler:
         self._leader: LeaderInfo | None = None
         self._mode_warned: int | None = None  # the leader epoch whose other mode was last warned about
         self._table = self._initial_table(0)
-        # the leader's fitted rates, served beside the table, fitted on their cadence (controller.rates)
-        self._rates = RatesGate(every_s=settings.controller.rates_every_s)
+        # the leader's fitted rates, served beside the table, fitted on their cadence (controller.rates);
+        # the reads kept between its ticks (controller.kept), new (read whole) on taking over
+        self._rates, self._kept = RatesGate(every_s=settings.controller.rates_every_s), self._new_kept()
+
+    def _new_kept(self) -> KeptReads:
+        """Reads kept from now on (the next tick reads its window whole); the counts carried over."""
+        counts = self._kept.counts if hasattr(self, "_kept") else ReadCounts()
+        return KeptReads(self.settings.controller.whole_read_every_s, counts)
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(
@@ -187,6 +195,7 @@ class Reconciler:
         self._table = self._initial_table(max(version, floor))
         self._state = replace(state, table=self._table)
         self._between = Between()  # a replay takes a restart's first tick as recorded
+        self._kept = self._new_kept()
         self._loaded = True
         for observer in self.effects.observers:
             observer.restart()
@@ -248,12 +257,22 @@ class Reconciler:
         now = self.clock()
         epoch = self._epoch
         assert epoch is not None  # claimed by the caller
+        try:
+            return self._decide_and_serve(now, epoch)
+        except BaseException:
+            # what was read into the kept window may be half of a read: read it whole next tick
+            self._kept = self._new_kept()
+            raise
+
+    def _decide_and_serve(self, now: float, epoch: int) -> TickOutput:
         with transaction(self.factory) as session:
             fence(session, epoch, self.lease_s)  # first: a deposed leader reads and writes nothing more
             if not self._loaded:
                 self._load(session)
             facts: list[RateFacts] | None = [] if self._rates.due(now) else None  # a fit on its cadence
-            obs = observe_mod.observe(session, self.settings, now, cfg=self.cfg, rate_facts=facts)
+            obs = observe_mod.observe(
+                session, self.settings, now, cfg=self.cfg, rate_facts=facts, kept=self._kept
+            )
             overrides = load_overrides(session, now)
             inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
             out = decide(inp, self.cfg, self.rules, self.alert_config)
@@ -505,6 +524,7 @@ class Reconciler:
                 s.takeovers,
                 s.deposed,
                 s.tick_record_bytes,
+                (self._kept.counts.whole, self._kept.counts.changes),
             )
 
     @property

@@ -168,6 +168,14 @@ CONTROLLER_FAMILIES: tuple[Family[_Scrape], ...] = (
         _shadow_weights,
     ),
     Family(
+        "pdscope_controller_window_reads",
+        "Reads of the SLO window by kind: whole (on taking over, after a failed tick, on a config change, "
+        "every controller.whole_read_every_s) or changes (only the records changed since the last tick).",
+        "counter",
+        ("kind",),
+        lambda s: [(("whole",), float(s.v.window_reads[0])), (("changes",), float(s.v.window_reads[1]))],
+    ),
+    Family(
         "pdscope_controller_tick_record_bytes",
         "Compressed size of the newest tick record (the replay log; 0: none written).",
         "gauge",

@@ -33,9 +33,11 @@ from analysis import rates
 from analysis.prediction import PredictionFacts, measure
 from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
+from controller.kept import KeptReads
 from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
+from controller.slowindow import WindowFigures
 from controller.tenants import read_tenants
 from pdscope.config import Settings
 from pdscope.kvcompat import FIELDS, MALFORMED, identity
@@ -190,33 +192,53 @@ def trusted_filter(settings: Settings) -> q.RecordFilter:
     return trusted_records(settings.controller.trusted_span_senders)
 
 
-def _slo(session: Session, settings: Settings, now: float, only: q.RecordFilter) -> SLOFigures:
+def _slo(
+    session: Session, settings: Settings, now: float, only: q.RecordFilter, kept: KeptReads | None = None
+) -> SLOFigures:
     window = settings.slo.window_s
-    summary = q.slo_summary(
-        session,
-        now - window,
-        now,
-        only=only,
-        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile),
-        slo=settings.slo,
-    ).get("all")
+    got = kept.slo(session, settings, now) if kept is not None else _whole_slo(session, settings, now, only)
     # the proxy's TTFT predictor over the same records (the TTFTMispredicted alert)
     predictor = measure(
         PredictionFacts(*r) for r in prediction_rows(session, now - window, now, only=only).rows
     )
     measured, error = predictor.fleet.measured, predictor.fleet.error_p50
-    if summary is None:
+    if got is None:
         return SLOFigures(window_s=window, predictions=measured, prediction_error_p50=error)
     return SLOFigures(
         window_s=window,
         predictions=measured,
         prediction_error_p50=error,
-        completed=summary.completed,
-        met=summary.slo_met,
-        rejected=summary.statuses.get("rejected", 0),
-        ttft_at_slo_s=summary.ttft_at_slo_s,
-        tpot_at_slo_s=summary.tpot_at_slo_s,
-        goodput_rps=summary.goodput_per_s,
+        completed=got.completed,
+        met=got.met,
+        rejected=got.statuses.get("rejected", 0),
+        ttft_at_slo_s=got.ttft_at_slo_s,
+        tpot_at_slo_s=got.tpot_at_slo_s,
+        goodput_rps=got.goodput_per_s,
+    )
+
+
+def _whole_slo(
+    session: Session, settings: Settings, now: float, only: q.RecordFilter
+) -> WindowFigures | None:
+    """The SLO window read whole (what :class:`controller.kept.KeptReads` keeps between ticks instead)."""
+    summary = q.slo_summary(
+        session,
+        now - settings.slo.window_s,
+        now,
+        only=only,
+        slo_percentiles=(settings.slo.ttft.percentile, settings.slo.tpot.percentile),
+        slo=settings.slo,
+    ).get("all")
+    if summary is None:
+        return None
+    return WindowFigures(
+        summary.requests,
+        summary.completed,
+        summary.slo_met,
+        {k: n for k, n in summary.statuses.items()},
+        summary.ttft_at_slo_s,
+        summary.tpot_at_slo_s,
+        summary.goodput_per_s,
     )
 
 
@@ -338,12 +360,16 @@ def observe(
     window_s: float | None = None,
     cfg: PolicyConfig | None = None,
     rate_facts: list[rates.RateFacts] | None = None,
+    kept: KeptReads | None = None,
 ) -> Observation:
     """Everything one tick needs, for every configured instance (unscraped ones have ``up=None``).
 
     ``rate_facts``: where to append the served records' facts the rates' fit reads
     (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
-    observation (the rates are not a decision). None: the read leaves out the columns only the fit needs."""
+    observation (the rates are not a decision). None: the read leaves out the columns only the fit needs.
+
+    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window is
+    then read as what changed since the last tick; None: read whole, with the same figures."""
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
@@ -356,7 +382,7 @@ def observe(
         for name, agg in tally.pools.items()
     )
     trusted = trusted_filter(settings)
-    slo = replace(_slo(session, settings, now, trusted), handoff_p99_s=ev.fleet_handoff_p99(tally))
+    slo = replace(_slo(session, settings, now, trusted, kept), handoff_p99_s=ev.fleet_handoff_p99(tally))
     return Observation(
         now=now,
         window_s=window,

@@ -110,14 +110,17 @@ def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float | No
     s = sorted(values)
     if not all(map(math.isfinite, s)):
         raise ValueError("percentile of non-finite values (NaN or infinity)")
-    out: list[float | None] = []
+    return [percentile_of_sorted(s, q) for q in qs]
+
+
+def percentile_of_sorted(s: Sequence[float], q: float) -> float:
+    """:func:`percentile` of values already sorted, finite and not empty (what a reader that keeps them
+    sorted between reads asks, ``controller.slowindow``); ``q`` is not checked."""
     last = len(s) - 1
-    for q in qs:
-        pos = last * q / 100.0
-        lo = math.floor(pos)
-        hi = min(lo + 1, last)
-        out.append(float(s[lo] + (s[hi] - s[lo]) * (pos - lo)))
-    return out
+    pos = last * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, last)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

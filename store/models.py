@@ -96,6 +96,8 @@ class Snapshot(Base):
     pool: Mapped[str] = mapped_column(String(128))
     role: Mapped[str] = mapped_column(String(16))
     ts: Mapped[float] = mapped_column(Float, index=True)
+    # written by the database on every insert (migration 0017): what store.changes reads after a mark
+    stamp: Mapped[int | None] = mapped_column(BigInteger, index=True)
     up: Mapped[bool] = mapped_column(Boolean)
     scrape_duration_s: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)  # a failed scrape's; UNREACHABLE starts a refused one
@@ -254,6 +256,8 @@ class RequestRecord(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    # written by the database on every insert and update (migration 0017): what store.changes reads
+    stamp: Mapped[int | None] = mapped_column(BigInteger, index=True)
     trace_id: Mapped[str | None] = mapped_column(String(32), index=True)
     endpoint: Mapped[str | None] = mapped_column(String(64))
     stream: Mapped[bool | None] = mapped_column(Boolean)

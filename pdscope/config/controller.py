@@ -138,3 +138,8 @@ class ControllerSettings(_HTTPServerSettings):
     (the proxies' TTFT predictor prior): a tick fits when this long has passed since the last fit, and a new
     leader or a restart fits on its first tick; between fits the last served rates stay (their fitted_at says
     their age). A fit adds the records' columns it reads and the fit itself to that tick's observe step"""
+    whole_read_every_s: Seconds = 300.0
+    """the leader keeps its SLO window between ticks and reads only the records changed since the last tick
+    (docs/policy.md "Reads kept between ticks"); it reads the window whole on taking over, after a failed
+    tick, when the window asked for changes, and at least this often (a safety net: a window that drifted
+    from the store is right again from there)"""

@@ -22,6 +22,7 @@ from tests.captures import SCRAPE_PAGES
 
 # Snapshot columns that no vLLM family fills: the row's identity and the scrape's own facts.
 _NOT_FROM_A_FAMILY = {
+    "stamp",  # the database's change stamp (migration 0017)
     "id",
     "instance",
     "pool",

@@ -188,3 +188,55 @@ def test_0016_indexes_one_tenants_window(store_url: str) -> None:
     finally:
         engine.dispose()
     assert ("tenant", "proxy_in") in req_ix
+
+
+_SNAPSHOT = (
+    "INSERT INTO snapshots (instance, pool, role, ts, up, histograms)"
+    " VALUES ('p0', 'prefill', 'prefill', {ts}, true, '{{}}')"
+)
+
+
+def _stamps(conn: Any, table: str) -> dict[int, int | None]:
+    return dict(conn.execute(text(f"SELECT id, stamp FROM {table} ORDER BY id")).all())
+
+
+def test_0017_the_database_stamps_every_insert_and_update_and_takes_it_back(store_url: str) -> None:
+    """Rows stored before 0017 have no stamp; from 0017 the database stamps each insert and update of
+    request_records and snapshots (a later write above an earlier one's; an update of a row moves it
+    up), whatever writes them; a downgrade drops the column and the triggers (writes still work)."""
+    upgrade(store_url, "0016")
+    engine = make_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(_RECORD))
+            conn.execute(text(_SNAPSHOT.format(ts=1.0)))
+        upgrade(store_url, "0017")
+        for table, insert in (
+            ("request_records", _RECORD.replace("'old'", "'{n}'").replace("'{}'", "'{{}}'")),
+            ("snapshots", _SNAPSHOT),
+        ):
+            with engine.begin() as conn:
+                conn.execute(text(insert.format(n="new", ts=2.0)))
+            with engine.begin() as conn:
+                conn.execute(text(insert.format(n="newer", ts=3.0)))
+            with engine.begin() as conn:
+                old, new, newer = _stamps(conn, table).values()
+            assert old is None and new is not None and newer is not None and newer > new
+            with engine.begin() as conn:  # an update of the oldest row, in a later transaction
+                conn.execute(
+                    text(
+                        f"UPDATE {table} SET ts = 9.0 WHERE id = 2"
+                        if table == "snapshots"
+                        else f"UPDATE {table} SET status = 'error' WHERE id = 2"
+                    )
+                )
+            with engine.begin() as conn:
+                assert _stamps(conn, table)[2] > newer  # type: ignore[operator]
+        downgrade(store_url, "0016")
+        assert "stamp" not in {c["name"] for c in inspect(engine).get_columns("request_records")}
+        with engine.begin() as conn:  # no trigger left behind to write a column that is gone
+            conn.execute(text(_RECORD.replace("'old'", "'after'")))
+            conn.execute(text(_SNAPSHOT.format(ts=4.0)))
+            conn.execute(text("UPDATE request_records SET status = 'ok'"))
+    finally:
+        engine.dispose()

@@ -1,0 +1,88 @@
+"""What a controller keeps of its reads between ticks, so a tick reads only what changed.
+
+:class:`KeptReads` is owned by the leader's reconciler (``controller.loop``) and handed to
+``controller.observe`` each tick. It holds the SLO window (``controller.slowindow``) and the cursor
+of the records read into it (``store.changes``). A tick reads the records stamped since the last
+read; a whole read (the window's records, as ``store.queries.slo_summary`` reads them) happens:
+
+- on the first tick, and when this controller becomes the leader (a new ``KeptReads``);
+- when the mark means nothing any more (SQLite: the table's newest rows were deleted);
+- when the window asked for changed (``slo.window_s``, ``slo.*`` targets or percentiles, or
+  ``controller.trusted_span_senders`` after a config reload);
+- every ``controller.whole_read_every_s`` (a safety net: a kept window that drifted, by a record
+  deleted inside it say, is right again from there).
+
+:class:`ReadCounts` counts them over the process's life (``pdscope_controller_window_reads_total``).
+Without a ``KeptReads`` (replay, tests, the dashboard's own reads) ``observe`` reads the window whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from controller.slowindow import SLORow, SLOWindow, WindowFigures
+from pdscope.config import Settings
+from store.changes import ChangeCursor
+from store.models import RequestRecord
+
+# the columns SLOWindow reads, in SLORow's order
+SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
+
+
+@dataclass
+class ReadCounts:
+    """The SLO window's reads: whole, and of the changes only."""
+
+    whole: int = 0
+    changes: int = 0
+
+
+@dataclass
+class KeptReads:
+    """The SLO window and its cursor, between one leader's ticks."""
+
+    whole_read_every_s: float = 300.0
+    counts: ReadCounts = field(default_factory=ReadCounts)
+    window: SLOWindow | None = None
+    cursor: ChangeCursor | None = None
+    last_whole: float | None = None
+
+    def slo(self, session: Session, settings: Settings, now: float) -> WindowFigures | None:
+        """The SLO window's figures at ``now``, reading only what changed since the last tick if it can."""
+        senders = settings.controller.trusted_span_senders
+        trust = None if senders is None else frozenset(senders)
+        span = settings.slo.window_s
+        w, cur = self.window, self.cursor
+        rows = None
+        if w is not None and cur is not None and w.matches(span, trust, settings.slo) and not self._due(now):
+            rows = cur.changed(session, select(*SLO_COLUMNS))
+        if rows is None or w is None:
+            w, rows = self._whole(session, span, trust, settings, now)
+        else:
+            self.counts.changes += 1
+        w.update(rows)
+        w.slide(now)
+        return w.figures()
+
+    def _due(self, now: float) -> bool:
+        last = self.last_whole
+        return last is None or now - last >= self.whole_read_every_s or now < last
+
+    def _whole(
+        self, session: Session, span: float, trust: frozenset[str] | None, settings: Settings, now: float
+    ) -> tuple[SLOWindow, Sequence[Any]]:
+        """A new window and the records of ``[now - span, now]``; the cursor marked before the read."""
+        self.window = SLOWindow(span, trust, settings.slo)
+        self.cursor = ChangeCursor(RequestRecord.stamp)
+        self.cursor.start(session)
+        # no upper bound: a record stamped ahead of the clock waits in the window until it is due
+        stmt = select(*SLO_COLUMNS).where(RequestRecord.proxy_in >= now - span)
+        rows = session.connection().execute(stmt).all()
+        self.last_whole = now
+        self.counts.whole += 1
+        return self.window, rows
