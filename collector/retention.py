@@ -120,6 +120,18 @@ def rollup_requests(records: Sequence[RequestRecord], minute: float) -> list[dic
     return out
 
 
+def tick_record_cutoff(session: Session, cutoff: float) -> float:
+    """Where the tick records are deleted up to, given the raw rows' ``cutoff``: the newest keyframe at
+    or before it, so that a delta kept always has the keyframe it is rebuilt from (a record of format 2
+    between keyframes holds only its difference from the one before). Records are so kept up to
+    ``controller.tick_keyframe_every`` ticks longer than the raw rows. With no keyframe at or before the
+    cutoff, the records before it are deltas that lost theirs already: deleted at the cutoff."""
+    key = session.scalar(
+        select(func.max(TickRecord.ts)).where(TickRecord.keyframe.is_(True), TickRecord.ts <= cutoff)
+    )
+    return cutoff if key is None else key
+
+
 class Retention:
     def __init__(
         self, factory: sessionmaker[Session], raw_s: float, rollup_s: float, lag_s: float = 120.0
@@ -217,7 +229,7 @@ class Retention:
             spans = session.execute(delete(SpanRow).where(SpanRow.received_ts < cutoff)).rowcount  # type: ignore[attr-defined]
             recs = session.execute(delete(RequestRecord).where(RequestRecord.proxy_in < cutoff)).rowcount  # type: ignore[attr-defined]
             # the controller's tick records are replayed with the raw rows' window: kept as long
-            session.execute(delete(TickRecord).where(TickRecord.ts < now - self.raw_s))
+            session.execute(delete(TickRecord).where(TickRecord.ts < tick_record_cutoff(session, now - self.raw_s)))
             roll_cut = now - self.rollup_s
             rollups = session.execute(delete(SnapshotRollup).where(SnapshotRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]
             rollups += session.execute(delete(RequestRollup).where(RequestRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]

@@ -6,18 +6,25 @@ stored with its decisions or not at all); :func:`read_ticks` reads a window of t
 cannot replay faithfully: another policy version, another payload format, a payload that does not
 decode into this pdscope's types.
 
-The payload is JSON (:mod:`controller.policy.codec`, exact for floats; fields at their defaults left
-out) compressed with zlib (``bench/controller_cost.py`` measures its size and cost by fleet size).
-It keeps the tables the controller recomposed after operator changes since the tick before
-(:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
+The record is a JSON document (:mod:`controller.policy.codec`, exact for floats; fields at their
+defaults left out) compressed with zlib (``bench/controller_cost.py`` measures its size and cost by
+fleet size). It keeps the tables the controller recomposed after operator changes since the tick
+before (:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
+
+Format 2 stores most records as a delta on the record before (:mod:`controller.tickchain`): a
+keyframe, the whole document, every ``controller.tick_keyframe_every`` ticks and after any restart,
+takeover, config change or gap. A window is read from the keyframe at or before its start; a delta
+whose keyframe or predecessor is not in the store is refused naming it. Format 1 records (every
+record whole) still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,9 +37,11 @@ from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.refresh import NOTHING_BETWEEN, Between
 from controller.policy.replay import RecordedTick, StoredChange
+from controller.tickchain import LEVEL, ChainError, ChainWriter, Link, Rebuilder, keyframe_doc, text
 from store.models import Decision, PolicyConfigRow, TickRecord
 
-FORMAT = 1
+FORMAT = 2  # 1: every record whole; 2: keyframes (whole) and deltas (TickRecord.keyframe)
+FORMATS = (1, 2)  # the formats this pdscope reads
 CODEC = "json+zlib"
 
 
@@ -47,7 +56,19 @@ def encode(
     out: TickOutput,
     between: Between = NOTHING_BETWEEN,
 ) -> bytes:
-    """The record's payload. The observation's P×D pairs are kept as far as the policy reads them (each
+    """The whole record's payload (a keyframe's, and every format 1 record's): :func:`document`
+    compressed."""
+    return zlib.compress(text(document(inp, prev_served, ac, out, between)), LEVEL)
+
+
+def document(
+    inp: TickInput,
+    prev_served: Mapping[str, ServedInstance],
+    ac: AlertConfig,
+    out: TickOutput,
+    between: Between = NOTHING_BETWEEN,
+) -> dict[str, object]:
+    """The record as a JSON document. The observation's P×D pairs are kept as far as the policy reads them (each
     pair's handoff median, count and failures, for the P×D matrix the weights are judged by; their p99,
     which it does not read, is left out: the pairs are most of an observation's size, growing with the
     pairs the window sampled). The state after the tick is kept as its
@@ -63,7 +84,7 @@ def encode(
     }
     if between != NOTHING_BETWEEN:
         doc["between"] = dump(between, compact=True)
-    return zlib.compress(json.dumps(doc, separators=(",", ":")).encode(), 6)
+    return doc
 
 
 def policy_pairs(pairs: tuple[PairSignals, ...]) -> tuple[PairSignals, ...]:
@@ -72,15 +93,22 @@ def policy_pairs(pairs: tuple[PairSignals, ...]) -> tuple[PairSignals, ...]:
 
 
 def _doc(payload: bytes) -> dict[str, object]:
-    doc = json.loads(zlib.decompress(payload))
-    if not isinstance(doc, dict):
-        raise ValueError("not an object")
-    return doc
+    return keyframe_doc(payload)[0]
 
 
 def decode_between(payload: bytes) -> Between:
     """The refreshes :func:`encode` kept (none when it kept none); raises as :func:`decode_payload`."""
     return _between(_doc(payload))
+
+
+def between_of(doc: Mapping[str, object]) -> Between:
+    """The refreshes a rebuilt document (:func:`rebuild`) kept."""
+    return _between(doc)
+
+
+def fields_of(doc: Mapping[str, object]) -> tuple[TickInput, dict[str, ServedInstance], AlertConfig, str]:
+    """What :func:`decode_payload` reads, from a rebuilt document (:func:`rebuild`)."""
+    return _fields(doc)
 
 
 def _between(doc: Mapping[str, object]) -> Between:
@@ -113,9 +141,12 @@ def record_tick(
     policy: str,
     epoch: int | None,
     between: Between = NOTHING_BETWEEN,
+    writer: ChainWriter | None = None,
 ) -> int:
-    """Store one tick's record; the payload's size in bytes."""
-    payload = encode(inp, prev_served, ac, out, between)
+    """Store one tick's record, a keyframe or a delta as ``writer`` chooses (None: a keyframe); the
+    payload's size in bytes."""
+    link = Link(epoch, out.tick, policy, POLICY_VERSION)
+    written = (writer or ChainWriter(1)).write(link, document(inp, prev_served, ac, out, between))
     session.add(
         TickRecord(
             ts=out.table.generated_at,
@@ -125,15 +156,20 @@ def record_tick(
             policy_version=POLICY_VERSION,
             format=FORMAT,
             codec=CODEC,
-            payload=payload,
+            keyframe=written.keyframe,
+            payload=written.payload,
         )
     )
-    return len(payload)
+    return len(written.payload)
 
 
 class TickLogRecorder:
-    """:func:`record_tick` as a tick recorder (:class:`controller.effects.TickRecorder`): counts
-    ``tick_record_bytes`` (the compressed payload's size)."""
+    """:func:`record_tick` as a tick recorder (:class:`controller.effects.TickRecorder`), a keyframe
+    every ``keyframe_every`` ticks (``controller.tick_keyframe_every``): counts ``tick_record_bytes``
+    (the compressed payload's size)."""
+
+    def __init__(self, keyframe_every: int = 1) -> None:
+        self.writer = ChainWriter(keyframe_every)
 
     def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
         size = record_tick(
@@ -145,6 +181,7 @@ class TickLogRecorder:
             tick.policy,
             tick.epoch,
             tick.between,
+            self.writer,
         )
         return {"tick_record_bytes": size}
 
@@ -162,23 +199,46 @@ def _where(row: TickRecord) -> str:
     return f"tick record {row.id} (tick {row.tick} at {row.ts:.3f})"
 
 
-def _tick(row: TickRecord, stored: Sequence[StoredChange]) -> RecordedTick:
+def _check(row: TickRecord) -> None:
     if row.policy_version != POLICY_VERSION:
         raise TickLogError(
             f"{_where(row)} was decided by policy version {row.policy_version}; this pdscope runs policy "
             f"version {POLICY_VERSION}, whose maths differ: replay refuses (use the pdscope release that "
             f"wrote it, or a window recorded by this one)"
         )
-    if row.format != FORMAT or row.codec != CODEC:
+    if row.format not in FORMATS or row.codec != CODEC:
         raise TickLogError(
-            f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads {FORMAT}/{CODEC}"
+            f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads "
+            f"{' and '.join(str(f) for f in FORMATS)}/{CODEC}"
         )
+
+
+def _whole(row: TickRecord) -> bool:
+    return row.format == 1 or row.keyframe
+
+
+def rebuild(rows: Iterable[TickRecord]) -> Iterator[dict[str, object]]:
+    """The documents of consecutive records, oldest first, each delta applied to the record before it
+    (the first must be whole); raises :class:`TickLogError` for one it cannot rebuild or read."""
+    chain = Rebuilder()
+    for row in rows:
+        _check(row)
+        link = Link(row.leader_epoch, row.tick, row.policy, row.policy_version)
+        try:
+            yield chain.keyframe(link, row.payload) if _whole(row) else chain.delta(link, row.payload)
+        except ChainError as exc:
+            raise TickLogError(
+                f"{_where(row)} is a delta that cannot be rebuilt: {exc}. Records deleted or never "
+                f"committed break their chain up to the next keyframe: replay a window after it"
+            ) from None
+        except (zlib.error, json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+            raise TickLogError(f"{_where(row)} is corrupt: {exc}") from None
+
+
+def _tick(row: TickRecord, doc: Mapping[str, object], stored: Sequence[StoredChange]) -> RecordedTick:
     try:
-        doc = _doc(row.payload)
         inp, prev_served, alerts, after = _fields(doc)
         between = _between(doc)
-    except (zlib.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TickLogError(f"{_where(row)} is corrupt: {exc}") from None
     except ValueError as exc:  # CodecError included, and AlertConfig's unknown rule names
         raise TickLogError(f"{_where(row)} does not fit this pdscope's types: {exc}") from None
     return RecordedTick(
@@ -192,6 +252,39 @@ def _tick(row: TickRecord, stored: Sequence[StoredChange]) -> RecordedTick:
         after,
         tuple(stored),
         between,
+    )
+
+
+def _lead_in(session: Session, first: TickRecord, since: float) -> list[TickRecord]:
+    """The records before ``since`` that a window starting with the delta ``first`` is rebuilt from:
+    from the newest keyframe at or before it in its leader epoch. Raises :class:`TickLogError` when
+    there is none (deleted by retention, or never written)."""
+    if _whole(first):
+        return []
+    key_ts = session.scalar(
+        select(func.max(TickRecord.ts)).where(
+            TickRecord.keyframe.is_(True),
+            TickRecord.leader_epoch.is_not_distinct_from(first.leader_epoch),
+            TickRecord.tick <= first.tick,
+            TickRecord.ts <= first.ts,
+        )
+    )
+    if key_ts is None:
+        nxt = session.scalar(
+            select(func.min(TickRecord.ts)).where(TickRecord.keyframe.is_(True), TickRecord.ts > first.ts)
+        )
+        raise TickLogError(
+            f"{_where(first)} is a delta, and the keyframe it is rebuilt from (leader epoch "
+            f"{first.leader_epoch}, at or before tick {first.tick}) is not in the store: deleted by "
+            f"retention (store.retention_raw_s) or never written; "
+            + ("no later keyframe is stored" if nxt is None else f"start the window at the next keyframe, at {nxt:.3f}")
+        )
+    return list(
+        session.scalars(
+            select(TickRecord)
+            .where(TickRecord.ts >= key_ts, TickRecord.ts < since)
+            .order_by(TickRecord.ts, TickRecord.id)
+        )
     )
 
 
@@ -251,6 +344,10 @@ def read_ticks(session: Session, since: float, until: float, *, limit: int) -> S
             f"controller.record_ticks off); the oldest tick record is "
             f"{'none' if first is None else f'at {first:.3f}'}: start the window after them"
         )
-    ticks = tuple(_tick(r, stored.get((r.leader_epoch, r.tick, r.ts), ())) for r in rows)
+    lead = _lead_in(session, rows[0], since) if rows else []
+    docs = itertools.islice(rebuild([*lead, *rows]), len(lead), None)
+    ticks = tuple(
+        _tick(r, doc, stored.get((r.leader_epoch, r.tick, r.ts), ())) for r, doc in zip(rows, docs, strict=True)
+    )
     configs = {fp: _config(session.get(PolicyConfigRow, fp), fp) for fp in {t.policy for t in ticks}}
     return StoredWindow(ticks, configs, first)

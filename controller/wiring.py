@@ -69,7 +69,7 @@ def default_effects(
     bundles = bundler or make_bundler(settings, factory, clock=clock)
     recorders: list[TickRecorder] = [DecisionRecorder()]
     if settings.controller.record_ticks:
-        recorders.append(TickLogRecorder())
+        recorders.append(TickLogRecorder(settings.controller.tick_keyframe_every))
     observers: list[TickObserver] = [BundleObserver(bundles), NotifyObserver(notifier or NullNotifier())]
     if shadow is None:
         return Effects(bundles, tuple(recorders), tuple(observers))

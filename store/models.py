@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -360,8 +361,11 @@ class TickRecord(Base):
 
     ``payload`` is zlib-compressed JSON (``codec``, ``format``): the observation, the state carried
     into the tick, the overrides, the fleet, the mode, the served weights before it, the alert config
-    and the state the tick left. ``policy_version`` is ``POLICY_VERSION`` of the pdscope that wrote it:
-    a replay under another version refuses. Deleted with the raw rows (``store.retention_raw_s``).
+    and the digest of the state the tick left. In format 2 a record that is not a ``keyframe`` holds
+    only its difference from the record before it (``controller.tickchain``); format 1 records are
+    all whole (keyframes). ``policy_version`` is ``POLICY_VERSION`` of the pdscope that wrote it: a
+    replay under another version refuses. Deleted with the raw rows (``store.retention_raw_s``), each
+    kept while a later record needs it as its keyframe (``collector.retention``).
     """
 
     __tablename__ = "tick_records"
@@ -375,6 +379,7 @@ class TickRecord(Base):
     policy_version: Mapped[int] = mapped_column(Integer)
     format: Mapped[int] = mapped_column(Integer)
     codec: Mapped[str] = mapped_column(String(16))
+    keyframe: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     payload: Mapped[bytes] = mapped_column(LargeBinary)
 
 

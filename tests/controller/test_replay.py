@@ -225,15 +225,14 @@ def test_the_record_leaves_out_defaults_and_what_the_policy_does_not_read(world:
     """The tick record keeps the observation's P×D pairs as the policy reads them (the handoff matrix;
     their p99 left out) and drops every field at its default; the decode must give back the same
     input, and replay reproduces (the tests above)."""
-    from controller.ticklog import decode_payload, policy_pairs
+    from controller.ticklog import fields_of, policy_pairs, rebuild
 
     world.step()
     world.step(handoff_s={"decode-2": 0.5})
     assert world.reconciler.view().obs is not None and world.reconciler.view().obs.pairs, "the run saw pairs"  # type: ignore[union-attr]
     with transaction(world.factory) as s:
-        row = s.scalars(select(TickRecord).order_by(TickRecord.id.desc())).first()
-        assert row is not None
-        inp, _, _, after = decode_payload(row.payload)
+        *_, doc = rebuild(s.scalars(select(TickRecord).order_by(TickRecord.id)))
+        inp, _, _, after = fields_of(doc)
     obs = world.reconciler.view().obs
     assert obs is not None and len(after) == 32
     assert inp.obs.pairs == policy_pairs(obs.pairs) and all(x.handoff_p99_s == 0.0 for x in inp.obs.pairs)

@@ -18,7 +18,7 @@ from controller.overrides import Change, Kind, OverridesService, Slot
 from controller.policy import AlertConfig
 from controller.policy.refresh import MAX_REFRESHES, Between, Refresh
 from controller.replay import Candidate, replay_window
-from controller.ticklog import decode_between
+from controller.ticklog import between_of, rebuild
 from controller.wiring import default_effects
 from store.db import transaction
 from store.models import AuditEvent, TickRecord
@@ -191,7 +191,7 @@ def test_more_refreshes_than_a_record_keeps_still_reproduce(world: World) -> Non
     lo, hi = _window(world)
     with transaction(world.factory) as s:
         rows = s.scalars(select(TickRecord).order_by(TickRecord.id)).all()
-        kept = [decode_between(r.payload) for r in rows]
+        kept = [between_of(doc) for doc in rebuild(rows)]
         result = replay_window(s, lo, hi)
     assert [b.dropped for b in kept if b.refreshes] == [2 * n + 1 - MAX_REFRESHES]
     assert result.mismatches == () and result.reproduced is True
@@ -200,7 +200,7 @@ def test_more_refreshes_than_a_record_keeps_still_reproduce(world: World) -> Non
 def test_a_record_keeps_the_refreshes_in_order_and_none_when_there_were_none(world: World) -> None:
     run(world, ["weight decode-0 0.5", "drain decode-0", "tick"])
     with transaction(world.factory) as s:
-        kept = [decode_between(r.payload) for r in s.scalars(select(TickRecord).order_by(TickRecord.id))]
+        kept = [between_of(doc) for doc in rebuild(s.scalars(select(TickRecord).order_by(TickRecord.id)))]
     busy = [b for b in kept if b != Between()]
     assert len(busy) == 1 and busy[0].dropped == 0
     first, second = busy[0].refreshes

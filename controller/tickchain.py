@@ -1,0 +1,129 @@
+"""Tick records as keyframes and deltas: which a tick writes, and how a run of them is read back whole.
+
+A keyframe holds a tick's whole record (the JSON document :mod:`controller.ticklog` builds,
+compressed), as every record of format 1 did. A delta holds only how the record differs from the one
+before it (:func:`controller.treediff.diff` of the two documents) with two checksums: ``base``, of
+the document it was taken against, and ``sum``, of the document it rebuilds (CRC-32 of the
+document's compact JSON). A record is a keyframe every ``every``-th tick, and whenever the record
+before it is not the same leader epoch's tick before (a start, a restart, a takeover, a tick that
+failed after it was encoded, any gap) or was decided under another policy config or version.
+
+Reading (:class:`Rebuilder`) starts from a keyframe and applies each delta in turn; a delta whose
+base is not the record before it (a tick missing from the epoch, a keyframe deleted) or that does not
+rebuild its ``sum`` raises :class:`ChainError`, so a record is never replayed as something else.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from controller.treediff import PatchError, diff, patch
+
+LEVEL = 6  # zlib
+
+
+class ChainError(ValueError):
+    """A delta cannot be rebuilt into the record it was written for."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a record sits in its chain: the tick, its leader epoch and the config it ran under."""
+
+    epoch: int | None
+    tick: int
+    policy: str
+    policy_version: int
+
+    def follows(self, prev: Link) -> bool:
+        """Whether this record may be a delta on ``prev``: the same epoch's next tick, same config."""
+        return (
+            prev.epoch == self.epoch
+            and prev.tick + 1 == self.tick
+            and (prev.policy, prev.policy_version) == (self.policy, self.policy_version)
+        )
+
+
+def text(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def checksum(raw: bytes) -> int:
+    return zlib.crc32(raw)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A record as it goes into the store: its payload and whether it is a keyframe."""
+
+    payload: bytes
+    keyframe: bool
+
+
+class ChainWriter:
+    """Chooses keyframe or delta for each record, keeping the last record's document."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError("a keyframe every tick at least")
+        self.every = every
+        self._last: tuple[Link, Any, int] | None = None  # the link, the document, its checksum
+        self._since_key = 0  # records since the last keyframe
+
+    def write(self, link: Link, doc: Any) -> Written:
+        raw = text(doc)
+        crc = checksum(raw)
+        last = self._last
+        self._last = (link, doc, crc)
+        if last is None or not link.follows(last[0]) or self._since_key + 1 >= self.every:
+            self._since_key = 0
+            return Written(zlib.compress(raw, LEVEL), keyframe=True)
+        self._since_key += 1
+        delta = {"base": last[2], "sum": crc, "delta": diff(last[1], doc)}
+        return Written(zlib.compress(text(delta), LEVEL), keyframe=False)
+
+
+def keyframe_doc(payload: bytes) -> tuple[dict[str, Any], int]:
+    """A keyframe's document and checksum; raises ``zlib.error``, ``ValueError``."""
+    raw = zlib.decompress(payload)
+    doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise ValueError("not an object")
+    return doc, checksum(raw)
+
+
+class Rebuilder:
+    """Rebuilds the documents of consecutive records of one read, oldest first."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Link, Any, int] | None = None
+
+    def keyframe(self, link: Link, payload: bytes) -> dict[str, Any]:
+        doc, crc = keyframe_doc(payload)
+        self._last = (link, doc, crc)
+        return doc
+
+    def delta(self, link: Link, payload: bytes) -> dict[str, Any]:
+        """The document a delta rebuilds; :class:`ChainError` when the record before it is not its base."""
+        last = self._last
+        self._last = None  # a failed delta breaks the chain for the records after it too
+        if last is None:
+            raise ChainError("no record before it in the store to rebuild it from: its keyframe is gone")
+        if not link.follows(last[0]):
+            raise ChainError(f"the record before it is tick {last[0].tick} of epoch {last[0].epoch}: "
+                             f"tick {link.tick - 1} of epoch {link.epoch} is missing")
+        body = json.loads(zlib.decompress(payload))
+        if not isinstance(body, dict) or body.get("base") != last[2]:
+            raise ChainError(f"it was taken against another record than the stored tick {last[0].tick}")
+        try:
+            doc = patch(last[1], body.get("delta"))
+        except (PatchError, KeyError, IndexError, TypeError) as exc:
+            raise ChainError(f"it does not apply to the record before it: {exc}") from None
+        crc = checksum(text(doc))
+        if crc != body.get("sum") or not isinstance(doc, dict):
+            raise ChainError("it does not rebuild the record it was written for (checksum differs)")
+        self._last = (link, doc, crc)
+        return doc

@@ -1,0 +1,185 @@
+"""A structural diff of two JSON trees, and the patch that applies it: what a delta tick record holds.
+
+:func:`diff` says how ``new`` differs from ``old`` (both plain JSON values: dicts with str keys, lists,
+str, int, float, bool, None); :func:`patch` rebuilds ``new`` from ``old`` and that. Nothing here knows
+the policy's types: a delta is small wherever the tree changes little, whatever the fields are.
+
+A delta node is one of:
+
+* ``[value]``: the whole new value (a scalar that changed, a value of another kind, a new element);
+* ``{"o": {key: node, ...}, "x": [removed keys], "k": [every key in order]}``: a dict's changed keys
+  (``x`` and ``k`` only when keys went, or the order is not the old one's with the new keys last);
+* ``{"l": [[gap, cut, [node, ...]], ...]}``: a list's hunks, each after ``gap`` kept elements: the
+  ``cut`` old elements there are replaced by the nodes' values, node ``i`` patching the ``i``-th of
+  them (a node past ``cut`` is a new element, a ``[value]``).
+
+Lists are aligned by each element's identity (a dict's string fields, a scalar itself): an element
+that moved or changed is patched in place, one that came is inserted, one that left is cut. The
+alignment only decides how small a delta is, never what it rebuilds. A subtree that compares equal is
+left out; Python's ``==`` takes ``0.0`` for ``-0.0``, so a change only in the sign of a zero is not
+seen: the reader checks each rebuilt record against its writer's checksum and refuses one that differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+SAME: Final = None  # diff's answer when nothing changed
+
+
+class PatchError(ValueError):
+    """A delta does not apply to the tree it is applied to."""
+
+
+def diff(old: Any, new: Any) -> Any:
+    """The node that turns ``old`` into ``new``; :data:`SAME` (None) when they are equal."""
+    if type(old) is type(new) and old == new:
+        return SAME
+    if isinstance(old, dict) and isinstance(new, dict):
+        return _dict_diff(old, new)
+    if isinstance(old, list) and isinstance(new, list):
+        return {"l": _hunks(old, new)}
+    return [new]
+
+
+def _dict_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    changed = {}
+    for k, v in new.items():
+        node = diff(old[k], v) if k in old else [v]
+        if node is not SAME:
+            changed[k] = node
+    out: dict[str, Any] = {"o": changed}
+    gone = [k for k in old if k not in new]
+    if gone:
+        out["x"] = gone
+    if list(new) != _order(old, gone, new):
+        out["k"] = list(new)
+    return out
+
+
+def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[str]:
+    """The key order :func:`patch` gives without ``k``: the old keys kept, then the new ones."""
+    left = set(gone)
+    return [k for k in old if k not in left] + [k for k in new if k not in old]
+
+
+def _identity(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple((k, v) for k, v in value.items() if isinstance(v, str))
+    if isinstance(value, list):
+        return None
+    return (type(value).__name__, value)
+
+
+class _Hunks:
+    """Builds a list's hunks in order of the old list's index."""
+
+    def __init__(self) -> None:
+        self.hunks: list[list[Any]] = []
+        self.end = 0  # the old index after the last hunk
+
+    def add(self, at: int, cut: int, nodes: list[Any]) -> None:
+        last = self.hunks[-1] if self.hunks else None
+        if last is not None and at == self.end and len(last[2]) == last[1]:
+            last[1] += cut
+            last[2].extend(nodes)
+        else:
+            self.hunks.append([at - self.end, cut, nodes])
+        self.end = at + cut
+
+
+def _hunks(old: list[Any], new: list[Any]) -> list[list[Any]]:
+    out = _Hunks()
+    if len(old) == len(new):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            node = diff(a, b)
+            if node is not SAME:
+                out.add(i, 1, [node])
+        return out.hunks
+    where = _positions(old)
+    pos = 0  # the next old element not yet kept, patched or cut
+    for b in new:
+        j = _take(where, _identity(b), pos)
+        if j is None:
+            out.add(pos, 0, [[b]])
+            continue
+        if j > pos:
+            out.add(pos, j - pos, [])
+        node = diff(old[j], b)
+        if node is not SAME:
+            out.add(j, 1, [node])
+        pos = j + 1
+    if pos < len(old):
+        out.add(pos, len(old) - pos, [])
+    return out.hunks
+
+
+def _positions(old: list[Any]) -> dict[Any, list[int]]:
+    where: dict[Any, list[int]] = {}
+    for i in range(len(old) - 1, -1, -1):  # each list's smallest index last: popped first
+        key = _identity(old[i])
+        if key is not None:
+            try:
+                where.setdefault(key, []).append(i)
+            except TypeError:  # not hashable: aligned by position only
+                continue
+    return where
+
+
+def _take(where: dict[Any, list[int]], key: Any, pos: int) -> int | None:
+    """The first old index at or after ``pos`` of an element of identity ``key``, taken."""
+    try:
+        found = where.get(key)
+    except TypeError:
+        return None
+    while found:
+        j = found.pop()
+        if j >= pos:
+            return j
+    return None
+
+
+def patch(old: Any, node: Any) -> Any:
+    """``old`` with ``node`` (a :func:`diff` answer) applied; raises :class:`PatchError`."""
+    if node is SAME:
+        return old
+    if isinstance(node, list) and len(node) == 1:
+        return node[0]
+    if isinstance(node, dict) and "o" in node and isinstance(old, dict):
+        return _dict_patch(old, node)
+    if isinstance(node, dict) and "l" in node and isinstance(old, list):
+        return _list_patch(old, node["l"])
+    raise PatchError(f"a {type(node).__name__} delta does not apply to a {type(old).__name__}")
+
+
+def _dict_patch(old: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    gone = set(node.get("x", ()))
+    out = {k: v for k, v in old.items() if k not in gone}
+    for k, sub in node["o"].items():
+        out[k] = patch(out[k], sub) if k in out else _whole(sub)
+    if "k" in node:
+        if set(node["k"]) != set(out):
+            raise PatchError("a dict delta's key order names other keys than it leaves")
+        out = {k: out[k] for k in node["k"]}
+    return out
+
+
+def _whole(node: Any) -> Any:
+    if isinstance(node, list) and len(node) == 1:
+        return node[0]
+    raise PatchError("a delta patches an element or key the tree does not have")
+
+
+def _list_patch(old: list[Any], hunks: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    at = 0
+    for gap, cut, nodes in hunks:
+        if gap < 0 or cut < 0 or at + gap + cut > len(old):
+            raise PatchError(f"a list delta reaches past the list's {len(old)} elements")
+        out.extend(old[at : at + gap])
+        at += gap
+        for i, sub in enumerate(nodes):
+            out.append(patch(old[at + i], sub) if i < cut else _whole(sub))
+        at += cut
+    out.extend(old[at:])
+    return out
