@@ -11,6 +11,8 @@ failed after it was encoded, any gap) or was decided under another policy config
 Reading (:class:`Rebuilder`) starts from a keyframe and applies each delta in turn; a delta whose
 base is not the record before it (a tick missing from the epoch, a keyframe deleted) or that does not
 rebuild its ``sum`` raises :class:`ChainError`, so a record is never replayed as something else.
+The writer checks each delta the same way before it stores it, and stores the whole record (a
+keyframe) where the delta would not rebuild it.
 """
 
 from __future__ import annotations
@@ -78,12 +80,23 @@ class ChainWriter:
         crc = checksum(raw)
         last = self._last
         self._last = (link, doc, crc)
-        if last is None or not link.follows(last[0]) or self._since_key + 1 >= self.every:
+        delta = None
+        if last is not None and link.follows(last[0]) and self._since_key + 1 < self.every:
+            delta = _checked_delta(last[1], last[2], doc, crc)
+        if delta is None:
             self._since_key = 0
             return Written(zlib.compress(raw, LEVEL), keyframe=True)
         self._since_key += 1
-        delta = {"base": last[2], "sum": crc, "delta": diff(last[1], doc)}
         return Written(zlib.compress(text(delta), LEVEL), keyframe=False)
+
+
+def _checked_delta(base: Any, base_crc: int, doc: Any, crc: int) -> dict[str, Any] | None:
+    """The delta from ``base`` to ``doc``, or None where its patch does not rebuild ``doc`` exactly (a
+    change :func:`controller.treediff.diff` does not see: a zero's sign, a reordered dict)."""
+    node = diff(base, doc)
+    if checksum(text(patch(base, node))) != crc:
+        return None
+    return {"base": base_crc, "sum": crc, "delta": node}
 
 
 def keyframe_doc(payload: bytes) -> tuple[dict[str, Any], int]:

@@ -16,8 +16,9 @@ A delta node is one of:
 Lists are aligned by each element's identity (a dict's string fields, a scalar itself): an element
 that moved or changed is patched in place, one that came is inserted, one that left is cut. The
 alignment only decides how small a delta is, never what it rebuilds. A subtree that compares equal is
-left out; Python's ``==`` takes ``0.0`` for ``-0.0``, so a change only in the sign of a zero is not
-seen: the reader checks each rebuilt record against its writer's checksum and refuses one that differs.
+left out. Python's ``==`` takes ``0.0`` for ``-0.0`` and ignores a dict's key order, so a subtree
+that changed only in those is not seen: the writer (:class:`controller.tickchain.ChainWriter`) checks
+that the patch rebuilds the new tree exactly and writes the whole record where it does not.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[st
 
 
 def _identity(value: Any) -> Any:
+    """What aligns an element with its old self: a dict's string fields, a list is a list, a scalar
+    itself (hashable, all of them)."""
     if isinstance(value, dict):
         return tuple((k, v) for k, v in value.items() if isinstance(v, str))
     if isinstance(value, list):
-        return None
+        return "[]"
     return (type(value).__name__, value)
 
 
@@ -90,48 +93,44 @@ class _Hunks:
 
 def _hunks(old: list[Any], new: list[Any]) -> list[list[Any]]:
     out = _Hunks()
-    if len(old) == len(new):
+    old_ids, new_ids = [_identity(a) for a in old], [_identity(b) for b in new]
+    if old_ids == new_ids:  # the same elements in the same places: patched in place
         for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            node = diff(a, b)
-            if node is not SAME:
-                out.add(i, 1, [node])
+            _patched(out, i, a, b)
         return out.hunks
-    where = _positions(old)
+    where = _positions(old_ids)
     pos = 0  # the next old element not yet kept, patched or cut
-    for b in new:
-        j = _take(where, _identity(b), pos)
+    for b, key in zip(new, new_ids, strict=True):
+        j = _take(where, key, pos)
         if j is None:
             out.add(pos, 0, [[b]])
             continue
         if j > pos:
             out.add(pos, j - pos, [])
-        node = diff(old[j], b)
-        if node is not SAME:
-            out.add(j, 1, [node])
+        _patched(out, j, old[j], b)
         pos = j + 1
     if pos < len(old):
         out.add(pos, len(old) - pos, [])
     return out.hunks
 
 
-def _positions(old: list[Any]) -> dict[Any, list[int]]:
+def _patched(out: _Hunks, at: int, old: Any, new: Any) -> None:
+    node = diff(old, new)
+    if node is not SAME:
+        out.add(at, 1, [node])
+
+
+def _positions(ids: list[Any]) -> dict[Any, list[int]]:
+    """Each identity's old indexes, the smallest last (popped first)."""
     where: dict[Any, list[int]] = {}
-    for i in range(len(old) - 1, -1, -1):  # each list's smallest index last: popped first
-        key = _identity(old[i])
-        if key is not None:
-            try:
-                where.setdefault(key, []).append(i)
-            except TypeError:  # not hashable: aligned by position only
-                continue
+    for i in range(len(ids) - 1, -1, -1):
+        where.setdefault(ids[i], []).append(i)
     return where
 
 
 def _take(where: dict[Any, list[int]], key: Any, pos: int) -> int | None:
     """The first old index at or after ``pos`` of an element of identity ``key``, taken."""
-    try:
-        found = where.get(key)
-    except TypeError:
-        return None
+    found = where.get(key)
     while found:
         j = found.pop()
         if j >= pos:

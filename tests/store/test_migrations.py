@@ -240,3 +240,33 @@ def test_0017_the_database_stamps_every_insert_and_update_and_takes_it_back(stor
             conn.execute(text("UPDATE request_records SET status = 'ok'"))
     finally:
         engine.dispose()
+
+
+_TICK = (
+    "INSERT INTO tick_records (ts, tick, leader_epoch, policy, policy_version, format, codec, payload)"
+    " VALUES (:ts, :tick, 1, 'v1:x', 1, :format, 'json+zlib', :payload)"
+)
+
+
+def test_0018_marks_stored_tick_records_as_keyframes_and_takes_deltas_back(store_url: str) -> None:
+    """Records stored before 0018 (format 1, all whole) read as keyframes; a downgrade to 0017 deletes
+    the deltas (the older pdscope cannot rebuild them) and marks the keyframes format 1 (their payload
+    is a whole record), so what stays is what that pdscope reads."""
+    upgrade(store_url, "0017")
+    engine = make_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(_TICK), {"ts": 1.0, "tick": 1, "format": 1, "payload": b"old"})
+        upgrade(store_url, "0018")
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT keyframe FROM tick_records")).scalar_one() in (True, 1)
+            conn.execute(text(_TICK), {"ts": 2.0, "tick": 2, "format": 2, "payload": b"key"})
+            conn.execute(text(_TICK), {"ts": 3.0, "tick": 3, "format": 2, "payload": b"delta"})
+            conn.execute(text("UPDATE tick_records SET keyframe = false WHERE tick = 3"))
+        downgrade(store_url, "0017")
+        assert "keyframe" not in {c["name"] for c in inspect(engine).get_columns("tick_records")}
+        with engine.begin() as conn:
+            rows = conn.execute(text("SELECT tick, format, payload FROM tick_records ORDER BY tick")).all()
+        assert [tuple(r) for r in rows] == [(1, 1, b"old"), (2, 1, b"key")]
+    finally:
+        engine.dispose()

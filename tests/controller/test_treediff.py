@@ -1,0 +1,86 @@
+"""The structural diff a delta tick record holds: patching the old tree with it gives the new one, in
+key order and types, and it is small where the tree changed little."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from controller.treediff import SAME, PatchError, diff, patch
+
+
+def _text(x: Any) -> str:
+    return json.dumps(x, separators=(",", ":"))
+
+
+def _check(old: Any, new: Any) -> Any:
+    node = diff(old, new)
+    assert _text(patch(old, node)) == _text(new)
+    return node
+
+
+def test_equal_trees_need_nothing() -> None:
+    tree = {"a": [1, 2.5, {"b": None}], "c": "x"}
+    assert diff(tree, json.loads(_text(tree))) is SAME
+    assert patch(tree, SAME) is tree
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (1, 1.0),  # an int is not a float
+        (True, 1),
+        ({"a": 1, "b": 2}, {"b": 3, "a": 1}),  # the key order is kept
+        ({"a": 1, "b": 2}, {"a": 1, "c": 0, "b": 2}),  # a key that came in the middle
+        ({"a": 1, "b": 2}, {"b": 3}),
+        ([1, 2, 3], [3, 2, 1]),
+        ([{"name": "a", "v": 1}, {"name": "b", "v": 2}], [{"name": "b", "v": 3}, {"name": "c", "v": 1}]),
+        ([[1], [2]], [[1], [2], [3]]),
+        ([1, 1, 2], [1, 2, 2, 1]),
+        ({"x": [float("inf"), 2.0]}, {"x": [float("-inf"), 2.0]}),
+        ({"x": [1, 2]}, {"x": {"0": 1}}),
+    ],
+)
+def test_a_patch_rebuilds_the_new_tree_exactly(old: Any, new: Any) -> None:
+    _check(old, new)
+
+
+def _rows(rng: random.Random, names: list[str]) -> list[dict[str, Any]]:
+    return [{"name": n, "load": rng.random(), "n": rng.randrange(5)} for n in names]
+
+
+def test_random_edits_of_keyed_rows_round_trip_and_stay_small() -> None:
+    rng = random.Random(7)
+    names = [f"i-{k}" for k in range(300)]
+    old = {"rows": _rows(rng, names), "tick": 1}
+    for _ in range(40):
+        new = json.loads(_text(old))
+        new["tick"] += 1
+        for row in rng.sample(new["rows"], 10):
+            row["load"] = rng.random()
+        if rng.random() < 0.5:
+            new["rows"].pop(rng.randrange(len(new["rows"])))
+        if rng.random() < 0.5:
+            new["rows"].insert(rng.randrange(len(new["rows"])), {"name": f"n-{rng.random()}", "n": 1})
+        node = _check(old, new)
+        assert len(_text(node)) < len(_text(new)) / 5, "ten rows changed of three hundred"
+        old = new
+
+
+def test_what_equality_does_not_see_is_not_in_the_diff() -> None:
+    """``==`` takes 0.0 for -0.0 and ignores key order: the writer checks its patches (test_tick_keyframes)."""
+    assert diff({"a": {"x": 1, "y": 2}}, {"a": {"y": 2, "x": 1}}) is SAME
+    assert diff([0.0], [-0.0]) is SAME
+
+
+def test_a_delta_on_another_tree_is_refused() -> None:
+    node = diff({"a": [1, 2, 3]}, {"a": [1, 2, 4]})
+    with pytest.raises(PatchError):
+        patch({"a": [1]}, node)
+    with pytest.raises(PatchError):
+        patch([1, 2, 3], node)
+    with pytest.raises(PatchError):
+        patch({"b": 1}, diff({"a": {"x": 1}}, {"a": {"x": 2}}))
