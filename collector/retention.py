@@ -229,7 +229,9 @@ class Retention:
             spans = session.execute(delete(SpanRow).where(SpanRow.received_ts < cutoff)).rowcount  # type: ignore[attr-defined]
             recs = session.execute(delete(RequestRecord).where(RequestRecord.proxy_in < cutoff)).rowcount  # type: ignore[attr-defined]
             # the controller's tick records are replayed with the raw rows' window: kept as long
-            session.execute(delete(TickRecord).where(TickRecord.ts < tick_record_cutoff(session, now - self.raw_s)))
+            session.execute(
+                delete(TickRecord).where(TickRecord.ts < tick_record_cutoff(session, now - self.raw_s))
+            )
             roll_cut = now - self.rollup_s
             rollups = session.execute(delete(SnapshotRollup).where(SnapshotRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]
             rollups += session.execute(delete(RequestRollup).where(RequestRollup.minute < roll_cut)).rowcount  # type: ignore[attr-defined]

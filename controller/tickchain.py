@@ -126,8 +126,10 @@ class Rebuilder:
         if last is None:
             raise ChainError("no record before it in the store to rebuild it from: its keyframe is gone")
         if not link.follows(last[0]):
-            raise ChainError(f"the record before it is tick {last[0].tick} of epoch {last[0].epoch}: "
-                             f"tick {link.tick - 1} of epoch {link.epoch} is missing")
+            raise ChainError(
+                f"the record before it is tick {last[0].tick} of epoch {last[0].epoch}: "
+                f"tick {link.tick - 1} of epoch {link.epoch} is missing"
+            )
         body = json.loads(zlib.decompress(payload))
         if not isinstance(body, dict) or body.get("base") != last[2]:
             raise ChainError(f"it was taken against another record than the stored tick {last[0].tick}")

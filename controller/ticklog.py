@@ -68,13 +68,13 @@ def document(
     out: TickOutput,
     between: Between = NOTHING_BETWEEN,
 ) -> dict[str, object]:
-    """The record as a JSON document. The observation's P×D pairs are kept as far as the policy reads them (each
-    pair's handoff median, count and failures, for the P×D matrix the weights are judged by; their p99,
-    which it does not read, is left out: the pairs are most of an observation's size, growing with the
-    pairs the window sampled). The state after the tick is kept as its
-    digest: a replay re-derives it and compares. ``between``: the tables recomposed since the tick
-    before (operator changes served at once), which the tick's state and served weights start from;
-    left out when there were none (a record without it reads as none)."""
+    """The record as a JSON document. The observation's P×D pairs are kept as far as the policy reads them
+    (each pair's handoff median, count and failures, for the P×D matrix the weights are judged by;
+    their p99, which it does not read, is left out: the pairs are most of an observation's size,
+    growing with the pairs the window sampled). The state after the tick is kept as its digest: a
+    replay re-derives it and compares. ``between``: the tables recomposed since the tick before
+    (operator changes served at once), which the tick's state and served weights start from; left
+    out when there were none (a record without it reads as none)."""
     obs = dataclasses.replace(inp.obs, pairs=policy_pairs(inp.obs.pairs))
     doc = {
         "input": dump(dataclasses.replace(inp, obs=obs), compact=True),
@@ -277,7 +277,11 @@ def _lead_in(session: Session, first: TickRecord, since: float) -> list[TickReco
             f"{_where(first)} is a delta, and the keyframe it is rebuilt from (leader epoch "
             f"{first.leader_epoch}, at or before tick {first.tick}) is not in the store: deleted by "
             f"retention (store.retention_raw_s) or never written; "
-            + ("no later keyframe is stored" if nxt is None else f"start the window at the next keyframe, at {nxt:.3f}")
+            + (
+                "no later keyframe is stored"
+                if nxt is None
+                else f"start the window at the next keyframe, at {nxt:.3f}"
+            )
         )
     return list(
         session.scalars(
@@ -347,7 +351,8 @@ def read_ticks(session: Session, since: float, until: float, *, limit: int) -> S
     lead = _lead_in(session, rows[0], since) if rows else []
     docs = itertools.islice(rebuild([*lead, *rows]), len(lead), None)
     ticks = tuple(
-        _tick(r, doc, stored.get((r.leader_epoch, r.tick, r.ts), ())) for r, doc in zip(rows, docs, strict=True)
+        _tick(r, doc, stored.get((r.leader_epoch, r.tick, r.ts), ()))
+        for r, doc in zip(rows, docs, strict=True)
     )
     configs = {fp: _config(session.get(PolicyConfigRow, fp), fp) for fp in {t.policy for t in ticks}}
     return StoredWindow(ticks, configs, first)

@@ -105,9 +105,9 @@ class ControllerSettings(_HTTPServerSettings):
     meanwhile"""
     tick_keyframe_every: Count10k = 30
     """a tick record is whole (a keyframe) every this many ticks, and after a start, a takeover, a config
-    change or a gap; the records between hold only what changed since the record before (docs/policy.md, policy replay).
-    A replay reads from the keyframe at or before its window's start: up to this many records more. 1:
-    every record whole"""
+    change or a gap; the records between hold only what changed since the record before (docs/policy.md,
+    policy replay). A replay reads from the keyframe at or before its window's start: up to this many
+    records more. 1: every record whole"""
     forward_changes: bool = True
     """a standby forwards an operator change to the leader's advertise_url (once: a forwarded change is never
     forwarded again) instead of answering 409; the 409 stays when the leader cannot be reached"""

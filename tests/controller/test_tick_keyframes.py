@@ -133,8 +133,11 @@ def test_a_window_whose_keyframe_is_gone_is_refused_naming_the_next(world: World
     assert nxt.tick == 6
     with (
         transaction(world.factory) as s,
-        pytest.raises(ReplayError, match=rf"keyframe it is rebuilt from .* at or before tick 2\) is not in the "
-        rf"store: deleted by retention .* start the window at the next keyframe, at {nxt.ts:.3f}"),
+        pytest.raises(
+            ReplayError,
+            match=rf"keyframe it is rebuilt from .* at or before tick 2\) is not in the "
+            rf"store: deleted by retention .* start the window at the next keyframe, at {nxt.ts:.3f}",
+        ),
     ):
         replay_window(s, rows[0].ts, hi)
     with transaction(world.factory) as s:
@@ -152,7 +155,9 @@ def test_a_delta_on_another_record_than_its_own_is_refused(world: World) -> None
         four.payload, four.keyframe = one.payload, True
     with (
         transaction(world.factory) as s,
-        pytest.raises(ReplayError, match=r"\(tick 5 at .* taken against another record than the stored tick 4"),
+        pytest.raises(
+            ReplayError, match=r"\(tick 5 at .* taken against another record than the stored tick 4"
+        ),
     ):
         replay_window(s, lo, hi)
 
@@ -171,7 +176,11 @@ def test_the_writer_keyframes_every_nth_and_at_any_break() -> None:
 
 def test_the_writer_stores_whole_what_a_delta_would_not_rebuild() -> None:
     """``==`` does not see a reordered dict or a zero's sign: the record is then a keyframe."""
-    docs = [{"a": {"x": 1, "y": 2}, "z": 0.0}, {"a": {"y": 2, "x": 1}, "z": 0.0}, {"a": {"y": 2, "x": 1}, "z": -0.0}]
+    docs = [
+        {"a": {"x": 1, "y": 2}, "z": 0.0},
+        {"a": {"y": 2, "x": 1}, "z": 0.0},
+        {"a": {"y": 2, "x": 1}, "z": -0.0},
+    ]
     docs.append({"a": {"y": 3, "x": 1}, "z": -0.0})
     w, r = ChainWriter(10), Rebuilder()
     written = [w.write(_link(i + 1), d) for i, d in enumerate(docs)]

@@ -71,7 +71,8 @@ def test_random_edits_of_keyed_rows_round_trip_and_stay_small() -> None:
 
 
 def test_what_equality_does_not_see_is_not_in_the_diff() -> None:
-    """``==`` takes 0.0 for -0.0 and ignores key order: the writer checks its patches (test_tick_keyframes)."""
+    """``==`` takes 0.0 for -0.0 and ignores key order: the writer checks its patches
+    (test_tick_keyframes.py)."""
     assert diff({"a": {"x": 1, "y": 2}}, {"a": {"y": 2, "x": 1}}) is SAME
     assert diff([0.0], [-0.0]) is SAME
 
