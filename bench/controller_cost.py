@@ -26,6 +26,14 @@ compressed size (and per day at the interval), and the CPU to decode it back for
     .venv/bin/python bench/controller_cost.py [--sizes 12,100,300,1000] [--ticks 5]
 
 Writes bench/results/controller_cost.json and prints a table.
+
+``--tick-records`` measures the tick records instead (format 2: keyframes and deltas,
+``controller.tickchain``): per size it runs one keyframe interval of ticks plus one
+(``--keyframe-every``, the config's default unless given) with the real recorder, then reads the
+stored records back: bytes per instance per tick in steady state (a whole cycle, keyframe to the
+record before the next: the keyframe amortised), beside each tick's whole record (format 1, every
+record whole) of the same run, rebuilt from the store; and the CPU to write a keyframe, a delta, and to
+rebuild a record for a replay. Writes bench/results/controller_cost-tickdeltas.json.
 """
 
 from __future__ import annotations
@@ -48,16 +56,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import zlib  # noqa: E402
+
 from sqlalchemy import select, update  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
-from controller.ticklog import decode_payload, encode  # noqa: E402
+from controller.tickchain import LEVEL, ChainWriter, Link, text  # noqa: E402
+from controller.ticklog import decode_payload, encode, rebuild  # noqa: E402
 from controller.wiring import default_effects  # noqa: E402
 from devdata.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
 from pdscope.config import parse_config  # noqa: E402
 from store.db import make_engine, session_factory  # noqa: E402
-from store.models import RequestRecord, Snapshot  # noqa: E402
+from store.models import RequestRecord, Snapshot, TickRecord  # noqa: E402
 
 
 def fleet(n: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -244,6 +255,110 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return out
 
 
+def _stored_records(factory: Any) -> list[TickRecord]:
+    with factory() as session:
+        rows = list(session.scalars(select(TickRecord).order_by(TickRecord.ts, TickRecord.id)))
+        session.expunge_all()
+    return rows
+
+
+def _write_cpu(docs: list[Any], every: int) -> tuple[list[float], list[float]]:
+    """The CPU of writing each document as the recorder does: (keyframes, deltas)."""
+    writer = ChainWriter(every)
+    keys: list[float] = []
+    deltas: list[float] = []
+    for i, doc in enumerate(docs):
+        spent, written = cpu(lambda i=i, doc=doc: writer.write(Link(1, i + 1, "p", 1), doc))
+        (keys if written.keyframe else deltas).append(spent)
+    return keys, deltas
+
+
+def record_sizes(factory: Any, n: int, every: int) -> dict[str, Any]:
+    """The stored records' sizes over the first whole cycle, beside the whole records of the same ticks."""
+    rows = _stored_records(factory)
+    t0 = time.process_time()
+    docs = list(rebuild(rows))
+    rebuild_s = (time.process_time() - t0) / len(rows)
+    keys = [i for i, r in enumerate(rows) if r.keyframe]
+    assert len(keys) >= 2, "a whole cycle: from a keyframe to the next"
+    cycle = range(keys[0], keys[1])
+    stored = [len(rows[i].payload) for i in cycle]
+    whole = [len(zlib.compress(text(docs[i]), LEVEL)) for i in cycle]
+    key_cpu, delta_cpu = _write_cpu([docs[i] for i in cycle], every)
+    return {
+        "keyframe_every": len(cycle),
+        "records": len(rows),
+        "whole_bytes_per_instance_tick": statistics.mean(whole) / n,
+        "stored_bytes_per_instance_tick": sum(stored) / len(stored) / n,
+        "keyframe_bytes_per_instance": stored[0] / n,
+        "delta_bytes_per_instance_mean": statistics.mean(stored[1:]) / n if len(stored) > 1 else None,
+        "delta_bytes_per_instance_max": max(stored[1:]) / n if len(stored) > 1 else None,
+        "whole_mb_per_day": statistics.mean(whole) * 86400 / 2.0 / 1e6,
+        "stored_mb_per_day": sum(stored) / len(stored) * 86400 / 2.0 / 1e6,
+        "keyframe_write_cpu_s": statistics.median(key_cpu),
+        "delta_write_cpu_s": statistics.median(delta_cpu) if delta_cpu else None,
+        "rebuild_cpu_s_per_record": rebuild_s,
+    }
+
+
+def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Run a keyframe interval of ticks (plus one) with the real recorder; the records' sizes."""
+    spec, url, _, seed_s = _seed(n, args, workdir)
+    settings = parse_config(fleet_config_yaml(spec, url))
+    every = args.keyframe_every or settings.controller.tick_keyframe_every
+    ctl = settings.controller.model_copy(update={"tick_keyframe_every": every})
+    settings = settings.model_copy(update={"controller": ctl})
+    engine = make_engine(url)
+    factory = session_factory(engine)
+    _, ticks = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
+    out = {"instances": n, "seed_s": round(seed_s, 1), "tick_cpu_s": statistics.median(ticks)}
+    out.update(record_sizes(factory, n, every))
+    engine.dispose()
+    print(
+        f"  {n:>5} instances: {out['stored_bytes_per_instance_tick']:.1f} B per instance per tick stored "
+        f"(whole records: {out['whole_bytes_per_instance_tick']:.1f}), seeded in {seed_s:.0f} s",
+        flush=True,
+    )
+    return out
+
+
+def _print_records(rows: list[dict[str, Any]]) -> None:
+    print(
+        "\n| instances | whole record (B/instance/tick) | keyframes + deltas | keyframe | delta mean "
+        "| per day: whole | per day: stored | write delta (ms) | rebuild (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d = r["delta_write_cpu_s"]
+        print(
+            f"| {r['instances']:,} | {r['whole_bytes_per_instance_tick']:.1f} | "
+            f"**{r['stored_bytes_per_instance_tick']:.1f}** | {r['keyframe_bytes_per_instance']:.1f} | "
+            f"{r['delta_bytes_per_instance_mean']:.1f} | {r['whole_mb_per_day']:.0f} MB | "
+            f"{r['stored_mb_per_day']:.0f} MB | {'' if d is None else f'{d * 1000:.1f}'} | "
+            f"{r['rebuild_cpu_s_per_record'] * 1000:.1f} |"
+        )
+
+
+def records_main(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
+        for n in sizes:
+            rows.append(measure_records(n, args, Path(tmp)))
+    _print_records(rows)
+    worst = max(r["stored_bytes_per_instance_tick"] for r in rows)
+    verdict = "MET" if worst <= 30.0 else "MISSED"
+    print(
+        f"\ntarget: a tick record of at most 30 B per instance per tick in steady state: "
+        f"{worst:.1f} ({verdict})"
+    )
+    return {
+        "benchmark": "controller_cost --tick-records",
+        "sizes": rows,
+        "target_bytes": 30.0,
+        "target_met": verdict == "MET",
+    }
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="12,100,300,1000", help="fleet sizes (instances), comma-separated")
@@ -251,8 +366,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--history-s", type=float, default=180.0, help="seeded history per store")
     ap.add_argument("--rate", type=float, default=0.5, help="requests per second per instance")
     ap.add_argument("--scrape-s", type=float, default=5.0, help="seeded scrape interval")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "controller_cost.json"))
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default=None, help="the results file (default: by mode, bench/results/)")
+    ap.add_argument("--tick-records", action="store_true", help="measure the tick records' size (see above)")
+    ap.add_argument("--keyframe-every", type=int, default=0, help="with --tick-records (0: the config's)")
+    args = ap.parse_args(argv)
+    name = "controller_cost-tickdeltas.json" if args.tick_records else "controller_cost.json"
+    args.out = args.out or str(REPO / "bench" / "results" / name)
+    return args
 
 
 def _add_growth(rows: list[dict[str, Any]]) -> None:
@@ -290,15 +410,7 @@ def _print_tables(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    logging.basicConfig(level=logging.WARNING)
-    sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(
-        f"controller tick cost: sizes {sizes}, {args.ticks} ticks each, {args.history_s:g} s of history, "
-        f"{args.rate:g} req/s per instance, scrapes every {args.scrape_s:g} s",
-        flush=True,
-    )
+def ticks_main(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
         for n in sizes:
@@ -311,19 +423,31 @@ def main(argv: list[str] | None = None) -> int:
         f"\ntarget: a tick under 20% of the interval at {big['instances']:,} instances: "
         f"{big['tick_share_of_interval']:.1%} ({verdict})"
     )
-    result = {
+    return {
         "benchmark": "controller_cost",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": list(os.getloadavg()),
-        },
-        "args": vars(args),
         "sizes": rows,
         "target_share_of_interval": 0.2,
         "target_met": verdict == "MET",
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    print(
+        f"controller {'tick records' if args.tick_records else 'tick cost'}: sizes {sizes}, "
+        f"{args.history_s:g} s of history, {args.rate:g} req/s per instance, "
+        f"scrapes every {args.scrape_s:g} s",
+        flush=True,
+    )
+    machine = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+    found = records_main(args, sizes) if args.tick_records else ticks_main(args, sizes)
+    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine, "args": vars(args), **found}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
