@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from controller.treediff import PatchError, diff, patch
+from controller.treediff import Differ, PatchError, patch
 
 LEVEL = 6  # zlib
 
@@ -74,6 +74,7 @@ class ChainWriter:
         self.every = every
         self._last: tuple[Link, Any, int] | None = None  # the link, the document, its checksum
         self._since_key = 0  # records since the last keyframe
+        self._differ = Differ()  # knows the last document's lists
 
     def write(self, link: Link, doc: Any) -> Written:
         raw = text(doc)
@@ -82,7 +83,9 @@ class ChainWriter:
         self._last = (link, doc, crc)
         delta = None
         if last is not None and link.follows(last[0]) and self._since_key + 1 < self.every:
-            delta = _checked_delta(last[1], last[2], doc, crc)
+            delta = _checked_delta(self._differ.diff(last[1], doc), last[1], last[2], crc)
+        else:
+            self._differ = Differ()
         if delta is None:
             self._since_key = 0
             return Written(zlib.compress(raw, LEVEL), keyframe=True)
@@ -90,10 +93,10 @@ class ChainWriter:
         return Written(zlib.compress(text(delta), LEVEL), keyframe=False)
 
 
-def _checked_delta(base: Any, base_crc: int, doc: Any, crc: int) -> dict[str, Any] | None:
-    """The delta from ``base`` to ``doc``, or None where its patch does not rebuild ``doc`` exactly (a
-    change :func:`controller.treediff.diff` does not see: a zero's sign, a reordered dict)."""
-    node = diff(base, doc)
+def _checked_delta(node: Any, base: Any, base_crc: int, crc: int) -> dict[str, Any] | None:
+    """The delta ``node`` on ``base`` as stored, or None where its patch does not rebuild the document of
+    checksum ``crc`` exactly (a change :func:`controller.treediff.diff` does not see: a zero's sign, a
+    reordered dict)."""
     if checksum(text(patch(base, node))) != crc:
         return None
     return {"base": base_crc, "sum": crc, "delta": node}

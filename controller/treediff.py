@@ -13,7 +13,7 @@ A delta node is one of:
   ``cut`` old elements there are replaced by the nodes' values, node ``i`` patching the ``i``-th of
   them (a node past ``cut`` is a new element, a ``[value]``).
 
-Lists are aligned by each element's identity (a dict's string fields, a scalar itself): an element
+Lists are aligned by each element's identity (a dict's leading string fields, a scalar itself): an element
 that moved or changed is patched in place, one that came is inserted, one that left is cut. The
 alignment only decides how small a delta is, never what it rebuilds. A subtree that compares equal is
 left out. Python's ``==`` takes ``0.0`` for ``-0.0`` and ignores a dict's key order, so a subtree
@@ -34,28 +34,87 @@ class PatchError(ValueError):
 
 def diff(old: Any, new: Any) -> Any:
     """The node that turns ``old`` into ``new``; :data:`SAME` (None) when they are equal."""
-    if type(old) is type(new) and old == new:
-        return SAME
-    if isinstance(old, dict) and isinstance(new, dict):
-        return _dict_diff(old, new)
-    if isinstance(old, list) and isinstance(new, list):
-        return {"l": _hunks(old, new)}
-    return [new]
+    return Differ().diff(old, new)
 
 
-def _dict_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    changed = {}
-    for k, v in new.items():
-        node = diff(old[k], v) if k in old else [v]
+class Differ:
+    """:func:`diff` for a sequence of trees, each diffed against the one before: the identities of the
+    last tree's list elements are kept for the next diff (keyed by the lists' ids: the caller keeps that
+    tree alive, and unchanged, until it is diffed against)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, list[Any]] = {}  # the last new tree's lists: their elements' identities
+        self._next: dict[int, list[Any]] = {}
+
+    def diff(self, old: Any, new: Any) -> Any:
+        self._next = {}
+        try:
+            return self._node(old, new)
+        finally:
+            self._ids = self._next
+
+    def _node(self, old: Any, new: Any) -> Any:
+        if type(old) is type(new) and old == new:
+            self._remember(old, new)
+            return SAME
+        if isinstance(old, dict) and isinstance(new, dict):
+            return self._dict(old, new)
+        if isinstance(old, list) and isinstance(new, list):
+            return {"l": self._hunks(old, new)}
+        return [new]
+
+    def _remember(self, old: Any, new: Any) -> None:
+        """An unchanged list keeps its identities for the next diff (an unchanged subtree is not walked:
+        the lists inside it are not remembered, only worked out again when they change)."""
+        if isinstance(new, list):
+            self._next[id(new)] = self._identities(old)
+
+    def _identities(self, items: list[Any]) -> list[Any]:
+        """The identities of an old list's elements (worked out by the diff before, when it could)."""
+        known = self._ids.get(id(items))
+        return known if known is not None and len(known) == len(items) else [_identity(x) for x in items]
+
+    def _dict(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        changed = {}
+        for k, v in new.items():
+            node = self._node(old[k], v) if k in old else [v]
+            if node is not SAME:
+                changed[k] = node
+        out: dict[str, Any] = {"o": changed}
+        gone = [k for k in old if k not in new]
+        if gone:
+            out["x"] = gone
+        if list(new) != _order(old, gone, new):
+            out["k"] = list(new)
+        return out
+
+    def _hunks(self, old: list[Any], new: list[Any]) -> list[list[Any]]:
+        out = _Hunks()
+        old_ids, new_ids = self._identities(old), [_identity(b) for b in new]
+        self._next[id(new)] = new_ids
+        if old_ids == new_ids:  # the same elements in the same places: patched in place
+            for i, (a, b) in enumerate(zip(old, new, strict=True)):
+                self._patched(out, i, a, b)
+            return out.hunks
+        where = _positions(old_ids)
+        pos = 0  # the next old element not yet kept, patched or cut
+        for b, key in zip(new, new_ids, strict=True):
+            j = _take(where, key, pos)
+            if j is None:
+                out.add(pos, 0, [[b]])
+                continue
+            if j > pos:
+                out.add(pos, j - pos, [])
+            self._patched(out, j, old[j], b)
+            pos = j + 1
+        if pos < len(old):
+            out.add(pos, len(old) - pos, [])
+        return out.hunks
+
+    def _patched(self, out: _Hunks, at: int, old: Any, new: Any) -> None:
+        node = self._node(old, new)
         if node is not SAME:
-            changed[k] = node
-    out: dict[str, Any] = {"o": changed}
-    gone = [k for k in old if k not in new]
-    if gone:
-        out["x"] = gone
-    if list(new) != _order(old, gone, new):
-        out["k"] = list(new)
-    return out
+            out.add(at, 1, [node])
 
 
 def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[str]:
@@ -65,10 +124,15 @@ def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[st
 
 
 def _identity(value: Any) -> Any:
-    """What aligns an element with its old self: a dict's string fields, a list is a list, a scalar
-    itself (hashable, all of them)."""
+    """What aligns an element with its old self: a dict's leading string fields (a name, a pair of
+    names), a list is a list, a scalar itself (hashable, all of them)."""
     if isinstance(value, dict):
-        return tuple((k, v) for k, v in value.items() if isinstance(v, str))
+        key = []
+        for v in value.values():
+            if not isinstance(v, str):
+                break
+            key.append(v)
+        return tuple(key)
     if isinstance(value, list):
         return "[]"
     return (type(value).__name__, value)
@@ -89,35 +153,6 @@ class _Hunks:
         else:
             self.hunks.append([at - self.end, cut, nodes])
         self.end = at + cut
-
-
-def _hunks(old: list[Any], new: list[Any]) -> list[list[Any]]:
-    out = _Hunks()
-    old_ids, new_ids = [_identity(a) for a in old], [_identity(b) for b in new]
-    if old_ids == new_ids:  # the same elements in the same places: patched in place
-        for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            _patched(out, i, a, b)
-        return out.hunks
-    where = _positions(old_ids)
-    pos = 0  # the next old element not yet kept, patched or cut
-    for b, key in zip(new, new_ids, strict=True):
-        j = _take(where, key, pos)
-        if j is None:
-            out.add(pos, 0, [[b]])
-            continue
-        if j > pos:
-            out.add(pos, j - pos, [])
-        _patched(out, j, old[j], b)
-        pos = j + 1
-    if pos < len(old):
-        out.add(pos, len(old) - pos, [])
-    return out.hunks
-
-
-def _patched(out: _Hunks, at: int, old: Any, new: Any) -> None:
-    node = diff(old, new)
-    if node is not SAME:
-        out.add(at, 1, [node])
 
 
 def _positions(ids: list[Any]) -> dict[Any, list[int]]:
