@@ -66,7 +66,7 @@ class Differ:
     def _remember(self, old: Any, new: Any) -> None:
         """An unchanged list keeps its identities for the next diff (an unchanged subtree is not walked:
         the lists inside it are not remembered, only worked out again when they change)."""
-        if isinstance(new, list):
+        if type(new) is list:
             self._next[id(new)] = self._identities(old)
 
     def _identities(self, items: list[Any]) -> list[Any]:
@@ -77,9 +77,14 @@ class Differ:
     def _dict(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         changed = {}
         for k, v in new.items():
-            node = self._node(old[k], v) if k in old else [v]
-            if node is not SAME:
-                changed[k] = node
+            if k not in old:
+                changed[k] = [v]
+                continue
+            o = old[k]
+            if type(o) is type(v) and o == v:  # _node's first test, inline: most fields are unchanged
+                self._remember(o, v)
+            else:
+                changed[k] = self._node(o, v)
         out: dict[str, Any] = {"o": changed}
         gone = [k for k in old if k not in new]
         if gone:
