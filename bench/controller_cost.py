@@ -273,7 +273,7 @@ def _write_cpu(docs: list[Any], every: int) -> tuple[list[float], list[float]]:
     return keys, deltas
 
 
-def record_sizes(factory: Any, n: int, every: int) -> dict[str, Any]:
+def record_sizes(factory: Any, n: int, every: int, interval: float) -> dict[str, Any]:
     """The stored records' sizes over the first whole cycle, beside the whole records of the same ticks."""
     rows = _stored_records(factory)
     t0 = time.process_time()
@@ -293,8 +293,8 @@ def record_sizes(factory: Any, n: int, every: int) -> dict[str, Any]:
         "keyframe_bytes_per_instance": stored[0] / n,
         "delta_bytes_per_instance_mean": statistics.mean(stored[1:]) / n if len(stored) > 1 else None,
         "delta_bytes_per_instance_max": max(stored[1:]) / n if len(stored) > 1 else None,
-        "whole_mb_per_day": statistics.mean(whole) * 86400 / 2.0 / 1e6,
-        "stored_mb_per_day": sum(stored) / len(stored) * 86400 / 2.0 / 1e6,
+        "whole_mb_per_day": statistics.mean(whole) * 86400 / interval / 1e6,
+        "stored_mb_per_day": sum(stored) / len(stored) * 86400 / interval / 1e6,
         "keyframe_write_cpu_s": statistics.median(key_cpu),
         "delta_write_cpu_s": statistics.median(delta_cpu) if delta_cpu else None,
         "rebuild_cpu_s_per_record": rebuild_s,
@@ -312,7 +312,7 @@ def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str
     factory = session_factory(engine)
     _, ticks = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
     out = {"instances": n, "seed_s": round(seed_s, 1), "tick_cpu_s": statistics.median(ticks)}
-    out.update(record_sizes(factory, n, every))
+    out.update(record_sizes(factory, n, every, ctl.interval_s))
     engine.dispose()
     print(
         f"  {n:>5} instances: {out['stored_bytes_per_instance_tick']:.1f} B per instance per tick stored "
