@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -339,11 +340,15 @@ def _print_records(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def records_main(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
-    rows = []
+def _each_size(
+    fn: Callable[[int, argparse.Namespace, Path], dict[str, Any]], args: argparse.Namespace, sizes: list[int]
+) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
-        for n in sizes:
-            rows.append(measure_records(n, args, Path(tmp)))
+        return [fn(n, args, Path(tmp)) for n in sizes]
+
+
+def records_main(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    rows = _each_size(measure_records, args, sizes)
     _print_records(rows)
     worst = max(r["stored_bytes_per_instance_tick"] for r in rows)
     verdict = "MET" if worst <= 30.0 else "MISSED"
@@ -411,10 +416,7 @@ def _print_tables(rows: list[dict[str, Any]]) -> None:
 
 
 def ticks_main(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="pdscope-cost-") as tmp:
-        for n in sizes:
-            rows.append(measure(n, args, Path(tmp)))
+    rows = _each_size(measure, args, sizes)
     _add_growth(rows)
     _print_tables(rows)
     big = max(rows, key=lambda r: r["instances"])
