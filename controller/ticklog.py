@@ -264,7 +264,9 @@ def _lead_in(session: Session, first: TickRecord, since: float) -> list[TickReco
     key_ts = session.scalar(
         select(func.max(TickRecord.ts)).where(
             TickRecord.keyframe.is_(True),
-            TickRecord.leader_epoch.is_not_distinct_from(first.leader_epoch),
+            TickRecord.leader_epoch.is_(None)
+            if first.leader_epoch is None
+            else TickRecord.leader_epoch == first.leader_epoch,  # (epoch, tick): the index's order
             TickRecord.tick <= first.tick,
             TickRecord.ts <= first.ts,
         )
