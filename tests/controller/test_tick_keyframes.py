@@ -38,7 +38,20 @@ class WholeRecords:
         return {}
 
 
-def _recording(world: World, every: int, whole: WholeRecords | None = None) -> WholeRecords:
+class FailsOnce:
+    """A tick recorder after the tick log that fails one tick's transaction (its record encoded)."""
+
+    def __init__(self, tick: int) -> None:
+        self.tick = tick
+
+    def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
+        if tick.out.tick == self.tick:
+            self.tick = -1
+            raise RuntimeError("the store refused the tick")
+        return {}
+
+
+def _recording(world: World, every: int, whole: WholeRecords | None = None, *extra: Any) -> WholeRecords:
     """A (new) controller on the world's store recording a keyframe every ``every`` ticks, and whole."""
     controller = world.settings.controller.model_copy(update={"tick_keyframe_every": every})
     world.settings = world.settings.model_copy(update={"controller": controller})
@@ -47,7 +60,7 @@ def _recording(world: World, every: int, whole: WholeRecords | None = None) -> W
     world.reconciler = Reconciler(
         world.settings,
         world.factory,
-        effects=dataclasses.replace(effects, recorders=(*effects.recorders, whole)),
+        effects=dataclasses.replace(effects, recorders=(*effects.recorders, whole, *extra)),
         clock=world.clock,
         alert_config=AlertConfig(for_s={"KVLeaseExpired": 0.0, "InstanceDown": 4.0}),
     )
@@ -160,6 +173,25 @@ def test_a_delta_on_another_record_than_its_own_is_refused(world: World) -> None
         ),
     ):
         replay_window(s, lo, hi)
+
+
+def test_a_tick_that_failed_after_its_record_was_encoded_leaves_no_delta_on_it(world: World) -> None:
+    """The failed tick's record was encoded (the writer's last document) but not stored: the tick taken
+    again next is a keyframe, and the chain reads on."""
+    _recording(world, 30, None, FailsOnce(3))
+    world.step()
+    world.step()
+    with pytest.raises(RuntimeError, match="refused"):
+        world.step()
+    for _ in range(4):
+        world.step()
+    rows = _rows(world)
+    assert [(r.tick, r.keyframe) for r in rows] == [(1, True), (2, False), (3, True)] + [
+        (t, False) for t in (4, 5, 6)
+    ]
+    lo, hi = _window(world)
+    with transaction(world.factory) as s:
+        assert replay_window(s, lo, hi).reproduced is True
 
 
 def _link(tick: int, epoch: int = 1, policy: str = "p") -> Link:
