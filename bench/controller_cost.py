@@ -311,7 +311,7 @@ def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str
     settings = settings.model_copy(update={"controller": ctl})
     engine = make_engine(url)
     factory = session_factory(engine)
-    _, ticks = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
+    _, ticks, _ = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
     out = {"instances": n, "seed_s": round(seed_s, 1), "tick_cpu_s": statistics.median(ticks)}
     out.update(record_sizes(factory, n, every, ctl.interval_s))
     engine.dispose()
