@@ -38,6 +38,7 @@ _PER_INSTANCE = (
     "tp_size",
     "cache_dtype",
     "served_model_name",
+    "scheduling_policy",
 )
 
 
@@ -72,6 +73,10 @@ class SimulatorConfig(BaseModel):
     """vLLM --max-num-queued-reqs: 503 and admission_rejections_total past it"""
     max_num_queued_tokens: int | None = Field(default=None, gt=0)
     """vLLM --max-num-queued-tokens: prompt tokens of requests still in prefill"""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM --scheduling-policy: fcfs (the waiting queue in arrival order; a request's priority is ignored, as
+    vLLM 0.32.0 does) or priority (waiting in order of (priority, arrival), and under a KV shortage the
+    running request of the largest (priority, arrival) is preempted)"""
     request_id_headers: bool = False
     """echo X-Request-Id (vLLM --enable-request-id-headers)"""
     # KV cache

@@ -46,6 +46,7 @@ from proxy.admission import Admission
 from proxy.gate import Gate
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
+from proxy.priority import with_priority
 from proxy.protocol import PrefillAnswer, ProtocolError, SseWatch
 from proxy.push import check_mode
 from proxy.request import (
@@ -174,7 +175,8 @@ class Attempts:
         self.selector.acquire(p.name)
         t0 = self.clock()
         try:
-            status, ctype, raw = await self._call(p, req.endpoint, p_body, headers, self.fs.prefill_s)
+            body = self._leg_body(req, p, p_body)
+            status, ctype, raw = await self._call(p, req.endpoint, body, headers, self.fs.prefill_s)
             span.set_attribute(sc.HTTP_STATUS, status)
             if status == 200:
                 answer = protocol.parse_prefill_answer(raw)
@@ -208,6 +210,13 @@ class Attempts:
         span.set_attribute(sc.ERROR_TYPE, kind)
         req.p_done_ns = _end(span)
         return None, kind
+
+    def _leg_body(self, req: RequestState, target: Target, body: bytes) -> bytes:
+        """The leg's body for ``target``: with the request's priority when vLLM schedules ``target`` by
+        priority (``proxy.priority``), else as it is."""
+        if req.priority is None or target.name not in self.fs.priority_ps:
+            return body
+        return with_priority(body, req.priority)
 
     async def _call(
         self, target: Target, path: str, body: bytes, headers: Headers, within_s: float
@@ -444,7 +453,8 @@ class Attempts:
         resp: UpstreamResponse | None = None
         try:
             try:
-                resp = await self.upstream.post(d.url, req.endpoint, d_body, headers, within_s=first_timeout)
+                body = self._leg_body(req, d, d_body)
+                resp = await self.upstream.post(d.url, req.endpoint, body, headers, within_s=first_timeout)
                 span.set_attribute(sc.HTTP_STATUS, resp.status)
                 async with asyncio.timeout_at(first_deadline):
                     if resp.status != 200:

@@ -226,6 +226,10 @@ class FairQueue:
 
     # -- the reserve ---------------------------------------------------------------------------
 
+    def rank_of(self, tenant: str) -> int:
+        """``tenant``'s class rank (0: the highest)."""
+        return self.tenants[tenant].rank
+
     def target_of(self, tenant: str) -> float:
         """``tenant``'s own TTFT target (its ``slo.ttft_ms``, else the fleet's)."""
         return self.tenants[tenant].target_s
@@ -251,13 +255,27 @@ class FairQueue:
         higher = [o.target_s for o in others if o.rank < t.rank]
         if higher:
             return min(higher) * (1.0 - self.reserve)
-        peers = [o for o in others if o.rank == t.rank]
-        backlog = t.backlog + sum(o.backlog for o in peers)
-        if not peers or backlog <= 0 or not math.isfinite(t.target_s):
+        if not math.isfinite(t.target_s) or not self._over(t, [o for o in others if o.rank == t.rank]):
             return None
+        return t.target_s * (1.0 - self.reserve)
+
+    def over_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds more than its weight's share of the prompt tokens waiting on P of the
+        busy tenants of its class (itself included); never alone in its class, nor with nothing waiting.
+        The reserve line's test, and the priority a request carries into P (``proxy.priority``)."""
+        now, t = self.clock(), self.tenants[tenant]
+        peers = [
+            o for n, o in self.tenants.items() if n != tenant and o.rank == t.rank and self._busy(n, o, now)
+        ]
+        return self._over(t, peers)
+
+    @staticmethod
+    def _over(t: _Tenant, peers: list[_Tenant]) -> bool:
+        backlog = t.backlog + sum(o.backlog for o in peers)
+        if not peers or backlog <= 0:
+            return False
         weights = t.weight * t.scale + sum(o.weight * o.scale for o in peers)
-        over = t.backlog / backlog > t.weight * t.scale / weights
-        return t.target_s * (1.0 - self.reserve) if over else None
+        return t.backlog / backlog > t.weight * t.scale / weights
 
     def _busy(self, name: str, t: _Tenant, now: float) -> bool:
         return bool(t.queue) or self.inflight[name] > 0 or now - t.busy_at <= SERVICE_TAU_S

@@ -45,6 +45,7 @@ from proxy.attempts import CLIENT_ERROR, Attempts, Headers, upstream_error
 from proxy.context import ContextCheck, token_floor
 from proxy.gate import Gate, KvRouting
 from proxy.metrics import ProxyMetrics
+from proxy.priority import without_client_priority
 from proxy.protocol import PrefillAnswer, ProtocolError
 from proxy.push import SideChannels, decode_answer
 from proxy.request import (
@@ -131,6 +132,7 @@ class Flow:
         try:
             self._tenant_of(req, headers, root)
             body = self._checked_body(endpoint, raw)
+            raw = self._no_client_priority(req, body, raw)
             req.stream = body.get("stream") is True
             if self.kv is not None:
                 await self.gate.key_prompt(req, body, len(raw))
@@ -167,6 +169,16 @@ class Flow:
         if self.tenancy is not None:
             req.tenant = self.tenancy.resolve(headers)
             root.set_attribute(sc.TENANT, req.tenant)
+
+    def _no_client_priority(self, req: RequestState, body: dict[str, object], raw: bytes) -> bytes:
+        """Tenants on: the client's own ``priority`` removed (counted), never sent upstream
+        (``proxy.priority``); the body's bytes as D is to get them."""
+        if self.tenancy is None:
+            return raw
+        raw, had = without_client_priority(body, raw)
+        if had:
+            self.tenancy.client_priority(req.tenant)
+        return raw
 
     def _tenant_limits(self, req: RequestState, body: dict[str, object]) -> None:
         """Tenants on: the decode tokens it is charged, and its tenant's rate and quota (or a 429)."""

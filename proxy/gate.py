@@ -57,6 +57,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pairs import PairProbes
 from proxy.predict import Outlook, Predictor, late_decodes, outlook
 from proxy.prefixview import CacheView, Prompt
+from proxy.priority import request_priority
 from proxy.request import FlowSettings, RequestState
 from proxy.routing import RoutingState, RoutingView, Target
 from proxy.selection import Selector
@@ -197,6 +198,7 @@ class Gate:
         self.kv = kv
         self.metrics = metrics
         self.predictor = Predictor(fs.predict, fs.prefill_tokens_per_s, clock)
+        self.predictor.by_priority = fs.priority_ps
         # admission by prediction: the weighted proxy only (round-robin stays the toy proxy's baseline)
         self.by_prediction = fs.predict.admit and selector.policy == "weighted"
         self.pairs = PairProbes(fs.pair_probe_s)
@@ -255,6 +257,7 @@ class Gate:
             now, view = self.clock(), self.routing.view
             if ticket is not None and ticket.shed:
                 return Rejection(REASON_SHED, view.prefill_pools or self._pools_of["prefill"], "prefill")
+            self._prioritize(req)
             names = self._predicted_over(view, now)
             look = self._outlook(req, names, now)
             if look is not None and look.hopeless:
@@ -282,6 +285,13 @@ class Gate:
                 await self.admission.wait(until - now, until)
             else:
                 await self.admission.wait_ticket(ticket, until - now)
+
+    def _prioritize(self, req: RequestState) -> None:
+        """With tenants and priority-scheduled instances: the priority its legs carry there now (its class,
+        and whether its tenant is past its share: ``proxy.priority``)."""
+        fair = self.admission.fair
+        if fair is not None and self.fs.priority_ps:
+            req.priority = request_priority(fair.rank_of(req.tenant), fair.over_share(req.tenant))
 
     def _kept_out(self, late: frozenset[str], view: RoutingView) -> Rejection | None:
         """Every P is late for it or behind its tenant's reserve line (the line, then: the late alone are
@@ -365,11 +375,13 @@ class Gate:
             return None
         ps, ds = names
         pred, elapsed = self.predictor, now - req.started
-        look = outlook(pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s, req.tokens)
+        look = outlook(
+            pred, dict.fromkeys(ps, req.tokens), ps, ds, elapsed, req.target_s, req.tokens, req.priority
+        )
         if look.hopeless and req.prompt is not None and self.kv is not None:
             cached = self.kv.cached(req.prompt, ps) or {}  # a P holding the prefix computes less
             own = {p: req.tokens - min(max(int(cached.get(p, 0)), 0), req.tokens) for p in ps}
-            look = outlook(pred, own, ps, ds, elapsed, req.target_s, req.tokens)
+            look = outlook(pred, own, ps, ds, elapsed, req.target_s, req.tokens, req.priority)
         return look
 
     def _reserved(self, req: RequestState, names: tuple[list[str], list[str]] | None) -> frozenset[str]:
@@ -384,7 +396,8 @@ class Gate:
         if line is None:
             return frozenset()
         ps, ds = names
-        return outlook(self.predictor, dict.fromkeys(ps, req.tokens), ps, ds, 0.0, line, req.tokens).late
+        own = dict.fromkeys(ps, req.tokens)
+        return outlook(self.predictor, own, ps, ds, 0.0, line, req.tokens, req.priority).late
 
     def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
         """Every P is predicted late: rejected now, with when a request like it would make it."""
@@ -403,13 +416,13 @@ class Gate:
             return
         pred = self.predictor
         own = req.route.p_uncached if req.route is not None else req.tokens
-        est = pred.prefill(p.name, own)
+        est = pred.prefill(p.name, own, req.priority)
         req.handoff_x = pred.handoff_x(p.name, d.name, req.tokens)
         req.handoff_s = pred.handoff(p.name, d.name, req.handoff_x)
         req.predicted = now - req.started + est.seconds + req.handoff_s
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
-        req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds), own)
+        req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds, req.priority, est.ahead), own)
         if self.admission.fair is not None:
             self.admission.fair.add_backlog(req.tenant, own)
         if req.tokens > 0:
@@ -583,7 +596,7 @@ class Gate:
         """The Ds through which ``p`` would be late (none when admission is not by prediction)."""
         if not self.by_prediction:
             return set()
-        est = self.predictor.prefill(p.name, req.tokens)
+        est = self.predictor.prefill(p.name, req.tokens, req.priority)
         ds = [t.name for t in view.decode]
         elapsed = now - req.started
         return late_decodes(self.predictor, p.name, est, ds, elapsed, req.target_s, req.tokens)

@@ -7,7 +7,10 @@ A request's TTFT, from the moment admission lets it go, is its time in P plus it
 
 **Tokens ahead** are the uncached prefill tokens this proxy sent to P and has not had answered
 (:attr:`Predictor.backlog`), divided by this proxy's share of the pool when several proxies share
-it (the controller's ``proxy.share``): the others' traffic is assumed alike. A request's own
+it (the controller's ``proxy.share``): the others' traffic is assumed alike. At a P that vLLM schedules
+by priority (:attr:`Predictor.by_priority`), a request with a priority (tenants on, ``proxy.priority``)
+has ahead of it only the work of a lower or equal priority number and what P has started
+(``proxy.prioritybacklog``). A request's own
 tokens are the KV view's count (less what P is predicted to hold), else the tokenizer's, else an
 estimate from its text (``chars_per_token``).
 
@@ -73,6 +76,7 @@ from pdscope import semconv as sc
 from pdscope.config import PredictSettings
 from pdscope.routing import Rates
 from pdscope.stats import percentile
+from proxy.prioritybacklog import PriorityBacklog, predicted_start
 
 RATIOS = 256  # observed/predicted TTFT ratios the error quantile is taken over
 MIN_RATIOS = 20  # below this, the factor is 1 (a cold predictor does not reject anyway)
@@ -203,6 +207,8 @@ class Predictor:
         self.ps = ps
         self.clock = clock
         self.backlog: Backlog[str] = Backlog()  # P -> uncached prefill tokens sent and not yet answered
+        self.by_priority: frozenset[str] = frozenset()  # the Ps vLLM schedules by priority
+        self.ranked = PriorityBacklog()  # the same at those Ps, by priority, for requests that carry one
         self.d_backlog: Backlog[str] = Backlog()  # D -> prompt tokens sent to it without a first token yet
         self.pair_backlog: Backlog[tuple[str, str]] = Backlog()  # (P, D) -> the same, per pair
         self._flying: dict[str, dict[int, tuple[float, float]]] = {}  # P -> ticket -> (sent at, P part)
@@ -241,17 +247,22 @@ class Predictor:
 
     # -- predictions ------------------------------------------------------------------
 
-    def sent_to_p(self, p: str, own: int, seconds: float) -> int:
-        """A request is sent to ``p`` with ``own`` uncached tokens, its P part predicted ``seconds``:
-        its tokens join P's backlog, and it is in flight there (:meth:`lag`) until :meth:`left_p`."""
+    def sent_to_p(self, p: str, own: int, seconds: float, priority: int | None = None, ahead: int = 0) -> int:
+        """A request is sent to ``p`` with ``own`` uncached tokens, its P part predicted ``seconds`` behind
+        ``ahead`` tokens: its tokens join P's backlog (with its ``priority`` at a priority-scheduled P), and
+        it is in flight there (:meth:`lag`) until :meth:`left_p`."""
         self.backlog.add(p, own)
         ticket = next(self._tickets)
-        self._flying.setdefault(p, {})[ticket] = (self.clock(), seconds)
+        now = self.clock()
+        self._flying.setdefault(p, {})[ticket] = (now, seconds)
+        if priority is not None and p in self.by_priority:
+            self.ranked.add(p, ticket, own, priority, predicted_start(now, seconds, ahead, own))
         return ticket
 
     def left_p(self, p: str, ticket: int, own: int) -> None:
         """The request :meth:`sent_to_p` gave ``ticket`` is answered (or went elsewhere, or ended)."""
         self.backlog.drop(p, own)
+        self.ranked.drop(p, ticket)
         flying = self._flying.get(p)
         if flying is not None:
             flying.pop(ticket, None)
@@ -277,8 +288,12 @@ class Predictor:
         lag = self.lag(p)
         return max(lag / self.factor(p), 1.0) if lag > 1.0 else 1.0
 
-    def tokens_ahead(self, p: str) -> int:
-        return round(self.backlog.get(p, 0) / self.share)
+    def tokens_ahead(self, p: str, priority: int | None = None) -> int:
+        """The tokens ahead of a request sent to ``p`` now: the whole backlog, or at a priority-scheduled P
+        for a request of ``priority``, what goes before it there (``proxy.prioritybacklog``)."""
+        if priority is None or p not in self.by_priority:
+            return round(self.backlog.get(p, 0) / self.share)
+        return round(self.ranked.ahead(p, priority, self.clock()) / self.share)
 
     def handoff_x(self, p: str | None, d: str, tokens: int) -> HandoffX:
         """The tokens of KV ahead of a prompt of ``tokens`` sent to ``d`` now, and its own: those pending
@@ -297,8 +312,8 @@ class Predictor:
         self.d_backlog.drop(d, tokens)
         self.pair_backlog.drop((p, d), tokens)
 
-    def prefill(self, p: str, own: int) -> PEstimate:
-        ahead = self.tokens_ahead(p)
+    def prefill(self, p: str, own: int, priority: int | None = None) -> PEstimate:
+        ahead = self.tokens_ahead(p, priority)
         x = ahead + max(own, 0)
         line = self._lines.get(p)
         min_n = self.ps.min_samples
@@ -705,11 +720,13 @@ def outlook(
     elapsed: float,
     target_s: float,
     tokens: int = 0,
+    priority: int | None = None,
 ) -> Outlook:
-    """Each P in ``ps`` with its own uncached tokens ``own[p]``, its best D's handoff among ``ds`` for
-    the prompt's ``tokens``, held against ``target_s``. The handoff is each pair's while there are at
-    most :data:`PAIRS_IN_OUTLOOK` pairs, else D's through any P (a pair's own is then weighed when the
-    D is chosen, :func:`late_decodes`): the cost of an admission stays bounded on a large fleet."""
+    """Each P in ``ps`` with its own uncached tokens ``own[p]`` (and the request's ``priority``), its best
+    D's handoff among ``ds`` for the prompt's ``tokens``, held against ``target_s``. The handoff is each
+    pair's while there are at most :data:`PAIRS_IN_OUTLOOK` pairs, else D's through any P (a pair's own is
+    then weighed when the D is chosen, :func:`late_decodes`): the cost of an admission stays bounded on a
+    large fleet."""
     budget = pred.budget(target_s)
     per_pair = bool(ds) and len(ps) * len(ds) <= PAIRS_IN_OUTLOOK
     lags = pred.handoff_lags()
@@ -725,7 +742,7 @@ def outlook(
     best = math.inf
     d_queued = pred.d_queued(ds, lags)
     for p in ps:
-        est = pred.prefill(p, own.get(p, 0))
+        est = pred.prefill(p, own.get(p, 0), priority)
         if per_pair:
             handoff = min(pred.handoff(p, d, pred.handoff_x(p, d, tokens), lags) for d in ds)
         total = elapsed + (est.seconds + handoff) * pred.margin(p, d_queued or est.ahead > 0)

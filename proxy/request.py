@@ -44,6 +44,7 @@ class FlowSettings:
     pair_probe_s: float = 10.0  # proxy.pair_probe_s: a probe through an avoided pair at most this often
     handoff: str = "pull"  # the fleet's KV handoff mode (pools' handoff): pull or push
     push_early: bool = False  # proxy.push_early: D's leg with P's, in push mode
+    priority_ps: frozenset[str] = frozenset()  # the instances vLLM schedules by priority (proxy.priority)
 
     @classmethod
     def from_settings(cls, s: Settings) -> FlowSettings:
@@ -64,6 +65,7 @@ class FlowSettings:
             prefill_tokens_per_s=s.proxy.kv_aware.prefill_tokens_per_s,
             handoff=s.handoff,
             push_early=s.proxy.push_early,
+            priority_ps=s.priority_scheduled(),
         )
 
 
@@ -125,9 +127,11 @@ class Gone:
 class RequestState:
     """Tenants (``proxy.tenancy``): ``tenant`` whose it is, ``decode_tokens`` the decode tokens it asks
     for (max_tokens, or the default charge), ``decode_charged`` those charged to its tenant while it is
-    admitted (None: nothing charged)."""
+    admitted (None: nothing charged), ``priority`` what its legs carry to priority-scheduled instances
+    (``proxy.priority``; None: tenants off)."""
 
     decode_charged: int | None
+    priority: int | None
     __slots__ = (
         "admitted",
         "backlog",
@@ -157,6 +161,7 @@ class RequestState:
         "predicted_sure",
         "predicted_x",
         "prefill",
+        "priority",
         "prompt",
         "retries",
         "rid",
@@ -222,7 +227,7 @@ class RequestState:
         self.first_token_ns: int | None = None
         # the handoff that served it (``semconv.HANDOFFS``: pull, push, push_early); None: the fleet's mode
         self.handoff: str | None = None
-        self.tenant, self.decode_tokens, self.decode_charged = DEFAULT_TENANT, 0, None
+        self.tenant, self.decode_tokens, self.decode_charged, self.priority = DEFAULT_TENANT, 0, None, None
 
 
 def client_error(

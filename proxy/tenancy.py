@@ -91,6 +91,10 @@ class Tenancy:
         self._queued[req.tenant].observe(max(0.0, queued_s))
         self._prompt[req.tenant].inc(req.tokens)
 
+    def client_priority(self, tenant: str) -> None:
+        """A request of ``tenant`` came with its own ``priority``, removed (``proxy.priority``)."""
+        self.metrics.client_priority.labels(tenant).inc()
+
     def rejected(self, tenant: str, reason: str) -> None:
         self.metrics.rejections.labels(tenant, reason).inc()
 

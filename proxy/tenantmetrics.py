@@ -56,6 +56,13 @@ class TenantMetrics:
             ["reason"],
             registry=registry,
         )
+        self.client_priority = Counter(
+            "pdscope_proxy_tenant_client_priority",
+            "Requests that came with their own priority, by tenant: removed, never sent upstream (the "
+            "proxy sets it for priority-scheduled instances).",
+            ["tenant"],
+            registry=registry,
+        )
         registry.register(_Live(fair))
 
 

@@ -8,8 +8,9 @@ drives it in real time. It talks to other engines only through the ``KVFabric`` 
 reports what happened only through the ``EngineObserver`` seam (metrics); it must not
 know about HTTP, Prometheus or asyncio.
 
-Model, following vLLM V1's scheduler: FIFO waiting queue; a step schedules running
-requests first (1 token per decoding sequence, prefill chunks within a token budget)
+Model, following vLLM V1's scheduler: a waiting queue in arrival order (``scheduling_policy: fcfs``)
+or in order of (priority, arrival) (``priority``, vLLM's ``--scheduling-policy priority``); a step
+schedules running requests first (1 token per decoding sequence, prefill chunks within a token budget)
 then admits waiting requests while KV blocks are free. A request that reaches the end of
 its prompt samples a token in that step. Step time = overhead + prefill tokens / rate +
 per-sequence cost * batch, times the latency scale and any "slow" fault. A decode (D)
@@ -30,6 +31,7 @@ changing anything.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -189,7 +191,19 @@ class Engine:
             self._pending_remote[req.internal_id] = req
             if self._next_heartbeat is None:
                 self._next_heartbeat = now  # heartbeats start as soon as D has the request
-        self.waiting.append(req)
+        self._wait(req)
+
+    def _wait(self, req: SimRequest, preempted: bool = False) -> None:
+        """Into the waiting queue: fcfs, at its end (a preempted request at its head); priority, after every
+        waiter of a lower or equal (priority, arrival), as vLLM's heap orders them (a preempted request
+        too: its arrival is its first)."""
+        if self.cfg.scheduling_policy == "priority":
+            at = bisect.bisect_right(self.waiting, _order(req), key=_order)
+            self.waiting.insert(at, req)
+        elif preempted:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def abort(self, req: SimRequest, now: float) -> None:
         """Client went away: drop the request wherever it is and free its blocks."""
@@ -427,14 +441,13 @@ class Engine:
         return duration * cfg.latency_scale * self.faults.compute_factor(self.name)
 
     def _grow(self, req: SimRequest, preempted: set[int]) -> bool:
-        """One more block for a decoding request, preempting the newest other request if needed."""
+        """One more block for a decoding request, preempting (:meth:`_victim`) if needed."""
         while True:
             blocks = self._allocate(1)
             if blocks is not None:
                 req.blocks.extend(blocks)
                 return True
-            victims = [r for r in self.running if r is not req]
-            victim = victims[-1] if victims else req
+            victim = self._victim(req)
             self.running.remove(victim)
             self._release(victim.blocks)
             victim.stored_blocks = 0
@@ -442,10 +455,19 @@ class Engine:
             victim.computed = 0
             victim.num_preemptions += 1
             preempted.add(id(victim))
-            self.waiting.appendleft(victim)
+            self._wait(victim, preempted=True)
             self.observer.preempted()
             if victim is req:
                 return False
+
+    def _victim(self, req: SimRequest) -> SimRequest:
+        """Whom a decoding ``req`` short of a block preempts: fcfs, the newest other running request (``req``
+        itself when alone); priority, the running request of the largest (priority, arrival), ``req``
+        included (vLLM's ``max(running, key=(priority, arrival_time))``)."""
+        if self.cfg.scheduling_policy == "priority":
+            return max(self.running, key=_order)
+        victims = [r for r in self.running if r is not req]
+        return victims[-1] if victims else req
 
     def end_step(self, now: float) -> None:
         """Apply the step planned by ``begin_step``: KV computed, tokens sampled, requests done."""
@@ -524,6 +546,11 @@ class Engine:
             "completed_waiting": float(len(self.ready)),
             "kv_cache_usage": self.kv_cache_usage,
         }
+
+
+def _order(req: SimRequest) -> tuple[int, float]:
+    """The priority policy's order: lower priority first, then earlier arrival."""
+    return req.priority, req.arrival
 
 
 def drive(engine: Engine, until: float, now: float = 0.0, max_steps: int = 1_000_000) -> float:

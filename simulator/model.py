@@ -188,6 +188,7 @@ class SimRequest:
     remote: RemoteKV | None = None
     token_ids: tuple[int, ...] | None = None  # the prompt's ids; None: unknown, nothing cached for it
     lora: str | None = None
+    priority: int = 0  # the body's priority (vLLM: lower first; read only under the priority policy)
     notify: Callable[[SimRequest], None] | None = None
     # state
     kv_stage: str | None = None

@@ -107,6 +107,38 @@ def _error_body(message: str, status: int, kind: str, param: str | None = None) 
 MAX_TOKEN_ID = 2**31 - 1  # what the KV events may carry (pdscope.kvevents)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds of a request's priority
+
+
+def request_priority(data: dict[str, Any]) -> int:
+    """The body's ``priority`` as vLLM's request model takes it (pydantic's lax int, within int64; absent:
+    0): an int, a bool, a float or a string of an integral value; anything else is a 400 naming it. Any
+    value is taken whatever the instance's policy: vLLM 0.32.0's fcfs ignores it."""
+    value = data.get("priority", 0)
+    n: int | None = None
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        n = int(value)
+    elif isinstance(value, str):
+        n = _int_text(value.strip())
+    if n is None:
+        raise BadRequest("priority: Input should be a valid integer", param="priority")
+    if not INT64_MIN <= n <= INT64_MAX:
+        raise BadRequest(f"priority: Input should be between {INT64_MIN} and {INT64_MAX}", param="priority")
+    return n
+
+
+def _int_text(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return int(f) if f.is_integer() else None
+
+
 def count_text_tokens(text: str) -> int:
     """The simulator's tokenizer: one token per whitespace-separated word."""
     return len(simtokenizer.text_ids(text))
@@ -283,6 +315,7 @@ class InstanceApp:
         remote = RemoteKV.from_params(kv, cfg.transfer_mode) if inst.role == "decode" else None
         if (data.get("n") or 1) != 1:
             raise BadRequest("the simulator serves n=1 only", param="n")
+        priority = request_priority(data)
         self._admit(prompt_tokens)
         req = SimRequest(
             request_id=request_id,
@@ -296,6 +329,7 @@ class InstanceApp:
             remote=remote,
             token_ids=tuple(prompt_ids),
             arrival=inst.runner.clock(),
+            priority=priority,
         )
         stream = bool(data.get("stream"))
         event = asyncio.Event()

@@ -10,6 +10,7 @@ from pdscope.config.base import _Frozen
 from pdscope.routing import Role
 
 REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"  # what pdscope.kvcompat accepts as a revision
+Scheduling = Literal["fcfs", "priority"]  # vLLM --scheduling-policy
 
 
 class Instance(_Frozen):
@@ -41,6 +42,9 @@ class Instance(_Frozen):
     """the revision this instance runs during a rollout (e.g. a model or image tag); overrides its pool's.
     A P and a D are paired only when their revisions agree (docs/policy.md, Compatible pairs only); unset
     on both: not compared"""
+    scheduling: Scheduling | None = None
+    """the instance's vLLM --scheduling-policy, when it differs from its pool's (fcfs or priority); unset: the
+    pool's"""
 
     @field_validator("url", "metrics_url")
     @classmethod
@@ -77,3 +81,12 @@ class Pool(_Frozen):
     """
     revision: str | None = Field(default=None, max_length=128, pattern=REVISION_PATTERN)
     """the revision the pool's instances run (an instance's own revision wins); see the instance's revision"""
+    scheduling: Scheduling = "fcfs"
+    """its instances' vLLM --scheduling-policy (an instance may say otherwise): fcfs (vLLM's default: P's and
+    D's waiting queues in arrival order) or priority (in order of each request's priority, lower first, then
+    arrival). With tenants on, the proxy sets each leg's priority from its tenant's class and share to the
+    instances declared priority, and sends none to fcfs ones (docs/tenants.md, Inside the pools)"""
+
+    def scheduling_of(self, inst: Instance) -> Scheduling:
+        """``inst``'s scheduling policy: its own, else the pool's."""
+        return inst.scheduling or self.scheduling

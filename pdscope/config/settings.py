@@ -142,6 +142,16 @@ class Settings(_Frozen):
                 for inst in pool.instances:
                     yield pool_name, inst
 
+    def priority_scheduled(self) -> frozenset[str]:
+        """The instances whose vLLM runs ``--scheduling-policy priority`` (their own ``scheduling``, else
+        their pool's): those a request's ``priority`` is sent to."""
+        return frozenset(
+            inst.name
+            for pool in self.pools.values()
+            for inst in pool.instances
+            if pool.scheduling_of(inst) == "priority"
+        )
+
     def pool_of(self, instance_name: str) -> str | None:
         for pool_name, inst in self.instances():
             if inst.name == instance_name:

@@ -87,6 +87,21 @@ def test_invalid_files_name_the_problem(snippet: str, expected: str) -> None:
     assert all(line.startswith("f.yaml") for line in exc.value.problems)
 
 
+def test_scheduling_is_the_pools_unless_an_instance_says_otherwise() -> None:
+    assert parse_config(MINIMAL).priority_scheduled() == frozenset()
+    d1 = '{name: d1, url: "http://127.0.0.1:8201", scheduling: priority}'
+    text = MINIMAL.replace("role: prefill,", "role: prefill, scheduling: priority,").replace(
+        'url: "http://127.0.0.1:8200/"}', f'url: "http://127.0.0.1:8200/"}}, {d1}'
+    )
+    s = parse_config(text)
+    assert s.pools["p"].scheduling == "priority" and s.pools["d"].scheduling == "fcfs"
+    assert s.priority_scheduled() == frozenset({"p0", "d1"})
+    for bad in ("scheduling: lottery", "scheduling: 1"):
+        with pytest.raises(ConfigError) as exc:
+            parse_config(MINIMAL.replace("role: decode,", f"role: decode, {bad},"), "f.yaml")
+        assert any("pools.d.scheduling" in line for line in exc.value.problems), exc.value.problems
+
+
 def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")

@@ -633,3 +633,24 @@ async def test_a_streamed_requests_handoff_is_in_flight_from_ps_answer_to_its_fi
         with contextlib.suppress(asyncio.CancelledError):
             await task
         assert pred.handoff_lags().pair == {}
+
+
+def test_at_a_priority_scheduled_p_only_work_of_its_priority_or_before_and_what_runs_is_ahead() -> None:
+    """p0 is priority-scheduled, p1 fcfs; each has, in flight from this proxy: 1000 tokens of priority 2 sent
+    with nothing ahead (started at once), then 4000 of priority 2 behind them (waiting, predicted to start
+    at 0.5 s), then 500 of priority 0. A request of priority 0 has the started 1000 and the 500 ahead of it
+    at p0, everything at p1; one of priority 2 everything at both; past 0.5 s the 4000 have started too."""
+    now = [0.0]
+    pred = Predictor(PS, 10_000, lambda: now[0])
+    pred.by_priority = frozenset({"p0"})
+    for p in ("p0", "p1"):
+        pred.sent_to_p(p, 1000, 0.1, priority=2, ahead=0)
+        pred.sent_to_p(p, 4000, 2.5, priority=2, ahead=1000)  # 1000 of 5000 tokens ahead: starts at 0.5 s
+        pred.sent_to_p(p, 500, 0.6, priority=0, ahead=5000)
+    assert pred.tokens_ahead("p0", 0) == 1500 and pred.tokens_ahead("p1", 0) == 5500
+    assert pred.tokens_ahead("p0", 2) == 5500 and pred.tokens_ahead("p0") == 5500
+    assert pred.prefill("p0", 100, 0).ahead == 1500 and pred.prefill("p1", 100, 0).ahead == 5500
+    first, last = (outlook(pred, {"p0": 100}, ["p0"], [], 0.0, 10.0, 100, q).best_s for q in (0, 2))
+    assert first < last  # the outlook weighs the request's own priority
+    now[0] = 0.55
+    assert pred.tokens_ahead("p0", 0) == 5500

@@ -249,6 +249,12 @@ def test_side_endpoints_and_errors(fleet: RunningFleet, client: httpx.Client) ->
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     r = client.post(fleet.prefill_urls[0] + "/v1/completions", content=b"{not json")
     assert r.status_code == 400
+    bad = {"model": fleet.model_name, "prompt": "x", "max_tokens": 1, "priority": "high"}
+    r = client.post(fleet.prefill_urls[0] + "/v1/completions", json=bad)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "BadRequestError" and err["param"] == "priority"
+    r = client.post(fleet.prefill_urls[0] + "/v1/completions", json={**bad, "priority": -3})
+    assert r.status_code == 200  # fcfs takes any priority and ignores it, as vLLM 0.32.0 does
     text = client.get(fleet.prefill_urls[0] + "/metrics")
     assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="4xx"}' in text.text
