@@ -729,7 +729,9 @@ class Gate:
         self.admission.add_bytes(req.p.pool, kv)
         self.admission.add_bytes(req.d.pool, kv)
         req.kv_held = (req.p.pool, req.d.pool, kv)
-        if req.retries == 0 and req.predicted is not None and req.p_sent_ns and req.p_done_ns:
+        if req.backlog is not None and self.predictor.ranked.passed(req.backlog[1]):
+            req.predicted_sure = False  # passed in P's queue: neither P's rate nor the model's noise
+        elif req.retries == 0 and req.predicted is not None and req.p_sent_ns and req.p_done_ns:
             self.predictor.observe_prefill(req.p.name, req.predicted_x, (req.p_done_ns - req.p_sent_ns) / 1e9)
         if req.backlog is not None:
             self._drop_backlog(req)

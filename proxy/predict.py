@@ -256,7 +256,7 @@ class Predictor:
         now = self.clock()
         self._flying.setdefault(p, {})[ticket] = (now, seconds)
         if priority is not None and p in self.by_priority:
-            self.ranked.add(p, ticket, own, priority, predicted_start(now, seconds, ahead, own))
+            self.ranked.add(p, ticket, own, priority, predicted_start(now, seconds, ahead, own), now)
         return ticket
 
     def left_p(self, p: str, ticket: int, own: int) -> None:
@@ -273,12 +273,15 @@ class Predictor:
         """How far past its prediction the most overdue of this proxy's requests in flight at ``p`` is:
         its age over its predicted P part, at least 1. A P's line learns only from answers, which come
         late when P slows down; an answer still missing says so first, and a P that stopped answering
-        is predicted later and later, so no request is admitted to it in vain."""
+        is predicted later and later, so no request is admitted to it in vain. A request passed in a
+        priority-scheduled P's queue (``proxy.prioritybacklog``) is overdue by the work that passed it, not
+        by P: left out."""
         flying = self._flying.get(p)
         if not flying:
             return 1.0
-        now = self.clock()
-        return max(1.0, max(((now - at) / part for at, part in flying.values() if part > 0), default=1.0))
+        now, passed = self.clock(), self.ranked.passed
+        lags = ((now - at) / part for t, (at, part) in flying.items() if part > 0 and not passed(t))
+        return max(1.0, max(lags, default=1.0))
 
     def overrun(self, p: str) -> float:
         """What P's line is multiplied by: :meth:`lag` past what :meth:`factor` (the margin a prediction

@@ -13,6 +13,12 @@ later than that, and counting it then is the pessimistic error (it is predicted 
 not delay). So the tokens ahead of a request of priority ``q`` are those of every request in flight of a
 priority ``<= q`` and those of the started ones of a larger number.
 
+**Passed requests teach nothing.** A request that a later one of a lower number was sent past (it had
+not started) waits for work that was not there when it was predicted: its time says nothing of P's
+rate, nor of the model's noise. Counted in, the passed requests of a flooding tenant taught P's line a
+steeper slope and P's error margin a larger factor, and every request through that P, the ones that
+passed them included, was then predicted late. :meth:`PriorityBacklog.passed` says which they are.
+
 Pure: no I/O, no clock (``now`` is passed in).
 """
 
@@ -32,12 +38,23 @@ class PriorityBacklog:
 
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, _Sent]] = {}
+        self._passed: set[int] = set()  # tickets of requests a later one of a lower number went past
 
-    def add(self, p: str, ticket: int, tokens: int, priority: int, started_at: float) -> None:
-        if tokens > 0:
-            self._sent.setdefault(p, {})[ticket] = _Sent(tokens, priority, started_at)
+    def add(self, p: str, ticket: int, tokens: int, priority: int, started_at: float, now: float) -> None:
+        """A request of ``priority`` sent to ``p`` at ``now``: the waiting ones of a larger number are
+        passed."""
+        sent = self._sent.setdefault(p, {})
+        for other, s in sent.items():
+            if s.priority > priority and s.started_at > now:
+                self._passed.add(other)
+        sent[ticket] = _Sent(max(tokens, 0), priority, started_at)
+
+    def passed(self, ticket: int) -> bool:
+        """Whether a request of a lower number was sent past the request of ``ticket`` while it waited."""
+        return ticket in self._passed
 
     def drop(self, p: str, ticket: int) -> None:
+        self._passed.discard(ticket)
         sent = self._sent.get(p)
         if sent is not None:
             sent.pop(ticket, None)

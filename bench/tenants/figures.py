@@ -193,21 +193,33 @@ def _arm(runs: dict[str, dict[str, Any]], sc: dict[str, Scenario], arm: str) -> 
 def summary(
     runs: dict[str, dict[str, Any]], sc: dict[str, Scenario], ceiling: float | None
 ) -> list[dict[str, Any]]:
-    """Each target's row: the fair run's figure, the unfair baseline's (where it has one), the verdict.
-    ``runs``: per scenario, its runs by name (``fair``, ``unfair``, ``alone:<tenant>``), each's figures."""
-    fair, unfair = _arm(runs, sc, "fair"), _arm(runs, sc, "unfair")
-    fair["goodput_fair_vs_unfair"] = _min(
-        _ratio(r["fair"]["goodput_tok_s"], r["unfair"]["goodput_tok_s"]) for r in runs.values()
-    )
-    fair["ceiling_on_vs_off"] = ceiling
-    return [
-        {
-            "key": t.key,
-            "figure": t.label,
-            "target": t.target,
-            "measured": fair.get(t.key),
-            "baseline": unfair.get(t.key),
-            "verdict": verdict(t, fair.get(t.key)),
-        }
-        for t in TARGETS
-    ]
+    """Each target's row: the fair run's figure, the unfair baseline's (where it has one), the verdict;
+    with a ``priority`` arm (``--priority``), its figure and verdict too. ``runs``: per scenario, its runs
+    by name (``fair``, ``unfair``, ``priority``, ``alone:<tenant>``), each's figures."""
+    arms = ["fair", *(["priority"] if all("priority" in r for r in runs.values()) else [])]
+    measured = {arm: _arm(runs, sc, arm) for arm in arms}
+    unfair = _arm(runs, sc, "unfair")
+    for arm, m in measured.items():
+        m["goodput_fair_vs_unfair"] = _min(
+            _ratio(r[arm]["goodput_tok_s"], r["unfair"]["goodput_tok_s"]) for r in runs.values()
+        )
+        m["ceiling_on_vs_off"] = ceiling
+    return [_row(t, measured, unfair) for t in TARGETS]
+
+
+def _row(
+    t: Target, measured: dict[str, dict[str, float | None]], unfair: dict[str, float | None]
+) -> dict[str, Any]:
+    fair = measured["fair"]
+    row = {
+        "key": t.key,
+        "figure": t.label,
+        "target": t.target,
+        "measured": fair.get(t.key),
+        "baseline": unfair.get(t.key),
+        "verdict": verdict(t, fair.get(t.key)),
+    }
+    if "priority" in measured:
+        prio = measured["priority"].get(t.key)
+        row |= {"priority": prio, "priority_verdict": verdict(t, prio)}
+    return row

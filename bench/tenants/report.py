@@ -24,15 +24,19 @@ def derived(runs: dict[str, dict[str, Any]], sc: dict[str, Scenario]) -> dict[st
     for name, r in runs.items():
         s = sc[name]
         per: dict[str, Any] = {}
-        for arm in ("fair", "unfair"):
+        for arm in (a for a in ("fair", "unfair", "priority") if a in r):
             per[arm] = {
                 "attainment_vs_alone": {k: _r(v) for k, v in attainment_ratios(r, s, arm).items()},
                 "jain": _r(r[arm]["jain"]),
             }
             if name == "flood":
                 per[arm] |= flood_figures(r, s, arm)
-        fair, unfair = r["fair"]["goodput_tok_s"], r["unfair"]["goodput_tok_s"]
-        per["goodput_fair_vs_unfair"] = _r(fair / unfair) if unfair else None
+        unfair = r["unfair"]["goodput_tok_s"]
+        per["goodput_fair_vs_unfair"] = _r(r["fair"]["goodput_tok_s"] / unfair) if unfair else None
+        if "priority" in r:
+            per["goodput_priority_vs_unfair"] = (
+                _r(r["priority"]["goodput_tok_s"] / unfair) if unfair else None
+            )
         out[name] = per
     return out
 
@@ -67,14 +71,18 @@ def tenant_table(result: dict[str, Any]) -> str:
 
 
 def target_table(result: dict[str, Any]) -> str:
+    prio = any("priority" in s for s in result["summary"])
+    extra = (" priority-scheduled (tenants on) | verdict |", "---|---|") if prio else ("", "")
     rows = [
-        "| figure | target | measured (tenants on) | baseline (same fleet, tenants off) | verdict |",
-        "|---|---|---|---|---|",
+        "| figure | target | measured (tenants on) | baseline (same fleet, tenants off) | verdict |"
+        + extra[0],
+        "|---|---|---|---|---|" + extra[1],
     ]
     for s in result["summary"]:
+        more = f" {_f(s.get('priority'), '.3f')} | {s.get('priority_verdict', '-')} |" if prio else ""
         rows.append(
             f"| {s['figure']} | {s['target']} | {_f(s['measured'], '.3f')} | {_f(s['baseline'], '.3f')} | "
-            f"{s['verdict']} |"
+            f"{s['verdict']} |{more}"
         )
     return "\n".join(rows)
 

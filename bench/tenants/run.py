@@ -10,6 +10,10 @@ section on): the reference its attainment is held against.
 - ``priority``: an interactive tenant (TTFT SLO 1.5 s) at 0.3x capacity beside a batch tenant at 1.5x;
 - ``backlog``: weights 2:1:1, every tenant offering 3/4 of capacity (all past their share: Jain's index).
 
+``--priority`` adds a third arm to every scenario, ``priority``: the fair run on a fleet vLLM schedules
+by priority (every pool's ``scheduling`` and the simulator's ``scheduling_policy``), so that the proxy
+sets each request's ``priority`` from its tenant's class and share (``proxy.priority``).
+
 Loads are multiples of the fleet's capacity, measured first in the same run (the highest of the capacity
 steps at which one tenant's load of this mix keeps >= 90 % of its requests within the fleet SLO, 429s
 counted as misses) or given (``--capacity``). The client (``client.py``) sends every tenant's seeded
@@ -21,6 +25,8 @@ s), per tenant (``figures.py``). Last, the proxy's per-core ceiling with tenants
     .venv/bin/python -m bench.tenants                 # 6 to 9 minutes
     .venv/bin/python -m bench.tenants --quick         # a smoke run (no result): about 3 minutes
     .venv/bin/python -m bench.tenants --proxy-tree /tmp/wt-tenants   # another checkout's proxy
+    .venv/bin/python -m bench.tenants --scenarios flood,priority --priority --capacity 24.3 \
+        --ceiling-rounds 0 --out bench/results/tenants-priority.json    # fcfs against priority, 7 min
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ CHAT_PER_P = 7.0  # bench/goodput's capacity for its 2,048-token chat mix, req/s
 @dataclass(frozen=True)
 class RunSpec:
     scenario: Scenario
-    arm: str  # fair, unfair, alone:<tenant>
+    arm: str  # fair, unfair, priority (fair on a priority-scheduled fleet), alone:<tenant>
     capacity_rps: float
     warm_s: float
     measure_s: float
@@ -74,6 +80,10 @@ class RunSpec:
     @property
     def enabled(self) -> bool:
         return self.arm != "unfair"
+
+    @property
+    def scheduling(self) -> str:
+        return "priority" if self.arm == "priority" else "fcfs"
 
     @property
     def only(self) -> str | None:
@@ -105,7 +115,8 @@ def one_run(spec: RunSpec, a: argparse.Namespace) -> dict[str, Any]:
     """A fresh fleet and proxy for one run of one scenario's arm; its figures (``wall_s`` included)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"tenants-{spec.scenario.name}-{spec.arm.replace(':', '-')}-"))
     section = tenants_section(spec.scenario, spec.enabled)
-    stack = TenantStack(StackSpec(FLEET, "static", a.sim_seed, spec.measure_s), tmp, section, a.proxy_tree)
+    stack_spec = StackSpec(FLEET, "static", a.sim_seed, spec.measure_s)
+    stack = TenantStack(stack_spec, tmp, section, a.proxy_tree, spec.scheduling)
     t0 = time.monotonic()
     ok = False
     try:
@@ -162,7 +173,7 @@ def measure_capacity(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_scenario(sc: Scenario, capacity: float, a: argparse.Namespace) -> dict[str, Any]:
     """The scenario's fair and unfair runs and each well-behaved tenant's run alone."""
-    arms = ["fair", "unfair", *(f"alone:{t.id}" for t in sc.behaved())]
+    arms = ["fair", "unfair", *(["priority"] if a.priority else []), *(f"alone:{t.id}" for t in sc.behaved())]
     out: dict[str, Any] = {}
     for arm in arms:
         out[arm] = one_run(RunSpec(sc, arm, capacity, a.warm, a.measure), a)
@@ -203,6 +214,7 @@ def header(a: argparse.Namespace) -> dict[str, Any]:
         "seed": a.seed,
         "client_timeout_s": a.client_timeout,
         "quick": a.quick,
+        "priority_arm": a.priority,
     }
 
 
@@ -226,7 +238,7 @@ def scenario_about(sc: Scenario) -> dict[str, Any]:
 def bench(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     chosen = {n: SCENARIOS[n] for n in a.scenarios}
-    n_runs = sum(2 + len(sc.behaved()) for sc in chosen.values())
+    n_runs = sum(2 + a.priority + len(sc.behaved()) for sc in chosen.values())
     est = n_runs * (a.warm + a.measure + 12) + (0 if a.capacity else 3 * (a.capacity_s + 12)) + 60
     _say(f"{n_runs} runs of {a.warm:g} + {a.measure:g} s after the capacity steps: about {est / 60:.0f} min")
     out = header(a) | {"scenarios": {n: scenario_about(sc) for n, sc in chosen.items()}}
@@ -261,6 +273,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--proxy-tree", default=None, help="run the proxy from this checkout (a worktree)")
     ap.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     ap.add_argument("--sim-seed", type=int, default=7, help="simulator seed (default 7)")
+    ap.add_argument("--priority", action="store_true", help="and each scenario on a priority-scheduled fleet")
     ap.add_argument("--keep-tmp", action="store_true", help="keep every run's logs")
     ap.add_argument("--out", default=None, help="default bench/results/tenants.json (quick: tenants-quick)")
     a = ap.parse_args(argv)

@@ -1,6 +1,8 @@
 """One run's services: bench/goodput's simulated fleet and pdscope proxy (its ``static`` contender:
 the weighted policy, the config's admission defaults with the proxy's own adaptive limit and admission by
 prediction, no controller), with the run's ``tenants`` section in the generated pdscope.yaml.
+``scheduling: priority``: every pool and every simulated instance priority-scheduled (vLLM
+``--scheduling-policy priority``).
 
 ``proxy_tree``: the proxy alone runs from another checkout (a worktree of a branch: its path is the
 proxy's working directory and first on its PYTHONPATH); the fleet and the client run from this one.
@@ -19,13 +21,23 @@ class TenantStack(Stack):
     """``with TenantStack(spec, tmp, tenants) as s:`` as :class:`bench.goodput.stack.Stack`."""
 
     def __init__(
-        self, spec: StackSpec, tmp: Path, tenants: dict[str, Any], proxy_tree: str | None = None
+        self,
+        spec: StackSpec,
+        tmp: Path,
+        tenants: dict[str, Any],
+        proxy_tree: str | None = None,
+        scheduling: str = "fcfs",
     ) -> None:
-        self.tenants, self.proxy_tree = tenants, proxy_tree
+        self.tenants, self.proxy_tree, self.scheduling = tenants, proxy_tree, scheduling
         super().__init__(spec, tmp)
 
     def _config(self, dead: str) -> dict[str, Any]:
-        return {**super()._config(dead), "tenants": self.tenants}
+        config = {**super()._config(dead), "tenants": self.tenants}
+        if self.scheduling != "fcfs":
+            for pool in config["pools"].values():
+                pool["scheduling"] = self.scheduling
+            config["simulator"]["scheduling_policy"] = self.scheduling
+        return config
 
     def _start(self, command: str, ready_url: str | None = None) -> None:
         if command != "proxy" or self.proxy_tree is None:

@@ -654,3 +654,20 @@ def test_at_a_priority_scheduled_p_only_work_of_its_priority_or_before_and_what_
     assert first < last  # the outlook weighs the request's own priority
     now[0] = 0.55
     assert pred.tokens_ahead("p0", 0) == 5500
+
+
+def test_a_request_passed_in_a_priority_queue_teaches_neither_the_line_nor_the_lag() -> None:
+    """At a priority-scheduled P, a waiting request of priority 3 is passed by one of priority 0 sent after
+    it: its long wait is the work that passed it, so it is not overdue by P, and it is marked passed (the
+    gate then keeps its time out of P's line and error ring). The one that passed it is not."""
+    now = [0.0]
+    pred = Predictor(PS, 10_000, lambda: now[0])
+    pred.by_priority = frozenset({"p0"})
+    first = pred.sent_to_p("p0", 1000, 2.0, priority=3, ahead=0)  # started at once: never passed
+    slow = pred.sent_to_p("p0", 1000, 0.1, priority=3, ahead=1000)  # waits until 0.05 s
+    fast = pred.sent_to_p("p0", 1000, 0.5, priority=0, ahead=1000)
+    assert pred.ranked.passed(slow) and not pred.ranked.passed(fast) and not pred.ranked.passed(first)
+    now[0] = 2.0  # slow 20x past its prediction, fast 4x, first on time
+    assert pred.lag("p0") == pytest.approx(4.0)
+    pred.left_p("p0", slow, 1000)
+    assert not pred.ranked.passed(slow)
