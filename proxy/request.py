@@ -132,6 +132,8 @@ class RequestState:
 
     decode_charged: int | None
     priority: int | None
+    d_cached_tokens: int | None
+    d_prompt_tokens: int | None
     __slots__ = (
         "admitted",
         "backlog",
@@ -156,6 +158,7 @@ class RequestState:
         "p_done_ns",
         "p_sent_ns",
         "p_slot",
+        "passed",
         "predicted",
         "predicted_source",
         "predicted_sure",
@@ -203,8 +206,8 @@ class RequestState:
         self.handoff_x = HandoffX(0, 0)  # the tokens of KV its handoff was predicted with (own and ahead)
         self.handoff_s: float | None = None  # its handoff as predicted at admission
         self.handoff_flying: tuple[str, str, int] | None = None  # (P, D, ticket): P answered, no first token
-        self.d_cached_tokens: int | None = None
-        self.d_prompt_tokens: int | None = None
+        self.d_cached_tokens = self.d_prompt_tokens = None
+        self.passed = False  # passed in a priority-scheduled P's queue (proxy.prioritybacklog)
         # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the
         # best count known before P), and at admission the predicted TTFT of the chosen P and D (from
         # ``started``), the tokens ahead of it on that P, ahead + own uncached (what P's fit learns from)
