@@ -184,8 +184,7 @@ class Attempts:
                 now = self.clock()
                 self.metrics.prefill_seconds.observe(now - t0)
                 self.outliers.success(p.name, p.pool, now)
-                if not self.gate.passed(req):  # a passed request's wait is the work that passed it
-                    self._sample(p.pool, now - t0, now)
+                self._sample(p.pool, now - t0, now)
                 req.prefill = answer
                 if answer.kv_blocks:
                     span.set_attribute(sc.KV_BLOCKS, answer.kv_blocks)
@@ -433,8 +432,7 @@ class Attempts:
         now = self.clock()
         self.metrics.ttft_seconds.observe(now - req.started)
         self.gate.first_token(req, now)
-        if not self.gate.passed(req):
-            self._sample(d.pool, now - req.admitted, now)
+        self._sample(d.pool, now - req.admitted, now)
 
     async def _until_first_token(
         self,

@@ -729,8 +729,8 @@ class Gate:
         self.admission.add_bytes(req.p.pool, kv)
         self.admission.add_bytes(req.d.pool, kv)
         req.kv_held = (req.p.pool, req.d.pool, kv)
-        if self.passed(req):
-            req.passed, req.predicted_sure = True, False  # neither P's rate nor the model's noise
+        if req.backlog is not None and self.predictor.ranked.passed(req.backlog[1]):
+            req.predicted_sure = False  # passed in P's queue: neither P's rate nor the model's noise
         elif req.retries == 0 and req.predicted is not None and req.p_sent_ns and req.p_done_ns:
             self.predictor.observe_prefill(req.p.name, req.predicted_x, (req.p_done_ns - req.p_sent_ns) / 1e9)
         if req.backlog is not None:
@@ -739,11 +739,6 @@ class Gate:
         if req.p_slot is not None:
             self.admission.leave(req.p_slot)
             req.p_slot = None
-
-    def passed(self, req: RequestState) -> bool:
-        """Whether a request of a lower priority number went past ``req`` in its P's queue: its time in P
-        is that work's, not P's (``proxy.prioritybacklog``), so it teaches no line, margin or limit."""
-        return req.passed or (req.backlog is not None and self.predictor.ranked.passed(req.backlog[1]))
 
     def _handoff_began(self, req: RequestState) -> None:
         """A streamed request's handoff is in flight from P's answer to its first token, on the pair it

@@ -132,8 +132,6 @@ class RequestState:
 
     decode_charged: int | None
     priority: int | None
-    d_cached_tokens: int | None
-    d_prompt_tokens: int | None
     __slots__ = (
         "admitted",
         "backlog",
@@ -158,7 +156,6 @@ class RequestState:
         "p_done_ns",
         "p_sent_ns",
         "p_slot",
-        "passed",
         "predicted",
         "predicted_source",
         "predicted_sure",
@@ -206,8 +203,8 @@ class RequestState:
         self.handoff_x = HandoffX(0, 0)  # the tokens of KV its handoff was predicted with (own and ahead)
         self.handoff_s: float | None = None  # its handoff as predicted at admission
         self.handoff_flying: tuple[str, str, int] | None = None  # (P, D, ticket): P answered, no first token
-        self.d_cached_tokens = self.d_prompt_tokens = None
-        self.passed = False  # passed in a priority-scheduled P's queue (proxy.prioritybacklog)
+        self.d_cached_tokens: int | None = None
+        self.d_prompt_tokens: int | None = None
         # the TTFT predictor (proxy.predict): the target it is held against, its own prompt tokens (the
         # best count known before P), and at admission the predicted TTFT of the chosen P and D (from
         # ``started``), the tokens ahead of it on that P, ahead + own uncached (what P's fit learns from)
