@@ -256,7 +256,8 @@ class Predictor:
         now = self.clock()
         self._flying.setdefault(p, {})[ticket] = (now, seconds)
         if priority is not None and p in self.by_priority:
-            self.ranked.add(p, ticket, own, priority, predicted_start(now, seconds, ahead, own), now)
+            start = predicted_start(now, seconds, ahead, own)
+            self.ranked.add(p, ticket, own, priority, start, now, now + seconds - start)
         return ticket
 
     def left_p(self, p: str, ticket: int, own: int) -> None:

@@ -8,10 +8,11 @@ not preempt one for a waiter (only for KV blocks a running request needs).
 
 Which of a P's requests it already runs the proxy cannot see. A request counts as *started* once the wait
 predicted for it when it was sent (its predicted P part less its own tokens' share of it) is over: one sent
-to a P with nothing ahead has started at once. A request passed later by work of a lower number starts
-later than that, and counting it then is the pessimistic error (it is predicted ahead of a request it may
-not delay). So the tokens ahead of a request of priority ``q`` are those of every request in flight of a
-priority ``<= q`` and those of the started ones of a larger number.
+to a P with nothing ahead has started at once. A request passed by one of a lower number starts that
+one's own predicted time later. Other errors (a prediction that was short) count a request as started
+early: the pessimistic error (it is predicted ahead of a request it may not delay). So the tokens ahead
+of a request of priority ``q`` are those of every request in flight of a priority ``<= q`` and those of
+the started ones of a larger number.
 
 **Passed requests teach nothing.** A request that a later one of a lower number was sent past (it had
 not started) waits for work that was not there when it was predicted: its time says nothing of P's
@@ -40,13 +41,17 @@ class PriorityBacklog:
         self._sent: dict[str, dict[int, _Sent]] = {}
         self._passed: set[int] = set()  # tickets of requests a later one of a lower number went past
 
-    def add(self, p: str, ticket: int, tokens: int, priority: int, started_at: float, now: float) -> None:
-        """A request of ``priority`` sent to ``p`` at ``now``: the waiting ones of a larger number are
-        passed."""
+    def add(
+        self, p: str, ticket: int, tokens: int, priority: int, started_at: float, now: float, own_s: float
+    ) -> None:
+        """A request of ``priority`` sent to ``p`` at ``now``, predicted to start at ``started_at`` and to
+        take ``own_s`` of P's time: the waiting ones of a larger number are passed, and start that much
+        later."""
         sent = self._sent.setdefault(p, {})
         for other, s in sent.items():
             if s.priority > priority and s.started_at > now:
                 self._passed.add(other)
+                sent[other] = s._replace(started_at=s.started_at + own_s)
         sent[ticket] = _Sent(max(tokens, 0), priority, started_at)
 
     def passed(self, ticket: int) -> bool:

@@ -639,7 +639,8 @@ def test_at_a_priority_scheduled_p_only_work_of_its_priority_or_before_and_what_
     """p0 is priority-scheduled, p1 fcfs; each has, in flight from this proxy: 1000 tokens of priority 2 sent
     with nothing ahead (started at once), then 4000 of priority 2 behind them (waiting, predicted to start
     at 0.5 s), then 500 of priority 0. A request of priority 0 has the started 1000 and the 500 ahead of it
-    at p0, everything at p1; one of priority 2 everything at both; past 0.5 s the 4000 have started too."""
+    at p0, everything at p1; one of priority 2 everything at both. Past 0.5 s and the 500's own time (it
+    passed them) the 4000 have started too."""
     now = [0.0]
     pred = Predictor(PS, 10_000, lambda: now[0])
     pred.by_priority = frozenset({"p0"})
@@ -652,7 +653,7 @@ def test_at_a_priority_scheduled_p_only_work_of_its_priority_or_before_and_what_
     assert pred.prefill("p0", 100, 0).ahead == 1500 and pred.prefill("p1", 100, 0).ahead == 5500
     first, last = (outlook(pred, {"p0": 100}, ["p0"], [], 0.0, 10.0, 100, q).best_s for q in (0, 2))
     assert first < last  # the outlook weighs the request's own priority
-    now[0] = 0.55
+    now[0] = 0.6  # 0.5 s, and the 500 tokens' own 0.05 s that passed them
     assert pred.tokens_ahead("p0", 0) == 5500
 
 
@@ -667,6 +668,8 @@ def test_a_request_passed_in_a_priority_queue_teaches_neither_the_line_nor_the_l
     slow = pred.sent_to_p("p0", 1000, 0.1, priority=3, ahead=1000)  # waits until 0.05 s
     fast = pred.sent_to_p("p0", 1000, 0.5, priority=0, ahead=1000)
     assert pred.ranked.passed(slow) and not pred.ranked.passed(fast) and not pred.ranked.passed(first)
+    now[0] = 0.1  # slow was predicted to start at 0.05 s; fast, sent past it, takes 0.25 s of P first
+    assert pred.tokens_ahead("p0", 0) == 2000  # first (started) and fast, not slow
     now[0] = 2.0  # slow 20x past its prediction, fast 4x, first on time
     assert pred.lag("p0") == pytest.approx(4.0)
     pred.left_p("p0", slow, 1000)
