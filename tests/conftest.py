@@ -17,6 +17,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,3 +251,15 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     url: str = request.getfixturevalue("pg_database")
     _reset_pg(url)
     return url
+
+
+@pytest.fixture
+def store_factory(store_url: str) -> Iterator[Any]:
+    """A session factory of an empty store migrated to head (``store_url``'s), its engine disposed after."""
+    from store.db import make_engine, session_factory
+    from store.migrate import upgrade
+
+    upgrade(store_url)
+    engine = make_engine(store_url)
+    yield session_factory(engine)
+    engine.dispose()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
@@ -29,7 +28,6 @@ from collector.membership import (
 from collector.selfmetrics import CollectorMetrics
 from collector.targets import ScrapeTarget
 from store.db import StoreError, make_engine, session_factory
-from store.migrate import upgrade
 from store.models import CollectorMember
 from tests.support.waiting import async_wait_until
 
@@ -56,11 +54,8 @@ class Clock:
 
 
 @pytest.fixture
-def factory(store_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade(store_url)
-    engine = make_engine(store_url)
-    yield session_factory(engine)
-    engine.dispose()
+def factory(store_factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    return store_factory
 
 
 def _shard(factory: sessionmaker[Session], me: str, clock: Clock) -> Shard:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,8 +25,7 @@ from controller.slowindow import SLORow, SLOWindow, WindowFigures
 from pdscope.config import SLOSettings, parse_config
 from pdscope.slo import slo_verdict
 from pdscope.stats import percentile
-from store.db import make_engine, session_factory, transaction
-from store.migrate import upgrade
+from store.db import transaction
 from store.models import RequestRecord
 from store.queries import RecordFilter
 
@@ -118,11 +116,8 @@ def test_nothing_in_the_window_reads_as_nothing() -> None:
 
 
 @pytest.fixture
-def store(store_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade(store_url)
-    engine = make_engine(store_url)
-    yield session_factory(engine)
-    engine.dispose()
+def store(store_factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    return store_factory
 
 
 def _settings(trusted: list[str] | None) -> Any:
