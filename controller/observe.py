@@ -266,14 +266,15 @@ def _instances(
     session: Session,
     settings: Settings,
     evc: EvidenceConfig,
-    since: float,
-    now: float,
+    span: tuple[float, float],
+    snaps: dict[str, list[Any]],
     tally: ev.WindowTally,
     hand: dict[q.HandoffKey, dict[str, q.HandoffStats]],
 ) -> tuple[list[InstanceSignals], float | None]:
-    """Every configured instance's signals from the window's snapshots and its charged records, and the
-    newest data seen (the newest snapshot stored, when no instance has one in the window)."""
-    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
+    """Every configured instance's signals from the window's snapshots (``snaps``, read before the tally)
+    and its charged records, and the newest data seen (the newest snapshot stored, when no instance has one
+    in the window)."""
+    since, now = span
     sigs = q.signals_of_rows(snaps)
     recent = q.signals_of_rows(snaps, since=now - evc.recent_s)
     latest = _latest_gauges(snaps, since, now)
@@ -373,9 +374,14 @@ def observe(
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
+    # The snapshots first, then the restarts (in the tally): a collector round that commits between the
+    # two reads (the first up scrape of a restarted P with its restart) then reads as P down and restarted,
+    # both a fresh P, whose failures at D are not D's. The other order read it as P up and not restarted,
+    # and charged D the pulls its outage failed (a real-vLLM CI run of stop 45).
+    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
     tally = _charged(session, settings, evc, since, now, rate_facts)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
-    instances, newest = _instances(session, settings, evc, since, now, tally, hand)
+    instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand)
     rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
     pool_sigs = tuple(
         ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)
