@@ -26,7 +26,7 @@ import json
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -75,9 +75,8 @@ def document(
     replay re-derives it and compares. ``between``: the tables recomposed since the tick before
     (operator changes served at once), which the tick's state and served weights start from; left
     out when there were none (a record without it reads as none)."""
-    obs = dataclasses.replace(inp.obs, pairs=policy_pairs(inp.obs.pairs))
     doc = {
-        "input": dump(dataclasses.replace(inp, obs=obs), compact=True),
+        "input": _policy_pairs_doc(dump(inp, compact=True)),
         "prev_served": dump(prev_served, compact=True),
         "alerts": dump(ac),
         "after": digest(out.state),
@@ -90,6 +89,15 @@ def document(
 def policy_pairs(pairs: tuple[PairSignals, ...]) -> tuple[PairSignals, ...]:
     """The pairs as the policy reads them: their p99 (shown, never decided on) at 0."""
     return tuple(dataclasses.replace(x, handoff_p99_s=0.0) for x in pairs)
+
+
+def _policy_pairs_doc(inp: Any) -> Any:
+    """A dumped input with its observation's pairs as :func:`policy_pairs` has them (each p99 at 0.0, a
+    field without a default: always there), set in place: the same document as dumping the input with
+    :func:`policy_pairs`, without copying every pair first."""
+    for pair in inp.get("obs", {}).get("pairs", ()):
+        pair["handoff_p99_s"] = 0.0
+    return inp
 
 
 def _doc(payload: bytes) -> dict[str, object]:

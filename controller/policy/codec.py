@@ -26,6 +26,8 @@ from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T")
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
 
 class CodecError(ValueError):
     """A stored value does not fit the type it is read as; ``path`` says where."""
@@ -38,6 +40,8 @@ class CodecError(ValueError):
 def dump(value: Any, *, compact: bool = False) -> Any:
     """``value`` as JSON types (dicts, lists, str, int, float, bool, None). ``compact``: a dataclass
     field equal to its default is left out (:func:`load` fills it in again)."""
+    if type(value) in _PLAIN:  # the exact plain types first: most of a record (an enum is not one)
+        return value
     if value is None or isinstance(value, bool | int | str):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, float):
@@ -46,13 +50,15 @@ def dump(value: Any, *, compact: bool = False) -> Any:
         return value.value
     if isinstance(value, BaseModel):
         return value.model_dump(mode="python")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    cls: type = type(value)
+    fields = _fields(cls)
+    if fields is not None:
         out = {}
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if compact and f.default is not dataclasses.MISSING and _same(v, f.default):
+        for name, default in fields:
+            v = getattr(value, name)
+            if compact and default is not dataclasses.MISSING and _same(v, default):
                 continue
-            out[f.name] = dump(v, compact=compact)
+            out[name] = dump(v, compact=compact)
         return out
     if isinstance(value, Mapping):
         return {str(k): dump(v, compact=compact) for k, v in value.items()}
@@ -61,6 +67,16 @@ def dump(value: Any, *, compact: bool = False) -> Any:
     if isinstance(value, frozenset | set):
         return sorted(dump(v, compact=compact) for v in value)
     raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
+@cache
+def _fields(cls: type) -> tuple[tuple[str, Any], ...] | None:
+    """A dataclass's fields as :func:`dump` walks them: each name and its plain default (``MISSING``: none),
+    worked out once per class (``dataclasses.fields`` builds them anew every call: most of a record's
+    encoding at 1,000 instances); None for a class that is no dataclass."""
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls))
 
 
 def _same(v: Any, default: Any) -> bool:

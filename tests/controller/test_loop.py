@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sqlalchemy import func, select
 
@@ -321,3 +323,32 @@ def test_a_state_stored_before_a_field_was_added_loads_with_its_default() -> Non
     assert _weight_state(older) == replace(ws, cut_for=None)
     assert _weight_state({**stored, "from_the_future": 1}) is None
     assert _weight_state({k: v for k, v in stored.items() if k != "weight"}) is None
+
+
+class _FailsOnce:
+    """A tick recorder that fails the first tick it is asked to record after ``arm``."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def record(self, session: object, tick: object) -> dict[str, int]:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("a recorder failed")
+        return {}
+
+
+def test_the_window_reads_are_counted_over_the_process_life_across_a_failed_tick(world: World) -> None:
+    """A failed tick forgets the kept window (the next tick reads it whole), never the reads' counts."""
+    fails = _FailsOnce()
+    world.reconciler.effects = dataclasses.replace(
+        world.reconciler.effects, recorders=(*world.reconciler.effects.recorders, fails)
+    )
+    world.step()
+    world.step()
+    assert world.reconciler.view().window_reads == (1, 1)
+    fails.armed = True
+    with pytest.raises(RuntimeError):
+        world.step()
+    world.step()
+    assert world.reconciler.view().window_reads == (2, 2)
