@@ -169,16 +169,14 @@ class Reconciler:
         self._leader: LeaderInfo | None = None
         self._mode_warned: int | None = None  # the leader epoch whose other mode was last warned about
         self._table = self._initial_table(0)
-        # the leader's fitted rates, served beside the table, fitted on their cadence (controller.rates);
-        # the reads kept between its ticks (controller.kept), new (read whole) on taking over, and their
-        # counts over the process's life
+        # the leader's fitted rates (controller.rates); the reads kept between its ticks (controller.kept)
         self._rates = RatesGate(every_s=settings.controller.rates_every_s)
-        self._reads = ReadCounts()
-        self._kept = self._new_kept()
+        self._kept = self._new_kept(ReadCounts())
 
-    def _new_kept(self) -> KeptReads:
-        """Reads kept from now on (the next tick reads its window whole), counted in the process's counts."""
-        return KeptReads(self.settings.controller.whole_read_every_s, self._reads)
+    def _new_kept(self, counts: ReadCounts | None = None) -> KeptReads:
+        """Reads kept from now on (the next tick reads its window whole), counted in ``counts`` (None: the
+        kept reads' before them, carried over the process's life)."""
+        return KeptReads(self.settings.controller.whole_read_every_s, counts or self._kept.counts)
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(
