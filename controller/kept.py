@@ -69,6 +69,11 @@ class KeptReads:
         w.slide(now)
         return w.figures()
 
+    def prediction(self, limit: int) -> tuple[int, float | None] | None:
+        """The TTFT predictor's fleet figures (measured, error median) over the window :meth:`slo` read
+        last, its ``limit`` newest predicted records (``SLOWindow.prediction``); None before any read."""
+        return None if self.window is None else self.window.prediction(limit)
+
     def _due(self, now: float) -> bool:
         last = self.last_whole
         return last is None or now - last >= self.whole_read_every_s or now < last

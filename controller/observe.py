@@ -45,7 +45,7 @@ from pdscope.stats import counter_increase
 from store import queries as q
 from store.attribution import trusted_records
 from store.models import UNREACHABLE, InstanceRow, RequestRecord, Snapshot
-from store.prediction import prediction_rows
+from store.prediction import DEFAULT_RECORDS, prediction_rows
 
 
 def _latest_gauges(
@@ -197,11 +197,9 @@ def _slo(
 ) -> SLOFigures:
     window = settings.slo.window_s
     got = kept.slo(session, settings, now) if kept is not None else _whole_slo(session, settings, now, only)
-    # the proxy's TTFT predictor over the same records (the TTFTMispredicted alert)
-    predictor = measure(
-        PredictionFacts(*r) for r in prediction_rows(session, now - window, now, only=only).rows
-    )
-    measured, error = predictor.fleet.measured, predictor.fleet.error_p50
+    # the proxy's TTFT predictor over the same records (the TTFTMispredicted alert): kept with the window
+    kept_prediction = kept.prediction(DEFAULT_RECORDS) if kept is not None else None
+    measured, error = kept_prediction or _whole_prediction(session, now - window, now, only)
     if got is None:
         return SLOFigures(window_s=window, predictions=measured, prediction_error_p50=error)
     return SLOFigures(
@@ -215,6 +213,14 @@ def _slo(
         tpot_at_slo_s=got.tpot_at_slo_s,
         goodput_rps=got.goodput_per_s,
     )
+
+
+def _whole_prediction(
+    session: Session, since: float, until: float, only: q.RecordFilter
+) -> tuple[int, float | None]:
+    """The TTFT predictor's fleet figures read whole: how many measured, the errors' median."""
+    fleet = measure(PredictionFacts(*r) for r in prediction_rows(session, since, until, only=only).rows).fleet
+    return fleet.measured, fleet.error_p50
 
 
 def _whole_slo(

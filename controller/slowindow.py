@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 
 from sortedcontainers import SortedList
 
+from analysis.prediction import ratio
 from pdscope.config import SLOSettings
 from pdscope.slo import slo_verdict
-from pdscope.stats import percentile_of_sorted
+from pdscope.stats import percentile, percentile_of_sorted
 
 
 class SLORow(NamedTuple):
@@ -42,6 +43,7 @@ class SLORow(NamedTuple):
     ttft_s: float | None
     tpot_s: float | None
     sender: str | None
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,8 @@ class _Part:
     ttft: float | None  # completed with a TTFT: in the sorted TTFTs
     tpot: float | None  # completed with a TPOT: in the sorted TPOTs
     met: bool
+    predicted: bool = False  # carries a predicted TTFT (the TTFT predictor's records)
+    error: float | None = None  # the prediction's error (analysis.prediction): in the sorted errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ class SLOWindow:
         self.lo, self.hi = -math.inf, -math.inf  # the window the counted parts are in
         self.ttfts: SortedList = SortedList()
         self.tpots: SortedList = SortedList()
+        self.predicted: SortedList = SortedList()  # (proxy_in, id) of the counted parts with a prediction
+        self.errors: SortedList = SortedList()  # the counted parts' prediction errors
         self.statuses: Counter[str | None] = Counter()
         self.counted = self.completed = self.met = 0
 
@@ -105,14 +111,14 @@ class SLOWindow:
             if old is not None:
                 self.times.remove((old.at, r.id))
                 if self.lo <= old.at <= self.hi:
-                    self._count(old, -1)
+                    self._count(old, -1, r.id)
             part = self._part(r)
             if part is None or part.at < self.lo:
                 continue
             self.parts[r.id] = part
             self.times.add((part.at, r.id))
             if part.at <= self.hi:
-                self._count(part, +1)
+                self._count(part, +1, r.id)
 
     def _part(self, r: SLORow) -> _Part | None:
         """The part ``r`` would have; None when it never counts (not believed, no time to place it)."""
@@ -128,21 +134,23 @@ class SLOWindow:
             _finite(r.ttft_s) if ok else None,
             _finite(r.tpot_s) if ok else None,
             met,
+            r.predicted_ttft_s is not None,
+            prediction_error(r.ttft_s, r.predicted_ttft_s),
         )
 
-    def _count(self, p: _Part, sign: int) -> None:
+    def _count(self, p: _Part, sign: int, rid: int) -> None:
         self.counted += sign
+        if p.predicted:
+            _move(self.predicted, (p.at, rid), sign)
+        if p.error is not None:
+            _move(self.errors, p.error, sign)
         self.statuses[p.status] += sign
         if p.status == "ok":
             self.completed += sign
             self.met += sign if p.met else 0
             for values, v in ((self.ttfts, p.ttft), (self.tpots, p.tpot)):
-                if v is None:
-                    continue
-                if sign > 0:
-                    values.add(v)
-                else:
-                    values.remove(v)
+                if v is not None:
+                    _move(values, v, sign)
 
     # -- the clock -----------------------------------------------------------------------------
 
@@ -155,12 +163,12 @@ class SLOWindow:
             return
         for at, rid in self.times.irange((self.hi, math.inf), (hi, math.inf), inclusive=(False, True)):
             if at >= lo and at > self.hi:
-                self._count(self.parts[rid], +1)
+                self._count(self.parts[rid], +1, rid)
         while self.times and self.times[0][0] < lo:
             at, rid = self.times.pop(0)
             part = self.parts.pop(rid)
             if self.lo <= at <= self.hi:
-                self._count(part, -1)
+                self._count(part, -1, rid)
         self.lo, self.hi = lo, hi
 
     def _recount(self, lo: float, hi: float) -> None:
@@ -171,7 +179,7 @@ class SLOWindow:
             self.parts[rid] = p
             self.times.add((p.at, rid))
             if p.at <= hi:
-                self._count(p, +1)
+                self._count(p, +1, rid)
 
     # -- the figures ---------------------------------------------------------------------------
 
@@ -192,3 +200,28 @@ class SLOWindow:
     @staticmethod
     def _at(values: SortedList, q: float) -> float | None:
         return percentile_of_sorted(values, q) if values else None
+
+    def prediction(self, limit: int) -> tuple[int, float | None]:
+        """The TTFT predictor's figures for the fleet over the window (``analysis.prediction.measure`` of
+        ``store.prediction.prediction_rows``, its ``limit`` newest records with a prediction): how many
+        were measured and the errors' median. Raises as ``measure`` does (an error that is not finite)."""
+        if len(self.predicted) > limit:  # the newest only, as the read's order and limit keep them
+            errors = [e for _, rid in self.predicted[-limit:] if (e := self.parts[rid].error) is not None]
+            return len(errors), percentile(errors, 50)
+        if self.errors and not math.isfinite(self.errors[-1]):
+            percentile([self.errors[-1]], 50)  # raises as the read's measure does
+        return len(self.errors), self._at(self.errors, 50)
+
+
+def prediction_error(ttft: object, predicted: object) -> float | None:
+    """A record's prediction error as ``analysis.prediction`` measures it (None: not measured)."""
+    q = ratio(ttft, predicted)
+    return None if q is None else abs(q - 1.0)
+
+
+def _move(values: SortedList, v: Any, sign: int) -> None:
+    """Add ``v`` to ``values`` (``sign`` > 0) or take one of it back."""
+    if sign > 0:
+        values.add(v)
+    else:
+        values.remove(v)
