@@ -18,7 +18,7 @@ from controller.loop import Reconciler
 from controller.policy import AlertConfig
 from controller.policy.replay import replay
 from controller.replay import ReplayError, as_dict, replay_window
-from controller.tickchain import ChainError, ChainWriter, Link, Rebuilder
+from controller.tickchain import ChainError, ChainWriter, Link, Rebuilder, exact, text
 from controller.ticklog import decode_between, decode_payload, encode, read_ticks
 from controller.wiring import default_effects
 from store.db import transaction
@@ -239,3 +239,22 @@ def test_retention_keeps_the_keyframe_a_kept_delta_needs(world: World) -> None:
     assert [r.tick for r in kept] == list(range(6, 15)), "from tick 6, the keyframe of tick 8"
     with transaction(world.factory) as s:
         assert replay_window(s, cut.ts, hi).reproduced is True
+
+
+def test_the_writer_checks_a_delta_exactly_without_its_json() -> None:
+    """The check by :func:`controller.tickchain.exact` sees what ``==`` does not (an int for a float, a bool
+    for an int, inside a list), and not which values are one object: a delta where the JSON is the same."""
+    name = "decode-" + str(7)  # one object, in two places of the second document
+    docs = [
+        {"v": [1.0, 1], "n": ["decode-7", "decode-7"], "t": 0},
+        {"v": [1, 1], "n": [name, name], "t": 1},
+        {"v": [1, True], "n": [name, name], "t": 2},
+        {"v": [1, True], "n": ["decode-7", name], "t": 3},
+    ]
+    w, r = ChainWriter(10), Rebuilder()
+    written = [w.write(_link(i + 1), d) for i, d in enumerate(docs)]
+    assert [x.keyframe for x in written] == [True, True, True, False]
+    for i, (x, d) in enumerate(zip(written, docs, strict=True)):
+        got = (r.keyframe if x.keyframe else r.delta)(_link(i + 1), x.payload)
+        assert text(got) == text(d)
+    assert exact({"a": 1, "b": 2}) != exact({"b": 2, "a": 1}) and exact([0.0]) != exact([-0.0])
