@@ -86,6 +86,7 @@ _PRIOR_VAR = 100.0  # s^2 (base) and (s per thousand tokens)^2 (slope): the cova
 _NOISE_ALPHA = 0.05  # the noise estimate's weight per observation
 _MIN_NOISE = 1e-6  # s^2: a 1 ms error floor
 _RUN = 6  # errors in a row on one side that say the line is off, not noisy
+CLUMP_S = 0.005  # answers this close to the first of theirs came at one step's end: one event for the run
 _SETTLED = 10  # observations before one is clipped (until then the prior may be far off)
 _KT = 1000.0  # the line's x is in thousands of tokens (conditioning)
 HANDOFF_MIN = 3  # handoffs of a pair (or D) before its own line is used
@@ -111,11 +112,26 @@ class Line:
     backlog (its slope on the floor) then pushed every error into ``a`` through their correlation,
     and on a zero-latency fleet the line reached 770 s against observations of 10 ms."""
 
-    __slots__ = ("a", "at", "b", "drift", "n", "noise", "p00", "p01", "p11", "reopened", "run", "since")
+    __slots__ = (
+        "a",
+        "at",
+        "b",
+        "clump_at",
+        "drift",
+        "n",
+        "noise",
+        "p00",
+        "p01",
+        "p11",
+        "reopened",
+        "run",
+        "since",
+    )
 
     def __init__(self, a: float, b: float, forget: float) -> None:
         self.a, self.b, self.n = max(a, 0.0), max(b, B_MIN), 0
         self.at = -math.inf  # when it last learnt (the predictor's clock)
+        self.clump_at = -math.inf  # when the first answer of the last clump came (:meth:`_bias`)
         self.drift = (1.0 - forget) ** 2
         self.noise = 1.0  # s^2: a guess, replaced by the errors seen
         self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
@@ -126,7 +142,9 @@ class Line:
     def __call__(self, tokens: float) -> float:
         return self.a + self.b * tokens / _KT
 
-    def update(self, tokens: float, y: float) -> None:
+    def update(self, tokens: float, y: float, at: float = math.nan) -> None:
+        """Learn that ``tokens`` took ``y`` seconds, observed at ``at`` (the predictor's clock; NaN:
+        unknown, every observation its own event)."""
         x = tokens / _KT
         guess = self.a + self.b * x
         if guess > 0 and self.since >= _SETTLED:  # one outlier (a stall, mixed times) moves it only so far
@@ -149,7 +167,11 @@ class Line:
         self.noise = max(self.noise + (sq - self.noise) * _NOISE_ALPHA, _MIN_NOISE)
         self.n += 1
         self.since += 1
-        self._bias(err, y)
+        clumped = at - self.clump_at <= CLUMP_S
+        if not clumped and not math.isnan(at):
+            self.clump_at = at
+        self._bias(err, y, clumped)
+        self.at = at if not math.isnan(at) else self.at
 
     def _bounded(self, x: float, y: float, p00: float, p11: float, slope_floor: bool) -> None:
         """The step crossed a bound: that parameter stays on it, the other learns ``y`` alone."""
@@ -165,15 +187,27 @@ class Line:
             self.p11 = p11 * (1.0 - k * x)
         self.p01 = 0.0
 
-    def _bias(self, err: float, y: float) -> None:
+    def _bias(self, err: float, y: float, clumped: bool) -> None:
         """``_RUN`` errors in a row on one side: the line is off (a warm-up it learnt from, a P that
         changed), not noisy. Its covariance opens again, so the next completions decide afresh, and
         none of them is clipped against the line that was off. Its noise is at most what the last
-        observation itself is worth (an error larger than ``y`` says the line was wrong, not noisy)."""
+        observation itself is worth (an error larger than ``y`` says the line was wrong, not noisy).
+
+        Answers that come together (``clumped``: within :data:`CLUMP_S` of the first of them) ended in
+        one step of P's, and count once: every request a step finishes is answered at its end, so their
+        times are alike whatever their backlogs, and their errors run to one side together. Counted one
+        by one, a step that finished six requests opened the line again; on a simulated 2P+4D fleet
+        beside a bursty flood (steps of 0.5 s finishing four to eight requests) a P's line was opened
+        every few steps, settled at a base of 1 s and a slope near 0, and its P was predicted late for
+        every request, so it had none for 10 s while the other took them all. A clump is measured from
+        its first answer, not from the one before: a P answering every few milliseconds without a pause
+        still counts one event per :data:`CLUMP_S`, and its line can still reopen."""
         if abs(err) * abs(err) <= _MIN_NOISE:  # a hit (within the 1 ms floor) is on neither side
             self.run = 0
             return
         side = 1 if err > 0 else -1
+        if clumped and self.run * side > 0:  # the same step's answer, on the same side: counted already
+            return
         self.run = self.run + side if self.run * side > 0 else side
         if abs(self.run) >= _RUN:
             self.p00, self.p01, self.p11 = _PRIOR_VAR, 0.0, _PRIOR_VAR
@@ -482,8 +516,7 @@ class Predictor:
             base, per_kt = (table[0], table[1]) if table is not None else self._prior
             line = self._lines[p] = Line(base, per_kt, self.ps.forget)
         opened = line.reopened
-        line.update(tokens, seconds)
-        line.at = self.clock()
+        line.update(tokens, seconds, self.clock())
         if line.reopened != opened:  # P changed: the errors that showed it are not the model's noise
             self._errors.forget(p)
 
@@ -510,12 +543,10 @@ class Predictor:
         if pair_line is None:
             pair_line = self._pairs[p, d] = Line(start, B_MIN, self.ps.forget)
         now = self.clock()
-        pair_line.update(x.on_pair, seconds)
-        pair_line.at = now
+        pair_line.update(x.on_pair, seconds, now)
         if not p_side:
             d_line = self._ds.get(d) or self._ds.setdefault(d, Line(start, B_MIN, self.ps.forget))
-            d_line.update(x.at_d, seconds)
-            d_line.at = now
+            d_line.update(x.at_d, seconds, now)
 
     def observe_ttft(self, p: str, predicted: float, observed: float, confident: bool) -> float | None:
         """A first token through ``p``: the ratio observed / predicted (None when either is not a positive

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -43,6 +44,54 @@ def test_one_stall_moves_the_line_only_so_far_and_a_real_slowdown_is_followed() 
     for _ in range(60):  # P really became 3x slower
         line.update(1000, 3.0)
     assert line(1000) == pytest.approx(3.0, rel=0.05)
+
+
+def _fitted(clock: list[float]) -> Line:
+    """A line fitted on P's staircase: steps of 0.5 s each finishing six requests (6,000 tokens), all
+    answered at the step's end with the step's time whatever their backlog."""
+    line = Line(0.05, 1 / 13.0, 0.98)
+    for _ in range(30):
+        clock[0] += 0.5
+        for i in range(6):
+            line.update(1000 * (i + 1), 0.5, clock[0])
+    return line
+
+
+def test_answers_of_one_step_count_once_in_the_run_that_reopens_a_line() -> None:
+    """One slow step (P stalled a moment) finishes six requests late: six errors of one side at one
+    instant, one event, not a run of six. On a simulated fleet beside a bursty flood such clumps reopened
+    P's line every few steps; it settled at a 1 s base and a flat slope, and its P was refused every
+    request for 10 s."""
+    t = [0.0]
+    line = _fitted(t)
+    assert line.reopened == 0
+    assert line(3500) == pytest.approx(0.5, abs=0.2)  # through the middle of the stairs
+    t[0] += 1.0
+    for i in range(6):
+        line.update(1000 * (i + 1), 1.0, t[0])
+    assert line.reopened == 0
+    spaced = _fitted([0.0])
+    for i in range(6):  # the same late answers, each at an instant of its own: a run
+        spaced.update(1000 * (i + 1), 1.0, 100.0 + i)
+    assert spaced.reopened == 1
+    stream = _fitted([0.0])
+    for i in range(60):  # late answers 1 ms apart without a pause: one event per 5 ms, still a run
+        stream.update(2000, 1.0, 200.0 + i * 0.001)
+    assert stream.reopened >= 1
+
+
+def test_a_run_of_steps_on_one_side_still_reopens_a_line() -> None:
+    line = Line(0.05, 1 / 13.0, 0.98)
+    t = 0.0
+    for _ in range(20):
+        t += 0.5
+        line.update(2000, 0.2, t)
+    before = line.reopened
+    for _ in range(6):  # P became 5x slower: six steps, each clump of three late
+        t += 0.5
+        for _ in range(3):
+            line.update(2000, 1.0, t)
+    assert line.reopened == before + 1
 
 
 def test_a_prediction_says_where_its_rates_came_from_and_only_a_fitted_one_may_reject() -> None:
@@ -156,7 +205,7 @@ def test_a_p_without_its_own_ratios_borrows_the_lower_median_peer_and_the_pooled
 
 
 def test_the_errors_that_reopened_a_line_leave_its_margin() -> None:
-    pred = _trained({"p0": 0.0001})
+    pred = _trained({"p0": 0.0001}, clock=_ticking())
     for _ in range(MIN_RATIOS):
         pred.observe_ttft("p0", 1.0, 1.0, True)
     for _ in range(5):
@@ -169,8 +218,19 @@ def test_the_errors_that_reopened_a_line_leave_its_margin() -> None:
     assert pred.factor("p0") == 1.0  # those errors measured the change; none are left to borrow
 
 
-def _trained(per_token: dict[str, float], n: int = 10) -> Predictor:
-    pred = Predictor(PS, 10_000, NOW)
+def _ticking(step_s: float = 0.01) -> Callable[[], float]:
+    """A clock that moves ``step_s`` on every read: each answer an event of its own (never one step's)."""
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += step_s
+        return t[0]
+
+    return clock
+
+
+def _trained(per_token: dict[str, float], n: int = 10, clock: Callable[[], float] = NOW) -> Predictor:
+    pred = Predictor(PS, 10_000, clock)
     for p, s in per_token.items():
         for x in (1000, 4000, 8000) * n:
             pred.observe_prefill(p, x, x * s)
