@@ -11,6 +11,7 @@ fair queue's counter counts them; *weighted service* is that over the tenant's w
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -205,6 +206,28 @@ def summary(
         )
         m["ceiling_on_vs_off"] = ceiling
     return [_row(t, measured, unfair) for t in TARGETS]
+
+
+def combine(summaries: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The targets over repeated runs (``--repeat``): each figure's median over the repeats (its verdict
+    is the median's) and its range, ``[least, most]``; one repeat is its own summary."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = []
+    for i, t in enumerate(TARGETS):
+        rows = [s[i] for s in summaries]
+        row: dict[str, Any] = {"key": t.key, "figure": t.label, "target": t.target, "repeats": len(rows)}
+        for key, judged in (("measured", "verdict"), ("baseline", None), ("priority", "priority_verdict")):
+            if key not in rows[0]:
+                continue
+            vals = [r[key] for r in rows if r[key] is not None]
+            mid = statistics.median(vals) if vals else None
+            row[key] = mid
+            row[f"{key}_range"] = [min(vals), max(vals)] if vals else None
+            if judged is not None:
+                row[judged] = verdict(t, mid)
+        out.append(row)
+    return out
 
 
 def _row(

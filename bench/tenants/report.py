@@ -79,12 +79,25 @@ def target_table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|" + extra[1],
     ]
     for s in result["summary"]:
-        more = f" {_f(s.get('priority'), '.3f')} | {s.get('priority_verdict', '-')} |" if prio else ""
+        more = f" {_v(s, 'priority')} | {s.get('priority_verdict', '-')} |" if prio else ""
         rows.append(
-            f"| {s['figure']} | {s['target']} | {_f(s['measured'], '.3f')} | {_f(s['baseline'], '.3f')} | "
+            f"| {s['figure']} | {s['target']} | {_v(s, 'measured')} | {_v(s, 'baseline')} | "
             f"{s['verdict']} |{more}"
         )
+    repeats = max((s.get("repeats", 1) for s in result["summary"]), default=1)
+    if repeats > 1:
+        rows.append(
+            f"\nmedian of {repeats} repeated runs of each arm, [least, most] beside it; "
+            "verdicts on the median"
+        )
     return "\n".join(rows)
+
+
+def _v(row: dict[str, Any], key: str) -> str:
+    """A target row's figure, with its range over repeats when it has one."""
+    span = row.get(f"{key}_range")
+    text = _f(row.get(key), ".3f")
+    return text if not span or span[0] == span[1] else f"{text} [{span[0]:.3f}, {span[1]:.3f}]"
 
 
 def tables(result: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from bench.tenants.client import rejection_reason
 from bench.tenants.figures import (
     TARGETS,
     Sent,
+    combine,
     flood_figures,
     jain,
     run_figures,
@@ -159,6 +160,35 @@ def test_summary_holds_each_figure_against_its_target_beside_the_baseline() -> N
     assert d["backlog"]["goodput_fair_vs_unfair"] == 1.0
 
 
+def test_repeated_runs_are_judged_on_their_median_and_show_their_range() -> None:
+    runs = _runs()
+    worse, better = _runs(), _runs()
+    worse["flood"]["fair"]["tenants"]["beta"]["attainment"] = 0.80
+    better["flood"]["fair"]["tenants"]["beta"]["attainment"] = 0.98
+    better["flood"]["unfair"]["goodput_tok_s"] = 80.0  # fair over unfair 1.25 there: the worst is 1.0
+    rows = {r["key"]: r for r in combine([summary(r, SCENARIOS, 0.95) for r in (runs, worse, better)])}
+    a = rows["attainment_vs_alone"]
+    assert a["repeats"] == 3 and a["measured"] == pytest.approx(0.97 / 0.98)  # the median of the three
+    assert a["measured_range"] == [pytest.approx(0.80 / 0.98), pytest.approx(0.99)]  # beta's worst, alpha's
+    assert a["verdict"] == "PASS (edge)" and a["baseline_range"] == [0.5, 0.5]
+    g = rows["goodput_fair_vs_unfair"]
+    assert g["measured"] == pytest.approx(100 / 102) and g["measured_range"][1] == pytest.approx(1.0)
+    assert "priority" not in g  # no priority arm ran
+    one = summary(runs, SCENARIOS, 0.95)
+    assert combine([one]) == one
+    text = tables(
+        {
+            "capacity": {"capacity_rps": 1.0, "given": True},
+            "fleet": "f",
+            "warm_s": 1,
+            "measure_s": 1,
+            "runs": {},
+            "summary": list(rows.values()),
+        }
+    )
+    assert "0.990 [0.816, 0.990]" in text and "median of 3 repeated runs" in text
+
+
 def test_verdicts_and_their_edges() -> None:
     at_least = next(t for t in TARGETS if t.key == "jain_backlogged")
     at_most = next(t for t in TARGETS if t.key == "interactive_p99_ttft_vs_slo")
@@ -202,13 +232,15 @@ def test_withconfig_runs_the_command_on_its_config_with_the_tenants_section(tmp_
 def test_a_tiny_run_of_the_whole_harness(tmp_path: Path) -> None:
     out = tmp_path / "tenants.json"
     argv = ["--scenarios", "flood", "--steps", "0.5", "--capacity-s", "3", "--warm", "1", "--measure", "3"]
-    argv += ["--ceiling-rounds", "1", "--ceiling-duration", "1", "--out", str(out)]
+    argv += ["--ceiling-rounds", "1", "--ceiling-duration", "1", "--repeat", "2", "--out", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.tenants", *argv], cwd=REPO, capture_output=True, text=True, timeout=200
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["runs"]["flood"]) == {"fair", "unfair", "alone:alpha", "alone:beta"}
+    assert [set(r["flood"]) for r in result["repeat_runs"]] == [{"fair", "unfair"}]  # the alone runs once
+    assert all(row["repeats"] == 2 for row in result["summary"])
     fair = result["runs"]["flood"]["fair"]["tenants"]
     assert set(fair) == {"alpha", "beta", "flood"} and all(f["requests"] > 0 for f in fair.values())
     assert result["ceiling"]["ratio_on_vs_off"] is not None
