@@ -11,17 +11,15 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import insert, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from analysis.prediction import PredictionFacts, measure
 from controller.kept import KeptReads
 from controller.slowindow import SLORow, SLOWindow
 from store.db import transaction
-from store.models import RequestRecord
 from store.prediction import prediction_rows
 from store.queries import RecordFilter
-from tests.controller.test_slowindow import SLO, _settings
+from tests.controller.test_slowindow import SLO, _settings, random_ticks, store_tick
 
 PREDICTIONS = (None, None, 0.0, -0.1, 0.2, 0.5, 1e-300, math.inf)
 
@@ -81,19 +79,7 @@ def test_the_kept_prediction_equals_the_read_measured_from_scratch(
     rng = random.Random(seed)
     senders = frozenset({"proxy-a"}) if trusted else None
     window, rows, now = SLOWindow(30.0, senders, SLO), {}, 1000.0
-    for _ in range(25):
-        changed = []
-        for _ in range(rng.randint(0, 12)):
-            rid = (
-                rng.randint(0, 60)
-                if rows and rng.random() < 0.4
-                else len(rows) + 1000 + rng.randint(0, 10**6)
-            )
-            rows[rid] = _row(rng, rid, now)
-            changed.append(rows[rid])
-        window.update(changed)
-        now += rng.choice([0.0, 0.5, 2.0, 2.0, 7.0])
-        window.slide(now)
+    for now in random_ticks(rng, window, rows, _row, 1000.0):
         assert _figures(window, limit) == _oracle_or_raises(rows, now - 30.0, now, senders, limit)
 
 
@@ -132,12 +118,7 @@ def test_ticks_that_read_only_changes_give_the_predictors_read(
     only = RecordFilter(None if trusted is None else frozenset(trusted))
     seen = 0
     for tick in range(30):
-        with transaction(store) as s:
-            for _ in range(rng.randint(0, 15)):
-                n += 1
-                s.execute(insert(RequestRecord).values(request_id=f"r{n}", **_values(rng, now)))
-            for rid in rng.sample(range(1, n + 1), min(n, rng.randint(0, 6))):  # late spans change records
-                s.execute(update(RequestRecord).where(RequestRecord.id == rid).values(**_values(rng, now)))
+        n = store_tick(store, rng, n, now, _values)
         now += rng.choice([0.5, 2.0, 2.0, 5.0])
         with transaction(store) as s:
             kept.slo(s, settings_, now)

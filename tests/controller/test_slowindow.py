@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -73,25 +74,40 @@ def _row(rng: random.Random, rid: int, now: float) -> SLORow:
     )
 
 
+def random_ticks(
+    rng: random.Random,
+    window: SLOWindow,
+    rows: dict[int, SLORow],
+    row: Callable[[random.Random, int, float], SLORow],
+    now: float,
+    ticks: int = 25,
+) -> Iterator[float]:
+    """Seeded ticks of a kept window: each brings new records and changes to known ones (a late span),
+    made by ``row`` and kept in ``rows`` (the truth an oracle reads whole), then moves the clock 0-7 s
+    and slides the window; yields each tick's time."""
+    for _ in range(ticks):
+        changed = []
+        for _ in range(rng.randint(0, 12)):
+            rid = (
+                rng.randint(0, 60)
+                if rows and rng.random() < 0.4
+                else len(rows) + 1000 + rng.randint(0, 10**6)
+            )
+            rows[rid] = row(rng, rid, now)
+            changed.append(rows[rid])
+        window.update(changed)
+        now += rng.choice([0.0, 0.5, 2.0, 2.0, 7.0])
+        window.slide(now)
+        yield now
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), trusted=st.booleans())
 def test_the_kept_window_equals_the_window_judged_from_scratch(seed: int, trusted: bool) -> None:
     rng = random.Random(seed)
     senders = frozenset({"proxy-a"}) if trusted else None
     window, rows, now = SLOWindow(30.0, senders, SLO), {}, 1000.0
-    for _ in range(25):  # ticks
-        changed = []
-        for _ in range(rng.randint(0, 12)):  # new records, and changes to known ones (a late span)
-            rid = (
-                rng.randint(0, 60)
-                if rows and rng.random() < 0.4
-                else len(rows) + 1000 + rng.randint(0, 10**6)
-            )
-            rows[rid] = _row(rng, rid, now)
-            changed.append(rows[rid])
-        window.update(changed)
-        now += rng.choice([0.0, 0.5, 2.0, 2.0, 7.0])
-        window.slide(now)
+    for now in random_ticks(rng, window, rows, _row, 1000.0):
         assert window.figures() == oracle(rows, now - 30.0, now, senders)
     assert all(p.at >= now - 30.0 for p in window.parts.values())  # what left the window is forgotten
 
@@ -145,6 +161,24 @@ def _values(rng: random.Random, now: float) -> dict[str, Any]:
     }
 
 
+def store_tick(
+    store: sessionmaker[Session],
+    rng: random.Random,
+    n: int,
+    now: float,
+    values: Callable[[random.Random, float], dict[str, Any]],
+) -> int:
+    """One tick's records written to ``store`` (``n`` so far, ids 1..n): new ones, and changes to known
+    ones (late spans), their columns from ``values``; the count after it."""
+    with transaction(store) as s:
+        for _ in range(rng.randint(0, 15)):
+            n += 1
+            s.execute(insert(RequestRecord).values(request_id=f"r{n}", **values(rng, now)))
+        for rid in rng.sample(range(1, n + 1), min(n, rng.randint(0, 6))):
+            s.execute(update(RequestRecord).where(RequestRecord.id == rid).values(**values(rng, now)))
+    return n
+
+
 @pytest.mark.parametrize("trusted", [None, ["proxy-a"]])
 def test_ticks_that_read_only_changes_give_the_whole_reads_figures(
     store: sessionmaker[Session], trusted: list[str] | None
@@ -152,12 +186,8 @@ def test_ticks_that_read_only_changes_give_the_whole_reads_figures(
     rng, settings_, kept, now, n = random.Random(5), _settings(trusted), KeptReads(3600.0), 1000.0, 0
     only = RecordFilter(None if trusted is None else frozenset(trusted))
     for tick in range(30):
+        n = store_tick(store, rng, n, now, _values)
         with transaction(store) as s:
-            for _ in range(rng.randint(0, 15)):
-                n += 1
-                s.execute(insert(RequestRecord).values(request_id=f"r{n}", **_values(rng, now)))
-            for rid in rng.sample(range(1, n + 1), min(n, rng.randint(0, 6))):  # late spans change records
-                s.execute(update(RequestRecord).where(RequestRecord.id == rid).values(**_values(rng, now)))
             if tick % 7 == 3:  # through the ORM too
                 rec = s.get(RequestRecord, rng.randint(1, n))
                 if rec is not None:

@@ -18,7 +18,7 @@ from controller.loop import Reconciler
 from controller.policy import AlertConfig
 from controller.policy.replay import replay
 from controller.replay import ReplayError, as_dict, replay_window
-from controller.tickchain import ChainError, ChainWriter, Link, Rebuilder, exact, text
+from controller.tickchain import ChainError, ChainWriter, Link, Rebuilder, Written, exact, text
 from controller.ticklog import decode_between, decode_payload, encode, read_ticks
 from controller.wiring import default_effects
 from store.db import transaction
@@ -214,12 +214,9 @@ def test_the_writer_stores_whole_what_a_delta_would_not_rebuild() -> None:
         {"a": {"y": 2, "x": 1}, "z": -0.0},
     ]
     docs.append({"a": {"y": 3, "x": 1}, "z": -0.0})
-    w, r = ChainWriter(10), Rebuilder()
-    written = [w.write(_link(i + 1), d) for i, d in enumerate(docs)]
+    written, rebuilt = _chain(docs)
     assert [x.keyframe for x in written] == [True, True, True, False]
-    for i, (x, d) in enumerate(zip(written, docs, strict=True)):
-        got = (r.keyframe if x.keyframe else r.delta)(_link(i + 1), x.payload)
-        assert repr(got) == repr(d)
+    assert [repr(d) for d in rebuilt] == [repr(d) for d in docs]
     skipping = Rebuilder()
     skipping.keyframe(_link(3), written[2].payload)
     with pytest.raises(ChainError, match="tick 4 of epoch 1 is missing"):
@@ -251,10 +248,17 @@ def test_the_writer_checks_a_delta_exactly_without_its_json() -> None:
         {"v": [1, True], "n": [name, name], "t": 2},
         {"v": [1, True], "n": ["decode-7", name], "t": 3},
     ]
+    written, rebuilt = _chain(docs)
+    assert [x.keyframe for x in written] == [True, True, True, False]
+    assert [text(d) for d in rebuilt] == [text(d) for d in docs]
+    assert exact({"a": 1, "b": 2}) != exact({"b": 2, "a": 1}) and exact([0.0]) != exact([-0.0])
+
+
+def _chain(docs: list[Any]) -> tuple[list[Written], list[Any]]:
+    """``docs`` written as ticks 1, 2, ... of one epoch (keyframes every 10), and each read back in turn."""
     w, r = ChainWriter(10), Rebuilder()
     written = [w.write(_link(i + 1), d) for i, d in enumerate(docs)]
-    assert [x.keyframe for x in written] == [True, True, True, False]
-    for i, (x, d) in enumerate(zip(written, docs, strict=True)):
-        got = (r.keyframe if x.keyframe else r.delta)(_link(i + 1), x.payload)
-        assert text(got) == text(d)
-    assert exact({"a": 1, "b": 2}) != exact({"b": 2, "a": 1}) and exact([0.0]) != exact([-0.0])
+    rebuilt = [
+        (r.keyframe if x.keyframe else r.delta)(_link(i + 1), x.payload) for i, x in enumerate(written)
+    ]
+    return written, rebuilt
