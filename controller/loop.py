@@ -176,7 +176,9 @@ class Reconciler:
     def _new_kept(self, counts: ReadCounts | None = None) -> KeptReads:
         """Reads kept from now on (the next tick reads its window whole), counted in ``counts`` (None: the
         kept reads' before them, carried over the process's life)."""
-        return KeptReads(self.settings.controller.whole_read_every_s, counts or self._kept.counts)
+        return KeptReads(
+            self.settings.controller.whole_read_every_s, self._kept.counts if counts is None else counts
+        )
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(

@@ -208,8 +208,8 @@ class SLOWindow:
         if len(self.predicted) > limit:  # the newest only, as the read's order and limit keep them
             errors = [e for _, rid in self.predicted[-limit:] if (e := self.parts[rid].error) is not None]
             return len(errors), percentile(errors, 50)
-        if self.errors and not math.isfinite(self.errors[-1]):
-            percentile([self.errors[-1]], 50)  # raises as the read's measure does
+        if self.errors and not math.isfinite(self.errors[-1]):  # +inf sorts last; as the read's measure does
+            raise ValueError(f"percentile of a non-finite value {self.errors[-1]!r}")
         return len(self.errors), self._at(self.errors, 50)
 
 

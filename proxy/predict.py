@@ -167,11 +167,11 @@ class Line:
         self.noise = max(self.noise + (sq - self.noise) * _NOISE_ALPHA, _MIN_NOISE)
         self.n += 1
         self.since += 1
-        clumped = at - self.clump_at <= CLUMP_S
-        if not clumped and not math.isnan(at):
-            self.clump_at = at
+        clumped = at - self.clump_at <= CLUMP_S  # False for an unknown time (NaN)
         self._bias(err, y, clumped)
-        self.at = at if not math.isnan(at) else self.at
+        if not math.isnan(at):
+            self.at = at
+            self.clump_at = self.clump_at if clumped else at
 
     def _bounded(self, x: float, y: float, p00: float, p11: float, slope_floor: bool) -> None:
         """The step crossed a bound: that parameter stays on it, the other learns ``y`` alone."""

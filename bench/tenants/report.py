@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.tenants.figures import attainment_ratios, flood_figures, summary
+from bench.tenants.figures import attainment_ratios, combine, flood_figures, summary
 from bench.tenants.scenarios import SCENARIOS, Scenario
 
 
@@ -112,13 +112,21 @@ def tables(result: dict[str, Any]) -> str:
     return f"{head}\n\n{tenant_table(result)}\n\n{target_table(result)}{note}"
 
 
+def repeats(result: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
+    """A result's runs per repeat (``--repeat``): the first, then each later one's contested runs with the
+    first's alone runs (stored once)."""
+    first = result["runs"]
+    alone = {n: {arm: r for arm, r in runs.items() if arm.startswith("alone:")} for n, runs in first.items()}
+    return [first, *({n: {**alone[n], **r} for n, r in rep.items()} for rep in result.get("repeat_runs", []))]
+
+
 def rederive(result: dict[str, Any]) -> dict[str, Any]:
-    """``result`` with its derived figures and targets computed again from its runs (this checkout's
-    arithmetic over the measured figures; nothing is measured again)."""
+    """``result`` with its derived figures and targets computed again from its runs, every repeat's
+    (this checkout's arithmetic over the measured figures; nothing is measured again)."""
     chosen = {n: SCENARIOS[n] for n in result["runs"]}
     ceiling = (result.get("ceiling") or {}).get("ratio_on_vs_off")
-    runs = result["runs"]
-    return result | {"derived": derived(runs, chosen), "summary": summary(runs, chosen, ceiling)}
+    targets = combine([summary(runs, chosen, ceiling) for runs in repeats(result)])
+    return result | {"derived": derived(result["runs"], chosen), "summary": targets}
 
 
 def main(argv: list[str] | None = None) -> int:

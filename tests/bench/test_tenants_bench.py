@@ -25,7 +25,7 @@ from bench.tenants.figures import (
     tenant_figures,
     verdict,
 )
-from bench.tenants.report import derived, tables
+from bench.tenants.report import derived, rederive, tables
 from bench.tenants.scenarios import SCENARIOS, Scenario, TenantLoad, schedule, tenant_plan, tenants_section
 from pdscope.config.tenants import TenantSettings
 from simulator.workload import RequestResult
@@ -187,6 +187,22 @@ def test_repeated_runs_are_judged_on_their_median_and_show_their_range() -> None
         }
     )
     assert "0.990 [0.816, 0.990]" in text and "median of 3 repeated runs" in text
+
+
+def test_a_repeated_result_is_derived_again_over_every_repeat() -> None:
+    first, later = _runs(), _runs()
+    later["flood"]["fair"]["tenants"]["beta"]["attainment"] = 0.49
+    contested = {
+        n: {arm: r for arm, r in runs.items() if not arm.startswith("alone:")} for n, runs in later.items()
+    }
+    result = {"runs": first, "repeat_runs": [contested], "ceiling": {"ratio_on_vs_off": 0.95}}
+    rows = {r["key"]: r for r in rederive(result)["summary"]}
+    a = rows["attainment_vs_alone"]
+    assert a["repeats"] == 2 and a["measured_range"] == [
+        pytest.approx(0.49 / 0.98),
+        pytest.approx(0.97 / 0.98),
+    ]
+    assert rederive({"runs": first})["summary"] == summary(first, SCENARIOS, None)  # one repeat: as before
 
 
 def test_verdicts_and_their_edges() -> None:
