@@ -133,21 +133,35 @@ def test_d_transfer_count_equals_requests_sent(real_pd: RealPD, collector: Runni
             _p, d = pc.two_step(client, real_pd.prefill_url, real_pd.decode_url, "completions", body)
             assert d.status == 200
 
-    def probe() -> Snapshot | None:
-        return _latest(collector.factory, name_d)
+    def finished(s: Snapshot) -> float:
+        return (s.requests_length or 0) + (s.requests_stop or 0)
 
-    def done(s: Snapshot | None) -> bool:
-        return s is not None and (s.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) >= n
+    def probe() -> tuple[Snapshot | None, Snapshot | None]:
+        return _latest(collector.factory, name_d), _latest(collector.factory, name_p)
 
-    d1 = wait_until(f"D's stored transfer count to grow by {n}", probe, done=done, timeout_s=30, every_s=0.25)
-    p1 = _latest(collector.factory, name_p)
+    def done(r: tuple[Snapshot | None, Snapshot | None]) -> bool:
+        # P's and D's scrapes are separate: P's newest may predate its last answer when D's already counts
+        # the pull (a CI run read P at 3 of 4), so both must have grown before either is held to n
+        d, p = r
+        return (
+            d is not None
+            and p is not None
+            and (d.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) >= n
+            and finished(p) - finished(p0) >= n
+        )
+
+    d1, p1 = wait_until(
+        f"D's stored transfer count and P's finished requests to grow by {n}",
+        probe,
+        done=done,
+        timeout_s=30,
+        every_s=0.25,
+    )
     assert d1 is not None and p1 is not None
     assert (d1.nixl_xfer_time_count or 0) - (d0.nixl_xfer_time_count or 0) == n
     assert (d1.nixl_bytes_sum or 0) > (d0.nixl_bytes_sum or 0)
     assert (d1.prompt_tokens_external_kv_transfer or 0) > (d0.prompt_tokens_external_kv_transfer or 0)
-    assert (p1.requests_length or 0) + (p1.requests_stop or 0) - (p0.requests_length or 0) - (
-        p0.requests_stop or 0
-    ) == n
+    assert finished(p1) - finished(p0) == n
     assert (p1.nixl_xfer_time_count or 0) == (p0.nixl_xfer_time_count or 0)  # pull mode: P records none
     hist = d1.histograms["vllm:nixl_xfer_time_seconds"]
     assert hist["counts"][-1] == d1.nixl_xfer_time_count
