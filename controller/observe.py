@@ -405,6 +405,7 @@ def observe(
         ),
         slo=slo,
         newest_data=newest,
+        records_until=tally.last_in,
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
         history_s=_history_s(session, now),
         unattributed_lease_expiries=sum(i.unattributed_lease_expiries for i in instances),

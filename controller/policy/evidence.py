@@ -199,10 +199,14 @@ class WindowTally:
         # requests that failed once at D; what tells a P failing toward every D from a failing D
         self.pair_failures: defaultdict[Pair, int] = defaultdict(int)
         self.first_in = now
+        # the newest record's arrival at the proxy: how far the stored records reach (None: no record)
+        self.last_in: float | None = None
 
     def add(self, r: RecordFacts, invalid: bool) -> None:
         """Charge one record; ``invalid``: it was refused as invalid (``store.queries.is_client_error``)."""
         p_inst, d_inst = _name(r.p_instance), _name(r.d_instance)
+        if (t_in := _num(r.proxy_in)) is not None and (self.last_in is None or t_in > self.last_in):
+            self.last_in = t_in
         if invalid:
             for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
                 if inst is not None:

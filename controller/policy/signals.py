@@ -160,6 +160,9 @@ class Observation:
     pairs: tuple[PairSignals, ...] = ()
     slo: SLOFigures = field(default_factory=lambda: SLOFigures(window_s=300.0))
     newest_data: float | None = None
+    # the newest record's arrival at the proxy (None: no record in the window): the records' own clock,
+    # behind ``now`` by their assembly lag
+    records_until: float | None = None
     # records in the window left out because their sender is not in controller.trusted_span_senders
     untrusted_records: int = 0
     # how long the store has watched the fleet (now - its first snapshot); None: unknown (then the policy

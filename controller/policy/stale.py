@@ -90,8 +90,19 @@ def avoided(stale: Mapping[str, StalePair]) -> list[StalePair]:
 
 
 def _fresh(p: InstanceSignals, fresh_since: float) -> bool:
-    """A P down now (D's pulls of the handoffs it had finished fail), or restarted within the window."""
+    """A P down now (D's pulls of the handoffs it had finished fail), or restarted within the window
+    (``fresh_since``: on the records' clock, :func:`_records_clock`)."""
     return p.up is False or (p.restarted_at is not None and p.restarted_at >= fresh_since)
+
+
+def _records_clock(obs: Observation) -> float:
+    """``now`` on the records' clock: the newest record's arrival (``records_until``), within the window,
+    or ``now`` without records. A restart is fresh for a window on this clock, not the wall's: the
+    records of the handoffs it failed at a D come after D's counter, by the collector's lag, and on a
+    busy machine (a real-vLLM CI run of stop 46, thousands of failed records from P's outage to
+    assemble) that lag can outlast the window, when D's counter alone would be charged to it."""
+    until = obs.records_until
+    return obs.now if until is None else min(obs.now, max(until, obs.now - obs.window_s))
 
 
 def _suspect(x: PairSignals, p: InstanceSignals | None, fresh_since: float) -> bool:
@@ -133,7 +144,7 @@ def relieve_stale(obs: Observation, stale: Mapping[str, StalePair]) -> tuple[Obs
     of those a P's fresh restart or outage may explain (:func:`_keep`): the observation with those moved,
     and per D relieved, what was moved (its decision's ``inputs.stale_peer_basis``). One pass over the
     pairs, grouped by D."""
-    fresh_since = obs.now - obs.window_s
+    fresh_since = _records_clock(obs) - obs.window_s
     fresh = sorted(i.name for i in obs.instances if i.role == "prefill" and _fresh(i, fresh_since))
     if not stale and not fresh:
         return obs, {}

@@ -41,6 +41,13 @@ def test_observation_from_a_seeded_store(world: World) -> None:
         obs = observe(s, world.settings, now)
     assert obs.now == now and obs.window_s == 10.0
     assert obs.newest_data == pytest.approx(now - 0.5)
+    with world.factory() as s:  # the records' clock: the newest record's arrival at the proxy
+        from sqlalchemy import func, select
+
+        from store.models import RequestRecord
+
+        newest_in = s.scalar(select(func.max(RequestRecord.proxy_in)))
+    assert newest_in is not None and obs.records_until == newest_in
     d2 = obs.instance("decode-2")
     assert d2 is not None and d2.up is True
     assert d2.nixl_xfer_mean_s == pytest.approx(0.1)

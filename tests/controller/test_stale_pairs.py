@@ -100,6 +100,25 @@ def test_while_a_ps_restart_is_fresh_a_ds_failures_no_record_names_yet_are_not_i
     assert relieve_stale(named, {})[1] == {}  # the records name another P: its own
 
 
+def test_a_restart_is_fresh_for_a_window_on_the_records_clock_when_they_lag() -> None:
+    # restarted 40 s ago, a 30 s window: past it on the wall's clock; the newest record arrived 15 s ago
+    lagging = replace(
+        _obs(0, (), restarted=T0 - 40.0, failed_transfers_per_min=30.0), records_until=T0 - 15.0
+    )
+    moved, basis = relieve_stale(lagging, {})
+    assert moved.instance("decode-0").failed_transfers_per_min == 0.0  # type: ignore[union-attr]
+    assert "restarted within the window" in basis["decode-0"]
+    current = replace(lagging, records_until=T0 - 1.0)  # the records keep up: the D's own
+    assert relieve_stale(current, {}) == (current, {})
+    # the records' clock reaches back one window at most (a lone old record does not stretch it further)
+    ancient = replace(
+        _obs(0, (), restarted=T0 - 61.0, failed_transfers_per_min=30.0), records_until=T0 - 500.0
+    )
+    assert relieve_stale(ancient, {}) == (ancient, {})
+    ahead = replace(_obs(0, (), restarted=T0 - 40.0, failed_transfers_per_min=30.0), records_until=T0 + 99.0)
+    assert relieve_stale(ahead, {}) == (ahead, {})  # a record stamped ahead of now moves nothing
+
+
 def test_the_tick_leaves_a_stale_pair_out_of_the_table_and_does_not_cut_its_d() -> None:
     ac = AlertConfig()
     state = PolicyState()

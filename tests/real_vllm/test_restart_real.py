@@ -17,6 +17,7 @@ restarts too (a fresh agent), the operator's fix. With one D the proxy still sen
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,17 +55,69 @@ FAILURE_REASONS = {
 }
 
 
-async def _cuts(loop: ClosedLoop, name: str, since: float) -> list[tuple[str, str, Any]]:
-    """The cuts of ``name``'s weight decided since ``since``: (reason, message, what stale pairs moved)."""
+async def _cuts(loop: ClosedLoop, name: str, since: float) -> list[tuple[str, str, Any, float, Any]]:
+    """The cuts of ``name``'s weight decided since ``since``: (reason, message, what stale pairs moved,
+    seconds after ``since``, the decision's inputs: what a failing run must show)."""
     got = await loop.http.get(
         f"{loop.ctl_url}/v1/decisions", params={"subject": name, "field": "weight", "since": since}
     )
     got.raise_for_status()
     return [
-        (x["reason"], x["message"], x["inputs"].get("stale_peer_basis"))
+        (x["reason"], x["message"], x["inputs"].get("stale_peer_basis"), x["ts"] - since, x["inputs"])
         for x in got.json()
         if x["old_value"] is not None and x["new_value"] is not None and x["new_value"] < x["old_value"]
     ]
+
+
+def _print_failures(factory: Any, since: float, at: float) -> None:
+    """The failed records since ``since``, per second after the restart was seen (``at``) by when P
+    finished them, at P and at D: a run that charges D shows whether the pair failed enough, and was
+    stored in time, to be called stale."""
+    from store.models import RequestRecord
+
+    with factory() as s:
+        rows = s.execute(
+            select(RequestRecord.p_done, RequestRecord.d_sent)
+            .where(RequestRecord.proxy_in > since, RequestRecord.status != "ok")
+            .order_by(RequestRecord.proxy_in)
+        ).all()
+    per_s: dict[tuple[int, str], int] = {}
+    for p_done, d_sent in rows:
+        key = (math.floor(p_done - at) if p_done is not None else -999, "P" if d_sent is None else "D")
+        per_s[key] = per_s.get(key, 0) + 1
+    print("failed records by second after the restart was seen, at P / at D:", sorted(per_s.items()))
+
+
+async def _print_decisions(loop: ClosedLoop, names: list[str], since: float) -> None:
+    """Every weight decision of ``names`` since ``since`` (seconds after it), with its failure inputs."""
+    for name in names:
+        got = await loop.http.get(
+            f"{loop.ctl_url}/v1/decisions", params={"subject": name, "field": "weight", "since": since - 30}
+        )
+        for x in got.json():
+            i = x["inputs"]
+            print(
+                f"decision {x['ts'] - since:7.2f} {name} {x['old_value']}->{x['new_value']} {x['reason']} "
+                f"ftpm={i.get('failed_transfers_per_min')} fr={i.get('failed_requests')} "
+                f"basis={i.get('stale_peer_basis')} up={i.get('up')}"
+            )
+
+
+def _print_snapshots(factory: Any, since: float) -> None:
+    """Each instance's scrapes since ``since`` where up or D's failed NIXL transfers changed."""
+    from store.models import Snapshot
+
+    with factory() as s:
+        rows = s.execute(
+            select(Snapshot.ts, Snapshot.instance, Snapshot.up, Snapshot.nixl_failed_transfers)
+            .where(Snapshot.ts > since - 5)
+            .order_by(Snapshot.ts)
+        ).all()
+    last: dict[str, Any] = {}
+    for ts, name, up, failed in rows:
+        if last.get(name) != (up, failed):
+            print(f"snapshot {ts - since:7.2f} {name} up={up} nixl_failed={failed}")
+        last[name] = (up, failed)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +166,14 @@ async def test_a_p_restart_mid_load_is_seen_and_its_stale_pair_kept_out_until_se
         # a busy 2-core machine (the pair, the loop's services, the traffic) can answer a poll late
         slow = (httpx.HTTPError,)
         await async_wait_until("the stale pair left out", avoided, timeout_s=90, every_s=0.5, ignore=slow)
+        print(f"restart seen {at - before:.1f} s after it began, the pair out {time.time() - at:.1f} s after")
+        _print_failures(factory, since=before, at=at)
+        await _print_decisions(loop, [p, d], since=before)
+        _print_snapshots(factory, since=before)
         # the pair's failures are not D's: no cut of D's weight since P's restart charges it failures (a cut
         # for its latency on this loaded machine is D's own, and no business of this test)
         cuts = await _cuts(loop, d, since=before)
-        assert not [c for c in cuts if c[0] in FAILURE_REASONS], cuts
+        assert not [c for c in cuts if c[0] in FAILURE_REASONS], (at - before, cuts)
         assert served_since(at) == 0  # every handoff through the stale agent failed
 
         await asyncio.to_thread(pair.restart, pair.decode, STARTUP_TIMEOUT_S)  # a fresh agent
