@@ -380,10 +380,9 @@ def observe(
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
-    # The snapshots first, then the restarts (in the tally): a collector round that commits between the
-    # two reads (the first up scrape of a restarted P with its restart) then reads as P down and restarted,
-    # both a fresh P, whose failures at D are not D's. The other order read it as P up and not restarted,
-    # and charged D the pulls its outage failed (a real-vLLM CI run of stop 45).
+    # The snapshots first, then the restarts (in the tally): a round committed between the two reads (a
+    # restarted P's first up scrape and its restart) reads as P down and restarted, both fresh; the other
+    # order read P up and not restarted, and charged D the pulls P's outage failed (a CI run of stop 45).
     snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
     tally = _charged(session, settings, evc, since, now, rate_facts)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))

@@ -515,9 +515,15 @@ def completed_ttfts(
     session: Session, since: float, until: float, *, only: RecordFilter = EVERY_RECORD
 ) -> list[float]:
     """The TTFTs of the window's completed requests (``only`` those), the values :func:`slo_summary`'s
-    ``ttft_p99_s`` is the percentile of."""
-    rows = _slo_rows(session, since, until, "all", only).get("all", [])
-    return [r[2] for r in rows if r[0] == "ok" and r[2] is not None]
+    ``ttft_p99_s`` is the percentile of, in arrival order (``proxy_in``): the order in which their
+    clumps are read (``pdscope.stats.effective_size``)."""
+    rr = RequestRecord
+    stmt = only.apply(
+        select(rr.ttft_s)
+        .where(rr.proxy_in >= since, rr.proxy_in <= until, rr.status == "ok", rr.ttft_s.is_not(None))
+        .order_by(rr.proxy_in, rr.id)
+    )
+    return [float(t) for t in session.scalars(stmt) if t is not None]
 
 
 def _slo_rows(

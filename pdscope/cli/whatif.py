@@ -45,7 +45,7 @@ import yaml
 from pdscope.cli.bounds import MAX_BUCKETS, WINDOW, fail, refuse
 from pdscope.config import ConfigError, Settings, load_settings, validated
 from pdscope.stack import LOOPBACK, Child, ChildGroup, free_ports, loopback_url, pdscope_argv, write_config
-from pdscope.stats import quantile_interval
+from pdscope.stats import effective_size, quantile_interval
 from simulator.fit import FitError, FitParams, FittedFleet, RequestObs, SnapshotObs, fit
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,8 @@ class Figures:
     goodput_per_s: float
     attainment: float | None
     ttft_p99_s: float | None
-    # the p99's 95 % sampling interval (pdscope.stats.quantile_interval): where another run's could be
+    # the p99's 95 % sampling interval (pdscope.stats.quantile_interval) at the run's effective size (its
+    # slow requests come in clumps: pdscope.stats.effective_size): where another run's could be
     ttft_p99_interval_s: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -358,7 +359,7 @@ def figures(url: str, settings: Settings, lo: float, hi: float) -> Figures:
         ttfts = q.completed_ttfts(s, lo, hi, only=only)
     if got is None:
         return Figures(0, 0, 0.0, None, None)
-    interval = quantile_interval(ttfts, 99.0)
+    interval = quantile_interval(ttfts, 99.0, effective_n=max(1.0, effective_size(ttfts)))
     return Figures(got.requests, got.completed, got.goodput_per_s, got.attainment, got.ttft_p99_s, interval)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from bisect import bisect_left
 from itertools import accumulate
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from pdscope.stats import (
     Histogram,
     counter_increase,
+    effective_size,
     histogram_increase,
     histogram_quantile,
     merge_histograms,
@@ -306,6 +308,56 @@ def test_quantile_interval_covers_as_stated() -> None:
     assert 0.93 <= _coverage(2000, 99.0) <= 1.0
     # a p99 over 160: the upper end is the maximum, below the truth with probability 0.99^160
     assert abs(_coverage(160, 99.0) - (0.95 - 0.99**160 + 0.025)) < 0.06
+
+
+def _clumped(rng: random.Random, n: int, k: int) -> list[float]:
+    """``n`` values in clumps of ``k`` alike (one exponential draw each, a hair apart): a queue's slow
+    requests, slow together."""
+    out: list[float] = []
+    while len(out) < n:
+        v = rng.expovariate(1.0)
+        out += [v + rng.random() * 1e-6 for _ in range(k)]
+    return out[:n]
+
+
+@pytest.mark.parametrize(("q", "n", "k"), [(50.0, 400, 8), (90.0, 400, 8)])
+def test_a_clumped_runs_interval_covers_as_stated_at_its_effective_size(q: float, n: int, k: int) -> None:
+    rng, truth, draws = random.Random(5), -math.log(1.0 - q / 100.0), 300
+    plain = fair = 0
+    sizes = []
+    for _ in range(draws):
+        values = _clumped(rng, n, k)
+        sizes.append(effective_size(values))
+        a, b = quantile_interval(values, q), quantile_interval(values, q, effective_n=sizes[-1])
+        assert a is not None and b is not None and b[0] <= a[0] and a[1] <= b[1]  # only wider
+        plain += a[0] <= truth <= a[1]
+        fair += b[0] <= truth <= b[1]
+    assert plain / draws < 0.7  # read as independent, the clumps' interval is far too narrow
+    assert 0.9 <= fair / draws <= 1.0
+    assert n / k * 0.8 <= statistics.median(sizes) <= n / k * 1.2  # about one value per clump
+
+
+def test_effective_size_of_independent_and_ordered_values() -> None:
+    rng = random.Random(3)
+    values = [rng.random() for _ in range(400)]
+    assert effective_size(values) >= 300  # independent: about n
+    assert effective_size(sorted(values)) < 10  # one trend: hardly more than one value
+    assert effective_size([]) == 0.0 and effective_size([1.0, 2.0]) == 2.0
+    assert effective_size([2.0] * 50) >= 1.0  # all tied: no variance to read, at least one value
+    with pytest.raises(ValueError):
+        effective_size([1.0, 2.0, math.inf])
+
+
+def test_quantile_interval_at_an_effective_size_scales_its_ranks_to_the_values() -> None:
+    values = [float(v) for v in range(1, 161)]
+    assert quantile_interval(values, 99.0, effective_n=160) == quantile_interval(values, 99.0)
+    assert quantile_interval(values, 99.0, effective_n=1e6) == quantile_interval(values, 99.0)
+    lo, hi = quantile_interval(values, 50.0, effective_n=16) or (0.0, 0.0)
+    # over 16 values the median's interval is the 4th to 13th smallest: x10 here, outward
+    assert (lo, hi) == (40.0, 130.0)
+    for bad in (0.5, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            quantile_interval(values, 50.0, effective_n=bad)
 
 
 def test_quantile_interval_ends_are_order_statistics() -> None:
