@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 
 import zlib  # noqa: E402
 
-from sqlalchemy import select, update  # noqa: E402
+from sqlalchemy import case, select, update  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
@@ -68,6 +68,7 @@ from controller.ticklog import decode_payload, encode, rebuild  # noqa: E402
 from controller.wiring import default_effects  # noqa: E402
 from devdata.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
 from pdscope.config import parse_config  # noqa: E402
+from pdscope.config.tenants import TenantSettings  # noqa: E402
 from store.db import make_engine, session_factory  # noqa: E402
 from store.models import RequestRecord, Snapshot, TickRecord  # noqa: E402
 
@@ -167,7 +168,7 @@ def _ticks(
             _arrive(factory, clock_now[0] - interval, clock_now[0])
         spent, _ = cpu(rec.tick)
         obs = rec.view().obs
-        slo.append(None if obs is None else obs.slo)
+        slo.append(None if obs is None else (obs.slo, obs.tenants))
         if i:
             ticks.append(spent)
     return rec, ticks, slo
@@ -205,10 +206,28 @@ def _whole_read_ticks(settings: Any, url: str, start: float, n_ticks: int) -> tu
     return ticks, slo
 
 
+TENANTS = ("chat", "batch", "search")
+
+
+def _with_tenants(settings: Any, url: str) -> Any:
+    """``--tenants``: three declared tenants, the seeded records dealt among them (and some undeclared),
+    so the tick also reads the tenants' window (the kept reads keep it too)."""
+    engine = make_engine(url)
+    with session_factory(engine)() as session, session.begin():
+        session.execute(
+            update(RequestRecord).values(
+                tenant=case(*((RequestRecord.id % 4 == i, t) for i, t in enumerate(TENANTS)), else_="stray")
+            )
+        )
+    engine.dispose()
+    tenants = TenantSettings.model_validate({"enabled": True, "tenants": {t: {"weight": 1} for t in TENANTS}})
+    return settings.model_copy(update={"tenants": tenants})
+
+
 def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec, url, summary, seed_s = _seed(n, args, workdir)
-    prefill, decode = spec.prefill, spec.decode
     settings = parse_config(fleet_config_yaml(spec, url))
+    settings = _with_tenants(settings, url) if args.tenants else settings
     interval = settings.controller.interval_s
     window = settings.controller.window_s
     engine = make_engine(url)
@@ -225,8 +244,8 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     scan = statistics.median(scans)
     out = {
         "instances": n,
-        "prefill": len(prefill),
-        "decode": len(decode),
+        "prefill": len(spec.prefill),
+        "decode": len(spec.decode),
         "requests_seeded": summary.requests,
         "snapshots_seeded": summary.snapshots,
         "seed_s": round(seed_s, 1),
@@ -238,6 +257,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "whole_read_tick_cpu_s": whole,
         "whole_read_tick_cpu_s_all": whole_ticks,
         "tick_vs_whole_read": tick / whole if whole > 0 else None,
+        "tenants": bool(args.tenants),
         "slo_figures_equal": slo == whole_slo,
         "tick_cpu_ms_per_instance": 1000 * tick / n,
         "tick_share_of_interval": tick / interval,
@@ -306,6 +326,7 @@ def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str
     """Run a keyframe interval of ticks (plus one) with the real recorder; the records' sizes."""
     spec, url, _, seed_s = _seed(n, args, workdir)
     settings = parse_config(fleet_config_yaml(spec, url))
+    settings = _with_tenants(settings, url) if args.tenants else settings
     every = args.keyframe_every or settings.controller.tick_keyframe_every
     ctl = settings.controller.model_copy(update={"tick_keyframe_every": every})
     settings = settings.model_copy(update={"controller": ctl})
@@ -372,6 +393,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=0.5, help="requests per second per instance")
     ap.add_argument("--scrape-s", type=float, default=5.0, help="seeded scrape interval")
     ap.add_argument("--out", default=None, help="the results file (default: by mode, bench/results/)")
+    ap.add_argument("--tenants", action="store_true", help="tenants on: the tick reads their window too")
     ap.add_argument("--tick-records", action="store_true", help="measure the tick records' size (see above)")
     ap.add_argument("--keyframe-every", type=int, default=0, help="with --tick-records (0: the config's)")
     args = ap.parse_args(argv)

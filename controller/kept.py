@@ -2,8 +2,11 @@
 
 :class:`KeptReads` is owned by the leader's reconciler (``controller.loop``) and handed to
 ``controller.observe`` each tick. It holds the SLO window (``controller.slowindow``) and the cursor
-of the records read into it (``store.changes``). A tick reads the records stamped since the last
-read; a whole read (the window's records, as ``store.queries.slo_summary`` reads them) happens:
+of the records read into it (``store.changes``); with tenants on, the tenants' window
+(``controller.tenantrows``) with its own cursor, read whole on the same occasions (and when the clock
+went back before what it retired), its reads counted apart (``tenant_counts``). A tick reads the
+records stamped since the last read; a whole read (the window's records, as
+``store.queries.slo_summary`` reads them) happens:
 
 - on the first tick, and when this controller becomes the leader (a new ``KeptReads``);
 - when the mark means nothing any more (SQLite: the table's newest rows were deleted);
@@ -26,12 +29,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from controller.slowindow import SLORow, SLOWindow, WindowFigures
+from controller.tenantrows import TenantRows
 from pdscope.config import Settings
+from store.attribution import trusted_records
 from store.changes import ChangeCursor
 from store.models import RequestRecord
+from store.tenants import TENANT_COLUMNS
+from store.window import WindowRows
 
 # the columns SLOWindow reads, in SLORow's order
 SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
+# the columns TenantRows reads: id, sender, then the tenants' own
+TENANT_ROW_COLUMNS = (RequestRecord.id, RequestRecord.sender, *TENANT_COLUMNS)
 
 
 @dataclass
@@ -51,6 +60,12 @@ class KeptReads:
     window: SLOWindow | None = None
     cursor: ChangeCursor | None = None
     last_whole: float | None = None
+    # the tenants' window (controller.tenantrows), its cursor and its last whole read: kept apart from
+    # the SLO window's (read only while tenants are on)
+    tenant_counts: ReadCounts = field(default_factory=ReadCounts)
+    tenant_rows: TenantRows | None = None
+    tenant_cursor: ChangeCursor | None = None
+    tenant_whole: float | None = None
 
     def slo(self, session: Session, settings: Settings, now: float) -> WindowFigures | None:
         """The SLO window's figures at ``now``, reading only what changed since the last tick if it can."""
@@ -59,7 +74,12 @@ class KeptReads:
         span = settings.slo.window_s
         w, cur = self.window, self.cursor
         rows = None
-        if w is not None and cur is not None and w.matches(span, trust, settings.slo) and not self._due(now):
+        if (
+            w is not None
+            and cur is not None
+            and w.matches(span, trust, settings.slo)
+            and not self._due(now, self.last_whole)
+        ):
             rows = cur.changed(session, select(*SLO_COLUMNS))
         if rows is None or w is None:
             w, rows = self._whole(session, span, trust, settings, now)
@@ -74,8 +94,40 @@ class KeptReads:
         last, its ``limit`` newest predicted records (``SLOWindow.prediction``); None before any read."""
         return None if self.window is None else self.window.prediction(limit)
 
-    def _due(self, now: float) -> bool:
-        last = self.last_whole
+    def tenants(self, session: Session, settings: Settings, now: float, limit: int) -> WindowRows:
+        """The believed records of the tenants' window at ``now`` as ``store.tenants.tenant_rows`` reads
+        them (at most ``limit``), reading only what changed since the last tick if it can."""
+        senders = settings.controller.trusted_span_senders
+        trust = None if senders is None else frozenset(senders)
+        lo = now - settings.slo.window_s
+        rows, cur = self.tenant_rows, self.tenant_cursor
+        changed = None
+        if rows is not None and cur is not None and rows.matches(settings.slo.window_s, trust, limit, lo):
+            due = self._due(now, self.tenant_whole)
+            changed = None if due else cur.changed(session, select(*TENANT_ROW_COLUMNS))
+        if changed is None or rows is None:
+            rows, changed = self._whole_tenants(session, settings.slo.window_s, trust, limit, now)
+        else:
+            self.tenant_counts.changes += 1
+        rows.update(changed)
+        rows.slide(lo)
+        return rows.read(lo, now)
+
+    def _whole_tenants(
+        self, session: Session, span: float, trust: frozenset[str] | None, limit: int, now: float
+    ) -> tuple[TenantRows, Sequence[Any]]:
+        """New tenant rows and the records to fill them: the window's that ``trust`` believes (those
+        ahead of ``now`` too: they wait in it until due); the cursor marked before the read."""
+        self.tenant_rows = TenantRows(span, trust, limit)
+        self.tenant_cursor = ChangeCursor(RequestRecord.stamp)
+        self.tenant_cursor.start(session)
+        stmt = select(*TENANT_ROW_COLUMNS).where(RequestRecord.proxy_in >= now - span)
+        rows = session.connection().execute(trusted_records(trust).apply(stmt)).all()
+        self.tenant_whole = now
+        self.tenant_counts.whole += 1
+        return self.tenant_rows, rows
+
+    def _due(self, now: float, last: float | None) -> bool:
         return last is None or now - last >= self.whole_read_every_s or now < last
 
     def _whole(

@@ -38,7 +38,7 @@ from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
 from controller.slowindow import WindowFigures
-from controller.tenants import read_tenants
+from controller.tenants import read_tenants, tenant_figures
 from pdscope.config import Settings
 from pdscope.kvcompat import FIELDS, MALFORMED, identity
 from pdscope.stats import counter_increase
@@ -46,6 +46,7 @@ from store import queries as q
 from store.attribution import trusted_records
 from store.models import UNREACHABLE, InstanceRow, RequestRecord, Snapshot
 from store.prediction import DEFAULT_RECORDS, prediction_rows
+from store.tenants import DEFAULT_RECORDS as TENANT_RECORDS
 
 
 def _latest_gauges(
@@ -408,13 +409,18 @@ def observe(
         untrusted_records=q.untrusted_records(session, since, now, trusted.senders),
         history_s=_history_s(session, now),
         unattributed_lease_expiries=sum(i.unattributed_lease_expiries for i in instances),
-        tenants=_tenants(session, settings, now),
+        tenants=_tenants(session, settings, now, kept),
     )
 
 
-def _tenants(session: Session, settings: Settings, now: float) -> TenantWindow | None:
-    """Each declared tenant's figures over ``slo.window_s`` (the tenant alerts and metrics); None while
-    tenants are off (every request is ``default``'s: the fleet's own figures say it all)."""
+def _tenants(session: Session, settings: Settings, now: float, kept: KeptReads | None) -> TenantWindow | None:
+    """Each declared tenant's figures over ``slo.window_s`` (the tenant alerts and metrics), from the rows
+    ``kept`` between ticks if given; None while tenants are off (every request is ``default``'s: the
+    fleet's own figures say it all)."""
     if not settings.tenants.enabled:
         return None
-    return read_tenants(session, settings, now - settings.slo.window_s, now).window
+    lo = now - settings.slo.window_s
+    if kept is None:
+        return read_tenants(session, settings, lo, now).window
+    rows = kept.tenants(session, settings, now, TENANT_RECORDS)
+    return tenant_figures(rows, settings, lo, now, TENANT_RECORDS).window

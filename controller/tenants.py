@@ -18,6 +18,7 @@ from controller.schemas import TenantOut, TenantsOut
 from pdscope.config import Settings
 from store.attribution import trusted_records
 from store.tenants import DEFAULT_RECORDS, tenant_rows
+from store.window import WindowRows
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,12 @@ def read_tenants(
 ) -> ReadTenants:
     """Every declared tenant's figures over the believed records of ``lo``..``hi``."""
     only = trusted_records(settings.controller.trusted_span_senders)
-    read = tenant_rows(session, lo, hi, only=only, limit=limit)
+    return tenant_figures(tenant_rows(session, lo, hi, only=only, limit=limit), settings, lo, hi, limit)
+
+
+def tenant_figures(read: WindowRows, settings: Settings, lo: float, hi: float, limit: int) -> ReadTenants:
+    """Every declared tenant's figures over ``read`` (the believed records of ``lo``..``hi``, at most
+    ``limit``: :func:`store.tenants.tenant_rows`' or the kept window's, ``controller.tenantrows``)."""
     window = tenant_window(
         (TenantFacts(*r) for r in read.rows),
         terms_of(settings.tenants, settings.slo),

@@ -136,7 +136,9 @@ def store(store_factory: sessionmaker[Session]) -> sessionmaker[Session]:
     return store_factory
 
 
-def _settings(trusted: list[str] | None) -> Any:
+def window_settings(trusted: list[str] | None, **more: Any) -> Any:
+    """A one-P one-D config with a 30 s SLO window, ``trusted`` its span senders; ``more``: further
+    sections."""
     raw: dict[str, Any] = {
         "model": {"name": "m", "kv_bytes_per_token": 1024},
         "pools": {
@@ -147,7 +149,7 @@ def _settings(trusted: list[str] | None) -> Any:
     }
     if trusted is not None:
         raw["controller"] = {"trusted_span_senders": trusted}
-    return parse_config(yaml.safe_dump(raw))
+    return parse_config(yaml.safe_dump({**raw, **more}))
 
 
 def _values(rng: random.Random, now: float) -> dict[str, Any]:
@@ -183,7 +185,7 @@ def store_tick(
 def test_ticks_that_read_only_changes_give_the_whole_reads_figures(
     store: sessionmaker[Session], trusted: list[str] | None
 ) -> None:
-    rng, settings_, kept, now, n = random.Random(5), _settings(trusted), KeptReads(3600.0), 1000.0, 0
+    rng, settings_, kept, now, n = random.Random(5), window_settings(trusted), KeptReads(3600.0), 1000.0, 0
     only = RecordFilter(None if trusted is None else frozenset(trusted))
     for tick in range(30):
         n = store_tick(store, rng, n, now, _values)
@@ -206,7 +208,7 @@ def test_a_write_that_commits_after_a_read_it_began_before_is_read_next_tick(
     """The writer's transaction is open (its rows stamped, not committed) while a tick reads; it commits
     after: the next tick reads its rows (PostgreSQL: its id is above the read's oldest running one;
     SQLite: its stamps above the highest committed)."""
-    settings_, kept, now = _settings(None), KeptReads(3600.0), 1000.0
+    settings_, kept, now = window_settings(None), KeptReads(3600.0), 1000.0
     with transaction(store) as s:
         s.execute(
             insert(RequestRecord).values(request_id="before", proxy_in=now - 1, status="ok", ttft_s=0.1)
@@ -234,7 +236,7 @@ def test_a_delete_inside_the_window_is_seen_by_the_next_whole_read(store: sessio
     """A delete stamps nothing. SQLite: deleting the newest rows takes the highest stamp below the mark,
     and the next read is whole. PostgreSQL: the kept window counts the deleted rows until they leave it or
     the next whole read (``whole_read_every_s``), the stated limit (retention keeps hours)."""
-    settings_, kept, now = _settings(None), KeptReads(10.0), 1000.0
+    settings_, kept, now = window_settings(None), KeptReads(10.0), 1000.0
     with transaction(store) as s:
         for i in range(5):
             s.execute(
@@ -262,5 +264,5 @@ def test_the_window_is_read_whole_when_its_config_changes_or_its_time_is_due(
         s.execute(insert(RequestRecord).values(request_id="a", proxy_in=now - 1, status="ok", ttft_s=0.1))
     for at, trusted in ((now, None), (now + 2, None), (now + 4, ["x"]), (now + 6, ["x"]), (now + 15, ["x"])):
         with transaction(store) as s:
-            kept.slo(s, _settings(trusted), at)
+            kept.slo(s, window_settings(trusted), at)
     assert (kept.counts.whole, kept.counts.changes) == (3, 2)
