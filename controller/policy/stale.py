@@ -99,8 +99,9 @@ def _records_clock(obs: Observation) -> float:
     """``now`` on the records' clock: the newest record's arrival (``records_until``), within the window,
     or ``now`` without records. A restart is fresh for a window on this clock, not the wall's: the
     records of the handoffs it failed at a D come after D's counter, by the collector's lag, and on a
-    busy machine (a real-vLLM CI run of stop 46, thousands of failed records from P's outage to
-    assemble) that lag can outlast the window, when D's counter alone would be charged to it."""
+    busy machine (thousands of failed records from P's outage to assemble) that lag can outlast the
+    window, when D's counter alone would be charged to it: the likeliest reading of a D cut after a
+    P's restart in a real-vLLM CI run of stop 46."""
     until = obs.records_until
     return obs.now if until is None else min(obs.now, max(until, obs.now - obs.window_s))
 
