@@ -123,7 +123,7 @@ def read_window(url: str, settings: Settings, lo: float, hi: float) -> Window:
             select(
                 r.proxy_in, r.status, r.http_status, r.prompt_tokens, r.completion_tokens,
                 r.p_instance, r.d_instance, r.ttft_s, r.tpot_s, r.p_prefill_s, r.p_done,
-                r.first_token, r.kv_bytes,
+                r.first_token, r.kv_bytes, r.p_cached_tokens,
             ).where(r.proxy_in >= lo, r.proxy_in <= hi)
         ).all()  # fmt: skip
         snaps = s.execute(
@@ -148,6 +148,7 @@ def read_window(url: str, settings: Settings, lo: float, hi: float) -> Window:
             p_prefill_s=row.p_prefill_s,
             handoff_s=None if row.first_token is None or row.p_done is None else row.first_token - row.p_done,
             kv_bytes=row.kv_bytes,
+            p_cached_tokens=row.p_cached_tokens,
         )
         for row in rows
         if not q.is_client_error(row.status, row.http_status)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -132,6 +132,37 @@ def test_fit_finds_the_degradations(name: str, world: World, expected: list[tupl
         assert f.factor == pytest.approx(factor, rel=0.05), f
         assert f.at == pytest.approx(at, abs=got.bucket_s)
         assert f.at + (f.duration or 0) == pytest.approx(end, abs=got.bucket_s)
+
+
+def _hit(r: RequestObs, cached: int, factor: float) -> RequestObs:
+    """``r`` as a prefix-cache hit on a P ``factor`` times slow: P computed only what was not cached."""
+    computed = PROMPT - cached
+    return replace(r, p_cached_tokens=cached, p_prefill_s=factor * (OVERHEAD + computed / RATE))
+
+
+def test_a_prefix_cache_hit_inside_a_slow_spell_does_not_end_it() -> None:
+    w = World((Deg("p1", 5.0, 10.0),))
+    recs = records(w)
+    # p1's samples from 10 s, every fourth one a hit of 2,032 cached tokens (the CI run of stop 46 had one)
+    slow = [i for i, r in enumerate(recs) if r.p == "p1" and r.arrival - T0 >= 10.0]
+    for i in slow[2::4]:
+        recs[i] = _hit(recs[i], 2032, 5.0)
+    got = fit(recs, ROLES, T0, T0 + w.seconds, snapshots=snapshots(w))
+    assert [(f.kind, f.at) for f in got.faults] == [("slow", pytest.approx(10.0, abs=got.bucket_s))]
+    assert got.faults[0].factor == pytest.approx(5.0, rel=0.05)
+    # read per prompt token, the same hits look 13x faster than the slow P and cut its spell in pieces
+    unknown = [replace(r, p_cached_tokens=None) for r in recs]
+    cut = fit(unknown, ROLES, T0, T0 + w.seconds, snapshots=snapshots(w))
+    assert [f.at for f in cut.faults] != [f.at for f in got.faults]
+
+
+def test_a_partly_cached_prompt_is_read_per_token_computed() -> None:
+    w = World()
+    recs = [_hit(r, 512, 1.0) if i % 2 else r for i, r in enumerate(records(w))]  # a quarter cached
+    got = fit(recs, ROLES, T0, T0 + w.seconds, snapshots=snapshots(w))
+    assert got.faults == ()
+    for p in ("p0", "p1"):  # the per-token time of what P computed: the engine's rate, within the overhead
+        assert got.instances[p].prefill_tokens_per_s == pytest.approx(RATE, rel=0.05)
 
 
 def test_fit_recovers_the_engines() -> None:
