@@ -19,7 +19,7 @@ from controller.slowindow import SLORow, SLOWindow
 from store.db import transaction
 from store.prediction import prediction_rows
 from store.queries import RecordFilter
-from tests.controller.test_slowindow import SLO, _settings, random_ticks, store_tick
+from tests.controller.test_slowindow import SLO, random_ticks, store_tick, window_settings
 
 PREDICTIONS = (None, None, 0.0, -0.1, 0.2, 0.5, 1e-300, math.inf)
 
@@ -114,7 +114,7 @@ def _values(rng: random.Random, now: float) -> dict[str, Any]:
 def test_ticks_that_read_only_changes_give_the_predictors_read(
     store: sessionmaker[Session], trusted: list[str] | None, limit: int
 ) -> None:
-    rng, settings_, kept, now, n = random.Random(9), _settings(trusted), KeptReads(3600.0), 1000.0, 0
+    rng, settings_, kept, now, n = random.Random(9), window_settings(trusted), KeptReads(3600.0), 1000.0, 0
     only = RecordFilter(None if trusted is None else frozenset(trusted))
     seen = 0
     for tick in range(30):
