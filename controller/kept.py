@@ -43,6 +43,12 @@ SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
 TENANT_ROW_COLUMNS = (RequestRecord.id, RequestRecord.sender, *TENANT_COLUMNS)
 
 
+def _trust(settings: Settings) -> frozenset[str] | None:
+    """The span senders the controller believes (None: every one), as both windows match them."""
+    senders = settings.controller.trusted_span_senders
+    return None if senders is None else frozenset(senders)
+
+
 @dataclass
 class ReadCounts:
     """The SLO window's reads: whole, and of the changes only."""
@@ -69,8 +75,7 @@ class KeptReads:
 
     def slo(self, session: Session, settings: Settings, now: float) -> WindowFigures | None:
         """The SLO window's figures at ``now``, reading only what changed since the last tick if it can."""
-        senders = settings.controller.trusted_span_senders
-        trust = None if senders is None else frozenset(senders)
+        trust = _trust(settings)
         span = settings.slo.window_s
         w, cur = self.window, self.cursor
         rows = None
@@ -97,8 +102,7 @@ class KeptReads:
     def tenants(self, session: Session, settings: Settings, now: float, limit: int) -> WindowRows:
         """The believed records of the tenants' window at ``now`` as ``store.tenants.tenant_rows`` reads
         them (at most ``limit``), reading only what changed since the last tick if it can."""
-        senders = settings.controller.trusted_span_senders
-        trust = None if senders is None else frozenset(senders)
+        trust = _trust(settings)
         lo = now - settings.slo.window_s
         rows, cur = self.tenant_rows, self.tenant_cursor
         changed = None
