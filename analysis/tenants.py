@@ -23,23 +23,32 @@ served all it asked at low load read 0.90).
 A record whose tenant is absent (stored before records had one, or refused by the collector) or no longer
 declared counts as ``default``'s (``undeclared`` counts the latter), so the tenants are exactly the
 config's: a label never grows past the file. A reject reason is the proxy's word (``queue_full``,
-``tenant_rate``, ...) when it is one, else ``other``; at most :data:`MAX_REASONS` per tenant.
+``tenant_rate``, ...) when it is one, else ``other``; at most :data:`MAX_REASONS` per tenant: its
+most common (ties by name), the rest ``other``, whatever order the records come in.
+
+The arithmetic is :class:`TenantTally`'s, which keeps the figures' terms as records are added and taken
+back (``controller.tenantrows`` keeps one between the controller's ticks); :func:`tenant_window` is a
+tally built once.
 
 Pure: rows in, figures out (``store.tenants`` reads the rows).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
+from sortedcontainers import SortedList
+
 from pdscope.config import DEFAULT_TENANT, SLOSettings, TenantSettings
 from pdscope.slo import slo_verdict
-from pdscope.stats import percentiles
+from pdscope.stats import percentile_of_sorted
 
-MAX_REASONS: Final = 16  # reject reasons kept per tenant; the rest are "other"
+MAX_REASONS: Final = 16  # reject reasons shown per tenant; the rest are "other"
+KEPT_REASONS: Final = 1024  # reject reasons a tenant's tally holds by name; past them, "other"
 OTHER: Final = "other"
 _REASON: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # refused as the client's own mistake: not demand on the fleet
@@ -150,59 +159,128 @@ def _reason(raw: str | None) -> str:
     return raw if isinstance(raw, str) and _REASON.fullmatch(raw) else OTHER
 
 
-def _rejections(rows: Sequence[TenantFacts]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in rows:
-        if r.status != "rejected":
-            continue
-        reason = _reason(r.reject_reason)
-        if reason not in out and len(out) >= MAX_REASONS - 1:
-            reason = OTHER
-        out[reason] = out.get(reason, 0) + 1
+def _bounded(reasons: Mapping[str, int]) -> dict[str, int]:
+    """At most :data:`MAX_REASONS`: the most common named reasons (ties by name), the rest as ``other``."""
+    named = sorted((k for k, n in reasons.items() if k != OTHER and n > 0), key=lambda k: (-reasons[k], k))
+    out = {k: reasons[k] for k in named[: MAX_REASONS - 1]}
+    rest = reasons.get(OTHER, 0) + sum(reasons[k] for k in named[MAX_REASONS - 1 :])
+    if rest > 0:
+        out[OTHER] = rest
     return out
 
 
-def _queued(rows: Sequence[TenantFacts]) -> list[float]:
-    return [r.admitted - r.proxy_in for r in rows if r.admitted is not None and r.admitted >= r.proxy_in]
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
 
 
-def _tokens(r: TenantFacts, decode_cost: float = 1.0) -> float:
-    return (r.prompt_tokens or 0) + decode_cost * (r.completion_tokens or 0)
+def _queue_wait(r: TenantFacts) -> float | None:
+    """Its wait for admission (``proxy_in`` to the first leg sent); None unsent or unordered."""
+    if r.admitted is None or r.admitted < r.proxy_in:
+        return None
+    return _finite(r.admitted - r.proxy_in)
 
 
-def _figures(
-    name: str, terms: TenantTerms, rows: Sequence[TenantFacts], span_s: float, decode_cost: float
-) -> TenantFigures:
-    """One tenant's figures over its rows (shares are filled in by :func:`tenant_window`)."""
-    slo = terms.slo
-    served = [r for r in rows if r.status == "ok"]
-    met = [r for r in served if slo_verdict(r.status, r.ttft_s, r.tpot_s, slo).met]
-    (ttft_at,) = percentiles([r.ttft_s for r in served if r.ttft_s is not None], (slo.ttft.percentile,))
-    (tpot_at,) = percentiles([r.tpot_s for r in served if r.tpot_s is not None], (slo.tpot.percentile,))
-    queued = _queued(rows)
-    q50, q99 = percentiles(queued, (50, 99))
-    goodput = int(sum(_tokens(r) for r in met))
-    return TenantFigures(
-        tenant=name,
-        weight=terms.weight,
-        priority=terms.priority,
-        ttft_target_s=slo.ttft.target_ms / 1000.0,
-        tpot_target_s=slo.tpot.target_ms / 1000.0,
-        requests=len(rows),
-        demand=sum(1 for r in rows if r.status not in _NOT_DEMAND),
-        served=len(served),
-        met=len(met),
-        failed=sum(1 for r in rows if r.status in ("error", "timeout")),
-        rejected=_rejections(rows),
-        waited=sum(1 for q in queued if q > 0),
-        ttft_at_slo_s=ttft_at,
-        tpot_at_slo_s=tpot_at,
-        queued_p50_s=q50,
-        queued_p99_s=q99,
-        service=sum((_tokens(r, decode_cost) for r in served), 0.0),
-        goodput_tokens=goodput,
-        goodput_tokens_per_s=goodput / span_s,
-    )
+class _Own:
+    """One tenant's counts, token sums and sorted values over the records it holds (whole numbers, so a
+    record removed takes back exactly what it added)."""
+
+    def __init__(self) -> None:
+        self.requests = self.demand = self.served = self.met = self.failed = self.waited = 0
+        self.served_prompt = self.served_completion = self.met_tokens = 0
+        self.unserved = self.unserved_prompt = self.unserved_unknown = 0  # demand not served; its prompts
+        self.reasons: dict[str, int] = {}
+        self.ttft: SortedList[float] = SortedList()  # served ones'
+        self.tpot: SortedList[float] = SortedList()
+        self.queued: SortedList[float] = SortedList()
+
+    def count(self, r: TenantFacts, slo: SLOSettings, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) ``r``'s counts and sums."""
+        self.requests += sign
+        demand = r.status not in _NOT_DEMAND
+        self.demand += sign * demand
+        self.failed += sign * (r.status in ("error", "timeout"))
+        wait = _queue_wait(r)
+        self.waited += sign * (wait is not None and wait > 0)
+        prompt, completion = int(r.prompt_tokens or 0), int(r.completion_tokens or 0)
+        if r.status == "rejected":
+            self._reason(_reason(r.reject_reason), sign)
+        if r.status == "ok":
+            self.served += sign
+            self.served_prompt += sign * prompt
+            self.served_completion += sign * completion
+            if slo_verdict(r.status, r.ttft_s, r.tpot_s, slo).met:
+                self.met += sign
+                self.met_tokens += sign * (prompt + completion)
+        elif demand:
+            self.unserved += sign
+            self.unserved_unknown += sign * (r.prompt_tokens is None)
+            self.unserved_prompt += sign * prompt
+
+    def values(self, r: TenantFacts) -> tuple[float | None, float | None, float | None]:
+        """``r``'s entries in :attr:`ttft`, :attr:`tpot` and :attr:`queued` (None: none there)."""
+        served = r.status == "ok"
+        return (_finite(r.ttft_s) if served else None, _finite(r.tpot_s) if served else None, _queue_wait(r))
+
+    def place(self, r: TenantFacts, sign: int) -> None:
+        for kept, v in zip((self.ttft, self.tpot, self.queued), self.values(r), strict=True):
+            if v is not None:
+                kept.add(v) if sign > 0 else kept.remove(v)
+
+    def _reason(self, name: str, sign: int) -> None:
+        held = self.reasons
+        if name not in held and (sign < 0 or len(held) >= KEPT_REASONS):
+            name = OTHER
+        left = held.get(name, 0) + sign
+        if left > 0:
+            held[name] = left
+        else:
+            held.pop(name, None)
+
+    def means(self, fallback: tuple[float, float]) -> tuple[float, float]:
+        """The mean prompt and completion tokens of its served requests; ``fallback`` when none."""
+        n = self.served
+        return (self.served_prompt / n, self.served_completion / n) if n else fallback
+
+    def figures(self, name: str, terms: TenantTerms, span_s: float, decode_cost: float) -> TenantFigures:
+        """Its figures (shares are filled in by :meth:`TenantTally.window`)."""
+        slo = terms.slo
+        q50, q99 = (_at(self.queued, 50), _at(self.queued, 99))
+        return TenantFigures(
+            tenant=name,
+            weight=terms.weight,
+            priority=terms.priority,
+            ttft_target_s=slo.ttft.target_ms / 1000.0,
+            tpot_target_s=slo.tpot.target_ms / 1000.0,
+            requests=self.requests,
+            demand=self.demand,
+            served=self.served,
+            met=self.met,
+            failed=self.failed,
+            rejected=_bounded(self.reasons),
+            waited=self.waited,
+            ttft_at_slo_s=_at(self.ttft, slo.ttft.percentile),
+            tpot_at_slo_s=_at(self.tpot, slo.tpot.percentile),
+            queued_p50_s=q50,
+            queued_p99_s=q99,
+            service=self.service(decode_cost),
+            goodput_tokens=self.met_tokens,
+            goodput_tokens_per_s=self.met_tokens / span_s,
+        )
+
+    def service(self, decode_cost: float) -> float:
+        return self.served_prompt + decode_cost * self.served_completion
+
+    def asked(self, decode_cost: float, fleet: tuple[float, float]) -> float:
+        """The service it asked for: its served requests' own, and for each request of its demand not
+        served, its prompt tokens (unknown: its served ones' mean, else ``fleet``'s) and the decode cost
+        of its served ones' mean completion (else ``fleet``'s)."""
+        prompt, out = self.means(fleet)
+        unserved = self.unserved_prompt + self.unserved_unknown * prompt + self.unserved * decode_cost * out
+        return self.service(decode_cost) + unserved
+
+
+def _at(values: Sequence[float], q: float) -> float | None:
+    return percentile_of_sorted(values, q) if values else None
 
 
 def jain_index(values: Sequence[float]) -> float | None:
@@ -253,24 +331,68 @@ def _shares(
     return out, jain_index([f.service / alloc[f.tenant] for f in asking if alloc[f.tenant] > 0])
 
 
-def _means(rows: Sequence[TenantFacts], fallback: tuple[float, float]) -> tuple[float, float]:
-    """The mean prompt and completion tokens of ``rows``' served requests; ``fallback`` when none."""
-    served = [r for r in rows if r.status == "ok"]
-    if not served:
-        return fallback
-    n = len(served)
-    return sum(r.prompt_tokens or 0 for r in served) / n, sum(r.completion_tokens or 0 for r in served) / n
+class TenantTally:
+    """Every tenant of ``terms``' counts and sorted values over the records it holds, kept as records are
+    added and taken back (``controller.tenantrows`` keeps one between ticks); :meth:`window` gives the
+    figures. Built whole by :meth:`of`. Exact: whole numbers and sorted values, so a tally kept through
+    any adds and removals reads what one built from its records reads, to the bit (one bound: a tenant's
+    reject reasons past :data:`KEPT_REASONS` names count as ``other``, and may then be split otherwise)."""
 
+    def __init__(self, terms: Mapping[str, TenantTerms]) -> None:
+        self.terms = dict(terms)
+        self._own = {name: _Own() for name in terms}
+        self.undeclared = 0
 
-def _asked(rows: Sequence[TenantFacts], decode_cost: float, fleet: tuple[float, float]) -> float:
-    """The service a tenant's rows asked for: its served requests' own, and for each request of its
-    demand not served, its prompt tokens (unknown: its served ones' mean, else ``fleet``'s) and the decode
-    cost of its served ones' mean completion (else ``fleet``'s)."""
-    prompt, out = _means(rows, fleet)
-    unserved = [r for r in rows if r.status != "ok" and r.status not in _NOT_DEMAND]
-    return sum(_tokens(r, decode_cost) for r in rows if r.status == "ok") + sum(
-        (prompt if r.prompt_tokens is None else r.prompt_tokens) + decode_cost * out for r in unserved
-    )
+    @classmethod
+    def of(cls, facts: Iterable[TenantFacts], terms: Mapping[str, TenantTerms]) -> TenantTally:
+        """A tally of ``facts``, their values sorted once."""
+        tally = cls(terms)
+        values: dict[str, tuple[list[float], list[float], list[float]]] = {n: ([], [], []) for n in terms}
+        for r in facts:
+            name = tally._count(r, 1)
+            if name is not None:
+                for kept, v in zip(values[name], tally._own[name].values(r), strict=True):
+                    if v is not None:
+                        kept.append(v)
+        for name, (ttft, tpot, queued) in values.items():
+            own = tally._own[name]
+            own.ttft, own.tpot, own.queued = SortedList(ttft), SortedList(tpot), SortedList(queued)
+        return tally
+
+    def add(self, r: TenantFacts) -> None:
+        name = self._count(r, 1)
+        if name is not None:
+            self._own[name].place(r, 1)
+
+    def remove(self, r: TenantFacts) -> None:
+        """Take back a record :meth:`add` (or :meth:`of`) counted."""
+        name = self._count(r, -1)
+        if name is not None:
+            self._own[name].place(r, -1)
+
+    def _count(self, r: TenantFacts, sign: int) -> str | None:
+        """Count ``r`` in its tenant's (``default``'s when absent or undeclared); None: no such tenant."""
+        name = r.tenant if r.tenant in self._own else DEFAULT_TENANT
+        self.undeclared += sign * (r.tenant is not None and r.tenant not in self._own)
+        own = self._own.get(name)
+        if own is None:  # a map without default (a caller's own) leaves the rest out
+            return None
+        own.count(r, self.terms[name].slo, sign)
+        return name
+
+    def window(self, since: float, until: float, decode_cost: float = 1.0) -> TenantWindow:
+        """Every tenant's figures over ``since``..``until`` (the records held)."""
+        span = max(until - since, 1e-9)
+        owns = self._own.items()
+        figures = [own.figures(name, self.terms[name], span, decode_cost) for name, own in owns]
+        fleet = _Own()  # the served requests of all, for their means
+        for own in self._own.values():
+            fleet.served += own.served
+            fleet.served_prompt += own.served_prompt
+            fleet.served_completion += own.served_completion
+        asked = {name: own.asked(decode_cost, fleet.means((0.0, 0.0))) for name, own in owns}
+        shared, jain = _shares(figures, asked)
+        return TenantWindow(since, until, tuple(shared), jain, self.undeclared)
 
 
 def tenant_window(
@@ -282,17 +404,4 @@ def tenant_window(
     decode_cost: float = 1.0,
 ) -> TenantWindow:
     """Every tenant of ``terms``'s figures over the records ``facts`` of ``since``..``until``."""
-    by: dict[str, list[TenantFacts]] = {name: [] for name in terms}
-    undeclared = 0
-    for r in facts:
-        if r.tenant is not None and r.tenant not in by:
-            undeclared += 1
-        rows = by.get(r.tenant if r.tenant in by else DEFAULT_TENANT)
-        if rows is not None:  # a map without default (a caller's own) leaves the rest out
-            rows.append(r)
-    span = max(until - since, 1e-9)
-    figures = [_figures(name, terms[name], rows, span, decode_cost) for name, rows in by.items()]
-    fleet = _means([r for rows in by.values() for r in rows], (0.0, 0.0))
-    asked = {name: _asked(rows, decode_cost, fleet) for name, rows in by.items()}
-    shared, jain = _shares(figures, asked)
-    return TenantWindow(since, until, tuple(shared), jain, undeclared)
+    return TenantTally.of(facts, terms).window(since, until, decode_cost)

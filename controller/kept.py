@@ -28,8 +28,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from analysis.tenants import terms_of
 from controller.slowindow import SLORow, SLOWindow, WindowFigures
 from controller.tenantrows import TenantRows
+from controller.tenants import ReadTenants
 from pdscope.config import Settings
 from store.attribution import trusted_records
 from store.changes import ChangeCursor
@@ -102,6 +104,19 @@ class KeptReads:
     def tenants(self, session: Session, settings: Settings, now: float, limit: int) -> WindowRows:
         """The believed records of the tenants' window at ``now`` as ``store.tenants.tenant_rows`` reads
         them (at most ``limit``), reading only what changed since the last tick if it can."""
+        return self._tenants(session, settings, now, limit).read(now - settings.slo.window_s, now)
+
+    def tenant_figures(self, session: Session, settings: Settings, now: float, limit: int) -> ReadTenants:
+        """The figures of the tenants' window at ``now`` (``controller.tenants.read_tenants``' over
+        ``slo.window_s``), from the rows and tally kept between ticks (``TenantRows.window``)."""
+        lo = now - settings.slo.window_s
+        terms = terms_of(settings.tenants, settings.slo)
+        rows = self._tenants(session, settings, now, limit)
+        window, truncated = rows.window(lo, now, terms, settings.tenants.cost_per_decode_token)
+        return ReadTenants(window, truncated, limit)
+
+    def _tenants(self, session: Session, settings: Settings, now: float, limit: int) -> TenantRows:
+        """The tenants' rows, brought to ``now``: the changed records read in, the window slid."""
         trust = _trust(settings)
         lo = now - settings.slo.window_s
         rows, cur = self.tenant_rows, self.tenant_cursor
@@ -115,7 +130,7 @@ class KeptReads:
             self.tenant_counts.changes += 1
         rows.update(changed)
         rows.slide(lo)
-        return rows.read(lo, now)
+        return rows
 
     def _whole_tenants(
         self, session: Session, span: float, trust: frozenset[str] | None, limit: int, now: float

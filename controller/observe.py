@@ -38,7 +38,7 @@ from controller.policy import evidence as ev
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
 from controller.slowindow import WindowFigures
-from controller.tenants import read_tenants, tenant_figures
+from controller.tenants import read_tenants
 from pdscope.config import Settings
 from pdscope.kvcompat import FIELDS, MALFORMED, identity
 from pdscope.stats import counter_increase
@@ -419,8 +419,6 @@ def _tenants(session: Session, settings: Settings, now: float, kept: KeptReads |
     fleet's own figures say it all)."""
     if not settings.tenants.enabled:
         return None
-    lo = now - settings.slo.window_s
     if kept is None:
-        return read_tenants(session, settings, lo, now).window
-    rows = kept.tenants(session, settings, now, TENANT_RECORDS)
-    return tenant_figures(rows, settings, lo, now, TENANT_RECORDS).window
+        return read_tenants(session, settings, now - settings.slo.window_s, now).window
+    return kept.tenant_figures(session, settings, now, TENANT_RECORDS).window

@@ -1,9 +1,10 @@
 """The tenants' records kept between ticks (controller.tenantrows, KeptReads.tenants) equal a whole read.
 
 Pure: seeded histories of records inserted, changed (a late span, a sender no longer believed) and aged
-out, under a small limit, against the newest-first selection made from scratch. On a store (SQLite and
-PostgreSQL): ticks that read only the changed records give ``store.tenants.tenant_rows``' rows, in its
-order, and so the same tenant figures, tick by tick.
+out, under a limit, against the newest-first selection made from scratch; the kept tally's figures
+against ``tenant_window`` over that selection, to the bit, and again after the tenants' terms change.
+On a store (SQLite and PostgreSQL): ticks that read only the changed records give
+``store.tenants.tenant_rows``' rows, in its order, and the same tenant figures, tick by tick.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from analysis.tenants import TenantFacts, TenantTerms, tenant_window, terms_of
 from controller.kept import KeptReads
 from controller.tenantrows import TenantRows
 from controller.tenants import read_tenants, tenant_figures
@@ -53,9 +55,18 @@ def _scratch(rows: dict[int, tuple[Any, ...]], lo: float, hi: float, senders: An
     return WindowRows(tuple(got[:limit]), len(got) > limit)
 
 
+def _terms(seed: int) -> dict[str, TenantTerms]:
+    chat: dict[str, Any] = {"weight": 2}
+    if seed % 3 == 0:  # a tighter target for chat: more of its requests miss
+        chat["slo"] = {"ttft_ms": 300}
+    s = window_settings(None, tenants={"enabled": True, "tenants": {"chat": chat, "batch": {"weight": 1}}})
+    return terms_of(s.tenants, s.slo)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_kept_rows_equal_the_newest_first_selection_made_from_scratch(seed: int) -> None:
-    rng, span, limit = random.Random(seed), 30.0, 7 + seed % 5
+    rng, span = random.Random(seed), 30.0
+    limit = 7 + seed % 5 if seed < 4 else 10**6  # truncated, or the tally's own figures
     senders = None if seed % 2 else frozenset({"proxy-a"})
     kept, truth, now = TenantRows(span, senders, limit), {}, 1000.0
     for _ in range(40):
@@ -75,7 +86,12 @@ def test_kept_rows_equal_the_newest_first_selection_made_from_scratch(seed: int)
         kept.update(changed)
         now += rng.choice([0.0, 0.5, 2.0, 7.0])
         kept.slide(now - span)
-        assert kept.read(now - span, now) == _scratch(truth, now - span, now, senders, limit)
+        want = _scratch(truth, now - span, now, senders, limit)
+        assert kept.read(now - span, now) == want
+        terms = _terms(seed + len(truth) // 60)  # changes now and then: the tally is built again
+        facts = [TenantFacts(*r) for r in want.rows]
+        figures = tenant_window(facts, terms, since=now - span, until=now, decode_cost=0.5)
+        assert kept.window(now - span, now, terms, 0.5) == (figures, want.truncated)
         believed = [r for r in truth.values() if r[5] >= now - span and (senders is None or r[1] in senders)]
         assert len(kept) == len(believed)  # what it holds: the window's believed rows, no more
 
@@ -102,19 +118,12 @@ def _values(rng: random.Random, now: float) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("trusted", [None, ["proxy-a"]])
+@pytest.mark.parametrize(("trusted", "limit"), [(None, 25), (["proxy-a"], 25), (["proxy-a"], 10**5)])
 def test_ticks_that_read_only_changes_give_the_whole_reads_rows_and_figures(
-    store_factory: sessionmaker[Session], trusted: list[str] | None
+    store_factory: sessionmaker[Session], trusted: list[str] | None, limit: int
 ) -> None:
     store = store_factory
-    rng, settings_, kept, now, n, limit = (
-        random.Random(9),
-        _settings(trusted),
-        KeptReads(3600.0),
-        1000.0,
-        0,
-        25,
-    )
+    rng, settings_, kept, now, n = random.Random(9), _settings(trusted), KeptReads(3600.0), 1000.0, 0
     only = trusted_records(trusted)
     for tick in range(30):
         n = store_tick(store, rng, n, now, _values)
@@ -123,11 +132,25 @@ def test_ticks_that_read_only_changes_give_the_whole_reads_rows_and_figures(
             got = kept.tenants(s, settings_, now, limit)
             want = tenant_rows(s, now - 30.0, now, only=only, limit=limit)
             assert got == want, tick
-            figures = tenant_figures(got, settings_, now - 30.0, now, limit)
-            assert figures == read_tenants(s, settings_, now - 30.0, now, limit=limit), tick
-    assert kept.tenant_counts.whole == 1 and kept.tenant_counts.changes == 29 and kept.counts.whole == 0
+            whole = read_tenants(s, settings_, now - 30.0, now, limit=limit)
+            assert tenant_figures(got, settings_, now - 30.0, now, limit) == whole, tick
+            assert kept.tenant_figures(s, settings_, now, limit) == whole, tick
+    assert kept.tenant_counts.whole == 1 and kept.tenant_counts.changes == 59 and kept.counts.whole == 0
     with transaction(store) as s:  # a clock that went back reaches before what was retired: read whole
         assert kept.tenants(s, settings_, now - 1.0, limit) == tenant_rows(
             s, now - 31.0, now - 1.0, only=only, limit=limit
         )
     assert kept.tenant_counts.whole == 2
+
+
+def test_a_clock_that_jumps_past_a_whole_window_still_counts_the_row_at_its_start() -> None:
+    rows, terms = TenantRows(30.0, None, 100), _terms(1)
+    ahead = (1, "proxy-a", "chat", "ok", None, 40.0, 40.1, 0.2, 0.01, 100, 10)
+    rows.update([ahead, (2, "proxy-a", "chat", "ok", None, 5.0, 5.1, 0.2, 0.01, 100, 10)])
+    rows.slide(-20.0)
+    first, _ = rows.window(-20.0, 10.0, terms, 1.0)  # the row ahead of the clock waits
+    assert (c := first.of("chat")) is not None and c.requests == 1
+    rows.slide(40.0)  # 60 s later: the first row retired, the one at the window's very start due
+    later, _ = rows.window(40.0, 70.0, terms, 1.0)
+    assert later == tenant_window([TenantFacts(*ahead[2:])], terms, since=40.0, until=70.0)
+    assert (c := later.of("chat")) is not None and c.requests == 1
