@@ -1,4 +1,4 @@
-"""What one controller tick costs, by fleet size, on a seeded SQLite store.
+"""What one controller tick costs, by fleet size, on a seeded SQLite store (or PostgreSQL: ``--pg``).
 
 For each fleet size it seeds a store with ``devdata/seed.py`` (a third of the instances
 prefill, the rest decode; ``--history-s`` of history at ``--rate`` requests per second per
@@ -26,6 +26,13 @@ compressed size (and per day at the interval), and the CPU to decode it back for
     .venv/bin/python bench/controller_cost.py [--sizes 12,100,300,1000] [--ticks 5]
 
 Writes bench/results/controller_cost.json and prints a table.
+
+``--pg URL`` (a PostgreSQL server the bench may create databases on) seeds each size into a database
+of its own (``pdscope_cost_<n>``; the whole-read run on a copy made from it as a template, before
+either run ticks) and drops them after. There the database's work is done by the server's processes,
+not the controller's: when the server runs on this machine, a tick's CPU is the controller's plus the
+server processes' (``/proc``, at the kernel's tick resolution, 10 ms; anything else using that server
+meanwhile counts too), both reported apart; a remote server's CPU is not counted (``server_cpu``: false).
 
 ``--tick-records`` measures the tick records instead (format 2: keyframes and deltas,
 ``controller.tickchain``): per size it runs one keyframe interval of ticks plus one
@@ -59,7 +66,9 @@ sys.path.insert(0, str(REPO))
 
 import zlib  # noqa: E402
 
-from sqlalchemy import case, select, update  # noqa: E402
+from sqlalchemy import case, create_engine, select, update  # noqa: E402
+from sqlalchemy import text as sql  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
@@ -92,10 +101,65 @@ def window_scan(factory: Any, since: float, until: float) -> int:
     return len(snaps) + len(recs)
 
 
+def _no_server() -> float:
+    return 0.0
+
+
+# the CPU seconds the store's server has spent so far (PostgreSQL on this machine: its processes'); the
+# SQLite store works inside this process, whose own CPU already counts it
+server_cpu: Callable[[], float] = _no_server
+
+
+def local_postgres_cpu() -> float:
+    """The CPU seconds (user + system) of every process here named ``postgres`` (the server's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            raw = stat.read_text()
+        except OSError:  # it ended while we read
+            continue
+        name, _, rest = raw.partition(" (")[2].rpartition(") ")
+        if name == "postgres":
+            fields = rest.split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
 def cpu(fn: Any) -> tuple[float, Any]:
-    t0 = time.process_time()
+    """``fn``'s result and the CPU it cost: this process's, plus the store server's."""
+    t0, s0 = time.process_time(), server_cpu()
     out = fn()
-    return time.process_time() - t0, out
+    return time.process_time() - t0 + server_cpu() - s0, out
+
+
+class PgStores:
+    """``--pg``: a database per fleet size on one PostgreSQL server, and its copies; dropped at the end."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin = make_url(admin_url)
+        self.made: list[str] = []
+
+    def create(self, name: str, template: str | None = None) -> str:
+        """A new database ``name`` (a copy of ``template``'s when given: nobody may be connected to it)."""
+        engine = create_engine(self.admin, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as c:
+                c.execute(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                c.execute(sql(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
+        finally:
+            engine.dispose()
+        self.made.append(name)
+        return self.admin.set(database=name).render_as_string(hide_password=False)
+
+    def drop_all(self) -> None:
+        engine = create_engine(self.admin, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as c:
+                for name in self.made:
+                    c.execute(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        finally:
+            engine.dispose()
 
 
 def tick_record_cost(rec: Reconciler, repeats: int) -> dict[str, Any]:
@@ -120,7 +184,7 @@ def tick_record_cost(rec: Reconciler, repeats: int) -> dict[str, Any]:
 def _seed(n: int, args: argparse.Namespace, workdir: Path) -> tuple[SeedSpec, str, Any, float]:
     """A store of ``n`` instances' history ending now: its spec, URL, seed summary and seconds taken."""
     prefill, decode = fleet(n)
-    url = f"sqlite:///{workdir / f'cost-{n}.db'}"
+    url = args.stores.create(f"pdscope_cost_{n}") if args.stores else f"sqlite:///{workdir / f'cost-{n}.db'}"
     spec = SeedSpec(
         end=time.time(),
         duration_s=args.history_s,
@@ -149,9 +213,10 @@ def _arrive(factory: Any, lo: float, hi: float) -> None:
 
 def _ticks(
     settings: Any, factory: Any, start: float, n_ticks: int
-) -> tuple[Reconciler, list[float], list[Any]]:
-    """The controller's CPU per tick, the clock advancing an interval per tick from ``start`` and that
-    interval's records arriving before each tick; and each tick's SLO figures."""
+) -> tuple[Reconciler, list[float], list[Any], list[float]]:
+    """The controller's CPU per tick (with the store server's), the clock advancing an interval per tick
+    from ``start`` and that interval's records arriving before each tick; each tick's SLO figures; and
+    the server's part of each tick's CPU."""
     interval = settings.controller.interval_s
     clock_now = [start]
     rec = Reconciler(
@@ -162,16 +227,19 @@ def _ticks(
     )
     ticks: list[float] = []
     slo: list[Any] = []
+    server: list[float] = []
     for i in range(n_ticks + 1):  # the first tick also loads the stored state: not counted
         clock_now[0] = start + i * interval
         if i:
             _arrive(factory, clock_now[0] - interval, clock_now[0])
+        s0 = server_cpu()
         spent, _ = cpu(rec.tick)
         obs = rec.view().obs
         slo.append(None if obs is None else (obs.slo, obs.tenants))
         if i:
             ticks.append(spent)
-    return rec, ticks, slo
+            server.append(server_cpu() - s0)
+    return rec, ticks, slo, server
 
 
 def _whole_every_tick(settings: Any) -> Any:
@@ -193,14 +261,22 @@ def _scans(
     return scans, rows
 
 
-def _whole_read_ticks(settings: Any, url: str, start: float, n_ticks: int) -> tuple[list[float], list[Any]]:
-    """:func:`_ticks` reading the SLO window whole every tick, on a copy of the store at ``url``."""
+def _copy(url: str, args: argparse.Namespace) -> str:
+    """A copy of the store at ``url`` (nothing may be connected to it), for the whole-read run."""
+    stores: PgStores | None = args.stores
+    if stores is not None:
+        return stores.create(f"{make_url(url).database}_whole", template=make_url(url).database)
     path = url.removeprefix("sqlite:///")
     copy = path.removesuffix(".db") + "-whole.db"
     shutil.copyfile(path, copy)
-    engine = make_engine(f"sqlite:///{copy}")
+    return f"sqlite:///{copy}"
+
+
+def _whole_read_ticks(settings: Any, url: str, start: float, n_ticks: int) -> tuple[list[float], list[Any]]:
+    """:func:`_ticks` reading the SLO window whole every tick, on the store at ``url`` (a copy)."""
+    engine = make_engine(url)
     try:
-        _, ticks, slo = _ticks(_whole_every_tick(settings), session_factory(engine), start, n_ticks)
+        _, ticks, slo, _ = _ticks(_whole_every_tick(settings), session_factory(engine), start, n_ticks)
     finally:
         engine.dispose()
     return ticks, slo
@@ -230,12 +306,13 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     settings = _with_tenants(settings, url) if args.tenants else settings
     interval = settings.controller.interval_s
     window = settings.controller.window_s
+    whole_url = _copy(url, args)  # before either run: both start from the same seeded store
     engine = make_engine(url)
     factory = session_factory(engine)
     # the clock starts one window before the end and advances an interval per tick
     start = spec.end - args.ticks * interval
-    rec, ticks, slo = _ticks(settings, factory, start, args.ticks)
-    whole_ticks, whole_slo = _whole_read_ticks(settings, url, start, args.ticks)
+    rec, ticks, slo, server = _ticks(settings, factory, start, args.ticks)
+    whole_ticks, whole_slo = _whole_read_ticks(settings, whole_url, start, args.ticks)
     scans, rows = _scans(factory, start, interval, window, args.ticks)
     record = tick_record_cost(rec, args.ticks)
     engine.dispose()
@@ -254,6 +331,7 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "window_s": window,
         "tick_cpu_s": tick,
         "tick_cpu_s_all": ticks,
+        "tick_server_cpu_s": statistics.median(server),  # of it, the store server's (PostgreSQL here)
         "whole_read_tick_cpu_s": whole,
         "whole_read_tick_cpu_s_all": whole_ticks,
         "tick_vs_whole_read": tick / whole if whole > 0 else None,
@@ -267,8 +345,10 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "record_share_of_tick": record["record_cpu_s"] / tick if tick > 0 else None,
         "record_mb_per_day": record["record_bytes"] * 86400 / interval / 1e6,
     }
+    served = f"; the server {out['tick_server_cpu_s'] * 1000:.0f} ms of it" if args.stores else ""
     print(
-        f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU ({tick / interval:6.1%} of {interval:g} s), "
+        f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU "
+        f"({tick / interval:6.1%} of {interval:g} s{served}), "
         f"whole-read tick {whole * 1000:8.1f} ms, SLO figures {'equal' if slo == whole_slo else 'DIFFER'}, "
         f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)",
         flush=True,
@@ -332,7 +412,7 @@ def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str
     settings = settings.model_copy(update={"controller": ctl})
     engine = make_engine(url)
     factory = session_factory(engine)
-    _, ticks, _ = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
+    _, ticks, _, _ = _ticks(settings, factory, spec.end - every * ctl.interval_s, every)
     out = {"instances": n, "seed_s": round(seed_s, 1), "tick_cpu_s": statistics.median(ticks)}
     out.update(record_sizes(factory, n, every, ctl.interval_s))
     engine.dispose()
@@ -396,8 +476,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenants", action="store_true", help="tenants on: the tick reads their window too")
     ap.add_argument("--tick-records", action="store_true", help="measure the tick records' size (see above)")
     ap.add_argument("--keyframe-every", type=int, default=0, help="with --tick-records (0: the config's)")
+    ap.add_argument("--pg", default=None, help="a PostgreSQL server URL: the stores are databases there")
     args = ap.parse_args(argv)
     name = "controller_cost-tickdeltas.json" if args.tick_records else "controller_cost.json"
+    name = name.replace(".json", "-pg.json") if args.pg else name
     args.out = args.out or str(REPO / "bench" / "results" / name)
     return args
 
@@ -470,12 +552,31 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()),
     }
-    found = records_main(args, sizes) if args.tick_records else ticks_main(args, sizes)
-    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine, "args": vars(args), **found}
+    global server_cpu
+    args.stores = PgStores(args.pg) if args.pg else None
+    local = args.stores is not None and local_postgres_cpu() > 0
+    server_cpu = local_postgres_cpu if local else _no_server
+    try:
+        found = records_main(args, sizes) if args.tick_records else ticks_main(args, sizes)
+    finally:
+        if args.stores:
+            args.stores.drop_all()
+    backend = {"store": "postgresql" if args.pg else "sqlite", "server_cpu": local or not args.pg}
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine,
+        "args": {**vars(args), "stores": None, "pg": _safe(args.pg)},
+        **backend,
+        **found,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def _safe(url: str | None) -> str | None:
+    return None if url is None else make_url(url).render_as_string(hide_password=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""The controller cost bench on PostgreSQL (``--pg``): a small fleet's ticks on a database of its own, the
+whole-read run on a copy made from it, the SLO and tenant figures equal, the server's CPU counted, and
+the databases gone after (``pg`` tier: it needs the server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from bench import controller_cost
+
+
+def _databases(admin: str) -> set[str]:
+    with psycopg.connect(admin.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        return {name for (name,) in conn.execute("SELECT datname FROM pg_database")}
+
+
+@pytest.mark.pg
+def test_the_bench_runs_on_postgresql_and_leaves_no_database(pg_admin_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    before = _databases(pg_admin_url)
+    argv = ["--sizes", "12", "--ticks", "2", "--history-s", "40", "--tenants", "--pg", pg_admin_url]
+    assert controller_cost.main([*argv, "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["store"] == "postgresql" and got["args"]["pg"] is not None
+    (size,) = got["sizes"]
+    assert size["slo_figures_equal"] and size["window_rows"] > 0
+    assert 0.0 <= size["tick_server_cpu_s"] <= size["tick_cpu_s"]
+    # a server on this machine (as `make test` starts it) has its processes' CPU counted in the tick's
+    assert got["server_cpu"] == (controller_cost.local_postgres_cpu() > 0)
+    assert _databases(pg_admin_url) == before  # its two databases dropped
+
