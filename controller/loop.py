@@ -15,17 +15,17 @@ snapshot (:meth:`Reconciler.view`).
 
 Leadership (:mod:`controller.leader`): only the leader ticks. Every interval :meth:`Reconciler.step`
 keeps or seeks the lock; the first tick after taking it claims the next leader epoch in the store
-and reloads the carried state (what the previous leader committed last), and every tick's
-transaction starts with the fence, so a deposed leader (its lock lost, the epoch bumped by
-another) writes nothing and becomes a standby. A standby runs no policy: every interval it
-reloads the carried state and the overrides from the store and serves the table they compose
+and reloads the carried state (what the previous leader committed last). A tick reads its inputs
+in one transaction and writes in another that starts with the fence, so a deposed leader (its lock
+lost, the epoch bumped by another) writes nothing and becomes a standby. A standby runs no policy:
+every interval it reloads the carried state and the overrides from the store and serves the table they compose
 (:meth:`Reconciler.reload`), and it retries the lock. Every decision and the served table carry
 the epoch.
 
 Side effects go through :mod:`controller.effects`, wired by the caller: the recorders write inside the
-tick's transaction (the decisions, the tick log), the observers hear of it after the commit (the webhook,
-the bundle writer, the shadow policy) and of each reload of the carried state. The loop imports none of
-them.
+tick's fenced transaction (the decisions, the tick log), the observers hear of it after the commit (the
+webhook, the bundle writer, the shadow policy) and of each reload of the carried state. The loop imports
+none of them.
 
 ``run_forever`` is the asyncio driver (steps run in a worker thread); tests call ``tick``,
 ``step`` and ``reload`` directly with a virtual clock.
@@ -267,18 +267,25 @@ class Reconciler:
             raise
 
     def _decide_and_serve(self, now: float, epoch: int) -> TickOutput:
-        with transaction(self.factory) as session:
-            fence(session, epoch, self.lease_s)  # first: a deposed leader reads and writes nothing more
-            if not self._loaded:
+        """Read the window, decide, then write in a fenced transaction of its own. The reads hold no lock
+        and no lease: a large fleet's observation can take longer than the lease, past which the server
+        ends a fenced transaction left idle (``controller.leader.fence``), as it must for a paused leader;
+        what the tick writes is fenced, so a leader deposed meanwhile writes nothing."""
+        if not self._loaded:
+            with transaction(self.factory) as session:
+                fence(session, epoch, self.lease_s)
                 self._load(session)
+        with transaction(self.factory) as session:
             facts: list[RateFacts] | None = [] if self._rates.due(now) else None  # a fit on its cadence
             obs = observe_mod.observe(
                 session, self.settings, now, cfg=self.cfg, rate_facts=facts, kept=self._kept
             )
             overrides = load_overrides(session, now)
-            inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
-            out = decide(inp, self.cfg, self.rules, self.alert_config)
-            tick = self._tick_of(inp, out, epoch)
+        inp = TickInput(obs, self._state, overrides, self.instances, self.pools, self.mode)
+        out = decide(inp, self.cfg, self.rules, self.alert_config)
+        tick = self._tick_of(inp, out, epoch)
+        with transaction(self.factory) as session:
+            fence(session, epoch, self.lease_s)  # first: a deposed leader writes nothing more
             written = self._record(session, tick)
         # committed: now serve it
         self._between = Between()
