@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 
+from controller import observe as observe_mod
 from controller.api import create_app
 from controller.leader import Deposed, LeaderInfo, PgAdvisoryLock, claim, fence, read_leader
 from controller.loop import Reconciler
 from controller.wiring import default_effects
 from store.db import StoreError, make_engine, session_factory, transaction
 from store.migrate import upgrade
-from store.models import Decision
+from store.models import Decision, TickRecord
 from tests.controller.conftest import World
 from tests.controller.leaders import decisions, feed, served, writes
 from tests.support.sockets import free_port
@@ -384,3 +386,29 @@ def test_a_standby_forwards_an_operator_change_to_the_leader_once(world: World, 
     finally:
         for lock in locks:
             lock.close()
+
+
+def test_a_tick_whose_observation_outlasts_the_lease_still_writes(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 10,000 instances the observation computes for longer than the lease between two statements.
+    The fence's transaction may not sit idle that long (the server ends it, as it must for a paused
+    leader), so the tick reads in a transaction of its own: here an observation that takes a second
+    against a lease of 0.3 s, and the tick still commits its record under its epoch."""
+    rec = world.reconciler
+    rec.lease_s = 0.3
+    observe = observe_mod.observe
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        got = observe(*args, **kwargs)
+        time.sleep(1.0)  # the computing a large fleet's observation does between statements
+        return got
+
+    monkeypatch.setattr(observe_mod, "observe", slow)
+    feed(world)
+    rec.tick()
+    feed(world)
+    rec.tick()
+    with transaction(world.factory) as s:
+        epochs = s.scalars(select(TickRecord.leader_epoch)).all()
+    assert len(epochs) == 2 and set(epochs) == {rec.view().epoch}
