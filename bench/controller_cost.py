@@ -345,15 +345,25 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "record_share_of_tick": record["record_cpu_s"] / tick if tick > 0 else None,
         "record_mb_per_day": record["record_bytes"] * 86400 / interval / 1e6,
     }
-    served = f"; the server {out['tick_server_cpu_s'] * 1000:.0f} ms of it" if args.stores else ""
+    _print_size(out, server=args.stores is not None)
+    return out
+
+
+def _print_size(r: dict[str, Any], server: bool) -> None:
+    """One size's line, as it is measured (``server``: say the store server's part)."""
+    tick, served = (
+        r["tick_cpu_s"],
+        f"; the server {r['tick_server_cpu_s'] * 1000:.0f} ms of it" if server else "",
+    )
     print(
-        f"  {n:>5} instances: tick {tick * 1000:8.1f} ms CPU "
-        f"({tick / interval:6.1%} of {interval:g} s{served}), "
-        f"whole-read tick {whole * 1000:8.1f} ms, SLO figures {'equal' if slo == whole_slo else 'DIFFER'}, "
-        f"window scan {scan * 1000:7.1f} ms, {rows:,} rows (seeded in {seed_s:.0f} s)",
+        f"  {r['instances']:>5} instances: tick {tick * 1000:8.1f} ms CPU "
+        f"({r['tick_share_of_interval']:6.1%} of {r['interval_s']:g} s{served}), "
+        f"whole-read tick {r['whole_read_tick_cpu_s'] * 1000:8.1f} ms, "
+        f"SLO figures {'equal' if r['slo_figures_equal'] else 'DIFFER'}, "
+        f"window scan {r['baseline_scan_cpu_s'] * 1000:7.1f} ms, {r['window_rows']:,} rows "
+        f"(seeded in {r['seed_s']:.0f} s)",
         flush=True,
     )
-    return out
 
 
 def _stored_records(factory: Any) -> list[TickRecord]:

@@ -31,4 +31,3 @@ def test_the_bench_runs_on_postgresql_and_leaves_no_database(pg_admin_url: str, 
     # a server on this machine (as `make test` starts it) has its processes' CPU counted in the tick's
     assert got["server_cpu"] == (controller_cost.local_postgres_cpu() > 0)
     assert not {d for d in _databases(pg_admin_url) if d.startswith("pdscope_cost_")}  # its two dropped
-
