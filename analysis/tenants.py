@@ -180,6 +180,20 @@ def _queue_wait(r: TenantFacts) -> float | None:
     return _finite(r.admitted - r.proxy_in)
 
 
+_Values = tuple[float | None, float | None, float | None]
+
+
+def _values(r: TenantFacts) -> _Values:
+    """``r``'s entries in a tenant's sorted TTFTs, TPOTs (served ones') and admission waits (None: none)."""
+    served = r.status == "ok"
+    return (_finite(r.ttft_s) if served else None, _finite(r.tpot_s) if served else None, _queue_wait(r))
+
+
+def _means(served: int, prompt: int, completion: int, fallback: tuple[float, float]) -> tuple[float, float]:
+    """The mean prompt and completion tokens of ``served`` requests of those sums; ``fallback`` when none."""
+    return (prompt / served, completion / served) if served else fallback
+
+
 class _Own:
     """One tenant's counts, token sums and sorted values over the records it holds (whole numbers, so a
     record removed takes back exactly what it added)."""
@@ -193,13 +207,13 @@ class _Own:
         self.tpot: SortedList[float] = SortedList()
         self.queued: SortedList[float] = SortedList()
 
-    def count(self, r: TenantFacts, slo: SLOSettings, sign: int) -> None:
-        """Add (``sign`` 1) or take back (-1) ``r``'s counts and sums."""
+    def count(self, r: TenantFacts, slo: SLOSettings, sign: int, values: _Values) -> None:
+        """Add (``sign`` 1) or take back (-1) ``r``'s counts and sums (``values``: its :func:`_values`)."""
         self.requests += sign
         demand = r.status not in _NOT_DEMAND
         self.demand += sign * demand
         self.failed += sign * (r.status in ("error", "timeout"))
-        wait = _queue_wait(r)
+        wait = values[2]
         self.waited += sign * (wait is not None and wait > 0)
         prompt, completion = int(r.prompt_tokens or 0), int(r.completion_tokens or 0)
         if r.status == "rejected":
@@ -216,13 +230,9 @@ class _Own:
             self.unserved_unknown += sign * (r.prompt_tokens is None)
             self.unserved_prompt += sign * prompt
 
-    def values(self, r: TenantFacts) -> tuple[float | None, float | None, float | None]:
-        """``r``'s entries in :attr:`ttft`, :attr:`tpot` and :attr:`queued` (None: none there)."""
-        served = r.status == "ok"
-        return (_finite(r.ttft_s) if served else None, _finite(r.tpot_s) if served else None, _queue_wait(r))
-
-    def place(self, r: TenantFacts, sign: int) -> None:
-        for kept, v in zip((self.ttft, self.tpot, self.queued), self.values(r), strict=True):
+    def place(self, values: _Values, sign: int) -> None:
+        """Add a record's :func:`_values` to the sorted TTFTs, TPOTs and waits, or take them back."""
+        for kept, v in zip((self.ttft, self.tpot, self.queued), values, strict=True):
             if v is not None:
                 kept.add(v) if sign > 0 else kept.remove(v)
 
@@ -238,8 +248,7 @@ class _Own:
 
     def means(self, fallback: tuple[float, float]) -> tuple[float, float]:
         """The mean prompt and completion tokens of its served requests; ``fallback`` when none."""
-        n = self.served
-        return (self.served_prompt / n, self.served_completion / n) if n else fallback
+        return _means(self.served, self.served_prompt, self.served_completion, fallback)
 
     def figures(self, name: str, terms: TenantTerms, span_s: float, decode_cost: float) -> TenantFigures:
         """Its figures (shares are filled in by :meth:`TenantTally.window`)."""
@@ -349,9 +358,9 @@ class TenantTally:
         tally = cls(terms)
         values: dict[str, tuple[list[float], list[float], list[float]]] = {n: ([], [], []) for n in terms}
         for r in facts:
-            name = tally._count(r, 1)
-            if name is not None:
-                for kept, v in zip(values[name], tally._own[name].values(r), strict=True):
+            counted = tally._count(r, 1)
+            if counted is not None:
+                for kept, v in zip(values[counted[0]], counted[1], strict=True):
                     if v is not None:
                         kept.append(v)
         for name, (ttft, tpot, queued) in values.items():
@@ -360,37 +369,41 @@ class TenantTally:
         return tally
 
     def add(self, r: TenantFacts) -> None:
-        name = self._count(r, 1)
-        if name is not None:
-            self._own[name].place(r, 1)
+        counted = self._count(r, 1)
+        if counted is not None:
+            self._own[counted[0]].place(counted[1], 1)
 
     def remove(self, r: TenantFacts) -> None:
         """Take back a record :meth:`add` (or :meth:`of`) counted."""
-        name = self._count(r, -1)
-        if name is not None:
-            self._own[name].place(r, -1)
+        counted = self._count(r, -1)
+        if counted is not None:
+            self._own[counted[0]].place(counted[1], -1)
 
-    def _count(self, r: TenantFacts, sign: int) -> str | None:
-        """Count ``r`` in its tenant's (``default``'s when absent or undeclared); None: no such tenant."""
+    def _count(self, r: TenantFacts, sign: int) -> tuple[str, _Values] | None:
+        """Count ``r`` in its tenant's (``default``'s when absent or undeclared): the tenant and ``r``'s
+        :func:`_values`; None: no such tenant."""
         name = r.tenant if r.tenant in self._own else DEFAULT_TENANT
         self.undeclared += sign * (r.tenant is not None and r.tenant not in self._own)
         own = self._own.get(name)
         if own is None:  # a map without default (a caller's own) leaves the rest out
             return None
-        own.count(r, self.terms[name].slo, sign)
-        return name
+        values = _values(r)
+        own.count(r, self.terms[name].slo, sign, values)
+        return name, values
 
     def window(self, since: float, until: float, decode_cost: float = 1.0) -> TenantWindow:
         """Every tenant's figures over ``since``..``until`` (the records held)."""
         span = max(until - since, 1e-9)
         owns = self._own.items()
         figures = [own.figures(name, self.terms[name], span, decode_cost) for name, own in owns]
-        fleet = _Own()  # the served requests of all, for their means
-        for own in self._own.values():
-            fleet.served += own.served
-            fleet.served_prompt += own.served_prompt
-            fleet.served_completion += own.served_completion
-        asked = {name: own.asked(decode_cost, fleet.means((0.0, 0.0))) for name, own in owns}
+        every = self._own.values()  # the served requests of all, for their means
+        fleet = _means(
+            sum(o.served for o in every),
+            sum(o.served_prompt for o in every),
+            sum(o.served_completion for o in every),
+            (0.0, 0.0),
+        )
+        asked = {name: own.asked(decode_cost, fleet) for name, own in owns}
         shared, jain = _shares(figures, asked)
         return TenantWindow(since, until, tuple(shared), jain, self.undeclared)
 

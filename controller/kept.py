@@ -3,10 +3,10 @@
 :class:`KeptReads` is owned by the leader's reconciler (``controller.loop``) and handed to
 ``controller.observe`` each tick. It holds the SLO window (``controller.slowindow``) and the cursor
 of the records read into it (``store.changes``); with tenants on, the tenants' window
-(``controller.tenantrows``) with its own cursor, read whole on the same occasions (and when the clock
-went back before what it retired), its reads counted apart (``tenant_counts``). A tick reads the
-records stamped since the last read; a whole read (the window's records, as
-``store.queries.slo_summary`` reads them) happens:
+(``controller.tenantrows``, with the tally of their figures) with its own cursor, read whole on the
+same occasions (and when the clock went back before what it retired), its reads counted apart
+(``tenant_counts``). A tick reads the records stamped since the last read; a whole read (the
+window's records, as ``store.queries.slo_summary`` reads them) happens:
 
 - on the first tick, and when this controller becomes the leader (a new ``KeptReads``);
 - when the mark means nothing any more (SQLite: the table's newest rows were deleted);

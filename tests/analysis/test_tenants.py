@@ -9,6 +9,7 @@ from analysis.tenants import (
     MAX_REASONS,
     OTHER,
     TenantFacts,
+    TenantTally,
     jain_index,
     max_min_allocation,
     tenant_slo,
@@ -133,3 +134,17 @@ def test_jain_reads_one_when_each_tenant_got_all_it_asked_whatever_the_weights()
     facts = [_ok("a"), _ok("a"), _ok("a"), _rejected("b", "queue_full"), _rejected("b", "queue_full")]
     w = tenant_window(facts, terms_of(s.tenants, s.slo), since=0, until=10)
     assert w.jain is not None and w.jain < 0.6  # b asked and got nothing of its third
+
+
+def test_a_record_with_a_non_finite_latency_counts_but_has_no_rank() -> None:
+    s = _settings()
+    terms = terms_of(s.tenants, s.slo)
+    odd = [_ok("b", ttft=float("nan")), _ok("b", ttft=float("inf")), _ok("b", ttft=0.4)]
+    w = tenant_window(odd, terms, since=0, until=10)
+    b = w.of("b")
+    assert b is not None and b.served == 3 and b.ttft_at_slo_s == 0.4  # only the finite TTFT is ranked
+    kept = TenantTally(terms)  # and a kept tally takes them back as it added them
+    for r in odd:
+        kept.add(r)
+    kept.remove(odd[0])
+    assert kept.window(0, 10) == tenant_window(odd[1:], terms, since=0, until=10)
