@@ -504,6 +504,12 @@ def _add_growth(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _shown(ratio: float | None, spec: str, unit: str = "") -> str:
+    """A ratio as the tables print it; "–" where its baseline measured no CPU (a tiny fleet, at the
+    clock's resolution)."""
+    return "–" if ratio is None else f"{ratio:{spec}}{unit}"
+
+
 def _print_tables(rows: list[dict[str, Any]]) -> None:
     print()
     print(
@@ -516,15 +522,15 @@ def _print_tables(rows: list[dict[str, Any]]) -> None:
         print(
             f"| {r['instances']:,} | {r['tick_cpu_s'] * 1000:.1f} | {r['tick_cpu_ms_per_instance']:.2f} | "
             f"{r['tick_share_of_interval']:.1%} | {r['baseline_scan_cpu_s'] * 1000:.1f} | "
-            f"{r['tick_vs_scan']:.1f}x | {'' if g is None else f'{g:.2f}'} | "
-            f"{r['whole_read_tick_cpu_s'] * 1000:.1f} | {r['tick_vs_whole_read']:.2f}x |"
+            f"{_shown(r['tick_vs_scan'], '.1f', 'x')} | {'' if g is None else f'{g:.2f}'} | "
+            f"{r['whole_read_tick_cpu_s'] * 1000:.1f} | {_shown(r['tick_vs_whole_read'], '.2f', 'x')} |"
         )
     print("\n| instances | tick record (kB) | per day (MB) | encode (ms) | share of tick | decode (ms) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['instances']:,} | {r['record_bytes'] / 1000:.1f} | {r['record_mb_per_day']:.0f} | "
-            f"{r['record_cpu_s'] * 1000:.1f} | {r['record_share_of_tick']:.1%} | "
+            f"{r['record_cpu_s'] * 1000:.1f} | {_shown(r['record_share_of_tick'], '.1%')} | "
             f"{r['replay_decode_cpu_s'] * 1000:.1f} |"
         )
 

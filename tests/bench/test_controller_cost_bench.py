@@ -31,3 +31,26 @@ def test_the_bench_runs_on_postgresql_and_leaves_no_database(pg_admin_url: str, 
     # a server on this machine (as `make test` starts it) has its processes' CPU counted in the tick's
     assert got["server_cpu"] == (controller_cost.local_postgres_cpu() > 0)
     assert not {d for d in _databases(pg_admin_url) if d.startswith("pdscope_cost_")}  # its two dropped
+
+
+def test_a_ratio_whose_baseline_measured_no_cpu_prints_as_a_dash(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny fleet's scan can cost nothing at the clock's resolution: its ratios are None, printed "–"."""
+    size = {
+        "instances": 12,
+        "tick_cpu_s": 0.01,
+        "tick_cpu_ms_per_instance": 0.8,
+        "tick_share_of_interval": 0.005,
+        "baseline_scan_cpu_s": 0.0,
+        "tick_vs_scan": None,
+        "whole_read_tick_cpu_s": 0.0,
+        "tick_vs_whole_read": None,
+        "record_bytes": 100,
+        "record_mb_per_day": 1.0,
+        "record_cpu_s": 0.0,
+        "record_share_of_tick": None,
+        "replay_decode_cpu_s": 0.0,
+    }
+    controller_cost._print_tables([size])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 12 |")]
+    assert len(lines) == 2 and lines[0].count("| – |") == 2 and lines[0].endswith("| – |")
+    assert "| – |" in lines[1]
