@@ -247,6 +247,7 @@ def memory_flow(
         tracer,
         parts.clock,
         parts.kv,
+        tenancy=parts.tenancy,
     )
     return MemoryProxy(flow, parts, upstream, processor)
 

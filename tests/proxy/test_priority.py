@@ -86,7 +86,7 @@ def test_the_value_orders_classes_then_share_and_stays_within_int64() -> None:
     assert request_priority(-4, False) == 0 and request_priority(2**70, True) == INT64_MAX
 
 
-def test_a_tenant_past_its_share_of_its_class_backlog_is_over_share() -> None:
+def test_a_tenant_served_past_its_share_of_its_class_is_over_share() -> None:
     ts = type(make_settings(["http://p"], ["http://d"]).tenants).model_validate(
         {
             "enabled": True,
@@ -99,8 +99,7 @@ def test_a_tenant_past_its_share_of_its_class_backlog_is_over_share() -> None:
     for tenant, tokens in (("a", 3000), ("b", 1000), ("c", 99_000)):
         if tenant == "b":
             assert not fair.over_share("a")  # no busy peer of its class
-        fair.admitted(tenant, tokens)  # in flight: busy
-        fair.add_backlog(tenant, tokens)  # another class's backlog is not a's business
+        fair.admitted(tenant, tokens)  # in flight: busy; another class's service is not a's business
     assert fair.over_share("a") and not fair.over_share("b") and not fair.over_share("c")
 
 
