@@ -49,7 +49,6 @@ REASON_RESERVE = "tenant_reserve"  # waited out its deadline behind its reserve 
 SERVICE_TAU_S = 10.0  # the decay of the service rates Jain's index reads
 IDLE_S = 1.0  # a tenant with nothing waiting or in flight for longer than this is idle
 MIN_SCALE = 0.01  # a tenant's weight is never scaled below this fraction (it still gets some share)
-ROOM_PROMPTS = 64  # a tenant's latest prompts (P's part) the room kept for its next request is sized by
 
 
 @dataclass(eq=False, slots=True)
@@ -90,19 +89,6 @@ class _Tenant:
     busy_at: float = -math.inf  # when it last had a waiter or a request in flight
     target_s: float = math.inf  # its TTFT target (its own, else the fleet's)
     backlog: float = 0.0  # prompt tokens of its admitted requests P has not answered yet
-    prompts: deque[float] = field(default_factory=lambda: deque(maxlen=ROOM_PROMPTS))  # P's part, latest
-
-
-@dataclass(frozen=True, slots=True)
-class ReserveLine:
-    """How deep a tenant may fill P's queues now (:meth:`FairQueue.reserve_line`): ``seconds``, the
-    predicted time to a first token it may leave there; and the room its claimants' next request needs
-    behind that: ``room_tokens`` (the largest prompt P computed for one of them lately) within
-    ``target_s`` (the tightest of their targets)."""
-
-    seconds: float
-    room_tokens: float
-    target_s: float
 
 
 class FairQueue:
@@ -249,54 +235,41 @@ class FairQueue:
         return self.tenants[tenant].target_s
 
     def add_backlog(self, tenant: str, tokens: float) -> None:
-        """An admitted request of ``tenant`` waits on P with ``tokens`` to compute."""
-        t = self.tenants[tenant]
-        t.backlog += tokens
-        t.prompts.append(tokens)
+        self.tenants[tenant].backlog += tokens
 
     def drop_backlog(self, tenant: str, tokens: float) -> None:
         t = self.tenants[tenant]
         t.backlog = max(0.0, t.backlog - tokens)
 
-    def reserve_line(self, tenant: str) -> ReserveLine | None:
-        """How deep ``tenant`` may fill P's queues now, or None: no line. The reserve (``tenants.reserve``)
-        is kept behind the line for its *claimants*, those with the first claim on it: while tenants of a
-        higher class are busy, they, and the line is (1 - reserve) of the tightest of their targets; else,
-        while tenants of its own class are busy and it is past its share among them (:meth:`over_share`),
-        they, and the line is (1 - reserve) of its own target. Alone, none. Busy: waiting, in flight, or
-        either within ``SERVICE_TAU_S``.
-
-        The line also keeps room for the claimants' next request: the largest prompt P computed for one of
-        them among their latest ``ROOM_PROMPTS``, within their tightest target. A fixed share of the target
-        leaves room for a typical prompt only: beside a flood held to its line, the well-behaved tenants'
-        remaining ``predicted_late`` 429s were nearly all their largest prompts (4,600 tokens, the budget's
-        last 0.3 a third too small at the error margin of that load)."""
+    def reserve_line(self, tenant: str) -> float | None:
+        """How deep (predicted seconds to a first token, for a request sent now) ``tenant`` may fill P's
+        queues, or None: no line. The reserve (``tenants.reserve``) is kept behind the line for those with
+        the first claim on it: while a tenant of a higher class is busy, the line is (1 - reserve) of the
+        tightest of their targets; while tenants of its own class are busy and it was served past its
+        weight's share among them (:meth:`over_share`), (1 - reserve) of its own target. Alone, none.
+        Busy: waiting, in flight, or either within ``SERVICE_TAU_S``."""
         if self.reserve <= 0:
             return None
         now, t = self.clock(), self.tenants[tenant]
         others = [o for n, o in self.tenants.items() if n != tenant and self._busy(n, o, now)]
-        claimants = [o for o in others if o.rank < t.rank]
-        if claimants:
-            seconds = min(o.target_s for o in claimants) * (1.0 - self.reserve)
-        else:
-            peers = [o for o in others if o.rank == t.rank]
-            if not math.isfinite(t.target_s) or not self._over(t, peers, now):
-                return None
-            claimants, seconds = peers, t.target_s * (1.0 - self.reserve)
-        room = max((max(o.prompts, default=0.0) for o in claimants), default=0.0)
-        return ReserveLine(seconds, room, min(o.target_s for o in claimants))
+        higher = [o.target_s for o in others if o.rank < t.rank]
+        if higher:
+            return min(higher) * (1.0 - self.reserve)
+        if not math.isfinite(t.target_s) or not self._over(t, [o for o in others if o.rank == t.rank], now):
+            return None
+        return t.target_s * (1.0 - self.reserve)
 
     def over_share(self, tenant: str) -> bool:
         """Whether ``tenant`` was served past its weight's share among the busy tenants of its class
         (itself included): its service of the last ``SERVICE_TAU_S`` (the decayed rate, over its weight)
-        above their weighted mean. Never alone in its class. The
-        reserve line's test, and the priority a request carries into P (``proxy.priority``).
+        above their weighted mean. Never alone in its class. The reserve line's test, and the priority a
+        request carries into P (``proxy.priority``).
 
         Service, not P's backlog: the backlog is a moment. A tenant within its share that sends a few
         requests together holds most of what waits while a flood is held behind its line; judged by the
         backlog, it was held to a line in turn and waited in the proxy until it was late, and the flood,
         for that moment within its share of the backlog, had no line (a simulated flood beside two tenants
-        at 3/4 of their share: most of their remaining ``predicted_late`` 429s)."""
+        at 3/4 of their share: about half of their remaining ``predicted_late`` 429s)."""
         now, t = self.clock(), self.tenants[tenant]
         peers = [
             o for n, o in self.tenants.items() if n != tenant and o.rank == t.rank and self._busy(n, o, now)

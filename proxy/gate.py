@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -388,9 +387,8 @@ class Gate:
     def _reserved(self, req: RequestState, names: tuple[list[str], list[str]] | None) -> frozenset[str]:
         """With tenants and admission by prediction: the Ps (of ``names``) ``req`` may not go to now,
         because the queue it would leave there (its own prefill included, not its wait so far) is past the
-        line its tenant must keep the reserve behind (``FairQueue.reserve_line``), or leaves too little
-        room for its claimants' next request within their target (on an fcfs P: a priority-scheduled one
-        lets them pass what waits); none when no line applies."""
+        line its tenant must keep the reserve behind (``FairQueue.reserve_line``); none when no line
+        applies."""
         fair = self.admission.fair
         if fair is None or names is None:
             return frozenset()
@@ -398,12 +396,8 @@ class Gate:
         if line is None:
             return frozenset()
         ps, ds = names
-        pred, own = self.predictor, dict.fromkeys(ps, req.tokens)
-        late = outlook(pred, own, ps, ds, 0.0, line.seconds, req.tokens, req.priority).late
-        if req.priority is not None or line.room_tokens <= 0 or not math.isfinite(line.target_s):
-            return late  # a priority-scheduled P lets the claimants pass what waits: no room to keep
-        room = dict.fromkeys(ps, req.tokens + int(line.room_tokens))
-        return late | outlook(pred, room, ps, ds, 0.0, line.target_s, req.tokens).late
+        own = dict.fromkeys(ps, req.tokens)
+        return outlook(self.predictor, own, ps, ds, 0.0, line, req.tokens, req.priority).late
 
     def _late(self, req: RequestState, view: RoutingView, look: Outlook) -> Rejection:
         """Every P is predicted late: rejected now, with when a request like it would make it."""

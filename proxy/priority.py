@@ -8,8 +8,8 @@ So the proxy sends ``priority`` only to the instances the config declares priori
 (``pools.<pool>.scheduling``, an instance's own ``scheduling``), on P's leg and D's alike.
 
 **The value** is ``CLASS_STEP x rank + over``: the tenant's class rank (0 for ``tenants.classes``' first)
-and, within the class, 1 when the tenant holds more than its weight's share of the prompt tokens its class
-has waiting on P (:meth:`proxy.fairqueue.FairQueue.over_share`, the test of the reserve line), else 0. So
+and, within the class, 1 when the tenant was served past its weight's share among the busy tenants of its
+class lately (:meth:`proxy.fairqueue.FairQueue.over_share`, the test of the reserve line), else 0. So
 every class goes before the next, and within a class a tenant within its share goes before one past it;
 arrival decides the rest, as vLLM does. Taken at each try at admission, kept for the request's legs and
 retries. Bounded to vLLM's int64 (:data:`INT64_MAX`), which a class rank of at most 64 never reaches.

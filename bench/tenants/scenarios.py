@@ -16,7 +16,8 @@ from typing import Any
 
 from simulator.workload import LengthDist, Planned, arrival_times
 
-PROMPT = LengthDist.parse("lognormal:1024,0.7")  # mean about 1,300 tokens: a mix of short and long
+PROMPT_MIX = "lognormal:1024,0.7"  # mean about 1,300 tokens: a mix of short and long
+PROMPT = LengthDist.parse(PROMPT_MIX)
 OUTPUT = LengthDist.parse("lognormal:24,0.6")
 PROMPT_RANGE, OUTPUT_RANGE = (64, 6144), (4, 128)
 MEAN_PROMPT_TOKENS = 1300.0  # PROMPT's mean within PROMPT_RANGE, rounded (the capacity steps' guess)
@@ -38,6 +39,7 @@ class TenantLoad:
     tpot_ms: float = FLEET_TPOT_MS
     pattern: str = "poisson"  # or "bursty"
     behaved: bool = True  # asks no more than its share: its attainment alone is its reference
+    prompt: str = PROMPT_MIX  # its prompts' lengths (simulator.workload.LengthDist), in PROMPT_RANGE
 
     def declared(self) -> dict[str, Any]:
         return {
@@ -82,6 +84,15 @@ SCENARIOS = {
             TenantLoad("batch", 1.5, priority="batch", ttft_ms=10_000.0, tpot_ms=200.0, behaved=False),
         ),
     ),
+    "longprompt": Scenario(
+        "longprompt",
+        "equal weights; a tenant of long prompts (about 4,000 tokens) at 0.1x capacity in requests (about"
+        " 0.6 of its share in tokens) beside a flood at 5/3x capacity (3.3x its share) in bursts",
+        (
+            TenantLoad("rag", 0.1, prompt="lognormal:4000,0.2"),
+            TenantLoad("flood", 5 / 3, pattern="bursty", behaved=False),
+        ),
+    ),
     "backlog": Scenario(
         "backlog",
         "weights 2:1:1, each tenant offering 3/4 of capacity: all three past their share (Jain's index)",
@@ -116,8 +127,9 @@ def tenant_plan(t: TenantLoad, capacity_rps: float, duration_s: float, seed: int
     rng = random.Random(f"{seed}:{t.id}")
     rate = t.of_capacity * capacity_rps
     times = arrival_times(t.pattern, rate, 10**6, duration_s, rng, BURST)
+    prompt = LengthDist.parse(t.prompt)
     return [
-        Planned(at, _clamp(PROMPT.sample(rng), PROMPT_RANGE), _clamp(OUTPUT.sample(rng), OUTPUT_RANGE))
+        Planned(at, _clamp(prompt.sample(rng), PROMPT_RANGE), _clamp(OUTPUT.sample(rng), OUTPUT_RANGE))
         for at in times
     ]
 

@@ -85,7 +85,7 @@ class TenantSettings(_Frozen):
     """with admission by prediction: the last share of the TTFT budget kept for the tenants that have the
     first claim on it. While a tenant of a higher class is busy, a lower class's request is admitted only
     if predicted within (1 - reserve) of the tightest target among them; while tenants of its own class are
-    busy, a tenant past its weight's share of the prompt tokens waiting on P is held to (1 - reserve) of its
+    busy, a tenant served past its weight's share among them (its last 10 s) is held to (1 - reserve) of its
     own. So a flood or a batch tenant fills P's queues only so deep, and the others' requests still fit;
     alone, a tenant has the whole budget. 0: off"""
     cost_per_decode_token: PositiveFloat = 1.0

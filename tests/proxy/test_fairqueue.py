@@ -12,7 +12,6 @@ from pdscope.config.tenants import TenantSettings
 from proxy.fairqueue import (
     REASON_QUEUE_FULL,
     REASON_TENANT_QUEUE_FULL,
-    ROOM_PROMPTS,
     FairQueue,
     Ticket,
 )
@@ -199,8 +198,7 @@ def test_a_lower_class_keeps_the_reserve_behind_the_tightest_busy_higher_target(
     q.admitted("batch", 100)
     assert q.reserve_line("batch") is None
     q.admitted("live", 10)  # interactive, its own 1.5 s target, busy
-    line = q.reserve_line("batch")
-    assert line is not None and line.seconds == pytest.approx(1.5 * 0.7)
+    assert q.reserve_line("batch") == pytest.approx(1.5 * 0.7)
     assert q.reserve_line("live") is None  # nobody of a higher class: interactive is never held back
     q.finished("live", 10, 10)
     t[0] = 10.5  # idle for longer than SERVICE_TAU_S: batch has the whole budget again
@@ -211,8 +209,7 @@ def test_a_tenant_served_past_its_share_keeps_the_reserve_for_its_peers() -> Non
     q, _ = _reserved(flood={}, calm={"weight": 1.0})
     q.admitted("flood", 9000)
     q.admitted("calm", 1000)
-    line = q.reserve_line("flood")
-    assert line is not None and line.seconds == pytest.approx(2.0 * 0.7)  # 90 % of the service, half the weight
+    assert q.reserve_line("flood") == pytest.approx(2.0 * 0.7)  # 90 % of the service, half its weight
     assert q.reserve_line("calm") is None  # within its share: the whole budget
     q.charge("calm", 9000)
     assert q.reserve_line("flood") is None  # 9,000 of 19,000: within its half
@@ -228,22 +225,6 @@ def test_a_burst_within_its_share_gets_no_line_however_much_of_p_it_holds() -> N
     q.add_backlog("flood", 500)
     assert q.reserve_line("calm") is None and not q.over_share("calm")
     assert q.reserve_line("flood") is not None and q.over_share("flood")
-
-
-def test_the_line_keeps_room_for_the_largest_latest_prompt_of_those_it_is_kept_for() -> None:
-    q, t = _reserved(live={"slo": {"ttft_ms": 1500}}, batch={"priority": "batch"}, other={})
-    q.admitted("batch", 100)
-    q.admitted("live", 10)
-    for tokens in (300, 6000, 900):
-        q.add_backlog("live", tokens)
-        q.drop_backlog("live", tokens)  # answered: the room stays sized by it
-    q.add_backlog("other", 50_000)  # not busy: no claim on batch's line
-    line = q.reserve_line("batch")
-    assert line is not None and (line.room_tokens, line.target_s) == (6000, 1.5)
-    for _ in range(ROOM_PROMPTS):
-        q.add_backlog("live", 200)
-    line = q.reserve_line("batch")
-    assert line is not None and line.room_tokens == 200  # only the latest ROOM_PROMPTS count
 
 
 def test_no_reserve_means_no_line() -> None:
