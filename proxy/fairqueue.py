@@ -88,7 +88,6 @@ class _Tenant:
     waited_at: float = -math.inf  # when it last had a waiter
     busy_at: float = -math.inf  # when it last had a waiter or a request in flight
     target_s: float = math.inf  # its TTFT target (its own, else the fleet's)
-    backlog: float = 0.0  # prompt tokens of its admitted requests P has not answered yet
 
 
 class FairQueue:
@@ -234,13 +233,6 @@ class FairQueue:
         """``tenant``'s own TTFT target (its ``slo.ttft_ms``, else the fleet's)."""
         return self.tenants[tenant].target_s
 
-    def add_backlog(self, tenant: str, tokens: float) -> None:
-        self.tenants[tenant].backlog += tokens
-
-    def drop_backlog(self, tenant: str, tokens: float) -> None:
-        t = self.tenants[tenant]
-        t.backlog = max(0.0, t.backlog - tokens)
-
     def reserve_line(self, tenant: str) -> float | None:
         """How deep (predicted seconds to a first token, for a request sent now) ``tenant`` may fill P's
         queues, or None: no line. The reserve (``tenants.reserve``) is kept behind the line for those with
@@ -280,10 +272,10 @@ class FairQueue:
     def _over(t: _Tenant, peers: list[_Tenant], now: float) -> bool:
         if not peers:
             return False
-        w = t.weight * t.scale
+        mine, w = t.service.read(now), t.weight * t.scale
         weights = w + sum(o.weight * o.scale for o in peers)
-        served = w * t.service.read(now) + sum(o.weight * o.scale * o.service.read(now) for o in peers)
-        return t.service.read(now) * weights > served
+        served = w * mine + sum(o.weight * o.scale * o.service.read(now) for o in peers)
+        return mine * weights > served
 
     def _busy(self, name: str, t: _Tenant, now: float) -> bool:
         return bool(t.queue) or self.inflight[name] > 0 or now - t.busy_at <= SERVICE_TAU_S

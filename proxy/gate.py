@@ -423,8 +423,6 @@ class Gate:
         req.tokens_ahead, req.predicted_x, req.predicted_source = est.ahead, est.ahead + own, est.source
         req.predicted_sure = est.confident
         req.backlog = (p.name, pred.sent_to_p(p.name, own, est.seconds, req.priority, est.ahead), own)
-        if self.admission.fair is not None:
-            self.admission.fair.add_backlog(req.tenant, own)
         if req.tokens > 0:
             pred.sent_to_d(p.name, d.name, req.tokens)
             req.d_backlog = (p.name, d.name, req.tokens)
@@ -619,7 +617,6 @@ class Gate:
             req.backlog = None
             self.predictor.left_p(name, ticket, n)
             if self.admission.fair is not None:
-                self.admission.fair.drop_backlog(req.tenant, n)
                 self.admission.notify()  # a waiter kept behind its reserve line may fit now
 
     def _drop_d_backlog(self, req: RequestState, arrived: bool = False) -> None:
