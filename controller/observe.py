@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from analysis import rates
@@ -165,12 +165,11 @@ def _failed_attempts(session: Session, since: float, until: float, only: q.Recor
         yield from (attrs or {}).get("failed_attempts") or [] if isinstance(attrs, dict) else []
 
 
-def _lease_suspects(
-    session: Session, since: float, until: float, lookback_s: float, only: q.RecordFilter
-) -> Iterable[tuple[object, float | None, object, bool]]:
-    """``(d_instance, ended at, attributed expiries, refused as the client's error)`` of the lease-expiry
-    suspects that may count now."""
-    stmt = select(
+def lease_suspects_query(since: float, until: float) -> Select[*tuple[Any, ...]]:
+    """The lease-expiry suspects that arrived in ``[since, until]``: a few among every record there, read
+    through their own partial index (``ix_request_records_lease_suspects``), whose predicate is this
+    query's term ``lease_expiry_suspect IS true`` as each dialect writes it."""
+    return select(
         RequestRecord.d_instance,
         RequestRecord.done,
         RequestRecord.proxy_in,
@@ -178,11 +177,20 @@ def _lease_suspects(
         RequestRecord.status,
         RequestRecord.http_status,
     ).where(
-        RequestRecord.proxy_in >= since - lookback_s,
+        RequestRecord.proxy_in >= since,
         RequestRecord.proxy_in <= until,
         RequestRecord.lease_expiry_suspect.is_(True),
     )
-    for d_inst, done, t_in, attrs, status, http in session.execute(only.apply(stmt)):
+
+
+def _lease_suspects(
+    session: Session, since: float, until: float, lookback_s: float, only: q.RecordFilter
+) -> Iterable[tuple[object, float | None, object, bool]]:
+    """``(d_instance, ended at, attributed expiries, refused as the client's error)`` of the lease-expiry
+    suspects that may count now."""
+    for d_inst, done, t_in, attrs, status, http in session.execute(
+        only.apply(lease_suspects_query(since - lookback_s, until))
+    ):
         at = done if isinstance(done, float) else t_in if isinstance(t_in, float) else None
         invalid = q.is_client_error(status, http)
         yield d_inst, at, attrs.get("lease_expiry") if isinstance(attrs, dict) else None, invalid

@@ -24,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -253,6 +254,15 @@ class RequestRecord(Base):
         Index("ix_request_records_window", "proxy_in", "id", "status", "ttft_s", "tpot_s"),
         # one tenant's window (pdscope explain --tenant, GET /v1/tenants?tenant=)
         Index("ix_request_records_tenant_ts", "tenant", "proxy_in"),
+        # the controller's lease-expiry suspects of a window (a few among every request of it, which the
+        # proxy_in index alone would walk): only the suspects are indexed; the predicate is the query's own
+        # term as each dialect writes it, which both planners need to match (migration 0019)
+        Index(
+            "ix_request_records_lease_suspects",
+            "proxy_in",
+            postgresql_where=text("lease_expiry_suspect IS true"),
+            sqlite_where=text("lease_expiry_suspect IS 1"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

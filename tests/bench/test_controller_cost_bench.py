@@ -30,6 +30,9 @@ def test_the_bench_runs_on_postgresql_and_leaves_no_database(pg_admin_url: str, 
     assert 0.0 <= size["tick_server_cpu_s"] <= size["tick_cpu_s"]
     # a server on this machine (as `make test` starts it) has its processes' CPU counted in the tick's
     assert got["server_cpu"] == (controller_cost.local_postgres_cpu() > 0)
+    # the settings the figures depend on, as the server reports them (its buffer cache above all)
+    assert set(got["server_settings"]) == set(controller_cost.SERVER_SETTINGS)
+    assert got["server_settings"]["shared_buffers"][:1].isdigit()
     assert not {d for d in _databases(pg_admin_url) if d.startswith("pdscope_cost_")}  # its two dropped
 
 

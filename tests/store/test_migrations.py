@@ -4,10 +4,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from sqlalchemy import inspect, select, text, update
+from sqlalchemy import insert, inspect, select, text, update
 
 from store import Base, make_engine
 from store.migrate import check, downgrade, upgrade
+from store.models import RequestRecord
 
 
 def _tables(url: str) -> set[str]:
@@ -270,3 +271,47 @@ def test_0018_marks_stored_tick_records_as_keyframes_and_takes_deltas_back(store
         assert [tuple(r) for r in rows] == [(1, 1, b"old"), (2, 1, b"key")]
     finally:
         engine.dispose()
+
+
+def _plan(conn: Any, stmt: Any) -> str:
+    """The planner's plan for ``stmt`` (its parameters inlined), as one string."""
+    sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
+    explain = "EXPLAIN QUERY PLAN " if conn.dialect.name == "sqlite" else "EXPLAIN "
+    return " ".join(str(part) for row in conn.execute(text(explain + sql)) for part in row)
+
+
+def test_0019_the_controllers_lease_suspects_read_takes_their_partial_index(store_url: str) -> None:
+    """The partial index is used only when the query's term implies its predicate (SQLite: is the same
+    term), which a change of either side breaks silently: the read falls back to walking every record of
+    the window. So the controller's own statement is planned, on a table of many records and few
+    suspects; and a downgrade takes the index back."""
+    from controller.observe import lease_suspects_query
+
+    upgrade(store_url)
+    engine = make_engine(store_url)
+    rows = [
+        {
+            "request_id": f"r{i}",
+            "status": "ok",
+            "proxy_in": 1000.0 + i / 10,
+            "lease_expiry_suspect": not i % 500,
+        }
+        for i in range(5000)
+    ]
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(RequestRecord), rows)
+            conn.execute(text("ANALYZE"))
+            plan = _plan(conn, lease_suspects_query(1100.0, 1400.0))
+            got = conn.execute(lease_suspects_query(1100.0, 1400.0)).all()
+        assert "ix_request_records_lease_suspects" in plan, plan
+        assert sorted(r.proxy_in for r in got) == [1100.0, 1150.0, 1200.0, 1250.0, 1300.0, 1350.0, 1400.0]
+    finally:
+        engine.dispose()
+    downgrade(store_url, "0018")
+    engine = make_engine(store_url)
+    try:
+        names = {ix["name"] for ix in inspect(engine).get_indexes("request_records")}
+    finally:
+        engine.dispose()
+    assert "ix_request_records_lease_suspects" not in names
