@@ -10,7 +10,8 @@ Before each measured tick the interval's records "arrive": they are written agai
 so the database stamps them and the tick's read of the changes has them, as when the collector writes
 them. Beside it, in the same run on a copy of the same store, the same ticks with the SLO window read
 whole every tick (``controller.whole_read_every_s`` tiny: the code before issue 32's kept reads); the
-two must see the same SLO figures every tick (``slo_figures_equal``).
+two must see the same SLO figures and instance signals (the snapshots' kept too) every tick
+(``slo_figures_equal``).
 
 Baseline, measured in the same run on the same store: one plain read of the rows the window
 covers (every snapshot and request-record column of the window, fetched into Python), the
@@ -231,8 +232,8 @@ def _ticks(
     settings: Any, factory: Any, start: float, n_ticks: int
 ) -> tuple[Reconciler, list[float], list[Any], list[float]]:
     """The controller's CPU per tick (with the store server's), the clock advancing an interval per tick
-    from ``start`` and that interval's records arriving before each tick; each tick's SLO figures; and
-    the server's part of each tick's CPU."""
+    from ``start`` and that interval's records arriving before each tick; each tick's SLO figures and
+    instance signals; and the server's part of each tick's CPU."""
     interval = settings.controller.interval_s
     clock_now = [start]
     rec = Reconciler(
@@ -251,7 +252,7 @@ def _ticks(
         s0 = server_cpu()
         spent, _ = cpu(rec.tick)
         obs = rec.view().obs
-        slo.append(None if obs is None else (obs.slo, obs.tenants))
+        slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances))
         if i:
             ticks.append(spent)
             server.append(server_cpu() - s0)

@@ -5,8 +5,11 @@
 of the records read into it (``store.changes``); with tenants on, the tenants' window
 (``controller.tenantrows``, with the tally of their figures) with its own cursor, read whole on the
 same occasions (and when the clock went back before what it retired), its reads counted apart
-(``tenant_counts``). A tick reads the records stamped since the last read; a whole read (the
-window's records, as ``store.queries.slo_summary`` reads them) happens:
+(``tenant_counts``); and the window's snapshots (``controller.snaprows``: insert-only, so only those
+stored since are read), with a cursor of their own, on the same occasions (and when the window's span
+changed or would reach before what it let go), counted in ``snapshot_counts``. A tick reads the
+records stamped since the last read; a whole read (the window's records, as
+``store.queries.slo_summary`` reads them) happens:
 
 - on the first tick, and when this controller becomes the leader (a new ``KeptReads``);
 - when the mark means nothing any more (SQLite: the table's newest rows were deleted);
@@ -30,17 +33,21 @@ from sqlalchemy.orm import Session
 
 from analysis.tenants import terms_of
 from controller.slowindow import SLORow, SLOWindow, WindowFigures
+from controller.snaprows import SnapshotRows
 from controller.tenantrows import TenantRows
 from controller.tenants import ReadTenants
 from pdscope.config import Settings
 from store.attribution import trusted_records
 from store.changes import ChangeCursor
-from store.models import RequestRecord
+from store.models import RequestRecord, Snapshot
+from store.queries import SNAPSHOT_SCALARS
 from store.tenants import TENANT_COLUMNS
 from store.window import WindowRows
 
 # the columns SLOWindow reads, in SLORow's order
 SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
+# the columns SnapshotRows keeps: a window read's (store.queries.snapshot_window), then the id
+SNAPSHOT_ROW_COLUMNS = (*SNAPSHOT_SCALARS, Snapshot.id)
 # the columns TenantRows reads: id, sender, then the tenants' own
 TENANT_ROW_COLUMNS = (RequestRecord.id, RequestRecord.sender, *TENANT_COLUMNS)
 
@@ -74,6 +81,11 @@ class KeptReads:
     tenant_rows: TenantRows | None = None
     tenant_cursor: ChangeCursor | None = None
     tenant_whole: float | None = None
+    # the window's snapshots (controller.snaprows), their cursor and their last whole read
+    snapshot_counts: ReadCounts = field(default_factory=ReadCounts)
+    snapshot_rows: SnapshotRows | None = None
+    snapshot_cursor: ChangeCursor | None = None
+    snapshot_whole: float | None = None
 
     def slo(self, session: Session, settings: Settings, now: float) -> WindowFigures | None:
         """The SLO window's figures at ``now``, reading only what changed since the last tick if it can."""
@@ -145,6 +157,34 @@ class KeptReads:
         self.tenant_whole = now
         self.tenant_counts.whole += 1
         return self.tenant_rows, rows
+
+    def snapshots(self, session: Session, span: float, now: float) -> dict[str, list[Any]]:
+        """The window's snapshot rows at ``now`` as ``store.queries.snapshot_window`` reads them over
+        ``[now - span, now]`` (each with its ``id`` besides), reading only those stored since the last tick
+        if it can: a whole read when the span changed or the window would reach before what was let go."""
+        since = now - span
+        rows, cur = self.snapshot_rows, self.snapshot_cursor
+        changed = None
+        if rows is not None and cur is not None and rows.span == span and rows.since <= since:
+            changed = (
+                None
+                if self._due(now, self.snapshot_whole)
+                else cur.changed(session, select(*SNAPSHOT_ROW_COLUMNS))
+            )
+        if changed is None or rows is None:
+            rows = self.snapshot_rows = SnapshotRows(span)
+            self.snapshot_cursor = ChangeCursor(Snapshot.stamp)
+            self.snapshot_cursor.start(session)
+            # no upper bound: a snapshot stamped ahead of the clock waits in the window until it is due
+            stmt = select(*SNAPSHOT_ROW_COLUMNS).where(Snapshot.ts >= since)
+            changed = session.connection().execute(stmt).all()
+            self.snapshot_whole = now
+            self.snapshot_counts.whole += 1
+        else:
+            self.snapshot_counts.changes += 1
+        rows.update(changed)
+        rows.slide(since)
+        return rows.read(since, now)
 
     def _due(self, now: float, last: float | None) -> bool:
         return last is None or now - last >= self.whole_read_every_s or now < last

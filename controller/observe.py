@@ -369,6 +369,14 @@ def _history_s(session: Session, now: float) -> float:
     return max(0.0, now - first_ever) if first_ever is not None else 0.0
 
 
+def _snapshots(session: Session, window: float, now: float, kept: KeptReads | None) -> dict[str, list[Any]]:
+    """The window's snapshots, one read for the window, its tail and the latest gauges: kept between the
+    leader's ticks (only those stored since the last are read), else read whole."""
+    if kept is not None:
+        return kept.snapshots(session, window, now)
+    return q.snapshot_window(session, now - window, now)
+
+
 def observe(
     session: Session,
     settings: Settings,
@@ -384,15 +392,15 @@ def observe(
     (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
     observation (the rates are not a decision). None: the read leaves out the columns only the fit needs.
 
-    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window is
-    then read as what changed since the last tick; None: read whole, with the same figures."""
+    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window and the
+    snapshots are then read as what changed since the last tick; None: read whole, with the same figures."""
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
     # The snapshots first, then the restarts (in the tally): a round committed between the two reads (a
     # restarted P's first up scrape and its restart) reads as P down and restarted, both fresh; the other
     # order read P up and not restarted, and charged D the pulls P's outage failed (a CI run of stop 45).
-    snaps = q.snapshot_window(session, since, now)  # one read: the window, its tail and the latest gauges
+    snaps = _snapshots(session, window, now, kept)
     tally = _charged(session, settings, evc, since, now, rate_facts)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
     instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand)

@@ -88,6 +88,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 # The scalar columns the signal functions read (not the JSON ones); rows of these unpack fast.
 _LIGHT_COLUMNS: tuple[str, ...] = ("instance", "pool", "role", "ts", "up", "error", *COUNTERS, *GAUGES)
+# ... as the columns a window read selects (the controller's kept window selects these and the id)
+SNAPSHOT_SCALARS = tuple(getattr(Snapshot, c) for c in dict.fromkeys(_LIGHT_COLUMNS))
 
 
 def _snapshot_rows(
@@ -99,7 +101,7 @@ def _snapshot_rows(
     *,
     histograms: bool = False,
 ) -> dict[str, list[Any]]:
-    """The window's snapshots per instance, in time order. Without ``histograms`` they are plain
+    """The window's snapshots per instance, in time order (then by id). Without ``histograms`` they are plain
     rows of the scalar columns (attribute access like a ``Snapshot``): building ORM objects and
     decoding the JSON columns was most of a controller tick's read at 1,000 instances. With it,
     full ``Snapshot`` objects for the histogram queries."""
@@ -113,8 +115,8 @@ def _snapshot_rows(
         for snap in session.scalars(select(Snapshot).where(*where).order_by(Snapshot.ts)):
             out[snap.instance].append(snap)
         return out
-    cols = [getattr(Snapshot, c) for c in dict.fromkeys(_LIGHT_COLUMNS)]
-    for row in session.connection().execute(select(*cols).where(*where).order_by(Snapshot.ts)).all():
+    stmt = select(*SNAPSHOT_SCALARS).where(*where).order_by(Snapshot.ts, Snapshot.id)  # ids break ties
+    for row in session.connection().execute(stmt).all():
         out[row.instance].append(row)
     return out
 
