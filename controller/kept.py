@@ -60,7 +60,7 @@ def _trust(settings: Settings) -> frozenset[str] | None:
 
 @dataclass
 class ReadCounts:
-    """The SLO window's reads: whole, and of the changes only."""
+    """One kept window's reads: whole, and of the changes only."""
 
     whole: int = 0
     changes: int = 0
@@ -68,7 +68,8 @@ class ReadCounts:
 
 @dataclass
 class KeptReads:
-    """The SLO window and its cursor, between one leader's ticks."""
+    """The windows kept between one leader's ticks (the SLO window, the tenants', the snapshots), each
+    with its cursor."""
 
     whole_read_every_s: float = 300.0
     counts: ReadCounts = field(default_factory=ReadCounts)
@@ -161,22 +162,34 @@ class KeptReads:
     def snapshots(self, session: Session, span: float, now: float) -> dict[str, list[Any]]:
         """The window's snapshot rows at ``now`` as ``store.queries.snapshot_window`` reads them over
         ``[now - span, now]`` (each with its ``id`` besides), reading only those stored since the last tick
-        if it can: a whole read when the span changed or the window would reach before what was let go."""
+        if it can: a whole read when the span changed or the window would reach before what was let go.
+
+        Both reads are bounded in time: from the window's start (a cursor whose mark an old transaction
+        holds back brings rows long gone again), and up to the next whole read's time (a snapshot stamped
+        further ahead of the clock is read by the whole read that is due before it is)."""
         since = now - span
-        rows, cur = self.snapshot_rows, self.snapshot_cursor
+        rows, cur, last = self.snapshot_rows, self.snapshot_cursor, self.snapshot_whole
         changed = None
-        if rows is not None and cur is not None and rows.span == span and rows.since <= since:
-            changed = (
-                None
-                if self._due(now, self.snapshot_whole)
-                else cur.changed(session, select(*SNAPSHOT_ROW_COLUMNS))
+        if (
+            rows is not None
+            and cur is not None
+            and last is not None
+            and rows.span == span
+            and rows.since <= since
+        ):
+            bounded = select(*SNAPSHOT_ROW_COLUMNS).where(
+                Snapshot.ts >= since, Snapshot.ts <= last + self.whole_read_every_s
             )
+            changed = None if self._due(now, last) else cur.changed(session, bounded)
         if changed is None or rows is None:
             rows = self.snapshot_rows = SnapshotRows(span)
             self.snapshot_cursor = ChangeCursor(Snapshot.stamp)
             self.snapshot_cursor.start(session)
-            # no upper bound: a snapshot stamped ahead of the clock waits in the window until it is due
-            stmt = select(*SNAPSHOT_ROW_COLUMNS).where(Snapshot.ts >= since)
+            stmt = (
+                select(*SNAPSHOT_ROW_COLUMNS)
+                .where(Snapshot.ts >= since, Snapshot.ts <= now + self.whole_read_every_s)
+                .order_by(Snapshot.ts, Snapshot.id)  # held in this order: each row appended
+            )
             changed = session.connection().execute(stmt).all()
             self.snapshot_whole = now
             self.snapshot_counts.whole += 1

@@ -13,7 +13,9 @@ The mark, per dialect (how the stamps are written: migration 0017):
 - SQLite: the highest stamp of the table when it read. One writer at a time: a write not yet
   committed then stamps above it. If the table's highest stamp goes below the mark (its newest rows
   were deleted, or the database was replaced), the mark means nothing: :meth:`ChangeCursor.changed`
-  answers None and the reader reads its window whole again.
+  answers None and the reader reads its window whole again. Not seen: the newest row deleted and a row
+  inserted before the next read (it may take the deleted row's stamp and id); the reader has it at its
+  next whole read (``controller.whole_read_every_s``).
 
 A row stored before the stamps (``stamp`` null) is never read as a change: a reader starts from a
 whole read (:meth:`ChangeCursor.start`).

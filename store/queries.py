@@ -112,7 +112,7 @@ def _snapshot_rows(
         where.append(Snapshot.pool == pool)
     out: dict[str, list[Any]] = defaultdict(list)
     if histograms:
-        for snap in session.scalars(select(Snapshot).where(*where).order_by(Snapshot.ts)):
+        for snap in session.scalars(select(Snapshot).where(*where).order_by(Snapshot.ts, Snapshot.id)):
             out[snap.instance].append(snap)
         return out
     stmt = select(*SNAPSHOT_SCALARS).where(*where).order_by(Snapshot.ts, Snapshot.id)  # ids break ties

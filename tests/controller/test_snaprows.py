@@ -3,6 +3,7 @@ answers what ``store.queries.snapshot_window`` reads from scratch, row for row."
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -80,10 +81,30 @@ def test_a_new_span_a_clock_gone_back_or_a_due_time_reads_whole(store_factory: s
     tick(SPAN, now)
     tick(SPAN, now + 2)
     assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (1, 1)
-    tick(10.0, now + 4)  # another span
-    tick(10.0, now - 6)  # back before what the window let go
-    tick(10.0, now + 30)  # past whole_read_every_s since the last whole read
-    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (4, 1)
+    start = now - 16.0  # the first round's time: rounds every 2 s from there
+    tick(10.0, start + 6)  # another span (and the clock back)
+    tick(10.0, start + 14)  # read by changes: it let go of what is before start + 4
+    tick(10.0, start + 8)  # back before that, though after the last whole read: start - 2 .. start + 4
+    tick(10.0, start + 40)  # past whole_read_every_s since the last whole read
+    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (4, 2)
+
+
+def test_a_snapshot_far_ahead_of_the_clock_is_read_by_the_whole_read_due_before_it(
+    store_factory: sessionmaker[Session],
+) -> None:
+    """A collector's clock far ahead (or seconds taken for milliseconds): its rows are not held until a
+    whole read is due within reach of them, and then read as the whole read reads them."""
+    rng, kept, now = random.Random(6), KeptReads(20.0), 1000.0
+    with transaction(store_factory) as s:
+        s.execute(insert(Snapshot).values(**_snapshot(rng, "p0", now)))
+        s.execute(insert(Snapshot).values(**_snapshot(rng, "p1", now + 500.0)))
+    for at in (now, now + 2, now + 25, now + 499, now + 501):
+        with transaction(store_factory) as s:
+            got = kept.snapshots(s, SPAN, at)
+            assert _plain(got) == _plain(snapshot_window(s, at - SPAN, at)), at
+        held = kept.snapshot_rows
+        assert held is not None and ("p1" in held.read(-math.inf, math.inf)) == (at > now + 480), at
+    assert "p1" in got and "p0" not in got
 
 
 def test_snapshots_deleted_from_the_store_leave_at_the_next_whole_read(

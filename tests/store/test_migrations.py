@@ -5,6 +5,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import insert, inspect, select, text, update
+from sqlalchemy.schema import CreateIndex
 
 from store import Base, make_engine
 from store.migrate import check, downgrade, upgrade
@@ -280,6 +281,33 @@ def _plan(conn: Any, stmt: Any) -> str:
     return " ".join(str(part) for row in conn.execute(text(explain + sql)) for part in row)
 
 
+def _predicate(conn: Any) -> str:
+    """The lease suspects' index's predicate as the database keeps it."""
+    if conn.dialect.name == "sqlite":
+        sql = "SELECT sql FROM sqlite_master WHERE name = 'ix_request_records_lease_suspects'"
+    else:
+        sql = "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_request_records_lease_suspects'"
+    return str(conn.execute(text(sql)).scalar()).partition(" WHERE ")[2]
+
+
+def _model_predicate(conn: Any) -> str:
+    """The same index built from the models (``store.models``), under another name, as kept."""
+    index = next(
+        ix for ix in RequestRecord.__table__.indexes if ix.name == "ix_request_records_lease_suspects"
+    )
+    ddl = str(CreateIndex(index).compile(dialect=conn.dialect)).replace(index.name, "ix_model_twin")
+    conn.execute(text(ddl))
+    try:
+        name = "'ix_model_twin'"
+        if conn.dialect.name == "sqlite":
+            sql = f"SELECT sql FROM sqlite_master WHERE name = {name}"
+        else:
+            sql = f"SELECT indexdef FROM pg_indexes WHERE indexname = {name}"
+        return str(conn.execute(text(sql)).scalar()).partition(" WHERE ")[2]
+    finally:
+        conn.execute(text("DROP INDEX ix_model_twin"))
+
+
 def test_0019_the_controllers_lease_suspects_read_takes_their_partial_index(store_url: str) -> None:
     """The partial index is used only when the query's term implies its predicate (SQLite: is the same
     term), which a change of either side breaks silently: the read falls back to walking every record of
@@ -304,7 +332,9 @@ def test_0019_the_controllers_lease_suspects_read_takes_their_partial_index(stor
             conn.execute(text("ANALYZE"))
             plan = _plan(conn, lease_suspects_query(1100.0, 1400.0))
             got = conn.execute(lease_suspects_query(1100.0, 1400.0)).all()
+            predicates = _predicate(conn), _model_predicate(conn)
         assert "ix_request_records_lease_suspects" in plan, plan
+        assert predicates[0] == predicates[1] != ""  # the models create the migration's index
         assert sorted(r.proxy_in for r in got) == [1100.0, 1150.0, 1200.0, 1250.0, 1300.0, 1350.0, 1400.0]
     finally:
         engine.dispose()
