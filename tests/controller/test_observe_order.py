@@ -19,7 +19,7 @@ from tests.controller.conftest import World
 
 def test_the_snapshots_are_read_before_the_restarts(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
-    real_snaps, real_restarts = observe_mod.q.snapshot_window, observe_mod._restarts
+    real_snaps, real_restarts = observe_mod._snapshots, observe_mod._restarts
 
     def snaps(*a: Any, **k: Any) -> Any:
         order.append("snapshots")
@@ -29,7 +29,7 @@ def test_the_snapshots_are_read_before_the_restarts(world: World, monkeypatch: p
         order.append("restarts")
         return real_restarts(*a, **k)
 
-    monkeypatch.setattr(observe_mod.q, "snapshot_window", snaps)
+    monkeypatch.setattr(observe_mod, "_snapshots", snaps)
     monkeypatch.setattr(observe_mod, "_restarts", restarts)
     world.step()
     assert order[:2] == ["snapshots", "restarts"], order
@@ -49,7 +49,7 @@ def test_a_restart_committed_between_the_reads_reads_as_a_fresh_p(
         for n, role in ((i.name, world.settings.pools[pool].role) for pool, i in world.settings.instances())
         if role == "prefill"
     )
-    real = observe_mod.q.snapshot_window
+    real = observe_mod._snapshots
     committed: list[float] = []
 
     def snaps_then_restart(*a: Any, **k: Any) -> Any:
@@ -72,7 +72,7 @@ def test_a_restart_committed_between_the_reads_reads_as_a_fresh_p(
             committed.append(at)
         return out
 
-    monkeypatch.setattr(observe_mod.q, "snapshot_window", snaps_then_restart)
+    monkeypatch.setattr(observe_mod, "_snapshots", snaps_then_restart)
     world.step()
     obs = world.reconciler.view().obs
     assert obs is not None and committed
