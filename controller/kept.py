@@ -6,8 +6,8 @@ of the records read into it (``store.changes``); with tenants on, the tenants' w
 (``controller.tenantrows``, with the tally of their figures) with its own cursor, read whole on the
 same occasions (and when the clock went back before what it retired), its reads counted apart
 (``tenant_counts``); and the window's snapshots (``controller.snaprows``: insert-only, so only those
-stored since are read), with a cursor of their own, on the same occasions (and when the window's span
-changed or would reach before what it let go), counted in ``snapshot_counts``. A tick reads the
+stored since are read), with a cursor of their own, on the same occasions (and when the window would
+reach before what it let go), counted in ``snapshot_counts``. A tick reads the
 records stamped since the last read; a whole read (the window's records, as
 ``store.queries.slo_summary`` reads them) happens:
 
@@ -162,7 +162,8 @@ class KeptReads:
     def snapshots(self, session: Session, span: float, now: float) -> dict[str, list[Any]]:
         """The window's snapshot rows at ``now`` as ``store.queries.snapshot_window`` reads them over
         ``[now - span, now]`` (each with its ``id`` besides), reading only those stored since the last tick
-        if it can: a whole read when the span changed or the window would reach before what was let go.
+        if it can: a whole read when the window would reach before what was let go (a longer span, a clock
+        gone back).
 
         Both reads are bounded in time: from the window's start (a cursor whose mark an old transaction
         holds back brings rows long gone again), and up to the next whole read's time (a snapshot stamped
@@ -174,15 +175,14 @@ class KeptReads:
             rows is not None
             and cur is not None
             and last is not None
-            and rows.span == span
-            and rows.since <= since
+            and rows.since <= since  # a longer span, or a clock gone back, reaches before what it let go
         ):
             bounded = select(*SNAPSHOT_ROW_COLUMNS).where(
                 Snapshot.ts >= since, Snapshot.ts <= last + self.whole_read_every_s
             )
             changed = None if self._due(now, last) else cur.changed(session, bounded)
         if changed is None or rows is None:
-            rows = self.snapshot_rows = SnapshotRows(span)
+            rows = self.snapshot_rows = SnapshotRows()
             self.snapshot_cursor = ChangeCursor(Snapshot.stamp)
             self.snapshot_cursor.start(session)
             stmt = (

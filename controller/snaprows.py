@@ -28,10 +28,9 @@ def _order(row: Any) -> tuple[float, int]:
 
 
 class SnapshotRows:
-    """The snapshot rows of one window span (``span`` seconds), per instance, in (ts, id) order."""
+    """The snapshot rows of a window, per instance, in (ts, id) order."""
 
-    def __init__(self, span: float) -> None:
-        self.span = span
+    def __init__(self) -> None:
         self.since = -math.inf  # where it last let go (:meth:`slide`): it holds nothing before
         self._rows: dict[str, list[Any]] = {}
         self._ids: set[int] = set()

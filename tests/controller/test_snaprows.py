@@ -82,11 +82,14 @@ def test_a_new_span_a_clock_gone_back_or_a_due_time_reads_whole(store_factory: s
     tick(SPAN, now + 2)
     assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (1, 1)
     start = now - 16.0  # the first round's time: rounds every 2 s from there
-    tick(10.0, start + 6)  # another span (and the clock back)
+    tick(10.0, start + 6)  # a shorter span, and the clock back
     tick(10.0, start + 14)  # read by changes: it let go of what is before start + 4
     tick(10.0, start + 8)  # back before that, though after the last whole read: start - 2 .. start + 4
     tick(10.0, start + 40)  # past whole_read_every_s since the last whole read
     assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (4, 2)
+    tick(5.0, start + 41)  # a shorter span alone: what it holds still covers it
+    tick(30.0, start + 42)  # a longer one reaches before what it let go
+    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (5, 3)
 
 
 def test_a_snapshot_far_ahead_of_the_clock_is_read_by_the_whole_read_due_before_it(
@@ -133,7 +136,7 @@ def test_rows_in_any_order_and_again_read_as_the_whole_read_sorts_them(seed: int
     ``[since, until]``, equal the rows of that range sorted by (ts, id)."""
     rng = random.Random(seed)
     rows = [_Row(i, rng.choice("abc"), float(rng.randint(0, 60))) for i in range(1, 200)]
-    kept = SnapshotRows(SPAN)
+    kept = SnapshotRows()
     pending, handed = rows[:], []
     rng.shuffle(pending)
     since = 0.0
