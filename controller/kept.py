@@ -7,7 +7,10 @@ of the records read into it (``store.changes``); with tenants on, the tenants' w
 same occasions (and when the clock went back before what it retired), its reads counted apart
 (``tenant_counts``); and the window's snapshots (``controller.snaprows``: insert-only, so only those
 stored since are read), with a cursor of their own, on the same occasions (and when the window would
-reach before what it let go), counted in ``snapshot_counts``. A tick reads the
+reach before what it let go), counted in ``snapshot_counts``; and the evidence window
+(``controller.evidencerows``: the records each instance is charged with, and their charges), with its own
+cursor, on the same occasions (and when the window would reach before what it retired or end before what
+it charged), counted in ``evidence_counts``. A tick reads the
 records stamped since the last read; a whole read (the window's records, as
 ``store.queries.slo_summary`` reads them) happens:
 
@@ -18,7 +21,8 @@ records stamped since the last read; a whole read (the window's records, as
 - every ``controller.whole_read_every_s`` (a safety net: a kept window that drifted, by a record
   deleted inside it say, is right again from there).
 
-:class:`ReadCounts` counts them over the process's life (``pdscope_controller_window_reads_total``).
+:class:`ReadCounts` counts each window's reads over the process's life
+(``pdscope_controller_window_reads_total{window}``, :meth:`KeptReads.read_counts`).
 Without a ``KeptReads`` (replay, tests, the dashboard's own reads) ``observe`` reads the window whole.
 """
 
@@ -31,7 +35,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from analysis.rates import EXTRA_FIELDS
 from analysis.tenants import terms_of
+from controller.evidencerows import EvidenceRows
+from controller.policy.charges import RecordFacts
 from controller.slowindow import SLORow, SLOWindow, WindowFigures
 from controller.snaprows import SnapshotRows
 from controller.tenantrows import TenantRows
@@ -48,6 +55,12 @@ from store.window import WindowRows
 SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
 # the columns SnapshotRows keeps: a window read's (store.queries.snapshot_window), then the id
 SNAPSHOT_ROW_COLUMNS = (*SNAPSHOT_SCALARS, Snapshot.id)
+# the columns EvidenceRows keeps: id, sender, the charging rules' (RecordFacts), the rates' fit's besides
+EVIDENCE_COLUMNS = (
+    RequestRecord.id,
+    RequestRecord.sender,
+    *(getattr(RequestRecord, name) for name in (*RecordFacts._fields, *EXTRA_FIELDS)),
+)
 # the columns TenantRows reads: id, sender, then the tenants' own
 TENANT_ROW_COLUMNS = (RequestRecord.id, RequestRecord.sender, *TENANT_COLUMNS)
 
@@ -87,6 +100,11 @@ class KeptReads:
     snapshot_rows: SnapshotRows | None = None
     snapshot_cursor: ChangeCursor | None = None
     snapshot_whole: float | None = None
+    # the evidence window's records and their charges (controller.evidencerows), their cursor and whole read
+    evidence_counts: ReadCounts = field(default_factory=ReadCounts)
+    evidence_rows: EvidenceRows | None = None
+    evidence_cursor: ChangeCursor | None = None
+    evidence_whole: float | None = None
 
     def slo(self, session: Session, settings: Settings, now: float) -> WindowFigures | None:
         """The SLO window's figures at ``now``, reading only what changed since the last tick if it can."""
@@ -198,6 +216,42 @@ class KeptReads:
         rows.update(changed)
         rows.slide(since)
         return rows.read(since, now)
+
+    def evidence(self, session: Session, settings: Settings, since: float, now: float) -> EvidenceRows:
+        """The evidence window's records over ``[since, now]`` and their charges, reading only the
+        records stamped since the last tick if it can: a whole read on the occasions above, and when the
+        window would reach before what it retired (a longer window) or end before what it charged (a clock
+        gone back). A record that arrived ahead of the clock waits, not charged."""
+        trust = _trust(settings)
+        rows, cur = self.evidence_rows, self.evidence_cursor
+        changed = None
+        if rows is not None and cur is not None and rows.matches(trust, since, now):
+            # every changed record: one whose arrival moved out of the window leaves it
+            stmt = select(*EVIDENCE_COLUMNS)
+            changed = None if self._due(now, self.evidence_whole) else cur.changed(session, stmt)
+        if changed is None or rows is None:
+            rows = self.evidence_rows = EvidenceRows(trust)
+            self.evidence_cursor = ChangeCursor(RequestRecord.stamp)
+            self.evidence_cursor.start(session)
+            stmt = select(*EVIDENCE_COLUMNS).where(RequestRecord.proxy_in >= since)
+            changed = session.connection().execute(trusted_records(trust).apply(stmt)).all()
+            self.evidence_whole = now
+            self.evidence_counts.whole += 1
+        else:
+            self.evidence_counts.changes += 1
+        rows.update(changed)
+        rows.slide(since, now)
+        return rows
+
+    def read_counts(self) -> tuple[tuple[str, int, int], ...]:
+        """Each kept window's reads: (window, whole, changes only)."""
+        windows = (
+            ("slo", self.counts),
+            ("evidence", self.evidence_counts),
+            ("snapshots", self.snapshot_counts),
+            ("tenants", self.tenant_counts),
+        )
+        return tuple((name, c.whole, c.changes) for name, c in windows)
 
     def _due(self, now: float, last: float | None) -> bool:
         return last is None or now - last >= self.whole_read_every_s or now < last

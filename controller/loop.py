@@ -106,7 +106,8 @@ class View:
     takeovers: int = 0
     deposed: int = 0
     tick_record_bytes: int | None = None  # the newest tick record's compressed size (None: none written)
-    window_reads: tuple[int, int] = (0, 0)  # the SLO window's reads since start: (whole, changes only)
+    # each kept window's reads since start: (window, whole, changes only)
+    window_reads: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -174,10 +175,19 @@ class Reconciler:
         self._kept = self._new_kept(ReadCounts())
 
     def _new_kept(self, counts: ReadCounts | None = None) -> KeptReads:
-        """Reads kept from now on (the next tick reads its window whole), counted in ``counts`` (None: the
-        kept reads' before them, carried over the process's life)."""
+        """Reads kept from now on (the next tick reads its windows whole), the SLO window's counted in
+        ``counts`` (None: every window's counts of the kept reads before them, carried over the process's
+        life)."""
+        every = self.settings.controller.whole_read_every_s
+        if counts is not None:
+            return KeptReads(every, counts)
+        old = self._kept
         return KeptReads(
-            self.settings.controller.whole_read_every_s, self._kept.counts if counts is None else counts
+            every,
+            old.counts,
+            tenant_counts=old.tenant_counts,
+            snapshot_counts=old.snapshot_counts,
+            evidence_counts=old.evidence_counts,
         )
 
     def _initial_table(self, version: int) -> RoutingTable:
@@ -533,7 +543,7 @@ class Reconciler:
                 s.takeovers,
                 s.deposed,
                 s.tick_record_bytes,
-                (self._kept.counts.whole, self._kept.counts.changes),
+                self._kept.read_counts(),
             )
 
     @property

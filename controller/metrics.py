@@ -169,11 +169,16 @@ CONTROLLER_FAMILIES: tuple[Family[_Scrape], ...] = (
     ),
     Family(
         "pdscope_controller_window_reads",
-        "Reads of the SLO window by kind: whole (on taking over, after a failed tick, on a config change, "
-        "every controller.whole_read_every_s) or changes (only the records changed since the last tick).",
+        "Reads of each window the leader keeps between ticks (slo, evidence, snapshots, tenants) by kind: "
+        "whole (on taking over, after a failed tick, on a config change, every "
+        "controller.whole_read_every_s) or changes (only the rows changed since the last tick).",
         "counter",
-        ("kind",),
-        lambda s: [(("whole",), float(s.v.window_reads[0])), (("changes",), float(s.v.window_reads[1]))],
+        ("window", "kind"),
+        lambda s: [
+            ((window, kind), float(n))
+            for window, whole, changes in s.v.window_reads
+            for kind, n in (("whole", whole), ("changes", changes))
+        ],
     ),
     Family(
         "pdscope_controller_tick_record_bytes",

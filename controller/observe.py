@@ -35,6 +35,7 @@ from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
 from controller.kept import KeptReads
 from controller.policy import evidence as ev
+from controller.policy.charges import RecordFacts
 from controller.policy.config import EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals, Observation, PairSignals, SLOFigures
 from controller.slowindow import WindowFigures
@@ -95,7 +96,7 @@ def _unreachable_run(rows: list[Any]) -> int:
 
 
 # the columns of ev.RecordFacts, in its order, then those the rates' fit reads besides (rates.EXTRA_FIELDS)
-_RECORD_COLUMNS = tuple(getattr(RequestRecord, name) for name in ev.RecordFacts._fields)
+_RECORD_COLUMNS = tuple(getattr(RequestRecord, name) for name in RecordFacts._fields)
 _FACTS = len(_RECORD_COLUMNS)
 _RATE_COLUMNS = tuple(getattr(RequestRecord, name) for name in rates.EXTRA_FIELDS)
 
@@ -107,6 +108,8 @@ def _records(
     that fits reads them (they are most of what the fit adds to this read)."""
     columns = (*_RECORD_COLUMNS, *_RATE_COLUMNS) if rated else _RECORD_COLUMNS
     stmt = select(*columns).where(RequestRecord.proxy_in >= since, RequestRecord.proxy_in <= until)
+    # in (arrival, id) order, as the window kept between ticks lays them out (controller.evidencerows)
+    stmt = stmt.order_by(RequestRecord.proxy_in, RequestRecord.id)
     return session.connection().execute(only.apply(stmt)).all()  # Core rows at once
 
 
@@ -117,11 +120,20 @@ def _tally(
     now: float,
     trusted: q.RecordFilter,
     rate_facts: list[rates.RateFacts] | None,
+    kept: KeptReads | None = None,
 ) -> ev.WindowTally:
-    """The window's records, charged; each served one's rate facts appended to ``rate_facts`` (if given)."""
-    tally = ev.WindowTally({name: p.role for name, p in settings.pools.items()}, now, _restarts(session))
+    """The window's records, charged; each served one's rate facts appended to ``rate_facts`` (if given).
+    ``kept``: the records and their charges kept between ticks (``controller.evidencerows``), else read
+    whole."""
+    pools = {name: p.role for name, p in settings.pools.items()}
+    if kept is not None:
+        rows = kept.evidence(session, settings, since, now)
+        if rate_facts is not None:
+            rate_facts.extend(rows.rate_facts())
+        return rows.tally(pools, _restarts(session))
+    tally = ev.WindowTally(pools, now, _restarts(session))
     for row in _records(session, since, now, trusted, rated=rate_facts is not None):
-        r = ev.RecordFacts._make(row[:_FACTS])
+        r = RecordFacts._make(row[:_FACTS])
         tally.add(
             r,
             q.is_client_error(
@@ -264,10 +276,11 @@ def _charged(
     since: float,
     now: float,
     rate_facts: list[rates.RateFacts] | None,
+    kept: KeptReads | None = None,
 ) -> ev.WindowTally:
     """The window's trusted records tallied, then charged their failed attempts and lease expiries."""
     trusted = trusted_filter(settings)
-    tally = _tally(session, settings, since, now, trusted, rate_facts)
+    tally = _tally(session, settings, since, now, trusted, rate_facts, kept)
     tally.charge_failed_attempts(_failed_attempts(session, since, now, replace(trusted, charged_only=True)))
     # Every trusted suspect: one D refused as the client's error explains its P's expiry, charging nobody.
     for d_inst, ended, entries, invalid in _lease_suspects(
@@ -401,7 +414,7 @@ def observe(
     # restarted P's first up scrape and its restart) reads as P down and restarted, both fresh; the other
     # order read P up and not restarted, and charged D the pulls P's outage failed (a CI run of stop 45).
     snaps = _snapshots(session, window, now, kept)
-    tally = _charged(session, settings, evc, since, now, rate_facts)
+    tally = _charged(session, settings, evc, since, now, rate_facts, kept)
     hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
     instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand)
     rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)

@@ -13,6 +13,7 @@ an instance with fewer gives ``None`` rates, never zero.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -457,7 +458,7 @@ def handoff_stats_of(
 
     def stats(by: HandoffKey, key: str, vals: list[float]) -> HandoffStats:
         p50, p90, p99 = percentiles(vals, (50, 90, 99))
-        return HandoffStats(key, len(vals), p50, p90, p99, sum(vals) / len(vals), suspects[by][key])
+        return HandoffStats(key, len(vals), p50, p90, p99, math.fsum(vals) / len(vals), suspects[by][key])
 
     return {by: {key: stats(by, key, vals) for key, vals in groups[by].items()} for by in bys}
 

@@ -33,52 +33,22 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median_low
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
+from controller.policy.charges import (
+    NOT_CHARGED_ERRORS,
+    Charge,
+    HandoffFacts,
+    Pair,
+    RecordFacts,
+    after_restart,
+    charge_of,
+)
 from controller.policy.config import EvidenceConfig
 from controller.policy.signals import InstanceSignals, PoolSignals, Role
-from pdscope.semconv import FAILED_OUTCOMES
 from pdscope.stats import percentile
 
-# Failed request outcomes (FAILED_OUTCOMES) are charged to the instance that failed them; a 503
-# refusal is overload, like a 429.
-NOT_CHARGED_ERRORS = frozenset({"upstream_status_503"})
-
-Pair = tuple[str, str]
 UNPULLED_IDS = 5  # the newest unpulled handoffs a P's signals name
-
-
-class RecordFacts(NamedTuple):
-    """One request record's columns the charging rules read (``observe`` selects them in this order)."""
-
-    p_instance: str | None
-    d_instance: str | None
-    p_pool: str | None
-    d_pool: str | None
-    status: str | None
-    http_status: int | None
-    proxy_in: float | None
-    p_sent: float | None
-    p_done: float | None
-    d_sent: float | None
-    first_token: float | None
-    done: float | None
-    ttft_s: float | None
-    kv_bytes: int | None
-    error: str | None
-    lease_expiry_suspect: bool | None
-    p_queue_s: float | None
-    request_id: str | None = None
-
-
-class HandoffFacts(NamedTuple):
-    """A charged record's handoff columns: what the handoff percentiles per P, D and pair are taken over."""
-
-    p_instance: object
-    d_instance: object
-    p_done: object
-    first_token: object
-    lease_expiry_suspect: object
 
 
 class ScrapeFigures(Protocol):
@@ -169,16 +139,9 @@ class PoolTally:
     done: int = 0
 
 
-def _name(v: object) -> str | None:
-    return v if isinstance(v, str) else None
-
-
-def _num(v: object) -> float | None:
-    return v if isinstance(v, float) else None
-
-
 class WindowTally:
-    """The window's request records, charged record by record (:meth:`add`)."""
+    """The window's request records, charged record by record (:meth:`add`, or :meth:`apply` of a charge
+    already worked out), in the order they are added."""
 
     def __init__(
         self, pools: Mapping[str, Role], now: float, restarted: Mapping[str, float] | None = None
@@ -204,105 +167,74 @@ class WindowTally:
 
     def add(self, r: RecordFacts, invalid: bool) -> None:
         """Charge one record; ``invalid``: it was refused as invalid (``store.queries.is_client_error``)."""
-        p_inst, d_inst = _name(r.p_instance), _name(r.d_instance)
-        if (t_in := _num(r.proxy_in)) is not None and (self.last_in is None or t_in > self.last_in):
-            self.last_in = t_in
-        if invalid:
-            for inst in (p_inst, d_inst):  # refused as invalid: nobody's fault, counted only
-                if inst is not None:
-                    self.instances[inst].refused += 1
+        self.apply(charge_of(r, invalid))
+
+    def apply(self, c: Charge) -> None:
+        """Add one record's charges (:func:`controller.policy.charges.charge_of`)."""
+        if c.t_in is not None and (self.last_in is None or c.t_in > self.last_in):
+            self.last_in = c.t_in
+        names = [inst for inst in (c.p, c.d) if inst is not None]
+        if c.invalid:
+            for inst in names:
+                self.instances[inst].refused += 1
             return
-        self.charged_handoffs.append(
-            HandoffFacts(r.p_instance, r.d_instance, r.p_done, r.first_token, r.lease_expiry_suspect)
-        )
-        self._charge_outcome(r, p_inst, d_inst)
-        self._charge_unpulled(r, p_inst)
-        pair = (p_inst, d_inst) if p_inst is not None and d_inst is not None else None
-        self._stage_times(r, p_inst, d_inst, pair)
-        self._pool_times(r, pair)
+        if c.handoff_facts is not None:
+            self.charged_handoffs.append(c.handoff_facts)
+        for inst in names:
+            self.instances[inst].requests += 1
+        self._outcome(c)
+        self._times(c, names)
 
-    def _charge_outcome(self, r: RecordFacts, p_inst: str | None, d_inst: str | None) -> None:
-        """Count the request on its P and D; a failure is its stage's: D's once the decode stage began,
-        else P's."""
-        for inst in (p_inst, d_inst):
-            if inst is not None:
-                self.instances[inst].requests += 1
-        if r.status == "ok" and p_inst is not None and d_inst is not None:
-            self._since_restart(self.served_since_restart, p_inst, d_inst, _num(r.p_done))
-        if r.status not in FAILED_OUTCOMES or r.error in NOT_CHARGED_ERRORS:
-            return
-        decoded = r.d_sent is not None
-        if d_inst is not None and decoded:
-            self.instances[d_inst].failed += 1
-            if p_inst is not None:
-                self.pair_failures[p_inst, d_inst] += 1
-                self._since_restart(self.failed_since_restart, p_inst, d_inst, _num(r.p_done))
-        elif p_inst is not None and not decoded:
-            self.instances[p_inst].failed += 1
+    def _outcome(self, c: Charge) -> None:
+        pair = c.pair
+        if c.failed_on is not None:
+            self.instances[c.failed_on].failed += 1
+        if pair is not None and c.served and after_restart(self.restarted, pair[0], c.p_done):
+            self.served_since_restart[pair] += 1
+        if pair is not None and c.pair_failed:
+            self.pair_failures[pair] += 1
+            if after_restart(self.restarted, pair[0], c.p_done):
+                self.failed_since_restart[pair] += 1
+        if c.unpulled and c.p is not None:
+            self.instances[c.p].add_unpulled(c.request_id)
 
-    def _since_restart(self, counts: defaultdict[Pair, int], p: str, d: str, p_done: object) -> None:
-        """Count a handoff on ``(p, d)`` when P finished it after P's latest restart."""
-        at = self.restarted.get(p)
-        if at is not None and isinstance(p_done, int | float) and p_done >= at:
-            counts[p, d] += 1
+    def _times(self, c: Charge, names: list[str]) -> None:
+        pair = c.pair
+        if pair is not None and c.ttft_pair is not None:
+            self.ttft_by_pair[pair].append(c.ttft_pair)
+        if c.p is not None and c.p_contribution is not None:
+            self.instances[c.p].contribution.append(c.p_contribution)
+        if c.d is not None and c.d_contribution is not None:
+            self.instances[c.d].contribution.append(c.d_contribution)
+        if c.handoff is not None:
+            self.handoffs.append(c.handoff)
+            for inst in names:
+                self.instances[inst].handoff.append(c.handoff)
+        if c.t_in is not None:
+            self._pool_times(c, c.t_in)
 
-    def _charge_unpulled(self, r: RecordFacts, p_inst: str | None) -> None:
-        """A handoff P finished that no D served: its blocks wait on a lease for a pull that may not come."""
-        if p_inst is not None and _num(r.p_done) is not None and r.first_token is None:
-            self.instances[p_inst].add_unpulled(r.request_id)
-
-    def _stage_times(self, r: RecordFacts, p_inst: str | None, d_inst: str | None, pair: Pair | None) -> None:
-        """The pair's TTFT, each instance's own stage time, and the handoff through both."""
-        p_sent, p_done, d_sent, first = _num(r.p_sent), _num(r.p_done), _num(r.d_sent), _num(r.first_token)
-        ttft = _num(r.ttft_s)
-        if r.status == "ok" and ttft is not None and pair is not None:
-            self.ttft_by_pair[pair].append(ttft)
-        if p_inst is not None and p_sent is not None and p_done is not None:
-            self.instances[p_inst].contribution.append(max(0.0, p_done - p_sent))
-        if d_inst is not None and d_sent is not None and first is not None:
-            # D's own time starts when it has the request and P has answered: push mode sends D's leg
-            # with P's, and D's wait for P's prefill is P's
-            d_from = d_sent if p_done is None else max(d_sent, p_done)
-            self.instances[d_inst].contribution.append(max(0.0, first - d_from))
-        if p_done is not None and first is not None:
-            handoff = max(0.0, first - p_done)
-            self.handoffs.append(handoff)
-            for inst in (p_inst, d_inst):
-                if inst is not None:
-                    self.instances[inst].handoff.append(handoff)
-
-    def _pool_times(self, r: RecordFacts, pair: Pair | None) -> None:
+    def _pool_times(self, c: Charge, t_in: float) -> None:
         """TTFT without the admission wait (and without P's queue), and each pool's residence time."""
-        t_in = _num(r.proxy_in)
-        if t_in is None:
-            return
+        pair = c.pair
         self.first_in = min(self.first_in, t_in)
-        ttft, p_sent, p_queue = _num(r.ttft_s), _num(r.p_sent), _num(r.p_queue_s)
-        # TTFT without the wait for an admission slot in the proxy (proxy in -> sent to P).
-        service = (
-            ttft - max(0.0, p_sent - t_in)
-            if r.status == "ok" and ttft is not None and p_sent is not None
-            else None
-        )
-        unqueued = max(0.0, service - p_queue) if service is not None and p_queue is not None else None
-        if pair is not None and service is not None:
-            self.service_by_pair[pair].append(service)
-        if pair is not None and unqueued is not None:
-            self.unqueued_by_pair[pair].append(unqueued)
-        for pool_name, end in ((r.p_pool, _num(r.p_done)), (r.d_pool, _num(r.done))):
-            agg = self.pools.get(pool_name) if isinstance(pool_name, str) else None
+        if pair is not None and c.service is not None:
+            self.service_by_pair[pair].append(c.service)
+        if pair is not None and c.unqueued is not None:
+            self.unqueued_by_pair[pair].append(c.unqueued)
+        for t in c.pools:
+            agg = self.pools.get(t.pool)
             if agg is None:
                 continue
-            if service is not None:
-                agg.service_ttft.append(service)
-            if unqueued is not None:
-                agg.unqueued_ttft.append(unqueued)
-            if end is None:
+            if c.service is not None:
+                agg.service_ttft.append(c.service)
+            if c.unqueued is not None:
+                agg.unqueued_ttft.append(c.unqueued)
+            if t.residence is None:
                 continue
             agg.done += 1
-            agg.residence.append(max(0.0, end - t_in))
-            if isinstance(r.kv_bytes, int):
-                agg.kv_bytes.append(float(r.kv_bytes))
+            agg.residence.append(t.residence)
+            if t.kv_bytes is not None:
+                agg.kv_bytes.append(t.kv_bytes)
 
     def charge_failed_attempts(self, attempts: Iterable[object]) -> None:
         """Failed attempts a retried record does not show itself (``attributes["failed_attempts"]``):
@@ -316,7 +248,8 @@ class WindowTally:
                 p_inst = a.get("p_instance") if a.get("stage") == "decode" else None
                 if isinstance(p_inst, str):
                     self.pair_failures[p_inst, inst] += 1
-                    self._since_restart(self.failed_since_restart, p_inst, inst, a.get("p_done"))
+                    if after_restart(self.restarted, p_inst, a.get("p_done")):
+                        self.failed_since_restart[p_inst, inst] += 1
 
     def charge_lease_expiries(
         self,
@@ -358,7 +291,9 @@ class WindowTally:
 
 
 def mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+    """Their mean, summed exactly (``math.fsum``): the same to the bit in any order, so a window kept
+    between ticks (``controller.policy.kepttally``) and one read whole agree."""
+    return math.fsum(values) / len(values) if values else None
 
 
 def rse(values: Sequence[float]) -> float | None:
@@ -366,12 +301,12 @@ def rse(values: Sequence[float]) -> float | None:
     if len(values) < 2:
         return None
     n = len(values)
-    m = sum(values) / n
+    m = math.fsum(values) / n
     if m <= 0:
         return None
     # population standard deviation in floats (statistics.pstdev's exact fractions cost a tick
-    # a third of a second at 1,000 instances)
-    var = max(0.0, sum((v - m) * (v - m) for v in values) / n)
+    # a third of a second at 1,000 instances), summed exactly as :func:`mean` is: order-free
+    var = max(0.0, math.fsum((v - m) * (v - m) for v in values) / n)
     return math.sqrt(var) / (m * math.sqrt(n))
 
 

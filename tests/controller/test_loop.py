@@ -346,9 +346,9 @@ def test_the_window_reads_are_counted_over_the_process_life_across_a_failed_tick
     )
     world.step()
     world.step()
-    assert world.reconciler.view().window_reads == (1, 1)
+    assert world.reconciler.view().window_reads[:2] == (("slo", 1, 1), ("evidence", 1, 1))
     fails.armed = True
     with pytest.raises(RuntimeError):
         world.step()
     world.step()
-    assert world.reconciler.view().window_reads == (2, 2)
+    assert world.reconciler.view().window_reads[:2] == (("slo", 2, 2), ("evidence", 2, 2))

@@ -92,7 +92,7 @@ def _leader() -> Any:
         takeovers=1,
         deposed=0,
         tick_record_bytes=2048,
-        window_reads=(3, 120),
+        window_reads=(("slo", 3, 120), ("evidence", 2, 121)),
     )
 
 
@@ -116,7 +116,7 @@ def _standby(observed: bool) -> Any:
         takeovers=0,
         deposed=2,
         tick_record_bytes=None,
-        window_reads=(0, 0),
+        window_reads=tuple((w, 0, 0) for w in ("slo", "evidence", "snapshots", "tenants")),
     )
 
 

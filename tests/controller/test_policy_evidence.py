@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from controller.policy import evidence as ev
+from controller.policy.charges import RecordFacts
 from controller.policy.config import EVIDENCE_ONLY, EvidenceConfig, PolicyConfig
 from controller.policy.signals import InstanceSignals
 
@@ -30,8 +31,8 @@ class Scrapes:
     expired_leases_per_min: float | None = None
 
 
-def record(**kw: object) -> ev.RecordFacts:
-    base: dict[str, object] = dict.fromkeys(ev.RecordFacts._fields)
+def record(**kw: object) -> RecordFacts:
+    base: dict[str, object] = dict.fromkeys(RecordFacts._fields)
     base.update(
         status="ok",
         p_instance="p0",
@@ -47,7 +48,7 @@ def record(**kw: object) -> ev.RecordFacts:
         ttft_s=0.7,
     )
     base.update(kw)
-    return ev.RecordFacts(**base)  # type: ignore[arg-type]
+    return RecordFacts(**base)  # type: ignore[arg-type]
 
 
 def test_hold_time_is_littles_law_on_the_gauges() -> None:
@@ -80,9 +81,7 @@ def test_hold_time_is_littles_law_on_the_gauges() -> None:
         (record(status="rejected"), {}),
     ],
 )
-def test_a_failure_is_charged_to_the_stage_that_failed_it(
-    rec: ev.RecordFacts, charged: dict[str, int]
-) -> None:
+def test_a_failure_is_charged_to_the_stage_that_failed_it(rec: RecordFacts, charged: dict[str, int]) -> None:
     t = ev.WindowTally({"P": "prefill", "D": "decode"}, now=10.0)
     t.add(rec, invalid=False)
     assert {n: a.failed for n, a in t.instances.items() if a.failed} == charged
