@@ -22,7 +22,8 @@ from typing import Any
 from sortedcontainers import SortedList
 
 from analysis.rates import RateFacts
-from controller.policy.charges import RecordFacts, charge_of
+from controller.handoffgroups import HandoffGroups
+from controller.policy.charges import Charge, RecordFacts, charge_of
 from controller.policy.evidence import WindowTally
 from controller.policy.kepttally import KeptTally
 from controller.policy.signals import Role
@@ -49,6 +50,7 @@ class EvidenceRows:
         self._rows: dict[int, Sequence[Any]] = {}
         self._order: SortedList[tuple[float, int]] = SortedList()  # (proxy_in, id), oldest first
         self.kept = KeptTally()  # the charges of the rows of [lo, hi]
+        self.handoffs = HandoffGroups()  # their handoffs, per D, P and pair
         self.lo = -float("inf")  # rows that arrived before it are retired: a window from there is not held
         self.hi = -float("inf")  # rows that arrived after it wait, not charged
 
@@ -72,7 +74,7 @@ class EvidenceRows:
                 self._rows[rid] = row
                 self._order.add((float(at), rid))
                 if self.lo <= at <= self.hi:
-                    self.kept.add(rid, charge_of(*charged(row)))
+                    self._charge(rid, charge_of(*charged(row)))
 
     def slide(self, lo: float, hi: float) -> None:
         """Retire the rows that arrived before ``lo``; charge those of ``(hi before, hi]``."""
@@ -84,7 +86,7 @@ class EvidenceRows:
             else self._order.irange((self.hi, float("inf")), (hi, float("inf")), (False, True))
         )
         for _, rid in due:
-            self.kept.add(rid, charge_of(*charged(self._rows[rid])))
+            self._charge(rid, charge_of(*charged(self._rows[rid])))
         self.lo, self.hi = max(self.lo, lo), hi
 
     def tally(self, pools: Mapping[str, Role], restarted: Mapping[str, float] | None) -> WindowTally:
@@ -102,8 +104,21 @@ class EvidenceRows:
                 out.append(RateFacts(*facts, *row[_END:]))
         return out
 
+    def _charge(self, rid: int, c: Charge) -> None:
+        self._uncharge(rid)
+        self.kept.add(rid, c)
+        if c.handoff_facts is not None:
+            self.handoffs.add(rid, c.handoff_facts)
+
+    def _uncharge(self, rid: int) -> None:
+        old = self.kept.charge(rid)
+        if old is not None:
+            self.kept.remove(rid)
+            if old.handoff_facts is not None:
+                self.handoffs.remove(rid, old.handoff_facts)
+
     def _drop(self, rid: int) -> None:
         old = self._rows.pop(rid, None)
         if old is not None:
             self._order.remove((float(old[_PROXY_IN]), rid))
-            self.kept.remove(rid)
+            self._uncharge(rid)

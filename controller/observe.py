@@ -33,6 +33,7 @@ from analysis import rates
 from analysis.prediction import PredictionFacts, measure
 from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
+from controller.handoffgroups import BYS
 from controller.kept import KeptReads
 from controller.policy import evidence as ev
 from controller.policy.charges import RecordFacts
@@ -337,6 +338,15 @@ def _instances(
     return instances, newest
 
 
+def _handoffs(tally: ev.WindowTally, kept: KeptReads | None) -> dict[q.HandoffKey, dict[str, q.HandoffStats]]:
+    """The handoff percentiles per D, P and pair over the window's charged handoffs: kept between ticks with
+    them (``controller.handoffgroups``, each group's until it changes), else taken from the tally's."""
+    rows = kept.evidence_rows if kept is not None else None
+    if rows is not None:
+        return rows.handoffs.stats()
+    return q.handoff_stats_of(tally.charged_handoffs, BYS)
+
+
 def _recent_pairs(tally: ev.WindowTally, since: float) -> dict[str, q.HandoffStats]:
     """Per ``"P->D"``: the charged handoffs whose first token came at or after ``since``."""
     rows = [r for r in tally.charged_handoffs if isinstance(r.first_token, float) and r.first_token >= since]
@@ -415,7 +425,7 @@ def observe(
     # order read P up and not restarted, and charged D the pulls P's outage failed (a CI run of stop 45).
     snaps = _snapshots(session, window, now, kept)
     tally = _charged(session, settings, evc, since, now, rate_facts, kept)
-    hand = q.handoff_stats_of(tally.charged_handoffs, ("d_instance", "p_instance", "pair"))
+    hand = _handoffs(tally, kept)
     instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand)
     rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
     pool_sigs = tuple(

@@ -447,20 +447,34 @@ def handoff_stats_of(
     groups: dict[HandoffKey, dict[str, list[float]]] = {by: defaultdict(list) for by in bys}
     suspects: dict[HandoffKey, dict[str, int]] = {by: defaultdict(int) for by in bys}
     for p, d, p_done, first, suspect in rows:
-        if p_done is None or first is None:
+        took = handoff_took(p_done, first)
+        if took is None:
             continue
-        took = max(0.0, first - p_done)
-        keys: dict[HandoffKey, str | None] = {"d_instance": d, "p_instance": p, "pair": f"{p}->{d}"}
+        keys = handoff_keys(p, d)
         for by in bys:
-            key = keys[by] or ""
+            key = keys[by]
             groups[by][key].append(took)
             suspects[by][key] += int(bool(suspect))
+    return {
+        by: {key: handoff_group(key, vals, suspects[by][key]) for key, vals in groups[by].items()}
+        for by in bys
+    }
 
-    def stats(by: HandoffKey, key: str, vals: list[float]) -> HandoffStats:
-        p50, p90, p99 = percentiles(vals, (50, 90, 99))
-        return HandoffStats(key, len(vals), p50, p90, p99, math.fsum(vals) / len(vals), suspects[by][key])
 
-    return {by: {key: stats(by, key, vals) for key, vals in groups[by].items()} for by in bys}
+def handoff_took(p_done: Any, first: Any) -> float | None:
+    """A handoff's time, P done to D's first token (None: it did not happen)."""
+    return None if p_done is None or first is None else max(0.0, first - p_done)
+
+
+def handoff_keys(p: object, d: object) -> dict[HandoffKey, str]:
+    """The groups a handoff through ``p`` and ``d`` counts in (a name missing: ``""``; in a pair ``None``)."""
+    return {"d_instance": str(d or ""), "p_instance": str(p or ""), "pair": f"{p}->{d}"}
+
+
+def handoff_group(key: str, vals: Sequence[float], suspects: int) -> HandoffStats:
+    """One group's figures: its percentiles, its mean summed exactly (the same in any order), its suspects."""
+    p50, p90, p99 = percentiles(vals, (50, 90, 99))
+    return HandoffStats(key, len(vals), p50, p90, p99, math.fsum(vals) / len(vals), suspects)
 
 
 def slo_met_clause(slo: SLOSettings) -> ColumnElement[bool]:

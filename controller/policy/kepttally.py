@@ -13,7 +13,10 @@ figures out as the ``WindowTally`` a whole read would have built, for the same r
   of a P, which are the last by (arrival, id), the order a whole read adds them in
   (``controller.observe``'s read is ordered so);
 - the handoffs counted after a P's restart are counted when laid out, against the restarts of that tick
-  (a restart confirmed later counts the kept handoffs again).
+  (a restart confirmed later counts the kept handoffs again);
+- each P x D pair's lists are laid out again only when the pair's values changed (most of a large fleet's
+  pairs hold a record or two, and do not change from one tick to the next): those lists are shared
+  between the tallies laid out, and nothing may change them.
 
 Pure: no I/O, no clock.
 """
@@ -63,19 +66,41 @@ def _put(bag: dict[K, float], key: K, value: float | None, add: bool) -> None:
             bag.pop(key, None)
 
 
-def _put_in(
-    bags: dict[Pair, dict[int, float]], pair: Pair | None, key: int, value: float | None, add: bool
-) -> None:
-    if pair is None or value is None:
-        return
-    if add:
-        bags.setdefault(pair, {})[key] = value
-        return
-    bag = bags.get(pair)
-    if bag is not None:
-        bag.pop(key, None)
-        if not bag:
-            del bags[pair]
+class _PairBags:
+    """A figure's values per P x D pair, by record id, and each pair's list as last laid out (kept until the
+    pair's values change: most of a large fleet's pairs do not change from one tick to the next)."""
+
+    __slots__ = ("bags", "dirty", "lists")
+
+    def __init__(self) -> None:
+        self.bags: dict[Pair, dict[int, float]] = {}
+        self.lists: dict[Pair, list[float]] = {}
+        self.dirty: set[Pair] = set()
+
+    def put(self, pair: Pair | None, key: int, value: float | None, add: bool) -> None:
+        if pair is None or value is None:
+            return
+        self.dirty.add(pair)
+        if add:
+            self.bags.setdefault(pair, {})[key] = value
+            return
+        bag = self.bags.get(pair)
+        if bag is not None:
+            bag.pop(key, None)
+            if not bag:
+                del self.bags[pair]
+
+    def laid_out(self) -> defaultdict[Pair, list[float]]:
+        """Each pair's values as a list (a pair with none left out); the lists are shared with the last
+        call's where the pair did not change, and must not be changed."""
+        for pair in self.dirty:
+            bag = self.bags.get(pair)
+            if bag:
+                self.lists[pair] = list(bag.values())
+            else:
+                self.lists.pop(pair, None)
+        self.dirty.clear()
+        return defaultdict(list, self.lists)
 
 
 class KeptTally:
@@ -85,9 +110,7 @@ class KeptTally:
         self._charges: dict[int, Charge] = {}
         self._instances: dict[str, _Instance] = {}
         self._pools: dict[str, _Pool] = {}
-        self._ttft: dict[Pair, dict[int, float]] = {}
-        self._service: dict[Pair, dict[int, float]] = {}
-        self._unqueued: dict[Pair, dict[int, float]] = {}
+        self._ttft, self._service, self._unqueued = _PairBags(), _PairBags(), _PairBags()
         self._handoffs: dict[int, float] = {}
         self._charged: dict[int, HandoffFacts] = {}
         self._pair_failures: dict[Pair, int] = {}
@@ -99,8 +122,9 @@ class KeptTally:
     def __len__(self) -> int:
         return len(self._charges)
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._charges
+    def charge(self, key: int) -> Charge | None:
+        """Record ``key``'s kept charges (None: none kept)."""
+        return self._charges.get(key)
 
     def add(self, key: int, c: Charge) -> None:
         """Keep record ``key``'s charges (first taking back those it had)."""
@@ -142,7 +166,7 @@ class KeptTally:
         _put(self._handoffs, key, c.handoff, add)
         for slot, inst in enumerate(insts):
             _put(inst.handoff, (key, slot), c.handoff, add)
-        _put_in(self._ttft, c.pair, key, c.ttft_pair, add)
+        self._ttft.put(c.pair, key, c.ttft_pair, add)
         if c.t_in is not None:
             self._times(key, c, add)
 
@@ -187,8 +211,8 @@ class KeptTally:
     def _times(self, key: int, c: Charge, add: bool) -> None:
         """What a record with an arrival time adds: the window's first arrival, its pools' figures."""
         _put(self._first, key, c.t_in, add)
-        _put_in(self._service, c.pair, key, c.service, add)
-        _put_in(self._unqueued, c.pair, key, c.unqueued, add)
+        self._service.put(c.pair, key, c.service, add)
+        self._unqueued.put(c.pair, key, c.unqueued, add)
         for slot, t in enumerate(c.pools):
             pool = self._pools.get(t.pool)
             if pool is None:
@@ -216,9 +240,9 @@ class KeptTally:
                 out.unpulled = len(inst.unpulled)
                 ids = [rid for _, _, rid in sorted(inst.unpulled.values()) if rid]
                 out.unpulled_ids = ids[-UNPULLED_IDS:]
-        t.ttft_by_pair = defaultdict(list, {k: list(v.values()) for k, v in self._ttft.items()})
-        t.service_by_pair = defaultdict(list, {k: list(v.values()) for k, v in self._service.items()})
-        t.unqueued_by_pair = defaultdict(list, {k: list(v.values()) for k, v in self._unqueued.items()})
+        t.ttft_by_pair = self._ttft.laid_out()
+        t.service_by_pair = self._service.laid_out()
+        t.unqueued_by_pair = self._unqueued.laid_out()
         t.handoffs = list(self._handoffs.values())
         t.charged_handoffs = list(self._charged.values())
         t.pair_failures = defaultdict(int, self._pair_failures)

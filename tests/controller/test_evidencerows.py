@@ -2,8 +2,8 @@
 
 On a store (SQLite and PostgreSQL): ticks of records inserted and updated late (P done, the first token,
 the outcome), some ahead of the clock, some from a sender the controller does not believe, the clock
-stepping on by uneven steps: each tick's tally, rate facts and whole observation from the kept window
-equal those of ``observe``'s whole read of the same store, tick by tick.
+stepping on by uneven steps: each tick's tally, rate facts, handoff figures and whole observation from the
+kept window equal those of ``observe``'s whole read of the same store, tick by tick.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from analysis.rates import RateFacts
 from controller.evidencerows import EvidenceRows
+from controller.handoffgroups import BYS
 from controller.kept import KeptReads
 from controller.observe import _charged, observe
 from controller.policy.config import PolicyConfig
 from store.db import transaction
 from store.models import RequestRecord
+from store.queries import handoff_stats_of
 from tests.controller.test_kepttally import assert_same
 from tests.controller.test_slowindow import store_tick, window_settings
 
@@ -80,6 +82,8 @@ def _both(session: Session, settings: Any, kept: KeptReads, now: float) -> None:
     want = _charged(session, settings, evc, since, now, whole_facts)
     assert_same(got, want)
     assert kept_facts == whole_facts  # the same, in the same order: the rates' fit sums in it
+    assert kept.evidence_rows is not None  # and each group's handoff figures, kept until it changes
+    assert kept.evidence_rows.handoffs.stats() == handoff_stats_of(want.charged_handoffs, BYS)
 
 
 @pytest.mark.parametrize("trusted", [None, ["proxy-a"]])
