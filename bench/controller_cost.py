@@ -8,10 +8,11 @@ with the clock advancing one interval per tick, and reports the median CPU secon
 
 Before each measured tick the interval's records "arrive": they are written again (values unchanged),
 so the database stamps them and the tick's read of the changes has them, as when the collector writes
-them. Beside it, in the same run on a copy of the same store, the same ticks with the SLO window read
-whole every tick (``controller.whole_read_every_s`` tiny: the code before issue 32's kept reads); the
-two must see the same SLO figures and instance signals (the snapshots' kept too) every tick
-(``slo_figures_equal``).
+them. Beside it, in the same run on a copy of the same store, the same ticks with every kept window
+read whole every tick (``controller.whole_read_every_s`` tiny); the two must see the same SLO figures,
+tenants' figures, instance, pool and pair signals every tick (``slo_figures_equal``): a kept window that
+drifted from the store between whole reads would differ. (That a window laid out from what is kept equals
+``observe``'s read without kept windows is for the tests: ``tests/controller/test_evidencerows.py``.)
 
 Baseline, measured in the same run on the same store: one plain read of the rows the window
 covers (every snapshot and request-record column of the window, fetched into Python), the
@@ -252,7 +253,7 @@ def _ticks(
         s0 = server_cpu()
         spent, _ = cpu(rec.tick)
         obs = rec.view().obs
-        slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances))
+        slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances, obs.pools, obs.pairs))
         if i:
             ticks.append(spent)
             server.append(server_cpu() - s0)
@@ -260,7 +261,7 @@ def _ticks(
 
 
 def _whole_every_tick(settings: Any) -> Any:
-    """The same settings, reading the SLO window whole every tick (the baseline of the kept reads)."""
+    """The same settings, reading every kept window whole every tick (the baseline of the kept reads)."""
     return settings.model_copy(
         update={"controller": settings.controller.model_copy(update={"whole_read_every_s": 1e-3})}
     )

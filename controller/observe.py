@@ -127,12 +127,13 @@ def _tally(
     ``kept``: the records and their charges kept between ticks (``controller.evidencerows``), else read
     whole."""
     pools = {name: p.role for name, p in settings.pools.items()}
+    restarted = _restarts(session)  # before the records on both paths: one order for a restart in between
     if kept is not None:
         rows = kept.evidence(session, settings, since, now)
         if rate_facts is not None:
             rate_facts.extend(rows.rate_facts())
-        return rows.tally(pools, _restarts(session))
-    tally = ev.WindowTally(pools, now, _restarts(session))
+        return rows.tally(pools, restarted)
+    tally = ev.WindowTally(pools, now, restarted)
     for row in _records(session, since, now, trusted, rated=rate_facts is not None):
         r = RecordFacts._make(row[:_FACTS])
         tally.add(
@@ -415,8 +416,9 @@ def observe(
     (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
     observation (the rates are not a decision). None: the read leaves out the columns only the fit needs.
 
-    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window and the
-    snapshots are then read as what changed since the last tick; None: read whole, with the same figures."""
+    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window, the
+    evidence window (its records and their charges), the snapshots and the tenants' window are then read as
+    what changed since the last tick; None: read whole, with the same figures."""
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
