@@ -144,7 +144,8 @@ class ControllerSettings(_HTTPServerSettings):
     leader or a restart fits on its first tick; between fits the last served rates stay (their fitted_at says
     their age). A fit adds the records' columns it reads and the fit itself to that tick's observe step"""
     whole_read_every_s: Seconds = 300.0
-    """the leader keeps its SLO window between ticks and reads only the records changed since the last tick
-    (docs/policy.md "Reads kept between ticks"); it reads the window whole on taking over, after a failed
-    tick, when the window asked for changes, and at least this often (a safety net: a window that drifted
-    from the store is right again from there)"""
+    """the leader keeps its windows between ticks (the SLO window, the 30 s evidence window and its charges,
+    the snapshots, the tenants') and reads only the rows changed since the last tick (docs/policy.md "Reads
+    kept between ticks"); it reads each whole on taking over, after a failed tick, when the window asked for
+    changes, and at least this often (a safety net: a window that drifted from the store is right again from
+    there)"""
