@@ -416,9 +416,8 @@ def observe(
     (:mod:`analysis.rates`), from the same read of the window's records; they are no part of the
     observation (the rates are not a decision). None: the read leaves out the columns only the fit needs.
 
-    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`): the SLO window, the
-    evidence window (its records and their charges), the snapshots and the tenants' window are then read as
-    what changed since the last tick; None: read whole, with the same figures."""
+    ``kept``: the reads kept between this leader's ticks (:mod:`controller.kept`: every window it reads is
+    then read as what changed since the last tick); None: read whole, with the same figures."""
     evc = (cfg or PolicyConfig.from_settings(settings)).evidence
     window = window_s if window_s is not None else settings.controller.window_s
     since = now - window
