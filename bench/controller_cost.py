@@ -14,6 +14,10 @@ tenants' figures, instance, pool and pair signals every tick (``slo_figures_equa
 drifted from the store between whole reads would differ. (That a window laid out from what is kept equals
 ``observe``'s read without kept windows is for the tests: ``tests/controller/test_evidencerows.py``.)
 
+CPython's full garbage collections are paced as the serving loop paces them (``controller.gcpace``): off
+during the ticks, one after them, its CPU spread over ``controller.full_collection_every`` ticks in each
+tick's figure (``--full-collection-every 0``: CPython's own pacing, inside the ticks, as before).
+
 Baseline, measured in the same run on the same store: one plain read of the rows the window
 covers (every snapshot and request-record column of the window, fetched into Python), the
 floor of any design that rereads the window each tick. Figures: tick CPU, tick CPU per
@@ -234,7 +238,9 @@ def _ticks(
 ) -> tuple[Reconciler, list[float], list[Any], list[float]]:
     """The controller's CPU per tick (with the store server's), the clock advancing an interval per tick
     from ``start`` and that interval's records arriving before each tick; each tick's SLO figures and
-    instance signals; and the server's part of each tick's CPU."""
+    instance signals; and the server's part of each tick's CPU. CPython's full garbage collections are
+    paced as the serving loop paces them (``controller.full_collection_every``, :mod:`controller.gcpace`):
+    off during the ticks, and one run after them, its CPU spread over that many ticks in each tick's."""
     interval = settings.controller.interval_s
     clock_now = [start]
     rec = Reconciler(
@@ -246,18 +252,21 @@ def _ticks(
     ticks: list[float] = []
     slo: list[Any] = []
     server: list[float] = []
-    for i in range(n_ticks + 1):  # the first tick also loads the stored state: not counted
-        clock_now[0] = start + i * interval
-        if i:
-            _arrive(factory, clock_now[0] - interval, clock_now[0])
-        s0 = server_cpu()
-        spent, _ = cpu(rec.tick)
-        obs = rec.view().obs
-        slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances, obs.pools, obs.pairs))
-        if i:
-            ticks.append(spent)
-            server.append(server_cpu() - s0)
-    return rec, ticks, slo, server
+    with rec.collections:
+        for i in range(n_ticks + 1):  # the first tick also loads the stored state: not counted
+            clock_now[0] = start + i * interval
+            if i:
+                _arrive(factory, clock_now[0] - interval, clock_now[0])
+            s0 = server_cpu()
+            spent, _ = cpu(rec.tick)
+            obs = rec.view().obs
+            slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances, obs.pools, obs.pairs))
+            if i:
+                ticks.append(spent)
+                server.append(server_cpu() - s0)
+        every = rec.collections.every
+        share = rec.collections.collect() / every if every else 0.0
+    return rec, [t + share for t in ticks], slo, server
 
 
 def _whole_every_tick(settings: Any) -> Any:
@@ -318,10 +327,19 @@ def _with_tenants(settings: Any, url: str) -> Any:
     return settings.model_copy(update={"tenants": tenants})
 
 
-def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    spec, url, summary, seed_s = _seed(n, args, workdir)
+def _settings(spec: SeedSpec, url: str, args: argparse.Namespace) -> Any:
+    """The seeded fleet's settings, with the tenants and the full collections' pace as asked."""
     settings = parse_config(fleet_config_yaml(spec, url))
     settings = _with_tenants(settings, url) if args.tenants else settings
+    if args.full_collection_every is None:
+        return settings
+    ctl = settings.controller.model_copy(update={"full_collection_every": args.full_collection_every})
+    return settings.model_copy(update={"controller": ctl})
+
+
+def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    spec, url, summary, seed_s = _seed(n, args, workdir)
+    settings = _settings(spec, url, args)
     interval = settings.controller.interval_s
     window = settings.controller.window_s
     whole_url = _copy(url, args)  # before either run: both start from the same seeded store
@@ -357,6 +375,8 @@ def measure(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "slo_figures_equal": slo == whole_slo,
         "tick_cpu_ms_per_instance": 1000 * tick / n,
         "tick_share_of_interval": tick / interval,
+        "full_collection_every": rec.collections.every,  # 0: CPython's own pacing, inside the ticks
+        "full_collection_cpu_s": rec.collections.seconds,  # spread over that many ticks in tick_cpu_s
         "baseline_scan_cpu_s": scan,
         "tick_vs_scan": tick / scan if scan > 0 else None,
         **record,
@@ -433,8 +453,7 @@ def record_sizes(factory: Any, n: int, every: int, interval: float) -> dict[str,
 def measure_records(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Run a keyframe interval of ticks (plus one) with the real recorder; the records' sizes."""
     spec, url, _, seed_s = _seed(n, args, workdir)
-    settings = parse_config(fleet_config_yaml(spec, url))
-    settings = _with_tenants(settings, url) if args.tenants else settings
+    settings = _settings(spec, url, args)
     every = args.keyframe_every or settings.controller.tick_keyframe_every
     ctl = settings.controller.model_copy(update={"tick_keyframe_every": every})
     settings = settings.model_copy(update={"controller": ctl})
@@ -504,6 +523,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tenants", action="store_true", help="tenants on: the tick reads their window too")
     ap.add_argument("--tick-records", action="store_true", help="measure the tick records' size (see above)")
     ap.add_argument("--keyframe-every", type=int, default=0, help="with --tick-records (0: the config's)")
+    ap.add_argument(
+        "--full-collection-every",
+        type=int,
+        default=None,
+        help="ticks between the full garbage collections (0: CPython's own pacing; default: the config's)",
+    )
     ap.add_argument("--pg", default=None, help="a PostgreSQL server URL: the stores are databases there")
     args = ap.parse_args(argv)
     name = "controller_cost-tickdeltas.json" if args.tick_records else "controller_cost.json"

@@ -47,7 +47,7 @@ from pdscope.config import Settings
 from store.attribution import trusted_records
 from store.changes import ChangeCursor
 from store.models import RequestRecord, Snapshot
-from store.queries import SNAPSHOT_SCALARS
+from store.queries import SNAPSHOT_SCALARS, FiguresMemo
 from store.tenants import TENANT_COLUMNS
 from store.window import WindowRows
 
@@ -100,6 +100,8 @@ class KeptReads:
     snapshot_rows: SnapshotRows | None = None
     snapshot_cursor: ChangeCursor | None = None
     snapshot_whole: float | None = None
+    # the scrape figures of the window's snapshots and of its tail (store.queries.signals_of_rows's memos)
+    scrape_figures: tuple[FiguresMemo, FiguresMemo] = field(default_factory=lambda: ({}, {}))
     # the evidence window's records and their charges (controller.evidencerows), their cursor and whole read
     evidence_counts: ReadCounts = field(default_factory=ReadCounts)
     evidence_rows: EvidenceRows | None = None

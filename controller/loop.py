@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from analysis.rates import RateFacts, fit_rates
 from controller import observe as observe_mod
 from controller.effects import Bundler, Effects, Tick
+from controller.gcpace import FullCollections
 from controller.kept import KeptReads, ReadCounts
 from controller.leader import (
     Deposed,
@@ -108,6 +109,8 @@ class View:
     tick_record_bytes: int | None = None  # the newest tick record's compressed size (None: none written)
     # each kept window's reads since start: (window, whole, changes only)
     window_reads: tuple[tuple[str, int, int], ...] = ()
+    # the serving loop's full garbage collections (controller.gcpace): how many, their CPU seconds
+    full_collections: tuple[int, float] = (0, 0.0)
 
 
 @dataclass
@@ -150,8 +153,7 @@ class Reconciler:
             InstanceSpec(i.name, p, settings.pools[p].role, i.url) for p, i in settings.instances()
         )
         self.pools = tuple(PoolSpec(n, p.role, p.weight) for n, p in settings.pools.items())
-        # Names this process in the routing ETag: a restarted controller may reach a version number
-        # an earlier process already served with other content, and the ETag must still differ.
+        # in the routing ETag: a restarted process may reach a version an earlier one served otherwise
         self.epoch = secrets.token_hex(8)
         self._lock = threading.Lock()
         self._stats = _Stats()
@@ -173,6 +175,7 @@ class Reconciler:
         # the leader's fitted rates (controller.rates); the reads kept between its ticks (controller.kept)
         self._rates = RatesGate(every_s=settings.controller.rates_every_s)
         self._kept = self._new_kept(ReadCounts())
+        self.collections = FullCollections(settings.controller.full_collection_every)
 
     def _new_kept(self, counts: ReadCounts | None = None) -> KeptReads:
         """Reads kept from now on (the next tick reads its windows whole), the SLO window's counted in
@@ -544,6 +547,7 @@ class Reconciler:
                 s.deposed,
                 s.tick_record_bytes,
                 self._kept.read_counts(),
+                (self.collections.runs, self.collections.seconds),
             )
 
     @property
@@ -574,16 +578,22 @@ class Reconciler:
     # -- the driver -------------------------------------------------------------------
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        """:meth:`step` every ``controller.interval_s`` until ``stop`` is set; never raises."""
+        """:meth:`step` every ``controller.interval_s`` until ``stop`` is set, CPython's full garbage
+        collections paced by the steps (:mod:`controller.gcpace`); never raises."""
         interval = self.settings.controller.interval_s
-        while not stop.is_set():
-            started = time.monotonic()
-            await asyncio.to_thread(self.step)
-            delay = max(0.0, interval - (time.monotonic() - started))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
+        with self.collections:
+            while not stop.is_set():
+                started = time.monotonic()
+                await asyncio.to_thread(self._paced_step)
+                delay = max(0.0, interval - (time.monotonic() - started))
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+
+    def _paced_step(self) -> None:
+        self.step()
+        self.collections.after_step()
 
 
 def _stamped(table: RoutingTable, epoch: int | None) -> RoutingTable:

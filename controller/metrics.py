@@ -181,6 +181,21 @@ CONTROLLER_FAMILIES: tuple[Family[_Scrape], ...] = (
         ],
     ),
     Family(
+        "pdscope_controller_full_collections",
+        "Full garbage collections the serving loop ran itself, once every controller.full_collection_every "
+        "ticks (CPython starts none while it runs).",
+        "counter",
+        (),
+        lambda s: one(float(s.v.full_collections[0])),
+    ),
+    Family(
+        "pdscope_controller_full_collection_seconds",
+        "CPU seconds of the serving loop's full garbage collections.",
+        "counter",
+        (),
+        lambda s: one(s.v.full_collections[1]),
+    ),
+    Family(
         "pdscope_controller_tick_record_bytes",
         "Compressed size of the newest tick record (the replay log; 0: none written).",
         "gauge",

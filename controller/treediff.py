@@ -86,6 +86,10 @@ class Differ:
             else:
                 changed[k] = self._node(o, v)
         out: dict[str, Any] = {"o": changed}
+        if len(old) == len(new) and old.keys() == new.keys():  # the same keys (most dicts): the same order?
+            if list(new) != list(old):
+                out["k"] = list(new)
+            return out
         gone = [k for k in old if k not in new]
         if gone:
             out["x"] = gone

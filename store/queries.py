@@ -209,16 +209,36 @@ def snapshot_window(session: Session, since: float, until: float) -> dict[str, l
     return _snapshot_rows(session, since, until)
 
 
+# Per instance, the figures of its rows last worked out: (first row, last row, rows, figures)
+FiguresMemo = dict[str, tuple[Any, Any, int, ScrapeFigures]]
+
+
 def signals_of_rows(
-    rows_by_instance: dict[str, list[Any]], since: float | None = None
+    rows_by_instance: dict[str, list[Any]], since: float | None = None, memo: FiguresMemo | None = None
 ) -> dict[str, ScrapeFigures]:
-    """:func:`instance_signals` over rows already read, only those at or after ``since`` if given."""
+    """:func:`instance_signals` over rows already read, only those at or after ``since`` if given.
+
+    ``memo`` (one per window, kept by the caller between calls): an instance's figures are worked out again
+    only when its rows are not the ones they were worked out from, that is when its first or last row is
+    not the same object or their count differs. For rows kept between reads (``controller.snaprows``: each
+    instance's held in time order, a window's a contiguous run of them, none changed in place) that is
+    exactly when they differ; rows read anew are new objects, always worked out."""
     out: dict[str, ScrapeFigures] = {}
     for name, rows in rows_by_instance.items():
         if since is not None:
             rows = rows[bisect_left(rows, since, key=_ts) :]
-        if rows:
-            out[name] = _signals_of(name, rows)
+        if not rows:
+            continue
+        hit = memo.get(name) if memo is not None else None
+        if hit is not None and hit[0] is rows[0] and hit[1] is rows[-1] and hit[2] == len(rows):
+            out[name] = hit[3]
+            continue
+        out[name] = _signals_of(name, rows)
+        if memo is not None:
+            memo[name] = (rows[0], rows[-1], len(rows), out[name])
+    if memo is not None:
+        for gone in memo.keys() - out.keys():
+            del memo[gone]
     return out
 
 

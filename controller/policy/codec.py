@@ -42,6 +42,10 @@ def dump(value: Any, *, compact: bool = False) -> Any:
     field equal to its default is left out (:func:`load` fills it in again)."""
     if type(value) in _PLAIN:  # the exact plain types first: most of a record (an enum is not one)
         return value
+    cls: type = type(value)
+    fields = _fields(cls)
+    if fields is not None:  # then a dataclass: most of the rest
+        return _dataclass_dump(value, fields, compact)
     if value is None or isinstance(value, bool | int | str):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, float):
@@ -50,31 +54,34 @@ def dump(value: Any, *, compact: bool = False) -> Any:
         return value.value
     if isinstance(value, BaseModel):
         return value.model_dump(mode="python")
-    cls: type = type(value)
-    fields = _fields(cls)
-    if fields is not None:
-        out = {}
-        for name, default in fields:
-            v = getattr(value, name)
-            if compact and default is not dataclasses.MISSING and _same(v, default):
-                continue
-            out[name] = dump(v, compact=compact)
-        return out
     if isinstance(value, Mapping):
-        return {str(k): dump(v, compact=compact) for k, v in value.items()}
+        return {str(k): v if type(v) in _PLAIN else dump(v, compact=compact) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return [dump(v, compact=compact) for v in value]
+        return [v if type(v) in _PLAIN else dump(v, compact=compact) for v in value]
     if isinstance(value, frozenset | set):
         return sorted(dump(v, compact=compact) for v in value)
     raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
+def _dataclass_dump(value: Any, fields: tuple[tuple[str, Any], ...], compact: bool) -> dict[str, Any]:
+    """A dataclass's fields, a plain value as it is (no call to :func:`dump` for it: most of a record's
+    values), a field equal to its default left out when ``compact`` (``MISSING`` is of no field's type)."""
+    out = {}
+    for name, default in fields:
+        v = getattr(value, name)
+        if compact and type(v) is type(default) and v == default and _same(v, default):
+            continue
+        out[name] = v if type(v) in _PLAIN else dump(v, compact=compact)
+    return out
 
 
 @cache
 def _fields(cls: type) -> tuple[tuple[str, Any], ...] | None:
     """A dataclass's fields as :func:`dump` walks them: each name and its plain default (``MISSING``: none),
     worked out once per class (``dataclasses.fields`` builds them anew every call: most of a record's
-    encoding at 1,000 instances); None for a class that is no dataclass."""
-    if not dataclasses.is_dataclass(cls):
+    encoding at 1,000 instances); None for a class that is no dataclass, or one :func:`dump` encodes as
+    its value (an enum, a number or a string, a pydantic model) whatever its fields."""
+    if not dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum | int | float | str | BaseModel):
         return None
     return tuple((f.name, f.default) for f in dataclasses.fields(cls))
 

@@ -108,6 +108,11 @@ class ControllerSettings(_HTTPServerSettings):
     change or a gap; the records between hold only what changed since the record before (docs/policy.md,
     policy replay). A replay reads from the keyframe at or before its window's start: up to this many
     records more. 1: every record whole"""
+    full_collection_every: int = Field(default=15, ge=0, le=10_000)
+    """the serving loop runs CPython's full garbage collection itself, once every this many ticks, instead of
+    the allocator starting one on most ticks (its cost grows with the windows kept between ticks: about a
+    fifth of a tick at 1,000 instances); garbage in reference cycles lives up to this many intervals longer.
+    0: CPython's own pacing"""
     forward_changes: bool = True
     """a standby forwards an operator change to the leader's advertise_url (once: a forwarded change is never
     forwarded again) instead of answering 409; the 409 stays when the leader cannot be reached"""

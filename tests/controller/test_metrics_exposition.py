@@ -93,6 +93,7 @@ def _leader() -> Any:
         deposed=0,
         tick_record_bytes=2048,
         window_reads=(("slo", 3, 120), ("evidence", 2, 121)),
+        full_collections=(8, 1.75),
     )
 
 
@@ -117,6 +118,7 @@ def _standby(observed: bool) -> Any:
         deposed=2,
         tick_record_bytes=None,
         window_reads=tuple((w, 0, 0) for w in ("slo", "evidence", "snapshots", "tenants")),
+        full_collections=(0, 0.0),
     )
 
 

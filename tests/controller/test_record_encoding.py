@@ -75,6 +75,7 @@ def test_the_codec_dumps_odd_values_as_the_walk_by_fields_did() -> None:
         _Odd(_Kind.A, _Level.ONE, -0.0, True, frozenset({"b", "a"}), (pair,)),
         _Odd(zero=0, count=1.0),  # type: ignore[arg-type]  # the wrong kinds: not their defaults
         {"x": [_Odd(), None, (1, 2.5)]},
+        [_Level.ONE, _Kind.A, {"k": _Level.ONE, "f": -0.0, "b": True}, (False, "s")],  # not plain, in plain
     ):
         for compact in (False, True):
             assert repr(dump(value, compact=compact)) == repr(_walked(value, compact))

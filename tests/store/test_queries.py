@@ -13,6 +13,7 @@ from store.families import HIST_TTFT
 from store.migrate import upgrade
 from store.models import RequestRecord, Snapshot
 from store.queries import (
+    FiguresMemo,
     counter_steps,
     handoff_stats,
     histogram_quantiles,
@@ -141,6 +142,31 @@ def test_instance_and_pool_rates_with_a_restart(factory: sessionmaker[Session]) 
     assert signals_of_rows(rows, since=105.0) == tail
     assert tail["d0"].seconds == 10.0 and tail["d0"].generation_tokens_per_s == pytest.approx(100 / 10)
     assert signals_of_rows(rows, since=125.0) == {}
+
+
+def test_a_memo_works_out_again_only_the_instances_whose_rows_are_other_rows(
+    factory: sessionmaker[Session],
+) -> None:
+    with factory.begin() as s:
+        s.add_all(
+            [
+                _snap(name, "dec", "decode", ts, generation_tokens=ts)
+                for name in ("d0", "d1", "d2")
+                for ts in (100, 110)
+            ]
+        )
+        s.add_all([_snap("d1", "dec", "decode", 105.0, generation_tokens=40.0)])  # d1's middle row
+    with factory() as s:
+        rows = snapshot_window(s, 90.0, 130.0)
+    memo: FiguresMemo = {}
+    held = {"d0": rows["d0"], "d1": [rows["d1"][0], rows["d1"][2]], "d2": rows["d2"]}
+    first = signals_of_rows(held, memo=memo)
+    again = signals_of_rows({k: list(v) for k, v in held.items()}, memo=memo)  # new lists, the same rows
+    assert again == first and all(again[k] is first[k] for k in held)
+    later = signals_of_rows({"d0": rows["d0"][1:], "d1": rows["d1"]}, memo=memo)  # one row less; one more
+    assert later == signals_of_rows({"d0": rows["d0"][1:], "d1": rows["d1"]})
+    assert later["d1"] is not first["d1"] and later["d1"].scrapes == 3
+    assert later["d0"].scrapes == 1 and set(memo) == {"d0", "d1"}  # d2 is gone from the memo too
 
 
 def test_histogram_window_and_quantiles(factory: sessionmaker[Session]) -> None:

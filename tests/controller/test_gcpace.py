@@ -1,0 +1,93 @@
+"""The serving loop's full garbage collections (``controller.gcpace``): CPython's automatic ones off while
+the loop runs, one every ``controller.full_collection_every`` steps instead, the thresholds restored."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from controller.gcpace import OFF, FullCollections
+from tests.controller.conftest import World
+from tests.support.waiting import async_wait_until
+
+
+@pytest.fixture
+def thresholds() -> Iterator[tuple[int, int, int]]:
+    """The process's thresholds, set back after the test whatever it did."""
+    saved = gc.get_threshold()
+    yield saved
+    gc.set_threshold(*saved)
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_inside_the_full_collections_are_off_and_the_young_ones_kept(
+    thresholds: tuple[int, int, int],
+) -> None:
+    gc.set_threshold(500, 7, 9)
+    with FullCollections(4):
+        assert gc.get_threshold() == (500, 7, OFF)
+    assert gc.get_threshold() == (500, 7, 9)
+
+
+def test_none_paced_leaves_cpython_alone(thresholds: tuple[int, int, int]) -> None:
+    pacer = FullCollections(0)
+    with pacer:
+        assert gc.get_threshold() == thresholds
+        assert [pacer.after_step() for _ in range(5)] == [0.0] * 5
+    assert (pacer.runs, pacer.seconds) == (0, 0.0)
+
+
+def test_a_cycle_is_freed_by_the_every_th_step(thresholds: tuple[int, int, int]) -> None:
+    ticks = iter([10.0, 10.5, 20.0, 20.25])
+    pacer = FullCollections(3, clock=lambda: next(ticks))
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the pacer's collections run: the cycle lives until one does
+    try:
+        with pacer:
+            cycle = _Cycle()
+            ref = weakref.ref(cycle)
+            del cycle
+            assert [pacer.after_step(), pacer.after_step()] == [0.0, 0.0]
+            assert ref() is not None
+            assert pacer.after_step() == 0.5
+            assert ref() is None
+            assert [pacer.after_step(), pacer.after_step(), pacer.after_step()] == [0.0, 0.0, 0.25]
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert (pacer.runs, pacer.seconds) == (2, 0.75)
+
+
+def test_a_negative_pace_is_refused() -> None:
+    with pytest.raises(ValueError, match="full_collection_every"):
+        FullCollections(-1)
+
+
+async def test_the_serving_loop_paces_them_and_restores_the_thresholds(
+    world: World, thresholds: tuple[int, int, int]
+) -> None:
+    rec = world.reconciler
+    fast = world.settings.controller.model_copy(update={"interval_s": 0.01, "full_collection_every": 2})
+    rec.settings = world.settings.model_copy(update={"controller": fast})
+    rec.collections = FullCollections(2)
+    stop = asyncio.Event()
+    loop = asyncio.create_task(rec.run_forever(stop))
+    seen = await async_wait_until(
+        "two paced full collections",
+        lambda: (rec.collections.runs, gc.get_threshold()),
+        done=lambda got: got[0] >= 2,
+    )
+    assert seen[1][2] == OFF
+    stop.set()
+    await loop
+    assert gc.get_threshold() == thresholds
+    view = rec.view()
+    assert view.ticks >= 4 and view.full_collections[0] >= 2 and view.full_collections[1] > 0.0
