@@ -10,7 +10,9 @@ generation since the last one reach a quarter of it, so nearly every tick paid o
 generations are still collected by CPython as before: they cost little) and runs one after every
 ``every``-th step instead (``controller.full_collection_every``), so their cost is spread over that many
 ticks. Garbage caught in reference cycles lives at most that many intervals longer; everything else is
-freed when its last reference goes, as always. The process-wide thresholds are restored on leaving.
+freed when its last reference goes, as always. The thresholds are the process's: the first loop in turns
+the automatic full collections off and the last one out restores them (several controllers in one
+process, as in the tests, leave them as they found them whatever order they stop in).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from collections.abc import Callable
 from types import TracebackType
 
 OFF = 2**30  # a generation 2 threshold the loop never reaches
+
+_process = threading.Lock()
+_inside = 0  # the pacing loops running in this process
+_saved: tuple[int, int, int] = (0, 0, 0)  # the thresholds the first of them found
 
 
 class FullCollections:
@@ -36,21 +42,30 @@ class FullCollections:
         self.runs = 0
         self.seconds = 0.0
         self._steps = 0
-        self._saved: tuple[int, int, int] | None = None
+        self._entered = False
         self._lock = threading.Lock()
 
     def __enter__(self) -> FullCollections:
-        if self.every:
-            young, middle, _ = self._saved = gc.get_threshold()
-            gc.set_threshold(young, middle, OFF)
+        global _inside, _saved
+        if self.every and not self._entered:
+            with _process:
+                if not _inside:
+                    _saved = gc.get_threshold()
+                    gc.set_threshold(_saved[0], _saved[1], OFF)
+                _inside += 1
+            self._entered = True
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._saved is not None:
-            gc.set_threshold(*self._saved)
-            self._saved = None
+        global _inside
+        if self._entered:
+            self._entered = False
+            with _process:
+                _inside -= 1
+                if not _inside:
+                    gc.set_threshold(*_saved)
 
     def after_step(self) -> float:
         """Count a step; the CPU seconds of the full collection run after it (0.0: none was due)."""

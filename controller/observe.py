@@ -300,13 +300,13 @@ def _instances(
     snaps: dict[str, list[Any]],
     tally: ev.WindowTally,
     hand: dict[q.HandoffKey, dict[str, q.HandoffStats]],
-    memos: tuple[q.FiguresMemo, q.FiguresMemo] | None,
+    kept: KeptReads | None,
 ) -> tuple[list[InstanceSignals], float | None]:
     """Every configured instance's signals from the window's snapshots (``snaps``, read before the tally)
     and its charged records, and the newest data seen (the newest snapshot stored, when no instance has one
-    in the window). ``memos``: the scrape figures of the window and its tail kept between ticks."""
+    in the window). ``kept``: with the scrape figures of the window and its tail kept between ticks."""
     since, now = span
-    window_memo, recent_memo = memos or (None, None)
+    window_memo, recent_memo = kept.scrape_figures if kept is not None else (None, None)
     sigs = q.signals_of_rows(snaps, memo=window_memo)
     recent = q.signals_of_rows(snaps, since=now - evc.recent_s, memo=recent_memo)
     latest = _latest_gauges(snaps, since, now)
@@ -429,8 +429,7 @@ def observe(
     snaps = _snapshots(session, window, now, kept)
     tally = _charged(session, settings, evc, since, now, rate_facts, kept)
     hand = _handoffs(tally, kept)
-    memos = kept.scrape_figures if kept is not None else None
-    instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand, memos)
+    instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand, kept)
     rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
     pool_sigs = tuple(
         ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)

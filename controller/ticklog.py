@@ -32,7 +32,15 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from controller.effects import Tick
-from controller.policy import AlertConfig, PairSignals, PolicyConfig, ServedInstance, TickInput, TickOutput
+from controller.policy import (
+    AlertConfig,
+    Observation,
+    PairSignals,
+    PolicyConfig,
+    ServedInstance,
+    TickInput,
+    TickOutput,
+)
 from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.refresh import NOTHING_BETWEEN, Between
@@ -68,15 +76,15 @@ def document(
     out: TickOutput,
     between: Between = NOTHING_BETWEEN,
 ) -> dict[str, object]:
-    """The record as a JSON document. The observation's P×D pairs are kept as far as the policy reads them
-    (each pair's handoff median, count and failures, for the P×D matrix the weights are judged by;
-    their p99, which it does not read, is left out: the pairs are most of an observation's size,
-    growing with the pairs the window sampled). The state after the tick is kept as its digest: a
+    """The record as a JSON document. The observation is kept as far as the policy reads it
+    (:func:`policy_observation`: the handoff p99 of each pair and each instance, shown and never decided
+    on, are left out; the pairs are most of an observation's size, growing with the pairs the window
+    sampled, and an instance's p99 changes most ticks). The state after the tick is kept as its digest: a
     replay re-derives it and compares. ``between``: the tables recomposed since the tick before
     (operator changes served at once), which the tick's state and served weights start from; left
     out when there were none (a record without it reads as none)."""
     doc = {
-        "input": _policy_pairs_doc(dump(inp, compact=True)),
+        "input": _as_read_doc(dump(inp, compact=True)),
         "prev_served": dump(prev_served, compact=True),
         "alerts": dump(ac),
         "after": digest(out.state),
@@ -91,12 +99,23 @@ def policy_pairs(pairs: tuple[PairSignals, ...]) -> tuple[PairSignals, ...]:
     return tuple(dataclasses.replace(x, handoff_p99_s=0.0) for x in pairs)
 
 
-def _policy_pairs_doc(inp: Any) -> Any:
-    """A dumped input with its observation's pairs as :func:`policy_pairs` has them (each p99 at 0.0, a
-    field without a default: always there), set in place: the same document as dumping the input with
-    :func:`policy_pairs`, without copying every pair first."""
-    for pair in inp.get("obs", {}).get("pairs", ()):
+def policy_observation(obs: Observation) -> Observation:
+    """The observation as the policy reads it, what a tick record keeps: the pairs' p99 at 0
+    (:func:`policy_pairs`) and each instance's at None (its default)."""
+    instances = tuple(dataclasses.replace(x, handoff_p99_s=None) for x in obs.instances)
+    return dataclasses.replace(obs, instances=instances, pairs=policy_pairs(obs.pairs))
+
+
+def _as_read_doc(inp: Any) -> Any:
+    """A dumped input with its observation as :func:`policy_observation` has it, set in place (each pair's
+    p99 at 0.0, a field without a default: always there; each instance's left out, as a field at its
+    default is): the same document as dumping the input with :func:`policy_observation`, without copying
+    the observation first."""
+    obs = inp.get("obs", {})
+    for pair in obs.get("pairs", ()):
         pair["handoff_p99_s"] = 0.0
+    for inst in obs.get("instances", ()):
+        inst.pop("handoff_p99_s", None)
     return inp
 
 

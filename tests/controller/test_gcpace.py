@@ -37,6 +37,22 @@ def test_inside_the_full_collections_are_off_and_the_young_ones_kept(
     assert gc.get_threshold() == (500, 7, 9)
 
 
+@pytest.mark.parametrize("order", ["first out first", "last in first out"])
+def test_two_loops_leave_the_thresholds_as_they_found_them(
+    thresholds: tuple[int, int, int], order: str
+) -> None:
+    gc.set_threshold(600, 8, 11)
+    one, two = FullCollections(3), FullCollections(5)
+    one.__enter__()
+    two.__enter__()
+    assert gc.get_threshold() == (600, 8, OFF)
+    first, last = (one, two) if order == "first out first" else (two, one)
+    first.__exit__(None, None, None)
+    assert gc.get_threshold() == (600, 8, OFF)  # the other still runs
+    last.__exit__(None, None, None)
+    assert gc.get_threshold() == (600, 8, 11)
+
+
 def test_none_paced_leaves_cpython_alone(thresholds: tuple[int, int, int]) -> None:
     pacer = FullCollections(0)
     with pacer:

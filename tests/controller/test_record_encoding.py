@@ -1,6 +1,7 @@
 """The tick record's encoding, made cheaper for a large fleet (issue 32), writes the same bytes: the codec's
-walk of a dataclass by fields kept per class, and the pairs' p99 set to 0 in the dumped document rather than
-on a copy of every pair, against the walk and the copy they replace, on a run with every kind of decision."""
+walk of a dataclass by fields kept per class, and the pairs' p99 set to 0 (the instances' left out) in the
+dumped document rather than on a copy of the observation, against the walk and the copy they replace, on a
+run with every kind of decision."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from controller.effects import Tick
 from controller.policy.codec import dump
 from controller.policy.signals import PairSignals
 from controller.tickchain import text
-from controller.ticklog import document, policy_pairs
+from controller.ticklog import document, policy_observation
 from tests.controller.conftest import World
 from tests.controller.test_replay import _run
 
@@ -91,7 +92,7 @@ class _Documents:
     def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
         inp = tick.inp
         self.saw_pairs |= bool(inp.obs.pairs)
-        copied = dataclasses.replace(inp, obs=dataclasses.replace(inp.obs, pairs=policy_pairs(inp.obs.pairs)))
+        copied = dataclasses.replace(inp, obs=policy_observation(inp.obs))
         before = {
             "input": _walked(copied, compact=True),
             "prev_served": _walked(tick.prev_served, compact=True),
