@@ -36,10 +36,24 @@ _PROXY_IN = _FACTS + RecordFacts._fields.index("proxy_in")
 
 
 def charged(row: Sequence[Any]) -> tuple[RecordFacts, bool]:
-    """A row's facts, and whether it was refused as invalid (charged to nobody)."""
-    r = RecordFacts._make(row[_FACTS:_END])
+    """A kept row's facts, and whether it was refused as invalid (charged to nobody)."""
+    return facts_of(row[_FACTS:_END])
+
+
+def facts_of(values: Sequence[Any]) -> tuple[RecordFacts, bool]:
+    """The charging rules' columns as read (``RecordFacts``' fields, in order) as facts, and whether the
+    record was refused as invalid (charged to nobody): a kept row's and a whole read's alike."""
+    r = RecordFacts._make(values)
     status = r.status if isinstance(r.status, str) else None
     return r, is_client_error(status, r.http_status if isinstance(r.http_status, int) else None)
+
+
+def served_facts(r: RecordFacts, extra: Sequence[Any]) -> RateFacts | None:
+    """A served record's facts for the rates' fit (``extra``: the fit's columns read besides the charging
+    rules'); None for a record not served."""
+    if r.status != "ok":
+        return None
+    return RateFacts(r.p_instance, r.d_instance, r.status, r.p_sent, r.p_done, r.first_token, *extra)
 
 
 class EvidenceRows:
@@ -98,10 +112,9 @@ class EvidenceRows:
         out = []
         for _, rid in self._order.irange((self.lo, -1), (self.hi, float("inf"))):
             row = self._rows[rid]
-            r = RecordFacts._make(row[_FACTS:_END])
-            if r.status == "ok":
-                facts = (r.p_instance, r.d_instance, r.status, r.p_sent, r.p_done, r.first_token)
-                out.append(RateFacts(*facts, *row[_END:]))
+            facts = served_facts(RecordFacts._make(row[_FACTS:_END]), row[_END:])
+            if facts is not None:
+                out.append(facts)
         return out
 
     def _charge(self, rid: int, c: Charge) -> None:

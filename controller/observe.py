@@ -33,6 +33,7 @@ from analysis import rates
 from analysis.prediction import PredictionFacts, measure
 from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
+from controller.evidencerows import facts_of, served_facts
 from controller.handoffgroups import BYS
 from controller.kept import KeptReads
 from controller.policy import evidence as ev
@@ -135,20 +136,10 @@ def _tally(
         return rows.tally(pools, restarted)
     tally = ev.WindowTally(pools, now, restarted)
     for row in _records(session, since, now, trusted, rated=rate_facts is not None):
-        r = RecordFacts._make(row[:_FACTS])
-        tally.add(
-            r,
-            q.is_client_error(
-                r.status if isinstance(r.status, str) else None,
-                r.http_status if isinstance(r.http_status, int) else None,
-            ),
-        )
-        if rate_facts is not None and r.status == "ok":
-            rate_facts.append(
-                rates.RateFacts(
-                    r.p_instance, r.d_instance, r.status, r.p_sent, r.p_done, r.first_token, *row[_FACTS:]
-                )
-            )
+        r, invalid = facts_of(row[:_FACTS])
+        tally.add(r, invalid)
+        if rate_facts is not None and (facts := served_facts(r, row[_FACTS:])) is not None:
+            rate_facts.append(facts)
     return tally
 
 
