@@ -176,14 +176,15 @@ def _serve(
         "leads" if reconciler.role == "leader" else "standby until it takes the lock",
     )
     try:
-        uvicorn.run(
-            app,
-            host=c.host,
-            port=c.port,
-            log_level="warning",
-            access_log=False,
-            **server_options(c.header_timeout_s, c.max_connections),
-        )
+        with reconciler.collections:  # the loop paces CPython's full collections (controller.gcpace)
+            uvicorn.run(
+                app,
+                host=c.host,
+                port=c.port,
+                log_level="warning",
+                access_log=False,
+                **server_options(c.header_timeout_s, c.max_connections),
+            )
     finally:
         bundler.close()  # the bundles queued are written first (a few seconds at most)
         engine.dispose()

@@ -12,7 +12,12 @@ generations are still collected by CPython as before: they cost little) and runs
 ticks. Garbage caught in reference cycles lives at most that many intervals longer; everything else is
 freed when its last reference goes, as always. The thresholds are the process's: the first loop in turns
 the automatic full collections off and the last one out restores them (several controllers in one
-process, as in the tests, leave them as they found them whatever order they stop in).
+process leave them as they found them whatever order they stop in).
+
+Only ``pdscope control`` enters it, around its server (``controller.cli``): there the kept windows are
+most of the heap. A loop run inside another process (the tests' closed loops, in a pytest process whose
+heap is far larger than the windows) keeps CPython's pacing: a full collection every 15 ticks of a
+heap that size would cost far more than CPython's.
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ class FullCollections:
                     gc.set_threshold(*_saved)
 
     def after_step(self) -> float:
-        """Count a step; the CPU seconds of the full collection run after it (0.0: none was due)."""
-        if not self.every:
+        """Count a step; the CPU seconds of the full collection run after it (0.0: none was due, or the
+        pacing is not entered: CPython's own pacing goes on)."""
+        if not self.every or not self._entered:
             return 0.0
         with self._lock:
             self._steps += 1

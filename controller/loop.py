@@ -579,17 +579,17 @@ class Reconciler:
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """:meth:`step` every ``controller.interval_s`` until ``stop`` is set, CPython's full garbage
-        collections paced by the steps (:mod:`controller.gcpace`); never raises."""
+        collections paced by the steps while ``self.collections`` is entered (:mod:`controller.gcpace`:
+        ``pdscope control`` enters it); never raises."""
         interval = self.settings.controller.interval_s
-        with self.collections:
-            while not stop.is_set():
-                started = time.monotonic()
-                await asyncio.to_thread(self._paced_step)
-                delay = max(0.0, interval - (time.monotonic() - started))
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-                except TimeoutError:
-                    pass
+        while not stop.is_set():
+            started = time.monotonic()
+            await asyncio.to_thread(self._paced_step)
+            delay = max(0.0, interval - (time.monotonic() - started))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
 
     def _paced_step(self) -> None:
         self.step()

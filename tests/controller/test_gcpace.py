@@ -87,7 +87,7 @@ def test_a_negative_pace_is_refused() -> None:
         FullCollections(-1)
 
 
-async def test_the_serving_loop_paces_them_and_restores_the_thresholds(
+async def test_the_serving_loop_paces_them_while_entered(
     world: World, thresholds: tuple[int, int, int]
 ) -> None:
     rec = world.reconciler
@@ -95,6 +95,7 @@ async def test_the_serving_loop_paces_them_and_restores_the_thresholds(
     rec.settings = world.settings.model_copy(update={"controller": fast})
     rec.collections = FullCollections(2)
     stop = asyncio.Event()
+    rec.collections.__enter__()  # as pdscope control does, around its server
     loop = asyncio.create_task(rec.run_forever(stop))
     seen = await async_wait_until(
         "two paced full collections",
@@ -104,6 +105,14 @@ async def test_the_serving_loop_paces_them_and_restores_the_thresholds(
     assert seen[1][2] == OFF
     stop.set()
     await loop
+    rec.collections.__exit__(None, None, None)
     assert gc.get_threshold() == thresholds
     view = rec.view()
     assert view.ticks >= 4 and view.full_collections[0] >= 2 and view.full_collections[1] > 0.0
+
+
+def test_a_loop_not_entered_leaves_cpython_its_pacing(thresholds: tuple[int, int, int]) -> None:
+    """A loop inside another process (the tests' closed loops) runs no full collection of its own."""
+    pacer = FullCollections(1)
+    assert [pacer.after_step() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert pacer.runs == 0 and gc.get_threshold() == thresholds
