@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdscope.config import Settings, is_loopback
 
@@ -104,6 +104,24 @@ def serve(
         leadership.release()
 
 
+def _notifier(settings: Settings, external: str, bundler: Any) -> Any:
+    """The alert webhook (each alert annotated with its attribution link and bundle), or none."""
+    from controller.attribution import attribution_link
+    from controller.notify import NullNotifier, WebhookNotifier
+
+    url = settings.controller.alert_webhook_url
+    if not url:
+        return NullNotifier()
+    return WebhookNotifier(
+        url,
+        external,
+        annotate=lambda st: {
+            **attribution_link(external, st, settings.slo.window_s),
+            **bundler.annotations(st),
+        },
+    )
+
+
 def _serve(
     settings: Settings,
     token: str | None,
@@ -118,10 +136,8 @@ def _serve(
     from sqlalchemy.exc import SQLAlchemyError
 
     from controller.api import create_app
-    from controller.attribution import attribution_link
     from controller.bundle import make_bundler
     from controller.loop import Reconciler
-    from controller.notify import NullNotifier, WebhookNotifier
     from controller.policy import AlertConfig
     from controller.wiring import default_effects
     from pdscope.httpserve import server_options
@@ -143,18 +159,7 @@ def _serve(
     external = f"http://{c.host}:{c.port}"
     factory = session_factory(engine)
     bundler = make_bundler(settings, factory, url_base=f"{external}/v1/bundles")
-    notifier = (
-        WebhookNotifier(
-            c.alert_webhook_url,
-            external,
-            annotate=lambda st: {
-                **attribution_link(external, st, settings.slo.window_s),
-                **bundler.annotations(st),
-            },
-        )
-        if c.alert_webhook_url
-        else NullNotifier()
-    )
+    notifier = _notifier(settings, external, bundler)
     effects = default_effects(settings, factory, notifier=notifier, bundler=bundler)
     reconciler = Reconciler(
         settings,
