@@ -51,7 +51,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from collector.record import flag_lease_expiry, note_forensics
+from collector.record import flag_lease_expiry, forensics_part, note_forensics, store_forensics
 from pdscope import semconv as sc
 from store.models import RequestRecord, Snapshot, SpanRow
 from store.queries import CounterStep, counter_steps, is_client_error
@@ -357,6 +357,10 @@ def run_pass(
     )
     if not records:
         return ForensicsResult(0, 0)
+    # detached: what the pass notes is stored by store_forensics, merged with what assembly wrote since
+    before = {r.id: forensics_part(r) for r in records}
+    for r in records:
+        session.expunge(r)
     attempts = _read_attempts(session, records)
     lo = min(r.p_done or r.proxy_in for r in records) - slack_s
     hi = until + slack_s
@@ -373,6 +377,7 @@ def run_pass(
     }
     linked = _link_nixl(records, _series(session, instances, lo, hi))
     suspects = sum(1 for r in records if r.lease_expiry_suspect)
+    store_forensics(session, records, before)
     if join.suspects or join.unattributed:
         log.info(
             "lease-expiry forensics: %d newly attributed requests, %d expiries unattributed in [%.0f, %.0f]",

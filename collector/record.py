@@ -6,8 +6,10 @@ Two writers share a ``store.models.RequestRecord`` row, and each column has one 
   a trace's spans and ``collector.sink`` writes it, inserting a row (``insert_row``) or
   updating one (``AssembledRecord.update``), never touching the other owner's part;
 - **forensics** (``collector.forensics``) owns ``FORENSICS_COLUMNS`` and, inside the shared
-  ``attributes`` JSON, the keys ``FORENSICS_KEYS``; it writes them only through
-  ``note_forensics`` and ``flag_lease_expiry``.
+  ``attributes`` JSON, the keys ``FORENSICS_KEYS``; it sets them only through
+  ``note_forensics`` and ``flag_lease_expiry`` on rows detached from its session, and stores
+  them with ``store_forensics``: a compare-and-set on the row's ``stamp``, so a re-assembly
+  committed between forensics' read and its write is merged, never overwritten.
 
 The shared ``attributes`` column is split by key: assembly's keys are ``AssemblyNotes``'
 (``ASSEMBLY_KEYS``), merged over what the row holds, so forensics' keys survive a
@@ -21,8 +23,12 @@ settings in force; readers that follow a changed ``slo.*`` recompute them with t
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from store.models import RequestRecord
 
@@ -188,6 +194,49 @@ def note_forensics(rec: RequestRecord, key: ForensicsKey, value: Any) -> None:
     if key not in FORENSICS_KEYS:
         raise KeyError(f"{key!r} is not a forensics key of a request record")
     rec.attributes = {**(rec.attributes or {}), key: value}
+
+
+def forensics_part(rec: RequestRecord) -> tuple[bool, dict[str, Any]]:
+    """What forensics owns of a row: its flag and its keys of ``attributes``."""
+    attrs = rec.attributes or {}
+    return bool(rec.lease_expiry_suspect), {k: attrs[k] for k in FORENSICS_KEYS if k in attrs}
+
+
+def store_forensics(
+    session: Session, records: Iterable[RequestRecord], before: Mapping[int, tuple[bool, dict[str, Any]]]
+) -> int:
+    """Write forensics' part of each record changed since ``before`` (its ``forensics_part`` when
+    read, by row id); returns how many rows were written.
+
+    The records were read without a lock and set while detached. Each is written only if its
+    ``stamp`` is still the one read; otherwise the row is read again (locked) and forensics' part
+    is merged over what it holds now, so a key assembly wrote in between is kept.
+    """
+    written = 0
+    for rec in records:
+        part = forensics_part(rec)
+        if part == before.get(rec.id):
+            continue
+        flag, keys = part
+        row = update(RequestRecord).where(RequestRecord.id == rec.id)
+        unchanged = RequestRecord.stamp.is_(None) if rec.stamp is None else RequestRecord.stamp == rec.stamp
+        done = session.execute(
+            row.where(unchanged).values(attributes=dict(rec.attributes or {}), lease_expiry_suspect=flag)
+        )
+        if not done.rowcount:  # type: ignore[attr-defined]
+            # changed since read. The conditional write above began the write (SQLite serialises
+            # from here on); PostgreSQL's lock holds the row until the commit.
+            now = session.execute(
+                select(RequestRecord.id, RequestRecord.attributes)
+                .where(RequestRecord.id == rec.id)
+                .with_for_update()
+            ).first()
+            if now is None:  # removed since read (retention): nothing to note
+                continue
+            merged = {**(now.attributes or {}), **keys}
+            session.execute(row.values(attributes=merged, lease_expiry_suspect=flag))
+        written += 1
+    return written
 
 
 def flag_lease_expiry(rec: RequestRecord, entry: dict[str, Any]) -> None:

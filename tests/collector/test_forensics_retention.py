@@ -152,6 +152,41 @@ def test_in_push_mode_the_transfer_figures_are_p_s(factory: sessionmaker[Session
     assert nixl["d"]["nixl_failed_transfers"] == 1.0 and "nixl_xfer_time_count" not in nixl["d"]
 
 
+def test_a_re_assembly_committed_during_a_pass_is_kept(
+    factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sink re-assembles a record (D's vLLM span arrived) after forensics read it and before it
+    writes: both parts are in the row after, and a second conflicting pass changes nothing."""
+    t = NOW - 100
+    with factory.begin() as s:
+        for i, ts in enumerate([t, t + 15]):
+            s.add(_snap("d0", "decode", ts, nixl_xfer_time_count=[0.0, 1.0][i], nixl_failed_transfers=0.0))
+        rec = _rec("late", t + 4, t + 12)
+        rec.attributes = {"spans": 4, "p_vllm_request_id": "cmpl-p"}
+        s.add(rec)
+    real_series = forensics._series
+
+    def sink_writes_between(session: Session, *args: Any) -> Any:
+        with factory.begin() as other:  # a commit of its own, as the sink's
+            row = other.scalars(select(RequestRecord)).one()
+            row.attributes = {**row.attributes, "spans": 6, "d_vllm_request_id": "cmpl-d"}
+            row.d_queue_s = 0.01
+        return real_series(session, *args)
+
+    monkeypatch.setattr(forensics, "_series", sink_writes_between)
+    with factory.begin() as s:
+        assert forensics.run_pass(s, NOW - 300, NOW).linked == 1
+    with factory() as s:
+        row = s.scalars(select(RequestRecord)).one()
+    assert row.attributes["d_vllm_request_id"] == "cmpl-d" and row.attributes["spans"] == 6
+    assert row.attributes["p_vllm_request_id"] == "cmpl-p" and row.d_queue_s == 0.01
+    assert row.attributes["nixl"]["d"]["nixl_xfer_time_count"] == 1.0
+    with factory.begin() as s:  # linked already: nothing of forensics' changes, the sink's write stays
+        assert forensics.run_pass(s, NOW - 300, NOW).linked == 0
+    with factory() as s:
+        assert s.scalars(select(RequestRecord)).one().attributes == row.attributes
+
+
 def _expiry_world(s: Session, t: float, expired: list[float]) -> None:
     """p0's expired-lease counter over scrapes every 5 s from t; p1's stays 0."""
     for i, v in enumerate(expired):
