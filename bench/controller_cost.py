@@ -81,7 +81,7 @@ from sqlalchemy.engine import make_url  # noqa: E402
 
 from controller.loop import Reconciler  # noqa: E402
 from controller.policy import TickInput  # noqa: E402
-from controller.tickchain import LEVEL, ChainWriter, Link, text  # noqa: E402
+from controller.tickchain import LEVEL, WRITTEN, ChainWriter, Link, text  # noqa: E402
 from controller.ticklog import decode_payload, encode, rebuild  # noqa: E402
 from controller.wiring import default_effects  # noqa: E402
 from devdata.seed import SeedSpec, fleet_config_yaml, seed_store  # noqa: E402
@@ -432,12 +432,15 @@ def record_sizes(factory: Any, n: int, every: int, interval: float) -> dict[str,
     assert len(keys) >= 2, "a whole cycle: from a keyframe to the next"
     cycle = range(keys[0], keys[1])
     stored = [len(rows[i].payload) for i in cycle]
-    whole = [len(zlib.compress(text(docs[i]), LEVEL)) for i in cycle]
+    whole = [len(zlib.compress(WRITTEN.encode(docs[i]), LEVEL)) for i in cycle]
+    as_json = [len(zlib.compress(text(docs[i]), LEVEL)) for i in cycle]
     key_cpu, delta_cpu = _write_cpu([docs[i] for i in cycle], every)
     return {
         "keyframe_every": len(cycle),
         "records": len(rows),
+        "codec": WRITTEN.name,
         "whole_bytes_per_instance_tick": statistics.mean(whole) / n,
+        "whole_json_bytes_per_instance_tick": statistics.mean(as_json) / n,
         "stored_bytes_per_instance_tick": sum(stored) / len(stored) / n,
         "keyframe_bytes_per_instance": stored[0] / n,
         "delta_bytes_per_instance_mean": statistics.mean(stored[1:]) / n if len(stored) > 1 else None,

@@ -6,8 +6,9 @@ stored with its decisions or not at all); :func:`read_ticks` reads a window of t
 cannot replay faithfully: another policy version, another payload format, a payload that does not
 decode into this pdscope's types.
 
-The record is a JSON document (:mod:`controller.policy.codec`, exact for floats; fields at their
-defaults left out) compressed with zlib (``bench/controller_cost.py`` measures its size and cost by
+The record is a JSON-shaped document (:mod:`controller.policy.codec`, exact for floats; fields at
+their defaults left out), encoded in MessagePack (records of an older pdscope: JSON) and compressed
+with zlib (``bench/controller_cost.py`` measures its size and cost by
 fleet size). It keeps the tables the controller recomposed after operator changes since the tick
 before (:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
 
@@ -45,12 +46,21 @@ from controller.policy.codec import CodecError, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.refresh import NOTHING_BETWEEN, Between
 from controller.policy.replay import RecordedTick, StoredChange
-from controller.tickchain import LEVEL, ChainError, ChainWriter, Link, Rebuilder, keyframe_doc, text
+from controller.tickchain import (
+    CODECS,
+    LEVEL,
+    WRITTEN,
+    ChainError,
+    ChainWriter,
+    Link,
+    Rebuilder,
+    keyframe_doc,
+)
 from store.models import Decision, PolicyConfigRow, TickRecord
 
 FORMAT = 2  # 1: every record whole; 2: keyframes (whole) and deltas (TickRecord.keyframe)
 FORMATS = (1, 2)  # the formats this pdscope reads
-CODEC = "json+zlib"
+CODEC = WRITTEN.name  # what this pdscope writes; it reads each of tickchain.CODECS
 
 
 class TickLogError(ValueError):
@@ -66,7 +76,7 @@ def encode(
 ) -> bytes:
     """The whole record's payload (a keyframe's, and every format 1 record's): :func:`document`
     compressed."""
-    return zlib.compress(text(document(inp, prev_served, ac, out, between)), LEVEL)
+    return zlib.compress(WRITTEN.encode(document(inp, prev_served, ac, out, between)), LEVEL)
 
 
 def document(
@@ -173,7 +183,8 @@ def record_tick(
     """Store one tick's record, a keyframe or a delta as ``writer`` chooses (None: a keyframe); the
     payload's size in bytes."""
     link = Link(epoch, out.tick, policy, POLICY_VERSION)
-    written = (writer or ChainWriter(1)).write(link, document(inp, prev_served, ac, out, between))
+    writer = writer or ChainWriter(1)
+    written = writer.write(link, document(inp, prev_served, ac, out, between))
     session.add(
         TickRecord(
             ts=out.table.generated_at,
@@ -182,7 +193,7 @@ def record_tick(
             policy=policy,
             policy_version=POLICY_VERSION,
             format=FORMAT,
-            codec=CODEC,
+            codec=writer.codec.name,
             keyframe=written.keyframe,
             payload=written.payload,
         )
@@ -233,10 +244,10 @@ def _check(row: TickRecord) -> None:
             f"version {POLICY_VERSION}, whose maths differ: replay refuses (use the pdscope release that "
             f"wrote it, or a window recorded by this one)"
         )
-    if row.format not in FORMATS or row.codec != CODEC:
+    if row.format not in FORMATS or row.codec not in CODECS:
         raise TickLogError(
-            f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads "
-            f"{' and '.join(str(f) for f in FORMATS)}/{CODEC}"
+            f"{_where(row)} is in format {row.format}/{row.codec}; this pdscope reads formats "
+            f"{' and '.join(str(f) for f in FORMATS)} in {' or '.join(CODECS)}"
         )
 
 
@@ -252,7 +263,12 @@ def rebuild(rows: Iterable[TickRecord]) -> Iterator[dict[str, object]]:
         _check(row)
         link = Link(row.leader_epoch, row.tick, row.policy, row.policy_version)
         try:
-            yield chain.keyframe(link, row.payload) if _whole(row) else chain.delta(link, row.payload)
+            codec = CODECS[row.codec]
+            yield (
+                chain.keyframe(link, row.payload, codec)
+                if _whole(row)
+                else chain.delta(link, row.payload, codec)
+            )
         except ChainError as exc:
             raise TickLogError(
                 f"{_where(row)} is a delta that cannot be rebuilt: {exc}. Records deleted or never "

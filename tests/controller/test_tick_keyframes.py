@@ -18,8 +18,25 @@ from controller.loop import Reconciler
 from controller.policy import AlertConfig
 from controller.policy.replay import replay
 from controller.replay import ReplayError, as_dict, replay_window
-from controller.tickchain import ChainError, ChainWriter, Link, Rebuilder, Written, exact, text
-from controller.ticklog import decode_between, decode_payload, encode, read_ticks
+from controller.tickchain import (
+    JSON_ZLIB,
+    MSGPACK_ZLIB,
+    ChainError,
+    ChainWriter,
+    Link,
+    Rebuilder,
+    Written,
+    exact,
+    text,
+)
+from controller.ticklog import (
+    TickLogError,
+    TickLogRecorder,
+    decode_between,
+    decode_payload,
+    encode,
+    read_ticks,
+)
 from controller.wiring import default_effects
 from store.db import transaction
 from store.models import Decision, TickRecord
@@ -106,6 +123,44 @@ def test_a_run_recorded_with_deltas_reads_and_replays_as_its_whole_records(world
     assert as_dict(replay(window.ticks, window.configs), timeline=True) == as_dict(
         replay(as_whole, window.configs), timeline=True
     )
+
+
+def test_records_an_older_pdscope_wrote_in_json_read_and_replay_beside_msgpack_ones(world: World) -> None:
+    """An upgrade mid-window: the older pdscope's records (compact JSON) and this one's (MessagePack, from
+    the restart's keyframe on) read back as their whole records and replay as one run; a codec this
+    pdscope does not know is refused naming it."""
+    whole = _recording(world, every=4)
+    (log,) = [r for r in world.reconciler.effects.recorders if isinstance(r, TickLogRecorder)]
+    log.writer = ChainWriter(4, JSON_ZLIB)
+    _run(world)
+    _recording(world, every=4, whole=whole)
+    for _ in range(5):
+        world.step(handoff_s={"decode-2": 0.5}, scrape={"decode_2": {"xfer_s": 0.1}})
+    rows = _rows(world)
+    assert [r.codec for r in rows] == ["json+zlib"] * 25 + ["msgpack+zlib"] * 5
+    assert [r.keyframe for r in rows].count(False) == 21, "deltas in both codecs"
+    lo, hi = _window(world)
+    with transaction(world.factory) as s:
+        window = read_ticks(s, lo, hi, limit=100)
+        result = replay_window(s, rows[6].ts, hi)
+    got = [(t.inp, t.prev_served, t.alerts, t.after, t.between) for t in window.ticks]
+    assert got == [_inputs(p) for p in whole.payloads]
+    assert result.reproduced is True and result.restarts == 1
+    with transaction(world.factory) as s:
+        row = s.scalars(select(TickRecord).order_by(TickRecord.id)).first()
+        assert row is not None
+        row.codec = "zstd"
+    with transaction(world.factory) as s, pytest.raises(TickLogError, match="2/zstd; this pdscope reads"):
+        read_ticks(s, lo, hi, limit=100)
+
+
+def test_a_float_an_int_and_a_dict_s_order_round_trip_exactly_in_either_codec() -> None:
+    doc = {"b": [0.1 + 0.2, -0.0, 1e-310, 2**62, True, None, "\u00e9"], "a": {"z": 1, "y": [1.5, 1]}}
+    for codec in (JSON_ZLIB, MSGPACK_ZLIB):
+        back = codec.decode(codec.encode(doc))
+        assert exact(back) == exact(doc), codec.name
+    with pytest.raises(ValueError, match=r"MessagePack|incomplete|Unpack"):
+        MSGPACK_ZLIB.decode(MSGPACK_ZLIB.encode(doc)[:-3])
 
 
 def _drop(world: World, tick: int, epoch: int | None = None) -> TickRecord:
