@@ -48,7 +48,7 @@ from analysis.rates import RateFacts, fit_rates
 from controller import observe as observe_mod
 from controller.effects import Bundler, Effects, Tick
 from controller.gcpace import FullCollections
-from controller.kept import KeptReads, ReadCounts
+from controller.kept import KeptReads
 from controller.leader import (
     Deposed,
     LeaderInfo,
@@ -174,24 +174,13 @@ class Reconciler:
         self._table = self._initial_table(0)
         # the leader's fitted rates (controller.rates); the reads kept between its ticks (controller.kept)
         self._rates = RatesGate(every_s=settings.controller.rates_every_s)
-        self._kept = self._new_kept(ReadCounts())
+        self._kept = KeptReads(self.settings.controller.whole_read_every_s)
         self.collections = FullCollections(settings.controller.full_collection_every)
 
-    def _new_kept(self, counts: ReadCounts | None = None) -> KeptReads:
-        """Reads kept from now on (the next tick reads its windows whole), the SLO window's counted in
-        ``counts`` (None: every window's counts of the kept reads before them, carried over the process's
-        life)."""
-        every = self.settings.controller.whole_read_every_s
-        if counts is not None:
-            return KeptReads(every, counts)
-        old = self._kept
-        return KeptReads(
-            every,
-            old.counts,
-            tenant_counts=old.tenant_counts,
-            snapshot_counts=old.snapshot_counts,
-            evidence_counts=old.evidence_counts,
-        )
+    def _new_kept(self) -> KeptReads:
+        """Reads kept from now on (the next tick reads its windows whole), each window's counts of the
+        kept reads before them carried over the process's life."""
+        return self._kept.restarted(self.settings.controller.whole_read_every_s)
 
     def _initial_table(self, version: int) -> RoutingTable:
         table, served, _ = compose(

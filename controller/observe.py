@@ -335,7 +335,7 @@ def _instances(
 def _handoffs(tally: ev.WindowTally, kept: KeptReads | None) -> dict[q.HandoffKey, dict[str, q.HandoffStats]]:
     """The handoff percentiles per D, P and pair over the window's charged handoffs: kept between ticks with
     them (``controller.handoffgroups``, each group's until it changes), else taken from the tally's."""
-    rows = kept.evidence_rows if kept is not None else None
+    rows = kept.evidence_window.rows if kept is not None else None
     if rows is not None:
         return rows.handoffs.stats()
     return q.handoff_stats_of(tally.charged_handoffs, BYS)

@@ -82,8 +82,8 @@ def _both(session: Session, settings: Any, kept: KeptReads, now: float) -> None:
     want = _charged(session, settings, evc, since, now, whole_facts)
     assert_same(got, want)
     assert kept_facts == whole_facts  # the same, in the same order: the rates' fit sums in it
-    assert kept.evidence_rows is not None  # and each group's handoff figures, kept until it changes
-    assert kept.evidence_rows.handoffs.stats() == handoff_stats_of(want.charged_handoffs, BYS)
+    assert kept.evidence_window.rows is not None  # and each group's handoff figures, kept until it changes
+    assert kept.evidence_window.rows.handoffs.stats() == handoff_stats_of(want.charged_handoffs, BYS)
 
 
 @pytest.mark.parametrize("trusted", [None, ["proxy-a"]])
@@ -98,8 +98,8 @@ def test_ticks_that_read_only_changes_charge_as_the_whole_read(
             _both(s, settings, kept, now)
             if tick % 10 == 9:  # and everything the tick decides on
                 assert observe(s, settings, now, kept=kept) == observe(s, settings, now), tick
-    assert kept.evidence_counts.whole == 1
-    assert kept.evidence_counts.changes == 40 + 4 - 1  # the observations read it too
+    assert kept.evidence_window.counts.whole == 1
+    assert kept.evidence_window.counts.changes == 40 + 4 - 1  # the observations read it too
 
 
 def test_a_clock_gone_back_or_a_longer_window_is_read_whole(store: sessionmaker[Session]) -> None:
@@ -108,11 +108,11 @@ def test_a_clock_gone_back_or_a_longer_window_is_read_whole(store: sessionmaker[
     with transaction(store) as s:
         _both(s, settings, kept, now)
         _both(s, settings, kept, now - 1.0)  # back: what it charged reaches past the window's end
-        assert kept.evidence_counts.whole == 2
+        assert kept.evidence_window.counts.whole == 2
         rows = kept.evidence(s, settings, now - 90.0, now)  # longer: before what it retired
-        assert kept.evidence_counts.whole == 3 and isinstance(rows, EvidenceRows)
+        assert kept.evidence_window.counts.whole == 3 and isinstance(rows, EvidenceRows)
         _both(s, settings, kept, now)  # shorter again: served from what it holds
-        assert kept.evidence_counts.whole == 3
+        assert kept.evidence_window.counts.whole == 3
     _write(store, rng, n, now)
 
 
@@ -125,4 +125,4 @@ def test_a_record_deleted_in_the_window_leaves_at_the_next_whole_read(store: ses
         s.execute(delete(RequestRecord).where(RequestRecord.id == rng.randint(1, n // 2)))
     with transaction(store) as s:
         _both(s, settings, kept, now + 11.0)  # the whole read is due
-    assert kept.evidence_counts.whole == 2
+    assert kept.evidence_window.counts.whole == 2

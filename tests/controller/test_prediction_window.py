@@ -127,4 +127,4 @@ def test_ticks_that_read_only_changes_give_the_predictors_read(
             fleet = measure(PredictionFacts(*r) for r in rows).fleet
         assert got == (fleet.measured, fleet.error_p50), tick
         seen += fleet.measured
-    assert seen and kept.counts.whole == 1 and kept.counts.changes == 29
+    assert seen and kept.slo_window.counts.whole == 1 and kept.slo_window.counts.changes == 29

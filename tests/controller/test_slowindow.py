@@ -199,7 +199,7 @@ def test_ticks_that_read_only_changes_give_the_whole_reads_figures(
             got = kept.slo(s, settings_, now)
             want = _whole_slo(s, settings_, now, only)
         assert got == want, tick
-    assert kept.counts.whole == 1 and kept.counts.changes == 29
+    assert kept.slo_window.counts.whole == 1 and kept.slo_window.counts.changes == 29
 
 
 def test_a_write_that_commits_after_a_read_it_began_before_is_read_next_tick(
@@ -229,7 +229,7 @@ def test_a_write_that_commits_after_a_read_it_began_before_is_read_next_tick(
     with transaction(store) as s:
         figures = kept.slo(s, settings_, now + 2)
         assert figures == _whole_slo(s, settings_, now + 2, RecordFilter())
-    assert figures is not None and figures.completed == 2 and kept.counts.whole == 1
+    assert figures is not None and figures.completed == 2 and kept.slo_window.counts.whole == 1
 
 
 def test_a_delete_inside_the_window_is_seen_by_the_next_whole_read(store: sessionmaker[Session]) -> None:
@@ -251,7 +251,7 @@ def test_a_delete_inside_the_window_is_seen_by_the_next_whole_read(store: sessio
     with transaction(store) as s:
         figures = kept.slo(s, settings_, now + 1)
         assert (figures == _whole_slo(s, settings_, now + 1, RecordFilter())) is sqlite
-    assert kept.counts.whole == (2 if sqlite else 1)
+    assert kept.slo_window.counts.whole == (2 if sqlite else 1)
     with transaction(store) as s:  # the whole read is due
         assert kept.slo(s, settings_, now + 11) == _whole_slo(s, settings_, now + 11, RecordFilter())
 
@@ -265,4 +265,4 @@ def test_the_window_is_read_whole_when_its_config_changes_or_its_time_is_due(
     for at, trusted in ((now, None), (now + 2, None), (now + 4, ["x"]), (now + 6, ["x"]), (now + 15, ["x"])):
         with transaction(store) as s:
             kept.slo(s, window_settings(trusted), at)
-    assert (kept.counts.whole, kept.counts.changes) == (3, 2)
+    assert (kept.slo_window.counts.whole, kept.slo_window.counts.changes) == (3, 2)

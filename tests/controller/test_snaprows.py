@@ -63,7 +63,7 @@ def test_kept_snapshots_equal_the_whole_read_every_tick(store_factory: sessionma
             got = kept.snapshots(s, SPAN, now)
             want = snapshot_window(s, now - SPAN, now)
         assert _plain(got) == _plain(want), tick
-    assert kept.snapshot_counts.whole == 1 and kept.snapshot_counts.changes == 59
+    assert kept.snapshot_window.counts.whole == 1 and kept.snapshot_window.counts.changes == 59
     assert len(want) >= 4 and sum(map(len, want.values())) > 30  # many rows, of several instances
 
 
@@ -80,16 +80,16 @@ def test_a_new_span_a_clock_gone_back_or_a_due_time_reads_whole(store_factory: s
 
     tick(SPAN, now)
     tick(SPAN, now + 2)
-    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (1, 1)
+    assert (kept.snapshot_window.counts.whole, kept.snapshot_window.counts.changes) == (1, 1)
     start = now - 16.0  # the first round's time: rounds every 2 s from there
     tick(10.0, start + 6)  # a shorter span, and the clock back
     tick(10.0, start + 14)  # read by changes: it let go of what is before start + 4
     tick(10.0, start + 8)  # back before that, though after the last whole read: start - 2 .. start + 4
     tick(10.0, start + 40)  # past whole_read_every_s since the last whole read
-    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (4, 2)
+    assert (kept.snapshot_window.counts.whole, kept.snapshot_window.counts.changes) == (4, 2)
     tick(5.0, start + 41)  # a shorter span alone: what it holds still covers it
     tick(30.0, start + 42)  # a longer one reaches before what it let go
-    assert (kept.snapshot_counts.whole, kept.snapshot_counts.changes) == (5, 3)
+    assert (kept.snapshot_window.counts.whole, kept.snapshot_window.counts.changes) == (5, 3)
 
 
 def test_a_snapshot_far_ahead_of_the_clock_is_read_by_the_whole_read_due_before_it(
@@ -105,7 +105,7 @@ def test_a_snapshot_far_ahead_of_the_clock_is_read_by_the_whole_read_due_before_
         with transaction(store_factory) as s:
             got = kept.snapshots(s, SPAN, at)
             assert _plain(got) == _plain(snapshot_window(s, at - SPAN, at)), at
-        held = kept.snapshot_rows
+        held = kept.snapshot_window.rows
         assert held is not None and ("p1" in held.read(-math.inf, math.inf)) == (at > now + 480), at
     assert "p1" in got and "p0" not in got
 
@@ -127,7 +127,7 @@ def test_snapshots_deleted_from_the_store_leave_at_the_next_whole_read(
         stale = [r.ts for r in kept.snapshots(s, SPAN, now + 2)["p0"]]
         fresh = [r.ts for r in kept.snapshots(s, SPAN, now + 12)["p0"]]
     assert stale == [now - 5, now - 4, now - 3] and fresh == [now - 5, now - 3]
-    assert kept.snapshot_counts.whole == 2
+    assert kept.snapshot_window.counts.whole == 2
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -135,12 +135,16 @@ def test_ticks_that_read_only_changes_give_the_whole_reads_rows_and_figures(
             whole = read_tenants(s, settings_, now - 30.0, now, limit=limit)
             assert tenant_figures(got, settings_, now - 30.0, now, limit) == whole, tick
             assert kept.tenant_figures(s, settings_, now, limit) == whole, tick
-    assert kept.tenant_counts.whole == 1 and kept.tenant_counts.changes == 59 and kept.counts.whole == 0
+    assert (
+        kept.tenant_window.counts.whole == 1
+        and kept.tenant_window.counts.changes == 59
+        and kept.slo_window.counts.whole == 0
+    )
     with transaction(store) as s:  # a clock that went back reaches before what was retired: read whole
         assert kept.tenants(s, settings_, now - 1.0, limit) == tenant_rows(
             s, now - 31.0, now - 1.0, only=only, limit=limit
         )
-    assert kept.tenant_counts.whole == 2
+    assert kept.tenant_window.counts.whole == 2
 
 
 def test_a_clock_that_jumps_past_a_whole_window_still_counts_the_row_at_its_start() -> None:
