@@ -8,9 +8,9 @@ decode into this pdscope's types.
 
 The record is a JSON-shaped document (:mod:`controller.policy.codec`, exact for floats; fields at
 their defaults left out), encoded in MessagePack (records of an older pdscope: JSON) and compressed
-with zlib (``bench/controller_cost.py`` measures its size and cost by
-fleet size). It keeps the tables the controller recomposed after operator changes since the tick
-before (:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
+with zlib (``bench/controller_cost.py`` measures its size and cost by fleet size). It keeps the
+tables the controller recomposed after operator changes since the tick before
+(:class:`controller.policy.refresh.Between`; a record without them, as older ones, had none).
 
 Format 2 stores most records as a delta on the record before (:mod:`controller.tickchain`): a
 keyframe, the whole document, every ``controller.tick_keyframe_every`` ticks and after any restart,
@@ -60,7 +60,6 @@ from store.models import Decision, PolicyConfigRow, TickRecord
 
 FORMAT = 2  # 1: every record whole; 2: keyframes (whole) and deltas (TickRecord.keyframe)
 FORMATS = (1, 2)  # the formats this pdscope reads
-CODEC = WRITTEN.name  # what this pdscope writes; it reads each of tickchain.CODECS
 
 
 class TickLogError(ValueError):
