@@ -6,9 +6,10 @@ against *its own* targets (``tenants.<id>.slo``, else the fleet's ``slo``), its 
 requests meeting both of its targets over served requests, as the fleet's ``GoodputAttainmentLow``
 counts them), its goodput (prompt + completion tokens of those requests, and per second), the time its
 requests waited for admission in the proxy (``proxy_in`` to the first leg sent), and its service: the
-prompt tokens plus ``tenants.cost_per_decode_token`` × the completion tokens of its served requests,
-the fair queue's own counter. Its fair share is its weight over the weights of the tenants with demand
-(a request in the window, not refused as the client's mistake).
+prompt tokens of its served requests plus what their decode cost D (``pdscope.tenantcost``: each
+completion token at ``tenants.cost_per_decode_token``, and the KV each held times its decode steps at
+``tenants.cost_per_kv_token_step``), the fair queue's own charges. Its fair share is its weight over the
+weights of the tenants with demand (a request in the window, not refused as the client's mistake).
 
 Jain's index ``(Σx)² / (n·Σx²)`` says how fairly the fleet served the tenants with demand, with ``x``
 each one's service over its **fair allocation**: the weighted max-min share of all the service given
@@ -46,6 +47,7 @@ from sortedcontainers import SortedList
 from pdscope.config import DEFAULT_TENANT, SLOSettings, TenantSettings
 from pdscope.slo import slo_verdict
 from pdscope.stats import percentile_of_sorted
+from pdscope.tenantcost import DEFAULT_COSTS, Costs, kv_token_steps
 
 MAX_REASONS: Final = 16  # reject reasons shown per tenant; the rest are "other"
 KEPT_REASONS: Final = 1024  # reject reasons a tenant's tally holds by name; past them, "other"
@@ -200,7 +202,7 @@ class _Own:
 
     def __init__(self) -> None:
         self.requests = self.demand = self.served = self.met = self.failed = self.waited = 0
-        self.served_prompt = self.served_completion = self.met_tokens = 0
+        self.served_prompt = self.served_completion = self.served_kv = self.met_tokens = 0
         self.unserved = self.unserved_prompt = self.unserved_unknown = 0  # demand not served; its prompts
         self.reasons: dict[str, int] = {}
         self.ttft: SortedList[float] = SortedList()  # served ones'
@@ -222,6 +224,7 @@ class _Own:
             self.served += sign
             self.served_prompt += sign * prompt
             self.served_completion += sign * completion
+            self.served_kv += sign * kv_token_steps(prompt, completion)
             if slo_verdict(r.status, r.ttft_s, r.tpot_s, slo).met:
                 self.met += sign
                 self.met_tokens += sign * (prompt + completion)
@@ -250,7 +253,7 @@ class _Own:
         """The mean prompt and completion tokens of its served requests; ``fallback`` when none."""
         return _means(self.served, self.served_prompt, self.served_completion, fallback)
 
-    def figures(self, name: str, terms: TenantTerms, span_s: float, decode_cost: float) -> TenantFigures:
+    def figures(self, name: str, terms: TenantTerms, span_s: float, costs: Costs) -> TenantFigures:
         """Its figures (shares are filled in by :meth:`TenantTally.window`)."""
         slo = terms.slo
         q50, q99 = (_at(self.queued, 50), _at(self.queued, 99))
@@ -271,21 +274,22 @@ class _Own:
             tpot_at_slo_s=_at(self.tpot, slo.tpot.percentile),
             queued_p50_s=q50,
             queued_p99_s=q99,
-            service=self.service(decode_cost),
+            service=self.service(costs),
             goodput_tokens=self.met_tokens,
             goodput_tokens_per_s=self.met_tokens / span_s,
         )
 
-    def service(self, decode_cost: float) -> float:
-        return self.served_prompt + decode_cost * self.served_completion
+    def service(self, costs: Costs) -> float:
+        return self.served_prompt + costs.decode * self.served_completion + costs.kv * self.served_kv
 
-    def asked(self, decode_cost: float, fleet: tuple[float, float]) -> float:
+    def asked(self, costs: Costs, fleet: tuple[float, float]) -> float:
         """The service it asked for: its served requests' own, and for each request of its demand not
         served, its prompt tokens (unknown: its served ones' mean, else ``fleet``'s) and the decode cost
-        of its served ones' mean completion (else ``fleet``'s)."""
+        of its served ones' mean completion (else ``fleet``'s) after their mean prompt."""
         prompt, out = self.means(fleet)
-        unserved = self.unserved_prompt + self.unserved_unknown * prompt + self.unserved * decode_cost * out
-        return self.service(decode_cost) + unserved
+        decode = costs.d(round(prompt), round(out))
+        unserved = self.unserved_prompt + self.unserved_unknown * prompt + self.unserved * decode
+        return self.service(costs) + unserved
 
 
 def _at(values: Sequence[float], q: float) -> float | None:
@@ -391,11 +395,11 @@ class TenantTally:
         own.count(r, self.terms[name].slo, sign, values)
         return name, values
 
-    def window(self, since: float, until: float, decode_cost: float = 1.0) -> TenantWindow:
+    def window(self, since: float, until: float, costs: Costs = DEFAULT_COSTS) -> TenantWindow:
         """Every tenant's figures over ``since``..``until`` (the records held)."""
         span = max(until - since, 1e-9)
         owns = self._own.items()
-        figures = [own.figures(name, self.terms[name], span, decode_cost) for name, own in owns]
+        figures = [own.figures(name, self.terms[name], span, costs) for name, own in owns]
         every = self._own.values()  # the served requests of all, for their means
         fleet = _means(
             sum(o.served for o in every),
@@ -403,7 +407,7 @@ class TenantTally:
             sum(o.served_completion for o in every),
             (0.0, 0.0),
         )
-        asked = {name: own.asked(decode_cost, fleet) for name, own in owns}
+        asked = {name: own.asked(costs, fleet) for name, own in owns}
         shared, jain = _shares(figures, asked)
         return TenantWindow(since, until, tuple(shared), jain, self.undeclared)
 
@@ -414,7 +418,7 @@ def tenant_window(
     *,
     since: float,
     until: float,
-    decode_cost: float = 1.0,
+    costs: Costs = DEFAULT_COSTS,
 ) -> TenantWindow:
     """Every tenant of ``terms``'s figures over the records ``facts`` of ``since``..``until``."""
-    return TenantTally.of(facts, terms).window(since, until, decode_cost)
+    return TenantTally.of(facts, terms).window(since, until, costs)

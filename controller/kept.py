@@ -42,6 +42,7 @@ from controller.snaprows import SnapshotRows
 from controller.tenantrows import TenantRows
 from controller.tenants import ReadTenants
 from pdscope.config import Settings
+from pdscope.tenantcost import Costs
 from store.attribution import trusted_records
 from store.changes import ChangeCursor
 from store.models import RequestRecord, Snapshot
@@ -189,7 +190,7 @@ class KeptReads:
         lo = now - settings.slo.window_s
         terms = terms_of(settings.tenants, settings.slo)
         rows = self._tenants(session, settings, now, limit)
-        window, truncated = rows.window(lo, now, terms, settings.tenants.cost_per_decode_token)
+        window, truncated = rows.window(lo, now, terms, Costs.of(settings.tenants))
         return ReadTenants(window, truncated, limit)
 
     def _tenants(self, session: Session, settings: Settings, now: float, limit: int) -> TenantRows:

@@ -298,7 +298,11 @@ class TenantOut(BaseModel):
     tpot_observed_ms: float | None = Field(description="TPOT of its served requests at slo.tpot.percentile")
     queued_p50_ms: float | None = Field(description="admission wait (proxy_in to the first leg sent), median")
     queued_p99_ms: float | None
-    service: float = Field(description="prompt + cost_per_decode_token x completion tokens served")
+    service: float = Field(
+        description=(
+            "the served requests' cost: prompt tokens, and D's decode steps and KV held (pdscope.tenantcost)"
+        )
+    )
     goodput_tokens: int = Field(description="prompt + completion tokens of its requests meeting its targets")
     goodput_tokens_per_s: float
     fair_share: float | None = Field(description="its weight over the weights of the tenants with demand")

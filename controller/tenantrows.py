@@ -34,6 +34,7 @@ from typing import Any
 from sortedcontainers import SortedList
 
 from analysis.tenants import TenantFacts, TenantTally, TenantTerms, TenantWindow, tenant_window
+from pdscope.tenantcost import Costs
 from store.window import WindowRows
 
 # a row as read: id, sender, then store.tenants.TENANT_COLUMNS (proxy_in is the fourth of them)
@@ -91,7 +92,7 @@ class TenantRows:
         return [self._rows[rid] for _, rid in islice(inside, self.limit + 1)]
 
     def window(
-        self, lo: float, hi: float, terms: dict[str, TenantTerms], decode_cost: float
+        self, lo: float, hi: float, terms: dict[str, TenantTerms], costs: Costs
     ) -> tuple[TenantWindow, bool]:
         """The figures of the rows of ``[lo, hi]`` under ``terms`` (at most the newest ``limit``), and
         whether more matched: ``tenant_window`` over :meth:`read`'s rows. Call after :meth:`slide` to
@@ -108,8 +109,8 @@ class TenantRows:
         self._hi = hi
         if len(self._tallied) > self.limit:
             newest = self._newest(lo, hi)[: self.limit]
-            return tenant_window(newest, terms, since=lo, until=hi, decode_cost=decode_cost), True
-        return tally.window(lo, hi, decode_cost), False
+            return tenant_window(newest, terms, since=lo, until=hi, costs=costs), True
+        return tally.window(lo, hi, costs), False
 
     def _drop(self, rid: int) -> None:
         old = self._rows.pop(rid, None)

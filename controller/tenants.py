@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from analysis.tenants import TenantFacts, TenantFigures, TenantWindow, tenant_window, terms_of
 from controller.schemas import TenantOut, TenantsOut
 from pdscope.config import Settings
+from pdscope.tenantcost import Costs
 from store.attribution import trusted_records
 from store.tenants import DEFAULT_RECORDS, tenant_rows
 from store.window import WindowRows
@@ -46,7 +47,7 @@ def tenant_figures(read: WindowRows, settings: Settings, lo: float, hi: float, l
         terms_of(settings.tenants, settings.slo),
         since=lo,
         until=hi,
-        decode_cost=settings.tenants.cost_per_decode_token,
+        costs=Costs.of(settings.tenants),
     )
     return ReadTenants(window, read.truncated, limit)
 

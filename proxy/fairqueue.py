@@ -3,22 +3,29 @@
 Pure policy (no I/O, no asyncio; the clock is passed in). :class:`proxy.admission.Admission` holds
 the waiters' wake-ups and :class:`proxy.gate.Gate` asks this queue before every try at a pool.
 
-**Virtual token counters.** Each tenant ``t`` has a counter ``c[t]``: the service it was given, in
-tokens, over its weight. Admitting a request of ``t`` adds ``(P + k x D) / w[t]``: ``P`` the prompt
-tokens it makes P compute (after the cache hits the KV view predicted, else all of them), ``D`` its
-``max_tokens`` and ``k`` ``tenants.cost_per_decode_token``; when it ends, ``D`` is corrected to the
-output tokens it had. ``w[t]`` is the tenant's weight times its scale (:meth:`scale`: with several
-proxies, this proxy's fraction of the tenant's demand, from the controller).
+**Virtual token counters, one per pool.** Each tenant ``t`` has two counters: ``p[t]``, the prefill
+service it was given in P, and ``d[t]``, the service it was given in D, each over its weight. Admitting a
+request of ``t`` (its :class:`Work`) adds ``P / w[t]`` to the first and ``(k x D + m x K) / w[t]`` to
+the second: ``P`` the prompt tokens it makes P compute (after the cache hits the KV view predicted, else
+all of them), ``D`` its decode steps (its ``max_tokens``; when it ends, the output tokens it had), ``K``
+the KV it holds in D times the steps it holds it (token-steps: ``D x L + D (D + 1) / 2`` for ``L``
+tokens of context), ``k`` ``tenants.cost_per_decode_token`` and ``m``
+``tenants.cost_per_kv_token_step``. A request sent to D alone charges D for the prompt tokens D
+computes. ``w[t]`` is the tenant's weight times its scale (:meth:`scale`: with several proxies, this
+proxy's fraction of the tenant's demand, from the controller).
 
-**Who goes first.** While nobody waits, a request tries the pools at once: a tenant alone can use
-all of them (work-conserving). Once requests wait, they go in order of (class rank, the tenant's
-counter, arrival): a higher class always first, then the least-served tenant; a tenant's own
-requests in arrival order. A new arrival tries the pools only when no waiter ranks before it;
-otherwise it waits too, so it never overtakes one.
+**Who goes first.** While nobody waits, a request tries the pools at once: a tenant alone can use all of
+them (work-conserving). Once requests wait, they go in order of (class rank, the tenant's counter,
+arrival): a higher class always first, then the least-served tenant; a tenant's own requests in arrival
+order. The counter is the one of the pool the waiters wait for (the role of the pool that last refused
+the first of them, :meth:`blocked`): P's while P is full, D's while D is, so each pool's capacity is
+shared by weight, and a tenant heavy in one pool is not held back in the other by what it asked of the
+first. Before any pool refused (and once nobody waits): the sum. A new arrival tries the pools only when
+no waiter ranks before it; otherwise it waits too, so it never overtakes one.
 
 **No banked credit.** A tenant that arrives idle (nothing waiting, nothing in flight, for more than
-``IDLE_S``) has its counter lifted to the least counter among the busy tenants (waiting or in
-flight); none busy: to the highest counter known. Idle time earns nothing to spend later. The
+``IDLE_S``) has each counter lifted to the least of that counter among the busy tenants (waiting or
+in flight); none busy: to the highest known. Idle time earns nothing to spend later. The
 grace keeps a tenant whose clients send one request after another (in flight 0 for a moment
 between them) from being lifted each time, which would undo its weight.
 
@@ -41,6 +48,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdscope.config.tenants import TenantSettings
+from pdscope.tenantcost import Costs
 
 REASON_TENANT_QUEUE_FULL = "tenant_queue_full"
 REASON_SHED = "shed_for_priority"
@@ -49,6 +57,20 @@ REASON_RESERVE = "tenant_reserve"  # waited out its deadline behind its reserve 
 SERVICE_TAU_S = 10.0  # the decay of the service rates Jain's index reads
 IDLE_S = 1.0  # a tenant with nothing waiting or in flight for longer than this is idle
 MIN_SCALE = 0.01  # a tenant's weight is never scaled below this fraction (it still gets some share)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What one request asks of the pools, in tokens: what its tenant is charged for it."""
+
+    p_prefill: int = 0  # prompt tokens P computes (after the cache hits predicted for its P)
+    d_prefill: int = 0  # prompt tokens D computes itself (a request sent to D alone: what D does not hold)
+    context: int = 0  # tokens D holds when it starts to decode (its whole prompt)
+    decode: int = 0  # decode steps: its max_tokens, the output tokens it had once it ended
+
+    def ended(self, used: int) -> Work:
+        """The same request, charged for the ``used`` decode steps it had."""
+        return Work(self.p_prefill, self.d_prefill, self.context, max(0, used))
 
 
 @dataclass(eq=False, slots=True)
@@ -81,7 +103,8 @@ class _Tenant:
     weight: float
     rank: int
     bound: int
-    counter: float = 0.0
+    p: float = 0.0  # P's counter: prefill service over the weight
+    d: float = 0.0  # D's counter: decode and KV-held service over the weight
     scale: float = 1.0
     queue: deque[Ticket] = field(default_factory=deque)
     service: _Rate = field(default_factory=_Rate)
@@ -96,7 +119,7 @@ class FairQueue:
     ) -> None:
         self.clock = clock
         self.max_waiters = max_waiters
-        self.cost_per_decode_token = ts.cost_per_decode_token
+        self.costs = Costs.of(ts)
         self.reserve = ts.reserve
         total = sum(t.weight for t in ts.tenants.values())
         self.tenants = {
@@ -110,6 +133,7 @@ class FairQueue:
         }
         self.inflight: Counter[str] = Counter()
         self.waiting = 0
+        self.tight: str | None = None  # the pool the waiters wait for; None: not known (the sum)
         self._seq = 0
 
     # -- arrival and order --------------------------------------------------------------
@@ -118,18 +142,29 @@ class FairQueue:
         """A request of ``tenant`` (a declared one) arrives: its ticket; an idle tenant is lifted."""
         t, now = self.tenants[tenant], self.clock()
         if not t.queue and not self.inflight[tenant] and now - t.busy_at > IDLE_S:
-            t.counter = max(t.counter, self._floor(tenant))
+            busy = [o for n, o in self.tenants.items() if n != tenant and (o.queue or self.inflight[n])]
+            known = busy or list(self.tenants.values())
+            lift = min if busy else max
+            t.p = max(t.p, lift(o.p for o in known))
+            t.d = max(t.d, lift(o.d for o in known))
         self._seq += 1
         return Ticket(tenant, t.rank, self._seq)
 
-    def _floor(self, tenant: str) -> float:
-        busy = [t.counter for n, t in self.tenants.items() if n != tenant and (t.queue or self.inflight[n])]
-        if busy:
-            return min(busy)
-        return max((t.counter for t in self.tenants.values()), default=0.0)
+    def counter(self, tenant: str) -> float:
+        """``tenant``'s counter in the order: the one of the pool the waiters wait for, else the sum."""
+        t = self.tenants[tenant]
+        if self.tight == "prefill":
+            return t.p
+        if self.tight == "decode":
+            return t.d
+        return t.p + t.d
+
+    def blocked(self, role: str) -> None:
+        """The first waiter was refused by a pool of ``role``: the waiters wait for that pool."""
+        self.tight = role
 
     def _key(self, ticket: Ticket) -> tuple[int, float, int]:
-        return ticket.rank, self.tenants[ticket.tenant].counter, ticket.seq
+        return ticket.rank, self.counter(ticket.tenant), ticket.seq
 
     def ahead(self, ticket: Ticket) -> bool:
         """Whether a waiter ranks before ``ticket``: then it must not try the pools yet."""
@@ -175,9 +210,7 @@ class FairQueue:
     def _victim(self, rank: int) -> Ticket | None:
         """The waiter to shed for an arrival of class ``rank``: the lowest class below it, the most
         served tenant of that class, its latest request; None when no waiter is of a lower class."""
-        worst = max(
-            self._waiters(), key=lambda w: (w.rank, self.tenants[w.tenant].counter, w.seq), default=None
-        )
+        worst = max(self._waiters(), key=lambda w: (w.rank, self.counter(w.tenant), w.seq), default=None)
         return worst if worst is not None and worst.rank > rank else None
 
     def leave(self, ticket: Ticket) -> None:
@@ -186,6 +219,8 @@ class FairQueue:
             ticket.queued = False
             self.tenants[ticket.tenant].queue.remove(ticket)
             self.waiting -= 1
+            if not self.waiting:
+                self.tight = None
             t = self.tenants[ticket.tenant]
             t.waited_at = t.busy_at = self.clock()
 
@@ -195,27 +230,32 @@ class FairQueue:
         t = self.tenants[tenant]
         return t.weight * t.scale
 
-    def cost(self, prompt_uncached: int, decode_tokens: int) -> float:
-        return max(0, prompt_uncached) + self.cost_per_decode_token * max(0, decode_tokens)
+    def cost(self, work: Work) -> tuple[float, float]:
+        """``work``'s cost in P and in D, in tokens (before the weight)."""
+        d = max(0, work.d_prefill) + self.costs.d(work.context, work.decode)
+        return float(max(0, work.p_prefill)), d
 
-    def admitted(self, tenant: str, cost: float) -> None:
-        """A request of ``tenant`` admitted: ``cost`` (:meth:`cost`) charged, one more in flight."""
+    def admitted(self, tenant: str, work: Work) -> None:
+        """A request of ``tenant`` admitted: ``work``'s cost charged, one more in flight."""
         self.inflight[tenant] += 1
-        self.charge(tenant, cost)
+        self.charge(tenant, *self.cost(work))
 
-    def charge(self, tenant: str, cost: float) -> None:
-        """Add ``cost`` (negative: a correction) to ``tenant``'s counter and service."""
-        share = cost / self.weight(tenant)
+    def charge(self, tenant: str, p: float, d: float = 0.0) -> None:
+        """Add ``p`` and ``d`` (in tokens; negative: a correction) to ``tenant``'s counters and service."""
+        w = self.weight(tenant)
         t = self.tenants[tenant]
-        t.counter += share
-        t.service.add(share, self.clock())
+        t.p += p / w
+        t.d += d / w
+        t.service.add((p + d) / w, self.clock())
 
-    def finished(self, tenant: str, decode_charged: int, decode_used: int | None) -> None:
-        """An admitted request ended: one less in flight; its decode charge corrected to what it used."""
+    def finished(self, tenant: str, charged: Work, decode_used: int | None) -> None:
+        """An admitted request ended: one less in flight; its charge corrected to the decode steps it had."""
         self.inflight[tenant] -= 1
         self.tenants[tenant].busy_at = self.clock()
-        if decode_used is not None and decode_used != decode_charged:
-            self.charge(tenant, self.cost_per_decode_token * (max(0, decode_used) - decode_charged))
+        if decode_used is not None and decode_used != charged.decode:
+            _, was = self.cost(charged)
+            _, now = self.cost(charged.ended(decode_used))
+            self.charge(tenant, 0.0, now - was)
 
     def scale(self, scales: Mapping[str, float]) -> None:
         """Each tenant's weight scale (a declared tenant missing: 1), at least ``MIN_SCALE``."""

@@ -43,7 +43,7 @@ from proxy.admission import (
     Admission,
     Rejection,
 )
-from proxy.fairqueue import REASON_RESERVE, REASON_SHED, Ticket
+from proxy.fairqueue import REASON_RESERVE, REASON_SHED, Ticket, Work
 from proxy.kvaware import (
     REASON_KEYING_BUSY,
     REASON_NO_PROMPT,
@@ -263,11 +263,8 @@ class Gate:
             if look is not None and look.hopeless:
                 return self._late(req, view, look)
             late = (look.late if look is not None else frozenset()) | self._reserved(req, names)
-            rejection = (
-                self._blocked_by_waiter(ticket, last, view)
-                or self._kept_out(late, view)
-                or self._try_admit(req, view, now, late)
-            )
+            blocked = self._blocked_by_waiter(ticket, last, view)
+            rejection = blocked or self._kept_out(late, view) or self._try_admit(req, view, now, late)
             if rejection is None:
                 self._predicted(req, now)
                 self._charge(req)
@@ -278,7 +275,7 @@ class Gate:
             until = deadline if look is None else min(deadline, now + look.slack_s)
             if until - now <= 0:
                 return rejection
-            refused = self._queue(ticket, rejection)
+            refused = self._queue(ticket, rejection, tried=blocked is None)
             if refused is not None:
                 return refused
             if ticket is None:
@@ -310,10 +307,13 @@ class Gate:
             return None
         return last or Rejection(REASON_REQUESTS, view.prefill_pools or self._pools_of["prefill"], "prefill")
 
-    def _queue(self, ticket: Ticket | None, rejection: Rejection) -> Rejection | None:
+    def _queue(self, ticket: Ticket | None, rejection: Rejection, tried: bool) -> Rejection | None:
         """Take a place among the waiters (kept across its waits), or why there is none. With tenants
-        a higher class may shed a lower waiter to get one: that waiter is woken to end."""
+        a higher class may shed a lower waiter to get one: that waiter is woken to end; and a refusal by
+        the pools (``tried``) tells the fair queue which pool the waiters wait for."""
         fair = self.admission.fair
+        if ticket is not None and fair is not None and tried:
+            fair.blocked(rejection.role)
         if ticket is None or fair is None:
             if self.admission.can_wait():
                 return None
@@ -326,20 +326,22 @@ class Gate:
         return None if why is None else Rejection(why, rejection.pools, rejection.role)
 
     def _charge(self, req: RequestState) -> None:
-        """With tenants: the admitted request's cost to its tenant (prompt tokens P computes, after the
-        predicted cache hits, and its decode tokens at ``max_tokens``, corrected when it ends)."""
+        """With tenants: the admitted request's work charged to its tenant (``proxy.fairqueue.Work``: the
+        prompt tokens P computes after the predicted cache hits, or D alone what it does not hold; the KV
+        D holds; its decode steps at ``max_tokens``, corrected when it ends)."""
         fair = self.admission.fair
         if fair is None:
             return
         route = req.route
         if route is None:
-            prompt = req.tokens
+            work = Work(p_prefill=req.tokens, context=req.tokens, decode=req.decode_tokens)
         elif route.p is not None:
-            prompt = route.p_uncached
+            work = Work(p_prefill=route.p_uncached, context=route.prompt_tokens, decode=req.decode_tokens)
         else:  # D alone computes what it does not hold
-            prompt = route.prompt_tokens - route.d_cached
-        fair.admitted(req.tenant, fair.cost(prompt, req.decode_tokens))
-        req.decode_charged = req.decode_tokens
+            uncached = route.prompt_tokens - route.d_cached
+            work = Work(d_prefill=uncached, context=route.prompt_tokens, decode=req.decode_tokens)
+        fair.admitted(req.tenant, work)
+        req.charged = work
 
     # -- the predictor ----------------------------------------------------------------
 
@@ -760,9 +762,9 @@ class Gate:
 
     def release(self, req: RequestState) -> None:
         fair = self.admission.fair
-        if fair is not None and req.decode_charged is not None:
-            fair.finished(req.tenant, req.decode_charged, req.completion_tokens)
-            req.decode_charged = None
+        if fair is not None and req.charged is not None:
+            fair.finished(req.tenant, req.charged, req.completion_tokens)
+            req.charged = None
         self.drop_kv(req)
         self._drop_backlog(req)
         self._drop_d_backlog(req)

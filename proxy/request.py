@@ -14,6 +14,7 @@ from typing import Protocol
 
 from pdscope.config import DEFAULT_TENANT, PredictSettings, Settings
 from proxy import protocol
+from proxy.fairqueue import Work
 from proxy.kvaware import Decision
 from proxy.predict import HandoffX
 from proxy.prefixview import Prompt
@@ -125,16 +126,17 @@ class Gone:
 
 
 class RequestState:
-    """Tenants (``proxy.tenancy``): ``tenant`` whose it is, ``decode_tokens`` the decode tokens it asks
-    for (max_tokens, or the default charge), ``decode_charged`` those charged to its tenant while it is
-    admitted (None: nothing charged), ``priority`` what its legs carry to priority-scheduled instances
-    (``proxy.priority``; None: tenants off)."""
+    """Tenants (``proxy.tenancy``): ``tenant`` whose it is, ``decode_tokens`` the decode tokens it asks for
+    (max_tokens, or the default charge), ``charged`` the work charged to its tenant while it is
+    admitted (``proxy.fairqueue.Work``; None: nothing charged), ``priority`` what its legs carry to
+    priority-scheduled instances (``proxy.priority``; None: tenants off)."""
 
-    decode_charged: int | None
+    charged: Work | None
     priority: int | None
     __slots__ = (
         "admitted",
         "backlog",
+        "charged",
         "completion_tokens",
         "d",
         "d_backlog",
@@ -142,7 +144,6 @@ class RequestState:
         "d_prompt_tokens",
         "d_sent_ns",
         "d_slot",
-        "decode_charged",
         "decode_tokens",
         "endpoint",
         "first_token_ns",
@@ -227,7 +228,7 @@ class RequestState:
         self.first_token_ns: int | None = None
         # the handoff that served it (``semconv.HANDOFFS``: pull, push, push_early); None: the fleet's mode
         self.handoff: str | None = None
-        self.tenant, self.decode_tokens, self.decode_charged, self.priority = DEFAULT_TENANT, 0, None, None
+        self.tenant, self.decode_tokens, self.charged, self.priority = DEFAULT_TENANT, 0, None, None
 
 
 def client_error(

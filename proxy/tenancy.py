@@ -100,7 +100,7 @@ class Tenancy:
 
     def ended(self, req: RequestState) -> None:
         """An admitted request's output tokens (when its answer's usage said)."""
-        if req.decode_charged is not None and req.completion_tokens:
+        if req.charged is not None and req.completion_tokens:
             self._output[req.tenant].inc(req.completion_tokens)
 
     def scale(self, scales: Mapping[str, float]) -> None:

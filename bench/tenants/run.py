@@ -8,6 +8,9 @@ section on): the reference its attainment is held against.
 
 - ``flood``: equal weights; two tenants at 3/4 of their share, one at 5x its share in bursts;
 - ``priority``: an interactive tenant (TTFT SLO 1.5 s) at 0.3x capacity beside a batch tenant at 1.5x;
+- ``longprompt``: a tenant of long prompts (about 4,000 tokens) within its share beside a bursty flood;
+- ``shapes``: on a fleet whose D slots are the bottleneck, a tenant of long prompts and short answers
+  beside one of short prompts and long answers past D's slots: each pool shared in its own tokens;
 - ``backlog``: weights 2:1:1, every tenant offering 3/4 of capacity (all past their share: Jain's index).
 
 ``--repeat N`` runs each scenario's contested arms (fair, unfair, priority) N times, interleaved (fair,
@@ -123,7 +126,7 @@ def one_run(spec: RunSpec, a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f"tenants-{spec.scenario.name}-{spec.arm.replace(':', '-')}-"))
     section = tenants_section(spec.scenario, spec.enabled)
     stack_spec = StackSpec(FLEET, "static", a.sim_seed, spec.measure_s)
-    stack = TenantStack(stack_spec, tmp, section, a.proxy_tree, spec.scheduling)
+    stack = TenantStack(stack_spec, tmp, section, a.proxy_tree, spec.scheduling, spec.scenario.fleet)
     t0 = time.monotonic()
     ok = False
     try:
@@ -240,12 +243,15 @@ def scenario_about(sc: Scenario) -> dict[str, Any]:
     """The scenario as declared: each tenant's weight, class, SLO, load (x capacity and x its share)."""
     return {
         "about": sc.about,
+        "fleet": None if sc.fleet is None else vars(sc.fleet),
         "tenants": {
             t.id: {
                 **t.declared(),
                 "of_capacity": round(t.of_capacity, 3),
                 "of_share": round(t.of_capacity / sc.share(t), 2),
                 "arrivals": t.pattern,
+                "prompt": t.prompt,
+                "output": t.output,
                 "well_behaved": t.behaved,
             }
             for t in sc.tenants

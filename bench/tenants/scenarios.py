@@ -18,7 +18,8 @@ from simulator.workload import LengthDist, Planned, arrival_times
 
 PROMPT_MIX = "lognormal:1024,0.7"  # mean about 1,300 tokens: a mix of short and long
 PROMPT = LengthDist.parse(PROMPT_MIX)
-OUTPUT = LengthDist.parse("lognormal:24,0.6")
+OUTPUT_MIX = "lognormal:24,0.6"
+OUTPUT = LengthDist.parse(OUTPUT_MIX)
 PROMPT_RANGE, OUTPUT_RANGE = (64, 6144), (4, 128)
 MEAN_PROMPT_TOKENS = 1300.0  # PROMPT's mean within PROMPT_RANGE, rounded (the capacity steps' guess)
 BURST = 10
@@ -40,6 +41,8 @@ class TenantLoad:
     pattern: str = "poisson"  # or "bursty"
     behaved: bool = True  # asks no more than its share: its attainment alone is its reference
     prompt: str = PROMPT_MIX  # its prompts' lengths (simulator.workload.LengthDist), in PROMPT_RANGE
+    output: str = OUTPUT_MIX  # its outputs' lengths, from OUTPUT_RANGE's least to output_max
+    output_max: int = OUTPUT_RANGE[1]
 
     def declared(self) -> dict[str, Any]:
         return {
@@ -50,10 +53,21 @@ class TenantLoad:
 
 
 @dataclass(frozen=True)
+class Fleet:
+    """A scenario's changes to the fleet: each pool's request slots in the proxy
+    (``proxy.admission.max_inflight_requests``), and the simulated instances' step time per sequence in
+    the batch (``simulator.decode_per_seq_s``)."""
+
+    pool_slots: int
+    decode_per_seq_s: float
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     about: str
     tenants: tuple[TenantLoad, ...]
+    fleet: Fleet | None = None  # the fleet's own knobs for this scenario; None: bench/goodput's
 
     def share(self, tenant: TenantLoad) -> float:
         """The tenant's weighted share of the fleet, a fraction of its capacity."""
@@ -93,6 +107,25 @@ SCENARIOS = {
             TenantLoad("flood", 5 / 3, pattern="bursty", behaved=False),
         ),
     ),
+    "shapes": Scenario(
+        "shapes",
+        "equal weights, D's slots the bottleneck (32 a pool, decode slower with the batch); a tenant of"
+        " long prompts and short answers (about 4,000 and 24 tokens) at 0.15x capacity in requests (about"
+        " half of P) beside one of short prompts and long answers (about 256 and 150 tokens) at 0.6x,"
+        " past what D's slots hold: each heavy in its own pool",
+        (
+            TenantLoad("rag", 0.15, prompt="lognormal:4000,0.2"),
+            TenantLoad(
+                "writer",
+                0.6,
+                prompt="lognormal:256,0.5",
+                output="lognormal:150,0.3",
+                output_max=512,
+                behaved=False,
+            ),
+        ),
+        Fleet(pool_slots=32, decode_per_seq_s=0.002),
+    ),
     "backlog": Scenario(
         "backlog",
         "weights 2:1:1, each tenant offering 3/4 of capacity: all three past their share (Jain's index)",
@@ -127,9 +160,10 @@ def tenant_plan(t: TenantLoad, capacity_rps: float, duration_s: float, seed: int
     rng = random.Random(f"{seed}:{t.id}")
     rate = t.of_capacity * capacity_rps
     times = arrival_times(t.pattern, rate, 10**6, duration_s, rng, BURST)
-    prompt = LengthDist.parse(t.prompt)
+    prompt, output = LengthDist.parse(t.prompt), LengthDist.parse(t.output)
+    outputs = (OUTPUT_RANGE[0], t.output_max)
     return [
-        Planned(at, _clamp(prompt.sample(rng), PROMPT_RANGE), _clamp(OUTPUT.sample(rng), OUTPUT_RANGE))
+        Planned(at, _clamp(prompt.sample(rng), PROMPT_RANGE), _clamp(output.sample(rng), outputs))
         for at in times
     ]
 

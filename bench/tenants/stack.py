@@ -2,7 +2,8 @@
 the weighted policy, the config's admission defaults with the proxy's own adaptive limit and admission by
 prediction, no controller), with the run's ``tenants`` section in the generated pdscope.yaml.
 ``scheduling: priority``: every pool and every simulated instance priority-scheduled (vLLM
-``--scheduling-policy priority``).
+``--scheduling-policy priority``). A scenario's ``fleet`` changes the pools' request slots and the
+simulated decode step's time per sequence.
 
 ``proxy_tree``: the proxy alone runs from another checkout (a worktree of a branch: its path is the
 proxy's working directory and first on its PYTHONPATH); the fleet and the client run from this one.
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.goodput.stack import Stack, StackSpec
+from bench.tenants.scenarios import Fleet
 from pdscope.stack import Child, child_env, pdscope_argv
 
 
@@ -27,8 +29,9 @@ class TenantStack(Stack):
         tenants: dict[str, Any],
         proxy_tree: str | None = None,
         scheduling: str = "fcfs",
+        fleet: Fleet | None = None,
     ) -> None:
-        self.tenants, self.proxy_tree, self.scheduling = tenants, proxy_tree, scheduling
+        self.tenants, self.proxy_tree, self.scheduling, self.fleet = tenants, proxy_tree, scheduling, fleet
         super().__init__(spec, tmp)
 
     def _config(self, dead: str) -> dict[str, Any]:
@@ -37,6 +40,9 @@ class TenantStack(Stack):
             for pool in config["pools"].values():
                 pool["scheduling"] = self.scheduling
             config["simulator"]["scheduling_policy"] = self.scheduling
+        if self.fleet is not None:
+            config["proxy"]["admission"]["max_inflight_requests"] = self.fleet.pool_slots
+            config["simulator"]["decode_per_seq_s"] = self.fleet.decode_per_seq_s
         return config
 
     def _start(self, command: str, ready_url: str | None = None) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from analysis.tenants import TenantFacts, TenantWindow, tenant_window, terms_of
 from dashboard.queries.common import connect
 from pdscope.config import SLOSettings, TenantSettings
+from pdscope.tenantcost import Costs
 from store.attribution import trusted_records
 from store.tenants import DEFAULT_RECORDS, tenant_rows
 
@@ -45,6 +46,6 @@ def tenants(
         terms_of(declared, slo),
         since=start,
         until=end,
-        decode_cost=declared.cost_per_decode_token,
+        costs=Costs.of(declared),
     )
     return WindowTenants(window, read.truncated, limit)

@@ -89,7 +89,13 @@ class TenantSettings(_Frozen):
     own. So a flood or a batch tenant fills P's queues only so deep, and the others' requests still fit;
     alone, a tenant has the whole budget. 0: off"""
     cost_per_decode_token: PositiveFloat = 1.0
-    """a decode token's cost against a prompt token's, in a tenant's service (the fair queue's counter)"""
+    """a decode token's cost against a prompt token's, in a tenant's service (the fair queue's D counter)"""
+    cost_per_kv_token_step: float = Field(default=1 / 2048, ge=0, le=1)
+    """the cost, in the fair queue's D counter, of one token of KV held in D for one decode step (where a
+    decode step costs ``cost_per_decode_token``): a request of ``L`` tokens of context that decodes ``D``
+    tokens holds ``D x L + D (D + 1) / 2`` token-steps. The default values a D's KV as its batch: a D of
+    512 Ki tokens of KV that runs 256 sequences at once spends a sequence's step on 2,048 tokens held.
+    0: the D counter counts decode steps alone"""
 
     @field_validator("header")
     @classmethod

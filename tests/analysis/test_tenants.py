@@ -17,6 +17,7 @@ from analysis.tenants import (
     terms_of,
 )
 from pdscope.config import LatencySLO, Settings, SLOSettings, Tenant, TenantSettings, TenantSLO
+from pdscope.tenantcost import Costs
 
 
 def _settings() -> Settings:
@@ -73,11 +74,14 @@ def test_shares_and_jains_index_count_only_the_tenants_with_demand() -> None:
 
 def test_decode_tokens_cost_what_the_config_says_in_the_service() -> None:
     s = _settings()
-    w = tenant_window(
-        [_ok("b", tokens=(100, 10))], terms_of(s.tenants, s.slo), since=0, until=1, decode_cost=4.0
-    )
+    terms = terms_of(s.tenants, s.slo)
+    w = tenant_window([_ok("b", tokens=(100, 10))], terms, since=0, until=1, costs=Costs(decode=4.0, kv=0.0))
     b = w.of("b")
     assert b is not None and b.service == pytest.approx(140.0) and b.goodput_tokens == 110
+    # the KV held: 100 tokens of context for 10 steps, one more after each (1,055 token-steps)
+    w = tenant_window([_ok("b", tokens=(100, 10))], terms, since=0, until=1, costs=Costs(decode=1.0, kv=0.5))
+    b = w.of("b")
+    assert b is not None and b.service == pytest.approx(100 + 10 + 0.5 * (100 * 10 + 55))
 
 
 def test_jain_index() -> None:

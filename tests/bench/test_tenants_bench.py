@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.goodput.catalogue import FLEETS
+from bench.goodput.stack import StackSpec
 from bench.tenants.client import rejection_reason
 from bench.tenants.figures import (
     TARGETS,
@@ -27,6 +29,7 @@ from bench.tenants.figures import (
 )
 from bench.tenants.report import derived, rederive, tables
 from bench.tenants.scenarios import SCENARIOS, Scenario, TenantLoad, schedule, tenant_plan, tenants_section
+from bench.tenants.stack import TenantStack
 from pdscope.config.tenants import TenantSettings
 from simulator.workload import RequestResult
 
@@ -96,6 +99,30 @@ def test_schedules_are_seeded_per_tenant_and_the_same_alone() -> None:
     # the flood asks 5x its share, the others less than theirs
     assert sc.tenant("flood").of_capacity / sc.share(sc.tenant("flood")) == pytest.approx(5.0)
     assert all(t.of_capacity < sc.share(t) for t in sc.behaved())
+
+
+def test_shapes_gives_each_tenant_its_own_lengths_and_its_fleet_bounds_d(tmp_path: Path) -> None:
+    """``shapes``: the writer's outputs are its own (median about 150, past the mix's 128, at most 512),
+    the rag tenant's prompts its own, and the run's config takes the scenario's fleet knobs."""
+    sc = SCENARIOS["shapes"]
+    writer = tenant_plan(sc.tenant("writer"), 20.0, 200.0, seed=1)
+    outs = sorted(p.output_tokens for p in writer)
+    assert 120 <= outs[len(outs) // 2] <= 180 and outs[-1] <= 512 and any(o > 128 for o in outs)
+    rag = tenant_plan(sc.tenant("rag"), 20.0, 200.0, seed=1)
+    assert sorted(p.prompt_tokens for p in rag)[len(rag) // 2] == pytest.approx(4000, rel=0.1)
+    assert all(p.output_tokens <= 128 for p in rag)
+    assert sc.fleet is not None
+    spec = StackSpec(FLEETS["2p4d"], "static", 1, 5.0)
+    config = yaml.safe_load(
+        TenantStack(spec, tmp_path, tenants_section(sc, True), fleet=sc.fleet).config.read_text()
+    )
+    assert config["proxy"]["admission"]["max_inflight_requests"] == sc.fleet.pool_slots
+    assert config["simulator"]["decode_per_seq_s"] == sc.fleet.decode_per_seq_s
+    (tmp_path / "plain").mkdir()
+    plain = yaml.safe_load(
+        TenantStack(spec, tmp_path / "plain", tenants_section(sc, True)).config.read_text()
+    )
+    assert plain["proxy"]["admission"]["max_inflight_requests"] == 256
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -23,7 +23,7 @@ from controller.proxies import ProxyRegistry
 from pdscope import routing
 from pdscope.config import Settings, parse_config, tenants
 from pdscope.routing import ProxyReport, ProxyShare, RoutingTable
-from proxy.fairqueue import FairQueue
+from proxy.fairqueue import FairQueue, Work
 from store.db import opened
 from store.migrate import upgrade
 
@@ -86,8 +86,8 @@ def _served(share: ProxyShare, scaled: bool) -> Counter[str]:
     for _ in range(600):
         first = q.order()[0]
         q.leave(first)
-        q.admitted(first.tenant, 10.0)
-        q.finished(first.tenant, 0, None)
+        q.admitted(first.tenant, Work(p_prefill=10))
+        q.finished(first.tenant, Work(p_prefill=10), None)
         served[first.tenant] += 1
         q.enqueue(q.arrive(first.tenant))
     part = share.pools["prefill"].max_inflight_requests

@@ -19,6 +19,7 @@ from analysis.tenants import TenantFacts, TenantTerms, tenant_window, terms_of
 from controller.kept import KeptReads
 from controller.tenantrows import TenantRows
 from controller.tenants import read_tenants, tenant_figures
+from pdscope.tenantcost import Costs
 from store.attribution import trusted_records
 from store.db import transaction
 from store.tenants import tenant_rows
@@ -90,8 +91,8 @@ def test_kept_rows_equal_the_newest_first_selection_made_from_scratch(seed: int)
         assert kept.read(now - span, now) == want
         terms = _terms(seed + len(truth) // 60)  # changes now and then: the tally is built again
         facts = [TenantFacts(*r) for r in want.rows]
-        figures = tenant_window(facts, terms, since=now - span, until=now, decode_cost=0.5)
-        assert kept.window(now - span, now, terms, 0.5) == (figures, want.truncated)
+        figures = tenant_window(facts, terms, since=now - span, until=now, costs=Costs(decode=0.5))
+        assert kept.window(now - span, now, terms, Costs(decode=0.5)) == (figures, want.truncated)
         believed = [r for r in truth.values() if r[5] >= now - span and (senders is None or r[1] in senders)]
         assert len(kept) == len(believed)  # what it holds: the window's believed rows, no more
 
@@ -152,9 +153,9 @@ def test_a_clock_that_jumps_past_a_whole_window_still_counts_the_row_at_its_star
     ahead = (1, "proxy-a", "chat", "ok", None, 40.0, 40.1, 0.2, 0.01, 100, 10)
     rows.update([ahead, (2, "proxy-a", "chat", "ok", None, 5.0, 5.1, 0.2, 0.01, 100, 10)])
     rows.slide(-20.0)
-    first, _ = rows.window(-20.0, 10.0, terms, 1.0)  # the row ahead of the clock waits
+    first, _ = rows.window(-20.0, 10.0, terms, Costs())  # the row ahead of the clock waits
     assert (c := first.of("chat")) is not None and c.requests == 1
     rows.slide(40.0)  # 60 s later: the first row retired, the one at the window's very start due
-    later, _ = rows.window(40.0, 70.0, terms, 1.0)
+    later, _ = rows.window(40.0, 70.0, terms, Costs())
     assert later == tenant_window([TenantFacts(*ahead[2:])], terms, since=40.0, until=70.0)
     assert (c := later.of("chat")) is not None and c.requests == 1

@@ -78,6 +78,8 @@ colector:
         (MINIMAL.replace("name: d0", "name: p0"), "must be unique"),
         (MINIMAL.replace("kv_bytes_per_token: 1024", "kv_bytes_per_token: -1"), "model.kv_bytes_per_token"),
         (MINIMAL + "controller: {mode: yolo}\n", "controller.mode"),
+        (MINIMAL + "tenants: {cost_per_kv_token_step: -0.5}\n", "tenants.cost_per_kv_token_step"),
+        (MINIMAL + "tenants: {cost_per_kv_token_step: 2}\n", "tenants.cost_per_kv_token_step"),
     ],
 )
 def test_invalid_files_name_the_problem(snippet: str, expected: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from pdscope.config import Settings
 from proxy.app import ProxyApp
-from proxy.fairqueue import FairQueue
+from proxy.fairqueue import FairQueue, Work
 from proxy.priority import INT64_MAX, request_priority, with_priority, without_client_priority
 from tests.proxy.conftest import fake_fleet, make_settings, running_proxy
 
@@ -99,7 +99,7 @@ def test_a_tenant_served_past_its_share_of_its_class_is_over_share() -> None:
     for tenant, tokens in (("a", 3000), ("b", 1000), ("c", 99_000)):
         if tenant == "b":
             assert not fair.over_share("a")  # no busy peer of its class
-        fair.admitted(tenant, tokens)  # in flight: busy; another class's service is not a's business
+        fair.admitted(tenant, Work(tokens))  # in flight: busy; another class's service is not a's business
     assert fair.over_share("a") and not fair.over_share("b") and not fair.over_share("c")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.fairqueue import FairQueue
+from proxy.fairqueue import FairQueue, Work
 from tests.proxy.memory import COMPLETION, MemoryProxy, MemVLLM, memory_flow, memory_settings
 
 PER_TOKEN_S = 1e-4  # P computes 10,000 tokens a second in this test
@@ -30,8 +30,8 @@ def _proxy(ahead: int) -> tuple[MemoryProxy, FairQueue]:
     pred.backlog.add("p0", ahead)
     fair = px.parts.admission.fair
     assert fair is not None
-    fair.admitted("flood", 50_000)
-    fair.admitted("calm", 1000)
+    fair.admitted("flood", Work(50_000))
+    fair.admitted("calm", Work(1000))
     return px, fair
 
 

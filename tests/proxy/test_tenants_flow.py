@@ -201,20 +201,23 @@ def _request(tenant: str, clock: float) -> RequestState:
     return req
 
 
-async def test_an_arrival_does_not_take_a_freed_slot_from_a_waiter_that_ranks_before_it() -> None:
-    """The pools' one slot frees while b waits (woken, not yet run); a's new request, arriving in that
-    instant, must queue behind b (a has been served, b not) rather than take the slot."""
+def _one_slot_app(queue_timeout_s: float) -> ProxyApp:
+    """A proxy (not serving) over one P and one D, a slot a pool, tenants ``a`` and ``b`` declared."""
     settings = make_settings(
         ["http://p0:1"],
         ["http://d0:1"],
-        proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": 0.3}},
+        proxy={"admission": {"max_inflight_requests": 1, "queue_timeout_s": queue_timeout_s}},
     )
-    settings = settings.model_copy(
-        update={
-            "tenants": type(settings.tenants).model_validate({"enabled": True, "tenants": {"a": {}, "b": {}}})
-        }
+    tenants = type(settings.tenants).model_validate({"enabled": True, "tenants": {"a": {}, "b": {}}})
+    return build(
+        settings.model_copy(update={"tenants": tenants}), exporter=InMemorySpanExporter(), poll=False
     )
-    app = build(settings, exporter=InMemorySpanExporter(), poll=False)
+
+
+async def test_an_arrival_does_not_take_a_freed_slot_from_a_waiter_that_ranks_before_it() -> None:
+    """The pools' one slot frees while b waits (woken, not yet run); a's new request, arriving in that
+    instant, must queue behind b (a has been served, b not) rather than take the slot."""
+    app = _one_slot_app(queue_timeout_s=0.3)
     gate, fair, now = app.parts.flow.gate, app.parts.admission.fair, app.parts.clock
     assert fair is not None
     first = _request("a", now())
@@ -225,3 +228,23 @@ async def test_an_arrival_does_not_take_a_freed_slot_from_a_waiter_that_ranks_be
     late = await gate.admit(_request("a", now()))  # runs inline up to its first wait
     assert await waiter is None  # b had the slot
     assert late is not None and late.reason == "inflight_requests"  # a waited behind b, then timed out
+
+
+async def test_the_waiters_are_ordered_by_the_counter_of_the_pool_that_refused_them() -> None:
+    """P's slot is free and D's is not (the first request is decoding): b's request waits for D, so the
+    fair queue orders the waiters by D's counters; once b is admitted nobody waits, and the pool is
+    forgotten."""
+    app = _one_slot_app(queue_timeout_s=5)
+    gate, fair, now = app.parts.flow.gate, app.parts.admission.fair, app.parts.clock
+    assert fair is not None
+    first = _request("a", now())
+    assert await gate.admit(first) is None
+    assert first.p_slot is not None and first.charged is not None
+    app.parts.admission.leave(first.p_slot)  # prefill done: P's slot back, D's still held
+    first.p_slot = None
+    waiter = asyncio.create_task(gate.admit(_request("b", now())))
+    await async_wait_until("b waiting", lambda: fair.queued("b") == 1)
+    assert fair.tight == "decode"
+    gate.release(first)
+    assert await waiter is None
+    assert fair.tight is None
