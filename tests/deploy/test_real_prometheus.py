@@ -509,8 +509,10 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
     assert [a["labels"]["instance"] for a in seen] == ["decode-1"]
     assert prometheus.firing("PoolDown") == []  # decode-0 still answers scrapes
 
-    # 6. every Grafana expression evaluates; with the whole stack running, they have data
-    empty = [expr for expr in dashboard_expressions() if not prometheus.query(expr)]
+    # 6. every Grafana expression evaluates (a query error fails here); with the whole stack running,
+    # they have data
+    for expr in dashboard_expressions():
+        prometheus.query(expr)
     # series that exist only after their event (a rejection, a retry, an admitted handoff, a KV
     # events message dropped or out of sequence, a replay, a publisher restart)
     event_only = (
@@ -532,8 +534,15 @@ def test_rules_fire_on_a_simulated_fleet_and_dashboard_queries_evaluate(
         if re.search(r"\bvllm:|pdscope_", e) and not any(name in e for name in event_only)
     ]
     assert len(must_have_data) >= 30
-    missing = [e for e in must_have_data if e in empty]
-    assert not missing, f"dashboard queries with no data on a live fleet: {json.dumps(missing, indent=1)}"
+    # A scrape the loaded machine missed (its timeout is under the 1 s interval) marks that target's
+    # series stale until its next one: the data is waited for over a few scrapes, not read at one instant.
+    wait_until(
+        "every dashboard query of the live fleet to have data",
+        lambda: [e for e in must_have_data if not prometheus.query(e)],
+        done=lambda missing: not missing,
+        timeout_s=10,
+        every_s=0.5,
+    )
 
     # and the dashboard's variables list the fleet's pools and instances
     variables = dashboard_variable_values(prometheus)
