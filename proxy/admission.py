@@ -26,6 +26,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from pdscope.routing import Role
 from proxy.concurrency import AdaptiveLimits
 from proxy.fairqueue import FairQueue, Ticket
 from proxy.routing import PoolLimits
@@ -53,7 +54,7 @@ class Rejection:
 
     reason: str
     pools: tuple[str, ...]
-    role: str
+    role: Role
     retry_after_s: float | None = None  # predicted_late: when a request like it would make it again
 
 

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pdscope.config.tenants import TenantSettings
+from pdscope.routing import Role
 from pdscope.tenantcost import Costs
 
 REASON_TENANT_QUEUE_FULL = "tenant_queue_full"
@@ -133,7 +134,7 @@ class FairQueue:
         }
         self.inflight: Counter[str] = Counter()
         self.waiting = 0
-        self.tight: str | None = None  # the pool the waiters wait for; None: not known (the sum)
+        self.tight: Role | None = None  # the pool the waiters wait for; None: not known (the sum)
         self._seq = 0
 
     # -- arrival and order --------------------------------------------------------------
@@ -159,7 +160,7 @@ class FairQueue:
             return t.d
         return t.p + t.d
 
-    def blocked(self, role: str) -> None:
+    def blocked(self, role: Role) -> None:
         """The first waiter was refused by a pool of ``role``: the waiters wait for that pool."""
         self.tight = role
 

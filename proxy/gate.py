@@ -475,7 +475,11 @@ class Gate:
         """Into the open pools, never through a P in ``late`` (predicted to miss the target)."""
         if req.prompt is not None and self.kv is not None:
             return self._try_admit_kv(self.kv, req.prompt, req, view, now, late)
-        for role, targets in (("prefill", view.prefill), ("decode", view.decode)):
+        by_role: tuple[tuple[Role, tuple[Target, ...]], ...] = (
+            ("prefill", view.prefill),
+            ("decode", view.decode),
+        )
+        for role, targets in by_role:
             if not targets:
                 return Rejection(REASON_NO_INSTANCES, self._pools_of[role], role)
         p_pools, p_why = self._open_pools(view, "prefill")

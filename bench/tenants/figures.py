@@ -4,9 +4,10 @@ and the figures held against the issue's targets, each a ratio against the basel
 A tenant's *attainment* is the share of the requests it sent in the measured phase that were served
 within its own SLO (TTFT, and TPOT where there are two tokens or more): a 429 counts as a miss, so a
 tenant whose requests are refused in another's place loses attainment. *Goodput* is the tokens
-(prompt + output) of the requests that met their tenant's SLO, per measured second. *Service* is the
-tokens of the requests served, a decode token counted ``cost_per_decode_token`` (1) prompt tokens, as the
-fair queue's counter counts them; *weighted service* is that over the tenant's weight.
+(prompt + output) of the requests that met their tenant's SLO, per measured second. *Service* is what
+the requests served cost their tenant as the fair queue charges it (:class:`pdscope.tenantcost.Costs` at
+its defaults: the prompt tokens, and the decode steps with the KV they held); *weighted service* is that
+over the tenant's weight.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 
 from bench.tenants.scenarios import Scenario, TenantLoad
 from pdscope.stats import percentile
+from pdscope.tenantcost import DEFAULT_COSTS
 from simulator.workload import RequestResult
 
 EDGE = 0.02  # a figure within 2 % of its target (relative) passes "at the edge"
-DECODE_COST = 1.0  # tenants.cost_per_decode_token's default
 
 
 @dataclass
@@ -46,7 +47,12 @@ def meets(r: RequestResult, t: TenantLoad) -> bool:
 
 
 def _tokens(r: RequestResult) -> float:
-    return r.prompt_tokens + DECODE_COST * r.output_tokens
+    return r.prompt_tokens + r.output_tokens
+
+
+def _cost(r: RequestResult) -> float:
+    """What the request cost its tenant, P's part and D's (its context the prompt)."""
+    return r.prompt_tokens + DEFAULT_COSTS.d(r.prompt_tokens, r.output_tokens)
 
 
 def tenant_figures(sent: list[Sent], t: TenantLoad, measure_s: float) -> dict[str, Any]:
@@ -67,8 +73,8 @@ def tenant_figures(sent: list[Sent], t: TenantLoad, measure_s: float) -> dict[st
         "ttft_p99_s": percentile(ttfts, 99),
         "attainment": len(met) / len(mine) if mine else None,
         "goodput_tok_s": sum(_tokens(r) for r in met) / measure_s,
-        "service_tok_s": sum(_tokens(r) for r in served) / measure_s,
-        "weighted_service": sum(_tokens(r) for r in served) / measure_s / t.weight,
+        "service_tok_s": sum(_cost(r) for r in served) / measure_s,
+        "weighted_service": sum(_cost(r) for r in served) / measure_s / t.weight,
     }
 
 

@@ -63,9 +63,11 @@ def test_a_tenants_figures_count_a_429_as_a_miss_and_its_own_slo() -> None:
     assert f["rejected_by_reason"] == {"predicted_late": 1, "tenant_queue_full": 2}
     assert f["attainment"] == pytest.approx(1 / 6)
     assert f["goodput_tok_s"] == pytest.approx(110 / 2.0)  # prompt + output of the one that met it
-    assert f["service_tok_s"] == pytest.approx(330 / 2.0)
+    # service as the fair queue charges it: the prompt, each decode step and the KV held over them
+    kv = 10 * 100 + 10 * 11 // 2  # 10 steps holding 100 tokens of context and one more after each
+    assert f["service_tok_s"] == pytest.approx(3 * (110 + kv / 2048) / 2.0)
     g = tenant_figures(sent, B, measure_s=2.0)
-    assert g["attainment"] == 0.0 and g["weighted_service"] == pytest.approx(110 / 2.0 / 2.0)
+    assert g["attainment"] == 0.0 and g["weighted_service"] == pytest.approx((110 + kv / 2048) / 2.0 / 2.0)
 
 
 def test_jains_index() -> None:
