@@ -84,6 +84,9 @@ class Ticket:
     seq: int
     queued: bool = False
     shed: bool = False
+    # kept out of every P by its tenant's reserve line at its last try: it waits for P's queues to drain,
+    # not for a pool's room, so it does not hold back a waiter behind it that could go (``ahead``)
+    held: bool = False
     wake: object = None
 
 
@@ -168,14 +171,15 @@ class FairQueue:
         return ticket.rank, self.counter(ticket.tenant), ticket.seq
 
     def ahead(self, ticket: Ticket) -> bool:
-        """Whether a waiter ranks before ``ticket``: then it must not try the pools yet."""
+        """Whether a waiter ranks before ``ticket``: then it must not try the pools yet. A waiter held by
+        its own tenant's reserve line (``Ticket.held``) is passed: the room it waits for is its own."""
         if not self.waiting:  # the common case: nobody waits
             return False
         mine = self._key(ticket)
         for t in self.tenants.values():
             if t.queue:
                 head = t.queue[0]
-                if head is not ticket and self._key(head) < mine:
+                if head is not ticket and not head.held and self._key(head) < mine:
                     return True
         return False
 
@@ -279,8 +283,10 @@ class FairQueue:
         queues, or None: no line. The reserve (``tenants.reserve``) is kept behind the line for those with
         the first claim on it: while a tenant of a higher class is busy, the line is (1 - reserve) of the
         tightest of their targets; while tenants of its own class are busy and it was served past its
-        weight's share among them (:meth:`over_share`), (1 - reserve) of its own target. Alone, none.
-        Busy: waiting, in flight, or either within ``SERVICE_TAU_S``."""
+        weight's share among them (:meth:`over_share`), (1 - reserve) of the tightest target among those
+        of them within their share (the ones the reserve is kept for: a flood with a lax target must not
+        fill P past what a peer with a tight one can wait). Alone, none. Busy: waiting, in flight, or
+        either within ``SERVICE_TAU_S``."""
         if self.reserve <= 0:
             return None
         now, t = self.clock(), self.tenants[tenant]
@@ -288,9 +294,11 @@ class FairQueue:
         higher = [o.target_s for o in others if o.rank < t.rank]
         if higher:
             return min(higher) * (1.0 - self.reserve)
-        if not math.isfinite(t.target_s) or not self._over(t, [o for o in others if o.rank == t.rank], now):
+        claimants = self._claimants(t, [o for o in others if o.rank == t.rank], now)
+        if claimants is None:
             return None
-        return t.target_s * (1.0 - self.reserve)
+        target = min((o.target_s for o in claimants), default=t.target_s)
+        return target * (1.0 - self.reserve) if math.isfinite(target) else None
 
     def over_share(self, tenant: str) -> bool:
         """Whether ``tenant`` was served past its weight's share among the busy tenants of its class
@@ -311,12 +319,21 @@ class FairQueue:
 
     @staticmethod
     def _over(t: _Tenant, peers: list[_Tenant], now: float) -> bool:
+        return FairQueue._claimants(t, peers, now) is not None
+
+    @staticmethod
+    def _claimants(t: _Tenant, peers: list[_Tenant], now: float) -> list[_Tenant] | None:
+        """Where ``t`` was served past its weight's share among ``peers`` and itself, those of the peers
+        within theirs (their service over their weight at most the weighted mean); None where it was not."""
         if not peers:
-            return False
+            return None
         mine, w = t.service.read(now), t.weight * t.scale
+        reads = [o.service.read(now) for o in peers]
         weights = w + sum(o.weight * o.scale for o in peers)
-        served = w * mine + sum(o.weight * o.scale * o.service.read(now) for o in peers)
-        return mine * weights > served
+        served = w * mine + sum(o.weight * o.scale * r for o, r in zip(peers, reads, strict=True))
+        if mine * weights <= served:
+            return None
+        return [o for o, r in zip(peers, reads, strict=True) if r * weights <= served]
 
     def _busy(self, name: str, t: _Tenant, now: float) -> bool:
         return bool(t.queue) or self.inflight[name] > 0 or now - t.busy_at <= SERVICE_TAU_S

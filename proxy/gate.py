@@ -265,6 +265,8 @@ class Gate:
             late = (look.late if look is not None else frozenset()) | self._reserved(req, names)
             blocked = self._blocked_by_waiter(ticket, last, view)
             rejection = blocked or self._kept_out(late, view) or self._try_admit(req, view, now, late)
+            if ticket is not None:
+                ticket.held = rejection is not None and rejection.reason == REASON_RESERVE
             if rejection is None:
                 self._predicted(req, now)
                 self._charge(req)

@@ -183,7 +183,7 @@ def _arm(runs: dict[str, dict[str, Any]], sc: dict[str, Scenario], arm: str) -> 
     """The figures of one arm (fair or unfair) that are measured on that arm alone; a figure whose
     scenario did not run is left out."""
     out: dict[str, float | None] = {}
-    behaved = [n for n in ("flood", "priority", "longprompt", "shapes") if n in runs]
+    behaved = [n for n in ("flood", "priority", "longprompt", "shapes", "mixed") if n in runs]
     ratios = [v for n in behaved for v in attainment_ratios(runs[n], sc[n], arm).values()]
     out["attainment_vs_alone"] = _min(ratios)
     if "backlog" in runs:

@@ -11,6 +11,8 @@ section on): the reference its attainment is held against.
 - ``longprompt``: a tenant of long prompts (about 4,000 tokens) within its share beside a bursty flood;
 - ``shapes``: on a fleet whose D slots are the bottleneck, a tenant of long prompts and short answers
   beside one of short prompts and long answers past D's slots: each pool shared in its own tokens;
+- ``mixed``: weights 3:1:1:1 and three TTFT SLOs (1.5 s, 3 s, the fleet's 2 s for the flood, 10 s for
+  batch): two interactive tenants within their share beside a batch tenant and a bursty flood;
 - ``backlog``: weights 2:1:1, every tenant offering 3/4 of capacity (all past their share: Jain's index).
 
 ``--repeat N`` runs each scenario's contested arms (fair, unfair, priority) N times, interleaved (fair,

@@ -126,6 +126,17 @@ SCENARIOS = {
         ),
         Fleet(pool_slots=32, decode_per_seq_s=0.002),
     ),
+    "mixed": Scenario(
+        "mixed",
+        "weights 3:1:1:1 and three SLOs: a heavy interactive tenant (1.5 s TTFT) at 0.7 of its share and"
+        " a light one (3 s) at 0.6 of its, beside a batch tenant at 1x capacity and a bursty flood, 1.2x",
+        (
+            TenantLoad("gold", 0.35, weight=3.0, ttft_ms=1500.0),
+            TenantLoad("web", 0.1, ttft_ms=3000.0),
+            TenantLoad("bulk", 1.0, priority="batch", ttft_ms=10_000.0, tpot_ms=200.0, behaved=False),
+            TenantLoad("flood", 1.2, pattern="bursty", behaved=False),
+        ),
+    ),
     "backlog": Scenario(
         "backlog",
         "weights 2:1:1, each tenant offering 3/4 of capacity: all three past their share (Jain's index)",

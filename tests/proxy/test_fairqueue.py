@@ -233,6 +233,20 @@ def test_a_tenant_served_past_its_share_keeps_the_reserve_for_its_peers() -> Non
     assert q.reserve_line("flood") is None  # 9,000 of 19,000: within its half
 
 
+def test_the_line_keeps_the_reserve_of_the_tightest_target_within_its_share() -> None:
+    """A flood with a lax target (the fleet's 2 s) beside a peer of 1 s: held to 0.7 of the peer's target,
+    not of its own, or P's queue would be past what the peer can wait before the peer's request came."""
+    q, _ = _reserved(flood={}, tight={"slo": {"ttft_ms": 1000}}, lax={"slo": {"ttft_ms": 8000}})
+    q.admitted("flood", Work(9000))
+    q.admitted("lax", Work(1000))
+    assert q.reserve_line("flood") == pytest.approx(8.0 * 0.7)  # the one busy peer within its share
+    q.admitted("tight", Work(1000))
+    assert q.reserve_line("flood") == pytest.approx(1.0 * 0.7)
+    q.admitted("tight", Work(20000))  # 21,000 of 31,000: past its share, and the flood within its own
+    assert q.reserve_line("flood") is None
+    assert q.reserve_line("tight") == pytest.approx(2.0 * 0.7)  # the flood's 2 s, the tighter of the two
+
+
 def test_a_burst_within_its_share_gets_no_line_however_many_it_has_in_flight() -> None:
     """A tenant within its share that sends a few requests together holds most of what waits on P for a
     moment, while the one past its share is held back. It is not the one taking more."""
@@ -242,6 +256,20 @@ def test_a_burst_within_its_share_gets_no_line_however_many_it_has_in_flight() -
         q.admitted("calm", Work(200))
     assert q.reserve_line("calm") is None and not q.over_share("calm")
     assert q.reserve_line("flood") is not None and q.over_share("flood")
+
+
+def test_a_waiter_held_by_its_own_line_does_not_hold_back_the_one_behind_it() -> None:
+    """The flood's head ranks first (it came first, at the same counter) but waits for P's queues to drain
+    below its tenant's reserve line: the calm tenant's request behind it may try the pools meanwhile."""
+    q, _ = _reserved(flood={}, calm={})
+    head = q.arrive("flood")
+    q.enqueue(head)
+    calm = q.arrive("calm")
+    assert q.ahead(calm)  # the same counters: the older waiter first
+    head.held = True
+    assert not q.ahead(calm)
+    head.held = False  # at its next try the line had let it go, and the pools were full
+    assert q.ahead(calm)
 
 
 def test_no_reserve_means_no_line() -> None:
