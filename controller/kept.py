@@ -37,6 +37,7 @@ from analysis.rates import EXTRA_FIELDS
 from analysis.tenants import terms_of
 from controller.evidencerows import EvidenceRows
 from controller.policy.charges import RecordFacts
+from controller.policy.signals import PairSignals
 from controller.slowindow import SLORow, SLOWindow, WindowFigures
 from controller.snaprows import SnapshotRows
 from controller.tenantrows import TenantRows
@@ -46,11 +47,15 @@ from pdscope.tenantcost import Costs
 from store.attribution import trusted_records
 from store.changes import ChangeCursor
 from store.models import RequestRecord, Snapshot
-from store.queries import SNAPSHOT_SCALARS, FiguresMemo
+from store.queries import SNAPSHOT_SCALARS, FiguresMemo, HandoffStats
 from store.tenants import TENANT_COLUMNS
 from store.window import WindowRows
 
 T = TypeVar("T")
+
+# a P x D pair's signals a tick made (controller.observe), with what they were made of: its handoff figures
+# (kept as one object until its handoffs change) and the rest of its fields
+PairMemo = dict[tuple[str, str], tuple[HandoffStats | None, tuple[Any, ...], PairSignals]]
 
 # the columns SLOWindow reads, in SLORow's order
 SLO_COLUMNS = tuple(getattr(RequestRecord, name) for name in SLORow._fields)
@@ -139,6 +144,8 @@ class KeptReads:
     scrape_figures: tuple[FiguresMemo, FiguresMemo] = field(default_factory=lambda: ({}, {}))
     # the evidence window's records and their charges (controller.evidencerows)
     evidence_window: Kept[EvidenceRows] = field(default_factory=Kept)
+    # each P x D pair's signals the last tick made, and of what (controller.observe's memo)
+    pair_signals: PairMemo = field(default_factory=dict)
 
     def restarted(self, whole_read_every_s: float) -> KeptReads:
         """Nothing kept (the next tick reads every window whole), each window's read counts carried."""

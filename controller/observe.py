@@ -35,7 +35,7 @@ from analysis.stranded import to_pull
 from analysis.tenants import TenantWindow
 from controller.evidencerows import facts_of, served_facts
 from controller.handoffgroups import BYS
-from controller.kept import KeptReads
+from controller.kept import KeptReads, PairMemo
 from controller.policy import evidence as ev
 from controller.policy.charges import RecordFacts
 from controller.policy.config import EvidenceConfig, PolicyConfig
@@ -352,31 +352,54 @@ def _pairs(
     failures: Mapping[tuple[str, str], int],
     recent: Mapping[str, q.HandoffStats] | None = None,
     tally: ev.WindowTally | None = None,
+    memo: PairMemo | None = None,
 ) -> tuple[PairSignals, ...]:
     """The P×D pairs that carried a charged handoff, or failed one, in the window, by name; with the
     ``recent`` handoffs of each (:func:`_recent_pairs`) and (from ``tally``) those failed and served
-    since P's latest restart."""
+    since P's latest restart. ``memo``: each pair's signals of the last tick with it (and what they were
+    made of), the very same object again where its handoff figures are the same object (kept until its
+    handoffs change, ``controller.handoffgroups``) and the rest equal; replaced by this tick's."""
     failed = tally.failed_since_restart if tally is not None else {}
     served = tally.served_since_restart if tally is not None else {}
     stats = {(p, d): hs for key, hs in pairs.items() for p, _, d in [key.partition("->")] if hs.requests}
+    last = memo or {}
+    made: PairMemo = {}
     out = []
     for p, d in sorted(stats.keys() | {k for k, n in failures.items() if n}):
         hs, now = stats.get((p, d)), (recent or {}).get(f"{p}->{d}")
-        out.append(
-            PairSignals(
-                p,
-                d,
-                hs.requests if hs is not None else 0,
-                (hs.p50_s or 0.0) if hs is not None else 0.0,
-                (hs.p99_s or 0.0) if hs is not None else 0.0,
-                failures.get((p, d), 0),
-                now.requests if now is not None else 0,
-                now.p50_s if now is not None else None,
-                failed.get((p, d), 0),
-                served.get((p, d), 0),
-            )
+        rest = (
+            failures.get((p, d), 0),
+            now.requests if now is not None else 0,
+            now.p50_s if now is not None else None,
+            failed.get((p, d), 0),
+            served.get((p, d), 0),
         )
+        kept = last.get((p, d))
+        if kept is not None and kept[0] is hs and kept[1] == rest:
+            signals = kept[2]
+        else:
+            requests, p50, p99 = (
+                (hs.requests, hs.p50_s or 0.0, hs.p99_s or 0.0) if hs is not None else (0, 0.0, 0.0)
+            )
+            signals = PairSignals(p, d, requests, p50, p99, *rest)
+        made[p, d] = (hs, rest, signals)
+        out.append(signals)
+    if memo is not None:
+        memo.clear()
+        memo.update(made)
     return tuple(out)
+
+
+def _pair_signals(
+    hand: dict[q.HandoffKey, dict[str, q.HandoffStats]],
+    tally: ev.WindowTally,
+    recent: float,
+    kept: KeptReads | None,
+) -> tuple[PairSignals, ...]:
+    """The pairs' signals (:func:`_pairs`), their recent handoffs those since ``recent``; with the memo
+    ``kept`` between ticks, if any."""
+    memo = kept.pair_signals if kept is not None else None
+    return _pairs(hand["pair"], tally.pair_failures, _recent_pairs(tally, recent), tally, memo)
 
 
 def _history_s(session: Session, now: float) -> float:
@@ -433,9 +456,7 @@ def observe(
         window_s=window,
         instances=tuple(instances),
         pools=pool_sigs,
-        pairs=_pairs(
-            hand["pair"], tally.pair_failures, _recent_pairs(tally, now - evc.handoff_recent_s), tally
-        ),
+        pairs=_pair_signals(hand, tally, now - evc.handoff_recent_s, kept),
         slo=slo,
         newest_data=newest,
         records_until=tally.last_in,

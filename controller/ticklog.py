@@ -42,7 +42,7 @@ from controller.policy import (
     TickInput,
     TickOutput,
 )
-from controller.policy.codec import CodecError, digest, dump, load
+from controller.policy.codec import CodecError, DumpMemo, digest, dump, load
 from controller.policy.config import POLICY_VERSION
 from controller.policy.refresh import NOTHING_BETWEEN, Between
 from controller.policy.replay import RecordedTick, StoredChange
@@ -84,22 +84,26 @@ def document(
     ac: AlertConfig,
     out: TickOutput,
     between: Between = NOTHING_BETWEEN,
+    memo: DumpMemo | None = None,
 ) -> dict[str, object]:
-    """The record as a JSON document. The observation is kept as far as the policy reads it
-    (:func:`policy_observation`: the handoff p99 of each pair and each instance, shown and never decided
-    on, are left out; the pairs are most of an observation's size, growing with the pairs the window
-    sampled, and an instance's p99 changes most ticks). The state after the tick is kept as its digest: a
-    replay re-derives it and compares. ``between``: the tables recomposed since the tick before
-    (operator changes served at once), which the tick's state and served weights start from; left
-    out when there were none (a record without it reads as none)."""
+    """The record as a JSON document (``memo``: the values the document before it dumped, by identity,
+    :class:`controller.policy.codec.DumpMemo`; the same document either way). The observation is kept as far
+    as the policy reads it (:func:`policy_observation`: the handoff p99 of each pair and each instance, shown
+    and never decided on, are left out; the pairs are most of an observation's size, growing with the pairs
+    the window sampled, and an instance's p99 changes most ticks). The state after the tick is kept as its
+    digest: a replay re-derives it and compares. ``between``: the tables recomposed since the tick before
+    (operator changes served at once), which the tick's state and served weights start from; left out when
+    there were none (a record without it reads as none)."""
     doc = {
-        "input": _as_read_doc(dump(inp, compact=True)),
+        "input": _as_read_doc(dump(inp, compact=True, memo=memo)),
         "prev_served": dump(prev_served, compact=True),
         "alerts": dump(ac),
         "after": digest(out.state),
     }
     if between != NOTHING_BETWEEN:
         doc["between"] = dump(between, compact=True)
+    if memo is not None:
+        memo.turn()
     return doc
 
 
@@ -178,12 +182,13 @@ def record_tick(
     epoch: int | None,
     between: Between = NOTHING_BETWEEN,
     writer: ChainWriter | None = None,
+    memo: DumpMemo | None = None,
 ) -> int:
     """Store one tick's record, a keyframe or a delta as ``writer`` chooses (None: a keyframe); the
-    payload's size in bytes."""
+    payload's size in bytes. ``memo``: as :func:`document` has it."""
     link = Link(epoch, out.tick, policy, POLICY_VERSION)
     writer = writer or ChainWriter(1)
-    written = writer.write(link, document(inp, prev_served, ac, out, between))
+    written = writer.write(link, document(inp, prev_served, ac, out, between, memo))
     session.add(
         TickRecord(
             ts=out.table.generated_at,
@@ -207,6 +212,8 @@ class TickLogRecorder:
 
     def __init__(self, keyframe_every: int = 1) -> None:
         self.writer = ChainWriter(keyframe_every)
+        # the pairs' signals a tick kept from the tick before (controller.observe) are dumped once
+        self.memo = DumpMemo((PairSignals,))
 
     def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
         size = record_tick(
@@ -219,6 +226,7 @@ class TickLogRecorder:
             tick.epoch,
             tick.between,
             self.writer,
+            self.memo,
         )
         return {"tick_record_bytes": size}
 

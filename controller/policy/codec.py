@@ -37,15 +37,46 @@ class CodecError(ValueError):
         self.path = path
 
 
-def dump(value: Any, *, compact: bool = False) -> Any:
+class DumpMemo:
+    """The documents one :func:`dump` made of the values of ``types`` (frozen dataclasses of plain fields
+    only: never changed in place), by identity, for the next dump: a value that is the very same object
+    again (a pair's signals the tick before kept, ``controller.observe``) is not dumped again, and its
+    document is the same object too (a diff of the two dumps passes it by identity). Each dump's values
+    replace the last's (:meth:`turn`), so it holds one dump's worth."""
+
+    def __init__(self, types: tuple[type, ...]) -> None:
+        self.types = frozenset(types)
+        self._last: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._next: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self.taken = 0  # documents taken again, over the memo's life
+
+    def turn(self) -> None:
+        """The dump is over: what it made is what the next may take."""
+        self._last, self._next = self._next, {}
+
+    def dumped(self, value: Any, fields: tuple[tuple[str, Any], ...], compact: bool) -> dict[str, Any]:
+        hit = self._last.get(id(value))
+        if hit is not None and hit[0] is value:
+            doc = hit[1]
+            self.taken += 1
+        else:
+            doc = _dataclass_dump(value, fields, compact, None)
+        self._next[id(value)] = (value, doc)
+        return doc
+
+
+def dump(value: Any, *, compact: bool = False, memo: DumpMemo | None = None) -> Any:
     """``value`` as JSON types (dicts, lists, str, int, float, bool, None). ``compact``: a dataclass
-    field equal to its default is left out (:func:`load` fills it in again)."""
+    field equal to its default is left out (:func:`load` fills it in again). ``memo``: the documents of
+    the last dump with it, taken again for the same objects (one ``compact`` for every dump with it)."""
     if type(value) in _PLAIN:  # the exact plain types first: most of a record (an enum is not one)
         return value
     cls: type = type(value)
     fields = _fields(cls)
     if fields is not None:  # then a dataclass: most of the rest
-        return _dataclass_dump(value, fields, compact)
+        if memo is not None and cls in memo.types:
+            return memo.dumped(value, fields, compact)
+        return _dataclass_dump(value, fields, compact, memo)
     if value is None or isinstance(value, bool | int | str):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, float):
@@ -55,15 +86,19 @@ def dump(value: Any, *, compact: bool = False) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="python")
     if isinstance(value, Mapping):
-        return {str(k): v if type(v) in _PLAIN else dump(v, compact=compact) for k, v in value.items()}
+        return {
+            str(k): v if type(v) in _PLAIN else dump(v, compact=compact, memo=memo) for k, v in value.items()
+        }
     if isinstance(value, tuple | list):
-        return [v if type(v) in _PLAIN else dump(v, compact=compact) for v in value]
+        return [v if type(v) in _PLAIN else dump(v, compact=compact, memo=memo) for v in value]
     if isinstance(value, frozenset | set):
-        return sorted(dump(v, compact=compact) for v in value)
+        return sorted(dump(v, compact=compact, memo=memo) for v in value)
     raise TypeError(f"cannot encode a {type(value).__name__}")
 
 
-def _dataclass_dump(value: Any, fields: tuple[tuple[str, Any], ...], compact: bool) -> dict[str, Any]:
+def _dataclass_dump(
+    value: Any, fields: tuple[tuple[str, Any], ...], compact: bool, memo: DumpMemo | None
+) -> dict[str, Any]:
     """A dataclass's fields, a plain value as it is (no call to :func:`dump` for it: most of a record's
     values), a field equal to its default left out when ``compact`` (``MISSING`` is of no field's type)."""
     out = {}
@@ -71,7 +106,7 @@ def _dataclass_dump(value: Any, fields: tuple[tuple[str, Any], ...], compact: bo
         v = getattr(value, name)
         if compact and type(v) is type(default) and v == default and _same(v, default):
             continue
-        out[name] = v if type(v) in _PLAIN else dump(v, compact=compact)
+        out[name] = v if type(v) in _PLAIN else dump(v, compact=compact, memo=memo)
     return out
 
 

@@ -57,3 +57,20 @@ def test_a_ratio_whose_baseline_measured_no_cpu_prints_as_a_dash(capsys: pytest.
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 12 |")]
     assert len(lines) == 2 and lines[0].count("| – |") == 2 and lines[0].endswith("| – |")
     assert "| – |" in lines[1]
+
+
+def test_the_targets_are_the_issues_at_the_sizes_it_names() -> None:
+    """At most 20 % of the interval at 1,000 instances, 100 % at 10,000, growth at most linear between them;
+    a size the run did not measure has no verdict."""
+
+    def size(n: int, tick: float) -> dict[str, float]:
+        return {"instances": n, "tick_cpu_s": tick, "tick_share_of_interval": tick / 2.0}
+
+    got = controller_cost.tick_targets([size(100, 0.05), size(1000, 0.38), size(10_000, 6.9)])
+    assert [(t["met"], round(t["measured"], 3)) for t in got] == [(True, 0.19), (False, 3.45), (False, 1.259)]
+    assert [t["met"] for t in controller_cost.tick_targets([size(1000, 0.5), size(10_000, 1.9)])] == [
+        False,
+        True,
+        True,  # 3.8x for 10x: exponent 0.58
+    ]
+    assert controller_cost.tick_targets([size(300, 0.1)]) == []

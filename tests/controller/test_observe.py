@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from controller import observe as observe_mod
+from controller.kept import PairMemo
 from controller.observe import observe
 from store.db import transaction
 from store.models import UNREACHABLE
+from store.queries import HandoffStats
 from tests.controller.conftest import World
 from tests.controller.seed import all_pairs
 
@@ -187,3 +190,24 @@ def test_the_observation_measures_the_ttft_predictions(world: World) -> None:
         obs = observe(s, world.settings, now)
     assert obs.slo.predictions == 7
     assert obs.slo.prediction_error_p50 == pytest.approx(1.0)
+
+
+def test_a_pairs_signals_are_the_same_object_while_what_they_are_made_of_is() -> None:
+    """The memo kept between ticks: a pair whose handoff figures are the same object (kept until its
+    handoffs change) and whose other fields are equal keeps its signals object, so the tick record dumps it
+    once; any change makes it anew, and the signals are those made without the memo either way."""
+    ab, cd = HandoffStats("a->b", 2, 0.1, 0.2, 0.3, 0.15, 0), HandoffStats("c->d", 1, 0.4, 0.4, 0.4, 0.4, 0)
+    memo: PairMemo = {}
+    first = observe_mod._pairs({"a->b": ab, "c->d": cd}, {}, memo=memo)
+    again = observe_mod._pairs({"a->b": ab, "c->d": cd}, {}, memo=memo)
+    assert again == first == observe_mod._pairs({"a->b": ab, "c->d": cd}, {})
+    assert again[0] is first[0] and again[1] is first[1]
+    ab2 = HandoffStats("a->b", 3, 0.1, 0.2, 0.3, 0.15, 0)  # a handoff joined: new figures
+    moved = observe_mod._pairs({"a->b": ab2, "c->d": cd}, {("c", "d"): 1}, memo=memo)
+    assert moved == observe_mod._pairs({"a->b": ab2, "c->d": cd}, {("c", "d"): 1})
+    assert moved[0] is not again[0] and moved[0].requests == 3
+    assert moved[1] is not again[1] and moved[1].failures == 1  # the same figures, a failure more
+    assert set(memo) == {("a", "b"), ("c", "d")}
+    assert observe_mod._pairs({"c->d": cd}, {("c", "d"): 1}, memo=memo)[0] is moved[1] and set(memo) == {
+        ("c", "d")
+    }

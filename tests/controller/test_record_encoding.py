@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from controller.effects import Tick
-from controller.policy.codec import dump
+from controller.policy.codec import DumpMemo, dump
 from controller.policy.signals import PairSignals
 from controller.tickchain import text
 from controller.ticklog import document, policy_observation
@@ -82,12 +82,31 @@ def test_the_codec_dumps_odd_values_as_the_walk_by_fields_did() -> None:
             assert repr(dump(value, compact=compact)) == repr(_walked(value, compact))
 
 
+def test_a_dump_memo_takes_the_document_again_only_for_the_very_same_value() -> None:
+    memo = DumpMemo((PairSignals,))
+    pair, odd = PairSignals("p", "d", 3, 0.5, 0.0), _Odd(zero=1.0)
+    first = dump({"pairs": [pair], "odd": odd}, compact=True, memo=memo)
+    memo.turn()
+    again = dump({"pairs": [pair], "odd": odd}, compact=True, memo=memo)
+    assert again == first and again["pairs"][0] is first["pairs"][0] and memo.taken == 1
+    assert again["odd"] is not first["odd"]  # not a type the memo keeps
+    memo.turn()
+    equal = dataclasses.replace(pair)  # equal, another object: dumped anew
+    third = dump([equal], compact=True, memo=memo)
+    assert third == [first["pairs"][0]] and third[0] is not first["pairs"][0] and memo.taken == 1
+    memo.turn()
+    memo.turn()  # a dump that did not have it: forgotten
+    assert dump([equal], compact=True, memo=memo)[0] is not third[0] and memo.taken == 1
+
+
 class _Documents:
-    """Each tick's record document, beside the one the copied pairs gave."""
+    """Each tick's record document, beside the one the copied pairs gave; the document made with a memo of
+    the document before, as the recorder makes it."""
 
     def __init__(self) -> None:
         self.pairs: list[tuple[bytes, bytes]] = []
         self.saw_pairs = False
+        self.memo = DumpMemo((PairSignals,))
 
     def record(self, session: Session, tick: Tick) -> Mapping[str, int]:
         inp = tick.inp
@@ -98,7 +117,7 @@ class _Documents:
             "prev_served": _walked(tick.prev_served, compact=True),
             "alerts": _walked(tick.alert_config),
         }
-        doc = document(inp, tick.prev_served, tick.alert_config, tick.out, tick.between)
+        doc = document(inp, tick.prev_served, tick.alert_config, tick.out, tick.between, self.memo)
         after = {k: v for k, v in doc.items() if k in before}
         self.pairs.append((text(after), text(before)))
         return {}
