@@ -445,8 +445,9 @@ def observe(
     hand = _handoffs(tally, kept)
     instances, newest = _instances(session, settings, evc, (since, now), snaps, tally, hand, kept)
     rate_span = ev.rate_span_s(window, since, tally.first_in, now, evc)
+    pcts = ev.PairPercentiles.of(tally, evc)
     pool_sigs = tuple(
-        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc)
+        ev.pool_signals(name, agg, [i for i in instances if i.pool == name], tally, rate_span, evc, pcts)
         for name, agg in tally.pools.items()
     )
     trusted = trusted_filter(settings)

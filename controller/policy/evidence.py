@@ -367,17 +367,54 @@ def pairs_percentile(
     """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
     (``side`` 0: P, 1: D), of each pair's percentile; where no pair has ``pair_min_samples``, the ``pooled``
     percentile if given and as large."""
-    n = cfg.pair_min_samples
-    per = sorted(
-        v
+    return median_of_pairs(per_pair(by_pair, pct, cfg.pair_min_samples), side, members, pct, cfg, pooled)
+
+
+def per_pair(by_pair: Mapping[Pair, Sequence[float]], pct: float, n: int) -> dict[Pair, float]:
+    """Each pair's percentile, of the pairs with ``n`` samples or more."""
+    return {
+        pair: v
         for pair, vals in by_pair.items()
-        if pair[side] in members and len(vals) >= n and (v := percentile(vals, pct)) is not None
-    )
-    if per:
-        return median_low(per)
-    if pooled is not None and len(pooled) >= n:
+        if len(vals) >= n and (v := percentile(vals, pct)) is not None
+    }
+
+
+def median_of_pairs(
+    per: Mapping[Pair, float],
+    side: int,
+    members: set[str],
+    pct: float,
+    cfg: EvidenceConfig,
+    pooled: Sequence[float] | None = None,
+) -> float | None:
+    """:func:`pairs_percentile` from each pair's percentile (:func:`per_pair`), worked out once for every
+    pool."""
+    through = sorted(v for pair, v in per.items() if pair[side] in members)
+    if through:
+        return median_low(through)
+    if pooled is not None and len(pooled) >= cfg.pair_min_samples:
         return percentile(pooled, pct)
     return None
+
+
+@dataclass(frozen=True)
+class PairPercentiles:
+    """Each P x D pair's TTFT, service TTFT and unqueued TTFT percentile (of those with ``pair_min_samples``),
+    worked out once a tick for every pool's :func:`pool_signals` (each pair is through one P pool and one D
+    pool: twice, before)."""
+
+    ttft: Mapping[Pair, float]
+    service: Mapping[Pair, float]
+    unqueued: Mapping[Pair, float]
+
+    @classmethod
+    def of(cls, tally: WindowTally, cfg: EvidenceConfig) -> PairPercentiles:
+        pct, n = cfg.ttft_percentile, cfg.pair_min_samples
+        return cls(
+            per_pair(tally.ttft_by_pair, pct, n),
+            per_pair(tally.service_by_pair, pct, n),
+            per_pair(tally.unqueued_by_pair, pct, n),
+        )
 
 
 def rate_span_s(window_s: float, since: float, first_in: float, now: float, cfg: EvidenceConfig) -> float:
@@ -487,8 +524,11 @@ def pool_signals(
     tally: WindowTally,
     rate_span: float,
     cfg: EvidenceConfig,
+    pcts: PairPercentiles | None = None,
 ) -> PoolSignals:
-    """One pool's load from its members' signals and the records through it."""
+    """One pool's load from its members' signals and the records through it (``pcts``: the pairs'
+    percentiles, worked out from ``tally`` where not given)."""
+    pcts = pcts if pcts is not None else PairPercentiles.of(tally, cfg)
     usages = [i.kv_usage for i in members if i.up and i.kv_usage is not None]
     rate = agg.done / rate_span if agg.done >= cfg.pool_min_requests else None
     mean_res = mean(agg.residence)
@@ -501,7 +541,7 @@ def pool_signals(
         role=agg.role,
         inflight_requests=None if rate is None or mean_res is None else rate * mean_res,
         completed_per_s=rate,
-        ttft_at_slo_s=pairs_percentile(tally.ttft_by_pair, side, up, pct, cfg),
+        ttft_at_slo_s=median_of_pairs(pcts.ttft, side, up, pct, cfg),
         kv_usage=mean([u for u in usages if u is not None]),
         # The typical member's backlog and queue times the members: one D that does not pull, or one slow P
         # (the weights' business: its peers take its share), does not read as the whole pool being behind.
@@ -509,10 +549,8 @@ def pool_signals(
         mean_kv_bytes_per_request=mean(agg.kv_bytes),
         waiting_now=typical_times_members(members, "num_waiting") if prefill else None,
         running_now=sum_up(members, "num_running") if prefill else None,
-        service_ttft_at_slo_s=pairs_percentile(tally.service_by_pair, side, up, pct, cfg, agg.service_ttft),
-        unqueued_ttft_at_slo_s=pairs_percentile(
-            tally.unqueued_by_pair, side, up, pct, cfg, agg.unqueued_ttft
-        ),
+        service_ttft_at_slo_s=median_of_pairs(pcts.service, side, up, pct, cfg, agg.service_ttft),
+        unqueued_ttft_at_slo_s=median_of_pairs(pcts.unqueued, side, up, pct, cfg, agg.unqueued_ttft),
     )
 
 
