@@ -306,6 +306,10 @@ def _instances(
     stored = _identities(session)
     for pool_name, inst in settings.instances():
         role = settings.pools[pool_name].role
+        kv_identity = None
+        if (found := stored.get(inst.name)) is not None:
+            revision = inst.revision or settings.pools[pool_name].revision
+            kv_identity = identity({**found, **({"revision": revision} if revision is not None else {})})
         instances.append(
             ev.instance_signals(
                 inst.name,
@@ -317,14 +321,10 @@ def _instances(
                 latest.get(inst.name),
                 tally.instances.get(inst.name),
                 hand["d_instance" if role == "decode" else "p_instance"].get(inst.name),
+                tally.restarted.get(inst.name),
+                kv_identity,
             )
         )
-        if (restarted := tally.restarted.get(inst.name)) is not None:
-            instances[-1] = replace(instances[-1], restarted_at=restarted)
-        if (found := stored.get(inst.name)) is not None:
-            revision = inst.revision or settings.pools[pool_name].revision
-            extra = {"revision": revision} if revision is not None else {}
-            instances[-1] = replace(instances[-1], identity=identity({**found, **extra}))
         if (s := sigs.get(inst.name)) is not None:
             newest = s.last_ts if newest is None else max(newest, s.last_ts)
     if newest is None:

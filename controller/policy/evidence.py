@@ -46,6 +46,7 @@ from controller.policy.charges import (
 )
 from controller.policy.config import EvidenceConfig
 from controller.policy.signals import InstanceSignals, PoolSignals, Role
+from pdscope.kvcompat import Identity
 from pdscope.stats import percentile
 
 UNPULLED_IDS = 5  # the newest unpulled handoffs a P's signals name
@@ -435,8 +436,11 @@ def instance_signals(
     latest: LatestGauges | None,
     tally: InstanceTally | None,
     handoff: Percentiles | None,
+    restarted_at: float | None = None,
+    identity: Identity | None = None,
 ) -> InstanceSignals:
-    """An instance's signals from its scrapes (window, last three, latest gauges) and its charged records."""
+    """An instance's signals from its scrapes (window, last three, latest gauges) and its charged records;
+    its latest confirmed restart and its KV identity as given."""
     s, r, lt, rec = window, recent, latest, tally
     held = load_now(role, s, lt)
     return InstanceSignals(
@@ -463,17 +467,12 @@ def instance_signals(
         nixl_recent_count=0.0 if r is None else r.increases.get("nixl_xfer_time_count", 0.0),
         failed_transfers_per_min=(s.failed_transfers_per_min or 0.0) if s is not None else 0.0,
         expired_leases_per_min=expired_per_min(s, rec),
-        contribution_s=None if rec is None else mean(rec.contribution),
         **_handoff_percentiles(handoff),
-        requests=0 if rec is None else rec.requests,
-        failed_requests=0 if rec is None else rec.failed,
-        refused_requests=0 if rec is None else rec.refused,
-        lease_expiry_suspects=rec.lease_charged if rec is not None and role == "decode" else 0,
         unattributed_lease_expiries=unattributed_expiries(role, s, rec),
-        contribution_rse=None if rec is None else rse(rec.contribution),
-        handoff_rse=None if rec is None else rse(rec.handoff),
         load_done=finished(r, role, cfg.handoff),
-        **_unpulled(rec),
+        **_charged(role, rec),
+        restarted_at=restarted_at,
+        identity=identity,
     )
 
 
@@ -481,13 +480,22 @@ def _handoff_percentiles(handoff: Percentiles | None) -> dict[str, Any]:
     return {} if handoff is None else {"handoff_p50_s": handoff.p50_s, "handoff_p99_s": handoff.p99_s}
 
 
-def _unpulled(tally: InstanceTally | None) -> dict[str, Any]:
-    """P: the window's handoffs it prefilled that no D served, and the last few of their ids."""
-    return (
-        {}
-        if tally is None
-        else {"unpulled_handoffs": tally.unpulled, "unpulled_ids": tuple(tally.unpulled_ids)}
-    )
+def _charged(role: Role, tally: InstanceTally | None) -> dict[str, Any]:
+    """The figures of the records charged to the instance (none: the fields' defaults); P's handoffs it
+    prefilled that no D served among them, and the last few of their ids."""
+    if tally is None:
+        return {}
+    return {
+        "contribution_s": mean(tally.contribution),
+        "requests": tally.requests,
+        "failed_requests": tally.failed,
+        "refused_requests": tally.refused,
+        "lease_expiry_suspects": tally.lease_charged if role == "decode" else 0,
+        "contribution_rse": rse(tally.contribution),
+        "handoff_rse": rse(tally.handoff),
+        "unpulled_handoffs": tally.unpulled,
+        "unpulled_ids": tuple(tally.unpulled_ids),
+    }
 
 
 def _pulls_at_d(role: Role, latest: LatestGauges | None) -> dict[str, Any]:
