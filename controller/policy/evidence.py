@@ -357,20 +357,6 @@ def sum_up(members: Sequence[InstanceSignals], attr: str) -> float | None:
     return sum(values) if values else None
 
 
-def pairs_percentile(
-    by_pair: Mapping[Pair, Sequence[float]],
-    side: int,
-    members: set[str],
-    pct: float,
-    cfg: EvidenceConfig,
-    pooled: Sequence[float] | None = None,
-) -> float | None:
-    """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
-    (``side`` 0: P, 1: D), of each pair's percentile; where no pair has ``pair_min_samples``, the ``pooled``
-    percentile if given and as large."""
-    return median_of_pairs(per_pair(by_pair, pct, cfg.pair_min_samples), side, members, pct, cfg, pooled)
-
-
 def per_pair(by_pair: Mapping[Pair, Sequence[float]], pct: float, n: int) -> dict[Pair, float]:
     """Each pair's percentile, of the pairs with ``n`` samples or more."""
     return {
@@ -388,8 +374,9 @@ def median_of_pairs(
     cfg: EvidenceConfig,
     pooled: Sequence[float] | None = None,
 ) -> float | None:
-    """:func:`pairs_percentile` from each pair's percentile (:func:`per_pair`), worked out once for every
-    pool."""
+    """A pool's latency percentile: the lower median, over the P x D pairs through its up ``members``
+    (``side`` 0: P, 1: D), of each pair's percentile (:func:`per_pair`: worked out once for every pool);
+    where no pair has ``pair_min_samples``, the ``pooled`` percentile if given and as large."""
     through = sorted(v for pair, v in per.items() if pair[side] in members)
     if through:
         return median_low(through)

@@ -136,6 +136,19 @@ def test_the_typical_member_is_the_lower_median_so_one_bad_member_does_not_move_
     assert ev.typical_times_members([d("a", None)], "handoff_backlog") is None
 
 
+def _pairs_percentile(
+    by_pair: dict[tuple[str, str], list[float]],
+    side: int,
+    members: set[str],
+    pct: float,
+    cfg: EvidenceConfig,
+    pooled: list[float] | None = None,
+) -> float | None:
+    return ev.median_of_pairs(
+        ev.per_pair(by_pair, pct, cfg.pair_min_samples), side, members, pct, cfg, pooled
+    )
+
+
 def test_a_pool_percentile_is_the_lower_median_over_pairs_with_enough_samples() -> None:
     n = CFG.pair_min_samples
     by_pair = {
@@ -144,13 +157,13 @@ def test_a_pool_percentile_is_the_lower_median_over_pairs_with_enough_samples() 
         ("p0", "d2"): [9.0] * n,
         ("p1", "d0"): [5.0] * (n - 1),
     }
-    assert ev.pairs_percentile(by_pair, 0, {"p0", "p1"}, 99.0, CFG) == pytest.approx(1.0)
-    assert ev.pairs_percentile(by_pair, 1, {"d2"}, 99.0, CFG) == pytest.approx(9.0)
+    assert _pairs_percentile(by_pair, 0, {"p0", "p1"}, 99.0, CFG) == pytest.approx(1.0)
+    assert _pairs_percentile(by_pair, 1, {"d2"}, 99.0, CFG) == pytest.approx(9.0)
     # no pair has enough: the pooled figure, if it has enough itself
     few = {("p1", "d0"): [5.0] * (n - 1)}
-    assert ev.pairs_percentile(few, 0, {"p1"}, 99.0, CFG) is None
-    assert ev.pairs_percentile(few, 0, {"p1"}, 99.0, CFG, pooled=[2.0] * n) == pytest.approx(2.0)
-    assert ev.pairs_percentile(few, 0, {"p1"}, 99.0, CFG, pooled=[2.0] * (n - 1)) is None
+    assert _pairs_percentile(few, 0, {"p1"}, 99.0, CFG) is None
+    assert _pairs_percentile(few, 0, {"p1"}, 99.0, CFG, pooled=[2.0] * n) == pytest.approx(2.0)
+    assert _pairs_percentile(few, 0, {"p1"}, 99.0, CFG, pooled=[2.0] * (n - 1)) is None
 
 
 def test_rates_are_over_the_covered_span_right_after_a_start() -> None:
