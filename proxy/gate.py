@@ -264,9 +264,10 @@ class Gate:
                 return self._late(req, view, look)
             late = (look.late if look is not None else frozenset()) | self._reserved(req, names)
             blocked = self._blocked_by_waiter(ticket, last, view)
-            rejection = blocked or self._kept_out(late, view) or self._try_admit(req, view, now, late)
+            kept_out = None if blocked else self._kept_out(late, view)
             if ticket is not None:
-                ticket.held = rejection is not None and rejection.reason == REASON_RESERVE
+                ticket.held = kept_out is not None  # by its own line (behind a waiter: that one holds)
+            rejection = blocked or kept_out or self._try_admit(req, view, now, late)
             if rejection is None:
                 self._predicted(req, now)
                 self._charge(req)
