@@ -33,7 +33,7 @@ error body; figures are over the requests sent in the measured phase (``--measur
 s), per tenant (``figures.py``). Last, the proxy's per-core ceiling with tenants on against off
 (``ceiling.py``, bench/proxy's measurement). Prints the tables and writes ``bench/results/tenants.json``.
 
-    .venv/bin/python -m bench.tenants                 # 8 to 11 minutes
+    .venv/bin/python -m bench.tenants                 # 10 to 13 minutes
     .venv/bin/python -m bench.tenants --quick         # a smoke run (no result): about 3 minutes
     .venv/bin/python -m bench.tenants --proxy-tree /tmp/wt-tenants   # another checkout's proxy
     .venv/bin/python -m bench.tenants --scenarios flood,priority --priority --capacity 24.3 \
