@@ -155,9 +155,19 @@ def demo_tenants(settings: Settings) -> list[str]:
 
 
 def demo_config(base: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """The user's config with the store moved into the work folder."""
+    """The user's config with the store moved into the work folder (and the collector's spool, unless it
+    names one)."""
     cfg = dict(base)
     cfg["store"] = dict(cfg.get("store") or {}, url=f"sqlite:///{(workdir / 'pdscope.db').resolve()}")
+    return _spool_in(cfg, workdir)
+
+
+def _spool_in(cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """The collector's spool in the work folder where the config names none: beside the demo's store, not
+    in the machine's temp folder, where a demo stopped with spans pending would leave it."""
+    collector = dict(cfg.get("collector") or {})
+    collector.setdefault("spool_dir", str((workdir / "spool").resolve()))
+    cfg["collector"] = collector
     return cfg
 
 
@@ -180,7 +190,7 @@ def real_vllm_config(
         }
     )
     cfg.setdefault("slo", {"ttft": {"target_ms": 2000}, "tpot": {"target_ms": 200}})
-    return cfg
+    return _spool_in(cfg, workdir)
 
 
 def _child(demo: _Demo, name: str, argv: list[str], ready_url: str | None) -> Child:

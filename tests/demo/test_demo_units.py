@@ -131,6 +131,12 @@ def test_attached_real_vllm_config(tmp_path: Path) -> None:
     ]
     assert settings.proxy.port == 18000 and settings.collector.port == 14318
     assert settings.store.url == f"sqlite:///{(tmp_path / 'pdscope.db').resolve()}"
+    # the collector's spool beside the store, not in the machine's temp folder; one the config names kept
+    assert settings.collector.spool_dir == str((tmp_path / "spool").resolve())
+    base["collector"] = {"port": 14318, "spool_dir": "/var/spool/pd"}
+    kept = parse_config(yaml.safe_dump(demo.real_vllm_config(tmp_path, "http://a:1", "http://b:2", base)))
+    assert kept.collector.spool_dir == "/var/spool/pd"
+    assert demo.demo_config({}, tmp_path)["collector"]["spool_dir"] == str((tmp_path / "spool").resolve())
 
 
 def test_urls_without_real_vllm_are_a_usage_error(tmp_path: Path) -> None:
