@@ -54,7 +54,7 @@ class Differ:
             self._ids = self._next
 
     def _node(self, old: Any, new: Any) -> Any:
-        if type(old) is type(new) and old == new:
+        if old is new or (type(old) is type(new) and old == new):  # one object: a dump kept between ticks
             self._remember(old, new)
             return SAME
         if isinstance(old, dict) and isinstance(new, dict):
@@ -81,7 +81,7 @@ class Differ:
                 changed[k] = [v]
                 continue
             o = old[k]
-            if type(o) is type(v) and o == v:  # _node's first test, inline: most fields are unchanged
+            if o is v or (type(o) is type(v) and o == v):  # _node's first test, inline: most are unchanged
                 self._remember(o, v)
             else:
                 changed[k] = self._node(o, v)
@@ -99,7 +99,8 @@ class Differ:
 
     def _hunks(self, old: list[Any], new: list[Any]) -> list[list[Any]]:
         out = _Hunks()
-        old_ids, new_ids = self._identities(old), [_identity(b) for b in new]
+        old_ids = self._identities(old)
+        new_ids = _identities_of(new, old, old_ids)
         self._next[id(new)] = new_ids
         if old_ids == new_ids:  # the same elements in the same places: patched in place
             for i, (a, b) in enumerate(zip(old, new, strict=True)):
@@ -130,6 +131,20 @@ def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[st
     """The key order :func:`patch` gives without ``k``: the old keys kept, then the new ones."""
     left = set(gone)
     return [k for k in old if k not in left] + [k for k in new if k not in old]
+
+
+def _identities_of(new: list[Any], old: list[Any], old_ids: list[Any]) -> list[Any]:
+    """The identities of ``new``'s elements, an element that is one object with one of ``old``'s (a dump
+    kept between ticks) taking that one's: ``old`` is alive, so an id found among its elements is that
+    very element."""
+    known = {id(x): k for x, k in zip(old, old_ids, strict=True) if type(x) is dict}
+    if not known:
+        return [_identity(b) for b in new]
+    out = []
+    for b in new:
+        k = known.get(id(b))
+        out.append(_identity(b) if k is None else k)
+    return out
 
 
 def _identity(value: Any) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from controller.gcpace import OFF, FullCollections
+from controller.gcpace import OFF, YOUNG, FullCollections
 from tests.controller.conftest import World
 from tests.support.waiting import async_wait_until
 
@@ -28,13 +28,16 @@ class _Cycle:
         self.me = self
 
 
-def test_inside_the_full_collections_are_off_and_the_young_ones_kept(
+def test_inside_the_full_collections_are_off_and_the_young_ones_paced(
     thresholds: tuple[int, int, int],
 ) -> None:
     gc.set_threshold(500, 7, 9)
     with FullCollections(4):
-        assert gc.get_threshold() == (500, 7, OFF)
+        assert gc.get_threshold() == (YOUNG, 7, OFF)
     assert gc.get_threshold() == (500, 7, 9)
+    gc.set_threshold(YOUNG * 2, 7, 9)  # a process that asked for fewer young collections keeps them
+    with FullCollections(4):
+        assert gc.get_threshold() == (YOUNG * 2, 7, OFF)
 
 
 @pytest.mark.parametrize("order", ["first out first", "last in first out"])
@@ -45,10 +48,10 @@ def test_two_loops_leave_the_thresholds_as_they_found_them(
     one, two = FullCollections(3), FullCollections(5)
     one.__enter__()
     two.__enter__()
-    assert gc.get_threshold() == (600, 8, OFF)
+    assert gc.get_threshold() == (YOUNG, 8, OFF)
     first, last = (one, two) if order == "first out first" else (two, one)
     first.__exit__(None, None, None)
-    assert gc.get_threshold() == (600, 8, OFF)  # the other still runs
+    assert gc.get_threshold() == (YOUNG, 8, OFF)  # the other still runs
     last.__exit__(None, None, None)
     assert gc.get_threshold() == (600, 8, 11)
 

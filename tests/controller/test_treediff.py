@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from controller.treediff import SAME, PatchError, diff, patch
+from controller.treediff import SAME, Differ, PatchError, diff, patch
 
 
 def _text(x: Any) -> str:
@@ -68,6 +68,34 @@ def test_random_edits_of_keyed_rows_round_trip_and_stay_small() -> None:
         node = _check(old, new)
         assert len(_text(node)) < len(_text(new)) / 5, "ten rows changed of three hundred"
         old = new
+
+
+def test_rows_kept_as_one_object_diff_as_their_copies_do() -> None:
+    """The tick record keeps an unchanged pair's dump as one object from tick to tick: a sequence of trees
+    sharing their unchanged rows diffs to the same deltas as the same trees made of copies, rows that
+    moved, came and went included."""
+    rng = random.Random(11)
+    names = [f"p-{k}" for k in range(200)]
+    shared, kept = Differ(), Differ()
+    old = {"rows": _rows(rng, names)}
+    copy_old = json.loads(_text(old))
+    for _ in range(30):
+        rows = list(old["rows"])  # the same row objects, some replaced by new ones
+        for k in rng.sample(range(len(rows)), 15):
+            rows[k] = {**rows[k], "load": rng.random()}
+        if rng.random() < 0.5:
+            rows.pop(rng.randrange(len(rows)))
+        if rng.random() < 0.5:
+            rows.insert(rng.randrange(len(rows)), {"name": f"n-{rng.random()}", "load": 0.0, "n": 1})
+        if rng.random() < 0.3:
+            i, j = rng.sample(range(len(rows)), 2)
+            rows[i], rows[j] = rows[j], rows[i]
+        new = {"rows": rows}
+        copy_new = json.loads(_text(new))
+        node = shared.diff(old, new)
+        assert node == kept.diff(copy_old, copy_new)
+        assert _text(patch(old, node)) == _text(new)
+        old, copy_old = new, copy_new
 
 
 def test_what_equality_does_not_see_is_not_in_the_diff() -> None:
