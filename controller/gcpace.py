@@ -61,7 +61,8 @@ class FullCollections:
             with _process:
                 if not _inside:
                     _saved = gc.get_threshold()
-                    gc.set_threshold(max(_saved[0], YOUNG), _saved[1], OFF)
+                    young = max(_saved[0], YOUNG) if _saved[0] else 0  # 0: collection off, left off
+                    gc.set_threshold(young, _saved[1], OFF)
                 _inside += 1
             self._entered = True
         return self

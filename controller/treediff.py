@@ -45,13 +45,16 @@ class Differ:
     def __init__(self) -> None:
         self._ids: dict[int, list[Any]] = {}  # the last new tree's lists: their elements' identities
         self._next: dict[int, list[Any]] = {}
+        # the dicts of the last diff's changed new lists, by id: each one and the identity worked out from it
+        self._dicts: dict[int, tuple[Any, Any]] = {}
+        self._next_dicts: dict[int, tuple[Any, Any]] = {}
 
     def diff(self, old: Any, new: Any) -> Any:
-        self._next = {}
+        self._next, self._next_dicts = {}, {}
         try:
             return self._node(old, new)
         finally:
-            self._ids = self._next
+            self._ids, self._dicts = self._next, self._next_dicts
 
     def _node(self, old: Any, new: Any) -> Any:
         if old is new or (type(old) is type(new) and old == new):  # one object: a dump kept between ticks
@@ -99,8 +102,7 @@ class Differ:
 
     def _hunks(self, old: list[Any], new: list[Any]) -> list[list[Any]]:
         out = _Hunks()
-        old_ids = self._identities(old)
-        new_ids = _identities_of(new, old, old_ids)
+        old_ids, new_ids = self._identities(old), self._new_identities(new)
         self._next[id(new)] = new_ids
         if old_ids == new_ids:  # the same elements in the same places: patched in place
             for i, (a, b) in enumerate(zip(old, new, strict=True)):
@@ -121,6 +123,21 @@ class Differ:
             out.add(pos, len(old) - pos, [])
         return out.hunks
 
+    def _new_identities(self, items: list[Any]) -> list[Any]:
+        """The identities of a changed new list's elements: a dict that is the very object the last diff
+        worked one out from (a dump kept between ticks, never changed in place) takes it again, the others
+        are worked out."""
+        out = []
+        for x in items:
+            if type(x) is dict:
+                seen = self._dicts.get(id(x))
+                key = seen[1] if seen is not None and seen[0] is x else _identity(x)
+                self._next_dicts[id(x)] = (x, key)
+            else:
+                key = _identity(x)
+            out.append(key)
+        return out
+
     def _patched(self, out: _Hunks, at: int, old: Any, new: Any) -> None:
         node = self._node(old, new)
         if node is not SAME:
@@ -131,20 +148,6 @@ def _order(old: dict[str, Any], gone: list[str], new: dict[str, Any]) -> list[st
     """The key order :func:`patch` gives without ``k``: the old keys kept, then the new ones."""
     left = set(gone)
     return [k for k in old if k not in left] + [k for k in new if k not in old]
-
-
-def _identities_of(new: list[Any], old: list[Any], old_ids: list[Any]) -> list[Any]:
-    """The identities of ``new``'s elements, an element that is one object with one of ``old``'s (a dump
-    kept between ticks) taking that one's: ``old`` is alive, so an id found among its elements is that
-    very element."""
-    known = {id(x): k for x, k in zip(old, old_ids, strict=True) if type(x) is dict}
-    if not known:
-        return [_identity(b) for b in new]
-    out = []
-    for b in new:
-        k = known.get(id(b))
-        out.append(_identity(b) if k is None else k)
-    return out
 
 
 def _identity(value: Any) -> Any:

@@ -38,6 +38,10 @@ def test_inside_the_full_collections_are_off_and_the_young_ones_paced(
     gc.set_threshold(YOUNG * 2, 7, 9)  # a process that asked for fewer young collections keeps them
     with FullCollections(4):
         assert gc.get_threshold() == (YOUNG * 2, 7, OFF)
+    gc.set_threshold(0, 7, 9)  # one that turned automatic collection off keeps it off
+    with FullCollections(4):
+        assert gc.get_threshold() == (0, 7, OFF)
+    assert gc.get_threshold() == (0, 7, 9)
 
 
 @pytest.mark.parametrize("order", ["first out first", "last in first out"])
