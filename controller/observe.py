@@ -372,7 +372,7 @@ def _pairs(
     last = memo or {}
     made: PairMemo = {}
     out = []
-    for pd in _pair_order(stats.keys() | {k for k, n in failures.items() if n}, last):
+    for pd in sorted(stats.keys() | {k for k, n in failures.items() if n}):
         found, rest = stats.get(pd), rests.get(pd, _NO_REST)
         kept = last.get(pd)
         if kept is not None and kept[0] is found and kept[1] == rest:
@@ -386,17 +386,6 @@ def _pairs(
         memo.clear()
         memo.update(made)
     return tuple(out)
-
-
-def _pair_order(keys: set[tuple[str, str]], last: PairMemo) -> list[tuple[str, str]]:
-    """``keys`` sorted: the last tick's pairs (``last``, made in order) still there, then the new ones (a
-    few hundred of 11,000 a tick at 1,000 instances), sorted as one list: the sort finds the kept ones in
-    order and only places the new ones, where sorting the window's pairs from nothing compared each
-    pair some fourteen times."""
-    order = [pd for pd in last if pd in keys]
-    order += keys - last.keys()
-    order.sort()
-    return order
 
 
 def _pair_rests(
