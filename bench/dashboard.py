@@ -3,7 +3,9 @@ snapshots a 4P+8D fleet scraped every 5 s over the same 6 hours) in SQLite; with
 ``--store-url postgresql://...`` the same history in PostgreSQL, bulk-loaded.
 
 For each page it runs the reads that page makes (the same ``dashboard.data``
-functions, caches cleared so every read hits the store) over 15 min, 1 h, 6 h and 24 h,
+functions, caches cleared so every read hits the store) and the frames it computes from them (the
+same ``dashboard.summaries`` functions; only the controller's routing table, read over HTTP from
+the controller, is left out) over 15 min, 1 h, 6 h and 24 h,
 and reports the median of a few runs next to a baseline measured in the same run: a
 full scan of ``request_records`` (count and sums over every row, no index). Target:
 every page under 1 s.
@@ -64,10 +66,15 @@ SEED_FORMAT = 2  # 2: the KV-aware routing columns (migration 0009) and vLLM's p
 TARGET_S = 1.0
 
 
-def _fleet(url: str, w: Window) -> None:
+def _opening(url: str) -> None:
+    """What every page reads before its own (``dashboard.views.opening.open_page``)."""
     data.presence(url)
     data.latest_ts(url)
-    data.fleet_health(url, w.start, w.end)
+
+
+def _fleet(url: str, w: Window) -> None:
+    _opening(url)
+    summaries.pool_totals(data.fleet_health(url, w.start, w.end))
     series = data.snapshot_series(url, w.start, w.end)
     summaries.interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
     data.pool_limits(url, w.end)
@@ -75,6 +82,7 @@ def _fleet(url: str, w: Window) -> None:
 
 
 def _requests(url: str, w: Window) -> None:
+    _opening(url)
     data.status_counts(url, w.start, w.end)
     found = data.search_requests(url, w.start, w.end, "", "", "", False, False, 200)
     data.search_requests(url, w.start, w.end, "", "", "", True, False, 200)
@@ -89,13 +97,20 @@ def _requests(url: str, w: Window) -> None:
 
 
 def _kv(url: str, w: Window) -> None:
+    _opening(url)
     data.nixl_per_instance(url, w.start, w.end)
     series = data.snapshot_series(url, w.start, w.end)
+    decode = series[series["role"] == "decode"]
+    summaries.interval_means(decode, "nixl_xfer_time_sum", "nixl_xfer_time_count", 1000.0)
     summaries.interval_rates(series, ("nixl_failed_transfers", "nixl_kv_expired_reqs"))
-    data.handoff(url, w.start, w.end, "pair")
+    summaries.handoff_effects(data.handoff(url, w.start, w.end, "pair"))
+    sample, step = data.request_sample(url, w.start, w.end)
+    summaries.stranded_kv(series, sample, step)
+    data.firing_alerts(url)
 
 
 def _slos(url: str, w: Window) -> None:
+    _opening(url)
     data.firing_alerts(url)
     data.request_sample(url, w.start, w.end, slo=SLO)
     data.slo_summary(url, w.start, w.end, SLO)
@@ -104,6 +119,7 @@ def _slos(url: str, w: Window) -> None:
 
 
 def _prefix(url: str, w: Window) -> None:
+    _opening(url)
     series = data.prefix_series(url, w.start, w.end)
     rates = prefix.window_hit_rates(series)
     prefix.hit_rates(series, w.start, w.bucket_s(60))
@@ -116,6 +132,7 @@ def _prefix(url: str, w: Window) -> None:
 
 
 def _controller(url: str, w: Window) -> None:
+    _opening(url)
     data.latest_mode(url)
     data.decisions(url, w.start, w.end)
     data.weight_history(url, w.start, w.end)
@@ -124,10 +141,14 @@ def _controller(url: str, w: Window) -> None:
 
 
 def _capacity(url: str, w: Window) -> None:
+    _opening(url)
     data.request_sample(url, w.start, w.end, slo=SLO)
     data.slo_buckets(url, w.start, w.end, w.bucket_s(60), SLO)
     series = data.snapshot_series(url, w.start, w.end)
-    summaries.interval_rates(series, ("prompt_tokens", "generation_tokens"))
+    rates = summaries.interval_rates(series, ("prompt_tokens", "generation_tokens"))
+    for role, column in (("prefill", "prompt_tokens"), ("decode", "generation_tokens")):
+        per = rates[rates["role"] == role].groupby("instance")[column]  # the page's observed capacity
+        per.agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max")
 
 
 PAGES: dict[str, Callable[[str, Window], None]] = {

@@ -17,7 +17,7 @@ import pandas as pd
 from analysis.blame import Cell, Factorization, factor
 from analysis.stranded import holds_while_idle, pending_total, to_pull
 from dashboard.derive import find_histogram, histogram_increase, histogram_quantile, ratio
-from pdscope.stats import counter_increase, percentile
+from pdscope.stats import percentile
 
 
 def attribute_frame(
@@ -33,10 +33,16 @@ def attribute_frame(
 
 
 def _increase(df: pd.DataFrame, column: str) -> float:
-    if column not in df or df[column].isna().all():
+    """``pdscope.stats.counter_increase`` of a column (missing and non-finite values skipped; a drop is a
+    restart), over arrays; NaN where it has no increase."""
+    if column not in df:
         return float("nan")
-    inc = counter_increase([None if pd.isna(v) else float(v) for v in df[column]])
-    return float("nan") if inc is None else inc
+    v = pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=float)
+    v = v[np.isfinite(v)]
+    if len(v) < 2:
+        return float("nan")
+    step = np.diff(v)
+    return float(np.where(step >= 0, step, v[1:]).sum())
 
 
 def _quantiles_ms(edges: tuple[Any, Any] | None, family: str, qs: tuple[float, ...]) -> list[float | None]:
@@ -230,6 +236,15 @@ def avoided_pairs(table: Mapping[str, Any] | None, now: float) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prefill", "decode", "reason", "for_s", "why"])
 
 
+def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series, pd.Series]:
+    """``series`` in order of its instances' first rows, each instance's rows by time; with the grouping key
+    and whether each row follows one of its instance's (the first has no interval)."""
+    key = pd.Series(pd.factorize(series["instance"])[0], index=series.index, name="_instance_order")
+    order = pd.DataFrame({"k": key, "ts": series["ts"]}).sort_values(["k", "ts"], kind="stable").index
+    ordered, key = series.loc[order], key.loc[order]
+    return ordered, key, key.duplicated()
+
+
 def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
     """Per instance and scrape: each counter's rate per second since the previous scrape.
 
@@ -238,32 +253,27 @@ def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFr
     """
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "role", *counters])
-    parts = []
-    for _, mine in series.groupby("instance", sort=False):
-        mine = mine.sort_values("ts")
-        dt = mine["ts"].diff()
-        out = mine[["ts", "instance", "role"]].copy()
-        for col in counters:
-            values = mine[col].astype(float)
-            delta = values.diff()
-            delta = delta.where(delta >= 0, values)  # reset: the new value is the increase
-            out[col] = delta / dt
-        parts.append(out.iloc[1:])
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    mine, key, follows = _by_instance(series)
+    dt = mine["ts"].groupby(key).diff()
+    out = mine[["ts", "instance", "role"]].copy()
+    for col in counters:
+        values = mine[col].astype(float)
+        delta = values.groupby(key).diff()
+        delta = delta.where(delta >= 0, values)  # reset: the new value is the increase
+        out[col] = delta / dt
+    return out[follows].reset_index(drop=True)
 
 
 def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: float = 1.0) -> pd.DataFrame:
     """Per instance and scrape: Δsum/Δcount since the previous scrape (e.g. mean xfer time)."""
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "value"])
-    parts = []
-    for _, mine in series.groupby("instance", sort=False):
-        mine = mine.sort_values("ts")
-        ds = mine[sum_col].astype(float).diff()
-        dc = mine[count_col].astype(float).diff()
-        value = (ds / dc.where(dc > 0)) * scale
-        parts.append(pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna())
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    mine, key, _ = _by_instance(series)
+    ds = mine[sum_col].astype(float).groupby(key).diff()
+    dc = mine[count_col].astype(float).groupby(key).diff()
+    value = (ds / dc.where(dc > 0)) * scale
+    out = pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna()
+    return out.reset_index(drop=True)
 
 
 def percentile_of(values: pd.Series, q: float) -> float:

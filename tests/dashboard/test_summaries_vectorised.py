@@ -1,0 +1,79 @@
+"""The frame-wide counter rates, means and increases against the plain per-instance rules they vectorise
+(written out here as loops), on random frames: instances interleaved, rows out of time order, gaps and
+counter resets."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dashboard.summaries import _increase, interval_means, interval_rates
+from pdscope.stats import counter_increase
+
+
+def _frame(rng: random.Random) -> pd.DataFrame:
+    rows = []
+    for name in rng.sample(["p-2", "d-10", "d-1", "p-1", "d-3"], rng.randint(1, 5)):
+        value, total = 0.0, 0.0
+        for k in range(rng.randint(1, 12)):
+            value = rng.uniform(0, 5) if rng.random() < 0.1 else value + rng.choice([0.0, rng.uniform(0, 50)])
+            total += rng.uniform(0, 3)
+            rows.append(
+                {
+                    "ts": 5.0 * k,
+                    "instance": name,
+                    "role": "prefill" if name.startswith("p") else "decode",
+                    "c": None if rng.random() < 0.1 else value,
+                    "s": total,
+                    "n": math.nan if rng.random() < 0.1 else float(k // 2),
+                }
+            )
+    rng.shuffle(rows)
+    return pd.DataFrame(rows)
+
+
+def _rates_by_loop(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
+    parts = []
+    for _, mine in series.groupby("instance", sort=False):
+        mine = mine.sort_values("ts", kind="stable")
+        dt = mine["ts"].diff()
+        out = mine[["ts", "instance", "role"]].copy()
+        for col in counters:
+            values = mine[col].astype(float)
+            delta = values.diff()
+            out[col] = delta.where(delta >= 0, values) / dt
+        parts.append(out.iloc[1:])
+    return pd.concat(parts, ignore_index=True)
+
+
+def _means_by_loop(series: pd.DataFrame, sum_col: str, count_col: str) -> pd.DataFrame:
+    parts = []
+    for _, mine in series.groupby("instance", sort=False):
+        mine = mine.sort_values("ts", kind="stable")
+        ds, dc = mine[sum_col].astype(float).diff(), mine[count_col].astype(float).diff()
+        value = ds / dc.where(dc > 0)
+        parts.append(pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna())
+    return pd.concat(parts, ignore_index=True)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rates_and_means_equal_the_per_instance_rules(seed: int) -> None:
+    series = _frame(random.Random(seed))
+    pd.testing.assert_frame_equal(interval_rates(series, ("c", "s")), _rates_by_loop(series, ("c", "s")))
+    pd.testing.assert_frame_equal(interval_means(series, "s", "n"), _means_by_loop(series, "s", "n"))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_increase_is_the_counter_rule(seed: int) -> None:
+    series = _frame(random.Random(seed))
+    for _, mine in series.groupby("instance"):
+        mine = mine.sort_values("ts")
+        for col in ("c", "n"):
+            want = counter_increase([None if pd.isna(v) else float(v) for v in mine[col]])
+            got = _increase(mine, col)
+            assert (want is None and np.isnan(got)) or got == pytest.approx(want, rel=1e-12)
+    assert np.isnan(_increase(series, "absent"))
