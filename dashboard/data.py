@@ -1,13 +1,16 @@
 """Cached reads for the pages: each function takes the store URL and a window (plain,
 hashable values), gets the shared read-only engine and calls one query module.
 
-Results are cached with ``st.cache_data(ttl=CACHE_TTL_S)``; windows are rounded to the
-refresh step (``View.window``), so concurrent viewers and reruns hit the cache.
+Results are cached with ``st.cache_data(ttl=CACHE_TTL_S)``, keyed by the arguments' values (:func:`_cached`);
+windows are rounded to the refresh step (``View.window``), so concurrent viewers and reruns hit the cache.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import pandas as pd
 import streamlit as st
@@ -22,23 +25,44 @@ from store.attribution import trusted_records
 
 CACHE_TTL_S = 5.0
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+
+def _cached(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``st.cache_data(ttl=CACHE_TTL_S)``, keyed by the arguments' values however a caller passes them.
+
+    Streamlit keys a call by its arguments as written: ``f(a, slo=x)`` and ``f(a, slo=x, senders=None)``
+    were two entries, so the Capacity page read the same 20,000-row sample twice. Each call is bound to
+    the signature, defaults filled in, before the cache sees it."""
+    inner = st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)(fn)
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return inner(*bound.args, **bound.kwargs)
+
+    return call
+
+
+@_cached
 def presence(url: str) -> common.Presence:
     return common.presence(engine_for(url))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def latest_ts(url: str) -> float | None:
     return common.latest_ts(engine_for(url))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def snapshot_series(url: str, start: float, end: float) -> pd.DataFrame:
     return fleet.snapshot_series(engine_for(url), common.Window(start, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def fleet_health(url: str, start: float, end: float) -> pd.DataFrame:
     """Per-instance health over the window (see ``summaries.instance_health``)."""
     engine, window = engine_for(url), common.Window(start, end)
@@ -50,17 +74,17 @@ def fleet_health(url: str, start: float, end: float) -> pd.DataFrame:
     return summaries.instance_health(series, latest, edges, fleet.current_weights(engine, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def pool_limits(url: str, end: float) -> pd.DataFrame:
     return fleet.pool_limits(engine_for(url), end)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def active_overrides(url: str, now: float) -> pd.DataFrame:
     return fleet.active_overrides(engine_for(url), now)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def nixl_per_instance(url: str, start: float, end: float) -> pd.DataFrame:
     engine, window = engine_for(url), common.Window(start, end)
     series = snapshot_series(url, start, end)
@@ -68,14 +92,14 @@ def nixl_per_instance(url: str, start: float, end: float) -> pd.DataFrame:
     return summaries.nixl_per_instance(series, fleet.histogram_edges(engine, window, names))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def handoff(url: str, start: float, end: float, by: str) -> pd.DataFrame:
     """Handoff percentiles per pair / D / P, in ms (see ``summaries.handoff_by``)."""
     sample, _ = request_sample(url, start, end)
     return summaries.handoff_by(sample, by)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def slo_summary(
     url: str,
     start: float,
@@ -95,7 +119,7 @@ def slo_summary(
 EXACT_BUCKETS_MAX_ROWS = 250_000
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def slo_buckets(
     url: str,
     start: float,
@@ -116,7 +140,7 @@ def slo_buckets(
     )
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def request_sample(
     url: str,
     start: float,
@@ -130,7 +154,7 @@ def request_sample(
     return records.sample(engine_for(url), window, max_rows, slo, only=trusted_records(senders))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def prefix_sample(url: str, start: float, end: float, max_rows: int = 20_000) -> tuple[pd.DataFrame, int]:
     """The window's records as the Prefix cache page reads them (every k-th by id; k returned)."""
     return records.sample(
@@ -138,13 +162,13 @@ def prefix_sample(url: str, start: float, end: float, max_rows: int = 20_000) ->
     )
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def prefix_series(url: str, start: float, end: float) -> pd.DataFrame:
     """The snapshots' prefix-cache counters in the window (thinned like ``snapshot_series``)."""
     return fleet.snapshot_series(engine_for(url), common.Window(start, end), prefix.SERIES_COLUMNS)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def search_requests(
     url: str,
     start: float,
@@ -160,7 +184,7 @@ def search_requests(
     return rq.search(engine_for(url), common.Window(start, end), flt)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def status_counts(url: str, start: float, end: float) -> pd.DataFrame:
     return rq.status_counts(engine_for(url), common.Window(start, end))
 
@@ -175,37 +199,37 @@ def nixl_around(url: str, instance: str, start: float, end: float) -> pd.DataFra
     return rq.nixl_around(engine_for(url), instance, start, end)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def decisions(url: str, start: float, end: float) -> pd.DataFrame:
     return control.decisions(engine_for(url), common.Window(start, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def weight_history(url: str, start: float, end: float) -> pd.DataFrame:
     return control.weight_history(engine_for(url), common.Window(start, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def latest_mode(url: str) -> str | None:
     return control.latest_mode(engine_for(url))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def firing_alerts(url: str) -> pd.DataFrame:
     return control.firing_alerts(engine_for(url))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def recent_alerts(url: str, start: float, end: float) -> pd.DataFrame:
     return control.recent_alerts(engine_for(url), common.Window(start, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def audit_trail(url: str, start: float, end: float) -> pd.DataFrame:
     return control.audit_trail(engine_for(url), common.Window(start, end))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def routing_table(controller_url: str) -> dict[str, Any] | None:
     """The controller's current routing table (served weights, drains, mode), or None when
     it does not answer within 1.5 s."""
@@ -219,14 +243,14 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000.0
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def proxies(url: str, now: float, ttl_s: float) -> pd.DataFrame:
     from dashboard.queries import proxies as px
 
     return px.proxies(engine_for(url), now, ttl_s)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def attribution(
     url: str, start: float, end: float, slo: SLOSettings, senders: tuple[str, ...] | None
 ) -> investigate.WindowAttribution:
@@ -234,7 +258,7 @@ def attribution(
     return investigate.attribution(engine_for(url), start, end, slo, senders)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def regret(
     url: str,
     start: float,
@@ -249,7 +273,7 @@ def regret(
     return investigate.regret(engine_for(url), start, end, end, slo, senders, cfg)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def prediction(
     url: str, start: float, end: float, senders: tuple[str, ...] | None
 ) -> predictor.WindowPrediction:
@@ -257,7 +281,7 @@ def prediction(
     return predictor.prediction(engine_for(url), start, end, senders)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@_cached
 def tenant_window(
     url: str,
     start: float,
