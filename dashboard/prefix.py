@@ -4,7 +4,7 @@ prefixes, and the share of requests served without P.
 
 Hit rates come from the snapshots' cumulative counters (``prefix_cache_hits / prefix_cache_queries``
 and, on D, the KV connector's ``external_prefix_cache_*``), as increases per time bucket with
-restarts counted from zero (``dashboard.summaries.interval_rates``' rule). The rest comes from a
+restarts counted from zero (``dashboard.summaries.counter_increases``). The rest comes from a
 window sample of request records (every k-th by id, ``step`` = k): counts and token sums are scaled
 back up by k, ratios are not.
 
@@ -23,6 +23,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from dashboard.summaries import counter_increases
 from pdscope import semconv as sc
 
 # the snapshot columns the hit rates read
@@ -44,28 +45,16 @@ _KINDS = {
 }
 
 
-def _increases(mine: pd.DataFrame, column: str) -> pd.Series:
-    """Per scrape: the counter's increase since the previous one (a fall is a restart: the new value)."""
-    values = mine[column].astype(float)
-    delta = values.diff()
-    return delta.where(delta >= 0, values)
-
-
 def _bucketed_increases(series: pd.DataFrame, start: float, width_s: float) -> pd.DataFrame:
     """Per instance and bucket: each hit and query counter's increase (the first scrape has none)."""
     columns = [c for pair in _KINDS.values() for c in pair]
-    parts = []
-    for _, mine in series.groupby("instance", sort=False):
-        mine = mine.sort_values("ts")
-        out = mine[["instance", "role"]].copy()
-        out["b"] = np.floor((mine["ts"].astype(float) - start) / width_s).astype(int)
-        for col in columns:
-            out[col] = _increases(mine, col) if col in mine else np.nan
-        parts.append(out.iloc[1:])
-    if not parts:
-        return pd.DataFrame(columns=["instance", "role", "b", *columns])
+    steps = counter_increases(series, [c for c in columns if c in series])
+    steps["b"] = np.floor((steps["ts"].astype(float) - start) / width_s).astype(int)
+    for col in columns:
+        if col not in steps:
+            steps[col] = np.nan
     return (
-        pd.concat(parts, ignore_index=True)
+        steps[["instance", "role", "b", *columns]]
         .groupby(["instance", "role", "b"], as_index=False)
         .sum(min_count=1)
     )
@@ -102,13 +91,15 @@ def window_hit_rates(series: pd.DataFrame) -> pd.DataFrame:
     cols = ["instance", "role", "hit_rate", "external_hit_rate"]
     if series.empty:
         return pd.DataFrame(columns=cols)
+    present = [c for pair in _KINDS.values() for c in pair if c in series]
+    totals = counter_increases(series, present).groupby("instance")[present].sum()
+    roles = series.sort_values("ts", kind="stable").drop_duplicates("instance", keep="last")
     rows = []
-    for name, mine in series.groupby("instance", sort=True):
-        mine = mine.sort_values("ts")
-        row: dict[str, object] = {"instance": name, "role": mine["role"].iloc[-1]}
+    for name, role in sorted(zip(roles["instance"], roles["role"], strict=True)):
+        row: dict[str, object] = {"instance": name, "role": role}
         for kind, (hits, queries) in _KINDS.items():
-            h = float(_increases(mine, hits).iloc[1:].sum()) if hits in mine else 0.0
-            q = float(_increases(mine, queries).iloc[1:].sum()) if queries in mine else 0.0
+            h = float(totals.at[name, hits]) if hits in totals and name in totals.index else 0.0
+            q = float(totals.at[name, queries]) if queries in totals and name in totals.index else 0.0
             row["hit_rate" if kind == LOCAL else "external_hit_rate"] = h / q if q > 0 else None
         rows.append(row)
     return pd.DataFrame(rows, columns=cols)

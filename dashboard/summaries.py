@@ -245,23 +245,32 @@ def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series, pd.Seri
     return ordered, key, key.duplicated()
 
 
+def counter_increases(series: pd.DataFrame, counters: Iterable[str]) -> pd.DataFrame:
+    """Per instance (in order of its first row) and scrape after its first, by time: each counter's increase
+    since the previous scrape (a fall is a restart: the new value is the increase) and the seconds
+    since (``dt``), beside the scrape's ``ts``, ``instance`` and ``role``.
+    (``pdscope.stats.counter_increase``'s rule, vectorised over the frame.)"""
+    mine, key, follows = _by_instance(series)
+    out = mine[["ts", "instance", "role"]].copy()
+    out["dt"] = mine["ts"].groupby(key).diff()
+    for col in counters:
+        values = mine[col].astype(float)
+        delta = values.groupby(key).diff()
+        out[col] = delta.where(delta >= 0, values)
+    return out[follows].reset_index(drop=True)
+
+
 def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
     """Per instance and scrape: each counter's rate per second since the previous scrape.
 
     A counter that went down (a restart) counts from zero; the first scrape has no rate.
-    (``pdscope.stats.counter_increase``'s rule, vectorised over the frame.)
     """
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "role", *counters])
-    mine, key, follows = _by_instance(series)
-    dt = mine["ts"].groupby(key).diff()
-    out = mine[["ts", "instance", "role"]].copy()
+    steps = counter_increases(series, counters)
     for col in counters:
-        values = mine[col].astype(float)
-        delta = values.groupby(key).diff()
-        delta = delta.where(delta >= 0, values)  # reset: the new value is the increase
-        out[col] = delta / dt
-    return out[follows].reset_index(drop=True)
+        steps[col] = steps[col] / steps["dt"]
+    return steps.drop(columns="dt")
 
 
 def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: float = 1.0) -> pd.DataFrame:

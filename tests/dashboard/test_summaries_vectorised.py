@@ -1,6 +1,6 @@
-"""The frame-wide counter rates, means and increases against the plain per-instance rules they vectorise
-(written out here as loops), on random frames: instances interleaved, rows out of time order, gaps and
-counter resets."""
+"""The frame-wide counter rates, means and increases (and the Prefix cache page's hit rates made of them)
+against the plain per-instance rules they vectorise (written out here as loops), on random frames:
+instances interleaved, rows out of time order, gaps and counter resets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dashboard import prefix
 from dashboard.summaries import _increase, interval_means, interval_rates
 from pdscope.stats import counter_increase
 
@@ -30,6 +31,8 @@ def _frame(rng: random.Random) -> pd.DataFrame:
                     "c": None if rng.random() < 0.1 else value,
                     "s": total,
                     "n": math.nan if rng.random() < 0.1 else float(k // 2),
+                    "prefix_cache_queries": 10.0 * k,
+                    "prefix_cache_hits": None if rng.random() < 0.1 else value,
                 }
             )
     rng.shuffle(rows)
@@ -77,3 +80,52 @@ def test_increase_is_the_counter_rule(seed: int) -> None:
             got = _increase(mine, col)
             assert (want is None and np.isnan(got)) or got == pytest.approx(want, rel=1e-12)
     assert np.isnan(_increase(series, "absent"))
+
+
+def _increases_by_loop(mine: pd.DataFrame, column: str) -> pd.Series:
+    values = mine[column].astype(float)
+    delta = values.diff()
+    return delta.where(delta >= 0, values)
+
+
+def _window_hit_rates_by_loop(series: pd.DataFrame) -> dict[str, tuple[object, object]]:
+    out = {}
+    for name, mine in series.groupby("instance", sort=True):
+        mine = mine.sort_values("ts", kind="stable")
+        h = float(_increases_by_loop(mine, "prefix_cache_hits").iloc[1:].sum())
+        q = float(_increases_by_loop(mine, "prefix_cache_queries").iloc[1:].sum())
+        out[name] = (mine["role"].iloc[-1], h / q if q > 0 else None)
+    return out
+
+
+def _bucketed_by_loop(series: pd.DataFrame, start: float, width_s: float) -> pd.DataFrame:
+    parts = []
+    for _, mine in series.groupby("instance", sort=False):
+        mine = mine.sort_values("ts", kind="stable")
+        out = mine[["instance", "role"]].copy()
+        out["b"] = np.floor((mine["ts"].astype(float) - start) / width_s).astype(int)
+        for col in ("prefix_cache_hits", "prefix_cache_queries"):
+            out[col] = _increases_by_loop(mine, col)
+        parts.append(out.iloc[1:])
+    return (
+        pd.concat(parts, ignore_index=True)
+        .groupby(["instance", "role", "b"], as_index=False)
+        .sum(min_count=1)
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefix_hit_rates_equal_the_per_instance_rules(seed: int) -> None:
+    series = _frame(random.Random(seed))
+    got = prefix.window_hit_rates(series)
+    want = _window_hit_rates_by_loop(series)
+    assert list(got["instance"]) == sorted(want)
+    for row in got.itertuples(index=False):
+        role, rate = want[row.instance]
+        assert row.role == role
+        assert pd.isna(row.external_hit_rate)
+        assert pd.isna(row.hit_rate) if rate is None else row.hit_rate == pytest.approx(rate, rel=1e-12)
+    bucketed = prefix._bucketed_increases(series, 2.0, 15.0)
+    loop = _bucketed_by_loop(series, 2.0, 15.0)
+    pd.testing.assert_frame_equal(bucketed[loop.columns], loop, check_exact=False, rtol=1e-12)
+    assert bucketed["external_prefix_cache_queries"].isna().all()
