@@ -348,7 +348,6 @@ def _recent_pairs(tally: ev.WindowTally, since: float) -> dict[str, q.HandoffSta
 
 
 _NO_REST = (0, 0, None, 0, 0)  # a pair's figures besides its handoffs' where it has none of them
-_NO_HANDOFFS = q.HandoffStats("", 0, None, None, None, None, 0)  # a pair that only failed its handoffs
 
 
 def _pairs(
@@ -378,8 +377,8 @@ def _pairs(
         if kept is not None and kept[0] is found and kept[1] == rest:
             signals = kept[2]
         else:
-            hs = found or _NO_HANDOFFS
-            signals = PairSignals(pd[0], pd[1], hs.requests, hs.p50_s or 0.0, hs.p99_s or 0.0, *rest)
+            handoffs = (found.requests, found.p50_s or 0.0, found.p99_s or 0.0) if found else (0, 0.0, 0.0)
+            signals = PairSignals(pd[0], pd[1], *handoffs, *rest)
         made[pd] = (found, rest, signals)
         out.append(signals)
     if memo is not None:
