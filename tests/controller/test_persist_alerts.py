@@ -61,4 +61,3 @@ def test_the_unchanged_active_alerts_are_kept_current(store_factory: Any) -> Non
     with store_factory() as session:
         rows = {r.fingerprint: (r.last_eval, r.value) for r in session.scalars(select(Alert))}
     assert rows == {"a0": (130.0, 2.5), "a1": (130.0, 3.5), "a2": (100.0, 1.0), "a3": (100.0, 1.0)}
-
