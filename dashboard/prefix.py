@@ -92,14 +92,18 @@ def window_hit_rates(series: pd.DataFrame) -> pd.DataFrame:
     if series.empty:
         return pd.DataFrame(columns=cols)
     present = [c for pair in _KINDS.values() for c in pair if c in series]
-    totals = counter_increases(series, present).groupby("instance")[present].sum()
-    roles = series.sort_values("ts", kind="stable").drop_duplicates("instance", keep="last")
+    roles = series.sort_values("ts", kind="stable").groupby("instance")["role"].last()
+    totals = (
+        counter_increases(series, present)
+        .groupby("instance")[present]
+        .sum()
+        .reindex(index=roles.index, columns=[c for pair in _KINDS.values() for c in pair], fill_value=0.0)
+    )
     rows = []
-    for name, role in sorted(zip(roles["instance"], roles["role"], strict=True)):
+    for name, role in roles.items():
         row: dict[str, object] = {"instance": name, "role": role}
         for kind, (hits, queries) in _KINDS.items():
-            h = float(totals.at[name, hits]) if hits in totals and name in totals.index else 0.0
-            q = float(totals.at[name, queries]) if queries in totals and name in totals.index else 0.0
+            h, q = float(totals.at[name, hits]), float(totals.at[name, queries])
             row["hit_rate" if kind == LOCAL else "external_hit_rate"] = h / q if q > 0 else None
         rows.append(row)
     return pd.DataFrame(rows, columns=cols)

@@ -236,13 +236,17 @@ def avoided_pairs(table: Mapping[str, Any] | None, now: float) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prefill", "decode", "reason", "for_s", "why"])
 
 
-def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series, pd.Series]:
-    """``series`` in order of its instances' first rows, each instance's rows by time; with the grouping key
-    and whether each row follows one of its instance's (the first has no interval)."""
-    key = pd.Series(pd.factorize(series["instance"])[0], index=series.index, name="_instance_order")
-    order = pd.DataFrame({"k": key, "ts": series["ts"]}).sort_values(["k", "ts"], kind="stable").index
-    ordered, key = series.loc[order], key.loc[order]
-    return ordered, key, key.duplicated()
+def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """``series``' rows with an instance, in order of their instances' first rows, each instance's by time
+    (ties in row order), on a fresh index; with each row's instance key and whether the row follows one
+    of its instance's (the first has no interval). By position: a frame's index may repeat labels."""
+    codes = pd.factorize(series["instance"])[0]  # -1: no instance
+    order = np.lexsort((series["ts"].to_numpy(), codes))  # stable
+    order = order[codes[order] >= 0]
+    key = codes[order]
+    follows = np.zeros(len(key), dtype=bool)
+    follows[1:] = key[1:] == key[:-1]
+    return series.iloc[order].reset_index(drop=True), key, follows
 
 
 def counter_increases(series: pd.DataFrame, counters: Iterable[str]) -> pd.DataFrame:

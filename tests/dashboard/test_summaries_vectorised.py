@@ -1,6 +1,8 @@
 """The frame-wide counter rates, means and increases (and the Prefix cache page's hit rates made of them)
 against the plain per-instance rules they vectorise (written out here as loops), on random frames:
-instances interleaved, rows out of time order, gaps and counter resets."""
+instances interleaved, rows out of time order, gaps and counter resets, index labels repeated, a row with
+no instance. Scrapes of one instance at the same time are taken in row order (the loops' stable sort; the
+per-instance code this replaced left their order to an unstable sort)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,11 @@ def _frame(rng: random.Random) -> pd.DataFrame:
                     "prefix_cache_hits": None if rng.random() < 0.1 else value,
                 }
             )
+    rows.append({**rows[0], "instance": None})  # no instance: left out, as a group-by leaves it
     rng.shuffle(rows)
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    frame.index = np.arange(len(frame)) % 3  # labels repeat, as in frames concatenated
+    return frame
 
 
 def _rates_by_loop(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
