@@ -146,9 +146,8 @@ def _capacity(url: str, w: Window) -> None:
     data.slo_buckets(url, w.start, w.end, w.bucket_s(60), SLO)
     series = data.snapshot_series(url, w.start, w.end)
     rates = summaries.interval_rates(series, ("prompt_tokens", "generation_tokens"))
-    for role, column in (("prefill", "prompt_tokens"), ("decode", "generation_tokens")):
-        per = rates[rates["role"] == role].groupby("instance")[column]  # the page's observed capacity
-        per.agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max")
+    summaries.rate_per_instance(rates, "prefill", "prompt_tokens")
+    summaries.rate_per_instance(rates, "decode", "generation_tokens")
 
 
 PAGES: dict[str, Callable[[str, Window], None]] = {

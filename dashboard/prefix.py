@@ -43,18 +43,18 @@ _KINDS = {
     LOCAL: ("prefix_cache_hits", "prefix_cache_queries"),
     EXTERNAL: ("external_prefix_cache_hits", "external_prefix_cache_queries"),
 }
+_COUNTERS = [c for pair in _KINDS.values() for c in pair]
 
 
 def _bucketed_increases(series: pd.DataFrame, start: float, width_s: float) -> pd.DataFrame:
     """Per instance and bucket: each hit and query counter's increase (the first scrape has none)."""
-    columns = [c for pair in _KINDS.values() for c in pair]
-    steps = counter_increases(series, [c for c in columns if c in series])
+    steps = counter_increases(series, [c for c in _COUNTERS if c in series])
     steps["b"] = np.floor((steps["ts"].astype(float) - start) / width_s).astype(int)
-    for col in columns:
+    for col in _COUNTERS:
         if col not in steps:
             steps[col] = np.nan
     return (
-        steps[["instance", "role", "b", *columns]]
+        steps[["instance", "role", "b", *_COUNTERS]]
         .groupby(["instance", "role", "b"], as_index=False)
         .sum(min_count=1)
     )
@@ -91,13 +91,13 @@ def window_hit_rates(series: pd.DataFrame) -> pd.DataFrame:
     cols = ["instance", "role", "hit_rate", "external_hit_rate"]
     if series.empty:
         return pd.DataFrame(columns=cols)
-    present = [c for pair in _KINDS.values() for c in pair if c in series]
+    present = [c for c in _COUNTERS if c in series]
     roles = series.sort_values("ts", kind="stable").groupby("instance")["role"].last()
     totals = (
         counter_increases(series, present)
         .groupby("instance")[present]
         .sum()
-        .reindex(index=roles.index, columns=[c for pair in _KINDS.values() for c in pair], fill_value=0.0)
+        .reindex(index=roles.index, columns=_COUNTERS, fill_value=0.0)
     )
     rows = []
     for name, role in roles.items():

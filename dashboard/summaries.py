@@ -252,8 +252,9 @@ def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, np.nda
 def counter_increases(series: pd.DataFrame, counters: Iterable[str]) -> pd.DataFrame:
     """Per instance (in order of its first row) and scrape after its first, by time: each counter's increase
     since the previous scrape (a fall is a restart: the new value is the increase) and the seconds
-    since (``dt``), beside the scrape's ``ts``, ``instance`` and ``role``.
-    (``pdscope.stats.counter_increase``'s rule, vectorised over the frame.)"""
+    since (``dt``), beside the scrape's ``ts``, ``instance`` and ``role``. Unlike
+    ``pdscope.stats.counter_increase``, a missing value is not skipped: the scrape after it counts its
+    whole value (the per-instance loops this replaced did the same)."""
     mine, key, follows = _by_instance(series)
     out = mine[["ts", "instance", "role"]].copy()
     out["dt"] = mine["ts"].groupby(key).diff()
@@ -275,6 +276,19 @@ def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFr
     for col in counters:
         steps[col] = steps[col] / steps["dt"]
     return steps.drop(columns="dt")
+
+
+def rate_per_instance(rates: pd.DataFrame, role: str, column: str) -> pd.DataFrame:
+    """Per instance of ``role``: the mean, p95 and peak of a rate column of :func:`interval_rates`
+    (empty without such an instance)."""
+    mine = rates[rates["role"] == role] if not rates.empty else rates
+    if mine.empty:
+        return pd.DataFrame()
+    return (
+        mine.groupby("instance")[column]
+        .agg(mean="mean", p95=lambda s: percentile_of(s, 95), peak="max")
+        .reset_index()
+    )
 
 
 def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: float = 1.0) -> pd.DataFrame:

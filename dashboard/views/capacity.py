@@ -35,15 +35,8 @@ def _num(value: object, default: float = 0.0) -> float:
 
 
 def _observed_capacity(rates: pd.DataFrame, role: str, column: str) -> tuple[float, pd.DataFrame]:
-    mine = rates[rates["role"] == role] if not rates.empty else rates
-    if mine.empty:
-        return 0.0, pd.DataFrame()
-    per = (
-        mine.groupby("instance")[column]
-        .agg(mean="mean", p95=lambda s: summaries.percentile_of(s, 95), peak="max")
-        .reset_index()
-    )
-    return _num(per["p95"].max()), per
+    per = summaries.rate_per_instance(rates, role, column)
+    return (_num(per["p95"].max()) if not per.empty else 0.0), per
 
 
 @dataclass(frozen=True)

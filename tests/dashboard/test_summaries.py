@@ -14,6 +14,7 @@ from dashboard.summaries import (
     nixl_per_instance,
     percentiles_ms,
     pool_totals,
+    rate_per_instance,
     slo_figures,
     stranded_kv,
 )
@@ -217,3 +218,18 @@ def test_avoided_pairs_reads_the_routing_tables_pairs_and_skips_malformed_ones()
     ]
     assert rows["for_s"].iloc[0] == 10.0 and pd.isna(rows["for_s"].iloc[1])
     assert avoided_pairs(None, 0.0).empty and avoided_pairs({"avoid_pairs": None}, 0.0).empty
+
+
+def test_rate_per_instance_of_one_role() -> None:
+    rates = pd.DataFrame(
+        {
+            "instance": ["p0", "p0", "p1", "d0"],
+            "role": ["prefill", "prefill", "prefill", "decode"],
+            "prompt_tokens": [100.0, 300.0, 50.0, 9.0],
+        }
+    )
+    per = rate_per_instance(rates, "prefill", "prompt_tokens").set_index("instance")
+    assert list(per.index) == ["p0", "p1"]
+    assert per.loc["p0", "mean"] == 200.0 and per.loc["p0", "peak"] == 300.0
+    assert per.loc["p1", "p95"] == 50.0
+    assert rate_per_instance(rates, "router", "prompt_tokens").empty
