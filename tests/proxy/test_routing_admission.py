@@ -141,8 +141,20 @@ async def test_polls_that_change_nothing_log_nothing_at_info(caplog: pytest.LogC
             async with running_proxy(settings) as (_url, app):
                 await async_wait_until("a fresh routing table", lambda: app.parts.routing.state == "fresh")
                 await async_wait_until("ten polls", lambda: ctl.gets >= 10)
-    polls = [r for r in caplog.records if r.levelno >= logging.INFO and r.name in ("httpx", "proxy.routing")]
-    assert [r.getMessage() for r in polls] == ["routing: now fresh, table version 1"], polls
+        failures = app.parts.routing.poll_failures
+    logged = [r for r in caplog.records if r.levelno >= logging.INFO and r.name in ("httpx", "proxy.routing")]
+    lines = [r.getMessage() for r in logged]
+    if failures == 0:
+        assert lines == ["routing: now fresh, table version 1"], logged
+    else:  # a loaded machine timed a poll out (0.2 s): each failure may log a change of state, and
+        # its recovery another, but the polls that answered and changed nothing still log nothing
+        transitions = (
+            "routing: now fresh,",
+            "routing: no controller reached",
+            "routing: controller unreachable",
+        )
+        assert all(line.startswith(transitions) for line in lines), logged
+        assert len(lines) <= 1 + 2 * failures, logged
 
 
 async def test_advisory_table_is_not_applied() -> None:
