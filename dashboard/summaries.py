@@ -249,33 +249,41 @@ def _by_instance(series: pd.DataFrame) -> tuple[pd.DataFrame, np.ndarray, np.nda
     return series.iloc[order].reset_index(drop=True), key, follows
 
 
-def counter_increases(series: pd.DataFrame, counters: Iterable[str]) -> pd.DataFrame:
-    """Per instance (in order of its first row) and scrape after its first, by time: each counter's increase
-    since the previous scrape (a fall is a restart: the new value is the increase) and the seconds
-    since (``dt``), beside the scrape's ``ts``, ``instance`` and ``role``. Unlike
-    ``pdscope.stats.counter_increase``, a missing value is not skipped: the scrape after it counts its
-    whole value (the per-instance loops this replaced did the same)."""
+def counter_increases(
+    series: pd.DataFrame, counters: Iterable[str], per_second: bool = False
+) -> pd.DataFrame:
+    """Per instance (in order of its first row) and scrape after its first, by time: each counter's
+    increase since the instance's last scrape that had it (a fall is a restart: the new value is the
+    increase), or with ``per_second`` that increase over the seconds between the two; beside the
+    scrape's ``ts``, ``instance`` and (where the frame has it) ``role``. A missing or non-finite value
+    (a failed scrape) has no increase, and the next value counts from the last one present:
+    ``pdscope.stats.counter_increase``'s rule, step by step."""
     mine, key, follows = _by_instance(series)
-    out = mine[["ts", "instance", "role"]].copy()
-    out["dt"] = mine["ts"].groupby(key).diff()
+    out = mine[[c for c in ("ts", "instance", "role") if c in mine]].copy()
+    ts = mine["ts"].astype(float)
     for col in counters:
-        values = mine[col].astype(float)
-        delta = values.groupby(key).diff()
-        out[col] = delta.where(delta >= 0, values)
+        values = pd.to_numeric(mine[col], errors="coerce").astype(float)
+        present = values.where(np.isfinite(values))
+        if present.notna().all():
+            prev, prev_ts = present.groupby(key).shift(), ts.groupby(key).shift()
+        else:
+            prev = present.groupby(key).ffill().groupby(key).shift()
+            prev_ts = ts.where(present.notna()).groupby(key).ffill().groupby(key).shift()
+        delta = present - prev
+        step = delta.where(~(delta < 0), present)
+        out[col] = step / (ts - prev_ts) if per_second else step
     return out[follows].reset_index(drop=True)
 
 
 def interval_rates(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
-    """Per instance and scrape: each counter's rate per second since the previous scrape.
+    """Per instance and scrape: each counter's rate per second since the instance's last scrape that had it.
 
-    A counter that went down (a restart) counts from zero; the first scrape has no rate.
+    A counter that went down (a restart) counts from zero; the first scrape has no rate, nor has a
+    failed one (:func:`counter_increases`).
     """
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "role", *counters])
-    steps = counter_increases(series, counters)
-    for col in counters:
-        steps[col] = steps[col] / steps["dt"]
-    return steps.drop(columns="dt")
+    return counter_increases(series, counters, per_second=True)
 
 
 def rate_per_instance(rates: pd.DataFrame, role: str, column: str) -> pd.DataFrame:
@@ -292,14 +300,17 @@ def rate_per_instance(rates: pd.DataFrame, role: str, column: str) -> pd.DataFra
 
 
 def interval_means(series: pd.DataFrame, sum_col: str, count_col: str, scale: float = 1.0) -> pd.DataFrame:
-    """Per instance and scrape: Δsum/Δcount since the previous scrape (e.g. mean xfer time)."""
+    """Per instance and scrape: Δsum/Δcount since the instance's last scrape that had both (e.g. mean
+    xfer time); a restart counts from zero (:func:`counter_increases`), an interval without a count
+    has no mean."""
     if series.empty:
         return pd.DataFrame(columns=["ts", "instance", "value"])
-    mine, key, _ = _by_instance(series)
-    ds = mine[sum_col].astype(float).groupby(key).diff()
-    dc = mine[count_col].astype(float).groupby(key).diff()
-    value = (ds / dc.where(dc > 0)) * scale
-    out = pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna()
+    both = np.ones(len(series), dtype=bool)
+    for col in (sum_col, count_col):
+        both &= np.isfinite(pd.to_numeric(series[col], errors="coerce").to_numpy(dtype=float))
+    steps = counter_increases(series[both], (sum_col, count_col))
+    value = steps[sum_col] / steps[count_col].where(steps[count_col] > 0) * scale
+    out = pd.DataFrame({"ts": steps["ts"], "instance": steps["instance"], "value": value}).dropna()
     return out.reset_index(drop=True)
 
 

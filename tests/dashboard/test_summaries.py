@@ -37,6 +37,28 @@ def test_interval_rates_handle_a_restart() -> None:
     assert list(rates["generation_tokens"]) == [10.0, 4.0, 10.0]  # the drop counts 20 from zero
 
 
+def test_a_failed_scrape_is_no_spike() -> None:
+    """A failed scrape is stored without counters: it has no rate, and the next scrape's rate runs from
+    the last value present, over the time since it (not its whole value over one interval)."""
+    series = pd.DataFrame(
+        {
+            "ts": [0.0, 5.0, 10.0, 15.0],
+            "instance": ["p"] * 4,
+            "role": ["prefill"] * 4,
+            "nixl_failed_transfers": [400.0, 401.0, None, 403.0],
+            "nixl_xfer_time_sum": [40.0, 41.0, None, 43.0],
+            "nixl_xfer_time_count": [400.0, 410.0, None, 430.0],
+        }
+    )
+    rates = interval_rates(series, ("nixl_failed_transfers",))["nixl_failed_transfers"]
+    assert rates.iloc[0] == pytest.approx(0.2)
+    assert pd.isna(rates.iloc[1])
+    assert rates.iloc[2] == pytest.approx(0.2)  # 2 over the 10 s since 401
+    means = interval_means(series, "nixl_xfer_time_sum", "nixl_xfer_time_count")
+    assert list(means["ts"]) == [5.0, 15.0]
+    assert list(means["value"]) == [pytest.approx(0.1), pytest.approx(0.1)]
+
+
 def test_interval_means_skip_idle_intervals() -> None:
     series = pd.DataFrame(
         {"ts": [0.0, 5.0, 10.0], "instance": ["d"] * 3, "s": [1.0, 1.5, 1.5], "c": [10.0, 20.0, 20.0]}

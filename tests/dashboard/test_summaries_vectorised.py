@@ -44,26 +44,40 @@ def _frame(rng: random.Random) -> pd.DataFrame:
     return frame
 
 
+def _steps_by_loop(mine: pd.DataFrame, col: str, per_second: bool = False) -> list[float]:
+    """One instance's rows by time: each value's increase since the last present one (a fall: the
+    value), over the seconds between them with ``per_second``; NaN for a missing value and the first."""
+    out, prev, prev_ts = [], None, None
+    for ts, raw in zip(mine["ts"], mine[col], strict=True):
+        v = None if raw is None or not math.isfinite(float(raw)) else float(raw)
+        if v is None or prev is None or prev_ts is None:
+            out.append(math.nan)
+        else:
+            step = v - prev if v >= prev else v
+            out.append(step / (float(ts) - prev_ts) if per_second else step)
+        if v is not None:
+            prev, prev_ts = v, float(ts)
+    return out
+
+
 def _rates_by_loop(series: pd.DataFrame, counters: tuple[str, ...]) -> pd.DataFrame:
     parts = []
     for _, mine in series.groupby("instance", sort=False):
         mine = mine.sort_values("ts", kind="stable")
-        dt = mine["ts"].diff()
         out = mine[["ts", "instance", "role"]].copy()
         for col in counters:
-            values = mine[col].astype(float)
-            delta = values.diff()
-            out[col] = delta.where(delta >= 0, values) / dt
+            out[col] = _steps_by_loop(mine, col, per_second=True)
         parts.append(out.iloc[1:])
     return pd.concat(parts, ignore_index=True)
 
 
 def _means_by_loop(series: pd.DataFrame, sum_col: str, count_col: str) -> pd.DataFrame:
     parts = []
-    for _, mine in series.groupby("instance", sort=False):
+    both = series[series[sum_col].notna() & series[count_col].notna()]
+    for _, mine in both.groupby("instance", sort=False):
         mine = mine.sort_values("ts", kind="stable")
-        ds, dc = mine[sum_col].astype(float).diff(), mine[count_col].astype(float).diff()
-        value = ds / dc.where(dc > 0)
+        ds, dc = _steps_by_loop(mine, sum_col), _steps_by_loop(mine, count_col)
+        value = [s / c if c > 0 else math.nan for s, c in zip(ds, dc, strict=True)]
         parts.append(pd.DataFrame({"ts": mine["ts"], "instance": mine["instance"], "value": value}).dropna())
     return pd.concat(parts, ignore_index=True)
 
@@ -88,9 +102,7 @@ def test_increase_is_the_counter_rule(seed: int) -> None:
 
 
 def _increases_by_loop(mine: pd.DataFrame, column: str) -> pd.Series:
-    values = mine[column].astype(float)
-    delta = values.diff()
-    return delta.where(delta >= 0, values)
+    return pd.Series(_steps_by_loop(mine, column), index=mine.index)
 
 
 def _window_hit_rates_by_loop(series: pd.DataFrame) -> dict[str, tuple[object, object]]:
