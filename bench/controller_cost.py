@@ -16,7 +16,8 @@ drifted from the store between whole reads would differ. (That a window laid out
 
 CPython's full garbage collections are paced as the serving loop paces them (``controller.gcpace``): off
 during the ticks, one after them, its CPU spread over ``controller.full_collection_every`` ticks in each
-tick's figure (``--full-collection-every 0``: CPython's own pacing, inside the ticks, as before).
+tick's figure; what each tick kept is frozen after it, as the loop does (``--full-collection-every 0``:
+CPython's own pacing, inside the ticks, as before).
 
 Baseline, measured in the same run on the same store: one plain read of the rows the window
 covers (every snapshot and request-record column of the window, fetched into Python), the
@@ -241,7 +242,8 @@ def _ticks(
     from ``start`` and that interval's records arriving before each tick; each tick's SLO figures and
     instance signals; and the server's part of each tick's CPU. CPython's full garbage collections are
     paced as the serving loop paces them (``controller.full_collection_every``, :mod:`controller.gcpace`):
-    off during the ticks, and one run after them, its CPU spread over that many ticks in each tick's."""
+    off during the ticks, what each tick kept frozen after it, and one run after them, its CPU spread over
+    that many ticks in each tick's."""
     interval = settings.controller.interval_s
     clock_now = [start]
     rec = Reconciler(
@@ -260,6 +262,8 @@ def _ticks(
                 _arrive(factory, clock_now[0] - interval, clock_now[0])
             s0 = server_cpu()
             spent, _ = cpu(rec.tick)
+            if rec.collections.every:
+                rec.collections.settle()  # as the loop does after each step
             obs = rec.view().obs
             slo.append(None if obs is None else (obs.slo, obs.tenants, obs.instances, obs.pools, obs.pairs))
             if i:

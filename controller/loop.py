@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from analysis.rates import RateFacts, fit_rates
 from controller import observe as observe_mod
 from controller.effects import Bundler, Effects, Tick
-from controller.gcpace import FullCollections
+from controller.gcpace import FullCollections, young_threshold
 from controller.kept import KeptReads
 from controller.leader import (
     Deposed,
@@ -175,7 +175,7 @@ class Reconciler:
         # the leader's fitted rates (controller.rates); the reads kept between its ticks (controller.kept)
         self._rates = RatesGate(every_s=settings.controller.rates_every_s)
         self._kept = KeptReads(self.settings.controller.whole_read_every_s)
-        self.collections = FullCollections(settings.controller.full_collection_every)
+        self.collections = _collections(settings)
 
     def _new_kept(self) -> KeptReads:
         """Reads kept from now on (the next tick reads its windows whole), each window's counts of the
@@ -583,6 +583,13 @@ class Reconciler:
     def _paced_step(self) -> None:
         self.step()
         self.collections.after_step()
+
+
+def _collections(settings: Settings) -> FullCollections:
+    """The serving loop's garbage collections: the full ones at ``controller.full_collection_every``, and
+    the young ones' threshold above the working set of a tick over this fleet (:mod:`controller.gcpace`)."""
+    instances = sum(1 for _ in settings.instances())
+    return FullCollections(settings.controller.full_collection_every, young=young_threshold(instances))
 
 
 def _stamped(table: RoutingTable, epoch: int | None) -> RoutingTable:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from controller.gcpace import OFF, YOUNG, FullCollections
+from controller.gcpace import OFF, YOUNG, YOUNG_PER_INSTANCE, FullCollections, young_threshold
 from tests.controller.conftest import World
 from tests.support.waiting import async_wait_until
 
@@ -68,7 +68,8 @@ def test_none_paced_leaves_cpython_alone(thresholds: tuple[int, int, int]) -> No
     assert (pacer.runs, pacer.seconds) == (0, 0.0)
 
 
-def test_a_cycle_is_freed_by_the_every_th_step(thresholds: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("age", ["young", "old"])
+def test_a_cycle_is_freed_by_the_every_th_step(thresholds: tuple[int, int, int], age: str) -> None:
     ticks = iter([10.0, 10.5, 20.0, 20.25])
     pacer = FullCollections(3, clock=lambda: next(ticks))
     was_enabled = gc.isenabled()
@@ -76,9 +77,13 @@ def test_a_cycle_is_freed_by_the_every_th_step(thresholds: tuple[int, int, int])
     try:
         with pacer:
             cycle = _Cycle()
+            if age == "old":
+                gc.collect()  # it survives a full collection: in the oldest generation
             ref = weakref.ref(cycle)
             del cycle
             assert [pacer.after_step(), pacer.after_step()] == [0.0, 0.0]
+            assert ref() is not None
+            gc.collect(1)  # a young collection passes over what a step left frozen
             assert ref() is not None
             assert pacer.after_step() == 0.5
             assert ref() is None
@@ -87,6 +92,33 @@ def test_a_cycle_is_freed_by_the_every_th_step(thresholds: tuple[int, int, int])
         if was_enabled:
             gc.enable()
     assert (pacer.runs, pacer.seconds) == (2, 0.75)
+
+
+def test_what_a_step_kept_is_frozen_until_the_next_full_collection(thresholds: tuple[int, int, int]) -> None:
+    pacer = FullCollections(2)
+    assert gc.get_freeze_count() == 0
+    with pacer:
+        pacer.after_step()
+        assert gc.get_freeze_count() > 0
+        pacer.after_step()  # the full one
+        assert gc.get_freeze_count() == 0
+        pacer.after_step()
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0  # the last loop out unfreezes
+    FullCollections(2).settle()  # not entered: nothing frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_young_threshold_is_above_a_ticks_working_set(thresholds: tuple[int, int, int]) -> None:
+    assert young_threshold(10) == YOUNG  # never under the least
+    assert young_threshold(10_000) == YOUNG_PER_INSTANCE * 10_000 > YOUNG
+    gc.set_threshold(700, 10, 10)
+    with FullCollections(15, young=young_threshold(10_000)):
+        assert gc.get_threshold() == (YOUNG_PER_INSTANCE * 10_000, 10, OFF)
+    assert gc.get_threshold() == (700, 10, 10)
+    gc.set_threshold(0, 10, 10)  # automatic collection off: kept off
+    with FullCollections(15, young=young_threshold(10_000)):
+        assert gc.get_threshold() == (0, 10, OFF)
 
 
 def test_a_negative_pace_is_refused() -> None:
@@ -123,3 +155,9 @@ def test_a_loop_not_entered_leaves_cpython_its_pacing(thresholds: tuple[int, int
     pacer = FullCollections(1)
     assert [pacer.after_step() for _ in range(3)] == [0.0, 0.0, 0.0]
     assert pacer.runs == 0 and gc.get_threshold() == thresholds
+
+
+def test_the_loop_sizes_its_young_threshold_by_its_fleet(world: World) -> None:
+    instances = sum(1 for _ in world.settings.instances())
+    assert world.reconciler.collections.young == young_threshold(instances)
+    assert world.reconciler.collections.every == world.settings.controller.full_collection_every
