@@ -271,7 +271,10 @@ def counter_increases(
             prev_ts = ts.where(present.notna()).groupby(key).ffill().groupby(key).shift()
         delta = present - prev
         step = delta.where(~(delta < 0), present)
-        out[col] = step / (ts - prev_ts) if per_second else step
+        if per_second:  # two scrapes at one time have no interval: no rate, not an infinite one
+            dt = ts - prev_ts
+            step = step / dt.where(dt > 0)
+        out[col] = step
     return out[follows].reset_index(drop=True)
 
 

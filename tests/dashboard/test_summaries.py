@@ -59,6 +59,21 @@ def test_a_failed_scrape_is_no_spike() -> None:
     assert list(means["value"]) == [pytest.approx(0.1), pytest.approx(0.1)]
 
 
+def test_two_scrapes_at_one_time_have_no_rate() -> None:
+    series = pd.DataFrame(
+        {
+            "ts": [0.0, 5.0, 5.0, 10.0],
+            "instance": ["d"] * 4,
+            "role": ["decode"] * 4,
+            "c": [0.0, 5.0, 6.0, 11.0],
+        }
+    )
+    rates = interval_rates(series, ("c",))["c"]
+    assert rates.iloc[0] == pytest.approx(1.0)
+    assert pd.isna(rates.iloc[1])
+    assert rates.iloc[2] == pytest.approx(1.0)
+
+
 def test_interval_means_skip_idle_intervals() -> None:
     series = pd.DataFrame(
         {"ts": [0.0, 5.0, 10.0], "instance": ["d"] * 3, "s": [1.0, 1.5, 1.5], "c": [10.0, 20.0, 20.0]}
