@@ -466,3 +466,35 @@ def test_a_cause_on_one_pair_stays_on_it_while_slow_handoffs_spread_over_the_d()
     # expired leases on the handoffs of every P into one D: every link into it
     lost = [replace(r, lease_expired=True, transfer_failed=False) for r in slow]
     assert [(g.place, g.cause) for g in run(healthy(30) + lost).groups] == [("*->decode-1", "lease_expired")]
+
+
+def _into_d1(start: int, through_p0: int, through_p1: int, **kw: object) -> list[StageRecord]:
+    return [
+        rec(start + k, "prefill-0" if k < through_p0 else "prefill-1", "decode-1", **kw)  # type: ignore[arg-type]
+        for k in range(through_p0 + through_p1)
+    ]
+
+
+def test_a_d_queue_stays_the_ds_when_one_pair_holds_what_chance_gives_the_most_of_two() -> None:
+    """12 of 16 slow handoffs into a D through one of two Ps that carried its requests alike: either
+    pair holds that many by chance in one run of thirteen (3.8 % each), so the D's queue, not a link."""
+    slow = _into_d1(1000, 12, 4, handoff=0.8)
+    calm = _into_d1(1100, 10, 14)  # the D's healthy requests: 22 through each P with the misses
+    a = run(healthy(30) + calm + slow)
+    assert [(g.stage, g.place) for g in a.groups] == [("d_queue", "decode-1")]
+    # 15 of 16 is a link (either pair 0.05 %)
+    link = _into_d1(1000, 15, 1, handoff=0.8)
+    calm = _into_d1(1100, 7, 21)
+    assert run(healthy(30) + calm + link).top[0].place == "prefill-0->decode-1"
+
+
+def test_misses_through_the_p_that_carried_most_of_a_ds_requests_are_its_queue() -> None:
+    """A proxy that sent four in five of a D's requests through one P (it picks P and D each on its own
+    load) has four in five of the D's misses there when the D is slow: its queue."""
+    slow = _into_d1(1000, 14, 2, handoff=0.8)
+    calm = _into_d1(1100, 66, 18)  # with the misses: 80 through prefill-0, 20 through prefill-1
+    a = run(healthy(30) + calm + slow)
+    assert [(g.stage, g.place) for g in a.groups] == [("d_queue", "decode-1")]
+    # the same misses where each P carried half the D's requests: that pair is the link
+    calm = _into_d1(1100, 36, 48)
+    assert run(healthy(30) + calm + slow).top[0].place == "prefill-0->decode-1"

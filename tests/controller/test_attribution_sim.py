@@ -266,7 +266,7 @@ async def test_attribution_names_the_broken_stage_and_place(kind: str, tmp_path:
         h.fleet.remove_fault(fid)
         await h.forensics_after(t_end)
         a = await asyncio.to_thread(h.attribution, t_fault, t_end)
-        log.info("%s: %s", kind, [g.message for g in a.top])
+        log.info("%s: %s", kind, [g.message for g in a.groups])  # all of them: what lost, and by how much
         top = a.top[0]
         assert sc.matches(top), a.top
         assert top.share > sc.min_share, a.top
