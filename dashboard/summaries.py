@@ -32,17 +32,24 @@ def attribute_frame(
     return pd.DataFrame(rows, columns=list(columns))
 
 
-def _increase(df: pd.DataFrame, column: str) -> float:
-    """``pdscope.stats.counter_increase`` of a column (missing and non-finite values skipped; a drop is a
-    restart), over arrays; NaN where it has no increase."""
-    if column not in df:
-        return float("nan")
-    v = pd.to_numeric(df[column], errors="coerce").to_numpy(dtype=float)
-    v = v[np.isfinite(v)]
-    if len(v) < 2:
-        return float("nan")
-    step = np.diff(v)
-    return float(np.where(step >= 0, step, v[1:]).sum())
+def counter_totals(
+    series: pd.DataFrame, counters: Sequence[str], by: Sequence[str] = ("instance",)
+) -> pd.DataFrame:
+    """Per ``by`` group of the rows with an instance: each counter's increase over the frame, the sum of its
+    steps (:func:`counter_increases`: ``pdscope.stats.counter_increase``'s rule); NaN where the group's
+    counter has no step (fewer than two values present) or the frame has no such counter."""
+    if series.empty or not set(by) <= set(series.columns):
+        return pd.DataFrame(columns=list(counters), dtype=float)
+    keys = series.dropna(subset=["instance"]).groupby(list(by), sort=True).size().index
+    present = [c for c in counters if c in series]
+    if not present:
+        return pd.DataFrame(np.nan, index=keys, columns=list(counters))
+    steps = counter_increases(series, present).groupby(list(by), sort=True)[present].sum(min_count=1)
+    return steps.reindex(index=keys, columns=list(counters))
+
+
+def _total(totals: pd.DataFrame, key: object, column: str) -> float:
+    return float(totals.at[key, column]) if key in totals.index else float("nan")
 
 
 def _quantiles_ms(edges: tuple[Any, Any] | None, family: str, qs: tuple[float, ...]) -> list[float | None]:
@@ -56,6 +63,25 @@ def _quantiles_ms(edges: tuple[Any, Any] | None, family: str, qs: tuple[float, .
     return out
 
 
+_HEALTH_COUNTERS = (
+    "nixl_xfer_time_sum",
+    "nixl_xfer_time_count",
+    "nixl_failed_transfers",
+    "nixl_kv_expired_reqs",
+)
+# nixl_per_instance's, in the order it unpacks them
+_NIXL_COUNTERS = (
+    "nixl_xfer_time_count",
+    "nixl_xfer_time_sum",
+    "nixl_post_time_sum",
+    "nixl_post_time_count",
+    "nixl_bytes_sum",
+    "nixl_descriptors_sum",
+    "nixl_failed_transfers",
+    "nixl_kv_expired_reqs",
+)
+
+
 def instance_health(
     series: pd.DataFrame,
     latest: pd.DataFrame,
@@ -67,12 +93,12 @@ def instance_health(
     """
     weight_of = dict(zip(weights["subject"], weights["weight"], strict=False)) if not weights.empty else {}
     rows = []
+    totals = counter_totals(series, _HEALTH_COUNTERS)
     for _, snap in latest.iterrows():
         name = snap["instance"]
-        mine = series[series["instance"] == name] if not series.empty else series
         ttft50, ttft99 = _quantiles_ms(edges.get(name), "ttft", (0.5, 0.99))
         itl50, itl99 = _quantiles_ms(edges.get(name), "itl", (0.5, 0.99))
-        xfer = ratio(_increase(mine, "nixl_xfer_time_sum"), _increase(mine, "nixl_xfer_time_count"))
+        xfer = ratio(_total(totals, name, "nixl_xfer_time_sum"), _total(totals, name, "nixl_xfer_time_count"))
         rows.append(
             {
                 "instance": name,
@@ -90,8 +116,8 @@ def instance_health(
                 "itl_p50_ms": itl50,
                 "itl_p99_ms": itl99,
                 "nixl_xfer_mean_ms": None if xfer is None or np.isnan(xfer) else xfer * 1000.0,
-                "nixl_failed": _increase(mine, "nixl_failed_transfers"),
-                "expired_leases": _increase(mine, "nixl_kv_expired_reqs"),
+                "nixl_failed": _total(totals, name, "nixl_failed_transfers"),
+                "expired_leases": _total(totals, name, "nixl_kv_expired_reqs"),
                 "last_scrape": snap["ts"],
             }
         )
@@ -123,15 +149,9 @@ def nixl_per_instance(series: pd.DataFrame, edges: Mapping[str, tuple[Any, Any]]
     rows = []
     if series.empty:
         return pd.DataFrame()
-    for (name, role), mine in series.groupby(["instance", "role"], sort=True):
-        transfers = _increase(mine, "nixl_xfer_time_count")
-        xfer_s = _increase(mine, "nixl_xfer_time_sum")
-        post_s = _increase(mine, "nixl_post_time_sum")
-        posts = _increase(mine, "nixl_post_time_count")
-        nbytes = _increase(mine, "nixl_bytes_sum")
-        descs = _increase(mine, "nixl_descriptors_sum")
-        failed = _increase(mine, "nixl_failed_transfers")
-        expired = _increase(mine, "nixl_kv_expired_reqs")
+    totals = counter_totals(series, _NIXL_COUNTERS, by=("instance", "role"))
+    for (name, role), got in totals.iterrows():
+        transfers, xfer_s, post_s, posts, nbytes, descs, failed, expired = (float(v) for v in got)
         if not any(v > 0 for v in (transfers, failed, expired) if not np.isnan(v)):
             continue
         x50, x90, x99 = _quantiles_ms(edges.get(name), "nixl_xfer_time", (0.5, 0.9, 0.99))

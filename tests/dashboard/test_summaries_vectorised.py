@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from dashboard import prefix
-from dashboard.summaries import _increase, interval_means, interval_rates
+from dashboard.summaries import counter_totals, interval_means, interval_rates
 from pdscope.stats import counter_increase
 
 
@@ -90,15 +90,18 @@ def test_rates_and_means_equal_the_per_instance_rules(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_increase_is_the_counter_rule(seed: int) -> None:
+def test_totals_are_the_counter_rule(seed: int) -> None:
     series = _frame(random.Random(seed))
-    for _, mine in series.groupby("instance"):
-        mine = mine.sort_values("ts")
+    totals = counter_totals(series, ("c", "n", "absent"))
+    names = series["instance"].dropna().unique()
+    assert sorted(totals.index) == sorted(names)
+    for name in names:
+        mine = series[series["instance"] == name].sort_values("ts", kind="stable")
         for col in ("c", "n"):
             want = counter_increase([None if pd.isna(v) else float(v) for v in mine[col]])
-            got = _increase(mine, col)
+            got = totals.at[name, col]
             assert (want is None and np.isnan(got)) or got == pytest.approx(want, rel=1e-12)
-    assert np.isnan(_increase(series, "absent"))
+        assert np.isnan(totals.at[name, "absent"])
 
 
 def _increases_by_loop(mine: pd.DataFrame, column: str) -> pd.Series:
@@ -146,3 +149,8 @@ def test_prefix_hit_rates_equal_the_per_instance_rules(seed: int) -> None:
     loop = _bucketed_by_loop(series, 2.0, 15.0)
     pd.testing.assert_frame_equal(bucketed[loop.columns], loop, check_exact=False, rtol=1e-12)
     assert bucketed["external_prefix_cache_queries"].isna().all()
+
+
+def test_totals_of_no_scrapes_are_empty() -> None:
+    assert counter_totals(pd.DataFrame(), ("c",)).empty
+    assert counter_totals(pd.DataFrame(columns=["ts", "instance", "c"]), ("c",)).empty
