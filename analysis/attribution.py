@@ -50,9 +50,9 @@ prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), `
 
 **Link, D or D queue:** the misses with pair-charged excess of one kind (a slow handoff, or one
 cause) on one D (handoffs, failed attempts) are a bad link when one pair has at least
-``link_concentration`` of them, more than a spread over the pairs as the window's requests were would
-give it by chance (binomial tail, times the number of pairs, under 1 %), or the D was reached from
-one P only. Spread over the pairs of
+``link_concentration`` of them, more than chance would give it were they spread over the pairs as the
+window's met requests were (binomial tail, times the number of pairs, under 1 %), or the D's misses
+came through one P only. Spread over the pairs of
 several P's they are the D's: a slow handoff is charged to ``*->D`` (every link into the D: its
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
@@ -505,32 +505,33 @@ Pair = tuple[str, str]  # (P, D)
 
 
 def spread_ds(
-    misses: Sequence[Sequence[StageExcess]], link_concentration: float, traffic: Mapping[Pair, int]
+    misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
 ) -> set[tuple[str, str]]:
     """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
     kind (a slow handoff, or its cause) are spread over the pairs of several P's: no pair holds them
     (:func:`_held_by_one`; counted, not weighed: the excess of one miss varies with its place in a
-    queue, the pair it was on does not). ``traffic``: the window's requests per pair."""
-    return _spread(misses, link_concentration, 1, traffic)
+    queue, the pair it was on does not). ``met``: the window's met requests per pair."""
+    return _spread(misses, link_concentration, 1, met)
 
 
 def spread_ps(
-    misses: Sequence[Sequence[StageExcess]], link_concentration: float, traffic: Mapping[Pair, int]
+    misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
 ) -> set[tuple[str, str]]:
     """The (P, kind) whose pair-charged misses of that kind are spread over the pairs of several D's
     alike: a P slow (or failing) toward every D, its row of the P×D matrix. A D's rule comes first
     (:func:`spread_ds`): where both apply (every pair slow), the D's queue or links are charged."""
-    return _spread(misses, link_concentration, 0, traffic)
+    return _spread(misses, link_concentration, 0, met)
 
 
 def _spread(
     misses: Sequence[Sequence[StageExcess]],
     link_concentration: float,
     side: int,
-    traffic: Mapping[Pair, int],
+    met: Mapping[Pair, int],
 ) -> set[tuple[str, str]]:
-    """(instance, kind) on ``side`` (0: P, 1: D) of the pairs whose misses no one pair holds, over two
-    pairs or more."""
+    """(instance, kind) on ``side`` (0: P, 1: D) whose misses no one pair holds, over two pairs or more
+    (``met``: the met requests per pair). Misses on one pair only are that pair's: were every miss on it
+    too few to tell from chance, nothing else could tell either."""
     by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
         pairs = {
@@ -540,38 +541,40 @@ def _spread(
         }
         for key, other in pairs:
             by[key][other] += 1
-
-    def carried(one: str, other: str) -> int:
-        return traffic.get((one, other) if side == 0 else (other, one), 0)
-
+    reached: dict[str, dict[str, int]] = defaultdict(dict)  # an instance -> its pairs' met requests
+    for pd, n in met.items():
+        reached[pd[side]][pd[1 - side]] = n
     return {
         key
         for key, per in by.items()
-        if len(per) >= 2 and not _held_by_one(per, {o: carried(key[0], o) for o in per}, link_concentration)
+        if len(per) >= 2 and not _held_by_one(per, reached.get(key[0], {}), link_concentration)
     }
 
 
 # A pair holds the misses only when so many of them on one pair would be this unlikely were they spread
-# over the pairs that have any as the requests were (the binomial tail, one-sided), for the pair that
-# holds the most of them: the tail times the number of pairs (one of them is the most by chance).
+# over the pairs as the met requests were: the binomial tail, one-sided, times the number of pairs (the
+# pair is the one with the most: any of them could have been).
 HELD_P = 0.01
 
 
-def _held_by_one(per: dict[str, int], carried: dict[str, int], link_concentration: float) -> bool:
-    """Whether one pair holds ``per``'s misses (counted per pair): at least ``link_concentration`` of
-    them, and more than chance would give it were they spread over those pairs as their requests were
-    (``carried``, per pair, plus one: a pair seen only in failed attempts carried some): the binomial
-    tail, times the number of pairs, under :data:`HELD_P`.
+def _held_by_one(per: dict[str, int], met: dict[str, int], link_concentration: float) -> bool:
+    """Whether one pair holds ``per``'s misses (counted per pair): at least ``link_concentration`` of them,
+    and more than chance would give it were they spread over the pairs as the window's met requests were
+    (``met``, per pair, plus one: a pair whose every request missed carried some): its binomial tail,
+    times the number of pairs (those with a miss or a met request), under :data:`HELD_P`.
 
-    Without the second test, 12 of 17 misses through one of two Ps (a 14 % chance under an even
-    spread) read as a bad link when the D's queue was the fault. Under 5 % for the pair with the
-    most, against an even spread, 12 of 16 misses through one of two Ps read so in about one run in
-    thirteen of a D queue's fault (either pair 3.8 %); and a proxy that sends more of the D's requests
-    through one P (it picks each side on its own load) puts more of the D's misses there too."""
-    n, (other, top) = sum(per.values()), max(per.items(), key=lambda kv: (kv[1], kv[0]))
-    weight = {o: carried.get(o, 0) + 1 for o in per}
-    share = weight[other] / sum(weight.values())
-    return top / n >= link_concentration and _tail(n, top, share) * len(per) < HELD_P
+    Against the met requests, not all of them: a bad link's own misses are most of its pair's requests,
+    and counted there they made the pair look as busy as its misses. Against every pair that reached the
+    instance, not only those with a miss: a share among those alone is larger than the pair's. Without
+    the test, 12 of 17 misses through one of two Ps (a 14 % chance under an even spread) read as a bad
+    link when the D's queue was the fault; under 5 % for the pair with the most, against an even spread,
+    12 of 16 misses through one of two Ps read so in about one run in thirteen of a D queue's fault; and a
+    proxy that sends more of the D's requests through one P (it picks each side on its own load) puts
+    more of the D's misses there too."""
+    n, (held, top) = sum(per.values()), max(per.items(), key=lambda kv: kv[1])
+    weight = {o: met.get(o, 0) + 1 for o in per.keys() | met.keys()}
+    share = weight[held] / sum(weight.values())
+    return top / n >= link_concentration and _tail(n, top, share) * len(weight) < HELD_P
 
 
 def _tail(n: int, k: int, p: float) -> float:
@@ -738,9 +741,13 @@ def attribute(
         for r, d, v in zip(records, durations, verdicts, strict=True)
         if v
     ]
-    traffic = Counter((r.p_instance, r.d_instance) for r in records if r.p_instance and r.d_instance)
-    spread = spread_ds([s for _, s, _ in raw], link_concentration, traffic)
-    spread_p = frozenset(spread_ps([s for _, s, _ in raw], link_concentration, traffic))
+    met = Counter(
+        (r.p_instance, r.d_instance)
+        for r, v in zip(records, verdicts, strict=True)
+        if not v and r.p_instance and r.d_instance
+    )
+    spread = spread_ds([s for _, s, _ in raw], link_concentration, met)
+    spread_p = frozenset(spread_ps([s for _, s, _ in raw], link_concentration, met))
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:

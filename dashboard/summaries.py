@@ -40,7 +40,7 @@ def counter_totals(
     counter has no step (fewer than two values present) or the frame has no such counter."""
     if series.empty or not set(by) <= set(series.columns):
         return pd.DataFrame(columns=list(counters), dtype=float)
-    keys = series.dropna(subset=["instance"]).groupby(list(by), sort=True).size().index
+    keys = series.dropna(subset=list(by)).groupby(list(by), sort=True).size().index
     present = [c for c in counters if c in series]
     if not present:
         return pd.DataFrame(np.nan, index=keys, columns=list(counters))
