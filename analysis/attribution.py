@@ -49,11 +49,12 @@ prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), `
 (its D counted NIXL failures while it ran) or ``failed:<the proxy's error kind>``.
 
 **Link, D or D queue:** the misses with pair-charged excess of one kind (a slow handoff, or one
-cause) on one D (handoffs, failed attempts) are a bad link when one pair has at least
-``link_concentration`` of them, more than chance would give it were they spread over the pairs as the
-window's met requests were (binomial tail, times the number of pairs, under 1 %), or the D's misses
-came through one P only. Spread over the pairs of
-several P's they are the D's: a slow handoff is charged to ``*->D`` (every link into the D: its
+cause) on one D (handoffs, failed attempts) that came through one P only are that link. Over several
+P's, a pair *holds* its own (a bad link) when it has more of them than chance would give it were they
+spread over the pairs as the window's met requests were (binomial tail, times the number of pairs,
+under 1 %), and by a margin: ``link_concentration`` of them, or twice its share of the met requests.
+The misses left beside the pairs that hold theirs are the D's: a slow handoff is charged to ``*->D``
+(every link into the D: its
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
 healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a flagged or
@@ -502,21 +503,24 @@ def _kind(s: StageExcess) -> str:
 
 
 Pair = tuple[str, str]  # (P, D)
+# (instance, kind) -> the other ends of those of its pairs that hold their own misses
+Spread = dict[tuple[str, str], frozenset[str]]
 
 
 def spread_ds(
     misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
-) -> set[tuple[str, str]]:
+) -> Spread:
     """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
-    kind (a slow handoff, or its cause) are spread over the pairs of several P's: no pair holds them
-    (:func:`_held_by_one`; counted, not weighed: the excess of one miss varies with its place in a
-    queue, the pair it was on does not). ``met``: the window's met requests per pair."""
+    kind (a slow handoff, or its cause) are spread over the pairs of several P's, each with the Ps whose
+    pairs hold their own misses (:func:`_holds`: links, their misses left on them); counted, not weighed:
+    the excess of one miss varies with its place in a queue, the pair it was on does not. ``met``: the
+    window's met requests per pair."""
     return _spread(misses, link_concentration, 1, met)
 
 
 def spread_ps(
     misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
-) -> set[tuple[str, str]]:
+) -> Spread:
     """The (P, kind) whose pair-charged misses of that kind are spread over the pairs of several D's
     alike: a P slow (or failing) toward every D, its row of the P×D matrix. A D's rule comes first
     (:func:`spread_ds`): where both apply (every pair slow), the D's queue or links are charged."""
@@ -528,8 +532,9 @@ def _spread(
     link_concentration: float,
     side: int,
     met: Mapping[Pair, int],
-) -> set[tuple[str, str]]:
-    """(instance, kind) on ``side`` (0: P, 1: D) whose misses no one pair holds, over two pairs or more
+) -> Spread:
+    """(instance, kind) on ``side`` (0: P, 1: D) whose misses are over two pairs or more, with the other
+    ends of those of its pairs that hold their misses, where some misses are left beside them
     (``met``: the met requests per pair). Misses on one pair only are that pair's: were every miss on it
     too few to tell from chance, nothing else could tell either."""
     by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -544,37 +549,46 @@ def _spread(
     reached: dict[str, dict[str, int]] = defaultdict(dict)  # an instance -> its pairs' met requests
     for pd, n in met.items():
         reached[pd[side]][pd[1 - side]] = n
-    return {
-        key
-        for key, per in by.items()
-        if len(per) >= 2 and not _held_by_one(per, reached.get(key[0], {}), link_concentration)
-    }
+    out: Spread = {}
+    for key, per in by.items():
+        held = _holds(per, reached.get(key[0], {}), link_concentration) if len(per) >= 2 else set(per)
+        if held != per.keys():  # misses left beside the links: the instance's
+            out[key] = frozenset(held)
+    return out
 
 
-# A pair holds the misses only when so many of them on one pair would be this unlikely were they spread
-# over the pairs as the met requests were: the binomial tail, one-sided, times the number of pairs (the
-# pair is the one with the most: any of them could have been).
+# A pair holds its misses only when so many of them on it would be this unlikely were they spread over
+# the pairs as the met requests were: the binomial tail, one-sided, times the number of pairs (any of
+# them could have been the one).
 HELD_P = 0.01
 
 
-def _held_by_one(per: dict[str, int], met: dict[str, int], link_concentration: float) -> bool:
-    """Whether one pair holds ``per``'s misses (counted per pair): at least ``link_concentration`` of them,
-    and more than chance would give it were they spread over the pairs as the window's met requests were
-    (``met``, per pair, plus one: a pair whose every request missed carried some): its binomial tail,
-    times the number of pairs (those with a miss or a met request), under :data:`HELD_P`.
+def _holds(per: dict[str, int], met: dict[str, int], link_concentration: float) -> set[str]:
+    """The pairs (by their other end) that hold their misses, of ``per``'s (counted per pair): each with
+    more than chance would give it were they spread over the pairs as the window's met requests were
+    (``met``, per pair, plus one: a pair whose every request missed carried some; its binomial tail,
+    times the number of pairs with a miss or a met request, under :data:`HELD_P`), and by a margin: at
+    least ``link_concentration`` of the misses, or twice its share of the met requests.
 
     Against the met requests, not all of them: a bad link's own misses are most of its pair's requests,
     and counted there they made the pair look as busy as its misses. Against every pair that reached the
-    instance, not only those with a miss: a share among those alone is larger than the pair's. Without
-    the test, 12 of 17 misses through one of two Ps (a 14 % chance under an even spread) read as a bad
-    link when the D's queue was the fault; under 5 % for the pair with the most, against an even spread,
-    12 of 16 misses through one of two Ps read so in about one run in thirteen of a D queue's fault; and a
-    proxy that sends more of the D's requests through one P (it picks each side on its own load) puts
-    more of the D's misses there too."""
-    n, (held, top) = sum(per.values()), max(per.items(), key=lambda kv: kv[1])
+    instance, not only those with a miss: a share among those alone is larger than the pair's. Pair by
+    pair, not the one with the most: a link beside a D's few stray misses elsewhere, on a pair that
+    carried a tenth of the D's requests, held under 70 % of the D's misses and read as the D's. Without
+    the chance test, 12 of 17 misses through one of two Ps (a 14 % chance under an even spread) read as
+    a bad link when the D's queue was the fault; under 5 % for the pair with the most, against an even
+    spread, 12 of 16 misses through one of two Ps read so in about one run in thirteen of a D queue's
+    fault; and a proxy that sends more of the D's requests through one P (it picks each side on its own
+    load) puts more of the D's misses there too."""
+    n = sum(per.values())
     weight = {o: met.get(o, 0) + 1 for o in per.keys() | met.keys()}
-    share = weight[held] / sum(weight.values())
-    return top / n >= link_concentration and _tail(n, top, share) * len(weight) < HELD_P
+    total = sum(weight.values())
+    held = set()
+    for other, k in per.items():
+        share = weight[other] / total
+        if k / n >= min(link_concentration, 2.0 * share) and _tail(n, k, share) * len(weight) < HELD_P:
+            held.add(other)
+    return held
 
 
 def _tail(n: int, k: int, p: float) -> float:
@@ -584,11 +598,12 @@ def _tail(n: int, k: int, p: float) -> float:
 
 def slow_pulls(
     raw: Sequence[tuple[StageRecord, Sequence[StageExcess]]],
-    spread: set[tuple[str, str]],
+    spread: Spread,
     base: dict[str, float],
 ) -> set[str]:
-    """The spread D's whose KV pulls were slow: over their slow handoffs, the D's median NIXL transfer
-    time is at least :data:`SLOW_TRANSFER_RATIO` times the healthy requests' (``transfer``)."""
+    """The spread D's whose KV pulls were slow: over their slow handoffs (but those of its pairs that hold
+    their own: links), the D's median NIXL transfer time is at least :data:`SLOW_TRANSFER_RATIO` times
+    the healthy requests' (``transfer``)."""
     healthy = base.get(TRANSFER, 0.0)
     if healthy <= 0:
         return set()
@@ -597,7 +612,7 @@ def slow_pulls(
         d = r.d_instance
         if (
             d is not None
-            and (d, "slow") in spread
+            and r.p_instance not in spread.get((d, "slow"), {r.p_instance})
             and r.transfer_s is not None
             and any(_slow_handoff(s) for s in stages)
         ):
@@ -611,20 +626,28 @@ def _slow_handoff(s: StageExcess) -> bool:
 
 def _relabel(
     stages: Sequence[StageExcess],
-    spread: set[tuple[str, str]],
+    spread: Spread,
     slow_pull: set[str],
-    spread_p: frozenset[tuple[str, str]] = frozenset(),
+    spread_p: Spread | None = None,
 ) -> tuple[StageExcess, ...]:
-    """Charge a spread D's excess to the D: a slow handoff to every link into it when its KV pulls
-    were slow, else to its queue; a failed attempt or a flagged or failed handoff to every link. A
-    spread P's (``spread_p``, where its D's is not) to every link out of it."""
+    """Charge a spread D's excess to the D, but on the pairs that hold their own: a slow handoff to every
+    link into it when its KV pulls were slow, else to its queue; a failed attempt or a flagged or failed
+    handoff to every link. A spread P's (``spread_p``, where its D's is not) to every link out of it, but
+    on its pairs that hold their own."""
+    rows = spread_p or {}
     out: list[StageExcess] = []
     for s in stages:
         ends = _pair_ends(s.place) if s.stage in ("handoff", "retry") else None
-        if ends is not None and (ends[1], _kind(s)) not in spread and (ends[0], _kind(s)) in spread_p:
-            out.append(replace(s, place=f"{ends[0]}->{EVERY_D}"))
-        elif ends is None or (ends[1], _kind(s)) not in spread:
+        col = None if ends is None else spread.get((ends[1], _kind(s)))
+        row = None if ends is None else rows.get((ends[0], _kind(s)))
+        if (
+            ends is None
+            or (col is not None and ends[0] in col)
+            or (col is None and (row is None or ends[1] in row))
+        ):
             out.append(s)
+        elif col is None:
+            out.append(replace(s, place=f"{ends[0]}->{EVERY_D}"))
         elif _slow_handoff(s) and ends[1] not in slow_pull:
             out.append(replace(s, stage="d_queue", place=ends[1]))
         else:
@@ -747,7 +770,7 @@ def attribute(
         if not v and r.p_instance and r.d_instance
     )
     spread = spread_ds([s for _, s, _ in raw], link_concentration, met)
-    spread_p = frozenset(spread_ps([s for _, s, _ in raw], link_concentration, met))
+    spread_p = spread_ps([s for _, s, _ in raw], link_concentration, met)
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:
