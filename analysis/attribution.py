@@ -50,11 +50,11 @@ prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), `
 
 **Link, D or D queue:** the misses with pair-charged excess of one kind (a slow handoff, or one
 cause) on one D (handoffs, failed attempts) that came through one P only are that link. Over several
-P's, a pair *holds* its own (a bad link) when it has more of them than chance would give it were they
-spread over the pairs as the window's met requests were (binomial tail, times the number of pairs,
-under 1 %), and by a margin: ``link_concentration`` of them, or twice its share of the met requests.
-The misses left beside the pairs that hold theirs are the D's: a slow handoff is charged to ``*->D``
-(every link into the D: its
+P's, a pair *holds* its own (a bad link) when it has more of them than chance gives a pair of its
+requests, were the misses drawn at random from all the D's (Fisher's exact test, one-sided, times the
+number of pairs, under 1 %), at :data:`LINK_RATE_RATIO` times the other pairs' miss rate or more; a pair
+whose P is not known holds nothing. The misses left beside the pairs that hold theirs are the D's: a
+slow handoff is charged to ``*->D`` (every link into the D: its
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
 healthy requests'), else to the D's queue (``d_queue`` on the D); a failed attempt, or a flagged or
@@ -365,8 +365,11 @@ def baselines_of(durations: Iterable[dict[str, float]]) -> dict[str, float]:
     return {k: median(v) for k, v in sorted(values.items())}
 
 
+UNKNOWN: Final = "?"  # a pair's end no record named: "?->decode-1", a failed attempt whose P is not known
+
+
 def _pair(p: str | None, d: str | None) -> str:
-    return f"{p or '?'}->{d or '?'}"
+    return f"{p or UNKNOWN}->{d or UNKNOWN}"
 
 
 def _place(stage: str, r: StageRecord) -> str:
@@ -507,36 +510,32 @@ Pair = tuple[str, str]  # (P, D)
 Spread = dict[tuple[str, str], frozenset[str]]
 
 
-def spread_ds(
-    misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
-) -> Spread:
+def spread_ds(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
     """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
     kind (a slow handoff, or its cause) are spread over the pairs of several P's, each with the Ps whose
     pairs hold their own misses (:func:`_holds`: links, their misses left on them); counted, not weighed:
     the excess of one miss varies with its place in a queue, the pair it was on does not. ``met``: the
     window's met requests per pair."""
-    return _spread(misses, link_concentration, 1, met)
+    return _spread(misses, 1, met)
 
 
-def spread_ps(
-    misses: Sequence[Sequence[StageExcess]], link_concentration: float, met: Mapping[Pair, int]
-) -> Spread:
+def spread_ps(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
     """The (P, kind) whose pair-charged misses of that kind are spread over the pairs of several D's
     alike: a P slow (or failing) toward every D, its row of the P×D matrix. A D's rule comes first
     (:func:`spread_ds`): where both apply (every pair slow), the D's queue or links are charged."""
-    return _spread(misses, link_concentration, 0, met)
+    return _spread(misses, 0, met)
 
 
 def _spread(
     misses: Sequence[Sequence[StageExcess]],
-    link_concentration: float,
     side: int,
     met: Mapping[Pair, int],
 ) -> Spread:
     """(instance, kind) on ``side`` (0: P, 1: D) whose misses are over two pairs or more, with the other
-    ends of those of its pairs that hold their misses, where some misses are left beside them
-    (``met``: the met requests per pair). Misses on one pair only are that pair's: were every miss on it
-    too few to tell from chance, nothing else could tell either."""
+    ends of those of its pairs that hold their misses (:func:`_holds`), where some misses are left beside
+    them (``met``: the met requests per pair). Misses on one pair only stay that pair's, however its
+    requests compared with the other pairs': a few misses cannot tell a link from the D, and the place
+    they fell is what is known."""
     by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
         pairs = {
@@ -551,49 +550,60 @@ def _spread(
         reached[pd[side]][pd[1 - side]] = n
     out: Spread = {}
     for key, per in by.items():
-        held = _holds(per, reached.get(key[0], {}), link_concentration) if len(per) >= 2 else set(per)
+        held = _holds(per, reached.get(key[0], {})) if len(per) >= 2 else set(per)
         if held != per.keys():  # misses left beside the links: the instance's
             out[key] = frozenset(held)
     return out
 
 
-# A pair holds its misses only when so many of them on it would be this unlikely were they spread over
-# the pairs as the met requests were: the binomial tail, one-sided, times the number of pairs (any of
-# them could have been the one).
+# A pair holds its misses only when so many of them on it would be this unlikely were the misses drawn
+# at random from the instance's requests (Fisher's exact test, one-sided), times the number of pairs (any
+# of them could have been the one); and when its miss rate is this many times the other pairs'.
 HELD_P = 0.01
+LINK_RATE_RATIO = 3.0
 
 
-def _holds(per: dict[str, int], met: dict[str, int], link_concentration: float) -> set[str]:
-    """The pairs (by their other end) that hold their misses, of ``per``'s (counted per pair): each with
-    more than chance would give it were they spread over the pairs as the window's met requests were
-    (``met``, per pair, plus one: a pair whose every request missed carried some; its binomial tail,
-    times the number of pairs with a miss or a met request, under :data:`HELD_P`), and by a margin: at
-    least ``link_concentration`` of the misses, or twice its share of the met requests.
+def _holds(per: dict[str, int], met: dict[str, int]) -> set[str]:
+    """The pairs (by their other end) that hold their misses, of ``per``'s (misses counted per pair;
+    ``met``: the met requests per pair): each with more of them than chance gives a pair of its requests
+    (met, and missed of this kind) were the misses drawn at random from all the instance's (the
+    hypergeometric tail, times the number of pairs that reached it, under :data:`HELD_P`), at a miss
+    rate :data:`LINK_RATE_RATIO` times the other pairs' or more. A pair whose P is not known holds
+    nothing: it names no link.
 
-    Against the met requests, not all of them: a bad link's own misses are most of its pair's requests,
-    and counted there they made the pair look as busy as its misses. Against every pair that reached the
-    instance, not only those with a miss: a share among those alone is larger than the pair's. Pair by
-    pair, not the one with the most: a link beside a D's few stray misses elsewhere, on a pair that
-    carried a tenth of the D's requests, held under 70 % of the D's misses and read as the D's. Without
-    the chance test, 12 of 17 misses through one of two Ps (a 14 % chance under an even spread) read as
-    a bad link when the D's queue was the fault; under 5 % for the pair with the most, against an even
-    spread, 12 of 16 misses through one of two Ps read so in about one run in thirteen of a D queue's
-    fault; and a proxy that sends more of the D's requests through one P (it picks each side on its own
-    load) puts more of the D's misses there too."""
-    n = sum(per.values())
-    weight = {o: met.get(o, 0) + 1 for o in per.keys() | met.keys()}
-    total = sum(weight.values())
+    Each pair against its own requests, so a proxy that sends more of a D's requests through one P (it
+    picks each side on its own load) and so more of its misses when the D is slow does not make that pair
+    a link; a pair whose every request missed, among others that met theirs, is one; and where every
+    request missed nothing tells a link. Pair by pair, so a link beside the D's few stray misses elsewhere
+    is still one."""
+    requests = {o: met.get(o, 0) + per.get(o, 0) for o in per.keys() | met.keys()}
+    n, total = sum(per.values()), sum(requests.values())
     held = set()
     for other, k in per.items():
-        share = weight[other] / total
-        if k / n >= min(link_concentration, 2.0 * share) and _tail(n, k, share) * len(weight) < HELD_P:
+        mine = requests[other]
+        rest_rate = (n - k) / (total - mine) if total > mine else 0.0
+        if (
+            other != UNKNOWN
+            and k >= LINK_RATE_RATIO * rest_rate * mine
+            and _upper_tail(total, mine, n, k) * len(requests) < HELD_P
+        ):
             held.add(other)
     return held
 
 
-def _tail(n: int, k: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return sum(math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(k, n + 1))
+def _upper_tail(total: int, mine: int, drawn: int, k: int) -> float:
+    """P(X >= k) for X the number of ``mine`` among ``drawn`` of ``total`` drawn at random (hypergeometric),
+    in logarithms: the counts of a busy window overflow a float's binomial coefficients."""
+    lo, hi = max(k, drawn - (total - mine)), min(drawn, mine)
+    if lo > hi:
+        return 0.0
+    whole = _log_comb(total, drawn)
+    terms = (_log_comb(mine, x) + _log_comb(total - mine, drawn - x) - whole for x in range(lo, hi + 1))
+    return min(1.0, math.fsum(math.exp(t) for t in terms))
+
+
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
 
 def slow_pulls(
@@ -632,26 +642,26 @@ def _relabel(
 ) -> tuple[StageExcess, ...]:
     """Charge a spread D's excess to the D, but on the pairs that hold their own: a slow handoff to every
     link into it when its KV pulls were slow, else to its queue; a failed attempt or a flagged or failed
-    handoff to every link. A spread P's (``spread_p``, where its D's is not) to every link out of it, but
-    on its pairs that hold their own."""
+    handoff to every link. What the D's rule leaves on a pair (its D not spread, or the pair holding its
+    own there), a spread P's row takes (``spread_p``): to every link out of the P, but on the P's pairs
+    that hold their own."""
     rows = spread_p or {}
     out: list[StageExcess] = []
     for s in stages:
         ends = _pair_ends(s.place) if s.stage in ("handoff", "retry") else None
         col = None if ends is None else spread.get((ends[1], _kind(s)))
         row = None if ends is None else rows.get((ends[0], _kind(s)))
-        if (
-            ends is None
-            or (col is not None and ends[0] in col)
-            or (col is None and (row is None or ends[1] in row))
-        ):
+        if ends is None:
             out.append(s)
-        elif col is None:
+        elif col is not None and ends[0] not in col:  # the D's, first
+            if _slow_handoff(s) and ends[1] not in slow_pull:
+                out.append(replace(s, stage="d_queue", place=ends[1]))
+            else:
+                out.append(replace(s, place=f"{EVERY_P}->{ends[1]}"))
+        elif row is not None and ends[1] not in row:  # a pair the D's rule left alone, the P's
             out.append(replace(s, place=f"{ends[0]}->{EVERY_D}"))
-        elif _slow_handoff(s) and ends[1] not in slow_pull:
-            out.append(replace(s, stage="d_queue", place=ends[1]))
         else:
-            out.append(replace(s, place=f"{EVERY_P}->{ends[1]}"))
+            out.append(s)
     return tuple(out)
 
 
@@ -746,7 +756,6 @@ def attribute(
     *,
     since: float,
     until: float,
-    link_concentration: float = 0.7,
     failure_s: float | None = None,
 ) -> Attribution:
     """The attribution of ``records`` (one window, ``since``..``until``) under ``slo``.
@@ -769,8 +778,8 @@ def attribute(
         for r, v in zip(records, verdicts, strict=True)
         if not v and r.p_instance and r.d_instance
     )
-    spread = spread_ds([s for _, s, _ in raw], link_concentration, met)
-    spread_p = spread_ps([s for _, s, _ in raw], link_concentration, met)
+    spread = spread_ds([s for _, s, _ in raw], met)
+    spread_p = spread_ps([s for _, s, _ in raw], met)
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:
