@@ -52,10 +52,8 @@ prefill attempt to its P; the cause ``lease_expired`` (forensics named its D), `
 cause) on one D (handoffs, failed attempts) that came through one P only are that link. Over several
 P's, a pair *holds* its own (a bad link) when it has more of them than chance gives a pair of its
 requests, were the misses drawn at random from all the D's (Fisher's exact test, one-sided, times the
-number of pairs, under 1 %), at :data:`LINK_RATE_RATIO` times the other pairs' miss rate or more, and
-for slow handoffs when its own handoffs (every request's) were :data:`LINK_SLOWER` times slower than the
-other pairs' (which also takes a single pair's slow handoffs from it); a pair whose P is not known holds
-nothing. The misses left beside the pairs that hold theirs are the D's: a
+number of pairs, under 1 %), at :data:`LINK_RATE_RATIO` times the other pairs' miss rate or more; a pair
+whose P is not known holds nothing. The misses left beside the pairs that hold theirs are the D's: a
 slow handoff is charged to ``*->D`` (every link into the D: its
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
@@ -512,39 +510,32 @@ Pair = tuple[str, str]  # (P, D)
 Spread = dict[tuple[str, str], frozenset[str]]
 
 
-def spread_ds(
-    misses: Sequence[Sequence[StageExcess]],
-    met: Mapping[Pair, int],
-    handoffs: Mapping[Pair, Sequence[float]] | None = None,
-) -> Spread:
+def spread_ds(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
     """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
     kind (a slow handoff, or its cause) are spread over the pairs of several P's, each with the Ps whose
     pairs hold their own misses (:func:`_holds`: links, their misses left on them); counted, not weighed:
     the excess of one miss varies with its place in a queue, the pair it was on does not. ``met``: the
-    window's met requests per pair; ``handoffs``: every request's handoff time per pair."""
-    return _spread(misses, 1, met, handoffs or {})
+    window's met requests per pair."""
+    return _spread(misses, 1, met)
 
 
-def spread_ps(
-    misses: Sequence[Sequence[StageExcess]],
-    met: Mapping[Pair, int],
-    handoffs: Mapping[Pair, Sequence[float]] | None = None,
-) -> Spread:
+def spread_ps(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
     """The (P, kind) whose pair-charged misses of that kind are spread over the pairs of several D's
     alike: a P slow (or failing) toward every D, its row of the P×D matrix. A D's rule comes first
     (:func:`spread_ds`): where both apply (every pair slow), the D's queue or links are charged."""
-    return _spread(misses, 0, met, handoffs or {})
+    return _spread(misses, 0, met)
 
 
 def _spread(
     misses: Sequence[Sequence[StageExcess]],
     side: int,
     met: Mapping[Pair, int],
-    handoffs: Mapping[Pair, Sequence[float]],
 ) -> Spread:
     """(instance, kind) on ``side`` (0: P, 1: D) whose misses are over two pairs or more, with the other
     ends of those of its pairs that hold their misses (:func:`_holds`), where some misses are left beside
-    them (``met``: the met requests per pair; ``handoffs``: every request's handoff time per pair)."""
+    them (``met``: the met requests per pair). Misses on one pair only stay that pair's, however its
+    requests compared with the other pairs': a few misses cannot tell a link from the D, and the place
+    they fell is what is known."""
     by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
         pairs = {
@@ -557,14 +548,9 @@ def _spread(
     reached: dict[str, dict[str, int]] = defaultdict(dict)  # an instance -> its pairs' met requests
     for pd, n in met.items():
         reached[pd[side]][pd[1 - side]] = n
-    times: dict[str, dict[str, Sequence[float]]] = defaultdict(dict)  # an instance -> its pairs' handoffs
-    for pd, xs in handoffs.items():
-        times[pd[side]][pd[1 - side]] = xs
     out: Spread = {}
     for key, per in by.items():
-        # slow handoffs: a pair holds them where its own handoffs are slower too
-        timed = times.get(key[0], {}) if key[1] == "slow" else {}
-        held = _holds(per, reached.get(key[0], {}), timed)
+        held = _holds(per, reached.get(key[0], {})) if len(per) >= 2 else set(per)
         if held != per.keys():  # misses left beside the links: the instance's
             out[key] = frozenset(held)
     return out
@@ -577,24 +563,19 @@ HELD_P = 0.01
 LINK_RATE_RATIO = 3.0
 
 
-def _holds(per: dict[str, int], met: dict[str, int], timed: Mapping[str, Sequence[float]]) -> set[str]:
+def _holds(per: dict[str, int], met: dict[str, int]) -> set[str]:
     """The pairs (by their other end) that hold their misses, of ``per``'s (misses counted per pair;
     ``met``: the met requests per pair): each with more of them than chance gives a pair of its requests
     (met, and missed of this kind) were the misses drawn at random from all the instance's (the
     hypergeometric tail, times the number of pairs that reached it, under :data:`HELD_P`), at a miss
-    rate :data:`LINK_RATE_RATIO` times the other pairs' or more, and (``timed``: every request's handoff
-    time per pair, for slow handoffs) handing off slower than the others (:func:`_slower`). A pair whose
-    P is not known holds nothing: it names no link. Misses on one pair only are that pair's (a few cannot
-    tell a link from the instance, and where they fell is what is known), but slow handoffs on a pair
-    that handed off no slower than the other pairs.
+    rate :data:`LINK_RATE_RATIO` times the other pairs' or more. A pair whose P is not known holds
+    nothing: it names no link.
 
     Each pair against its own requests, so a proxy that sends more of a D's requests through one P (it
     picks each side on its own load) and so more of its misses when the D is slow does not make that pair
     a link; a pair whose every request missed, among others that met theirs, is one; and where every
     request missed nothing tells a link. Pair by pair, so a link beside the D's few stray misses elsewhere
     is still one."""
-    if len(per) < 2:
-        return {o for o in per if not timed or _slower(o, timed)}
     requests = {o: met.get(o, 0) + per.get(o, 0) for o in per.keys() | met.keys()}
     n, total = sum(per.values()), sum(requests.values())
     held = set()
@@ -605,29 +586,9 @@ def _holds(per: dict[str, int], met: dict[str, int], timed: Mapping[str, Sequenc
             other != UNKNOWN
             and k >= LINK_RATE_RATIO * rest_rate * mine
             and _upper_tail(total, mine, n, k) * len(requests) < HELD_P
-            and (not timed or _slower(other, timed))
         ):
             held.add(other)
     return held
-
-
-# A pair's slow handoffs are its own (a link) only when its handoffs are this many times slower than the
-# other pairs' into the instance (means, every request): a D's queue slows every P's handoffs alike.
-LINK_SLOWER = 1.5
-
-
-def _slower(other: str, times: Mapping[str, Sequence[float]]) -> bool:
-    """Whether the pair to ``other`` hands off :data:`LINK_SLOWER` times slower than the instance's other
-    pairs, by their means over every request, met or missed (a mean, so a link that slows a part of its
-    requests counts that part); true where either has no handoff timed. Without it, a P whose own
-    slowness made its requests miss more under a D's queue (its prefill 150 ms slower than the other P's,
-    where the target left 70 ms) read as a link in 44-69 % of windows: the misses differ, the handoffs
-    do not."""
-    mine = times.get(other, ())
-    rest = [x for o, xs in times.items() if o != other for x in xs]
-    if not mine or not rest:
-        return True
-    return math.fsum(mine) / len(mine) >= LINK_SLOWER * math.fsum(rest) / len(rest)
 
 
 def _upper_tail(total: int, mine: int, drawn: int, k: int) -> float:
@@ -789,21 +750,6 @@ def _placeholder(r: StageRecord, missed: tuple[str, ...]) -> StageExcess:
     return StageExcess("unmeasured", r.d_instance or r.p_instance or PROXY, "unknown", 0.0, 0.0, 0.0)
 
 
-def _by_pair(
-    records: Sequence[StageRecord], durations: Sequence[dict[str, float]], verdicts: Sequence[tuple[str, ...]]
-) -> tuple[Counter[Pair], dict[Pair, list[float]]]:
-    """Per P x D pair: its met requests, and every request's handoff time."""
-    met: Counter[Pair] = Counter()
-    handoffs: dict[Pair, list[float]] = defaultdict(list)
-    for r, d, v in zip(records, durations, verdicts, strict=True):
-        if r.p_instance and r.d_instance:
-            if not v:
-                met[r.p_instance, r.d_instance] += 1
-            if "handoff" in d:
-                handoffs[r.p_instance, r.d_instance].append(d["handoff"])
-    return met, handoffs
-
-
 def attribute(
     records: Sequence[StageRecord],
     slo: SLOSettings,
@@ -827,9 +773,13 @@ def attribute(
         for r, d, v in zip(records, durations, verdicts, strict=True)
         if v
     ]
-    met, handoffs = _by_pair(records, durations, verdicts)
-    spread = spread_ds([s for _, s, _ in raw], met, handoffs)
-    spread_p = spread_ps([s for _, s, _ in raw], met, handoffs)
+    met = Counter(
+        (r.p_instance, r.d_instance)
+        for r, v in zip(records, verdicts, strict=True)
+        if not v and r.p_instance and r.d_instance
+    )
+    spread = spread_ds([s for _, s, _ in raw], met)
+    spread_p = spread_ps([s for _, s, _ in raw], met)
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []
     for r, stages, v in raw:

@@ -6,7 +6,7 @@ Seeded windows of one decode instance's requests (``decode-1``), routed a given 
     queue   every request into the D misses with ``--queue-miss`` through either P (the D's fault:
             its queue)
     slow_p  the D's queue slows every handoff alike (0.3 s, lognormal sigma 0.3), and prefill-0's
-            prefill is 150 ms slower than prefill-1's: its requests miss more (still the D's fault)
+            prefill is 150 ms slower than prefill-1's, so its requests miss more (still the D's fault)
     link    every request through prefill-0 -> decode-1 misses, the others into the D with
             ``--stray`` (a bad link beside the D's stray misses)
 
@@ -14,7 +14,8 @@ For each case this counts the windows whose top reason (``analysis.attribution.a
 P x D pair, under this rule (``_holds``: each pair against its own requests) and under the rule
 before it, measured in the same run as the baseline: one pair holding 70 % of the D's misses, with a
 binomial tail under 5 % against an even spread over the pairs with misses. A queue (or slow_p) read as a
-link is wrong; a link read as a link is right. Prints a table, writes the JSON to ``--out``.
+link is wrong; a link read as a link is right. Each case draws from its own stream (the seed and the
+case's place), so adding a case moves no other. Prints a table, writes the JSON to ``--out``.
 
     .venv/bin/python bench/attribution_links.py [--windows 400] [--out bench/results/attribution_links.json]
 """
@@ -26,7 +27,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -105,21 +106,17 @@ def _even_tail(n: int, k: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * (1.0 - p) ** (n - i) for i in range(k, n + 1))
 
 
-def rule_before(per: dict[str, int], met: dict[str, int], timed: Mapping[str, Sequence[float]]) -> set[str]:
-    """The rule before, as ``_holds`` answers: every pair holds when there is one, or when the one with
-    the most has 70 % of the misses and its binomial tail under an even spread over the pairs with misses
-    is under 5 %; none otherwise (``met`` and the handoff times unread)."""
-    if len(per) < 2:
-        return set(per)
+def rule_before(per: dict[str, int], met: dict[str, int]) -> set[str]:
+    """The rule before, as ``_holds`` answers: every pair holds when the one with the most has 70 % of
+    the misses and its binomial tail under an even spread over the pairs with misses is under 5 %;
+    none otherwise (``met`` unread)."""
     n, top = sum(per.values()), max(per.values())
     held = top / n >= 0.7 and _even_tail(n, top, 1.0 / len(per)) < 0.05
     return set(per) if held else set()
 
 
 @contextmanager
-def holding(
-    rule: Callable[[dict[str, int], dict[str, int], Mapping[str, Sequence[float]]], set[str]] | None,
-) -> Iterator[None]:
+def holding(rule: Callable[[dict[str, int], dict[str, int]], set[str]] | None) -> Iterator[None]:
     """Attribution with ``rule`` in place of its own ``_holds`` (None: its own)."""
     names = vars(attribution)  # the module's own names: what _spread calls by name
     own = names["_holds"]
@@ -148,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stray", type=float, default=0.05, help="the stray misses beside a link (default 0.05)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attribution_links.json")
     args = ap.parse_args(argv)
-    rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     print(
         f"{args.windows} windows a case; a queue or slow_p read as a link is wrong, a link read as one right",
@@ -158,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         "| fault | the D's requests | share through prefill-0 | read as a link: this rule | the rule before |"
     )
     print("|---|---|---|---|---|")
-    for fault, share, requests in CASES:
+    for i, (fault, share, requests) in enumerate(CASES):
+        rng = random.Random(args.seed * 1000 + i)
         windows = [
             window(rng, fault, share, requests, args.queue_miss, args.stray) for _ in range(args.windows)
         ]

@@ -627,16 +627,3 @@ def test_a_d_whose_requests_nearly_all_missed_is_the_ds(ps: int, missed: float) 
         window.append(rec(1000 + k, p, "decode-1", handoff=0.8 if rng.random() < missed else 0.05))
     a = run(window)
     assert {g.place for g in a.groups} == {"decode-1"}
-
-
-def test_a_p_slower_itself_under_a_ds_queue_is_no_link() -> None:
-    """A D's queue slows every handoff alike (0.3 s); prefill-0's prefill is 150 ms slower than
-    prefill-1's, so its requests miss and the other P's meet theirs: the misses fell on one pair, whose
-    handoffs were no slower than the other's. The D's queue, not a link (it was the link)."""
-    window = [r for r in healthy(30) if r.d_instance != "decode-1"]
-    for k in range(40):
-        p = PS[k % 2]
-        window.append(rec(1000 + k, p, "decode-1", handoff=0.3, prefill=0.25 if p == "prefill-0" else 0.1))
-    a = run(window)
-    assert {g.place for g in a.groups if g.stage in ("handoff", "d_queue")} == {"decode-1"}
-    assert {g.place for g in a.groups if g.stage == "prefill"} == {"prefill-0"}
