@@ -53,7 +53,10 @@ cause) on one D (handoffs, failed attempts) that came through one P only are tha
 P's, a pair *holds* its own (a bad link) when it has more of them than chance gives a pair of its
 requests, were the misses drawn at random from all the D's (Fisher's exact test, one-sided, times the
 number of pairs, under 1 %), at :data:`LINK_RATE_RATIO` times the other pairs' miss rate or more; a pair
-whose P is not known holds nothing. The misses left beside the pairs that hold theirs are the D's: a
+whose P is not known holds nothing. A D's slow handoffs are judged so by its slow handoffs, not its
+misses (:func:`slow_handoffs`: every served request's, over :data:`SLOW_HANDOFF` times the median of the
+D's met ones), and on one pair only are that pair's where it handed off slow :data:`LINK_RATE_RATIO`
+times as often as the others. The misses left beside the pairs that hold theirs are the D's: a
 slow handoff is charged to ``*->D`` (every link into the D: its
 NIC) when the D's KV pulls were slow (the median, over those handoffs, of the D's mean NIXL
 transfer time in the scrape window of each is at least :data:`SLOW_TRANSFER_RATIO` times the
@@ -510,13 +513,17 @@ Pair = tuple[str, str]  # (P, D)
 Spread = dict[tuple[str, str], frozenset[str]]
 
 
-def spread_ds(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
+def spread_ds(
+    misses: Sequence[Sequence[StageExcess]],
+    met: Mapping[Pair, int],
+    slow: Mapping[str, SlowHandoffs] | None = None,
+) -> Spread:
     """The (D, kind) whose misses with pair-charged excess (handoffs, failed decode attempts) of that
     kind (a slow handoff, or its cause) are spread over the pairs of several P's, each with the Ps whose
     pairs hold their own misses (:func:`_holds`: links, their misses left on them); counted, not weighed:
     the excess of one miss varies with its place in a queue, the pair it was on does not. ``met``: the
-    window's met requests per pair."""
-    return _spread(misses, 1, met)
+    window's met requests per pair; ``slow``: each D's slow handoffs per P (:func:`slow_handoffs`)."""
+    return _spread(misses, 1, met, slow)
 
 
 def spread_ps(misses: Sequence[Sequence[StageExcess]], met: Mapping[Pair, int]) -> Spread:
@@ -530,12 +537,11 @@ def _spread(
     misses: Sequence[Sequence[StageExcess]],
     side: int,
     met: Mapping[Pair, int],
+    slow: Mapping[str, SlowHandoffs] | None = None,
 ) -> Spread:
-    """(instance, kind) on ``side`` (0: P, 1: D) whose misses are over two pairs or more, with the other
-    ends of those of its pairs that hold their misses (:func:`_holds`), where some misses are left beside
-    them (``met``: the met requests per pair). Misses on one pair only stay that pair's, however its
-    requests compared with the other pairs': a few misses cannot tell a link from the D, and the place
-    they fell is what is known."""
+    """(instance, kind) on ``side`` (0: P, 1: D) with the other ends of those of its pairs that hold their
+    misses (:func:`_holds`), where some misses are left beside them (``met``: the met requests per pair;
+    ``slow``: each D's slow handoffs per P, which judge a D's slow handoffs)."""
     by: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for stages in misses:
         pairs = {
@@ -550,7 +556,8 @@ def _spread(
         reached[pd[side]][pd[1 - side]] = n
     out: Spread = {}
     for key, per in by.items():
-        held = _holds(per, reached.get(key[0], {})) if len(per) >= 2 else set(per)
+        handoffs = (slow or {}).get(key[0]) if side == 1 and key[1] == "slow" else None
+        held = _holds(per, reached.get(key[0], {}), handoffs)
         if held != per.keys():  # misses left beside the links: the instance's
             out[key] = frozenset(held)
     return out
@@ -563,32 +570,99 @@ HELD_P = 0.01
 LINK_RATE_RATIO = 3.0
 
 
-def _holds(per: dict[str, int], met: dict[str, int]) -> set[str]:
+def _holds(per: dict[str, int], met: dict[str, int], slow: SlowHandoffs | None = None) -> set[str]:
     """The pairs (by their other end) that hold their misses, of ``per``'s (misses counted per pair;
-    ``met``: the met requests per pair): each with more of them than chance gives a pair of its requests
-    (met, and missed of this kind) were the misses drawn at random from all the instance's (the
-    hypergeometric tail, times the number of pairs that reached it, under :data:`HELD_P`), at a miss
-    rate :data:`LINK_RATE_RATIO` times the other pairs' or more. A pair whose P is not known holds
-    nothing: it names no link.
+    ``met``: the met requests per pair). Misses on one pair only are that pair's (a few misses cannot
+    tell a link from the instance, and where they fell is what is known). Over several pairs, each that
+    :func:`_over` finds over-represented among its requests (met, and missed of this kind); a pair whose
+    P is not known holds nothing: it names no link.
+
+    ``slow`` (a D's slow handoffs): judged by its slow handoffs, every request's, not by its misses. A
+    P slower itself makes its requests miss more under a D's queue while their handoffs are the D's
+    alike; counted as misses, that read as a link in 42-65 % of seeded windows. Where the misses fell
+    on one pair, it is that pair's unless its handoffs were slow no more often than
+    :data:`LINK_RATE_RATIO` times the other pairs'.
 
     Each pair against its own requests, so a proxy that sends more of a D's requests through one P (it
     picks each side on its own load) and so more of its misses when the D is slow does not make that pair
     a link; a pair whose every request missed, among others that met theirs, is one; and where every
     request missed nothing tells a link. Pair by pair, so a link beside the D's few stray misses elsewhere
     is still one."""
-    requests = {o: met.get(o, 0) + per.get(o, 0) for o in per.keys() | met.keys()}
-    n, total = sum(per.values()), sum(requests.values())
+    if slow is not None:
+        if len(per) < 2:
+            return {o for o in per if slow.as_slow_as_the_rest(o)}
+        return {o for o in _over(slow.slow, slow.timed) if o in per}
+    if len(per) < 2:
+        return set(per)
+    return _over(per, {o: met.get(o, 0) + per.get(o, 0) for o in per.keys() | met.keys()})
+
+
+def _over(events: Mapping[str, int], requests: Mapping[str, int]) -> set[str]:
+    """The pairs (by their other end) over-represented in ``events`` among their ``requests`` (each pair's,
+    events included): more of them than chance gives a pair of its requests were the events drawn at
+    random from all of them (the hypergeometric tail, times the number of pairs, under :data:`HELD_P`), at
+    a rate :data:`LINK_RATE_RATIO` times the other pairs' or more; never a pair whose P is not known."""
+    n, total = sum(events.values()), sum(requests.values())
     held = set()
-    for other, k in per.items():
-        mine = requests[other]
+    for other, k in events.items():
+        mine = requests.get(other, 0)
         rest_rate = (n - k) / (total - mine) if total > mine else 0.0
         if (
-            other != UNKNOWN
+            k > 0
+            and other != UNKNOWN
             and k >= LINK_RATE_RATIO * rest_rate * mine
             and _upper_tail(total, mine, n, k) * len(requests) < HELD_P
         ):
             held.add(other)
     return held
+
+
+# A handoff this many times the median of its D's met requests' is a slow one.
+SLOW_HANDOFF = 1.5
+
+
+@dataclass(frozen=True)
+class SlowHandoffs:
+    """One D's handoffs per P (by name): how many were timed, and how many of those were slow (over
+    :data:`SLOW_HANDOFF` times the median of the D's met requests')."""
+
+    timed: dict[str, int]
+    slow: dict[str, int]
+
+    def as_slow_as_the_rest(self, p: str) -> bool:
+        """Whether ``p``'s pair was slow :data:`LINK_RATE_RATIO` times as often as the D's other pairs
+        or more, and slow at all (true where it or the others timed nothing: nothing to tell by)."""
+        mine, rest = self.timed.get(p, 0), sum(self.timed.values()) - self.timed.get(p, 0)
+        if mine == 0 or rest == 0:
+            return True
+        own, rest_slow = self.slow.get(p, 0), sum(self.slow.values()) - self.slow.get(p, 0)
+        return own > 0 and own / mine >= LINK_RATE_RATIO * rest_slow / rest
+
+
+def slow_handoffs(
+    records: Sequence[StageRecord], durations: Sequence[dict[str, float]], verdicts: Sequence[tuple[str, ...]]
+) -> dict[str, SlowHandoffs]:
+    """Per D with a met request's handoff timed: its served requests' handoffs per P, timed and slow (a
+    failed request's span is no handoff: a timed-out one's is the timeout; the failed decode attempts a
+    handoff passed on to the next D are cut out of it, as its excess is)."""
+    by_d: dict[str, list[tuple[str, float, bool]]] = defaultdict(list)
+    for r, d, v in zip(records, durations, verdicts, strict=True):
+        if r.status == "ok" and r.p_instance and r.d_instance and "handoff" in d:
+            own = d["handoff"] - math.fsum(a.end - a.start for a in handoff_attempts(r))
+            by_d[r.d_instance].append((r.p_instance, own, bool(v)))
+    out = {}
+    for d_name, rows in by_d.items():
+        met = [h for _, h, missed in rows if not missed]
+        if not met:
+            continue
+        line = SLOW_HANDOFF * median(met)
+        timed: dict[str, int] = defaultdict(int)
+        slow: dict[str, int] = defaultdict(int)
+        for p, h, _ in rows:
+            timed[p] += 1
+            slow[p] += h > line
+        out[d_name] = SlowHandoffs(dict(timed), {p: n for p, n in slow.items() if n})
+    return out
 
 
 def _upper_tail(total: int, mine: int, drawn: int, k: int) -> float:
@@ -778,7 +852,7 @@ def attribute(
         for r, v in zip(records, verdicts, strict=True)
         if not v and r.p_instance and r.d_instance
     )
-    spread = spread_ds([s for _, s, _ in raw], met)
+    spread = spread_ds([s for _, s, _ in raw], met, slow_handoffs(records, durations, verdicts))
     spread_p = spread_ps([s for _, s, _ in raw], met)
     slow_pull = slow_pulls([(r, s) for r, s, _ in raw], spread, base)
     misses = []

@@ -627,3 +627,33 @@ def test_a_d_whose_requests_nearly_all_missed_is_the_ds(ps: int, missed: float) 
         window.append(rec(1000 + k, p, "decode-1", handoff=0.8 if rng.random() < missed else 0.05))
     a = run(window)
     assert {g.place for g in a.groups} == {"decode-1"}
+
+
+def test_a_p_slower_itself_under_a_ds_queue_is_no_link() -> None:
+    """A D's queue slows every handoff alike (0.3 s); prefill-0's prefill is 150 ms slower than
+    prefill-1's, so its requests miss and the other P's meet theirs: every miss fell on one pair, whose
+    handoffs were slow as often as the other's. The D's queue, not a link (it was the link)."""
+    window = [r for r in healthy(30) if r.d_instance != "decode-1"]
+    for k in range(40):
+        p = PS[k % 2]
+        window.append(rec(1000 + k, p, "decode-1", handoff=0.3, prefill=0.25 if p == "prefill-0" else 0.1))
+    a = run(window)
+    assert {g.place for g in a.groups if g.stage in ("handoff", "d_queue")} == {"decode-1"}
+    assert {g.place for g in a.groups if g.stage == "prefill"} == {"prefill-0"}
+
+
+def test_slow_handoffs_are_judged_by_every_served_requests_handoff() -> None:
+    """Over several pairs: a P slower itself (150 ms), its requests' handoffs 0.3 s like the other P's
+    under the D's queue, and a few of both Ps' slower still: the misses crowd onto prefill-0's pair, its
+    slow handoffs do not. A timed-out request's 30 s span through prefill-0 is no handoff of it."""
+    window = [r for r in healthy(30) if r.d_instance != "decode-1"]
+    for k in range(60):
+        p = PS[k % 2]
+        h = 0.6 if k % 10 in (0, 1) else 0.3
+        window.append(rec(1000 + k, p, "decode-1", handoff=h, prefill=0.25 if p == "prefill-0" else 0.1))
+    late = rec(
+        2000, "prefill-0", "decode-1", handoff=30.0, status="timeout", first_token=False, error="timeout"
+    )
+    a = run([*window, late])
+    assert "prefill-0->decode-1" not in {g.place for g in a.groups if g.cause == "slow"}
+    assert ("d_queue", "decode-1") in {(g.stage, g.place) for g in a.groups}
