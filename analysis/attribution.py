@@ -84,6 +84,7 @@ from typing import Any, Final, Literal
 
 from pdscope.config import SLOSettings
 from pdscope.slo import slo_verdict
+from pdscope.stats import percentile_of_sorted
 
 Stage = Literal[
     "admission", "retry", "p_queue", "prefill", "handoff", "d_queue", "decode", "outcome", "unmeasured"
@@ -580,8 +581,8 @@ def _holds(per: dict[str, int], met: dict[str, int], slow: SlowHandoffs | None =
     ``slow`` (a D's slow handoffs): judged by its slow handoffs, every request's, not by its misses. A
     P slower itself makes its requests miss more under a D's queue while their handoffs are the D's
     alike; counted as misses, that read as a link in 42-65 % of seeded windows. Where the misses fell
-    on one pair, it is that pair's unless its handoffs were slow no more often than
-    :data:`LINK_RATE_RATIO` times the other pairs'.
+    on one pair, they are that pair's only where it handed off slow :data:`LINK_RATE_RATIO` times as often
+    as the other pairs or more, and at all.
 
     Each pair against its own requests, so a proxy that sends more of a D's requests through one P (it
     picks each side on its own load) and so more of its misses when the D is slow does not make that pair
@@ -617,14 +618,18 @@ def _over(events: Mapping[str, int], requests: Mapping[str, int]) -> set[str]:
     return held
 
 
-# A handoff this many times the median of its D's met requests' is a slow one.
+# A handoff this many times the median of its D's met requests', and past this percentile of them, is a
+# slow one: the percentile keeps the D's usual handoffs under the line where they spread wide (a D's KV
+# size follows its prompts'), so the other pairs' slow rate stays low by construction.
 SLOW_HANDOFF = 1.5
+SLOW_QUANTILE = 95.0
 
 
 @dataclass(frozen=True)
 class SlowHandoffs:
     """One D's handoffs per P (by name): how many were timed, and how many of those were slow (over
-    :data:`SLOW_HANDOFF` times the median of the D's met requests')."""
+    :data:`SLOW_HANDOFF` times the median of the D's met requests' and their :data:`SLOW_QUANTILE`th
+    percentile)."""
 
     timed: dict[str, int]
     slow: dict[str, int]
@@ -652,10 +657,10 @@ def slow_handoffs(
             by_d[r.d_instance].append((r.p_instance, own, bool(v)))
     out = {}
     for d_name, rows in by_d.items():
-        met = [h for _, h, missed in rows if not missed]
+        met = sorted(h for _, h, missed in rows if not missed and math.isfinite(h))
         if not met:
             continue
-        line = SLOW_HANDOFF * median(met)
+        line = max(SLOW_HANDOFF * median(met), percentile_of_sorted(met, SLOW_QUANTILE))
         timed: dict[str, int] = defaultdict(int)
         slow: dict[str, int] = defaultdict(int)
         for p, h, _ in rows:

@@ -11,6 +11,8 @@ Seeded windows of one decode instance's requests (``decode-1``), routed a given 
             ``--stray`` (a bad link beside the D's stray misses)
     link_part  the D hands off in 0.2 s; a fifth of the requests through prefill-0 -> decode-1 take
             0.35 s more (and miss), the others into the D with ``--stray``
+    link_wide  the D's usual handoffs spread wide (50 ms, lognormal sigma 1); every request through
+            prefill-0 -> decode-1 takes 0.4 s more, the others into the D with ``--stray``
 
 For each case this counts the windows whose top reason (``analysis.attribution.attribute``) is one
 P x D pair, under this rule (``_holds``: each pair against its own requests) and under the rule
@@ -63,6 +65,8 @@ CASES: tuple[tuple[str, float, int], ...] = (
     ("link_part", 0.5, 80),
     ("link_part", 0.2, 100),
     ("link_part", 0.5, 400),
+    ("link_wide", 0.5, 80),
+    ("link_wide", 0.2, 100),
 )
 
 
@@ -98,6 +102,11 @@ def window(
     out = [record(k, f"prefill-{k % 2}", ("decode-0", "decode-2")[k % 2], 0.05) for k in range(30)]
     for k in range(requests):
         p = "prefill-0" if rng.random() < share else "prefill-1"
+        if fault == "link_wide":  # the D's usual handoffs spread wide; the link adds 0.4 s to each of its own
+            usual = 0.05 * rng.lognormvariate(0.0, 1.0)
+            slow = p == "prefill-0" or rng.random() < stray
+            out.append(record(1000 + k, p, "decode-1", usual + (0.4 if slow else 0.0)))
+            continue
         if fault == "link_part":  # the D hands off in 0.2 s; the link slows a fifth of its own by 0.35 s
             rate = 0.2 if p == "prefill-0" else stray
             out.append(record(1000 + k, p, "decode-1", 0.55 if rng.random() < rate else 0.2))

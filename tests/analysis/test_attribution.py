@@ -657,3 +657,37 @@ def test_slow_handoffs_are_judged_by_every_served_requests_handoff() -> None:
     a = run([*window, late])
     assert "prefill-0->decode-1" not in {g.place for g in a.groups if g.cause == "slow"}
     assert ("d_queue", "decode-1") in {(g.stage, g.place) for g in a.groups}
+
+
+def test_a_link_into_a_d_whose_handoffs_spread_wide_is_the_link() -> None:
+    """The D's usual handoffs spread from 20 ms to 300 ms (KV sizes follow prompts); every request through
+    prefill-0 takes 0.45 s and misses (a review's case: against 1.5x the median alone, a third of the
+    other P's usual handoffs counted slow and the link read as the D's queue)."""
+    usual = (0.02, 0.04, 0.06, 0.1, 0.2, 0.25, 0.3)
+    window = [r for r in healthy(30) if r.d_instance != "decode-1"]
+    for k in range(28):
+        p = PS[k % 2]
+        window.append(rec(1000 + k, p, "decode-1", handoff=0.45 if p == "prefill-0" else usual[k // 2 % 7]))
+    a = run(window)
+    assert (a.top[0].stage, a.top[0].place) == ("handoff", "prefill-0->decode-1")
+
+
+def test_a_failed_requests_span_is_no_slow_handoff() -> None:
+    """A link's 10 slow handoffs, and 8 requests through the other P that timed out after 30 s: counted as
+    slow handoffs they would make that P's pair slow often enough for the link's to read as the D's."""
+    link = [rec(1000 + k, "prefill-0", "decode-1", handoff=0.8) for k in range(10)]
+    calm = [rec(1100 + k, "prefill-1", "decode-1") for k in range(10)]
+    late = [
+        rec(
+            1200 + k,
+            "prefill-1",
+            "decode-1",
+            handoff=30.0,
+            status="timeout",
+            first_token=False,
+            error="timeout",
+        )
+        for k in range(8)
+    ]
+    a = run([r for r in healthy(30) if r.d_instance != "decode-1"] + link + calm + late)
+    assert ("handoff", "prefill-0->decode-1", "slow") in {(g.stage, g.place, g.cause) for g in a.groups}
