@@ -557,6 +557,8 @@ def _spread(
         reached[pd[side]][pd[1 - side]] = n
     out: Spread = {}
     for key, per in by.items():
+        if key[0] == UNKNOWN:  # no instance to charge: the pair's other end judges it
+            continue
         handoffs = (slow or {}).get(key[0]) if side == 1 and key[1] == "slow" else None
         held = _holds(per, reached.get(key[0], {}), handoffs)
         if held != per.keys():  # misses left beside the links: the instance's
@@ -574,9 +576,9 @@ LINK_RATE_RATIO = 3.0
 def _holds(per: dict[str, int], met: dict[str, int], slow: SlowHandoffs | None = None) -> set[str]:
     """The pairs (by their other end) that hold their misses, of ``per``'s (misses counted per pair;
     ``met``: the met requests per pair). Misses on one pair only are that pair's (a few misses cannot
-    tell a link from the instance, and where they fell is what is known). Over several pairs, each that
-    :func:`_over` finds over-represented among its requests (met, and missed of this kind); a pair whose
-    P is not known holds nothing: it names no link.
+    tell a link from the instance, and where they fell is what is known), but a P-less pair's. Over
+    several pairs, each that :func:`_over` finds over-represented among its requests (met, and missed of
+    this kind). A pair whose P is not known holds nothing: it names no link.
 
     ``slow`` (a D's slow handoffs): judged by its slow handoffs, every request's, not by its misses. A
     P slower itself makes its requests miss more under a D's queue while their handoffs are the D's
@@ -589,12 +591,10 @@ def _holds(per: dict[str, int], met: dict[str, int], slow: SlowHandoffs | None =
     a link; a pair whose every request missed, among others that met theirs, is one; and where every
     request missed nothing tells a link. Pair by pair, so a link beside the D's few stray misses elsewhere
     is still one."""
-    if slow is not None:
-        if len(per) < 2:
-            return {o for o in per if slow.as_slow_as_the_rest(o)}
-        return {o for o in _over(slow.slow, slow.timed) if o in per}
     if len(per) < 2:
-        return set(per)
+        return {o for o in per if o != UNKNOWN and (slow is None or slow.as_slow_as_the_rest(o))}
+    if slow is not None:
+        return {o for o in _over(slow.slow, slow.timed) if o in per}
     return _over(per, {o: met.get(o, 0) + per.get(o, 0) for o in per.keys() | met.keys()})
 
 

@@ -691,3 +691,18 @@ def test_a_failed_requests_span_is_no_slow_handoff() -> None:
     ]
     a = run([r for r in healthy(30) if r.d_instance != "decode-1"] + link + calm + late)
     assert ("handoff", "prefill-0->decode-1", "slow") in {(g.stage, g.place, g.cause) for g in a.groups}
+
+
+def test_attempts_with_no_p_into_one_d_are_every_link_into_it() -> None:
+    """Decode-only retries: every failed attempt into decode-1 has no P (a review's case: a lone pair
+    "?->decode-1" held them, and along the row of "?" they read as "every link out of ?")."""
+    attempts = [
+        retried(
+            100 + k,
+            replace(decode_attempt(100 + k, p=None, at=0.5, took=0.2), kind="connect"),
+            admission=0.71,
+        )
+        for k in range(6)
+    ]
+    a = run(healthy(30) + attempts)
+    assert [(g.stage, g.place, g.count) for g in a.groups] == [("retry", "*->decode-1", 6)]
