@@ -157,12 +157,30 @@ def read_as_a_link(windows: list[list[StageRecord]]) -> float:
     return links / len(windows)
 
 
+def _windows(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 100_000:
+        raise argparse.ArgumentTypeError(f"{n} is not 1-100000")
+    return n
+
+
+def _rate(text: str) -> float:
+    x = float(text)
+    if not 0.0 <= x <= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} is not 0-1")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--windows", type=int, default=400, help="seeded windows a case (default 400)")
+    ap.add_argument(
+        "--windows", type=_windows, default=400, help="seeded windows a case, 1-100000 (default 400)"
+    )
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--queue-miss", type=float, default=0.3, help="a queue's miss rate (default 0.3)")
-    ap.add_argument("--stray", type=float, default=0.05, help="the stray misses beside a link (default 0.05)")
+    ap.add_argument("--queue-miss", type=_rate, default=0.3, help="a queue's miss rate, 0-1 (default 0.3)")
+    ap.add_argument(
+        "--stray", type=_rate, default=0.05, help="the stray misses beside a link, 0-1 (default 0.05)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attribution_links.json")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
