@@ -171,6 +171,16 @@ def _rate(text: str) -> float:
     return x
 
 
+def _worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The worst case of each side: a D's fault read as a link most often, a link found least often."""
+    queue = [r for r in rows if not r["fault"].startswith("link")]
+    link = [r for r in rows if r["fault"].startswith("link")]
+    return {
+        "queue_read_as_link_worst": {k: max(r[f"link_{k}"] for r in queue) for k in ("now", "before")},
+        "link_found_worst": {k: min(r[f"link_{k}"] for r in link) for k in ("now", "before")},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument(
@@ -204,18 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             {"fault": fault, "share_p0": share, "requests": requests, "link_now": now, "link_before": before}
         )
         print(f"| {fault} | {requests} | {share:.2f} | {now:.1%} | {before:.1%} |", flush=True)
-    queue = [r for r in rows if not r["fault"].startswith("link")]
-    link = [r for r in rows if r["fault"].startswith("link")]
-    summary = {
-        "queue_read_as_link_worst": {
-            "now": max(r["link_now"] for r in queue),
-            "before": max(r["link_before"] for r in queue),
-        },
-        "link_found_worst": {
-            "now": min(r["link_now"] for r in link),
-            "before": min(r["link_before"] for r in link),
-        },
-    }
+    summary = _worst(rows)
     worst_queue, worst_link = summary["queue_read_as_link_worst"], summary["link_found_worst"]
     print(f"worst: a queue read as a link {worst_queue}, a link found {worst_link}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
